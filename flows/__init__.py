@@ -1,0 +1,1 @@
+"""Prefect flows: the pipeline diagram in code."""

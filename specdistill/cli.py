@@ -1,0 +1,122 @@
+"""The `specdistill` console script: each subcommand maps onto one library function.
+
+Every command that reports numbers takes `--json` and then prints exactly one JSON object on stdout
+(progress bars and logs go to stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable
+
+import specdistill  # noqa: F401  (sets the offline environment before anything else imports)
+
+
+def _emit(args: argparse.Namespace, payload: dict, text: str) -> None:
+    if getattr(args, "json", False):
+        print(json.dumps(payload, default=str))
+    else:
+        print(text)
+
+
+# --------------------------------------------------------------------------------------------
+# vocab
+
+
+def cmd_vocab_check(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from specdistill.models import resolve_model_dir
+    from specdistill.vocab import check_vocab
+
+    target_tok = AutoTokenizer.from_pretrained(resolve_model_dir(args.target))
+    draft_tok = AutoTokenizer.from_pretrained(resolve_model_dir(args.draft))
+    report = check_vocab(target_tok, draft_tok)
+    _emit(args, report.to_dict(), report.render())
+    return 0 if report.identical else 1
+
+
+# --------------------------------------------------------------------------------------------
+# draft
+
+
+def cmd_draft_init(args: argparse.Namespace) -> int:
+    from specdistill.drafts import init_draft_from_target, parse_layers, save_draft
+    from specdistill.models import load_model, num_parameters
+    from specdistill.vocab import build_draft_vocab, token_frequencies
+
+    target = load_model(args.target)
+    layers = parse_layers(args.layers, target.config.num_hidden_layers)
+    draft = init_draft_from_target(target.model, layers)
+    draft_vocab = None
+    if args.draft_vocab:
+        if not args.traffic:
+            raise SystemExit("--draft-vocab needs --traffic FILE (text, one sample per line) to count tokens")
+        with open(args.traffic, encoding="utf-8", errors="replace") as f:
+            counts = token_frequencies(target.tokenizer, f)
+        draft_vocab = build_draft_vocab(
+            counts, args.draft_vocab, target.config.vocab_size, [target.tokenizer.eos_token_id]
+        )
+    meta = {"target_fingerprint": target.fingerprint, "layers": layers, "draft_vocab": args.draft_vocab}
+    out = save_draft(draft, target.tokenizer, args.out, draft_vocab=draft_vocab, meta=meta)
+    payload = {"out": str(out), "layers": layers, "parameters": num_parameters(draft), **meta}
+    _emit(args, payload, f"draft with layers {layers} ({payload['parameters'] / 1e6:.1f}M parameters) -> {out}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# demo
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from specdistill.demo import run_demo
+
+    result = run_demo()
+    if args.json:
+        print(json.dumps(result, default=str))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdistill", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(parent, name: str, fn: Callable, help: str) -> argparse.ArgumentParser:
+        p = parent.add_parser(name, help=help, description=help)
+        p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+        p.set_defaults(func=fn)
+        return p
+
+    vocab = sub.add_parser("vocab", help="tokenizer alignment").add_subparsers(dest="vocab_command", required=True)
+    p = add(vocab, "check", cmd_vocab_check, "tokenizer alignment report; exit 0 only when identical")
+    p.add_argument("target")
+    p.add_argument("draft")
+
+    draft = sub.add_parser("draft", help="drafts").add_subparsers(dest="draft_command", required=True)
+    p = add(draft, "init", cmd_draft_init, "a draft initialized from the target's own layers")
+    p.add_argument("--target", default="demo")
+    p.add_argument("--layers", default="0,1,2,29", help="'0,1,2,29', 'evenly:K' or 'first:K'")
+    p.add_argument("--draft-vocab", type=int, default=None, help="keep only the N most frequent tokens")
+    p.add_argument("--traffic", default=None, help="text file whose token counts choose the draft vocabulary")
+    p.add_argument("out")
+
+    add(sub, "demo", cmd_demo, "run the main job on the embedded defaults")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+        print(f"specdistill: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

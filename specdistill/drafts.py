@@ -1,0 +1,186 @@
+"""Drafts built from their target: a few of its decoder layers, its embeddings, final norm and head.
+
+A draft that starts from the target's own layers already shares its tokenizer and its residual
+stream, which is why it needs far less distillation than an unrelated small model. The result is
+an ordinary HF checkpoint directory that `AutoModelForCausalLM.from_pretrained`, vLLM's
+`draft_model` method and transformers' `assistant_model=` load as they are.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+from specdistill.vocab import DraftVocab, VocabAlignmentError
+
+DRAFT_META_FILE = "specdistill_draft.json"
+
+
+def parse_layers(spec: str | list[int], num_layers: int) -> list[int]:
+    """Which target layers a draft keeps.
+
+    `0,1,2,29` an explicit list; `evenly:K` K layers evenly spaced from first to last;
+    `first:K` the first K-1 layers plus the last. Negative indices count from the end.
+    """
+    if isinstance(spec, (list, tuple)):
+        layers = [int(x) for x in spec]
+    else:
+        spec = spec.strip()
+        if spec.startswith("evenly:") or spec.startswith("first:"):
+            kind, k = spec.split(":", 1)
+            k = int(k)
+            if not 1 <= k <= num_layers:
+                raise ValueError(f"layer spec {spec!r}: K must be in 1..{num_layers}")
+            if kind == "evenly":
+                layers = [round(i * (num_layers - 1) / max(k - 1, 1)) for i in range(k)] if k > 1 else [num_layers - 1]
+            else:
+                layers = list(range(k - 1)) + [num_layers - 1]
+        else:
+            try:
+                layers = [int(x) for x in spec.split(",") if x.strip()]
+            except ValueError as exc:
+                raise ValueError(f"layer spec {spec!r}: expected '0,1,2,29', 'evenly:K' or 'first:K'") from exc
+    layers = [l + num_layers if l < 0 else l for l in layers]
+    bad = [l for l in layers if not 0 <= l < num_layers]
+    if bad or not layers:
+        raise ValueError(f"layer spec {spec!r}: layers {bad or '[]'} outside the target's 0..{num_layers - 1}")
+    if len(set(layers)) != len(layers) or layers != sorted(layers):
+        raise ValueError(f"layer spec {spec!r}: layers must be distinct and increasing")
+    return layers
+
+
+def init_draft_from_target(target: PreTrainedModel, layers: list[int]) -> PreTrainedModel:
+    """A new model with the target's embeddings, final norm, LM head and the chosen decoder layers."""
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = len(layers)
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[i] for i in layers]
+    draft = AutoModelForCausalLM.from_config(config, dtype=target.dtype)
+    src = target.state_dict()
+    dst = {}
+    for name in draft.state_dict():
+        if ".layers." in name:
+            prefix, rest = name.split(".layers.", 1)
+            j, tail = rest.split(".", 1)
+            dst[name] = src[f"{prefix}.layers.{layers[int(j)]}.{tail}"]
+        else:
+            dst[name] = src[name]
+    draft.load_state_dict(dst, strict=True)
+    if getattr(config, "tie_word_embeddings", False):
+        draft.tie_weights()
+    draft.eval()
+    return draft
+
+
+def check_compatible(target: PreTrainedModel, draft: PreTrainedModel) -> None:
+    """Refuse a draft the target cannot verify, naming what differs."""
+    t, d = target.config, draft.config
+    if t.vocab_size != d.vocab_size:
+        raise VocabAlignmentError(
+            f"vocabulary size differs: target {t.vocab_size}, draft {d.vocab_size} (run a vocab transplant)"
+        )
+
+
+def check_layer_compatible(target: PreTrainedModel, draft: PreTrainedModel) -> None:
+    """Layers can move between models only with the same width and head layout."""
+    t, d = target.config, draft.config
+    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"):
+        tv, dv = getattr(t, key, None), getattr(d, key, None)
+        if tv != dv:
+            raise VocabAlignmentError(f"{key} differs: target {tv}, draft {dv}")
+
+
+def save_draft(
+    draft: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    out_dir: str | os.PathLike,
+    *,
+    draft_vocab: DraftVocab | None = None,
+    meta: dict | None = None,
+) -> Path:
+    """Write an HF checkpoint directory (config, safetensors, tokenizer) atomically."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    tmp.chmod(0o755)
+    try:
+        draft.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if draft_vocab is not None:
+            draft_vocab.save(tmp)
+        (tmp / DRAFT_META_FILE).write_text(json.dumps(meta or {}, indent=2, default=str))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def load_draft_meta(directory: str | os.PathLike) -> dict:
+    path = Path(directory) / DRAFT_META_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+@torch.inference_mode()
+def measure_cost_ratio(
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    *,
+    draft_vocab: DraftVocab | None = None,
+    context: int = 64,
+    repeats: int = 15,
+) -> float:
+    """c = draft cost / target cost of one decode step (one token, KV cache of `context` tokens).
+
+    Measured side by side, interleaved, median of repeats: the machine is shared and noisy.
+    """
+    import time
+
+    from transformers import DynamicCache
+
+    vocab_size = target.config.vocab_size
+    ids = torch.randint(0, vocab_size, (1, context))
+    step = torch.randint(0, vocab_size, (1, 1))
+
+    def prefill(model):
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids, cache=cache, use_cache=True)
+        return cache
+
+    def decode_target(cache):
+        target(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1)
+
+    def decode_draft(cache):
+        if draft_vocab is None:
+            draft(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1)
+        else:
+            hidden = draft.model(input_ids=step, cache=cache, use_cache=True).last_hidden_state
+            draft_vocab.logits(hidden[:, -1], draft.get_output_embeddings().weight)
+
+    def timed(fn, cache) -> float:
+        extra = cache.get_seq_length() - context
+        if extra:
+            cache.crop(-extra)
+        start = time.perf_counter()
+        fn(cache)
+        return time.perf_counter() - start
+
+    t_cache, d_cache = prefill(target), prefill(draft)
+    for _ in range(2):  # warm-up
+        timed(decode_target, t_cache), timed(decode_draft, d_cache)
+    ratios = []
+    for _ in range(repeats):
+        t = timed(decode_target, t_cache)
+        d = timed(decode_draft, d_cache)
+        ratios.append(d / t)
+    ratios.sort()
+    return ratios[len(ratios) // 2]

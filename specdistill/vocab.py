@@ -1,0 +1,325 @@
+"""Vocabulary alignment between a draft and its target.
+
+Verification compares token ids, so a draft must tokenize exactly as its target does or the target
+rejects nearly everything. This module reports how two tokenizers differ (`check_vocab`), rebuilds a
+draft's embedding and LM head over the target's vocabulary (`transplant_vocab`), and builds the
+reduced draft vocabulary of FR-Spec / EAGLE-3 (`DraftVocab`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
+
+# Strings that show segmentation differences a user cares about: code, finance, chat scaffolding.
+PROBE_STRINGS = [
+    "Hello, how can I help you today?",
+    "def fibonacci(n: int) -> int:\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
+    "import numpy as np\nimport torch.nn.functional as F",
+    "QuantLib CalcBlackScholesVega implied volatility",
+    "The mitochondria is the powerhouse of the cell.",
+    "  indented\tline with tabs\n\n",
+    "naïve café — 東京 🚀",
+]
+
+
+class VocabAlignmentError(ValueError):
+    """Two models whose vocabularies or shapes cannot be aligned; the message names what differs."""
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+
+
+@dataclass
+class VocabReport:
+    target_size: int
+    draft_size: int
+    shared_tokens: int
+    id_mismatches: int
+    only_in_target: int
+    only_in_draft: int
+    id_mismatch_examples: list[tuple[str, int, int]] = field(default_factory=list)
+    only_in_target_examples: list[str] = field(default_factory=list)
+    special_tokens: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
+    special_tokens_differ: list[str] = field(default_factory=list)
+    chat_template_identical: bool = True
+    chat_template_diff: str = ""
+    segmentation_differences: list[dict] = field(default_factory=list)
+
+    @property
+    def identical(self) -> bool:
+        return (
+            self.target_size == self.draft_size
+            and self.id_mismatches == 0
+            and self.only_in_target == 0
+            and self.only_in_draft == 0
+            and not self.special_tokens_differ
+            and self.chat_template_identical
+            and not self.segmentation_differences
+        )
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "identical": self.identical}
+
+    def render(self) -> str:
+        lines = [
+            f"vocabulary size      target {self.target_size:>7}   draft {self.draft_size:>7}",
+            f"shared tokens        {self.shared_tokens}",
+            f"same string, new id  {self.id_mismatches}",
+            f"only in target       {self.only_in_target}",
+            f"only in draft        {self.only_in_draft}",
+        ]
+        for tok, tid, did in self.id_mismatch_examples[:5]:
+            lines.append(f"  id differs: {tok!r} target {tid} draft {did}")
+        for tok in self.only_in_target_examples[:5]:
+            lines.append(f"  target-only token: {tok!r}")
+        lines.append("special tokens       " + ("identical" if not self.special_tokens_differ else "DIFFER"))
+        for name in self.special_tokens_differ:
+            t, d = self.special_tokens[name]
+            lines.append(f"  {name}: target {t!r} draft {d!r}")
+        lines.append("chat template        " + ("identical" if self.chat_template_identical else "DIFFERS"))
+        if self.chat_template_diff:
+            lines.append("  " + self.chat_template_diff)
+        lines.append(f"segment differently  {len(self.segmentation_differences)} probe strings")
+        for diff in self.segmentation_differences[:6]:
+            lines.append(f"  {diff['text']!r}: target {diff['target']} | draft {diff['draft']}")
+        lines.append("verdict              " + ("IDENTICAL" if self.identical else "NOT ALIGNED"))
+        return "\n".join(lines)
+
+
+def _special_tokens(tok: PreTrainedTokenizerBase) -> dict[str, str | None]:
+    names = ("bos_token", "eos_token", "unk_token", "pad_token")
+    out = {name: getattr(tok, name, None) for name in names}
+    out["additional_special_tokens"] = ",".join(sorted(tok.all_special_tokens))
+    return out
+
+
+def _render_template(tok: PreTrainedTokenizerBase) -> str | None:
+    if not getattr(tok, "chat_template", None):
+        return None
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+    ]
+    try:
+        return tok.apply_chat_template(messages, tokenize=False)
+    except Exception as exc:  # a template may refuse a system turn
+        return f"<template error: {exc}>"
+
+
+def check_vocab(
+    target_tok: PreTrainedTokenizerBase,
+    draft_tok: PreTrainedTokenizerBase,
+    probes: Iterable[str] = PROBE_STRINGS,
+    max_examples: int = 20,
+) -> VocabReport:
+    """Compare two tokenizers the way verification will see them: ids, specials, template, segmentation."""
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    shared = tv.keys() & dv.keys()
+    mismatched = sorted((t for t in shared if tv[t] != dv[t]), key=lambda t: tv[t])
+    only_t = sorted(tv.keys() - dv.keys(), key=lambda t: tv[t])
+    only_d = dv.keys() - tv.keys()
+
+    ts, ds = _special_tokens(target_tok), _special_tokens(draft_tok)
+    specials = {k: (ts[k], ds.get(k)) for k in ts}
+    specials_differ = [k for k, (a, b) in specials.items() if a != b]
+
+    t_render, d_render = _render_template(target_tok), _render_template(draft_tok)
+    template_same = (target_tok.chat_template or "") == (draft_tok.chat_template or "")
+    template_diff = "" if template_same else f"target renders {t_render!r}; draft renders {d_render!r}"
+
+    probes = list(probes) + [target_tok.convert_tokens_to_string([t]) for t in only_t if len(t) > 3][:10]
+    seg = []
+    for text in probes:
+        a = target_tok.tokenize(text)
+        b = draft_tok.tokenize(text)
+        if a != b:
+            seg.append({"text": text, "target": a, "draft": b})
+
+    return VocabReport(
+        target_size=len(target_tok),
+        draft_size=len(draft_tok),
+        shared_tokens=len(shared),
+        id_mismatches=len(mismatched),
+        only_in_target=len(only_t),
+        only_in_draft=len(only_d),
+        id_mismatch_examples=[(t, tv[t], dv[t]) for t in mismatched[:max_examples]],
+        only_in_target_examples=only_t[:max_examples],
+        special_tokens=specials,
+        special_tokens_differ=specials_differ,
+        chat_template_identical=template_same,
+        chat_template_diff=template_diff,
+        segmentation_differences=seg,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Transplant
+
+
+def transplant_vocab(
+    draft: PreTrainedModel,
+    draft_tok: PreTrainedTokenizerBase,
+    target_tok: PreTrainedTokenizerBase,
+) -> PreTrainedModel:
+    """Rebuild the draft's embedding and LM head over the target's vocabulary, matching by string.
+
+    A token the draft already has keeps its row; a new token starts as the mean of the draft's rows
+    for the pieces the draft splits it into (the mean of all rows if it has no pieces).
+    """
+    old_in = draft.get_input_embeddings().weight.detach()
+    old_out_layer = draft.get_output_embeddings()
+    tied = bool(getattr(draft.config, "tie_word_embeddings", False))
+    old_out = None if (tied or old_out_layer is None) else old_out_layer.weight.detach()
+    hidden = old_in.shape[1]
+    dv = draft_tok.get_vocab()
+    tv = target_tok.get_vocab()
+    new_size = max(len(target_tok), max(tv.values()) + 1)
+
+    new_in = old_in.mean(0, keepdim=True).repeat(new_size, 1)
+    new_out = None if old_out is None else old_out.mean(0, keepdim=True).repeat(new_size, 1)
+    for token, tid in tv.items():
+        did = dv.get(token)
+        if did is not None and did < old_in.shape[0]:
+            pieces = [did]
+        else:
+            text = target_tok.convert_tokens_to_string([token])
+            pieces = [p for p in draft_tok.encode(text, add_special_tokens=False) if p < old_in.shape[0]]
+        if pieces:
+            new_in[tid] = old_in[pieces].mean(0)
+            if new_out is not None:
+                new_out[tid] = old_out[pieces].mean(0)
+
+    embedding = torch.nn.Embedding(new_size, hidden, dtype=old_in.dtype)
+    embedding.weight.data.copy_(new_in)
+    draft.set_input_embeddings(embedding)
+    head = torch.nn.Linear(hidden, new_size, bias=False, dtype=old_in.dtype)
+    head.weight.data.copy_(new_in if new_out is None else new_out)
+    draft.set_output_embeddings(head)
+    draft.config.vocab_size = new_size
+    if tied:
+        draft.tie_weights()
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        setattr(draft.config, name, getattr(target_tok, name, None))
+    if getattr(draft, "generation_config", None) is not None:
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            setattr(draft.generation_config, name, getattr(target_tok, name, None))
+    return draft
+
+
+# --------------------------------------------------------------------------------------------
+# Reduced draft vocabulary (FR-Spec / EAGLE-3 d2t, t2d)
+
+
+@dataclass
+class DraftVocab:
+    """The N target tokens a draft may propose.
+
+    `token_ids[i]` is the target id of draft token i. Saved in EAGLE-3's convention, which vLLM
+    reads: `d2t[i] = token_ids[i] - i` (an offset) and `t2d` a boolean mask over the target vocab.
+    """
+
+    token_ids: torch.Tensor  # LongTensor [N], sorted ascending
+    target_vocab_size: int
+
+    def __post_init__(self):
+        self.token_ids = torch.as_tensor(self.token_ids, dtype=torch.long).sort().values
+        if self.token_ids.numel() == 0:
+            raise VocabAlignmentError("a draft vocabulary needs at least one token")
+        if int(self.token_ids[-1]) >= self.target_vocab_size or int(self.token_ids[0]) < 0:
+            raise VocabAlignmentError(
+                f"draft vocabulary has ids outside the target vocabulary of {self.target_vocab_size}"
+            )
+        if self.token_ids.unique().numel() != self.token_ids.numel():
+            raise VocabAlignmentError("draft vocabulary has duplicate token ids")
+
+    @property
+    def size(self) -> int:
+        return self.token_ids.numel()
+
+    @property
+    def d2t(self) -> torch.Tensor:
+        return self.token_ids - torch.arange(self.size)
+
+    @property
+    def t2d(self) -> torch.Tensor:
+        mask = torch.zeros(self.target_vocab_size, dtype=torch.bool)
+        mask[self.token_ids] = True
+        return mask
+
+    def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the N kept tokens only: the cheap head that makes drafting fast."""
+        w = lm_head_weight.index_select(0, self.token_ids.to(lm_head_weight.device))
+        return hidden @ w.T
+
+    def to_full(self, probs: torch.Tensor) -> torch.Tensor:
+        """Map a distribution over N draft tokens to the full target vocabulary (zero elsewhere)."""
+        full = probs.new_zeros(*probs.shape[:-1], self.target_vocab_size)
+        full.index_copy_(-1, self.token_ids.to(probs.device), probs)
+        return full
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.token_ids.to(draft_ids.device)[draft_ids]
+
+    def save(self, directory: str | Path) -> Path:
+        path = Path(directory) / DRAFT_VOCAB_FILE
+        save_file({"d2t": self.d2t.contiguous(), "t2d": self.t2d.contiguous()}, str(path))
+        return path
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "DraftVocab | None":
+        path = Path(directory) / DRAFT_VOCAB_FILE
+        if not path.is_file():
+            return None
+        try:
+            tensors = load_file(str(path))
+            d2t, t2d = tensors["d2t"], tensors["t2d"]
+        except Exception as exc:
+            raise VocabAlignmentError(f"corrupt draft vocabulary file {path}: {exc}") from exc
+        token_ids = d2t + torch.arange(d2t.numel())
+        vocab = cls(token_ids, t2d.numel())
+        if not torch.equal(vocab.t2d, t2d.bool()):
+            raise VocabAlignmentError(f"{path}: d2t and t2d disagree")
+        return vocab
+
+
+def token_frequencies(tokenizer: PreTrainedTokenizerBase, texts: Iterable[str]) -> Counter:
+    counts: Counter = Counter()
+    for text in texts:
+        counts.update(tokenizer.encode(text, add_special_tokens=False))
+    return counts
+
+
+def build_draft_vocab(
+    counts: Counter,
+    size: int,
+    target_vocab_size: int,
+    always_include: Iterable[int] = (),
+) -> DraftVocab:
+    """The `size` most frequent tokens in traffic, plus the ones the draft must always be able to say (EOS)."""
+    must = [int(t) for t in always_include if t is not None]
+    if size < len(must) + 1:
+        raise VocabAlignmentError(f"draft vocabulary size {size} is too small")
+    if size > target_vocab_size:
+        raise VocabAlignmentError(f"draft vocabulary size {size} exceeds the target's {target_vocab_size}")
+    chosen = dict.fromkeys(must)
+    for tid, _ in counts.most_common():
+        if len(chosen) >= size:
+            break
+        if 0 <= tid < target_vocab_size:
+            chosen.setdefault(tid)
+    fill = 0  # traffic too small to fill the budget: take the lowest ids (bytes and common merges)
+    while len(chosen) < size:
+        chosen.setdefault(fill)
+        fill += 1
+    return DraftVocab(torch.tensor(list(chosen)), target_vocab_size)

@@ -1,0 +1,1 @@
+"""Prefect tasks: thin wrappers, one library call each."""

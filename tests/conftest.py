@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny random Llama models (milliseconds) and the real demo target (cached once)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import specdistill  # noqa: F401  (offline environment)
+
+REPO = Path(__file__).resolve().parents[1]
+# One model cache for every test session: the demo target is dequantized once (~30 s), then reused.
+os.environ.setdefault("SPECDISTILL_MODEL_CACHE", str(REPO / ".specdistill" / "models"))
+
+
+def make_tiny_llama(vocab_size: int = 96, hidden: int = 32, layers: int = 4, seed: int = 0, tie: bool = True):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture
+def tiny_llama():
+    return make_tiny_llama()
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path, monkeypatch):
+    """Each test gets its own state directory; only the model cache is shared."""
+    monkeypatch.setenv("SPECDISTILL_HOME", str(tmp_path / "home"))
+
+
+@pytest.fixture(scope="session")
+def demo_target():
+    from specdistill.models import load_model
+
+    return load_model("demo")
