@@ -69,7 +69,7 @@ def test_draft_init_cli_with_reduced_vocabulary(demo_target, tmp_path, capsys):
     assert payload["layers"] == [0, 1, 29]
     vocab = DraftVocab.load(out)
     assert vocab.size == 64 and demo_target.tokenizer.eos_token_id in vocab.token_ids.tolist()
-    assert demo_target.tokenizer.encode("fibonacci", add_special_tokens=False)[0] in vocab.token_ids.tolist()
+    assert demo_target.tokenizer.encode(" fibonacci", add_special_tokens=False)[0] in vocab.token_ids.tolist()
 
 
 def test_draft_init_cli_refuses_vocab_without_traffic(demo_target, tmp_path):
