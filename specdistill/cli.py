@@ -38,6 +38,22 @@ def cmd_vocab_check(args: argparse.Namespace) -> int:
     return 0 if report.identical else 1
 
 
+def cmd_vocab_transplant(args: argparse.Namespace) -> int:
+    from specdistill.drafts import save_draft
+    from specdistill.models import load_model, resolve_model_dir
+    from specdistill.vocab import check_vocab, transplant_vocab
+    from transformers import AutoTokenizer
+
+    target_tok = AutoTokenizer.from_pretrained(resolve_model_dir(args.target))
+    draft = load_model(args.draft)
+    transplant_vocab(draft.model, draft.tokenizer, target_tok)
+    out = save_draft(draft.model, target_tok, args.out, meta={"transplanted_from": str(draft.path)})
+    report = check_vocab(target_tok, load_model(out).tokenizer)
+    payload = {"out": str(out), "vocab_size": draft.model.config.vocab_size, "identical": report.identical}
+    _emit(args, payload, f"draft re-embedded over the target's {payload['vocab_size']} tokens -> {out}")
+    return 0 if report.identical else 1
+
+
 # --------------------------------------------------------------------------------------------
 # draft
 
@@ -96,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(vocab, "check", cmd_vocab_check, "tokenizer alignment report; exit 0 only when identical")
     p.add_argument("target")
     p.add_argument("draft")
+    p = add(vocab, "transplant", cmd_vocab_transplant, "rebuild a draft's embedding and head over the target's vocabulary")
+    p.add_argument("target")
+    p.add_argument("draft")
+    p.add_argument("out")
 
     draft = sub.add_parser("draft", help="drafts").add_subparsers(dest="draft_command", required=True)
     p = add(draft, "init", cmd_draft_init, "a draft initialized from the target's own layers")

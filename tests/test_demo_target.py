@@ -75,3 +75,17 @@ def test_draft_init_cli_with_reduced_vocabulary(demo_target, tmp_path, capsys):
 def test_draft_init_cli_refuses_vocab_without_traffic(demo_target, tmp_path):
     with pytest.raises(SystemExit, match="--traffic"):
         main(["draft", "init", "--target", str(demo_target.path), "--draft-vocab", "64", str(tmp_path / "d")])
+
+
+def test_vocab_transplant_cli_aligns_a_foreign_draft(demo_target, tmp_path, capsys):
+    from tests.conftest import make_tiny_llama
+    from tests.tokenizers_util import train_bpe
+
+    tok = train_bpe(300)
+    foreign = tmp_path / "foreign"
+    make_tiny_llama(vocab_size=len(tok)).save_pretrained(foreign)
+    tok.save_pretrained(foreign)
+    out = tmp_path / "aligned"
+    assert main(["vocab", "transplant", str(demo_target.path), str(foreign), str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["vocab_size"] == 49152
+    assert main(["vocab", "check", str(demo_target.path), str(out)]) == 0
