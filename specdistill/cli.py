@@ -83,6 +83,22 @@ def cmd_draft_init(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# serving
+
+
+def cmd_serving_show(args: argparse.Namespace) -> int:
+    from specdistill.serving import read_serving_config, serving_path
+
+    config = read_serving_config(args.path)
+    where = args.path or serving_path()
+    if config is None:
+        _emit(args, {"path": str(where), "config": None}, f"no serving config at {where}")
+        return 1
+    _emit(args, {"path": str(where), "config": config.to_dict()}, f"{where}\n{config.render()}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
 # demo
 
 
@@ -124,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", type=int, default=None, help="keep only the N most frequent tokens")
     p.add_argument("--traffic", default=None, help="text file whose token counts choose the draft vocabulary")
     p.add_argument("out")
+
+    serving = sub.add_parser("serving", help="serving config").add_subparsers(dest="serving_command", required=True)
+    p = add(serving, "show", cmd_serving_show, "print the current serving config")
+    p.add_argument("--path", default=None, help="default: $SPECDISTILL_HOME/serving.json")
 
     add(sub, "demo", cmd_demo, "run the main job on the embedded defaults")
     return parser

@@ -1,0 +1,128 @@
+"""The serving config: what the pipeline tells vLLM or SGLang to run.
+
+A small JSON file, replaced atomically (write, fsync, rename) so a serving system never reads half a
+config. It names the mode and the draft, and carries the exact vLLM `speculative_config` and the
+SGLang flags for that mode.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from specdistill import paths
+
+MODES = ("draft", "ngram", "self_speculation", "off")
+SERVING_FILE = "serving.json"
+
+
+@dataclass
+class ServingConfig:
+    mode: str
+    num_speculative_tokens: int = 4
+    draft_dir: str | None = None  # draft mode, and self-speculation exported as an early-exit draft
+    draft_version: str | None = None
+    target_fingerprint: str | None = None
+    exit_layer: int | None = None  # self-speculation
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    reason: str = ""
+    updated_at: float = field(default_factory=time.time)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"serving mode {self.mode!r} is not one of {MODES}")
+        if self.mode in ("draft", "self_speculation") and not self.draft_dir:
+            raise ValueError(f"serving mode {self.mode!r} needs a draft directory")
+        if self.mode != "off" and self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+
+    def vllm(self) -> dict | None:
+        """vLLM's `--speculative-config` (None: serve without speculation)."""
+        k = self.num_speculative_tokens
+        if self.mode in ("draft", "self_speculation"):
+            return {"method": "draft_model", "model": self.draft_dir, "num_speculative_tokens": k}
+        if self.mode == "ngram":
+            return {
+                "method": "ngram",
+                "prompt_lookup_min": self.prompt_lookup_min,
+                "prompt_lookup_max": self.prompt_lookup_max,
+                "num_speculative_tokens": k,
+            }
+        return None
+
+    def sglang(self) -> list[str]:
+        """SGLang `launch_server` flags (empty: serve without speculation)."""
+        k = self.num_speculative_tokens
+        if self.mode in ("draft", "self_speculation"):
+            return [
+                "--speculative-algorithm", "STANDALONE",
+                "--speculative-draft-model-path", str(self.draft_dir),
+                "--speculative-num-steps", str(k),
+                "--speculative-eagle-topk", "1",
+                "--speculative-num-draft-tokens", str(k + 1),
+            ]
+        if self.mode == "ngram":
+            return [
+                "--speculative-algorithm", "NGRAM",
+                "--speculative-num-draft-tokens", str(k),
+                "--speculative-ngram-min-match-window-size", str(self.prompt_lookup_min),
+                "--speculative-ngram-max-match-window-size", str(self.prompt_lookup_max),
+            ]
+        return []
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "vllm": {"speculative_config": self.vllm()}, "sglang": self.sglang()}
+
+    def render(self) -> str:
+        lines = [f"mode            {self.mode}"]
+        if self.draft_dir:
+            lines.append(f"draft           {self.draft_dir} (version {self.draft_version})")
+        if self.exit_layer is not None:
+            lines.append(f"exit layer      {self.exit_layer}")
+        lines.append(f"target          {self.target_fingerprint}")
+        lines.append(f"vLLM            --speculative-config '{json.dumps(self.vllm())}'" if self.vllm() else "vLLM            (no speculation)")
+        lines.append(f"SGLang          {' '.join(self.sglang()) or '(no speculation)'}")
+        if self.reason:
+            lines.append(f"reason          {self.reason}")
+        lines.append(f"updated         {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.updated_at))}")
+        return "\n".join(lines)
+
+
+def serving_path() -> Path:
+    override = os.environ.get("SPECDISTILL_SERVING_CONFIG")
+    return Path(override).resolve() if override else paths.home() / SERVING_FILE
+
+
+def write_serving_config(config: ServingConfig, path: str | Path | None = None) -> Path:
+    """Replace the serving config atomically: readers see the old file or the new one, never a mix."""
+    path = Path(path) if path else serving_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(config.to_dict(), f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_serving_config(path: str | Path | None = None) -> ServingConfig | None:
+    path = Path(path) if path else serving_path()
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"corrupt serving config {path}: {exc}") from exc
+    data.pop("vllm", None)
+    data.pop("sglang", None)
+    return ServingConfig(**data)

@@ -1,0 +1,81 @@
+import json
+import threading
+
+import pytest
+
+from specdistill.serving import ServingConfig, read_serving_config, write_serving_config
+
+
+def test_draft_mode_gives_vllm_and_sglang_settings(tmp_path):
+    cfg = ServingConfig(mode="draft", draft_dir="/models/draft-v3", draft_version="3", num_speculative_tokens=5)
+    assert cfg.vllm() == {"method": "draft_model", "model": "/models/draft-v3", "num_speculative_tokens": 5}
+    flags = cfg.sglang()
+    assert flags[:2] == ["--speculative-algorithm", "STANDALONE"]
+    assert flags[flags.index("--speculative-num-draft-tokens") + 1] == "6"
+    path = write_serving_config(cfg, tmp_path / "serving.json")
+    on_disk = json.loads(path.read_text())
+    assert on_disk["vllm"]["speculative_config"]["method"] == "draft_model"
+    assert read_serving_config(path) == cfg
+
+
+def test_ngram_and_off_modes():
+    ngram = ServingConfig(mode="ngram", prompt_lookup_min=1, prompt_lookup_max=3, num_speculative_tokens=4)
+    assert ngram.vllm() == {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3, "num_speculative_tokens": 4}
+    assert "NGRAM" in ngram.sglang()
+    off = ServingConfig(mode="off")
+    assert off.vllm() is None and off.sglang() == []
+    assert "no speculation" in off.render()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"mode": "eagle"}, "not one of"),
+    ({"mode": "draft"}, "needs a draft"),
+    ({"mode": "ngram", "num_speculative_tokens": 0}, "at least 1"),
+])
+def test_bad_configs_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ServingConfig(**kwargs)
+
+
+def test_write_is_atomic_under_concurrent_readers(tmp_path):
+    path = tmp_path / "serving.json"
+    write_serving_config(ServingConfig(mode="off"), path)
+    errors, stop = [], threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            try:
+                read_serving_config(path)
+            except Exception as exc:  # a torn read would fail to parse
+                errors.append(exc)
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for i in range(200):
+        mode = "draft" if i % 2 else "ngram"
+        write_serving_config(ServingConfig(mode=mode, draft_dir="/d" * 200 if mode == "draft" else None), path)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_missing_config_reads_as_none_and_corrupt_names_the_file(tmp_path):
+    assert read_serving_config(tmp_path / "none.json") is None
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="bad.json"):
+        read_serving_config(bad)
+
+
+def test_serving_show_cli(tmp_path, capsys):
+    from specdistill.cli import main
+
+    path = tmp_path / "serving.json"
+    assert main(["serving", "show", "--path", str(path)]) == 1
+    write_serving_config(ServingConfig(mode="ngram"), path)
+    capsys.readouterr()
+    assert main(["serving", "show", "--path", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["vllm"]["speculative_config"]["method"] == "ngram"
