@@ -30,6 +30,7 @@ demo: $(STAMP)
 	$(VENV)/bin/specdistill demo
 
 test: $(STAMP)
+	scripts/ensure_promtool.sh
 	$(PY) -m pytest -q -p no:cacheprovider
 
 clean:

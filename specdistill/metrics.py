@@ -1,0 +1,176 @@
+"""Prometheus metrics, named after vLLM's so one dashboard reads both, and the live acceptance sampler.
+
+Counters carry the raw counts (drafts, draft tokens, accepted tokens, accepted per position): a
+recording rule computes acceptance as a ratio of rates, never an average of ratios. The live
+sampler reads a serving engine's own `vllm:spec_decode_*` counters from two scrapes of its
+`/metrics` page.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, push_to_gateway, start_http_server
+from prometheus_client.parser import text_string_to_metric_families
+
+PREFIX = "specdistill"
+MODES = ("draft", "ngram", "self_speculation", "off")
+
+
+class SpecDecodeMetrics:
+    """The metrics of DESIGN.md on their own registry (so tests and several monitors never collide)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.num_drafts = Counter(f"{PREFIX}_spec_decode_num_drafts", "Drafting rounds verified by the target.", registry=r)
+        self.num_draft_tokens = Counter(f"{PREFIX}_spec_decode_num_draft_tokens", "Draft tokens proposed.", registry=r)
+        self.num_accepted_tokens = Counter(f"{PREFIX}_spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r)
+        self.accepted_per_pos = Counter(
+            f"{PREFIX}_spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position.", ["position"], registry=r
+        )
+        self.acceptance_rate = Gauge(f"{PREFIX}_acceptance_rate", "Last measured acceptance rate (accepted / proposed).", registry=r)
+        self.mean_accepted_length = Gauge(
+            f"{PREFIX}_mean_accepted_length", "Last measured mean accepted length (tokens per target forward, bonus included).", registry=r
+        )
+        self.serving_mode = Gauge(f"{PREFIX}_serving_mode", "1 for the serving mode in force.", ["mode"], registry=r)
+        self.target_version = Gauge(f"{PREFIX}_target_version_info", "The target version being served.", ["fingerprint"], registry=r)
+        self.draft_version = Gauge(f"{PREFIX}_draft_version_info", "The champion draft version.", ["version"], registry=r)
+        self.pipeline_last_success = Gauge(
+            f"{PREFIX}_pipeline_last_success_timestamp_seconds", "Unix time of the last successful nightly pipeline.", registry=r
+        )
+
+    def record(self, *, rounds: int, proposed: int, accepted: int, accepted_per_position: list[int]) -> None:
+        """Add one sample's raw counts, and set the gauges to that sample's α and τ."""
+        if accepted > proposed or min(rounds, proposed, accepted) < 0:
+            raise ValueError(f"inconsistent counts: rounds={rounds} proposed={proposed} accepted={accepted}")
+        self.num_drafts.inc(rounds)
+        self.num_draft_tokens.inc(proposed)
+        self.num_accepted_tokens.inc(accepted)
+        for position, count in enumerate(accepted_per_position):
+            self.accepted_per_pos.labels(position=str(position)).inc(count)
+        if proposed:
+            self.acceptance_rate.set(accepted / proposed)
+        if rounds:
+            self.mean_accepted_length.set(1 + accepted / rounds)
+
+    def set_serving(self, mode: str, *, target_fingerprint: str | None = None, draft_version: str | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"serving mode {mode!r} is not one of {MODES}")
+        for m in MODES:
+            self.serving_mode.labels(mode=m).set(1 if m == mode else 0)
+        if target_fingerprint:
+            self.target_version.clear()
+            self.target_version.labels(fingerprint=target_fingerprint).set(1)
+        if draft_version is not None:
+            self.draft_version.clear()
+            self.draft_version.labels(version=str(draft_version)).set(1)
+
+    def mark_pipeline_success(self, when: float | None = None) -> None:
+        self.pipeline_last_success.set(when if when is not None else time.time())
+
+    def serve(self, port: int, host: str = "127.0.0.1"):
+        """Expose /metrics over HTTP (loopback by default); returns the server and its thread."""
+        return start_http_server(port, addr=host, registry=self.registry)
+
+    def push(self, job: str = "specdistill", gateway: str | None = None) -> bool:
+        """Push to a Pushgateway when one is configured (batch flows end before a scrape would come)."""
+        gateway = gateway or os.environ.get("SPECDISTILL_PUSHGATEWAY")
+        if not gateway:
+            return False
+        push_to_gateway(gateway, job=job, registry=self.registry)
+        return True
+
+
+# --------------------------------------------------------------------------------------------
+# Live sampling from a serving engine's /metrics page
+
+VLLM_DRAFTS = "vllm:spec_decode_num_drafts_total"
+VLLM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+
+
+@dataclass
+class Scrape:
+    drafts: float
+    draft_tokens: float
+    accepted: float
+    at: float = field(default_factory=time.time)
+
+
+@dataclass
+class LiveSample:
+    """Acceptance between two scrapes, or `ok=False` with the reason there is no sample."""
+
+    ok: bool
+    reason: str = ""
+    acceptance_rate: float | None = None
+    mean_accepted_length: float | None = None
+    draft_tokens: float = 0.0
+    accepted: float = 0.0
+    drafts: float = 0.0
+
+
+def parse_spec_decode_counters(text: str, prefix: str = "vllm:") -> Scrape:
+    """Sum the spec-decode counters over every label set (engines, models) of one /metrics page."""
+    names = {
+        f"{prefix}spec_decode_num_drafts_total": "drafts",
+        f"{prefix}spec_decode_num_draft_tokens_total": "draft_tokens",
+        f"{prefix}spec_decode_num_accepted_tokens_total": "accepted",
+    }
+    totals: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                key = names.get(sample.name)
+                if key:
+                    totals[key] = totals.get(key, 0.0) + float(sample.value)
+    except Exception as exc:  # the parser raises ValueError and others on malformed pages
+        raise ValueError(f"malformed metrics page: {exc}") from exc
+    missing = [name for name, key in names.items() if key not in totals]
+    if missing:
+        raise KeyError(f"metrics page lacks {', '.join(missing)}")
+    return Scrape(**totals)
+
+
+def scrape(url: str, timeout_s: float = 5.0, prefix: str = "vllm:") -> Scrape:
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        return parse_spec_decode_counters(response.read().decode("utf-8", errors="replace"), prefix)
+
+
+def acceptance_between(first: Scrape, second: Scrape, min_draft_tokens: int = 1) -> LiveSample:
+    """α = Δaccepted / Δdraft tokens; a counter that went down means the engine restarted."""
+    d_tokens = second.draft_tokens - first.draft_tokens
+    d_accepted = second.accepted - first.accepted
+    d_drafts = second.drafts - first.drafts
+    if d_tokens < 0 or d_accepted < 0 or d_drafts < 0:
+        return LiveSample(False, "counter reset between scrapes (engine restarted)")
+    if d_tokens < max(min_draft_tokens, 1):
+        return LiveSample(False, f"only {d_tokens:g} draft tokens between scrapes (minimum {min_draft_tokens})",
+                          draft_tokens=d_tokens, accepted=d_accepted, drafts=d_drafts)
+    return LiveSample(
+        True,
+        acceptance_rate=d_accepted / d_tokens,
+        mean_accepted_length=1 + d_accepted / d_drafts if d_drafts else None,
+        draft_tokens=d_tokens,
+        accepted=d_accepted,
+        drafts=d_drafts,
+    )
+
+
+def sample_live_acceptance(url: str, interval_s: float = 30.0, min_draft_tokens: int = 100,
+                           prefix: str = "vllm:") -> LiveSample:
+    """Two scrapes `interval_s` apart. Any failure is a "no sample", never an acceptance of zero."""
+    try:
+        first = scrape(url, prefix=prefix)
+        time.sleep(interval_s)
+        second = scrape(url, prefix=prefix)
+    except (urllib.error.URLError, OSError) as exc:
+        return LiveSample(False, f"metrics page unreachable: {url}: {exc}")
+    except (ValueError, KeyError) as exc:
+        return LiveSample(False, f"{url}: {exc}")
+    return acceptance_between(first, second, min_draft_tokens)

@@ -1,0 +1,135 @@
+import socket
+import threading
+import urllib.request
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, generate_latest, start_http_server
+from prometheus_client.parser import text_string_to_metric_families
+
+from specdistill.metrics import (
+    LiveSample,
+    Scrape,
+    SpecDecodeMetrics,
+    acceptance_between,
+    parse_spec_decode_counters,
+    sample_live_acceptance,
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def values(registry) -> dict[tuple, float]:
+    out = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_record_uses_vllm_style_names_and_design_definitions():
+    m = SpecDecodeMetrics()
+    m.record(rounds=10, proposed=40, accepted=25, accepted_per_position=[9, 7, 5, 4])
+    m.record(rounds=5, proposed=20, accepted=5, accepted_per_position=[3, 1, 1, 0])
+    v = values(m.registry)
+    assert v[("specdistill_spec_decode_num_drafts_total", ())] == 15
+    assert v[("specdistill_spec_decode_num_draft_tokens_total", ())] == 60
+    assert v[("specdistill_spec_decode_num_accepted_tokens_total", ())] == 30
+    assert v[("specdistill_spec_decode_num_accepted_tokens_per_pos_total", (("position", "0"),))] == 12
+    assert v[("specdistill_acceptance_rate", ())] == pytest.approx(5 / 20)  # the last sample
+    assert v[("specdistill_mean_accepted_length", ())] == pytest.approx(1 + 5 / 5)
+    with pytest.raises(ValueError, match="inconsistent"):
+        m.record(rounds=1, proposed=2, accepted=3, accepted_per_position=[])
+
+
+def test_serving_mode_and_versions_are_exclusive():
+    m = SpecDecodeMetrics()
+    m.set_serving("draft", target_fingerprint="aaa", draft_version="1")
+    m.set_serving("ngram", target_fingerprint="bbb")
+    v = values(m.registry)
+    assert v[("specdistill_serving_mode", (("mode", "ngram"),))] == 1
+    assert v[("specdistill_serving_mode", (("mode", "draft"),))] == 0
+    assert ("specdistill_target_version_info", (("fingerprint", "aaa"),)) not in v
+    assert v[("specdistill_target_version_info", (("fingerprint", "bbb"),))] == 1
+    m.mark_pipeline_success(1234.0)
+    assert values(m.registry)[("specdistill_pipeline_last_success_timestamp_seconds", ())] == 1234.0
+
+
+def test_serve_exposes_metrics_on_loopback():
+    m = SpecDecodeMetrics()
+    m.record(rounds=2, proposed=8, accepted=6, accepted_per_position=[2, 2, 1, 1])
+    port = free_port()
+    server, thread = m.serve(port)
+    try:
+        page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    finally:
+        server.shutdown()
+    scraped = parse_spec_decode_counters(page, prefix="specdistill_")
+    assert (scraped.drafts, scraped.draft_tokens, scraped.accepted) == (2, 8, 6)
+
+
+@pytest.fixture
+def fake_vllm():
+    """A serving engine's /metrics page in vLLM's metric names, on 127.0.0.1."""
+    registry = CollectorRegistry()
+    labels = ["model_name", "engine"]
+    counters = {
+        "drafts": Counter("vllm:spec_decode_num_drafts", "", labels, registry=registry),
+        "tokens": Counter("vllm:spec_decode_num_draft_tokens", "", labels, registry=registry),
+        "accepted": Counter("vllm:spec_decode_num_accepted_tokens", "", labels, registry=registry),
+    }
+    port = free_port()
+    server, _ = start_http_server(port, addr="127.0.0.1", registry=registry)
+    yield f"http://127.0.0.1:{port}/metrics", counters
+    server.shutdown()
+
+
+def bump(counters, engine: str, drafts: int, tokens: int, accepted: int) -> None:
+    counters["drafts"].labels("m", engine).inc(drafts)
+    counters["tokens"].labels("m", engine).inc(tokens)
+    counters["accepted"].labels("m", engine).inc(accepted)
+
+
+def test_live_sampler_computes_acceptance_from_two_scrapes(fake_vllm):
+    url, counters = fake_vllm
+    bump(counters, "0", 100, 400, 300)  # history before the window must not count
+    timer = threading.Timer(0.3, lambda: (bump(counters, "0", 50, 200, 60), bump(counters, "1", 50, 200, 40)))
+    timer.start()
+    sample = sample_live_acceptance(url, interval_s=0.8, min_draft_tokens=100)
+    timer.join()
+    assert sample.ok, sample.reason
+    assert sample.acceptance_rate == pytest.approx(100 / 400)  # summed over engines: a ratio of sums
+    assert sample.mean_accepted_length == pytest.approx(1 + 100 / 100)
+
+
+def test_live_sampler_no_sample_cases(fake_vllm):
+    url, counters = fake_vllm
+    bump(counters, "0", 1, 4, 1)
+    quiet = sample_live_acceptance(url, interval_s=0.05, min_draft_tokens=100)
+    assert not quiet.ok and "draft tokens" in quiet.reason
+
+    unreachable = sample_live_acceptance(f"http://127.0.0.1:{free_port()}/metrics", interval_s=0)
+    assert not unreachable.ok and "unreachable" in unreachable.reason and unreachable.acceptance_rate is None
+
+
+def test_counter_reset_is_detected():
+    before = Scrape(drafts=100, draft_tokens=400, accepted=300)
+    after = Scrape(drafts=10, draft_tokens=40, accepted=10)
+    sample = acceptance_between(before, after)
+    assert not sample.ok and "reset" in sample.reason
+
+
+@pytest.mark.parametrize("page, match", [
+    ("this is { not prometheus", "malformed"),
+    ("# TYPE x counter\nx_total 3\n", "lacks"),
+])
+def test_malformed_or_incomplete_pages_are_errors(page, match):
+    with pytest.raises((ValueError, KeyError), match=match):
+        parse_spec_decode_counters(page)
+
+
+def test_fallback_never_on_no_sample():
+    assert LiveSample(False, "x").acceptance_rate is None
