@@ -312,6 +312,7 @@ class _Frame:
     location: str
     offset: int
     end_offset: int
+    index: int  # line number (JSONL) or element number (ShareGPT), 1-based
     reason: str | None = None  # rejected before parsing (too long, bytes after the array)
 
 
@@ -342,7 +343,7 @@ def _line_frames(f: BinaryIO, name: str, start: int, start_index: int, max_bytes
                 if not more or more.endswith(b"\n"):
                     break
         reason = f"too long: {size} bytes (limit {max_bytes})" if too_long else None
-        frame = _Frame(line, f"{name}:{lineno}", offset, offset + size, reason)
+        frame = _Frame(line, f"{name}:{lineno}", offset, offset + size, lineno, reason)
         if not too_long and not line.endswith(b"\n"):
             state["unterminated"] = frame  # last line without newline: maybe still being written
         yield frame
@@ -434,7 +435,7 @@ def _array_frames(f: BinaryIO, name: str, start: int, start_index: int, max_byte
             rest = buf[pos:].strip()
             if rest:
                 end = base + len(buf)
-                yield _Frame(rest, f"{name}#after-array", base + pos, end, "bytes after the closing ']'")
+                yield _Frame(rest, f"{name}#after-array", base + pos, end, index, "bytes after the closing ']'")
             return
         index += 1
         location = f"{name}#record={index}"
@@ -454,7 +455,7 @@ def _array_frames(f: BinaryIO, name: str, start: int, start_index: int, max_byte
             end = sep.start() if sep else len(buf)
         data = buf[pos:end]
         reason = f"too long: {len(data)} bytes (limit {max_bytes})" if len(data) > max_bytes else None
-        yield _Frame(data, location, base + pos, base + end, reason)
+        yield _Frame(data, location, base + pos, base + end, index, reason)
         pos = end
 
 
@@ -465,8 +466,10 @@ def _array_frames(f: BinaryIO, name: str, start: int, start_index: int, max_byte
 class RecordReader:
     """Iterate a traffic file as Conversation / Rejected records; see the module docstring.
 
-    After iteration: `truncation` (None or a Truncation), `end_offset` (resume point) and
-    `records` (how many records were yielded).
+    After iteration: `truncation` (None or a Truncation), `end_offset` (resume point), `index`
+    (line or element number at that point: pass both back as start_offset / start_index to resume)
+    and `records` (how many records were yielded). During iteration the three describe the record
+    just yielded.
     """
 
     def __init__(
@@ -493,6 +496,7 @@ class RecordReader:
         self.max_chars = max_chars
         self.truncation: Truncation | None = None
         self.end_offset = start_offset
+        self.index = start_index
         self.records = 0
         self._iter: Iterator[Conversation | Rejected] | None = None
 
@@ -508,7 +512,7 @@ class RecordReader:
         name = self.path.name
         parse = _PARSERS[self.fmt]
         state: dict = {}
-        sniffed: list[tuple[Conversation | Rejected, Any]] = []  # held back until one record is valid
+        sniffed: list[tuple[Conversation | Rejected, Any, int]] = []  # held back until one record is valid
         checked = self.start_offset > 0  # a resumed read already passed the format check
         with _open_binary(self.path, self.fmt) as f:
             if self.start_offset:
@@ -521,35 +525,37 @@ class RecordReader:
                         self.truncation = Truncation(frame.offset, frame.end_offset - frame.offset, frame.location)
                         break
                 elif self.fmt != "sharegpt" and not frame.data.strip():
-                    self.end_offset = frame.end_offset  # blank lines are not records
+                    if not sniffed:  # blank lines are not records
+                        self.end_offset, self.index = frame.end_offset, frame.index
                     continue
                 else:
                     record, obj = self._decode(frame, parse)
                 if not checked:
-                    sniffed.append((record, obj))
+                    sniffed.append((record, obj, frame.index))
                     if isinstance(record, Conversation):
                         checked = True
                     elif len(sniffed) >= SNIFF_RECORDS:
                         self._mismatch(sniffed)
                     else:
                         continue
-                    for held, _ in sniffed:
-                        yield from self._emit(held)
+                    for held, _, index in sniffed:
+                        yield from self._emit(held, index)
                     sniffed.clear()
                     continue
-                yield from self._emit(record)
+                yield from self._emit(record, frame.index)
             if sniffed:
                 self._mismatch(sniffed)
         if self.truncation is None and "truncated" in state:
             self.truncation = state["truncated"]
 
-    def _emit(self, record: Conversation | Rejected) -> Iterator[Conversation | Rejected]:
+    def _emit(self, record: Conversation | Rejected, index: int) -> Iterator[Conversation | Rejected]:
         self.records += 1
         self.end_offset = record.end_offset
+        self.index = index
         yield record
 
     def _mismatch(self, sniffed: list) -> None:
-        first, obj = sniffed[0]
+        first, obj, _ = sniffed[0]
         shape = looks_like(obj)
         hint = f"; it looks like {shape}" if shape and not shape.startswith(self.fmt) else ""
         raise FormatMismatchError(
