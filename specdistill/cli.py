@@ -100,9 +100,13 @@ def cmd_logs_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_logs_quarantine(args: argparse.Namespace) -> int:
-    rows = _log_store(args).quarantined(source=args.source, limit=args.limit)
+    store = _log_store(args)
+    rows = store.quarantined(source=args.source, limit=args.limit)
+    total = store.count_quarantined(source=args.source)
     text = "\n".join(f"{r['location']}: {r['reason']}\n    {r['raw'][:160]!r}" for r in rows) or "quarantine is empty"
-    _emit(args, {"records": rows, "shown": len(rows)}, text)
+    if total > len(rows):
+        text += f"\n({len(rows)} of {total} shown; --limit N for more)"
+    _emit(args, {"records": rows, "shown": len(rows), "total": total}, text)
     return 0
 
 

@@ -562,6 +562,13 @@ class LogStore:
                              "quarantined": int(quar)},
             }
 
+    def count_quarantined(self, source: str | None = None) -> int:
+        query = sa.select(sa.func.count()).select_from(quarantine)
+        if source is not None:
+            query = query.where(quarantine.c.source == source)
+        with self.engine.connect() as conn:
+            return conn.execute(query).scalar_one()
+
     def quarantined(self, source: str | None = None, limit: int | None = 100) -> list[dict]:
         q = quarantine.c
         query = sa.select(q.id, q.source, q.location, q.reason, q.raw, q.created_at).order_by(q.id).limit(limit)

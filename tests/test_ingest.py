@@ -69,6 +69,22 @@ def test_grown_file_reads_only_what_is_new(store, tmp_path):
     assert store.count() == 12
 
 
+def test_truncated_sharegpt_is_reported_and_completed_when_the_file_grows(store, tmp_path):
+    records = [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"}]}
+               for i in range(50)]
+    full = json.dumps(records, indent=2).encode()
+    path = tmp_path / "share.json"
+    path.write_bytes(full[: full.index(b'"r40"') + 2])
+    first = ingest(path, "sharegpt", store, batch_size=8, progress=False)
+    assert counts(first) == (40, 40, 0, 0)
+    assert first.truncation["location"] == "share.json#record=41"
+    assert store.run(first.run_id)["truncated_at"] == first.truncation["offset"]
+    path.write_bytes(full)
+    second = ingest(path, "sharegpt", store, batch_size=8, progress=False)
+    assert counts(second) == (10, 10, 0, 0) and second.truncation is None
+    assert {c.record_id for c in store.window()} == {f"r{i}" for i in range(50)}
+
+
 def test_rewritten_file_is_read_again_from_the_start(store, tmp_path):
     path = tmp_path / "log.jsonl"
     write_jsonl(path, range(10))
@@ -184,7 +200,9 @@ def test_cli_ingest_stats_quarantine_json(store_url, tmp_path, capsys):
     stats = json.loads(capsys.readouterr().out)
     assert stats["conversations"] == 2 and stats["quarantined"] == 1
     assert main(["logs", "quarantine", "--db", store_url, "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)["records"]
+    listing = json.loads(capsys.readouterr().out)
+    rows = listing["records"]
+    assert listing["total"] == 1 and listing["shown"] == 1
     assert rows[0]["location"] == "log.jsonl:2" and rows[0]["reason"].startswith("invalid JSON")
     assert main(["ingest", str(path), "--format", "sharegpt", "--db", store_url, "--no-progress"]) == 2
     assert "was ingested as 'jsonl'" in capsys.readouterr().err
