@@ -12,24 +12,8 @@ with the byte offset and the size of the tail) once iteration is over; `reader.e
 an incremental read resumes. Nothing in the tail is silently dropped: it is reported, and read
 again when the file has grown.
 
-Normalization rules (every record that breaks one becomes a `Rejected` with the reason; nothing is
-repaired silently):
-
-1. Roles: `human`/`user` -> user, `gpt`/`assistant`/`chatgpt`/`bard`/`model` -> assistant,
-   `system`/`developer` -> system. Any other role (`tool`, `function`, ...) is rejected.
-2. Content must be a string; OpenAI content-part lists are joined when every part is text, and
-   rejected otherwise (images, audio). An assistant turn with `tool_calls` and no content is rejected.
-3. A conversation with no turns, or with an empty (whitespace-only) turn, is rejected: an empty turn
-   means a scrape or log went wrong and the surrounding turns cannot be trusted.
-4. System turns may only come first. Assistant turns before the first user turn are dropped and the
-   drop is written in the conversation's `notes` (ShareGPT splits long chats into parts `ID_1`,
-   `ID_2`, ... whose first turn is the answer closing the previous part: about a third of the shipped
-   file). After that, user and assistant turns must alternate, or the record is rejected (chat
-   templates need it). A conversation may end with a user turn: it is then a prompt without a
-   response (like HumanEval), which the target can answer later.
-5. Over-long records are rejected: more than `max_record_bytes` of raw input (not even parsed) or
-   more than `max_chars` characters of content.
-6. Text that a database cannot hold is rejected: NUL characters, lone surrogates, invalid UTF-8.
+Normalization: see `specdistill.formats` (roles, empty turns, conversations that do not start with
+a user turn, over-long records, text a database cannot hold).
 
 Format checks: if none of the first `SNIFF_RECORDS` records of a file is valid for `--format`, the
 file is in another (or an unknown) format: `FormatMismatchError` names the file, the first offending
@@ -39,39 +23,18 @@ line or record, its reason, and the format the file looks like when one matches.
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
+from specdistill.formats import DEFAULT_MAX_CHARS, PARSERS, InvalidRecord, Message, looks_like
+
 FORMATS = ("sharegpt", "openai", "jsonl", "humaneval")
 SNIFF_RECORDS = 20
 RAW_KEEP_CHARS = 2000
 DEFAULT_MAX_RECORD_BYTES = 4 << 20
-DEFAULT_MAX_CHARS = 1_000_000
-
-ROLE_MAP = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "bard": "assistant",
-    "bing": "assistant",
-    "model": "assistant",
-    "system": "system",
-    "developer": "system",
-}
-
-
-@dataclass(frozen=True)
-class Message:
-    role: str  # "system" | "user" | "assistant"
-    content: str
-
-
 @dataclass
 class Conversation:
     messages: list[Message]
@@ -82,7 +45,7 @@ class Conversation:
     timestamp: float | None = None  # when the traffic happened (unix seconds), if logged
     offset: int = 0  # byte offset of the record's first byte (decompressed stream for .gz)
     end_offset: int = 0  # byte offset just past the record: where a resumed read starts
-    notes: list[str] = field(default_factory=list)  # what normalization changed (rule 4)
+    notes: list[str] = field(default_factory=list)  # what normalization changed (formats, rule 4)
 
 
 @dataclass
@@ -106,10 +69,6 @@ class FormatMismatchError(ValueError):
     pass
 
 
-class _Invalid(ValueError):
-    """A record that parses but breaks a rule; the message is the quarantine reason."""
-
-
 def raw_text(data: bytes | str, limit: int = RAW_KEEP_CHARS) -> str:
     """Record text safe for any database: cut, invalid bytes and NULs escaped."""
     if isinstance(data, bytes):
@@ -123,181 +82,6 @@ def raw_text(data: bytes | str, limit: int = RAW_KEEP_CHARS) -> str:
     if len(text) > limit:
         text = text[:limit] + f"...[{total} bytes in all]"
     return text
-
-
-# ----------------------------------------------------------------------------------------------
-# normalization
-
-
-def _content_text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-            else:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise _Invalid(f"{where}: non-text content part ({kind})")
-        return "".join(parts)
-    raise _Invalid(f"{where}: content is {type(content).__name__}, not a string")
-
-
-def normalize_messages(
-    turns: list[tuple[Any, Any]], max_chars: int = DEFAULT_MAX_CHARS, notes: list[str] | None = None
-) -> list[Message]:
-    """Apply the module's rules to (role, content) pairs; raise _Invalid with the reason.
-
-    What the rules changed (dropped leading assistant turns) is appended to `notes`.
-    """
-    if not turns:
-        raise _Invalid("no turns")
-    messages: list[Message] = []
-    total = 0
-    for i, (role, content) in enumerate(turns):
-        if not isinstance(role, str):
-            raise _Invalid(f"turn {i}: role is {type(role).__name__}, not a string")
-        norm = ROLE_MAP.get(role.strip().lower())
-        if norm is None:
-            raise _Invalid(f"turn {i}: unknown role {role[:40]!r}")
-        text = _content_text(content, f"turn {i}")
-        if not text.strip():
-            raise _Invalid(f"turn {i}: empty {norm} turn")
-        if "\x00" in text:
-            raise _Invalid(f"turn {i}: NUL character in content")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            raise _Invalid(f"turn {i}: invalid unicode (lone surrogate) in content") from None
-        total += len(text)
-        messages.append(Message(norm, text))
-    if total > max_chars:
-        raise _Invalid(f"too long: {total} characters of content (limit {max_chars})")
-    first = next((i for i, m in enumerate(messages) if m.role != "system"), None)
-    if first is None:
-        raise _Invalid("no user turn (only system turns)")
-    if any(m.role == "system" for m in messages[first:]):
-        i = next(i for i, m in enumerate(messages) if i >= first and m.role == "system")
-        raise _Invalid(f"turn {i}: system turn after the conversation started")
-    user = next((i for i, m in enumerate(messages) if m.role == "user"), None)
-    if user is None:
-        raise _Invalid("no user turn")
-    shift = user - first  # turn numbers in reasons refer to the record as written
-    if shift:
-        if notes is not None:
-            notes.append(f"dropped {user - first} leading assistant turn(s)")
-        messages = messages[:first] + messages[user:]
-    for i in range(first, len(messages)):
-        expected = "user" if (i - first) % 2 == 0 else "assistant"
-        if messages[i].role != expected:
-            raise _Invalid(f"turn {i + shift}: two {messages[i - 1].role} turns in a row")
-    return messages
-
-
-def _require(obj: Any, key: str, kind: type, where: str = "") -> Any:
-    if not isinstance(obj, dict):
-        raise _Invalid(f"{where}is {type(obj).__name__}, not an object")
-    if key not in obj:
-        raise _Invalid(f"{where}missing key {key!r}")
-    value = obj[key]
-    if not isinstance(value, kind):
-        raise _Invalid(f"{where}{key!r} is {type(value).__name__}, not {kind.__name__}")
-    return value
-
-
-def _turns_from_openai(messages: list, where: str) -> list[tuple[Any, Any]]:
-    turns = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise _Invalid(f"{where}messages[{i}] is {type(m).__name__}, not an object")
-        if m.get("tool_calls") and not m.get("content"):
-            raise _Invalid(f"{where}messages[{i}]: tool calls are not supported")
-        if "role" not in m or "content" not in m:
-            raise _Invalid(f"{where}messages[{i}] needs 'role' and 'content'")
-        turns.append((m["role"], m["content"]))
-    return turns
-
-
-def _parse_sharegpt(obj: Any, max_chars: int) -> dict:
-    convs = _require(obj, "conversations", list)
-    turns = []
-    for i, t in enumerate(convs):
-        if not isinstance(t, dict) or "from" not in t or "value" not in t:
-            raise _Invalid(f"conversations[{i}] needs 'from' and 'value'")
-        turns.append((t["from"], t["value"]))
-    rid = obj.get("id")
-    notes: list[str] = []
-    messages = normalize_messages(turns, max_chars, notes)
-    return {"messages": messages, "record_id": None if rid is None else str(rid), "notes": notes}
-
-
-def _parse_openai(obj: Any, max_chars: int) -> dict:
-    if isinstance(obj, dict) and "request" in obj:
-        request = _require(obj, "request", dict)
-        response = _require(obj, "response", dict)
-        messages = _require(request, "messages", list, "request: ")
-        choices = _require(response, "choices", list, "response: ")
-        if not choices:
-            raise _Invalid("response: no choices")
-        # n > 1 choices are alternative samples of one prompt; the first one is the logged answer.
-        message = _require(choices[0], "message", dict, "response.choices[0]: ")
-        turns = _turns_from_openai(messages, "request.") + _turns_from_openai([message], "response.choices[0].")
-        served_by = response.get("model") or request.get("model")
-        created = response.get("created") if isinstance(response.get("created"), (int, float)) else None
-        rid = response.get("id")
-    else:
-        messages = _require(obj, "messages", list)
-        turns = _turns_from_openai(messages, "")
-        if not turns or ROLE_MAP.get(str(turns[-1][0]).lower()) != "assistant":
-            raise _Invalid("flat form: the last message must be the assistant's")
-        served_by = obj.get("model")
-        created = obj.get("created") if isinstance(obj.get("created"), (int, float)) else None
-        rid = obj.get("id")
-    notes: list[str] = []
-    return {
-        "messages": normalize_messages(turns, max_chars, notes),
-        "notes": notes,
-        "served_by": served_by if isinstance(served_by, str) else None,
-        "timestamp": float(created) if created is not None and not isinstance(created, bool) else None,
-        "record_id": rid if isinstance(rid, str) else None,
-    }
-
-
-def _parse_jsonl(obj: Any, max_chars: int) -> dict:
-    prompt = _require(obj, "prompt", str)
-    response = _require(obj, "response", str)
-    turns = []
-    if "system" in obj and obj["system"] is not None:
-        turns.append(("system", obj["system"]))
-    turns += [("user", prompt), ("assistant", response)]
-    return {"messages": normalize_messages(turns, max_chars)}
-
-
-def _parse_humaneval(obj: Any, max_chars: int) -> dict:
-    task_id = _require(obj, "task_id", str)
-    prompt = _require(obj, "prompt", str)
-    return {"messages": normalize_messages([("user", prompt)], max_chars), "record_id": task_id}
-
-
-_PARSERS = {"sharegpt": _parse_sharegpt, "openai": _parse_openai, "jsonl": _parse_jsonl, "humaneval": _parse_humaneval}
-
-
-def looks_like(obj: Any) -> str | None:
-    """The format whose records have this shape, for error messages."""
-    if isinstance(obj, list):
-        return "sharegpt (a JSON array)"
-    if not isinstance(obj, dict):
-        return None
-    if "conversations" in obj:
-        return "sharegpt"
-    if "request" in obj or "messages" in obj:
-        return "openai"
-    if "task_id" in obj:
-        return "humaneval"
-    if "prompt" in obj and "response" in obj:
-        return "jsonl"
-    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -432,10 +216,13 @@ def _array_frames(f: BinaryIO, name: str, start: int, start_index: int, max_byte
         if c == b"]":
             state["closed"] = True
             pos += 1
-            rest = buf[pos:].strip()
-            if rest:
-                end = base + len(buf)
-                yield _Frame(rest, f"{name}#after-array", base + pos, end, index, "bytes after the closing ']'")
+            rest = buf[pos:] + (b"" if eof else f.read(max_bytes))
+            size = len(rest)
+            while more := f.read(1 << 20):  # count, but do not keep, whatever else follows
+                size += len(more)
+            if rest.strip():
+                yield _Frame(rest[:max_bytes], f"{name}#after-array", base + pos, base + pos + size, index,
+                             "bytes after the closing ']'")
             return
         index += 1
         location = f"{name}#record={index}"
@@ -510,7 +297,7 @@ class RecordReader:
 
     def _records(self) -> Iterator[Conversation | Rejected]:
         name = self.path.name
-        parse = _PARSERS[self.fmt]
+        parse = PARSERS[self.fmt]
         state: dict = {}
         sniffed: list[tuple[Conversation | Rejected, Any, int]] = []  # held back until one record is valid
         checked = self.start_offset > 0  # a resumed read already passed the format check
@@ -581,7 +368,7 @@ class RecordReader:
             return reject("invalid JSON: nested too deeply"), None
         try:
             fields = parse(obj, self.max_chars)
-        except _Invalid as exc:
+        except InvalidRecord as exc:
             return reject(str(exc)), obj
         return Conversation(source=self.source, location=frame.location, offset=frame.offset,
                             end_offset=frame.end_offset, **fields), obj
