@@ -41,6 +41,8 @@ PASSWORD="$(python3 -c 'import secrets; print(secrets.token_hex(12))')"
 printf '%s\n' "$PASSWORD" > "$WORK/pwfile"
 [[ "$(id -u)" == "0" ]] && chown -R postgres: "$WORK"
 
+cd "$WORK"  # the server's user may not be allowed into the caller's directory
+
 cleanup() {
     "${RUNAS[@]}" "$BINDIR/pg_ctl" -D "$WORK/data" -m immediate stop >/dev/null 2>&1 || true
     rm -rf "$WORK"
@@ -57,4 +59,5 @@ PGPASSWORD="$PASSWORD" "$BINDIR/psql" -q -h 127.0.0.1 -p "$PORT" -U postgres -d 
 
 export SPECDISTILL_TEST_PG_URL="postgresql+psycopg://postgres:${PASSWORD}@127.0.0.1:${PORT}/specdistill_test"
 echo "with_postgres: PostgreSQL $("$BINDIR/postgres" --version | awk '{print $3}') on 127.0.0.1:$PORT" >&2
+cd - >/dev/null
 "$@"

@@ -10,9 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from contextlib import contextmanager
 from datetime import timezone
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -194,12 +195,22 @@ def make_engine(url: str) -> Engine:
 
         @sa.event.listens_for(engine, "begin")
         def _sqlite_begin(conn):
-            # Take the write lock up front: a deferred transaction that reads and then writes can
-            # fail with "database is locked" when another process wrote in between.
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+            # Writers take the write lock up front: a deferred transaction that reads and then
+            # writes fails with "database is locked" when another process wrote in between.
+            # Readers never block on a writer (WAL).
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get("writes") else "BEGIN")
 
         return engine
     return sa.create_engine(parsed, pool_pre_ping=True)
+
+
+@contextmanager
+def writing(engine: Engine) -> Iterator[Connection]:
+    """A transaction that will write (on SQLite it takes the write lock when it begins)."""
+    with engine.connect() as conn:
+        conn.execution_options(writes=True)
+        with conn.begin():
+            yield conn
 
 
 def _migrate(engine: Engine, direction: str, revision: str) -> None:
@@ -208,7 +219,7 @@ def _migrate(engine: Engine, direction: str, revision: str) -> None:
 
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
-    with engine.begin() as conn:  # SQLite: BEGIN IMMEDIATE; PostgreSQL: an advisory lock
+    with writing(engine) as conn:  # SQLite: the write lock; PostgreSQL: an advisory lock
         if conn.dialect.name == "postgresql":
             conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _ADVISORY_LOCK})
         config.attributes["connection"] = conn

@@ -44,6 +44,7 @@ from specdistill.logschema import (  # noqa: F401  (the schema and hashes are pa
     split_of,
     upgrade,
     watermarks,
+    writing,
 )
 from specdistill.logschema import _revision
 from specdistill.readers import Conversation, Message, Rejected
@@ -114,7 +115,7 @@ class LogStore:
     # -- ingestion ---------------------------------------------------------------------------
 
     def begin_run(self, source: str, fmt: str, start_offset: int, note: str | None = None) -> int:
-        with self.engine.begin() as conn:
+        with writing(self.engine) as conn:
             return conn.execute(
                 ingest_runs.insert().returning(ingest_runs.c.id),
                 dict(source=source, format=fmt, status="running", started_at=_now(), start_offset=start_offset,
@@ -150,7 +151,7 @@ class LogStore:
                 source=rec.source, location=rec.location, record_id=rec.record_id, target_version=rec.served_by,
                 notes=json.dumps(rec.notes) if rec.notes else None, arrived_at=arrived, ingested_at=now,
                 ingest_run_id=run_id)
-        with self.engine.begin() as conn:
+        with writing(self.engine) as conn:
             if rows:
                 # Sorted by hash so two concurrent batches lock rows in the same order (no deadlock).
                 ordered = [rows[k] for k in sorted(rows)]
@@ -186,11 +187,11 @@ class LogStore:
         conn.execute(stmt)
 
     def reset_watermark(self, source: str) -> None:
-        with self.engine.begin() as conn:
+        with writing(self.engine) as conn:
             conn.execute(watermarks.delete().where(watermarks.c.source == source))
 
     def finish_run(self, run_id: int, truncated_at: int | None = None, truncated_bytes: int | None = None) -> dict:
-        with self.engine.begin() as conn:
+        with writing(self.engine) as conn:
             conn.execute(ingest_runs.update().where(ingest_runs.c.id == run_id).values(
                 status="done", finished_at=_now(), truncated_at=truncated_at, truncated_bytes=truncated_bytes))
         return self.run(run_id)
@@ -282,7 +283,7 @@ class LogStore:
                    token_ids=json.dumps(token_ids) if token_ids is not None else None, created_at=_now())
         stmt = self._insert(responses).on_conflict_do_nothing(
             index_elements=["conversation_id", "prompt_messages", "target_fingerprint", "params_hash"])
-        with self.engine.begin() as conn:
+        with writing(self.engine) as conn:
             return conn.execute(stmt.returning(responses.c.id), row).first() is not None
 
     def responses(self, target_fingerprint: str, conversation_ids: Iterable[int] | None = None) -> list[dict]:
@@ -310,7 +311,7 @@ class LogStore:
     ) -> int:
         if num_accepted_tokens > num_draft_tokens or len(accepted_per_position) != gamma:
             raise ValueError("accepted tokens exceed drafted tokens, or per-position counts do not have gamma entries")
-        with self.engine.begin() as conn:
+        with writing(self.engine) as conn:
             return conn.execute(acceptance_samples.insert().returning(acceptance_samples.c.id), dict(
                 measured_at=measured_at or _now(), target_fingerprint=target_fingerprint,
                 draft_version=draft_version, conversation_id=conversation_id, gamma=gamma, num_drafts=num_drafts,
