@@ -8,7 +8,6 @@ compares the two); change both together, with a new migration.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from contextlib import contextmanager
 from datetime import timezone
@@ -144,12 +143,14 @@ acceptance_samples = sa.Table(
 # hashing and split
 
 
-def canonical_messages(messages: Sequence[Message]) -> str:
-    return json.dumps([[m.role, m.content] for m in messages], ensure_ascii=False, separators=(",", ":"))
-
-
 def content_hash(messages: Sequence[Message]) -> str:
-    return hashlib.sha256(canonical_messages(messages).encode("utf-8")).hexdigest()
+    """SHA-256 over each turn's role and length-prefixed UTF-8 content: equal iff the messages are."""
+    digest = hashlib.sha256()
+    for m in messages:
+        data = m.content.encode("utf-8")
+        digest.update(f"{m.role}:{len(data)}:".encode())
+        digest.update(data)
+    return digest.hexdigest()
 
 
 def prompt_hash(messages: Sequence[Message]) -> str:

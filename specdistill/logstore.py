@@ -28,7 +28,6 @@ from specdistill.logschema import (  # noqa: F401  (the schema and hashes are pa
     DEFAULT_EVAL_FRACTION,
     UTCDateTime,
     acceptance_samples,
-    canonical_messages,
     content_hash,
     conversations,
     ingest_runs,

@@ -6,6 +6,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 import sqlalchemy as sa
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specdistill.logstore import (
     LogStore,
@@ -160,3 +162,15 @@ def test_password_never_shown(store_url):
         assert url.password not in str(s.stats()) and url.password not in repr(s)
     assert s.stats()["database"] == display_url(store_url)
     s.close()
+
+
+MESSAGES = st.lists(st.builds(Message, st.sampled_from(["system", "user", "assistant"]), st.text(max_size=8)),
+                    min_size=1, max_size=4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(a=MESSAGES, b=MESSAGES)
+def test_content_hash_is_equal_exactly_for_equal_messages(a, b):
+    assert (content_hash(a) == content_hash(b)) == (a == b)
+    shifted = [Message(m.role, m.content + "x") for m in a]  # boundaries cannot be moved unnoticed
+    assert content_hash(shifted) != content_hash(a)
