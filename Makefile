@@ -29,9 +29,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/specdistill demo
 
+# The log store's tests also run on PostgreSQL: with_postgres.sh installs Debian's postgresql when
+# missing, starts a throwaway server and sets SPECDISTILL_TEST_PG_URL for pytest.
 test: $(STAMP)
 	scripts/ensure_promtool.sh
-	$(PY) -m pytest -q -p no:cacheprovider
+	scripts/with_postgres.sh $(PY) -m pytest -q -p no:cacheprovider
 
 clean:
 	rm -rf $(VENV) .specdistill
