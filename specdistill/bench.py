@@ -1,0 +1,309 @@
+"""Benchmark a drafting method against target-only decoding on a prompt set.
+
+Everything the gate and the reports need comes from one run: acceptance rate α, mean accepted
+length τ, per-position acceptance, the spread of per-request acceptance (p10/p50/p90: the long
+tail), tokens/s with and without speculation (runs interleaved, median of repeats, on the same
+prompts and `max_new_tokens`), the speedup, the measured cost ratio c and the ideal speedup that
+α and c predict, overall and per slice (chat, code, ...). Greedy runs double as the lossless check.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from specdistill.drafts import measure_cost_ratio
+from specdistill.speculative import Drafter, ModelDrafter, SamplingConfig, SpecStats, generate
+
+
+@dataclass
+class BenchConfig:
+    gamma: int = 4
+    max_new_tokens: int = 64
+    repeats: int = 3
+    temperature: float = 0.0  # greedy by default: the lossless check needs it
+    top_p: float = 1.0
+    seed: int = 0
+    chat_template: bool = True  # wrap each prompt as one user turn when the tokenizer has a template
+    measure_cost: bool = True
+
+
+@dataclass
+class Prompt:
+    text: str
+    slice: str = "default"
+    ids: list[int] | None = None  # raw token ids: used as they are, no template
+
+
+class PromptFileError(ValueError):
+    pass
+
+
+def load_prompts(path: str | Path) -> list[Prompt]:
+    """JSONL lines `{"prompt": str, "slice": str}` (slice optional) or plain text, one prompt a line."""
+    path = Path(path)
+    if not path.is_file():
+        raise PromptFileError(f"prompts file not found: {path}")
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if line.lstrip().startswith("{"):
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise PromptFileError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
+                text = record.get("prompt")
+                if not isinstance(text, str) or not text.strip():
+                    raise PromptFileError(f"{path}:{lineno}: key 'prompt' must be a non-empty string")
+                slice_name = record.get("slice", "default")
+                if not isinstance(slice_name, str):
+                    raise PromptFileError(f"{path}:{lineno}: key 'slice' must be a string")
+                prompts.append(Prompt(text, slice_name))
+            else:
+                prompts.append(Prompt(line.rstrip("\n")))
+    if not prompts:
+        raise PromptFileError(f"{path}: no prompts")
+    return prompts
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat_template: bool = True) -> list[int]:
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        return list(ids)
+    return list(tokenizer(text)["input_ids"])
+
+
+def expected_tokens_per_round(alpha: float, gamma: int) -> float:
+    """(1 − α^(γ+1)) / (1 − α) under the i.i.d. acceptance model."""
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def ideal_speedup(alpha: float, gamma: int, cost_ratio: float) -> float:
+    return expected_tokens_per_round(alpha, gamma) / (gamma * cost_ratio + 1)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q
+    lo, hi = int(pos), min(int(pos) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+@torch.inference_mode()
+def measure_drafter_cost(target: PreTrainedModel, drafter: Drafter, context: int = 64, repeats: int = 9) -> float:
+    """c for any drafter: a model drafter's decode step (via measure_cost_ratio), or an n-gram
+    lookup's proposal time, each over a target decode step."""
+    if isinstance(drafter, ModelDrafter):
+        return measure_cost_ratio(target, drafter.model, draft_vocab=drafter.vocab, context=context, repeats=repeats)
+    from transformers import DynamicCache
+
+    tokens = torch.randint(0, target.config.vocab_size, (context,))
+    cache = DynamicCache(config=target.config)
+    target(input_ids=tokens[None, :-1], cache=cache, use_cache=True, logits_to_keep=1)
+    greedy = SamplingConfig()
+    ratios = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target(input_ids=tokens[None, -1:], cache=cache, use_cache=True, logits_to_keep=1)
+        t = time.perf_counter() - start
+        cache.crop(-1)
+        start = time.perf_counter()
+        drafter.propose(tokens, 1, greedy, None)
+        ratios.append((time.perf_counter() - start) / t)
+    return statistics.median(ratios)
+
+
+@dataclass
+class SliceResult:
+    name: str
+    requests: int
+    acceptance_rate: float
+    accepted_length: float
+    tokens_per_second_target_only: float
+    tokens_per_second_speculative: float
+    speedup: float
+
+
+@dataclass
+class BenchResult:
+    drafter: str
+    gamma: int
+    max_new_tokens: int
+    repeats: int
+    greedy: bool
+    lossless: bool | None  # None for sampling runs: equality of outputs is not the criterion there
+    lossless_mismatches: int
+    acceptance_rate: float
+    accepted_length: float
+    per_position_acceptance: list[float]
+    request_acceptance_p10: float
+    request_acceptance_p50: float
+    request_acceptance_p90: float
+    tokens_per_second_target_only: float
+    tokens_per_second_speculative: float
+    speedup: float
+    cost_ratio: float | None
+    ideal_speedup: float | None
+    slices: list[SliceResult] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+    threads: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def render(self) -> str:
+        c = "n/a" if self.cost_ratio is None else f"{self.cost_ratio:.3f}"
+        ideal = "n/a" if self.ideal_speedup is None else f"{self.ideal_speedup:.2f}x"
+        lossless = {True: "PASS", False: f"FAIL ({self.lossless_mismatches} outputs differ)", None: "n/a (sampling)"}[self.lossless]
+        lines = [
+            f"drafter {self.drafter}   gamma {self.gamma}   max_new_tokens {self.max_new_tokens}   "
+            f"repeats {self.repeats}   threads {self.threads}",
+            f"lossless (greedy == target-only)  {lossless}",
+            f"acceptance rate α                 {self.acceptance_rate:.3f}",
+            f"mean accepted length τ            {self.accepted_length:.3f}",
+            "per-position acceptance           " + " ".join(f"{a:.2f}" for a in self.per_position_acceptance),
+            f"per-request α p10 / p50 / p90     {self.request_acceptance_p10:.2f} / "
+            f"{self.request_acceptance_p50:.2f} / {self.request_acceptance_p90:.2f}",
+            f"tokens/s target-only              {self.tokens_per_second_target_only:.2f}",
+            f"tokens/s speculative              {self.tokens_per_second_speculative:.2f}",
+            f"speedup (median of repeats)       {self.speedup:.2f}x",
+            f"cost ratio c                      {c}",
+            f"ideal speedup at measured α, c    {ideal}",
+        ]
+        if len(self.slices) > 1 or (self.slices and self.slices[0].name != "default"):
+            lines.append("")
+            lines.append(f"{'slice':<12} {'n':>4} {'α':>6} {'τ':>6} {'tok/s base':>11} {'tok/s spec':>11} {'speedup':>8}")
+            for s in self.slices:
+                lines.append(
+                    f"{s.name:<12} {s.requests:>4} {s.acceptance_rate:>6.3f} {s.accepted_length:>6.2f} "
+                    f"{s.tokens_per_second_target_only:>11.2f} {s.tokens_per_second_speculative:>11.2f} {s.speedup:>7.2f}x"
+                )
+        return "\n".join(lines)
+
+    def plot(self, path: str | Path) -> Path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+        positions = list(range(1, len(self.per_position_acceptance) + 1))
+        left.bar(positions, self.per_position_acceptance, color="tab:blue")
+        left.set(xlabel="draft position", ylabel="acceptance", ylim=(0, 1), title=f"acceptance per position (α={self.acceptance_rate:.2f})")
+        names = [s.name for s in self.slices] or ["all"]
+        speedups = [s.speedup for s in self.slices] or [self.speedup]
+        right.bar(names, speedups, color="tab:green")
+        right.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+        right.set(ylabel="speedup over target-only", title=f"speedup per slice (all: {self.speedup:.2f}x)")
+        fig.suptitle(f"{self.drafter}, γ={self.gamma}")
+        fig.tight_layout()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+
+def _tps(records: list[tuple[int, float]]) -> float:
+    tokens = sum(n for n, _ in records)
+    seconds = sum(s for _, s in records)
+    return tokens / seconds if seconds > 0 else 0.0
+
+
+def run_bench(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | None,
+    drafter: Drafter,
+    prompts: list[Prompt],
+    config: BenchConfig | None = None,
+    *,
+    progress: bool = True,
+) -> BenchResult:
+    """Run every prompt target-only and speculatively, alternating which goes first, `repeats` times."""
+    from tqdm import tqdm
+
+    config = config or BenchConfig()
+    if not prompts:
+        raise ValueError("no prompts to benchmark")
+    sampling = SamplingConfig(config.temperature, config.top_p, config.seed)
+    encoded = [list(p.ids) if p.ids is not None else encode_prompt(tokenizer, p.text, config.chat_template) for p in prompts]
+
+    def run(ids: list[int], use_drafter: bool):
+        return generate(target, ids, max_new_tokens=config.max_new_tokens, drafter=drafter if use_drafter else None,
+                        gamma=config.gamma, sampling=sampling)
+
+    run(encoded[0][:8], False), run(encoded[0][:8], True)  # warm-up: first-call allocations
+    # times[mode][repeat][prompt] = (generated tokens, seconds)
+    times = {False: [[None] * len(prompts) for _ in range(config.repeats)], True: [[None] * len(prompts) for _ in range(config.repeats)]}
+    first_stats: list[SpecStats] = [SpecStats() for _ in prompts]
+    mismatches = 0
+    bar = tqdm(total=config.repeats * len(prompts), desc="bench", unit="prompt", file=sys.stderr, disable=not progress)
+    for r in range(config.repeats):
+        for i, ids in enumerate(encoded):
+            order = (False, True) if (r + i) % 2 == 0 else (True, False)
+            outputs = {}
+            for mode in order:
+                result = run(ids, mode)
+                outputs[mode] = result.output_ids
+                times[mode][r][i] = (result.stats.generated_tokens, result.stats.seconds)
+                if mode and r == 0:
+                    first_stats[i] = result.stats
+            if sampling.greedy and outputs[True] != outputs[False]:
+                mismatches += 1
+            bar.update(1)
+    bar.close()
+
+    def summary(indices: list[int]) -> tuple[float, float, float]:
+        base = [_tps([times[False][r][i] for i in indices]) for r in range(config.repeats)]
+        spec = [_tps([times[True][r][i] for i in indices]) for r in range(config.repeats)]
+        ratios = [s / b for s, b in zip(spec, base) if b > 0]
+        return statistics.median(base), statistics.median(spec), statistics.median(ratios) if ratios else 0.0
+
+    total = SpecStats.total(first_stats)
+    base_tps, spec_tps, speedup = summary(list(range(len(prompts))))
+    slices = []
+    for name in dict.fromkeys(p.slice for p in prompts):
+        idx = [i for i, p in enumerate(prompts) if p.slice == name]
+        st = SpecStats.total(first_stats[i] for i in idx)
+        b, s, x = summary(idx)
+        slices.append(SliceResult(name, len(idx), st.acceptance_rate, st.accepted_length, b, s, x))
+    per_request = [s.acceptance_rate for s in first_stats if s.proposed]
+    cost = measure_drafter_cost(target, drafter) if config.measure_cost else None
+    ideal = ideal_speedup(total.acceptance_rate, config.gamma, cost) if cost is not None else None
+    return BenchResult(
+        drafter=getattr(drafter, "name", type(drafter).__name__),
+        gamma=config.gamma,
+        max_new_tokens=config.max_new_tokens,
+        repeats=config.repeats,
+        greedy=sampling.greedy,
+        lossless=(mismatches == 0) if sampling.greedy else None,
+        lossless_mismatches=mismatches,
+        acceptance_rate=total.acceptance_rate,
+        accepted_length=total.accepted_length,
+        per_position_acceptance=total.per_position_acceptance,
+        request_acceptance_p10=percentile(per_request, 0.1),
+        request_acceptance_p50=percentile(per_request, 0.5),
+        request_acceptance_p90=percentile(per_request, 0.9),
+        tokens_per_second_target_only=base_tps,
+        tokens_per_second_speculative=spec_tps,
+        speedup=speedup,
+        cost_ratio=cost,
+        ideal_speedup=ideal,
+        slices=slices,
+        stats=total.to_dict(),
+        threads=torch.get_num_threads(),
+    )

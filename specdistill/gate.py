@@ -1,0 +1,115 @@
+"""The gate: may a challenger draft replace the champion? A verdict with every reason, from a
+benchmark result and thresholds in a typed config.
+
+Defaults are the bar for "worth serving on this hardware": lossless, α ≥ 0.5, speedup ≥ 1.0, and
+τ no worse than the champion's beyond a tolerance. The production profile adds the usual bar for
+going live: τ ≥ 3 and speedup ≥ 1.5.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Mapping
+
+
+@dataclass
+class GateConfig:
+    require_lossless: bool = True
+    min_acceptance_rate: float | None = 0.5
+    min_speedup: float | None = 1.0
+    min_accepted_length: float | None = None
+    max_accepted_length_drop: float = 0.05  # challenger τ may trail the champion's by at most this (absolute)
+
+
+PROFILES: dict[str, GateConfig] = {
+    "default": GateConfig(),
+    "production": GateConfig(min_accepted_length=3.0, min_speedup=1.5),
+}
+
+
+def gate_config(profile: str = "default", **overrides: Any) -> GateConfig:
+    if profile not in PROFILES:
+        raise ValueError(f"unknown gate profile {profile!r}; choose one of {sorted(PROFILES)}")
+    unknown = set(overrides) - set(GateConfig.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"unknown gate setting(s) {sorted(unknown)}; known: {sorted(GateConfig.__dataclass_fields__)}")
+    return replace(PROFILES[profile], **overrides)
+
+
+@dataclass
+class Check:
+    name: str
+    passed: bool
+    value: Any
+    threshold: Any
+    reason: str
+
+
+@dataclass
+class GateVerdict:
+    passed: bool
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def reasons(self) -> list[str]:
+        return [c.reason for c in self.checks]
+
+    @property
+    def failures(self) -> list[str]:
+        return [c.reason for c in self.checks if not c.passed]
+
+    def to_dict(self) -> dict:
+        return {"passed": self.passed, "reasons": self.reasons, "failures": self.failures,
+                "checks": [asdict(c) for c in self.checks]}
+
+    def render(self) -> str:
+        lines = [f"gate: {'PASS' if self.passed else 'FAIL'}"]
+        lines += [f"  [{'ok' if c.passed else 'FAIL'}] {c.reason}" for c in self.checks]
+        return "\n".join(lines)
+
+
+REQUIRED_KEYS = ("lossless", "acceptance_rate", "accepted_length", "speedup")
+
+
+def _as_mapping(result: Any, what: str) -> Mapping:
+    data = result.to_dict() if hasattr(result, "to_dict") else result
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{what}: expected a benchmark result or its JSON object, got {type(result).__name__}")
+    missing = [k for k in REQUIRED_KEYS if k not in data]
+    if missing:
+        raise ValueError(f"{what}: benchmark result lacks {missing}")
+    return data
+
+
+def evaluate(result: Any, config: GateConfig | None = None, champion: Any = None) -> GateVerdict:
+    """Judge a benchmark result (BenchResult or its dict); `champion` is the current champion's result."""
+    config = config or GateConfig()
+    r = _as_mapping(result, "challenger")
+    checks: list[Check] = []
+
+    if config.require_lossless:
+        ok = r["lossless"] is True
+        why = {True: "greedy output identical to target-only", False: f"{r.get('lossless_mismatches', '?')} outputs differ from target-only",
+               None: "no lossless check in this result (sampling run)"}.get(r["lossless"], f"lossless={r['lossless']!r}")
+        checks.append(Check("lossless", ok, r["lossless"], True, f"lossless: {why}"))
+
+    def at_least(name: str, key: str, threshold: float | None, fmt: str) -> None:
+        if threshold is None:
+            return
+        value = float(r[key])
+        ok = value >= threshold
+        checks.append(Check(name, ok, value, threshold, f"{name} {value:{fmt}} {'>=' if ok else '<'} {threshold:{fmt}}"))
+
+    at_least("acceptance rate", "acceptance_rate", config.min_acceptance_rate, ".3f")
+    at_least("accepted length", "accepted_length", config.min_accepted_length, ".2f")
+    at_least("speedup", "speedup", config.min_speedup, ".2f")
+
+    if champion is not None:
+        c = _as_mapping(champion, "champion")
+        floor = float(c["accepted_length"]) - config.max_accepted_length_drop
+        value = float(r["accepted_length"])
+        ok = value >= floor
+        checks.append(Check("accepted length vs champion", ok, value, floor,
+                            f"accepted length {value:.2f} vs champion {float(c['accepted_length']):.2f} "
+                            f"(tolerance {config.max_accepted_length_drop:.2f}): {'no worse' if ok else 'worse'}"))
+    return GateVerdict(all(c.passed for c in checks), checks)

@@ -1,0 +1,210 @@
+"""Where draft tokens come from: a draft model, the target's own early exit, or the history (n-gram).
+
+A drafter proposes up to k tokens after the current sequence and, for sampling, the distribution q
+it drew them from. Model drafters keep their own KV cache: `propose` feeds only the tokens the
+cache has not seen (usually the last accepted token and the target's correction), and `rollback`
+drops the cached drafts the target rejected.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Protocol
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from specdistill.speculative.sampling import SamplingConfig, probs_from_logits, sample
+from specdistill.vocab import DraftVocab, VocabAlignmentError
+
+
+class Drafter(Protocol):
+    name: str
+
+    def reset(self) -> None: ...
+
+    def propose(
+        self, tokens: torch.Tensor, k: int, config: SamplingConfig, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def rollback(self, valid_len: int) -> None: ...
+
+
+class ModelDrafter:
+    """A small causal LM (or the target's early exit) drafting autoregressively with its own KV cache.
+
+    With a reduced draft vocabulary the draft's head covers only the N kept tokens: the sliced head
+    weight is taken once here, so each draft step is one [N, H] matmul instead of the full head.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        target_vocab_size: int,
+        draft_vocab: DraftVocab | None = None,
+        name: str = "draft",
+    ):
+        self.model = model
+        self.name = name
+        self.vocab = draft_vocab
+        self.target_vocab_size = target_vocab_size
+        embed_rows = model.get_input_embeddings().weight.shape[0]
+        if draft_vocab is None:
+            if model.config.vocab_size != target_vocab_size:
+                raise VocabAlignmentError(
+                    f"draft vocabulary size {model.config.vocab_size} differs from the target's {target_vocab_size} "
+                    "and the draft has no d2t map (draft_vocab.safetensors): run a vocab transplant or give a draft vocabulary"
+                )
+            self.head_weight = None
+        else:
+            if draft_vocab.target_vocab_size != target_vocab_size:
+                raise VocabAlignmentError(
+                    f"draft vocabulary maps into a vocabulary of {draft_vocab.target_vocab_size} tokens, "
+                    f"the target has {target_vocab_size}"
+                )
+            if embed_rows < target_vocab_size:
+                raise VocabAlignmentError(
+                    f"draft embeddings cover {embed_rows} tokens, fewer than the target's {target_vocab_size}"
+                )
+            head = model.get_output_embeddings().weight.detach()
+            if head.shape[0] == draft_vocab.size:  # head already reduced (EAGLE-3 style)
+                self.head_weight = head.contiguous()
+            else:
+                self.head_weight = head.index_select(0, draft_vocab.token_ids).contiguous()
+            self._token_ids = draft_vocab.token_ids.to(head.device)
+        self.cache: DynamicCache | None = None
+        self.cached = 0
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self.cached = 0
+
+    def _next_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.head_weight is None:
+            out = self.model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=1)
+            return out.logits[0, -1]
+        hidden = self.model.model(input_ids=input_ids, cache=self.cache, use_cache=True).last_hidden_state
+        return torch.mv(self.head_weight, hidden[0, -1])
+
+    def propose(self, tokens, k, config, generator):
+        if self.cache is None:
+            self.reset()
+        x = tokens[self.cached :].unsqueeze(0)
+        ids, qs = [], []
+        for _ in range(k):
+            logits = self._next_logits(x)
+            self.cached += x.shape[1]
+            if config.greedy:
+                d = logits.argmax()
+            else:
+                q = probs_from_logits(logits, config)
+                d = sample(q, generator)
+                qs.append(q)
+            if self.head_weight is not None:
+                d = self._token_ids[d]
+            ids.append(d)
+            x = d.view(1, 1)
+        draft_ids = torch.stack(ids)
+        if config.greedy:
+            return draft_ids, None
+        q = torch.stack(qs)
+        if self.vocab is not None:  # q is zero outside the kept tokens: still lossless
+            q = self.vocab.to_full(q)
+        return draft_ids, q
+
+    def rollback(self, valid_len: int) -> None:
+        extra = self.cached - valid_len
+        if extra > 0:
+            self.cache.crop(-extra)
+            self.cached = valid_len
+
+
+def early_exit_model(target: PreTrainedModel, exit_layer: int) -> PreTrainedModel:
+    """The target cut after `exit_layer` decoder layers, through its own final norm and LM head.
+
+    Every module is the target's own (shared, not copied): self-speculation costs no memory beyond
+    a KV cache of `exit_layer` layers. The shell is built on the meta device, so nothing is allocated.
+    """
+    n = target.config.num_hidden_layers
+    if not 1 <= exit_layer < n:
+        raise ValueError(f"self-speculation exit layer must be in 1..{n - 1}, got {exit_layer}")
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = exit_layer
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:exit_layer]
+    with torch.device("meta"):
+        shell = type(target)(config)
+    body, src = shell.model, target.model
+    body.embed_tokens = src.embed_tokens
+    body.layers = torch.nn.ModuleList(src.layers[:exit_layer])
+    body.norm = src.norm
+    body.rotary_emb = src.rotary_emb
+    shell.lm_head = target.get_output_embeddings()
+    leftover = [name for name, t in shell.state_dict().items() if t.is_meta]
+    if leftover:
+        raise ValueError(f"cannot build an early exit for {type(target).__name__}: unshared {leftover[:3]}")
+    return shell.eval()
+
+
+class SelfSpecDrafter(ModelDrafter):
+    """The target drafts for itself by exiting early at layer k (LayerSkip-style, untrained exit)."""
+
+    def __init__(self, target: PreTrainedModel, exit_layer: int):
+        super().__init__(early_exit_model(target, exit_layer), target.config.vocab_size, name=f"self-spec@{exit_layer}")
+
+
+class NgramDrafter:
+    """Prompt lookup (vLLM's `ngram` method): find the sequence's last n tokens earlier in the
+    prompt or output, longest n first from `max_n` down to `min_n`, and propose what followed the
+    earliest occurrence. Deterministic, so q is one-hot (returned as None)."""
+
+    def __init__(self, min_n: int = 1, max_n: int = 3):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self.name = f"ngram[{min_n},{max_n}]"
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, tokens, k, config, generator):
+        length = tokens.numel()
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            windows = tokens[: length - 1].unfold(0, n, 1)  # every earlier n-gram, not the suffix itself
+            hits = (windows == tokens[length - n :]).all(dim=1).nonzero()
+            if hits.numel():
+                start = int(hits[0, 0]) + n
+                return tokens[start : start + k], None
+        return tokens[:0], None
+
+    def rollback(self, valid_len: int) -> None:
+        pass
+
+
+def make_drafter(
+    target: PreTrainedModel,
+    *,
+    draft: str | None = None,
+    self_spec: int | None = None,
+    ngram: bool = False,
+    ngram_min: int = 1,
+    ngram_max: int = 3,
+) -> Drafter | None:
+    """The drafter a command line asks for: at most one of a draft model reference, an early-exit
+    layer, or n-gram lookup; None means target-only decoding. A draft directory's
+    draft_vocab.safetensors, when present, switches on the reduced draft vocabulary."""
+    chosen = [name for name, on in (("draft", draft), ("self_spec", self_spec is not None), ("ngram", ngram)) if on]
+    if len(chosen) > 1:
+        raise ValueError(f"choose one drafting method, got {' and '.join(chosen)}")
+    if self_spec is not None:
+        return SelfSpecDrafter(target, self_spec)
+    if ngram:
+        return NgramDrafter(ngram_min, ngram_max)
+    if draft:
+        from specdistill.models import load_model
+
+        loaded = load_model(draft, dtype=target.dtype)
+        return ModelDrafter(
+            loaded.model, target.config.vocab_size, DraftVocab.load(loaded.path), name=f"draft:{loaded.path.name}"
+        )
+    return None

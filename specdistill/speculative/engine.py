@@ -1,0 +1,211 @@
+"""Target-only and speculative decoding for one request, read top to bottom (gpt-fast style).
+
+Invariant of the loop: `tokens[:length]` is the sequence so far and the target's KV cache holds
+`tokens[:length - 1]`; the last token is pending. A round feeds the pending token plus k drafts to
+the target in one forward, keeps the accepted prefix, crops the rejected drafts off the cache and
+appends the target's own next token (its correction, or the bonus token when all k pass).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from specdistill.speculative.drafters import Drafter
+from specdistill.speculative.sampling import SamplingConfig, next_token, verify
+
+
+@dataclass
+class SpecStats:
+    """Counters per request, summed over requests by `merge` (DESIGN.md definitions).
+
+    rounds are drafting rounds (target forwards that verified at least one draft); target steps
+    with nothing to verify (prefill, no n-gram match, last token) count only in `target_forwards`.
+    """
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    target_forwards: int = 0
+    seconds: float = 0.0
+    accepted_per_position: list[int] = field(default_factory=list)
+    proposed_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """α = accepted / proposed draft tokens (bonus tokens not counted)."""
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def accepted_length(self) -> float:
+        """τ = 1 + accepted / drafting rounds: tokens per verifying target forward, bonus included."""
+        return 1.0 + self.accepted / self.rounds if self.rounds else 1.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """Share of drafting rounds in which the draft token at position i was accepted."""
+        return [a / self.rounds if self.rounds else 0.0 for a in self.accepted_per_position]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def record_round(self, proposed: int, accepted: int) -> None:
+        self.rounds += 1
+        self.proposed += proposed
+        self.accepted += accepted
+        grow = proposed - len(self.proposed_per_position)
+        if grow > 0:
+            self.proposed_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        for i in range(proposed):
+            self.proposed_per_position[i] += 1
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    def merge(self, other: "SpecStats") -> "SpecStats":
+        width = max(len(self.proposed_per_position), len(other.proposed_per_position))
+
+        def add(a: list[int], b: list[int]) -> list[int]:
+            return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(width)]
+
+        return SpecStats(
+            requests=self.requests + other.requests,
+            prompt_tokens=self.prompt_tokens + other.prompt_tokens,
+            generated_tokens=self.generated_tokens + other.generated_tokens,
+            rounds=self.rounds + other.rounds,
+            proposed=self.proposed + other.proposed,
+            accepted=self.accepted + other.accepted,
+            target_forwards=self.target_forwards + other.target_forwards,
+            seconds=self.seconds + other.seconds,
+            accepted_per_position=add(self.accepted_per_position, other.accepted_per_position),
+            proposed_per_position=add(self.proposed_per_position, other.proposed_per_position),
+        )
+
+    @classmethod
+    def total(cls, stats: Iterable["SpecStats"]) -> "SpecStats":
+        out = cls()
+        for s in stats:
+            out = out.merge(s)
+        return out
+
+    def to_dict(self) -> dict:
+        return {
+            **asdict(self),
+            "acceptance_rate": self.acceptance_rate,
+            "accepted_length": self.accepted_length,
+            "per_position_acceptance": self.per_position_acceptance,
+            "tokens_per_second": self.tokens_per_second,
+        }
+
+
+@dataclass
+class GenerationResult:
+    output_ids: list[int]  # generated ids only, prompt excluded; ends with the stop token if one was hit
+    stats: SpecStats
+
+
+def context_length(model: PreTrainedModel) -> int:
+    return int(getattr(model.config, "max_position_embeddings", None) or 1 << 30)
+
+
+def default_stop_ids(model: PreTrainedModel) -> list[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = model.config.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+def _check_request(target: PreTrainedModel, prompt: torch.Tensor, max_new_tokens: int, gamma: int) -> None:
+    if prompt.numel() == 0:
+        raise ValueError("empty prompt: give at least one token")
+    if gamma < 1:
+        raise ValueError(f"gamma (draft tokens per round) must be >= 1, got {gamma}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    vocab = target.config.vocab_size
+    if int(prompt.min()) < 0 or int(prompt.max()) >= vocab:
+        raise ValueError(f"prompt has token ids outside the target vocabulary 0..{vocab - 1}")
+    ctx = context_length(target)
+    if prompt.numel() >= ctx:
+        raise ValueError(f"prompt of {prompt.numel()} tokens does not fit the target's context of {ctx} tokens")
+
+
+@torch.inference_mode()
+def generate(
+    target: PreTrainedModel,
+    prompt_ids: Sequence[int] | torch.Tensor,
+    *,
+    max_new_tokens: int,
+    drafter: Drafter | None = None,
+    gamma: int = 4,
+    sampling: SamplingConfig | None = None,
+    stop_token_ids: Iterable[int] | None = None,
+) -> GenerationResult:
+    """Generate up to `max_new_tokens` after the prompt; with a drafter, speculatively.
+
+    Target-only (drafter None) is the baseline every speedup is measured against. Generation stops
+    after a stop token (kept in the output), at `max_new_tokens`, or when the context is full.
+    """
+    sampling = sampling or SamplingConfig()
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
+    _check_request(target, prompt, max_new_tokens, gamma)
+    stop = torch.tensor(sorted(set(default_stop_ids(target) if stop_token_ids is None else stop_token_ids)), dtype=torch.long)
+    generator = None if sampling.greedy else sampling.generator()
+    budget = min(max_new_tokens, context_length(target) - prompt.numel())
+    stats = SpecStats(requests=1, prompt_tokens=prompt.numel())
+    start = time.perf_counter()
+
+    tokens = torch.empty(prompt.numel() + budget + gamma + 1, dtype=torch.long)
+    tokens[: prompt.numel()] = prompt
+    length = prompt.numel()
+    cache = DynamicCache(config=target.config)
+    if drafter is not None:
+        drafter.reset()
+
+    def forward(input_ids: torch.Tensor, keep: int) -> torch.Tensor:
+        stats.target_forwards += 1
+        return target(input_ids=input_ids.unsqueeze(0), cache=cache, use_cache=True, logits_to_keep=keep).logits[0]
+
+    new = next_token(forward(prompt, 1)[-1], sampling, generator).view(1)
+    while True:
+        # append the round's tokens, cut at the first stop token exactly as target-only decoding would
+        hit = torch.isin(new, stop).nonzero() if stop.numel() else new[:0]
+        if hit.numel():
+            new = new[: int(hit[0, 0]) + 1]
+        tokens[length : length + new.numel()] = new
+        length += new.numel()
+        generated = length - prompt.numel()
+        if hit.numel() or generated >= budget:
+            break
+
+        k = min(gamma, budget - generated - 1)
+        draft_ids, draft_probs = (
+            drafter.propose(tokens[:length], k, sampling, generator) if drafter is not None and k > 0 else (tokens[:0], None)
+        )
+        k = draft_ids.numel()
+        if k == 0:
+            new = next_token(forward(tokens[length - 1 : length], 1)[-1], sampling, generator).view(1)
+            if drafter is not None:
+                drafter.rollback(length)
+            continue
+        logits = forward(torch.cat([tokens[length - 1 : length], draft_ids]), k + 1)
+        n, following = verify(logits, draft_ids, draft_probs, sampling, generator)
+        if n < k:
+            cache.crop(n - k)
+        drafter.rollback(length + n)
+        stats.record_round(k, n)
+        new = torch.cat([draft_ids[:n], following.view(1)])
+
+    stats.generated_tokens = length - prompt.numel()
+    stats.seconds = time.perf_counter() - start
+    return GenerationResult(tokens[prompt.numel() : length].tolist(), stats)

@@ -1,0 +1,68 @@
+"""The gate's verdict follows its thresholds, names every reason, and refuses malformed input."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdistill.gate import GateConfig, evaluate, gate_config
+
+
+def result(lossless=True, alpha=0.6, tau=2.5, speedup=1.2, **extra):
+    return {"lossless": lossless, "acceptance_rate": alpha, "accepted_length": tau, "speedup": speedup, **extra}
+
+
+def test_default_gate_passes_a_good_draft_and_lists_reasons():
+    verdict = evaluate(result())
+    assert verdict.passed
+    assert len(verdict.reasons) == 3 and not verdict.failures
+    assert any("acceptance rate 0.600 >= 0.500" in r for r in verdict.reasons)
+
+
+@pytest.mark.parametrize(
+    "kwargs, failing",
+    [
+        ({"lossless": False, "lossless_mismatches": 3}, "3 outputs differ"),
+        ({"lossless": None}, "sampling run"),
+        ({"alpha": 0.49}, "acceptance rate 0.490 < 0.500"),
+        ({"speedup": 0.95}, "speedup 0.95 < 1.00"),
+    ],
+)
+def test_each_default_threshold_can_fail_alone(kwargs, failing):
+    verdict = evaluate(result(**kwargs))
+    assert not verdict.passed
+    assert len(verdict.failures) == 1 and failing in verdict.failures[0]
+
+
+def test_production_profile_needs_tau_3_and_speedup_1_5():
+    assert evaluate(result(tau=3.2, speedup=1.6), gate_config("production")).passed
+    verdict = evaluate(result(tau=2.9, speedup=1.4), gate_config("production"))
+    assert not verdict.passed
+    assert len(verdict.failures) == 2
+    assert evaluate(result(tau=2.9, speedup=1.4)).passed  # same numbers pass the default bar
+
+
+def test_challenger_tau_against_champion_with_tolerance():
+    champion = result(tau=3.0)
+    assert evaluate(result(tau=2.96), GateConfig(), champion).passed
+    verdict = evaluate(result(tau=2.9), GateConfig(), champion)
+    assert not verdict.passed and "worse" in verdict.failures[0]
+    assert evaluate(result(tau=2.9), gate_config(max_accepted_length_drop=0.2), champion).passed
+
+
+def test_thresholds_can_be_switched_off_and_verdict_serializes():
+    verdict = evaluate(result(alpha=0.1, speedup=0.5), GateConfig(min_acceptance_rate=None, min_speedup=None))
+    assert verdict.passed and len(verdict.checks) == 1
+    d = verdict.to_dict()
+    assert d["passed"] and d["checks"][0]["name"] == "lossless"
+    assert "PASS" in verdict.render()
+
+
+def test_bad_input_errors():
+    with pytest.raises(ValueError, match="lacks \\['speedup'\\]"):
+        evaluate({"lossless": True, "acceptance_rate": 0.5, "accepted_length": 2})
+    with pytest.raises(ValueError, match="unknown gate profile"):
+        gate_config("staging")
+    with pytest.raises(ValueError, match="unknown gate setting"):
+        gate_config(min_alpha=0.3)
+    with pytest.raises(ValueError, match="champion"):
+        evaluate(result(), GateConfig(), champion=[1, 2])
