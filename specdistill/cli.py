@@ -67,6 +67,28 @@ def cmd_draft_init(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# distill
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    import os
+
+    from specdistill.config import load_config
+    from specdistill.train import distill
+
+    config = load_config(args.config, args.overrides)  # fails on unknown keys before any work
+    result = distill(config)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    last = result["curve"][-1] if result["curve"] else {}
+    text = (f"{result['steps']} steps, {result['tokens']} tokens, {result['train_minutes']:.1f} min, loss {result['loss']:.4f}"
+            + (f", held-out acceptance {last['acceptance']:.3f}, tau(4) {last['tau']:.2f}" if "acceptance" in last else "")
+            + f" -> {result.get('draft_dir')}")
+    _emit(args, result, text)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
 # demo
 
 
@@ -104,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", type=int, default=None, help="keep only the N most frequent tokens")
     p.add_argument("--traffic", default=None, help="text file whose token counts choose the draft vocabulary")
     p.add_argument("out")
+
+    p = add(sub, "distill", cmd_distill, "distill a draft from its target (YAML config, key=value overrides)")
+    p.add_argument("--config", default=None, help="YAML file; see specdistill.config.DistillConfig")
+    p.add_argument("overrides", nargs="*", help="dotted overrides such as optim.lr=3e-4 loss.kind=jsd")
 
     add(sub, "demo", cmd_demo, "run the main job on the embedded defaults")
     return parser

@@ -39,6 +39,7 @@ class TopKTeacher:
     logprobs: torch.Tensor  # [..., k] log p of the k tokens (at the cache's temperature)
     indices: torch.Tensor  # [..., k] their token ids (in the draft's vocabulary space)
     residual: torch.Tensor  # [...] 1 - Σ p over the k tokens (≥ 0)
+    valid: torch.Tensor | None = None  # [..., k] False for entries a reduced draft vocabulary lacks
 
     def bucket_logprobs(self) -> torch.Tensor:
         """k + 1 bucket log-probs: the k tokens, then the residual."""
@@ -46,22 +47,31 @@ class TopKTeacher:
         return torch.cat([self.logprobs, torch.log(res)], dim=-1)
 
     def select(self, mask: torch.Tensor) -> "TopKTeacher":
-        return TopKTeacher(self.logprobs[mask], self.indices[mask], self.residual[mask])
+        valid = None if self.valid is None else self.valid[mask]
+        return TopKTeacher(self.logprobs[mask], self.indices[mask], self.residual[mask], valid)
 
 
 def topk_teacher_from_logits(logits: torch.Tensor, k: int, temperature: float = 1.0) -> TopKTeacher:
     """Keep the k largest teacher probabilities per position and the mass of the rest."""
-    logp = F.log_softmax(logits/ temperature, dim=-1)
+    logp = F.log_softmax(_upcast(logits) / temperature, dim=-1)
     k = min(k, logp.shape[-1])
     top, idx = logp.topk(k, dim=-1)
     residual = (1.0 - top.exp().sum(-1)).clamp_min(0.0)
     return TopKTeacher(top, idx, residual)
 
 
-def student_bucket_logprobs(student_logits: torch.Tensor, indices: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """The student's log-probs on the teacher's k tokens plus one residual bucket (k + 1 entries)."""
-    logq = F.log_softmax(student_logits/ temperature, dim=-1)
+def student_bucket_logprobs(
+    student_logits: torch.Tensor, indices: torch.Tensor, temperature: float = 1.0, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The student's log-probs on the teacher's k tokens plus one residual bucket (k + 1 entries).
+
+    Invalid entries (padding that repeats a valid index) get -inf on both sides: they add nothing.
+    """
+    indices = indices.long()
+    logq = F.log_softmax(_upcast(student_logits) / temperature, dim=-1)
     top = logq.gather(-1, indices)
+    if valid is not None:
+        top = top.masked_fill(~valid, float("-inf"))
     # log(1 - Σ q_top) computed stably as log(Σ q_rest) via logsumexp over the non-selected entries.
     rest = logq.scatter(-1, indices, float("-inf"))
     # Floor at log(1e-30): when k covers the whole vocabulary the bucket is empty on both sides.
@@ -94,7 +104,9 @@ def generalized_jsd(logp: torch.Tensor, logq: torch.Tensor, beta: float = 0.5) -
     """β·KL(p ‖ m) + (1−β)·KL(q ‖ m), m = β·p + (1−β)·q (GKD's generalized JSD)."""
     if not 0.0 < beta < 1.0:
         raise ValueError(f"JSD beta must be in (0, 1), got {beta}")
-    logm = torch.logsumexp(torch.stack([logp + math.log(beta), logq + math.log(1 - beta)]), dim=0)
+    # Floored copies for the mixture only: an entry empty on both sides must not give -inf - -inf.
+    lp, lq = logp.clamp_min(-1e4), logq.clamp_min(-1e4)
+    logm = torch.logsumexp(torch.stack([lp + math.log(beta), lq + math.log(1 - beta)]), dim=0)
     return beta * _xlogy_diff(logp, logm) + (1 - beta) * _xlogy_diff(logq, logm)
 
 
@@ -142,15 +154,15 @@ def per_token_divergence(
     """
     if isinstance(teacher, TopKTeacher):
         logp = teacher.bucket_logprobs()
-        logq = student_bucket_logprobs(student_logits, teacher.indices, temperature)
+        logq = student_bucket_logprobs(student_logits, teacher.indices, temperature, teacher.valid)
     else:
         if teacher.shape[-1] != student_logits.shape[-1]:
             raise ValueError(
                 f"teacher has {teacher.shape[-1]} logits per position, draft {student_logits.shape[-1]}: "
                 "restrict the teacher to the draft vocabulary first"
             )
-        logp = F.log_softmax(teacher/ temperature, dim=-1)
-        logq = F.log_softmax(student_logits/ temperature, dim=-1)
+        logp = F.log_softmax(_upcast(teacher) / temperature, dim=-1)
+        logq = F.log_softmax(_upcast(student_logits) / temperature, dim=-1)
     return divergence(kind, logp, logq, beta)
 
 
