@@ -56,7 +56,7 @@ def topk_teacher_from_logits(logits: torch.Tensor, k: int, temperature: float = 
     logp = F.log_softmax(_upcast(logits) / temperature, dim=-1)
     k = min(k, logp.shape[-1])
     top, idx = logp.topk(k, dim=-1)
-    residual = (1.0 - top.exp().sum(-1)).clamp_min(0.0)
+    residual = torch.logsumexp(logp.scatter(-1, idx, float("-inf")), dim=-1).exp()
     return TopKTeacher(top, idx, residual)
 
 
@@ -73,9 +73,10 @@ def student_bucket_logprobs(
     if valid is not None:
         top = top.masked_fill(~valid, float("-inf"))
     # log(1 - Σ q_top) computed stably as log(Σ q_rest) via logsumexp over the non-selected entries.
-    rest = logq.scatter(-1, indices, float("-inf"))
-    # Floor at log(1e-30): when k covers the whole vocabulary the bucket is empty on both sides.
-    residual = torch.logsumexp(rest, dim=-1, keepdim=True).clamp_min(-69.0)
+    # The selected entries are replaced by -1e4 rather than -inf: when k covers the whole
+    # vocabulary the bucket is then exactly empty (exp(-1e4) = 0) and its gradient is 0, not NaN.
+    rest = logq.scatter(-1, indices, -1e4)
+    residual = torch.logsumexp(rest, dim=-1, keepdim=True)
     return torch.cat([top, residual], dim=-1)
 
 

@@ -61,7 +61,8 @@ def teacher_positions(assistant_mask: Sequence[bool]) -> list[int]:
 def topk_rows(logits: torch.Tensor, k: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     logp = F.log_softmax(logits.float() / temperature, dim=-1)
     top, idx = logp.topk(min(k, logp.shape[-1]), dim=-1)
-    residual = (1.0 - top.exp().sum(-1)).clamp_min(0.0)
+    # the mass of the other tokens summed directly (1 - Σ top loses it to rounding at ~1e-7)
+    residual = torch.logsumexp(logp.scatter(-1, idx, float("-inf")), dim=-1).exp()
     return top, idx.to(torch.int32), residual
 
 

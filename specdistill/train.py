@@ -476,6 +476,9 @@ def _loss(config: DistillConfig, logits, hidden, batch: Batch, teacher, cache_ro
             torch.cat([p["indices"][:n] for p, n in zip(parts, batch.rows_per_example)]).long(),
             torch.cat([p["residual"][:n] for p, n in zip(parts, batch.rows_per_example)]),
         )
+        if lc.top_k and lc.top_k < top.logprobs.shape[-1]:  # a smaller k than cached: the rest joins the bucket
+            dropped = top.logprobs[:, lc.top_k:].exp().sum(-1)
+            top = losses.TopKTeacher(top.logprobs[:, : lc.top_k], top.indices[:, : lc.top_k], top.residual + dropped)
         teacher_signal = to_draft_space(top, draft_vocab) if remap else top
     else:
         teacher_logits, target_hidden = teacher(batch.input_ids, batch.attention, batch.positions)

@@ -23,7 +23,7 @@ def _probs(logits, t):
 
 
 def _kl(p, q):
-    return sum(pi * math.log(pi / qi) for pi, qi in zip(p, q) if pi > 0)
+    return sum(pi * math.log(pi / qi) for pi, qi in zip(p, q) if pi > 1e-15)
 
 
 def _ref_div(kind, p, q, beta=0.5):
@@ -109,8 +109,8 @@ def test_topk_with_residual_bucket_matches_brute_force(seed, k, kind):
             p = _probs(teacher[b, i].tolist(), 1.0)
             q = _probs(student[b, i].tolist(), 1.0)
             order = sorted(range(V), key=lambda j: -p[j])[:k]
-            pb = [p[j] for j in order] + [1 - sum(p[j] for j in order)]
-            qb = [q[j] for j in order] + [1 - sum(q[j] for j in order)]
+            pb = [p[j] for j in order] + [max(0.0, 1 - sum(p[j] for j in order))]
+            qb = [q[j] for j in order] + [max(1e-30, 1 - sum(q[j] for j in order))]
             total += _ref_div(kind, pb, qb)
             n += 1
     assert got.item() == pytest.approx(total / n, rel=1e-4, abs=1e-6)

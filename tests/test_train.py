@@ -180,7 +180,7 @@ def test_ddp_two_ranks_end_with_identical_weights(tiny_world, tmp_path):
     )
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          "-m", "specdistill.cli", "distill", "--config", str(cfg), "--json"],
         env=env, capture_output=True, text=True, timeout=280,
     )
@@ -202,7 +202,8 @@ def test_online_topk_hidden_and_selective_paths_train(tiny_world, tmp_path):
     for extra in (["loss.top_k=8", "loss.hidden_weight=0.5", "loss.kind=jsd"],
                   ["loss.selective_keep=0.5", f"loss.selective_reference={ref['draft_dir']}"],
                   ["loss.kind=mix", "loss.alpha=0.3", "loss.temperature=2.0"],
-                  ["loss.kind=ce", "teacher.mode=none"]):
+                  ["loss.kind=ce", "teacher.mode=none", "optim.bf16=true"],
+                  ["teacher.mode=cache", f"teacher.cache_dir={tiny_world['gen_cache']}", "loss.top_k=4", "draft_vocab=64"]):
         result = distill(_config(tiny_world, tmp_path / "_".join(e.split("=")[0] for e in extra), "optim.max_steps=2", *extra))
         log = _log(tmp_path / "_".join(e.split("=")[0] for e in extra))
         assert result["steps"] == 2 and all(r["loss"] > 0 for r in log), extra
