@@ -33,8 +33,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/specdistill demo
 
+# The log store's tests also run on PostgreSQL: with_postgres.sh installs Debian's postgresql when
+# missing, starts a throwaway server and sets SPECDISTILL_TEST_PG_URL for pytest.
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+	scripts/with_postgres.sh $(PY) -m pytest -q -p no:cacheprovider
 
 clean:
 	rm -rf $(VENV) .specdistill

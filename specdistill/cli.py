@@ -85,6 +85,46 @@ def cmd_distill(args: argparse.Namespace) -> int:
             + (f", held-out acceptance {last['acceptance']:.3f}, tau(4) {last['tau']:.2f}" if "acceptance" in last else "")
             + f" -> {result.get('draft_dir')}")
     _emit(args, result, text)
+# log store
+
+
+def _log_store(args: argparse.Namespace):
+    from specdistill.logstore import LogStore
+
+    return LogStore(args.db)
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    from specdistill.ingest import ingest
+
+    result = ingest(args.path, args.format, _log_store(args), batch_size=args.batch_size, source=args.source,
+                    progress=not args.no_progress)
+    _emit(args, result.to_dict(), result.render())
+    return 0
+
+
+def cmd_logs_stats(args: argparse.Namespace) -> int:
+    stats = _log_store(args).stats()
+    lines = [f"log store {stats['database']} (schema {stats['schema_revision']})",
+             f"conversations: {stats['conversations']} (train {stats['by_split']['train']}, "
+             f"eval {stats['by_split']['eval']}); target responses: {stats['responses']}; "
+             f"quarantined: {stats['quarantined']}; acceptance samples: {stats['acceptance_samples']}",
+             "ingested (all runs): read {read} = stored {stored} + duplicates {duplicates} + "
+             "quarantined {quarantined}".format(**stats["ingested"])]
+    lines += [f"  {s['conversations']:>8}  {s['source']}  ({s['first_arrival']} .. {s['last_arrival']})"
+              for s in stats["by_source"]]
+    _emit(args, stats, "\n".join(lines))
+    return 0
+
+
+def cmd_logs_quarantine(args: argparse.Namespace) -> int:
+    store = _log_store(args)
+    rows = store.quarantined(source=args.source, limit=args.limit)
+    total = store.count_quarantined(source=args.source)
+    text = "\n".join(f"{r['location']}: {r['reason']}\n    {r['raw'][:160]!r}" for r in rows) or "quarantine is empty"
+    if total > len(rows):
+        text += f"\n({len(rows)} of {total} shown; --limit N for more)"
+    _emit(args, {"records": rows, "shown": len(rows), "total": total}, text)
     return 0
 
 
@@ -130,6 +170,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(sub, "distill", cmd_distill, "distill a draft from its target (YAML config, key=value overrides)")
     p.add_argument("--config", default=None, help="YAML file; see specdistill.config.DistillConfig")
     p.add_argument("overrides", nargs="*", help="dotted overrides such as optim.lr=3e-4 loss.kind=jsd")
+    db_help = "log store URL (default $SPECDISTILL_LOG_DB, else sqlite under $SPECDISTILL_HOME/logs.db)"
+    p = add(sub, "ingest", cmd_ingest, "ingest a traffic file into the log store (idempotent, incremental)")
+    p.add_argument("path")
+    p.add_argument("--format", required=True, choices=["sharegpt", "openai", "jsonl", "humaneval"])
+    p.add_argument("--db", default=None, help=db_help)
+    p.add_argument("--source", default=None, help="source name (default: the file's absolute path)")
+    p.add_argument("--batch-size", type=int, default=1000, help="records per transaction")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+    logs = sub.add_parser("logs", help="log store").add_subparsers(dest="logs_command", required=True)
+    p = add(logs, "stats", cmd_logs_stats, "what the log store holds")
+    p.add_argument("--db", default=None, help=db_help)
+    p = add(logs, "quarantine", cmd_logs_quarantine, "rejected records with their reasons and locations")
+    p.add_argument("--db", default=None, help=db_help)
+    p.add_argument("--source", default=None, help="only this source")
+    p.add_argument("--limit", type=int, default=100)
 
     add(sub, "demo", cmd_demo, "run the main job on the embedded defaults")
     return parser

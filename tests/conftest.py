@@ -51,3 +51,35 @@ def demo_target():
     from specdistill.models import load_model
 
     return load_model("demo")
+
+
+# --------------------------------------------------------------------------------------------
+# log store backends: every store test runs on SQLite and on PostgreSQL
+
+
+PG_URL_ENV = "SPECDISTILL_TEST_PG_URL"
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request, tmp_path):
+    """A fresh, empty log store database URL. PostgreSQL: a schema of its own on the server named by
+    $SPECDISTILL_TEST_PG_URL (`make test` starts one); skipped when that is unset."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'logs.db'}"
+        return
+    base = os.environ.get(PG_URL_ENV)
+    if not base:
+        pytest.skip(f"{PG_URL_ENV} is not set (make test starts a PostgreSQL server and sets it)")
+    import uuid
+
+    import sqlalchemy as sa
+
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(base)
+    with admin.begin() as conn:
+        conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
+    url = sa.make_url(base).update_query_dict({"options": f"-csearch_path={schema}"})
+    yield url.render_as_string(hide_password=False)
+    with admin.begin() as conn:
+        conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
+    admin.dispose()

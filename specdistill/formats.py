@@ -1,0 +1,234 @@
+"""What one record of each traffic format means, and the rules that normalize it to messages.
+
+Each parser takes one decoded JSON value and returns the fields of a `readers.Conversation`, or
+raises `InvalidRecord` whose message is the quarantine reason.
+
+Normalization rules (every record that breaks one becomes a `Rejected` with the reason; the one
+repair, rule 4, is written down in the conversation's `notes`):
+
+1. Roles: `human`/`user` -> user, `gpt`/`assistant`/`chatgpt`/`bard`/`bing`/`model` -> assistant,
+   `system`/`developer` -> system. Any other role (`tool`, `function`, ...) is rejected.
+2. Content must be a string; OpenAI content-part lists are joined when every part is text, and
+   rejected otherwise (images, audio). An assistant turn with `tool_calls` and no content is rejected.
+3. A conversation with no turns, or with an empty (whitespace-only) turn, is rejected: an empty turn
+   means a scrape or log went wrong and the surrounding turns cannot be trusted.
+4. System turns may only come first. Assistant turns before the first user turn are dropped and the
+   drop is written in the conversation's `notes` (ShareGPT splits long chats into parts `ID_1`,
+   `ID_2`, ... whose first turn is the answer closing the previous part: about a third of the shipped
+   file). After that, user and assistant turns must alternate, or the record is rejected (chat
+   templates need it). A conversation may end with a user turn: it is then a prompt without a
+   response (like HumanEval), which the target can answer later.
+5. Over-long records are rejected: more than `max_record_bytes` of raw input (not even parsed) or
+   more than `max_chars` characters of content.
+6. Text that a database cannot hold is rejected: NUL characters, lone surrogates, invalid UTF-8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_MAX_CHARS = 1_000_000
+
+ROLE_MAP = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "model": "assistant",
+    "system": "system",
+    "developer": "system",
+}
+
+
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str  # "system" | "user" | "assistant"
+    content: str
+
+
+
+
+class InvalidRecord(ValueError):
+    """A record that parses but breaks a rule; the message is the quarantine reason."""
+
+
+
+# ----------------------------------------------------------------------------------------------
+# normalization
+
+
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise InvalidRecord(f"{where}: non-text content part ({kind})")
+        return "".join(parts)
+    raise InvalidRecord(f"{where}: content is {type(content).__name__}, not a string")
+
+
+def normalize_messages(
+    turns: list[tuple[Any, Any]], max_chars: int = DEFAULT_MAX_CHARS, notes: list[str] | None = None
+) -> list[Message]:
+    """Apply the module's rules to (role, content) pairs; raise InvalidRecord with the reason.
+
+    What the rules changed (dropped leading assistant turns) is appended to `notes`.
+    """
+    if not turns:
+        raise InvalidRecord("no turns")
+    messages: list[Message] = []
+    total = 0
+    for i, (role, content) in enumerate(turns):
+        if not isinstance(role, str):
+            raise InvalidRecord(f"turn {i}: role is {type(role).__name__}, not a string")
+        norm = ROLE_MAP.get(role.strip().lower())
+        if norm is None:
+            raise InvalidRecord(f"turn {i}: unknown role {role[:40]!r}")
+        text = _content_text(content, f"turn {i}")
+        if not text.strip():
+            raise InvalidRecord(f"turn {i}: empty {norm} turn")
+        if "\x00" in text:
+            raise InvalidRecord(f"turn {i}: NUL character in content")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRecord(f"turn {i}: invalid unicode (lone surrogate) in content") from None
+        total += len(text)
+        messages.append(Message(norm, text))
+    if total > max_chars:
+        raise InvalidRecord(f"too long: {total} characters of content (limit {max_chars})")
+    first = next((i for i, m in enumerate(messages) if m.role != "system"), None)
+    if first is None:
+        raise InvalidRecord("no user turn (only system turns)")
+    if any(m.role == "system" for m in messages[first:]):
+        i = next(i for i, m in enumerate(messages) if i >= first and m.role == "system")
+        raise InvalidRecord(f"turn {i}: system turn after the conversation started")
+    user = next((i for i, m in enumerate(messages) if m.role == "user"), None)
+    if user is None:
+        raise InvalidRecord("no user turn")
+    shift = user - first  # turn numbers in reasons refer to the record as written
+    if shift:
+        if notes is not None:
+            notes.append(f"dropped {user - first} leading assistant turn(s)")
+        messages = messages[:first] + messages[user:]
+    for i in range(first, len(messages)):
+        expected = "user" if (i - first) % 2 == 0 else "assistant"
+        if messages[i].role != expected:
+            raise InvalidRecord(f"turn {i + shift}: two {messages[i - 1].role} turns in a row")
+    return messages
+
+
+def _require(obj: Any, key: str, kind: type, where: str = "") -> Any:
+    if not isinstance(obj, dict):
+        raise InvalidRecord(f"{where}is {type(obj).__name__}, not an object")
+    if key not in obj:
+        raise InvalidRecord(f"{where}missing key {key!r}")
+    value = obj[key]
+    if not isinstance(value, kind):
+        raise InvalidRecord(f"{where}{key!r} is {type(value).__name__}, not {kind.__name__}")
+    return value
+
+
+def _turns_from_openai(messages: list, where: str) -> list[tuple[Any, Any]]:
+    turns = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InvalidRecord(f"{where}messages[{i}] is {type(m).__name__}, not an object")
+        if m.get("tool_calls") and not m.get("content"):
+            raise InvalidRecord(f"{where}messages[{i}]: tool calls are not supported")
+        if "role" not in m or "content" not in m:
+            raise InvalidRecord(f"{where}messages[{i}] needs 'role' and 'content'")
+        turns.append((m["role"], m["content"]))
+    return turns
+
+
+def _parse_sharegpt(obj: Any, max_chars: int) -> dict:
+    convs = _require(obj, "conversations", list)
+    turns = []
+    for i, t in enumerate(convs):
+        if not isinstance(t, dict) or "from" not in t or "value" not in t:
+            raise InvalidRecord(f"conversations[{i}] needs 'from' and 'value'")
+        turns.append((t["from"], t["value"]))
+    rid = obj.get("id")
+    notes: list[str] = []
+    messages = normalize_messages(turns, max_chars, notes)
+    return {"messages": messages, "record_id": None if rid is None else str(rid), "notes": notes}
+
+
+def _parse_openai(obj: Any, max_chars: int) -> dict:
+    if isinstance(obj, dict) and "request" in obj:
+        request = _require(obj, "request", dict)
+        response = _require(obj, "response", dict)
+        messages = _require(request, "messages", list, "request: ")
+        choices = _require(response, "choices", list, "response: ")
+        if not choices:
+            raise InvalidRecord("response: no choices")
+        # n > 1 choices are alternative samples of one prompt; the first one is the logged answer.
+        message = _require(choices[0], "message", dict, "response.choices[0]: ")
+        turns = _turns_from_openai(messages, "request.") + _turns_from_openai([message], "response.choices[0].")
+        served_by = response.get("model") or request.get("model")
+        created = response.get("created") if isinstance(response.get("created"), (int, float)) else None
+        rid = response.get("id")
+    else:
+        messages = _require(obj, "messages", list)
+        turns = _turns_from_openai(messages, "")
+        if not turns or ROLE_MAP.get(str(turns[-1][0]).lower()) != "assistant":
+            raise InvalidRecord("flat form: the last message must be the assistant's")
+        served_by = obj.get("model")
+        created = obj.get("created") if isinstance(obj.get("created"), (int, float)) else None
+        rid = obj.get("id")
+    notes: list[str] = []
+    return {
+        "messages": normalize_messages(turns, max_chars, notes),
+        "notes": notes,
+        "served_by": served_by if isinstance(served_by, str) else None,
+        "timestamp": float(created) if created is not None and not isinstance(created, bool) else None,
+        "record_id": rid if isinstance(rid, str) else None,
+    }
+
+
+def _parse_jsonl(obj: Any, max_chars: int) -> dict:
+    prompt = _require(obj, "prompt", str)
+    response = _require(obj, "response", str)
+    turns = []
+    if "system" in obj and obj["system"] is not None:
+        turns.append(("system", obj["system"]))
+    turns += [("user", prompt), ("assistant", response)]
+    return {"messages": normalize_messages(turns, max_chars)}
+
+
+def _parse_humaneval(obj: Any, max_chars: int) -> dict:
+    task_id = _require(obj, "task_id", str)
+    prompt = _require(obj, "prompt", str)
+    return {"messages": normalize_messages([("user", prompt)], max_chars), "record_id": task_id}
+
+
+PARSERS = {"sharegpt": _parse_sharegpt, "openai": _parse_openai, "jsonl": _parse_jsonl, "humaneval": _parse_humaneval}
+
+
+def looks_like(obj: Any) -> str | None:
+    """The format whose records have this shape, for error messages."""
+    if isinstance(obj, list):
+        return "sharegpt (a JSON array)"
+    if not isinstance(obj, dict):
+        return None
+    if "conversations" in obj:
+        return "sharegpt"
+    if "request" in obj or "messages" in obj:
+        return "openai"
+    if "task_id" in obj:
+        return "humaneval"
+    if "prompt" in obj and "response" in obj:
+        return "jsonl"
+    return None

@@ -1,0 +1,175 @@
+"""Ingest a traffic file into the log store: idempotent, incremental, resumable, and counted.
+
+Every run conserves its counts: read = stored + duplicates + quarantined, where read is the number
+of records (JSONL lines that are not blank, ShareGPT array elements) the run looked at.
+
+Records are committed in batches; each batch moves the source's watermark (the byte offset after
+its last record) in the same transaction. So a rerun on an unchanged file reads nothing, a grown
+file is read from where the last run stopped, and a run killed mid-file leaves the store consistent
+and is completed by the next run. A file whose first bytes, or whose bytes just before the
+watermark, changed was rewritten: it is read again from the start, and what is already stored
+counts as duplicates.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from specdistill.logstore import LogStore, Watermark
+from specdistill.readers import (
+    DEFAULT_MAX_CHARS,
+    DEFAULT_MAX_RECORD_BYTES,
+    Conversation,
+    Rejected,
+    read_records,
+)
+
+FINGERPRINT_BYTES = 4096
+
+
+@dataclass
+class IngestResult:
+    source: str
+    format: str
+    run_id: int | None
+    read: int = 0
+    stored: int = 0
+    duplicates: int = 0
+    quarantined: int = 0
+    start_offset: int = 0
+    end_offset: int = 0
+    truncation: dict | None = None  # {"offset", "tail_bytes", "location"} of an unfinished tail
+    note: str | None = None
+    seconds: float = 0.0
+    conserved: bool = field(init=False, default=True)
+
+    def __post_init__(self) -> None:
+        self.conserved = self.read == self.stored + self.duplicates + self.quarantined
+
+    def to_dict(self) -> dict:
+        self.__post_init__()
+        return asdict(self)
+
+    def render(self) -> str:
+        lines = [
+            f"{self.source} ({self.format}): read {self.read} = stored {self.stored} + duplicates "
+            f"{self.duplicates} + quarantined {self.quarantined}  [bytes {self.start_offset}..{self.end_offset}, "
+            f"{self.seconds:.1f} s]"
+        ]
+        if self.truncation:
+            t = self.truncation
+            lines.append(
+                f"truncated: the file ends inside {t['location']} (byte {t['offset']}, {t['tail_bytes']} bytes); "
+                "that record is not read until the file is complete"
+            )
+        if self.note:
+            lines.append(f"note: {self.note}")
+        if self.quarantined:
+            lines.append("see the rejected records with: specdistill logs quarantine")
+        return "\n".join(lines)
+
+
+def file_fingerprint(path: Path, offset: int) -> str:
+    """Hash of the file's first bytes and of the bytes just before `offset` (on disk, as stored).
+
+    For compressed files only the first bytes count: their offsets are in the decompressed stream.
+    """
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        head = f.read(FINGERPRINT_BYTES)
+        compressed = head[:2] == b"\x1f\x8b"
+        if not compressed:
+            head = head[:offset]
+        digest.update(head)
+        if not compressed and offset > FINGERPRINT_BYTES:
+            f.seek(offset - FINGERPRINT_BYTES)
+            digest.update(f.read(FINGERPRINT_BYTES))
+    return digest.hexdigest()
+
+
+def _resume_point(store: LogStore, path: Path, source: str, fmt: str) -> tuple[int, int, str | None]:
+    wm = store.watermark(source)
+    if wm is None:
+        return 0, 0, None
+    if wm.format != fmt:
+        raise ValueError(f"{path} was ingested as {wm.format!r}, not {fmt!r}; pass --format {wm.format}")
+    compressed = _is_gzip(path)
+    if (not compressed and path.stat().st_size < wm.offset) or file_fingerprint(path, wm.offset) != wm.fingerprint:
+        return 0, 0, "the file changed since the last ingest (rewritten or shrunk): read again from the start"
+    return wm.offset, wm.index, None
+
+
+def _is_gzip(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(2) == b"\x1f\x8b"
+
+
+def ingest(
+    path: str | Path,
+    fmt: str,
+    store: LogStore | None = None,
+    *,
+    batch_size: int = 1000,
+    progress: bool = True,
+    source: str | None = None,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+    max_chars: int = DEFAULT_MAX_CHARS,
+) -> IngestResult:
+    """Ingest what is new in `path`; see the module docstring for the guarantees."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    store = store or LogStore()
+    source = source or str(path.resolve())
+    start, start_index, note = _resume_point(store, path, source, fmt)
+    reader = read_records(path, fmt, source=source, start_offset=start, start_index=start_index,
+                          max_record_bytes=max_record_bytes, max_chars=max_chars)
+    result = IngestResult(source=source, format=fmt, run_id=None, start_offset=start, end_offset=start, note=note)
+    began = time.perf_counter()
+    total = None if _is_gzip(path) else max(path.stat().st_size - start, 0)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"ingest {path.name}", disable=not progress,
+               file=sys.stderr, mininterval=0.5)
+    batch: list[Conversation | Rejected] = []
+    position = start
+
+    def flush(end_offset: int) -> None:
+        nonlocal batch
+        if result.run_id is None:
+            result.run_id = store.begin_run(source, fmt, start, note)
+        wm = Watermark(source, fmt, end_offset, reader.index, file_fingerprint(path, end_offset))
+        counts = store.add_batch(result.run_id, batch, wm)
+        result.read += len(batch)
+        result.stored += counts.stored
+        result.duplicates += counts.duplicates
+        result.quarantined += counts.quarantined
+        result.end_offset = end_offset
+        batch = []
+        bar.set_postfix(stored=result.stored, dup=result.duplicates, quarantined=result.quarantined, refresh=False)
+
+    try:
+        for record in reader:
+            batch.append(record)
+            bar.update(record.end_offset - position)
+            position = record.end_offset
+            if len(batch) >= batch_size:
+                flush(record.end_offset)
+        if batch or reader.end_offset != result.end_offset or result.run_id is None:
+            flush(reader.end_offset)
+    finally:
+        bar.close()
+    if reader.truncation is not None:
+        t = reader.truncation
+        result.truncation = {"offset": t.offset, "tail_bytes": t.tail_bytes, "location": t.location}
+    store.finish_run(result.run_id, result.truncation and result.truncation["offset"],
+                     result.truncation and result.truncation["tail_bytes"])
+    result.seconds = time.perf_counter() - began
+    result.__post_init__()
+    if not result.conserved:  # a bug, never bad input: bad input is quarantined and counted
+        raise RuntimeError(f"count conservation broken: {result.to_dict()}")
+    return result

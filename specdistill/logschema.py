@@ -1,0 +1,250 @@
+"""The log store's tables, engine and migrations, and the hashes that give a conversation its
+identity and its split.
+
+The tables here are what the migrations in `specdistill/migrations/versions/` build (a test
+compares the two); change both together, with a new migration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from contextlib import contextmanager
+from datetime import timezone
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from specdistill.formats import Message
+from specdistill.paths import ensure, home
+
+DEFAULT_EVAL_FRACTION = 0.05
+MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+_ADVISORY_LOCK = 0x5D15_7111  # PostgreSQL advisory lock id for migrations
+
+
+class UTCDateTime(sa.types.TypeDecorator):
+    """Timezone-aware UTC datetimes on every backend (SQLite keeps naive UTC text)."""
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value, dialect):
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value}: pass a timezone-aware one")
+        value = value.astimezone(timezone.utc)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value, dialect):
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=timezone.utc)
+        return value
+
+
+_ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+metadata = sa.MetaData()
+
+ingest_runs = sa.Table(
+    "ingest_runs", metadata,
+    sa.Column("id", _ID, primary_key=True, autoincrement=True),
+    sa.Column("source", sa.String(1024), nullable=False),
+    sa.Column("format", sa.String(32), nullable=False),
+    sa.Column("status", sa.String(16), nullable=False),  # running | done
+    sa.Column("started_at", UTCDateTime(), nullable=False),
+    sa.Column("finished_at", UTCDateTime()),
+    sa.Column("start_offset", sa.BigInteger(), nullable=False),
+    sa.Column("end_offset", sa.BigInteger(), nullable=False),
+    sa.Column("read", sa.Integer(), nullable=False),
+    sa.Column("stored", sa.Integer(), nullable=False),
+    sa.Column("duplicates", sa.Integer(), nullable=False),
+    sa.Column("quarantined", sa.Integer(), nullable=False),
+    sa.Column("truncated_at", sa.BigInteger()),
+    sa.Column("truncated_bytes", sa.BigInteger()),
+    sa.Column("note", sa.Text()),
+)
+
+conversations = sa.Table(
+    "conversations", metadata,
+    sa.Column("id", _ID, primary_key=True, autoincrement=True),
+    sa.Column("content_hash", sa.String(64), nullable=False, unique=True),
+    sa.Column("prompt_hash", sa.String(64), nullable=False, index=True),
+    sa.Column("split", sa.String(8), nullable=False, index=True),
+    sa.Column("messages", sa.Text(), nullable=False),  # JSON [{"role", "content"}]
+    sa.Column("num_messages", sa.Integer(), nullable=False),
+    sa.Column("num_chars", sa.Integer(), nullable=False),
+    sa.Column("source", sa.String(1024), nullable=False, index=True),
+    sa.Column("location", sa.String(1024), nullable=False),
+    sa.Column("record_id", sa.String(256)),
+    sa.Column("target_version", sa.String(256), index=True),  # the model that served it, if logged
+    sa.Column("notes", sa.Text()),  # JSON list: what normalization changed
+    sa.Column("arrived_at", UTCDateTime(), nullable=False, index=True),
+    sa.Column("ingested_at", UTCDateTime(), nullable=False),
+    sa.Column("ingest_run_id", _ID, sa.ForeignKey("ingest_runs.id")),
+)
+
+responses = sa.Table(
+    "responses", metadata,
+    sa.Column("id", _ID, primary_key=True, autoincrement=True),
+    sa.Column("conversation_id", _ID, sa.ForeignKey("conversations.id"), nullable=False, index=True),
+    sa.Column("prompt_messages", sa.Integer(), nullable=False),  # how many leading messages formed the prompt
+    sa.Column("target_fingerprint", sa.String(128), nullable=False, index=True),
+    sa.Column("params_hash", sa.String(16), nullable=False),
+    sa.Column("params", sa.Text(), nullable=False),  # JSON generation settings
+    sa.Column("text", sa.Text(), nullable=False),
+    sa.Column("token_ids", sa.Text()),  # JSON list of generated ids, if kept
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+    sa.UniqueConstraint("conversation_id", "prompt_messages", "target_fingerprint", "params_hash",
+                        name="uq_responses_prompt_target_params"),
+)
+
+quarantine = sa.Table(
+    "quarantine", metadata,
+    sa.Column("id", _ID, primary_key=True, autoincrement=True),
+    sa.Column("source", sa.String(1024), nullable=False, index=True),
+    sa.Column("location", sa.String(1024), nullable=False),
+    sa.Column("reason", sa.Text(), nullable=False),
+    sa.Column("raw", sa.Text(), nullable=False),
+    sa.Column("raw_hash", sa.String(64), nullable=False),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+    sa.Column("ingest_run_id", _ID, sa.ForeignKey("ingest_runs.id")),
+    sa.UniqueConstraint("source", "location", "raw_hash", name="uq_quarantine_source_location_raw"),
+)
+
+watermarks = sa.Table(
+    "watermarks", metadata,
+    sa.Column("source", sa.String(1024), primary_key=True),
+    sa.Column("format", sa.String(32), nullable=False),
+    sa.Column("byte_offset", sa.BigInteger(), nullable=False),  # bytes read and committed
+    sa.Column("record_index", sa.Integer(), nullable=False),  # line / element number at byte_offset
+    sa.Column("fingerprint", sa.String(64), nullable=False),  # hash of the bytes at the start and before byte_offset
+    sa.Column("updated_at", UTCDateTime(), nullable=False),
+)
+
+acceptance_samples = sa.Table(
+    "acceptance_samples", metadata,
+    sa.Column("id", _ID, primary_key=True, autoincrement=True),
+    sa.Column("measured_at", UTCDateTime(), nullable=False, index=True),
+    sa.Column("target_fingerprint", sa.String(128), nullable=False, index=True),
+    sa.Column("draft_version", sa.String(256), nullable=False),
+    sa.Column("conversation_id", _ID, sa.ForeignKey("conversations.id")),
+    sa.Column("gamma", sa.Integer(), nullable=False),
+    sa.Column("num_drafts", sa.Integer(), nullable=False),
+    sa.Column("num_draft_tokens", sa.Integer(), nullable=False),
+    sa.Column("num_accepted_tokens", sa.Integer(), nullable=False),
+    sa.Column("accepted_per_position", sa.Text(), nullable=False),  # JSON list, length gamma
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# hashing and split
+
+
+def content_hash(messages: Sequence[Message]) -> str:
+    """SHA-256 over each turn's role and length-prefixed UTF-8 content: equal iff the messages are."""
+    digest = hashlib.sha256()
+    for m in messages:
+        data = m.content.encode("utf-8")
+        digest.update(f"{m.role}:{len(data)}:".encode())
+        digest.update(data)
+    return digest.hexdigest()
+
+
+def prompt_hash(messages: Sequence[Message]) -> str:
+    """Hash of the opening prompt: system turns plus the first user turn."""
+    first_user = next(i for i, m in enumerate(messages) if m.role == "user")
+    return content_hash(messages[: first_user + 1])
+
+
+def split_of(prompt_digest: str, eval_fraction: float = DEFAULT_EVAL_FRACTION) -> str:
+    return "eval" if int(prompt_digest[:8], 16) < eval_fraction * 0x1_0000_0000 else "train"
+
+
+# ----------------------------------------------------------------------------------------------
+# engine and migrations
+
+
+def default_url() -> str:
+    url = os.environ.get("SPECDISTILL_LOG_DB")
+    return url if url else f"sqlite:///{ensure(home()) / 'logs.db'}"
+
+
+def display_url(url: str | sa.URL) -> str:
+    """The URL with its password masked: the only form that goes into logs and reports."""
+    return sa.make_url(url).render_as_string(hide_password=True)
+
+
+def make_engine(url: str) -> Engine:
+    parsed = sa.make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database and parsed.database != ":memory:":
+            ensure(Path(parsed.database).resolve().parent)
+        engine = sa.create_engine(parsed, connect_args={"timeout": 60})
+
+        @sa.event.listens_for(engine, "connect")
+        def _sqlite_connect(dbapi_conn, _record):
+            dbapi_conn.isolation_level = None  # we issue BEGIN ourselves, below
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a crash loses no committed batch's consistency
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA busy_timeout=60000")
+            cur.close()
+
+        @sa.event.listens_for(engine, "begin")
+        def _sqlite_begin(conn):
+            # Writers take the write lock up front: a deferred transaction that reads and then
+            # writes fails with "database is locked" when another process wrote in between.
+            # Readers never block on a writer (WAL).
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get("writes") else "BEGIN")
+
+        return engine
+    return sa.create_engine(parsed, pool_pre_ping=True)
+
+
+@contextmanager
+def writing(engine: Engine) -> Iterator[Connection]:
+    """A transaction that will write (on SQLite it takes the write lock when it begins)."""
+    with engine.connect() as conn:
+        conn.execution_options(writes=True)
+        with conn.begin():
+            yield conn
+
+
+def _migrate(engine: Engine, direction: str, revision: str) -> None:
+    from alembic import command
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    with writing(engine) as conn:  # SQLite: the write lock; PostgreSQL: an advisory lock
+        if conn.dialect.name == "postgresql":
+            conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _ADVISORY_LOCK})
+        config.attributes["connection"] = conn
+        getattr(command, direction)(config, revision)
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    """Run the versioned migrations up to `revision`, one process at a time."""
+    _migrate(engine, "upgrade", revision)
+
+
+def downgrade(engine: Engine, revision: str) -> None:
+    """Undo migrations down to `revision` ("base": an empty database)."""
+    _migrate(engine, "downgrade", revision)
+
+
+def schema_revision(engine: Engine) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def _revision(conn: Connection) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    return MigrationContext.configure(conn).get_current_revision()

@@ -1,0 +1,394 @@
+"""The log store: production conversations, the target's own responses, quarantine, watermarks.
+
+SQLite under `$SPECDISTILL_HOME/logs.db` by default; any SQLAlchemy URL (PostgreSQL through
+psycopg: `postgresql+psycopg://user:pw@host/db`) through `url=` or `$SPECDISTILL_LOG_DB`. The
+schema is created and upgraded only by the versioned migrations in `specdistill/migrations/`
+(Alembic); `LogStore(...)` brings a database to the newest version under a lock, so two processes
+opening a fresh database do not race.
+
+A conversation is stored once per content hash (the normalized messages), whichever file it came
+from. Its split is fixed by the hash of its prompt (the turns up to the first user turn), so
+every multi-turn continuation of one opening prompt lands on the same side, and re-ingesting never
+moves a conversation between train and eval.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Iterable, Sequence
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from specdistill.logschema import (  # noqa: F401  (the schema and hashes are part of this module's API)
+    DEFAULT_EVAL_FRACTION,
+    UTCDateTime,
+    acceptance_samples,
+    content_hash,
+    conversations,
+    ingest_runs,
+    metadata,
+    prompt_hash,
+    quarantine,
+    responses,
+    default_url,
+    display_url,
+    downgrade,
+    make_engine,
+    schema_revision,
+    split_of,
+    upgrade,
+    watermarks,
+    writing,
+)
+from specdistill.logschema import _revision
+from specdistill.readers import Conversation, Message, Rejected
+
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+# ----------------------------------------------------------------------------------------------
+# the store
+
+
+@dataclass
+class StoredConversation:
+    id: int
+    messages: list[Message]
+    split: str
+    source: str
+    location: str
+    record_id: str | None
+    target_version: str | None
+    arrived_at: datetime
+    content_hash: str
+
+
+@dataclass
+class BatchCounts:
+    stored: int = 0
+    duplicates: int = 0
+    quarantined: int = 0
+
+
+@dataclass
+class Watermark:
+    source: str
+    format: str
+    offset: int
+    index: int  # line / element number at `offset` (what RecordReader takes as start_index)
+    fingerprint: str
+
+
+class LogStore:
+    def __init__(self, url: str | None = None, eval_fraction: float = DEFAULT_EVAL_FRACTION) -> None:
+        self.url = url or default_url()
+        self.eval_fraction = eval_fraction
+        self.engine = make_engine(self.url)
+        upgrade(self.engine)
+
+    def __repr__(self) -> str:
+        return f"LogStore({display_url(self.url)!r})"
+
+    @property
+    def display_url(self) -> str:
+        return display_url(self.url)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def _insert(self, table: sa.Table):
+        if self.engine.dialect.name == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert
+        else:
+            from sqlalchemy.dialects.sqlite import insert
+        return insert(table)
+
+    # -- ingestion ---------------------------------------------------------------------------
+
+    def begin_run(self, source: str, fmt: str, start_offset: int, note: str | None = None) -> int:
+        with writing(self.engine) as conn:
+            return conn.execute(
+                ingest_runs.insert().returning(ingest_runs.c.id),
+                dict(source=source, format=fmt, status="running", started_at=_now(), start_offset=start_offset,
+                     end_offset=start_offset, read=0, stored=0, duplicates=0, quarantined=0, note=note),
+            ).scalar_one()
+
+    def add_batch(
+        self, run_id: int, records: Sequence[Conversation | Rejected], watermark: Watermark | None = None
+    ) -> BatchCounts:
+        """Store one batch, count it on its run and move the watermark, in one transaction."""
+        now = _now()
+        counts = BatchCounts()
+        rows: dict[str, dict] = {}
+        bad: dict[tuple, dict] = {}
+        for rec in records:
+            if isinstance(rec, Rejected):
+                counts.quarantined += 1
+                raw_hash = hashlib.sha256(rec.raw.encode("utf-8")).hexdigest()
+                bad[(rec.source, rec.location, raw_hash)] = dict(
+                    source=rec.source, location=rec.location, reason=rec.reason, raw=rec.raw,
+                    raw_hash=raw_hash, created_at=now, ingest_run_id=run_id)
+                continue
+            digest = content_hash(rec.messages)
+            if digest in rows:
+                counts.duplicates += 1
+                continue
+            p_hash = prompt_hash(rec.messages)
+            arrived = datetime.fromtimestamp(rec.timestamp, timezone.utc) if rec.timestamp is not None else now
+            rows[digest] = dict(
+                content_hash=digest, prompt_hash=p_hash, split=split_of(p_hash, self.eval_fraction),
+                messages=json.dumps([{"role": m.role, "content": m.content} for m in rec.messages], ensure_ascii=False),
+                num_messages=len(rec.messages), num_chars=sum(len(m.content) for m in rec.messages),
+                source=rec.source, location=rec.location, record_id=rec.record_id, target_version=rec.served_by,
+                notes=json.dumps(rec.notes) if rec.notes else None, arrived_at=arrived, ingested_at=now,
+                ingest_run_id=run_id)
+        with writing(self.engine) as conn:
+            if rows:
+                # Sorted by hash so two concurrent batches lock rows in the same order (no deadlock).
+                ordered = [rows[k] for k in sorted(rows)]
+                stmt = self._insert(conversations).on_conflict_do_nothing(index_elements=["content_hash"])
+                inserted = conn.execute(stmt.returning(conversations.c.content_hash), ordered).scalars().all()
+                counts.stored = len(inserted)
+                counts.duplicates += len(rows) - counts.stored
+            if bad:
+                stmt = self._insert(quarantine).on_conflict_do_nothing(
+                    index_elements=["source", "location", "raw_hash"])
+                conn.execute(stmt, [bad[k] for k in sorted(bad)])
+            values: dict[str, Any] = dict(
+                read=ingest_runs.c.read + len(records),
+                stored=ingest_runs.c.stored + counts.stored,
+                duplicates=ingest_runs.c.duplicates + counts.duplicates,
+                quarantined=ingest_runs.c.quarantined + counts.quarantined)
+            if watermark is not None:
+                values["end_offset"] = watermark.offset
+                self._set_watermark(conn, watermark, now)
+            conn.execute(ingest_runs.update().where(ingest_runs.c.id == run_id).values(**values))
+        return counts
+
+    def _set_watermark(self, conn: Connection, wm: Watermark, now: datetime) -> None:
+        row = dict(source=wm.source, format=wm.format, byte_offset=wm.offset, record_index=wm.index,
+                   fingerprint=wm.fingerprint, updated_at=now)
+        stmt = self._insert(watermarks).values(**row)
+        # A concurrent ingest of the same source may be further along: the watermark never moves back.
+        further = stmt.excluded.byte_offset >= watermarks.c.byte_offset
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["source"],
+            set_={k: sa.case((further, getattr(stmt.excluded, k)), else_=getattr(watermarks.c, k))
+                  for k in ("format", "byte_offset", "record_index", "fingerprint", "updated_at")})
+        conn.execute(stmt)
+
+    def reset_watermark(self, source: str) -> None:
+        with writing(self.engine) as conn:
+            conn.execute(watermarks.delete().where(watermarks.c.source == source))
+
+    def finish_run(self, run_id: int, truncated_at: int | None = None, truncated_bytes: int | None = None) -> dict:
+        with writing(self.engine) as conn:
+            conn.execute(ingest_runs.update().where(ingest_runs.c.id == run_id).values(
+                status="done", finished_at=_now(), truncated_at=truncated_at, truncated_bytes=truncated_bytes))
+        return self.run(run_id)
+
+    def run(self, run_id: int) -> dict:
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(ingest_runs).where(ingest_runs.c.id == run_id)).mappings().one()
+        return dict(row)
+
+    def watermark(self, source: str) -> Watermark | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(watermarks).where(watermarks.c.source == source)).mappings().first()
+        if row is None:
+            return None
+        return Watermark(row["source"], row["format"], row["byte_offset"], row["record_index"], row["fingerprint"])
+
+    # -- windows -----------------------------------------------------------------------------
+
+    def _where(self, since=None, until=None, source=None, split=None, target_version=None) -> list:
+        c = conversations.c
+        clauses = []
+        if since is not None:
+            clauses.append(c.arrived_at >= since)
+        if until is not None:
+            clauses.append(c.arrived_at < until)
+        if source is not None:
+            clauses.append(c.source == source)
+        if split is not None:
+            if split not in ("train", "eval"):
+                raise ValueError(f"split must be 'train' or 'eval', not {split!r}")
+            clauses.append(c.split == split)
+        if target_version is not None:
+            clauses.append(c.target_version == target_version)
+        return clauses
+
+    def window(
+        self,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        *,
+        source: str | None = None,
+        split: str | None = None,
+        target_version: str | None = None,
+        limit: int | None = None,
+        newest_first: bool = True,
+    ) -> list[StoredConversation]:
+        """Conversations that arrived in [since, until), filtered; the recent-traffic window."""
+        c = conversations.c
+        order = (c.arrived_at.desc(), c.id.desc()) if newest_first else (c.arrived_at, c.id)
+        query = sa.select(conversations).where(*self._where(since, until, source, split, target_version))
+        query = query.order_by(*order).limit(limit)
+        with self.engine.connect() as conn:
+            return [_stored(row) for row in conn.execute(query).mappings()]
+
+    def count(self, **filters: Any) -> int:
+        query = sa.select(sa.func.count()).select_from(conversations).where(*self._where(**filters))
+        with self.engine.connect() as conn:
+            return conn.execute(query).scalar_one()
+
+    def sample(self, n: int, seed: int = 0, **filters: Any) -> list[StoredConversation]:
+        """A reproducible random sample of a window (the replay sample of older traffic)."""
+        with self.engine.connect() as conn:
+            ids = conn.execute(sa.select(conversations.c.id).where(*self._where(**filters))
+                               .order_by(conversations.c.id)).scalars().all()
+            chosen = sorted(random.Random(seed).sample(ids, min(n, len(ids))))
+            rows = []
+            for start in range(0, len(chosen), 500):
+                part = chosen[start : start + 500]
+                rows += conn.execute(sa.select(conversations).where(conversations.c.id.in_(part))).mappings().all()
+        return sorted((_stored(r) for r in rows), key=lambda s: s.id)
+
+    # -- target responses --------------------------------------------------------------------
+
+    def add_response(
+        self,
+        conversation_id: int,
+        target_fingerprint: str,
+        text: str,
+        *,
+        prompt_messages: int,
+        params: dict | None = None,
+        token_ids: list[int] | None = None,
+    ) -> bool:
+        """Record the target's response to the first `prompt_messages` messages; False if already there."""
+        params_json = json.dumps(params or {}, sort_keys=True)
+        row = dict(conversation_id=conversation_id, prompt_messages=prompt_messages,
+                   target_fingerprint=target_fingerprint, params=params_json,
+                   params_hash=hashlib.sha256(params_json.encode()).hexdigest()[:16], text=text,
+                   token_ids=json.dumps(token_ids) if token_ids is not None else None, created_at=_now())
+        stmt = self._insert(responses).on_conflict_do_nothing(
+            index_elements=["conversation_id", "prompt_messages", "target_fingerprint", "params_hash"])
+        with writing(self.engine) as conn:
+            return conn.execute(stmt.returning(responses.c.id), row).first() is not None
+
+    def responses(self, target_fingerprint: str, conversation_ids: Iterable[int] | None = None) -> list[dict]:
+        query = sa.select(responses).where(responses.c.target_fingerprint == target_fingerprint)
+        if conversation_ids is not None:
+            query = query.where(responses.c.conversation_id.in_(list(conversation_ids)))
+        with self.engine.connect() as conn:
+            rows = conn.execute(query.order_by(responses.c.id)).mappings().all()
+        return [{**r, "params": json.loads(r["params"]),
+                 "token_ids": json.loads(r["token_ids"]) if r["token_ids"] else None} for r in rows]
+
+    # -- acceptance samples (written by the monitor) -------------------------------------------
+
+    def add_acceptance_sample(
+        self,
+        target_fingerprint: str,
+        draft_version: str,
+        gamma: int,
+        num_drafts: int,
+        num_draft_tokens: int,
+        num_accepted_tokens: int,
+        accepted_per_position: Sequence[int],
+        conversation_id: int | None = None,
+        measured_at: datetime | None = None,
+    ) -> int:
+        if num_accepted_tokens > num_draft_tokens or len(accepted_per_position) != gamma:
+            raise ValueError("accepted tokens exceed drafted tokens, or per-position counts do not have gamma entries")
+        with writing(self.engine) as conn:
+            return conn.execute(acceptance_samples.insert().returning(acceptance_samples.c.id), dict(
+                measured_at=measured_at or _now(), target_fingerprint=target_fingerprint,
+                draft_version=draft_version, conversation_id=conversation_id, gamma=gamma, num_drafts=num_drafts,
+                num_draft_tokens=num_draft_tokens, num_accepted_tokens=num_accepted_tokens,
+                accepted_per_position=json.dumps(list(accepted_per_position)))).scalar_one()
+
+    def acceptance(self, target_fingerprint: str, draft_version: str, since: datetime | None = None) -> dict:
+        """Acceptance rate and mean accepted length over the samples (the design's definitions)."""
+        a = acceptance_samples.c
+        query = sa.select(sa.func.count(), sa.func.sum(a.num_drafts), sa.func.sum(a.num_draft_tokens),
+                          sa.func.sum(a.num_accepted_tokens)).where(
+            a.target_fingerprint == target_fingerprint, a.draft_version == draft_version)
+        if since is not None:
+            query = query.where(a.measured_at >= since)
+        with self.engine.connect() as conn:
+            samples, drafts, proposed, accepted = conn.execute(query).one()
+        return {
+            "samples": samples,
+            "acceptance_rate": accepted / proposed if proposed else None,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else None,
+        }
+
+    # -- reports -----------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        c = conversations.c
+        with self.engine.connect() as conn:
+            def scalar(q):
+                return conn.execute(q).scalar_one()
+
+            by_split = dict(conn.execute(sa.select(c.split, sa.func.count()).group_by(c.split)).all())
+            by_source = [
+                {"source": s, "conversations": n, "first_arrival": lo, "last_arrival": hi}
+                for s, n, lo, hi in conn.execute(
+                    sa.select(c.source, sa.func.count(), sa.func.min(c.arrived_at, type_=UTCDateTime()),
+                              sa.func.max(c.arrived_at, type_=UTCDateTime()))
+                    .group_by(c.source).order_by(c.source))
+            ]
+            runs = sa.select(sa.func.coalesce(sa.func.sum(ingest_runs.c.read), 0),
+                             sa.func.coalesce(sa.func.sum(ingest_runs.c.stored), 0),
+                             sa.func.coalesce(sa.func.sum(ingest_runs.c.duplicates), 0),
+                             sa.func.coalesce(sa.func.sum(ingest_runs.c.quarantined), 0))
+            read, stored, dups, quar = conn.execute(runs).one()
+            return {
+                "database": self.display_url,
+                "schema_revision": _revision(conn),
+                "conversations": scalar(sa.select(sa.func.count()).select_from(conversations)),
+                "by_split": {"train": by_split.get("train", 0), "eval": by_split.get("eval", 0)},
+                "by_source": by_source,
+                "target_versions": dict(conn.execute(
+                    sa.select(sa.func.coalesce(c.target_version, "unknown"), sa.func.count())
+                    .group_by(c.target_version)).all()),
+                "responses": scalar(sa.select(sa.func.count()).select_from(responses)),
+                "quarantined": scalar(sa.select(sa.func.count()).select_from(quarantine)),
+                "acceptance_samples": scalar(sa.select(sa.func.count()).select_from(acceptance_samples)),
+                "ingest_runs": scalar(sa.select(sa.func.count()).select_from(ingest_runs)),
+                "ingested": {"read": int(read), "stored": int(stored), "duplicates": int(dups),
+                             "quarantined": int(quar)},
+            }
+
+    def count_quarantined(self, source: str | None = None) -> int:
+        query = sa.select(sa.func.count()).select_from(quarantine)
+        if source is not None:
+            query = query.where(quarantine.c.source == source)
+        with self.engine.connect() as conn:
+            return conn.execute(query).scalar_one()
+
+    def quarantined(self, source: str | None = None, limit: int | None = 100) -> list[dict]:
+        q = quarantine.c
+        query = sa.select(q.id, q.source, q.location, q.reason, q.raw, q.created_at).order_by(q.id).limit(limit)
+        if source is not None:
+            query = query.where(q.source == source)
+        with self.engine.connect() as conn:
+            return [dict(r) for r in conn.execute(query).mappings()]
+
+
+def _stored(row) -> StoredConversation:
+    return StoredConversation(
+        id=row["id"], messages=[Message(m["role"], m["content"]) for m in json.loads(row["messages"])],
+        split=row["split"], source=row["source"], location=row["location"], record_id=row["record_id"],
+        target_version=row["target_version"], arrived_at=row["arrived_at"], content_hash=row["content_hash"])

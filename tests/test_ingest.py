@@ -1,0 +1,280 @@
+"""Ingestion: idempotent, incremental, resumable after a kill, conserved counts, concurrent ingests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specdistill.ingest import ingest
+from specdistill.logstore import LogStore
+from specdistill.readers import FormatMismatchError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def store(store_url):
+    s = LogStore(store_url)
+    yield s
+    s.close()
+
+
+def good_line(i: int, tag: str = "") -> bytes:
+    return json.dumps({"prompt": f"prompt {tag}{i}", "response": f"response {i}"}).encode() + b"\n"
+
+
+def write_jsonl(path: Path, ids, tag: str = "") -> None:
+    path.write_bytes(b"".join(good_line(i, tag) for i in ids))
+
+
+def counts(result) -> tuple[int, int, int, int]:
+    return result.read, result.stored, result.duplicates, result.quarantined
+
+
+def test_reingest_adds_nothing_and_duplicates_across_files_are_counted(store, tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    write_jsonl(a, range(0, 30))
+    write_jsonl(b, range(20, 50))
+    assert counts(ingest(a, "jsonl", store, batch_size=7, progress=False)) == (30, 30, 0, 0)
+    assert counts(ingest(a, "jsonl", store, batch_size=7, progress=False)) == (0, 0, 0, 0)
+    assert counts(ingest(b, "jsonl", store, batch_size=7, progress=False)) == (30, 20, 10, 0)
+    assert store.count() == 50
+    assert store.stats()["ingested"] == {"read": 60, "stored": 50, "duplicates": 10, "quarantined": 0}
+
+
+def test_grown_file_reads_only_what_is_new(store, tmp_path):
+    path = tmp_path / "log.jsonl"
+    write_jsonl(path, range(10))
+    first = ingest(path, "jsonl", store, progress=False)
+    with open(path, "ab") as f:
+        f.write(b"\n" + good_line(10) + b"not json\n" + good_line(11)[:12])  # the writer is mid-line
+    second = ingest(path, "jsonl", store, progress=False)
+    assert counts(second) == (2, 1, 0, 1) and second.start_offset == first.end_offset
+    assert second.truncation["location"] == "log.jsonl:14"
+    assert store.quarantined()[0]["location"] == "log.jsonl:13"  # line numbers continue across runs
+    with open(path, "ab") as f:
+        f.write(good_line(11)[12:])
+    third = ingest(path, "jsonl", store, progress=False)
+    assert counts(third) == (1, 1, 0, 0) and third.truncation is None
+    assert store.count() == 12
+
+
+def test_truncated_sharegpt_is_reported_and_completed_when_the_file_grows(store, tmp_path):
+    records = [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"}]}
+               for i in range(50)]
+    full = json.dumps(records, indent=2).encode()
+    path = tmp_path / "share.json"
+    path.write_bytes(full[: full.index(b'"r40"') + 2])
+    first = ingest(path, "sharegpt", store, batch_size=8, progress=False)
+    assert counts(first) == (40, 40, 0, 0)
+    assert first.truncation["location"] == "share.json#record=41"
+    assert store.run(first.run_id)["truncated_at"] == first.truncation["offset"]
+    path.write_bytes(full)
+    second = ingest(path, "sharegpt", store, batch_size=8, progress=False)
+    assert counts(second) == (10, 10, 0, 0) and second.truncation is None
+    assert {c.record_id for c in store.window()} == {f"r{i}" for i in range(50)}
+
+
+def test_rewritten_file_is_read_again_from_the_start(store, tmp_path):
+    path = tmp_path / "log.jsonl"
+    write_jsonl(path, range(10))
+    ingest(path, "jsonl", store, progress=False)
+    write_jsonl(path, range(100, 120))  # rotated in place: same name, new content
+    again = ingest(path, "jsonl", store, progress=False)
+    assert counts(again) == (20, 20, 0, 0) and again.start_offset == 0 and "changed" in again.note
+
+
+def test_shipped_humaneval_ingests_all_164_prompts(store):
+    from specdistill.datasets import humaneval_path
+
+    result = ingest(humaneval_path(), "humaneval", store, progress=False)
+    assert counts(result) == (164, 164, 0, 0)
+    assert counts(ingest(humaneval_path(), "humaneval", store, progress=False)) == (0, 0, 0, 0)
+    assert {c.record_id for c in store.window()} >= {"HumanEval/0", "HumanEval/163"}
+
+
+def test_wrong_format_is_an_error_naming_the_file_and_line(store, tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}]}) + "\n")
+    with pytest.raises(FormatMismatchError, match=r"chat.jsonl.*chat.jsonl:1: missing key 'prompt'.*openai"):
+        ingest(path, "jsonl", store, progress=False)
+    assert store.stats()["ingest_runs"] == 0 and store.count() == 0
+
+
+def test_failure_mid_ingest_leaves_the_store_consistent_and_a_rerun_completes(store, tmp_path, monkeypatch):
+    path = tmp_path / "log.jsonl"
+    write_jsonl(path, range(100))
+    real = store.add_batch
+    calls = {"n": 0}
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("connection lost")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "add_batch", failing)
+    with pytest.raises(RuntimeError, match="connection lost"):
+        ingest(path, "jsonl", store, batch_size=10, progress=False)
+    assert store.count() == 30 and store.watermark(str(path.resolve())).index == 30
+    monkeypatch.setattr(store, "add_batch", real)
+    rest = ingest(path, "jsonl", store, batch_size=10, progress=False)
+    assert counts(rest) == (70, 70, 0, 0) and store.count() == 100
+
+
+def _ingest_command(url: str, path: Path, batch: int) -> list[str]:
+    code = (
+        "import sys, json; from specdistill.ingest import ingest; from specdistill.logstore import LogStore; "
+        f"r = ingest({str(path)!r}, 'jsonl', LogStore(sys.argv[1]), batch_size={batch}, progress=False); "
+        "print(json.dumps(r.to_dict()))"
+    )
+    return [sys.executable, "-c", code, url]
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def test_kill_mid_ingest_then_rerun_stores_everything_once(store, store_url, tmp_path):
+    path = tmp_path / "big.jsonl"
+    n = 10_000
+    write_jsonl(path, range(n))
+    proc = subprocess.Popen(_ingest_command(store_url, path, 100), env=_env(), stdout=subprocess.PIPE)
+    source = str(path.resolve())
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        wm = store.watermark(source)
+        if wm is not None and wm.index >= 500:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = store.count()
+    assert 0 < killed_at < n, "the kill came too late to test anything"
+    assert killed_at == store.watermark(source).index  # every committed batch moved the watermark with it
+    rest = ingest(path, "jsonl", store, batch_size=500, progress=False)
+    assert rest.start_offset > 0 and rest.read == n - killed_at
+    assert store.count() == n
+    total = store.stats()["ingested"]
+    assert total["read"] == n and total["stored"] == n and total["duplicates"] == 0
+
+
+def test_concurrent_ingests_of_overlapping_files_store_each_conversation_once(store, store_url, tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    write_jsonl(a, range(0, 3000))
+    write_jsonl(b, range(1500, 4500))
+    procs = [subprocess.Popen(_ingest_command(store_url, p, 50), env=_env(), stdout=subprocess.PIPE, text=True)
+             for p in (a, b)]
+    results = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0
+        results.append(json.loads(out))
+    assert store.count() == 4500
+    assert sum(r["stored"] for r in results) == 4500
+    assert sum(r["duplicates"] for r in results) == 1500
+    assert all(r["conserved"] and r["read"] == 3000 for r in results)
+    runs = [store.run(r["run_id"]) for r in results]  # the two really ran at the same time
+    assert runs[0]["started_at"] < runs[1]["finished_at"] and runs[1]["started_at"] < runs[0]["finished_at"]
+
+
+def test_cli_ingest_stats_quarantine_json(store_url, tmp_path, capsys):
+    from specdistill.cli import main
+
+    path = tmp_path / "log.jsonl"
+    path.write_bytes(good_line(1) + b"{broken\n" + good_line(2))
+    assert main(["ingest", str(path), "--format", "jsonl", "--db", store_url, "--json", "--no-progress"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["read"], out["stored"], out["duplicates"], out["quarantined"]) == (3, 2, 0, 1)
+    assert main(["logs", "stats", "--db", store_url, "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["conversations"] == 2 and stats["quarantined"] == 1
+    assert main(["logs", "quarantine", "--db", store_url, "--json"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    rows = listing["records"]
+    assert listing["total"] == 1 and listing["shown"] == 1
+    assert rows[0]["location"] == "log.jsonl:2" and rows[0]["reason"].startswith("invalid JSON")
+    assert main(["ingest", str(path), "--format", "sharegpt", "--db", store_url, "--no-progress"]) == 2
+    assert "was ingested as 'jsonl'" in capsys.readouterr().err
+    other = tmp_path / "other.jsonl"
+    other.write_bytes(path.read_bytes())
+    assert main(["ingest", str(other), "--format", "sharegpt", "--db", store_url, "--no-progress"]) == 2
+    assert "other.jsonl: line 1" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# corrupted traffic: conservation, and every good record stored
+
+
+def _corrupt(kind: str, i: int, tag: str) -> bytes:
+    line = good_line(i, tag).rstrip(b"\n")
+    if kind == "bad_json":
+        return line[: len(line) // 2]
+    if kind == "wrong_type":
+        return json.dumps({"prompt": i, "response": f"r{i}"}).encode()
+    if kind == "missing_field":
+        return json.dumps({"prompt": f"p{tag}{i}"}).encode()
+    if kind == "invalid_utf8":
+        return line.replace(b"prompt ", b"prompt \xff\xfe", 1)
+    if kind == "huge":
+        return json.dumps({"prompt": "x" * 5000 + f"{tag}{i}", "response": "r"}).encode()
+    if kind == "nul_byte":
+        return line.replace(b"prompt ", b"prompt \x00", 1)
+    if kind == "nul_escape":
+        return line.replace(b"prompt ", b"prompt \\u0000", 1)
+    if kind == "not_object":
+        return b"[1, 2, 3]"
+    raise AssertionError(kind)
+
+
+KINDS = ["bad_json", "wrong_type", "missing_field", "invalid_utf8", "huge", "nul_byte", "nul_escape", "not_object"]
+LINE = st.one_of(
+    st.tuples(st.just("good"), st.integers(0, 30)),
+    st.tuples(st.just("dup"), st.integers(0, 30)),
+    st.tuples(st.sampled_from(KINDS), st.integers(0, 30)),
+    st.tuples(st.just("blank"), st.just(0)),
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lines=st.lists(LINE, min_size=1, max_size=40))
+def test_corrupted_jsonl_conserves_counts_and_stores_every_good_record(store, tmp_path, lines):
+    tag = uuid.uuid4().hex[:8] + "-"  # examples share one store: keep their records apart
+    path = tmp_path / f"{tag}.jsonl"
+    data, good, bad, records = [], set(), 0, 0
+    for kind, i in lines:
+        if kind == "blank":
+            data.append(b"\n")
+            continue
+        records += 1
+        if kind in ("good", "dup"):
+            data.append(good_line(i, tag))
+            good.add(f"prompt {tag}{i}")
+        else:
+            data.append(_corrupt(kind, i, tag) + b"\n")
+            bad += 1
+    path.write_bytes(b"".join(data))
+
+    first_records = [kind for kind, _ in lines if kind != "blank"][:20]
+    if first_records and not {"good", "dup"} & set(first_records):  # nothing valid: not a jsonl file
+        with pytest.raises(FormatMismatchError, match=path.name):
+            ingest(path, "jsonl", store, progress=False, max_record_bytes=2000)
+        return
+    result = ingest(path, "jsonl", store, progress=False, max_record_bytes=2000)
+    assert result.read == records
+    assert result.read == result.stored + result.duplicates + result.quarantined
+    assert result.quarantined == bad
+    assert result.stored == len(good)
+    stored = {c.messages[0].content for c in store.window(source=str(path.resolve()))}
+    assert stored == good
+    assert len(store.quarantined(source=str(path.resolve()), limit=None)) == bad
