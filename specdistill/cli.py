@@ -99,6 +99,25 @@ def cmd_serving_show(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+
+# distill
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    import os
+
+    from specdistill.config import load_config
+    from specdistill.train import distill
+
+    config = load_config(args.config, args.overrides)  # fails on unknown keys before any work
+    result = distill(config)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    last = result["curve"][-1] if result["curve"] else {}
+    text = (f"{result['steps']} steps, {result['tokens']} tokens, {result['train_minutes']:.1f} min, loss {result['loss']:.4f}"
+            + (f", held-out acceptance {last['acceptance']:.3f}, tau(4) {last['tau']:.2f}" if "acceptance" in last else "")
+            + f" -> {result.get('draft_dir')}")
+    _emit(args, result, text)
 # log store
 
 
@@ -263,6 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(serving, "show", cmd_serving_show, "print the current serving config")
     p.add_argument("--path", default=None, help="default: $SPECDISTILL_HOME/serving.json")
 
+
+    p = add(sub, "distill", cmd_distill, "distill a draft from its target (YAML config, key=value overrides)")
+    p.add_argument("--config", default=None, help="YAML file; see specdistill.config.DistillConfig")
+    p.add_argument("overrides", nargs="*", help="dotted overrides such as optim.lr=3e-4 loss.kind=jsd")
     db_help = "log store URL (default $SPECDISTILL_LOG_DB, else sqlite under $SPECDISTILL_HOME/logs.db)"
     p = add(sub, "ingest", cmd_ingest, "ingest a traffic file into the log store (idempotent, incremental)")
     p.add_argument("path")

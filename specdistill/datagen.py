@@ -1,0 +1,242 @@
+"""Target-generated training data: the target answers the logged prompts (sequence-level distillation).
+
+A draft learns the target's own output distribution far faster from the target's answers than from
+the human-written ones in the logs (DistillSpec). Generation is batched with left padding, greedy
+or sampled, and append-only: every finished answer is one JSONL line with its id, so a killed run
+resumes where it stopped and never generates an answer twice.
+
+Also here: turning a conversation into training ids with the chat template, and the mask of the
+assistant tokens that every loss is restricted to.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+from tqdm import tqdm
+from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
+
+from specdistill.teacher import TeacherCache, topk_rows
+
+
+@dataclass
+class Prompt:
+    id: str
+    messages: list[dict]  # [{"role", "content"}], ending before the answer to generate
+
+
+@dataclass
+class Example:
+    """One training sequence: ids and which of them are assistant tokens (the ones the draft learns)."""
+
+    id: str
+    input_ids: list[int]
+    assistant_mask: list[bool]  # assistant_mask[t]: token t was written by the assistant
+
+
+def _as_dicts(messages) -> list[dict]:
+    out = []
+    for m in messages:
+        if isinstance(m, dict):
+            out.append({"role": m["role"], "content": m["content"]})
+        else:  # readers.Message
+            out.append({"role": m.role, "content": m.content})
+    return out
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence) -> list[int]:
+    """The chat-templated prompt, ending with the assistant header the answer follows."""
+    out = tokenizer.apply_chat_template(_as_dicts(messages), add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+
+def encode_conversation(tokenizer: PreTrainedTokenizerBase, messages: Sequence, max_len: int | None = None) -> Example:
+    """Chat-template a whole conversation and mark every assistant turn (its content and end token).
+
+    Each assistant turn is located by rendering the conversation up to its header and up to its
+    end: the template is applied to prefixes, so the marked tokens are exactly the ones the
+    assistant produced, whatever the template adds around them.
+    """
+    msgs = _as_dicts(messages)
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    mask: list[bool] = []
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        head = prompt_ids(tokenizer, msgs[:i])
+        full = tokenizer.apply_chat_template(msgs[: i + 1], tokenize=True)
+        full = list(full["input_ids"] if hasattr(full, "keys") else full)
+        if full[: len(head)] != head:
+            raise ValueError(f"chat template does not render turn {i} as an extension of its prompt")
+        if head[: len(ids)] != ids:
+            raise ValueError(f"chat template re-renders earlier turns differently at turn {i}")
+        answer = full[len(head):]
+        if eos in answer:  # what the template adds after the end token (a newline) is not the assistant's
+            answer = answer[: answer.index(eos) + 1]
+        mask += [False] * (len(head) - len(ids)) + [True] * len(answer)
+        ids = head + answer
+    if not ids:
+        raise ValueError("conversation has no assistant turn to learn from")
+    if max_len is not None:
+        ids, mask = ids[:max_len], mask[:max_len]
+    return Example("", ids, mask)
+
+
+def encode_generated(tokenizer: PreTrainedTokenizerBase, record: dict, max_len: int | None = None) -> Example:
+    """A target-generated record: the prompt rendered as at generation time, then the exact generated ids."""
+    head = record.get("prompt_ids") or prompt_ids(tokenizer, record["prompt"])
+    answer = list(record["response_ids"])
+    ids = list(head) + answer
+    mask = [False] * len(head) + [True] * len(answer)
+    if max_len is not None:
+        ids, mask = ids[:max_len], mask[:max_len]
+    return Example(str(record["id"]), ids, mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Generation
+
+
+class _TopKRecorder(LogitsProcessor):
+    """Keeps the target's top-k log-probs at every generated step: the offline teacher for free,
+    since these are exactly the target's distributions at the answer positions."""
+
+    def __init__(self, k: int, temperature: float):
+        self.k, self.temperature, self.steps = k, temperature, []
+
+    def __call__(self, input_ids, scores):
+        self.steps.append(topk_rows(scores, self.k, self.temperature))
+        return scores
+
+    def rows(self, row: int, n: int) -> dict[str, torch.Tensor]:
+        top = torch.stack([s[0][row] for s in self.steps[:n]])
+        idx = torch.stack([s[1][row] for s in self.steps[:n]])
+        res = torch.stack([s[2][row] for s in self.steps[:n]])
+        return {"logprobs": top, "indices": idx, "residual": res}
+
+
+def read_done(path: Path) -> dict[str, dict]:
+    """Records already written; a torn last line (killed mid-write) is ignored and rewritten."""
+    done: dict[str, dict] = {}
+    if not path.exists():
+        return done
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            done[str(rec["id"])] = rec
+    return done
+
+
+def _repair_tail(path: Path) -> None:
+    """Cut a partial last line so appends start on a fresh line."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data.endswith(b"\n"):
+            return
+        cut = data.rfind(b"\n") + 1
+        f.truncate(cut)
+
+
+@torch.inference_mode()
+def generate_answers(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Iterable[Prompt],
+    out_path: str | os.PathLike,
+    *,
+    batch_size: int = 16,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    seed: int = 0,
+    progress: bool = True,
+    teacher_cache: TeacherCache | None = None,
+) -> dict[str, dict]:
+    """Answer every prompt with the target, appending one JSONL record per answer; returns all records.
+
+    Prompts are sorted by length so a batch pads little; with sampling, each batch is seeded from
+    `seed` and its first id, so a resumed run samples what an uninterrupted one would have.
+    With `teacher_cache`, the target's top-k log-probs at every answer token (temperature 1, full
+    vocabulary) go into it too, so no second target pass is needed for offline distillation.
+    """
+    if teacher_cache is not None and temperature > 0:
+        raise ValueError("record the teacher during greedy generation only; for sampled answers use teacher.build_cache")
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    _repair_tail(out_path)
+    done = read_done(out_path)
+    todo = [p for p in prompts if str(p.id) not in done]
+    seen: set[str] = set()
+    for p in todo:
+        if p.id in seen:
+            raise ValueError(f"duplicate prompt id {p.id!r}")
+        seen.add(p.id)
+    encoded = sorted(((p, prompt_ids(tokenizer, p.messages)) for p in todo), key=lambda x: len(x[1]))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id
+    bar = tqdm(total=len(encoded), desc="target answers", unit="prompt", disable=not progress, file=sys.stderr)
+    new_tokens = 0
+    with open(out_path, "a", encoding="utf-8") as out:
+        for start in range(0, len(encoded), batch_size):
+            batch = encoded[start : start + batch_size]
+            width = max(len(ids) for _, ids in batch)
+            input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            attention = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, (_, ids) in enumerate(batch):  # left padding: every answer starts at the same column
+                input_ids[row, width - len(ids):] = torch.tensor(ids)
+                attention[row, width - len(ids):] = 1
+            kwargs = dict(do_sample=False)
+            if temperature > 0:
+                torch.manual_seed(seed + zlib.crc32(batch[0][0].id.encode()))
+                kwargs = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+            recorder = None
+            if teacher_cache is not None:
+                recorder = _TopKRecorder(int(teacher_cache.meta["k"]), float(teacher_cache.meta["temperature"]))
+                kwargs["logits_processor"] = LogitsProcessorList([recorder])
+            generated = target.generate(
+                input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
+                pad_token_id=pad, eos_token_id=eos, **kwargs,
+            )[:, width:]
+            answers = []
+            for row in range(len(batch)):
+                answer = generated[row].tolist()
+                answers.append(answer[: answer.index(eos) + 1] if eos in answer else answer)
+            if recorder is not None:
+                entries = {}
+                for row, ((p, ids), answer) in enumerate(zip(batch, answers)):
+                    entries[p.id] = {"input_ids": torch.tensor(ids + answer, dtype=torch.int32),
+                                     **recorder.rows(row, len(answer))}
+                name = f"gen-{zlib.crc32('|'.join(p.id for p, _ in batch).encode()):08x}"
+                teacher_cache.write_shard(name, entries)
+            for row, (p, ids) in enumerate(batch):
+                answer = generated[row].tolist()
+                finish = "length"
+                if eos in answer:
+                    answer = answer[: answer.index(eos) + 1]
+                    finish = "eos"
+                record = {
+                    "id": p.id, "prompt": _as_dicts(p.messages), "prompt_ids": ids,
+                    "response_ids": answer, "response": tokenizer.decode(answer, skip_special_tokens=True),
+                    "finish": finish, "temperature": temperature,
+                }
+                out.write(json.dumps(record, ensure_ascii=False) + "\n")
+                done[p.id] = record
+                new_tokens += len(answer)
+            out.flush()
+            os.fsync(out.fileno())
+            bar.update(len(batch))
+            bar.set_postfix(tokens=new_tokens)
+    bar.close()
+    return done

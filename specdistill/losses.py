@@ -1,0 +1,301 @@
+"""Distillation losses between a target (teacher) and a draft (student).
+
+Every loss is computed per predicted position and then averaged over the assistant positions only
+(`mask`), so a prompt or a system turn never pulls the draft. Logits are divided by the temperature
+before the softmax. The teacher may be given as full logits (online teacher) or as a top-k cache
+(`TopKTeacher`: k log-probs, their indices and the residual mass of every other token, which is
+treated as one extra bucket on both sides).
+
+Why total variation: with greedy-free speculative sampling the acceptance rate of one draft token is
+exactly Σ min(p, q) = 1 − TV(p, q), so TV is the loss that *is* the objective; KL is its smooth
+upper-bounding surrogate (Pinsker), which is why forward KL remains the default.
+
+Reduced draft vocabulary: the draft can only propose its N kept tokens, so the teacher is
+renormalized over those N tokens (`restrict_teacher_logits`). The teacher's mass outside is lost
+acceptance that no draft parameter can change; keeping it as a residual bucket would make forward
+KL infinite (the draft puts zero mass there) and add only a constant to TV.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+DIVERGENCES = ("fkl", "rkl", "jsd", "tv")
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """Softmaxes run in at least fp32 (bf16 autocast logits lose the tail otherwise)."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+@dataclass
+class TopKTeacher:
+    """The teacher's k most likely tokens per position, and the mass of all the others."""
+
+    logprobs: torch.Tensor  # [..., k] log p of the k tokens (at the cache's temperature)
+    indices: torch.Tensor  # [..., k] their token ids (in the draft's vocabulary space)
+    residual: torch.Tensor  # [...] 1 - Σ p over the k tokens (≥ 0)
+    valid: torch.Tensor | None = None  # [..., k] False for entries a reduced draft vocabulary lacks
+
+    def bucket_logprobs(self) -> torch.Tensor:
+        """k + 1 bucket log-probs: the k tokens, then the residual."""
+        res = self.residual.clamp_min(0).unsqueeze(-1).to(self.logprobs.dtype)
+        return torch.cat([self.logprobs, torch.log(res)], dim=-1)
+
+    def select(self, mask: torch.Tensor) -> "TopKTeacher":
+        valid = None if self.valid is None else self.valid[mask]
+        return TopKTeacher(self.logprobs[mask], self.indices[mask], self.residual[mask], valid)
+
+
+def topk_teacher_from_logits(logits: torch.Tensor, k: int, temperature: float = 1.0) -> TopKTeacher:
+    """Keep the k largest teacher probabilities per position and the mass of the rest."""
+    logp = F.log_softmax(_upcast(logits) / temperature, dim=-1)
+    k = min(k, logp.shape[-1])
+    top, idx = logp.topk(k, dim=-1)
+    residual = torch.logsumexp(logp.scatter(-1, idx, float("-inf")), dim=-1).exp()
+    return TopKTeacher(top, idx, residual)
+
+
+def student_bucket_logprobs(
+    student_logits: torch.Tensor, indices: torch.Tensor, temperature: float = 1.0, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The student's log-probs on the teacher's k tokens plus one residual bucket (k + 1 entries).
+
+    Invalid entries (padding that repeats a valid index) get -inf on both sides: they add nothing.
+    """
+    indices = indices.long()
+    logq = F.log_softmax(_upcast(student_logits) / temperature, dim=-1)
+    top = logq.gather(-1, indices)
+    if valid is not None:
+        top = top.masked_fill(~valid, float("-inf"))
+    # log(1 - Σ q_top) computed stably as log(Σ q_rest) via logsumexp over the non-selected entries.
+    # The selected entries are replaced by -1e4 rather than -inf: when k covers the whole
+    # vocabulary the bucket is then exactly empty (exp(-1e4) = 0) and its gradient is 0, not NaN.
+    rest = logq.scatter(-1, indices, -1e4)
+    residual = torch.logsumexp(rest, dim=-1, keepdim=True)
+    return torch.cat([top, residual], dim=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# Divergences between two distributions given as log-probs over the same last dimension.
+
+
+def _xlogy_diff(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """Σ p (log p − log q), with 0·log 0 = 0 and no NaN where both are -inf."""
+    p = logp.exp()
+    diff = torch.where(p > 0, logp - logq, torch.zeros_like(logp))
+    return (p * diff).sum(-1)
+
+
+def forward_kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """KL(p ‖ q): mode-covering; the draft spreads mass over everything the target might say."""
+    return _xlogy_diff(logp, logq)
+
+
+def reverse_kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """KL(q ‖ p): mode-seeking; the draft concentrates on the target's main mode."""
+    return _xlogy_diff(logq, logp)
+
+
+def generalized_jsd(logp: torch.Tensor, logq: torch.Tensor, beta: float = 0.5) -> torch.Tensor:
+    """β·KL(p ‖ m) + (1−β)·KL(q ‖ m), m = β·p + (1−β)·q (GKD's generalized JSD)."""
+    if not 0.0 < beta < 1.0:
+        raise ValueError(f"JSD beta must be in (0, 1), got {beta}")
+    # Floored copies for the mixture only: an entry empty on both sides must not give -inf - -inf.
+    lp, lq = logp.clamp_min(-1e4), logq.clamp_min(-1e4)
+    logm = torch.logsumexp(torch.stack([lp + math.log(beta), lq + math.log(1 - beta)]), dim=0)
+    return beta * _xlogy_diff(logp, logm) + (1 - beta) * _xlogy_diff(logq, logm)
+
+
+def total_variation(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """1 − Σ min(p, q): exactly the rejection probability of one speculative draft token."""
+    return 1.0 - torch.minimum(logp.exp(), logq.exp()).sum(-1)
+
+
+def divergence(kind: str, logp: torch.Tensor, logq: torch.Tensor, beta: float = 0.5) -> torch.Tensor:
+    if kind == "fkl":
+        return forward_kl(logp, logq)
+    if kind == "rkl":
+        return reverse_kl(logp, logq)
+    if kind == "jsd":
+        return generalized_jsd(logp, logq, beta)
+    if kind == "tv":
+        return total_variation(logp, logq)
+    raise ValueError(f"unknown divergence {kind!r}: expected one of {DIVERGENCES}")
+
+
+# --------------------------------------------------------------------------------------------
+# Per-position losses and masking
+
+
+def masked_mean(per_token: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean over the positions where mask is true (0 when there are none, with a gradient path)."""
+    if mask is None:
+        return per_token.mean()
+    mask = mask.to(per_token.dtype)
+    return (per_token * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+def per_token_divergence(
+    student_logits: torch.Tensor,
+    teacher: torch.Tensor | TopKTeacher,
+    *,
+    kind: str = "fkl",
+    temperature: float = 1.0,
+    beta: float = 0.5,
+) -> torch.Tensor:
+    """Divergence at every position, against full teacher logits or a top-k teacher with residual bucket.
+
+    A `TopKTeacher` is taken as already at `temperature` (the cache records the temperature it was
+    written at); full teacher logits are scaled here.
+    """
+    if isinstance(teacher, TopKTeacher):
+        logp = teacher.bucket_logprobs()
+        logq = student_bucket_logprobs(student_logits, teacher.indices, temperature, teacher.valid)
+    else:
+        if teacher.shape[-1] != student_logits.shape[-1]:
+            raise ValueError(
+                f"teacher has {teacher.shape[-1]} logits per position, draft {student_logits.shape[-1]}: "
+                "restrict the teacher to the draft vocabulary first"
+            )
+        logp = F.log_softmax(_upcast(teacher) / temperature, dim=-1)
+        logq = F.log_softmax(_upcast(student_logits) / temperature, dim=-1)
+    return divergence(kind, logp, logq, beta)
+
+
+def distill_loss(
+    student_logits: torch.Tensor,
+    teacher: torch.Tensor | TopKTeacher,
+    mask: torch.Tensor | None = None,
+    *,
+    kind: str = "fkl",
+    temperature: float = 1.0,
+    beta: float = 0.5,
+) -> torch.Tensor:
+    """Masked mean divergence, times T² so gradients keep their scale across temperatures (Hinton)."""
+    per_token = per_token_divergence(student_logits, teacher, kind=kind, temperature=temperature, beta=beta)
+    scale = temperature**2 if kind != "tv" else 1.0
+    return scale * masked_mean(per_token, mask)
+
+
+def cross_entropy(student_logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain next-token CE on hard labels (the 'generic draft' objective), masked like the others."""
+    per_token = F.cross_entropy(
+        _upcast(student_logits).reshape(-1, student_logits.shape[-1]), labels.reshape(-1), reduction="none"
+    ).reshape(labels.shape)
+    return masked_mean(per_token, mask)
+
+
+def mixed_loss(
+    student_logits: torch.Tensor,
+    teacher: torch.Tensor | TopKTeacher,
+    labels: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    alpha: float = 0.5,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """(1−a)·CE + a·T²·KL(p_T ‖ q_T): hard labels anchor the draft, soft labels carry the target's shape."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"mix alpha must be in [0, 1], got {alpha}")
+    ce = cross_entropy(student_logits, labels, mask)
+    kl = distill_loss(student_logits, teacher, mask, kind="fkl", temperature=temperature)
+    return (1 - alpha) * ce + alpha * kl
+
+
+# --------------------------------------------------------------------------------------------
+# Hidden-state alignment
+
+
+class HiddenProjection(torch.nn.Module):
+    """Maps draft hidden states into the target's width (identity when they already match); learned."""
+
+    def __init__(self, draft_width: int, target_width: int):
+        super().__init__()
+        self.proj = None if draft_width == target_width else torch.nn.Linear(draft_width, target_width, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden if self.proj is None else self.proj(hidden)
+
+
+def hidden_cosine_loss(
+    draft_hidden: torch.Tensor,
+    target_hidden: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    projection: HiddenProjection | None = None,
+) -> torch.Tensor:
+    """1 − cos(proj(h_draft), h_target) averaged over assistant positions."""
+    h = projection(draft_hidden) if projection is not None else draft_hidden
+    if h.shape[-1] != target_hidden.shape[-1]:
+        raise ValueError(
+            f"draft hidden width {h.shape[-1]} != target {target_hidden.shape[-1]}: pass a HiddenProjection"
+        )
+    cos = F.cosine_similarity(_upcast(h), _upcast(target_hidden), dim=-1, eps=1e-8)
+    return masked_mean(1.0 - cos, mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Selective distillation (AdaSPEC)
+
+
+def selective_mask(
+    draft_per_token: torch.Tensor,
+    reference_per_token: torch.Tensor,
+    mask: torch.Tensor,
+    keep_fraction: float,
+) -> torch.Tensor:
+    """Keep the top `keep_fraction` of assistant tokens by KL(p‖q_draft) − KL(p‖q_ref).
+
+    AdaSPEC's point: tokens that even a well-trained reference draft cannot fit are capacity the
+    small draft should not spend; the ones where the draft lags the reference most are learnable.
+    """
+    if not 0.0 < keep_fraction <= 1.0:
+        raise ValueError(f"selective keep fraction must be in (0, 1], got {keep_fraction}")
+    mask = mask.bool()
+    n = int(mask.sum())
+    keep = max(1, math.ceil(keep_fraction * n)) if n else 0
+    out = torch.zeros_like(mask)
+    if keep == 0:
+        return out
+    gap = (draft_per_token - reference_per_token).detach().float()
+    gap = gap.masked_fill(~mask, float("-inf"))
+    flat = gap.reshape(-1)
+    chosen = flat.topk(keep).indices
+    out.view(-1)[chosen] = True
+    return out
+
+
+def selective_distill_loss(
+    student_logits: torch.Tensor,
+    reference_logits: torch.Tensor,
+    teacher: torch.Tensor | TopKTeacher,
+    mask: torch.Tensor,
+    *,
+    keep_fraction: float = 0.4,
+    kind: str = "fkl",
+    temperature: float = 1.0,
+    beta: float = 0.5,
+) -> torch.Tensor:
+    """AdaSPEC: the divergence averaged over the selected tokens only."""
+    draft_tok = per_token_divergence(student_logits, teacher, kind="fkl", temperature=temperature)
+    with torch.no_grad():
+        ref_tok = per_token_divergence(reference_logits, teacher, kind="fkl", temperature=temperature)
+    chosen = selective_mask(draft_tok, ref_tok, mask, keep_fraction)
+    per_token = draft_tok if kind == "fkl" else per_token_divergence(
+        student_logits, teacher, kind=kind, temperature=temperature, beta=beta
+    )
+    scale = temperature**2 if kind != "tv" else 1.0
+    return scale * masked_mean(per_token, chosen)
+
+
+# --------------------------------------------------------------------------------------------
+# Reduced draft vocabulary
+
+
+def restrict_teacher_logits(teacher_logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Teacher logits over the draft's N kept tokens; the softmax then renormalizes over them."""
+    return teacher_logits.index_select(-1, token_ids.to(teacher_logits.device))

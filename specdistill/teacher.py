@@ -1,0 +1,265 @@
+"""The teacher signal: the target's distribution at every assistant position.
+
+Online, the target runs inside the training step (exact, but a 30-layer forward per batch). Offline,
+the target's top-k log-probs, their token ids and the residual mass are written once into
+safetensors shards and reused across epochs and runs. A cache directory records the target
+fingerprint, k, the temperature and the vocabulary it was written for, and every entry stores the
+token ids of its sequence: a cache from another target, or for other data, is refused rather than
+silently trained on.
+
+Positions: for an example with ids x and assistant mask m, the teacher rows are the predictions of
+the tokens x[t] with m[t] true and t ≥ 1, in order (row i is p(· | x[:t_i])).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+from transformers import PreTrainedModel
+
+from specdistill.losses import TopKTeacher
+from specdistill.vocab import DraftVocab
+
+CACHE_META = "teacher_cache.json"
+
+
+class StaleTeacherCacheError(ValueError):
+    """A cache written for another target, data, k, temperature or vocabulary."""
+
+
+def vocab_key(draft_vocab: DraftVocab | None) -> str:
+    if draft_vocab is None:
+        return "full"
+    digest = hashlib.sha256(draft_vocab.token_ids.numpy().tobytes()).hexdigest()[:12]
+    return f"draft{draft_vocab.size}-{digest}"
+
+
+def data_hash(examples: Iterable) -> str:
+    """Identity of a training set: every example's id, token ids and assistant mask."""
+    h = hashlib.sha256()
+    for ex in examples:
+        h.update(str(ex.id).encode())
+        h.update(torch.tensor(ex.input_ids, dtype=torch.int64).numpy().tobytes())
+        h.update(bytes(bytearray(int(b) for b in ex.assistant_mask)))
+    return h.hexdigest()[:16]
+
+
+def teacher_positions(assistant_mask: Sequence[bool]) -> list[int]:
+    """Logit positions whose next token is an assistant token."""
+    return [t - 1 for t in range(1, len(assistant_mask)) if assistant_mask[t]]
+
+
+def topk_rows(logits: torch.Tensor, k: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    logp = F.log_softmax(logits.float() / temperature, dim=-1)
+    top, idx = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    # the mass of the other tokens summed directly (1 - Σ top loses it to rounding at ~1e-7)
+    residual = torch.logsumexp(logp.scatter(-1, idx, float("-inf")), dim=-1).exp()
+    return top, idx.to(torch.int32), residual
+
+
+# --------------------------------------------------------------------------------------------
+# Offline cache
+
+
+class TeacherCache:
+    """A directory of safetensors shards of top-k teacher rows, keyed by target fingerprint."""
+
+    def __init__(self, directory: str | os.PathLike, meta: dict):
+        self.dir = Path(directory)
+        self.meta = meta
+        self._index: dict[str, Path] | None = None
+        self._shard_cache: tuple[Path, dict] | None = None
+
+    # writing -------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, directory, *, fingerprint: str, k: int, temperature: float, vocab: str, data: str = "") -> "TeacherCache":
+        """Open for writing; an existing cache must carry the same key (then writing resumes)."""
+        directory = Path(directory)
+        meta = {"fingerprint": fingerprint, "k": k, "temperature": temperature, "vocab": vocab, "data": data}
+        if (directory / CACHE_META).is_file():
+            return cls.open(directory, **meta)
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / (CACHE_META + ".tmp")
+        tmp.write_text(json.dumps(meta, indent=2))
+        os.replace(tmp, directory / CACHE_META)
+        return cls(directory, meta)
+
+    def write_shard(self, name: str, entries: dict[str, dict[str, torch.Tensor]]) -> Path:
+        """One shard, written atomically: after a kill a shard is either complete or absent."""
+        tensors = {}
+        for ex_id, rows in entries.items():
+            for key in ("input_ids", "logprobs", "indices", "residual"):
+                tensors[f"{ex_id}/{key}"] = rows[key].contiguous()
+        path = self.dir / f"shard-{name}.safetensors"
+        tmp = self.dir / f".shard-{name}.tmp"
+        save_file(tensors, str(tmp))
+        os.replace(tmp, path)
+        self._index = None
+        return path
+
+    def has_shard(self, name: str) -> bool:
+        return (self.dir / f"shard-{name}.safetensors").is_file()
+
+    # reading -------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, directory, *, fingerprint: str, k: int | None = None, temperature: float | None = None,
+             vocab: str | None = None, data: str | None = None) -> "TeacherCache":
+        """Open for reading, refusing a cache whose key differs from what the caller trains with."""
+        directory = Path(directory)
+        meta_path = directory / CACHE_META
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"no teacher cache at {directory} ({CACHE_META} missing)")
+        meta = json.loads(meta_path.read_text())
+        wanted = {"fingerprint": fingerprint, "k": k, "temperature": temperature, "vocab": vocab, "data": data}
+        for key, value in wanted.items():
+            if value is not None and meta.get(key) != value:
+                raise StaleTeacherCacheError(
+                    f"teacher cache {directory} was written for {key}={meta.get(key)!r}, "
+                    f"this run needs {key}={value!r}: rebuild it"
+                )
+        return cls(directory, meta)
+
+    def _build_index(self) -> dict[str, Path]:
+        index = {}
+        for shard in sorted(self.dir.glob("shard-*.safetensors")):
+            from safetensors import safe_open
+
+            with safe_open(str(shard), "pt") as f:
+                for key in f.keys():
+                    if key.endswith("/input_ids"):
+                        index[key[: -len("/input_ids")]] = shard
+        return index
+
+    def __contains__(self, ex_id: str) -> bool:
+        if self._index is None:
+            self._index = self._build_index()
+        return str(ex_id) in self._index
+
+    def __len__(self) -> int:
+        if self._index is None:
+            self._index = self._build_index()
+        return len(self._index)
+
+    def load_all(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Every entry in memory (a few MB per thousand answers at k=32): epochs then read no disk."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for shard in sorted(self.dir.glob("shard-*.safetensors")):
+            for key, tensor in load_file(str(shard)).items():
+                ex_id, field = key.rsplit("/", 1)
+                out.setdefault(ex_id, {})[field] = tensor
+        return out
+
+
+def check_entry(entry: dict[str, torch.Tensor], ex_id: str, input_ids: Sequence[int], n_rows: int) -> None:
+    """A cache entry must describe exactly this sequence, else it is stale data."""
+    cached = entry["input_ids"].tolist()
+    n = len(input_ids)
+    if cached[:n] != list(input_ids):
+        raise StaleTeacherCacheError(f"teacher cache entry {ex_id!r} was written for other token ids")
+    if entry["logprobs"].shape[0] < n_rows:
+        raise StaleTeacherCacheError(
+            f"teacher cache entry {ex_id!r} has {entry['logprobs'].shape[0]} rows, the example needs {n_rows}"
+        )
+
+
+@torch.inference_mode()
+def build_cache(
+    target: PreTrainedModel,
+    examples: Sequence,
+    directory: str | os.PathLike,
+    *,
+    fingerprint: str,
+    k: int = 32,
+    temperature: float = 1.0,
+    draft_vocab: DraftVocab | None = None,
+    batch_size: int = 8,
+    progress: bool = True,
+) -> TeacherCache:
+    """Run the target once over the examples and store its top-k rows (in the draft's vocabulary
+    space when a reduced vocabulary is given, so the cached residual is exact there). Resumable."""
+    cache = TeacherCache.create(directory, fingerprint=fingerprint, k=k, temperature=temperature,
+                                vocab=vocab_key(draft_vocab), data=data_hash(examples))
+    head = target.get_output_embeddings().weight
+    bar = tqdm(total=len(examples), desc="teacher cache", unit="seq", disable=not progress, file=sys.stderr)
+    for start in range(0, len(examples), batch_size):
+        name = f"{start:07d}"
+        batch = examples[start : start + batch_size]
+        if cache.has_shard(name):
+            bar.update(len(batch))
+            continue
+        input_ids, attention = pad_batch([ex.input_ids for ex in batch])
+        hidden = target.model(input_ids=input_ids, attention_mask=attention).last_hidden_state
+        entries = {}
+        for row, ex in enumerate(batch):
+            pos = torch.tensor(teacher_positions(ex.assistant_mask), dtype=torch.long)
+            h = hidden[row, pos]
+            logits = draft_vocab.logits(h, head) if draft_vocab is not None else h @ head.T
+            top, idx, res = topk_rows(logits, k, temperature)
+            entries[str(ex.id)] = {"input_ids": torch.tensor(ex.input_ids, dtype=torch.int32),
+                                   "logprobs": top, "indices": idx, "residual": res}
+        cache.write_shard(name, entries)
+        bar.update(len(batch))
+    bar.close()
+    return cache
+
+
+def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right padding for training/teacher forwards (causal: padding after a sequence never affects it)."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(seqs), width), dtype=torch.long)
+    for row, s in enumerate(seqs):
+        ids[row, : len(s)] = torch.tensor(list(s), dtype=torch.long)
+        attention[row, : len(s)] = 1
+    return ids, attention
+
+
+def to_draft_space(teacher: TopKTeacher, draft_vocab: DraftVocab) -> TopKTeacher:
+    """A full-vocabulary top-k teacher seen by a reduced-vocabulary draft.
+
+    Top-k entries outside the kept tokens are dropped (marked invalid); the rest, and the residual
+    bucket, are renormalized. The residual then also holds the out-of-vocabulary mass below the
+    top k, a small overestimate (the top-k entries usually hold > 95% of the mass).
+    """
+    lookup = torch.full((draft_vocab.target_vocab_size,), -1, dtype=torch.long)
+    lookup[draft_vocab.token_ids] = torch.arange(draft_vocab.size)
+    mapped = lookup[teacher.indices.long()]
+    valid = mapped >= 0
+    logprobs = teacher.logprobs.masked_fill(~valid, float("-inf"))
+    kept = logprobs.exp().sum(-1) + teacher.residual
+    norm = kept.clamp_min(1e-12)
+    fallback = mapped.masked_fill(~valid, 0).max(dim=-1, keepdim=True).values  # any valid id, for padding
+    indices = torch.where(valid, mapped, fallback.expand_as(mapped))
+    return TopKTeacher(logprobs - norm.log().unsqueeze(-1), indices, teacher.residual / norm, valid)
+
+
+# --------------------------------------------------------------------------------------------
+# Online teacher
+
+
+class OnlineTeacher:
+    """The target's forward pass inside the training step; returns logits at the requested positions."""
+
+    def __init__(self, target: PreTrainedModel, draft_vocab: DraftVocab | None = None, with_hidden: bool = False):
+        self.target = target.eval()
+        for p in self.target.parameters():
+            p.requires_grad_(False)
+        self.draft_vocab = draft_vocab
+        self.with_hidden = with_hidden
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor):
+        """positions: bool [B, T]; returns (logits [N, V'], last hidden [N, H] or None)."""
+        hidden = self.target.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[positions]
+        head = self.target.get_output_embeddings().weight
+        logits = self.draft_vocab.logits(hidden, head) if self.draft_vocab is not None else hidden @ head.T
+        return logits, (hidden if self.with_hidden else None)

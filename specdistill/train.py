@@ -1,0 +1,502 @@
+"""Distillation training loop, nanoGPT style: the math in plain sight, no framework in between.
+
+AdamW, linear warmup then cosine decay, gradient accumulation, clipping, optional bf16 autocast,
+frozen parameters by name (the draft shares the target's embeddings and head, which stay frozen by
+default). Every `checkpoint_every` steps the draft, optimizer, RNG state and data position are
+saved, so a killed run resumes on the same loss curve. Every `eval_every` steps the held-out
+acceptance estimate is logged: greedy top-1 agreement with the target's own continuation, and the
+expected accepted length τ at γ=4 that it implies.
+
+Runs unchanged under `torchrun --nproc_per_node N` (DDP; gloo on CPU): each rank takes its slice
+of every global batch and gradients are averaged, so all ranks hold identical weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from specdistill import losses
+from specdistill.config import DistillConfig, save_config
+from specdistill.datagen import Example, encode_conversation, encode_generated
+from specdistill.teacher import OnlineTeacher, TeacherCache, pad_batch, to_draft_space, vocab_key
+from specdistill.vocab import DraftVocab, build_draft_vocab
+
+CKPT_PREFIX = "step-"
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training hit a NaN/inf loss; the message names the step and batch. The last good checkpoint stays."""
+
+
+# --------------------------------------------------------------------------------------------
+# Data
+
+
+def read_examples(path: str, kind: str, tokenizer, max_len: int, limit: int | None = None) -> list[Example]:
+    """JSONL records into training examples; a bad line fails naming the file and line."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if limit is not None and len(out) >= limit:
+                break
+            try:
+                rec = json.loads(line)
+                if kind == "generated":
+                    ex = encode_generated(tokenizer, rec, max_len)
+                else:
+                    ex = encode_conversation(tokenizer, rec["messages"], max_len)
+                    ex.id = str(rec.get("id", f"{Path(path).name}:{lineno}"))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{lineno}: not a usable {kind} record: {exc}") from None
+            if any(ex.assistant_mask[1:]):
+                out.append(ex)
+    if not out:
+        raise ValueError(f"{path}: no record with assistant tokens to train on")
+    return out
+
+
+@dataclass
+class Batch:
+    ids: list[str]
+    input_ids: torch.Tensor  # [B, T]
+    attention: torch.Tensor  # [B, T]
+    positions: torch.Tensor  # [B, T] bool: logits here predict an assistant token
+    labels: torch.Tensor  # [N] the next token (target ids) at those positions, row-major
+    rows_per_example: list[int] = field(default_factory=list)
+
+
+def collate(examples: list[Example]) -> Batch:
+    input_ids, attention = pad_batch([ex.input_ids for ex in examples])
+    positions = torch.zeros_like(input_ids, dtype=torch.bool)
+    for row, ex in enumerate(examples):
+        mask = torch.tensor(ex.assistant_mask[1:], dtype=torch.bool)
+        positions[row, : mask.numel()] = mask
+    labels = input_ids[:, 1:][positions[:, :-1]] if input_ids.shape[1] > 1 else input_ids.new_zeros(0)
+    return Batch([ex.id for ex in examples], input_ids, attention, positions, labels,
+                 [int(positions[r].sum()) for r in range(len(examples))])
+
+
+class DataOrder:
+    """A seeded permutation per epoch and a cursor: exactly resumable data position."""
+
+    def __init__(self, n: int, seed: int, epoch: int = 0, cursor: int = 0):
+        self.n, self.seed, self.epoch, self.cursor = n, seed, epoch, cursor
+        self._perm = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return torch.randperm(self.n, generator=g).tolist()
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.cursor >= self.n:
+                self.epoch, self.cursor = self.epoch + 1, 0
+                self._perm = self._permutation()
+            out.append(self._perm[self.cursor])
+            self.cursor += 1
+        return out
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+
+# --------------------------------------------------------------------------------------------
+# The draft with its (possibly reduced) head
+
+
+class DraftWithHead(torch.nn.Module):
+    """Draft body + LM head over the draft vocabulary, applied only at the positions that are trained."""
+
+    def __init__(self, draft, draft_vocab: DraftVocab | None, target_width: int | None = None):
+        super().__init__()
+        self.draft = draft
+        self.register_buffer("kept", draft_vocab.token_ids.clone() if draft_vocab is not None else torch.zeros(0, dtype=torch.long),
+                             persistent=False)
+        width = draft.config.hidden_size
+        self.projection = losses.HiddenProjection(width, target_width or width)
+
+    def forward(self, input_ids, attention, positions):
+        hidden = self.draft.model(input_ids=input_ids, attention_mask=attention).last_hidden_state[positions]
+        weight = self.draft.get_output_embeddings().weight
+        if self.kept.numel():
+            weight = weight.index_select(0, self.kept)
+        return hidden @ weight.T, hidden
+
+
+@torch.no_grad()
+def heldout_acceptance(module: DraftWithHead, examples: list[Example], draft_vocab: DraftVocab | None,
+                       batch_size: int = 8, gamma: int = 4) -> dict:
+    """Greedy top-1 agreement with the target's own continuation, and τ(γ) under the i.i.d. model."""
+    was_training = module.training
+    module.eval()
+    agree = total = 0
+    for start in range(0, len(examples), batch_size):
+        batch = collate(examples[start : start + batch_size])
+        logits, _ = module(batch.input_ids, batch.attention, batch.positions)
+        guess = logits.argmax(-1)
+        if draft_vocab is not None:
+            guess = draft_vocab.to_target_ids(guess)
+        agree += int((guess == batch.labels).sum())
+        total += batch.labels.numel()
+    module.train(was_training)
+    alpha = agree / max(total, 1)
+    return {"acceptance": alpha, "tau": expected_tau(alpha, gamma), "eval_tokens": total}
+
+
+def expected_tau(alpha: float, gamma: int = 4) -> float:
+    """Expected tokens per target forward, bonus included: (1 − α^(γ+1)) / (1 − α)."""
+    return float(gamma + 1) if alpha >= 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def lr_at(step: int, cfg) -> float:
+    """Linear warmup, then cosine from lr to lr·min_lr_ratio over max_steps."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def apply_freeze(model: torch.nn.Module, patterns: list[str]) -> tuple[int, int]:
+    """Freeze parameters whose name contains any pattern; returns (trainable, frozen) counts."""
+    trainable = frozen = 0
+    for name, p in model.named_parameters():
+        keep_frozen = any(pat in name for pat in patterns)
+        p.requires_grad_(not keep_frozen)
+        if keep_frozen:
+            frozen += p.numel()
+        else:
+            trainable += p.numel()
+    if trainable == 0:
+        raise ValueError(f"freeze patterns {patterns} freeze every parameter")
+    return trainable, frozen
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def _ckpt_dirs(out_dir: Path) -> list[Path]:
+    return sorted(p for p in (out_dir / "checkpoints").glob(f"{CKPT_PREFIX}*") if p.is_dir())
+
+
+def save_checkpoint(out_dir: Path, step: int, module: DraftWithHead, optimizer, order: DataOrder, extra: dict,
+                    config: DistillConfig) -> Path:
+    """Everything a resume needs, written into a temp dir and renamed: a kill never leaves half a checkpoint."""
+    final = out_dir / "checkpoints" / f"{CKPT_PREFIX}{step:07d}"
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {k: v.detach().contiguous().clone() for k, v in module.state_dict().items()}
+    save_file(_untie(state), str(tmp / "model.safetensors"))
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
+    (tmp / "state.json").write_text(json.dumps({"step": step, "data": order.state(), "python_rng": random.getstate(),
+                                                **extra}, default=str))
+    save_config(config, tmp / "config.yaml")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    for old in _ckpt_dirs(out_dir)[: -config.keep_checkpoints]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _untie(state: dict) -> dict:
+    """safetensors refuses shared storage: tied tensors are stored once each as separate copies."""
+    seen, out = set(), {}
+    for k, v in state.items():
+        ptr = v.data_ptr()
+        out[k] = v.clone() if ptr in seen else v
+        seen.add(ptr)
+    return out
+
+
+def load_checkpoint(ckpt: Path, module: DraftWithHead, optimizer) -> dict:
+    module.load_state_dict(load_file(str(ckpt / "model.safetensors")), strict=True)
+    optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
+    rng = torch.load(ckpt / "rng.pt", weights_only=True)
+    torch.set_rng_state(rng["torch"])
+    state = json.loads((ckpt / "state.json").read_text())
+    return state
+
+
+# --------------------------------------------------------------------------------------------
+# The run
+
+
+def _dist_info() -> tuple[int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return (dist.get_rank(), world) if world > 1 else (0, 1)
+
+
+def _build_draft_vocab(config: DistillConfig, examples: list[Example], tokenizer, target_vocab: int) -> DraftVocab | None:
+    spec = config.draft_vocab
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        vocab = DraftVocab.load(spec)
+        if vocab is None:
+            raise ValueError(f"draft_vocab={spec!r}: no draft vocabulary file in that directory")
+        return vocab
+    from collections import Counter
+
+    counts: Counter = Counter()
+    for ex in examples:  # the tokens the draft has to say: the assistant's
+        counts.update(t for t, m in zip(ex.input_ids, ex.assistant_mask) if m)
+    return build_draft_vocab(counts, spec, target_vocab, [tokenizer.eos_token_id])
+
+
+def distill(config: DistillConfig) -> dict:
+    """Train a draft as the config says; returns the final metrics and where the draft was written."""
+    from specdistill.drafts import init_draft_from_target, parse_layers, save_draft
+    from specdistill.models import load_model
+
+    rank, world = _dist_info()
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    out_dir = Path(config.out_dir)
+    torch.manual_seed(config.seed)
+    random.seed(config.seed)
+
+    target = load_model(config.target)
+    tok = target.tokenizer
+    data = config.data
+    examples = read_examples(data.path, data.kind, tok, data.max_len, data.limit)
+    replay = read_examples(data.replay_path, data.replay_kind, tok, data.max_len) if data.replay_path else []
+    heldout = (read_examples(data.heldout_path, "generated", tok, data.max_len, data.heldout_limit)
+               if data.heldout_path else [])
+
+    if config.draft:
+        loaded = load_model(config.draft)
+        draft = loaded.model
+        draft_vocab = DraftVocab.load(config.draft)
+        if isinstance(config.draft_vocab, int) and draft_vocab is not None and draft_vocab.size != config.draft_vocab:
+            raise ValueError(f"warm-start draft {config.draft} has a {draft_vocab.size}-token vocabulary, "
+                             f"config asks for {config.draft_vocab}")
+        layers = loaded.config.to_dict().get("specdistill_layers")
+    else:
+        layers = parse_layers(config.layers, target.config.num_hidden_layers)
+        draft = init_draft_from_target(target.model, layers)
+        draft_vocab = _build_draft_vocab(config, examples, tok, target.config.vocab_size)
+    draft.train()
+    trainable, frozen = apply_freeze(draft, config.freeze)
+
+    teacher = cache_rows = None
+    if config.teacher.mode == "online":
+        teacher = OnlineTeacher(target.model, draft_vocab, with_hidden=config.loss.hidden_weight > 0)
+    elif config.teacher.mode == "cache":
+        cache = TeacherCache.open(config.teacher.cache_dir, fingerprint=target.fingerprint)
+        if cache.meta["temperature"] != config.loss.temperature:
+            raise ValueError(f"teacher cache {config.teacher.cache_dir} holds temperature {cache.meta['temperature']}, "
+                             f"loss.temperature is {config.loss.temperature}")
+        if cache.meta["vocab"] not in ("full", vocab_key(draft_vocab)):
+            raise ValueError(f"teacher cache {config.teacher.cache_dir} was written for vocabulary {cache.meta['vocab']}")
+        cache_rows = cache.load_all()
+        for ex in examples + replay:
+            entry = cache_rows.get(ex.id)
+            if entry is None:
+                raise ValueError(f"teacher cache {config.teacher.cache_dir} has no entry for example {ex.id!r}")
+            from specdistill.teacher import check_entry, teacher_positions
+
+            check_entry(entry, ex.id, ex.input_ids, len(teacher_positions(ex.assistant_mask)))
+        remap = cache.meta["vocab"] == "full" and draft_vocab is not None
+    target_width = target.config.hidden_size
+    if config.teacher.mode == "none":
+        target.model = None  # hard labels only: free the target, it is not needed during training
+
+    reference = None
+    if config.loss.selective_keep is not None:
+        ref = load_model(config.loss.selective_reference)
+        reference = DraftWithHead(ref.model, DraftVocab.load(config.loss.selective_reference) or draft_vocab).eval()
+
+    module = DraftWithHead(draft, draft_vocab, target_width)
+    model = torch.nn.parallel.DistributedDataParallel(module) if world > 1 else module
+    params = [p for p in module.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = config.optim
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": opt.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=opt.lr, betas=opt.betas)
+
+    order = DataOrder(len(examples), config.seed)
+    step, trained_tokens, train_seconds, curve = 0, 0, 0.0, []
+    ckpts = _ckpt_dirs(out_dir)
+    if ckpts:  # resume
+        state = load_checkpoint(ckpts[-1], module, optimizer)
+        step, trained_tokens, train_seconds = state["step"], state["tokens"], state["train_seconds"]
+        curve = state.get("curve", [])
+        order = DataOrder(len(examples), config.seed, **state["data"])
+        version, internal, gauss = state["python_rng"]
+        random.setstate((version, tuple(internal), gauss))
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_config(config, out_dir / "config.yaml")
+
+    def evaluate() -> dict:
+        m = heldout_acceptance(module, heldout, draft_vocab) if heldout else {}
+        point = {"step": step, "tokens": trained_tokens, "minutes": train_seconds / 60, **m}
+        curve.append(point)
+        if rank == 0:
+            with open(out_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(point) + "\n")
+        return point
+
+    if step == 0 and heldout:
+        evaluate()
+    per_rank = opt.batch_size
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if opt.bf16 else nullcontext()
+    bar = tqdm(total=opt.max_steps, initial=step, desc="distill", unit="step", file=sys.stderr,
+               disable=not config.progress or rank != 0)
+    last_loss = float("nan")
+    stop_reason = "max_steps"
+    while step < opt.max_steps:
+        if opt.max_tokens is not None and trained_tokens >= opt.max_tokens:
+            stop_reason = "max_tokens"
+            break
+        if opt.max_minutes is not None and train_seconds >= 60 * opt.max_minutes:
+            stop_reason = "max_minutes"
+            break
+        t0 = time.perf_counter()
+        for g in optimizer.param_groups:
+            g["lr"] = lr_at(step, opt)
+        step_tokens = 0
+        step_loss = 0.0
+        for micro in range(opt.grad_accum):
+            global_idx = order.take(per_rank * world)
+            mine = [examples[i] for i in global_idx[rank::world]]
+            if replay and data.replay_share > 0:  # seeded per step: a resumed run replays the same records
+                g = random.Random(config.seed * 7919 + step * 131 + micro)
+                mine = [replay[g.randrange(len(replay))] if g.random() < data.replay_share else ex for ex in mine]
+            batch = collate(mine)
+            sync = nullcontext() if (world == 1 or micro == opt.grad_accum - 1) else model.no_sync()
+            with sync:
+                with autocast:
+                    logits, hidden = model(batch.input_ids, batch.attention, batch.positions)
+                loss = _loss(config, logits, hidden, batch, teacher, cache_rows, remap if cache_rows else False,
+                             draft_vocab, module, reference)
+                if not torch.isfinite(loss):
+                    raise NonFiniteLossError(
+                        f"loss is {loss.item()} at step {step} (micro-batch {micro}, examples {batch.ids}); "
+                        f"stopped, the last good checkpoint is kept in {out_dir / 'checkpoints'}")
+                (loss / opt.grad_accum).backward()
+            step_tokens += int(batch.positions.sum())
+            step_loss += loss.item() / opt.grad_accum
+        if opt.clip:
+            torch.nn.utils.clip_grad_norm_(params, opt.clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        if world > 1:
+            counted = torch.tensor([step_tokens], dtype=torch.long)
+            dist.all_reduce(counted)
+            step_tokens = int(counted)
+        trained_tokens += step_tokens
+        elapsed = time.perf_counter() - t0
+        train_seconds += elapsed
+        last_loss = step_loss
+        if rank == 0:
+            with open(out_dir / "train_log.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "loss": step_loss, "lr": optimizer.param_groups[0]["lr"],
+                                    "tokens": trained_tokens}) + "\n")
+        bar.update(1)
+        bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{step_tokens / max(elapsed, 1e-9):.0f}")
+        if heldout and step % config.eval_every == 0:
+            point = evaluate()
+            bar.write(f"step {step}: tokens {trained_tokens} acceptance {point['acceptance']:.3f} tau {point['tau']:.2f}")
+        if step % config.checkpoint_every == 0 and rank == 0:
+            save_checkpoint(out_dir, step, module, optimizer, order,
+                            {"tokens": trained_tokens, "train_seconds": train_seconds, "curve": curve, "loss": step_loss},
+                            config)
+        if world > 1 and step % config.checkpoint_every == 0:
+            dist.barrier()
+    bar.close()
+    if heldout and (not curve or curve[-1]["step"] != step):
+        evaluate()
+
+    result = {"steps": step, "tokens": trained_tokens, "train_minutes": train_seconds / 60, "loss": last_loss,
+              "stop": stop_reason, "trainable_parameters": trainable, "frozen_parameters": frozen,
+              "curve": curve, "draft_vocab": draft_vocab.size if draft_vocab is not None else None, "layers": layers}
+    if world > 1:  # every rank must end with the same weights; say so in the result, fail loudly if not
+        from specdistill.models import weights_digest
+
+        digests = [None] * world
+        dist.all_gather_object(digests, weights_digest(module))
+        result["rank_weight_digests"] = digests
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"DDP ranks ended with different weights: {digests}")
+    if rank == 0:
+        draft.config.specdistill_layers = layers
+        result["draft_dir"] = str(save_draft(draft.eval(), tok, out_dir / "draft", draft_vocab=draft_vocab,
+                                             meta={"target_fingerprint": target.fingerprint, "layers": layers,
+                                                   "config": config.model_dump(mode="json"),
+                                                   **{k: v for k, v in result.items() if k != "curve"}}))
+        (out_dir / "result.json").write_text(json.dumps(result, indent=2, default=str))
+    if world > 1:
+        dist.barrier()
+    return result
+
+
+def _loss(config: DistillConfig, logits, hidden, batch: Batch, teacher, cache_rows, remap: bool,
+          draft_vocab: DraftVocab | None, module: DraftWithHead, reference) -> torch.Tensor:
+    lc = config.loss
+    labels = batch.labels
+    label_mask = None
+    if draft_vocab is not None:  # labels in draft ids; a label outside the kept tokens cannot be learned
+        lookup = torch.full((draft_vocab.target_vocab_size,), -1, dtype=torch.long)
+        lookup[draft_vocab.token_ids] = torch.arange(draft_vocab.size)
+        labels = lookup[labels]
+        label_mask = labels >= 0
+        labels = labels.clamp_min(0)
+    if lc.kind == "ce":
+        return losses.cross_entropy(logits, labels, label_mask)
+
+    target_hidden = None
+    if cache_rows is not None:
+        parts = [cache_rows[ex_id] for ex_id in batch.ids]
+        top = losses.TopKTeacher(
+            torch.cat([p["logprobs"][:n] for p, n in zip(parts, batch.rows_per_example)]),
+            torch.cat([p["indices"][:n] for p, n in zip(parts, batch.rows_per_example)]).long(),
+            torch.cat([p["residual"][:n] for p, n in zip(parts, batch.rows_per_example)]),
+        )
+        if lc.top_k and lc.top_k < top.logprobs.shape[-1]:  # a smaller k than cached: the rest joins the bucket
+            dropped = top.logprobs[:, lc.top_k:].exp().sum(-1)
+            top = losses.TopKTeacher(top.logprobs[:, : lc.top_k], top.indices[:, : lc.top_k], top.residual + dropped)
+        teacher_signal = to_draft_space(top, draft_vocab) if remap else top
+    else:
+        teacher_logits, target_hidden = teacher(batch.input_ids, batch.attention, batch.positions)
+        teacher_signal = (losses.topk_teacher_from_logits(teacher_logits, lc.top_k, lc.temperature)
+                          if lc.top_k else teacher_logits)
+
+    if lc.selective_keep is not None:
+        with torch.no_grad():
+            ref_logits, _ = reference(batch.input_ids, batch.attention, batch.positions)
+        loss = losses.selective_distill_loss(logits, ref_logits, teacher_signal, torch.ones_like(labels, dtype=torch.bool),
+                                             keep_fraction=lc.selective_keep, kind="fkl" if lc.kind == "mix" else lc.kind,
+                                             temperature=lc.temperature, beta=lc.beta)
+    elif lc.kind == "mix":
+        ce = losses.cross_entropy(logits, labels, label_mask)
+        kl = losses.distill_loss(logits, teacher_signal, None, kind="fkl", temperature=lc.temperature)
+        loss = (1 - lc.alpha) * ce + lc.alpha * kl
+    else:
+        loss = losses.distill_loss(logits, teacher_signal, None, kind=lc.kind, temperature=lc.temperature, beta=lc.beta)
+    if lc.hidden_weight > 0:
+        loss = loss + lc.hidden_weight * losses.hidden_cosine_loss(hidden, target_hidden, None, module.projection)
+    return loss

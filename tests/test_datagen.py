@@ -1,0 +1,101 @@
+"""Target-generated data: chat-template masks, batched left-padded generation, resume, recorded teacher."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdistill.datagen import Prompt, encode_conversation, encode_generated, generate_answers, prompt_ids, read_done
+from specdistill.teacher import TeacherCache
+
+from conftest import make_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    from specdistill.models import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir("demo"))
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tok):
+    return make_tiny_llama(vocab_size=len(tok), hidden=32, layers=2, seed=3, tie=False)
+
+
+def _prompts(n):
+    texts = ["Hi.", "What is the capital of France?", "Write a haiku about snow, please.", "2+2?", "Name a dog breed.",
+             "Explain recursion in one sentence."]
+    return [Prompt(f"q{i}", [{"role": "user", "content": texts[i % len(texts)] + " " * (i // len(texts))}]) for i in range(n)]
+
+
+def test_assistant_mask_marks_exactly_the_assistant_turns(tok):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello there!"}, {"role": "user", "content": "Bye"},
+            {"role": "assistant", "content": "Goodbye."}]
+    ex = encode_conversation(tok, msgs)
+    marked = [t for t, m in zip(ex.input_ids, ex.assistant_mask) if m]
+    eos = tok.eos_token_id
+    assert tok.decode(marked) == "Hello there!" + tok.eos_token + "Goodbye." + tok.eos_token
+    assert marked.count(eos) == 2
+    assert ex.input_ids == tok.apply_chat_template(msgs, tokenize=True)["input_ids"][: len(ex.input_ids)]
+    with pytest.raises(ValueError, match="no assistant turn"):
+        encode_conversation(tok, msgs[:2])
+
+
+def test_batched_left_padded_generation_matches_one_by_one(tok, tiny_target, tmp_path):
+    prompts = _prompts(4)
+    batched = generate_answers(tiny_target, tok, prompts, tmp_path / "b.jsonl", batch_size=4, max_new_tokens=8, progress=False)
+    single = generate_answers(tiny_target, tok, prompts, tmp_path / "s.jsonl", batch_size=1, max_new_tokens=8, progress=False)
+    lengths = {len(prompt_ids(tok, p.messages)) for p in prompts}
+    assert len(lengths) > 1  # the batch really was padded
+    for p in prompts:
+        assert batched[p.id]["response_ids"] == single[p.id]["response_ids"]
+
+
+def test_generation_resumes_without_redoing_answers(tok, tiny_target, tmp_path):
+    out = tmp_path / "a.jsonl"
+    generate_answers(tiny_target, tok, _prompts(3), out, batch_size=2, max_new_tokens=6, progress=False)
+    with open(out, "a") as f:
+        f.write('{"id": "q9", "prompt": [')  # a write torn by a kill
+    first = {json.loads(line)["id"]: line for line in out.read_text().splitlines()[:3]}
+    done = generate_answers(tiny_target, tok, _prompts(5), out, batch_size=2, max_new_tokens=6, progress=False)
+    lines = out.read_text().splitlines()
+    assert len(lines) == 5 and len(done) == 5
+    assert {json.loads(line)["id"]: line for line in lines[:3]} == first  # the old answers were kept, not redone
+    assert sorted(read_done(out)) == [f"q{i}" for i in range(5)]
+
+
+def test_recorded_teacher_is_the_targets_distribution_at_each_answer_token(tok, tiny_target, tmp_path):
+    cache = TeacherCache.create(tmp_path / "c", fingerprint="f" * 16, k=8, temperature=1.0, vocab="full", data="gen")
+    done = generate_answers(tiny_target, tok, _prompts(3), tmp_path / "g.jsonl", batch_size=3, max_new_tokens=6,
+                            teacher_cache=cache, progress=False)
+    rows = TeacherCache.open(tmp_path / "c", fingerprint="f" * 16).load_all()
+    for ex_id, rec in done.items():
+        ex = encode_generated(tok, rec)
+        entry = rows[ex_id]
+        assert entry["indices"][:, 0].tolist() == rec["response_ids"]  # greedy: the top-1 is what was generated
+        with torch.no_grad():
+            logits = tiny_target(input_ids=torch.tensor([ex.input_ids])).logits[0]
+        pos = [t - 1 for t in range(1, len(ex.input_ids)) if ex.assistant_mask[t]]
+        want = torch.log_softmax(logits[pos], -1).topk(8, -1)
+        assert torch.allclose(entry["logprobs"], want.values, atol=1e-4)
+        assert torch.allclose(entry["residual"], 1 - want.values.exp().sum(-1), atol=1e-5)
+
+
+def test_recording_refuses_sampled_generation(tok, tiny_target, tmp_path):
+    cache = TeacherCache.create(tmp_path / "c", fingerprint="f" * 16, k=8, temperature=1.0, vocab="full")
+    with pytest.raises(ValueError, match="greedy"):
+        generate_answers(tiny_target, tok, _prompts(1), tmp_path / "x.jsonl", temperature=0.8, teacher_cache=cache)
+
+
+def test_sampled_generation_is_reproducible(tok, tiny_target, tmp_path):
+    a = generate_answers(tiny_target, tok, _prompts(2), tmp_path / "a.jsonl", temperature=1.0, seed=5, max_new_tokens=6,
+                         progress=False)
+    b = generate_answers(tiny_target, tok, _prompts(2), tmp_path / "b.jsonl", temperature=1.0, seed=5, max_new_tokens=6,
+                         progress=False)
+    assert [a[k]["response_ids"] for k in sorted(a)] == [b[k]["response_ids"] for k in sorted(b)]
