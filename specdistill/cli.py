@@ -239,12 +239,35 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # demo
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from specdistill.demo import run_demo
+def _run_nightly(config_path: str | None, overrides: list[str]) -> dict:
+    # The flows are the one place Prefect is imported; the library itself never imports it.
+    from flows.nightly import nightly
 
-    result = run_demo()
-    if args.json:
-        print(json.dumps(result, default=str))
+    return nightly(config_path=config_path, overrides=overrides)
+
+
+def _summary(result: dict) -> str:
+    from specdistill.serving import serving_path
+
+    lines = ["", result["report"], ""]
+    reg = result["registered"]
+    alias = "champion" if result["promoted"] else "challenger"
+    lines.append(f"registered version {reg['version']} of {reg['name']} (alias {alias}); "
+                 f"gate {'PASS' if result['verdict']['passed'] else 'FAIL'}")
+    lines.append(f"serving config: {serving_path()}" + ("" if result["promoted"] else " (unchanged)"))
+    return "\n".join(lines)
+
+
+def cmd_pipeline_run(args: argparse.Namespace) -> int:
+    result = _run_nightly(args.config, args.overrides)
+    _emit(args, result, _summary(result))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The nightly flow on the embedded defaults: demo target, ShareGPT + HumanEval, SQLite, local MLflow."""
+    result = _run_nightly(None, args.overrides)
+    _emit(args, result, _summary(result))
     return 0
 
 
@@ -333,7 +356,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gate", default=None, choices=["default", "production"], help="also print the gate's verdict")
     p.add_argument("--champion", default=None, metavar="JSON", help="the champion's bench JSON, for the gate's τ check")
 
-    add(sub, "demo", cmd_demo, "run the main job on the embedded defaults")
+    pipeline = sub.add_parser("pipeline", help="the nightly flow").add_subparsers(dest="pipeline_command", required=True)
+    p = add(pipeline, "run", cmd_pipeline_run, "run the nightly distillation flow once, now")
+    p.add_argument("--config", default=None, help="nightly YAML config (default: the embedded demo defaults)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.max_minutes=2")
+
+    p = add(sub, "demo", cmd_demo, "run the main job (the nightly flow) on the embedded defaults")
+    p.add_argument("overrides", nargs="*", help="key=value overrides of the embedded defaults")
     return parser
 
 

@@ -262,6 +262,20 @@ class LogStore:
                 rows += conn.execute(sa.select(conversations).where(conversations.c.id.in_(part))).mappings().all()
         return sorted((_stored(r) for r in rows), key=lambda s: s.id)
 
+    def by_ids(self, ids: Iterable[int]) -> list[StoredConversation]:
+        """Conversations by id, in the order asked (a window chosen earlier, read again)."""
+        ids = list(ids)
+        found: dict[int, StoredConversation] = {}
+        with self.engine.connect() as conn:
+            for start in range(0, len(ids), 500):
+                part = ids[start : start + 500]
+                for row in conn.execute(sa.select(conversations).where(conversations.c.id.in_(part))).mappings():
+                    found[row["id"]] = _stored(row)
+        missing = [i for i in ids if i not in found]
+        if missing:
+            raise KeyError(f"conversations not in the log store: {missing[:10]}")
+        return [found[i] for i in ids]
+
     # -- target responses --------------------------------------------------------------------
 
     def add_response(

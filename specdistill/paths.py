@@ -11,7 +11,7 @@ from pathlib import Path
 
 
 def home() -> Path:
-    return Path(os.environ.get("SPECDISTILL_HOME", ".specdistill")).resolve()
+    return Path(os.environ.get("SPECDISTILL_HOME") or ".specdistill").resolve()
 
 
 def model_cache_dir() -> Path:

@@ -323,3 +323,20 @@ def build_draft_vocab(
         chosen.setdefault(fill)
         fill += 1
     return DraftVocab(torch.tensor(list(chosen)), target_vocab_size)
+
+
+def remap_draft_vocab(vocab: DraftVocab, old_tok: PreTrainedTokenizerBase, new_tok: PreTrainedTokenizerBase) -> DraftVocab:
+    """Carry a reduced draft vocabulary over to a new target tokenizer, token by string.
+
+    Tokens the new tokenizer lacks are dropped; the new tokenizer's own added tokens (domain words
+    a target update introduced) and EOS join, so the draft can propose them.
+    """
+    new_vocab = new_tok.get_vocab()
+    kept = []
+    for old_id in vocab.token_ids.tolist():
+        new_id = new_vocab.get(old_tok.convert_ids_to_tokens(old_id))
+        if new_id is not None:
+            kept.append(new_id)
+    added = list(getattr(new_tok, "added_tokens_encoder", {}).values())
+    kept += [t for t in added + [new_tok.eos_token_id] if t is not None]
+    return DraftVocab(torch.tensor(sorted(set(kept))), max(len(new_tok), max(new_vocab.values()) + 1))

@@ -1,0 +1,74 @@
+"""The nightly distillation flow: yesterday's traffic in, a proven better draft out (or nothing changed).
+
+    production logs -> ingest -> log store -> window -> vocab alignment -> target responses
+    (+ teacher cache) -> distill -> benchmark vs champion and baselines -> gate -> MLflow register
+    -> promote + serving config
+
+A failure at any step leaves the champion and the serving config as they were: they change only
+in the last task, together.
+"""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+
+from specdistill import pipeline
+from tasks import nightly as t
+
+
+@flow(name="nightly-distill", log_prints=True)
+def nightly(config_path: str | None = None, overrides: list[str] | None = None,
+            window_days: float | None = None, budget_minutes: float | None = None) -> dict:
+    overrides = list(overrides or [])
+    if window_days is not None:
+        overrides.append(f"window.days={window_days}")
+    if budget_minutes is not None:
+        overrides.append(f"train.max_minutes={budget_minutes}")
+    config = pipeline.load_nightly_config(config_path, overrides)  # a config error fails before any work
+    log = get_run_logger()
+
+    target = t.load_target(config)
+    for source in config.sources:
+        t.ingest_logs(source, config)
+    window = t.select_window(config)
+
+    champion = t.current_champion(config)
+    warm_start = t.align_vocab(config, champion)
+
+    fp = target["fingerprint"]
+    train_data = t.generate_responses(config, window, "train", fp, record_teacher=True)
+    heldout_data = t.generate_responses(config, window, "eval", fp, record_teacher=False)
+    trained = t.distill(config, train_data, heldout_data, warm_start["dir"] if warm_start else None, fp)
+
+    drafters = {"challenger": f"draft:{trained['draft_dir']}"}
+    if warm_start:
+        drafters["champion"] = f"draft:{warm_start['dir']}"
+    if config.bench.generic_draft:
+        generic = t.generic_baseline(config, window, heldout_data, fp)
+        drafters["generic"] = f"draft:{generic['draft_dir']}"
+    for layer in config.bench.self_spec_layers:
+        drafters[f"self-spec@{layer}"] = f"self_spec:{layer}"
+    if config.bench.ngram:
+        drafters["ngram"] = "ngram"
+    results = t.benchmark(config, window, drafters, fp)
+
+    verdict = t.gate(config, results["challenger"], results.get("champion"))
+    report = pipeline.report_table(results, verdict)
+    report_path = pipeline.write_report(report, window)
+    registered = t.register(config, target, window, trained, results, verdict,
+                            champion["version"] if champion else None, report_path)
+    promoted = None
+    if verdict["promote"]:
+        promoted = t.promote(config, registered, target, champion["version"] if champion else None)
+
+    report = pipeline.report_table(results, verdict, registered, promoted)
+    pipeline.write_report(report, window, report_path)
+    create_markdown_artifact(report, key="nightly-benchmark", description="draft vs champion and baselines")
+    log.info("\n%s", report)
+    return {"target": target, "window": window["key"], "results": results, "verdict": verdict,
+            "registered": registered, "promoted": promoted, "report": report}
+
+
+if __name__ == "__main__":
+    nightly()

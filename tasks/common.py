@@ -1,0 +1,23 @@
+"""Cache keys from content: the state directory, the inputs' JSON, never object identity.
+
+A rerun after a failure finds the finished stages' persisted results under the same key and
+resumes; a different state directory, window, target or config gets a different key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from specdistill import paths
+
+
+def content_key(context, parameters: dict) -> str:
+    def plain(value):
+        if hasattr(value, "model_dump"):
+            return value.model_dump(mode="json")
+        return value
+
+    payload = {"task": context.task.name, "home": str(paths.home()),
+               "inputs": {k: plain(v) for k, v in sorted(parameters.items())}}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()

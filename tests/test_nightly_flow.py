@@ -1,0 +1,94 @@
+"""End to end: the nightly flow on the demo target with tiny budgets, run three times."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "deploy" / "nightly" / "tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def prefect_harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.fixture(scope="module")
+def traffic(tmp_path_factory):
+    """200 real ShareGPT conversations as a small ShareGPT file (the whole file takes a minute to ingest)."""
+    from specdistill.datasets import sharegpt_path
+    from specdistill.readers import Conversation, read_records
+
+    records = []
+    for rec in read_records(sharegpt_path(), "sharegpt"):
+        if isinstance(rec, Conversation):
+            turns = [{"from": {"user": "human", "assistant": "gpt"}.get(m.role, m.role), "value": m.content}
+                     for m in rec.messages]
+            records.append({"id": f"c{len(records)}", "conversations": turns})
+        if len(records) >= 200:
+            break
+    path = tmp_path_factory.mktemp("traffic") / "sharegpt_small.json"
+    path.write_text(json.dumps(records))
+    return path
+
+
+def _run(traffic, *overrides):
+    from flows.nightly import nightly
+
+    sources = f"sources=[{{path: '{traffic}', format: sharegpt, slice: chat}}, {{path: humaneval, format: humaneval, slice: code}}]"
+    return nightly(config_path=TINY, overrides=[sources, *overrides])
+
+
+def test_nightly_twice_then_forced_gate_failure(prefect_harness, traffic, tmp_path, monkeypatch):
+    from specdistill import registry
+    from specdistill.logstore import LogStore
+    from specdistill.serving import read_serving_config, serving_path
+
+    monkeypatch.setenv("SPECDISTILL_HOME", str(tmp_path / "home"))
+    first = _run(traffic)
+    name = first["registered"]["name"]
+    assert first["verdict"]["passed"] and first["promoted"]["version"] == "1"
+    assert str(registry.version_by_alias(name, "champion").version) == "1"
+    serving = read_serving_config()
+    assert serving.mode == "draft" and serving.draft_version == "1"
+    assert {"challenger", "generic", "self-spec@4", "ngram"} <= set(first["results"])
+    assert all(r["lossless"] for r in first["results"].values())
+    assert "| challenger" in first["report"] and "no speculation" in first["report"]
+    stored = LogStore().count()
+
+    second = _run(traffic)
+    assert LogStore().count() == stored  # nothing ingested twice
+    v2 = second["registered"]["version"]
+    mv2 = registry.client().get_model_version(name, v2)
+    assert v2 == "2" and mv2.tags["parent"] == "1"
+    assert "champion" in second["results"]  # challenger and champion on the same prompts
+    improved = second["results"]["challenger"]["accepted_length"] > second["results"]["champion"]["accepted_length"]
+    assert str(registry.version_by_alias(name, "champion").version) == ("2" if improved else "1")
+    assert bool(second["promoted"]) == improved
+
+    before = serving_path().read_bytes()
+    champion_before = str(registry.version_by_alias(name, "champion").version)
+    third = _run(traffic, "gate.overrides.min_acceptance_rate=1.01", "bench.generic_draft=false",
+                 "bench.self_spec_layers=[]", "bench.ngram=false")
+    assert not third["verdict"]["passed"] and third["promoted"] is None
+    assert registry.client().get_model_version(name, third["registered"]["version"]).tags["gate_verdict"] == "fail"
+    assert str(registry.version_by_alias(name, "champion").version) == champion_before
+    assert serving_path().read_bytes() == before
+
+
+def test_bad_config_fails_before_any_work(prefect_harness, tmp_path, monkeypatch):
+    from flows.nightly import nightly
+    from specdistill.config import ConfigError
+
+    monkeypatch.setenv("SPECDISTILL_HOME", str(tmp_path / "home"))
+    with pytest.raises(ConfigError, match="trian"):
+        nightly(config_path=TINY, overrides=["trian.lr=1"])
+    assert not (tmp_path / "home" / "mlflow.db").exists()
