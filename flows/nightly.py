@@ -53,7 +53,7 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
         drafters["ngram"] = "ngram"
     results = t.benchmark(config, window, drafters, fp)
 
-    verdict = t.gate(config, results["challenger"], results.get("champion"))
+    verdict = t.gate(config, results["challenger"], results.get("champion"), results)
     report = pipeline.report_table(results, verdict)
     report_path = pipeline.write_report(report, window)
     registered = t.register(config, target, window, trained, results, verdict,

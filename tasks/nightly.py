@@ -63,8 +63,8 @@ def benchmark(config: NightlyConfig, window: dict, drafters: dict[str, str], tar
 
 
 @task(name="gate")
-def gate(config: NightlyConfig, challenger: dict, champion: dict | None) -> dict:
-    return pipeline.gate(config, challenger, champion)
+def gate(config: NightlyConfig, challenger: dict, champion: dict | None, baselines: dict) -> dict:
+    return pipeline.gate(config, challenger, champion, baselines)
 
 
 @task(name="register", retries=2, retry_delay_seconds=5)

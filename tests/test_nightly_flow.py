@@ -92,3 +92,17 @@ def test_bad_config_fails_before_any_work(prefect_harness, tmp_path, monkeypatch
     with pytest.raises(ConfigError, match="trian"):
         nightly(config_path=TINY, overrides=["trian.lr=1"])
     assert not (tmp_path / "home" / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize("override, cause", [
+    ("target=/nonexistent/model", "model not found: /nonexistent/model"),
+    ("window.days=0.000000001", "empty data window"),
+])
+def test_unusable_target_or_empty_window_fails_early_and_registers_nothing(prefect_harness, traffic, tmp_path,
+                                                                           monkeypatch, override, cause):
+    from specdistill import registry
+
+    monkeypatch.setenv("SPECDISTILL_HOME", str(tmp_path / "home"))
+    with pytest.raises(Exception, match=cause):
+        _run(traffic, override)
+    assert registry.client().search_registered_models() == []

@@ -37,8 +37,15 @@ def _result(alpha, tau, speedup=1.2, lossless=True):
             "lossless_mismatches": 0, "cost_ratio": 0.2, "per_position_acceptance": [alpha], "spec": "x"}
 
 
-def test_gate_promotes_only_a_real_improvement():
+def test_demo_gate_requires_beating_the_generic_draft():
     cfg = pipeline.load_nightly_config()
+    assert pipeline.gate(cfg, _result(0.2, 1.5, speedup=0.8), None, {"generic": _result(0.1, 1.2)})["promote"]
+    lost = pipeline.gate(cfg, _result(0.2, 1.5), None, {"generic": _result(0.25, 1.6)})
+    assert not lost["passed"] and any("generic" in f for f in lost["failures"])
+
+
+def test_gate_promotes_only_a_real_improvement():
+    cfg = pipeline.load_nightly_config(None, ["gate.overrides={}", "gate.must_beat=[]"])
     assert pipeline.gate(cfg, _result(0.6, 2.5), None)["promote"]  # no champion: a pass promotes
     better = pipeline.gate(cfg, _result(0.62, 2.6), _result(0.6, 2.5))
     assert better["passed"] and better["promote"]
@@ -55,6 +62,7 @@ def test_report_table_lists_every_drafter_and_the_decision():
     verdict = {"passed": True, "reasons": ["acceptance rate 0.550 >= 0.500"]}
     text = pipeline.report_table(results, verdict, {"name": "draft-t", "version": "3"}, {"serving_config": "/s.json"})
     assert "| challenger (x) | 0.550 | 2.40 | 1.20x" in text
+    assert "| d |" in pipeline.report_table({"d": {**_result(0.5, 2.0), "spec": "draft:/long/path"}})
     assert "| no speculation |" in text and "**gate: PASS**" in text
     assert "version 3 (alias `champion`)" in text and "/s.json" in text
     assert "unchanged" in pipeline.report_table(results, verdict, {"name": "d", "version": "4"}, None)

@@ -1,0 +1,56 @@
+"""The monitoring flow: is the champion still drafting well for the target being served?
+
+    target fingerprint changed? -> sample acceptance (replay of recent prompts, or a live engine's
+    counters) -> Prometheus metrics -> acceptance >= 0.5: keep the champion
+                                    -> below 0.5: switch serving to the fastest fallback (self-speculation,
+                                       n-gram, or off) and run the nightly distill-benchmark-gate-promote
+                                       path warm-started from the champion; a promotion puts the serving
+                                       config back in draft mode.
+
+Runs on a schedule and on the `specdistill.target.updated` event (deploy/prefect.yaml).
+"""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+
+from flows.nightly import nightly
+from specdistill import monitoring
+from tasks import monitor as t
+from tasks import nightly as nt
+
+
+@flow(name="monitor", log_prints=True)
+def monitor(config_path: str | None = None, overrides: list[str] | None = None,
+            fingerprint: str | None = None) -> dict:
+    config = monitoring.load_monitor_config(config_path, overrides)
+    log = get_run_logger()
+    if fingerprint:
+        log.info("triggered by specdistill.target.updated for target %s", fingerprint)
+
+    change = t.detect_target_change(config)
+    champion = nt.current_champion(config.nightly)
+    if champion is None:
+        log.info("no champion registered yet: nothing to monitor")
+        return {"change": change, "decision": "no-champion"}
+
+    sample = t.sample_acceptance(config, champion, change["current"])
+    decision = monitoring.decide(sample, config.threshold)
+    outcome: dict = {"change": change, "sample": sample, "decision": decision}
+    if decision == "fallback":
+        fallback = t.choose_fallback(config, change["current"])
+        outcome["fallback"] = fallback
+        t.apply_fallback(config, fallback, change["current"])
+        retrain = nightly(config_path=config.nightly_config, overrides=monitoring.incremental_overrides(config, change))
+        outcome["incremental"] = {k: retrain[k] for k in ("verdict", "registered", "promoted")}
+    t.record_decision(config, outcome)
+    report = monitoring.render_outcome(outcome)
+    create_markdown_artifact(report, key="monitor-decision", description="acceptance and what the monitor did")
+    log.info("\n%s", report)
+    outcome["report"] = report
+    return outcome
+
+
+if __name__ == "__main__":
+    monitor()
