@@ -200,3 +200,15 @@ def test_decisions_are_recorded_with_their_numbers(store_url):
             s.add_decision("keep", "fp", None, "{broken")
     finally:
         s.close()
+
+
+def test_cli_monitor_sample_prints_alpha_and_tau(store, tiny_target, tmp_path, capsys):
+    from specdistill.cli import main
+
+    target = load_model(tiny_target)
+    clone = save_draft(init_draft_from_target(target.model, [0, 1, 2, 3]), target.tokenizer, tmp_path / "clone")
+    code = main(["monitor", "sample", "--target", str(tiny_target), "--draft", str(clone), "--n", "2",
+                 "--max-new-tokens", "8", "--min-draft-tokens", "4", "--db", store.url, "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and out["acceptance_rate"] == 1.0 and out["decision"] == "keep" and out["requests"] == 2

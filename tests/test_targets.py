@@ -57,3 +57,14 @@ def test_corrupt_history_is_a_clear_error(tmp_path):
     history_path().write_text("{not json")
     with pytest.raises(ValueError, match="corrupt target history"):
         current_target()
+
+
+def test_cli_target_register_prints_the_version(tmp_path, capsys):
+    from specdistill.cli import main
+
+    a = save_target(tmp_path / "a")
+    assert main(["target", "register", str(a), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["path"] == str(a) and out["fingerprint"] == current_target().fingerprint
+    assert main(["target", "history", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["versions"]) == 1
