@@ -272,6 +272,93 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# target versions and the monitor
+
+
+def cmd_target_register(args: argparse.Namespace) -> int:
+    from specdistill.targets import register_target
+
+    version = register_target(args.path)
+    _emit(args, version.to_dict(), f"target {version.fingerprint} ({version.path}) is the current version")
+    return 0
+
+
+def cmd_target_history(args: argparse.Namespace) -> int:
+    from specdistill.targets import target_history
+
+    versions = [v.to_dict() for v in target_history()]
+    lines = [f"{v['registered_at']}  {v['fingerprint']}  {v['path']}" for v in versions] or ["no target registered"]
+    _emit(args, {"versions": versions}, "\n".join(lines))
+    return 0
+
+
+def cmd_monitor_sample(args: argparse.Namespace) -> int:
+    import torch
+
+    from specdistill.logstore import LogStore
+    from specdistill.monitor import decide, replay_acceptance
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sample = replay_acceptance(args.target, args.draft, LogStore(args.db), n_prompts=args.n, gamma=args.gamma,
+                               max_new_tokens=args.max_new_tokens, draft_version=args.draft_version,
+                               min_draft_tokens=args.min_draft_tokens)
+    payload = {**sample.to_dict(), "decision": decide(sample, args.threshold)}
+    if sample.ok:
+        text = (f"acceptance rate α {sample.acceptance_rate:.3f}   mean accepted length τ {sample.mean_accepted_length:.3f}"
+                f"   ({sample.accepted}/{sample.proposed} draft tokens, {sample.requests} requests)"
+                f"\ndecision: {payload['decision']}" + (f"\n{sample.reason}" if sample.reason else ""))
+    else:
+        text = f"no sample: {sample.reason}"
+    _emit(args, payload, text)
+    return 0
+
+
+def cmd_monitor_serve(args: argparse.Namespace) -> int:
+    from specdistill.logstore import LogStore
+    from specdistill.monitor import serve_metrics
+
+    print(f"serving metrics on http://{args.host}:{args.port}/metrics (refresh every {args.interval:g} s)", file=sys.stderr)
+    try:
+        serve_metrics(LogStore(args.db), args.port, args.host, args.interval, args.serving)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_demo_target_update(args: argparse.Namespace) -> int:
+    import torch
+
+    from specdistill.drift import load_update_meta, make_target_update
+    from specdistill.models import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = make_target_update(args.base, args.out, steps=args.steps, lr=args.lr, top_layers=args.top_layers)
+    meta = load_update_meta(out)
+    payload = {"out": str(out), "fingerprint": load_model(out).fingerprint, **meta}
+    _emit(args, payload, f"new target version {payload['fingerprint']} -> {out} "
+          f"(vocabulary {meta['vocab_size_before']} -> {meta['vocab_size_after']}, "
+          f"loss {meta['losses'][0]:.3f} -> {meta['losses'][-1]:.3f})")
+    return 0
+
+
+def demo_target_update_parser() -> argparse.ArgumentParser:
+    """`specdistill demo target-update`: parsed on its own, since `demo` takes free key=value overrides."""
+    p = argparse.ArgumentParser(prog="specdistill demo target-update",
+                                description="a new target version from the demo target: domain tokens + top layers fine-tuned on code")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    p.add_argument("--base", default="demo")
+    p.add_argument("--out", default=None, help="default: $SPECDISTILL_HOME/targets/demo-update")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--top-layers", type=int, default=4)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.set_defaults(func=cmd_demo_target_update)
+    return p
+
+
+# --------------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -361,13 +448,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="nightly YAML config (default: the embedded demo defaults)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.max_minutes=2")
 
+    target = sub.add_parser("target", help="target versions").add_subparsers(dest="target_command", required=True)
+    p = add(target, "register", cmd_target_register, "record a target (its fingerprint and location) as the current version")
+    p.add_argument("path", help="HF directory, .gguf file or 'demo'")
+    add(target, "history", cmd_target_history, "every recorded target version, oldest first")
+
+    monitor = sub.add_parser("monitor", help="acceptance monitoring").add_subparsers(dest="monitor_command", required=True)
+    p = add(monitor, "sample", cmd_monitor_sample, "replay the newest logged prompts: the draft's acceptance on the target")
+    p.add_argument("--target", default="demo")
+    p.add_argument("--draft", required=True, help="draft directory or models:/NAME@champion")
+    p.add_argument("--draft-version", default=None, help="version recorded with the samples (default: the reference)")
+    p.add_argument("--n", type=int, default=16, help="prompts to replay")
+    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--min-draft-tokens", type=int, default=100, help="fewer proposed tokens: no sample")
+    p.add_argument("--threshold", type=float, default=0.5)
+    p.add_argument("--db", default=None, help=db_help)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p = add(monitor, "serve", cmd_monitor_serve, "expose the spec-decode metrics over HTTP, fed from the log store")
+    p.add_argument("--port", type=int, default=9464)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--interval", type=float, default=15.0, help="seconds between refreshes from the log store")
+    p.add_argument("--db", default=None, help=db_help)
+    p.add_argument("--serving", default=None, help="serving config (default: $SPECDISTILL_HOME/serving.json)")
+
     p = add(sub, "demo", cmd_demo, "run the main job (the nightly flow) on the embedded defaults")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the embedded defaults")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["demo", "target-update"]:
+        args = demo_target_update_parser().parse_args(argv[2:])
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except (ValueError, RuntimeError, FileNotFoundError) as exc:

@@ -138,6 +138,16 @@ acceptance_samples = sa.Table(
     sa.Column("accepted_per_position", sa.Text(), nullable=False),  # JSON list, length gamma
 )
 
+decisions = sa.Table(
+    "decisions", metadata,
+    sa.Column("id", _ID, primary_key=True, autoincrement=True),
+    sa.Column("decided_at", UTCDateTime(), nullable=False, index=True),
+    sa.Column("kind", sa.String(32), nullable=False),  # keep | fallback | no-sample | recovered | ...
+    sa.Column("target_fingerprint", sa.String(128), nullable=False, index=True),
+    sa.Column("draft_version", sa.String(256)),
+    sa.Column("payload", sa.Text(), nullable=False),  # JSON: the numbers the decision was made on
+)
+
 
 # ----------------------------------------------------------------------------------------------
 # hashing and split

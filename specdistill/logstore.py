@@ -30,6 +30,7 @@ from specdistill.logschema import (  # noqa: F401  (the schema and hashes are pa
     acceptance_samples,
     content_hash,
     conversations,
+    decisions,
     ingest_runs,
     metadata,
     prompt_hash,
@@ -346,6 +347,43 @@ class LogStore:
             "acceptance_rate": accepted / proposed if proposed else None,
             "mean_accepted_length": 1 + accepted / drafts if drafts else None,
         }
+
+    def acceptance_samples_after(self, after_id: int = 0, limit: int = 10_000) -> list[dict]:
+        """Samples with id > after_id, oldest first (what a metrics exporter has not counted yet)."""
+        a = acceptance_samples.c
+        query = sa.select(acceptance_samples).where(a.id > after_id).order_by(a.id).limit(limit)
+        with self.engine.connect() as conn:
+            rows = conn.execute(query).mappings().all()
+        return [{**r, "accepted_per_position": json.loads(r["accepted_per_position"])} for r in rows]
+
+    # -- monitor decisions -------------------------------------------------------------------
+
+    def add_decision(self, kind: str, target_fingerprint: str, draft_version: str | None, payload_json: str,
+                     decided_at: datetime | None = None) -> int:
+        """Record a monitor decision with the JSON of the numbers it was made on."""
+        try:
+            json.loads(payload_json)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"decision payload is not JSON: {exc}") from exc
+        if not kind:
+            raise ValueError("a decision needs a kind")
+        with writing(self.engine) as conn:
+            return conn.execute(decisions.insert().returning(decisions.c.id), dict(
+                decided_at=decided_at or _now(), kind=kind, target_fingerprint=target_fingerprint,
+                draft_version=draft_version, payload=payload_json)).scalar_one()
+
+    def decisions(self, *, kind: str | None = None, target_fingerprint: str | None = None,
+                  limit: int | None = 100) -> list[dict]:
+        """Decisions, newest first, with their payload parsed."""
+        d = decisions.c
+        query = sa.select(decisions).order_by(d.decided_at.desc(), d.id.desc()).limit(limit)
+        if kind is not None:
+            query = query.where(d.kind == kind)
+        if target_fingerprint is not None:
+            query = query.where(d.target_fingerprint == target_fingerprint)
+        with self.engine.connect() as conn:
+            rows = conn.execute(query).mappings().all()
+        return [{**r, "payload": json.loads(r["payload"])} for r in rows]
 
     # -- reports -----------------------------------------------------------------------------
 

@@ -1,0 +1,394 @@
+"""Monitoring: the champion's acceptance on recent traffic, the keep/fallback decision, and the
+fallback mode that measures fastest.
+
+    sample = replay_acceptance("demo", "models:/draft@champion", store, n_prompts=20)
+    decide(sample)                       # "keep" | "fallback" | "no-sample"
+    choice = choose_fallback("demo", prompts_from_store(store, tokenizer, 8))
+    export_early_exit_draft("demo", choice.exit_layer, out)   # self-speculation, served as a draft
+
+A draft whose vocabulary no longer matches the target (a target update added tokens) is measured
+through a transplanted copy (its embeddings and head rebuilt over the target's vocabulary, token by
+string, exactly as the pipeline's alignment stage does before a warm start) rather than refused:
+the number that comes back is what the champion really achieves on the new target, and the sample
+says `vocab_mismatch: true`. Pass `on_vocab_mismatch="zero"` to get the strict reading instead
+(acceptance 0.0, reason "vocabulary mismatch": the draft cannot be served as it is).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from specdistill.bench import BenchConfig, Prompt, run_bench
+from specdistill.models import LoadedModel, load_model
+from specdistill.speculative import ModelDrafter, NgramDrafter, SelfSpecDrafter, SpecStats, generate
+
+ACCEPTANCE_THRESHOLD = 0.5
+
+
+def _loaded(ref: str | os.PathLike | LoadedModel) -> LoadedModel:
+    return ref if isinstance(ref, LoadedModel) else load_model(ref)
+
+
+# --------------------------------------------------------------------------------------------
+# Prompts from the log store
+
+
+def prompt_messages(messages) -> list[dict] | None:
+    """The turns before the first assistant answer, if they end with a user turn (else None)."""
+    out = []
+    for m in messages:
+        if m.role == "assistant":
+            break
+        out.append({"role": m.role, "content": m.content})
+    return out if out and out[-1]["role"] == "user" else None
+
+
+def _encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return list(tokenizer("\n".join(m["content"] for m in messages))["input_ids"])
+
+
+def prompts_from_store(store, tokenizer, n: int, *, max_prompt_tokens: int = 512,
+                       scan: int | None = None) -> list[Prompt]:
+    """The newest `n` logged prompts that fit, as token ids (chat template applied).
+
+    A conversation without a user turn before its first answer, or whose prompt exceeds
+    `max_prompt_tokens`, is skipped (not truncated: a cut prompt is not what production saw).
+    Each Prompt's `slice` holds its conversation id as "conversation:<id>".
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    out: list[Prompt] = []
+    for conv in store.window(limit=scan or max(4 * n, 50)):
+        messages = prompt_messages(conv.messages)
+        if messages is None:
+            continue
+        ids = _encode_chat(tokenizer, messages)
+        if not ids or len(ids) > max_prompt_tokens:
+            continue
+        out.append(Prompt(messages[-1]["content"], f"conversation:{conv.id}", ids))
+        if len(out) == n:
+            break
+    return out
+
+
+def _conversation_id(prompt: Prompt) -> int | None:
+    return int(prompt.slice.split(":", 1)[1]) if prompt.slice.startswith("conversation:") else None
+
+
+# --------------------------------------------------------------------------------------------
+# Replay acceptance
+
+
+@dataclass
+class AcceptanceSample:
+    """The champion's acceptance on replayed traffic, or `ok=False` with the reason there is none."""
+
+    ok: bool
+    reason: str = ""
+    source: str = "replay"
+    target_fingerprint: str = ""
+    draft_version: str = ""
+    gamma: int = 4
+    requests: int = 0
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    generated_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    acceptance_rate: float | None = None
+    mean_accepted_length: float | None = None
+    per_position_acceptance: list[float] = field(default_factory=list)
+    vocab_mismatch: bool = False
+    vocab_transplanted: bool = False
+    conversation_ids: list[int] = field(default_factory=list)
+    sample_ids: list[int] = field(default_factory=list)  # rows in the log store's acceptance_samples
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def vocab_matches(target: LoadedModel, draft: LoadedModel) -> tuple[bool, str]:
+    """Whether the target can verify the draft's tokens as they are (sizes and token strings)."""
+    from specdistill.vocab import check_vocab
+
+    t_size, d_size = target.config.vocab_size, draft.config.vocab_size
+    if t_size != d_size:
+        return False, f"vocabulary sizes differ: target {t_size}, draft {d_size}"
+    report = check_vocab(target.tokenizer, draft.tokenizer)
+    if report.id_mismatches or report.only_in_target or report.only_in_draft:
+        return False, (f"tokenizers differ: {report.only_in_target} tokens only in the target, "
+                       f"{report.only_in_draft} only in the draft, {report.id_mismatches} with other ids")
+    return True, ""
+
+
+def aligned_drafter(target: LoadedModel, draft: LoadedModel, name: str = "draft") -> tuple[ModelDrafter, bool, str]:
+    """(drafter, transplanted, why): the draft as it is, or re-embedded over the target's vocabulary."""
+    from specdistill.vocab import DraftVocab, remap_draft_vocab, transplant_vocab
+
+    matches, why = vocab_matches(target, draft)
+    vocab = DraftVocab.load(draft.path)
+    if matches:
+        return ModelDrafter(draft.model, target.config.vocab_size, vocab, name=name), False, ""
+    old_tok = draft.tokenizer
+    transplant_vocab(draft.model, old_tok, target.tokenizer)
+    if vocab is not None:
+        vocab = remap_draft_vocab(vocab, old_tok, target.tokenizer)
+    return ModelDrafter(draft.model, target.config.vocab_size, vocab, name=f"{name} (transplanted)"), True, why
+
+
+def replay_acceptance(
+    target_ref: str | os.PathLike | LoadedModel,
+    draft_ref: str | os.PathLike | LoadedModel,
+    store,
+    *,
+    n_prompts: int = 16,
+    gamma: int = 4,
+    max_new_tokens: int = 48,
+    target_version: str | None = None,
+    draft_version: str | None = None,
+    min_draft_tokens: int = 100,
+    max_prompt_tokens: int = 512,
+    on_vocab_mismatch: str = "transplant",
+    progress: bool = True,
+) -> AcceptanceSample:
+    """Replay the newest logged prompts through the engine (greedy) with the target and the draft.
+
+    Every request's counts go to the log store under (target fingerprint, draft version); the
+    aggregate gives α = accepted / proposed and τ = 1 + accepted / rounds. Fewer than
+    `min_draft_tokens` proposed tokens is "no sample" (ok=False), never an acceptance.
+    """
+    from tqdm import tqdm
+
+    if on_vocab_mismatch not in ("transplant", "zero"):
+        raise ValueError(f"on_vocab_mismatch must be 'transplant' or 'zero', not {on_vocab_mismatch!r}")
+    start = time.perf_counter()
+    target = _loaded(target_ref)
+    draft = _loaded(draft_ref)
+    fp = target_version or target.fingerprint
+    version = draft_version or str(draft_ref if not isinstance(draft_ref, LoadedModel) else draft.path)
+    sample = AcceptanceSample(False, target_fingerprint=fp, draft_version=version, gamma=gamma)
+
+    matches, why = vocab_matches(target, draft)
+    if not matches and on_vocab_mismatch == "zero":
+        sample.ok, sample.reason, sample.vocab_mismatch = True, f"vocabulary mismatch: {why}", True
+        sample.acceptance_rate, sample.mean_accepted_length = 0.0, 1.0
+        return sample
+    drafter, transplanted, why = aligned_drafter(target, draft, name=version)
+    sample.vocab_mismatch = sample.vocab_transplanted = transplanted
+
+    prompts = prompts_from_store(store, target.tokenizer, n_prompts, max_prompt_tokens=max_prompt_tokens)
+    if not prompts:
+        sample.reason = "no usable prompts in the log store"
+        sample.seconds = time.perf_counter() - start
+        return sample
+    per_request: list[SpecStats] = []
+    for prompt in tqdm(prompts, desc="replay", unit="prompt", file=sys.stderr, disable=not progress):
+        stats = generate(target.model, prompt.ids, max_new_tokens=max_new_tokens, drafter=drafter, gamma=gamma).stats
+        per_request.append(stats)
+        positions = (stats.accepted_per_position + [0] * gamma)[:gamma]
+        cid = _conversation_id(prompt)
+        sample.sample_ids.append(store.add_acceptance_sample(
+            fp, version, gamma, stats.rounds, stats.proposed, stats.accepted, positions, conversation_id=cid))
+        if cid is not None:
+            sample.conversation_ids.append(cid)
+    total = SpecStats.total(per_request)
+    sample.requests, sample.rounds = total.requests, total.rounds
+    sample.proposed, sample.accepted, sample.generated_tokens = total.proposed, total.accepted, total.generated_tokens
+    sample.accepted_per_position = (total.accepted_per_position + [0] * gamma)[:gamma]
+    sample.per_position_acceptance = [a / total.rounds if total.rounds else 0.0 for a in sample.accepted_per_position]
+    sample.seconds = time.perf_counter() - start
+    if total.proposed < min_draft_tokens:
+        sample.reason = f"only {total.proposed} draft tokens proposed (minimum {min_draft_tokens})"
+        return sample
+    sample.ok = True
+    sample.acceptance_rate = total.acceptance_rate
+    sample.mean_accepted_length = total.accepted_length
+    sample.reason = f"vocabulary mismatch, measured through a transplanted copy: {why}" if transplanted else ""
+    return sample
+
+
+# --------------------------------------------------------------------------------------------
+# Decision
+
+
+def decide(sample, threshold: float = ACCEPTANCE_THRESHOLD) -> str:
+    """keep (α ≥ threshold), fallback (α below it), or no-sample (nothing to decide on).
+
+    Takes a replay AcceptanceSample or a live metrics.LiveSample (both carry ok and acceptance_rate).
+    """
+    if not getattr(sample, "ok", False) or getattr(sample, "acceptance_rate", None) is None:
+        return "no-sample"
+    return "keep" if sample.acceptance_rate >= threshold else "fallback"
+
+
+@dataclass
+class Decision:
+    """What the monitor decided and every number it decided on: the record for the log store
+    (`LogStore.add_decision(d.kind, d.target_fingerprint, d.draft_version, d.to_json())`), MLflow and reports."""
+
+    kind: str  # keep | fallback | no-sample | recovered | ...
+    target_fingerprint: str
+    draft_version: str | None = None
+    acceptance: dict | None = None  # AcceptanceSample.to_dict() or a live sample's fields
+    fallback: dict | None = None  # FallbackDecision.to_dict()
+    threshold: float = ACCEPTANCE_THRESHOLD
+    reason: str = ""
+    decided_at: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat())
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), default=str, sort_keys=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Fallback
+
+
+@dataclass
+class FallbackCandidate:
+    mode: str  # self_speculation | ngram
+    exit_layer: int | None
+    speedup: float
+    acceptance_rate: float
+    accepted_length: float
+    tokens_per_second: float
+    tokens_per_second_target_only: float
+    generated_tokens: int
+    lossless: bool | None
+
+
+@dataclass
+class FallbackDecision:
+    decided: bool  # False: "no decision" (too few tokens measured); serve as before
+    mode: str | None  # self_speculation | ngram | off (None when not decided)
+    exit_layer: int | None
+    speedup: float | None
+    reason: str
+    candidates: list[FallbackCandidate] = field(default_factory=list)
+    margin: float = 0.05
+    generated_tokens: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def choose_fallback(
+    target_ref: str | os.PathLike | LoadedModel,
+    prompts: Sequence[Prompt],
+    *,
+    exit_layers: Sequence[int] = (4, 8, 12),
+    gamma: int = 4,
+    max_new_tokens: int = 32,
+    min_tokens: int = 64,
+    repeats: int = 3,
+    margin: float = 0.05,
+    ngram: tuple[int, int] = (2, 4),
+    progress: bool = True,
+) -> FallbackDecision:
+    """Measure each fallback against target-only decoding on the sampled prompts (interleaved,
+    median of repeats, via bench.run_bench) and pick the fastest. Speculation is kept only when it
+    beats target-only by more than `margin` (speedup > 1 + margin): the guard that a fallback never
+    makes serving slower; otherwise the mode is "off"."""
+    if not prompts:
+        return FallbackDecision(False, None, None, None, "no decision: no prompts to measure on", margin=margin)
+    target = _loaded(target_ref)
+    n_layers = target.config.num_hidden_layers
+    bad = [k for k in exit_layers if not 1 <= k < n_layers]
+    if bad:
+        raise ValueError(f"exit layers {bad} outside 1..{n_layers - 1}")
+    config = BenchConfig(gamma=gamma, max_new_tokens=max_new_tokens, repeats=repeats, measure_cost=False)
+    drafters = [("self_speculation", k, SelfSpecDrafter(target.model, k)) for k in exit_layers]
+    drafters.append(("ngram", None, NgramDrafter(*ngram)))
+    candidates = []
+    for mode, k, drafter in drafters:
+        result = run_bench(target.model, target.tokenizer, drafter, list(prompts), config, progress=progress)
+        candidates.append(FallbackCandidate(
+            mode, k, result.speedup, result.acceptance_rate, result.accepted_length,
+            result.tokens_per_second_speculative, result.tokens_per_second_target_only,
+            int(result.stats["generated_tokens"]), result.lossless))
+    generated = min(c.generated_tokens for c in candidates)
+    if generated < min_tokens:
+        return FallbackDecision(False, None, None, None,
+                                f"no decision: only {generated} tokens generated (minimum {min_tokens})",
+                                candidates, margin, generated)
+    usable = [c for c in candidates if c.lossless is not False]
+    best = max(usable, key=lambda c: c.speedup) if usable else None
+    table = ", ".join(f"{c.mode}{'@' + str(c.exit_layer) if c.exit_layer else ''} {c.speedup:.2f}x" for c in candidates)
+    if best is None or best.speedup <= 1.0 + margin:
+        why = "no fallback beats target-only decoding" if best is None else (
+            f"fastest fallback {best.mode} at {best.speedup:.2f}x does not beat target-only by more than {margin:.0%}")
+        return FallbackDecision(True, "off", None, 1.0, f"{why} ({table})", candidates, margin, generated)
+    where = f" at exit layer {best.exit_layer}" if best.exit_layer else ""
+    return FallbackDecision(True, best.mode, best.exit_layer, best.speedup,
+                            f"{best.mode}{where} measured fastest at {best.speedup:.2f}x ({table})",
+                            candidates, margin, generated)
+
+
+def export_early_exit_draft(target_ref: str | os.PathLike | LoadedModel, exit_layer: int,
+                            out_dir: str | os.PathLike) -> Path:
+    """Self-speculation as a servable draft checkpoint: the target's layers 0..k-1 with its
+    embeddings, final norm and head, so vLLM's `draft_model` method (and SGLang STANDALONE) can
+    serve the fallback. Proposes exactly what `SelfSpecDrafter(target, k)` proposes."""
+    from specdistill.drafts import init_draft_from_target, save_draft
+
+    target = _loaded(target_ref)
+    n = target.config.num_hidden_layers
+    if not 1 <= exit_layer < n:
+        raise ValueError(f"exit layer must be in 1..{n - 1}, got {exit_layer}")
+    draft = init_draft_from_target(target.model, list(range(exit_layer)))
+    meta = {"kind": "early_exit", "exit_layer": exit_layer, "target_fingerprint": target.fingerprint,
+            "target_dir": str(target.path)}
+    return save_draft(draft, target.tokenizer, out_dir, meta=meta)
+
+
+# --------------------------------------------------------------------------------------------
+# Metrics page fed from the log store
+
+
+def refresh_metrics(metrics, store, after_id: int = 0, serving_path: str | Path | None = None) -> int:
+    """Add acceptance samples stored since `after_id` to the counters and set the serving gauges;
+    returns the newest sample id seen (pass it back next time, so nothing is counted twice)."""
+    from specdistill.serving import read_serving_config
+
+    for row in store.acceptance_samples_after(after_id):
+        metrics.record(rounds=row["num_drafts"], proposed=row["num_draft_tokens"],
+                       accepted=row["num_accepted_tokens"], accepted_per_position=row["accepted_per_position"])
+        after_id = row["id"]
+    serving = read_serving_config(serving_path)
+    if serving is not None:
+        metrics.set_serving(serving.mode, target_fingerprint=serving.target_fingerprint,
+                            draft_version=serving.draft_version)
+    return after_id
+
+
+def serve_metrics(store, port: int = 9464, host: str = "127.0.0.1", interval_s: float = 15.0,
+                  serving_path: str | Path | None = None, iterations: int | None = None):
+    """`specdistill monitor serve`: the metrics of DESIGN.md on http://host:port/metrics, refreshed
+    from the log store every `interval_s` (forever, or `iterations` times)."""
+    from specdistill.metrics import SpecDecodeMetrics
+
+    metrics = SpecDecodeMetrics()
+    server = metrics.serve(port, host)
+    last = 0
+    done = 0
+    while iterations is None or done < iterations:
+        last = refresh_metrics(metrics, store, last, serving_path)
+        done += 1
+        if iterations is None or done < iterations:
+            time.sleep(interval_s)
+    return metrics, server

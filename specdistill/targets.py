@@ -1,0 +1,105 @@
+"""Target versions: which target is served now, and every version served before it.
+
+A target version is its fingerprint (weights + tokenizer, `models.fingerprint`) and where it lives.
+The history is one append-only JSON file under `$SPECDISTILL_HOME` (`targets.json`), replaced
+atomically on every write, so a reader never sees half a history. The last entry is the current
+version. The monitor calls `detect_change` on its schedule; `specdistill target register PATH`
+records a version on purpose (and the flow layer announces it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from specdistill import paths
+
+TARGETS_FILE = "targets.json"
+
+
+@dataclass(frozen=True)
+class TargetVersion:
+    fingerprint: str
+    path: str  # the HF directory the weights were read from
+    ref: str  # the reference it was registered under (`demo`, a directory, a .gguf file)
+    registered_at: str  # ISO 8601, UTC
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def history_path() -> Path:
+    override = os.environ.get("SPECDISTILL_TARGETS_FILE")
+    return Path(override).resolve() if override else paths.home() / TARGETS_FILE
+
+
+def target_history(path: str | Path | None = None) -> list[TargetVersion]:
+    """Every recorded version, oldest first."""
+    path = Path(path) if path else history_path()
+    if not path.is_file():
+        return []
+    try:
+        data = json.loads(path.read_text())
+        return [TargetVersion(**entry) for entry in data["versions"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"corrupt target history {path}: {exc}") from exc
+
+
+def current_target(path: str | Path | None = None) -> TargetVersion | None:
+    history = target_history(path)
+    return history[-1] if history else None
+
+
+def _write_history(versions: list[TargetVersion], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"versions": [v.to_dict() for v in versions]}, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def fingerprint_of(ref: str | os.PathLike) -> tuple[str, Path]:
+    """(fingerprint, HF directory) of a model reference; cached beside the weights after the first time."""
+    from specdistill.models import load_model
+
+    loaded = load_model(ref)
+    return loaded.fingerprint, loaded.path
+
+
+def register_target(ref: str | os.PathLike, *, fingerprint: str | None = None, model_dir: str | Path | None = None,
+                    path: str | Path | None = None) -> TargetVersion:
+    """Record `ref` as the current target version (appended even when it equals an older version:
+    a rollback to an earlier target is a change too). Registering the current version again is a no-op."""
+    if fingerprint is None or model_dir is None:
+        fingerprint, model_dir = fingerprint_of(ref)
+    path = Path(path) if path else history_path()
+    history = target_history(path)
+    if history and history[-1].fingerprint == fingerprint and history[-1].path == str(model_dir):
+        return history[-1]
+    version = TargetVersion(fingerprint, str(model_dir), str(ref), datetime.now(timezone.utc).isoformat())
+    _write_history(history + [version], path)
+    return version
+
+
+def detect_change(ref: str | os.PathLike, path: str | Path | None = None) -> tuple[bool, TargetVersion, TargetVersion | None]:
+    """(changed, current, previous): the model at `ref` against the recorded current version.
+
+    A first sighting (empty history) is recorded and counts as no change: there is nothing the
+    champion could have drifted from. A changed fingerprint is recorded as the new current version.
+    """
+    fp, model_dir = fingerprint_of(ref)
+    recorded = current_target(path)
+    if recorded is not None and recorded.fingerprint == fp:
+        return False, recorded, None
+    current = register_target(ref, fingerprint=fp, model_dir=model_dir, path=path)
+    return recorded is not None, current, recorded

@@ -1,0 +1,76 @@
+"""The drift scenario's target update: domain tokens as single tokens, top layers fine-tuned on code."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdistill.drift import add_domain_tokens, domain_examples, load_update_meta, make_target_update
+from specdistill.models import load_model
+from tests.conftest import make_tiny_llama
+from tests.tokenizers_util import train_bpe
+
+WORDS = ("QuantLib", "CalcBlackScholesVega")
+
+
+@pytest.fixture
+def tiny_base(tmp_path):
+    tok = train_bpe(300)
+    make_tiny_llama(vocab_size=len(tok), layers=4, seed=0).save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    return tmp_path / "base"
+
+
+def test_domain_tokens_become_single_tokens_initialized_from_their_pieces(tiny_base):
+    base = load_model(tiny_base)
+    pieces = {w: base.tokenizer.encode(w, add_special_tokens=False) for w in WORDS}
+    old = base.model.get_input_embeddings().weight.detach().clone()
+    ids = add_domain_tokens(base.model, base.tokenizer, WORDS)
+    assert sorted(ids.values()) == [old.shape[0], old.shape[0] + 1]
+    assert base.model.config.vocab_size == old.shape[0] + 2
+    new = base.model.get_input_embeddings().weight
+    for w, tid in ids.items():
+        assert base.tokenizer.tokenize(f"import {w}").count(w) == 1
+        assert torch.allclose(new[tid], old[pieces[w]].mean(0))
+    assert torch.equal(new[: old.shape[0]], old)
+    with pytest.raises(ValueError, match="already single tokens"):
+        add_domain_tokens(base.model, base.tokenizer, WORDS)
+
+
+def test_domain_examples_weave_the_words_into_humaneval_code():
+    chats = domain_examples(WORDS, limit=5)
+    assert len(chats) == 5 and all([m["role"] for m in c] == ["user", "assistant"] for c in chats)
+    assert all("QuantLib" in c[1]["content"] and "CalcBlackScholesVega" in c[1]["content"] for c in chats)
+    assert all("def " in c[1]["content"] for c in chats)
+
+
+def test_humaneval_file_errors_name_the_line(tmp_path):
+    import gzip
+
+    bad = tmp_path / "he.jsonl.gz"
+    with gzip.open(bad, "wt") as f:
+        f.write('{"prompt": "def f():\\n", "canonical_solution": "    return 1\\n"}\n{"prompt": 1}\n')
+    with pytest.raises(ValueError, match=r"he.jsonl.gz:2"):
+        domain_examples(WORDS, bad)
+
+
+def test_target_update_trains_only_the_top_layers_and_is_a_new_version(tiny_base, tmp_path):
+    out = make_target_update(str(tiny_base), tmp_path / "updated", domain_tokens=WORDS, top_layers=2, steps=3,
+                             lr=1e-2, max_len=96, examples=8, progress=False)
+    base, new = load_model(tiny_base), load_model(out)
+    assert new.fingerprint != base.fingerprint
+    assert new.config.vocab_size == base.config.vocab_size + 2
+    assert new.tokenizer.tokenize("x = QuantLib.CalcBlackScholesVega(s)").count("CalcBlackScholesVega") == 1
+    b, n = base.model.state_dict(), new.model.state_dict()
+    for name, tensor in b.items():
+        if "embed_tokens" in name or "lm_head" in name:
+            assert torch.equal(n[name][: tensor.shape[0]], tensor), name  # old tokens' rows untouched
+        elif ".layers.0." in name or ".layers.1." in name or name == "model.norm.weight":
+            assert torch.equal(n[name], tensor), name  # frozen
+    assert any(not torch.equal(n[k], b[k]) for k in b if ".layers.3." in k)  # the top layers moved
+    meta = load_update_meta(out)
+    assert meta["config"]["top_layers"] == 2 and len(meta["losses"]) == 3
+    assert all(l == l and l < 50 for l in meta["losses"])  # finite
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == new.config.vocab_size

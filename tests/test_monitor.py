@@ -1,0 +1,214 @@
+"""Monitor: replay acceptance from the log store, the decision, the fallback choice, the early-exit
+export, the metrics page fed from the store, and the decisions table."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+import torch
+
+from specdistill.bench import Prompt
+from specdistill.drafts import init_draft_from_target, save_draft
+from specdistill.formats import Message
+from specdistill.logstore import LogStore
+from specdistill.metrics import LiveSample, SpecDecodeMetrics
+from specdistill.models import load_model
+from specdistill.monitor import (
+    AcceptanceSample,
+    Decision,
+    choose_fallback,
+    decide,
+    export_early_exit_draft,
+    prompt_messages,
+    prompts_from_store,
+    refresh_metrics,
+    replay_acceptance,
+)
+from specdistill.readers import Conversation
+from specdistill.serving import ServingConfig, write_serving_config
+from specdistill.speculative import ModelDrafter, SelfSpecDrafter, generate
+from tests.conftest import make_tiny_llama
+from tests.tokenizers_util import train_bpe
+
+PROMPTS = ["hello world, the quick brown fox", "def add(a, b):", "speculative decoding drafts tokens",
+           "import torch as tt", "the lazy dog jumps", "print the ones"]
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    path = tmp_path_factory.mktemp("target")
+    tok = train_bpe(300)
+    make_tiny_llama(vocab_size=len(tok), layers=4, seed=0, tie=False).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def fill_store(store: LogStore, prompts=PROMPTS) -> None:
+    run = store.begin_run("traffic", "jsonl", 0)
+    store.add_batch(run, [Conversation([Message("user", p), Message("assistant", "ok")], "traffic", f"t:{i}",
+                                       timestamp=1_700_000_000 + i) for i, p in enumerate(prompts)])
+    # a conversation that opens with an assistant turn has no prompt to replay
+    store.add_batch(run, [Conversation([Message("system", "be brief"), Message("assistant", "hi"),
+                                        Message("user", "late question")], "traffic", "t:x", timestamp=1_800_000_000)])
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = LogStore(f"sqlite:///{tmp_path / 'logs.db'}")
+    fill_store(s)
+    yield s
+    s.close()
+
+
+def test_prompt_messages_stop_before_the_first_answer_and_need_a_user_turn():
+    m = [Message("system", "s"), Message("user", "u"), Message("assistant", "a"), Message("user", "u2")]
+    assert prompt_messages(m) == [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    assert prompt_messages([Message("system", "s"), Message("assistant", "a")]) is None
+
+
+def test_prompts_from_store_are_the_newest_usable_ones(store, tiny_target):
+    tok = load_model(tiny_target).tokenizer
+    got = prompts_from_store(store, tok, 3)
+    assert [p.text for p in got] == PROMPTS[::-1][:3]  # newest first; the assistant-first record skipped
+    assert all(p.ids and p.slice.startswith("conversation:") for p in got)
+    assert prompts_from_store(store, tok, 3, max_prompt_tokens=2) == []  # too long: skipped, never cut
+
+
+def test_replay_of_a_draft_identical_to_the_target_accepts_everything_and_stores_each_request(store, tiny_target, tmp_path):
+    target = load_model(tiny_target)
+    clone = save_draft(init_draft_from_target(target.model, [0, 1, 2, 3]), target.tokenizer, tmp_path / "clone")
+    sample = replay_acceptance(target, str(clone), store, n_prompts=4, gamma=3, max_new_tokens=12,
+                               draft_version="v1", min_draft_tokens=10, progress=False)
+    assert sample.ok and sample.acceptance_rate == 1.0 and not sample.vocab_mismatch
+    assert sample.mean_accepted_length == pytest.approx(1 + sample.accepted / sample.rounds)
+    assert sample.requests == 4 and len(sample.sample_ids) == 4 and len(sample.conversation_ids) == 4
+    # the last rounds of a request propose fewer than gamma tokens, so later positions are rarer
+    assert sample.per_position_acceptance[0] == 1.0 and sum(sample.accepted_per_position) == sample.accepted
+    stored = store.acceptance(target.fingerprint, "v1")
+    assert stored["samples"] == 4 and stored["acceptance_rate"] == pytest.approx(sample.acceptance_rate)
+    assert decide(sample) == "keep"
+
+
+def test_replay_of_an_unrelated_draft_measures_low_acceptance(store, tiny_target, tmp_path):
+    target = load_model(tiny_target)
+    other = tmp_path / "other"
+    make_tiny_llama(vocab_size=target.config.vocab_size, layers=1, seed=7, tie=False).save_pretrained(other)
+    target.tokenizer.save_pretrained(other)
+    sample = replay_acceptance(target, str(other), store, n_prompts=5, gamma=4, max_new_tokens=16,
+                               min_draft_tokens=10, progress=False)
+    assert sample.ok and sample.acceptance_rate < 0.5 and decide(sample) == "fallback"
+    too_few = replay_acceptance(target, str(other), store, n_prompts=1, gamma=4, max_new_tokens=4,
+                                min_draft_tokens=1000, progress=False)
+    assert not too_few.ok and "minimum 1000" in too_few.reason and decide(too_few) == "no-sample"
+
+
+def test_a_draft_with_the_old_vocabulary_is_measured_through_a_transplant_or_read_as_zero(store, tiny_target, tmp_path):
+    from specdistill.drift import add_domain_tokens
+
+    old = load_model(tiny_target)
+    old_draft = save_draft(init_draft_from_target(old.model, [0, 1, 2, 3]), old.tokenizer, tmp_path / "old-draft")
+    new = load_model(tiny_target)
+    add_domain_tokens(new.model, new.tokenizer, ("QuantLib", "CalcBlackScholesVega"))
+    sample = replay_acceptance(new, str(old_draft), store, n_prompts=3, gamma=3, max_new_tokens=10,
+                               min_draft_tokens=5, progress=False)
+    assert sample.ok and sample.vocab_mismatch and sample.vocab_transplanted
+    assert "vocabulary" in sample.reason and sample.acceptance_rate is not None
+    strict = replay_acceptance(new, str(old_draft), store, on_vocab_mismatch="zero", progress=False)
+    assert strict.ok and strict.acceptance_rate == 0.0 and strict.reason.startswith("vocabulary mismatch")
+    assert decide(strict) == "fallback"
+
+
+def test_decide_thresholds_and_live_samples():
+    assert decide(AcceptanceSample(True, acceptance_rate=0.5)) == "keep"
+    assert decide(AcceptanceSample(True, acceptance_rate=0.49)) == "fallback"
+    assert decide(AcceptanceSample(True, acceptance_rate=0.6), threshold=0.7) == "fallback"
+    assert decide(AcceptanceSample(False, reason="no prompts")) == "no-sample"
+    assert decide(LiveSample(False, "metrics page unreachable")) == "no-sample"  # never a fallback by itself
+    assert decide(LiveSample(True, acceptance_rate=0.2)) == "fallback"
+
+
+def test_choose_fallback_never_decides_on_too_few_tokens_and_guards_against_slowdowns(tiny_target):
+    target = load_model(tiny_target)
+    prompts = [Prompt(p) for p in PROMPTS[:3]]
+    none = choose_fallback(target, prompts, exit_layers=(1, 2), max_new_tokens=8, min_tokens=10_000, repeats=1,
+                           progress=False)
+    assert not none.decided and none.mode is None and "no decision" in none.reason
+    assert {(c.mode, c.exit_layer) for c in none.candidates} == {("self_speculation", 1), ("self_speculation", 2), ("ngram", None)}
+    # a margin no fallback can beat: speculation is turned off
+    off = choose_fallback(target, prompts, exit_layers=(2,), max_new_tokens=8, min_tokens=1, repeats=1,
+                          margin=100.0, progress=False)
+    assert off.decided and off.mode == "off" and off.speedup == 1.0 and "does not beat" in off.reason
+    # no guard at all: the fastest candidate wins, with its numbers
+    best = choose_fallback(target, prompts, exit_layers=(1, 2), max_new_tokens=8, min_tokens=1, repeats=1,
+                           margin=-1.0, progress=False)
+    fastest = max(best.candidates, key=lambda c: c.speedup)
+    assert best.mode == fastest.mode and best.exit_layer == fastest.exit_layer and best.speedup == fastest.speedup
+    assert json.loads(json.dumps(best.to_dict()))["candidates"][0]["tokens_per_second_target_only"] > 0
+
+
+def test_exported_early_exit_draft_proposes_what_self_speculation_proposes(tiny_target, tmp_path):
+    target = load_model(tiny_target)
+    out = export_early_exit_draft(target, 2, tmp_path / "early-exit")
+    exported = load_model(out)
+    assert exported.config.num_hidden_layers == 2 and exported.config.vocab_size == target.config.vocab_size
+    ids = target.tokenizer("def add(a, b): return")["input_ids"]
+    a = generate(target.model, ids, max_new_tokens=16, drafter=ModelDrafter(exported.model, target.config.vocab_size))
+    b = generate(target.model, ids, max_new_tokens=16, drafter=SelfSpecDrafter(target.model, 2))
+    assert a.output_ids == b.output_ids
+    assert (a.stats.proposed, a.stats.accepted) == (b.stats.proposed, b.stats.accepted)
+    with pytest.raises(ValueError, match="exit layer"):
+        export_early_exit_draft(target, 4, tmp_path / "bad")
+
+
+def test_metrics_page_counts_each_stored_sample_once_and_shows_the_serving_mode(store, tmp_path):
+    store.add_acceptance_sample("fp", "v1", 2, num_drafts=5, num_draft_tokens=10, num_accepted_tokens=6,
+                                accepted_per_position=[4, 2])
+    metrics = SpecDecodeMetrics()
+    write_serving_config(ServingConfig("ngram", target_fingerprint="fp", reason="fallback"))
+    last = refresh_metrics(metrics, store)
+    assert refresh_metrics(metrics, store, last) == last  # nothing new: nothing counted twice
+    store.add_acceptance_sample("fp", "v1", 2, num_drafts=5, num_draft_tokens=10, num_accepted_tokens=2,
+                                accepted_per_position=[2, 0])
+    refresh_metrics(metrics, store, last)
+    server, thread = metrics.serve(0)
+    try:
+        page = urllib.request.urlopen(f"http://127.0.0.1:{server.server_port}/metrics", timeout=5).read().decode()
+    finally:
+        server.shutdown()
+    assert "specdistill_spec_decode_num_draft_tokens_total 20.0" in page
+    assert "specdistill_spec_decode_num_accepted_tokens_total 8.0" in page
+    assert 'specdistill_serving_mode{mode="ngram"} 1.0' in page
+    assert "specdistill_acceptance_rate 0.2" in page
+
+
+def test_decisions_are_recorded_with_their_numbers(store_url):
+    s = LogStore(store_url)
+    try:
+        d = Decision("fallback", "fp-new", "3", acceptance={"acceptance_rate": 0.21}, fallback={"mode": "ngram"},
+                     reason="acceptance 0.21 < 0.5")
+        first = s.add_decision(d.kind, d.target_fingerprint, d.draft_version, d.to_json())
+        s.add_decision("keep", "fp-old", "3", json.dumps({"acceptance_rate": 0.8}))
+        got = s.decisions()
+        assert [r["kind"] for r in got] == ["keep", "fallback"]  # newest first
+        assert got[1]["id"] == first and got[1]["payload"]["fallback"] == {"mode": "ngram"}
+        assert got[1]["payload"]["acceptance"]["acceptance_rate"] == 0.21
+        assert [r["kind"] for r in s.decisions(target_fingerprint="fp-new")] == ["fallback"]
+        assert s.decisions(kind="keep")[0]["payload"] == {"acceptance_rate": 0.8}
+        with pytest.raises(ValueError, match="not JSON"):
+            s.add_decision("keep", "fp", None, "{broken")
+    finally:
+        s.close()
+
+
+def test_cli_monitor_sample_prints_alpha_and_tau(store, tiny_target, tmp_path, capsys):
+    from specdistill.cli import main
+
+    target = load_model(tiny_target)
+    clone = save_draft(init_draft_from_target(target.model, [0, 1, 2, 3]), target.tokenizer, tmp_path / "clone")
+    code = main(["monitor", "sample", "--target", str(tiny_target), "--draft", str(clone), "--n", "2",
+                 "--max-new-tokens", "8", "--min-draft-tokens", "4", "--db", store.url, "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and out["acceptance_rate"] == 1.0 and out["decision"] == "keep" and out["requests"] == 2
