@@ -12,11 +12,14 @@ Runs on a schedule and on the `specdistill.target.updated` event (deploy/prefect
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from flows.nightly import nightly
-from specdistill import monitoring
+from specdistill import monitor_config as mc
+from specdistill.monitor import decide
 from tasks import monitor as t
 from tasks import nightly as nt
 
@@ -24,7 +27,7 @@ from tasks import nightly as nt
 @flow(name="monitor", log_prints=True)
 def monitor(config_path: str | None = None, overrides: list[str] | None = None,
             fingerprint: str | None = None) -> dict:
-    config = monitoring.load_monitor_config(config_path, overrides)
+    config = mc.load_monitor_config(config_path, overrides)
     log = get_run_logger()
     if fingerprint:
         log.info("triggered by specdistill.target.updated for target %s", fingerprint)
@@ -36,16 +39,16 @@ def monitor(config_path: str | None = None, overrides: list[str] | None = None,
         return {"change": change, "decision": "no-champion"}
 
     sample = t.sample_acceptance(config, champion, change["current"])
-    decision = monitoring.decide(sample, config.threshold)
-    outcome: dict = {"change": change, "sample": sample, "decision": decision}
+    decision = decide(SimpleNamespace(**sample), config.threshold)
+    outcome: dict = {"change": change, "champion": champion, "sample": sample, "decision": decision}
     if decision == "fallback":
         fallback = t.choose_fallback(config, change["current"])
         outcome["fallback"] = fallback
-        t.apply_fallback(config, fallback, change["current"])
-        retrain = nightly(config_path=config.nightly_config, overrides=monitoring.incremental_overrides(config, change))
+        outcome["serving"] = t.apply_fallback(config, fallback, change["current"])
+        retrain = nightly(config_path=config.nightly_config, overrides=mc.incremental_overrides(config, change))
         outcome["incremental"] = {k: retrain[k] for k in ("verdict", "registered", "promoted")}
     t.record_decision(config, outcome)
-    report = monitoring.render_outcome(outcome)
+    report = mc.render_outcome(outcome)
     create_markdown_artifact(report, key="monitor-decision", description="acceptance and what the monitor did")
     log.info("\n%s", report)
     outcome["report"] = report

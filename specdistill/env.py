@@ -13,6 +13,8 @@ OFFLINE_ENV: dict[str, str] = {
     "TRANSFORMERS_OFFLINE": "1",
     "HF_HUB_DISABLE_TELEMETRY": "1",
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    # Prefect's temporary server can take a minute to start on a busy 2-core machine.
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "DO_NOT_TRACK": "1",
     "TOKENIZERS_PARALLELISM": "false",

@@ -1,0 +1,36 @@
+"""The monitoring flow's tasks: each wraps one library call."""
+
+from __future__ import annotations
+
+from prefect import task
+
+from specdistill import monitor_config as mc
+from specdistill.monitor_config import MonitorConfig
+
+
+@task(name="detect-target-change", retries=2, retry_delay_seconds=5)
+def detect_target_change(config: MonitorConfig) -> dict:
+    from specdistill.targets import detect_change
+
+    changed, current, previous = detect_change(config.target)
+    return {"changed": changed, "current": current.to_dict(), "previous": previous.to_dict() if previous else None}
+
+
+@task(name="sample-acceptance")
+def sample_acceptance(config: MonitorConfig, champion: dict, target: dict) -> dict:
+    return mc.sample_acceptance(config, champion, target)
+
+
+@task(name="choose-fallback")
+def choose_fallback(config: MonitorConfig, target: dict) -> dict:
+    return mc.measure_fallback(config, target)
+
+
+@task(name="apply-fallback", retries=2, retry_delay_seconds=5)
+def apply_fallback(config: MonitorConfig, fallback: dict, target: dict) -> dict | None:
+    return mc.apply_fallback(config, fallback, target)
+
+
+@task(name="record-decision", retries=2, retry_delay_seconds=5)
+def record_decision(config: MonitorConfig, outcome: dict) -> dict:
+    return mc.record_decision(config, outcome)
