@@ -69,7 +69,16 @@ def main() -> int:
     ap.add_argument("--draft-vocab", type=int, default=4096)
     ap.add_argument("--methods", default="ours-base,hf-base,ours-draft,hf-assisted,ours-draft-rv,ours-ngram,hf-lookup,ours-self,hf-early-exit")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    ap.add_argument("--write-prompts", default=None, metavar="JSONL",
+                    help="only write the prompt set as `specdistill bench --prompts` reads it, and exit")
     args = ap.parse_args()
+    if args.write_prompts:
+        with open(args.write_prompts, "w", encoding="utf-8") as f:
+            for text in sharegpt_first_turns(args.prompts - args.prompts // 2):
+                f.write(json.dumps({"prompt": text, "slice": "chat"}) + "\n")
+            for text in humaneval_prompts(args.prompts // 2):
+                f.write(json.dumps({"prompt": text, "slice": "code"}) + "\n")
+        return 0
     torch.set_num_threads(args.threads)
 
     loaded = load_model("demo")

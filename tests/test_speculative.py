@@ -229,11 +229,11 @@ def sampled_two_token_counts(target, drafter, prompt, config: SamplingConfig, n:
 
 
 # 6 tokens: 36 outcomes for two generated tokens (top-p 0.95 leaves ~31 possible). The draft's
-# distribution is 0.75 away from the target's in total variation. With 800 samples the test
+# distribution is 0.75 away from the target's in total variation. With 500 samples the test
 # detects a sampler that skips the rejection rule (accepts every draft) at p < 1e-6 (asserted
 # below, so the power is measured on this very setup, not assumed); the correct sampler must pass
 # at the 1e-3 level (a false alarm once in a thousand seeds; the seeds are fixed, so no flakes).
-SAMPLES = 800
+SAMPLES = 500
 
 
 @pytest.mark.parametrize("kind", ["draft", "reduced-vocab", "ngram"])
@@ -265,7 +265,9 @@ def test_chi_square_detects_a_sampler_without_the_rejection_rule(monkeypatch):
     monkeypatch.setattr(engine_module, "verify", accept_everything)
     expected = exact_two_token_distribution(target, [1, 3, 1, 3], config)
     counts = sampled_two_token_counts(target, drafter, [1, 3, 1, 3], config, SAMPLES)
-    assert chi_square_pvalue(counts, expected) < 1e-6
+    pvalue = chi_square_pvalue(counts, expected)
+    print(f"broken sampler p-value {pvalue:.3g}")
+    assert pvalue < 1e-6
 
 
 def test_verify_rule_single_position_distribution():
@@ -341,7 +343,6 @@ def test_stats_merge_and_definitions():
 
 
 SHAREGPT_LIKE = [
-    "What are three tips for staying healthy?",
     "Explain the difference between a list and a tuple in Python.",
 ]
 HUMANEVAL_LIKE = [
@@ -363,7 +364,7 @@ def test_demo_target_greedy_speculative_is_lossless(demo_target):
                for p in SHAREGPT_LIKE] + [tok(p)["input_ids"] for p in HUMANEVAL_LIKE]
     for ids in prompts:
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        base = generate(target, ids, max_new_tokens=12)
+        base = generate(target, ids, max_new_tokens=10)
         for drafter in drafters:
-            spec = generate(target, ids, max_new_tokens=12, drafter=drafter, gamma=3)
+            spec = generate(target, ids, max_new_tokens=10, drafter=drafter, gamma=3)
             assert spec.output_ids == base.output_ids, (drafter.name, tok.decode(ids))
