@@ -32,8 +32,8 @@ def monitor(config_path: str | None = None, overrides: list[str] | None = None,
     if fingerprint:
         log.info("triggered by specdistill.target.updated for target %s", fingerprint)
 
-    change = t.detect_target_change(config)
     champion = nt.current_champion(config.nightly)
+    change = t.detect_target_change(config, champion)
     if champion is None:
         log.info("no champion registered yet: nothing to monitor")
         return {"change": change, "decision": "no-champion"}
@@ -46,7 +46,7 @@ def monitor(config_path: str | None = None, overrides: list[str] | None = None,
         outcome["fallback"] = fallback
         outcome["serving"] = t.apply_fallback(config, fallback, change["current"])
         retrain = nightly(config_path=config.nightly_config, overrides=mc.incremental_overrides(config, change))
-        outcome["incremental"] = {k: retrain[k] for k in ("verdict", "registered", "promoted")}
+        outcome["incremental"] = {k: retrain[k] for k in ("warm_start", "verdict", "registered", "promoted")}
     t.record_decision(config, outcome)
     report = mc.render_outcome(outcome)
     create_markdown_artifact(report, key="monitor-decision", description="acceptance and what the monitor did")

@@ -66,7 +66,7 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
     pipeline.write_report(report, window, report_path)
     create_markdown_artifact(report, key="nightly-benchmark", description="draft vs champion and baselines")
     log.info("\n%s", report)
-    return {"target": target, "window": window["key"], "results": results, "verdict": verdict,
+    return {"target": target, "window": window["key"], "warm_start": warm_start, "results": results, "verdict": verdict,
             "registered": registered, "promoted": promoted, "report": report}
 
 

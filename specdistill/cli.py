@@ -279,7 +279,31 @@ def cmd_target_register(args: argparse.Namespace) -> int:
     from specdistill.targets import register_target
 
     version = register_target(args.path)
-    _emit(args, version.to_dict(), f"target {version.fingerprint} ({version.path}) is the current version")
+    emitted = _emit_target_updated(version.to_dict()) if not args.no_event else False
+    payload = {**version.to_dict(), "event_emitted": emitted}
+    _emit(args, payload, f"target {version.fingerprint} ({version.path}) is the current version"
+          + ("; emitted specdistill.target.updated" if emitted else ""))
+    return 0
+
+
+def _emit_target_updated(version: dict) -> bool:
+    """The Prefect event the monitor deployment is triggered by (Prefect is imported only here)."""
+    from prefect.events import emit_event
+
+    event = emit_event(
+        event="specdistill.target.updated",
+        resource={"prefect.resource.id": f"specdistill.target.{version['fingerprint']}",
+                  "prefect.resource.name": version["ref"]},
+        payload={"fingerprint": version["fingerprint"], "path": version["path"], "ref": version["ref"]},
+    )
+    return event is not None
+
+
+def cmd_monitor_run(args: argparse.Namespace) -> int:
+    from flows.monitor import monitor  # the flows are the one place Prefect is imported
+
+    outcome = monitor(config_path=args.config, overrides=args.overrides)
+    _emit(args, outcome, outcome["report"] if "report" in outcome else f"decision: {outcome['decision']}")
     return 0
 
 
@@ -450,10 +474,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     target = sub.add_parser("target", help="target versions").add_subparsers(dest="target_command", required=True)
     p = add(target, "register", cmd_target_register, "record a target (its fingerprint and location) as the current version")
+    p.add_argument("--no-event", action="store_true", help="do not emit the specdistill.target.updated Prefect event")
     p.add_argument("path", help="HF directory, .gguf file or 'demo'")
     add(target, "history", cmd_target_history, "every recorded target version, oldest first")
 
     monitor = sub.add_parser("monitor", help="acceptance monitoring").add_subparsers(dest="monitor_command", required=True)
+    p = add(monitor, "run", cmd_monitor_run, "run the monitoring flow once: sample acceptance, fall back and retrain below 50%")
+    p.add_argument("--config", default=None, help="monitor YAML config (default: the embedded demo defaults)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. replay_prompts=8")
     p = add(monitor, "sample", cmd_monitor_sample, "replay the newest logged prompts: the draft's acceptance on the target")
     p.add_argument("--target", default="demo")
     p.add_argument("--draft", required=True, help="draft directory or models:/NAME@champion")

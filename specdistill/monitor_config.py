@@ -16,7 +16,7 @@ from specdistill.pipeline import NightlyConfig, load_nightly_config
 class MonitorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    target: str = "demo"  # the target being served; re-fingerprinted on every run
+    target: str | None = None  # the target being served (None: the last `target register`ed, else demo)
     nightly_config: str | None = None  # the nightly flow's config for incremental distillation
     nightly_overrides: list[str] = []
     threshold: float = Field(0.5, gt=0.0, lt=1.0)  # acceptance below this: fallback + retrain
@@ -31,9 +31,17 @@ class MonitorConfig(BaseModel):
     fallback_repeats: int = Field(1, ge=1)
     replay_share: float = Field(0.25, ge=0.0, lt=1.0)  # of older traffic in the incremental run
 
+    def target_ref(self) -> str:
+        from specdistill.targets import current_target
+
+        if self.target:
+            return self.target
+        registered = current_target()
+        return registered.ref if registered else "demo"
+
     @property
     def nightly(self) -> NightlyConfig:
-        return load_nightly_config(self.nightly_config, [f"target={self.target}", *self.nightly_overrides])
+        return load_nightly_config(self.nightly_config, [f"target={self.target_ref()}", *self.nightly_overrides])
 
 
 def load_monitor_config(path: str | Path | None = None, overrides: list[str] | None = None) -> MonitorConfig:
@@ -61,8 +69,9 @@ def incremental_overrides(config: MonitorConfig, change: dict) -> list[str]:
 
     from specdistill.logstore import LogStore
 
-    overrides = [f"target={config.target}", *config.nightly_overrides, f"window.replay_share={config.replay_share}"]
-    since = change["current"]["registered_at"] if change.get("changed") else None
+    overrides = [f"target={change['current']['path']}", *config.nightly_overrides,
+                 f"window.replay_share={config.replay_share}"]
+    since = change["current"]["registered_at"] if change.get("drifted") else None
     if since:
         store = LogStore(config.nightly.log_db)
         try:
@@ -145,6 +154,17 @@ def render_outcome(outcome: dict) -> str:
 
 def fallback_dir(fingerprint: str, exit_layer: int) -> Path:
     return paths.ensure(paths.home() / "fallback") / f"early-exit-{fingerprint}-{exit_layer}"
+
+
+def detect_drift(config: MonitorConfig, champion: dict | None) -> dict:
+    """Has the served target changed since the last run, or since the champion was distilled for it?"""
+    from specdistill.targets import detect_change
+
+    changed, current, previous = detect_change(config.target_ref())
+    trained_for = (champion or {}).get("tags", {}).get("target_fingerprint")
+    drifted = changed or (trained_for is not None and trained_for != current.fingerprint)
+    return {"changed": changed, "drifted": drifted, "champion_target": trained_for,
+            "current": current.to_dict(), "previous": previous.to_dict() if previous else None}
 
 
 def sample_acceptance(config: MonitorConfig, champion: dict, target: dict) -> dict:

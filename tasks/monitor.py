@@ -9,11 +9,8 @@ from specdistill.monitor_config import MonitorConfig
 
 
 @task(name="detect-target-change", retries=2, retry_delay_seconds=5)
-def detect_target_change(config: MonitorConfig) -> dict:
-    from specdistill.targets import detect_change
-
-    changed, current, previous = detect_change(config.target)
-    return {"changed": changed, "current": current.to_dict(), "previous": previous.to_dict() if previous else None}
+def detect_target_change(config: MonitorConfig, champion: dict | None) -> dict:
+    return mc.detect_drift(config, champion)
 
 
 @task(name="sample-acceptance")

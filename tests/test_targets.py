@@ -63,7 +63,7 @@ def test_cli_target_register_prints_the_version(tmp_path, capsys):
     from specdistill.cli import main
 
     a = save_target(tmp_path / "a")
-    assert main(["target", "register", str(a), "--json"]) == 0
+    assert main(["target", "register", str(a), "--no-event", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["path"] == str(a) and out["fingerprint"] == current_target().fingerprint
     assert main(["target", "history", "--json"]) == 0

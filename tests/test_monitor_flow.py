@@ -1,0 +1,108 @@
+"""End to end: the drift scenario. A champion that drafts well for the demo target; the target is
+updated (top layers fine-tuned on code, domain tokens added); the monitor notices, measures the
+drop, falls back to the fastest mode, retrains with a vocab transplant, and returns to draft mode."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "deploy" / "nightly" / "tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def prefect_harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+def _monitor_overrides(traffic: Path) -> list[str]:
+    sources = f'[{{path: "{traffic}", format: jsonl, slice: chat}}]'
+    return [f"nightly_config={TINY}", f"nightly_overrides=['sources={sources}', 'bench.generic_draft=false', "
+            "'bench.self_spec_layers=[]', 'bench.ngram=false']",
+            "replay_prompts=6", "max_new_tokens=16", "min_draft_tokens=16", "fallback_exit_layers=[6]",
+            "fallback_min_tokens=16"]
+
+
+def test_drift_scenario_detect_fallback_retrain_recover(prefect_harness, demo_target, tmp_path, monkeypatch):
+    from flows.monitor import monitor
+    from specdistill import registry
+    from specdistill.drafts import init_draft_from_target, save_draft
+    from specdistill.drift import make_target_update
+    from specdistill.ingest import ingest
+    from specdistill.logstore import LogStore
+    from specdistill.serving import ServingConfig, read_serving_config
+    from specdistill.targets import register_target
+
+    monkeypatch.setenv("SPECDISTILL_HOME", str(tmp_path / "home"))
+    traffic = tmp_path / "traffic.jsonl"
+    tasks = ["returns the square of a number", "reverses a string", "checks whether a number is prime",
+             "counts the vowels in a string", "merges two sorted lists", "computes a factorial",
+             "finds the largest element of a list", "removes duplicates from a list", "parses a CSV line",
+             "converts Celsius to Fahrenheit"]
+    styles = ["Write a Python function that {}.", "Show me Python code that {}.", "In Python, implement a helper that {}.",
+              "Explain briefly, then write a function that {}.", "Write a short, documented Python function that {}.",
+              "Give a one-line Python expression or function that {}.", "Write a JavaScript function that {}.",
+              "Write a Python class method that {}.", "How would you write code that {}?", "Write a recursive function that {}."]
+    prompts = [style.format(task) for style in styles for task in tasks]
+    traffic.write_text("".join(json.dumps({"prompt": p, "response": "..."}) + "\n" for p in prompts))
+    store = LogStore()
+    ingest(traffic, "jsonl", store, progress=False)
+
+    # A champion that drafts well for the current target: most of the target's own layers.
+    register_target("demo")
+    strong = init_draft_from_target(demo_target.model, list(range(0, 30, 2)) + [29])
+    champion_dir = save_draft(strong, demo_target.tokenizer, tmp_path / "strong-draft")
+    reg = registry.register_draft(champion_dir, target_name="SmolLM2-135M-Instruct",
+                                  tags={"target_fingerprint": demo_target.fingerprint, "parent": ""})
+    registry.promote(reg.name, reg.version, ServingConfig(mode="draft", draft_dir=str(champion_dir),
+                                                         draft_version=reg.version), expected_champion=None)
+
+    before = monitor(overrides=_monitor_overrides(traffic))
+    assert before["decision"] == "keep" and not before["change"]["changed"]
+    alpha_before = before["sample"]["acceptance_rate"]
+    assert alpha_before >= 0.5
+
+    # The target is updated and registered (as `specdistill target register` does).
+    updated = make_target_update("demo", tmp_path / "target-v2", steps=40, examples=40, progress=False)
+    register_target(updated)
+
+    after = monitor(overrides=_monitor_overrides(traffic))
+    assert after["change"]["drifted"] and after["sample"]["ok"]
+    alpha_after = after["sample"]["acceptance_rate"]
+    assert alpha_after < 0.5 and after["decision"] == "fallback"
+    # the serving config switched to the fallback that measured fastest
+    fallback = after["fallback"]
+    assert fallback["decided"]
+    assert after["serving"]["mode"] == fallback["mode"]
+    speedups = {(c["mode"], c["exit_layer"]): c["speedup"] for c in fallback["candidates"]}
+    if fallback["mode"] != "off":
+        assert fallback["speedup"] == max(speedups.values())
+    # the drop and the decision are recorded with their numbers
+    decisions = LogStore().decisions(kind="fallback")
+    assert decisions and decisions[0]["target_fingerprint"] == after["change"]["current"]["fingerprint"]
+    assert LogStore().acceptance(after["change"]["current"]["fingerprint"], reg.version)["acceptance_rate"] < 0.5
+
+    # incremental distillation ran on the new target, warm-started through a vocab transplant
+    inc = after["incremental"]
+    assert inc["warm_start"]["transplanted"]
+    new_version = inc["registered"]["version"]
+    mv = registry.client().get_model_version(reg.name, new_version)
+    assert mv.tags["parent"] == reg.version and mv.tags["target_fingerprint"] == after["change"]["current"]["fingerprint"]
+    # promoted only if it passed the gate; then serving is back in draft mode
+    assert bool(inc["promoted"]) == bool(inc["verdict"]["promote"])
+    serving = read_serving_config()
+    if inc["promoted"]:
+        assert str(registry.version_by_alias(reg.name, "champion").version) == new_version
+        assert serving.mode == "draft" and serving.draft_version == new_version
+    else:
+        assert str(registry.version_by_alias(reg.name, "champion").version) == reg.version
+        assert serving.mode == fallback["mode"]
+    print(json.dumps({"alpha_before": alpha_before, "alpha_after": alpha_after,
+                      "fallback": fallback["mode"], "promoted": bool(inc["promoted"])}))
