@@ -36,8 +36,16 @@ def tracking_uri() -> str:
 
 def client() -> MlflowClient:
     uri = tracking_uri()
+    # mlflow.set_*_uri also export MLFLOW_*_URI to the environment; put back what the user had, so
+    # the next call (another state directory in the same process) resolves its own store again.
+    saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 

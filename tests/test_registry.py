@@ -110,3 +110,12 @@ def test_two_concurrent_promotions_only_one_wins(draft_dir):
 def test_bad_model_uri_is_refused():
     with pytest.raises(ValueError, match="not a registered model URI"):
         registry.download_draft("models:/")
+
+
+def test_two_state_directories_never_share_a_registry(draft_dir, tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("SPECDISTILL_HOME", str(tmp_path / "a"))
+    registry.register_draft(draft_dir, target_name="isolated")
+    monkeypatch.setenv("SPECDISTILL_HOME", str(tmp_path / "b"))
+    assert registry.client().search_registered_models() == []
+    assert "MLFLOW_TRACKING_URI" not in __import__("os").environ
