@@ -200,10 +200,23 @@ def download_draft(model_uri: str) -> Path:
     except MlflowException as exc:
         raise ValueError(f"{model_uri}: {exc.message}") from exc
     target = paths.home() / "registry" / name / str(mv.version)
-    hf_dir = target / "artifacts" / DRAFT_ARTIFACT
-    if not (hf_dir / "config.json").is_file():
+    if not (target / "MLmodel").is_file():
         target.mkdir(parents=True, exist_ok=True)
         mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{mv.version}", dst_path=str(target))
-    if not (hf_dir / "config.json").is_file():
-        raise ValueError(f"{model_uri}: the registered model has no draft checkpoint under artifacts/{DRAFT_ARTIFACT}")
+    hf_dir = _draft_dir_in(target)
+    if hf_dir is None:
+        raise ValueError(f"{model_uri}: the registered model has no '{DRAFT_ARTIFACT}' checkpoint (MLmodel in {target})")
     return hf_dir
+
+
+def _draft_dir_in(model_dir: Path) -> Path | None:
+    """The HF checkpoint a logged draft model carries: the pyfunc artifact named `draft`."""
+    import yaml
+
+    try:
+        meta = yaml.safe_load((model_dir / "MLmodel").read_text())
+        rel = meta["flavors"]["python_function"]["artifacts"][DRAFT_ARTIFACT]["path"]
+    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        return None
+    hf_dir = model_dir / rel
+    return hf_dir if (hf_dir / "config.json").is_file() else None

@@ -27,7 +27,7 @@ def _shared_tracking(_tracking_db, monkeypatch):
 @pytest.fixture
 def draft_dir(tmp_path):
     tok = train_bpe(300)
-    return save_draft(make_tiny_llama(vocab_size=len(tok)), tok, tmp_path / "draft")
+    return save_draft(make_tiny_llama(vocab_size=len(tok)), tok, tmp_path / "my-draft-v7")  # any directory name
 
 
 def test_register_promote_and_download(draft_dir, tmp_path):
