@@ -1,6 +1,6 @@
 """Acceptance of a strong "before" draft against the demo target and against its drift update.
 
-    OMP_NUM_THREADS=1 python benchmarks/drift_acceptance.py [--work DIR] [--steps N] [--drafts 0-25,evenly:16]
+    OMP_NUM_THREADS=1 python benchmarks/drift_acceptance.py [--work DIR] [--steps N] [--drafts 0-12+17-29,0-25]
 
 Makes the target update (`specdistill.drift.make_target_update`, cached in --work), then measures
 each draft (target layers, init_draft_from_target, untrained) on 5 HumanEval + 5 ShareGPT prompts,
@@ -67,7 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", default=".specdistill/bench-drift")
     parser.add_argument("--steps", type=int, default=None, help="update steps (default: make_target_update's)")
-    parser.add_argument("--drafts", default="0-25,evenly:16")
+    parser.add_argument("--drafts", default="0-12+17-29")
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args()
@@ -94,7 +94,10 @@ def main() -> None:
                "prompts": {"code": sum(k == "code" for k, _ in prompt_set), "chat": sum(k == "chat" for k, _ in prompt_set)}}
     n = base.config.num_hidden_layers
     for spec in args.drafts.split(","):
-        layers = list(range(int(spec.split("-")[0]), int(spec.split("-")[1]) + 1)) if "-" in spec else parse_layers(spec, n)
+        if "-" in spec:  # ranges joined by '+': 0-12+17-29 skips layers 13..16
+            layers = [i for part in spec.split("+") for i in range(int(part.split("-")[0]), int(part.split("-")[1]) + 1)]
+        else:
+            layers = parse_layers(spec, n)
         ddir = work / f"draft-{spec.replace(':', '')}"
         if not (ddir / "config.json").is_file():
             save_draft(init_draft_from_target(base.model, layers), base.tokenizer, ddir, meta={"layers": layers})
