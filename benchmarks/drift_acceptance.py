@@ -67,6 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", default=".specdistill/bench-drift")
     parser.add_argument("--steps", type=int, default=None, help="update steps (default: make_target_update's)")
+    parser.add_argument("--lr", type=float, default=None, help="update learning rate (default: make_target_update's)")
     parser.add_argument("--drafts", default="0-12+17-29")
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -86,6 +87,7 @@ def main() -> None:
     if not (updated_dir / "config.json").is_file():
         t0 = time.time()
         kw = {} if args.steps is None else {"steps": args.steps}
+        kw.update({} if args.lr is None else {"lr": args.lr})
         make_target_update("demo", updated_dir, **kw)
         print(f"target update made in {time.time() - t0:.0f} s", file=sys.stderr)
     updated = load_model(updated_dir)
