@@ -68,6 +68,7 @@ def main() -> None:
     parser.add_argument("--work", default=".specdistill/bench-drift")
     parser.add_argument("--steps", type=int, default=None, help="update steps (default: make_target_update's)")
     parser.add_argument("--lr", type=float, default=None, help="update learning rate (default: make_target_update's)")
+    parser.add_argument("--after-only", action="store_true", help="skip the measurement against the original target")
     parser.add_argument("--drafts", default="0-12+17-29")
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -103,7 +104,7 @@ def main() -> None:
         ddir = work / f"draft-{spec.replace(':', '')}"
         if not (ddir / "config.json").is_file():
             save_draft(init_draft_from_target(base.model, layers), base.tokenizer, ddir, meta={"layers": layers})
-        before = measure(base, ModelDrafter(load_model(ddir).model, base.config.vocab_size), prompt_set, args.gamma, args.max_new_tokens)
+        before = {k: {"alpha": float("nan"), "tau": float("nan")} for k in ("all", "code", "chat")} if args.after_only else measure(base, ModelDrafter(load_model(ddir).model, base.config.vocab_size), prompt_set, args.gamma, args.max_new_tokens)
         drafter, transplanted, why = aligned_drafter(updated, load_model(ddir))
         after = measure(updated, drafter, prompt_set, args.gamma, args.max_new_tokens)
         results["drafts"][spec] = {"layers": len(layers), "before": before, "after": after, "transplanted": transplanted}
