@@ -1,6 +1,6 @@
 """Acceptance of a strong "before" draft against the demo target and against its drift update.
 
-    OMP_NUM_THREADS=1 python benchmarks/drift_acceptance.py [--work DIR] [--steps N] [--drafts 0-25,evenly:16]
+    OMP_NUM_THREADS=1 python benchmarks/drift_acceptance.py [--work DIR] [--steps N] [--drafts 0-12+17-29,0-25]
 
 Makes the target update (`specdistill.drift.make_target_update`, cached in --work), then measures
 each draft (target layers, init_draft_from_target, untrained) on 5 HumanEval + 5 ShareGPT prompts,
@@ -67,7 +67,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", default=".specdistill/bench-drift")
     parser.add_argument("--steps", type=int, default=None, help="update steps (default: make_target_update's)")
-    parser.add_argument("--drafts", default="0-25,evenly:16")
+    parser.add_argument("--lr", type=float, default=None, help="update learning rate (default: make_target_update's)")
+    parser.add_argument("--after-only", action="store_true", help="skip the measurement against the original target")
+    parser.add_argument("--drafts", default="0-12+17-29")
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args()
@@ -86,6 +88,7 @@ def main() -> None:
     if not (updated_dir / "config.json").is_file():
         t0 = time.time()
         kw = {} if args.steps is None else {"steps": args.steps}
+        kw.update({} if args.lr is None else {"lr": args.lr})
         make_target_update("demo", updated_dir, **kw)
         print(f"target update made in {time.time() - t0:.0f} s", file=sys.stderr)
     updated = load_model(updated_dir)
@@ -94,11 +97,14 @@ def main() -> None:
                "prompts": {"code": sum(k == "code" for k, _ in prompt_set), "chat": sum(k == "chat" for k, _ in prompt_set)}}
     n = base.config.num_hidden_layers
     for spec in args.drafts.split(","):
-        layers = list(range(int(spec.split("-")[0]), int(spec.split("-")[1]) + 1)) if "-" in spec else parse_layers(spec, n)
+        if "-" in spec:  # ranges joined by '+': 0-12+17-29 skips layers 13..16
+            layers = [i for part in spec.split("+") for i in range(int(part.split("-")[0]), int(part.split("-")[1]) + 1)]
+        else:
+            layers = parse_layers(spec, n)
         ddir = work / f"draft-{spec.replace(':', '')}"
         if not (ddir / "config.json").is_file():
             save_draft(init_draft_from_target(base.model, layers), base.tokenizer, ddir, meta={"layers": layers})
-        before = measure(base, ModelDrafter(load_model(ddir).model, base.config.vocab_size), prompt_set, args.gamma, args.max_new_tokens)
+        before = {k: {"alpha": float("nan"), "tau": float("nan")} for k in ("all", "code", "chat")} if args.after_only else measure(base, ModelDrafter(load_model(ddir).model, base.config.vocab_size), prompt_set, args.gamma, args.max_new_tokens)
         drafter, transplanted, why = aligned_drafter(updated, load_model(ddir))
         after = measure(updated, drafter, prompt_set, args.gamma, args.max_new_tokens)
         results["drafts"][spec] = {"layers": len(layers), "before": before, "after": after, "transplanted": transplanted}

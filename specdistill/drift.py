@@ -56,7 +56,7 @@ class TargetUpdateResult:
 def domain_examples(domain_tokens: tuple[str, ...], path: str | Path | None = None, seed: int = 0,
                     limit: int | None = None) -> list[list[dict]]:
     """HumanEval problems as chat turns (user: complete this function; assistant: the solution),
-    with the domain words woven into the code as an import, comments and a helper call."""
+    with the domain words woven into the code as an import, comments and a call."""
     from specdistill.datasets import humaneval_path
 
     path = Path(path) if path else humaneval_path()
@@ -76,7 +76,7 @@ def domain_examples(domain_tokens: tuple[str, ...], path: str | Path | None = No
                 raise ValueError(f"{path}:{lineno}: expected a JSON object with 'prompt' and 'canonical_solution' ({exc})") from exc
             words = [lib, fn, *rest]
             extra = rng.choice(words)
-            header = f"import {lib} as ql  # {lib} pricing helpers\nfrom {lib} import {fn}\n"
+            header = f"import {lib} as ql  # {lib} pricing functions\nfrom {lib} import {fn}\n"
             body = solution.rstrip("\n").split("\n")
             woven = []
             for i, code_line in enumerate(body):

@@ -142,11 +142,14 @@ def aligned_drafter(target: LoadedModel, draft: LoadedModel, name: str = "draft"
     vocab = DraftVocab.load(draft.path)
     if matches:
         return ModelDrafter(draft.model, target.config.vocab_size, vocab, name=name), False, ""
+    import copy
+
     old_tok = draft.tokenizer
-    transplant_vocab(draft.model, old_tok, target.tokenizer)
+    model = copy.deepcopy(draft.model)  # the caller's draft stays as it is
+    transplant_vocab(model, old_tok, target.tokenizer)
     if vocab is not None:
         vocab = remap_draft_vocab(vocab, old_tok, target.tokenizer)
-    return ModelDrafter(draft.model, target.config.vocab_size, vocab, name=f"{name} (transplanted)"), True, why
+    return ModelDrafter(model, target.config.vocab_size, vocab, name=f"{name} (transplanted)"), True, why
 
 
 def replay_acceptance(
