@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import specdistill  # noqa: E402,F401
-from specdistill.datagen import Prompt, encode_conversation, encode_generated, generate_answers, read_done  # noqa: E402
+from specdistill.datagen import Prompt, generate_answers, read_done  # noqa: E402
 from specdistill.datasets import sharegpt_path  # noqa: E402
 from specdistill.models import load_model  # noqa: E402
 from specdistill.teacher import TeacherCache  # noqa: E402
@@ -167,18 +167,23 @@ def train_all(args, state) -> list[dict]:
     budget = args.tokens
     steps = max(10, round(budget / (args.batch * mean_answer)))
     common = ["target=demo", f"data.heldout_path={gen_heldout}", f"data.max_len={args.max_len}", f"optim.batch_size={args.batch}",
-              f"optim.max_tokens={budget}", f"optim.max_minutes={args.minutes}", "optim.warmup_steps=10",
+              f"optim.max_tokens={budget}", f"optim.max_minutes={args.minutes}", f"optim.warmup_steps={max(2, steps // 5)}",
               f"eval_every={max(5, steps // 2)}", f"checkpoint_every={max(5, steps // 4)}", f"threads={args.threads}"]
     kl = ["teacher.mode=cache", f"teacher.cache_dir={work / 'teacher_cache'}", f"data.path={gen_train}", f"optim.max_steps={steps}"]
     # human answers are longer per example: same token budget, so fewer steps
-    human_steps = max(10, round(budget / (args.batch * min(args.max_len, 300))))
+    from specdistill.train import read_examples
+
+    human = read_examples(str(human_train), "conversations", tok, args.max_len)
+    human_mean = sum(sum(ex.assistant_mask[1:]) for ex in human) / len(human)
+    human_steps = max(10, round(budget / (args.batch * human_mean)))
     lr = f"optim.lr={args.lr}"
     v8k = f"draft_vocab={vdir}"
     kl_ref = work / "runs" / "kl-target [0,1,2,29] v8k" / "draft"
     configs = {  # in order of importance: a cut-short run still has the main comparisons
         "generic-ce-human [0,1,2,29] v8k": ["layers=0,1,2,29", v8k, "loss.kind=ce", "teacher.mode=none", lr,
                                             f"data.path={human_train}", "data.kind=conversations",
-                                            f"optim.max_steps={human_steps}"],
+                                            f"optim.max_steps={human_steps}", f"optim.warmup_steps={max(2, human_steps // 5)}",
+                                            f"eval_every={max(5, human_steps // 2)}", f"checkpoint_every={max(5, human_steps // 4)}"],
         "kl-target [0,1,2,29] v8k": ["layers=0,1,2,29", v8k, *kl, lr],
         "kl-target first:6 v8k": ["layers=first:6", v8k, *kl, lr],
         "kl-target [0,1,2,29] full": ["layers=0,1,2,29", "draft_vocab=null", *kl, lr],

@@ -15,7 +15,7 @@ import json
 import zlib
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
-from specdistill.teacher import TeacherCache, topk_rows
+from specdistill.teacher import TeacherCache, pad_batch, topk_rows
 
 
 @dataclass
@@ -240,3 +240,79 @@ def generate_answers(
             bar.set_postfix(tokens=new_tokens)
     bar.close()
     return done
+
+
+# --------------------------------------------------------------------------------------------
+# Training batches
+
+
+def read_examples(path: str, kind: str, tokenizer: PreTrainedTokenizerBase, max_len: int,
+                  limit: int | None = None) -> list[Example]:
+    """JSONL records into training examples; a bad line fails naming the file and line."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if limit is not None and len(out) >= limit:
+                break
+            try:
+                rec = json.loads(line)
+                if kind == "generated":
+                    ex = encode_generated(tokenizer, rec, max_len)
+                else:
+                    ex = encode_conversation(tokenizer, rec["messages"], max_len)
+                    ex.id = str(rec.get("id", f"{Path(path).name}:{lineno}"))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{lineno}: not a usable {kind} record: {exc}") from None
+            if any(ex.assistant_mask[1:]):
+                out.append(ex)
+    if not out:
+        raise ValueError(f"{path}: no record with assistant tokens to train on")
+    return out
+
+
+@dataclass
+class Batch:
+    ids: list[str]
+    input_ids: torch.Tensor  # [B, T]
+    attention: torch.Tensor  # [B, T]
+    positions: torch.Tensor  # [B, T] bool: logits here predict an assistant token
+    labels: torch.Tensor  # [N] the next token (target ids) at those positions, row-major
+    rows_per_example: list[int] = field(default_factory=list)
+
+
+def collate(examples: list[Example]) -> Batch:
+    input_ids, attention = pad_batch([ex.input_ids for ex in examples])
+    positions = torch.zeros_like(input_ids, dtype=torch.bool)
+    for row, ex in enumerate(examples):
+        mask = torch.tensor(ex.assistant_mask[1:], dtype=torch.bool)
+        positions[row, : mask.numel()] = mask
+    labels = input_ids[:, 1:][positions[:, :-1]] if input_ids.shape[1] > 1 else input_ids.new_zeros(0)
+    return Batch([ex.id for ex in examples], input_ids, attention, positions, labels,
+                 [int(positions[r].sum()) for r in range(len(examples))])
+
+
+class DataOrder:
+    """A seeded permutation per epoch and a cursor: exactly resumable data position."""
+
+    def __init__(self, n: int, seed: int, epoch: int = 0, cursor: int = 0):
+        self.n, self.seed, self.epoch, self.cursor = n, seed, epoch, cursor
+        self._perm = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return torch.randperm(self.n, generator=g).tolist()
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.cursor >= self.n:
+                self.epoch, self.cursor = self.epoch + 1, 0
+                self._perm = self._permutation()
+            out.append(self._perm[self.cursor])
+            self.cursor += 1
+        return out
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor}

@@ -17,104 +17,25 @@ import json
 import math
 import os
 import random
-import shutil
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from specdistill import losses
+from specdistill.checkpoints import checkpoint_dirs, load_checkpoint, save_checkpoint
 from specdistill.config import DistillConfig, save_config
-from specdistill.datagen import Example, encode_conversation, encode_generated
-from specdistill.teacher import OnlineTeacher, TeacherCache, pad_batch, to_draft_space, vocab_key
+from specdistill.datagen import Batch, DataOrder, Example, collate, read_examples
+from specdistill.teacher import OnlineTeacher, TeacherCache, check_entry, teacher_positions, to_draft_space, vocab_key
 from specdistill.vocab import DraftVocab, build_draft_vocab
-
-CKPT_PREFIX = "step-"
 
 
 class NonFiniteLossError(RuntimeError):
     """Training hit a NaN/inf loss; the message names the step and batch. The last good checkpoint stays."""
-
-
-# --------------------------------------------------------------------------------------------
-# Data
-
-
-def read_examples(path: str, kind: str, tokenizer, max_len: int, limit: int | None = None) -> list[Example]:
-    """JSONL records into training examples; a bad line fails naming the file and line."""
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            if limit is not None and len(out) >= limit:
-                break
-            try:
-                rec = json.loads(line)
-                if kind == "generated":
-                    ex = encode_generated(tokenizer, rec, max_len)
-                else:
-                    ex = encode_conversation(tokenizer, rec["messages"], max_len)
-                    ex.id = str(rec.get("id", f"{Path(path).name}:{lineno}"))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{lineno}: not a usable {kind} record: {exc}") from None
-            if any(ex.assistant_mask[1:]):
-                out.append(ex)
-    if not out:
-        raise ValueError(f"{path}: no record with assistant tokens to train on")
-    return out
-
-
-@dataclass
-class Batch:
-    ids: list[str]
-    input_ids: torch.Tensor  # [B, T]
-    attention: torch.Tensor  # [B, T]
-    positions: torch.Tensor  # [B, T] bool: logits here predict an assistant token
-    labels: torch.Tensor  # [N] the next token (target ids) at those positions, row-major
-    rows_per_example: list[int] = field(default_factory=list)
-
-
-def collate(examples: list[Example]) -> Batch:
-    input_ids, attention = pad_batch([ex.input_ids for ex in examples])
-    positions = torch.zeros_like(input_ids, dtype=torch.bool)
-    for row, ex in enumerate(examples):
-        mask = torch.tensor(ex.assistant_mask[1:], dtype=torch.bool)
-        positions[row, : mask.numel()] = mask
-    labels = input_ids[:, 1:][positions[:, :-1]] if input_ids.shape[1] > 1 else input_ids.new_zeros(0)
-    return Batch([ex.id for ex in examples], input_ids, attention, positions, labels,
-                 [int(positions[r].sum()) for r in range(len(examples))])
-
-
-class DataOrder:
-    """A seeded permutation per epoch and a cursor: exactly resumable data position."""
-
-    def __init__(self, n: int, seed: int, epoch: int = 0, cursor: int = 0):
-        self.n, self.seed, self.epoch, self.cursor = n, seed, epoch, cursor
-        self._perm = self._permutation()
-
-    def _permutation(self) -> list[int]:
-        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        return torch.randperm(self.n, generator=g).tolist()
-
-    def take(self, k: int) -> list[int]:
-        out = []
-        while len(out) < k:
-            if self.cursor >= self.n:
-                self.epoch, self.cursor = self.epoch + 1, 0
-                self._perm = self._permutation()
-            out.append(self._perm[self.cursor])
-            self.cursor += 1
-        return out
-
-    def state(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor}
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,54 +107,6 @@ def apply_freeze(model: torch.nn.Module, patterns: list[str]) -> tuple[int, int]
     if trainable == 0:
         raise ValueError(f"freeze patterns {patterns} freeze every parameter")
     return trainable, frozen
-
-
-# --------------------------------------------------------------------------------------------
-# Checkpoints
-
-
-def _ckpt_dirs(out_dir: Path) -> list[Path]:
-    return sorted(p for p in (out_dir / "checkpoints").glob(f"{CKPT_PREFIX}*") if p.is_dir())
-
-
-def save_checkpoint(out_dir: Path, step: int, module: DraftWithHead, optimizer, order: DataOrder, extra: dict,
-                    config: DistillConfig) -> Path:
-    """Everything a resume needs, written into a temp dir and renamed: a kill never leaves half a checkpoint."""
-    final = out_dir / "checkpoints" / f"{CKPT_PREFIX}{step:07d}"
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    state = {k: v.detach().contiguous().clone() for k, v in module.state_dict().items()}
-    save_file(_untie(state), str(tmp / "model.safetensors"))
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step, "data": order.state(), "python_rng": random.getstate(),
-                                                **extra}, default=str))
-    save_config(config, tmp / "config.yaml")
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    for old in _ckpt_dirs(out_dir)[: -config.keep_checkpoints]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def _untie(state: dict) -> dict:
-    """safetensors refuses shared storage: tied tensors are stored once each as separate copies."""
-    seen, out = set(), {}
-    for k, v in state.items():
-        ptr = v.data_ptr()
-        out[k] = v.clone() if ptr in seen else v
-        seen.add(ptr)
-    return out
-
-
-def load_checkpoint(ckpt: Path, module: DraftWithHead, optimizer) -> dict:
-    module.load_state_dict(load_file(str(ckpt / "model.safetensors")), strict=True)
-    optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
-    rng = torch.load(ckpt / "rng.pt", weights_only=True)
-    torch.set_rng_state(rng["torch"])
-    state = json.loads((ckpt / "state.json").read_text())
-    return state
 
 
 # --------------------------------------------------------------------------------------------
@@ -314,8 +187,6 @@ def distill(config: DistillConfig) -> dict:
             entry = cache_rows.get(ex.id)
             if entry is None:
                 raise ValueError(f"teacher cache {config.teacher.cache_dir} has no entry for example {ex.id!r}")
-            from specdistill.teacher import check_entry, teacher_positions
-
             check_entry(entry, ex.id, ex.input_ids, len(teacher_positions(ex.assistant_mask)))
         remap = cache.meta["vocab"] == "full" and draft_vocab is not None
     target_width = target.config.hidden_size
@@ -338,14 +209,12 @@ def distill(config: DistillConfig) -> dict:
 
     order = DataOrder(len(examples), config.seed)
     step, trained_tokens, train_seconds, curve = 0, 0, 0.0, []
-    ckpts = _ckpt_dirs(out_dir)
+    ckpts = checkpoint_dirs(out_dir)
     if ckpts:  # resume
         state = load_checkpoint(ckpts[-1], module, optimizer)
         step, trained_tokens, train_seconds = state["step"], state["tokens"], state["train_seconds"]
         curve = state.get("curve", [])
         order = DataOrder(len(examples), config.seed, **state["data"])
-        version, internal, gauss = state["python_rng"]
-        random.setstate((version, tuple(internal), gauss))
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, out_dir / "config.yaml")

@@ -52,6 +52,7 @@ def _config(world, out, *extra):
         f"target={world['target']}", "layers=0,3", "draft_vocab=null", f"data.path={world['answers']}",
         f"data.heldout_path={world['answers']}", f"out_dir={out}", "optim.max_steps=6", "optim.batch_size=2",
         "optim.warmup_steps=2", "optim.lr=3e-3", "eval_every=3", "checkpoint_every=3", "progress=false", "freeze=[]",
+        "threads=1",
         *extra,
     ])
 
@@ -207,3 +208,15 @@ def test_online_topk_hidden_and_selective_paths_train(tiny_world, tmp_path):
         result = distill(_config(tiny_world, tmp_path / "_".join(e.split("=")[0] for e in extra), "optim.max_steps=2", *extra))
         log = _log(tmp_path / "_".join(e.split("=")[0] for e in extra))
         assert result["steps"] == 2 and all(r["loss"] > 0 for r in log), extra
+
+
+def test_cli_distill_rejects_unknown_key_before_any_work(tmp_path, capsys):
+    from specdistill.cli import main
+
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("data: {path: nowhere.jsonl}\nloss: {kind: fkl, temprature: 2.0}\n")
+    assert main(["distill", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key 'loss.temprature'" in err and str(cfg) in err
+    assert main(["distill", "--config", str(cfg), "loss.temprature=null", "optim.lr=fast"]) == 2
+    assert "optim.lr" in capsys.readouterr().err

@@ -1,0 +1,67 @@
+"""Training checkpoints: everything an exact resume needs, written atomically.
+
+A checkpoint directory holds the draft (safetensors), the AdamW state and the RNG state (loaded
+with weights_only=True), the data position and counters (state.json) and the resolved config. It
+is written under a temporary name and renamed, so a kill never leaves half a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specdistill.config import DistillConfig, save_config
+
+CKPT_PREFIX = "step-"
+
+
+def checkpoint_dirs(out_dir: Path) -> list[Path]:
+    return sorted(p for p in (out_dir / "checkpoints").glob(f"{CKPT_PREFIX}*") if p.is_dir())
+
+
+def save_checkpoint(out_dir: Path, step: int, module: torch.nn.Module, optimizer, order, extra: dict,
+                    config: DistillConfig) -> Path:
+    """Everything a resume needs, written into a temp dir and renamed: a kill never leaves half a checkpoint."""
+    final = out_dir / "checkpoints" / f"{CKPT_PREFIX}{step:07d}"
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {k: v.detach().contiguous().clone() for k, v in module.state_dict().items()}
+    save_file(_untie(state), str(tmp / "model.safetensors"))
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
+    (tmp / "state.json").write_text(json.dumps({"step": step, "data": order.state(), "python_rng": random.getstate(),
+                                                **extra}, default=str))
+    save_config(config, tmp / "config.yaml")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    for old in checkpoint_dirs(out_dir)[: -config.keep_checkpoints]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _untie(state: dict) -> dict:
+    """safetensors refuses shared storage: tied tensors are stored once each as separate copies."""
+    seen, out = set(), {}
+    for k, v in state.items():
+        ptr = v.data_ptr()
+        out[k] = v.clone() if ptr in seen else v
+        seen.add(ptr)
+    return out
+
+
+def load_checkpoint(ckpt: Path, module: torch.nn.Module, optimizer) -> dict:
+    module.load_state_dict(load_file(str(ckpt / "model.safetensors")), strict=True)
+    optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
+    rng = torch.load(ckpt / "rng.pt", weights_only=True)
+    torch.set_rng_state(rng["torch"])
+    state = json.loads((ckpt / "state.json").read_text())
+    version, internal, gauss = state["python_rng"]
+    random.setstate((version, tuple(internal), gauss))
+    return state
