@@ -11,13 +11,12 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from specdistill import paths
 from specdistill.vocab import DraftVocab, VocabAlignmentError
 
 DRAFT_META_FILE = "specdistill_draft.json"
@@ -107,21 +106,12 @@ def save_draft(
 ) -> Path:
     """Write an HF checkpoint directory (config, safetensors, tokenizer) atomically."""
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
-    tmp.chmod(0o755)
-    try:
+    with paths.atomic_dir(out_dir) as tmp:
         draft.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         if draft_vocab is not None:
             draft_vocab.save(tmp)
         (tmp / DRAFT_META_FILE).write_text(json.dumps(meta or {}, indent=2, default=str))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

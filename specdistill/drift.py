@@ -19,9 +19,7 @@ import gzip
 import json
 import os
 import random
-import shutil
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -217,19 +215,10 @@ def make_target_update(
     losses = finetune_top_layers(model, tokenizer, chats, list(ids.values()), config, progress)
     result = TargetUpdateResult(str(out_dir), ids, vocab_before, model.config.vocab_size, losses,
                                 {**asdict(config), "base_ref": str(base_ref), "base_fingerprint": base.fingerprint})
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
-    tmp.chmod(0o755)
-    try:
+    with paths.atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / UPDATE_META_FILE).write_text(json.dumps(asdict(result), indent=2))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

@@ -12,8 +12,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,17 +90,10 @@ def convert_gguf(gguf: Path, out_dir: Path | None = None) -> Path:
         del model.config.quantization_config
     model.hf_quantizer = None
     model.is_quantized = False
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
-    tmp.chmod(0o755)
-    try:
+    with paths.atomic_dir(out_dir, replace=False) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "specdistill_source.json").write_text(json.dumps({"gguf": str(gguf.resolve())}))
-        os.replace(tmp, out_dir) if not out_dir.exists() else shutil.rmtree(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

@@ -6,8 +6,12 @@ can share one model cache while keeping everything else in a temporary directory
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import tempfile
 from pathlib import Path
+from typing import Iterator
 
 
 def home() -> Path:
@@ -23,3 +27,24 @@ def model_cache_dir() -> Path:
 def ensure(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+@contextlib.contextmanager
+def atomic_dir(out_dir: Path, *, replace: bool = True) -> Iterator[Path]:
+    """Build a directory beside `out_dir`, then rename it into place: after a kill there is either
+    the old directory or the complete new one, never half a checkpoint."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    tmp.chmod(0o755)
+    try:
+        yield tmp
+        if out_dir.exists():
+            if not replace:  # someone else finished first: theirs is as good as ours
+                shutil.rmtree(tmp)
+                return
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

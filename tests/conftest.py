@@ -83,3 +83,12 @@ def store_url(request, tmp_path):
     with admin.begin() as conn:
         conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
     admin.dispose()
+
+
+@pytest.fixture(scope="module")
+def prefect_harness():
+    """A temporary Prefect server for flow tests (slow to start on a busy machine)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield

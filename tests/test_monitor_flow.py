@@ -14,14 +14,6 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "deploy" / "nightly" / "tiny.yaml")
 
 
-@pytest.fixture(scope="module")
-def prefect_harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
-
-
 def _monitor_overrides(traffic: Path) -> list[str]:
     sources = f'[{{path: "{traffic}", format: jsonl, slice: chat}}]'
     return [f"nightly_config={TINY}", f"nightly_overrides=['sources={sources}', 'bench.generic_draft=false', "

@@ -14,14 +14,6 @@ TINY = str(REPO / "deploy" / "nightly" / "tiny.yaml")
 
 
 @pytest.fixture(scope="module")
-def prefect_harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
-
-
-@pytest.fixture(scope="module")
 def traffic(tmp_path_factory):
     """200 real ShareGPT conversations as a small ShareGPT file (the whole file takes a minute to ingest)."""
     from specdistill.datasets import sharegpt_path
