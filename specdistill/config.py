@@ -132,8 +132,13 @@ def _describe(exc: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> DistillConfig:
-    """Read a YAML config, apply overrides, validate. Fails naming the file and key."""
+def load_model_config(model: type[BaseModel], path: str | os.PathLike | None = None,
+                      overrides: list[str] | None = None, what: str = "config"):
+    """Read a YAML file into a typed config, apply `key=value` overrides, validate.
+
+    Every config of the project (distill, nightly, monitor) loads through here, so each fails the
+    same way: naming the file and the key, before any work starts.
+    """
     raw: dict = {}
     source = "<overrides>"
     if path is not None:
@@ -141,16 +146,21 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         try:
             raw = yaml.safe_load(Path(path).read_text()) or {}
         except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
+            raise ConfigError(f"{what} file not found: {path}") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: top level must be a mapping")
     raw = apply_overrides(raw, overrides or [])
     try:
-        return DistillConfig.model_validate(raw)
+        return model.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(_describe(exc, source)) from None
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> DistillConfig:
+    """The distillation config (see load_model_config)."""
+    return load_model_config(DistillConfig, path, overrides)
 
 
 def save_config(config: DistillConfig, path: str | os.PathLike) -> None:

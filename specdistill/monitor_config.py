@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from specdistill import paths
@@ -45,20 +44,13 @@ class MonitorConfig(BaseModel):
 
 
 def load_monitor_config(path: str | Path | None = None, overrides: list[str] | None = None) -> MonitorConfig:
-    from specdistill.config import ConfigError, apply_overrides
+    from specdistill.config import ConfigError, load_model_config
 
-    raw: dict = {}
-    if path:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"monitor config not found: {p}")
-        raw = yaml.safe_load(p.read_text()) or {}
-    raw = apply_overrides(raw, overrides or [])
+    config = load_model_config(MonitorConfig, path, overrides, what="monitor config")
     try:
-        config = MonitorConfig.model_validate(raw)
-        config.nightly  # the nightly config must be valid too, before any work
-    except Exception as exc:
-        raise ConfigError(f"{path or 'monitor config'}: {exc}") from exc
+        config.nightly  # the nightly config it names must be valid too, before any work
+    except ConfigError as exc:
+        raise ConfigError(f"{path or 'monitor config'}: nightly_config: {exc}") from None
     return config
 
 

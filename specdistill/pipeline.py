@@ -17,7 +17,6 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from specdistill import paths
@@ -104,21 +103,9 @@ class NightlyConfig(_Strict):
 
 def load_nightly_config(path: str | Path | None = None, overrides: list[str] | None = None) -> NightlyConfig:
     """YAML file plus dotted `key=value` overrides; unknown keys fail here, before any work."""
-    from specdistill.config import ConfigError, apply_overrides
+    from specdistill.config import load_model_config
 
-    raw: dict = {}
-    if path:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"nightly config not found: {p}")
-        raw = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{p}: expected a mapping at the top level")
-    raw = apply_overrides(raw, overrides or [])
-    try:
-        return NightlyConfig.model_validate(raw)
-    except Exception as exc:
-        raise ConfigError(f"{path or 'nightly config'}: {exc}") from exc
+    return load_model_config(NightlyConfig, path, overrides, what="nightly config")
 
 
 def config_hash(obj) -> str:
