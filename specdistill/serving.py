@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -100,19 +99,7 @@ def serving_path() -> Path:
 
 def write_serving_config(config: ServingConfig, path: str | Path | None = None) -> Path:
     """Replace the serving config atomically: readers see the old file or the new one, never a mix."""
-    path = Path(path) if path else serving_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(config.to_dict(), f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return paths.atomic_write_json(Path(path) if path else serving_path(), config.to_dict())
 
 
 def read_serving_config(path: str | Path | None = None) -> ServingConfig | None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -55,17 +54,7 @@ def current_target(path: str | Path | None = None) -> TargetVersion | None:
 
 
 def _write_history(versions: list[TargetVersion], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"versions": [v.to_dict() for v in versions]}, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    paths.atomic_write_json(path, {"versions": [v.to_dict() for v in versions]})
 
 
 def fingerprint_of(ref: str | os.PathLike) -> tuple[str, Path]:
