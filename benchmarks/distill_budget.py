@@ -1,6 +1,7 @@
 """Held-out acceptance of distilled drafts against training budget, on the demo target and ShareGPT.
 
-    python benchmarks/distill_budget.py [--work DIR] [--minutes M] [--only NAME,...]
+    python benchmarks/distill_budget.py [--work DIR] [--minutes M] [--only NAME|...]
+    python benchmarks/distill_budget.py --long-minutes 60 --extra-train-prompts 600   # the 60-minute run
 
 Phases (each cached in --work, so a rerun or a resume after a kill never redoes them):
   1. prompts: first-turn ShareGPT prompts, shuffled once, split into train and held-out (disjoint).
@@ -10,6 +11,9 @@ Phases (each cached in --work, so a rerun or a resume after a kill never redoes 
   4. one training run per configuration, each under the same wall-clock budget (and the same
      token budget where compared), with held-out acceptance (greedy top-1 agreement with the
      target's continuation) and expected τ(γ=4) logged as curves; c measured for each draft shape.
+  5. with --long-minutes: one long run of the best shape on the 200 training answers plus
+     --extra-train-prompts more (answered by the target the same way, never a held-out prompt),
+     to see how far acceptance climbs within the time the issue allows.
 Prints a table per configuration and the curves; writes results.json in --work.
 """
 
@@ -40,8 +44,9 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def select_prompts(tokenizer, n_train: int, n_heldout: int, max_prompt_tokens: int, scan: int, seed: int = 0):
-    """First user turn (with its human answer) of the first `scan` valid ShareGPT conversations."""
+def select_prompts(tokenizer, n_train: int, n_heldout: int, max_prompt_tokens: int, scan: int, seed: int = 0,
+                   skip: int = 0):
+    """First user turn (with its human answer) of ShareGPT records skip..scan."""
     from specdistill.readers import Conversation, read_records
 
     from specdistill.datagen import prompt_ids
@@ -51,7 +56,7 @@ def select_prompts(tokenizer, n_train: int, n_heldout: int, max_prompt_tokens: i
     for n, rec in enumerate(reader):
         if n >= scan:
             break
-        if not isinstance(rec, Conversation):
+        if n < skip or not isinstance(rec, Conversation):
             continue
         msgs = [{"role": m.role, "content": m.content} for m in rec.messages]
         first_answer = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), None)
@@ -81,19 +86,41 @@ def prepare(args) -> dict:
         train, heldout = select_prompts(tok, args.train_prompts, args.heldout_prompts, args.max_prompt_tokens, args.scan)
         split = {"train": train, "heldout": heldout}
         split_path.write_text(json.dumps(split, ensure_ascii=False))
-    log(f"prompts: {len(split['train'])} train, {len(split['heldout'])} held-out (disjoint ids)")
+    if args.extra_train_prompts > len(split.get("extra", [])):
+        split["extra"] = extra_prompts(tok, split, args)
+        split_path.write_text(json.dumps(split, ensure_ascii=False))
+    extra = split.get("extra", [])[: args.extra_train_prompts]
+    log(f"prompts: {len(split['train'])} train (+{len(extra)} for the long run), "
+        f"{len(split['heldout'])} held-out (disjoint ids)")
 
     cache = TeacherCache.create(work / "teacher_cache", fingerprint=target.fingerprint, k=args.top_k,
                                 temperature=1.0, vocab="full", data="generated")
-    prompts = [Prompt(p["id"], p["prompt"]) for p in split["heldout"] + split["train"]]
+    prompts = [Prompt(p["id"], p["prompt"]) for p in split["heldout"] + split["train"] + extra]
     t0 = time.time()
     answers_path = work / "target_answers.jsonl"
     before = len(read_done(answers_path))
-    done = generate_answers(target.model, tok, prompts, answers_path, batch_size=args.gen_batch,
-                            max_new_tokens=args.max_new_tokens, teacher_cache=cache)
+    if args.no_generate:  # use the answers already there (e.g. a generation stopped at its time box)
+        done = read_done(answers_path)
+        missing = [p.id for p in prompts if p.id not in done]
+        if any(p["id"] in missing for p in split["train"] + split["heldout"]):
+            raise SystemExit("--no-generate: the comparison split is not fully answered yet")
+        extra = [p for p in extra if p["id"] in done]
+        prompts = [p for p in prompts if p.id in done]
+    else:
+        done = generate_answers(target.model, tok, prompts, answers_path, batch_size=args.gen_batch,
+                                max_new_tokens=args.max_new_tokens, teacher_cache=cache)
     gen_tokens = sum(len(done[p.id]["response_ids"]) for p in prompts)
     log(f"target answers: {len(done)} ({len(done) - before} new in {time.time() - t0:.0f}s), {gen_tokens} answer tokens")
-    return {"target": target, "split": split, "answers": done, "cache": cache}
+    return {"target": target, "split": split, "answers": done, "cache": cache, "extra": extra}
+
+
+def extra_prompts(tok, split: dict, args) -> list[dict]:
+    """More training prompts for the long run: from records after the first `scan`, so the split the
+    comparison table was measured on stays as it is and no held-out prompt can come back."""
+    used = {p["prompt"][-1]["content"].strip() for p in split["train"] + split["heldout"]}
+    train, _ = select_prompts(tok, args.extra_train_prompts, 0, args.max_prompt_tokens,
+                              args.scan + args.extra_scan, seed=1, skip=args.scan)
+    return [p for p in train if p["prompt"][-1]["content"].strip() not in used]
 
 
 # --------------------------------------------------------------------------------------------
@@ -196,6 +223,20 @@ def train_all(args, state) -> list[dict]:
         "kl-target [0,1,2,29] v8k adaspec0.5": ["layers=0,1,2,29", v8k, *kl, lr, "loss.selective_keep=0.5",
                                                 f"loss.selective_reference={kl_ref}"],
     }
+    # temperature: the recorded cache is at T=1; T=2 needs one teacher-forced target pass over the answers
+    t2_dir = work / "teacher_cache_T2"
+    if not args.only or "T2" in args.only:
+        from specdistill.teacher import build_cache
+        from specdistill.train import read_examples as read_ex
+
+        log("teacher cache at T=2 (one target pass over the training answers)")
+        build_cache(target.model, read_ex(str(gen_train), "generated", tok, args.max_len), t2_dir,
+                    fingerprint=target.fingerprint, k=args.top_k, temperature=2.0, draft_vocab=vocab)
+    configs["kl-target [0,1,2,29] v8k T2"] = ["layers=0,1,2,29", v8k, "teacher.mode=cache", f"teacher.cache_dir={t2_dir}",
+                                               f"data.path={gen_train}", f"optim.max_steps={steps}", lr,
+                                               "loss.temperature=2.0"]
+    if args.long_minutes:
+        configs[LONG] = long_config(args, work, state, vocab, v8k)
     only = set(args.only.split("|")) if args.only else None
     rows = []
     costs: dict[tuple, float] = {}
@@ -217,6 +258,22 @@ def train_all(args, state) -> list[dict]:
         results_path.write_text(json.dumps({"coverage": coverage, "rows": rows}, indent=2, default=str))
         print_table(rows, coverage)
     return rows
+
+
+LONG = "kl-target first:6 v8k lr3e-3 long"
+
+
+def long_config(args, work: Path, state: dict, vocab, v8k: str) -> list[str]:
+    """The best shape and settings of the comparison (first:6, KL on the target's answers, lr 3e-3),
+    trained for --long-minutes on every training answer there is, evaluated along the way."""
+    answers = state["answers"]
+    ids = [p["id"] for p in state["split"]["train"] + state["extra"] if p["id"] in answers]
+    data = write_jsonl(work / f"train_generated_long{len(ids)}.jsonl", [answers[i] for i in ids])
+    steps = args.long_steps
+    return ["layers=first:6", v8k, "teacher.mode=cache", f"teacher.cache_dir={work / 'teacher_cache'}",
+            f"data.path={data}", "optim.lr=3e-3", f"optim.batch_size={args.batch}", f"optim.max_steps={steps}",
+            "optim.max_tokens=null", f"optim.max_minutes={args.long_minutes}", f"optim.warmup_steps={max(2, steps // 20)}",
+            f"eval_every={max(5, steps // 24)}", f"checkpoint_every={max(5, steps // 24)}", f"threads={args.long_threads}"]
 
 
 def print_table(rows: list[dict], coverage: float) -> None:
@@ -257,6 +314,12 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--max-len", type=int, default=384)
     parser.add_argument("--only", default=None, help="run only these configs ('|'-separated names)")
+    parser.add_argument("--extra-train-prompts", type=int, default=0, help="more training prompts for the long run")
+    parser.add_argument("--extra-scan", type=int, default=8000, help="records after --scan searched for them")
+    parser.add_argument("--no-generate", action="store_true", help="train on the answers already generated")
+    parser.add_argument("--long-minutes", type=float, default=0.0, help="also run the long configuration this long")
+    parser.add_argument("--long-steps", type=int, default=1500, help="the long run's schedule length (cosine to its end)")
+    parser.add_argument("--long-threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -234,42 +234,72 @@ def run_bench(
     progress: bool = True,
 ) -> BenchResult:
     """Run every prompt target-only and speculatively, alternating which goes first, `repeats` times."""
+    return run_bench_many(target, tokenizer, {"drafter": drafter}, prompts, config, progress=progress)["drafter"]
+
+
+def run_bench_many(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | None,
+    drafters: dict[str, Drafter],
+    prompts: list[Prompt],
+    config: BenchConfig | None = None,
+    *,
+    progress: bool = True,
+) -> dict[str, BenchResult]:
+    """Several drafters against one shared target-only run per prompt and repeat.
+
+    For each prompt, target-only and every drafter run back to back, in an order that rotates from
+    prompt to prompt and repeat to repeat, so no method always runs first (or right after another).
+    Each drafter's speedup is its tokens/s over the target-only tokens/s of the same rounds; sharing
+    the baseline saves one target-only run per extra drafter without changing what is compared.
+    """
     from tqdm import tqdm
 
     config = config or BenchConfig()
     if not prompts:
         raise ValueError("no prompts to benchmark")
+    if not drafters:
+        raise ValueError("no drafters to benchmark")
     sampling = SamplingConfig(config.temperature, config.top_p, config.seed)
     encoded = [list(p.ids) if p.ids is not None else encode_prompt(tokenizer, p.text, config.chat_template) for p in prompts]
+    modes: list[str | None] = [None, *drafters]  # None: target-only
 
-    def run(ids: list[int], use_drafter: bool):
-        return generate(target, ids, max_new_tokens=config.max_new_tokens, drafter=drafter if use_drafter else None,
-                        gamma=config.gamma, sampling=sampling)
+    def run(ids: list[int], mode: str | None):
+        return generate(target, ids, max_new_tokens=config.max_new_tokens,
+                        drafter=drafters[mode] if mode is not None else None, gamma=config.gamma, sampling=sampling)
 
-    run(encoded[0][:8], False), run(encoded[0][:8], True)  # warm-up: first-call allocations
+    for mode in modes:  # warm-up: first-call allocations
+        run(encoded[0][:8], mode)
     # times[mode][repeat][prompt] = (generated tokens, seconds)
-    times = {False: [[None] * len(prompts) for _ in range(config.repeats)], True: [[None] * len(prompts) for _ in range(config.repeats)]}
-    first_stats: list[SpecStats] = [SpecStats() for _ in prompts]
-    mismatches = 0
+    times = {m: [[None] * len(prompts) for _ in range(config.repeats)] for m in modes}
+    first_stats = {name: [SpecStats() for _ in prompts] for name in drafters}
+    mismatches = dict.fromkeys(drafters, 0)
     bar = tqdm(total=config.repeats * len(prompts), desc="bench", unit="prompt", file=sys.stderr, disable=not progress)
     for r in range(config.repeats):
         for i, ids in enumerate(encoded):
-            order = (False, True) if (r + i) % 2 == 0 else (True, False)
+            shift = (r + i) % len(modes)
             outputs = {}
-            for mode in order:
+            for mode in modes[shift:] + modes[:shift]:
                 result = run(ids, mode)
                 outputs[mode] = result.output_ids
                 times[mode][r][i] = (result.stats.generated_tokens, result.stats.seconds)
-                if mode and r == 0:
-                    first_stats[i] = result.stats
-            if sampling.greedy and outputs[True] != outputs[False]:
-                mismatches += 1
+                if mode is not None and r == 0:
+                    first_stats[mode][i] = result.stats
+            if sampling.greedy:
+                for name in drafters:
+                    mismatches[name] += outputs[name] != outputs[None]
             bar.update(1)
     bar.close()
+    return {name: _summarize(target, drafter, prompts, config, sampling, times[None], times[name],
+                             first_stats[name], mismatches[name])
+            for name, drafter in drafters.items()}
 
+
+def _summarize(target, drafter: Drafter, prompts: list[Prompt], config: BenchConfig, sampling: SamplingConfig,
+               base_times: list, spec_times: list, first_stats: list[SpecStats], mismatches: int) -> BenchResult:
     def summary(indices: list[int]) -> tuple[float, float, float]:
-        base = [_tps([times[False][r][i] for i in indices]) for r in range(config.repeats)]
-        spec = [_tps([times[True][r][i] for i in indices]) for r in range(config.repeats)]
+        base = [_tps([base_times[r][i] for i in indices]) for r in range(config.repeats)]
+        spec = [_tps([spec_times[r][i] for i in indices]) for r in range(config.repeats)]
         ratios = [s / b for s, b in zip(spec, base) if b > 0]
         return statistics.median(base), statistics.median(spec), statistics.median(ratios) if ratios else 0.0
 

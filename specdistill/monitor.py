@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from specdistill.bench import BenchConfig, Prompt, run_bench
+from specdistill.bench import BenchConfig, Prompt, run_bench_many
 from specdistill.models import LoadedModel, load_model
 from specdistill.speculative import ModelDrafter, NgramDrafter, SelfSpecDrafter, SpecStats, generate
 
@@ -304,7 +304,7 @@ def choose_fallback(
     progress: bool = True,
 ) -> FallbackDecision:
     """Measure each fallback against target-only decoding on the sampled prompts (interleaved,
-    median of repeats, via bench.run_bench) and pick the fastest. Speculation is kept only when it
+    median of repeats, one shared target-only run per prompt) and pick the fastest. Speculation is kept only when it
     beats target-only by more than `margin` (speedup > 1 + margin): the guard that a fallback never
     makes serving slower; otherwise the mode is "off"."""
     if not prompts:
@@ -317,9 +317,11 @@ def choose_fallback(
     config = BenchConfig(gamma=gamma, max_new_tokens=max_new_tokens, repeats=repeats, measure_cost=False)
     drafters = [("self_speculation", k, SelfSpecDrafter(target.model, k)) for k in exit_layers]
     drafters.append(("ngram", None, NgramDrafter(*ngram)))
+    results = run_bench_many(target.model, target.tokenizer, {str(i): d for i, (_, _, d) in enumerate(drafters)},
+                             list(prompts), config, progress=progress)
     candidates = []
-    for mode, k, drafter in drafters:
-        result = run_bench(target.model, target.tokenizer, drafter, list(prompts), config, progress=progress)
+    for i, (mode, k, drafter) in enumerate(drafters):
+        result = results[str(i)]
         candidates.append(FallbackCandidate(
             mode, k, result.speedup, result.acceptance_rate, result.accepted_length,
             result.tokens_per_second_speculative, result.tokens_per_second_target_only,

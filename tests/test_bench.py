@@ -17,6 +17,7 @@ from specdistill.bench import (
     load_prompts,
     percentile,
     run_bench,
+    run_bench_many,
 )
 from specdistill.gate import evaluate
 from specdistill.speculative import ModelDrafter, NgramDrafter, SelfSpecDrafter
@@ -119,3 +120,28 @@ def test_sampling_bench_has_no_lossless_verdict():
     result = run_bench(target, None, drafter, [Prompt("", ids=[1, 2, 3])],
                        BenchConfig(gamma=2, max_new_tokens=8, repeats=1, temperature=1.0, measure_cost=False), progress=False)
     assert result.lossless is None and not result.greedy
+
+
+def test_bench_many_shares_one_target_only_run_and_matches_single_runs(monkeypatch):
+    """One target-only run per prompt serves every drafter; acceptance is what each drafter gets alone."""
+    import specdistill.bench as bench
+
+    target = lively(5)
+    drafters = {"self3": SelfSpecDrafter(target, 3), "ngram": NgramDrafter(2, 3)}
+    prompts = [Prompt("", "chat", [5, 9, 14, 5, 9]), Prompt("", "chat", [1, 2, 3]), Prompt("", "code", [7, 7, 8, 7])]
+    config = BenchConfig(gamma=3, max_new_tokens=12, repeats=2, measure_cost=False)
+    calls = []
+    real = bench.generate
+    monkeypatch.setattr(bench, "generate", lambda *a, **kw: calls.append(kw["drafter"]) or real(*a, **kw))
+    many = run_bench_many(target, None, drafters, prompts, config, progress=False)
+    warmup = 3
+    assert len(calls) == warmup + 2 * len(prompts) * 3  # target-only + 2 drafters per prompt and repeat
+    orders = [tuple(getattr(d, "name", None) for d in calls[warmup + 3 * k: warmup + 3 * k + 3]) for k in range(6)]
+    assert len({o[0] for o in orders}) == 3  # each method (target-only included) gets to go first
+    for name, drafter in drafters.items():
+        alone = run_bench(target, None, drafter, prompts, config, progress=False)
+        assert many[name].lossless is True
+        counts = ("proposed", "accepted", "rounds", "generated_tokens")
+        assert {k: many[name].stats[k] for k in counts} == {k: alone.stats[k] for k in counts}
+        assert many[name].per_position_acceptance == alone.per_position_acceptance
+        assert many[name].speedup > 0 and many[name].tokens_per_second_target_only > 0
