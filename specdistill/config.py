@@ -77,6 +77,7 @@ class DistillConfig(_Strict):
     keep_checkpoints: int = Field(2, ge=1)
     seed: int = 0
     threads: int | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: each rank's GPU (LOCAL_RANK) when there is one
     progress: bool = True
 
     @model_validator(mode="after")

@@ -281,6 +281,10 @@ class Batch:
     labels: torch.Tensor  # [N] the next token (target ids) at those positions, row-major
     rows_per_example: list[int] = field(default_factory=list)
 
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(self.ids, self.input_ids.to(device), self.attention.to(device), self.positions.to(device),
+                     self.labels.to(device), self.rows_per_example)
+
 
 def collate(examples: list[Example]) -> Batch:
     input_ids, attention = pad_batch([ex.input_ids for ex in examples])

@@ -41,6 +41,10 @@ class TopKTeacher:
     residual: torch.Tensor  # [...] 1 - Σ p over the k tokens (≥ 0)
     valid: torch.Tensor | None = None  # [..., k] False for entries a reduced draft vocabulary lacks
 
+    def to(self, device: torch.device) -> "TopKTeacher":
+        return TopKTeacher(self.logprobs.to(device), self.indices.to(device), self.residual.to(device),
+                           None if self.valid is None else self.valid.to(device))
+
     def bucket_logprobs(self) -> torch.Tensor:
         """k + 1 bucket log-probs: the k tokens, then the residual."""
         res = self.residual.clamp_min(0).unsqueeze(-1).to(self.logprobs.dtype)

@@ -7,8 +7,9 @@ saved, so a killed run resumes on the same loss curve. Every `eval_every` steps 
 acceptance estimate is logged: greedy top-1 agreement with the target's own continuation, and the
 expected accepted length τ at γ=4 that it implies.
 
-Runs unchanged under `torchrun --nproc_per_node N` (DDP; gloo on CPU): each rank takes its slice
-of every global batch and gradients are averaged, so all ranks hold identical weights.
+Runs unchanged under `torchrun --nproc_per_node N` (DDP: NCCL with each rank on its own GPU,
+`LOCAL_RANK`; gloo on CPU): each rank takes its slice of every global batch and gradients are
+averaged, so all ranks hold identical weights.
 """
 
 from __future__ import annotations
@@ -63,13 +64,13 @@ class DraftWithHead(torch.nn.Module):
 
 @torch.no_grad()
 def heldout_acceptance(module: DraftWithHead, examples: list[Example], draft_vocab: DraftVocab | None,
-                       batch_size: int = 8, gamma: int = 4) -> dict:
+                       batch_size: int = 8, gamma: int = 4, device: torch.device | str = "cpu") -> dict:
     """Greedy top-1 agreement with the target's own continuation, and τ(γ) under the i.i.d. model."""
     was_training = module.training
     module.eval()
     agree = total = 0
     for start in range(0, len(examples), batch_size):
-        batch = collate(examples[start : start + batch_size])
+        batch = collate(examples[start : start + batch_size]).to(device)
         logits, _ = module(batch.input_ids, batch.attention, batch.positions)
         guess = logits.argmax(-1)
         if draft_vocab is not None:
@@ -113,10 +114,21 @@ def apply_freeze(model: torch.nn.Module, patterns: list[str]) -> tuple[int, int]
 # The run
 
 
-def _dist_info() -> tuple[int, int]:
+def pick_device(wanted: str) -> torch.device:
+    """`auto`: this rank's GPU (LOCAL_RANK) when CUDA is there, else the CPU; `cuda` without a GPU is an error."""
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda but torch sees no CUDA device (a CPU build, or no GPU on this node)")
+    if wanted == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device
+
+
+def _dist_info(device: torch.device) -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return (dist.get_rank(), world) if world > 1 else (0, 1)
 
 
@@ -142,7 +154,8 @@ def distill(config: DistillConfig) -> dict:
     from specdistill.drafts import init_draft_from_target, parse_layers, save_draft
     from specdistill.models import load_model
 
-    rank, world = _dist_info()
+    device = pick_device(config.device)
+    rank, world = _dist_info(device)
     if config.threads:
         torch.set_num_threads(config.threads)
     out_dir = Path(config.out_dir)
@@ -174,6 +187,7 @@ def distill(config: DistillConfig) -> dict:
 
     teacher = cache_rows = None
     if config.teacher.mode == "online":
+        target.model.to(device)
         teacher = OnlineTeacher(target.model, draft_vocab, with_hidden=config.loss.hidden_weight > 0)
     elif config.teacher.mode == "cache":
         cache = TeacherCache.open(config.teacher.cache_dir, fingerprint=target.fingerprint)
@@ -197,9 +211,13 @@ def distill(config: DistillConfig) -> dict:
     if config.loss.selective_keep is not None:
         ref = load_model(config.loss.selective_reference)
         reference = DraftWithHead(ref.model, DraftVocab.load(config.loss.selective_reference) or draft_vocab).eval()
+        reference.to(device)
 
-    module = DraftWithHead(draft, draft_vocab, target_width)
-    model = torch.nn.parallel.DistributedDataParallel(module) if world > 1 else module
+    module = DraftWithHead(draft, draft_vocab, target_width).to(device)
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+    else:
+        model = module
     params = [p for p in module.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -220,7 +238,7 @@ def distill(config: DistillConfig) -> dict:
         save_config(config, out_dir / "config.yaml")
 
     def evaluate() -> dict:
-        m = heldout_acceptance(module, heldout, draft_vocab) if heldout else {}
+        m = heldout_acceptance(module, heldout, draft_vocab, device=device) if heldout else {}
         point = {"step": step, "tokens": trained_tokens, "minutes": train_seconds / 60, **m}
         curve.append(point)
         if rank == 0:
@@ -231,7 +249,7 @@ def distill(config: DistillConfig) -> dict:
     if step == 0 and heldout:
         evaluate()
     per_rank = opt.batch_size
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if opt.bf16 else nullcontext()
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if opt.bf16 else nullcontext()
     bar = tqdm(total=opt.max_steps, initial=step, desc="distill", unit="step", file=sys.stderr,
                disable=not config.progress or rank != 0)
     last_loss = float("nan")
@@ -254,7 +272,7 @@ def distill(config: DistillConfig) -> dict:
             if replay and data.replay_share > 0:  # seeded per step: a resumed run replays the same records
                 g = random.Random(config.seed * 7919 + step * 131 + micro)
                 mine = [replay[g.randrange(len(replay))] if g.random() < data.replay_share else ex for ex in mine]
-            batch = collate(mine)
+            batch = collate(mine).to(device)
             sync = nullcontext() if (world == 1 or micro == opt.grad_accum - 1) else model.no_sync()
             with sync:
                 with autocast:
@@ -274,7 +292,7 @@ def distill(config: DistillConfig) -> dict:
         optimizer.zero_grad(set_to_none=True)
         step += 1
         if world > 1:
-            counted = torch.tensor([step_tokens], dtype=torch.long)
+            counted = torch.tensor([step_tokens], dtype=torch.long, device=device)
             dist.all_reduce(counted)
             step_tokens = int(counted)
         trained_tokens += step_tokens
@@ -329,8 +347,8 @@ def _loss(config: DistillConfig, logits, hidden, batch: Batch, teacher, cache_ro
     labels = batch.labels
     label_mask = None
     if draft_vocab is not None:  # labels in draft ids; a label outside the kept tokens cannot be learned
-        lookup = torch.full((draft_vocab.target_vocab_size,), -1, dtype=torch.long)
-        lookup[draft_vocab.token_ids] = torch.arange(draft_vocab.size)
+        lookup = torch.full((draft_vocab.target_vocab_size,), -1, dtype=torch.long, device=labels.device)
+        lookup[draft_vocab.token_ids.to(labels.device)] = torch.arange(draft_vocab.size, device=labels.device)
         labels = lookup[labels]
         label_mask = labels >= 0
         labels = labels.clamp_min(0)
@@ -348,7 +366,7 @@ def _loss(config: DistillConfig, logits, hidden, batch: Batch, teacher, cache_ro
         if lc.top_k and lc.top_k < top.logprobs.shape[-1]:  # a smaller k than cached: the rest joins the bucket
             dropped = top.logprobs[:, lc.top_k:].exp().sum(-1)
             top = losses.TopKTeacher(top.logprobs[:, : lc.top_k], top.indices[:, : lc.top_k], top.residual + dropped)
-        teacher_signal = to_draft_space(top, draft_vocab) if remap else top
+        teacher_signal = (to_draft_space(top, draft_vocab) if remap else top).to(logits.device)
     else:
         teacher_logits, target_hidden = teacher(batch.input_ids, batch.attention, batch.positions)
         teacher_signal = (losses.topk_teacher_from_logits(teacher_logits, lc.top_k, lc.temperature)

@@ -220,3 +220,27 @@ def test_cli_distill_rejects_unknown_key_before_any_work(tmp_path, capsys):
     assert "unknown key 'loss.temprature'" in err and str(cfg) in err
     assert main(["distill", "--config", str(cfg), "loss.temprature=null", "optim.lr=fast"]) == 2
     assert "optim.lr" in capsys.readouterr().err
+
+
+def test_device_choice_and_a_missing_gpu_fail_clearly(monkeypatch):
+    from specdistill.train import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert pick_device("auto") == torch.device("cpu") and pick_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="device=cuda but torch sees no CUDA device"):
+        pick_device("cuda")
+    with pytest.raises(ConfigError, match="device"):
+        load_config(None, ["data.path=x.jsonl", "device=tpu"])
+
+
+def test_batches_and_teacher_rows_move_together():
+    """What the training step moves to the rank's device keeps its shapes and values."""
+    from specdistill.datagen import Example, collate
+
+    batch = collate([Example("a", [1, 2, 3, 4], [False, False, True, True]), Example("b", [5, 6], [False, True])])
+    moved = batch.to(torch.device("cpu"))
+    assert moved.ids == ["a", "b"] and torch.equal(moved.labels, batch.labels) and moved.rows_per_example == [2, 1]
+    top = losses.TopKTeacher(torch.log(torch.tensor([[0.5, 0.25]])), torch.tensor([[3, 1]]), torch.tensor([0.25]),
+                             torch.tensor([[True, False]]))
+    out = top.to(torch.device("cpu"))
+    assert torch.equal(out.indices, top.indices) and torch.equal(out.valid, top.valid)
