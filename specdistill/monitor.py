@@ -315,13 +315,13 @@ def choose_fallback(
     if bad:
         raise ValueError(f"exit layers {bad} outside 1..{n_layers - 1}")
     config = BenchConfig(gamma=gamma, max_new_tokens=max_new_tokens, repeats=repeats, measure_cost=False)
-    drafters = [("self_speculation", k, SelfSpecDrafter(target.model, k)) for k in exit_layers]
-    drafters.append(("ngram", None, NgramDrafter(*ngram)))
-    results = run_bench_many(target.model, target.tokenizer, {str(i): d for i, (_, _, d) in enumerate(drafters)},
-                             list(prompts), config, progress=progress)
+    layers = list(dict.fromkeys(exit_layers))
+    modes = [("self_speculation", k) for k in layers] + [("ngram", None)]
+    drafters = {f"self_speculation@{k}": SelfSpecDrafter(target.model, k) for k in layers}
+    drafters["ngram"] = NgramDrafter(*ngram)
+    results = run_bench_many(target.model, target.tokenizer, drafters, list(prompts), config, progress=progress)
     candidates = []
-    for i, (mode, k, drafter) in enumerate(drafters):
-        result = results[str(i)]
+    for (mode, k), result in zip(modes, results.values()):
         candidates.append(FallbackCandidate(
             mode, k, result.speedup, result.acceptance_rate, result.accepted_length,
             result.tokens_per_second_speculative, result.tokens_per_second_target_only,

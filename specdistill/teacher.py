@@ -230,9 +230,7 @@ def to_draft_space(teacher: TopKTeacher, draft_vocab: DraftVocab) -> TopKTeacher
     bucket, are renormalized. The residual then also holds the out-of-vocabulary mass below the
     top k, a small overestimate (the top-k entries usually hold > 95% of the mass).
     """
-    lookup = torch.full((draft_vocab.target_vocab_size,), -1, dtype=torch.long)
-    lookup[draft_vocab.token_ids] = torch.arange(draft_vocab.size)
-    mapped = lookup[teacher.indices.long()]
+    mapped = draft_vocab.to_draft_ids(teacher.indices)
     valid = mapped >= 0
     logprobs = teacher.logprobs.masked_fill(~valid, float("-inf"))
     kept = logprobs.exp().sum(-1) + teacher.residual

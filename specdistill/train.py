@@ -347,9 +347,7 @@ def _loss(config: DistillConfig, logits, hidden, batch: Batch, teacher, cache_ro
     labels = batch.labels
     label_mask = None
     if draft_vocab is not None:  # labels in draft ids; a label outside the kept tokens cannot be learned
-        lookup = torch.full((draft_vocab.target_vocab_size,), -1, dtype=torch.long, device=labels.device)
-        lookup[draft_vocab.token_ids.to(labels.device)] = torch.arange(draft_vocab.size, device=labels.device)
-        labels = lookup[labels]
+        labels = draft_vocab.to_draft_ids(labels)
         label_mask = labels >= 0
         labels = labels.clamp_min(0)
     if lc.kind == "ce":

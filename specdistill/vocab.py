@@ -9,6 +9,7 @@ reduced draft vocabulary of FR-Spec / EAGLE-3 (`DraftVocab`).
 from __future__ import annotations
 
 from collections import Counter
+from functools import cached_property
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -256,6 +257,16 @@ class DraftVocab:
         mask = torch.zeros(self.target_vocab_size, dtype=torch.bool)
         mask[self.token_ids] = True
         return mask
+
+    @cached_property
+    def _target_to_draft(self) -> torch.Tensor:
+        lookup = torch.full((self.target_vocab_size,), -1, dtype=torch.long)
+        lookup[self.token_ids] = torch.arange(self.size)
+        return lookup
+
+    def to_draft_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """The draft id of each target id, or -1 where the draft vocabulary lacks the token."""
+        return self._target_to_draft.to(target_ids.device)[target_ids.long()]
 
     def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """Draft logits over the N kept tokens only: the cheap head that makes drafting fast."""
