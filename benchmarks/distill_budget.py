@@ -33,11 +33,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import specdistill  # noqa: E402,F401
-from specdistill.datagen import Prompt, generate_answers, read_done  # noqa: E402
-from specdistill.datasets import sharegpt_path  # noqa: E402
-from specdistill.models import load_model  # noqa: E402
-from specdistill.teacher import TeacherCache  # noqa: E402
-from specdistill.vocab import build_draft_vocab  # noqa: E402
+from specdistill.data.datasets import sharegpt_path  # noqa: E402
+from specdistill.distill.datagen import Prompt, generate_answers, read_done  # noqa: E402
+from specdistill.distill.teacher import TeacherCache  # noqa: E402
+from specdistill.modeling.models import load_model  # noqa: E402
+from specdistill.modeling.vocab import build_draft_vocab  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -47,9 +47,8 @@ def log(msg: str) -> None:
 def select_prompts(tokenizer, n_train: int, n_heldout: int, max_prompt_tokens: int, scan: int, seed: int = 0,
                    skip: int = 0):
     """First user turn (with its human answer) of ShareGPT records skip..scan."""
-    from specdistill.readers import Conversation, read_records
-
-    from specdistill.datagen import prompt_ids
+    from specdistill.data.readers import Conversation, read_records
+    from specdistill.distill.datagen import prompt_ids
 
     pool, seen = [], set()
     reader = read_records(sharegpt_path(), "sharegpt")
@@ -129,7 +128,7 @@ def extra_prompts(tok, split: dict, args) -> list[dict]:
 
 def build_vocab(work: Path, tok, split: dict, answers: dict, size: int):
     """The `size` most frequent tokens: the target's training answers first, then training-side text."""
-    from specdistill.vocab import DraftVocab
+    from specdistill.modeling.vocab import DraftVocab
 
     vdir = work / f"vocab{size}"
     if (vdir / "draft_vocab.safetensors").is_file():
@@ -155,8 +154,8 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 
 def run_config(work: Path, name: str, overrides: list[str]) -> dict:
     """One training run (resumes from its checkpoints if killed; skipped if already finished)."""
-    from specdistill.config import load_config
-    from specdistill.train import distill
+    from specdistill.distill.config import load_config
+    from specdistill.distill.train import distill
 
     out = work / "runs" / name
     done = out / "result.json"
@@ -168,7 +167,11 @@ def run_config(work: Path, name: str, overrides: list[str]) -> dict:
 
 
 def cost_ratio(target, layers: str, vocab) -> float:
-    from specdistill.drafts import init_draft_from_target, measure_cost_ratio, parse_layers
+    from specdistill.modeling.drafts import (
+        init_draft_from_target,
+        measure_cost_ratio,
+        parse_layers,
+    )
 
     draft = init_draft_from_target(target.model, parse_layers(layers, target.config.num_hidden_layers))
     return measure_cost_ratio(target.model, draft, draft_vocab=vocab, repeats=9)
@@ -198,7 +201,7 @@ def train_all(args, state) -> list[dict]:
               f"eval_every={max(5, steps // 2)}", f"checkpoint_every={max(5, steps // 4)}", f"threads={args.threads}"]
     kl = ["teacher.mode=cache", f"teacher.cache_dir={work / 'teacher_cache'}", f"data.path={gen_train}", f"optim.max_steps={steps}"]
     # human answers are longer per example: same token budget, so fewer steps
-    from specdistill.train import read_examples
+    from specdistill.distill.train import read_examples
 
     human = read_examples(str(human_train), "conversations", tok, args.max_len)
     human_mean = sum(sum(ex.assistant_mask[1:]) for ex in human) / len(human)
@@ -226,8 +229,8 @@ def train_all(args, state) -> list[dict]:
     # temperature: the recorded cache is at T=1; T=2 needs one teacher-forced target pass over the answers
     t2_dir = work / "teacher_cache_T2"
     if not args.only or "T2" in args.only:
-        from specdistill.teacher import build_cache
-        from specdistill.train import read_examples as read_ex
+        from specdistill.distill.teacher import build_cache
+        from specdistill.distill.train import read_examples as read_ex
 
         log("teacher cache at T=2 (one target pass over the training answers)")
         build_cache(target.model, read_ex(str(gen_train), "generated", tok, args.max_len), t2_dir,
@@ -277,7 +280,7 @@ def long_config(args, work: Path, state: dict, vocab, v8k: str) -> list[str]:
 
 
 def print_table(rows: list[dict], coverage: float) -> None:
-    print(f"\nheld-out: greedy top-1 agreement with the target's continuation (acceptance α) and expected τ(γ=4)")
+    print("\nheld-out: greedy top-1 agreement with the target's continuation (acceptance α) and expected τ(γ=4)")
     print(f"draft vocabulary coverage of held-out target tokens: {coverage:.3f}")
     head = f"{'config':40} {'c':>6} {'steps':>6} {'tokens':>7} {'cpu-min':>7} {'α start':>8} {'α end':>7} {'τ(4)':>6} {'ideal x':>7}"
     print(head)

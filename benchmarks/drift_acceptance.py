@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/drift_acceptance.py [--work DIR] [--steps N] [--drafts 0-12+17-29,0-25]
 
-Makes the target update (`specdistill.drift.make_target_update`, cached in --work), then measures
+Makes the target update (`specdistill.ops.drift.make_target_update`, cached in --work), then measures
 each draft (target layers, init_draft_from_target, untrained) on 5 HumanEval + 5 ShareGPT prompts,
 greedy, γ=4: against the original target as it is, and against the updated target through a
 transplanted copy (the updated target has more tokens than the draft). Prints a table, a sample of
@@ -26,9 +26,9 @@ sys.path.insert(0, str(REPO))
 
 
 def prompts(tokenizer, n_code: int = 5, n_chat: int = 5, max_tokens: int = 200) -> list[tuple[str, list[int]]]:
-    from specdistill.bench import encode_prompt
-    from specdistill.datasets import humaneval_path, sharegpt_path
-    from specdistill.readers import read_conversations
+    from specdistill.data.datasets import humaneval_path, sharegpt_path
+    from specdistill.data.readers import read_conversations
+    from specdistill.speculative.bench import encode_prompt
 
     out = []
     with gzip.open(humaneval_path(), "rt") as f:
@@ -75,10 +75,14 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    from specdistill.drafts import init_draft_from_target, parse_layers, save_draft
-    from specdistill.drift import make_target_update
-    from specdistill.models import load_model
-    from specdistill.monitor import aligned_drafter
+    from specdistill.modeling.drafts import (
+        init_draft_from_target,
+        parse_layers,
+        save_draft,
+    )
+    from specdistill.modeling.models import load_model
+    from specdistill.ops.drift import make_target_update
+    from specdistill.ops.monitor import aligned_drafter
     from specdistill.speculative import ModelDrafter, generate
 
     work = Path(args.work)

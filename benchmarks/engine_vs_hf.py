@@ -27,12 +27,18 @@ from collections import Counter
 import torch
 
 import specdistill  # noqa: F401  (offline environment)
-from specdistill.bench import encode_prompt
-from specdistill.datasets import humaneval_path, sharegpt_path
-from specdistill.drafts import init_draft_from_target, measure_cost_ratio
-from specdistill.models import load_model
-from specdistill.speculative import ModelDrafter, NgramDrafter, SelfSpecDrafter, SpecStats, generate
-from specdistill.vocab import build_draft_vocab, token_frequencies
+from specdistill.data.datasets import humaneval_path, sharegpt_path
+from specdistill.modeling.drafts import init_draft_from_target, measure_cost_ratio
+from specdistill.modeling.models import load_model
+from specdistill.modeling.vocab import build_draft_vocab, token_frequencies
+from specdistill.speculative import (
+    ModelDrafter,
+    NgramDrafter,
+    SelfSpecDrafter,
+    SpecStats,
+    generate,
+)
+from specdistill.speculative.bench import encode_prompt
 
 
 def sharegpt_first_turns(n: int, max_chars: int = 400) -> list[str]:

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from specdistill.datasets import sharegpt_path
-from specdistill.ingest import ingest
-from specdistill.logstore import LogStore, display_url
-from specdistill.readers import read_records
+from specdistill.data.datasets import sharegpt_path
+from specdistill.data.ingest import ingest
+from specdistill.data.logstore import LogStore, display_url
+from specdistill.data.readers import read_records
 
 
 def read_only(path: Path) -> dict:

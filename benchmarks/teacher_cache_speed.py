@@ -22,12 +22,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import specdistill  # noqa: E402,F401
-from specdistill.config import load_config  # noqa: E402
-from specdistill.drafts import init_draft_from_target, parse_layers  # noqa: E402
-from specdistill.models import load_model  # noqa: E402
-from specdistill.teacher import OnlineTeacher, TeacherCache  # noqa: E402
-from specdistill.train import DraftWithHead, _loss, collate, read_examples  # noqa: E402
-from specdistill.vocab import DraftVocab  # noqa: E402
+from specdistill.distill.config import load_config  # noqa: E402
+from specdistill.distill.teacher import OnlineTeacher, TeacherCache  # noqa: E402
+from specdistill.distill.train import DraftWithHead, _loss, collate, read_examples  # noqa: E402
+from specdistill.modeling.drafts import init_draft_from_target, parse_layers  # noqa: E402
+from specdistill.modeling.models import load_model  # noqa: E402
+from specdistill.modeling.vocab import DraftVocab  # noqa: E402
 
 
 def main() -> None:

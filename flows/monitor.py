@@ -18,8 +18,8 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from flows.nightly import nightly
-from specdistill import monitor_config as mc
-from specdistill.monitor import decide
+from specdistill.ops.monitor import decide
+from specdistill.pipeline import monitor as mc
 from tasks import monitor as t
 from tasks import nightly as nt
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from specdistill import pipeline
+from specdistill.pipeline import nightly as pipeline
 from tasks import nightly as t
 
 

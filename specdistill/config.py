@@ -1,96 +1,22 @@
-"""The distillation config: one typed model that the YAML file and `key=value` overrides map onto.
+"""One config loader for every config of the project (distill, nightly, monitor): YAML file plus
+dotted `key=value` overrides, validated by a typed pydantic model.
 
-Unknown or mistyped keys fail at load time, naming the key, before a model is loaded. The resolved
-config is saved next to every checkpoint, so a checkpoint always says how it was made.
+Unknown or mistyped keys fail at load time, naming the file and the key, before a model is loaded.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
+    """Base of every config section: unknown keys are errors, assignments are validated."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class DataConfig(_Strict):
-    path: str  # JSONL of target-generated records (prompt_ids + response_ids) or of {"messages": [...]}
-    kind: Literal["generated", "conversations"] = "generated"
-    max_len: int = Field(512, ge=8)
-    limit: int | None = None  # use only the first N records (budgeted experiments)
-    heldout_path: str | None = None  # target-generated JSONL for the acceptance estimate
-    heldout_limit: int = 40
-    replay_path: str | None = None  # older data mixed in during incremental distillation
-    replay_kind: Literal["generated", "conversations"] = "generated"
-    replay_share: float = Field(0.0, ge=0.0, lt=1.0)
-
-
-class LossConfig(_Strict):
-    kind: Literal["fkl", "rkl", "jsd", "tv", "ce", "mix"] = "fkl"
-    temperature: float = Field(1.0, gt=0.0)
-    beta: float = Field(0.5, gt=0.0, lt=1.0)  # JSD(β)
-    alpha: float = Field(0.5, ge=0.0, le=1.0)  # mix: (1-a)·CE + a·T²·KL
-    top_k: int | None = Field(None, ge=1)  # online teacher cut to top-k + residual bucket
-    hidden_weight: float = Field(0.0, ge=0.0)  # + w·(1 - cos(h_draft, h_target)), online teacher only
-    selective_keep: float | None = Field(None, gt=0.0, le=1.0)  # AdaSPEC: keep this share of tokens
-    selective_reference: str | None = None  # the reference draft for AdaSPEC
-
-
-class TeacherConfig(_Strict):
-    mode: Literal["online", "cache", "none"] = "online"  # none: hard labels only (loss kind ce)
-    cache_dir: str | None = None
-
-
-class OptimConfig(_Strict):
-    lr: float = Field(1e-3, gt=0.0)
-    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    warmup_steps: int = Field(20, ge=0)
-    max_steps: int = Field(1000, ge=1)
-    batch_size: int = Field(4, ge=1)  # sequences per rank per micro-step
-    grad_accum: int = Field(1, ge=1)
-    clip: float | None = Field(1.0, gt=0.0)
-    bf16: bool = False
-    max_tokens: int | None = None  # stop after this many trained (assistant) tokens
-    max_minutes: float | None = None  # stop after this much training time (eval excluded)
-
-
-class DistillConfig(_Strict):
-    target: str = "demo"
-    draft: str | None = None  # warm start: an existing draft directory (incremental distillation)
-    layers: str = "0,1,2,29"  # target layers for a new draft: '0,1,2,29', 'evenly:K', 'first:K'
-    draft_vocab: int | str | None = 8192  # N (most frequent answer tokens), a draft dir, or None (full)
-    freeze: list[str] = ["embed_tokens", "lm_head"]  # substrings of parameter names kept frozen
-    data: DataConfig
-    loss: LossConfig = LossConfig()
-    teacher: TeacherConfig = TeacherConfig()
-    optim: OptimConfig = OptimConfig()
-    out_dir: str = "distill-out"
-    checkpoint_every: int = Field(100, ge=1)
-    eval_every: int = Field(50, ge=1)
-    keep_checkpoints: int = Field(2, ge=1)
-    seed: int = 0
-    threads: int | None = None
-    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: each rank's GPU (LOCAL_RANK) when there is one
-    progress: bool = True
-
-    @model_validator(mode="after")
-    def _consistent(self):
-        if self.teacher.mode == "none" and self.loss.kind != "ce":
-            raise ValueError(f"loss.kind={self.loss.kind!r} needs a teacher: set teacher.mode to online or cache")
-        if self.teacher.mode == "cache" and not self.teacher.cache_dir:
-            raise ValueError("teacher.mode=cache needs teacher.cache_dir")
-        if self.loss.hidden_weight > 0 and self.teacher.mode != "online":
-            raise ValueError("loss.hidden_weight needs teacher.mode=online (the cache holds no hidden states)")
-        if self.loss.selective_keep is not None and not self.loss.selective_reference:
-            raise ValueError("loss.selective_keep needs loss.selective_reference (a reference draft directory)")
-        return self
 
 
 class ConfigError(ValueError):
@@ -157,12 +83,3 @@ def load_model_config(model: type[BaseModel], path: str | os.PathLike | None = N
         return model.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(_describe(exc, source)) from None
-
-
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> DistillConfig:
-    """The distillation config (see load_model_config)."""
-    return load_model_config(DistillConfig, path, overrides)
-
-
-def save_config(config: DistillConfig, path: str | os.PathLike) -> None:
-    Path(path).write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prefect import task
 
-from specdistill import monitor_config as mc
-from specdistill.monitor_config import MonitorConfig
+from specdistill.pipeline import monitor as mc
+from specdistill.pipeline.config import MonitorConfig
 
 
 @task(name="detect-target-change", retries=2, retry_delay_seconds=5)

@@ -1,4 +1,4 @@
-"""The nightly pipeline's tasks: each wraps one call of `specdistill.pipeline`.
+"""The nightly pipeline's tasks: each wraps one call of `specdistill.pipeline.nightly`.
 
 Retries go on I/O (the log store, the registry); compute stages are cached by content instead, so
 a rerun resumes rather than recomputes.
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from prefect import task
 
-from specdistill import pipeline
-from specdistill.pipeline import NightlyConfig
+from specdistill.pipeline import nightly as pipeline
+from specdistill.pipeline.config import NightlyConfig
 from tasks.common import content_key
 
 CACHED = dict(cache_key_fn=content_key, persist_result=True)

@@ -48,7 +48,7 @@ def _isolated_home(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="session")
 def demo_target():
-    from specdistill.models import load_model
+    from specdistill.modeling.models import load_model
 
     return load_model("demo")
 

@@ -6,9 +6,10 @@ import json
 
 import pytest
 import torch
-
 from conftest import make_tiny_llama
-from specdistill.bench import (
+
+from specdistill.speculative import ModelDrafter, NgramDrafter, SelfSpecDrafter
+from specdistill.speculative.bench import (
     BenchConfig,
     Prompt,
     PromptFileError,
@@ -19,8 +20,7 @@ from specdistill.bench import (
     run_bench,
     run_bench_many,
 )
-from specdistill.gate import evaluate
-from specdistill.speculative import ModelDrafter, NgramDrafter, SelfSpecDrafter
+from specdistill.speculative.gate import evaluate
 
 
 @pytest.fixture(autouse=True)
@@ -124,7 +124,7 @@ def test_sampling_bench_has_no_lossless_verdict():
 
 def test_bench_many_shares_one_target_only_run_and_matches_single_runs(monkeypatch):
     """One target-only run per prompt serves every drafter; acceptance is what each drafter gets alone."""
-    import specdistill.bench as bench
+    import specdistill.speculative.bench as bench
 
     target = lively(5)
     drafters = {"self3": SelfSpecDrafter(target, 3), "ngram": NgramDrafter(2, 3)}

@@ -6,18 +6,24 @@ import json
 
 import pytest
 import torch
-
-from specdistill.datagen import Prompt, encode_conversation, encode_generated, generate_answers, prompt_ids, read_done
-from specdistill.teacher import TeacherCache
-
 from conftest import make_tiny_llama
+
+from specdistill.distill.datagen import (
+    Prompt,
+    encode_conversation,
+    encode_generated,
+    generate_answers,
+    prompt_ids,
+    read_done,
+)
+from specdistill.distill.teacher import TeacherCache
 
 
 @pytest.fixture(scope="module")
 def tok():
     from transformers import AutoTokenizer
 
-    from specdistill.models import resolve_model_dir
+    from specdistill.modeling.models import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(resolve_model_dir("demo"))
 

@@ -3,11 +3,14 @@
 import json
 
 import pytest
-import torch
 
 from specdistill.cli import main
-from specdistill.drafts import init_draft_from_target, measure_cost_ratio, save_draft
-from specdistill.models import load_model
+from specdistill.modeling.drafts import (
+    init_draft_from_target,
+    measure_cost_ratio,
+    save_draft,
+)
+from specdistill.modeling.models import load_model
 
 pytestmark = pytest.mark.e2e
 
@@ -57,7 +60,7 @@ def test_vocab_check_cli_exits_nonzero_when_tokenizers_differ(demo_target, tmp_p
 
 
 def test_draft_init_cli_with_reduced_vocabulary(demo_target, tmp_path, capsys):
-    from specdistill.vocab import DraftVocab
+    from specdistill.modeling.vocab import DraftVocab
 
     traffic = tmp_path / "traffic.txt"
     traffic.write_text("def fibonacci(n):\n    return n\nHello, how are you today?\n" * 5)

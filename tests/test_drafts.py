@@ -2,14 +2,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specdistill.drafts import (
+from specdistill.modeling.drafts import (
     check_layer_compatible,
     init_draft_from_target,
     load_draft_meta,
     parse_layers,
     save_draft,
 )
-from specdistill.vocab import DraftVocab, VocabAlignmentError
+from specdistill.modeling.vocab import DraftVocab, VocabAlignmentError
 from tests.conftest import make_tiny_llama
 from tests.tokenizers_util import train_bpe
 

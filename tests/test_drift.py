@@ -7,8 +7,13 @@ import json
 import pytest
 import torch
 
-from specdistill.drift import add_domain_tokens, domain_examples, load_update_meta, make_target_update
-from specdistill.models import load_model
+from specdistill.modeling.models import load_model
+from specdistill.ops.drift import (
+    add_domain_tokens,
+    domain_examples,
+    load_update_meta,
+    make_target_update,
+)
 from tests.conftest import make_tiny_llama
 from tests.tokenizers_util import train_bpe
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdistill.gate import GateConfig, evaluate, gate_config
+from specdistill.speculative.gate import GateConfig, evaluate, gate_config
 
 
 def result(lossless=True, alpha=0.6, tau=2.5, speedup=1.2, **extra):

@@ -15,9 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specdistill.ingest import ingest
-from specdistill.logstore import LogStore
-from specdistill.readers import FormatMismatchError
+from specdistill.data.ingest import ingest
+from specdistill.data.logstore import LogStore
+from specdistill.data.readers import FormatMismatchError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -95,7 +95,7 @@ def test_rewritten_file_is_read_again_from_the_start(store, tmp_path):
 
 
 def test_shipped_humaneval_ingests_all_164_prompts(store):
-    from specdistill.datasets import humaneval_path
+    from specdistill.data.datasets import humaneval_path
 
     result = ingest(humaneval_path(), "humaneval", store, progress=False)
     assert counts(result) == (164, 164, 0, 0)
@@ -134,7 +134,7 @@ def test_failure_mid_ingest_leaves_the_store_consistent_and_a_rerun_completes(st
 
 def _ingest_command(url: str, path: Path, batch: int) -> list[str]:
     code = (
-        "import sys, json; from specdistill.ingest import ingest; from specdistill.logstore import LogStore; "
+        "import sys, json; from specdistill.data.ingest import ingest; from specdistill.data.logstore import LogStore; "
         f"r = ingest({str(path)!r}, 'jsonl', LogStore(sys.argv[1]), batch_size={batch}, progress=False); "
         "print(json.dumps(r.to_dict()))"
     )

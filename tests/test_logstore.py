@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdistill.logstore import (
+from specdistill.data.logstore import (
     LogStore,
     Watermark,
     content_hash,
@@ -21,7 +21,7 @@ from specdistill.logstore import (
     split_of,
     upgrade,
 )
-from specdistill.readers import Conversation, Message, Rejected
+from specdistill.data.readers import Conversation, Message, Rejected
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdistill import losses
+from specdistill.distill import losses
 
 V = 11
 

@@ -3,10 +3,15 @@ import threading
 import urllib.request
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter, generate_latest, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    generate_latest,
+    start_http_server,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
-from specdistill.metrics import (
+from specdistill.ops.metrics import (
     LiveSample,
     Scrape,
     SpecDecodeMetrics,

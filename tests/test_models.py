@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from specdistill.models import (
+from specdistill.modeling.models import (
     ModelLoadError,
     convert_gguf,
     fingerprint,

@@ -7,15 +7,14 @@ import json
 import urllib.request
 
 import pytest
-import torch
 
-from specdistill.bench import Prompt
-from specdistill.drafts import init_draft_from_target, save_draft
-from specdistill.formats import Message
-from specdistill.logstore import LogStore
-from specdistill.metrics import LiveSample, SpecDecodeMetrics
-from specdistill.models import load_model
-from specdistill.monitor import (
+from specdistill.data.formats import Message
+from specdistill.data.logstore import LogStore
+from specdistill.data.readers import Conversation
+from specdistill.modeling.drafts import init_draft_from_target, save_draft
+from specdistill.modeling.models import load_model
+from specdistill.ops.metrics import LiveSample, SpecDecodeMetrics
+from specdistill.ops.monitor import (
     AcceptanceSample,
     Decision,
     choose_fallback,
@@ -26,9 +25,9 @@ from specdistill.monitor import (
     refresh_metrics,
     replay_acceptance,
 )
-from specdistill.readers import Conversation
-from specdistill.serving import ServingConfig, write_serving_config
+from specdistill.ops.serving import ServingConfig, write_serving_config
 from specdistill.speculative import ModelDrafter, SelfSpecDrafter, generate
+from specdistill.speculative.bench import Prompt
 from tests.conftest import make_tiny_llama
 from tests.tokenizers_util import train_bpe
 
@@ -105,7 +104,7 @@ def test_replay_of_an_unrelated_draft_measures_low_acceptance(store, tiny_target
 
 
 def test_a_draft_with_the_old_vocabulary_is_measured_through_a_transplant_or_read_as_zero(store, tiny_target, tmp_path):
-    from specdistill.drift import add_domain_tokens
+    from specdistill.ops.drift import add_domain_tokens
 
     old = load_model(tiny_target)
     old_draft = save_draft(init_draft_from_target(old.model, [0, 1, 2, 3]), old.tokenizer, tmp_path / "old-draft")

@@ -24,13 +24,13 @@ def _monitor_overrides(traffic: Path) -> list[str]:
 
 def test_drift_scenario_detect_fallback_retrain_recover(prefect_harness, demo_target, tmp_path, monkeypatch):
     from flows.monitor import monitor
-    from specdistill import registry
-    from specdistill.drafts import init_draft_from_target, save_draft
-    from specdistill.drift import make_target_update
-    from specdistill.ingest import ingest
-    from specdistill.logstore import LogStore
-    from specdistill.serving import ServingConfig, read_serving_config
-    from specdistill.targets import register_target
+    from specdistill.data.ingest import ingest
+    from specdistill.data.logstore import LogStore
+    from specdistill.modeling.drafts import init_draft_from_target, save_draft
+    from specdistill.ops import registry
+    from specdistill.ops.drift import make_target_update
+    from specdistill.ops.serving import ServingConfig, read_serving_config
+    from specdistill.ops.targets import register_target
 
     monkeypatch.setenv("SPECDISTILL_HOME", str(tmp_path / "home"))
     traffic = tmp_path / "traffic.jsonl"

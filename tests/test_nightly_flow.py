@@ -16,8 +16,8 @@ TINY = str(REPO / "deploy" / "nightly" / "tiny.yaml")
 @pytest.fixture(scope="module")
 def traffic(tmp_path_factory):
     """200 real ShareGPT conversations as a small ShareGPT file (the whole file takes a minute to ingest)."""
-    from specdistill.datasets import sharegpt_path
-    from specdistill.readers import Conversation, read_records
+    from specdistill.data.datasets import sharegpt_path
+    from specdistill.data.readers import Conversation, read_records
 
     records = []
     for rec in read_records(sharegpt_path(), "sharegpt"):
@@ -40,9 +40,9 @@ def _run(traffic, *overrides):
 
 
 def test_nightly_twice_then_forced_gate_failure(prefect_harness, traffic, tmp_path, monkeypatch):
-    from specdistill import registry
-    from specdistill.logstore import LogStore
-    from specdistill.serving import read_serving_config, serving_path
+    from specdistill.data.logstore import LogStore
+    from specdistill.ops import registry
+    from specdistill.ops.serving import read_serving_config, serving_path
 
     monkeypatch.setenv("SPECDISTILL_HOME", str(tmp_path / "home"))
     first = _run(traffic)
@@ -92,7 +92,7 @@ def test_bad_config_fails_before_any_work(prefect_harness, tmp_path, monkeypatch
 ])
 def test_unusable_target_or_empty_window_fails_early_and_registers_nothing(prefect_harness, traffic, tmp_path,
                                                                            monkeypatch, override, cause):
-    from specdistill import registry
+    from specdistill.ops import registry
 
     monkeypatch.setenv("SPECDISTILL_HOME", str(tmp_path / "home"))
     with pytest.raises(Exception, match=cause):

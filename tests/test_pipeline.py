@@ -6,9 +6,9 @@ import sys
 import pytest
 import torch
 
-from specdistill import pipeline
 from specdistill.config import ConfigError
-from specdistill.vocab import DraftVocab, remap_draft_vocab
+from specdistill.modeling.vocab import DraftVocab, remap_draft_vocab
+from specdistill.pipeline import nightly as pipeline
 from tests.tokenizers_util import train_bpe
 
 
@@ -87,7 +87,7 @@ def test_remap_draft_vocab_follows_token_strings():
 def test_library_never_imports_prefect():
     code = ("import pkgutil, importlib, sys, specdistill\n"
             "for m in pkgutil.walk_packages(specdistill.__path__, 'specdistill.'):\n"
-            "    if m.name not in ('specdistill.cli', 'specdistill.mlflow_draft') and '.migrations' not in m.name:\n"
+            "    if m.name not in ('specdistill.cli', 'specdistill.ops.mlflow_draft') and '.migrations' not in m.name:\n"
             "        importlib.import_module(m.name)\n"
             "print('prefect' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()

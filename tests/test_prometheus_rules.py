@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
-from specdistill.metrics import SpecDecodeMetrics
+from specdistill.ops.metrics import SpecDecodeMetrics
 
 PROM_DIR = Path(__file__).resolve().parents[1] / "deploy" / "prometheus"
 PROMTOOL = shutil.which("promtool")

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from specdistill.readers import (
+from specdistill.data.readers import (
     Conversation,
     FormatMismatchError,
     Message,
@@ -208,7 +208,7 @@ def test_wrong_format_names_file_and_first_line(tmp_path):
 
 
 def test_shipped_sharegpt_file_streams_17671_records():
-    from specdistill.datasets import sharegpt_path
+    from specdistill.data.datasets import sharegpt_path
 
     reader = read_records(sharegpt_path(), "sharegpt")
     n = sum(1 for _ in reader)
@@ -218,7 +218,7 @@ def test_shipped_sharegpt_file_streams_17671_records():
 
 
 def test_shipped_humaneval():
-    from specdistill.datasets import humaneval_path
+    from specdistill.data.datasets import humaneval_path
 
     out = list(read_records(humaneval_path(), "humaneval"))
     assert len(out) == 164 and all(isinstance(r, Conversation) for r in out)

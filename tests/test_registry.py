@@ -5,10 +5,10 @@ import threading
 import pytest
 from transformers import AutoModelForCausalLM
 
-from specdistill import registry
-from specdistill.drafts import save_draft
-from specdistill.models import load_model
-from specdistill.serving import ServingConfig, read_serving_config
+from specdistill.modeling.drafts import save_draft
+from specdistill.modeling.models import load_model
+from specdistill.ops import registry
+from specdistill.ops.serving import ServingConfig, read_serving_config
 from tests.conftest import make_tiny_llama
 from tests.tokenizers_util import train_bpe
 

@@ -3,7 +3,11 @@ import threading
 
 import pytest
 
-from specdistill.serving import ServingConfig, read_serving_config, write_serving_config
+from specdistill.ops.serving import (
+    ServingConfig,
+    read_serving_config,
+    write_serving_config,
+)
 
 
 def test_draft_mode_gives_vllm_and_sglang_settings(tmp_path):

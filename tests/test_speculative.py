@@ -3,13 +3,14 @@ sampled output follows the target's distribution, for every drafting method."""
 
 from __future__ import annotations
 
-import torch
 import pytest
+import torch
+from conftest import make_tiny_llama
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import make_tiny_llama
-from specdistill.drafts import init_draft_from_target
+from specdistill.modeling.drafts import init_draft_from_target
+from specdistill.modeling.vocab import DraftVocab, VocabAlignmentError
 from specdistill.speculative import (
     ModelDrafter,
     NgramDrafter,
@@ -23,7 +24,6 @@ from specdistill.speculative import (
     verify,
 )
 from specdistill.speculative import engine as engine_module
-from specdistill.vocab import DraftVocab, VocabAlignmentError
 
 VOCAB = 96
 

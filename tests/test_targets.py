@@ -7,7 +7,13 @@ import json
 import pytest
 import torch
 
-from specdistill.targets import current_target, detect_change, history_path, register_target, target_history
+from specdistill.ops.targets import (
+    current_target,
+    detect_change,
+    history_path,
+    register_target,
+    target_history,
+)
 from tests.conftest import make_tiny_llama
 from tests.tokenizers_util import train_bpe
 

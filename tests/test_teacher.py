@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_tiny_llama
 
-from specdistill import losses
-from specdistill.datagen import Example
-from specdistill.teacher import (
+from specdistill.distill import losses
+from specdistill.distill.datagen import Example
+from specdistill.distill.teacher import (
     OnlineTeacher,
     StaleTeacherCacheError,
     TeacherCache,
@@ -18,9 +19,7 @@ from specdistill.teacher import (
     teacher_positions,
     to_draft_space,
 )
-from specdistill.vocab import DraftVocab
-
-from conftest import make_tiny_llama
+from specdistill.modeling.vocab import DraftVocab
 
 
 def _examples(n=5, vocab=96, seed=0):

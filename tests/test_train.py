@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_tiny_llama
 from safetensors.torch import load_file
 
-from specdistill import losses
-from specdistill.config import ConfigError, load_config
-from specdistill.datagen import Prompt, generate_answers
-from specdistill.teacher import TeacherCache, build_cache
-from specdistill.train import NonFiniteLossError, distill, read_examples
-
-from conftest import make_tiny_llama
+from specdistill.config import ConfigError
+from specdistill.distill import losses
+from specdistill.distill.config import load_config
+from specdistill.distill.datagen import Prompt, generate_answers
+from specdistill.distill.teacher import TeacherCache, build_cache
+from specdistill.distill.train import NonFiniteLossError, distill, read_examples
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["Name a color.", "What is 2+2?", "Say hi.", "Give me a fruit.", "Count to three.", "Pick a number."]
@@ -29,7 +29,7 @@ def tiny_world(tmp_path_factory):
     """A tiny target directory with the demo tokenizer, and its greedy answers to a few prompts."""
     from transformers import AutoTokenizer
 
-    from specdistill.models import load_model, resolve_model_dir
+    from specdistill.modeling.models import load_model, resolve_model_dir
 
     root = tmp_path_factory.mktemp("tiny_world")
     tok = AutoTokenizer.from_pretrained(resolve_model_dir("demo"))
@@ -125,7 +125,7 @@ def test_nan_loss_stops_with_step_and_keeps_last_checkpoint(tiny_world, tmp_path
 
 def test_cached_teacher_gives_the_online_loss(tiny_world, tmp_path):
     """Top-k cache with k = the whole vocabulary must reproduce the online teacher exactly."""
-    from specdistill.models import load_model
+    from specdistill.modeling.models import load_model
 
     target = load_model(tiny_world["target"])
     examples = read_examples(tiny_world["answers"], "generated", target.tokenizer, 512)
@@ -148,7 +148,7 @@ def test_generation_time_cache_and_reduced_vocab_train(tiny_world, tmp_path):
 
 
 def test_teacher_cache_from_another_fingerprint_is_refused(tiny_world, tmp_path):
-    from specdistill.teacher import StaleTeacherCacheError
+    from specdistill.distill.teacher import StaleTeacherCacheError
 
     with pytest.raises(StaleTeacherCacheError, match="fingerprint"):
         TeacherCache.open(tiny_world["gen_cache"], fingerprint="0" * 16)
@@ -191,7 +191,7 @@ def test_ddp_two_ranks_end_with_identical_weights(tiny_world, tmp_path):
     assert len(digests) == 2 and digests[0] == digests[1]
     assert result["steps"] == 3
     # and the weights moved (the check is not vacuous)
-    from specdistill.models import load_model
+    from specdistill.modeling.models import load_model
 
     trained = load_file(str(Path(result["draft_dir"]) / "model.safetensors"))
     base = load_model(tiny_world["target"]).model.state_dict()
@@ -223,7 +223,7 @@ def test_cli_distill_rejects_unknown_key_before_any_work(tmp_path, capsys):
 
 
 def test_device_choice_and_a_missing_gpu_fail_clearly(monkeypatch):
-    from specdistill.train import pick_device
+    from specdistill.distill.train import pick_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert pick_device("auto") == torch.device("cpu") and pick_device("cpu") == torch.device("cpu")
@@ -235,7 +235,7 @@ def test_device_choice_and_a_missing_gpu_fail_clearly(monkeypatch):
 
 def test_batches_and_teacher_rows_move_together():
     """What the training step moves to the rank's device keeps its shapes and values."""
-    from specdistill.datagen import Example, collate
+    from specdistill.distill.datagen import Example, collate
 
     batch = collate([Example("a", [1, 2, 3, 4], [False, False, True, True]), Example("b", [5, 6], [False, True])])
     moved = batch.to(torch.device("cpu"))

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdistill.vocab import (
+from specdistill.modeling.vocab import (
     DraftVocab,
     VocabAlignmentError,
     build_draft_vocab,

@@ -13,7 +13,13 @@ from specdistill.speculative.drafters import (
     early_exit_model,
     make_drafter,
 )
-from specdistill.speculative.engine import GenerationResult, SpecStats, context_length, default_stop_ids, generate
+from specdistill.speculative.engine import (
+    GenerationResult,
+    SpecStats,
+    context_length,
+    default_stop_ids,
+    generate,
+)
 from specdistill.speculative.sampling import SamplingConfig, probs_from_logits, verify
 
 __all__ = [

@@ -14,8 +14,8 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from specdistill.modeling.vocab import DraftVocab, VocabAlignmentError
 from specdistill.speculative.sampling import SamplingConfig, probs_from_logits, sample
-from specdistill.vocab import DraftVocab, VocabAlignmentError
 
 
 class Drafter(Protocol):
@@ -201,7 +201,7 @@ def make_drafter(
     if ngram:
         return NgramDrafter(ngram_min, ngram_max)
     if draft:
-        from specdistill.models import load_model
+        from specdistill.modeling.models import load_model
 
         loaded = load_model(draft, dtype=target.dtype)
         return ModelDrafter(

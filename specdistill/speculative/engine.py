@@ -9,8 +9,8 @@ appends the target's own next token (its correction, or the bonus token when all
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -70,7 +70,7 @@ class SpecStats:
         for i in range(accepted):
             self.accepted_per_position[i] += 1
 
-    def merge(self, other: "SpecStats") -> "SpecStats":
+    def merge(self, other: SpecStats) -> SpecStats:
         width = max(len(self.proposed_per_position), len(other.proposed_per_position))
 
         def add(a: list[int], b: list[int]) -> list[int]:
@@ -90,7 +90,7 @@ class SpecStats:
         )
 
     @classmethod
-    def total(cls, stats: Iterable["SpecStats"]) -> "SpecStats":
+    def total(cls, stats: Iterable[SpecStats]) -> SpecStats:
         out = cls()
         for s in stats:
             out = out.merge(s)

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from specdistill.logstore import LogStore, Watermark
-from specdistill.readers import (
+from specdistill.data.logstore import LogStore, Watermark
+from specdistill.data.readers import (
     DEFAULT_MAX_CHARS,
     DEFAULT_MAX_RECORD_BYTES,
     Conversation,

@@ -14,7 +14,13 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, push_to_gateway, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    push_to_gateway,
+    start_http_server,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 PREFIX = "specdistill"

@@ -15,97 +15,14 @@ import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict, Field
 
 from specdistill import paths
-
-# --------------------------------------------------------------------------------------------
-# Config
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class SourceConfig(_Strict):
-    path: str  # a file, or "sharegpt" / "humaneval" for the shipped demo traffic
-    format: Literal["sharegpt", "openai", "jsonl", "humaneval"]
-    slice: str = "chat"  # benchmark slice its prompts report under
-
-
-class WindowConfig(_Strict):
-    days: float | None = None  # traffic that arrived in the last N days (None: all of it)
-    since: datetime | None = None  # or since this moment (the monitor: since the target update)
-    train_prompts: int = Field(64, ge=1)  # the embedded demo answers these within its 20-minute budget
-    eval_prompts: int = Field(10, ge=1)
-    replay_share: float = Field(0.25, ge=0.0, lt=1.0)  # of train prompts drawn from before the window
-    max_prompt_tokens: int = Field(384, ge=16)
-    seed: int = 0
-
-
-class GenerationConfig(_Strict):
-    max_new_tokens: int = Field(96, ge=1)
-    batch_size: int = Field(16, ge=1)
-    teacher_top_k: int = Field(32, ge=1)
-
-
-class TrainConfig(_Strict):
-    layers: str = "0,1,2,29"
-    draft_vocab: int | None = 8192
-    lr: float = 1e-3
-    incremental_lr: float = 3e-4
-    batch_size: int = 4
-    max_steps: int = 400
-    max_minutes: float = 3.0
-    loss: Literal["fkl", "rkl", "jsd", "tv", "mix"] = "fkl"
-    epochs_hint: int = 3  # passes over the generated answers when max_steps allows
-
-
-class BenchSettings(_Strict):
-    gamma: int = Field(4, ge=1)
-    max_new_tokens: int = Field(40, ge=1)
-    repeats: int = Field(1, ge=1)
-    self_spec_layers: list[int] = [8]
-    ngram: bool = True
-    generic_draft: bool = True  # train the off-the-shelf baseline once (plain CE on human answers)
-    threads: int | None = None
-
-
-class GateSettings(_Strict):
-    """The embedded demo defaults relax the absolute bars (α >= 0.5, speedup >= 1.0): a 3-minute CPU
-    distillation does not reach them. Instead the challenger must beat the off-the-shelf generic
-    draft on the same prompts. deploy/nightly/nightly.yaml uses the full default profile."""
-
-    profile: Literal["default", "production"] = "default"
-    overrides: dict[str, float | bool | None] = {"min_acceptance_rate": None, "min_speedup": None}
-    must_beat: list[str] = ["generic"]  # baselines whose acceptance rate the challenger must exceed
-
-
-class NightlyConfig(_Strict):
-    """Defaults are the demo world sized to finish in minutes on a 2-core CPU (`specdistill demo`)."""
-
-    target: str = "demo"
-    target_name: str = "SmolLM2-135M-Instruct"
-    sources: list[SourceConfig] = [
-        SourceConfig(path="sharegpt", format="sharegpt", slice="chat"),
-        SourceConfig(path="humaneval", format="humaneval", slice="code"),
-    ]
-    window: WindowConfig = WindowConfig()
-    generation: GenerationConfig = GenerationConfig()
-    train: TrainConfig = TrainConfig()
-    bench: BenchSettings = BenchSettings()
-    gate: GateSettings = GateSettings()
-    log_db: str | None = None  # default: SQLite under $SPECDISTILL_HOME
-    serving_path: str | None = None  # default: $SPECDISTILL_HOME/serving.json
-
-
-def load_nightly_config(path: str | Path | None = None, overrides: list[str] | None = None) -> NightlyConfig:
-    """YAML file plus dotted `key=value` overrides; unknown keys fail here, before any work."""
-    from specdistill.config import load_model_config
-
-    return load_model_config(NightlyConfig, path, overrides, what="nightly config")
+from specdistill.pipeline.config import (  # noqa: F401
+    GenerationConfig,
+    NightlyConfig,
+    SourceConfig,
+    load_nightly_config,
+)
 
 
 def config_hash(obj) -> str:
@@ -123,7 +40,7 @@ def run_root() -> Path:
 
 def describe_target(target_ref: str) -> dict:
     """Load the target once (this is where an unloadable target fails the run) and name its version."""
-    from specdistill.models import load_model
+    from specdistill.modeling.models import load_model
 
     loaded = load_model(target_ref)
     return {"ref": target_ref, "path": str(loaded.path), "fingerprint": loaded.fingerprint,
@@ -135,22 +52,19 @@ def describe_target(target_ref: str) -> dict:
 
 
 def resolve_source_path(source: SourceConfig) -> Path:
-    from specdistill.datasets import humaneval_path, sharegpt_path
+    from specdistill.data.datasets import humaneval_path, sharegpt_path
 
     shipped = {"sharegpt": sharegpt_path, "humaneval": humaneval_path}
     return shipped[source.path]() if source.path in shipped else Path(source.path)
 
 
 def ingest_source(source: SourceConfig, log_db: str | None) -> dict:
-    from specdistill.ingest import ingest
-    from specdistill.logstore import LogStore
+    from specdistill.data.ingest import ingest
+    from specdistill.data.logstore import LogStore
 
-    store = LogStore(log_db)
-    try:
+    with LogStore(log_db) as store:
         result = ingest(resolve_source_path(source), source.format, store, progress=True)
         return result.to_dict()
-    finally:
-        store.close()
 
 
 # --------------------------------------------------------------------------------------------
@@ -164,9 +78,14 @@ def align_champion(config: NightlyConfig, champion: dict | None) -> dict | None:
         return None
     from transformers import AutoTokenizer
 
-    from specdistill.drafts import load_draft_meta, save_draft
-    from specdistill.models import load_model, resolve_model_dir
-    from specdistill.vocab import DraftVocab, check_vocab, remap_draft_vocab, transplant_vocab
+    from specdistill.modeling.drafts import load_draft_meta, save_draft
+    from specdistill.modeling.models import load_model, resolve_model_dir
+    from specdistill.modeling.vocab import (
+        DraftVocab,
+        check_vocab,
+        remap_draft_vocab,
+        transplant_vocab,
+    )
 
     target_tok = AutoTokenizer.from_pretrained(resolve_model_dir(config.target))
     draft = load_model(champion["dir"])
@@ -214,8 +133,8 @@ def select_window(config: NightlyConfig, now: datetime | None = None) -> Window:
     eval split (never trained on). Deterministic for a given store content and seed."""
     from transformers import AutoTokenizer
 
-    from specdistill.logstore import LogStore
-    from specdistill.models import resolve_model_dir
+    from specdistill.data.logstore import LogStore
+    from specdistill.modeling.models import resolve_model_dir
 
     w = config.window
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(config.target))
@@ -277,10 +196,10 @@ def select_window(config: NightlyConfig, now: datetime | None = None) -> Window:
 def generate_responses(config: NightlyConfig, window: dict, split: str, *, record_teacher: bool) -> dict:
     """The target answers the window's prompts (greedy), resumably; train answers also record the
     target's top-k log-probs into the teacher cache in the same pass."""
-    from specdistill.datagen import Prompt, generate_answers
-    from specdistill.logstore import LogStore
-    from specdistill.models import load_model
-    from specdistill.teacher import TeacherCache
+    from specdistill.data.logstore import LogStore
+    from specdistill.distill.datagen import Prompt, generate_answers
+    from specdistill.distill.teacher import TeacherCache
+    from specdistill.modeling.models import load_model
 
     g = config.generation
     target = load_model(config.target)
@@ -293,15 +212,12 @@ def generate_responses(config: NightlyConfig, window: dict, split: str, *, recor
     prompts = [Prompt(p["id"], p["messages"]) for p in window[split]]
     records = generate_answers(target.model, target.tokenizer, prompts, out_path, batch_size=g.batch_size,
                                max_new_tokens=g.max_new_tokens, teacher_cache=cache)
-    store = LogStore(config.log_db)
-    try:
+    with LogStore(config.log_db) as store:
         for p in window[split]:
             rec = records[p["id"]]
             store.add_response(int(p["id"]), target.fingerprint, rec["response"], prompt_messages=len(p["messages"]),
                                params={"temperature": 0.0, "max_new_tokens": g.max_new_tokens},
                                token_ids=rec["response_ids"])
-    finally:
-        store.close()
     return {"path": str(out_path), "teacher_cache": str(cache.dir) if cache else None,
             "answers": len(records), "tokens": sum(len(r["response_ids"]) for r in records.values())}
 
@@ -312,13 +228,10 @@ def generate_responses(config: NightlyConfig, window: dict, split: str, *, recor
 
 def _write_conversations(config: NightlyConfig, window: dict, path: Path) -> Path:
     """The window's train conversations with their human-written answers (for the generic baseline)."""
-    from specdistill.logstore import LogStore
+    from specdistill.data.logstore import LogStore
 
-    store = LogStore(config.log_db)
-    try:
+    with LogStore(config.log_db) as store:
         rows = store.by_ids(int(p["id"]) for p in window["train"])
-    finally:
-        store.close()
     answered = [row for row in rows if any(m.role == "assistant" for m in row.messages)]
     if not answered:  # HumanEval-style traffic logs prompts only: there is nothing human-written to imitate
         raise ValueError("the window's train conversations have no human-written answers for the generic baseline")
@@ -336,8 +249,14 @@ def distill_draft(config: NightlyConfig, train_data: dict, heldout_data: dict, w
     """Distill a draft on the target's own answers (KL on the cached teacher), fresh or warm-started
     from the champion; `generic=True` trains the off-the-shelf baseline instead: plain CE on the
     human-written answers of the same prompts, same size and budget."""
-    from specdistill.config import DataConfig, DistillConfig, LossConfig, OptimConfig, TeacherConfig
-    from specdistill.train import distill
+    from specdistill.distill.config import (
+        DataConfig,
+        DistillConfig,
+        LossConfig,
+        OptimConfig,
+        TeacherConfig,
+    )
+    from specdistill.distill.train import distill
 
     tc = config.train
     if generic:
@@ -375,9 +294,9 @@ def distill_draft(config: NightlyConfig, train_data: dict, heldout_data: dict, w
 def bench_prompts(config: NightlyConfig, window: dict):
     from transformers import AutoTokenizer
 
-    from specdistill.bench import Prompt
-    from specdistill.datagen import prompt_ids
-    from specdistill.models import resolve_model_dir
+    from specdistill.distill.datagen import prompt_ids
+    from specdistill.modeling.models import resolve_model_dir
+    from specdistill.speculative.bench import Prompt
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(config.target))
     return [Prompt(text="", slice=p["slice"], ids=prompt_ids(tokenizer, p["messages"])) for p in window["eval"]]
@@ -390,9 +309,9 @@ def benchmark(config: NightlyConfig, window: dict, drafters: dict[str, str]) -> 
     """
     import torch
 
-    from specdistill.bench import BenchConfig, run_bench_many
-    from specdistill.models import load_model
+    from specdistill.modeling.models import load_model
     from specdistill.speculative import make_drafter
+    from specdistill.speculative.bench import BenchConfig, run_bench_many
 
     if config.bench.threads:
         torch.set_num_threads(config.bench.threads)
@@ -413,7 +332,7 @@ def benchmark(config: NightlyConfig, window: dict, drafters: dict[str, str]) -> 
 
 
 def gate(config: NightlyConfig, challenger: dict, champion: dict | None, baselines: dict | None = None) -> dict:
-    from specdistill.gate import evaluate, gate_config
+    from specdistill.speculative.gate import evaluate, gate_config
 
     verdict = evaluate(challenger, gate_config(config.gate.profile, **config.gate.overrides), champion=champion)
     out = verdict.to_dict()
@@ -443,7 +362,7 @@ def gate(config: NightlyConfig, challenger: dict, champion: dict | None, baselin
 
 def champion_of(config: NightlyConfig) -> dict | None:
     """The current champion (version, local draft directory, parent chain) or None."""
-    from specdistill import registry
+    from specdistill.ops import registry
 
     name = registry.model_name_for(config.target_name)
     mv = registry.version_by_alias(name, registry.CHAMPION)
@@ -455,7 +374,7 @@ def champion_of(config: NightlyConfig) -> dict | None:
 
 def register(config: NightlyConfig, target: dict, window: dict, trained: dict, results: dict, verdict: dict,
              parent: str | None, report_path: str | None) -> dict:
-    from specdistill import registry
+    from specdistill.ops import registry
 
     challenger = results["challenger"]
     metrics = {"acceptance_rate": challenger["acceptance_rate"], "accepted_length": challenger["accepted_length"],
@@ -477,7 +396,7 @@ def register(config: NightlyConfig, target: dict, window: dict, trained: dict, r
     artifacts = [artifacts_dir / "benchmark.json", artifacts_dir / "nightly_config.json", artifacts_dir / "gate.json"]
     plot = artifacts_dir / "acceptance.png"
     try:
-        from specdistill.bench import BenchResult, SliceResult
+        from specdistill.speculative.bench import BenchResult, SliceResult
 
         data = {k: v for k, v in challenger.items() if k != "spec"}
         data["slices"] = [SliceResult(**s) for s in data["slices"]]
@@ -500,8 +419,8 @@ def register(config: NightlyConfig, target: dict, window: dict, trained: dict, r
 
 def promote(config: NightlyConfig, registered: dict, target: dict, expected_champion: str | None) -> dict:
     """Alias `champion` and the serving config, together (see registry.promote)."""
-    from specdistill import registry
-    from specdistill.serving import ServingConfig
+    from specdistill.ops import registry
+    from specdistill.ops.serving import ServingConfig
 
     draft_dir = registry.download_draft(f"models:/{registered['name']}/{registered['version']}")
     serving = ServingConfig(mode="draft", draft_dir=str(draft_dir), draft_version=registered["version"],
@@ -509,7 +428,7 @@ def promote(config: NightlyConfig, registered: dict, target: dict, expected_cham
                             reason=f"nightly: version {registered['version']} passed the gate")
     registry.promote(registered["name"], registered["version"], serving, expected_champion=expected_champion,
                      serving_path=config.serving_path)
-    from specdistill.serving import serving_path
+    from specdistill.ops.serving import serving_path
 
     return {"version": registered["version"], "serving_config": str(config.serving_path or serving_path())}
 

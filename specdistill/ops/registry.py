@@ -10,43 +10,30 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import os
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import mlflow
-from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from specdistill import paths
-from specdistill.serving import ServingConfig, read_serving_config, write_serving_config
+from specdistill.modeling.mlflow_refs import (  # noqa: F401
+    DRAFT_ARTIFACT,
+    client,
+    download_draft,
+    tracking_uri,
+)
+from specdistill.ops.serving import (
+    ServingConfig,
+    read_serving_config,
+    write_serving_config,
+)
 
 CHAMPION = "champion"
 CHALLENGER = "challenger"
-DRAFT_ARTIFACT = "draft"
-
-
-def tracking_uri() -> str:
-    """`MLFLOW_TRACKING_URI` when set (an `mlflow server` on PostgreSQL), else SQLite in the state directory."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{paths.ensure(paths.home()) / 'mlflow.db'}"
-
-
-def client() -> MlflowClient:
-    uri = tracking_uri()
-    # mlflow.set_*_uri also export MLFLOW_*_URI to the environment; put back what the user had, so
-    # the next call (another state directory in the same process) resolves its own store again.
-    saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_registry_uri(uri)
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
 def model_name_for(target_name: str) -> str:
@@ -186,37 +173,3 @@ def promote(name: str, version: str, serving: ServingConfig, *, expected_champio
                 write_serving_config(previous_serving, serving_path)
             raise
         c.set_model_version_tag(name, version, "promoted_at", time.strftime("%Y-%m-%dT%H:%M:%S"))
-
-
-def download_draft(model_uri: str) -> Path:
-    """A registered draft's HF directory (`models:/NAME@champion`, `models:/NAME/3`), cached by version."""
-    c = client()
-    match = re.fullmatch(r"models:/([^/@]+)(?:@([^/]+)|/(\d+))", model_uri)
-    if not match:
-        raise ValueError(f"not a registered model URI: {model_uri!r} (expected models:/NAME@ALIAS or models:/NAME/VERSION)")
-    name, alias, number = match.groups()
-    try:
-        mv = c.get_model_version_by_alias(name, alias) if alias else c.get_model_version(name, number)
-    except MlflowException as exc:
-        raise ValueError(f"{model_uri}: {exc.message}") from exc
-    target = paths.home() / "registry" / name / str(mv.version)
-    if not (target / "MLmodel").is_file():
-        target.mkdir(parents=True, exist_ok=True)
-        mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{mv.version}", dst_path=str(target))
-    hf_dir = _draft_dir_in(target)
-    if hf_dir is None:
-        raise ValueError(f"{model_uri}: the registered model has no '{DRAFT_ARTIFACT}' checkpoint (MLmodel in {target})")
-    return hf_dir
-
-
-def _draft_dir_in(model_dir: Path) -> Path | None:
-    """The HF checkpoint a logged draft model carries: the pyfunc artifact named `draft`."""
-    import yaml
-
-    try:
-        meta = yaml.safe_load((model_dir / "MLmodel").read_text())
-        rel = meta["flavors"]["python_function"]["artifacts"][DRAFT_ARTIFACT]["path"]
-    except (OSError, KeyError, TypeError, yaml.YAMLError):
-        return None
-    hf_dir = model_dir / rel
-    return hf_dir if (hf_dir / "config.json").is_file() else None

@@ -16,7 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from specdistill import paths
 
@@ -103,7 +108,7 @@ def resolve_model_dir(ref: str | os.PathLike) -> Path:
     if ref_str == DEMO_REF:
         return convert_gguf(demo_gguf_path())
     if ref_str.startswith("models:/"):
-        from specdistill.registry import download_draft
+        from specdistill.modeling.mlflow_refs import download_draft
 
         return download_draft(ref_str)
     path = Path(ref_str)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import specdistill  # noqa: F401  (sets the offline environment before anything else imports)
 
@@ -28,8 +28,8 @@ def _emit(args: argparse.Namespace, payload: dict, text: str) -> None:
 def cmd_vocab_check(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from specdistill.models import resolve_model_dir
-    from specdistill.vocab import check_vocab
+    from specdistill.modeling.models import resolve_model_dir
+    from specdistill.modeling.vocab import check_vocab
 
     target_tok = AutoTokenizer.from_pretrained(resolve_model_dir(args.target))
     draft_tok = AutoTokenizer.from_pretrained(resolve_model_dir(args.draft))
@@ -39,10 +39,11 @@ def cmd_vocab_check(args: argparse.Namespace) -> int:
 
 
 def cmd_vocab_transplant(args: argparse.Namespace) -> int:
-    from specdistill.drafts import save_draft
-    from specdistill.models import load_model, resolve_model_dir
-    from specdistill.vocab import check_vocab, transplant_vocab
     from transformers import AutoTokenizer
+
+    from specdistill.modeling.drafts import save_draft
+    from specdistill.modeling.models import load_model, resolve_model_dir
+    from specdistill.modeling.vocab import check_vocab, transplant_vocab
 
     target_tok = AutoTokenizer.from_pretrained(resolve_model_dir(args.target))
     draft = load_model(args.draft)
@@ -59,9 +60,13 @@ def cmd_vocab_transplant(args: argparse.Namespace) -> int:
 
 
 def cmd_draft_init(args: argparse.Namespace) -> int:
-    from specdistill.drafts import init_draft_from_target, parse_layers, save_draft
-    from specdistill.models import load_model, num_parameters
-    from specdistill.vocab import build_draft_vocab, token_frequencies
+    from specdistill.modeling.drafts import (
+        init_draft_from_target,
+        parse_layers,
+        save_draft,
+    )
+    from specdistill.modeling.models import load_model, num_parameters
+    from specdistill.modeling.vocab import build_draft_vocab, token_frequencies
 
     target = load_model(args.target)
     layers = parse_layers(args.layers, target.config.num_hidden_layers)
@@ -87,7 +92,7 @@ def cmd_draft_init(args: argparse.Namespace) -> int:
 
 
 def cmd_serving_show(args: argparse.Namespace) -> int:
-    from specdistill.serving import read_serving_config, serving_path
+    from specdistill.ops.serving import read_serving_config, serving_path
 
     config = read_serving_config(args.path)
     where = args.path or serving_path()
@@ -106,8 +111,8 @@ def cmd_serving_show(args: argparse.Namespace) -> int:
 def cmd_distill(args: argparse.Namespace) -> int:
     import os
 
-    from specdistill.config import load_config
-    from specdistill.train import distill
+    from specdistill.distill.config import load_config
+    from specdistill.distill.train import distill
 
     config = load_config(args.config, args.overrides)  # fails on unknown keys before any work
     result = distill(config)
@@ -122,13 +127,13 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
 
 def _log_store(args: argparse.Namespace):
-    from specdistill.logstore import LogStore
+    from specdistill.data.logstore import LogStore
 
     return LogStore(args.db)
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
-    from specdistill.ingest import ingest
+    from specdistill.data.ingest import ingest
 
     result = ingest(args.path, args.format, _log_store(args), batch_size=args.batch_size, source=args.source,
                     progress=not args.no_progress)
@@ -177,9 +182,9 @@ def _drafter_from_args(args: argparse.Namespace, target):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from specdistill.bench import encode_prompt
-    from specdistill.models import load_model
+    from specdistill.modeling.models import load_model
     from specdistill.speculative import SamplingConfig, generate
+    from specdistill.speculative.bench import encode_prompt
 
     _set_threads(args)
     target = load_model(args.target)
@@ -207,9 +212,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from specdistill.bench import BenchConfig, load_prompts, run_bench
-    from specdistill.gate import evaluate, gate_config
-    from specdistill.models import load_model
+    from specdistill.modeling.models import load_model
+    from specdistill.speculative.bench import BenchConfig, load_prompts, run_bench
+    from specdistill.speculative.gate import evaluate, gate_config
 
     _set_threads(args)
     prompts = load_prompts(args.prompts)
@@ -247,7 +252,7 @@ def _run_nightly(config_path: str | None, overrides: list[str]) -> dict:
 
 
 def _summary(result: dict) -> str:
-    from specdistill.serving import serving_path
+    from specdistill.ops.serving import serving_path
 
     lines = ["", result["report"], ""]
     reg = result["registered"]
@@ -276,7 +281,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_target_register(args: argparse.Namespace) -> int:
-    from specdistill.targets import register_target
+    from specdistill.ops.targets import register_target
 
     version = register_target(args.path)
     emitted = _emit_target_updated(version.to_dict()) if not args.no_event else False
@@ -308,7 +313,7 @@ def cmd_monitor_run(args: argparse.Namespace) -> int:
 
 
 def cmd_target_history(args: argparse.Namespace) -> int:
-    from specdistill.targets import target_history
+    from specdistill.ops.targets import target_history
 
     versions = [v.to_dict() for v in target_history()]
     lines = [f"{v['registered_at']}  {v['fingerprint']}  {v['path']}" for v in versions] or ["no target registered"]
@@ -319,8 +324,8 @@ def cmd_target_history(args: argparse.Namespace) -> int:
 def cmd_monitor_sample(args: argparse.Namespace) -> int:
     import torch
 
-    from specdistill.logstore import LogStore
-    from specdistill.monitor import decide, replay_acceptance
+    from specdistill.data.logstore import LogStore
+    from specdistill.ops.monitor import decide, replay_acceptance
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -339,8 +344,8 @@ def cmd_monitor_sample(args: argparse.Namespace) -> int:
 
 
 def cmd_monitor_serve(args: argparse.Namespace) -> int:
-    from specdistill.logstore import LogStore
-    from specdistill.monitor import serve_metrics
+    from specdistill.data.logstore import LogStore
+    from specdistill.ops.monitor import serve_metrics
 
     print(f"serving metrics on http://{args.host}:{args.port}/metrics (refresh every {args.interval:g} s)", file=sys.stderr)
     try:
@@ -353,8 +358,8 @@ def cmd_monitor_serve(args: argparse.Namespace) -> int:
 def cmd_demo_target_update(args: argparse.Namespace) -> int:
     import torch
 
-    from specdistill.drift import load_update_meta, make_target_update
-    from specdistill.models import load_model
+    from specdistill.modeling.models import load_model
+    from specdistill.ops.drift import load_update_meta, make_target_update
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -490,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--min-draft-tokens", type=int, default=100, help="fewer proposed tokens: no sample")
-    p.add_argument("--threshold", type=float, default=0.5)
+    p.add_argument("--threshold", type=float, default=None, help="default: the red line, 0.5")
     p.add_argument("--db", default=None, help=db_help)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p = add(monitor, "serve", cmd_monitor_serve, "expose the spec-decode metrics over HTTP, fed from the log store")

@@ -4,7 +4,7 @@ from alembic import context
 
 connection = context.config.attributes.get("connection")
 if connection is None:
-    raise RuntimeError("run migrations through specdistill.logstore.upgrade(engine), which passes a connection")
+    raise RuntimeError("run migrations through specdistill.data.logstore.upgrade(engine), which passes a connection")
 
 context.configure(connection=connection, render_as_batch=connection.dialect.name == "sqlite")
 with context.begin_transaction():

@@ -2,7 +2,7 @@
 
 SQLite under `$SPECDISTILL_HOME/logs.db` by default; any SQLAlchemy URL (PostgreSQL through
 psycopg: `postgresql+psycopg://user:pw@host/db`) through `url=` or `$SPECDISTILL_LOG_DB`. The
-schema is created and upgraded only by the versioned migrations in `specdistill/migrations/`
+schema is created and upgraded only by the versioned migrations in `specdistill/data/migrations/`
 (Alembic); `LogStore(...)` brings a database to the newest version under a lock, so two processes
 opening a fresh database do not race.
 
@@ -17,38 +17,38 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from specdistill.logschema import (  # noqa: F401  (the schema and hashes are part of this module's API)
+from specdistill.data.logschema import (  # noqa: F401  (the schema and hashes are part of this module's API)
     DEFAULT_EVAL_FRACTION,
     UTCDateTime,
+    _revision,
     acceptance_samples,
     content_hash,
     conversations,
     decisions,
+    default_url,
+    display_url,
+    downgrade,
     ingest_runs,
+    make_engine,
     metadata,
     prompt_hash,
     quarantine,
     responses,
-    default_url,
-    display_url,
-    downgrade,
-    make_engine,
     schema_revision,
     split_of,
     upgrade,
     watermarks,
     writing,
 )
-from specdistill.logschema import _revision
-from specdistill.readers import Conversation, Message, Rejected
-
+from specdistill.data.readers import Conversation, Message, Rejected
 
 
 def _now() -> datetime:
@@ -104,6 +104,12 @@ class LogStore:
 
     def close(self) -> None:
         self.engine.dispose()
+
+    def __enter__(self) -> LogStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _insert(self, table: sa.Table):
         if self.engine.dialect.name == "postgresql":

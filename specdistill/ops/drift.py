@@ -55,7 +55,7 @@ def domain_examples(domain_tokens: tuple[str, ...], path: str | Path | None = No
                     limit: int | None = None) -> list[list[dict]]:
     """HumanEval problems as chat turns (user: complete this function; assistant: the solution),
     with the domain words woven into the code as an import, comments and a call."""
-    from specdistill.datasets import humaneval_path
+    from specdistill.data.datasets import humaneval_path
 
     path = Path(path) if path else humaneval_path()
     if len(domain_tokens) < 2:
@@ -202,7 +202,7 @@ def make_target_update(
 ) -> Path:
     """Write a new target version (HF directory: safetensors + tokenizer) made from `base_ref`."""
     from specdistill import paths
-    from specdistill.models import load_model
+    from specdistill.modeling.models import load_model
 
     config = TargetUpdateConfig(tuple(domain_tokens), top_layers, steps, lr, batch_size, max_len, seed, examples)
     out_dir = Path(out_dir) if out_dir else paths.home() / "targets" / "demo-update"

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from specdistill import paths
-from specdistill.vocab import DraftVocab, VocabAlignmentError
+from specdistill.modeling.vocab import DraftVocab, VocabAlignmentError
 
 DRAFT_META_FILE = "specdistill_draft.json"
 

@@ -9,10 +9,10 @@ reduced draft vocabulary of FR-Spec / EAGLE-3 (`DraftVocab`).
 from __future__ import annotations
 
 from collections import Counter
-from functools import cached_property
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
-from typing import Iterable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -288,7 +288,7 @@ class DraftVocab:
         return path
 
     @classmethod
-    def load(cls, directory: str | Path) -> "DraftVocab | None":
+    def load(cls, directory: str | Path) -> DraftVocab | None:
         path = Path(directory) / DRAFT_VOCAB_FILE
         if not path.is_file():
             return None

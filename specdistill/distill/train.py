@@ -27,12 +27,30 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from specdistill import losses
-from specdistill.checkpoints import checkpoint_dirs, load_checkpoint, save_checkpoint
-from specdistill.config import DistillConfig, save_config
-from specdistill.datagen import Batch, DataOrder, Example, collate, read_examples
-from specdistill.teacher import OnlineTeacher, TeacherCache, check_entry, teacher_positions, to_draft_space, vocab_key
-from specdistill.vocab import DraftVocab, build_draft_vocab
+from specdistill.acceptance import expected_tokens_per_round
+from specdistill.distill import losses
+from specdistill.distill.checkpoints import (
+    checkpoint_dirs,
+    load_checkpoint,
+    save_checkpoint,
+)
+from specdistill.distill.config import DistillConfig, save_config
+from specdistill.distill.datagen import (
+    Batch,
+    DataOrder,
+    Example,
+    collate,
+    read_examples,
+)
+from specdistill.distill.teacher import (
+    OnlineTeacher,
+    TeacherCache,
+    check_entry,
+    teacher_positions,
+    to_draft_space,
+    vocab_key,
+)
+from specdistill.modeling.vocab import DraftVocab, build_draft_vocab
 
 
 class NonFiniteLossError(RuntimeError):
@@ -79,12 +97,7 @@ def heldout_acceptance(module: DraftWithHead, examples: list[Example], draft_voc
         total += batch.labels.numel()
     module.train(was_training)
     alpha = agree / max(total, 1)
-    return {"acceptance": alpha, "tau": expected_tau(alpha, gamma), "eval_tokens": total}
-
-
-def expected_tau(alpha: float, gamma: int = 4) -> float:
-    """Expected tokens per target forward, bonus included: (1 − α^(γ+1)) / (1 − α)."""
-    return float(gamma + 1) if alpha >= 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    return {"acceptance": alpha, "tau": expected_tokens_per_round(alpha, gamma), "eval_tokens": total}
 
 
 def lr_at(step: int, cfg) -> float:
@@ -151,8 +164,12 @@ def _build_draft_vocab(config: DistillConfig, examples: list[Example], tokenizer
 
 def distill(config: DistillConfig) -> dict:
     """Train a draft as the config says; returns the final metrics and where the draft was written."""
-    from specdistill.drafts import init_draft_from_target, parse_layers, save_draft
-    from specdistill.models import load_model
+    from specdistill.modeling.drafts import (
+        init_draft_from_target,
+        parse_layers,
+        save_draft,
+    )
+    from specdistill.modeling.models import load_model
 
     device = pick_device(config.device)
     rank, world = _dist_info(device)
@@ -322,7 +339,7 @@ def distill(config: DistillConfig) -> dict:
               "stop": stop_reason, "trainable_parameters": trainable, "frozen_parameters": frozen,
               "curve": curve, "draft_vocab": draft_vocab.size if draft_vocab is not None else None, "layers": layers}
     if world > 1:  # every rank must end with the same weights; say so in the result, fail loudly if not
-        from specdistill.models import weights_digest
+        from specdistill.modeling.models import weights_digest
 
         digests = [None] * world
         dist.all_gather_object(digests, weights_digest(module))

@@ -12,7 +12,7 @@ with the byte offset and the size of the tail) once iteration is over; `reader.e
 an incremental read resumes. Nothing in the tail is silently dropped: it is reported, and read
 again when the file has grown.
 
-Normalization: see `specdistill.formats` (roles, empty turns, conversations that do not start with
+Normalization: see `specdistill.data.formats` (roles, empty turns, conversations that do not start with
 a user turn, over-long records, text a database cannot hold).
 
 Format checks: if none of the first `SNIFF_RECORDS` records of a file is valid for `--format`, the
@@ -25,11 +25,18 @@ from __future__ import annotations
 import gzip
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO
 
-from specdistill.formats import DEFAULT_MAX_CHARS, PARSERS, InvalidRecord, Message, looks_like
+from specdistill.data.formats import (
+    DEFAULT_MAX_CHARS,
+    PARSERS,
+    InvalidRecord,
+    Message,
+    looks_like,
+)
 
 FORMATS = ("sharegpt", "openai", "jsonl", "humaneval")
 SNIFF_RECORDS = 20

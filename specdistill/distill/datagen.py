@@ -12,18 +12,23 @@ assistant tokens that every loss is restricted to.
 from __future__ import annotations
 
 import json
-import zlib
 import os
 import sys
+import zlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 from tqdm import tqdm
-from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
-from specdistill.teacher import TeacherCache, pad_batch, topk_rows
+from specdistill.distill.teacher import TeacherCache, pad_batch, topk_rows
 
 
 @dataclass
@@ -281,7 +286,7 @@ class Batch:
     labels: torch.Tensor  # [N] the next token (target ids) at those positions, row-major
     rows_per_example: list[int] = field(default_factory=list)
 
-    def to(self, device: torch.device) -> "Batch":
+    def to(self, device: torch.device) -> Batch:
         return Batch(self.ids, self.input_ids.to(device), self.attention.to(device), self.positions.to(device),
                      self.labels.to(device), self.rows_per_example)
 

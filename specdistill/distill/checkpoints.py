@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdistill.config import DistillConfig, save_config
+from specdistill.distill.config import DistillConfig, save_config
 
 CKPT_PREFIX = "step-"
 

@@ -19,8 +19,15 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from specdistill.drafts import measure_cost_ratio
-from specdistill.speculative import Drafter, ModelDrafter, SamplingConfig, SpecStats, generate
+from specdistill.acceptance import expected_tokens_per_round, ideal_speedup  # noqa: F401  (part of the bench's API)
+from specdistill.modeling.drafts import measure_cost_ratio
+from specdistill.speculative import (
+    Drafter,
+    ModelDrafter,
+    SamplingConfig,
+    SpecStats,
+    generate,
+)
 
 
 @dataclass
@@ -81,17 +88,6 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat_template: 
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         return list(ids)
     return list(tokenizer(text)["input_ids"])
-
-
-def expected_tokens_per_round(alpha: float, gamma: int) -> float:
-    """(1 − α^(γ+1)) / (1 − α) under the i.i.d. acceptance model."""
-    if alpha >= 1.0:
-        return gamma + 1.0
-    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
-
-
-def ideal_speedup(alpha: float, gamma: int, cost_ratio: float) -> float:
-    return expected_tokens_per_round(alpha, gamma) / (gamma * cost_ratio + 1)
 
 
 def percentile(values: list[float], q: float) -> float:

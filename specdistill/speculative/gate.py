@@ -8,14 +8,17 @@ going live: τ ≥ 3 and speedup ≥ 1.5.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any
+
+from specdistill.acceptance import ACCEPTANCE_RED_LINE
 
 
 @dataclass
 class GateConfig:
     require_lossless: bool = True
-    min_acceptance_rate: float | None = 0.5
+    min_acceptance_rate: float | None = ACCEPTANCE_RED_LINE
     min_speedup: float | None = 1.0
     min_accepted_length: float | None = None
     max_accepted_length_drop: float = 0.05  # challenger τ may trail the champion's by at most this (absolute)

@@ -1,7 +1,7 @@
 """The log store's tables, engine and migrations, and the hashes that give a conversation its
 identity and its split.
 
-The tables here are what the migrations in `specdistill/migrations/versions/` build (a test
+The tables here are what the migrations in `specdistill/data/migrations/versions/` build (a test
 compares the two); change both together, with a new migration.
 """
 
@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timezone
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from specdistill.formats import Message
+from specdistill.data.formats import Message
 from specdistill.paths import ensure, home
 
 DEFAULT_EVAL_FRACTION = 0.05

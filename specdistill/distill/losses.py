@@ -41,7 +41,7 @@ class TopKTeacher:
     residual: torch.Tensor  # [...] 1 - Σ p over the k tokens (≥ 0)
     valid: torch.Tensor | None = None  # [..., k] False for entries a reduced draft vocabulary lacks
 
-    def to(self, device: torch.device) -> "TopKTeacher":
+    def to(self, device: torch.device) -> TopKTeacher:
         return TopKTeacher(self.logprobs.to(device), self.indices.to(device), self.residual.to(device),
                            None if self.valid is None else self.valid.to(device))
 
@@ -50,7 +50,7 @@ class TopKTeacher:
         res = self.residual.clamp_min(0).unsqueeze(-1).to(self.logprobs.dtype)
         return torch.cat([self.logprobs, torch.log(res)], dim=-1)
 
-    def select(self, mask: torch.Tensor) -> "TopKTeacher":
+    def select(self, mask: torch.Tensor) -> TopKTeacher:
         valid = None if self.valid is None else self.valid[mask]
         return TopKTeacher(self.logprobs[mask], self.indices[mask], self.residual[mask], valid)
 

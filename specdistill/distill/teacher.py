@@ -17,8 +17,8 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +26,8 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from specdistill.losses import TopKTeacher
-from specdistill.vocab import DraftVocab
+from specdistill.distill.losses import TopKTeacher
+from specdistill.modeling.vocab import DraftVocab
 
 CACHE_META = "teacher_cache.json"
 
@@ -81,7 +81,7 @@ class TeacherCache:
 
     # writing -------------------------------------------------------------------------------
     @classmethod
-    def create(cls, directory, *, fingerprint: str, k: int, temperature: float, vocab: str, data: str = "") -> "TeacherCache":
+    def create(cls, directory, *, fingerprint: str, k: int, temperature: float, vocab: str, data: str = "") -> TeacherCache:
         """Open for writing; an existing cache must carry the same key (then writing resumes)."""
         directory = Path(directory)
         meta = {"fingerprint": fingerprint, "k": k, "temperature": temperature, "vocab": vocab, "data": data}
@@ -112,7 +112,7 @@ class TeacherCache:
     # reading -------------------------------------------------------------------------------
     @classmethod
     def open(cls, directory, *, fingerprint: str, k: int | None = None, temperature: float | None = None,
-             vocab: str | None = None, data: str | None = None) -> "TeacherCache":
+             vocab: str | None = None, data: str | None = None) -> TeacherCache:
         """Open for reading, refusing a cache whose key differs from what the caller trains with."""
         directory = Path(directory)
         meta_path = directory / CACHE_META

@@ -20,18 +20,21 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Sequence
 
-import torch
-
-from specdistill.bench import BenchConfig, Prompt, run_bench_many
-from specdistill.models import LoadedModel, load_model
-from specdistill.speculative import ModelDrafter, NgramDrafter, SelfSpecDrafter, SpecStats, generate
-
-ACCEPTANCE_THRESHOLD = 0.5
+from specdistill.acceptance import ACCEPTANCE_RED_LINE
+from specdistill.modeling.models import LoadedModel, load_model
+from specdistill.speculative import (
+    ModelDrafter,
+    NgramDrafter,
+    SelfSpecDrafter,
+    SpecStats,
+    generate,
+)
+from specdistill.speculative.bench import BenchConfig, Prompt, run_bench_many
 
 
 def _loaded(ref: str | os.PathLike | LoadedModel) -> LoadedModel:
@@ -122,7 +125,7 @@ class AcceptanceSample:
 
 def vocab_matches(target: LoadedModel, draft: LoadedModel) -> tuple[bool, str]:
     """Whether the target can verify the draft's tokens as they are (sizes and token strings)."""
-    from specdistill.vocab import check_vocab
+    from specdistill.modeling.vocab import check_vocab
 
     t_size, d_size = target.config.vocab_size, draft.config.vocab_size
     if t_size != d_size:
@@ -136,7 +139,11 @@ def vocab_matches(target: LoadedModel, draft: LoadedModel) -> tuple[bool, str]:
 
 def aligned_drafter(target: LoadedModel, draft: LoadedModel, name: str = "draft") -> tuple[ModelDrafter, bool, str]:
     """(drafter, transplanted, why): the draft as it is, or re-embedded over the target's vocabulary."""
-    from specdistill.vocab import DraftVocab, remap_draft_vocab, transplant_vocab
+    from specdistill.modeling.vocab import (
+        DraftVocab,
+        remap_draft_vocab,
+        transplant_vocab,
+    )
 
     matches, why = vocab_matches(target, draft)
     vocab = DraftVocab.load(draft.path)
@@ -227,11 +234,12 @@ def replay_acceptance(
 # Decision
 
 
-def decide(sample, threshold: float = ACCEPTANCE_THRESHOLD) -> str:
+def decide(sample, threshold: float | None = None) -> str:
     """keep (α ≥ threshold), fallback (α below it), or no-sample (nothing to decide on).
 
     Takes a replay AcceptanceSample or a live metrics.LiveSample (both carry ok and acceptance_rate).
     """
+    threshold = ACCEPTANCE_RED_LINE if threshold is None else threshold
     if not getattr(sample, "ok", False) or getattr(sample, "acceptance_rate", None) is None:
         return "no-sample"
     return "keep" if sample.acceptance_rate >= threshold else "fallback"
@@ -247,7 +255,7 @@ class Decision:
     draft_version: str | None = None
     acceptance: dict | None = None  # AcceptanceSample.to_dict() or a live sample's fields
     fallback: dict | None = None  # FallbackDecision.to_dict()
-    threshold: float = ACCEPTANCE_THRESHOLD
+    threshold: float = ACCEPTANCE_RED_LINE
     reason: str = ""
     decided_at: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat())
 
@@ -349,7 +357,7 @@ def export_early_exit_draft(target_ref: str | os.PathLike | LoadedModel, exit_la
     """Self-speculation as a servable draft checkpoint: the target's layers 0..k-1 with its
     embeddings, final norm and head, so vLLM's `draft_model` method (and SGLang STANDALONE) can
     serve the fallback. Proposes exactly what `SelfSpecDrafter(target, k)` proposes."""
-    from specdistill.drafts import init_draft_from_target, save_draft
+    from specdistill.modeling.drafts import init_draft_from_target, save_draft
 
     target = _loaded(target_ref)
     n = target.config.num_hidden_layers
@@ -368,7 +376,7 @@ def export_early_exit_draft(target_ref: str | os.PathLike | LoadedModel, exit_la
 def refresh_metrics(metrics, store, after_id: int = 0, serving_path: str | Path | None = None) -> int:
     """Add acceptance samples stored since `after_id` to the counters and set the serving gauges;
     returns the newest sample id seen (pass it back next time, so nothing is counted twice)."""
-    from specdistill.serving import read_serving_config
+    from specdistill.ops.serving import read_serving_config
 
     for row in store.acceptance_samples_after(after_id):
         metrics.record(rounds=row["num_drafts"], proposed=row["num_draft_tokens"],
@@ -385,7 +393,7 @@ def serve_metrics(store, port: int = 9464, host: str = "127.0.0.1", interval_s: 
                   serving_path: str | Path | None = None, iterations: int | None = None):
     """`specdistill monitor serve`: the metrics of DESIGN.md on http://host:port/metrics, refreshed
     from the log store every `interval_s` (forever, or `iterations` times)."""
-    from specdistill.metrics import SpecDecodeMetrics
+    from specdistill.ops.metrics import SpecDecodeMetrics
 
     metrics = SpecDecodeMetrics()
     server = metrics.serve(port, host)

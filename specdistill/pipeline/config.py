@@ -1,0 +1,128 @@
+"""The flows' configs: the nightly distillation run and the monitor, each one typed model that a YAML
+file and dotted `key=value` overrides map onto (see `specdistill.config.load_model_config`)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from specdistill.acceptance import ACCEPTANCE_RED_LINE
+from specdistill.config import ConfigError, Strict, load_model_config
+
+
+class SourceConfig(Strict):
+    path: str  # a file, or "sharegpt" / "humaneval" for the shipped demo traffic
+    format: Literal["sharegpt", "openai", "jsonl", "humaneval"]
+    slice: str = "chat"  # benchmark slice its prompts report under
+
+
+class WindowConfig(Strict):
+    days: float | None = None  # traffic that arrived in the last N days (None: all of it)
+    since: datetime | None = None  # or since this moment (the monitor: since the target update)
+    train_prompts: int = Field(64, ge=1)  # the embedded demo answers these within its 20-minute budget
+    eval_prompts: int = Field(10, ge=1)
+    replay_share: float = Field(0.25, ge=0.0, lt=1.0)  # of train prompts drawn from before the window
+    max_prompt_tokens: int = Field(384, ge=16)
+    seed: int = 0
+
+
+class GenerationConfig(Strict):
+    max_new_tokens: int = Field(96, ge=1)
+    batch_size: int = Field(16, ge=1)
+    teacher_top_k: int = Field(32, ge=1)
+
+
+class TrainConfig(Strict):
+    layers: str = "0,1,2,29"
+    draft_vocab: int | None = 8192
+    lr: float = 1e-3
+    incremental_lr: float = 3e-4
+    batch_size: int = 4
+    max_steps: int = 400
+    max_minutes: float = 3.0
+    loss: Literal["fkl", "rkl", "jsd", "tv", "mix"] = "fkl"
+    epochs_hint: int = 3  # passes over the generated answers when max_steps allows
+
+
+class BenchSettings(Strict):
+    gamma: int = Field(4, ge=1)
+    max_new_tokens: int = Field(40, ge=1)
+    repeats: int = Field(1, ge=1)
+    self_spec_layers: list[int] = [8]
+    ngram: bool = True
+    generic_draft: bool = True  # train the off-the-shelf baseline once (plain CE on human answers)
+    threads: int | None = None
+
+
+class GateSettings(Strict):
+    """The embedded demo defaults relax the absolute bars (α >= 0.5, speedup >= 1.0): a 3-minute CPU
+    distillation does not reach them. Instead the challenger must beat the off-the-shelf generic
+    draft on the same prompts. deploy/nightly/nightly.yaml uses the full default profile."""
+
+    profile: Literal["default", "production"] = "default"
+    overrides: dict[str, float | bool | None] = {"min_acceptance_rate": None, "min_speedup": None}
+    must_beat: list[str] = ["generic"]  # baselines whose acceptance rate the challenger must exceed
+
+
+class NightlyConfig(Strict):
+    """Defaults are the demo world sized to finish in minutes on a 2-core CPU (`specdistill demo`)."""
+
+    target: str = "demo"
+    target_name: str = "SmolLM2-135M-Instruct"
+    sources: list[SourceConfig] = [
+        SourceConfig(path="sharegpt", format="sharegpt", slice="chat"),
+        SourceConfig(path="humaneval", format="humaneval", slice="code"),
+    ]
+    window: WindowConfig = WindowConfig()
+    generation: GenerationConfig = GenerationConfig()
+    train: TrainConfig = TrainConfig()
+    bench: BenchSettings = BenchSettings()
+    gate: GateSettings = GateSettings()
+    log_db: str | None = None  # default: SQLite under $SPECDISTILL_HOME
+    serving_path: str | None = None  # default: $SPECDISTILL_HOME/serving.json
+
+
+def load_nightly_config(path: str | Path | None = None, overrides: list[str] | None = None) -> NightlyConfig:
+    """YAML file plus dotted `key=value` overrides; unknown keys fail here, before any work."""
+    return load_model_config(NightlyConfig, path, overrides, what="nightly config")
+
+
+class MonitorConfig(Strict):
+    target: str | None = None  # the target being served (None: the last `target register`ed, else demo)
+    nightly_config: str | None = None  # the nightly flow's config for incremental distillation
+    nightly_overrides: list[str] = []
+    threshold: float = Field(ACCEPTANCE_RED_LINE, gt=0.0, lt=1.0)  # acceptance below this: fallback + retrain
+    replay_prompts: int = Field(12, ge=1)
+    gamma: int = Field(4, ge=1)
+    max_new_tokens: int = Field(32, ge=1)
+    min_draft_tokens: int = Field(64, ge=1)  # fewer sampled tokens: no sample, no decision
+    live_metrics_url: str | None = None  # a serving engine's /metrics (vLLM names); else replay
+    live_interval_s: float = Field(30.0, gt=0.0)
+    fallback_exit_layers: list[int] = [4, 8, 12]
+    fallback_min_tokens: int = Field(64, ge=1)
+    fallback_repeats: int = Field(1, ge=1)
+    replay_share: float = Field(0.25, ge=0.0, lt=1.0)  # of older traffic in the incremental run
+
+    def target_ref(self) -> str:
+        from specdistill.ops.targets import current_target
+
+        if self.target:
+            return self.target
+        registered = current_target()
+        return registered.ref if registered else "demo"
+
+    @property
+    def nightly(self) -> NightlyConfig:
+        return load_nightly_config(self.nightly_config, [f"target={self.target_ref()}", *self.nightly_overrides])
+
+
+def load_monitor_config(path: str | Path | None = None, overrides: list[str] | None = None) -> MonitorConfig:
+    config = load_model_config(MonitorConfig, path, overrides, what="monitor config")
+    try:
+        config.nightly  # the nightly config it names must be valid too, before any work
+    except ConfigError as exc:
+        raise ConfigError(f"{path or 'monitor config'}: nightly_config: {exc}") from None
+    return config
