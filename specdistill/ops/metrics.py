@@ -28,7 +28,7 @@ MODES = ("draft", "ngram", "self_speculation", "off")
 
 
 class SpecDecodeMetrics:
-    """The metrics of DESIGN.md on their own registry (so tests and several monitors never collide)."""
+    """The metrics of docs/metrics.md on their own registry (so tests and several monitors never collide)."""
 
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()

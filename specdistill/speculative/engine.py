@@ -21,7 +21,7 @@ from specdistill.speculative.sampling import SamplingConfig, next_token, verify
 
 @dataclass
 class SpecStats:
-    """Counters per request, summed over requests by `merge` (DESIGN.md definitions).
+    """Counters per request, summed over requests by `merge` (definitions in docs/metrics.md).
 
     rounds are drafting rounds (target forwards that verified at least one draft); target steps
     with nothing to verify (prefill, no n-gram match, last token) count only in `target_forwards`.
