@@ -1,0 +1,81 @@
+"""γ by measurement: predict the speedup of every γ from what one benchmark run measured, pick the
+best, and let a second run confirm it.
+
+A round with γ drafts costs γ draft steps (c each, in target steps) plus one target forward over
+γ+1 tokens, which costs v(γ+1) target steps: v(k) ≈ 1 on a GPU and on a CPU in bf16, far above 1
+on a CPU in fp32 (docs/metrics.md). It yields 1 + Σ_{i≤γ} a_i tokens, where a_i is the share of
+rounds whose draft at position i was accepted (per-position acceptance, which already contains the
+"all before it were accepted" condition). Beyond the measured γ, acceptance is extended
+geometrically with the last measured conditional rate a_γ/a_{γ-1}.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+GAMMAS = range(1, 9)
+
+
+def measure_verify_costs(target: PreTrainedModel, ks: Sequence[int] = tuple(range(1, 10)), *,
+                         context: int = 128, repeats: int = 7) -> dict[int, float]:
+    """v(k): the cost of one target forward over k tokens ÷ a 1-token decode step, KV cache of
+    `context` tokens; interleaved, median of repeats (the machine is shared and noisy)."""
+    vocab = target.config.vocab_size
+    device = next(target.parameters()).device
+    ids = torch.randint(0, vocab, (1, context), device=device)
+    cache = DynamicCache(config=target.config)
+    with torch.inference_mode():
+        target(input_ids=ids, cache=cache, use_cache=True)
+    inputs = {k: torch.randint(0, vocab, (1, k), device=device) for k in ks}
+
+    def timed(k: int) -> float:
+        extra = cache.get_seq_length() - context
+        if extra:
+            cache.crop(-extra)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            target(input_ids=inputs[k], cache=cache, use_cache=True, logits_to_keep=k)
+        return time.perf_counter() - start
+
+    samples: dict[int, list[float]] = {k: [] for k in ks}
+    for k in ks:  # warm-up
+        timed(k)
+    for r in range(repeats):
+        for k in (list(ks) if r % 2 == 0 else list(reversed(ks))):
+            samples[k].append(timed(k))
+    one = sorted(samples[1])[len(samples[1]) // 2] if 1 in samples else None
+    if one is None:
+        raise ValueError("verify costs are relative to a 1-token step: include k=1")
+    return {k: sorted(v)[len(v) // 2] / one for k, v in samples.items()}
+
+
+def extend_acceptance(per_position: Sequence[float], gamma: int) -> list[float]:
+    """Per-position acceptance up to `gamma`, extended geometrically past the measured positions."""
+    a = [max(0.0, min(1.0, x)) for x in per_position]
+    if not a:
+        return [0.0] * gamma
+    ratio = a[-1] / a[-2] if len(a) >= 2 and a[-2] > 0 else a[-1]
+    while len(a) < gamma:
+        a.append(a[-1] * ratio)
+    return a[:gamma]
+
+
+def predict_speedups(per_position: Sequence[float], cost_ratio: float, verify_costs: dict[int, float],
+                     gammas: Sequence[int] = GAMMAS) -> dict[int, float]:
+    """Predicted speedup over target-only decoding for each γ (see the module docstring)."""
+    out = {}
+    for g in gammas:
+        if g + 1 not in verify_costs:
+            raise ValueError(f"no measured verification cost for {g + 1} tokens (γ={g})")
+        tokens = 1.0 + sum(extend_acceptance(per_position, g))
+        out[g] = tokens / (g * cost_ratio + verify_costs[g + 1])
+    return out
+
+
+def best_gamma(predicted: dict[int, float]) -> int:
+    """The γ with the highest predicted speedup; the smaller γ on a tie (cheaper when wrong)."""
+    return max(sorted(predicted), key=lambda g: (round(predicted[g], 6), -g))

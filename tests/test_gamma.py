@@ -1,0 +1,47 @@
+"""γ is chosen from measured per-position acceptance, draft cost and verification cost."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_tiny_llama
+
+from specdistill.speculative.gamma import best_gamma, extend_acceptance, measure_verify_costs, predict_speedups
+
+FLAT = {k: 1.0 for k in range(1, 10)}  # verification as cheap as one step (GPU, CPU bf16)
+
+
+def test_extension_is_geometric_past_the_measured_positions():
+    assert extend_acceptance([0.8, 0.64], 4) == pytest.approx([0.8, 0.64, 0.512, 0.4096])
+    assert extend_acceptance([0.5, 0.25, 0.1, 0.05], 2) == [0.5, 0.25]
+    assert extend_acceptance([], 3) == [0.0, 0.0, 0.0]
+
+
+def test_iid_acceptance_with_free_verification_matches_the_closed_form():
+    alpha, c = 0.7, 0.1
+    per_position = [alpha ** (i + 1) for i in range(4)]
+    predicted = predict_speedups(per_position, c, FLAT)
+    for g, s in predicted.items():
+        assert s == pytest.approx((1 - alpha ** (g + 1)) / (1 - alpha) / (g * c + 1))
+
+
+def test_high_acceptance_wants_long_drafts_low_acceptance_short_ones():
+    good = predict_speedups([0.9 ** (i + 1) for i in range(4)], 0.05, FLAT)
+    poor = predict_speedups([0.3 ** (i + 1) for i in range(4)], 0.2, FLAT)
+    assert best_gamma(good) >= 6 and best_gamma(poor) == 1
+
+
+def test_costly_verification_shortens_the_draft():
+    per_position = [0.8 ** (i + 1) for i in range(4)]
+    cheap = best_gamma(predict_speedups(per_position, 0.05, FLAT))
+    fp32_cpu = {k: 1.0 + 0.25 * (k - 1) for k in range(1, 10)}  # verification grows with k
+    assert best_gamma(predict_speedups(per_position, 0.05, fp32_cpu)) < cheap
+
+
+def test_a_missing_verification_cost_is_named():
+    with pytest.raises(ValueError, match="4 tokens"):
+        predict_speedups([0.5], 0.1, {1: 1.0, 2: 1.0, 3: 1.0}, gammas=[1, 2, 3])
+
+
+def test_verify_costs_are_relative_to_one_token():
+    costs = measure_verify_costs(make_tiny_llama(), ks=(1, 2, 4), context=16, repeats=3)
+    assert set(costs) == {1, 2, 4} and costs[1] == 1.0 and all(v > 0 for v in costs.values())
