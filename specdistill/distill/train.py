@@ -100,11 +100,16 @@ def heldout_acceptance(module: DraftWithHead, examples: list[Example], draft_voc
     return {"acceptance": alpha, "tau": expected_tokens_per_round(alpha, gamma), "eval_tokens": total}
 
 
-def lr_at(step: int, cfg) -> float:
-    """Linear warmup, then cosine from lr to lr·min_lr_ratio over max_steps."""
+def lr_at(step: int, cfg, train_seconds: float = 0.0) -> float:
+    """Linear warmup, then cosine from lr to lr·min_lr_ratio, clocked by whichever budget runs out
+    first: steps (step / max_steps) or time (train_seconds / max_minutes). A time-capped run then
+    decays to its floor instead of stopping at peak learning rate."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    if cfg.max_minutes:
+        progress = max(progress, train_seconds / (60 * cfg.max_minutes))
+    progress = min(1.0, progress)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -280,7 +285,7 @@ def distill(config: DistillConfig) -> dict:
             break
         t0 = time.perf_counter()
         for g in optimizer.param_groups:
-            g["lr"] = lr_at(step, opt)
+            g["lr"] = lr_at(step, opt, train_seconds)
         step_tokens = 0
         step_loss = 0.0
         for micro in range(opt.grad_accum):
