@@ -20,10 +20,10 @@ from transformers import DynamicCache, PreTrainedModel
 GAMMAS = range(1, 9)
 
 
-def measure_verify_costs(target: PreTrainedModel, ks: Sequence[int] = tuple(range(1, 10)), *,
-                         context: int = 128, repeats: int = 7) -> dict[int, float]:
-    """v(k): the cost of one target forward over k tokens ÷ a 1-token decode step, KV cache of
-    `context` tokens; interleaved, median of repeats (the machine is shared and noisy)."""
+def measure_forward_seconds(target: PreTrainedModel, ks: Sequence[int] = tuple(range(1, 10)), *,
+                            context: int = 128, repeats: int = 7) -> dict[int, float]:
+    """Seconds of one forward over k new tokens with a KV cache of `context` tokens, for each k;
+    interleaved (alternating order), median of repeats: the machine is shared and noisy."""
     vocab = target.config.vocab_size
     device = next(target.parameters()).device
     ids = torch.randint(0, vocab, (1, context), device=device)
@@ -47,10 +47,16 @@ def measure_verify_costs(target: PreTrainedModel, ks: Sequence[int] = tuple(rang
     for r in range(repeats):
         for k in (list(ks) if r % 2 == 0 else list(reversed(ks))):
             samples[k].append(timed(k))
-    one = sorted(samples[1])[len(samples[1]) // 2] if 1 in samples else None
-    if one is None:
+    return {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
+
+
+def measure_verify_costs(target: PreTrainedModel, ks: Sequence[int] = tuple(range(1, 10)), *,
+                         context: int = 128, repeats: int = 7) -> dict[int, float]:
+    """v(k): the cost of one target forward over k tokens ÷ a 1-token decode step."""
+    if 1 not in ks:
         raise ValueError("verify costs are relative to a 1-token step: include k=1")
-    return {k: sorted(v)[len(v) // 2] / one for k, v in samples.items()}
+    seconds = measure_forward_seconds(target, ks, context=context, repeats=repeats)
+    return {k: t / seconds[1] for k, t in seconds.items()}
 
 
 def extend_acceptance(per_position: Sequence[float], gamma: int) -> list[float]:
