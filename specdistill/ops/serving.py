@@ -30,6 +30,8 @@ class ServingConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     reason: str = ""
+    measured: dict[str, float] = field(default_factory=dict)  # every mode's measured speedup, same prompts
+    measured_on: str = ""  # engine and dtype the speedups were measured with, e.g. "harness bf16"
     updated_at: float = field(default_factory=time.time)
 
     def __post_init__(self):
@@ -84,12 +86,60 @@ class ServingConfig:
         if self.exit_layer is not None:
             lines.append(f"exit layer      {self.exit_layer}")
         lines.append(f"target          {self.target_fingerprint}")
-        lines.append(f"vLLM            --speculative-config '{json.dumps(self.vllm())}'" if self.vllm() else "vLLM            (no speculation)")
+        vllm = f"--speculative-config '{json.dumps(self.vllm())}'" if self.vllm() else "(no speculation)"
+        lines.append(f"vLLM            {vllm}")
         lines.append(f"SGLang          {' '.join(self.sglang()) or '(no speculation)'}")
         if self.reason:
             lines.append(f"reason          {self.reason}")
+        if self.measured:
+            speedups = ", ".join(f"{name} {x:.2f}x" for name, x in sorted(self.measured.items(), key=lambda kv: -kv[1]))
+            lines.append(f"measured        {speedups}" + (f" ({self.measured_on})" if self.measured_on else ""))
         lines.append(f"updated         {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.updated_at))}")
         return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# The no-slowdown guard: one implementation for the nightly flow and the monitor's fallback
+
+DEFAULT_MARGIN = 0.05
+
+
+@dataclass
+class Candidate:
+    """One speculation mode measured against target-only decoding on the same prompts."""
+
+    name: str
+    mode: str  # draft | self_speculation | ngram
+    speedup: float
+    lossless: bool | None  # None: sampling run, not decidable from outputs
+    gamma: int = 4
+    draft_dir: str | None = None
+    exit_layer: int | None = None
+
+
+@dataclass
+class ServingChoice:
+    mode: str  # a mode of MODES; "off" when nothing beats target-only by the margin
+    candidate: Candidate | None
+    reason: str
+    margin: float
+    speedups: dict[str, float] = field(default_factory=dict)
+
+
+def fastest_mode(candidates: list[Candidate], margin: float = DEFAULT_MARGIN) -> ServingChoice:
+    """The fastest lossless candidate, kept only if it beats target-only by more than `margin`
+    (speedup > 1 + margin); otherwise speculation is off. Serving never gets slower than no
+    speculation on the measured prompts."""
+    speedups = {c.name: c.speedup for c in candidates}
+    table = ", ".join(f"{c.name} {c.speedup:.2f}x" + ("" if c.lossless is not False else " (lossy)")
+                      for c in sorted(candidates, key=lambda c: -c.speedup))
+    usable = [c for c in candidates if c.lossless is not False and c.mode in MODES]
+    best = max(usable, key=lambda c: c.speedup, default=None)
+    if best is None or best.speedup <= 1.0 + margin:
+        why = ("no lossless speculation mode was measured" if best is None else
+               f"the fastest mode, {best.name} at {best.speedup:.2f}x, does not beat target-only by more than {margin:.0%}")
+        return ServingChoice("off", None, f"{why} ({table or 'nothing measured'})", margin, speedups)
+    return ServingChoice(best.mode, best, f"{best.name} measured fastest at {best.speedup:.2f}x ({table})", margin, speedups)
 
 
 def serving_path() -> Path:
