@@ -1,0 +1,63 @@
+"""`specdistill ingest` and `specdistill logs stats|quarantine`: traffic into the log store, and what it holds."""
+
+from __future__ import annotations
+
+import argparse
+
+from specdistill.cli.common import Subcommands, add_db, command, emit, group, log_store
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    from specdistill.data.ingest import ingest
+
+    with log_store(args) as store:
+        result = ingest(args.path, args.format, store, batch_size=args.batch_size, source=args.source,
+                        progress=not args.no_progress)
+    emit(args, result.to_dict(), result.render())
+    return 0
+
+
+def cmd_logs_stats(args: argparse.Namespace) -> int:
+    with log_store(args) as store:
+        stats = store.stats()
+    lines = [f"log store {stats['database']} (schema {stats['schema_revision']})",
+             f"conversations: {stats['conversations']} (train {stats['by_split']['train']}, "
+             f"eval {stats['by_split']['eval']}); target responses: {stats['responses']}; "
+             f"quarantined: {stats['quarantined']}; acceptance samples: {stats['acceptance_samples']}",
+             "ingested (all runs): read {read} = stored {stored} + duplicates {duplicates} + "
+             "quarantined {quarantined}".format(**stats["ingested"])]
+    lines += [f"  {s['conversations']:>8}  {s['source']}  ({s['first_arrival']} .. {s['last_arrival']})"
+              for s in stats["by_source"]]
+    emit(args, stats, "\n".join(lines))
+    return 0
+
+
+def cmd_logs_quarantine(args: argparse.Namespace) -> int:
+    with log_store(args) as store:
+        rows = store.quarantined(source=args.source, limit=args.limit)
+        total = store.count_quarantined(source=args.source)
+    text = "\n".join(f"{r['location']}: {r['reason']}\n    {r['raw'][:160]!r}" for r in rows) or "quarantine is empty"
+    if total > len(rows):
+        text += f"\n({len(rows)} of {total} shown; --limit N for more)"
+    emit(args, {"records": rows, "shown": len(rows), "total": total}, text)
+    return 0
+
+
+def register(sub: Subcommands) -> None:
+    p = command(sub, "ingest", cmd_ingest, "ingest a traffic file into the log store (idempotent, incremental)",
+                example="ingest traffic.jsonl --format sharegpt --source prod-2026-11-29")
+    p.add_argument("path")
+    p.add_argument("--format", required=True, choices=["sharegpt", "openai", "jsonl", "humaneval"])
+    add_db(p)
+    p.add_argument("--source", default=None, help="source name (default: the file's absolute path)")
+    p.add_argument("--batch-size", type=int, default=1000, help="records per transaction")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+    logs = group(sub, "logs", "log store")
+    p = command(logs, "stats", cmd_logs_stats, "what the log store holds", example="logs stats --db sqlite:///logs.db")
+    add_db(p)
+    p = command(logs, "quarantine", cmd_logs_quarantine, "rejected records with their reasons and locations",
+                example="logs quarantine --source prod-2026-11-29 --limit 20")
+    add_db(p)
+    p.add_argument("--source", default=None, help="only this source")
+    p.add_argument("--limit", type=int, default=100)

@@ -1,0 +1,106 @@
+"""`specdistill generate` and `specdistill bench`: speculative decoding with one drafting method."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from specdistill.cli.common import Subcommands, add_threads, command, emit, set_threads
+
+
+def _drafter(args: argparse.Namespace, target):
+    from specdistill.speculative import make_drafter
+
+    return make_drafter(target, draft=args.draft, self_spec=args.self_spec, ngram=args.ngram,
+                        ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specdistill.modeling.models import load_model
+    from specdistill.speculative import SamplingConfig, generate
+    from specdistill.speculative.bench import encode_prompt
+
+    set_threads(args)
+    target = load_model(args.target)
+    if args.prompt_ids is not None:
+        try:
+            prompt = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError as exc:
+            raise ValueError(f"--prompt-ids: expected comma-separated integers, got {args.prompt_ids!r}") from exc
+    else:
+        prompt = encode_prompt(target.tokenizer, args.prompt) if args.prompt.strip() else []
+    result = generate(target.model, prompt, max_new_tokens=args.max_new_tokens, drafter=_drafter(args, target.model),
+                      gamma=args.gamma, sampling=SamplingConfig(args.temperature, args.top_p, args.seed))
+    text = target.tokenizer.decode(result.output_ids, skip_special_tokens=True)
+    stats = result.stats
+    emit(args, {"output_ids": result.output_ids, "text": text, "stats": stats.to_dict()},
+         f"{text}\n\n[{stats.generated_tokens} tokens, {stats.tokens_per_second:.2f} tokens/s, "
+         f"α {stats.acceptance_rate:.3f}, τ {stats.accepted_length:.2f}]")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import json
+
+    from specdistill.modeling.models import load_model
+    from specdistill.speculative.bench import BenchConfig, load_prompts, run_bench
+    from specdistill.speculative.gate import evaluate, gate_config
+
+    set_threads(args)
+    prompts = load_prompts(args.prompts)
+    if args.limit:
+        prompts = prompts[: args.limit]
+    target = load_model(args.target)
+    drafter = _drafter(args, target.model)
+    if drafter is None:
+        raise ValueError("bench needs a drafting method: --draft DIR, --self-spec K or --ngram")
+    config = BenchConfig(gamma=args.gamma, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                         temperature=args.temperature, top_p=args.top_p, seed=args.seed or 0)
+    result = run_bench(target.model, target.tokenizer, drafter, prompts, config)
+    payload, text = result.to_dict(), result.render()
+    if args.plot:
+        payload["plot"] = str(result.plot(args.plot))
+        text += f"\nplot -> {payload['plot']}"
+    if args.gate:
+        champion = json.loads(Path(args.champion).read_text(encoding="utf-8")) if args.champion else None
+        verdict = evaluate(result, gate_config(args.gate), champion)
+        payload["gate"] = verdict.to_dict()
+        text += "\n\n" + verdict.render()
+    emit(args, payload, text)
+    return 0
+
+
+def _add_drafting(p: argparse.ArgumentParser) -> None:
+    """The target, one drafting method and the decoding settings (generate and bench alike)."""
+    p.add_argument("--target", default="demo")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--draft", default=None, help="draft model directory (its draft_vocab.safetensors is used if present)")
+    how.add_argument("--self-spec", type=int, default=None, metavar="K", help="the target drafts by exiting at layer K")
+    how.add_argument("--ngram", action="store_true", help="prompt-lookup drafting from the history")
+    p.add_argument("--ngram-min", type=int, default=1)
+    p.add_argument("--ngram-max", type=int, default=3)
+    p.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    add_threads(p)
+
+
+def register(sub: Subcommands) -> None:
+    p = command(sub, "generate", cmd_generate, "one generation, target-only or speculative",
+                example="generate --target demo --draft runs/draft --prompt 'Write a haiku' --max-new-tokens 32 --gamma 4")
+    _add_drafting(p)
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="text, wrapped as one user turn with the chat template")
+    prompt.add_argument("--prompt-ids", help="raw token ids, comma-separated, no chat template")
+
+    p = command(sub, "bench", cmd_bench, "acceptance, accepted length and speedup over target-only on a prompt set",
+                example="bench --target demo --draft runs/draft --prompts prompts.jsonl --plot bench.png --gate default")
+    _add_drafting(p)
+    p.add_argument("--prompts", required=True, help='JSONL {"prompt", "slice"} or plain text, one prompt a line')
+    p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats; tokens/s is their median")
+    p.add_argument("--plot", default=None, metavar="PNG", help="acceptance per position and speedup per slice")
+    p.add_argument("--gate", default=None, choices=["default", "production"], help="also print the gate's verdict")
+    p.add_argument("--champion", default=None, metavar="JSON", help="the champion's bench JSON, for the gate's τ check")

@@ -1,0 +1,88 @@
+"""`specdistill pipeline run` and `specdistill demo [run] | demo target-update`: the nightly flow, now.
+
+The flows are the one place Prefect is imported; the library never imports it, and this module
+imports `flows.*` only inside the handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from specdistill.cli.common import Subcommands, add_threads, command, emit, group, set_threads
+
+
+def cmd_nightly(args: argparse.Namespace) -> int:
+    """`pipeline run` and `demo [run]` (which has no --config: the embedded demo defaults)."""
+    from specdistill.ops.serving import serving_path
+    from specdistill.pipeline.config import load_nightly_config
+
+    config = load_nightly_config(args.config, args.overrides)  # a bad key fails here, before Prefect is imported
+    from flows.nightly import nightly
+
+    result = nightly(config_path=args.config, overrides=args.overrides)
+    text = result["report"]  # with the registered version, its alias, the gate and a changed serving config
+    if not result["promoted"]:
+        text += f"\nserving config: {config.serving_path or serving_path()} (unchanged)"
+    emit(args, result, text)
+    return 0
+
+
+def cmd_demo_target_update(args: argparse.Namespace) -> int:
+    from specdistill.modeling.models import load_model
+    from specdistill.ops.drift import load_update_meta, make_target_update
+
+    set_threads(args)
+    out = make_target_update(args.base, args.out, steps=args.steps, lr=args.lr, top_layers=args.top_layers)
+    meta = load_update_meta(out)
+    payload = {"out": str(out), "fingerprint": load_model(out).fingerprint, **meta}
+    emit(args, payload, f"new target version {payload['fingerprint']} -> {out} "
+         f"(vocabulary {meta['vocab_size_before']} -> {meta['vocab_size_after']}, "
+         f"loss {meta['losses'][0]:.3f} -> {meta['losses'][-1]:.3f})")
+    return 0
+
+
+class _RunByDefault(argparse._SubParsersAction):
+    """Subcommands that also take a key=value word as the first: it and the words after it are the
+    `run` subcommand's (`specdistill demo key=value` is `specdistill demo run key=value`)."""
+
+    class _Names(dict):  # name -> parser, as argparse keeps it; it also checks the first word with `in`
+        def __contains__(self, word) -> bool:
+            return super().__contains__(word) or "=" in word
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.choices = self._name_parser_map = self._Names()
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if values[0] not in self.choices.keys():
+            values = ["run", *values]
+        super().__call__(parser, namespace, values, option_string)
+
+
+def register(sub: Subcommands) -> None:
+    pipeline = group(sub, "pipeline", "the nightly flow")
+    p = command(pipeline, "run", cmd_nightly, "run the nightly distillation flow once, now",
+                example="pipeline run --config deploy/nightly/nightly.yaml train.max_minutes=2")
+    p.add_argument("--config", default=None, help="nightly YAML config (default: the embedded demo defaults)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.max_minutes=2")
+
+    demo = command(sub, "demo", cmd_nightly,
+                   "run the main job (the nightly flow) on the embedded defaults; `demo target-update`: a new demo target version",
+                   example="demo train.max_minutes=2", description="run the main job (the nightly flow) on the embedded defaults")
+    demo.usage = "%(prog)s [-h] [--json] [run] [key=value ...]\n       %(prog)s target-update [-h] [--json] ..."
+    demo.set_defaults(config=None, overrides=[])  # `specdistill demo`, no subcommand: `demo run`
+    demo_sub = demo.add_subparsers(dest="demo_command", action=_RunByDefault,
+                                   description="`specdistill demo [key=value ...]`, with no subcommand, is `demo run`")
+    p = command(demo_sub, "run", cmd_nightly, "the nightly flow on the embedded defaults (the default subcommand)",
+                example="demo run train.max_minutes=2")
+    p.set_defaults(config=None)
+    p.add_argument("overrides", nargs="*", help="key=value overrides of the embedded defaults")
+    p = command(demo_sub, "target-update", cmd_demo_target_update,
+                "a new target version from the demo target: domain tokens + top layers fine-tuned on code",
+                example="demo target-update --steps 30 --top-layers 4 --threads 1")
+    p.add_argument("--base", default="demo")
+    p.add_argument("--out", default=None, help="default: $SPECDISTILL_HOME/targets/demo-update")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--top-layers", type=int, default=4)
+    add_threads(p)

@@ -1,0 +1,131 @@
+"""`specdistill target register|history`, `monitor run|sample|serve` and `serving show`: the target
+being served, the draft's acceptance on it, and what the serving engine is told to run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from specdistill.cli.common import Subcommands, add_db, add_threads, command, emit, group, log_store, set_threads
+
+
+def cmd_target_register(args: argparse.Namespace) -> int:
+    from specdistill.ops.targets import register_target
+
+    version = register_target(args.path)
+    emitted = _emit_target_updated(version.to_dict()) if not args.no_event else False
+    payload = {**version.to_dict(), "event_emitted": emitted}
+    emit(args, payload, f"target {version.fingerprint} ({version.path}) is the current version"
+         + ("; emitted specdistill.target.updated" if emitted else ""))
+    return 0
+
+
+def _emit_target_updated(version: dict) -> bool:
+    """The Prefect event the monitor deployment is triggered by (Prefect is imported only here)."""
+    from prefect.events import emit_event
+
+    event = emit_event(
+        event="specdistill.target.updated",
+        resource={"prefect.resource.id": f"specdistill.target.{version['fingerprint']}",
+                  "prefect.resource.name": version["ref"]},
+        payload={"fingerprint": version["fingerprint"], "path": version["path"], "ref": version["ref"]},
+    )
+    return event is not None
+
+
+def cmd_target_history(args: argparse.Namespace) -> int:
+    from specdistill.ops.targets import target_history
+
+    versions = [v.to_dict() for v in target_history()]
+    lines = [f"{v['registered_at']}  {v['fingerprint']}  {v['path']}" for v in versions] or ["no target registered"]
+    emit(args, {"versions": versions}, "\n".join(lines))
+    return 0
+
+
+def cmd_monitor_run(args: argparse.Namespace) -> int:
+    from flows.monitor import monitor  # the flows are the one place Prefect is imported
+
+    outcome = monitor(config_path=args.config, overrides=args.overrides)
+    emit(args, outcome, outcome["report"] if "report" in outcome else f"decision: {outcome['decision']}")
+    return 0
+
+
+def cmd_monitor_sample(args: argparse.Namespace) -> int:
+    from specdistill.ops.monitor import decide, replay_acceptance
+
+    set_threads(args)
+    with log_store(args) as store:
+        sample = replay_acceptance(args.target, args.draft, store, n_prompts=args.n, gamma=args.gamma,
+                                   max_new_tokens=args.max_new_tokens, draft_version=args.draft_version,
+                                   min_draft_tokens=args.min_draft_tokens)
+    payload = {**sample.to_dict(), "decision": decide(sample, args.threshold)}
+    if sample.ok:
+        text = (f"acceptance rate α {sample.acceptance_rate:.3f}   mean accepted length τ {sample.mean_accepted_length:.3f}"
+                f"   ({sample.accepted}/{sample.proposed} draft tokens, {sample.requests} requests)"
+                f"\ndecision: {payload['decision']}" + (f"\n{sample.reason}" if sample.reason else ""))
+    else:
+        text = f"no sample: {sample.reason}"
+    emit(args, payload, text)
+    return 0
+
+
+def cmd_monitor_serve(args: argparse.Namespace) -> int:
+    from specdistill.ops.monitor import serve_metrics
+
+    print(f"serving metrics on http://{args.host}:{args.port}/metrics (refresh every {args.interval:g} s)", file=sys.stderr)
+    with log_store(args) as store:
+        try:
+            serve_metrics(store, args.port, args.host, args.interval, args.serving)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def cmd_serving_show(args: argparse.Namespace) -> int:
+    from specdistill.ops.serving import read_serving_config, serving_path
+
+    config = read_serving_config(args.path)
+    where = args.path or serving_path()
+    if config is None:
+        emit(args, {"path": str(where), "config": None}, f"no serving config at {where}")
+        return 1
+    emit(args, {"path": str(where), "config": config.to_dict()}, f"{where}\n{config.render()}")
+    return 0
+
+
+def register(sub: Subcommands) -> None:
+    target = group(sub, "target", "target versions")
+    p = command(target, "register", cmd_target_register, "record a target (its fingerprint and location) as the current version",
+                example="target register models/target-v2 --no-event")
+    p.add_argument("--no-event", action="store_true", help="do not emit the specdistill.target.updated Prefect event")
+    p.add_argument("path", help="HF directory, .gguf file or 'demo'")
+    command(target, "history", cmd_target_history, "every recorded target version, oldest first", example="target history")
+
+    monitor = group(sub, "monitor", "acceptance monitoring")
+    p = command(monitor, "run", cmd_monitor_run, "run the monitoring flow once: sample acceptance, fall back and retrain below 50%",
+                example="monitor run --config deploy/monitor/monitor.yaml replay_prompts=8")
+    p.add_argument("--config", default=None, help="monitor YAML config (default: the embedded demo defaults)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. replay_prompts=8")
+    p = command(monitor, "sample", cmd_monitor_sample, "replay the newest logged prompts: the draft's acceptance on the target",
+                example="monitor sample --target demo --draft models:/draft@champion --n 16 --threads 1")
+    p.add_argument("--target", default="demo")
+    p.add_argument("--draft", required=True, help="draft directory or models:/NAME@champion")
+    p.add_argument("--draft-version", default=None, help="version recorded with the samples (default: the reference)")
+    p.add_argument("--n", type=int, default=16, help="prompts to replay")
+    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--min-draft-tokens", type=int, default=100, help="fewer proposed tokens: no sample")
+    p.add_argument("--threshold", type=float, default=None, help="default: the red line, 0.5")
+    add_db(p)
+    add_threads(p)
+    p = command(monitor, "serve", cmd_monitor_serve, "expose the spec-decode metrics over HTTP, fed from the log store",
+                example="monitor serve --port 9464 --interval 15")
+    p.add_argument("--port", type=int, default=9464)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--interval", type=float, default=15.0, help="seconds between refreshes from the log store")
+    add_db(p)
+    p.add_argument("--serving", default=None, help="serving config (default: $SPECDISTILL_HOME/serving.json)")
+
+    serving = group(sub, "serving", "serving config")
+    p = command(serving, "show", cmd_serving_show, "print the current serving config", example="serving show")
+    p.add_argument("--path", default=None, help="default: $SPECDISTILL_HOME/serving.json")

@@ -1,0 +1,155 @@
+"""The console script without a model: its parsers, its dispatch and its exit codes (each test well under a second)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from specdistill.cli import build_parser, main
+from specdistill.cli.flows import cmd_demo_target_update, cmd_nightly
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _wide_help(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # help text unwrapped, so that names are not split at hyphens
+
+
+def _handler_parsers(parser: argparse.ArgumentParser, words: tuple[str, ...] = ()):
+    """(command words, parser) for every parser that runs a handler."""
+    if parser.get_default("func") is not None:
+        yield words, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _handler_parsers(sub, (*words, name))
+
+
+def _one_json(capsys) -> dict:
+    out = capsys.readouterr().out
+    assert len(out.strip().splitlines()) == 1, out
+    payload = json.loads(out)
+    assert isinstance(payload, dict)
+    return payload
+
+
+def _help(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--help"])
+    assert exit_.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_lists_every_command_and_demo_target_update(capsys):
+    top = _help([], capsys)
+    for command in ("vocab", "draft", "ingest", "logs", "generate", "bench", "distill", "pipeline", "demo", "target",
+                    "monitor", "serving"):
+        assert f"    {command} " in top
+    assert "demo target-update" in top
+    demo = _help(["demo"], capsys)
+    assert "target-update" in demo and "run" in demo
+    update = _help(["demo", "target-update"], capsys)
+    assert "--top-layers" in update and "--threads" in update
+
+
+def test_every_handler_documents_an_example_that_parses_to_it():
+    commands = list(_handler_parsers(build_parser()))
+    assert len(commands) == 19
+    for words, parser in commands:
+        handler = parser.get_default("func")
+        assert handler.__annotations__["return"] == "int", handler
+        assert parser.epilog.startswith("example: specdistill "), words
+        argv = shlex.split(parser.epilog.removeprefix("example: specdistill "))
+        assert tuple(argv[: len(words)]) == words, (words, argv)
+        assert build_parser().parse_args(argv).func is handler, argv
+
+
+def test_demo_target_update_is_an_ordinary_subcommand():
+    args = build_parser().parse_args(["demo", "target-update", "--steps", "3", "--json"])
+    assert args.func is cmd_demo_target_update and (args.steps, args.top_layers, args.base, args.json) == (3, 4, "demo", True)
+
+
+@pytest.fixture
+def fake_nightly(monkeypatch):
+    """flows.nightly.nightly replaced: records its arguments, returns a result shaped like the flow's."""
+    calls = []
+
+    def nightly(config_path=None, overrides=None):
+        calls.append((config_path, list(overrides)))
+        return {"report": "| drafter |\nregistered: `draft` version 3 (alias `challenger`)\nchampion and serving config unchanged",
+                "promoted": None, "registered": {"name": "draft", "version": "3"}}
+
+    monkeypatch.setitem(sys.modules, "flows.nightly", types.SimpleNamespace(nightly=nightly))
+    return calls
+
+
+@pytest.mark.parametrize("argv, overrides", [
+    (["demo"], []),
+    (["demo", "train.max_minutes=2"], ["train.max_minutes=2"]),
+    (["demo", "run", "train.max_minutes=2", "window.days=2"], ["train.max_minutes=2", "window.days=2"]),
+    (["pipeline", "run", "train.max_minutes=2"], ["train.max_minutes=2"]),
+])
+def test_demo_and_pipeline_run_are_one_path(fake_nightly, capsys, argv, overrides):
+    assert build_parser().parse_args(argv).func is cmd_nightly
+    assert main(argv) == 0
+    assert fake_nightly == [(None, overrides)]
+    out = capsys.readouterr().out
+    assert out.count("registered: `draft` version 3") == 1  # the report, once
+    assert out.rstrip().endswith("serving.json (unchanged)")
+
+
+@pytest.mark.parametrize("argv", [["demo", "--json", "train.max_minutes=2"], ["demo", "train.max_minutes=2", "--json"],
+                                  ["demo", "--json"]])
+def test_demo_json_before_or_after_the_overrides(fake_nightly, capsys, argv):
+    assert main(argv) == 0
+    assert _one_json(capsys)["registered"]["version"] == "3"
+
+
+def test_demo_bad_key_fails_before_the_flow(fake_nightly, capsys):
+    assert main(["demo", "train.max_minuts=2"]) == 2
+    assert "train.max_minuts" in capsys.readouterr().err and fake_nightly == []
+
+
+def test_logs_on_an_empty_store(tmp_path, capsys):
+    db = f"sqlite:///{tmp_path / 'logs.db'}"
+    assert main(["logs", "stats", "--db", db, "--json"]) == 0
+    assert _one_json(capsys)["conversations"] == 0
+    assert main(["logs", "quarantine", "--db", db, "--json"]) == 0
+    assert _one_json(capsys) == {"records": [], "shown": 0, "total": 0}
+    assert main(["logs", "quarantine", "--db", db]) == 0
+    assert capsys.readouterr().out.strip() == "quarantine is empty"
+
+
+def test_serving_show_without_a_config_exits_1(tmp_path, capsys):
+    assert main(["serving", "show", "--path", str(tmp_path / "none.json")]) == 1
+    assert "no serving config" in capsys.readouterr().out
+    assert main(["serving", "show", "--json"]) == 1
+    assert _one_json(capsys)["config"] is None
+
+
+def test_target_history_when_none_registered(capsys):
+    assert main(["target", "history", "--json"]) == 0
+    assert _one_json(capsys) == {"versions": []}
+    assert main(["target", "history"]) == 0
+    assert capsys.readouterr().out.strip() == "no target registered"
+
+
+def test_distill_bad_key_is_a_named_error(capsys):
+    assert main(["distill", "data.path=x.jsonl", "loss.temprature=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specdistill: error:") and "loss.temprature" in err
+
+
+def test_python_dash_m_runs_the_cli():
+    proc = subprocess.run([sys.executable, "-m", "specdistill.cli", "demo", "--help"], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "target-update" in proc.stdout
