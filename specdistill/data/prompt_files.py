@@ -1,0 +1,76 @@
+"""Benchmark prompt files in the layouts users already have.
+
+- plain text: one prompt a line;
+- JSONL `{"prompt": str, "slice": str}` (slice optional);
+- Spec-Bench's `question.jsonl`: `{"question_id", "category", "turns": [str, ...]}`; the category
+  becomes the slice. The first turn by default; `turns="all"` keeps every turn, for a replay in which
+  the later turns follow the target's own answers (MT-Bench style).
+
+A line in none of these layouts is an error naming the file, the line and what was expected.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class PromptFileError(ValueError):
+    """A prompt file that cannot be read; the message names the file and line."""
+
+
+@dataclass
+class PromptRecord:
+    turns: list[str]  # user turns, in order; one for single-turn prompts
+    slice: str = "default"
+    id: str | None = None
+
+
+def read_prompt_file(path: str | Path, turns: str = "first") -> list[PromptRecord]:
+    if turns not in ("first", "all"):
+        raise PromptFileError(f"turns must be 'first' or 'all', not {turns!r}")
+    path = Path(path)
+    if not path.is_file():
+        raise PromptFileError(f"prompts file not found: {path}")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            if not line.lstrip().startswith("{"):
+                records.append(PromptRecord([line.rstrip("\n")]))
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise PromptFileError(f"{where}: not valid JSON ({exc.msg})") from exc
+            record = _record(obj, where)
+            if turns == "first":
+                record.turns = record.turns[:1]
+            records.append(record)
+    if not records:
+        raise PromptFileError(f"{path}: no prompts")
+    return records
+
+
+def _record(obj: dict, where: str) -> PromptRecord:
+    if "turns" in obj:  # Spec-Bench / MT-Bench question.jsonl
+        turns = obj["turns"]
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+            raise PromptFileError(f"{where}: Spec-Bench layout: 'turns' must be a non-empty list of non-empty strings")
+        category = obj.get("category", "default")
+        if not isinstance(category, str):
+            raise PromptFileError(f"{where}: Spec-Bench layout: 'category' must be a string")
+        qid = obj.get("question_id")
+        return PromptRecord(list(turns), category, None if qid is None else str(qid))
+    if "prompt" in obj:
+        text, slice_name = obj["prompt"], obj.get("slice", "default")
+        if not isinstance(text, str) or not text.strip():
+            raise PromptFileError(f"{where}: key 'prompt' must be a non-empty string")
+        if not isinstance(slice_name, str):
+            raise PromptFileError(f"{where}: key 'slice' must be a string")
+        return PromptRecord([text], slice_name)
+    raise PromptFileError(f"{where}: expected {{\"prompt\": ..., \"slice\": ...}} or Spec-Bench's "
+                          f"{{\"question_id\", \"category\", \"turns\": [...]}}, got keys {sorted(obj)}")
