@@ -49,7 +49,7 @@ def prompt_texts(n: int) -> tuple[list[str], list[str]]:
 
 
 def run_hf(target, draft, prompts: list[Prompt], methods: list[str], args) -> dict:
-    """tokens/s of each hf method and of our target-only run in the same rotating loop, and their outputs."""
+    """Rows for each hf method and for our target-only run (the loop's reference), measured in one rotating loop."""
     eos = default_stop_ids(target)
     N, g, K = args.max_new_tokens, args.gamma, args.self_spec
     options = {
@@ -97,7 +97,7 @@ def run_hf(target, draft, prompts: list[Prompt], methods: list[str], args) -> di
                 "speedup_vs_ours_base": speedup(m), "speedup_chat": speedup(m, "chat"), "speedup_code": speedup(m, "code"),
                 "outputs_equal_target_only": sum(outputs[m][i] == outputs["ours-base"][i] for i in outputs[m]),
                 "acceptance_rate": None, "accepted_length": None, "cost_ratio": None}
-            for m in methods}
+            for m in modes}
 
 
 def main() -> int:
@@ -171,12 +171,8 @@ def main() -> int:
                                       "acceptance_rate": None, "accepted_length": None, "cost_ratio": None})
     hf_methods = [m for m in methods if m in HF_METHODS]
     if hf_methods or not drafters:
-        hf_rows = run_hf(target, draft, prompts, hf_methods, args)
-        rows.update(hf_rows)
-        if "ours-base" not in rows:  # only hf methods asked for: our target-only numbers come from their loop
-            rows["ours-base"] = {"tokens_per_second": None, "speedup_vs_ours_base": 1.0, "speedup_chat": 1.0,
-                                 "speedup_code": 1.0, "outputs_equal_target_only": len(prompts),
-                                 "acceptance_rate": None, "accepted_length": None, "cost_ratio": None}
+        for m, row in run_hf(target, draft, prompts, hf_methods, args).items():
+            rows.setdefault(m, row)  # ours-base: from the library's loop when it ran, else from this one
     costs = {"hf-assisted": rows.get("ours-draft", {}).get("cost_ratio"), "hf-early-exit": rows.get("ours-self", {}).get("cost_ratio")}
     table = []
     for m in methods:
