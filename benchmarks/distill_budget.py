@@ -29,15 +29,14 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import specdistill  # noqa: F401  (offline environment)
+from specdistill.data.datasets import sharegpt_first_turns
+from specdistill.distill.datagen import Prompt, generate_answers, read_done, read_examples
+from specdistill.distill.teacher import TeacherCache
+from specdistill.modeling.models import load_model
+from specdistill.modeling.vocab import build_draft_vocab
 
-import specdistill  # noqa: E402,F401
-from specdistill.data.datasets import sharegpt_path  # noqa: E402
-from specdistill.distill.datagen import Prompt, generate_answers, read_done  # noqa: E402
-from specdistill.distill.teacher import TeacherCache  # noqa: E402
-from specdistill.modeling.models import load_model  # noqa: E402
-from specdistill.modeling.vocab import build_draft_vocab  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def log(msg: str) -> None:
@@ -46,27 +45,9 @@ def log(msg: str) -> None:
 
 def select_prompts(tokenizer, n_train: int, n_heldout: int, max_prompt_tokens: int, scan: int, seed: int = 0,
                    skip: int = 0):
-    """First user turn (with its human answer) of ShareGPT records skip..scan."""
-    from specdistill.data.readers import Conversation, read_records
-    from specdistill.distill.datagen import prompt_ids
-
-    pool, seen = [], set()
-    reader = read_records(sharegpt_path(), "sharegpt")
-    for n, rec in enumerate(reader):
-        if n >= scan:
-            break
-        if n < skip or not isinstance(rec, Conversation):
-            continue
-        msgs = [{"role": m.role, "content": m.content} for m in rec.messages]
-        first_answer = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), None)
-        if first_answer is None or msgs[first_answer - 1]["role"] != "user":
-            continue
-        prompt = msgs[:first_answer]
-        key = prompt[-1]["content"].strip()
-        if key in seen or len(prompt_ids(tokenizer, prompt)) > max_prompt_tokens:
-            continue
-        seen.add(key)
-        pool.append({"id": rec.record_id or rec.location, "prompt": prompt, "human": msgs[first_answer]["content"]})
+    """First user turn (with its human answer) of ShareGPT records skip..scan, shuffled once, split in two."""
+    turns = sharegpt_first_turns(skip=skip, scan=scan, tokenizer=tokenizer, max_tokens=max_prompt_tokens, answered=True)
+    pool = [{"id": t.id, "prompt": t.messages, "human": t.answer} for t in turns]
     random.Random(seed).shuffle(pool)
     if len(pool) < n_train + n_heldout:
         raise SystemExit(f"only {len(pool)} usable prompts in the first {scan} records")
@@ -201,8 +182,6 @@ def train_all(args, state) -> list[dict]:
               f"eval_every={max(5, steps // 2)}", f"checkpoint_every={max(5, steps // 4)}", f"threads={args.threads}"]
     kl = ["teacher.mode=cache", f"teacher.cache_dir={work / 'teacher_cache'}", f"data.path={gen_train}", f"optim.max_steps={steps}"]
     # human answers are longer per example: same token budget, so fewer steps
-    from specdistill.distill.train import read_examples
-
     human = read_examples(str(human_train), "conversations", tok, args.max_len)
     human_mean = sum(sum(ex.assistant_mask[1:]) for ex in human) / len(human)
     human_steps = max(10, round(budget / (args.batch * human_mean)))
@@ -230,10 +209,9 @@ def train_all(args, state) -> list[dict]:
     t2_dir = work / "teacher_cache_T2"
     if not args.only or "T2" in args.only:
         from specdistill.distill.teacher import build_cache
-        from specdistill.distill.train import read_examples as read_ex
 
         log("teacher cache at T=2 (one target pass over the training answers)")
-        build_cache(target.model, read_ex(str(gen_train), "generated", tok, args.max_len), t2_dir,
+        build_cache(target.model, read_examples(str(gen_train), "generated", tok, args.max_len), t2_dir,
                     fingerprint=target.fingerprint, k=args.top_k, temperature=2.0, draft_vocab=vocab)
     configs["kl-target [0,1,2,29] v8k T2"] = ["layers=0,1,2,29", v8k, "teacher.mode=cache", f"teacher.cache_dir={t2_dir}",
                                                f"data.path={gen_train}", f"optim.max_steps={steps}", lr,
@@ -290,7 +268,8 @@ def print_table(rows: list[dict], coverage: float) -> None:
         a0, a1 = curve[0]["acceptance"], curve[-1]["acceptance"]
         tau = curve[-1]["tau"]
         ideal = tau / (4 * r["c"] + 1)
-        print(f"{r['name']:40} {r['c']:6.3f} {r['steps']:6d} {r['tokens']:7d} {r['train_minutes']:7.1f} {a0:8.3f} {a1:7.3f} {tau:6.2f} {ideal:7.2f}")
+        print(f"{r['name']:40} {r['c']:6.3f} {r['steps']:6d} {r['tokens']:7d} {r['train_minutes']:7.1f} "
+              f"{a0:8.3f} {a1:7.3f} {tau:6.2f} {ideal:7.2f}")
     print("\ncurves (tokens: acceptance)")
     for r in rows:
         pts = "  ".join(f"{p['tokens']}:{p['acceptance']:.3f}" for p in r["curve"])

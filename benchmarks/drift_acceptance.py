@@ -3,17 +3,16 @@
     OMP_NUM_THREADS=1 python benchmarks/drift_acceptance.py [--work DIR] [--steps N] [--drafts 0-12+17-29,0-25]
 
 Makes the target update (`specdistill.ops.drift.make_target_update`, cached in --work), then measures
-each draft (target layers, init_draft_from_target, untrained) on 5 HumanEval + 5 ShareGPT prompts,
-greedy, γ=4: against the original target as it is, and against the updated target through a
-transplanted copy (the updated target has more tokens than the draft). Prints a table, a sample of
-the updated target's answers (is it still a sensible LM?) and writes results.json in --work.
+each draft (target layers, init_draft_from_target, untrained) on 5 HumanEval prompts (every 8th of the
+first 40) + 5 ShareGPT first turns (9 to 200 prompt tokens), greedy, γ=4: against the original target
+as it is, and against the updated target through a transplanted copy (the updated target has more
+tokens than the draft). Prints a table, a sample of the updated target's answers (is it still a
+sensible LM?) and writes results.json in --work.
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
-import itertools
 import json
 import sys
 import time
@@ -21,33 +20,16 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import specdistill  # noqa: F401  (offline environment)
 
 
 def prompts(tokenizer, n_code: int = 5, n_chat: int = 5, max_tokens: int = 200) -> list[tuple[str, list[int]]]:
-    from specdistill.data.datasets import humaneval_path, sharegpt_path
-    from specdistill.data.readers import read_conversations
+    from specdistill.data.datasets import humaneval_prompts, sharegpt_first_turns
     from specdistill.speculative.bench import encode_prompt
 
-    out = []
-    with gzip.open(humaneval_path(), "rt") as f:
-        for line in itertools.islice(f, 0, 40, 8):
-            out.append(("code", encode_prompt(tokenizer, json.loads(line)["prompt"])))
-            if len(out) == n_code:
-                break
-    chats = 0
-    for conv in itertools.islice(read_conversations(sharegpt_path(), "sharegpt"), 2000):
-        user = next((m for m in conv.messages if m.role == "user"), None)
-        if user is None:
-            continue
-        ids = encode_prompt(tokenizer, user.content)
-        if 8 < len(ids) <= max_tokens:
-            out.append(("chat", ids))
-            chats += 1
-            if chats == n_chat:
-                break
-    return out
+    code = humaneval_prompts()[0:40:8][:n_code]
+    chat = sharegpt_first_turns(n_chat, tokenizer=tokenizer, min_tokens=9, max_tokens=max_tokens)
+    return [("code", encode_prompt(tokenizer, text)) for text in code] + [("chat", encode_prompt(tokenizer, t.text)) for t in chat]
 
 
 def measure(target, drafter, prompt_set, gamma: int, max_new_tokens: int) -> dict:
@@ -108,7 +90,11 @@ def main() -> None:
         ddir = work / f"draft-{spec.replace(':', '')}"
         if not (ddir / "config.json").is_file():
             save_draft(init_draft_from_target(base.model, layers), base.tokenizer, ddir, meta={"layers": layers})
-        before = {k: {"alpha": float("nan"), "tau": float("nan")} for k in ("all", "code", "chat")} if args.after_only else measure(base, ModelDrafter(load_model(ddir).model, base.config.vocab_size), prompt_set, args.gamma, args.max_new_tokens)
+        if args.after_only:
+            before = {k: {"alpha": float("nan"), "tau": float("nan")} for k in ("all", "code", "chat")}
+        else:
+            before = measure(base, ModelDrafter(load_model(ddir).model, base.config.vocab_size), prompt_set, args.gamma,
+                             args.max_new_tokens)
         drafter, transplanted, why = aligned_drafter(updated, load_model(ddir))
         after = measure(updated, drafter, prompt_set, args.gamma, args.max_new_tokens)
         results["drafts"][spec] = {"layers": len(layers), "before": before, "after": after, "transplanted": transplanted}

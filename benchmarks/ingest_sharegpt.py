@@ -84,7 +84,8 @@ def main() -> None:
     print(f"file: {path.name} ({size_mb:.1f} MB), batch size {args.batch_size}, repeats {args.repeats}")
     if args.pg_url:
         print(f"PostgreSQL: {display_url(args.pg_url)}")
-    header = f"{'what':<22}{'seconds':>9}{'records/s':>11}{'MB/s':>7}{'read':>7}{'stored':>8}{'dups':>6}{'quar.':>7}{'x reader':>10}  truncated"
+    header = (f"{'what':<22}{'seconds':>9}{'records/s':>11}{'MB/s':>7}{'read':>7}{'stored':>8}{'dups':>6}{'quar.':>7}"
+              f"{'x reader':>10}  truncated")
     print(header)
     print("-" * len(header))
     base = statistics.median(r["seconds"] for r in rows["reader only"])

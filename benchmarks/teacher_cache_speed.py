@@ -12,22 +12,21 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import specdistill  # noqa: F401  (offline environment)
+from specdistill.distill.config import load_config
+from specdistill.distill.datagen import collate, read_examples
+from specdistill.distill.teacher import OnlineTeacher, TeacherCache
+from specdistill.distill.train import DraftWithHead, batch_loss
+from specdistill.modeling.drafts import init_draft_from_target, parse_layers
+from specdistill.modeling.models import load_model
+from specdistill.modeling.vocab import DraftVocab
 
-import specdistill  # noqa: E402,F401
-from specdistill.distill.config import load_config  # noqa: E402
-from specdistill.distill.teacher import OnlineTeacher, TeacherCache  # noqa: E402
-from specdistill.distill.train import DraftWithHead, _loss, collate, read_examples  # noqa: E402
-from specdistill.modeling.drafts import init_draft_from_target, parse_layers  # noqa: E402
-from specdistill.modeling.models import load_model  # noqa: E402
-from specdistill.modeling.vocab import DraftVocab  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
@@ -57,9 +56,9 @@ def main() -> None:
             batch = collate(examples[i : i + args.batch])
             logits, hidden = module(batch.input_ids, batch.attention, batch.positions)
             if mode == "online":
-                loss = _loss(cfg, logits, hidden, batch, online, None, False, vocab, module, None)
-            else:
-                loss = _loss(cfg, logits, hidden, batch, None, cache_rows, True, vocab, module, None)
+                loss = batch_loss(cfg, logits, hidden, batch, teacher=online, draft_vocab=vocab, module=module)
+            else:  # the cache holds full-vocabulary rows: remapped to the 8k draft vocabulary
+                loss = batch_loss(cfg, logits, hidden, batch, cache_rows=cache_rows, remap=True, draft_vocab=vocab, module=module)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

@@ -1,4 +1,8 @@
-"""Shared fixtures: tiny random Llama models (milliseconds) and the real demo target (cached once)."""
+"""Shared fixtures and builders: tiny random Llama models and BPE tokenizers (milliseconds), tiny target
+directories, the demo tokenizer, and the real demo target (cached once).
+
+Test modules import the builders as `from tests.conftest import ...`.
+"""
 
 from __future__ import annotations
 
@@ -35,15 +39,83 @@ def make_tiny_llama(vocab_size: int = 96, hidden: int = 32, layers: int = 4, see
     return LlamaForCausalLM(config).eval()
 
 
+def lively(model, seed: int, std: float = 0.4):
+    """Random weights large enough that greedy output varies (the default init repeats one token).
+    float64 keeps one-token and many-token forwards equal far below any argmax margin."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model.double().eval()
+
+
+BPE_CORPUS = [
+    "hello world, the quick brown fox jumps over the lazy dog",
+    "def add(a, b): return a + b",
+    "speculative decoding drafts tokens and the target verifies them",
+    "import torch as tt; print(tt.ones(3))",
+] * 20
+
+
+def train_bpe(vocab_size: int, extra_corpus: list[str] = ()):
+    """A small real byte-level BPE tokenizer with a chat template (trained in milliseconds, deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(BPE_CORPUS) + list(extra_corpus), trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", unk_token="<|endoftext|>"
+    )
+    fast.chat_template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    return fast
+
+
+def save_tiny_target(path, *, seed: int = 0, layers: int = 4, tie: bool = True, tokenizer=None) -> Path:
+    """A tiny target checkpoint directory (weights + tokenizer, a 300-token BPE unless given) at `path`."""
+    tok = tokenizer if tokenizer is not None else train_bpe(300)
+    make_tiny_llama(vocab_size=len(tok), layers=layers, seed=seed, tie=tie).save_pretrained(path)
+    tok.save_pretrained(path)
+    return Path(path)
+
+
 @pytest.fixture
 def tiny_llama():
     return make_tiny_llama()
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models gain nothing from threads, and on a shared machine OpenMP spinning stalls them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(autouse=True)
 def _isolated_home(tmp_path, monkeypatch):
     """Each test gets its own state directory; only the model cache is shared."""
     monkeypatch.setenv("SPECDISTILL_HOME", str(tmp_path / "home"))
+
+
+@pytest.fixture(scope="session")
+def demo_tokenizer():
+    """The demo target's tokenizer (chat template included); the first use on a machine converts the demo GGUF."""
+    from transformers import AutoTokenizer
+
+    from specdistill.modeling.models import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir("demo"))
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ from specdistill.modeling.drafts import (
     save_draft,
 )
 from specdistill.modeling.models import load_model
+from tests.conftest import save_tiny_target
 
 pytestmark = pytest.mark.e2e
 
@@ -48,13 +49,7 @@ def test_draft_from_demo_target_and_vocab_check_cli(demo_target, tmp_path, capsy
 
 
 def test_vocab_check_cli_exits_nonzero_when_tokenizers_differ(demo_target, tmp_path, capsys):
-    from tests.conftest import make_tiny_llama
-    from tests.tokenizers_util import train_bpe
-
-    tok = train_bpe(300)
-    other = tmp_path / "other"
-    make_tiny_llama(vocab_size=len(tok)).save_pretrained(other)
-    tok.save_pretrained(other)
+    other = save_tiny_target(tmp_path / "other")
     assert main(["vocab", "check", str(demo_target.path), str(other)]) == 1
     assert "NOT ALIGNED" in capsys.readouterr().out
 
@@ -81,13 +76,7 @@ def test_draft_init_cli_refuses_vocab_without_traffic(demo_target, tmp_path):
 
 
 def test_vocab_transplant_cli_aligns_a_foreign_draft(demo_target, tmp_path, capsys):
-    from tests.conftest import make_tiny_llama
-    from tests.tokenizers_util import train_bpe
-
-    tok = train_bpe(300)
-    foreign = tmp_path / "foreign"
-    make_tiny_llama(vocab_size=len(tok)).save_pretrained(foreign)
-    tok.save_pretrained(foreign)
+    foreign = save_tiny_target(tmp_path / "foreign")
     out = tmp_path / "aligned"
     assert main(["vocab", "transplant", str(demo_target.path), str(foreign), str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["vocab_size"] == 49152

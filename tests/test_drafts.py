@@ -10,8 +10,7 @@ from specdistill.modeling.drafts import (
     save_draft,
 )
 from specdistill.modeling.vocab import DraftVocab, VocabAlignmentError
-from tests.conftest import make_tiny_llama
-from tests.tokenizers_util import train_bpe
+from tests.conftest import make_tiny_llama, train_bpe
 
 
 @pytest.mark.parametrize(

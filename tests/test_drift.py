@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -14,18 +15,14 @@ from specdistill.ops.drift import (
     load_update_meta,
     make_target_update,
 )
-from tests.conftest import make_tiny_llama
-from tests.tokenizers_util import train_bpe
+from tests.conftest import save_tiny_target
 
 WORDS = ("QuantLib", "CalcBlackScholesVega")
 
 
 @pytest.fixture
 def tiny_base(tmp_path):
-    tok = train_bpe(300)
-    make_tiny_llama(vocab_size=len(tok), layers=4, seed=0).save_pretrained(tmp_path / "base")
-    tok.save_pretrained(tmp_path / "base")
-    return tmp_path / "base"
+    return save_tiny_target(tmp_path / "base")
 
 
 def test_domain_tokens_become_single_tokens_initialized_from_their_pieces(tiny_base):
@@ -77,5 +74,5 @@ def test_target_update_trains_only_the_top_layers_and_is_a_new_version(tiny_base
     assert any(not torch.equal(n[k], b[k]) for k in b if ".layers.3." in k)  # the top layers moved
     meta = load_update_meta(out)
     assert meta["config"]["top_layers"] == 2 and len(meta["losses"]) == 3
-    assert all(l == l and l < 50 for l in meta["losses"])  # finite
+    assert all(math.isfinite(loss) and loss < 50 for loss in meta["losses"])
     assert json.loads((out / "config.json").read_text())["vocab_size"] == new.config.vocab_size

@@ -10,18 +10,12 @@ from specdistill.modeling.models import (
     load_model,
     resolve_model_dir,
 )
-from tests.conftest import make_tiny_llama
-from tests.tokenizers_util import train_bpe
+from tests.conftest import make_tiny_llama, save_tiny_target, train_bpe
 
 
 @pytest.fixture
 def tiny_dir(tmp_path):
-    tok = train_bpe(300)
-    model = make_tiny_llama(vocab_size=len(tok))
-    out = tmp_path / "tiny"
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return save_tiny_target(tmp_path / "tiny")
 
 
 def test_fingerprint_stable_across_loads(tiny_dir):

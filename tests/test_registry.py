@@ -9,8 +9,7 @@ from specdistill.modeling.drafts import save_draft
 from specdistill.modeling.models import load_model
 from specdistill.ops import registry
 from specdistill.ops.serving import ServingConfig, read_serving_config
-from tests.conftest import make_tiny_llama
-from tests.tokenizers_util import train_bpe
+from tests.conftest import make_tiny_llama, train_bpe
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +111,7 @@ def test_bad_model_uri_is_refused():
         registry.download_draft("models:/")
 
 
+@pytest.mark.e2e  # two fresh MLflow databases: ~10 s of table creation
 def test_two_state_directories_never_share_a_registry(draft_dir, tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("SPECDISTILL_HOME", str(tmp_path / "a"))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_llama
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,19 +23,9 @@ from specdistill.speculative import (
     verify,
 )
 from specdistill.speculative import engine as engine_module
+from tests.conftest import lively, make_tiny_llama
 
 VOCAB = 96
-
-
-def lively(model, seed: int, std: float = 0.4):
-    """Random weights large enough that greedy output varies (the default init repeats one token).
-    float64 keeps one-token and many-token forwards equal far below any argmax margin."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-    return model.double().eval()
 
 
 def tiny(seed: int, layers: int = 4, vocab: int = VOCAB, hidden: int = 32):
@@ -69,13 +58,7 @@ def drafter_for(kind: str, target, seed: int):
     raise AssertionError(kind)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads, and on a shared machine OpenMP spinning stalls them."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 KINDS = ["draft", "other-model", "self-spec", "ngram", "reduced-vocab"]
@@ -236,6 +219,7 @@ def sampled_two_token_counts(target, drafter, prompt, config: SamplingConfig, n:
 SAMPLES = 500
 
 
+@pytest.mark.e2e  # seconds of sampling: the slow tier
 @pytest.mark.parametrize("kind", ["draft", "reduced-vocab", "ngram"])
 def test_speculative_sampling_matches_target_distribution(kind):
     torch.manual_seed(0)
@@ -253,6 +237,7 @@ def test_speculative_sampling_matches_target_distribution(kind):
     assert chi_square_pvalue(counts, expected) > 1e-3
 
 
+@pytest.mark.e2e  # seconds of sampling: the slow tier
 def test_chi_square_detects_a_sampler_without_the_rejection_rule(monkeypatch):
     target = lively(make_tiny_llama(vocab_size=6, hidden=16, layers=2, seed=11), 11, std=0.2)
     config = SamplingConfig(temperature=1.0, top_p=0.95)

@@ -14,20 +14,12 @@ from specdistill.ops.targets import (
     register_target,
     target_history,
 )
-from tests.conftest import make_tiny_llama
-from tests.tokenizers_util import train_bpe
-
-
-def save_target(path, seed=0):
-    tok = train_bpe(300)
-    make_tiny_llama(vocab_size=len(tok), seed=seed).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+from tests.conftest import save_tiny_target
 
 
 def test_register_records_the_current_version_and_keeps_history(tmp_path):
-    a = save_target(tmp_path / "a", seed=0)
-    b = save_target(tmp_path / "b", seed=1)
+    a = save_tiny_target(tmp_path / "a", seed=0)
+    b = save_tiny_target(tmp_path / "b", seed=1)
     assert current_target() is None and target_history() == []
     va = register_target(a)
     assert current_target() == va and va.path == str(a) and len(va.fingerprint) == 16
@@ -41,7 +33,7 @@ def test_register_records_the_current_version_and_keeps_history(tmp_path):
 
 
 def test_detect_change_notices_new_weights_and_records_them(tmp_path):
-    a = save_target(tmp_path / "a")
+    a = save_tiny_target(tmp_path / "a")
     changed, cur, prev = detect_change(a)
     assert (changed, prev) == (False, None) and current_target() == cur  # first sighting: recorded, no drift
     assert detect_change(a)[0] is False
@@ -68,7 +60,7 @@ def test_corrupt_history_is_a_clear_error(tmp_path):
 def test_cli_target_register_prints_the_version(tmp_path, capsys):
     from specdistill.cli import main
 
-    a = save_target(tmp_path / "a")
+    a = save_tiny_target(tmp_path / "a")
     assert main(["target", "register", str(a), "--no-event", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["path"] == str(a) and out["fingerprint"] == current_target().fingerprint

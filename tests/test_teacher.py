@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_llama
 
 from specdistill.distill import losses
 from specdistill.distill.datagen import Example
@@ -20,6 +19,7 @@ from specdistill.distill.teacher import (
     to_draft_space,
 )
 from specdistill.modeling.vocab import DraftVocab
+from tests.conftest import make_tiny_llama
 
 
 def _examples(n=5, vocab=96, seed=0):

@@ -10,33 +10,31 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_llama
 from safetensors.torch import load_file
 
 from specdistill.config import ConfigError
 from specdistill.distill import losses
 from specdistill.distill.config import load_config
-from specdistill.distill.datagen import Prompt, generate_answers
+from specdistill.distill.datagen import Prompt, generate_answers, read_examples
 from specdistill.distill.teacher import TeacherCache, build_cache
-from specdistill.distill.train import NonFiniteLossError, distill, read_examples
+from specdistill.distill.train import NonFiniteLossError, distill
+from tests.conftest import save_tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["Name a color.", "What is 2+2?", "Say hi.", "Give me a fruit.", "Count to three.", "Pick a number."]
 
 
 @pytest.fixture(scope="module")
-def tiny_world(tmp_path_factory):
-    """A tiny target directory with the demo tokenizer, and its greedy answers to a few prompts."""
-    from transformers import AutoTokenizer
+def tiny_world(tmp_path_factory, demo_tokenizer):
+    """A tiny target directory with the demo tokenizer, and its greedy answers to a few prompts.
 
-    from specdistill.modeling.models import load_model, resolve_model_dir
+    The tests that train on it are in the slow (e2e) tier: the demo tokenizer comes from the converted
+    demo target, and each training run takes seconds."""
+    from specdistill.modeling.models import load_model
 
     root = tmp_path_factory.mktemp("tiny_world")
-    tok = AutoTokenizer.from_pretrained(resolve_model_dir("demo"))
-    model = make_tiny_llama(vocab_size=len(tok), hidden=32, layers=4, seed=1, tie=False)
-    target_dir = root / "target"
-    model.save_pretrained(target_dir)
-    tok.save_pretrained(target_dir)
+    tok = demo_tokenizer
+    target_dir = save_tiny_target(root / "target", seed=1, tie=False, tokenizer=tok)
     target = load_model(target_dir)
     prompts = [Prompt(f"p{i}", [{"role": "user", "content": t}]) for i, t in enumerate(PROMPTS)]
     cache = TeacherCache.create(root / "gen_cache", fingerprint=target.fingerprint, k=16, temperature=1.0,
@@ -72,6 +70,7 @@ def test_unknown_or_mistyped_key_fails_naming_it(tmp_path):
         load_config(None, ["data.path=x", "teacher.mode=none", "loss.kind=fkl"])
 
 
+@pytest.mark.e2e
 def test_distill_trains_saves_config_and_improves_heldout_agreement(tiny_world, tmp_path):
     out = tmp_path / "run"
     result = distill(_config(tiny_world, out, "optim.max_steps=60", "eval_every=20", "checkpoint_every=20",
@@ -89,6 +88,7 @@ def test_distill_trains_saves_config_and_improves_heldout_agreement(tiny_world, 
     assert (Path(result["draft_dir"]) / "config.json").is_file()
 
 
+@pytest.mark.e2e
 def test_resume_after_interruption_reproduces_the_loss_curve(tiny_world, tmp_path):
     full = tmp_path / "full"
     distill(_config(tiny_world, full))
@@ -105,6 +105,7 @@ def test_resume_after_interruption_reproduces_the_loss_curve(tiny_world, tmp_pat
         assert got[step] == pytest.approx(want[step], rel=1e-6, abs=1e-7), step
 
 
+@pytest.mark.e2e
 def test_nan_loss_stops_with_step_and_keeps_last_checkpoint(tiny_world, tmp_path, monkeypatch):
     calls = {"n": 0}
     real = losses.distill_loss
@@ -123,6 +124,7 @@ def test_nan_loss_stops_with_step_and_keeps_last_checkpoint(tiny_world, tmp_path
     assert not any(name.endswith(".tmp") for name in ckpts)
 
 
+@pytest.mark.e2e
 def test_cached_teacher_gives_the_online_loss(tiny_world, tmp_path):
     """Top-k cache with k = the whole vocabulary must reproduce the online teacher exactly."""
     from specdistill.modeling.models import load_model
@@ -139,6 +141,7 @@ def test_cached_teacher_gives_the_online_loss(tiny_world, tmp_path):
     assert online["steps"] == cached["steps"] == 1
 
 
+@pytest.mark.e2e
 def test_generation_time_cache_and_reduced_vocab_train(tiny_world, tmp_path):
     result = distill(_config(tiny_world, tmp_path / "r", "draft_vocab=64", "teacher.mode=cache",
                              f"teacher.cache_dir={tiny_world['gen_cache']}", "optim.max_steps=3"))
@@ -147,6 +150,7 @@ def test_generation_time_cache_and_reduced_vocab_train(tiny_world, tmp_path):
     assert 0.0 <= result["curve"][-1]["acceptance"] <= 1.0
 
 
+@pytest.mark.e2e
 def test_teacher_cache_from_another_fingerprint_is_refused(tiny_world, tmp_path):
     from specdistill.distill.teacher import StaleTeacherCacheError
 
@@ -163,6 +167,7 @@ def test_teacher_cache_from_another_fingerprint_is_refused(tiny_world, tmp_path)
         meta.write_text(saved)
 
 
+@pytest.mark.e2e
 def test_warm_start_with_replay(tiny_world, tmp_path):
     first = distill(_config(tiny_world, tmp_path / "a", "optim.max_steps=2"))
     second = distill(_config(tiny_world, tmp_path / "b", f"draft={first['draft_dir']}", "optim.max_steps=2",
@@ -170,6 +175,7 @@ def test_warm_start_with_replay(tiny_world, tmp_path):
     assert second["curve"][0]["acceptance"] == pytest.approx(first["curve"][-1]["acceptance"])
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_ddp_two_ranks_end_with_identical_weights(tiny_world, tmp_path):
     out = tmp_path / "ddp"
@@ -198,6 +204,7 @@ def test_ddp_two_ranks_end_with_identical_weights(tiny_world, tmp_path):
     assert not torch.equal(trained["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"])
 
 
+@pytest.mark.e2e
 def test_online_topk_hidden_and_selective_paths_train(tiny_world, tmp_path):
     ref = distill(_config(tiny_world, tmp_path / "ref", "optim.max_steps=2"))
     for extra in (["loss.top_k=8", "loss.hidden_weight=0.5", "loss.kind=jsd"],
@@ -244,3 +251,28 @@ def test_batches_and_teacher_rows_move_together():
                              torch.tensor([[True, False]]))
     out = top.to(torch.device("cpu"))
     assert torch.equal(out.indices, top.indices) and torch.equal(out.valid, top.valid)
+
+
+def test_batch_loss_is_the_same_with_the_online_teacher_and_a_full_cache(tmp_path):
+    """The public one-batch loss (what benchmarks/teacher_cache_speed.py times), on a tiny random target."""
+    from specdistill.distill.datagen import Example, collate
+    from specdistill.distill.teacher import OnlineTeacher
+    from specdistill.distill.train import DraftWithHead, batch_loss
+    from specdistill.modeling.drafts import init_draft_from_target
+    from tests.conftest import make_tiny_llama
+
+    target = make_tiny_llama(vocab_size=96, layers=4, seed=2, tie=False)
+    g = torch.Generator().manual_seed(0)
+    examples = [Example(f"e{i}", torch.randint(3, 96, (8 + i,), generator=g).tolist(), [False] * 4 + [True] * (4 + i))
+                for i in range(3)]
+    rows = build_cache(target, examples, tmp_path / "cache", fingerprint="t" * 16, k=96, batch_size=2, progress=False).load_all()
+    module = DraftWithHead(init_draft_from_target(target, [0, 3]), None, target.config.hidden_size)
+    batch = collate(examples)
+    cfg = load_config(None, ["data.path=unused", "loss.kind=jsd"])
+    logits, hidden = module(batch.input_ids, batch.attention, batch.positions)
+    online = batch_loss(cfg, logits, hidden, batch, teacher=OnlineTeacher(target), module=module)
+    cached = batch_loss(cfg, logits, hidden, batch, cache_rows=rows, module=module)
+    assert torch.isfinite(online) and online > 0
+    assert cached.item() == pytest.approx(online.item(), rel=1e-5)
+    online.backward()
+    assert any(p.grad is not None for p in module.parameters())

@@ -13,8 +13,7 @@ from specdistill.modeling.vocab import (
     token_frequencies,
     transplant_vocab,
 )
-from tests.conftest import make_tiny_llama
-from tests.tokenizers_util import train_bpe
+from tests.conftest import make_tiny_llama, train_bpe
 
 DOMAIN = ["QuantLib CalcBlackScholesVega QuantLib CalcBlackScholesVega"] * 200
 

@@ -29,27 +29,10 @@ from tqdm import tqdm
 
 from specdistill.acceptance import expected_tokens_per_round
 from specdistill.distill import losses
-from specdistill.distill.checkpoints import (
-    checkpoint_dirs,
-    load_checkpoint,
-    save_checkpoint,
-)
+from specdistill.distill.checkpoints import checkpoint_dirs, load_checkpoint, save_checkpoint
 from specdistill.distill.config import DistillConfig, save_config
-from specdistill.distill.datagen import (
-    Batch,
-    DataOrder,
-    Example,
-    collate,
-    read_examples,
-)
-from specdistill.distill.teacher import (
-    OnlineTeacher,
-    TeacherCache,
-    check_entry,
-    teacher_positions,
-    to_draft_space,
-    vocab_key,
-)
+from specdistill.distill.datagen import Batch, DataOrder, Example, collate, read_examples
+from specdistill.distill.teacher import OnlineTeacher, TeacherCache, check_entry, teacher_positions, to_draft_space, vocab_key
 from specdistill.modeling.vocab import DraftVocab, build_draft_vocab
 
 
@@ -169,11 +152,7 @@ def _build_draft_vocab(config: DistillConfig, examples: list[Example], tokenizer
 
 def distill(config: DistillConfig) -> dict:
     """Train a draft as the config says; returns the final metrics and where the draft was written."""
-    from specdistill.modeling.drafts import (
-        init_draft_from_target,
-        parse_layers,
-        save_draft,
-    )
+    from specdistill.modeling.drafts import init_draft_from_target, parse_layers, save_draft
     from specdistill.modeling.models import load_model
 
     device = pick_device(config.device)
@@ -299,8 +278,8 @@ def distill(config: DistillConfig) -> dict:
             with sync:
                 with autocast:
                     logits, hidden = model(batch.input_ids, batch.attention, batch.positions)
-                loss = _loss(config, logits, hidden, batch, teacher, cache_rows, remap if cache_rows else False,
-                             draft_vocab, module, reference)
+                loss = batch_loss(config, logits, hidden, batch, teacher=teacher, cache_rows=cache_rows,
+                                  remap=remap if cache_rows else False, draft_vocab=draft_vocab, module=module, reference=reference)
                 if not torch.isfinite(loss):
                     raise NonFiniteLossError(
                         f"loss is {loss.item()} at step {step} (micro-batch {micro}, examples {batch.ids}); "
@@ -363,8 +342,14 @@ def distill(config: DistillConfig) -> dict:
     return result
 
 
-def _loss(config: DistillConfig, logits, hidden, batch: Batch, teacher, cache_rows, remap: bool,
-          draft_vocab: DraftVocab | None, module: DraftWithHead, reference) -> torch.Tensor:
+def batch_loss(config: DistillConfig, logits, hidden, batch: Batch, *, teacher=None, cache_rows: dict | None = None,
+               remap: bool = False, draft_vocab: DraftVocab | None = None, module: DraftWithHead | None = None,
+               reference: DraftWithHead | None = None) -> torch.Tensor:
+    """The training loss of one batch, as `distill` computes it, from the draft's `logits, hidden = module(...)`.
+
+    The teacher is either `teacher` (an OnlineTeacher) or `cache_rows` (TeacherCache.load_all(); `remap` when
+    the cache holds full-vocabulary rows for a reduced `draft_vocab`); `module` supplies the hidden-state
+    projection when loss.hidden_weight > 0, `reference` the reference model of selective (AdaSpec) distillation."""
     lc = config.loss
     labels = batch.labels
     label_mask = None

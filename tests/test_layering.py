@@ -1,0 +1,256 @@
+"""Import policing over the source text (`ast`, nothing is imported or run).
+
+The library is layered; a module may import its own layer and the ones below it, never one above:
+
+    base (specdistill/__init__, config, acceptance, paths, env) -> data -> modeling -> distill
+    -> speculative -> ops -> pipeline -> cli
+
+Imports inside functions count as much as those at the top of a file. The library never imports
+Prefect, `tasks` or `flows`; the one exception is `specdistill/cli`, which imports `flows.*` lazily to
+run a flow. `tasks/` and `flows/` reach the library only through `specdistill.pipeline*`, plus
+`specdistill.paths` (tasks/common.py keys Prefect's cache by the state directory). Size limits: no
+module in specdistill/ over MAX_LINES lines, at most MAX_TOP_LEVEL modules directly in specdistill/.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+LAYERS = ["base", "data", "modeling", "distill", "speculative", "ops", "pipeline", "cli"]
+BASE_MODULES = {"config", "acceptance", "paths", "env"}
+ORCHESTRATION_MAY_IMPORT = ("specdistill.pipeline", "specdistill.paths")  # for tasks/ and flows/
+MAX_LINES = 400
+MAX_TOP_LEVEL = 8  # modules directly in specdistill/, __init__.py not counted
+
+
+@dataclass(frozen=True)
+class Import:
+    file: str  # relative to the root that was scanned
+    line: int
+    module: str  # absolute dotted name
+
+
+def module_name(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_package(path: Path) -> bool:
+    return path.name == "__init__.py"
+
+
+def _known_submodule(root: Path, dotted: str) -> bool:
+    rel = Path(*dotted.split("."))
+    return (root / rel).is_dir() or (root / rel).with_suffix(".py").is_file()
+
+
+def imports_of(root: Path, path: Path) -> list[Import]:
+    """Every module `path` imports, anywhere in the file, as absolute dotted names.
+
+    `from pkg import name` counts as importing `pkg.name` when that is a module or package under root;
+    relative imports are resolved; `importlib.import_module("literal")` counts too."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    here = module_name(root, path)
+    package = here if _is_package(path) else here.rpartition(".")[0]
+    rel = str(path.relative_to(root))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [Import(rel, node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base_parts = package.split(".") if package else []
+                base_parts = base_parts[: len(base_parts) - (node.level - 1)] if node.level > 1 else base_parts
+                base = ".".join(base_parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}" if base else alias.name
+                found.append(Import(rel, node.lineno, candidate if _known_submodule(root, candidate) else base))
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if (name in ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant)
+                    and isinstance(node.args[0].value, str)):
+                found.append(Import(rel, node.lineno, node.args[0].value))
+    return found
+
+
+def layer_of(dotted: str) -> str | None:
+    """The layer of a `specdistill` module; None for anything outside the library."""
+    parts = dotted.split(".")
+    if parts[0] != "specdistill":
+        return None
+    if len(parts) == 1 or parts[1] in BASE_MODULES:
+        return "base"
+    if parts[1] in LAYERS:
+        return parts[1]
+    return f"unlayered:{parts[1]}"
+
+
+def _sources(root: Path, top: str) -> list[Path]:
+    return sorted(p for p in (root / top).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def layering_violations(root: Path) -> list[str]:
+    """Upward imports inside the library, and modules that belong to no layer."""
+    out = []
+    for path in _sources(root, "specdistill"):
+        own = layer_of(module_name(root, path))
+        if own is None or own.startswith("unlayered"):
+            out.append(f"{path.relative_to(root)}: {own or 'outside the library'}; put it in one of the layers {LAYERS}")
+            continue
+        for imp in imports_of(root, path):
+            theirs = layer_of(imp.module)
+            if theirs is None:
+                continue
+            if theirs.startswith("unlayered"):
+                out.append(f"{imp.file}:{imp.line} imports {imp.module}, which belongs to no layer")
+            elif LAYERS.index(theirs) > LAYERS.index(own):
+                out.append(f"{imp.file}:{imp.line} imports {imp.module}: {own} must not import {theirs} (a higher layer)")
+    return out
+
+
+def orchestration_violations(root: Path) -> list[str]:
+    """The library importing Prefect/tasks/flows (cli may import flows), and tasks/flows going around pipeline."""
+    out = []
+    for path in _sources(root, "specdistill"):
+        in_cli = layer_of(module_name(root, path)) == "cli"
+        for imp in imports_of(root, path):
+            top = imp.module.split(".")[0]
+            if top == "prefect" or top == "tasks" or (top == "flows" and not in_cli):
+                out.append(f"{imp.file}:{imp.line} imports {imp.module}: the library never imports {top}"
+                           + ("" if top != "flows" else " (only specdistill/cli may, to run a flow)"))
+    for top_dir in ("tasks", "flows"):
+        if not (root / top_dir).is_dir():
+            continue
+        for path in _sources(root, top_dir):
+            for imp in imports_of(root, path):
+                if layer_of(imp.module) is None:
+                    continue
+                if not any(imp.module == ok or imp.module.startswith(ok + ".") for ok in ORCHESTRATION_MAY_IMPORT):
+                    out.append(f"{imp.file}:{imp.line} imports {imp.module}: {top_dir}/ may use only "
+                               f"{' and '.join(ORCHESTRATION_MAY_IMPORT)} (go through specdistill.pipeline)")
+    return out
+
+
+def size_violations(root: Path) -> list[str]:
+    out = []
+    for path in _sources(root, "specdistill"):
+        n = len(path.read_text(encoding="utf-8").splitlines())
+        if n > MAX_LINES:
+            out.append(f"{path.relative_to(root)}: {n} lines (at most {MAX_LINES})")
+    top_level = sorted(p.name for p in (root / "specdistill").glob("*.py") if p.name != "__init__.py")
+    if len(top_level) > MAX_TOP_LEVEL:
+        out.append(f"specdistill/ holds {len(top_level)} modules directly (at most {MAX_TOP_LEVEL}): {top_level}")
+    return out
+
+
+def _report(violations: list[str]) -> str:
+    return "\n".join(["", *violations])
+
+
+# --------------------------------------------------------------------------------------------
+# The checker on a synthetic tree: it must catch what it is there to catch.
+
+
+def _write(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_checker_catches_upward_imports_at_any_depth(tmp_path):
+    root = _write(tmp_path, {
+        "specdistill/__init__.py": "from specdistill.env import x\n",
+        "specdistill/env.py": "",
+        "specdistill/data/__init__.py": "",
+        "specdistill/data/ok.py": "import json\nfrom specdistill import paths\nfrom . import sibling\n",
+        "specdistill/data/sibling.py": "",
+        "specdistill/data/in_function.py": "def f():\n    if True:\n        from specdistill.ops.monitor import decide\n",
+        "specdistill/data/relative.py": "from ..pipeline import nightly\n",
+        "specdistill/data/package_attr.py": "from specdistill import modeling\n",
+        "specdistill/data/dynamic.py": "import importlib\nimportlib.import_module('specdistill.cli')\n",
+        "specdistill/ops/__init__.py": "",
+        "specdistill/ops/monitor.py": "import specdistill.modeling.vocab\n",
+        "specdistill/pipeline/__init__.py": "",
+        "specdistill/pipeline/nightly.py": "",
+        "specdistill/modeling/__init__.py": "",
+        "specdistill/cli/__init__.py": "",
+        "specdistill/extras/__init__.py": "",
+    })
+    found = _report(layering_violations(root))
+    assert "data/in_function.py:3 imports specdistill.ops.monitor: data must not import ops" in found
+    assert "data/relative.py:1 imports specdistill.pipeline.nightly: data must not import pipeline" in found
+    assert "data/package_attr.py:1 imports specdistill.modeling: data must not import modeling" in found
+    assert "data/dynamic.py:2 imports specdistill.cli: data must not import cli" in found
+    assert "extras/__init__.py: unlayered:extras" in found
+    for clean in ("specdistill/__init__.py", "data/ok.py", "ops/monitor.py"):
+        assert clean not in found, found
+
+
+def test_checker_catches_prefect_and_orchestration_shortcuts(tmp_path):
+    root = _write(tmp_path, {
+        "specdistill/__init__.py": "",
+        "specdistill/paths.py": "",
+        "specdistill/ops/__init__.py": "",
+        "specdistill/ops/bad.py": "def f():\n    from prefect import flow\n",
+        "specdistill/ops/runs_flow.py": "def f():\n    from flows.nightly import nightly\n",
+        "specdistill/cli/__init__.py": "def f():\n    from flows.nightly import nightly\n    import prefect.events\n",
+        "specdistill/pipeline/__init__.py": "",
+        "specdistill/pipeline/nightly.py": "",
+        "tasks/__init__.py": "",
+        "tasks/good.py": "from specdistill.pipeline import nightly\nfrom specdistill import paths\n",
+        "tasks/bad.py": "from specdistill.ops.bad import f\n",
+        "flows/__init__.py": "",
+        "flows/nightly.py": "from prefect import flow\nfrom tasks import good\nimport specdistill.config\n",
+    })
+    found = _report(orchestration_violations(root))
+    assert "ops/bad.py:2 imports prefect" in found
+    assert "ops/runs_flow.py:2 imports flows.nightly" in found
+    assert "cli/__init__.py:3 imports prefect.events" in found
+    assert "cli/__init__.py:2" not in found  # the CLI may run a flow
+    assert "tasks/bad.py:1 imports specdistill.ops.bad" in found
+    assert "flows/nightly.py:3 imports specdistill.config" in found
+    assert "tasks/good.py" not in found and "flows/nightly.py:1" not in found and "flows/nightly.py:2" not in found
+
+
+def test_checker_counts_lines_and_top_level_modules(tmp_path):
+    files = {"specdistill/__init__.py": "", "specdistill/data/big.py": "x = 1\n" * (MAX_LINES + 1),
+             "specdistill/data/fits.py": "x = 1\n" * MAX_LINES}
+    files.update({f"specdistill/m{i}.py": "" for i in range(MAX_TOP_LEVEL + 1)})
+    found = _report(size_violations(_write(tmp_path, files)))
+    assert f"data/big.py: {MAX_LINES + 1} lines" in found and "fits.py" not in found
+    assert f"holds {MAX_TOP_LEVEL + 1} modules directly" in found
+
+
+# --------------------------------------------------------------------------------------------
+# The repository
+
+
+def test_library_layers_import_only_downward():
+    violations = layering_violations(REPO)
+    if violations:
+        pytest.fail(_report(violations), pytrace=False)
+
+
+def test_prefect_stays_in_tasks_and_flows_which_use_the_library_through_pipeline():
+    violations = orchestration_violations(REPO)
+    if violations:
+        pytest.fail(_report(violations), pytrace=False)
+
+
+def test_modules_stay_small_and_the_top_level_stays_short():
+    violations = size_violations(REPO)
+    if violations:
+        pytest.fail(_report(violations), pytrace=False)
