@@ -13,24 +13,15 @@ def cmd_target_register(args: argparse.Namespace) -> int:
     from specdistill.ops.targets import register_target
 
     version = register_target(args.path)
-    emitted = _emit_target_updated(version.to_dict()) if not args.no_event else False
+    emitted = False
+    if not args.no_event:
+        from flows.events import emit_target_updated  # the flows are the one place Prefect is imported
+
+        emitted = emit_target_updated(version.to_dict())
     payload = {**version.to_dict(), "event_emitted": emitted}
     emit(args, payload, f"target {version.fingerprint} ({version.path}) is the current version"
          + ("; emitted specdistill.target.updated" if emitted else ""))
     return 0
-
-
-def _emit_target_updated(version: dict) -> bool:
-    """The Prefect event the monitor deployment is triggered by (Prefect is imported only here)."""
-    from prefect.events import emit_event
-
-    event = emit_event(
-        event="specdistill.target.updated",
-        resource={"prefect.resource.id": f"specdistill.target.{version['fingerprint']}",
-                  "prefect.resource.name": version["ref"]},
-        payload={"fingerprint": version["fingerprint"], "path": version["path"], "ref": version["ref"]},
-    )
-    return event is not None
 
 
 def cmd_target_history(args: argparse.Namespace) -> int:

@@ -48,12 +48,8 @@ from specdistill.data.logschema import (  # noqa: F401  (the schema and hashes a
     watermarks,
     writing,
 )
+from specdistill.data.logstore_records import PipelineRecords, _now
 from specdistill.data.readers import Conversation, Message, Rejected
-
-
-def _now() -> datetime:
-    return datetime.now(timezone.utc)
-
 
 # ----------------------------------------------------------------------------------------------
 # the store
@@ -88,7 +84,9 @@ class Watermark:
     fingerprint: str
 
 
-class LogStore:
+class LogStore(PipelineRecords):
+    """Conversations in, windows out; the pipeline's own records come from `PipelineRecords`."""
+
     def __init__(self, url: str | None = None, eval_fraction: float = DEFAULT_EVAL_FRACTION) -> None:
         self.url = url or default_url()
         self.eval_fraction = eval_fraction
@@ -110,13 +108,6 @@ class LogStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def _insert(self, table: sa.Table):
-        if self.engine.dialect.name == "postgresql":
-            from sqlalchemy.dialects.postgresql import insert
-        else:
-            from sqlalchemy.dialects.sqlite import insert
-        return insert(table)
 
     # -- ingestion ---------------------------------------------------------------------------
 
@@ -282,114 +273,6 @@ class LogStore:
         if missing:
             raise KeyError(f"conversations not in the log store: {missing[:10]}")
         return [found[i] for i in ids]
-
-    # -- target responses --------------------------------------------------------------------
-
-    def add_response(
-        self,
-        conversation_id: int,
-        target_fingerprint: str,
-        text: str,
-        *,
-        prompt_messages: int,
-        params: dict | None = None,
-        token_ids: list[int] | None = None,
-    ) -> bool:
-        """Record the target's response to the first `prompt_messages` messages; False if already there."""
-        params_json = json.dumps(params or {}, sort_keys=True)
-        row = dict(conversation_id=conversation_id, prompt_messages=prompt_messages,
-                   target_fingerprint=target_fingerprint, params=params_json,
-                   params_hash=hashlib.sha256(params_json.encode()).hexdigest()[:16], text=text,
-                   token_ids=json.dumps(token_ids) if token_ids is not None else None, created_at=_now())
-        stmt = self._insert(responses).on_conflict_do_nothing(
-            index_elements=["conversation_id", "prompt_messages", "target_fingerprint", "params_hash"])
-        with writing(self.engine) as conn:
-            return conn.execute(stmt.returning(responses.c.id), row).first() is not None
-
-    def responses(self, target_fingerprint: str, conversation_ids: Iterable[int] | None = None) -> list[dict]:
-        query = sa.select(responses).where(responses.c.target_fingerprint == target_fingerprint)
-        if conversation_ids is not None:
-            query = query.where(responses.c.conversation_id.in_(list(conversation_ids)))
-        with self.engine.connect() as conn:
-            rows = conn.execute(query.order_by(responses.c.id)).mappings().all()
-        return [{**r, "params": json.loads(r["params"]),
-                 "token_ids": json.loads(r["token_ids"]) if r["token_ids"] else None} for r in rows]
-
-    # -- acceptance samples (written by the monitor) -------------------------------------------
-
-    def add_acceptance_sample(
-        self,
-        target_fingerprint: str,
-        draft_version: str,
-        gamma: int,
-        num_drafts: int,
-        num_draft_tokens: int,
-        num_accepted_tokens: int,
-        accepted_per_position: Sequence[int],
-        conversation_id: int | None = None,
-        measured_at: datetime | None = None,
-    ) -> int:
-        if num_accepted_tokens > num_draft_tokens or len(accepted_per_position) != gamma:
-            raise ValueError("accepted tokens exceed drafted tokens, or per-position counts do not have gamma entries")
-        with writing(self.engine) as conn:
-            return conn.execute(acceptance_samples.insert().returning(acceptance_samples.c.id), dict(
-                measured_at=measured_at or _now(), target_fingerprint=target_fingerprint,
-                draft_version=draft_version, conversation_id=conversation_id, gamma=gamma, num_drafts=num_drafts,
-                num_draft_tokens=num_draft_tokens, num_accepted_tokens=num_accepted_tokens,
-                accepted_per_position=json.dumps(list(accepted_per_position)))).scalar_one()
-
-    def acceptance(self, target_fingerprint: str, draft_version: str, since: datetime | None = None) -> dict:
-        """Acceptance rate and mean accepted length over the samples (the design's definitions)."""
-        a = acceptance_samples.c
-        query = sa.select(sa.func.count(), sa.func.sum(a.num_drafts), sa.func.sum(a.num_draft_tokens),
-                          sa.func.sum(a.num_accepted_tokens)).where(
-            a.target_fingerprint == target_fingerprint, a.draft_version == draft_version)
-        if since is not None:
-            query = query.where(a.measured_at >= since)
-        with self.engine.connect() as conn:
-            samples, drafts, proposed, accepted = conn.execute(query).one()
-        return {
-            "samples": samples,
-            "acceptance_rate": accepted / proposed if proposed else None,
-            "mean_accepted_length": 1 + accepted / drafts if drafts else None,
-        }
-
-    def acceptance_samples_after(self, after_id: int = 0, limit: int = 10_000) -> list[dict]:
-        """Samples with id > after_id, oldest first (what a metrics exporter has not counted yet)."""
-        a = acceptance_samples.c
-        query = sa.select(acceptance_samples).where(a.id > after_id).order_by(a.id).limit(limit)
-        with self.engine.connect() as conn:
-            rows = conn.execute(query).mappings().all()
-        return [{**r, "accepted_per_position": json.loads(r["accepted_per_position"])} for r in rows]
-
-    # -- monitor decisions -------------------------------------------------------------------
-
-    def add_decision(self, kind: str, target_fingerprint: str, draft_version: str | None, payload_json: str,
-                     decided_at: datetime | None = None) -> int:
-        """Record a monitor decision with the JSON of the numbers it was made on."""
-        try:
-            json.loads(payload_json)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"decision payload is not JSON: {exc}") from exc
-        if not kind:
-            raise ValueError("a decision needs a kind")
-        with writing(self.engine) as conn:
-            return conn.execute(decisions.insert().returning(decisions.c.id), dict(
-                decided_at=decided_at or _now(), kind=kind, target_fingerprint=target_fingerprint,
-                draft_version=draft_version, payload=payload_json)).scalar_one()
-
-    def decisions(self, *, kind: str | None = None, target_fingerprint: str | None = None,
-                  limit: int | None = 100) -> list[dict]:
-        """Decisions, newest first, with their payload parsed."""
-        d = decisions.c
-        query = sa.select(decisions).order_by(d.decided_at.desc(), d.id.desc()).limit(limit)
-        if kind is not None:
-            query = query.where(d.kind == kind)
-        if target_fingerprint is not None:
-            query = query.where(d.target_fingerprint == target_fingerprint)
-        with self.engine.connect() as conn:
-            rows = conn.execute(query).mappings().all()
-        return [{**r, "payload": json.loads(r["payload"])} for r in rows]
 
     # -- reports -----------------------------------------------------------------------------
 

@@ -133,7 +133,7 @@ def promotion_lock(timeout_s: float = 600.0) -> Iterator[None]:
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"another promotion holds {path}")
+                    raise TimeoutError(f"another promotion holds {path}") from None
                 time.sleep(0.2)
         try:
             yield
