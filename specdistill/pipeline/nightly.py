@@ -332,28 +332,12 @@ def benchmark(config: NightlyConfig, window: dict, drafters: dict[str, str]) -> 
 
 
 def gate(config: NightlyConfig, challenger: dict, champion: dict | None, baselines: dict | None = None) -> dict:
+    """The gate's verdict (`speculative.gate.evaluate`) under the run's profile, overrides and `must_beat`."""
     from specdistill.speculative.gate import evaluate, gate_config
 
-    verdict = evaluate(challenger, gate_config(config.gate.profile, **config.gate.overrides), champion=champion)
-    out = verdict.to_dict()
-    for name in config.gate.must_beat:
-        if name not in (baselines or {}):
-            continue  # a baseline that was not run this time (bench.generic_draft=false) sets no bar
-        mine, theirs = challenger["acceptance_rate"], baselines[name]["acceptance_rate"]
-        ok = mine > theirs
-        out["checks"].append({"name": f"beats {name}", "passed": ok, "value": mine, "threshold": theirs,
-                              "reason": f"acceptance rate {mine:.3f} {'>' if ok else '<='} {name} {theirs:.3f}"})
-        out["reasons"].append(out["checks"][-1]["reason"])
-        if not ok:
-            out["failures"].append(out["checks"][-1]["reason"])
-            out["passed"] = False
-    beats = champion is None or challenger["accepted_length"] > champion["accepted_length"]
-    out["beats_champion"] = beats
-    out["promote"] = bool(out["passed"] and beats)
-    if out["passed"] and not beats:
-        out["reasons"].append(f"accepted length {challenger['accepted_length']:.2f} does not beat the champion's "
-                              f"{champion['accepted_length']:.2f}: the champion stays")
-    return out
+    g = config.gate
+    return evaluate(challenger, gate_config(g.profile, **g.overrides), champion=champion,
+                    baselines=baselines, must_beat=g.must_beat).to_dict()
 
 
 # --------------------------------------------------------------------------------------------
