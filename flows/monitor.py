@@ -20,14 +20,17 @@ from prefect.artifacts import create_markdown_artifact
 from flows.nightly import nightly
 from specdistill.ops.monitor import decide
 from specdistill.pipeline import monitor as mc
+from specdistill.pipeline.config import load_monitor_config
+from specdistill.pipeline.outputs import MonitorOutcome
+from specdistill.pipeline.report import render_outcome
 from tasks import monitor as t
 from tasks import nightly as nt
 
 
 @flow(name="monitor", log_prints=True)
 def monitor(config_path: str | None = None, overrides: list[str] | None = None,
-            fingerprint: str | None = None) -> dict:
-    config = mc.load_monitor_config(config_path, overrides)
+            fingerprint: str | None = None) -> MonitorOutcome:
+    config = load_monitor_config(config_path, overrides)
     log = get_run_logger()
     if fingerprint:
         log.info("triggered by specdistill.target.updated for target %s", fingerprint)
@@ -36,11 +39,11 @@ def monitor(config_path: str | None = None, overrides: list[str] | None = None,
     change = t.detect_target_change(config, champion)
     if champion is None:
         log.info("no champion registered yet: nothing to monitor")
-        return {"change": change, "decision": "no-champion"}
+        return MonitorOutcome(change=change, decision="no-champion")
 
     sample = t.sample_acceptance(config, champion, change["current"])
     decision = decide(SimpleNamespace(**sample), config.threshold)
-    outcome: dict = {"change": change, "champion": champion, "sample": sample, "decision": decision}
+    outcome = MonitorOutcome(change=change, champion=champion, sample=sample, decision=decision)
     if decision == "fallback":
         fallback = t.choose_fallback(config, change["current"])
         outcome["fallback"] = fallback
@@ -48,7 +51,7 @@ def monitor(config_path: str | None = None, overrides: list[str] | None = None,
         retrain = nightly(config_path=config.nightly_config, overrides=mc.incremental_overrides(config, change))
         outcome["incremental"] = {k: retrain[k] for k in ("warm_start", "verdict", "registered", "promoted")}
     t.record_decision(config, outcome)
-    report = mc.render_outcome(outcome)
+    report = render_outcome(outcome)
     create_markdown_artifact(report, key="monitor-decision", description="acceptance and what the monitor did")
     log.info("\n%s", report)
     outcome["report"] = report

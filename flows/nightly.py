@@ -13,7 +13,8 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from specdistill.pipeline import nightly as pipeline
+from specdistill.pipeline.config import load_nightly_config
+from specdistill.pipeline.report import report_table, write_report
 from tasks import nightly as t
 
 
@@ -25,7 +26,7 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
         overrides.append(f"window.days={window_days}")
     if budget_minutes is not None:
         overrides.append(f"train.max_minutes={budget_minutes}")
-    config = pipeline.load_nightly_config(config_path, overrides)  # a config error fails before any work
+    config = load_nightly_config(config_path, overrides)  # a config error fails before any work
     log = get_run_logger()
 
     target = t.load_target(config)
@@ -54,16 +55,16 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
     results = t.benchmark(config, window, drafters, fp)
 
     verdict = t.gate(config, results["challenger"], results.get("champion"), results)
-    report = pipeline.report_table(results, verdict)
-    report_path = pipeline.write_report(report, window)
+    report = report_table(results, verdict)
+    report_path = write_report(report, window)
     registered = t.register(config, target, window, trained, results, verdict,
                             champion["version"] if champion else None, report_path)
     promoted = None
     if verdict["promote"]:
         promoted = t.promote(config, registered, target, champion["version"] if champion else None)
 
-    report = pipeline.report_table(results, verdict, registered, promoted)
-    pipeline.write_report(report, window, report_path)
+    report = report_table(results, verdict, registered, promoted)
+    write_report(report, window, report_path)
     create_markdown_artifact(report, key="nightly-benchmark", description="draft vs champion and baselines")
     log.info("\n%s", report)
     return {"target": target, "window": window["key"], "warm_start": warm_start, "results": results, "verdict": verdict,

@@ -1,4 +1,4 @@
-"""The monitoring flow's tasks: each wraps one library call."""
+"""The monitoring flow's tasks: each wraps one call of `specdistill.pipeline.monitor`."""
 
 from __future__ import annotations
 
@@ -6,28 +6,38 @@ from prefect import task
 
 from specdistill.pipeline import monitor as mc
 from specdistill.pipeline.config import MonitorConfig
+from specdistill.pipeline.outputs import (
+    AppliedFallback,
+    Champion,
+    FallbackChoice,
+    MonitorOutcome,
+    RecordedDecision,
+    Sample,
+    TargetChange,
+    TargetVersionDict,
+)
 
 
 @task(name="detect-target-change", retries=2, retry_delay_seconds=5)
-def detect_target_change(config: MonitorConfig, champion: dict | None) -> dict:
+def detect_target_change(config: MonitorConfig, champion: Champion | None) -> TargetChange:
     return mc.detect_drift(config, champion)
 
 
 @task(name="sample-acceptance")
-def sample_acceptance(config: MonitorConfig, champion: dict, target: dict) -> dict:
+def sample_acceptance(config: MonitorConfig, champion: Champion, target: TargetVersionDict) -> Sample:
     return mc.sample_acceptance(config, champion, target)
 
 
 @task(name="choose-fallback")
-def choose_fallback(config: MonitorConfig, target: dict) -> dict:
+def choose_fallback(config: MonitorConfig, target: TargetVersionDict) -> FallbackChoice:
     return mc.measure_fallback(config, target)
 
 
 @task(name="apply-fallback", retries=2, retry_delay_seconds=5)
-def apply_fallback(config: MonitorConfig, fallback: dict, target: dict) -> dict | None:
+def apply_fallback(config: MonitorConfig, fallback: FallbackChoice, target: TargetVersionDict) -> AppliedFallback | None:
     return mc.apply_fallback(config, fallback, target)
 
 
 @task(name="record-decision", retries=2, retry_delay_seconds=5)
-def record_decision(config: MonitorConfig, outcome: dict) -> dict:
+def record_decision(config: MonitorConfig, outcome: MonitorOutcome) -> RecordedDecision:
     return mc.record_decision(config, outcome)

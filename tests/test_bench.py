@@ -8,13 +8,12 @@ import pytest
 import torch
 from conftest import make_tiny_llama
 
+from specdistill.acceptance import expected_tokens_per_round, ideal_speedup
 from specdistill.speculative import ModelDrafter, NgramDrafter, SelfSpecDrafter
 from specdistill.speculative.bench import (
     BenchConfig,
     Prompt,
     PromptFileError,
-    expected_tokens_per_round,
-    ideal_speedup,
     load_prompts,
     percentile,
     run_bench,
@@ -87,7 +86,8 @@ def test_bench_on_tiny_models_is_consistent(tmp_path):
     assert result.tokens_per_second_target_only > 0 and result.speedup > 0
     assert result.cost_ratio > 0
     assert result.ideal_speedup == pytest.approx(ideal_speedup(result.acceptance_rate, 3, result.cost_ratio))
-    json.loads(json.dumps(result.to_dict()))
+    back = type(result).from_dict({**json.loads(json.dumps(result.to_dict())), "spec": "self_spec:3"})
+    assert back == result  # what the pipeline persists as JSON comes back whole (the plot in `register` needs it)
     assert "lossless (greedy == target-only)  PASS" in result.render()
     png = result.plot(tmp_path / "bench.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
@@ -145,3 +145,25 @@ def test_bench_many_shares_one_target_only_run_and_matches_single_runs(monkeypat
         assert {k: many[name].stats[k] for k in counts} == {k: alone.stats[k] for k in counts}
         assert many[name].per_position_acceptance == alone.per_position_acceptance
         assert many[name].speedup > 0 and many[name].tokens_per_second_target_only > 0
+
+
+def test_drafter_specs_build_the_drafters_the_pipeline_and_the_monitor_name(tmp_path):
+    from specdistill.modeling.drafts import init_draft_from_target, save_draft
+    from specdistill.speculative import drafter_from_spec
+    from tests.tokenizers_util import train_bpe
+
+    tok = train_bpe(300)
+    target = make_tiny_llama(vocab_size=len(tok), layers=4, seed=2)
+    draft_dir = save_draft(init_draft_from_target(target, [0, 3]), tok, tmp_path / "draft")
+
+    drafter = drafter_from_spec(target, f"draft:{draft_dir}")
+    assert isinstance(drafter, ModelDrafter) and drafter.model.config.num_hidden_layers == 2
+    early = drafter_from_spec(target, "self_spec:2")
+    assert isinstance(early, SelfSpecDrafter) and early.model.config.num_hidden_layers == 2
+    assert (drafter_from_spec(target, "ngram").min_n, drafter_from_spec(target, "ngram").max_n) == (1, 3)
+    assert (drafter_from_spec(target, "ngram:2,4").min_n, drafter_from_spec(target, "ngram:2,4").max_n) == (2, 4)
+    for bad in ["draft:", "self_spec:x", "self_spec:", "ngram:2", "ngram:a,b", "medusa:3", ""]:
+        with pytest.raises(ValueError, match="unknown drafter spec"):
+            drafter_from_spec(target, bad)
+    with pytest.raises(ValueError, match="exit layer"):
+        drafter_from_spec(target, "self_spec:9")  # parsed, then refused by the drafter itself

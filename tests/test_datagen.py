@@ -8,12 +8,12 @@ import pytest
 import torch
 from conftest import make_tiny_llama
 
+from specdistill.data.prompts import encode_chat
 from specdistill.distill.datagen import (
     Prompt,
     encode_conversation,
     encode_generated,
     generate_answers,
-    prompt_ids,
     read_done,
 )
 from specdistill.distill.teacher import TeacherCache
@@ -57,7 +57,7 @@ def test_batched_left_padded_generation_matches_one_by_one(tok, tiny_target, tmp
     prompts = _prompts(4)
     batched = generate_answers(tiny_target, tok, prompts, tmp_path / "b.jsonl", batch_size=4, max_new_tokens=8, progress=False)
     single = generate_answers(tiny_target, tok, prompts, tmp_path / "s.jsonl", batch_size=1, max_new_tokens=8, progress=False)
-    lengths = {len(prompt_ids(tok, p.messages)) for p in prompts}
+    lengths = {len(encode_chat(tok, p.messages)) for p in prompts}
     assert len(lengths) > 1  # the batch really was padded
     for p in prompts:
         assert batched[p.id]["response_ids"] == single[p.id]["response_ids"]

@@ -66,3 +66,30 @@ def test_bad_input_errors():
         gate_config(min_alpha=0.3)
     with pytest.raises(ValueError, match="champion"):
         evaluate(result(), GateConfig(), champion=[1, 2])
+
+
+def test_must_beat_is_a_check_of_its_own_and_a_missing_baseline_sets_no_bar():
+    baselines = {"generic": result(alpha=0.4), "ngram": result(alpha=0.7)}
+    verdict = evaluate(result(alpha=0.6), GateConfig(), baselines=baselines, must_beat=["generic", "ngram", "absent"])
+    beats = {c.name: c for c in verdict.checks if c.name.startswith("beats ")}
+    assert set(beats) == {"beats generic", "beats ngram"}  # "absent" was not run this time: no check
+    assert beats["beats generic"].passed and (beats["beats generic"].value, beats["beats generic"].threshold) == (0.6, 0.4)
+    assert not beats["beats ngram"].passed
+    assert not verdict.passed and verdict.failures == ["acceptance rate 0.600 <= ngram 0.700"]
+    assert not verdict.to_dict()["promote"]
+    tie = evaluate(result(alpha=0.4), GateConfig(min_acceptance_rate=None), baselines=baselines, must_beat=["generic"])
+    assert not tie.passed  # equal is not beating
+    assert evaluate(result(alpha=0.6), GateConfig(), baselines=baselines).passed  # must_beat empty: baselines only listed
+
+
+def test_promotion_needs_a_pass_and_a_better_tau_than_the_champion():
+    assert evaluate(result(tau=2.5)).to_dict()["promote"]  # no champion: a pass promotes
+    same = evaluate(result(tau=2.5), GateConfig(), champion=result(tau=2.5)).to_dict()
+    assert same["passed"] and not same["beats_champion"] and not same["promote"]
+    assert same["reasons"][-1].endswith("the champion stays") and not same["failures"]
+    better = evaluate(result(tau=2.6), GateConfig(), champion=result(tau=2.5)).to_dict()
+    assert better["beats_champion"] and better["promote"]
+    failed = evaluate(result(tau=2.6, alpha=0.1), GateConfig(), champion=result(tau=2.5)).to_dict()
+    assert failed["beats_champion"] and not failed["promote"]
+    assert not any("champion stays" in r for r in failed["reasons"])
+    assert set(same) == {"passed", "checks", "reasons", "failures", "beats_champion", "promote"}

@@ -10,6 +10,7 @@ import pytest
 
 from specdistill.data.formats import Message
 from specdistill.data.logstore import LogStore
+from specdistill.data.prompts import prompt_messages
 from specdistill.data.readers import Conversation
 from specdistill.modeling.drafts import init_draft_from_target, save_draft
 from specdistill.modeling.models import load_model
@@ -20,7 +21,6 @@ from specdistill.ops.monitor import (
     choose_fallback,
     decide,
     export_early_exit_draft,
-    prompt_messages,
     prompts_from_store,
     refresh_metrics,
     replay_acceptance,

@@ -1,7 +1,9 @@
-"""The nightly pipeline's library stages that need no target: config, gate decision, report, alignment."""
+"""The nightly pipeline's library stages that need no real target: config, gate decision, report, alignment."""
 
 import subprocess
 import sys
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,27 +11,29 @@ import torch
 from specdistill.config import ConfigError
 from specdistill.modeling.vocab import DraftVocab, remap_draft_vocab
 from specdistill.pipeline import nightly as pipeline
+from specdistill.pipeline.config import load_nightly_config, run_root
+from specdistill.pipeline.report import report_table
 from tests.tokenizers_util import train_bpe
 
 
 def test_config_defaults_and_overrides(tmp_path):
-    cfg = pipeline.load_nightly_config(None, ["train.max_minutes=1.5", "bench.self_spec_layers=[4,6]"])
+    cfg = load_nightly_config(None, ["train.max_minutes=1.5", "bench.self_spec_layers=[4,6]"])
     assert cfg.train.max_minutes == 1.5 and cfg.bench.self_spec_layers == [4, 6]
     assert [s.format for s in cfg.sources] == ["sharegpt", "humaneval"]
     f = tmp_path / "n.yaml"
     f.write_text("window: {train_prompts: 5}\n")
-    assert pipeline.load_nightly_config(f).window.train_prompts == 5
+    assert load_nightly_config(f).window.train_prompts == 5
 
 
 @pytest.mark.parametrize("override, match", [("trian.lr=1", "trian"), ("window.train_prompts=zero", "train_prompts")])
 def test_config_errors_name_the_key(override, match):
     with pytest.raises(ConfigError, match=match):
-        pipeline.load_nightly_config(None, [override])
+        load_nightly_config(None, [override])
 
 
 def test_missing_config_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="nope.yaml"):
-        pipeline.load_nightly_config(tmp_path / "nope.yaml")
+        load_nightly_config(tmp_path / "nope.yaml")
 
 
 def _result(alpha, tau, speedup=1.2, lossless=True):
@@ -38,14 +42,14 @@ def _result(alpha, tau, speedup=1.2, lossless=True):
 
 
 def test_demo_gate_requires_beating_the_generic_draft():
-    cfg = pipeline.load_nightly_config()
+    cfg = load_nightly_config()
     assert pipeline.gate(cfg, _result(0.2, 1.5, speedup=0.8), None, {"generic": _result(0.1, 1.2)})["promote"]
     lost = pipeline.gate(cfg, _result(0.2, 1.5), None, {"generic": _result(0.25, 1.6)})
     assert not lost["passed"] and any("generic" in f for f in lost["failures"])
 
 
 def test_gate_promotes_only_a_real_improvement():
-    cfg = pipeline.load_nightly_config(None, ["gate.overrides={}", "gate.must_beat=[]"])
+    cfg = load_nightly_config(None, ["gate.overrides={}", "gate.must_beat=[]"])
     assert pipeline.gate(cfg, _result(0.6, 2.5), None)["promote"]  # no champion: a pass promotes
     better = pipeline.gate(cfg, _result(0.62, 2.6), _result(0.6, 2.5))
     assert better["passed"] and better["promote"]
@@ -60,12 +64,12 @@ def test_gate_promotes_only_a_real_improvement():
 def test_report_table_lists_every_drafter_and_the_decision():
     results = {"challenger": _result(0.55, 2.4), "ngram": _result(0.1, 1.2, speedup=0.9)}
     verdict = {"passed": True, "reasons": ["acceptance rate 0.550 >= 0.500"]}
-    text = pipeline.report_table(results, verdict, {"name": "draft-t", "version": "3"}, {"serving_config": "/s.json"})
+    text = report_table(results, verdict, {"name": "draft-t", "version": "3"}, {"serving_config": "/s.json"})
     assert "| challenger (x) | 0.550 | 2.40 | 1.20x" in text
-    assert "| d |" in pipeline.report_table({"d": {**_result(0.5, 2.0), "spec": "draft:/long/path"}})
+    assert "| d |" in report_table({"d": {**_result(0.5, 2.0), "spec": "draft:/long/path"}})
     assert "| no speculation |" in text and "**gate: PASS**" in text
     assert "version 3 (alias `champion`)" in text and "/s.json" in text
-    assert "unchanged" in pipeline.report_table(results, verdict, {"name": "d", "version": "4"}, None)
+    assert "unchanged" in report_table(results, verdict, {"name": "d", "version": "4"}, None)
 
 
 def test_remap_draft_vocab_follows_token_strings():
@@ -92,3 +96,256 @@ def test_library_never_imports_prefect():
             "print('prefect' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"
+
+
+# --------------------------------------------------------------------------------------------
+# Stages on a tiny target: the data window, the distill cache keys, the champion's alignment
+
+
+@pytest.fixture(scope="module")
+def tiny_target_dir(tmp_path_factory):
+    """An HF directory the stages load like the real target: a 4-layer Llama over a small BPE tokenizer."""
+    from tests.conftest import make_tiny_llama
+
+    path = tmp_path_factory.mktemp("target")
+    tok = train_bpe(300)
+    make_tiny_llama(vocab_size=len(tok), layers=4, seed=0).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+NOW = datetime(2025, 6, 1, tzinfo=timezone.utc)
+
+
+def _store_with_traffic(tmp_path) -> tuple[str, Path, Path]:
+    """A SQLite log store filled through the ingest API: chat traffic from long ago and from the last
+    hour (OpenAI records with `created`), code prompts that arrive now, and conversations that are
+    no prompt (too long, or the assistant speaks first)."""
+    import json
+
+    from specdistill.data.formats import Message
+    from specdistill.data.ingest import ingest
+    from specdistill.data.logstore import LogStore
+    from specdistill.data.readers import Conversation
+
+    def chat(i, created, user=None):
+        turns = [{"role": "user", "content": user or f"question {i}: the quick brown fox"}, {"role": "assistant", "content": f"answer {i}"}]
+        return {"messages": turns, "created": created}
+
+    recent = NOW.timestamp() - 3600
+    records = [chat(i, recent if i % 2 else datetime(2020, 1, 1, tzinfo=timezone.utc).timestamp() + i) for i in range(40)]
+    records += [chat(100 + i, recent, user="def add(a, b): return a + b " * 40) for i in range(6)]  # over max_prompt_tokens
+    chat_file, code_file = tmp_path / "chat.jsonl", tmp_path / "code.jsonl"
+    chat_file.write_text("".join(json.dumps(r) + "\n" for r in records))
+    code_file.write_text("".join(json.dumps({"prompt": f"def f{i}(x): return x + {i}", "response": "ok"}) + "\n" for i in range(30)))
+    url = f"sqlite:///{tmp_path / 'logs.db'}"
+    with LogStore(url, eval_fraction=0.3) as store:
+        ingest(chat_file, "openai", store, progress=False)
+        ingest(code_file, "jsonl", store, progress=False)
+        # stored as logged (ingest's normalization would drop the leading answer): no user turn before the first answer
+        run = store.begin_run(str(chat_file.resolve()), "openai", 0)
+        store.add_batch(run, [Conversation([Message("system", f"be brief {i}"), Message("assistant", "hi"), Message("user", "late")],
+                                           str(chat_file.resolve()), f"late:{i}", timestamp=recent) for i in range(6)])
+    return url, chat_file.resolve(), code_file.resolve()
+
+
+def _window_config(tiny_target_dir, url, chat_file, code_file, *overrides):
+    sources = f"sources=[{{path: '{chat_file}', format: openai, slice: chat}}, {{path: '{code_file}', format: jsonl, slice: code}}]"
+    return load_nightly_config(None, [f"target={tiny_target_dir}", f"log_db={url}", sources, "window.train_prompts=10",
+                                      "window.eval_prompts=4", "window.max_prompt_tokens=64", *overrides])
+
+
+def test_select_window_takes_usable_prompts_evenly_from_each_source_and_split(tiny_target_dir, tmp_path):
+    from collections import Counter
+
+    from specdistill.data.logstore import LogStore
+    from specdistill.data.prompts import encode_chat
+
+    url, chat_file, code_file = _store_with_traffic(tmp_path)
+    config = _window_config(tiny_target_dir, url, chat_file, code_file)
+    window = pipeline.select_window(config, now=NOW)
+    assert Counter(p["slice"] for p in window.train) == {"chat": 5, "code": 5}
+    assert Counter(p["slice"] for p in window.eval) == {"chat": 2, "code": 2}
+    assert window.since is None and window.replayed == 0
+    tok = train_bpe(300)
+    with LogStore(url) as store:
+        splits = {p["id"]: c.split for p, c in zip(window.train + window.eval,
+                                                    store.by_ids(int(p["id"]) for p in window.train + window.eval))}
+    assert {splits[p["id"]] for p in window.train} == {"train"} and {splits[p["id"]] for p in window.eval} == {"eval"}
+    for p in window.train + window.eval:
+        assert p["messages"][-1]["role"] == "user" and p["messages"][0]["role"] != "assistant"
+        assert "def add" not in p["messages"][-1]["content"] and len(encode_chat(tok, p["messages"])) <= 64
+    everything = pipeline.select_window(_window_config(tiny_target_dir, url, chat_file, code_file, "window.train_prompts=500",
+                                                      "window.eval_prompts=500"), now=NOW)
+    with LogStore(url) as store:
+        usable = {str(c.id) for c in store.window() if c.messages[0].role == "user" and "def add" not in c.messages[0].content}
+    assert len(usable) == 40 + 30
+    assert {p["id"] for p in everything.train + everything.eval} == usable  # every usable prompt, and only those
+    again = pipeline.select_window(config, now=NOW)
+    assert again.key == window.key and again.train == window.train  # deterministic for a store and seed
+    other = pipeline.select_window(_window_config(tiny_target_dir, url, chat_file, code_file, "window.seed=1"), now=NOW)
+    assert other.key != window.key
+
+
+def test_select_window_replays_older_traffic_and_fails_on_an_empty_window(tiny_target_dir, tmp_path):
+    from specdistill.data.logstore import LogStore
+
+    url, chat_file, code_file = _store_with_traffic(tmp_path)
+    config = _window_config(tiny_target_dir, url, chat_file, code_file, "window.days=1", "window.replay_share=0.2")
+    window = pipeline.select_window(config, now=NOW)
+    since = NOW - timedelta(days=1)
+    assert window.since == since.isoformat() and window.replayed == 2 and len(window.train) == 10
+    with LogStore(url) as store:
+        arrived = [c.arrived_at for c in store.by_ids(int(p["id"]) for p in window.train)]
+    assert sum(a < since for a in arrived) == 2  # the replay share, from before the window
+    later = _window_config(tiny_target_dir, url, chat_file, code_file, "window.since=2100-01-01T00:00:00")
+    with pytest.raises(ValueError, match="empty data window"):
+        pipeline.select_window(later, now=NOW)
+
+
+def test_distill_output_dir_depends_on_the_train_config_data_and_warm_start_only(monkeypatch):
+    calls = []
+
+    def fake_distill(dcfg):
+        calls.append(dcfg)
+        return {"draft_dir": f"{dcfg.out_dir}/draft"}
+
+    monkeypatch.setattr("specdistill.distill.train.distill", fake_distill)
+    train, heldout = {"path": "/data/a/train.jsonl", "teacher_cache": "/data/a/tc"}, {"path": "/data/a/eval.jsonl"}
+
+    def out_dir(config, train_data=train, warm=None):
+        pipeline.distill_draft(config, train_data, heldout, warm)
+        return calls[-1].out_dir
+
+    base = load_nightly_config()
+    first = out_dir(base)
+    assert out_dir(base) == first
+    unrelated = load_nightly_config(None, ["bench.gamma=7", "window.train_prompts=3", "gate.must_beat=[]",
+                                           "generation.max_new_tokens=5", "log_db=sqlite:////elsewhere.db"])
+    assert out_dir(unrelated) == first
+    keys = {first, out_dir(load_nightly_config(None, ["train.max_steps=7"])),
+            out_dir(base, {**train, "path": "/data/b/train.jsonl"}), out_dir(base, warm="/champion/v1"),
+            out_dir(base, warm="/champion/v2")}
+    assert len(keys) == 5
+    assert calls[-1].optim.lr == base.train.incremental_lr and calls[-1].draft_vocab is None  # a warm start keeps its vocab
+
+    Path(first).mkdir(parents=True)
+    (Path(first) / "result.json").write_text('{"draft_dir": "finished"}')
+    n = len(calls)
+    assert pipeline.distill_draft(base, train, heldout) == {"draft_dir": "finished"} and len(calls) == n  # reused
+    assert Path(first).parent == run_root() / "distill"
+
+
+def test_generic_baseline_dir_depends_on_the_window_and_the_train_config(monkeypatch):
+    calls = []
+    monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg: calls.append(dcfg) or {})
+    heldout = {"path": "/data/a/eval.jsonl"}
+
+    def out_dir(config, key):
+        conversations = run_root() / "generic" / f"{key}-conversations.jsonl"
+        conversations.parent.mkdir(parents=True, exist_ok=True)
+        conversations.write_text("")  # written before: the log store is not read again
+        pipeline.distill_draft(config, {}, heldout, generic=True, window={"key": key, "train": []})
+        assert calls[-1].data.kind == "conversations" and calls[-1].loss.kind == "ce"
+        return calls[-1].out_dir
+
+    base = load_nightly_config()
+    first = out_dir(base, "w1")
+    assert out_dir(load_nightly_config(None, ["bench.gamma=7"]), "w1") == first
+    assert len({first, out_dir(base, "w2"), out_dir(load_nightly_config(None, ["train.lr=0.5"]), "w1")}) == 3
+
+
+def _champion(path, version="1"):
+    return {"name": "draft-tiny", "version": version, "dir": str(path), "tags": {}}
+
+
+def test_align_champion_keeps_a_champion_of_the_same_vocabulary(tiny_target_dir, tmp_path):
+    from specdistill.modeling.drafts import init_draft_from_target, save_draft
+    from specdistill.modeling.models import load_model
+
+    target = load_model(tiny_target_dir)
+    champion_dir = save_draft(init_draft_from_target(target.model, [0, 3]), target.tokenizer, tmp_path / "champion")
+    config = load_nightly_config(None, [f"target={tiny_target_dir}"])
+    assert pipeline.align_champion(config, None) is None
+    warm = pipeline.align_champion(config, _champion(champion_dir))
+    assert warm["dir"] == str(champion_dir) and not warm["transplanted"] and warm["vocab_report"]["identical"]
+    assert not (run_root() / "aligned").exists()
+
+
+def test_align_champion_transplants_a_champion_of_an_older_vocabulary_once(tiny_target_dir, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from specdistill.modeling import drafts
+    from specdistill.modeling.drafts import init_draft_from_target, load_draft_meta, save_draft
+    from specdistill.modeling.models import load_model
+    from tests.conftest import make_tiny_llama
+
+    old = load_model(tiny_target_dir)
+    old_vocab = DraftVocab(torch.arange(0, 120), len(old.tokenizer))
+    champion_dir = save_draft(init_draft_from_target(old.model, [0, 3]), old.tokenizer, tmp_path / "champion",
+                              draft_vocab=old_vocab, meta={"layers": [0, 3]})
+    new_tok = train_bpe(300)
+    new_tok.add_tokens(["CalcBlackScholesVega"])
+    new_target = tmp_path / "target-v2"
+    make_tiny_llama(vocab_size=len(new_tok), layers=4, seed=1).save_pretrained(new_target)
+    new_tok.save_pretrained(new_target)
+
+    config = load_nightly_config(None, [f"target={new_target}"])
+    warm = pipeline.align_champion(config, _champion(champion_dir))
+    assert warm["transplanted"] and warm["dir"] != str(champion_dir)
+    assert warm["dir"].startswith(str(run_root() / "aligned"))
+    aligned = load_model(warm["dir"])
+    assert aligned.config.vocab_size == len(new_tok)
+    assert AutoTokenizer.from_pretrained(warm["dir"]).get_vocab() == new_tok.get_vocab()
+    assert new_tok.convert_tokens_to_ids("CalcBlackScholesVega") in DraftVocab.load(warm["dir"]).token_ids.tolist()
+    assert load_draft_meta(warm["dir"]) == {"layers": [0, 3], "transplanted_from": str(champion_dir)}
+    assert load_model(champion_dir).config.vocab_size == len(old.tokenizer)  # the champion itself is untouched
+
+    monkeypatch.setattr(drafts, "save_draft", lambda *a, **k: pytest.fail("a transplant already on disk is reused"))
+    assert pipeline.align_champion(config, _champion(champion_dir)) == warm
+
+
+def _bench_entry(spec="draft:/d") -> dict:
+    from specdistill.speculative.bench import BenchResult, SliceResult
+
+    result = BenchResult(drafter="d", gamma=2, max_new_tokens=8, repeats=1, greedy=True, lossless=True, lossless_mismatches=0,
+                         acceptance_rate=0.5, accepted_length=2.0, per_position_acceptance=[0.6, 0.4],
+                         request_acceptance_p10=0.3, request_acceptance_p50=0.5, request_acceptance_p90=0.7,
+                         tokens_per_second_target_only=10.0, tokens_per_second_speculative=12.0, speedup=1.2,
+                         cost_ratio=0.1, ideal_speedup=1.5, slices=[SliceResult("chat", 2, 0.5, 2.0, 10.0, 12.0, 1.2)])
+    return {**result.to_dict(), "spec": spec}
+
+
+def test_registration_records_metrics_and_artifacts_and_a_missing_plot_library_only_costs_the_plot(tmp_path, monkeypatch, caplog):
+    from specdistill.pipeline.report import registration_artifacts, registration_metrics
+    from specdistill.speculative.bench import BenchResult
+
+    draft_dir = tmp_path / "run" / "draft"
+    draft_dir.mkdir(parents=True)
+    trained = {"draft_dir": str(draft_dir), "tokens": 100, "train_minutes": 0.5}
+    results = {"challenger": _bench_entry(), "self-spec@4": {**_bench_entry("self_spec:4"), "acceptance_rate": 0.3}}
+    verdict = {"passed": True, "reasons": [], "failures": [], "checks": [], "beats_champion": True, "promote": True}
+    metrics = registration_metrics(results, trained)
+    assert metrics["acceptance_pos_1"] == 0.4 and metrics["baseline_self-spec_4_acceptance_rate"] == 0.3
+    report = tmp_path / "report.md"
+    report.write_text("# r")
+
+    artifacts = registration_artifacts(load_nightly_config(), results, verdict, trained, str(report))
+    assert [a.name for a in artifacts] == ["benchmark.json", "nightly_config.json", "gate.json", "acceptance.png", "report.md"]
+    assert artifacts[3].read_bytes()[:4] == b"\x89PNG"
+
+    def no_matplotlib(self, path):
+        raise ImportError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(BenchResult, "plot", no_matplotlib)
+    with caplog.at_level("WARNING"):
+        artifacts = registration_artifacts(load_nightly_config(), results, verdict, trained, None)
+    assert [a.name for a in artifacts] == ["benchmark.json", "nightly_config.json", "gate.json"]
+    assert "without the acceptance plot" in caplog.text and "matplotlib" in caplog.text
+
+    def broken(self, path):
+        raise KeyError("a bug, not a missing plot library")
+
+    monkeypatch.setattr(BenchResult, "plot", broken)
+    with pytest.raises(KeyError):  # anything else is not swallowed
+        registration_artifacts(load_nightly_config(), results, verdict, trained, None)

@@ -28,6 +28,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from specdistill.data.prompts import as_messages, encode_chat
 from specdistill.distill.teacher import TeacherCache, pad_batch, topk_rows
 
 
@@ -46,20 +47,9 @@ class Example:
     assistant_mask: list[bool]  # assistant_mask[t]: token t was written by the assistant
 
 
-def _as_dicts(messages) -> list[dict]:
-    out = []
-    for m in messages:
-        if isinstance(m, dict):
-            out.append({"role": m["role"], "content": m["content"]})
-        else:  # readers.Message
-            out.append({"role": m.role, "content": m.content})
-    return out
-
-
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence) -> list[int]:
-    """The chat-templated prompt, ending with the assistant header the answer follows."""
-    out = tokenizer.apply_chat_template(_as_dicts(messages), add_generation_prompt=True, tokenize=True)
-    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+# The prompt encoding every stage shares (see data/prompts.py); `prompt_ids` is the name
+# benchmarks/distill_budget.py still imports.
+prompt_ids = encode_chat
 
 
 def encode_conversation(tokenizer: PreTrainedTokenizerBase, messages: Sequence, max_len: int | None = None) -> Example:
@@ -69,14 +59,14 @@ def encode_conversation(tokenizer: PreTrainedTokenizerBase, messages: Sequence, 
     end: the template is applied to prefixes, so the marked tokens are exactly the ones the
     assistant produced, whatever the template adds around them.
     """
-    msgs = _as_dicts(messages)
+    msgs = as_messages(messages)
     eos = tokenizer.eos_token_id
     ids: list[int] = []
     mask: list[bool] = []
     for i, m in enumerate(msgs):
         if m["role"] != "assistant":
             continue
-        head = prompt_ids(tokenizer, msgs[:i])
+        head = encode_chat(tokenizer, msgs[:i])
         full = tokenizer.apply_chat_template(msgs[: i + 1], tokenize=True)
         full = list(full["input_ids"] if hasattr(full, "keys") else full)
         if full[: len(head)] != head:
@@ -97,7 +87,7 @@ def encode_conversation(tokenizer: PreTrainedTokenizerBase, messages: Sequence, 
 
 def encode_generated(tokenizer: PreTrainedTokenizerBase, record: dict, max_len: int | None = None) -> Example:
     """A target-generated record: the prompt rendered as at generation time, then the exact generated ids."""
-    head = record.get("prompt_ids") or prompt_ids(tokenizer, record["prompt"])
+    head = record.get("prompt_ids") or encode_chat(tokenizer, record["prompt"])
     answer = list(record["response_ids"])
     ids = list(head) + answer
     mask = [False] * len(head) + [True] * len(answer)
@@ -188,7 +178,7 @@ def generate_answers(
         if p.id in seen:
             raise ValueError(f"duplicate prompt id {p.id!r}")
         seen.add(p.id)
-    encoded = sorted(((p, prompt_ids(tokenizer, p.messages)) for p in todo), key=lambda x: len(x[1]))
+    encoded = sorted(((p, encode_chat(tokenizer, p.messages)) for p in todo), key=lambda x: len(x[1]))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = tokenizer.eos_token_id
     bar = tqdm(total=len(encoded), desc="target answers", unit="prompt", disable=not progress, file=sys.stderr)
@@ -232,7 +222,7 @@ def generate_answers(
                     answer = answer[: answer.index(eos) + 1]
                     finish = "eos"
                 record = {
-                    "id": p.id, "prompt": _as_dicts(p.messages), "prompt_ids": ids,
+                    "id": p.id, "prompt": as_messages(p.messages), "prompt_ids": ids,
                     "response_ids": answer, "response": tokenizer.decode(answer, skip_special_tokens=True),
                     "finish": finish, "temperature": temperature,
                 }

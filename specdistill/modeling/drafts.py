@@ -11,13 +11,22 @@ from __future__ import annotations
 import copy
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from specdistill import paths
-from specdistill.modeling.vocab import DraftVocab, VocabAlignmentError
+from specdistill.modeling.vocab import (
+    DraftVocab,
+    VocabAlignmentError,
+    VocabReport,
+    check_vocab,
+    remap_draft_vocab,
+    transplant_vocab,
+    vocab_mismatch,
+)
 
 DRAFT_META_FILE = "specdistill_draft.json"
 
@@ -46,8 +55,8 @@ def parse_layers(spec: str | list[int], num_layers: int) -> list[int]:
                 layers = [int(x) for x in spec.split(",") if x.strip()]
             except ValueError as exc:
                 raise ValueError(f"layer spec {spec!r}: expected '0,1,2,29', 'evenly:K' or 'first:K'") from exc
-    layers = [l + num_layers if l < 0 else l for l in layers]
-    bad = [l for l in layers if not 0 <= l < num_layers]
+    layers = [i + num_layers if i < 0 else i for i in layers]
+    bad = [i for i in layers if not 0 <= i < num_layers]
     if bad or not layers:
         raise ValueError(f"layer spec {spec!r}: layers {bad or '[]'} outside the target's 0..{num_layers - 1}")
     if len(set(layers)) != len(layers) or layers != sorted(layers):
@@ -94,6 +103,40 @@ def check_layer_compatible(target: PreTrainedModel, draft: PreTrainedModel) -> N
         tv, dv = getattr(t, key, None), getattr(d, key, None)
         if tv != dv:
             raise VocabAlignmentError(f"{key} differs: target {tv}, draft {dv}")
+
+
+@dataclass
+class AlignedDraft:
+    model: PreTrainedModel
+    draft_vocab: DraftVocab | None
+    transplanted: bool
+    reason: str  # why it was transplanted ("" when the draft's ids already were the target's)
+    report: VocabReport
+
+
+def align_draft(
+    model: PreTrainedModel,
+    draft_tok: PreTrainedTokenizerBase,
+    target_tok: PreTrainedTokenizerBase,
+    draft_vocab: DraftVocab | None = None,
+    *,
+    target_vocab_size: int | None = None,
+    copy_model: bool = True,
+) -> AlignedDraft:
+    """A draft made verifiable by a target: as it is when the target reads its token ids as they
+    are (see `vocab_mismatch`), else transplanted (`transplant_vocab`, with its reduced draft
+    vocabulary carried over by `remap_draft_vocab`). The one alignment the nightly warm start and
+    the monitor's replay both use. `copy_model=False` transplants the given model in place."""
+    report = check_vocab(target_tok, draft_tok)
+    reason = vocab_mismatch(report, model.config.vocab_size, target_vocab_size)
+    if not reason:
+        return AlignedDraft(model, draft_vocab, False, "", report)
+    if copy_model:
+        model = copy.deepcopy(model)
+    transplant_vocab(model, draft_tok, target_tok)
+    if draft_vocab is not None:
+        draft_vocab = remap_draft_vocab(draft_vocab, draft_tok, target_tok)
+    return AlignedDraft(model, draft_vocab, True, reason, report)
 
 
 def save_draft(

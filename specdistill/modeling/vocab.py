@@ -3,7 +3,8 @@
 Verification compares token ids, so a draft must tokenize exactly as its target does or the target
 rejects nearly everything. This module reports how two tokenizers differ (`check_vocab`), rebuilds a
 draft's embedding and LM head over the target's vocabulary (`transplant_vocab`), and builds the
-reduced draft vocabulary of FR-Spec / EAGLE-3 (`DraftVocab`).
+reduced draft vocabulary of FR-Spec / EAGLE-3 (`DraftVocab`); `vocab_mismatch` says whether a draft's
+ids can be verified as they are (`drafts.align_draft` transplants when they cannot).
 """
 
 from __future__ import annotations
@@ -216,6 +217,21 @@ def transplant_vocab(
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             setattr(draft.generation_config, name, getattr(target_tok, name, None))
     return draft
+
+
+def vocab_mismatch(report: VocabReport, draft_vocab_size: int | None = None, target_vocab_size: int | None = None) -> str:
+    """Why the target cannot verify a draft's token ids as they are, or "" when it can.
+
+    Ids are what verification compares: a mismatch is a different vocabulary size (of the models,
+    when given) or a token string with another id or missing on one side. Special-token names, chat
+    templates and segmentation quirks with the same ids are in the report, not a mismatch.
+    """
+    if draft_vocab_size is not None and target_vocab_size is not None and draft_vocab_size != target_vocab_size:
+        return f"vocabulary sizes differ: target {target_vocab_size}, draft {draft_vocab_size}"
+    if report.id_mismatches or report.only_in_target or report.only_in_draft:
+        return (f"tokenizers differ: {report.only_in_target} tokens only in the target, "
+                f"{report.only_in_draft} only in the draft, {report.id_mismatches} with other ids")
+    return ""
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,9 +6,12 @@ fallback mode that measures fastest.
     choice = choose_fallback("demo", prompts_from_store(store, tokenizer, 8))
     export_early_exit_draft("demo", choice.exit_layer, out)   # self-speculation, served as a draft
 
+Replayed prompts are what the nightly evaluates on (`data.prompts.usable_prompt`: the turns before the
+first answer, ending with a user turn, within `max_prompt_tokens`), taken newest first.
+
 A draft whose vocabulary no longer matches the target (a target update added tokens) is measured
-through a transplanted copy (its embeddings and head rebuilt over the target's vocabulary, token by
-string, exactly as the pipeline's alignment stage does before a warm start) rather than refused:
+through a transplanted copy (`modeling.drafts.align_draft`: its embeddings and head rebuilt over the
+target's vocabulary, token by string, the alignment the pipeline does before a warm start) rather than refused:
 the number that comes back is what the champion really achieves on the new target, and the sample
 says `vocab_mismatch: true`. Pass `on_vocab_mismatch="zero"` to get the strict reading instead
 (acceptance 0.0, reason "vocabulary mismatch": the draft cannot be served as it is).
@@ -26,12 +29,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from specdistill.acceptance import ACCEPTANCE_RED_LINE
+from specdistill.data.prompts import MAX_PROMPT_TOKENS, usable_prompt
 from specdistill.modeling.models import LoadedModel, load_model
 from specdistill.speculative import (
     ModelDrafter,
-    NgramDrafter,
-    SelfSpecDrafter,
     SpecStats,
+    drafter_from_spec,
     generate,
 )
 from specdistill.speculative.bench import BenchConfig, Prompt, run_bench_many
@@ -45,41 +48,23 @@ def _loaded(ref: str | os.PathLike | LoadedModel) -> LoadedModel:
 # Prompts from the log store
 
 
-def prompt_messages(messages) -> list[dict] | None:
-    """The turns before the first assistant answer, if they end with a user turn (else None)."""
-    out = []
-    for m in messages:
-        if m.role == "assistant":
-            break
-        out.append({"role": m.role, "content": m.content})
-    return out if out and out[-1]["role"] == "user" else None
-
-
-def _encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    return list(tokenizer("\n".join(m["content"] for m in messages))["input_ids"])
-
-
-def prompts_from_store(store, tokenizer, n: int, *, max_prompt_tokens: int = 512,
+def prompts_from_store(store, tokenizer, n: int, *, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
                        scan: int | None = None) -> list[Prompt]:
     """The newest `n` logged prompts that fit, as token ids (chat template applied).
 
     A conversation without a user turn before its first answer, or whose prompt exceeds
-    `max_prompt_tokens`, is skipped (not truncated: a cut prompt is not what production saw).
-    Each Prompt's `slice` holds its conversation id as "conversation:<id>".
+    `max_prompt_tokens`, is skipped (not truncated: a cut prompt is not what production saw);
+    the same definition as the nightly window's. Each Prompt's `slice` holds its conversation id
+    as "conversation:<id>".
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     out: list[Prompt] = []
     for conv in store.window(limit=scan or max(4 * n, 50)):
-        messages = prompt_messages(conv.messages)
-        if messages is None:
+        prompt = usable_prompt(conv.messages, tokenizer, max_prompt_tokens)
+        if prompt is None:
             continue
-        ids = _encode_chat(tokenizer, messages)
-        if not ids or len(ids) > max_prompt_tokens:
-            continue
+        messages, ids = prompt
         out.append(Prompt(messages[-1]["content"], f"conversation:{conv.id}", ids))
         if len(out) == n:
             break
@@ -123,40 +108,15 @@ class AcceptanceSample:
         return asdict(self)
 
 
-def vocab_matches(target: LoadedModel, draft: LoadedModel) -> tuple[bool, str]:
-    """Whether the target can verify the draft's tokens as they are (sizes and token strings)."""
-    from specdistill.modeling.vocab import check_vocab
-
-    t_size, d_size = target.config.vocab_size, draft.config.vocab_size
-    if t_size != d_size:
-        return False, f"vocabulary sizes differ: target {t_size}, draft {d_size}"
-    report = check_vocab(target.tokenizer, draft.tokenizer)
-    if report.id_mismatches or report.only_in_target or report.only_in_draft:
-        return False, (f"tokenizers differ: {report.only_in_target} tokens only in the target, "
-                       f"{report.only_in_draft} only in the draft, {report.id_mismatches} with other ids")
-    return True, ""
-
-
 def aligned_drafter(target: LoadedModel, draft: LoadedModel, name: str = "draft") -> tuple[ModelDrafter, bool, str]:
-    """(drafter, transplanted, why): the draft as it is, or re-embedded over the target's vocabulary."""
-    from specdistill.modeling.vocab import (
-        DraftVocab,
-        remap_draft_vocab,
-        transplant_vocab,
-    )
+    """(drafter, transplanted, why): the draft as it is, or a copy re-embedded over the target's vocabulary."""
+    from specdistill.modeling.drafts import align_draft
+    from specdistill.modeling.vocab import DraftVocab
 
-    matches, why = vocab_matches(target, draft)
-    vocab = DraftVocab.load(draft.path)
-    if matches:
-        return ModelDrafter(draft.model, target.config.vocab_size, vocab, name=name), False, ""
-    import copy
-
-    old_tok = draft.tokenizer
-    model = copy.deepcopy(draft.model)  # the caller's draft stays as it is
-    transplant_vocab(model, old_tok, target.tokenizer)
-    if vocab is not None:
-        vocab = remap_draft_vocab(vocab, old_tok, target.tokenizer)
-    return ModelDrafter(model, target.config.vocab_size, vocab, name=f"{name} (transplanted)"), True, why
+    aligned = align_draft(draft.model, draft.tokenizer, target.tokenizer, DraftVocab.load(draft.path),
+                          target_vocab_size=target.config.vocab_size)
+    label = f"{name} (transplanted)" if aligned.transplanted else name
+    return ModelDrafter(aligned.model, target.config.vocab_size, aligned.draft_vocab, name=label), aligned.transplanted, aligned.reason
 
 
 def replay_acceptance(
@@ -170,7 +130,7 @@ def replay_acceptance(
     target_version: str | None = None,
     draft_version: str | None = None,
     min_draft_tokens: int = 100,
-    max_prompt_tokens: int = 512,
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS,
     on_vocab_mismatch: str = "transplant",
     progress: bool = True,
 ) -> AcceptanceSample:
@@ -191,11 +151,14 @@ def replay_acceptance(
     version = draft_version or str(draft_ref if not isinstance(draft_ref, LoadedModel) else draft.path)
     sample = AcceptanceSample(False, target_fingerprint=fp, draft_version=version, gamma=gamma)
 
-    matches, why = vocab_matches(target, draft)
-    if not matches and on_vocab_mismatch == "zero":
-        sample.ok, sample.reason, sample.vocab_mismatch = True, f"vocabulary mismatch: {why}", True
-        sample.acceptance_rate, sample.mean_accepted_length = 0.0, 1.0
-        return sample
+    if on_vocab_mismatch == "zero":
+        from specdistill.modeling.vocab import check_vocab, vocab_mismatch
+
+        why = vocab_mismatch(check_vocab(target.tokenizer, draft.tokenizer), draft.config.vocab_size, target.config.vocab_size)
+        if why:
+            sample.ok, sample.reason, sample.vocab_mismatch = True, f"vocabulary mismatch: {why}", True
+            sample.acceptance_rate, sample.mean_accepted_length = 0.0, 1.0
+            return sample
     drafter, transplanted, why = aligned_drafter(target, draft, name=version)
     sample.vocab_mismatch = sample.vocab_transplanted = transplanted
 
@@ -325,8 +288,9 @@ def choose_fallback(
     config = BenchConfig(gamma=gamma, max_new_tokens=max_new_tokens, repeats=repeats, measure_cost=False)
     layers = list(dict.fromkeys(exit_layers))
     modes = [("self_speculation", k) for k in layers] + [("ngram", None)]
-    drafters = {f"self_speculation@{k}": SelfSpecDrafter(target.model, k) for k in layers}
-    drafters["ngram"] = NgramDrafter(*ngram)
+    specs = {f"self_speculation@{k}": f"self_spec:{k}" for k in layers}
+    specs["ngram"] = f"ngram:{ngram[0]},{ngram[1]}"
+    drafters = {name: drafter_from_spec(target.model, spec) for name, spec in specs.items()}
     results = run_bench_many(target.model, target.tokenizer, drafters, list(prompts), config, progress=progress)
     candidates = []
     for (mode, k), result in zip(modes, results.values()):

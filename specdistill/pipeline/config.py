@@ -1,16 +1,21 @@
 """The flows' configs: the nightly distillation run and the monitor, each one typed model that a YAML
-file and dotted `key=value` overrides map onto (see `specdistill.config.load_model_config`)."""
+file and dotted `key=value` overrides map onto (see `specdistill.config.load_model_config`); and
+where a nightly run's outputs live, keyed by the content of what produced them (`config_hash`)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from datetime import datetime
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
+from specdistill import paths
 from specdistill.acceptance import ACCEPTANCE_RED_LINE
 from specdistill.config import ConfigError, Strict, load_model_config
+from specdistill.data.prompts import MAX_PROMPT_TOKENS
 
 
 class SourceConfig(Strict):
@@ -25,7 +30,7 @@ class WindowConfig(Strict):
     train_prompts: int = Field(64, ge=1)  # the embedded demo answers these within its 20-minute budget
     eval_prompts: int = Field(10, ge=1)
     replay_share: float = Field(0.25, ge=0.0, lt=1.0)  # of train prompts drawn from before the window
-    max_prompt_tokens: int = Field(384, ge=16)
+    max_prompt_tokens: int = Field(MAX_PROMPT_TOKENS, ge=16)  # the monitor replays within the same bound
     seed: int = 0
 
 
@@ -122,7 +127,18 @@ class MonitorConfig(Strict):
 def load_monitor_config(path: str | Path | None = None, overrides: list[str] | None = None) -> MonitorConfig:
     config = load_model_config(MonitorConfig, path, overrides, what="monitor config")
     try:
-        config.nightly  # the nightly config it names must be valid too, before any work
+        _ = config.nightly  # the nightly config it names must be valid too, before any work
     except ConfigError as exc:
         raise ConfigError(f"{path or 'monitor config'}: nightly_config: {exc}") from None
     return config
+
+
+def config_hash(obj: Any) -> str:
+    """A short content key for a config (or any JSON-able value): the name of the directory its outputs go to."""
+    data = obj.model_dump(mode="json") if hasattr(obj, "model_dump") else obj
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def run_root() -> Path:
+    """Where the nightly's content-addressed outputs live ($SPECDISTILL_HOME/nightly)."""
+    return paths.ensure(paths.home() / "nightly")

@@ -1,5 +1,7 @@
-"""What the monitoring flow is configured with, how it turns a drop into an incremental run, and
-how every decision is recorded (log store, MLflow, Prometheus, a readable report)."""
+"""The monitoring flow's stages: has the target drifted, how well does the champion still draft on
+the traffic the nightly evaluates on, which fallback to serve, how a drop becomes an incremental
+nightly run, and how every decision is recorded (log store, MLflow, Prometheus). The decision in
+words is `pipeline.report.render_outcome`."""
 
 from __future__ import annotations
 
@@ -7,10 +9,20 @@ import json
 from pathlib import Path
 
 from specdistill import paths
-from specdistill.pipeline.config import MonitorConfig, load_monitor_config  # noqa: F401
+from specdistill.pipeline.config import MonitorConfig
+from specdistill.pipeline.outputs import (
+    AppliedFallback,
+    Champion,
+    FallbackChoice,
+    MonitorOutcome,
+    RecordedDecision,
+    Sample,
+    TargetChange,
+    TargetVersionDict,
+)
 
 
-def incremental_overrides(config: MonitorConfig, change: dict) -> list[str]:
+def incremental_overrides(config: MonitorConfig, change: TargetChange) -> list[str]:
     """The nightly run the monitor starts: traffic since the target update plus a replay share of
     older traffic; all traffic when nothing has arrived since (the update is then the only news)."""
     from datetime import datetime
@@ -28,7 +40,7 @@ def incremental_overrides(config: MonitorConfig, change: dict) -> list[str]:
     return overrides
 
 
-def record_decision(config: MonitorConfig, outcome: dict) -> dict:
+def record_decision(config: MonitorConfig, outcome: MonitorOutcome) -> RecordedDecision:
     """Every decision with its numbers: a log store row, an MLflow run, and Prometheus gauges."""
     import mlflow
 
@@ -69,51 +81,32 @@ def record_decision(config: MonitorConfig, outcome: dict) -> dict:
     if serving is not None:
         metrics.set_serving(serving.mode, target_fingerprint=target["fingerprint"], draft_version=serving.draft_version)
     pushed = metrics.push(job="specdistill-monitor")
-    return {"log_store_row": row, "pushed": pushed}
-
-
-def render_outcome(outcome: dict) -> str:
-    change, sample = outcome["change"], outcome.get("sample") or {}
-    lines = [f"target {change['current']['fingerprint']}" + (
-        f" (changed from {change['previous']['fingerprint']})" if change.get("changed") and change.get("previous") else "")]
-    if sample:
-        if sample.get("ok"):
-            lines.append(f"acceptance α {sample['acceptance_rate']:.3f}, τ {sample.get('mean_accepted_length') or 0:.2f} "
-                         f"over {sample.get('proposed', sample.get('draft_tokens', 0)):g} draft tokens ({sample.get('source', 'live')})")
-        else:
-            lines.append(f"no acceptance sample: {sample.get('reason')}")
-    lines.append(f"decision: **{outcome['decision']}**")
-    fb = outcome.get("fallback")
-    if fb:
-        lines.append(f"fallback: {fb.get('mode')} — {fb.get('reason')}")
-    inc = outcome.get("incremental")
-    if inc:
-        reg = inc["registered"]
-        lines.append(f"incremental distillation: version {reg['version']}, gate {'PASS' if inc['verdict']['passed'] else 'FAIL'}"
-                     + (", promoted: serving the draft again" if inc["promoted"] else ", not promoted: fallback stays"))
-    return "\n\n".join(lines)
+    return RecordedDecision(log_store_row=row, pushed=pushed)
 
 
 def fallback_dir(fingerprint: str, exit_layer: int) -> Path:
     return paths.ensure(paths.home() / "fallback") / f"early-exit-{fingerprint}-{exit_layer}"
 
 
-def detect_drift(config: MonitorConfig, champion: dict | None) -> dict:
+def detect_drift(config: MonitorConfig, champion: Champion | None) -> TargetChange:
     """Has the served target changed since the last run, or since the champion was distilled for it?"""
     from specdistill.ops.targets import detect_change
 
     changed, current, previous = detect_change(config.target_ref())
     trained_for = (champion or {}).get("tags", {}).get("target_fingerprint")
     drifted = changed or (trained_for is not None and trained_for != current.fingerprint)
-    return {"changed": changed, "drifted": drifted, "champion_target": trained_for,
-            "current": current.to_dict(), "previous": previous.to_dict() if previous else None}
+    return TargetChange(changed=changed, drifted=drifted, champion_target=trained_for,
+                        current=TargetVersionDict(**current.to_dict()),
+                        previous=TargetVersionDict(**previous.to_dict()) if previous else None)
 
 
-def sample_acceptance(config: MonitorConfig, champion: dict, target: dict) -> dict:
-    """A live engine's counters when configured, else the newest logged prompts replayed."""
+def sample_acceptance(config: MonitorConfig, champion: Champion, target: TargetVersionDict) -> Sample:
+    """A live engine's counters when configured, else the newest logged prompts replayed (prompts as
+    the nightly defines them, within its `window.max_prompt_tokens`)."""
     from specdistill.data.logstore import LogStore
 
-    with LogStore(config.nightly.log_db) as store:
+    nightly = config.nightly
+    with LogStore(nightly.log_db) as store:
         if config.live_metrics_url:
             from specdistill.ops.metrics import sample_live_acceptance
 
@@ -127,25 +120,29 @@ def sample_acceptance(config: MonitorConfig, champion: dict, target: dict) -> di
         sample = replay_acceptance(target["path"], champion["dir"], store, n_prompts=config.replay_prompts,
                                    gamma=config.gamma, max_new_tokens=config.max_new_tokens,
                                    target_version=target["fingerprint"], draft_version=champion["version"],
-                                   min_draft_tokens=config.min_draft_tokens)
+                                   min_draft_tokens=config.min_draft_tokens,
+                                   max_prompt_tokens=nightly.window.max_prompt_tokens)
         return sample.to_dict()
 
 
-def measure_fallback(config: MonitorConfig, target: dict) -> dict:
+def measure_fallback(config: MonitorConfig, target: TargetVersionDict) -> FallbackChoice:
+    """Each fallback timed against target-only decoding on the same replayed prompts (see `ops.monitor.choose_fallback`)."""
     from specdistill.data.logstore import LogStore
     from specdistill.modeling.models import load_model
     from specdistill.ops.monitor import choose_fallback, prompts_from_store
 
+    nightly = config.nightly
     loaded = load_model(target["path"])
-    with LogStore(config.nightly.log_db) as store:
-        prompts = prompts_from_store(store, loaded.tokenizer, config.replay_prompts)
+    with LogStore(nightly.log_db) as store:
+        prompts = prompts_from_store(store, loaded.tokenizer, config.replay_prompts,
+                                     max_prompt_tokens=nightly.window.max_prompt_tokens)
     decision = choose_fallback(loaded, prompts, exit_layers=config.fallback_exit_layers, gamma=config.gamma,
                                max_new_tokens=config.max_new_tokens, min_tokens=config.fallback_min_tokens,
                                repeats=config.fallback_repeats)
     return decision.to_dict()
 
 
-def apply_fallback(config: MonitorConfig, fallback: dict, target: dict) -> dict | None:
+def apply_fallback(config: MonitorConfig, fallback: FallbackChoice, target: TargetVersionDict) -> AppliedFallback | None:
     """Switch the serving config to the measured-fastest fallback (under the promotion lock)."""
     from specdistill.ops import registry
     from specdistill.ops.monitor import export_early_exit_draft
@@ -161,4 +158,4 @@ def apply_fallback(config: MonitorConfig, fallback: dict, target: dict) -> dict 
                             target_fingerprint=target["fingerprint"], reason=f"monitor fallback: {fallback['reason']}")
     with registry.promotion_lock():
         path = write_serving_config(serving, config.nightly.serving_path)
-    return {"mode": mode, "exit_layer": k, "serving_config": str(path)}
+    return AppliedFallback(mode=mode, exit_layer=k, serving_config=str(path))

@@ -10,6 +10,7 @@ from specdistill.speculative.drafters import (
     ModelDrafter,
     NgramDrafter,
     SelfSpecDrafter,
+    drafter_from_spec,
     early_exit_model,
     make_drafter,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "SpecStats",
     "context_length",
     "default_stop_ids",
+    "drafter_from_spec",
     "early_exit_model",
     "generate",
     "make_drafter",

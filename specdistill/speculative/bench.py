@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from specdistill.acceptance import expected_tokens_per_round, ideal_speedup  # noqa: F401  (part of the bench's API)
+from specdistill.acceptance import ideal_speedup
+from specdistill.data.prompts import encode_chat
 from specdistill.modeling.drafts import measure_cost_ratio
 from specdistill.speculative import (
     Drafter,
@@ -83,10 +84,9 @@ def load_prompts(path: str | Path) -> list[Prompt]:
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat_template: bool = True) -> list[int]:
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        return list(ids)
+    """A one-line prompt as one user turn (`data.prompts.encode_chat`), or as plain text."""
+    if chat_template:
+        return encode_chat(tokenizer, [{"role": "user", "content": text}])
     return list(tokenizer(text)["input_ids"])
 
 
@@ -160,6 +160,13 @@ class BenchResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> BenchResult:
+        """The result back from `to_dict()` (or its JSON); keys that are not fields (a drafter spec) are ignored."""
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        known["slices"] = [SliceResult(**s) for s in known.get("slices", [])]
+        return cls(**known)
 
     def render(self) -> str:
         c = "n/a" if self.cost_ratio is None else f"{self.cost_ratio:.3f}"

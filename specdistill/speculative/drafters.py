@@ -208,3 +208,23 @@ def make_drafter(
             loaded.model, target.config.vocab_size, DraftVocab.load(loaded.path), name=f"draft:{loaded.path.name}"
         )
     return None
+
+
+DRAFTER_SPECS = "draft:DIR, self_spec:K, ngram or ngram:MIN,MAX"
+
+
+def drafter_from_spec(target: PreTrainedModel, spec: str) -> Drafter:
+    """A drafter from its spec string, as the nightly benchmark and the monitor's fallback name them:
+    `draft:DIR` (a draft checkpoint), `self_spec:K` (the target's exit after layer K), `ngram`
+    (prompt lookup over 1..3-grams) or `ngram:MIN,MAX`."""
+    kind, sep, arg = spec.partition(":")
+    sizes = [s.strip() for s in arg.split(",")]
+    if kind == "draft" and arg:
+        return make_drafter(target, draft=arg)
+    if kind == "self_spec" and arg.isdigit():
+        return make_drafter(target, self_spec=int(arg))
+    if kind == "ngram" and not sep:
+        return make_drafter(target, ngram=True)
+    if kind == "ngram" and len(sizes) == 2 and all(s.isdigit() for s in sizes):
+        return make_drafter(target, ngram=True, ngram_min=int(sizes[0]), ngram_max=int(sizes[1]))
+    raise ValueError(f"unknown drafter spec {spec!r} ({DRAFTER_SPECS})")

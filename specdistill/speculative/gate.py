@@ -3,14 +3,16 @@ benchmark result and thresholds in a typed config.
 
 Defaults are the bar for "worth serving on this hardware": lossless, α ≥ 0.5, speedup ≥ 1.0, and
 τ no worse than the champion's beyond a tolerance. The production profile adds the usual bar for
-going live: τ ≥ 3 and speedup ≥ 1.5.
+going live: τ ≥ 3 and speedup ≥ 1.5. A challenger can also be required to beat named baselines
+on the same prompts (`must_beat`: its acceptance rate above theirs). It is promoted only when it
+passes and its τ beats the champion's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, TypedDict
 
 from specdistill.acceptance import ACCEPTANCE_RED_LINE
 
@@ -48,22 +50,59 @@ class Check:
     reason: str
 
 
+class CheckDict(TypedDict):
+    name: str
+    passed: bool
+    value: Any
+    threshold: Any
+    reason: str
+
+
+class VerdictDict(TypedDict):
+    """`GateVerdict.to_dict()`: what the gate stage hands to registration, promotion and reports."""
+
+    passed: bool
+    reasons: list[str]
+    failures: list[str]
+    checks: list[CheckDict]
+    beats_champion: bool
+    promote: bool
+
+
 @dataclass
 class GateVerdict:
+    """`passed`: every check holds. `promote`: passed and better than the champion (τ strictly
+    above its τ; no champion counts as beaten). A pass that does not beat the champion keeps it."""
+
     passed: bool
     checks: list[Check] = field(default_factory=list)
+    champion_accepted_length: float | None = None
+    accepted_length: float | None = None
+
+    @property
+    def beats_champion(self) -> bool:
+        return self.champion_accepted_length is None or self.accepted_length > self.champion_accepted_length
+
+    @property
+    def promote(self) -> bool:
+        return self.passed and self.beats_champion
 
     @property
     def reasons(self) -> list[str]:
-        return [c.reason for c in self.checks]
+        reasons = [c.reason for c in self.checks]
+        if self.passed and not self.beats_champion:
+            reasons.append(f"accepted length {self.accepted_length:.2f} does not beat the champion's "
+                           f"{self.champion_accepted_length:.2f}: the champion stays")
+        return reasons
 
     @property
     def failures(self) -> list[str]:
         return [c.reason for c in self.checks if not c.passed]
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> VerdictDict:
         return {"passed": self.passed, "reasons": self.reasons, "failures": self.failures,
-                "checks": [asdict(c) for c in self.checks]}
+                "checks": [CheckDict(**asdict(c)) for c in self.checks],
+                "beats_champion": self.beats_champion, "promote": self.promote}
 
     def render(self) -> str:
         lines = [f"gate: {'PASS' if self.passed else 'FAIL'}"]
@@ -84,15 +123,21 @@ def _as_mapping(result: Any, what: str) -> Mapping:
     return data
 
 
-def evaluate(result: Any, config: GateConfig | None = None, champion: Any = None) -> GateVerdict:
-    """Judge a benchmark result (BenchResult or its dict); `champion` is the current champion's result."""
+def evaluate(result: Any, config: GateConfig | None = None, champion: Any = None, *,
+             baselines: Mapping[str, Any] | None = None, must_beat: Sequence[str] = ()) -> GateVerdict:
+    """Judge a benchmark result (BenchResult or its dict); `champion` is the current champion's result.
+
+    `must_beat` names baselines (keys of `baselines`, results on the same prompts) whose acceptance
+    rate the challenger must exceed; a named baseline that was not run this time sets no bar.
+    """
     config = config or GateConfig()
     r = _as_mapping(result, "challenger")
     checks: list[Check] = []
 
     if config.require_lossless:
         ok = r["lossless"] is True
-        why = {True: "greedy output identical to target-only", False: f"{r.get('lossless_mismatches', '?')} outputs differ from target-only",
+        why = {True: "greedy output identical to target-only",
+               False: f"{r.get('lossless_mismatches', '?')} outputs differ from target-only",
                None: "no lossless check in this result (sampling run)"}.get(r["lossless"], f"lossless={r['lossless']!r}")
         checks.append(Check("lossless", ok, r["lossless"], True, f"lossless: {why}"))
 
@@ -107,12 +152,25 @@ def evaluate(result: Any, config: GateConfig | None = None, champion: Any = None
     at_least("accepted length", "accepted_length", config.min_accepted_length, ".2f")
     at_least("speedup", "speedup", config.min_speedup, ".2f")
 
+    champion_tau = None
     if champion is not None:
         c = _as_mapping(champion, "champion")
-        floor = float(c["accepted_length"]) - config.max_accepted_length_drop
+        champion_tau = float(c["accepted_length"])
+        floor = champion_tau - config.max_accepted_length_drop
         value = float(r["accepted_length"])
         ok = value >= floor
         checks.append(Check("accepted length vs champion", ok, value, floor,
-                            f"accepted length {value:.2f} vs champion {float(c['accepted_length']):.2f} "
+                            f"accepted length {value:.2f} vs champion {champion_tau:.2f} "
                             f"(tolerance {config.max_accepted_length_drop:.2f}): {'no worse' if ok else 'worse'}"))
-    return GateVerdict(all(c.passed for c in checks), checks)
+
+    for name in must_beat:
+        if name not in (baselines or {}):
+            continue
+        mine = float(r["acceptance_rate"])
+        theirs = float(_as_mapping(baselines[name], f"baseline {name!r}")["acceptance_rate"])
+        ok = mine > theirs
+        checks.append(Check(f"beats {name}", ok, mine, theirs,
+                            f"acceptance rate {mine:.3f} {'>' if ok else '<='} {name} {theirs:.3f}"))
+
+    return GateVerdict(all(c.passed for c in checks), checks, champion_accepted_length=champion_tau,
+                       accepted_length=float(r["accepted_length"]))

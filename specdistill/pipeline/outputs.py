@@ -1,0 +1,266 @@
+"""What each stage hands to the next: the shapes of the dicts that cross a task boundary.
+
+They are TypedDicts, so at runtime they stay plain JSON-friendly dicts (Prefect persists them and
+`tasks.common.content_key` hashes them) while the stage signatures say what is inside. Several
+mirror a library dataclass's `to_dict()`; tests/test_stage_outputs.py keeps the two in step.
+The gate's verdict is `speculative.gate.VerdictDict`, next to the gate that produces it.
+"""
+
+from __future__ import annotations
+
+from typing import TypedDict
+
+# --------------------------------------------------------------------------------------------
+# nightly
+
+
+class TargetInfo(TypedDict):
+    ref: str
+    path: str
+    fingerprint: str
+    num_layers: int
+    vocab_size: int
+
+
+class IngestSummary(TypedDict):
+    """`data.ingest.IngestResult.to_dict()`."""
+
+    source: str
+    format: str
+    run_id: int | None
+    read: int
+    stored: int
+    duplicates: int
+    quarantined: int
+    start_offset: int
+    end_offset: int
+    truncation: dict | None
+    note: str | None
+    seconds: float
+    conserved: bool
+
+
+class Champion(TypedDict):
+    name: str
+    version: str
+    dir: str  # the local draft directory
+    tags: dict[str, str]
+
+
+class WarmStart(Champion):
+    """The champion as a warm start for this target (`dir` is the transplanted copy when `transplanted`)."""
+
+    transplanted: bool
+    vocab_report: dict
+
+
+class WindowPrompt(TypedDict):
+    id: str  # the conversation's id in the log store
+    messages: list[dict]  # the prompt turns, ending with a user turn
+    slice: str
+
+
+class WindowDict(TypedDict):
+    train: list[WindowPrompt]
+    eval: list[WindowPrompt]
+    key: str  # content hash: the cache key of everything computed from this window
+    since: str | None
+    replayed: int
+
+
+class GeneratedData(TypedDict):
+    path: str  # JSONL of target-generated records
+    teacher_cache: str | None
+    answers: int
+    tokens: int
+
+
+class _TrainedOptional(TypedDict, total=False):
+    rank_weight_digests: list[str]  # multi-rank runs only
+
+
+class Trained(_TrainedOptional):
+    """`distill.train.distill()`'s result (also its result.json)."""
+
+    steps: int
+    tokens: int
+    train_minutes: float
+    loss: float | None
+    stop: str
+    trainable_parameters: int
+    frozen_parameters: int
+    curve: list[dict]
+    draft_vocab: int | None
+    layers: list[int]
+    draft_dir: str
+
+
+class SliceDict(TypedDict):
+    """`speculative.bench.SliceResult`."""
+
+    name: str
+    requests: int
+    acceptance_rate: float
+    accepted_length: float
+    tokens_per_second_target_only: float
+    tokens_per_second_speculative: float
+    speedup: float
+
+
+class BenchEntry(TypedDict):
+    """`speculative.bench.BenchResult.to_dict()` plus the drafter spec it was run with."""
+
+    drafter: str
+    gamma: int
+    max_new_tokens: int
+    repeats: int
+    greedy: bool
+    lossless: bool | None
+    lossless_mismatches: int
+    acceptance_rate: float
+    accepted_length: float
+    per_position_acceptance: list[float]
+    request_acceptance_p10: float
+    request_acceptance_p50: float
+    request_acceptance_p90: float
+    tokens_per_second_target_only: float
+    tokens_per_second_speculative: float
+    speedup: float
+    cost_ratio: float | None
+    ideal_speedup: float | None
+    slices: list[SliceDict]
+    stats: dict
+    threads: int
+    spec: str  # draft:DIR, self_spec:K or ngram
+
+
+class Registered(TypedDict):
+    """`ops.registry.RegisteredDraft` as a dict."""
+
+    name: str
+    version: str
+    run_id: str
+    model_uri: str
+
+
+class Promoted(TypedDict):
+    version: str
+    serving_config: str  # the serving config file that now points at the new champion
+
+
+# --------------------------------------------------------------------------------------------
+# monitor
+
+
+class TargetVersionDict(TypedDict):
+    """`ops.targets.TargetVersion.to_dict()`."""
+
+    fingerprint: str
+    path: str
+    ref: str
+    registered_at: str
+
+
+class TargetChange(TypedDict):
+    changed: bool  # the served target's fingerprint differs from the last run's
+    drifted: bool  # changed, or the champion was distilled for another target
+    champion_target: str | None
+    current: TargetVersionDict
+    previous: TargetVersionDict | None
+
+
+class ReplaySample(TypedDict):
+    """`ops.monitor.AcceptanceSample.to_dict()`."""
+
+    ok: bool
+    reason: str
+    source: str
+    target_fingerprint: str
+    draft_version: str
+    gamma: int
+    requests: int
+    rounds: int
+    proposed: int
+    accepted: int
+    generated_tokens: int
+    accepted_per_position: list[int]
+    acceptance_rate: float | None
+    mean_accepted_length: float | None
+    per_position_acceptance: list[float]
+    vocab_mismatch: bool
+    vocab_transplanted: bool
+    conversation_ids: list[int]
+    sample_ids: list[int]
+    seconds: float
+
+
+class LiveSampleDict(TypedDict):
+    """`ops.metrics.LiveSample`'s fields plus the keys a replay sample is read by."""
+
+    ok: bool
+    reason: str
+    acceptance_rate: float | None
+    mean_accepted_length: float | None
+    draft_tokens: float
+    accepted: float
+    drafts: float
+    source: str  # "live"
+    proposed: float
+    rounds: None
+
+
+Sample = ReplaySample | LiveSampleDict
+
+
+class FallbackCandidateDict(TypedDict):
+    """`ops.monitor.FallbackCandidate`."""
+
+    mode: str
+    exit_layer: int | None
+    speedup: float
+    acceptance_rate: float
+    accepted_length: float
+    tokens_per_second: float
+    tokens_per_second_target_only: float
+    generated_tokens: int
+    lossless: bool | None
+
+
+class FallbackChoice(TypedDict):
+    """`ops.monitor.FallbackDecision.to_dict()`."""
+
+    decided: bool
+    mode: str | None
+    exit_layer: int | None
+    speedup: float | None
+    reason: str
+    candidates: list[FallbackCandidateDict]
+    margin: float
+    generated_tokens: int
+
+
+class AppliedFallback(TypedDict):
+    mode: str
+    exit_layer: int | None
+    serving_config: str
+
+
+class RecordedDecision(TypedDict):
+    log_store_row: int  # the decisions table's row
+    pushed: bool  # the gauges went to a Pushgateway
+
+
+class _OutcomeOptional(TypedDict, total=False):
+    champion: Champion
+    sample: Sample
+    fallback: FallbackChoice
+    serving: AppliedFallback | None
+    incremental: dict  # the nightly run's warm_start, verdict, registered, promoted
+    report: str
+
+
+class MonitorOutcome(_OutcomeOptional):
+    """What one monitor run saw and did: the record `record_decision` stores and the report renders."""
+
+    change: TargetChange
+    decision: str  # keep | fallback | no-sample | no-champion

@@ -1,0 +1,128 @@
+"""What a run leaves for people: the nightly's Markdown report (every drafter on the same prompts
+and the gate's decision), the numbers and files a registration carries into MLflow, and the
+monitor's decision in words."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from pathlib import Path
+
+from specdistill import paths
+from specdistill.pipeline.config import NightlyConfig, run_root
+from specdistill.pipeline.outputs import BenchEntry, MonitorOutcome, Promoted, Registered, Trained, WindowDict
+from specdistill.speculative.gate import VerdictDict
+
+log = logging.getLogger(__name__)
+
+# --------------------------------------------------------------------------------------------
+# The nightly's report
+
+
+def report_table(results: dict[str, BenchEntry], verdict: VerdictDict | None = None, registered: Registered | None = None,
+                 promoted: Promoted | None = None) -> str:
+    """Markdown: the challenger against the champion and the baselines, on the same prompts."""
+    lines = ["| drafter | acceptance α | accepted length τ | speedup | cost ratio c | lossless |",
+             "|---|---:|---:|---:|---:|---|"]
+    for name, r in results.items():
+        c = "" if r.get("cost_ratio") is None else f"{r['cost_ratio']:.3f}"
+        spec = r.get("spec", "")
+        label = name if spec.startswith("draft:") or not spec else f"{name} ({spec})"
+        lines.append(f"| {label} | {r['acceptance_rate']:.3f} | {r['accepted_length']:.2f} | "
+                     f"{r['speedup']:.2f}x | {c} | {'yes' if r['lossless'] else 'NO'} |")
+    lines.append("| no speculation | – | 1.00 | 1.00x | – | yes |")
+    if verdict is not None:
+        lines += ["", f"**gate: {'PASS' if verdict['passed'] else 'FAIL'}**", ""]
+        lines += [f"- {reason}" for reason in verdict["reasons"]]
+    if registered is not None:
+        alias = "champion" if promoted else "challenger"
+        lines += ["", f"registered: `{registered['name']}` version {registered['version']} (alias `{alias}`)"]
+    if promoted:
+        lines.append(f"serving config: `{promoted['serving_config']}`")
+    elif registered is not None:
+        lines.append("champion and serving config unchanged")
+    return "\n".join(lines)
+
+
+def write_report(text: str, window: WindowDict, path: str | None = None) -> str:
+    """The human-readable record of what a run measured and decided."""
+    path = Path(path) if path else paths.ensure(run_root() / "reports") / f"{time.strftime('%Y%m%d-%H%M%S')}-{window['key']}.md"
+    path.write_text(text + "\n")
+    return str(path)
+
+
+# --------------------------------------------------------------------------------------------
+# What a registration records in MLflow
+
+
+def registration_metrics(results: dict[str, BenchEntry], trained: Trained) -> dict[str, float]:
+    """The challenger's numbers, its per-position acceptance, and each baseline's α and speedup."""
+    challenger = results["challenger"]
+    metrics = {"acceptance_rate": challenger["acceptance_rate"], "accepted_length": challenger["accepted_length"],
+               "speedup": challenger["speedup"], "cost_ratio": challenger.get("cost_ratio") or 0.0,
+               "train_tokens": trained["tokens"], "train_minutes": trained["train_minutes"]}
+    for i, a in enumerate(challenger["per_position_acceptance"]):
+        metrics[f"acceptance_pos_{i}"] = a
+    for name, r in results.items():
+        if name != "challenger":
+            key = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+            metrics[f"baseline_{key}_acceptance_rate"] = r["acceptance_rate"]
+            metrics[f"baseline_{key}_speedup"] = r["speedup"]
+    return metrics
+
+
+def train_losses(trained: Trained) -> list[float]:
+    """The training loss curve the trainer logged next to the draft (empty when there is none)."""
+    curve_file = Path(trained["draft_dir"]).parent / "train_log.jsonl"
+    return [json.loads(line)["loss"] for line in curve_file.read_text().splitlines()] if curve_file.is_file() else []
+
+
+def registration_artifacts(config: NightlyConfig, results: dict[str, BenchEntry], verdict: VerdictDict, trained: Trained,
+                           report_path: str | None) -> list[Path]:
+    """benchmark.json, the run's config, gate.json, the challenger's acceptance plot and the report."""
+    from specdistill.speculative.bench import BenchResult
+
+    artifacts_dir = paths.ensure(Path(trained["draft_dir"]).parent / "artifacts")
+    (artifacts_dir / "benchmark.json").write_text(json.dumps(results, indent=2, default=str))
+    (artifacts_dir / "nightly_config.json").write_text(config.model_dump_json(indent=2))
+    (artifacts_dir / "gate.json").write_text(json.dumps(verdict, indent=2))
+    artifacts = [artifacts_dir / "benchmark.json", artifacts_dir / "nightly_config.json", artifacts_dir / "gate.json"]
+    plot = artifacts_dir / "acceptance.png"
+    try:
+        BenchResult.from_dict(results["challenger"]).plot(plot)
+    except (ImportError, OSError) as exc:  # no matplotlib, or the file cannot be written: register without the plot
+        log.warning("registering without the acceptance plot: %s: %s", type(exc).__name__, exc)
+    else:
+        artifacts.append(plot)
+    if report_path:
+        artifacts.append(Path(report_path))
+    return artifacts
+
+
+# --------------------------------------------------------------------------------------------
+# The monitor's decision
+
+
+def render_outcome(outcome: MonitorOutcome) -> str:
+    """Markdown: the target, the acceptance sample, the decision and what followed from it."""
+    change, sample = outcome["change"], outcome.get("sample") or {}
+    lines = [f"target {change['current']['fingerprint']}" + (
+        f" (changed from {change['previous']['fingerprint']})" if change.get("changed") and change.get("previous") else "")]
+    if sample:
+        if sample.get("ok"):
+            lines.append(f"acceptance α {sample['acceptance_rate']:.3f}, τ {sample.get('mean_accepted_length') or 0:.2f} "
+                         f"over {sample.get('proposed', sample.get('draft_tokens', 0)):g} draft tokens ({sample.get('source', 'live')})")
+        else:
+            lines.append(f"no acceptance sample: {sample.get('reason')}")
+    lines.append(f"decision: **{outcome['decision']}**")
+    fb = outcome.get("fallback")
+    if fb:
+        lines.append(f"fallback: {fb.get('mode')} — {fb.get('reason')}")
+    inc = outcome.get("incremental")
+    if inc:
+        reg = inc["registered"]
+        lines.append(f"incremental distillation: version {reg['version']}, gate {'PASS' if inc['verdict']['passed'] else 'FAIL'}"
+                     + (", promoted: serving the draft again" if inc["promoted"] else ", not promoted: fallback stays"))
+    return "\n\n".join(lines)

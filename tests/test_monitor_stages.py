@@ -1,0 +1,116 @@
+"""The monitoring flow's stages without Prefect: the incremental run it starts, the fallback it
+writes into the serving config, and the prompt window it replays (the nightly's)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+import pytest
+
+from specdistill.data.logstore import LogStore
+from specdistill.modeling.models import load_model
+from specdistill.ops.serving import read_serving_config
+from specdistill.pipeline import monitor as mc
+from specdistill.pipeline.config import MonitorConfig, load_nightly_config
+from tests.conftest import make_tiny_llama
+from tests.tokenizers_util import train_bpe
+
+UPDATED_AT = "2024-06-01T00:00:00+00:00"
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    path = tmp_path_factory.mktemp("target")
+    tok = train_bpe(300)
+    make_tiny_llama(vocab_size=len(tok), layers=4, seed=0, tie=False).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def _store(tmp_path, created: list[float], prompts: list[str] | None = None) -> str:
+    """A log store with one OpenAI-format conversation per timestamp, ingested as production logs are."""
+    from specdistill.data.ingest import ingest
+
+    prompts = prompts or [f"question {i}: the quick brown fox" for i in range(len(created))]
+    traffic = tmp_path / "traffic.jsonl"
+    traffic.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": "ok"}],
+                                           "created": t}) + "\n" for p, t in zip(prompts, created)))
+    url = f"sqlite:///{tmp_path / 'logs.db'}"
+    with LogStore(url, eval_fraction=0.0) as store:  # all train: the monitor counts fresh train traffic
+        ingest(traffic, "openai", store, progress=False)
+    return url
+
+
+def _change(drifted: bool) -> dict:
+    current = {"fingerprint": "fp-new", "path": "/models/target-v2", "ref": "/models/target-v2", "registered_at": UPDATED_AT}
+    return {"changed": drifted, "drifted": drifted, "champion_target": "fp-old", "current": current, "previous": None}
+
+
+def test_incremental_run_takes_traffic_since_the_update_when_there_is_some(tmp_path):
+    updated = datetime.fromisoformat(UPDATED_AT).timestamp()
+    url = _store(tmp_path, [updated - 86400 * 30, updated - 60, updated + 3600, updated + 7200])
+    config = MonitorConfig(target="demo", nightly_overrides=[f"log_db={url}"], replay_share=0.3)
+    overrides = mc.incremental_overrides(config, _change(drifted=True))
+    assert overrides == ["target=/models/target-v2", f"log_db={url}", "window.replay_share=0.3", f"window.since={UPDATED_AT}"]
+    nightly = load_nightly_config(None, overrides)  # what the monitor hands the nightly flow is a valid run
+    assert nightly.window.since == datetime(2024, 6, 1, tzinfo=timezone.utc) and nightly.window.replay_share == 0.3
+    assert nightly.target == "/models/target-v2"
+    # no drift: all traffic, no window start
+    assert not any(o.startswith("window.since") for o in mc.incremental_overrides(config, _change(drifted=False)))
+
+
+def test_incremental_run_takes_all_traffic_when_nothing_arrived_since_the_update(tmp_path):
+    updated = datetime.fromisoformat(UPDATED_AT).timestamp()
+    url = _store(tmp_path, [updated - 86400, updated - 60])
+    config = MonitorConfig(target="demo", nightly_overrides=[f"log_db={url}"])
+    overrides = mc.incremental_overrides(config, _change(drifted=True))
+    assert overrides == ["target=/models/target-v2", f"log_db={url}", "window.replay_share=0.25"]
+
+
+def test_apply_fallback_writes_the_chosen_mode_into_the_serving_config(tiny_target, tmp_path):
+    serving_file = tmp_path / "serving.json"
+    config = MonitorConfig(target=str(tiny_target), gamma=3, nightly_overrides=[f"serving_path={serving_file}"])
+    target = {"fingerprint": "fp-t", "path": str(tiny_target), "ref": str(tiny_target), "registered_at": UPDATED_AT}
+
+    undecided = {"decided": False, "mode": None, "exit_layer": None, "reason": "no decision: only 3 tokens"}
+    assert mc.apply_fallback(config, undecided, target) is None and not serving_file.exists()  # serve as before
+
+    ngram = {"decided": True, "mode": "ngram", "exit_layer": None, "reason": "ngram measured fastest at 1.30x"}
+    assert mc.apply_fallback(config, ngram, target) == {"mode": "ngram", "exit_layer": None, "serving_config": str(serving_file)}
+    serving = read_serving_config(serving_file)
+    assert serving.mode == "ngram" and serving.num_speculative_tokens == 3 and serving.draft_dir is None
+    assert serving.target_fingerprint == "fp-t" and serving.reason == "monitor fallback: ngram measured fastest at 1.30x"
+
+    early = {"decided": True, "mode": "self_speculation", "exit_layer": 2, "reason": "self_speculation at exit layer 2"}
+    applied = mc.apply_fallback(config, early, target)
+    serving = read_serving_config(serving_file)
+    assert applied["mode"] == serving.mode == "self_speculation" and serving.exit_layer == 2
+    assert serving.draft_dir == str(mc.fallback_dir("fp-t", 2))
+    exported = load_model(serving.draft_dir)  # the early exit, exported as a draft a serving engine can load
+    assert exported.config.num_hidden_layers == 2 and exported.config.vocab_size == load_model(tiny_target).config.vocab_size
+
+
+def test_the_monitor_replays_the_prompt_window_the_nightly_evaluates_on(tiny_target, tmp_path, monkeypatch):
+    from specdistill.data.prompts import encode_chat
+    from specdistill.ops import monitor as ops_monitor
+
+    prompts = ["short question", "the quick brown fox " * 12, "hello world", "def add(a, b): return a + b " * 6]
+    url = _store(tmp_path, [1_700_000_000 + i for i in range(len(prompts))], prompts)
+    config = MonitorConfig(target=str(tiny_target), replay_prompts=10,
+                           nightly_overrides=[f"log_db={url}", "window.max_prompt_tokens=24"])
+    tok = load_model(tiny_target).tokenizer
+    fits = [p for p in prompts if len(encode_chat(tok, [{"role": "user", "content": p}])) <= 24]
+    assert 0 < len(fits) < len(prompts)  # the bound really filters
+
+    seen = {}
+    monkeypatch.setattr(ops_monitor, "choose_fallback", lambda target, prompts, **kw: seen.update(prompts=prompts) or
+                        ops_monitor.FallbackDecision(False, None, None, None, "captured"))
+    mc.measure_fallback(config, {"fingerprint": "fp", "path": str(tiny_target), "ref": "", "registered_at": UPDATED_AT})
+    assert sorted(p.text for p in seen["prompts"]) == sorted(fits)
+    assert all(len(p.ids) <= 24 for p in seen["prompts"])
+
+    monkeypatch.setattr(ops_monitor, "replay_acceptance", lambda *a, **kw: seen.update(replay=kw) or ops_monitor.AcceptanceSample(False))
+    mc.sample_acceptance(config, {"name": "d", "version": "1", "dir": "/d", "tags": {}},
+                         {"fingerprint": "fp", "path": str(tiny_target), "ref": "", "registered_at": UPDATED_AT})
+    assert seen["replay"]["max_prompt_tokens"] == 24
