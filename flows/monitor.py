@@ -12,13 +12,10 @@ Runs on a schedule and on the `specdistill.target.updated` event (deploy/prefect
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from flows.nightly import nightly
-from specdistill.ops.monitor import decide
 from specdistill.pipeline import monitor as mc
 from specdistill.pipeline.config import load_monitor_config
 from specdistill.pipeline.outputs import MonitorOutcome
@@ -42,7 +39,7 @@ def monitor(config_path: str | None = None, overrides: list[str] | None = None,
         return MonitorOutcome(change=change, decision="no-champion")
 
     sample = t.sample_acceptance(config, champion, change["current"])
-    decision = decide(SimpleNamespace(**sample), config.threshold)
+    decision = mc.decide(config, sample)
     outcome = MonitorOutcome(change=change, champion=champion, sample=sample, decision=decision)
     if decision == "fallback":
         fallback = t.choose_fallback(config, change["current"])

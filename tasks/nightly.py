@@ -20,10 +20,10 @@ from specdistill.pipeline.outputs import (
     Registered,
     TargetInfo,
     Trained,
+    VerdictDict,
     WarmStart,
     WindowDict,
 )
-from specdistill.speculative.gate import VerdictDict
 from tasks.common import content_key
 
 CACHED = dict(cache_key_fn=content_key, persist_result=True)

@@ -1,4 +1,4 @@
-"""The benchmark's numbers are consistent with the engine's stats and with DESIGN.md's formulas."""
+"""The benchmark's numbers are consistent with the engine's stats and with the formulas of docs/metrics.md."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from conftest import make_tiny_llama
 
 from specdistill.acceptance import expected_tokens_per_round, ideal_speedup
 from specdistill.speculative import ModelDrafter, NgramDrafter, SelfSpecDrafter
@@ -20,6 +19,7 @@ from specdistill.speculative.bench import (
     run_bench_many,
 )
 from specdistill.speculative.gate import evaluate
+from tests.conftest import make_tiny_llama
 
 
 @pytest.fixture(autouse=True)
@@ -150,7 +150,7 @@ def test_bench_many_shares_one_target_only_run_and_matches_single_runs(monkeypat
 def test_drafter_specs_build_the_drafters_the_pipeline_and_the_monitor_name(tmp_path):
     from specdistill.modeling.drafts import init_draft_from_target, save_draft
     from specdistill.speculative import drafter_from_spec
-    from tests.tokenizers_util import train_bpe
+    from tests.conftest import train_bpe
 
     tok = train_bpe(300)
     target = make_tiny_llama(vocab_size=len(tok), layers=4, seed=2)

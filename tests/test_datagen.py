@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from conftest import make_tiny_llama
 
 from specdistill.data.prompts import encode_chat
 from specdistill.distill.datagen import (
@@ -17,6 +16,9 @@ from specdistill.distill.datagen import (
     read_done,
 )
 from specdistill.distill.teacher import TeacherCache
+from tests.conftest import make_tiny_llama
+
+pytestmark = pytest.mark.e2e  # the `tok` fixture converts the real demo target on a fresh machine
 
 
 @pytest.fixture(scope="module")

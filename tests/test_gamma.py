@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from conftest import make_tiny_llama
 
 from specdistill.speculative.gamma import best_gamma, extend_acceptance, measure_verify_costs, predict_speedups
+from tests.conftest import make_tiny_llama
 
 FLAT = {k: 1.0 for k in range(1, 10)}  # verification as cheap as one step (GPU, CPU bf16)
 

@@ -8,12 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import make_tiny_llama
 
 from specdistill.speculative import ModelDrafter, NgramDrafter, generate
 from specdistill.speculative import engine as engine_module
 from specdistill.speculative.lossless import check_lossless, first_divergence, support_margins
 from specdistill.speculative.sampling import verify
+from tests.conftest import make_tiny_llama
 
 VOCAB = 64
 

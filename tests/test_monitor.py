@@ -28,8 +28,7 @@ from specdistill.ops.monitor import (
 from specdistill.ops.serving import ServingConfig, write_serving_config
 from specdistill.speculative import ModelDrafter, SelfSpecDrafter, generate
 from specdistill.speculative.bench import Prompt
-from tests.conftest import make_tiny_llama
-from tests.tokenizers_util import train_bpe
+from tests.conftest import make_tiny_llama, train_bpe
 
 PROMPTS = ["hello world, the quick brown fox", "def add(a, b):", "speculative decoding drafts tokens",
            "import torch as tt", "the lazy dog jumps", "print the ones"]
@@ -90,6 +89,7 @@ def test_replay_of_a_draft_identical_to_the_target_accepts_everything_and_stores
     assert decide(sample) == "keep"
 
 
+@pytest.mark.e2e
 def test_replay_of_an_unrelated_draft_measures_low_acceptance(store, tiny_target, tmp_path):
     target = load_model(tiny_target)
     other = tmp_path / "other"
@@ -128,6 +128,7 @@ def test_decide_thresholds_and_live_samples():
     assert decide(LiveSample(True, acceptance_rate=0.2)) == "fallback"
 
 
+@pytest.mark.e2e
 def test_choose_fallback_never_decides_on_too_few_tokens_and_guards_against_slowdowns(tiny_target):
     target = load_model(tiny_target)
     prompts = [Prompt(p) for p in PROMPTS[:3]]
@@ -147,6 +148,7 @@ def test_choose_fallback_never_decides_on_too_few_tokens_and_guards_against_slow
     assert json.loads(json.dumps(best.to_dict()))["candidates"][0]["tokens_per_second_target_only"] > 0
 
 
+@pytest.mark.e2e
 def test_exported_early_exit_draft_proposes_what_self_speculation_proposes(tiny_target, tmp_path):
     target = load_model(tiny_target)
     out = export_early_exit_draft(target, 2, tmp_path / "early-exit")

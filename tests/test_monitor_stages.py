@@ -13,8 +13,7 @@ from specdistill.modeling.models import load_model
 from specdistill.ops.serving import read_serving_config
 from specdistill.pipeline import monitor as mc
 from specdistill.pipeline.config import MonitorConfig, load_nightly_config
-from tests.conftest import make_tiny_llama
-from tests.tokenizers_util import train_bpe
+from tests.conftest import make_tiny_llama, train_bpe
 
 UPDATED_AT = "2024-06-01T00:00:00+00:00"
 

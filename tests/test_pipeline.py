@@ -13,7 +13,7 @@ from specdistill.modeling.vocab import DraftVocab, remap_draft_vocab
 from specdistill.pipeline import nightly as pipeline
 from specdistill.pipeline.config import load_nightly_config, run_root
 from specdistill.pipeline.report import report_table
-from tests.tokenizers_util import train_bpe
+from tests.conftest import train_bpe
 
 
 def test_config_defaults_and_overrides(tmp_path):
@@ -88,6 +88,7 @@ def test_remap_draft_vocab_follows_token_strings():
     assert remapped.target_vocab_size == len(new)
 
 
+@pytest.mark.e2e
 def test_library_never_imports_prefect():
     code = ("import pkgutil, importlib, sys, specdistill\n"
             "for m in pkgutil.walk_packages(specdistill.__path__, 'specdistill.'):\n"

@@ -6,7 +6,7 @@ import pytest
 
 from specdistill.data.formats import Message
 from specdistill.data.prompts import encode_chat, prompt_messages, usable_prompt
-from tests.tokenizers_util import train_bpe
+from tests.conftest import train_bpe
 
 
 @pytest.fixture(scope="module")

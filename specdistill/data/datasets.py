@@ -101,8 +101,9 @@ def sharegpt_first_turns(limit: int | None = None, *, skip: int = 0, scan: int |
 
 
 def _prompt_length(tokenizer, messages: list[dict]) -> int:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    from specdistill.data.prompts import encode_chat
+
+    return len(encode_chat(tokenizer, messages))
 
 
 def humaneval_prompts() -> list[str]:

@@ -355,7 +355,7 @@ def refresh_metrics(metrics, store, after_id: int = 0, serving_path: str | Path 
 
 def serve_metrics(store, port: int = 9464, host: str = "127.0.0.1", interval_s: float = 15.0,
                   serving_path: str | Path | None = None, iterations: int | None = None):
-    """`specdistill monitor serve`: the metrics of DESIGN.md on http://host:port/metrics, refreshed
+    """`specdistill monitor serve`: the metrics of docs/metrics.md on http://host:port/metrics, refreshed
     from the log store every `interval_s` (forever, or `iterations` times)."""
     from specdistill.ops.metrics import SpecDecodeMetrics
 

@@ -84,6 +84,15 @@ def record_decision(config: MonitorConfig, outcome: MonitorOutcome) -> RecordedD
     return RecordedDecision(log_store_row=row, pushed=pushed)
 
 
+def decide(config: MonitorConfig, sample: Sample) -> str:
+    """keep, fallback or no-sample: the sampled acceptance against the configured red line."""
+    from types import SimpleNamespace
+
+    from specdistill.ops.monitor import decide as decide_on
+
+    return decide_on(SimpleNamespace(**sample), config.threshold)
+
+
 def fallback_dir(fingerprint: str, exit_layer: int) -> Path:
     return paths.ensure(paths.home() / "fallback") / f"early-exit-{fingerprint}-{exit_layer}"
 

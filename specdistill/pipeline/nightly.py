@@ -3,7 +3,7 @@
 Each stage takes and returns small, JSON-friendly values (paths, ids, the TypedDicts of
 `pipeline.outputs`), writes its outputs under a content-addressed directory, and resumes from what
 is already there, so a rerun after a failure recomputes nothing that finished. `flows/nightly.py`
-composes them in DESIGN.md's order; the Markdown report and the registration's record are in
+composes them in the order of the README's pipeline diagram; the Markdown report and the registration's record are in
 `pipeline.report`.
 """
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TypedDict
 
+from specdistill.speculative.gate import VerdictDict  # noqa: F401  (a stage output: the gate's verdict)
+
 # --------------------------------------------------------------------------------------------
 # nightly
 
