@@ -2,10 +2,10 @@
 
     production logs -> ingest -> log store -> window -> vocab alignment -> target responses
     (+ teacher cache) -> distill -> benchmark vs champion and baselines -> gate -> MLflow register
-    -> promote + serving config
+    -> promote (the best draft) + serving config (the fastest lossless mode, never a slowdown)
 
 A failure at any step leaves the champion and the serving config as they were: they change only
-in the last task, together.
+in the last task.
 """
 
 from __future__ import annotations
@@ -55,20 +55,23 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
     results = t.benchmark(config, window, drafters, fp)
 
     verdict = t.gate(config, results["challenger"], results.get("champion"), results)
-    report = report_table(results, verdict)
+    serving = t.choose_serving(config, window, results, verdict)
+    report = report_table(results, verdict, serving=serving, target=target)
     report_path = write_report(report, window)
     registered = t.register(config, target, window, trained, results, verdict,
                             champion["version"] if champion else None, report_path)
     promoted = None
     if verdict["promote"]:
-        promoted = t.promote(config, registered, target, champion["version"] if champion else None)
+        promoted = t.promote(config, registered, target, champion["version"] if champion else None, serving)
+    else:
+        t.write_serving(config, target, serving, champion)
 
-    report = report_table(results, verdict, registered, promoted)
+    report = report_table(results, verdict, registered, promoted, serving, target)
     write_report(report, window, report_path)
     create_markdown_artifact(report, key="nightly-benchmark", description="draft vs champion and baselines")
     log.info("\n%s", report)
     return {"target": target, "window": window["key"], "warm_start": warm_start, "results": results, "verdict": verdict,
-            "registered": registered, "promoted": promoted, "report": report}
+            "registered": registered, "promoted": promoted, "serving": serving, "report": report}
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 from prefect import task
 
 from specdistill.pipeline import nightly as pipeline
+from specdistill.pipeline import serve
 from specdistill.pipeline.config import NightlyConfig, SourceConfig
 from specdistill.pipeline.outputs import (
     BenchEntry,
@@ -18,6 +19,7 @@ from specdistill.pipeline.outputs import (
     IngestSummary,
     Promoted,
     Registered,
+    ServingDecision,
     TargetInfo,
     Trained,
     VerdictDict,
@@ -31,7 +33,7 @@ CACHED = dict(cache_key_fn=content_key, persist_result=True)
 
 @task(name="load-target")
 def load_target(config: NightlyConfig) -> TargetInfo:
-    return pipeline.describe_target(config.target)
+    return pipeline.describe_target(config.target, config.dtype)
 
 
 @task(name="ingest-logs", retries=2, retry_delay_seconds=5)
@@ -87,6 +89,18 @@ def register(config: NightlyConfig, target: TargetInfo, window: WindowDict, trai
     return pipeline.register(config, target, window, trained, results, verdict, parent, report_path)
 
 
+@task(name="choose-serving-mode")
+def choose_serving(config: NightlyConfig, window: WindowDict, results: dict[str, BenchEntry],
+                   verdict: VerdictDict) -> ServingDecision:
+    return serve.choose_serving(config, window, results, verdict)
+
+
 @task(name="promote-and-write-serving-config", retries=2, retry_delay_seconds=5)
-def promote(config: NightlyConfig, registered: Registered, target: TargetInfo, expected_champion: str | None) -> Promoted:
-    return pipeline.promote(config, registered, target, expected_champion)
+def promote(config: NightlyConfig, registered: Registered, target: TargetInfo, expected_champion: str | None,
+            serving: ServingDecision) -> Promoted:
+    return pipeline.promote(config, registered, target, expected_champion, serving)
+
+
+@task(name="write-serving-config", retries=2, retry_delay_seconds=5)
+def write_serving(config: NightlyConfig, target: TargetInfo, serving: ServingDecision, champion: Champion | None) -> str:
+    return pipeline.write_serving(config, target, serving, champion)

@@ -31,6 +31,7 @@ from pathlib import Path
 from specdistill.acceptance import ACCEPTANCE_RED_LINE
 from specdistill.data.prompts import MAX_PROMPT_TOKENS, usable_prompt
 from specdistill.modeling.models import LoadedModel, load_model
+from specdistill.ops.serving import DEFAULT_MARGIN, Candidate, fastest_mode
 from specdistill.speculative import (
     ModelDrafter,
     SpecStats,
@@ -40,8 +41,8 @@ from specdistill.speculative import (
 from specdistill.speculative.bench import BenchConfig, Prompt, run_bench_many
 
 
-def _loaded(ref: str | os.PathLike | LoadedModel) -> LoadedModel:
-    return ref if isinstance(ref, LoadedModel) else load_model(ref)
+def _loaded(ref: str | os.PathLike | LoadedModel, dtype: str = "float32") -> LoadedModel:
+    return ref if isinstance(ref, LoadedModel) else load_model(ref, dtype=dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -132,6 +133,7 @@ def replay_acceptance(
     min_draft_tokens: int = 100,
     max_prompt_tokens: int = MAX_PROMPT_TOKENS,
     on_vocab_mismatch: str = "transplant",
+    dtype: str = "float32",
     progress: bool = True,
 ) -> AcceptanceSample:
     """Replay the newest logged prompts through the engine (greedy) with the target and the draft.
@@ -145,8 +147,8 @@ def replay_acceptance(
     if on_vocab_mismatch not in ("transplant", "zero"):
         raise ValueError(f"on_vocab_mismatch must be 'transplant' or 'zero', not {on_vocab_mismatch!r}")
     start = time.perf_counter()
-    target = _loaded(target_ref)
-    draft = _loaded(draft_ref)
+    target = _loaded(target_ref, dtype)
+    draft = _loaded(draft_ref, dtype)
     fp = target_version or target.fingerprint
     version = draft_version or str(draft_ref if not isinstance(draft_ref, LoadedModel) else draft.path)
     sample = AcceptanceSample(False, target_fingerprint=fp, draft_version=version, gamma=gamma)
@@ -254,7 +256,7 @@ class FallbackDecision:
     speedup: float | None
     reason: str
     candidates: list[FallbackCandidate] = field(default_factory=list)
-    margin: float = 0.05
+    margin: float = DEFAULT_MARGIN
     generated_tokens: int = 0
 
     def to_dict(self) -> dict:
@@ -270,14 +272,14 @@ def choose_fallback(
     max_new_tokens: int = 32,
     min_tokens: int = 64,
     repeats: int = 3,
-    margin: float = 0.05,
+    margin: float = DEFAULT_MARGIN,
     ngram: tuple[int, int] = (2, 4),
     progress: bool = True,
 ) -> FallbackDecision:
     """Measure each fallback against target-only decoding on the sampled prompts (interleaved,
-    median of repeats, one shared target-only run per prompt) and pick the fastest. Speculation is kept only when it
-    beats target-only by more than `margin` (speedup > 1 + margin): the guard that a fallback never
-    makes serving slower; otherwise the mode is "off"."""
+    median of repeats, one shared target-only run per prompt) and pick the fastest through the
+    no-slowdown guard the nightly uses too (`ops.serving.fastest_mode`): speculation is kept only when
+    it beats target-only by more than `margin`; otherwise the mode is "off"."""
     if not prompts:
         return FallbackDecision(False, None, None, None, "no decision: no prompts to measure on", margin=margin)
     target = _loaded(target_ref)
@@ -303,17 +305,12 @@ def choose_fallback(
         return FallbackDecision(False, None, None, None,
                                 f"no decision: only {generated} tokens generated (minimum {min_tokens})",
                                 candidates, margin, generated)
-    usable = [c for c in candidates if c.lossless is not False]
-    best = max(usable, key=lambda c: c.speedup) if usable else None
-    table = ", ".join(f"{c.mode}{'@' + str(c.exit_layer) if c.exit_layer else ''} {c.speedup:.2f}x" for c in candidates)
-    if best is None or best.speedup <= 1.0 + margin:
-        why = "no fallback beats target-only decoding" if best is None else (
-            f"fastest fallback {best.mode} at {best.speedup:.2f}x does not beat target-only by more than {margin:.0%}")
-        return FallbackDecision(True, "off", None, 1.0, f"{why} ({table})", candidates, margin, generated)
-    where = f" at exit layer {best.exit_layer}" if best.exit_layer else ""
-    return FallbackDecision(True, best.mode, best.exit_layer, best.speedup,
-                            f"{best.mode}{where} measured fastest at {best.speedup:.2f}x ({table})",
-                            candidates, margin, generated)
+    choice = fastest_mode([Candidate(name, c.mode, c.speedup, c.lossless, gamma, exit_layer=c.exit_layer)
+                           for name, c in zip(specs, candidates)], margin)
+    if choice.candidate is None:
+        return FallbackDecision(True, "off", None, 1.0, choice.reason, candidates, margin, generated)
+    best = choice.candidate
+    return FallbackDecision(True, best.mode, best.exit_layer, best.speedup, choice.reason, candidates, margin, generated)
 
 
 def export_early_exit_draft(target_ref: str | os.PathLike | LoadedModel, exit_layer: int,

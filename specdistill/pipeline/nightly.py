@@ -25,6 +25,7 @@ from specdistill.pipeline.outputs import (
     IngestSummary,
     Promoted,
     Registered,
+    ServingDecision,
     TargetInfo,
     Trained,
     WarmStart,
@@ -46,13 +47,15 @@ def _target_tokenizer(config: NightlyConfig):
 # Stage: target
 
 
-def describe_target(target_ref: str) -> TargetInfo:
-    """Load the target once (this is where an unloadable target fails the run) and name its version."""
-    from specdistill.modeling.models import load_model
+def describe_target(target_ref: str, dtype: str = "auto") -> TargetInfo:
+    """Load the target once (this is where an unloadable target fails the run) and name its version
+    and the dtype every stage runs it in (the fingerprint does not depend on the dtype)."""
+    from specdistill.modeling.models import dtype_name, load_model
 
-    loaded = load_model(target_ref)
+    loaded = load_model(target_ref, dtype=dtype)
     return TargetInfo(ref=target_ref, path=str(loaded.path), fingerprint=loaded.fingerprint,
-                      num_layers=loaded.config.num_hidden_layers, vocab_size=loaded.config.vocab_size)
+                      num_layers=loaded.config.num_hidden_layers, vocab_size=loaded.config.vocab_size,
+                      dtype=dtype_name(loaded.model.dtype))
 
 
 # --------------------------------------------------------------------------------------------
@@ -183,16 +186,17 @@ def generate_responses(config: NightlyConfig, window: WindowDict, split: str, *,
     from specdistill.data.logstore import LogStore
     from specdistill.distill.datagen import Prompt, generate_answers
     from specdistill.distill.teacher import TeacherCache
-    from specdistill.modeling.models import load_model
+    from specdistill.modeling.models import dtype_name, load_model
 
     g = config.generation
-    target = load_model(config.target)
-    out_dir = paths.ensure(run_root() / "data" / f"{window['key']}-{target.fingerprint}-{config_hash(g)}")
+    target = load_model(config.target, dtype=config.dtype)  # answers in bf16 where the hardware has it
+    dtype = dtype_name(target.model.dtype)
+    out_dir = paths.ensure(run_root() / "data" / f"{window['key']}-{target.fingerprint}-{config_hash(g)}-{dtype}")
     out_path = out_dir / f"{split}_generated.jsonl"
     cache = None
     if record_teacher:
         cache = TeacherCache.create(out_dir / "teacher_cache", fingerprint=target.fingerprint, k=g.teacher_top_k,
-                                    temperature=1.0, vocab="full", data=window["key"])
+                                    temperature=1.0, vocab="full", data=f"{window['key']}-{dtype}")
     prompts = [Prompt(p["id"], p["messages"]) for p in window[split]]
     records = generate_answers(target.model, target.tokenizer, prompts, out_path, batch_size=g.batch_size,
                                max_new_tokens=g.max_new_tokens, teacher_cache=cache)
@@ -200,7 +204,7 @@ def generate_responses(config: NightlyConfig, window: WindowDict, split: str, *,
         for p in window[split]:
             rec = records[p["id"]]
             store.add_response(int(p["id"]), target.fingerprint, rec["response"], prompt_messages=len(p["messages"]),
-                               params={"temperature": 0.0, "max_new_tokens": g.max_new_tokens},
+                               params={"temperature": 0.0, "max_new_tokens": g.max_new_tokens, "dtype": dtype},
                                token_ids=rec["response_ids"])
     return GeneratedData(path=str(out_path), teacher_cache=str(cache.dir) if cache else None,
                          answers=len(records), tokens=sum(len(r["response_ids"]) for r in records.values()))
@@ -301,7 +305,7 @@ def benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str
 
     if config.bench.threads:
         torch.set_num_threads(config.bench.threads)
-    target = load_model(config.target)
+    target = load_model(config.target, dtype=config.dtype)
     prompts = bench_prompts(config, window)
     b = config.bench
     bcfg = BenchConfig(gamma=b.gamma, max_new_tokens=b.max_new_tokens, repeats=b.repeats)
@@ -344,7 +348,8 @@ def register(config: NightlyConfig, target: TargetInfo, window: WindowDict, trai
 
     reg = registry.register_draft(
         trained["draft_dir"], target_name=config.target_name,
-        params={"layers": trained.get("layers"), "draft_vocab": trained.get("draft_vocab"), **config.train.model_dump()},
+        params={"layers": trained.get("layers"), "draft_vocab": trained.get("draft_vocab"), "dtype": target["dtype"],
+                **config.train.model_dump()},
         metrics=registration_metrics(results, trained), curves={"train_loss": train_losses(trained)},
         artifacts=registration_artifacts(config, results, verdict, trained, report_path),
         tags={"target_fingerprint": target["fingerprint"], "data_window": window["key"],
@@ -354,15 +359,28 @@ def register(config: NightlyConfig, target: TargetInfo, window: WindowDict, trai
     return Registered(**asdict(reg))
 
 
-def promote(config: NightlyConfig, registered: Registered, target: TargetInfo, expected_champion: str | None) -> Promoted:
-    """Alias `champion` and the serving config, together (see registry.promote)."""
+def promote(config: NightlyConfig, registered: Registered, target: TargetInfo, expected_champion: str | None,
+            serving: ServingDecision) -> Promoted:
+    """Alias `champion` and the serving config, together or not at all (see registry.promote). The
+    serving config names the mode `serve.choose_serving` picked, which need not be the new draft."""
     from specdistill.ops import registry
-    from specdistill.ops.serving import ServingConfig, serving_path
+    from specdistill.ops.serving import serving_path
+    from specdistill.pipeline.serve import serving_config
 
     draft_dir = registry.download_draft(f"models:/{registered['name']}/{registered['version']}")
-    serving = ServingConfig(mode="draft", draft_dir=str(draft_dir), draft_version=registered["version"],
-                            target_fingerprint=target["fingerprint"], num_speculative_tokens=config.bench.gamma,
-                            reason=f"nightly: version {registered['version']} passed the gate")
-    registry.promote(registered["name"], registered["version"], serving, expected_champion=expected_champion,
+    cfg = serving_config(serving, target, registered["version"], str(draft_dir))
+    registry.promote(registered["name"], registered["version"], cfg, expected_champion=expected_champion,
                      serving_path=config.serving_path)
     return Promoted(version=registered["version"], serving_config=str(config.serving_path or serving_path()))
+
+
+def write_serving(config: NightlyConfig, target: TargetInfo, serving: ServingDecision, champion: Champion | None) -> str:
+    """Without a promotion: the serving config for the fastest mode measured this run, written under
+    the promotion lock (a concurrent promotion is never half overwritten)."""
+    from specdistill.ops import registry
+    from specdistill.ops.serving import write_serving_config
+    from specdistill.pipeline.serve import serving_config
+
+    cfg = serving_config(serving, target, champion=champion)
+    with registry.promotion_lock():
+        return str(write_serving_config(cfg, config.serving_path))

@@ -22,6 +22,7 @@ class TargetInfo(TypedDict):
     fingerprint: str
     num_layers: int
     vocab_size: int
+    dtype: str  # what every stage runs the target in (float32 | bfloat16)
 
 
 class IngestSummary(TypedDict):
@@ -143,6 +144,22 @@ class Registered(TypedDict):
     version: str
     run_id: str
     model_uri: str
+
+
+class ServingDecision(TypedDict):
+    """`pipeline.serve.choose_serving`: the mode written for serving and every number behind it."""
+
+    mode: str  # draft | self_speculation | ngram | off
+    name: str | None  # the measured entry that won (None: off)
+    spec: str | None
+    gamma: int
+    speedup: float  # measured, at `gamma`
+    reason: str
+    measured: dict[str, float]  # every candidate's measured speedup (and the γ confirmation run)
+    measured_on: str  # engine and dtype
+    predicted_speedups: dict[int, float]  # the winner's predicted curve over γ
+    verify_costs: dict[int, float]  # target forward over k tokens ÷ a 1-token step
+    gamma_note: str
 
 
 class Promoted(TypedDict):

@@ -12,7 +12,16 @@ from pathlib import Path
 
 from specdistill import paths
 from specdistill.pipeline.config import NightlyConfig, run_root
-from specdistill.pipeline.outputs import BenchEntry, MonitorOutcome, Promoted, Registered, Trained, WindowDict
+from specdistill.pipeline.outputs import (
+    BenchEntry,
+    MonitorOutcome,
+    Promoted,
+    Registered,
+    ServingDecision,
+    TargetInfo,
+    Trained,
+    WindowDict,
+)
 from specdistill.speculative.gate import VerdictDict
 
 log = logging.getLogger(__name__)
@@ -21,29 +30,78 @@ log = logging.getLogger(__name__)
 # The nightly's report
 
 
+def lossless_cell(r: BenchEntry) -> str:
+    """The lossless verdict in words: exact matches, near-tie divergences (max fp32 margin), real mismatches."""
+    if r.get("lossless") is None:
+        return "n/a (sampling)"
+    exact, ties, bad = r.get("lossless_exact"), r.get("lossless_near_ties") or 0, r.get("lossless_mismatches") or 0
+    if bad:
+        return f"NO: {bad} real mismatch{'es' if bad > 1 else ''}"
+    if exact is None:  # a result recorded before near-ties were told apart
+        return "yes"
+    if ties:
+        return f"yes: {exact} exact, {ties} near-tie (≤ {r.get('lossless_max_margin') or 0:.2f})"
+    return f"yes: {exact} exact"
+
+
 def report_table(results: dict[str, BenchEntry], verdict: VerdictDict | None = None, registered: Registered | None = None,
-                 promoted: Promoted | None = None) -> str:
-    """Markdown: the challenger against the champion and the baselines, on the same prompts."""
-    lines = ["| drafter | acceptance α | accepted length τ | speedup | cost ratio c | lossless |",
-             "|---|---:|---:|---:|---:|---|"]
+                 promoted: Promoted | None = None, serving: ServingDecision | None = None,
+                 target: TargetInfo | None = None) -> str:
+    """Markdown: the challenger against the champion and the baselines on the same prompts, the gate
+    (which draft is champion) and the serving choice (which mode is fastest here), each with its numbers."""
+    lines = ["| drafter | acceptance α | accepted length τ | γ | speedup | cost ratio c | lossless |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     for name, r in results.items():
         c = "" if r.get("cost_ratio") is None else f"{r['cost_ratio']:.3f}"
         spec = r.get("spec", "")
         label = name if spec.startswith("draft:") or not spec else f"{name} ({spec})"
-        lines.append(f"| {label} | {r['acceptance_rate']:.3f} | {r['accepted_length']:.2f} | "
-                     f"{r['speedup']:.2f}x | {c} | {'yes' if r['lossless'] else 'NO'} |")
-    lines.append("| no speculation | – | 1.00 | 1.00x | – | yes |")
+        lines.append(f"| {label} | {r['acceptance_rate']:.3f} | {r['accepted_length']:.2f} | {r['gamma']} | "
+                     f"{r['speedup']:.2f}x | {c} | {lossless_cell(r)} |")
+    lines.append("| no speculation | – | 1.00 | – | 1.00x | – | yes |")
+    any_r = next(iter(results.values()), None)
+    if any_r is not None:
+        dtype = any_r.get("dtype") or (target or {}).get("dtype", "")
+        lines += ["", f"measured with the PyTorch harness{' in ' + dtype if dtype else ''}: {any_r['max_new_tokens']} new tokens "
+                      f"a prompt, target-only {any_r['tokens_per_second_target_only']:.1f} tokens/s; speedups are interleaved "
+                      f"medians against it on the same held-out prompts"]
     if verdict is not None:
-        lines += ["", f"**gate: {'PASS' if verdict['passed'] else 'FAIL'}**", ""]
+        lines += ["", f"**gate (champion draft): {'PASS' if verdict['passed'] else 'FAIL'}**", ""]
         lines += [f"- {reason}" for reason in verdict["reasons"]]
+    if serving is not None:
+        lines += ["", _serving_line(serving)]
+        lines += _draft_vs_serving(results, verdict, serving)
     if registered is not None:
         alias = "champion" if promoted else "challenger"
         lines += ["", f"registered: `{registered['name']}` version {registered['version']} (alias `{alias}`)"]
     if promoted:
         lines.append(f"serving config: `{promoted['serving_config']}`")
     elif registered is not None:
-        lines.append("champion and serving config unchanged")
+        lines.append("champion unchanged")
     return "\n".join(lines)
+
+
+def _serving_line(serving: ServingDecision) -> str:
+    if serving["mode"] == "off":
+        return f"**serving: no speculation**: {serving['reason']}"
+    head = (f"**serving: {serving['mode']} ({serving['name']}), γ={serving['gamma']}, {serving['speedup']:.2f}x measured "
+            f"({serving['measured_on']})**")
+    curve = serving.get("predicted_speedups") or {}
+    out = f"{head}: {serving['reason']}"
+    if serving.get("gamma_note"):
+        out += f"\n\nγ by measurement: {serving['gamma_note']}"
+    if curve:
+        out += "; predicted by γ: " + ", ".join(f"{g}: {x:.2f}x" for g, x in sorted(curve.items(), key=lambda kv: int(kv[0])))
+    return out
+
+
+def _draft_vs_serving(results: dict[str, BenchEntry], verdict: VerdictDict | None, serving: ServingDecision) -> list[str]:
+    """Say it plainly when the best draft is not what is served on this hardware."""
+    best = "challenger" if verdict and verdict.get("promote") else ("champion" if "champion" in results else None)
+    if best is None or serving["name"] == best:
+        return []
+    r = results[best]
+    return ["", f"the {best} draft runs at {r['speedup']:.2f}x here, so {serving['mode']} is served instead; the "
+                f"`champion` alias still names the best draft, for engines where verifying a draft is cheap (GPUs)."]
 
 
 def write_report(text: str, window: WindowDict, path: str | None = None) -> str:

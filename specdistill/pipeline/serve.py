@@ -1,0 +1,115 @@
+"""Which mode the serving engine runs after a nightly run.
+
+Every mode measured on the held-out prompts (the promoted challenger or the current champion,
+self-speculation, n-gram) goes through the one no-slowdown guard (`ops.serving.fastest_mode`, which
+the monitor's fallback uses too): the fastest lossless mode, only if it beats target-only decoding
+by the margin, else no speculation. The winner's γ is then chosen by measurement
+(`speculative.gamma`): predicted from its per-position acceptance, its cost ratio and the target's
+measured verification costs, and kept only if a second measured run confirms it. The `champion`
+alias is not decided here: it names the best draft (the gate), even when another mode is faster on
+this hardware; the report says so.
+"""
+
+from __future__ import annotations
+
+from specdistill.pipeline.config import NightlyConfig
+from specdistill.pipeline.outputs import BenchEntry, Champion, ServingDecision, TargetInfo, WindowDict
+from specdistill.speculative.gate import VerdictDict
+
+BASELINES_NEVER_SERVED = ("generic",)  # the off-the-shelf baseline is measured to set a bar, not to be served
+
+
+def mode_of(spec: str) -> str:
+    kind = spec.partition(":")[0]
+    return {"draft": "draft", "self_spec": "self_speculation", "ngram": "ngram"}[kind]
+
+
+def serving_candidates(results: dict[str, BenchEntry], verdict: VerdictDict) -> dict[str, BenchEntry]:
+    """The modes that may be served: the challenger only when the gate promotes it (then the old
+    champion is superseded), the champion otherwise, and every draft-free mode."""
+    out = {}
+    for name, r in results.items():
+        if name in BASELINES_NEVER_SERVED:
+            continue
+        if name == "challenger" and not verdict["promote"]:
+            continue
+        if name == "champion" and verdict["promote"]:
+            continue
+        out[name] = r
+    return out
+
+
+def choose_serving(config: NightlyConfig, window: WindowDict, results: dict[str, BenchEntry],
+                   verdict: VerdictDict) -> ServingDecision:
+    from specdistill.modeling.models import dtype_name, load_model
+    from specdistill.ops.serving import Candidate, fastest_mode
+    from specdistill.pipeline.nightly import bench_prompts
+    from specdistill.speculative import drafter_from_spec
+    from specdistill.speculative.bench import BenchConfig, run_bench_many
+    from specdistill.speculative.gamma import best_gamma, measure_verify_costs, predict_speedups
+
+    b, s = config.bench, config.serving
+    candidates = serving_candidates(results, verdict)
+    choice = fastest_mode([Candidate(name, mode_of(r["spec"]), r["speedup"], r["lossless"], b.gamma)
+                           for name, r in candidates.items()], s.margin)
+    target = load_model(config.target, dtype=config.dtype)
+    measured_on = f"PyTorch harness, {dtype_name(target.model.dtype)}"
+    decision = ServingDecision(mode=choice.mode, name=None, spec=None, gamma=b.gamma, speedup=1.0, reason=choice.reason,
+                               measured=choice.speedups, measured_on=measured_on, predicted_speedups={},
+                               verify_costs={}, gamma_note="")
+    if choice.candidate is None:
+        return decision
+    name = choice.candidate.name
+    r = candidates[name]
+    decision.update(name=name, spec=r["spec"], speedup=r["speedup"])
+    if not s.choose_gamma:
+        return decision
+
+    verify_costs = measure_verify_costs(target.model, tuple(range(1, s.max_gamma + 2)))
+    cost = r.get("cost_ratio") or 0.0
+    predicted = predict_speedups(r["per_position_acceptance"], cost, verify_costs, range(1, s.max_gamma + 1))
+    best = best_gamma(predicted)
+    decision.update(predicted_speedups=predicted, verify_costs=verify_costs)
+    if best == b.gamma:
+        decision["gamma_note"] = f"γ={best} predicted best ({predicted[best]:.2f}x) and measured at {r['speedup']:.2f}x"
+        return decision
+    confirm = run_bench_many(target.model, target.tokenizer, {name: drafter_from_spec(target.model, r["spec"])},
+                             bench_prompts(config, window),
+                             BenchConfig(gamma=best, max_new_tokens=b.max_new_tokens, repeats=b.repeats, measure_cost=False))[name]
+    if confirm.lossless is not False and confirm.speedup > r["speedup"]:
+        decision.update(gamma=best, speedup=confirm.speedup)
+        decision["measured"][f"{name} γ={best}"] = confirm.speedup
+        decision["gamma_note"] = (f"γ={best} predicted best ({predicted[best]:.2f}x), confirmed: {confirm.speedup:.2f}x "
+                                  f"against {r['speedup']:.2f}x at γ={b.gamma}")
+    else:
+        decision["gamma_note"] = (f"γ={best} predicted best ({predicted[best]:.2f}x) but measured {confirm.speedup:.2f}x, "
+                                  f"not above {r['speedup']:.2f}x at γ={b.gamma}: γ={b.gamma} kept")
+    return decision
+
+
+def serving_config(decision: ServingDecision, target: TargetInfo, registered_version: str | None = None,
+                   registered_dir: str | None = None, champion: Champion | None = None):
+    """The serving config for a decision: the draft's directory, or the exported early-exit draft
+    for self-speculation, or the n-gram sizes that were measured."""
+    from specdistill.ops.monitor import export_early_exit_draft
+    from specdistill.ops.serving import ServingConfig
+    from specdistill.pipeline.monitor import fallback_dir
+    from specdistill.speculative.drafters import NgramDrafter, drafter_from_spec
+
+    common = dict(mode=decision["mode"], num_speculative_tokens=decision["gamma"], target_fingerprint=target["fingerprint"],
+                  reason=f"nightly: {decision['reason']}" + (f"; {decision['gamma_note']}" if decision["gamma_note"] else ""),
+                  measured=decision["measured"], measured_on=decision["measured_on"])
+    spec, mode = decision["spec"], decision["mode"]
+    if mode == "draft":
+        if decision["name"] == "challenger":  # served from its registered copy once it is registered
+            return ServingConfig(draft_dir=registered_dir or spec.partition(":")[2], draft_version=registered_version, **common)
+        return ServingConfig(draft_dir=spec.partition(":")[2], draft_version=champion["version"] if champion else None, **common)
+    if mode == "self_speculation":
+        k = int(spec.partition(":")[2])
+        out = export_early_exit_draft(target["path"], k, fallback_dir(target["fingerprint"], k))
+        return ServingConfig(draft_dir=str(out), exit_layer=k, **common)
+    if mode == "ngram":
+        ngram = drafter_from_spec(None, spec)
+        assert isinstance(ngram, NgramDrafter)
+        return ServingConfig(prompt_lookup_min=ngram.min_n, prompt_lookup_max=ngram.max_n, **common)
+    return ServingConfig(**common)

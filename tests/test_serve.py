@@ -1,0 +1,70 @@
+"""The nightly's serving choice on recorded results: the fastest lossless mode is written, never a
+slowdown, and the `champion` alias still follows the draft gate."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdistill.ops import registry
+from specdistill.ops.serving import read_serving_config
+from specdistill.pipeline import nightly
+from specdistill.pipeline.config import load_nightly_config
+from specdistill.pipeline.serve import mode_of, serving_candidates, serving_config
+
+# recorded from a demo run: the distilled draft slows decoding, n-gram speeds it up
+RECORDED = {
+    "challenger": {"spec": "draft:/d/challenger", "speedup": 0.74, "lossless": True},
+    "generic": {"spec": "draft:/d/generic", "speedup": 0.71, "lossless": True},
+    "self-spec@8": {"spec": "self_spec:8", "speedup": 0.93, "lossless": True},
+    "ngram": {"spec": "ngram", "speedup": 1.33, "lossless": True},
+}
+TARGET = {"ref": "demo", "path": "/t", "fingerprint": "fp-t", "num_layers": 30, "vocab_size": 64, "dtype": "bfloat16"}
+
+
+def decision(mode, name, spec, gamma=3, speedup=1.36):
+    return {"mode": mode, "name": name, "spec": spec, "gamma": gamma, "speedup": speedup, "reason": f"{name} measured fastest",
+            "measured": {k: v["speedup"] for k, v in RECORDED.items()}, "measured_on": "PyTorch harness, bfloat16",
+            "predicted_speedups": {}, "verify_costs": {}, "gamma_note": ""}
+
+
+def test_candidates_follow_the_gate_and_never_include_the_generic_baseline():
+    assert set(serving_candidates(RECORDED, {"promote": True})) == {"challenger", "self-spec@8", "ngram"}
+    with_champion = {**RECORDED, "champion": {"spec": "draft:/d/champion", "speedup": 0.8, "lossless": True}}
+    assert set(serving_candidates(with_champion, {"promote": False})) == {"champion", "self-spec@8", "ngram"}
+    assert [mode_of(r["spec"]) for r in RECORDED.values()] == ["draft", "draft", "self_speculation", "ngram"]
+
+
+def test_ngram_serving_config_carries_the_measured_sizes_and_speedups():
+    cfg = serving_config(decision("ngram", "ngram", "ngram"), TARGET)
+    assert cfg.mode == "ngram" and cfg.num_speculative_tokens == 3
+    assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (1, 3)  # what `ngram` measured, not vLLM's defaults
+    assert cfg.measured["challenger"] == 0.74 and cfg.measured_on.endswith("bfloat16")
+    assert cfg.vllm()["method"] == "ngram"
+
+
+@pytest.mark.parametrize("mode", ["off"])
+def test_off_writes_no_speculation(mode):
+    cfg = serving_config({**decision(mode, None, None), "gamma": 4}, TARGET)
+    assert cfg.vllm() is None and cfg.sglang() == []
+
+
+def test_a_passing_draft_becomes_champion_while_ngram_is_served(tmp_path, monkeypatch):
+    from specdistill.modeling.drafts import save_draft
+    from tests.conftest import make_tiny_llama, train_bpe
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    tok = train_bpe(300)
+    draft = save_draft(make_tiny_llama(vocab_size=len(tok)), tok, tmp_path / "challenger")
+    reg = registry.register_draft(draft, target_name="tiny-target", params={}, metrics={"acceptance_rate": 0.6},
+                                  curves={}, tags={"target_fingerprint": "fp-t", "parent": ""})
+    config = load_nightly_config(None, [f"serving_path={tmp_path / 'serving.json'}", "target_name=tiny-target"])
+    promoted = nightly.promote(config, {"name": reg.name, "version": reg.version, "run_id": reg.run_id,
+                                        "model_uri": reg.model_uri}, TARGET, None, decision("ngram", "ngram", "ngram"))
+    assert promoted["version"] == reg.version
+    assert str(registry.version_by_alias(reg.name, registry.CHAMPION).version) == reg.version
+    served = read_serving_config(tmp_path / "serving.json")
+    assert served.mode == "ngram" and served.draft_dir is None and served.measured["ngram"] == 1.33
+
+    # the draft itself wins when it is the fastest: its registered checkpoint is what gets served
+    nightly.write_serving(config, TARGET, decision("draft", "challenger", f"draft:{draft}"), None)
+    assert read_serving_config(tmp_path / "serving.json").mode == "draft"
