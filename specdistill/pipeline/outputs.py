@@ -274,7 +274,7 @@ class _OutcomeOptional(TypedDict, total=False):
     sample: Sample
     fallback: FallbackChoice
     serving: AppliedFallback | None
-    incremental: dict  # the nightly run's warm_start, verdict, registered, promoted
+    incremental: dict  # the nightly run's warm_start, verdict, registered, promoted, serving
     report: str
 
 

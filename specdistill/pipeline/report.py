@@ -182,5 +182,6 @@ def render_outcome(outcome: MonitorOutcome) -> str:
     if inc:
         reg = inc["registered"]
         lines.append(f"incremental distillation: version {reg['version']}, gate {'PASS' if inc['verdict']['passed'] else 'FAIL'}"
-                     + (", promoted: serving the draft again" if inc["promoted"] else ", not promoted: fallback stays"))
+                     + (f", promoted; serving {(inc.get('serving') or {}).get('mode', 'draft')}" if inc["promoted"]
+                        else ", not promoted: fallback stays"))
     return "\n\n".join(lines)
