@@ -27,7 +27,7 @@ class SourceConfig(Strict):
 class WindowConfig(Strict):
     days: float | None = None  # traffic that arrived in the last N days (None: all of it)
     since: datetime | None = None  # or since this moment (the monitor: since the target update)
-    train_prompts: int = Field(64, ge=1)  # the embedded demo answers these within its 20-minute budget
+    train_prompts: int = Field(192, ge=1)  # bf16 answers ~5x faster than fp32: more data in the same demo budget
     eval_prompts: int = Field(10, ge=1)
     replay_share: float = Field(0.25, ge=0.0, lt=1.0)  # of train prompts drawn from before the window
     max_prompt_tokens: int = Field(MAX_PROMPT_TOKENS, ge=16)  # the monitor replays within the same bound
