@@ -274,3 +274,92 @@ def test_slice_table_stays_aligned_for_long_names():
     table = result.render().split("\n\n")[1].splitlines()
     assert len({len(line) for line in table}) == 1  # header and rows end in the same column
     assert table[2].startswith(long + " ")
+
+
+# --------------------------------------------------------------------------------------------
+# the bench command on a tiny saved target
+
+
+@pytest.fixture(scope="module")
+def tiny_target_dir(tmp_path_factory):
+    from tests.conftest import save_tiny_target
+
+    return save_tiny_target(tmp_path_factory.mktemp("target"))
+
+
+SPEC_BENCH = [
+    {"question_id": 1, "category": "writing", "turns": ["hello world, the quick brown fox", "def add(a, b): return a + b"]},
+    {"question_id": 2, "category": "multilingual_translation_very_long_name", "turns": ["import torch as tt"]},
+]
+
+
+def bench_json(capsys, *argv: str) -> dict:
+    from specdistill.cli import main
+
+    assert main(["bench", "--ngram", "--max-new-tokens", "8", "--repeats", "1", "--threads", "1", "--json", *argv]) == 0
+    out = capsys.readouterr().out
+    assert len(out.strip().splitlines()) == 1, out
+    return json.loads(out)
+
+
+def test_prompts_from_records_asks_each_turn_after_the_targets_own_answers(tiny_target_dir):
+    from specdistill.data.prompt_files import PromptRecord
+    from specdistill.data.prompts import encode_chat
+    from specdistill.modeling.models import load_model
+    from specdistill.speculative import generate
+    from specdistill.speculative.bench import prompts_from_records
+
+    target = load_model(tiny_target_dir)
+    records = [PromptRecord(r["turns"], r["category"]) for r in SPEC_BENCH]
+    prompts = prompts_from_records(target.model, target.tokenizer, records, max_new_tokens=6)
+    assert [(p.text, p.slice) for p in prompts] == [(t, r["category"]) for r in SPEC_BENCH for t in r["turns"]]
+    first = [{"role": "user", "content": SPEC_BENCH[0]["turns"][0]}]
+    assert prompts[0].ids == encode_chat(target.tokenizer, first)
+    answer = target.tokenizer.decode(generate(target.model, prompts[0].ids, max_new_tokens=6).output_ids, skip_special_tokens=True)
+    second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": SPEC_BENCH[0]["turns"][1]}]
+    assert prompts[1].ids == encode_chat(target.tokenizer, second)
+
+
+@pytest.mark.parametrize("dtype, criterion", [("float32", "exact"), ("bfloat16", "near-tie")])
+def test_bench_command_in_a_dtype_with_all_turns_and_the_gamma_curve(tiny_target_dir, tmp_path, capsys, dtype, criterion):
+    questions = tmp_path / "question.jsonl"
+    questions.write_text("".join(json.dumps(q) + "\n" for q in SPEC_BENCH))
+    out = bench_json(capsys, "--target", str(tiny_target_dir), "--prompts", str(questions), "--turns", "all", "--dtype", dtype)
+    assert out["dtype"] == dtype and out["lossless_criterion"] == criterion and out["lossless"] is True
+    assert {s["name"]: s["requests"] for s in out["slices"]} == {"writing": 2, "multilingual_translation_very_long_name": 1}
+    assert sorted(out["predicted_speedups"], key=int) == [str(g) for g in range(1, 9)]
+    assert sorted(out["verify_costs"], key=int) == [str(k) for k in range(1, 10)] and out["verify_costs"]["1"] == 1.0
+    assert out["best_gamma"] == max(range(1, 9), key=lambda g: (round(out["predicted_speedups"][str(g)], 6), -g))
+
+
+def test_bench_command_text_shows_dtype_curve_and_first_turns_only(tiny_target_dir, tmp_path, capsys):
+    from specdistill.cli import main
+
+    questions = tmp_path / "question.jsonl"
+    questions.write_text("".join(json.dumps(q) + "\n" for q in SPEC_BENCH))
+    assert main(["bench", "--target", str(tiny_target_dir), "--ngram", "--prompts", str(questions), "--dtype", "float32",
+                 "--max-new-tokens", "8", "--repeats", "1", "--threads", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "dtype float32" in text and "lossless                          PASS — 2 exact" in text
+    assert "predicted speedup by γ" in text and "best γ " in text and "v(k) measured in float32" in text
+    rows = [line for line in text.splitlines() if line.startswith(("slice ", "writing ", "multilingual_"))]
+    assert len(rows) == 3 and len({len(r) for r in rows}) == 1  # one row per category, first turns only, aligned
+
+
+def test_bench_command_from_the_log_store(tiny_target_dir, tmp_path, capsys):
+    from specdistill.cli import main
+    from specdistill.data.logstore import LogStore
+    from specdistill.data.readers import Conversation, Message
+
+    db = f"sqlite:///{tmp_path / 'logs.db'}"
+    with LogStore(db, eval_fraction=1.0) as store:
+        run = store.begin_run("x", "jsonl", 0)
+        store.add_batch(run, [Conversation([Message("user", f"hello {src} {i}"), Message("assistant", "ok")], src, f"{i}")
+                              for src in ("chat.jsonl", "code.jsonl") for i in range(5)])
+    out = bench_json(capsys, "--target", str(tiny_target_dir), "--from-logs", "eval", "--db", db, "--limit", "4",
+                     "--dtype", "float32")
+    assert {s["name"]: s["requests"] for s in out["slices"]} == {"chat.jsonl": 2, "code.jsonl": 2}
+    assert main(["bench", "--target", str(tiny_target_dir), "--ngram", "--from-logs", "train", "--db", db]) == 2
+    assert "no usable prompt in the train split" in capsys.readouterr().err
+    assert main(["bench", "--target", str(tiny_target_dir), "--ngram", "--from-logs", "eval", "--turns", "all", "--db", db]) == 2
+    assert "--turns applies to --prompts files" in capsys.readouterr().err
