@@ -11,8 +11,10 @@ from specdistill.acceptance import expected_tokens_per_round, ideal_speedup
 from specdistill.speculative import ModelDrafter, NgramDrafter, SelfSpecDrafter
 from specdistill.speculative.bench import (
     BenchConfig,
+    BenchResult,
     Prompt,
     PromptFileError,
+    SliceResult,
     load_prompts,
     percentile,
     run_bench,
@@ -48,10 +50,11 @@ def test_formulas():
     assert percentile([0.0, 1.0], 0.5) == 0.5 and percentile([3.0], 0.9) == 3.0 and percentile([], 0.1) == 0.0
 
 
-def test_load_prompts_jsonl_and_text(tmp_path):
+def test_load_prompts_jsonl_text_and_spec_bench(tmp_path):
     jsonl = tmp_path / "p.jsonl"
-    jsonl.write_text('{"prompt": "hi", "slice": "chat"}\n\n{"prompt": "def f():"}\n')
-    assert load_prompts(jsonl) == [Prompt("hi", "chat"), Prompt("def f():", "default")]
+    jsonl.write_text('{"prompt": "hi", "slice": "chat"}\n\n{"prompt": "def f():"}\n'
+                     '{"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Shorter."]}\n')
+    assert load_prompts(jsonl) == [Prompt("hi", "chat"), Prompt("def f():", "default"), Prompt("Write a poem.", "writing")]
     text = tmp_path / "p.txt"
     text.write_text("first line\nsecond line\n")
     assert [p.text for p in load_prompts(text)] == ["first line", "second line"]
@@ -60,7 +63,8 @@ def test_load_prompts_jsonl_and_text(tmp_path):
 @pytest.mark.parametrize(
     "content, message",
     [('{"prompt": "a"}\n{"prompt": \n', "p.jsonl:2: not valid JSON"),
-     ('{"text": "a"}\n', "p.jsonl:1: key 'prompt'"),
+     ('{"text": "a"}\n', "p.jsonl:1: expected"),
+     ('{"prompt": ""}\n', "p.jsonl:1: key 'prompt'"),
      ('{"prompt": "a", "slice": 3}\n', "p.jsonl:1: key 'slice'"),
      ("\n\n", "no prompts")],
 )
@@ -88,7 +92,8 @@ def test_bench_on_tiny_models_is_consistent(tmp_path):
     assert result.ideal_speedup == pytest.approx(ideal_speedup(result.acceptance_rate, 3, result.cost_ratio))
     back = type(result).from_dict({**json.loads(json.dumps(result.to_dict())), "spec": "self_spec:3"})
     assert back == result  # what the pipeline persists as JSON comes back whole (the plot in `register` needs it)
-    assert "lossless (greedy == target-only)  PASS" in result.render()
+    assert result.dtype == "float64" and result.lossless_criterion == "exact" and result.lossless_exact == 3
+    assert "lossless                          PASS — 3 exact, 0 differ from target-only (float64: exact equality)" in result.render()
     png = result.plot(tmp_path / "bench.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert evaluate(result).checks[0].passed  # the gate reads a bench result directly
@@ -167,3 +172,194 @@ def test_drafter_specs_build_the_drafters_the_pipeline_and_the_monitor_name(tmp_
             drafter_from_spec(target, bad)
     with pytest.raises(ValueError, match="exit layer"):
         drafter_from_spec(target, "self_spec:9")  # parsed, then refused by the drafter itself
+
+
+# --------------------------------------------------------------------------------------------
+# reduced precision: near-ties are not mismatches, a broken verifier still is
+
+
+def bf16_target(seed: int = 1):
+    """A tiny Llama in bf16 whose greedy output varies; in bf16 its k-token verifications and 1-token
+    steps round differently, so speculative and target-only output part at near-ties now and then."""
+    model = make_tiny_llama(vocab_size=96, hidden=64, layers=4, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return model.to(torch.bfloat16).eval()
+
+
+def id_prompts(n: int = 8, vocab: int = 96) -> list[Prompt]:
+    return [Prompt("", "chat" if s % 2 else "code", torch.randint(3, vocab, (6,), generator=torch.Generator().manual_seed(s)).tolist())
+            for s in range(n)]
+
+
+def test_bf16_bench_passes_a_correct_engine_and_counts_near_ties_apart(monkeypatch):
+    import specdistill.speculative.lossless as lossless
+
+    target = bf16_target()
+    references = []
+    real = lossless.fp32_reference
+    monkeypatch.setattr(lossless, "fp32_reference", lambda t: references.append(1) or real(t))
+    prompts = id_prompts()
+    results = run_bench_many(target, None, {"self2": SelfSpecDrafter(target, 2), "ngram": NgramDrafter(1, 3)}, prompts,
+                             BenchConfig(gamma=4, max_new_tokens=24, repeats=2, measure_cost=False), progress=False)
+    for r in results.values():
+        assert r.dtype == "bfloat16" and r.lossless_criterion == "near-tie" and r.lossless_tolerance == 0.5
+        assert r.lossless is True and r.lossless_mismatches == 0, r.render_lossless()
+        assert r.lossless_exact + r.lossless_near_ties == len(prompts)
+        assert 0.0 <= r.lossless_max_margin <= 0.5
+        assert f"PASS — {r.lossless_exact} exact, {r.lossless_near_ties} near-tie (max margin" in r.render()
+        assert "dtype bfloat16" in r.render()
+        assert BenchResult.from_dict(json.loads(json.dumps(r.to_dict()))) == r
+        verdict = evaluate(r)
+        assert verdict.checks[0].passed and "no real mismatch in bfloat16" in verdict.checks[0].reason
+    assert sum(r.lossless_near_ties for r in results.values()) > 0  # bf16 does part at near-ties here
+    assert references == [1]  # one fp32 copy for the whole run, made because some output differed
+
+
+def test_bf16_bench_fails_a_broken_verifier(monkeypatch):
+    import specdistill.speculative.engine as engine
+    from specdistill.speculative.sampling import verify
+
+    def off_by_one(*args):  # also accepts the first rejected draft
+        n, following = verify(*args)
+        if n < args[1].numel():
+            return n + 1, args[0][n + 1].argmax()
+        return n, following
+
+    target = bf16_target()
+    monkeypatch.setattr(engine, "verify", off_by_one)
+    result = run_bench(target, None, SelfSpecDrafter(target, 2), id_prompts(4),
+                       BenchConfig(gamma=4, max_new_tokens=24, repeats=1, measure_cost=False), progress=False)
+    assert result.lossless is False and result.lossless_mismatches > 0 and result.lossless_criterion == "near-tie"
+    assert "FAIL" in result.render() and f"{result.lossless_mismatches} real mismatches" in result.render()
+    check = evaluate(result).checks[0]
+    assert not check.passed and "fp32 target trails by more than 0.5 logits" in check.reason
+
+
+def test_fp32_bench_is_judged_by_exact_equality_without_a_reference(monkeypatch):
+    import specdistill.speculative.lossless as lossless
+
+    monkeypatch.setattr(lossless, "fp32_reference", lambda t: pytest.fail("fp32 needs no reference copy"))
+    target = bf16_target().float()
+    result = run_bench(target, None, NgramDrafter(1, 3), id_prompts(4),
+                       BenchConfig(gamma=4, max_new_tokens=16, repeats=1, measure_cost=False), progress=False)
+    assert (result.dtype, result.lossless_criterion, result.lossless_exact, result.lossless) == ("float32", "exact", 4, True)
+
+
+def test_a_result_saved_before_the_criterion_still_loads_and_gates():
+    old = {k: v for k, v in BenchResult(
+        drafter="d", gamma=2, max_new_tokens=8, repeats=1, greedy=True, lossless=False, lossless_mismatches=2,
+        acceptance_rate=0.5, accepted_length=2.0, per_position_acceptance=[0.5, 0.3], request_acceptance_p10=0.1,
+        request_acceptance_p50=0.5, request_acceptance_p90=0.9, tokens_per_second_target_only=10.0,
+        tokens_per_second_speculative=12.0, speedup=1.2, cost_ratio=None, ideal_speedup=None).to_dict().items()
+        if not k.startswith("lossless_") or k == "lossless_mismatches"}
+    del old["dtype"]
+    result = BenchResult.from_dict(old)
+    assert result.dtype == "float32" and result.lossless_criterion is None
+    assert "lossless                          FAIL (2 outputs differ)" in result.render()
+    assert "2 outputs differ from target-only" in evaluate(old).checks[0].reason
+
+
+def test_slice_table_stays_aligned_for_long_names():
+    long = "multilingual_translation_very_long_name"
+    result = BenchResult(
+        drafter="d", gamma=2, max_new_tokens=8, repeats=1, greedy=True, lossless=True, lossless_mismatches=0,
+        acceptance_rate=0.5, accepted_length=2.0, per_position_acceptance=[0.5], request_acceptance_p10=0.1,
+        request_acceptance_p50=0.5, request_acceptance_p90=0.9, tokens_per_second_target_only=10.0,
+        tokens_per_second_speculative=12.0, speedup=1.2, cost_ratio=None, ideal_speedup=None,
+        slices=[SliceResult("chat", 3, 0.5, 2.0, 10.0, 12.0, 1.2), SliceResult(long, 1, 0.25, 1.5, 9.0, 8.0, 0.89)])
+    table = result.render().split("\n\n")[1].splitlines()
+    assert len({len(line) for line in table}) == 1  # header and rows end in the same column
+    assert table[2].startswith(long + " ")
+
+
+# --------------------------------------------------------------------------------------------
+# the bench command on a tiny saved target
+
+
+@pytest.fixture(scope="module")
+def tiny_target_dir(tmp_path_factory):
+    from tests.conftest import save_tiny_target
+
+    return save_tiny_target(tmp_path_factory.mktemp("target"))
+
+
+SPEC_BENCH = [
+    {"question_id": 1, "category": "writing", "turns": ["hello world, the quick brown fox", "def add(a, b): return a + b"]},
+    {"question_id": 2, "category": "multilingual_translation_very_long_name", "turns": ["import torch as tt"]},
+]
+
+
+def bench_json(capsys, *argv: str) -> dict:
+    from specdistill.cli import main
+
+    assert main(["bench", "--ngram", "--max-new-tokens", "8", "--repeats", "1", "--threads", "1", "--json", *argv]) == 0
+    out = capsys.readouterr().out
+    assert len(out.strip().splitlines()) == 1, out
+    return json.loads(out)
+
+
+def test_prompts_from_records_asks_each_turn_after_the_targets_own_answers(tiny_target_dir):
+    from specdistill.data.prompt_files import PromptRecord
+    from specdistill.data.prompts import encode_chat
+    from specdistill.modeling.models import load_model
+    from specdistill.speculative import generate
+    from specdistill.speculative.bench import prompts_from_records
+
+    target = load_model(tiny_target_dir)
+    records = [PromptRecord(r["turns"], r["category"]) for r in SPEC_BENCH]
+    prompts = prompts_from_records(target.model, target.tokenizer, records, max_new_tokens=6)
+    assert [(p.text, p.slice) for p in prompts] == [(t, r["category"]) for r in SPEC_BENCH for t in r["turns"]]
+    first = [{"role": "user", "content": SPEC_BENCH[0]["turns"][0]}]
+    assert prompts[0].ids == encode_chat(target.tokenizer, first)
+    answer = target.tokenizer.decode(generate(target.model, prompts[0].ids, max_new_tokens=6).output_ids, skip_special_tokens=True)
+    second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": SPEC_BENCH[0]["turns"][1]}]
+    assert prompts[1].ids == encode_chat(target.tokenizer, second)
+
+
+@pytest.mark.parametrize("dtype, criterion", [("float32", "exact"), ("bfloat16", "near-tie")])
+def test_bench_command_in_a_dtype_with_all_turns_and_the_gamma_curve(tiny_target_dir, tmp_path, capsys, dtype, criterion):
+    questions = tmp_path / "question.jsonl"
+    questions.write_text("".join(json.dumps(q) + "\n" for q in SPEC_BENCH))
+    out = bench_json(capsys, "--target", str(tiny_target_dir), "--prompts", str(questions), "--turns", "all", "--dtype", dtype)
+    assert out["dtype"] == dtype and out["lossless_criterion"] == criterion and out["lossless"] is True
+    assert {s["name"]: s["requests"] for s in out["slices"]} == {"writing": 2, "multilingual_translation_very_long_name": 1}
+    assert sorted(out["predicted_speedups"], key=int) == [str(g) for g in range(1, 9)]
+    assert sorted(out["verify_costs"], key=int) == [str(k) for k in range(1, 10)] and out["verify_costs"]["1"] == 1.0
+    assert out["best_gamma"] == max(range(1, 9), key=lambda g: (round(out["predicted_speedups"][str(g)], 6), -g))
+
+
+def test_bench_command_text_shows_dtype_curve_and_first_turns_only(tiny_target_dir, tmp_path, capsys):
+    from specdistill.cli import main
+
+    questions = tmp_path / "question.jsonl"
+    questions.write_text("".join(json.dumps(q) + "\n" for q in SPEC_BENCH))
+    assert main(["bench", "--target", str(tiny_target_dir), "--ngram", "--prompts", str(questions), "--dtype", "float32",
+                 "--max-new-tokens", "8", "--repeats", "1", "--threads", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "dtype float32" in text and "lossless                          PASS — 2 exact" in text
+    assert "predicted speedup by γ" in text and "best γ " in text and "v(k) measured in float32" in text
+    rows = [line for line in text.splitlines() if line.startswith(("slice ", "writing ", "multilingual_"))]
+    assert len(rows) == 3 and len({len(r) for r in rows}) == 1  # one row per category, first turns only, aligned
+
+
+def test_bench_command_from_the_log_store(tiny_target_dir, tmp_path, capsys):
+    from specdistill.cli import main
+    from specdistill.data.logstore import LogStore
+    from specdistill.data.readers import Conversation, Message
+
+    db = f"sqlite:///{tmp_path / 'logs.db'}"
+    with LogStore(db, eval_fraction=1.0) as store:
+        run = store.begin_run("x", "jsonl", 0)
+        store.add_batch(run, [Conversation([Message("user", f"hello {src} {i}"), Message("assistant", "ok")], src, f"{i}")
+                              for src in ("chat.jsonl", "code.jsonl") for i in range(5)])
+    out = bench_json(capsys, "--target", str(tiny_target_dir), "--from-logs", "eval", "--db", db, "--limit", "4",
+                     "--dtype", "float32")
+    assert {s["name"]: s["requests"] for s in out["slices"]} == {"chat.jsonl": 2, "code.jsonl": 2}
+    assert main(["bench", "--target", str(tiny_target_dir), "--ngram", "--from-logs", "train", "--db", db]) == 2
+    assert "no usable prompt in the train split" in capsys.readouterr().err
+    assert main(["bench", "--target", str(tiny_target_dir), "--ngram", "--from-logs", "eval", "--turns", "all", "--db", db]) == 2
+    assert "--turns applies to --prompts files" in capsys.readouterr().err

@@ -153,3 +153,18 @@ def test_python_dash_m_runs_the_cli():
     proc = subprocess.run([sys.executable, "-m", "specdistill.cli", "demo", "--help"], cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "target-update" in proc.stdout
+
+
+def test_bench_needs_exactly_one_prompt_source_and_both_commands_take_a_dtype(capsys):
+    from specdistill.cli.decode import DTYPE_CHOICES
+    from specdistill.modeling.models import DTYPE_CHOICES as MODEL_DTYPES
+
+    assert DTYPE_CHOICES == MODEL_DTYPES
+    for argv in (["bench", "--ngram"], ["bench", "--ngram", "--prompts", "p.txt", "--from-logs", "eval"]):
+        with pytest.raises(SystemExit) as exit_:
+            build_parser().parse_args(argv)
+        assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "one of the arguments --prompts --from-logs is required" in err and "not allowed with argument" in err
+    assert build_parser().parse_args(["bench", "--ngram", "--from-logs", "eval"]).dtype == "auto"
+    assert build_parser().parse_args(["generate", "--prompt", "hi", "--dtype", "bfloat16"]).dtype == "bfloat16"

@@ -54,3 +54,34 @@ def test_usable_prompt_skips_long_prompts_instead_of_cutting_them(tok):
     assert usable_prompt(conversation, tok, len(ids)) == (messages, ids)  # the bound is inclusive
     assert usable_prompt(conversation, tok, len(ids) - 1) is None
     assert usable_prompt([Message("assistant", "hi"), Message("user", "q")], tok, 10_000) is None
+
+
+def _log_store(tmp_path, eval_fraction: float):
+    from specdistill.data.logstore import LogStore
+    from specdistill.data.readers import Conversation
+
+    store = LogStore(f"sqlite:///{tmp_path / 'logs.db'}", eval_fraction=eval_fraction)
+    run = store.begin_run("x", "jsonl", 0)
+    for source in ("/logs/chat.jsonl", "/logs/code.jsonl"):
+        store.add_batch(run, [Conversation([Message("user", f"{source} question {i}"), Message("assistant", "ok")], source, f"{i}",
+                                           timestamp=1_700_000_000 + i) for i in range(12)])
+    store.add_batch(run, [Conversation([Message("assistant", "hi"), Message("user", "no prompt")], "/logs/chat.jsonl", "x",
+                                       timestamp=1_800_000_000)])  # newest, but nothing to replay
+    return store
+
+
+def test_prompts_from_logs_draw_a_split_evenly_per_source_newest_or_seeded(tmp_path, tok):
+    from specdistill.data.prompts import prompts_from_logs
+
+    with _log_store(tmp_path, eval_fraction=1.0) as store:
+        newest = prompts_from_logs(store, tok, "eval", 4)
+        assert [p.slice for p in newest] == ["chat.jsonl", "chat.jsonl", "code.jsonl", "code.jsonl"]
+        assert [p.messages[-1]["content"].split()[-1] for p in newest] == ["11", "10", "11", "10"]
+        assert all(p.ids == encode_chat(tok, p.messages) for p in newest)
+        seeded = prompts_from_logs(store, tok, "eval", 4, seed=3, slice_of={"/logs/code.jsonl": "code"})
+        assert seeded == prompts_from_logs(store, tok, "eval", 4, seed=3, slice_of={"/logs/code.jsonl": "code"})
+        assert {p.slice for p in seeded} == {"chat.jsonl", "code"}
+        assert prompts_from_logs(store, tok, "train", 4) == []  # every conversation went to eval
+        assert len(prompts_from_logs(store, tok, "eval", 4, max_prompt_tokens=3)) == 0  # too long: skipped, not cut
+        with pytest.raises(ValueError, match="split must be"):
+            prompts_from_logs(store, tok, "test", 4)

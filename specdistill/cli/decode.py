@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from specdistill.cli.common import Subcommands, add_threads, command, emit, set_threads
+from specdistill.cli.common import Subcommands, add_db, add_threads, command, emit, log_store, set_threads
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")  # modeling.models.DTYPE_CHOICES, without importing torch to parse
 
 
 def _drafter(args: argparse.Namespace, target):
@@ -16,12 +18,12 @@ def _drafter(args: argparse.Namespace, target):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from specdistill.modeling.models import load_model
+    from specdistill.modeling.models import dtype_name, load_model
     from specdistill.speculative import SamplingConfig, generate
     from specdistill.speculative.bench import encode_prompt
 
     set_threads(args)
-    target = load_model(args.target)
+    target = load_model(args.target, dtype=args.dtype)
     if args.prompt_ids is not None:
         try:
             prompt = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
@@ -32,32 +34,56 @@ def cmd_generate(args: argparse.Namespace) -> int:
     result = generate(target.model, prompt, max_new_tokens=args.max_new_tokens, drafter=_drafter(args, target.model),
                       gamma=args.gamma, sampling=SamplingConfig(args.temperature, args.top_p, args.seed))
     text = target.tokenizer.decode(result.output_ids, skip_special_tokens=True)
-    stats = result.stats
-    emit(args, {"output_ids": result.output_ids, "text": text, "stats": stats.to_dict()},
-         f"{text}\n\n[{stats.generated_tokens} tokens, {stats.tokens_per_second:.2f} tokens/s, "
+    stats, dtype = result.stats, dtype_name(target.model.dtype)
+    emit(args, {"output_ids": result.output_ids, "text": text, "dtype": dtype, "stats": stats.to_dict()},
+         f"{text}\n\n[{stats.generated_tokens} tokens, {stats.tokens_per_second:.2f} tokens/s in {dtype}, "
          f"α {stats.acceptance_rate:.3f}, τ {stats.accepted_length:.2f}]")
     return 0
+
+
+def _bench_prompts(args: argparse.Namespace, target, records: list | None) -> list:
+    """The measured prompts: from a prompt file (every turn with --turns all), or from the log store."""
+    from specdistill.speculative.bench import Prompt, prompts_from_records
+
+    if records is not None:
+        return prompts_from_records(target.model, target.tokenizer, records, args.max_new_tokens)
+    from specdistill.data.prompts import prompts_from_logs
+
+    with log_store(args) as store:
+        logged = prompts_from_logs(store, target.tokenizer, args.from_logs, args.limit or 32, seed=args.log_seed)
+        where = store.display_url
+    if not logged:
+        raise ValueError(f"no usable prompt in the {args.from_logs} split of the log store {where}")
+    return [Prompt(p.messages[-1]["content"], p.slice, p.ids) for p in logged]
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     import json
 
+    from specdistill.data.prompt_files import read_prompt_file
     from specdistill.modeling.models import load_model
-    from specdistill.speculative.bench import BenchConfig, load_prompts, run_bench
+    from specdistill.speculative.bench import BenchConfig, run_bench
+    from specdistill.speculative.gamma import render_curve, speedup_curve
     from specdistill.speculative.gate import evaluate, gate_config
 
     set_threads(args)
-    prompts = load_prompts(args.prompts)
-    if args.limit:
-        prompts = prompts[: args.limit]
-    target = load_model(args.target)
+    if args.from_logs is not None and args.turns is not None:
+        raise ValueError("--turns applies to --prompts files; a logged prompt is every turn before its first answer")
+    records = None
+    if args.prompts is not None:  # read before loading the model: a bad file fails at once
+        records = read_prompt_file(args.prompts, args.turns or "first")[: args.limit or None]
+    target = load_model(args.target, dtype=args.dtype)
     drafter = _drafter(args, target.model)
     if drafter is None:
         raise ValueError("bench needs a drafting method: --draft DIR, --self-spec K or --ngram")
+    prompts = _bench_prompts(args, target, records)
     config = BenchConfig(gamma=args.gamma, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                          temperature=args.temperature, top_p=args.top_p, seed=args.seed or 0)
     result = run_bench(target.model, target.tokenizer, drafter, prompts, config)
     payload, text = result.to_dict(), result.render()
+    curve = speedup_curve(target.model, result.per_position_acceptance, result.cost_ratio)
+    payload.update(curve)
+    text += "\n\n" + render_curve(curve, result.dtype, result.cost_ratio)
     if args.plot:
         payload["plot"] = str(result.plot(args.plot))
         text += f"\nplot -> {payload['plot']}"
@@ -73,6 +99,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _add_drafting(p: argparse.ArgumentParser) -> None:
     """The target, one drafting method and the decoding settings (generate and bench alike)."""
     p.add_argument("--target", default="demo")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="auto: bf16 on CUDA and on CPUs with native bf16 (AVX-512 BF16, AMX), else fp32; drafts follow the target")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--draft", default=None, help="draft model directory (its draft_vocab.safetensors is used if present)")
     how.add_argument("--self-spec", type=int, default=None, metavar="K", help="the target drafts by exiting at layer K")
@@ -96,10 +124,20 @@ def register(sub: Subcommands) -> None:
     prompt.add_argument("--prompt-ids", help="raw token ids, comma-separated, no chat template")
 
     p = command(sub, "bench", cmd_bench, "acceptance, accepted length and speedup over target-only on a prompt set",
-                example="bench --target demo --draft runs/draft --prompts prompts.jsonl --plot bench.png --gate default")
+                example="bench --target demo --draft runs/draft --prompts question.jsonl --turns all --dtype bfloat16 --gate default")
     _add_drafting(p)
-    p.add_argument("--prompts", required=True, help='JSONL {"prompt", "slice"} or plain text, one prompt a line')
-    p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompts", default=None, metavar="FILE",
+                        help='plain text (one prompt a line), JSONL {"prompt", "slice"} or Spec-Bench question.jsonl')
+    source.add_argument("--from-logs", default=None, choices=["eval", "train"],
+                        help="prompts of this log-store split, as the nightly draws them (see --db, --log-seed, --limit)")
+    p.add_argument("--turns", default=None, choices=["first", "all"],
+                   help="Spec-Bench files: the first turn (default), or every turn, each asked after the target's own "
+                        "greedy answers to the turns before it (one measured prompt per turn; the slice is the category)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="only the first N prompts (records) of a file; with --from-logs how many to draw (default 32)")
+    p.add_argument("--log-seed", type=int, default=None, help="--from-logs: a seeded sample instead of the newest")
+    add_db(p)
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats; tokens/s is their median")
     p.add_argument("--plot", default=None, metavar="PNG", help="acceptance per position and speedup per slice")
     p.add_argument("--gate", default=None, choices=["default", "production"], help="also print the gate's verdict")

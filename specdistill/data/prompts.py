@@ -6,11 +6,14 @@ target-answer generation, the benchmark, the monitor's replay and the CLI.
     messages = prompt_messages(conversation.messages)    # None: nothing to replay
     ids = encode_chat(tokenizer, messages)                # chat template + assistant header
     usable_prompt(conversation.messages, tokenizer, 384)  # both, or None when too long
+    prompts_from_logs(store, tokenizer, "eval", 32, seed=0)  # a split's prompts, as the nightly draws them
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import PurePath
 from typing import Any
 
 # Longer prompts are skipped, never cut: a truncated prompt is not what production saw.
@@ -63,3 +66,44 @@ def usable_prompt(messages: Iterable[Any], tokenizer, max_prompt_tokens: int = M
     if not ids or len(ids) > max_prompt_tokens:
         return None
     return prompt, ids
+
+
+@dataclass
+class LoggedPrompt:
+    id: str  # the conversation's id in the log store
+    messages: list[dict]  # the prompt turns (`usable_prompt`)
+    ids: list[int]  # their chat-templated token ids
+    slice: str
+
+
+def prompts_from_logs(store, tokenizer, split: str, n: int, *, seed: int | None = None,
+                      max_prompt_tokens: int = MAX_PROMPT_TOKENS, slice_of: Mapping[str, str] | None = None
+                      ) -> list[LoggedPrompt]:
+    """Up to `n` prompts of a log store's `split` ("train" or "eval"), drawn as the nightly window
+    draws them (`pipeline.nightly.select_window`): an even share from every source that has
+    conversations in the split, each share read from at most max(4·share, share + 16) conversations,
+    keeping those `usable_prompt` keeps (skipped, never cut). `seed` None: each source's newest
+    conversations; else `LogStore.sample` with that seed (the nightly's seeded sample). The slice is
+    `slice_of[source]`, else the source's file name."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', not {split!r}")
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    sources = [s["source"] for s in store.stats()["by_source"]]
+    sources = [s for s in sources if store.count(source=s, split=split)]
+    picked: list[LoggedPrompt] = []
+    for i, source in enumerate(sources):
+        share = (n - len(picked)) // (len(sources) - i)
+        scan = max(4 * share, share + 16)
+        rows = (store.window(source=source, split=split, limit=scan) if seed is None
+                else store.sample(scan, seed=seed, source=source, split=split))
+        name = (slice_of or {}).get(source) or PurePath(source).name or source
+        kept = 0
+        for row in rows:
+            if kept >= share:
+                break
+            prompt = usable_prompt(row.messages, tokenizer, max_prompt_tokens)
+            if prompt is not None:
+                picked.append(LoggedPrompt(str(row.id), prompt[0], prompt[1], name))
+                kept += 1
+    return picked

@@ -134,6 +134,12 @@ class BenchEntry(TypedDict):
     slices: list[SliceDict]
     stats: dict
     threads: int
+    dtype: str
+    lossless_criterion: str | None
+    lossless_exact: int
+    lossless_near_ties: int
+    lossless_max_margin: float
+    lossless_tolerance: float
     spec: str  # draft:DIR, self_spec:K or ngram
 
 

@@ -4,12 +4,21 @@ Everything the gate and the reports need comes from one run: acceptance rate α,
 length τ, per-position acceptance, the spread of per-request acceptance (p10/p50/p90: the long
 tail), tokens/s with and without speculation (runs interleaved, median of repeats, on the same
 prompts and `max_new_tokens`), the speedup, the measured cost ratio c and the ideal speedup that
-α and c predict, overall and per slice (chat, code, ...). Greedy runs double as the lossless check.
+α and c predict, overall and per slice (chat, code, ...). The target runs in whatever dtype it was
+loaded in (the result names it), and the drafts in the same dtype.
+
+Greedy runs double as the lossless check (docs/metrics.md, "Losslessness in reduced precision"). In
+fp32 (or wider) it is exact equality of speculative and target-only output. In bf16 a k-token
+verification and a 1-token step round differently, so the two may part at a numerical near-tie of
+the target without either being wrong: each output that differs is re-scored by an fp32 copy of the
+target (`speculative.lossless.check_lossless`, made only when some output differs) and counts as a
+near-tie divergence when every token from the divergence on is within `near_tie_tolerance` fp32
+logits of the target's top token, else as a real mismatch. `lossless` means no real mismatch; a
+prompt counts once, by the worst of its output pairs over the repeats.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -20,8 +29,10 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdistill.acceptance import ideal_speedup
+from specdistill.data.prompt_files import PromptFileError, PromptRecord, read_prompt_file
 from specdistill.data.prompts import encode_chat
 from specdistill.modeling.drafts import measure_cost_ratio
+from specdistill.modeling.models import dtype_name
 from specdistill.speculative import (
     Drafter,
     ModelDrafter,
@@ -29,6 +40,10 @@ from specdistill.speculative import (
     SpecStats,
     generate,
 )
+from specdistill.speculative.lossless import DEFAULT_TOLERANCE, LosslessReport, judge_lossless, model_dtype
+
+__all__ = ["BenchConfig", "BenchResult", "Prompt", "PromptFileError", "SliceResult", "encode_prompt", "load_prompts",
+           "measure_drafter_cost", "percentile", "prompts_from_records", "run_bench", "run_bench_many"]
 
 
 @dataclass
@@ -41,6 +56,7 @@ class BenchConfig:
     seed: int = 0
     chat_template: bool = True  # wrap each prompt as one user turn when the tokenizer has a template
     measure_cost: bool = True
+    near_tie_tolerance: float = DEFAULT_TOLERANCE  # fp32 logits; reduced-precision greedy runs only
 
 
 @dataclass
@@ -50,36 +66,27 @@ class Prompt:
     ids: list[int] | None = None  # raw token ids: used as they are, no template
 
 
-class PromptFileError(ValueError):
-    pass
-
-
 def load_prompts(path: str | Path) -> list[Prompt]:
-    """JSONL lines `{"prompt": str, "slice": str}` (slice optional) or plain text, one prompt a line."""
-    path = Path(path)
-    if not path.is_file():
-        raise PromptFileError(f"prompts file not found: {path}")
+    """The first turn of every prompt in a prompt file (`data.prompt_files.read_prompt_file`: plain
+    text, `{"prompt", "slice"}` JSONL or Spec-Bench's question.jsonl); errors name the file and line."""
+    return [Prompt(record.turns[0], record.slice) for record in read_prompt_file(path, "first")]
+
+
+def prompts_from_records(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, records: list[PromptRecord],
+                         max_new_tokens: int) -> list[Prompt]:
+    """One measured prompt per user turn (MT-Bench style replay). Turn i+1 is asked after the target's
+    own greedy answer (target-only, up to `max_new_tokens`, in the target's dtype) to turns 1..i, so
+    later turns carry the conversation the target itself would have had; the slice is the record's."""
     prompts = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            if line.lstrip().startswith("{"):
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise PromptFileError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
-                text = record.get("prompt")
-                if not isinstance(text, str) or not text.strip():
-                    raise PromptFileError(f"{path}:{lineno}: key 'prompt' must be a non-empty string")
-                slice_name = record.get("slice", "default")
-                if not isinstance(slice_name, str):
-                    raise PromptFileError(f"{path}:{lineno}: key 'slice' must be a string")
-                prompts.append(Prompt(text, slice_name))
-            else:
-                prompts.append(Prompt(line.rstrip("\n")))
-    if not prompts:
-        raise PromptFileError(f"{path}: no prompts")
+    for record in records:
+        messages: list[dict] = []
+        for i, turn in enumerate(record.turns):
+            messages.append({"role": "user", "content": turn})
+            ids = encode_chat(tokenizer, messages)
+            prompts.append(Prompt(turn, record.slice, ids))
+            if i + 1 < len(record.turns):
+                answer = generate(target, ids, max_new_tokens=max_new_tokens).output_ids
+                messages.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
     return prompts
 
 
@@ -141,8 +148,8 @@ class BenchResult:
     max_new_tokens: int
     repeats: int
     greedy: bool
-    lossless: bool | None  # None for sampling runs: equality of outputs is not the criterion there
-    lossless_mismatches: int
+    lossless: bool | None  # no real mismatch; None for sampling runs, where outputs are not the criterion
+    lossless_mismatches: int  # prompts with a real mismatch (near-tie divergences are not counted here)
     acceptance_rate: float
     accepted_length: float
     per_position_acceptance: list[float]
@@ -157,6 +164,12 @@ class BenchResult:
     slices: list[SliceResult] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
     threads: int = 0
+    dtype: str = "float32"  # the target's (and the drafts') dtype in this run
+    lossless_criterion: str | None = None  # "exact" (fp32 or wider), "near-tie" (reduced precision), None (sampling)
+    lossless_exact: int = 0  # prompts whose speculative output equals target-only output
+    lossless_near_ties: int = 0  # prompts that part only at near-ties of the fp32 target
+    lossless_max_margin: float = 0.0  # the largest fp32 logit margin among the near-tie divergences
+    lossless_tolerance: float = 0.0  # the near-tie bound (fp32 logits); 0 for the exact criterion
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -171,11 +184,10 @@ class BenchResult:
     def render(self) -> str:
         c = "n/a" if self.cost_ratio is None else f"{self.cost_ratio:.3f}"
         ideal = "n/a" if self.ideal_speedup is None else f"{self.ideal_speedup:.2f}x"
-        lossless = {True: "PASS", False: f"FAIL ({self.lossless_mismatches} outputs differ)", None: "n/a (sampling)"}[self.lossless]
         lines = [
-            f"drafter {self.drafter}   gamma {self.gamma}   max_new_tokens {self.max_new_tokens}   "
+            f"drafter {self.drafter}   dtype {self.dtype}   gamma {self.gamma}   max_new_tokens {self.max_new_tokens}   "
             f"repeats {self.repeats}   threads {self.threads}",
-            f"lossless (greedy == target-only)  {lossless}",
+            f"lossless                          {self.render_lossless()}",
             f"acceptance rate α                 {self.acceptance_rate:.3f}",
             f"mean accepted length τ            {self.accepted_length:.3f}",
             "per-position acceptance           " + " ".join(f"{a:.2f}" for a in self.per_position_acceptance),
@@ -188,14 +200,27 @@ class BenchResult:
             f"ideal speedup at measured α, c    {ideal}",
         ]
         if len(self.slices) > 1 or (self.slices and self.slices[0].name != "default"):
+            w = max(12, *(len(s.name) for s in self.slices))
             lines.append("")
-            lines.append(f"{'slice':<12} {'n':>4} {'α':>6} {'τ':>6} {'tok/s base':>11} {'tok/s spec':>11} {'speedup':>8}")
+            lines.append(f"{'slice':<{w}} {'n':>4} {'α':>6} {'τ':>6} {'tok/s base':>11} {'tok/s spec':>11} {'speedup':>8}")
             for s in self.slices:
                 lines.append(
-                    f"{s.name:<12} {s.requests:>4} {s.acceptance_rate:>6.3f} {s.accepted_length:>6.2f} "
+                    f"{s.name:<{w}} {s.requests:>4} {s.acceptance_rate:>6.3f} {s.accepted_length:>6.2f} "
                     f"{s.tokens_per_second_target_only:>11.2f} {s.tokens_per_second_speculative:>11.2f} {s.speedup:>7.2f}x"
                 )
         return "\n".join(lines)
+
+    def render_lossless(self) -> str:
+        if self.lossless is None:
+            return "n/a (sampling)"
+        verdict = "PASS" if self.lossless else "FAIL"
+        if self.lossless_criterion is None:  # a result saved before the criterion was recorded
+            return verdict if self.lossless else f"{verdict} ({self.lossless_mismatches} outputs differ)"
+        if self.lossless_criterion == "near-tie":
+            return (f"{verdict} — {self.lossless_exact} exact, {self.lossless_near_ties} near-tie (max margin "
+                    f"{self.lossless_max_margin:.3f} ≤ {self.lossless_tolerance:g}), {self.lossless_mismatches} real mismatches")
+        return (f"{verdict} — {self.lossless_exact} exact, {self.lossless_mismatches} differ from target-only "
+                f"({self.dtype}: exact equality)")
 
     def plot(self, path: str | Path) -> Path:
         import matplotlib
@@ -276,7 +301,8 @@ def run_bench_many(
     # times[mode][repeat][prompt] = (generated tokens, seconds)
     times = {m: [[None] * len(prompts) for _ in range(config.repeats)] for m in modes}
     first_stats = {name: [SpecStats() for _ in prompts] for name in drafters}
-    mismatches = dict.fromkeys(drafters, 0)
+    # pairs[name][prompt]: the distinct (target-only, speculative) greedy outputs over the repeats
+    pairs: dict[str, list[dict]] = {name: [{} for _ in prompts] for name in drafters}
     bar = tqdm(total=config.repeats * len(prompts), desc="bench", unit="prompt", file=sys.stderr, disable=not progress)
     for r in range(config.repeats):
         for i, ids in enumerate(encoded):
@@ -290,16 +316,17 @@ def run_bench_many(
                     first_stats[mode][i] = result.stats
             if sampling.greedy:
                 for name in drafters:
-                    mismatches[name] += outputs[name] != outputs[None]
+                    pairs[name][i][(tuple(outputs[None]), tuple(outputs[name]))] = None
             bar.update(1)
     bar.close()
+    reports = judge_lossless(target, encoded, pairs, config.near_tie_tolerance) if sampling.greedy else {}
     return {name: _summarize(target, drafter, prompts, config, sampling, times[None], times[name],
-                             first_stats[name], mismatches[name])
+                             first_stats[name], reports.get(name))
             for name, drafter in drafters.items()}
 
 
 def _summarize(target, drafter: Drafter, prompts: list[Prompt], config: BenchConfig, sampling: SamplingConfig,
-               base_times: list, spec_times: list, first_stats: list[SpecStats], mismatches: int) -> BenchResult:
+               base_times: list, spec_times: list, first_stats: list[SpecStats], report: LosslessReport | None) -> BenchResult:
     def summary(indices: list[int]) -> tuple[float, float, float]:
         base = [_tps([base_times[r][i] for i in indices]) for r in range(config.repeats)]
         spec = [_tps([spec_times[r][i] for i in indices]) for r in range(config.repeats)]
@@ -323,8 +350,8 @@ def _summarize(target, drafter: Drafter, prompts: list[Prompt], config: BenchCon
         max_new_tokens=config.max_new_tokens,
         repeats=config.repeats,
         greedy=sampling.greedy,
-        lossless=(mismatches == 0) if sampling.greedy else None,
-        lossless_mismatches=mismatches,
+        lossless=report.passed if report is not None else None,
+        lossless_mismatches=report.mismatches if report is not None else 0,
         acceptance_rate=total.acceptance_rate,
         accepted_length=total.accepted_length,
         per_position_acceptance=total.per_position_acceptance,
@@ -339,4 +366,10 @@ def _summarize(target, drafter: Drafter, prompts: list[Prompt], config: BenchCon
         slices=slices,
         stats=total.to_dict(),
         threads=torch.get_num_threads(),
+        dtype=dtype_name(model_dtype(target)),
+        lossless_criterion=report.criterion if report is not None else None,
+        lossless_exact=report.exact if report is not None else 0,
+        lossless_near_ties=report.near_ties if report is not None else 0,
+        lossless_max_margin=report.max_near_tie_margin if report is not None else 0.0,
+        lossless_tolerance=report.tolerance if report is not None else 0.0,
     )

@@ -203,7 +203,7 @@ def make_drafter(
     if draft:
         from specdistill.modeling.models import load_model
 
-        loaded = load_model(draft, dtype=target.dtype)
+        loaded = load_model(draft, dtype=next(target.parameters()).dtype)  # the draft runs in the target's dtype
         return ModelDrafter(
             loaded.model, target.config.vocab_size, DraftVocab.load(loaded.path), name=f"draft:{loaded.path.name}"
         )

@@ -85,3 +85,25 @@ def predict_speedups(per_position: Sequence[float], cost_ratio: float, verify_co
 def best_gamma(predicted: dict[int, float]) -> int:
     """The γ with the highest predicted speedup; the smaller γ on a tie (cheaper when wrong)."""
     return max(sorted(predicted), key=lambda g: (round(predicted[g], 6), -g))
+
+
+def speedup_curve(target: PreTrainedModel, per_position: Sequence[float], cost_ratio: float,
+                  gammas: Sequence[int] = GAMMAS) -> dict:
+    """What one benchmark run predicts for every γ: the target's verify costs v(k) (measured now, in
+    the dtype it runs in), the predicted speedups and the best γ. JSON-friendly."""
+    costs = measure_verify_costs(target, tuple(range(1, max(gammas) + 2)))
+    predicted = predict_speedups(per_position, cost_ratio, costs, gammas)
+    return {"verify_costs": costs, "predicted_speedups": predicted, "best_gamma": best_gamma(predicted)}
+
+
+def render_curve(curve: dict, dtype: str, cost_ratio: float) -> str:
+    predicted, costs = curve["predicted_speedups"], curve["verify_costs"]
+    gammas = sorted(predicted)
+    best = curve["best_gamma"]
+    return "\n".join([
+        f"predicted speedup by γ (this run's per-position acceptance, c {cost_ratio:.3f}, v(k) measured in {dtype})",
+        "γ          " + " ".join(f"{g:>6}" for g in gammas),
+        "v(γ+1)     " + " ".join(f"{costs[g + 1]:>6.2f}" for g in gammas),
+        "speedup    " + " ".join(f"{predicted[g]:>5.2f}x" for g in gammas),
+        f"best γ {best} (predicted {predicted[best]:.2f}x)",
+    ])

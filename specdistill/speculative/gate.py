@@ -123,6 +123,23 @@ def _as_mapping(result: Any, what: str) -> Mapping:
     return data
 
 
+def _lossless_reason(r: Mapping) -> str:
+    """Why the lossless check holds or not, by the criterion the benchmark used (bench.py's docstring)."""
+    lossless, mismatches = r["lossless"], r.get("lossless_mismatches", "?")
+    if r.get("lossless_criterion") == "near-tie":  # reduced precision: judged against the fp32 target
+        dtype, tol = r.get("dtype", "reduced precision"), r.get("lossless_tolerance", "?")
+        if lossless is True:
+            return (f"no real mismatch in {dtype} ({r.get('lossless_exact', '?')} identical to target-only, "
+                    f"{r.get('lossless_near_ties', '?')} parting only at fp32 near-ties, max margin "
+                    f"{float(r.get('lossless_max_margin', 0.0)):.3f} <= {tol})")
+        if lossless is False:
+            return (f"{mismatches} outputs with a token the fp32 target trails by more than {tol} logits "
+                    f"(real mismatches, {dtype})")
+    return {True: "greedy output identical to target-only",
+            False: f"{mismatches} outputs differ from target-only",
+            None: "no lossless check in this result (sampling run)"}.get(lossless, f"lossless={lossless!r}")
+
+
 def evaluate(result: Any, config: GateConfig | None = None, champion: Any = None, *,
              baselines: Mapping[str, Any] | None = None, must_beat: Sequence[str] = ()) -> GateVerdict:
     """Judge a benchmark result (BenchResult or its dict); `champion` is the current champion's result.
@@ -136,10 +153,7 @@ def evaluate(result: Any, config: GateConfig | None = None, champion: Any = None
 
     if config.require_lossless:
         ok = r["lossless"] is True
-        why = {True: "greedy output identical to target-only",
-               False: f"{r.get('lossless_mismatches', '?')} outputs differ from target-only",
-               None: "no lossless check in this result (sampling run)"}.get(r["lossless"], f"lossless={r['lossless']!r}")
-        checks.append(Check("lossless", ok, r["lossless"], True, f"lossless: {why}"))
+        checks.append(Check("lossless", ok, r["lossless"], True, f"lossless: {_lossless_reason(r)}"))
 
     def at_least(name: str, key: str, threshold: float | None, fmt: str) -> None:
         if threshold is None:

@@ -20,7 +20,8 @@ engine under test, and every token after the divergence is checked, not only the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -125,3 +126,49 @@ def check_lossless(
         else:
             report.mismatches += 1
     return report
+
+
+def model_dtype(model: PreTrainedModel) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+def fp32_reference(target: PreTrainedModel) -> PreTrainedModel:
+    """A copy of the target computing in fp32: the weights it runs with, upcast (the same model,
+    without bf16's rounding of activations), for re-scoring outputs that differ."""
+    return copy.deepcopy(target).float().eval()
+
+
+def judge_lossless(target: PreTrainedModel, prompts: Sequence[Sequence[int]],
+                   pairs: Mapping[str, Sequence[Iterable[tuple[Sequence[int], Sequence[int]]]]],
+                   tolerance: float = DEFAULT_TOLERANCE) -> dict[str, LosslessReport]:
+    """The benchmark's verdict: one report per drafter, counting prompts, from `pairs[drafter][prompt]`,
+    the distinct (target-only, speculative) greedy outputs of that prompt over the repeats.
+
+    A prompt is a real mismatch if any of its pairs is one, else a near-tie if any is one, else
+    exact. A target in fp32 or wider is judged by exact equality; in reduced precision the fp32
+    reference (`fp32_reference`) is made at the first output that differs, once for all drafters."""
+    exact = torch.finfo(model_dtype(target)).bits >= 32
+    reference = None
+    reports = {}
+    for name, per_prompt in pairs.items():
+        report = LosslessReport("exact" if exact else "near-tie", 0.0 if exact else tolerance)
+        for i, seen in enumerate(per_prompt):
+            near_tie = mismatch = False
+            for base, spec in seen:
+                if first_divergence(base, spec) is None:
+                    continue
+                if not exact and reference is None:
+                    reference = fp32_reference(target)
+                one = check_lossless(reference, [prompts[i]], [base], [spec], exact=exact, tolerance=tolerance)
+                for d in one.divergences:
+                    d.prompt_index = i
+                report.divergences += one.divergences
+                mismatch |= one.mismatches > 0
+                if one.near_ties:
+                    near_tie = True
+                    report.max_near_tie_margin = max(report.max_near_tie_margin, one.max_near_tie_margin)
+            report.mismatches += mismatch
+            report.near_ties += near_tie and not mismatch
+            report.exact += not (near_tie or mismatch)
+        reports[name] = report
+    return reports
