@@ -45,3 +45,15 @@ def test_a_missing_verification_cost_is_named():
 def test_verify_costs_are_relative_to_one_token():
     costs = measure_verify_costs(make_tiny_llama(), ks=(1, 2, 4), context=16, repeats=3)
     assert set(costs) == {1, 2, 4} and costs[1] == 1.0 and all(v > 0 for v in costs.values())
+
+
+def test_monotone_costs_pool_noisy_dips_and_keep_a_rising_curve():
+    from specdistill.speculative.gamma import monotone_costs
+
+    rising = {1: 1.0, 2: 1.1, 3: 1.3}
+    assert monotone_costs(rising) == rising
+    pooled = monotone_costs({1: 1.0, 2: 1.3, 3: 1.1, 4: 1.5, 5: 1.6, 6: 1.2, 7: 1.9})
+    assert pooled == pytest.approx({1: 1.0, 2: 1.2, 3: 1.2, 4: 1.4333, 5: 1.4333, 6: 1.4333, 7: 1.9}, abs=1e-4)
+    noisy = monotone_costs({1: 1.0, 2: 1.05, 3: 0.97, 4: 1.19, 5: 0.96, 6: 0.69, 7: 1.02})  # a CPU bf16 run's medians
+    values = [noisy[k] for k in sorted(noisy)]
+    assert values == sorted(values) and min(values) > 0.69  # the dip at 6 no longer makes γ=5 look cheapest

@@ -11,10 +11,10 @@ Greedy runs double as the lossless check (docs/metrics.md, "Losslessness in redu
 fp32 (or wider) it is exact equality of speculative and target-only output. In bf16 a k-token
 verification and a 1-token step round differently, so the two may part at a numerical near-tie of
 the target without either being wrong: each output that differs is re-scored by an fp32 copy of the
-target (`speculative.lossless.check_lossless`, made only when some output differs) and counts as a
-near-tie divergence when every token from the divergence on is within `near_tie_tolerance` fp32
-logits of the target's top token, else as a real mismatch. `lossless` means no real mismatch; a
-prompt counts once, by the worst of its output pairs over the repeats.
+target (made only when some output differs; `speculative.lossless`) and counts as a near-tie
+divergence when every token from the divergence on is within `near_tie_tolerance` fp32 logits of
+the target's top token, else as a real mismatch. `lossless` means no real mismatch; a prompt counts
+once, by the worst of its output pairs over the repeats.
 """
 
 from __future__ import annotations
