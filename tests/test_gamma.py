@@ -57,3 +57,8 @@ def test_monotone_costs_pool_noisy_dips_and_keep_a_rising_curve():
     noisy = monotone_costs({1: 1.0, 2: 1.05, 3: 0.97, 4: 1.19, 5: 0.96, 6: 0.69, 7: 1.02})  # a CPU bf16 run's medians
     values = [noisy[k] for k in sorted(noisy)]
     assert values == sorted(values) and min(values) > 0.69  # the dip at 6 no longer makes γ=5 look cheapest
+
+
+def test_a_flat_curve_picks_the_shortest_draft_within_tolerance():
+    assert best_gamma({1: 1.20, 2: 1.40, 3: 1.43, 4: 1.44, 5: 1.44}) == 3
+    assert best_gamma({1: 1.20, 2: 1.40, 3: 1.43, 4: 1.44}, tolerance=0.0) == 4

@@ -46,7 +46,7 @@ def choose_serving(config: NightlyConfig, window: WindowDict, results: dict[str,
     from specdistill.pipeline.nightly import bench_prompts
     from specdistill.speculative import drafter_from_spec
     from specdistill.speculative.bench import BenchConfig, run_bench_many
-    from specdistill.speculative.gamma import best_gamma, measure_verify_costs, predict_speedups
+    from specdistill.speculative.gamma import speedup_curve
 
     b, s = config.bench, config.serving
     candidates = serving_candidates(results, verdict)
@@ -65,11 +65,9 @@ def choose_serving(config: NightlyConfig, window: WindowDict, results: dict[str,
     if not s.choose_gamma:
         return decision
 
-    verify_costs = measure_verify_costs(target.model, tuple(range(1, s.max_gamma + 2)))
-    cost = r.get("cost_ratio") or 0.0
-    predicted = predict_speedups(r["per_position_acceptance"], cost, verify_costs, range(1, s.max_gamma + 1))
-    best = best_gamma(predicted)
-    decision.update(predicted_speedups=predicted, verify_costs=verify_costs)
+    curve = speedup_curve(target.model, r["per_position_acceptance"], r.get("cost_ratio") or 0.0, range(1, s.max_gamma + 1))
+    predicted, best = curve["predicted_speedups"], curve["best_gamma"]
+    decision.update(predicted_speedups=predicted, verify_costs=curve["verify_costs"])
     if best == b.gamma:
         decision["gamma_note"] = f"γ={best} predicted best ({predicted[best]:.2f}x) and measured at {r['speedup']:.2f}x"
         return decision

@@ -82,9 +82,11 @@ def predict_speedups(per_position: Sequence[float], cost_ratio: float, verify_co
     return out
 
 
-def best_gamma(predicted: dict[int, float]) -> int:
-    """The γ with the highest predicted speedup; the smaller γ on a tie (cheaper when wrong)."""
-    return max(sorted(predicted), key=lambda g: (round(predicted[g], 6), -g))
+def best_gamma(predicted: dict[int, float], tolerance: float = 0.02) -> int:
+    """The smallest γ predicted within `tolerance` of the best speedup: on a flat curve a longer draft
+    gains nothing the prediction can resolve and costs more when acceptance drops."""
+    top = max(predicted.values())
+    return min(g for g, x in predicted.items() if x >= top * (1 - tolerance))
 
 
 def monotone_costs(costs: dict[int, float]) -> dict[int, float]:
