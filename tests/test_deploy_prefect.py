@@ -43,3 +43,11 @@ def test_target_register_event_runs_the_monitor_deployment(event_check):
 def test_the_check_scripts_parse():
     for script in ("prefect_lib.sh", "prefect_deploy_check.sh", "prefect_event_check.sh"):
         subprocess.run(["bash", "-n", str(REPO / "scripts" / script)], check=True)
+
+
+def test_the_monitor_configs_load():
+    from specdistill.pipeline.config import load_monitor_config
+
+    tiny = load_monitor_config(REPO / "deploy" / "monitor" / "tiny.yaml")
+    assert tiny.nightly.sources[0].path == "humaneval" and not tiny.nightly.bench.generic_draft
+    assert load_monitor_config(REPO / "deploy" / "monitor" / "monitor.yaml").threshold == tiny.threshold == 0.5
