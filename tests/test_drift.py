@@ -15,7 +15,7 @@ from specdistill.ops.drift import (
     load_update_meta,
     make_target_update,
 )
-from tests.conftest import save_tiny_target
+from tests.conftest import make_tiny_llama, save_tiny_target, train_bpe
 
 WORDS = ("QuantLib", "CalcBlackScholesVega")
 
@@ -60,7 +60,7 @@ def test_humaneval_file_errors_name_the_line(tmp_path):
 
 def test_target_update_trains_only_the_top_layers_and_is_a_new_version(tiny_base, tmp_path):
     out = make_target_update(str(tiny_base), tmp_path / "updated", domain_tokens=WORDS, top_layers=2, steps=3,
-                             lr=1e-2, max_len=96, examples=8, progress=False)
+                             lr=1e-2, max_len=512, examples=8, progress=False)
     base, new = load_model(tiny_base), load_model(out)
     assert new.fingerprint != base.fingerprint
     assert new.config.vocab_size == base.config.vocab_size + 2
@@ -76,3 +76,26 @@ def test_target_update_trains_only_the_top_layers_and_is_a_new_version(tiny_base
     assert meta["config"]["top_layers"] == 2 and len(meta["losses"]) == 3
     assert all(math.isfinite(loss) and loss < 50 for loss in meta["losses"])
     assert json.loads((out / "config.json").read_text())["vocab_size"] == new.config.vocab_size
+
+
+def test_the_update_loss_is_masked_to_the_assistant_turns():
+    from specdistill.ops.drift import _encode_batch, assistant_loss
+
+    tok = train_bpe(300)
+    tok.chat_template += "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"  # as real templates do
+    chats = [[{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "return a + b"}],
+             [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"},
+              {"role": "assistant", "content": "hello world"}, {"role": "user", "content": "the quick brown fox"},
+              {"role": "assistant", "content": "jumps over the lazy dog"}]]
+    input_ids, labels = _encode_batch(tok, chats, max_len=200)
+    for row, chat in zip(range(len(chats)), chats):
+        labelled = labels[row][labels[row] != -100].tolist()
+        answers = [m["content"] for m in chat if m["role"] == "assistant"]
+        # exactly the answers and their end tokens carry a label; system, user, headers and padding do not
+        assert tok.decode(labelled) == "".join(a + "<|im_end|>" for a in answers)
+        assert torch.equal(labels[row][labels[row] != -100], input_ids[row][labels[row] != -100])
+    # what the user says moves no loss: the same answers after other prompts score the same
+    model = make_tiny_llama(vocab_size=len(tok))
+    other = [[{**m, "content": "def f(x): return x" if m["role"] == "user" else m["content"]} for m in c] for c in chats]
+    assert (labels != -100).sum() == (_encode_batch(tok, other, max_len=200)[1] != -100).sum()
+    assert assistant_loss(model, tok, chats[:1]) > 0

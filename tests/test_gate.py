@@ -93,3 +93,23 @@ def test_promotion_needs_a_pass_and_a_better_tau_than_the_champion():
     assert failed["beats_champion"] and not failed["promote"]
     assert not any("champion stays" in r for r in failed["reasons"])
     assert set(same) == {"passed", "checks", "reasons", "failures", "beats_champion", "promote"}
+
+
+def test_promotion_needs_a_tau_gain_of_at_least_the_margin():
+    champion = result(tau=1.33)
+    small = evaluate(result(tau=1.34), GateConfig(), champion=champion)  # default margin 0.02
+    assert small.passed and not small.beats_champion and not small.promote
+    assert small.reasons[-1] == ("accepted length 1.34 does not beat the champion's 1.33 (gain +0.010, promotion "
+                                 "margin min_accepted_length_gain 0.020): the champion stays")
+    big = evaluate(result(tau=1.36), GateConfig(), champion=champion)
+    assert big.promote and "promotion margin min_accepted_length_gain 0.020" in big.reasons[-1]
+    assert big.reasons[-1].endswith("the challenger replaces it")
+    assert evaluate(result(tau=1.35), GateConfig(), champion=champion).promote  # exactly the margin is enough
+    wider = gate_config(min_accepted_length_gain=0.05)
+    assert not evaluate(result(tau=1.36), wider, champion=champion).promote
+    assert "margin min_accepted_length_gain 0.050" in evaluate(result(tau=1.36), wider, champion=champion).reasons[-1]
+    no_margin = GateConfig(min_accepted_length_gain=0.0)
+    assert evaluate(result(tau=1.34), no_margin, champion=champion).promote
+    assert not evaluate(result(tau=1.33), no_margin, champion=champion).promote  # equal never replaces it
+    with pytest.raises(ValueError, match="min_accepted_length_gain"):
+        evaluate(result(), GateConfig(min_accepted_length_gain=-0.1), champion=champion)

@@ -59,6 +59,11 @@ def test_gate_promotes_only_a_real_improvement():
     assert better["passed"] and better["promote"]
     same = pipeline.gate(cfg, _result(0.6, 2.5), _result(0.6, 2.5))
     assert same["passed"] and not same["promote"] and any("champion stays" in r for r in same["reasons"])
+    noise = pipeline.gate(cfg, _result(0.61, 2.51), _result(0.6, 2.5))  # below the default margin, 0.02
+    assert noise["passed"] and not noise["promote"] and "min_accepted_length_gain 0.020" in noise["reasons"][-1]
+    wide = load_nightly_config(None, ["gate.overrides={min_accepted_length_gain: 0.2}", "gate.must_beat=[]"])
+    widened = pipeline.gate(wide, _result(0.62, 2.6), _result(0.6, 2.5))
+    assert widened["passed"] and not widened["promote"]
     low = pipeline.gate(cfg, _result(0.3, 1.9), None)
     assert not low["passed"] and not low["promote"]
     lossy = pipeline.gate(cfg, _result(0.9, 4.0, lossless=False), None)

@@ -83,6 +83,6 @@ def register(sub: Subcommands) -> None:
     p.add_argument("--base", default="demo")
     p.add_argument("--out", default=None, help="default: $SPECDISTILL_HOME/targets/demo-update")
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=None, help="default: the measured one (specdistill.ops.drift)")
     p.add_argument("--top-layers", type=int, default=4)
     add_threads(p)

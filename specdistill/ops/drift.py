@@ -2,9 +2,17 @@
 
 The update does what real target updates do to a draft: it adds domain words to the tokenizer as
 single tokens (`QuantLib`, `CalcBlackScholesVega`, ...) and fine-tunes the top decoder layers on a
-new domain (HumanEval code, answered as chat, with the domain words woven into the code). The
-champion draft was distilled against the old target, so its acceptance against the new one drops,
-and its vocabulary no longer covers the target's: both are what the monitor must notice.
+new domain (HumanEval code, answered as chat, with the domain words woven into the code), with the
+loss on the assistant turns only: the update changes how the target answers, not how it reads
+prompts. The champion draft was distilled against the old target, so its acceptance against the new
+one drops, and its vocabulary no longer covers the target's: both are what the monitor must notice.
+
+The default learning rate is measured (benchmarks/drift_acceptance.py, 30 steps on the demo target,
+the 28-layer champion of tests/test_monitor_flow.py, bf16, γ=4): the smallest lr of 1e-4, 2e-4,
+3e-4, 1e-3 that takes the champion's acceptance below the red line (0.577 -> 0.275 at 2e-4) while
+the updated target stays a good model: its loss on held-out ShareGPT answers (chat it never trained
+on) rises by at most 0.1 nats/token (1.563 -> 1.655 at 2e-4; 3e-4 adds 0.156, and 1e-3 adds 0.266
+and repeats its import lines).
 
 Only the top `top_layers` decoder layers and the new tokens' rows train; the new rows start as the
 mean of the rows of the pieces the old tokenizer split each word into. Embeddings are read without
@@ -34,9 +42,9 @@ class TargetUpdateConfig:
     domain_tokens: tuple[str, ...] = DEFAULT_DOMAIN_TOKENS
     top_layers: int = 4
     steps: int = 30
-    lr: float = 1e-3
+    lr: float = 2e-4  # measured: see the module docstring
     batch_size: int = 1
-    max_len: int = 160
+    max_len: int = 320  # the prompt and the first answer tokens (HumanEval prompts run ~175 tokens)
     seed: int = 0
     examples: int | None = None  # HumanEval problems to train on (None: all 164)
 
@@ -116,29 +124,63 @@ def add_domain_tokens(model, tokenizer, domain_tokens: tuple[str, ...]) -> dict[
 
 
 def _encode_batch(tokenizer, chats: list[list[dict]], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = []
-    for chat in chats:
-        ids = tokenizer.apply_chat_template(chat, tokenize=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)[:max_len]
-        rows.append(ids)
-    width = max(len(r) for r in rows)
+    """(input_ids, labels): labels are the assistant tokens (`datagen.encode_conversation`'s mask,
+    content and end token) and -100 everywhere else (system and user turns, template headers, padding)."""
+    from specdistill.distill.datagen import encode_conversation
+
+    rows = [encode_conversation(tokenizer, chat, max_len) for chat in chats]
+    width = max(len(r.input_ids) for r in rows)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
     labels = torch.full((len(rows), width), -100, dtype=torch.long)
     for i, r in enumerate(rows):
-        input_ids[i, : len(r)] = torch.tensor(r)
-        labels[i, : len(r)] = torch.tensor(r)
+        ids = torch.tensor(r.input_ids)
+        input_ids[i, : len(ids)] = ids
+        labels[i, : len(ids)] = torch.where(torch.tensor(r.assistant_mask), ids, torch.tensor(-100))
     return input_ids, labels
+
+
+def trainable_chats(tokenizer, chats: list[list[dict]], max_len: int, min_answer_tokens: int = 16) -> list[list[dict]]:
+    """The chats that keep at least `min_answer_tokens` assistant tokens within `max_len`: a chat
+    whose prompt alone fills the window would train nothing."""
+    from specdistill.distill.datagen import encode_conversation
+
+    kept = [c for c in chats if sum(encode_conversation(tokenizer, c, max_len).assistant_mask) >= min_answer_tokens]
+    if not kept:
+        raise ValueError(f"no chat has {min_answer_tokens} assistant tokens within max_len={max_len}")
+    return kept
+
+
+def assistant_loss(model, tokenizer, chats: list[list[dict]], max_len: int = 256) -> float:
+    """Mean next-token loss (nats) on the assistant tokens of `chats`, one chat at a time: how well
+    a model predicts answers (the drift benchmark's held-out fluency check on ShareGPT chat)."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for chat in chats:
+            input_ids, labels = _encode_batch(tokenizer, [chat], max_len)
+            logits = model(input_ids=input_ids).logits[:, :-1].float()
+            targets = labels[:, 1:]
+            n = int((targets != -100).sum())
+            if n:
+                total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                                           ignore_index=-100, reduction="sum").item()
+                count += n
+    if not count:
+        raise ValueError("no assistant tokens to score")
+    return total / count
 
 
 def finetune_top_layers(model, tokenizer, chats: list[list[dict]], new_token_ids: list[int],
                         config: TargetUpdateConfig, progress: bool = True) -> list[float]:
-    """Next-token loss on the chats; only the top layers and the new tokens' (output) rows learn.
+    """Next-token loss on the chats' assistant tokens only (the answers: what a target update changes
+    is how the target answers, not how it reads prompts); only the top layers and the new tokens'
+    (output) rows learn. Chats whose prompt leaves fewer than 16 answer tokens within `max_len` are skipped.
 
-    The head is split into the frozen old rows and a small trainable block of new rows, so the
+    The head is applied at the answer positions only, and split into the frozen old rows and a small trainable block of new rows, so the
     backward pass never forms a gradient for the whole 49k-row head."""
     from tqdm import tqdm
 
+    chats = trainable_chats(tokenizer, chats, config.max_len)
     n_layers = model.config.num_hidden_layers
     if not 1 <= config.top_layers <= n_layers:
         raise ValueError(f"top_layers must be in 1..{n_layers}, got {config.top_layers}")
@@ -167,10 +209,12 @@ def finetune_top_layers(model, tokenizer, chats: list[list[dict]], new_token_ids
         input_ids, labels = _encode_batch(tokenizer, batch, config.max_len)
         with torch.no_grad():
             inputs_embeds = embed(input_ids)
-        hidden = model.model(inputs_embeds=inputs_embeds).last_hidden_state[:, :-1]
+        targets = labels[:, 1:]
+        answer = targets != -100
+        hidden = model.model(inputs_embeds=inputs_embeds).last_hidden_state[:, :-1][answer]
         logits = torch.cat([torch.nn.functional.linear(hidden, head.detach()[:n_old]),
                             torch.nn.functional.linear(hidden, new_rows)], dim=-1)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        loss = torch.nn.functional.cross_entropy(logits, targets[answer])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([*trained, new_rows], 1.0)
@@ -192,9 +236,9 @@ def make_target_update(
     domain_tokens: tuple[str, ...] = DEFAULT_DOMAIN_TOKENS,
     top_layers: int = 4,
     steps: int = 30,
-    lr: float = 1e-3,
+    lr: float | None = None,
     batch_size: int = 1,
-    max_len: int = 160,
+    max_len: int = 320,
     seed: int = 0,
     examples: int | None = None,
     humaneval: str | Path | None = None,
@@ -204,6 +248,7 @@ def make_target_update(
     from specdistill import paths
     from specdistill.modeling.models import load_model
 
+    lr = TargetUpdateConfig.lr if lr is None else lr
     config = TargetUpdateConfig(tuple(domain_tokens), top_layers, steps, lr, batch_size, max_len, seed, examples)
     out_dir = Path(out_dir) if out_dir else paths.home() / "targets" / "demo-update"
     torch.manual_seed(seed)

@@ -64,7 +64,8 @@ class BenchSettings(Strict):
 
 class GateSettings(Strict):
     """The draft gate decides the `champion` alias: lossless, α ≥ the red line, better than the
-    champion and than the `must_beat` baselines. Its speedup bar is off by default: speed on the
+    champion (τ up by at least `min_accepted_length_gain`, 0.02 unless overridden here) and than
+    the `must_beat` baselines. Its speedup bar is off by default: speed on the
     measuring hardware is the serving choice's job (`ServingSettings`), and a draft slower than
     n-gram on a 2-core CPU can still be the best draft for a GPU."""
 

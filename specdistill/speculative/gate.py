@@ -5,7 +5,8 @@ Defaults are the bar for "worth serving on this hardware": lossless, α ≥ 0.5,
 τ no worse than the champion's beyond a tolerance. The production profile adds the usual bar for
 going live: τ ≥ 3 and speedup ≥ 1.5. A challenger can also be required to beat named baselines
 on the same prompts (`must_beat`: its acceptance rate above theirs). It is promoted only when it
-passes and its τ beats the champion's.
+passes and its τ beats the champion's by at least `min_accepted_length_gain` (a real improvement,
+not measurement noise: τ 1.34 against 1.33 keeps the champion).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class GateConfig:
     min_speedup: float | None = 1.0
     min_accepted_length: float | None = None
     max_accepted_length_drop: float = 0.05  # challenger τ may trail the champion's by at most this (absolute)
+    min_accepted_length_gain: float = 0.02  # promotion: challenger τ must exceed the champion's by at least this
 
 
 PROFILES: dict[str, GateConfig] = {
@@ -71,17 +73,27 @@ class VerdictDict(TypedDict):
 
 @dataclass
 class GateVerdict:
-    """`passed`: every check holds. `promote`: passed and better than the champion (τ strictly
-    above its τ; no champion counts as beaten). A pass that does not beat the champion keeps it."""
+    """`passed`: every check holds. `promote`: passed and better than the champion (τ above its τ
+    by at least `min_accepted_length_gain`, and strictly above; no champion counts as beaten). A
+    pass that does not beat the champion keeps it."""
 
     passed: bool
     checks: list[Check] = field(default_factory=list)
     champion_accepted_length: float | None = None
     accepted_length: float | None = None
+    min_accepted_length_gain: float = 0.0
+
+    @property
+    def accepted_length_gain(self) -> float | None:
+        if self.champion_accepted_length is None:
+            return None
+        return self.accepted_length - self.champion_accepted_length
 
     @property
     def beats_champion(self) -> bool:
-        return self.champion_accepted_length is None or self.accepted_length > self.champion_accepted_length
+        gain = self.accepted_length_gain
+        # the tolerance keeps a gain of exactly the margin (τ 1.35 against 1.33, margin 0.02) a promotion
+        return gain is None or (gain > 0 and gain >= self.min_accepted_length_gain - 1e-9)
 
     @property
     def promote(self) -> bool:
@@ -90,9 +102,15 @@ class GateVerdict:
     @property
     def reasons(self) -> list[str]:
         reasons = [c.reason for c in self.checks]
-        if self.passed and not self.beats_champion:
-            reasons.append(f"accepted length {self.accepted_length:.2f} does not beat the champion's "
-                           f"{self.champion_accepted_length:.2f}: the champion stays")
+        if self.passed and self.champion_accepted_length is not None:
+            margin = (f"gain {self.accepted_length_gain:+.3f}, promotion margin "
+                      f"min_accepted_length_gain {self.min_accepted_length_gain:.3f}")
+            if self.beats_champion:
+                reasons.append(f"accepted length {self.accepted_length:.2f} beats the champion's "
+                               f"{self.champion_accepted_length:.2f} ({margin}): the challenger replaces it")
+            else:
+                reasons.append(f"accepted length {self.accepted_length:.2f} does not beat the champion's "
+                               f"{self.champion_accepted_length:.2f} ({margin}): the champion stays")
         return reasons
 
     @property
@@ -148,6 +166,8 @@ def evaluate(result: Any, config: GateConfig | None = None, champion: Any = None
     rate the challenger must exceed; a named baseline that was not run this time sets no bar.
     """
     config = config or GateConfig()
+    if config.min_accepted_length_gain < 0:
+        raise ValueError(f"min_accepted_length_gain must be >= 0, got {config.min_accepted_length_gain}")
     r = _as_mapping(result, "challenger")
     checks: list[Check] = []
 
@@ -187,4 +207,5 @@ def evaluate(result: Any, config: GateConfig | None = None, champion: Any = None
                             f"acceptance rate {mine:.3f} {'>' if ok else '<='} {name} {theirs:.3f}"))
 
     return GateVerdict(all(c.passed for c in checks), checks, champion_accepted_length=champion_tau,
-                       accepted_length=float(r["accepted_length"]))
+                       accepted_length=float(r["accepted_length"]),
+                       min_accepted_length_gain=config.min_accepted_length_gain)
