@@ -85,7 +85,7 @@ def fake_nightly(monkeypatch):
 
     def nightly(config_path=None, overrides=None):
         calls.append((config_path, list(overrides)))
-        return {"report": "| drafter |\nregistered: `draft` version 3 (alias `challenger`)\nchampion and serving config unchanged",
+        return {"report": "| drafter |\nregistered: `draft` version 3 (alias `challenger`)\nchampion unchanged",
                 "promoted": None, "registered": {"name": "draft", "version": "3"}}
 
     monkeypatch.setitem(sys.modules, "flows.nightly", types.SimpleNamespace(nightly=nightly))
@@ -104,7 +104,7 @@ def test_demo_and_pipeline_run_are_one_path(fake_nightly, capsys, argv, override
     assert fake_nightly == [(None, overrides)]
     out = capsys.readouterr().out
     assert out.count("registered: `draft` version 3") == 1  # the report, once
-    assert out.rstrip().endswith("serving.json (unchanged)")
+    assert out.rstrip().endswith("serving.json")
 
 
 @pytest.mark.parametrize("argv", [["demo", "--json", "train.max_minutes=2"], ["demo", "train.max_minutes=2", "--json"],

@@ -54,8 +54,9 @@ def choose_serving(config: NightlyConfig, window: WindowDict, results: dict[str,
                            for name, r in candidates.items()], s.margin)
     target = load_model(config.target, dtype=config.dtype)
     measured_on = f"PyTorch harness, {dtype_name(target.model.dtype)}"
+    measured = {name: r["speedup"] for name, r in results.items()}  # every mode measured, served or not
     decision = ServingDecision(mode=choice.mode, name=None, spec=None, gamma=b.gamma, speedup=1.0, reason=choice.reason,
-                               measured=choice.speedups, measured_on=measured_on, predicted_speedups={},
+                               measured=measured, measured_on=measured_on, predicted_speedups={},
                                verify_costs={}, gamma_note="")
     if choice.candidate is None:
         return decision
