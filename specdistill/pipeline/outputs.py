@@ -8,8 +8,12 @@ The gate's verdict is `speculative.gate.VerdictDict`, next to the gate that prod
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from typing import TypedDict
 
+from specdistill.ops.monitor import FallbackCandidate
+from specdistill.speculative.bench import BenchResult, SliceResult
 from specdistill.speculative.gate import VerdictDict  # noqa: F401  (a stage output: the gate's verdict)
 
 # --------------------------------------------------------------------------------------------
@@ -98,49 +102,16 @@ class Trained(_TrainedOptional):
     draft_dir: str
 
 
-class SliceDict(TypedDict):
-    """`speculative.bench.SliceResult`."""
-
-    name: str
-    requests: int
-    acceptance_rate: float
-    accepted_length: float
-    tokens_per_second_target_only: float
-    tokens_per_second_speculative: float
-    speedup: float
+def mirror(cls: type, name: str, **extra: type) -> type:
+    """A TypedDict with exactly the fields of dataclass `cls` (plus `extra`): the keys have one home,
+    the dataclass, and a stage output can never drift from what `to_dict()` produces."""
+    hints = typing.get_type_hints(cls)
+    return TypedDict(name, {f.name: hints[f.name] for f in dataclasses.fields(cls)} | extra)
 
 
-class BenchEntry(TypedDict):
-    """`speculative.bench.BenchResult.to_dict()` plus the drafter spec it was run with."""
-
-    drafter: str
-    gamma: int
-    max_new_tokens: int
-    repeats: int
-    greedy: bool
-    lossless: bool | None
-    lossless_mismatches: int
-    acceptance_rate: float
-    accepted_length: float
-    per_position_acceptance: list[float]
-    request_acceptance_p10: float
-    request_acceptance_p50: float
-    request_acceptance_p90: float
-    tokens_per_second_target_only: float
-    tokens_per_second_speculative: float
-    speedup: float
-    cost_ratio: float | None
-    ideal_speedup: float | None
-    slices: list[SliceDict]
-    stats: dict
-    threads: int
-    dtype: str
-    lossless_criterion: str | None
-    lossless_exact: int
-    lossless_near_ties: int
-    lossless_max_margin: float
-    lossless_tolerance: float
-    spec: str  # draft:DIR, self_spec:K or ngram
+SliceDict = mirror(SliceResult, "SliceDict")  # `speculative.bench.SliceResult`
+# `speculative.bench.BenchResult.to_dict()` plus the drafter spec it was run with (draft:DIR, self_spec:K, ngram)
+BenchEntry = mirror(BenchResult, "BenchEntry", spec=str)
 
 
 class Registered(TypedDict):
@@ -237,18 +208,7 @@ class LiveSampleDict(TypedDict):
 Sample = ReplaySample | LiveSampleDict
 
 
-class FallbackCandidateDict(TypedDict):
-    """`ops.monitor.FallbackCandidate`."""
-
-    mode: str
-    exit_layer: int | None
-    speedup: float
-    acceptance_rate: float
-    accepted_length: float
-    tokens_per_second: float
-    tokens_per_second_target_only: float
-    generated_tokens: int
-    lossless: bool | None
+FallbackCandidateDict = mirror(FallbackCandidate, "FallbackCandidateDict")  # `ops.monitor.FallbackCandidate`
 
 
 class FallbackChoice(TypedDict):
