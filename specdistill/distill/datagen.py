@@ -47,11 +47,6 @@ class Example:
     assistant_mask: list[bool]  # assistant_mask[t]: token t was written by the assistant
 
 
-# The prompt encoding every stage shares (see data/prompts.py); `prompt_ids` is the name
-# benchmarks/distill_budget.py still imports.
-prompt_ids = encode_chat
-
-
 def encode_conversation(tokenizer: PreTrainedTokenizerBase, messages: Sequence, max_len: int | None = None) -> Example:
     """Chat-template a whole conversation and mark every assistant turn (its content and end token).
 
