@@ -28,7 +28,7 @@ from specdistill.ops.monitor import (
 from specdistill.ops.serving import ServingConfig, write_serving_config
 from specdistill.speculative import ModelDrafter, SelfSpecDrafter, generate
 from specdistill.speculative.bench import Prompt
-from tests.conftest import make_tiny_llama, train_bpe
+from tests.conftest import make_tiny_llama, save_tiny_target
 
 PROMPTS = ["hello world, the quick brown fox", "def add(a, b):", "speculative decoding drafts tokens",
            "import torch as tt", "the lazy dog jumps", "print the ones"]
@@ -36,11 +36,7 @@ PROMPTS = ["hello world, the quick brown fox", "def add(a, b):", "speculative de
 
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory):
-    path = tmp_path_factory.mktemp("target")
-    tok = train_bpe(300)
-    make_tiny_llama(vocab_size=len(tok), layers=4, seed=0, tie=False).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_tiny_target(tmp_path_factory.mktemp("target"), tie=False)
 
 
 def fill_store(store: LogStore, prompts=PROMPTS) -> None:

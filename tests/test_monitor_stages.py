@@ -13,18 +13,14 @@ from specdistill.modeling.models import load_model
 from specdistill.ops.serving import read_serving_config
 from specdistill.pipeline import monitor as mc
 from specdistill.pipeline.config import MonitorConfig, load_nightly_config
-from tests.conftest import make_tiny_llama, train_bpe
+from tests.conftest import save_tiny_target
 
 UPDATED_AT = "2024-06-01T00:00:00+00:00"
 
 
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory):
-    path = tmp_path_factory.mktemp("target")
-    tok = train_bpe(300)
-    make_tiny_llama(vocab_size=len(tok), layers=4, seed=0, tie=False).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_tiny_target(tmp_path_factory.mktemp("target"), tie=False)
 
 
 def _store(tmp_path, created: list[float], prompts: list[str] | None = None) -> str:
