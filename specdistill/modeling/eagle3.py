@@ -1,0 +1,336 @@
+"""EAGLE-3 draft head: one decoder layer that drafts from the target's own features.
+
+Entry t of the head's sequence pairs the target's features at position t (the inputs of three of
+its decoder layers, low/mid/high, concatenated and projected by `fc`) with the embedding of token
+t+1, and predicts token t+2. Later draft steps feed the head's own pre-norm output back in place of
+`fc(features)`. Training unrolls those later steps on the training data ("training-time test") so
+that they see at training time the inputs they see when drafting.
+
+Parameter names follow the layout vLLM and SGLang load (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`,
+`t2d`); the token embeddings are the target's own, frozen and not part of the head's weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig, PreTrainedModel
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from specdistill.modeling.vocab import DraftVocab
+
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+class Eagle3ShapeError(ValueError):
+    """The head and the target it is paired with do not fit (layers, widths, vocabulary)."""
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """Low, mid and high feature layers as vLLM and SGLang capture them for an N-layer target."""
+    if num_layers < 4:
+        raise Eagle3ShapeError(f"an EAGLE-3 head needs a target of at least 4 layers, this one has {num_layers}")
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def eagle3_config(target_config, draft_vocab_size: int, aux_layers: list[int] | None = None) -> LlamaConfig:
+    """The head's config: the target's attention and MLP shapes for one layer, plus the EAGLE-3 fields."""
+    n = target_config.num_hidden_layers
+    aux_layers = list(aux_layers) if aux_layers is not None else default_aux_layers(n)
+    if len(aux_layers) != 3 or not all(0 <= i < n for i in aux_layers):
+        raise Eagle3ShapeError(f"feature layers must be three layer indices in 0..{n - 1}, got {aux_layers}")
+    if not 1 <= draft_vocab_size <= target_config.vocab_size:
+        raise Eagle3ShapeError(f"draft vocabulary of {draft_vocab_size} does not fit a target vocabulary of {target_config.vocab_size}")
+    head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // target_config.num_attention_heads
+    rope = getattr(target_config, "rope_parameters", None) or {
+        "rope_type": "default",
+        "rope_theta": getattr(target_config, "rope_theta", 10000.0),
+    }
+    config = LlamaConfig(
+        vocab_size=target_config.vocab_size,
+        hidden_size=target_config.hidden_size,
+        intermediate_size=target_config.intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=target_config.num_attention_heads,
+        num_key_value_heads=target_config.num_key_value_heads,
+        head_dim=head_dim,
+        hidden_act=getattr(target_config, "hidden_act", "silu"),
+        max_position_embeddings=target_config.max_position_embeddings,
+        rms_norm_eps=target_config.rms_norm_eps,
+        rope_parameters=dict(rope),
+        tie_word_embeddings=False,
+        bos_token_id=getattr(target_config, "bos_token_id", None),
+        eos_token_id=getattr(target_config, "eos_token_id", None),
+        pad_token_id=getattr(target_config, "pad_token_id", None),
+    )
+    config.architectures = [EAGLE3_ARCHITECTURE]
+    config.draft_vocab_size = draft_vocab_size
+    config.target_hidden_size = target_config.hidden_size
+    config.eagle_config = {"eagle_aux_hidden_state_layer_ids": aux_layers, "use_aux_hidden_state": True}
+    return config
+
+
+def aux_layers_of(config: LlamaConfig) -> list[int]:
+    return list(config.eagle_config["eagle_aux_hidden_state_layer_ids"])
+
+
+@dataclass
+class Eagle3Cache:
+    """The head's own KV cache for one sequence: keys and values [1, kv_heads, length, head_dim]."""
+
+    key: torch.Tensor | None = None
+    value: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.key is None else self.key.shape[2]
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.key = key if self.key is None else torch.cat([self.key, key], dim=2)
+        self.value = value if self.value is None else torch.cat([self.value, value], dim=2)
+        return self.key, self.value
+
+    def crop(self, length: int) -> None:
+        if self.key is not None and length < self.length:
+            self.key, self.value = self.key[:, :, :length], self.value[:, :, :length]
+
+
+class Eagle3Attention(nn.Module):
+    """Llama attention whose q/k/v read the 2H-wide [token embedding ; feature] input."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        width = 2 * config.hidden_size
+        self.q_proj = nn.Linear(width, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def out(self, attn: torch.Tensor) -> torch.Tensor:
+        b, _, t, _ = attn.shape
+        return self.o_proj(attn.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+    def expand(self, kv: torch.Tensor) -> torch.Tensor:
+        """Grouped-query attention: repeat each key/value head for the query heads that share it."""
+        return kv.repeat_interleave(self.heads // self.kv_heads, dim=1)
+
+
+class Eagle3Layer(nn.Module):
+    """The `midlayer`: a Llama decoder layer with a second input norm for the feature stream."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = Eagle3Attention(config)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def attn_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+
+    def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + attn_out
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle3Draft(nn.Module):
+    """The head. `forward` drafts with a KV cache; `unroll` is the training-time-test pass."""
+
+    def __init__(self, config: LlamaConfig, embed_tokens: nn.Embedding):
+        super().__init__()
+        if embed_tokens.weight.shape != (config.vocab_size, config.hidden_size):
+            raise Eagle3ShapeError(
+                f"token embeddings of shape {tuple(embed_tokens.weight.shape)} do not fit a head for "
+                f"vocabulary {config.vocab_size} and width {config.hidden_size}"
+            )
+        self.config = config
+        self.embed_tokens = embed_tokens
+        self.embed_tokens.requires_grad_(False)
+        self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(config)
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+
+    @property
+    def aux_layers(self) -> list[int]:
+        return aux_layers_of(self.config)
+
+    @property
+    def draft_vocab(self) -> DraftVocab:
+        return DraftVocab(self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device), self.config.vocab_size)
+
+    def set_draft_vocab(self, vocab: DraftVocab) -> None:
+        if vocab.size != self.config.draft_vocab_size or vocab.target_vocab_size != self.config.vocab_size:
+            raise Eagle3ShapeError(
+                f"draft vocabulary of {vocab.size} tokens over {vocab.target_vocab_size} does not fit a head "
+                f"of {self.config.draft_vocab_size} over {self.config.vocab_size}"
+            )
+        self.d2t.copy_(vocab.d2t)
+        self.t2d.copy_(vocab.t2d)
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """fc over the concatenated target features [..., 3·H_target] -> [..., H]."""
+        return self.fc(features.to(self.fc.weight.dtype))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary from the head's pre-norm hidden state."""
+        return self.lm_head(self.norm(hidden))
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, cache: Eagle3Cache) -> torch.Tensor:
+        """One drafting call on a single sequence: input_ids [1, T], hidden [1, T, H] (projected
+        features or the head's own earlier outputs), positions [1, T] following the cache's entries.
+        Appends T entries to `cache`; returns the pre-norm hidden state [1, T, H]."""
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        cos, sin = self.rotary_emb(hidden, position_ids)
+        attn = self.midlayer.self_attn
+        q, k, v = attn.qkv(self.midlayer.attn_input(embeds, hidden), cos, sin)
+        past = cache.length
+        keys, values = cache.append(k, v)
+        t = q.shape[2]
+        mask = torch.arange(keys.shape[2]) <= (past + torch.arange(t)).unsqueeze(1)  # [T, past + T]
+        out = F.scaled_dot_product_attention(q, attn.expand(keys), attn.expand(values), attn_mask=mask)
+        return self.midlayer.finish(hidden, attn.out(out))
+
+    def unroll(self, next_ids: torch.Tensor, features: torch.Tensor, steps: int, valid: torch.Tensor) -> list[torch.Tensor]:
+        """Training-time test over a batch: `features` [B, T, 3·H_target] are the target's at
+        positions t, `next_ids` [B, T] the tokens t+1, `valid` [B, T] marks real positions.
+
+        Step j (0-based) at position t drafts token t+2+j, as the j-th draft of a round that started
+        after position t: it reads token t+1+j and the previous step's output at t, and attends to
+        step 0's entries at positions <= t plus its own and earlier steps' entries at t (the entries
+        a drafting KV cache would hold). Returns one logits tensor [B, T, draft_vocab] per step.
+        """
+        b, t = next_ids.shape
+        positions = torch.arange(t, device=next_ids.device).expand(b, t)
+        hidden = self.project(features)
+        attn, layer = self.midlayer.self_attn, self.midlayer
+        causal = torch.ones(t, t, dtype=torch.bool, device=next_ids.device).tril()
+        key_mask = causal & valid[:, None, None, :]  # [B, 1, T, T]
+        scale = attn.head_dim**-0.5
+        keys0 = values0 = None
+        diag_keys: list[torch.Tensor] = []
+        diag_values: list[torch.Tensor] = []
+        out = []
+        for j in range(steps):
+            ids = F.pad(next_ids[:, j:], (0, j), value=0)
+            embeds = self.embed_tokens(ids).to(hidden.dtype)
+            cos, sin = self.rotary_emb(hidden, positions + j)
+            q, k, v = attn.qkv(layer.attn_input(embeds, hidden), cos, sin)
+            k, v = attn.expand(k), attn.expand(v)
+            if j == 0:
+                keys0, values0 = k, v
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
+            else:
+                diag_keys.append(k)
+                diag_values.append(v)
+                scores = (q @ keys0.transpose(-1, -2)) * scale
+                scores = scores.masked_fill(~key_mask, float("-inf"))
+                diag = torch.stack([(q * dk).sum(-1) for dk in diag_keys], dim=-1) * scale  # [B, h, T, j]
+                weights = torch.softmax(torch.cat([scores, diag], dim=-1), dim=-1)
+                o = weights[..., :t] @ values0
+                o = o + sum(weights[..., t + i, None] * dv for i, dv in enumerate(diag_values))
+            hidden = layer.finish(hidden, attn.out(o))
+            out.append(self.logits(hidden))
+        return out
+
+
+@torch.no_grad()
+def init_eagle3_from_target(target: PreTrainedModel, draft_vocab: DraftVocab, aux_layers: list[int] | None = None) -> Eagle3Draft:
+    """An untrained head started from the target's weights where the shapes fit.
+
+    The midlayer takes the target's top layer (norms, MLP, o_proj, and the q/k/v half that reads the
+    feature) and its first layer's q/k/v for the half that reads the token embedding; fc starts as
+    the identity on the high feature layer; `norm` and `lm_head` are the target's final norm and its
+    head rows for the draft vocabulary. Training moves it from there.
+    """
+    config = eagle3_config(target.config, draft_vocab.size, aux_layers)
+    head = Eagle3Draft(config, target.get_input_embeddings())
+    dtype = next(target.parameters()).dtype
+    top, first = target.model.layers[-1], target.model.layers[0]
+    h = config.hidden_size
+    layer = head.midlayer
+    for name in ("q_proj", "k_proj", "v_proj"):
+        w = getattr(layer.self_attn, name).weight
+        w[:, :h] = getattr(first.self_attn, name).weight
+        w[:, h:] = getattr(top.self_attn, name).weight
+    layer.self_attn.o_proj.weight.copy_(top.self_attn.o_proj.weight)
+    layer.input_layernorm.weight.copy_(first.input_layernorm.weight)
+    layer.hidden_norm.weight.copy_(top.input_layernorm.weight)
+    layer.post_attention_layernorm.weight.copy_(top.post_attention_layernorm.weight)
+    layer.mlp.load_state_dict(top.mlp.state_dict())
+    head.fc.weight.zero_()
+    head.fc.weight[:, 2 * h :] = torch.eye(h)
+    head.norm.weight.copy_(target.model.norm.weight)
+    head.lm_head.weight.copy_(target.get_output_embeddings().weight.index_select(0, draft_vocab.token_ids))
+    head.set_draft_vocab(draft_vocab)
+    return head.to(dtype)
+
+
+def check_head_fits(head: Eagle3Draft, target: PreTrainedModel) -> None:
+    """Fail before any work when a head was built for another target shape."""
+    t, c = target.config, head.config
+    problems = []
+    if c.target_hidden_size != t.hidden_size:
+        problems.append(f"target hidden size {t.hidden_size}, head built for {c.target_hidden_size}")
+    if c.vocab_size != t.vocab_size:
+        problems.append(f"target vocabulary {t.vocab_size}, head built for {c.vocab_size}")
+    if max(head.aux_layers) >= t.num_hidden_layers:
+        problems.append(f"head reads target layers {head.aux_layers}, the target has {t.num_hidden_layers}")
+    if problems:
+        raise Eagle3ShapeError("EAGLE-3 head does not fit this target: " + "; ".join(problems))
+
+
+class FeatureHooks:
+    """Captures the inputs of the target's feature layers during its forward passes.
+
+    Forward pre-hooks on just those decoder layers (no `output_hidden_states` over all 30): after
+    each target forward, `take()` returns the concatenated features [B, T, 3·H].
+    """
+
+    def __init__(self, target: PreTrainedModel, layers: list[int]):
+        self.layers = list(layers)
+        self._seen: dict[int, torch.Tensor] = {}
+        self._handles = [
+            target.model.layers[i].register_forward_pre_hook(self._hook(i), with_kwargs=True) for i in self.layers
+        ]
+
+    def _hook(self, index: int):
+        def capture(module, args, kwargs):
+            self._seen[index] = args[0] if args else kwargs["hidden_states"]
+
+        return capture
+
+    def take(self) -> torch.Tensor:
+        missing = [i for i in self.layers if i not in self._seen]
+        if missing:
+            raise RuntimeError(f"no target features captured for layers {missing}: run a target forward first")
+        features = torch.cat([self._seen[i] for i in self.layers], dim=-1)
+        self._seen.clear()
+        return features
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> FeatureHooks:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()

@@ -1,0 +1,117 @@
+"""The EAGLE-3 head: the training-time-test unroll sees exactly what cached drafting sees."""
+
+import pytest
+import torch
+
+from specdistill.modeling.eagle3 import (
+    Eagle3Cache,
+    Eagle3ShapeError,
+    FeatureHooks,
+    check_head_fits,
+    default_aux_layers,
+    eagle3_config,
+    init_eagle3_from_target,
+)
+from specdistill.modeling.vocab import DraftVocab
+from tests.conftest import lively, make_tiny_llama
+
+
+@pytest.fixture
+def target():
+    return lively(make_tiny_llama(vocab_size=64, hidden=32, layers=6, seed=3), seed=3)
+
+
+@pytest.fixture
+def head(target):
+    vocab = DraftVocab(torch.arange(0, 64, 2), 64)
+    head = init_eagle3_from_target(target, vocab)
+    with torch.no_grad():  # the init leaves the token half of fc at zero: make every input matter
+        for p in head.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.3)
+    return head.double().eval()
+
+
+def test_default_layers_follow_vllm():
+    assert default_aux_layers(30) == [2, 15, 27]
+    assert default_aux_layers(32) == [2, 16, 29]
+    with pytest.raises(Eagle3ShapeError, match="at least 4 layers"):
+        default_aux_layers(3)
+
+
+def test_config_fields(target):
+    config = eagle3_config(target.config, 32)
+    assert config.architectures == ["LlamaForCausalLMEagle3"]
+    assert config.num_hidden_layers == 1
+    assert config.draft_vocab_size == 32 and config.vocab_size == 64
+    assert config.target_hidden_size == 32
+    assert config.eagle_config["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3]
+    with pytest.raises(Eagle3ShapeError, match="three layer indices"):
+        eagle3_config(target.config, 32, [1, 2, 9])
+
+
+def test_init_copies_target_weights(target):
+    vocab = DraftVocab(torch.arange(10, 42), 64)
+    head = init_eagle3_from_target(target, vocab)
+    assert torch.equal(head.lm_head.weight, target.lm_head.weight[10:42])
+    assert torch.equal(head.midlayer.mlp.down_proj.weight, target.model.layers[-1].mlp.down_proj.weight)
+    assert torch.equal(head.draft_vocab.token_ids, vocab.token_ids)
+    assert head.embed_tokens is target.get_input_embeddings()
+    assert not head.embed_tokens.weight.requires_grad
+
+
+def test_hooks_capture_layer_inputs(target):
+    ids = torch.tensor([[1, 5, 9, 3, 7]])
+    with FeatureHooks(target, [0, 2, 5]) as hooks:
+        full = target(input_ids=ids, output_hidden_states=True).hidden_states
+        features = hooks.take()
+    assert torch.equal(features, torch.cat([full[0], full[2], full[5]], dim=-1))
+    assert not target.model.layers[0]._forward_pre_hooks  # removed on exit
+
+
+def test_unroll_matches_cached_drafting(target, head):
+    torch.manual_seed(0)
+    t, steps = 9, 3
+    features = torch.randn(1, t, 3 * 32, dtype=torch.float64)
+    next_ids = torch.randint(0, 64, (1, t))
+    unrolled = head.unroll(next_ids, features, steps, torch.ones(1, t, dtype=torch.bool))
+
+    # step 0 everywhere: one cached call over the whole sequence
+    cache = Eagle3Cache()
+    hidden0 = head(next_ids, head.project(features), torch.arange(t)[None], cache)
+    torch.testing.assert_close(head.logits(hidden0), unrolled[0])
+
+    # later steps at position p: a round that starts after p drafts steps 1.. from its own outputs
+    for p in range(t - steps + 1):
+        cache = Eagle3Cache()
+        hidden = head(next_ids[:, : p + 1], head.project(features[:, : p + 1]), torch.arange(p + 1)[None], cache)[:, -1:]
+        for j in range(1, steps):
+            hidden = head(next_ids[:, p + j : p + j + 1], hidden, torch.tensor([[p + j]]), cache)
+            torch.testing.assert_close(head.logits(hidden)[0, 0], unrolled[j][0, p])
+
+
+def test_unroll_ignores_padding(target, head):
+    torch.manual_seed(1)
+    features = torch.randn(2, 7, 96, dtype=torch.float64)
+    next_ids = torch.randint(0, 64, (2, 7))
+    valid = torch.ones(2, 7, dtype=torch.bool)
+    valid[1, 5:] = False
+    both = head.unroll(next_ids, features, 2, valid)
+    alone = head.unroll(next_ids[1:, :5], features[1:, :5], 2, valid[1:, :5])
+    torch.testing.assert_close(both[0][1, :5], alone[0][0])
+    torch.testing.assert_close(both[1][1, :4], alone[1][0, :4])
+
+
+def test_cache_crop():
+    cache = Eagle3Cache()
+    cache.append(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4))
+    cache.crop(3)
+    assert cache.length == 3
+    cache.crop(7)
+    assert cache.length == 3
+
+
+def test_head_for_another_target_is_refused(target, head):
+    other = make_tiny_llama(vocab_size=64, hidden=48, layers=3)
+    with pytest.raises(Eagle3ShapeError, match="hidden size 48.*layers \\[2, 3, 3\\]"):
+        check_head_fits(head, other)
