@@ -56,14 +56,31 @@ class OptimConfig(Strict):
     bf16: bool = False
     max_tokens: int | None = None  # stop after this many trained (assistant) tokens
     max_minutes: float | None = None  # stop after this much training time (eval excluded)
+    clock: Literal["wall", "cpu"] = "wall"  # what max_minutes counts: wall time, or this process's CPU time
+
+
+class Eagle3Config(Strict):
+    """The EAGLE-3 head (kind: eagle3): its feature layers, the training-time-test unroll, the feature cache."""
+
+    layers: list[int] | None = None  # target layers whose inputs are the features; None: (2, N/2, N-3)
+    steps: int = Field(2, ge=1)  # unrolled draft steps per training position (EAGLE-3 uses 7)
+    decay: float = Field(0.8, gt=0.0, le=1.0)  # weight of step j: decay^j
+    eval_steps: int = Field(4, ge=1)  # held-out acceptance at draft positions 1..eval_steps
+    prompt_context: int | None = Field(None, ge=0)  # prompt positions stored before the answer; None: all
+    feature_dir: str | None = None  # default: <out_dir>/features
+    feature_max_gb: float | None = Field(20.0, gt=0.0)  # refuse a feature cache larger than this, before the run
+    feature_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # the target's dtype in the feature pass
+    teacher_top_k: int = Field(32, ge=1)  # k of a teacher cache written in the same pass
 
 
 class DistillConfig(Strict):
     target: str = "demo"
+    kind: Literal["layers", "eagle3"] = "layers"  # layer-extracted draft, or an EAGLE-3 head over target features
     draft: str | None = None  # warm start: an existing draft directory (incremental distillation)
     layers: str = "0,1,2,29"  # target layers for a new draft: '0,1,2,29', 'evenly:K', 'first:K'
     draft_vocab: int | str | None = 8192  # N (most frequent answer tokens), a draft dir, or None (full)
-    freeze: list[str] = ["embed_tokens", "lm_head"]  # substrings of parameter names kept frozen
+    freeze: list[str] | None = None  # substrings of parameter names kept frozen; None: the kind's default
+    eagle3: Eagle3Config = Eagle3Config()
     data: DataConfig
     loss: LossConfig = LossConfig()
     teacher: TeacherConfig = TeacherConfig()
@@ -87,7 +104,23 @@ class DistillConfig(Strict):
             raise ValueError("loss.hidden_weight needs teacher.mode=online (the cache holds no hidden states)")
         if self.loss.selective_keep is not None and not self.loss.selective_reference:
             raise ValueError("loss.selective_keep needs loss.selective_reference (a reference draft directory)")
+        if self.kind == "eagle3":
+            if self.teacher.mode != "cache" or not self.teacher.cache_dir:
+                raise ValueError("kind=eagle3 trains from caches: set teacher.mode=cache and teacher.cache_dir "
+                                 "(written in the feature pass when it does not exist yet)")
+            if self.loss.kind in ("ce", "mix") or self.loss.hidden_weight > 0 or self.loss.selective_keep is not None:
+                raise ValueError("kind=eagle3 takes a divergence loss (loss.kind fkl, rkl, jsd or tv) and no "
+                                 "hidden_weight or selective distillation")
+            if self.data.replay_path:
+                raise ValueError("kind=eagle3 has no replay data yet (data.replay_path)")
         return self
+
+    @property
+    def frozen_patterns(self) -> list[str]:
+        """The layer kind keeps the target's embeddings and head; an EAGLE-3 head trains its own lm_head."""
+        if self.freeze is not None:
+            return list(self.freeze)
+        return ["embed_tokens"] if self.kind == "eagle3" else ["embed_tokens", "lm_head"]
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> DistillConfig:

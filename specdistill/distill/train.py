@@ -2,7 +2,11 @@
 
 AdamW, linear warmup then cosine decay, gradient accumulation, clipping, optional bf16 autocast,
 frozen parameters by name (the draft shares the target's embeddings and head, which stay frozen by
-default). Every `checkpoint_every` steps the draft, optimizer, RNG state and data position are
+default). The draft kind (`layer_task.LayerTask`: target layers + head; `eagle3_train.Eagle3Task`:
+an EAGLE-3 head over the target's features) supplies the module, the micro-batch loss, the held-out
+acceptance and how the result is saved; the loop, schedule, budget and checkpoints are shared.
+
+Every `checkpoint_every` steps the draft, optimizer, RNG state and data position are
 saved, so a killed run resumes on the same loss curve. Every `eval_every` steps the held-out
 acceptance estimate is logged: greedy top-1 agreement with the target's own continuation, and the
 expected accepted length τ at γ=4 that it implies.
@@ -27,60 +31,17 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from specdistill.acceptance import expected_tokens_per_round
-from specdistill.distill import losses
 from specdistill.distill.checkpoints import checkpoint_dirs, load_checkpoint, save_checkpoint
 from specdistill.distill.config import DistillConfig, save_config
-from specdistill.distill.datagen import Batch, DataOrder, Example, collate, read_examples
-from specdistill.distill.teacher import OnlineTeacher, TeacherCache, check_entry, teacher_positions, to_draft_space, vocab_key
-from specdistill.modeling.vocab import DraftVocab, build_draft_vocab
+from specdistill.distill.datagen import DataOrder, read_examples
+from specdistill.distill.eagle3_train import Eagle3Task
+from specdistill.distill.layer_task import DraftWithHead, LayerTask, batch_loss, heldout_acceptance
+
+__all__ = ["DraftWithHead", "NonFiniteLossError", "batch_loss", "distill", "heldout_acceptance", "lr_at"]
 
 
 class NonFiniteLossError(RuntimeError):
     """Training hit a NaN/inf loss; the message names the step and batch. The last good checkpoint stays."""
-
-
-# --------------------------------------------------------------------------------------------
-# The draft with its (possibly reduced) head
-
-
-class DraftWithHead(torch.nn.Module):
-    """Draft body + LM head over the draft vocabulary, applied only at the positions that are trained."""
-
-    def __init__(self, draft, draft_vocab: DraftVocab | None, target_width: int | None = None):
-        super().__init__()
-        self.draft = draft
-        self.register_buffer("kept", draft_vocab.token_ids.clone() if draft_vocab is not None else torch.zeros(0, dtype=torch.long),
-                             persistent=False)
-        width = draft.config.hidden_size
-        self.projection = losses.HiddenProjection(width, target_width or width)
-
-    def forward(self, input_ids, attention, positions):
-        hidden = self.draft.model(input_ids=input_ids, attention_mask=attention).last_hidden_state[positions]
-        weight = self.draft.get_output_embeddings().weight
-        if self.kept.numel():
-            weight = weight.index_select(0, self.kept)
-        return hidden @ weight.T, hidden
-
-
-@torch.no_grad()
-def heldout_acceptance(module: DraftWithHead, examples: list[Example], draft_vocab: DraftVocab | None,
-                       batch_size: int = 8, gamma: int = 4, device: torch.device | str = "cpu") -> dict:
-    """Greedy top-1 agreement with the target's own continuation, and τ(γ) under the i.i.d. model."""
-    was_training = module.training
-    module.eval()
-    agree = total = 0
-    for start in range(0, len(examples), batch_size):
-        batch = collate(examples[start : start + batch_size]).to(device)
-        logits, _ = module(batch.input_ids, batch.attention, batch.positions)
-        guess = logits.argmax(-1)
-        if draft_vocab is not None:
-            guess = draft_vocab.to_target_ids(guess)
-        agree += int((guess == batch.labels).sum())
-        total += batch.labels.numel()
-    module.train(was_training)
-    alpha = agree / max(total, 1)
-    return {"acceptance": alpha, "tau": expected_tokens_per_round(alpha, gamma), "eval_tokens": total}
 
 
 def lr_at(step: int, cfg, train_seconds: float = 0.0) -> float:
@@ -133,26 +94,8 @@ def _dist_info(device: torch.device) -> tuple[int, int]:
     return (dist.get_rank(), world) if world > 1 else (0, 1)
 
 
-def _build_draft_vocab(config: DistillConfig, examples: list[Example], tokenizer, target_vocab: int) -> DraftVocab | None:
-    spec = config.draft_vocab
-    if spec is None:
-        return None
-    if isinstance(spec, str):
-        vocab = DraftVocab.load(spec)
-        if vocab is None:
-            raise ValueError(f"draft_vocab={spec!r}: no draft vocabulary file in that directory")
-        return vocab
-    from collections import Counter
-
-    counts: Counter = Counter()
-    for ex in examples:  # the tokens the draft has to say: the assistant's
-        counts.update(t for t, m in zip(ex.input_ids, ex.assistant_mask) if m)
-    return build_draft_vocab(counts, spec, target_vocab, [tokenizer.eos_token_id])
-
-
 def distill(config: DistillConfig) -> dict:
     """Train a draft as the config says; returns the final metrics and where the draft was written."""
-    from specdistill.modeling.drafts import init_draft_from_target, parse_layers, save_draft
     from specdistill.modeling.models import load_model
 
     device = pick_device(config.device)
@@ -170,51 +113,10 @@ def distill(config: DistillConfig) -> dict:
     replay = read_examples(data.replay_path, data.replay_kind, tok, data.max_len) if data.replay_path else []
     heldout = (read_examples(data.heldout_path, "generated", tok, data.max_len, data.heldout_limit)
                if data.heldout_path else [])
-
-    if config.draft:
-        loaded = load_model(config.draft)
-        draft = loaded.model
-        draft_vocab = DraftVocab.load(config.draft)
-        if isinstance(config.draft_vocab, int) and draft_vocab is not None and draft_vocab.size != config.draft_vocab:
-            raise ValueError(f"warm-start draft {config.draft} has a {draft_vocab.size}-token vocabulary, "
-                             f"config asks for {config.draft_vocab}")
-        layers = loaded.config.to_dict().get("specdistill_layers")
-    else:
-        layers = parse_layers(config.layers, target.config.num_hidden_layers)
-        draft = init_draft_from_target(target.model, layers)
-        draft_vocab = _build_draft_vocab(config, examples, tok, target.config.vocab_size)
-    draft.train()
-    trainable, frozen = apply_freeze(draft, config.freeze)
-
-    teacher = cache_rows = None
-    if config.teacher.mode == "online":
-        target.model.to(device)
-        teacher = OnlineTeacher(target.model, draft_vocab, with_hidden=config.loss.hidden_weight > 0)
-    elif config.teacher.mode == "cache":
-        cache = TeacherCache.open(config.teacher.cache_dir, fingerprint=target.fingerprint)
-        if cache.meta["temperature"] != config.loss.temperature:
-            raise ValueError(f"teacher cache {config.teacher.cache_dir} holds temperature {cache.meta['temperature']}, "
-                             f"loss.temperature is {config.loss.temperature}")
-        if cache.meta["vocab"] not in ("full", vocab_key(draft_vocab)):
-            raise ValueError(f"teacher cache {config.teacher.cache_dir} was written for vocabulary {cache.meta['vocab']}")
-        cache_rows = cache.load_all()
-        for ex in examples + replay:
-            entry = cache_rows.get(ex.id)
-            if entry is None:
-                raise ValueError(f"teacher cache {config.teacher.cache_dir} has no entry for example {ex.id!r}")
-            check_entry(entry, ex.id, ex.input_ids, len(teacher_positions(ex.assistant_mask)))
-        remap = cache.meta["vocab"] == "full" and draft_vocab is not None
-    target_width = target.config.hidden_size
-    if config.teacher.mode == "none":
-        target.model = None  # hard labels only: free the target, it is not needed during training
-
-    reference = None
-    if config.loss.selective_keep is not None:
-        ref = load_model(config.loss.selective_reference)
-        reference = DraftWithHead(ref.model, DraftVocab.load(config.loss.selective_reference) or draft_vocab).eval()
-        reference.to(device)
-
-    module = DraftWithHead(draft, draft_vocab, target_width).to(device)
+    kind = Eagle3Task if config.kind == "eagle3" else LayerTask
+    task = kind(config, target, examples, replay, heldout, device)
+    trainable, frozen = apply_freeze(task.draft, config.frozen_patterns)
+    module = task.module
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
     else:
@@ -239,8 +141,7 @@ def distill(config: DistillConfig) -> dict:
         save_config(config, out_dir / "config.yaml")
 
     def evaluate() -> dict:
-        m = heldout_acceptance(module, heldout, draft_vocab, device=device) if heldout else {}
-        point = {"step": step, "tokens": trained_tokens, "minutes": train_seconds / 60, **m}
+        point = {"step": step, "tokens": trained_tokens, "minutes": train_seconds / 60, **task.evaluate()}
         curve.append(point)
         if rank == 0:
             with open(out_dir / "metrics.jsonl", "a") as f:
@@ -251,6 +152,7 @@ def distill(config: DistillConfig) -> dict:
         evaluate()
     per_rank = opt.batch_size
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if opt.bf16 else nullcontext()
+    clock = time.process_time if opt.clock == "cpu" else time.perf_counter
     bar = tqdm(total=opt.max_steps, initial=step, desc="distill", unit="step", file=sys.stderr,
                disable=not config.progress or rank != 0)
     last_loss = float("nan")
@@ -262,30 +164,22 @@ def distill(config: DistillConfig) -> dict:
         if opt.max_minutes is not None and train_seconds >= 60 * opt.max_minutes:
             stop_reason = "max_minutes"
             break
-        t0 = time.perf_counter()
+        t0 = clock()
         for g in optimizer.param_groups:
             g["lr"] = lr_at(step, opt, train_seconds)
         step_tokens = 0
         step_loss = 0.0
         for micro in range(opt.grad_accum):
             global_idx = order.take(per_rank * world)
-            mine = [examples[i] for i in global_idx[rank::world]]
-            if replay and data.replay_share > 0:  # seeded per step: a resumed run replays the same records
-                g = random.Random(config.seed * 7919 + step * 131 + micro)
-                mine = [replay[g.randrange(len(replay))] if g.random() < data.replay_share else ex for ex in mine]
-            batch = collate(mine).to(device)
             sync = nullcontext() if (world == 1 or micro == opt.grad_accum - 1) else model.no_sync()
             with sync:
-                with autocast:
-                    logits, hidden = model(batch.input_ids, batch.attention, batch.positions)
-                loss = batch_loss(config, logits, hidden, batch, teacher=teacher, cache_rows=cache_rows,
-                                  remap=remap if cache_rows else False, draft_vocab=draft_vocab, module=module, reference=reference)
+                loss, tokens, ids = task.micro_loss(model, global_idx[rank::world], step, micro, autocast)
                 if not torch.isfinite(loss):
                     raise NonFiniteLossError(
-                        f"loss is {loss.item()} at step {step} (micro-batch {micro}, examples {batch.ids}); "
+                        f"loss is {loss.item()} at step {step} (micro-batch {micro}, examples {ids}); "
                         f"stopped, the last good checkpoint is kept in {out_dir / 'checkpoints'}")
                 (loss / opt.grad_accum).backward()
-            step_tokens += int(batch.positions.sum())
+            step_tokens += tokens
             step_loss += loss.item() / opt.grad_accum
         if opt.clip:
             torch.nn.utils.clip_grad_norm_(params, opt.clip)
@@ -297,13 +191,13 @@ def distill(config: DistillConfig) -> dict:
             dist.all_reduce(counted)
             step_tokens = int(counted)
         trained_tokens += step_tokens
-        elapsed = time.perf_counter() - t0
+        elapsed = clock() - t0
         train_seconds += elapsed
         last_loss = step_loss
         if rank == 0:
             with open(out_dir / "train_log.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, "loss": step_loss, "lr": optimizer.param_groups[0]["lr"],
-                                    "tokens": trained_tokens}) + "\n")
+                                    "tokens": trained_tokens, "seconds": train_seconds}) + "\n")
         bar.update(1)
         bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{step_tokens / max(elapsed, 1e-9):.0f}")
         if heldout and step % config.eval_every == 0:
@@ -319,9 +213,9 @@ def distill(config: DistillConfig) -> dict:
     if heldout and (not curve or curve[-1]["step"] != step):
         evaluate()
 
-    result = {"steps": step, "tokens": trained_tokens, "train_minutes": train_seconds / 60, "loss": last_loss,
-              "stop": stop_reason, "trainable_parameters": trainable, "frozen_parameters": frozen,
-              "curve": curve, "draft_vocab": draft_vocab.size if draft_vocab is not None else None, "layers": layers}
+    result = {"steps": step, "tokens": trained_tokens, "train_minutes": train_seconds / 60, "clock": opt.clock,
+              "loss": last_loss, "stop": stop_reason, "trainable_parameters": trainable, "frozen_parameters": frozen,
+              "curve": curve, **task.describe()}
     if world > 1:  # every rank must end with the same weights; say so in the result, fail loudly if not
         from specdistill.modeling.models import weights_digest
 
@@ -331,64 +225,9 @@ def distill(config: DistillConfig) -> dict:
         if len(set(digests)) != 1:
             raise RuntimeError(f"DDP ranks ended with different weights: {digests}")
     if rank == 0:
-        draft.config.specdistill_layers = layers
-        result["draft_dir"] = str(save_draft(draft.eval(), tok, out_dir / "draft", draft_vocab=draft_vocab,
-                                             meta={"target_fingerprint": target.fingerprint, "layers": layers,
-                                                   "config": config.model_dump(mode="json"),
-                                                   **{k: v for k, v in result.items() if k != "curve"}}))
+        meta = {"config": config.model_dump(mode="json"), **{k: v for k, v in result.items() if k != "curve"}}
+        result["draft_dir"] = str(task.save(out_dir / "draft", target, meta))
         (out_dir / "result.json").write_text(json.dumps(result, indent=2, default=str))
     if world > 1:
         dist.barrier()
     return result
-
-
-def batch_loss(config: DistillConfig, logits, hidden, batch: Batch, *, teacher=None, cache_rows: dict | None = None,
-               remap: bool = False, draft_vocab: DraftVocab | None = None, module: DraftWithHead | None = None,
-               reference: DraftWithHead | None = None) -> torch.Tensor:
-    """The training loss of one batch, as `distill` computes it, from the draft's `logits, hidden = module(...)`.
-
-    The teacher is either `teacher` (an OnlineTeacher) or `cache_rows` (TeacherCache.load_all(); `remap` when
-    the cache holds full-vocabulary rows for a reduced `draft_vocab`); `module` supplies the hidden-state
-    projection when loss.hidden_weight > 0, `reference` the reference model of selective (AdaSpec) distillation."""
-    lc = config.loss
-    labels = batch.labels
-    label_mask = None
-    if draft_vocab is not None:  # labels in draft ids; a label outside the kept tokens cannot be learned
-        labels = draft_vocab.to_draft_ids(labels)
-        label_mask = labels >= 0
-        labels = labels.clamp_min(0)
-    if lc.kind == "ce":
-        return losses.cross_entropy(logits, labels, label_mask)
-
-    target_hidden = None
-    if cache_rows is not None:
-        parts = [cache_rows[ex_id] for ex_id in batch.ids]
-        top = losses.TopKTeacher(
-            torch.cat([p["logprobs"][:n] for p, n in zip(parts, batch.rows_per_example)]),
-            torch.cat([p["indices"][:n] for p, n in zip(parts, batch.rows_per_example)]).long(),
-            torch.cat([p["residual"][:n] for p, n in zip(parts, batch.rows_per_example)]),
-        )
-        if lc.top_k and lc.top_k < top.logprobs.shape[-1]:  # a smaller k than cached: the rest joins the bucket
-            dropped = top.logprobs[:, lc.top_k:].exp().sum(-1)
-            top = losses.TopKTeacher(top.logprobs[:, : lc.top_k], top.indices[:, : lc.top_k], top.residual + dropped)
-        teacher_signal = (to_draft_space(top, draft_vocab) if remap else top).to(logits.device)
-    else:
-        teacher_logits, target_hidden = teacher(batch.input_ids, batch.attention, batch.positions)
-        teacher_signal = (losses.topk_teacher_from_logits(teacher_logits, lc.top_k, lc.temperature)
-                          if lc.top_k else teacher_logits)
-
-    if lc.selective_keep is not None:
-        with torch.no_grad():
-            ref_logits, _ = reference(batch.input_ids, batch.attention, batch.positions)
-        loss = losses.selective_distill_loss(logits, ref_logits, teacher_signal, torch.ones_like(labels, dtype=torch.bool),
-                                             keep_fraction=lc.selective_keep, kind="fkl" if lc.kind == "mix" else lc.kind,
-                                             temperature=lc.temperature, beta=lc.beta)
-    elif lc.kind == "mix":
-        ce = losses.cross_entropy(logits, labels, label_mask)
-        kl = losses.distill_loss(logits, teacher_signal, None, kind="fkl", temperature=lc.temperature)
-        loss = (1 - lc.alpha) * ce + lc.alpha * kl
-    else:
-        loss = losses.distill_loss(logits, teacher_signal, None, kind=lc.kind, temperature=lc.temperature, beta=lc.beta)
-    if lc.hidden_weight > 0:
-        loss = loss + lc.hidden_weight * losses.hidden_cosine_loss(hidden, target_hidden, None, module.projection)
-    return loss

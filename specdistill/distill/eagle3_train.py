@@ -1,0 +1,316 @@
+"""Training an EAGLE-3 head: batches from the feature and teacher caches, the unrolled loss, held-out acceptance.
+
+Entry t of a sequence pairs the target's features at t with token t+1; step j of the training-time
+test at entry t predicts token u = t+2+j, and its teacher is the target's distribution at u-1 (the
+cached top-k row of token u). The loss is forward KL to that distribution restricted to the draft
+vocabulary (`teacher.to_draft_space`: renormalized over the kept tokens, the rest of the top-k
+dropped, the residual mass kept as one bucket), weighted 0.8^j over steps; rows whose target argmax
+lies outside the draft vocabulary are masked (no draft parameter can agree there).
+
+Held-out acceptance: greedy top-1 agreement of step j with the target's greedy continuation (the
+held-out answers), per draft position j+1, and the chained share (positions 1..i all agree) that a
+drafting round actually accepts; τ(γ) from the chain, and from position 1 under the i.i.d. model
+(the number the layer drafts report).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from specdistill.acceptance import expected_tokens_per_round
+from specdistill.distill import losses
+from specdistill.distill.features import check_feature_entry, feature_start
+from specdistill.distill.teacher import check_entry, teacher_positions, to_draft_space
+from specdistill.modeling.eagle3 import Eagle3Draft
+from specdistill.modeling.vocab import DraftVocab
+
+
+@dataclass
+class Eagle3Example:
+    """One sequence ready for the unroll: ids, its stored features and its teacher rows in draft space."""
+
+    id: str
+    ids: torch.Tensor  # [L] token ids
+    start: int  # first stored feature position
+    features: torch.Tensor  # [L-1-start, 3·H] bf16
+    row_of: torch.Tensor  # [L] teacher row predicting token u, -1 where u is not an answer token
+    teacher: losses.TopKTeacher  # [rows, k] in draft space
+    keep: torch.Tensor  # [rows] the target's argmax is a draft-vocabulary token
+
+    @property
+    def entries(self) -> int:
+        return self.features.shape[0]
+
+
+def eagle3_examples(examples: list, feature_rows: dict, teacher_rows: dict | None, draft_vocab: DraftVocab,
+                    prompt_context: int | None, remap: bool, top_k: int | None = None) -> list[Eagle3Example]:
+    """Join examples with their cache entries (checked: a stale entry fails naming the example)."""
+    out = []
+    for ex in examples:
+        start = feature_start(ex.assistant_mask, prompt_context)
+        entry = feature_rows.get(str(ex.id))
+        check_feature_entry(entry, str(ex.id), ex.input_ids, start)
+        answer_rows = teacher_positions(ex.assistant_mask)
+        row_of = torch.full((len(ex.input_ids),), -1, dtype=torch.long)
+        row_of[torch.tensor(answer_rows, dtype=torch.long) + 1] = torch.arange(len(answer_rows))
+        if teacher_rows is not None:
+            t = teacher_rows.get(str(ex.id))
+            if t is None:
+                raise ValueError(f"teacher cache has no entry for example {ex.id!r}")
+            check_entry(t, str(ex.id), ex.input_ids, len(answer_rows))
+            n = len(answer_rows)
+            top = losses.TopKTeacher(t["logprobs"][:n].float(), t["indices"][:n].long(), t["residual"][:n].float())
+            if top_k and top_k < top.logprobs.shape[-1]:
+                dropped = top.logprobs[:, top_k:].exp().sum(-1)
+                top = losses.TopKTeacher(top.logprobs[:, :top_k], top.indices[:, :top_k], top.residual + dropped)
+            if remap:
+                top = to_draft_space(top, draft_vocab)
+                keep = top.valid[:, 0]  # the cache's rows are sorted: column 0 is the target's argmax
+            else:
+                keep = torch.ones(n, dtype=torch.bool)
+        else:  # held-out sequences need labels only
+            top, keep = losses.TopKTeacher(torch.zeros(0, 1), torch.zeros(0, 1, dtype=torch.long), torch.zeros(0)), None
+        out.append(Eagle3Example(str(ex.id), torch.tensor(ex.input_ids, dtype=torch.long), start, entry["features"],
+                                 row_of, top, keep))
+    return out
+
+
+@dataclass
+class Eagle3Batch:
+    ids: list[str]
+    next_ids: torch.Tensor  # [B, T] token t+1 of entry t
+    features: torch.Tensor  # [B, T, 3·H]
+    valid: torch.Tensor  # [B, T]
+    rows: list[torch.Tensor]  # per step: [B, T] index into the batch's teacher rows, -1 for none
+    labels: list[torch.Tensor]  # per step: [B, T] the token the step predicts (target ids), -1 past the end
+    teacher: losses.TopKTeacher | None  # every example's rows, concatenated
+    keep: torch.Tensor | None
+
+    @property
+    def tokens(self) -> int:
+        return int((self.rows[0] >= 0).sum())
+
+    def to(self, device) -> Eagle3Batch:
+        return Eagle3Batch(self.ids, self.next_ids.to(device), self.features.to(device), self.valid.to(device),
+                           [r.to(device) for r in self.rows], [x.to(device) for x in self.labels],
+                           None if self.teacher is None else self.teacher.to(device),
+                           None if self.keep is None else self.keep.to(device))
+
+
+def collate_eagle3(examples: list[Eagle3Example], steps: int) -> Eagle3Batch:
+    b, t = len(examples), max(ex.entries for ex in examples)
+    width = examples[0].features.shape[-1]
+    next_ids = torch.zeros(b, t, dtype=torch.long)
+    features = torch.zeros(b, t, width, dtype=examples[0].features.dtype)
+    valid = torch.zeros(b, t, dtype=torch.bool)
+    rows = [torch.full((b, t), -1, dtype=torch.long) for _ in range(steps)]
+    labels = [torch.full((b, t), -1, dtype=torch.long) for _ in range(steps)]
+    offset = 0
+    for i, ex in enumerate(examples):
+        n, s = ex.entries, ex.start
+        next_ids[i, :n] = ex.ids[s + 1 : s + 1 + n]
+        features[i, :n] = ex.features
+        valid[i, :n] = True
+        row_ext = torch.cat([ex.row_of, torch.full((steps + 2,), -1, dtype=torch.long)])
+        ids_ext = torch.cat([ex.ids, torch.full((steps + 2,), -1, dtype=torch.long)])
+        for j in range(steps):
+            r = row_ext[s + 2 + j : s + 2 + j + n]
+            rows[j][i, :n] = torch.where(r >= 0, r + offset, r)
+            labels[j][i, :n] = torch.where(r >= 0, ids_ext[s + 2 + j : s + 2 + j + n], -1)
+        offset += ex.teacher.logprobs.shape[0]
+    teacher = keep = None
+    if examples[0].keep is not None:
+        parts = [ex.teacher for ex in examples]
+        valid_parts = [p.valid if p.valid is not None else torch.ones_like(p.indices, dtype=torch.bool) for p in parts]
+        teacher = losses.TopKTeacher(torch.cat([p.logprobs for p in parts]), torch.cat([p.indices for p in parts]),
+                                     torch.cat([p.residual for p in parts]), torch.cat(valid_parts))
+        keep = torch.cat([ex.keep for ex in examples])
+    return Eagle3Batch([ex.id for ex in examples], next_ids, features, valid, rows, labels, teacher, keep)
+
+
+def eagle3_loss(step_logits: list[torch.Tensor], batch: Eagle3Batch, *, decay: float = 0.8, kind: str = "fkl",
+                temperature: float = 1.0) -> torch.Tensor:
+    """Σ_j decay^j · mean divergence of step j over its trained rows, over Σ_j decay^j of the steps with rows.
+
+    A row is trained when the step's target token is an answer token and the target's argmax is in
+    the draft vocabulary."""
+    total = weight = 0.0
+    for j, logits in enumerate(step_logits):
+        rows = batch.rows[j]
+        sel = rows >= 0
+        if bool(sel.any()):
+            sel = sel & batch.keep[rows.clamp_min(0)]
+        if not bool(sel.any()):
+            continue
+        picked = rows[sel]
+        top = batch.teacher
+        teacher = losses.TopKTeacher(top.logprobs[picked], top.indices[picked], top.residual[picked],
+                                     None if top.valid is None else top.valid[picked])
+        per_row = losses.per_token_divergence(logits[sel], teacher, kind=kind, temperature=temperature)
+        scale = temperature**2 if kind != "tv" else 1.0
+        total = total + decay**j * scale * per_row.mean()
+        weight += decay**j
+    if weight == 0.0:
+        return step_logits[0].sum() * 0.0  # nothing to learn in this batch; keeps the graph for DDP
+    return total / weight
+
+
+class Eagle3Trainee(nn.Module):
+    """The head behind one `forward` (what DDP wraps): the unroll of `steps` draft steps."""
+
+    def __init__(self, head: Eagle3Draft, steps: int):
+        super().__init__()
+        self.head, self.steps = head, steps
+
+    def forward(self, next_ids: torch.Tensor, features: torch.Tensor, valid: torch.Tensor) -> list[torch.Tensor]:
+        return self.head.unroll(next_ids, features, self.steps, valid)
+
+
+@torch.no_grad()
+def eagle3_heldout_acceptance(head: Eagle3Draft, examples: list[Eagle3Example], steps: int = 4, gamma: int = 4,
+                              batch_size: int = 8, device: torch.device | str = "cpu") -> dict:
+    """Per draft position: top-1 agreement with the target's continuation, and the chained share accepted."""
+    was_training = head.training
+    head.eval()
+    vocab = head.draft_vocab
+    agree = torch.zeros(steps)
+    total = torch.zeros(steps)
+    chain = torch.zeros(steps)
+    for begin in range(0, len(examples), batch_size):
+        batch = collate_eagle3(examples[begin : begin + batch_size], steps).to(device)
+        outs = head.unroll(batch.next_ids, batch.features, steps, batch.valid)
+        alive = torch.ones_like(batch.valid)
+        for j, logits in enumerate(outs):
+            has = batch.labels[j] >= 0
+            ok = (vocab.to_target_ids(logits.argmax(-1)) == batch.labels[j]) & has
+            alive = alive & ok
+            agree[j] += int(ok.sum())
+            chain[j] += int((alive & has).sum())
+            total[j] += int(has.sum())
+    head.train(was_training)
+    per_position = (agree / total.clamp_min(1)).tolist()
+    accepted = (chain / total.clamp_min(1)).tolist()
+    g = min(gamma, steps)
+    return {"acceptance": per_position[0], "tau": expected_tokens_per_round(per_position[0], gamma),
+            "acceptance_per_position": per_position, "accepted_per_position": accepted,
+            f"tau_chain_{g}": 1.0 + sum(accepted[:g]), "eval_tokens": int(total[0])}
+
+
+def save_eagle3_head(head: Eagle3Draft, tokenizer, out_dir: str | Path, meta: dict) -> Path:
+    """A trained head: config.json, the head's tensors (no token embeddings: they are the target's), the
+    draft vocabulary and tokenizer, and what made it."""
+    from specdistill import paths
+    from specdistill.modeling.drafts import DRAFT_META_FILE
+
+    out_dir = Path(out_dir)
+    with paths.atomic_dir(out_dir) as tmp:
+        head.config.save_pretrained(tmp)
+        state = {k: v.detach().contiguous() for k, v in head.state_dict().items() if not k.startswith("embed_tokens")}
+        save_file(state, str(tmp / "model.safetensors"))
+        head.draft_vocab.save(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / DRAFT_META_FILE).write_text(json.dumps(meta, indent=2, default=str))
+    return out_dir
+
+
+def load_eagle3_head(directory: str | Path, target) -> Eagle3Draft:
+    """A head saved by `save_eagle3_head`, on the target's token embeddings (warm start)."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig
+
+    directory = Path(directory)
+    config = LlamaConfig.from_pretrained(directory)
+    head = Eagle3Draft(config, target.get_input_embeddings())
+    missing, unexpected = head.load_state_dict(load_file(str(directory / "model.safetensors")), strict=False)
+    if unexpected or [m for m in missing if not m.startswith("embed_tokens")]:
+        raise ValueError(f"{directory} is not an EAGLE-3 head: missing {missing}, unexpected {unexpected}")
+    return head
+
+
+class Eagle3Task:
+    """The EAGLE-3 kind: a head over the target's features, trained from the feature and teacher
+    caches (built in one teacher-forced target pass when absent); what `train.distill` needs of a kind."""
+
+    def __init__(self, config, target, examples: list, replay: list, heldout: list, device: torch.device):
+        import copy
+
+        from specdistill.distill.features import FeatureCache, build_feature_cache
+        from specdistill.distill.layer_task import _build_draft_vocab
+        from specdistill.distill.teacher import TeacherCache, vocab_key
+        from specdistill.modeling.eagle3 import check_head_fits, default_aux_layers, init_eagle3_from_target
+        from specdistill.modeling.models import resolve_dtype
+
+        e = config.eagle3
+        self.config, self.device = config, device
+        if config.draft:
+            head = load_eagle3_head(config.draft, target.model)
+            draft_vocab = head.draft_vocab
+            if isinstance(config.draft_vocab, int) and draft_vocab.size != config.draft_vocab:
+                raise ValueError(f"warm-start head {config.draft} has a {draft_vocab.size}-token vocabulary, "
+                                 f"config asks for {config.draft_vocab}")
+        else:
+            draft_vocab = _build_draft_vocab(config, examples, target.tokenizer, target.config.vocab_size)
+            if draft_vocab is None:
+                draft_vocab = DraftVocab(torch.arange(target.config.vocab_size), target.config.vocab_size)
+            layers = e.layers or default_aux_layers(target.config.num_hidden_layers)
+            head = init_eagle3_from_target(target.model, draft_vocab, layers)
+        check_head_fits(head, target.model)
+        if e.layers and list(e.layers) != head.aux_layers:
+            raise ValueError(f"eagle3.layers={e.layers} but the warm-start head reads target layers {head.aux_layers}")
+        self.head, self.draft, self.draft_vocab, self.layers = head, head, draft_vocab, head.aux_layers
+
+        cache_dir = Path(config.teacher.cache_dir)
+        feature_dir = Path(e.feature_dir) if e.feature_dir else Path(config.out_dir) / "features"
+        fresh_teacher = not (cache_dir / "teacher_cache.json").is_file()
+        every = list({str(ex.id): ex for ex in examples + heldout}.values())
+        if fresh_teacher or {str(ex.id) for ex in every} - FeatureCache(feature_dir, {}).ids():
+            runner = copy.deepcopy(target.model).to(resolve_dtype(e.feature_dtype))  # features as the target serves
+            build_feature_cache(runner, every, feature_dir, fingerprint=target.fingerprint, layers=self.layers,
+                                prompt_context=e.prompt_context,
+                                max_bytes=None if e.feature_max_gb is None else e.feature_max_gb * 1e9,
+                                teacher_dir=cache_dir if fresh_teacher else None, k=e.teacher_top_k,
+                                temperature=config.loss.temperature, progress=config.progress)
+            del runner
+        features = FeatureCache.open(feature_dir, fingerprint=target.fingerprint, layers=self.layers,
+                                     prompt_context=e.prompt_context)
+        teacher = TeacherCache.open(cache_dir, fingerprint=target.fingerprint)
+        if teacher.meta["temperature"] != config.loss.temperature:
+            raise ValueError(f"teacher cache {cache_dir} holds temperature {teacher.meta['temperature']}, "
+                             f"loss.temperature is {config.loss.temperature}")
+        if teacher.meta["vocab"] not in ("full", vocab_key(draft_vocab)):
+            raise ValueError(f"teacher cache {cache_dir} was written for vocabulary {teacher.meta['vocab']}")
+        rows, teacher_rows = features.load_all(), teacher.load_all()
+        remap = teacher.meta["vocab"] == "full"
+        self.examples = eagle3_examples(examples, rows, teacher_rows, draft_vocab, e.prompt_context, remap, config.loss.top_k)
+        self.heldout = eagle3_examples(heldout, rows, None, draft_vocab, e.prompt_context, remap)
+        self.feature_bytes_per_token = features.disk_bytes() / max(1, sum(ex.entries for ex in self.examples + self.heldout))
+        self.module = Eagle3Trainee(head, e.steps).to(device)
+
+    def micro_loss(self, model, indices: list[int], step: int, micro: int, autocast=None):
+        from contextlib import nullcontext
+
+        batch = collate_eagle3([self.examples[i] for i in indices], self.module.steps).to(self.device)
+        with autocast or nullcontext():
+            outs = model(batch.next_ids, batch.features, batch.valid)
+        loss = eagle3_loss(outs, batch, decay=self.config.eagle3.decay, kind=self.config.loss.kind,
+                           temperature=self.config.loss.temperature)
+        return loss, batch.tokens, batch.ids
+
+    def evaluate(self) -> dict:
+        if not self.heldout:
+            return {}
+        return eagle3_heldout_acceptance(self.head, self.heldout, steps=self.config.eagle3.eval_steps, device=self.device)
+
+    def describe(self) -> dict:
+        return {"kind": "eagle3", "draft_vocab": self.draft_vocab.size, "layers": self.layers,
+                "unroll_steps": self.module.steps, "feature_disk_bytes_per_token": self.feature_bytes_per_token}
+
+    def save(self, out_dir, target, meta: dict):
+        return save_eagle3_head(self.head.eval(), target.tokenizer, out_dir,
+                                {"target_fingerprint": target.fingerprint, "kind": "eagle3", "layers": self.layers, **meta})

@@ -1,0 +1,217 @@
+"""Target features for EAGLE-3 heads: the inputs of three target decoder layers, recorded offline.
+
+One teacher-forced target pass over the training and held-out sequences (about one prefill each)
+records, through `FeatureHooks`, the concatenated inputs of the head's feature layers at every
+stored position, in bf16 safetensors shards. The same pass can also write the top-k teacher rows
+(`TeacherCache`), so features and teacher come from one forward.
+
+Stored positions: for a sequence of length L whose first answer token sits at p, positions
+start..L-2 with start = p-1-prompt_context (clamped at 0; `prompt_context=None` keeps the whole
+prompt). Position t pairs with token t+1 in the head's input, so L-1 has no use. Prompt context
+lets the head's attention see the prompt as it does when drafting.
+
+A cache directory records the target fingerprint, the layer ids, the data hash, the prompt context
+and the dtype; opening it for another target or layer set fails naming the mismatch, and every
+entry stores its token ids so a cache for other data is refused per example.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+from transformers import PreTrainedModel
+
+from specdistill.distill.teacher import TeacherCache, data_hash, pad_batch, teacher_positions, topk_rows, vocab_key
+from specdistill.modeling.eagle3 import FeatureHooks
+from specdistill.modeling.vocab import DraftVocab
+
+FEATURE_META = "feature_cache.json"
+FEATURE_DTYPE = torch.bfloat16
+
+
+class StaleFeatureCacheError(ValueError):
+    """A feature cache written for another target, layer set, prompt context or data."""
+
+
+class FeatureCacheTooLargeError(ValueError):
+    """The feature cache a run would write does not fit its configured disk budget."""
+
+
+def feature_start(assistant_mask: Sequence[bool], prompt_context: int | None) -> int:
+    """First stored position: the last prompt position minus `prompt_context` (None: 0, the whole prompt)."""
+    first_answer = next((t for t in range(1, len(assistant_mask)) if assistant_mask[t]), len(assistant_mask))
+    if prompt_context is None:
+        return 0
+    return max(0, first_answer - 1 - prompt_context)
+
+
+def stored_positions(example, prompt_context: int | None) -> int:
+    return max(0, len(example.input_ids) - 1 - feature_start(example.assistant_mask, prompt_context))
+
+
+def bytes_per_token(hidden_size: int, n_layers: int = 3) -> int:
+    """Disk bytes of one position's features: n_layers · hidden · 2 (bf16)."""
+    return n_layers * hidden_size * torch.finfo(FEATURE_DTYPE).bits // 8
+
+
+def check_budget(examples: Sequence, hidden_size: int, prompt_context: int | None, max_bytes: float | None,
+                 n_layers: int = 3) -> tuple[int, int]:
+    """(positions, bytes) the cache will hold; fails before any work when over `max_bytes`."""
+    positions = sum(stored_positions(ex, prompt_context) for ex in examples)
+    size = positions * bytes_per_token(hidden_size, n_layers)
+    if max_bytes is not None and size > max_bytes:
+        per = bytes_per_token(hidden_size, n_layers)
+        raise FeatureCacheTooLargeError(
+            f"feature cache needs {size / 1e9:.3f} GB ({positions} positions x {per} bytes: {n_layers} layers x "
+            f"{hidden_size} x bf16) for {len(examples)} sequences, over the budget of {max_bytes / 1e9:.3f} GB: "
+            f"raise the budget, store less prompt context, or train on fewer sequences")
+    return positions, size
+
+
+class FeatureCache:
+    """A directory of safetensors shards: per sequence its token ids, first stored position and features."""
+
+    def __init__(self, directory: str | os.PathLike, meta: dict):
+        self.dir = Path(directory)
+        self.meta = meta
+
+    @classmethod
+    def create(cls, directory, *, fingerprint: str, layers: list[int], data: str, prompt_context: int | None) -> FeatureCache:
+        """Open for writing; an existing cache must carry the same key (then writing resumes)."""
+        directory = Path(directory)
+        meta = {"fingerprint": fingerprint, "layers": list(layers), "data": data, "prompt_context": prompt_context,
+                "dtype": "bfloat16"}
+        if (directory / FEATURE_META).is_file():
+            return cls.open(directory, **{k: v for k, v in meta.items() if k != "dtype"})
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / (FEATURE_META + ".tmp")
+        tmp.write_text(json.dumps(meta, indent=2))
+        os.replace(tmp, directory / FEATURE_META)
+        return cls(directory, meta)
+
+    @classmethod
+    def open(cls, directory, *, fingerprint: str, layers: list[int], data: str | None = None,
+             prompt_context: int | None | str = "any") -> FeatureCache:
+        """Open for reading, refusing a cache written for another target, layer set, data or context."""
+        directory = Path(directory)
+        meta_path = directory / FEATURE_META
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"no feature cache at {directory} ({FEATURE_META} missing)")
+        meta = json.loads(meta_path.read_text())
+        wanted = {"fingerprint": fingerprint, "layers": list(layers), "data": data}
+        if prompt_context != "any":
+            wanted["prompt_context"] = prompt_context
+        for key, value in wanted.items():
+            if value is not None and meta.get(key) != value:
+                raise StaleFeatureCacheError(
+                    f"feature cache {directory} was written for {key}={meta.get(key)!r}, "
+                    f"this run needs {key}={value!r}: rebuild it")
+        return cls(directory, meta)
+
+    def write_shard(self, name: str, entries: dict[str, dict[str, torch.Tensor]]) -> Path:
+        """One shard, written atomically: after a kill a shard is either complete or absent."""
+        tensors = {f"{ex_id}/{key}": t.contiguous() for ex_id, rows in entries.items() for key, t in rows.items()}
+        path = self.dir / f"shard-{name}.safetensors"
+        tmp = self.dir / f".shard-{name}.tmp"
+        save_file(tensors, str(tmp))
+        os.replace(tmp, path)
+        return path
+
+    def has_shard(self, name: str) -> bool:
+        return (self.dir / f"shard-{name}.safetensors").is_file()
+
+    def ids(self) -> set[str]:
+        out = set()
+        for shard in self.dir.glob("shard-*.safetensors"):
+            with safe_open(str(shard), "pt") as f:
+                out.update(key[: -len("/input_ids")] for key in f.keys() if key.endswith("/input_ids"))
+        return out
+
+    def disk_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.dir.glob("shard-*.safetensors"))
+
+    def load_all(self) -> dict[str, dict[str, torch.Tensor]]:
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for shard in sorted(self.dir.glob("shard-*.safetensors")):
+            for key, tensor in load_file(str(shard)).items():
+                ex_id, field = key.rsplit("/", 1)
+                out.setdefault(ex_id, {})[field] = tensor
+        return out
+
+
+def check_feature_entry(entry: dict[str, torch.Tensor], ex_id: str, input_ids: Sequence[int], start: int) -> None:
+    """A cache entry must describe exactly this sequence from the expected first position."""
+    if entry is None:
+        raise StaleFeatureCacheError(f"feature cache has no entry for example {ex_id!r}")
+    if entry["input_ids"].tolist() != list(input_ids):
+        raise StaleFeatureCacheError(f"feature cache entry {ex_id!r} was written for other token ids")
+    if int(entry["start"]) != start or entry["features"].shape[0] != len(input_ids) - 1 - start:
+        raise StaleFeatureCacheError(
+            f"feature cache entry {ex_id!r} stores positions from {int(entry['start'])} "
+            f"({entry['features'].shape[0]} rows), this run needs them from {start}")
+
+
+@torch.inference_mode()
+def build_feature_cache(
+    target: PreTrainedModel,
+    examples: Sequence,
+    directory: str | os.PathLike,
+    *,
+    fingerprint: str,
+    layers: list[int],
+    prompt_context: int | None = None,
+    max_bytes: float | None = None,
+    teacher_dir: str | os.PathLike | None = None,
+    k: int = 32,
+    temperature: float = 1.0,
+    draft_vocab: DraftVocab | None = None,
+    batch_size: int = 8,
+    progress: bool = True,
+) -> FeatureCache:
+    """Run the target once over the examples and store the feature layers' inputs (bf16); with
+    `teacher_dir`, the same forward also writes the top-k teacher rows there. Resumable per shard;
+    the disk budget is checked before the first forward."""
+    check_budget(examples, target.config.hidden_size, prompt_context, max_bytes, len(layers))
+    data = data_hash(examples)
+    cache = FeatureCache.create(directory, fingerprint=fingerprint, layers=layers, data=data, prompt_context=prompt_context)
+    teacher = None
+    if teacher_dir is not None:
+        teacher = TeacherCache.create(teacher_dir, fingerprint=fingerprint, k=k, temperature=temperature,
+                                      vocab=vocab_key(draft_vocab), data=data)
+    head = target.get_output_embeddings().weight
+    bar = tqdm(total=len(examples), desc="target features", unit="seq", disable=not progress, file=sys.stderr)
+    with FeatureHooks(target, layers) as hooks:
+        for begin in range(0, len(examples), batch_size):
+            name = f"{begin:07d}"
+            batch = examples[begin : begin + batch_size]
+            if cache.has_shard(name) and (teacher is None or teacher.has_shard(name)):
+                bar.update(len(batch))
+                continue
+            input_ids, attention = pad_batch([ex.input_ids for ex in batch])
+            hidden = target.model(input_ids=input_ids, attention_mask=attention).last_hidden_state
+            features = hooks.take()
+            entries, rows = {}, {}
+            for row, ex in enumerate(batch):
+                start = feature_start(ex.assistant_mask, prompt_context)
+                ids = torch.tensor(ex.input_ids, dtype=torch.int32)
+                entries[str(ex.id)] = {"input_ids": ids, "start": torch.tensor(start, dtype=torch.int64),
+                                       "features": features[row, start : len(ex.input_ids) - 1].to(FEATURE_DTYPE)}
+                if teacher is not None:
+                    h = hidden[row, torch.tensor(teacher_positions(ex.assistant_mask), dtype=torch.long)]
+                    logits = draft_vocab.logits(h, head) if draft_vocab is not None else h @ head.T
+                    top, idx, res = topk_rows(logits, k, temperature)
+                    rows[str(ex.id)] = {"input_ids": ids, "logprobs": top, "indices": idx, "residual": res}
+            if teacher is not None:
+                teacher.write_shard(name, rows)
+            cache.write_shard(name, entries)
+            bar.update(len(batch))
+    bar.close()
+    return cache
