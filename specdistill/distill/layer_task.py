@@ -167,6 +167,7 @@ class LayerTask:
                     raise ValueError(f"teacher cache {config.teacher.cache_dir} has no entry for example {ex.id!r}")
                 check_entry(entry, ex.id, ex.input_ids, len(teacher_positions(ex.assistant_mask)))
             self.remap = cache.meta["vocab"] == "full" and draft_vocab is not None
+        target_width = target.config.hidden_size
         if config.teacher.mode == "none":
             target.model = None  # hard labels only: free the target, it is not needed during training
 
@@ -175,7 +176,7 @@ class LayerTask:
             ref = load_model(config.loss.selective_reference)
             self.reference = DraftWithHead(ref.model, DraftVocab.load(config.loss.selective_reference) or draft_vocab).eval()
             self.reference.to(device)
-        self.module = DraftWithHead(draft, draft_vocab, target.config.hidden_size).to(device)
+        self.module = DraftWithHead(draft, draft_vocab, target_width).to(device)
 
     def micro_loss(self, model, indices: list[int], step: int, micro: int, autocast=nullcontext()):
         """(loss, trained tokens, example ids) of one micro-batch; `model` is the module or its DDP wrapper."""
