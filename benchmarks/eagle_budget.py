@@ -22,6 +22,7 @@ import json
 import shutil
 import sys
 import time
+import zlib
 from collections import Counter
 from pathlib import Path
 
@@ -192,7 +193,9 @@ def eagle_cost_ratio(target, vocab, context: int = 64, repeats: int = 15) -> dic
     head(ids, head.project(feats), torch.arange(context)[None], h_cache)
 
     def target_step():
-        t_cache.crop(context)
+        extra = t_cache.get_seq_length() - context
+        if extra:
+            t_cache.crop(-extra)
         model(input_ids=step, past_key_values=t_cache, use_cache=True, logits_to_keep=1)
 
     def head_step():
@@ -332,7 +335,7 @@ def main() -> None:
         rows.append(row_of(name, result, cost["eagle3" if result.get("kind") == "eagle3" else "layers"]["c"]))
         print_table(rows, meta)
     if rows:
-        results = work / (f"results-{abs(hash(args.only)) % 10**6}.json" if only else "results.json")
+        results = work / (f"results-{zlib.crc32(args.only.encode()):08x}.json" if only else "results.json")
         results.write_text(json.dumps({**meta, "rows": rows}, indent=2, default=str))
         log(f"wrote {results}")
 

@@ -84,6 +84,10 @@ class GeneratedData(TypedDict):
 
 class _TrainedOptional(TypedDict, total=False):
     rank_weight_digests: list[str]  # multi-rank runs only
+    kind: str  # "layers" or "eagle3"
+    clock: str  # what train_minutes counts: "wall" or "cpu"
+    unroll_steps: int  # eagle3 only
+    feature_disk_bytes_per_token: float  # eagle3 only
 
 
 class Trained(_TrainedOptional):
