@@ -211,3 +211,32 @@ def test_feature_cache_for_another_layer_set_fails_the_run(eagle_world, tmp_path
     with pytest.raises(StaleFeatureCacheError, match=r"layers=\[2, 3, 3\].*layers=\[1, 3, 4\]"):
         distill(_eagle_config(eagle_world, tmp_path / "b", "optim.max_steps=1", "eagle3.layers=[1,3,4]"))
     assert not (tmp_path / "b" / "train_log.jsonl").exists()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_eagle3_ddp_two_ranks_end_with_identical_weights(eagle_world, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "ddp"
+    cfg = tmp_path / "ddp.yaml"
+    cfg.write_text(
+        f"target: {eagle_world / 'target'}\nkind: eagle3\ndraft_vocab: 200\n"
+        f"data: {{path: {eagle_world / 'train.jsonl'}}}\nout_dir: {out}\nprogress: false\nthreads: 1\n"
+        f"teacher: {{mode: cache, cache_dir: {tmp_path / 'teacher'}}}\n"  # written by rank 0 in the feature pass
+        f"eagle3: {{feature_dir: {tmp_path / 'features'}, steps: 2}}\n"
+        "optim: {max_steps: 3, batch_size: 2, warmup_steps: 1}\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "specdistill.cli", "distill", "--config", str(cfg), "--json"],
+        env=env, capture_output=True, text=True, timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((out / "result.json").read_text())
+    assert result["kind"] == "eagle3" and result["steps"] == 3
+    digests = result["rank_weight_digests"]
+    assert len(digests) == 2 and digests[0] == digests[1]

@@ -269,7 +269,9 @@ class Eagle3Task:
         feature_dir = Path(e.feature_dir) if e.feature_dir else Path(config.out_dir) / "features"
         fresh_teacher = not (cache_dir / "teacher_cache.json").is_file()
         every = list({str(ex.id): ex for ex in examples + heldout}.values())
-        if fresh_teacher or {str(ex.id) for ex in every} - FeatureCache(feature_dir, {}).ids():
+        multi = torch.distributed.is_available() and torch.distributed.is_initialized()
+        needed = fresh_teacher or {str(ex.id) for ex in every} - FeatureCache(feature_dir, {}).ids()
+        if needed and (not multi or torch.distributed.get_rank() == 0):  # one rank writes, the others wait
             runner = copy.deepcopy(target.model).to(resolve_dtype(e.feature_dtype))  # features as the target serves
             build_feature_cache(runner, every, feature_dir, fingerprint=target.fingerprint, layers=self.layers,
                                 prompt_context=e.prompt_context,
@@ -277,6 +279,8 @@ class Eagle3Task:
                                 teacher_dir=cache_dir if fresh_teacher else None, k=e.teacher_top_k,
                                 temperature=config.loss.temperature, progress=config.progress)
             del runner
+        if multi:
+            torch.distributed.barrier()
         features = FeatureCache.open(feature_dir, fingerprint=target.fingerprint, layers=self.layers,
                                      prompt_context=e.prompt_context)
         teacher = TeacherCache.open(cache_dir, fingerprint=target.fingerprint)
