@@ -322,10 +322,13 @@ def main() -> None:
         return
     meta = {"coverage": state["coverage"], "answer_tokens": state["answer_tokens"], "n_train": state["n_train"],
             "features": state["features"], "costs": cost}
-    only = set(args.only.split("|")) if args.only else None
+    only = args.only.split("|") if args.only else None
+    specs = run_specs(args, state)
     rows = []
-    for name, overrides in run_specs(args, state).items():
-        if only and name not in only:
+    for name in only or list(specs):  # --only: in the order given
+        overrides = specs.get(name)
+        if overrides is None:
+            log(f"no configuration named {name!r}")
             continue
         try:
             result = run(work, name, overrides)
