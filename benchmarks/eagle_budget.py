@@ -149,8 +149,11 @@ def run_specs(args, state: dict) -> dict[str, list[str]]:
             continue
         for steps in args.ablate_steps:
             specs[f"eagle3 {minutes}m steps{steps}"] = [*eagle, f"eagle3.steps={steps}", *feature(ctx)]
-        for c in args.prompt_contexts[1:]:
-            specs[f"eagle3 {minutes}m ctx{c}"] = [*eagle, f"eagle3.steps={args.steps}", *feature(c)]
+        for c in args.prompt_contexts[1:]:  # evaluated on the first context's held-out features (the whole prompt)
+            specs[f"eagle3 {minutes}m ctx{c}"] = [*eagle, f"eagle3.steps={args.steps}", *feature(c),
+                                                  f"eagle3.heldout_feature_dir={state['features'][ctx]['dir']}"]
+            specs[f"eagle3 {minutes}m steps1 ctx{c}"] = [*eagle, "eagle3.steps=1", *feature(c),
+                                                         f"eagle3.heldout_feature_dir={state['features'][ctx]['dir']}"]
         for lr in args.ablate_lr:
             specs[f"eagle3 {minutes}m lr{lr:g}"] = [*eagle, f"eagle3.steps={args.steps}", *feature(ctx), f"optim.lr={lr}"]
         for n in args.data_limits:

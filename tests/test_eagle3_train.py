@@ -164,7 +164,7 @@ def test_eagle3_distill_improves_heldout_agreement_and_saves_the_head(eagle_worl
     result = distill(_eagle_config(eagle_world, tmp_path / "run", "optim.max_steps=80", "eval_every=40",
                                    "checkpoint_every=40"))
     curve = result["curve"]
-    assert result["kind"] == "eagle3" and result["steps"] == 80 and result["feature_disk_bytes_per_token"] > 0
+    assert result["kind"] == "eagle3" and result["steps"] == 80 and result["feature_bytes_per_answer_token"] > 0
     assert len(curve[-1]["acceptance_per_position"]) == 3
     # it fits the answers it trains on well past where it started, at every draft position
     assert curve[-1]["acceptance"] > curve[0]["acceptance"] + 0.2
@@ -240,3 +240,16 @@ def test_eagle3_ddp_two_ranks_end_with_identical_weights(eagle_world, tmp_path):
     assert result["kind"] == "eagle3" and result["steps"] == 3
     digests = result["rank_weight_digests"]
     assert len(digests) == 2 and digests[0] == digests[1]
+
+
+def test_answer_only_features_evaluated_with_the_whole_prompt(eagle_world, tmp_path):
+    whole = distill(_eagle_config(eagle_world, tmp_path / "whole", "optim.max_steps=1"))
+    answer_only = distill(_eagle_config(eagle_world, tmp_path / "answer", "optim.max_steps=1", "eagle3.prompt_context=0",
+                                        f"eagle3.feature_dir={tmp_path / 'f0'}",
+                                        f"eagle3.heldout_feature_dir={eagle_world / 'features'}"))
+    # fewer stored positions per answer token, the same held-out tokens, evaluated as served (whole prompt)
+    assert answer_only["feature_bytes_per_answer_token"] < whole["feature_bytes_per_answer_token"]
+    assert answer_only["curve"][0] == {**whole["curve"][0], "minutes": answer_only["curve"][0]["minutes"]}
+    with pytest.raises(StaleFeatureCacheError, match="prompt_context=0.*prompt_context=2"):
+        distill(_eagle_config(eagle_world, tmp_path / "x", "optim.max_steps=1", "eagle3.prompt_context=2",
+                              f"eagle3.feature_dir={tmp_path / 'f0'}"))

@@ -68,6 +68,7 @@ class Eagle3Config(Strict):
     eval_steps: int = Field(4, ge=1)  # held-out acceptance at draft positions 1..eval_steps
     prompt_context: int | None = Field(None, ge=0)  # prompt positions stored before the answer; None: all
     feature_dir: str | None = None  # default: <out_dir>/features
+    heldout_feature_dir: str | None = None  # held-out features from another cache (e.g. the whole prompt, as served)
     feature_max_gb: float | None = Field(20.0, gt=0.0)  # refuse a feature cache larger than this, before the run
     feature_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # the target's dtype in the feature pass
     teacher_top_k: int = Field(32, ge=1)  # k of a teacher cache written in the same pass

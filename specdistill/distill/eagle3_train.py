@@ -292,8 +292,14 @@ class Eagle3Task:
         rows, teacher_rows = features.load_all(), teacher.load_all()
         remap = teacher.meta["vocab"] == "full"
         self.examples = eagle3_examples(examples, rows, teacher_rows, draft_vocab, e.prompt_context, remap, config.loss.top_k)
-        self.heldout = eagle3_examples(heldout, rows, None, draft_vocab, e.prompt_context, remap)
-        self.feature_bytes_per_token = features.disk_bytes() / max(1, sum(ex.entries for ex in self.examples + self.heldout))
+        held_rows, held_context = rows, e.prompt_context
+        if e.heldout_feature_dir:  # e.g. trained on answer positions only, evaluated with the prompt it will see
+            other = FeatureCache.open(e.heldout_feature_dir, fingerprint=target.fingerprint, layers=self.layers)
+            held_rows, held_context = other.load_all(), other.meta["prompt_context"]
+        self.heldout = eagle3_examples(heldout, held_rows, None, draft_vocab, held_context, remap)
+        answer_tokens = sum(sum(ex.assistant_mask[1:]) for ex in every)
+        self.feature_bytes = {"feature_disk_bytes": features.disk_bytes(),
+                              "feature_bytes_per_answer_token": features.disk_bytes() / max(1, answer_tokens)}
         self.module = Eagle3Trainee(head, e.steps).to(device)
 
     def micro_loss(self, model, indices: list[int], step: int, micro: int, autocast=None):
@@ -313,7 +319,7 @@ class Eagle3Task:
 
     def describe(self) -> dict:
         return {"kind": "eagle3", "draft_vocab": self.draft_vocab.size, "layers": self.layers,
-                "unroll_steps": self.module.steps, "feature_disk_bytes_per_token": self.feature_bytes_per_token}
+                "unroll_steps": self.module.steps, **self.feature_bytes}
 
     def save(self, out_dir, target, meta: dict):
         return save_eagle3_head(self.head.eval(), target.tokenizer, out_dir,

@@ -87,7 +87,8 @@ class _TrainedOptional(TypedDict, total=False):
     kind: str  # "layers" or "eagle3"
     clock: str  # what train_minutes counts: "wall" or "cpu"
     unroll_steps: int  # eagle3 only
-    feature_disk_bytes_per_token: float  # eagle3 only
+    feature_disk_bytes: int  # eagle3 only
+    feature_bytes_per_answer_token: float  # eagle3 only
 
 
 class Trained(_TrainedOptional):
