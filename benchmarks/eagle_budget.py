@@ -273,10 +273,32 @@ def print_table(rows: list[dict], meta: dict) -> None:
     sys.stdout.flush()
 
 
+def report(work: Path, specs: dict, cost: dict, meta: dict) -> None:
+    """Every finished run (result.json), in the configurations' order, into results.json; unfinished
+    runs are listed with how far they got."""
+    rows, partial = [], []
+    for name in specs:
+        out = work / "runs" / name
+        if (out / "result.json").is_file():
+            result = json.loads((out / "result.json").read_text())
+            rows.append(row_of(name, result, cost["eagle3" if result.get("kind") == "eagle3" else "layers"]["c"]))
+        elif (out / "metrics.jsonl").is_file():
+            curve = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            partial.append({"name": name, "curve": curve})
+    print_table(rows, meta)
+    for p in partial:
+        last = p["curve"][-1]
+        print(f"unfinished: {p['name']:28} at {last['minutes']:.2f} CPU-min: α {last['acceptance']:.3f} "
+              f"{last.get('acceptance_per_position', '')}")
+    (work / "results.json").write_text(json.dumps({**meta, "rows": rows, "unfinished": partial}, indent=2, default=str))
+    log(f"wrote {work / 'results.json'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", default=str(REPO / ".specdistill" / "bench" / "eagle_budget"))
-    parser.add_argument("--phase", choices=["prepare", "costs", "all"], default="all")
+    parser.add_argument("--phase", choices=["prepare", "costs", "all", "report"], default="all",
+                        help="report: collect every finished run in --work into results.json and print the table")
     parser.add_argument("--reuse", default=None, help="a directory of earlier target answers and their teacher cache")
     parser.add_argument("--train-prompts", type=int, default=200)
     parser.add_argument("--heldout-prompts", type=int, default=40)
@@ -325,8 +347,11 @@ def main() -> None:
         return
     meta = {"coverage": state["coverage"], "answer_tokens": state["answer_tokens"], "n_train": state["n_train"],
             "features": state["features"], "costs": cost}
-    only = args.only.split("|") if args.only else None
     specs = run_specs(args, state)
+    if args.phase == "report":
+        report(work, specs, cost, meta)
+        return
+    only = args.only.split("|") if args.only else None
     rows = []
     for name in only or list(specs):  # --only: in the order given
         overrides = specs.get(name)
