@@ -39,6 +39,7 @@ from specdistill.speculative import (
     generate,
 )
 from specdistill.speculative.bench import BenchConfig, Prompt, run_bench_many
+from specdistill.speculative.eagle import EagleDrafter
 
 
 def _loaded(ref: str | os.PathLike | LoadedModel, dtype: str = "float32") -> LoadedModel:
@@ -120,6 +121,28 @@ def aligned_drafter(target: LoadedModel, draft: LoadedModel, name: str = "draft"
     return ModelDrafter(aligned.model, target.config.vocab_size, aligned.draft_vocab, name=label), aligned.transplanted, aligned.reason
 
 
+def _eagle3_dir(ref) -> Path | None:
+    from specdistill.modeling.eagle3_io import is_eagle3_dir
+    from specdistill.modeling.models import resolve_model_dir
+
+    if isinstance(ref, LoadedModel):
+        return None
+    path = resolve_model_dir(ref)
+    return path if is_eagle3_dir(path) else None
+
+
+def aligned_eagle_drafter(target: LoadedModel, head_dir: Path, name: str = "draft") -> tuple[EagleDrafter, bool, str]:
+    """(drafter, transplanted, why) for an EAGLE-3 head: its embeddings are always the target's, so a
+    tokenizer change only carries its draft vocabulary (d2t/t2d, lm_head rows) over by token string.
+    The target's fingerprint is not enforced here: replaying a champion on a new target version is
+    what the monitor is for."""
+    from specdistill.modeling.eagle3_io import load_eagle3
+
+    loaded = load_eagle3(head_dir, target.model, target_tokenizer=target.tokenizer)
+    label = f"{name} (transplanted)" if loaded.transplanted else name
+    return EagleDrafter(loaded.head, target.model, name=label), loaded.transplanted, loaded.reason
+
+
 def replay_acceptance(
     target_ref: str | os.PathLike | LoadedModel,
     draft_ref: str | os.PathLike | LoadedModel,
@@ -148,7 +171,8 @@ def replay_acceptance(
         raise ValueError(f"on_vocab_mismatch must be 'transplant' or 'zero', not {on_vocab_mismatch!r}")
     start = time.perf_counter()
     target = _loaded(target_ref, dtype)
-    draft = _loaded(draft_ref, dtype)
+    head_dir = _eagle3_dir(draft_ref)  # an EAGLE-3 head loads only with its target (below)
+    draft = None if head_dir else _loaded(draft_ref, dtype)
     fp = target_version or target.fingerprint
     version = draft_version or str(draft_ref if not isinstance(draft_ref, LoadedModel) else draft.path)
     sample = AcceptanceSample(False, target_fingerprint=fp, draft_version=version, gamma=gamma)
@@ -156,12 +180,23 @@ def replay_acceptance(
     if on_vocab_mismatch == "zero":
         from specdistill.modeling.vocab import check_vocab, vocab_mismatch
 
-        why = vocab_mismatch(check_vocab(target.tokenizer, draft.tokenizer), draft.config.vocab_size, target.config.vocab_size)
+        if head_dir:
+            from transformers import AutoTokenizer
+
+            from specdistill.modeling.eagle3_io import read_config
+
+            draft_tok, draft_vocab_size = AutoTokenizer.from_pretrained(head_dir), read_config(head_dir)["vocab_size"]
+        else:
+            draft_tok, draft_vocab_size = draft.tokenizer, draft.config.vocab_size
+        why = vocab_mismatch(check_vocab(target.tokenizer, draft_tok), draft_vocab_size, target.config.vocab_size)
         if why:
             sample.ok, sample.reason, sample.vocab_mismatch = True, f"vocabulary mismatch: {why}", True
             sample.acceptance_rate, sample.mean_accepted_length = 0.0, 1.0
             return sample
-    drafter, transplanted, why = aligned_drafter(target, draft, name=version)
+    if head_dir:
+        drafter, transplanted, why = aligned_eagle_drafter(target, head_dir, name=version)
+    else:
+        drafter, transplanted, why = aligned_drafter(target, draft, name=version)
     sample.vocab_mismatch = sample.vocab_transplanted = transplanted
 
     prompts = prompts_from_store(store, target.tokenizer, n_prompts, max_prompt_tokens=max_prompt_tokens)
