@@ -106,9 +106,9 @@ def test_export_matches_the_published_layout(head_dir, target):
     assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 3, 4], "use_aux_hidden_state": True}
     assert config["rope_theta"] == tc.rope_parameters["rope_theta"]
 
-    H, T, I = config["hidden_size"], config["target_hidden_size"], config["intermediate_size"]
+    width, target_width = config["hidden_size"], config["target_hidden_size"]
     n, kv, d = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
-    size = {"H": H, "3T": 3 * T, "2H": 2 * H, "I": I, "n*d": n * d, "kv*d": kv * d,
+    size = {"H": width, "3T": 3 * target_width, "2H": 2 * width, "I": config["intermediate_size"], "n*d": n * d, "kv*d": kv * d,
             "N": config["draft_vocab_size"], "V": config["vocab_size"]}
     with safe_open(str(head_dir / "model.safetensors"), "pt") as f:
         tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)

@@ -39,7 +39,7 @@ from specdistill.speculative import (
     generate,
 )
 from specdistill.speculative.bench import BenchConfig, Prompt, run_bench_many
-from specdistill.speculative.eagle import EagleDrafter
+from specdistill.speculative.eagle import aligned_eagle_drafter
 
 
 def _loaded(ref: str | os.PathLike | LoadedModel, dtype: str = "float32") -> LoadedModel:
@@ -122,25 +122,12 @@ def aligned_drafter(target: LoadedModel, draft: LoadedModel, name: str = "draft"
 
 
 def _eagle3_dir(ref) -> Path | None:
+    """The directory of an EAGLE-3 head (which loads only with its target), else None."""
     from specdistill.modeling.eagle3_io import is_eagle3_dir
     from specdistill.modeling.models import resolve_model_dir
 
-    if isinstance(ref, LoadedModel):
-        return None
-    path = resolve_model_dir(ref)
-    return path if is_eagle3_dir(path) else None
-
-
-def aligned_eagle_drafter(target: LoadedModel, head_dir: Path, name: str = "draft") -> tuple[EagleDrafter, bool, str]:
-    """(drafter, transplanted, why) for an EAGLE-3 head: its embeddings are always the target's, so a
-    tokenizer change only carries its draft vocabulary (d2t/t2d, lm_head rows) over by token string.
-    The target's fingerprint is not enforced here: replaying a champion on a new target version is
-    what the monitor is for."""
-    from specdistill.modeling.eagle3_io import load_eagle3
-
-    loaded = load_eagle3(head_dir, target.model, target_tokenizer=target.tokenizer)
-    label = f"{name} (transplanted)" if loaded.transplanted else name
-    return EagleDrafter(loaded.head, target.model, name=label), loaded.transplanted, loaded.reason
+    path = None if isinstance(ref, LoadedModel) else resolve_model_dir(ref)
+    return path if path is not None and is_eagle3_dir(path) else None
 
 
 def replay_acceptance(
@@ -193,8 +180,8 @@ def replay_acceptance(
             sample.ok, sample.reason, sample.vocab_mismatch = True, f"vocabulary mismatch: {why}", True
             sample.acceptance_rate, sample.mean_accepted_length = 0.0, 1.0
             return sample
-    if head_dir:
-        drafter, transplanted, why = aligned_eagle_drafter(target, head_dir, name=version)
+    if head_dir:  # the target's fingerprint is not enforced: replaying on a new target version is the point
+        drafter, transplanted, why = aligned_eagle_drafter(target.model, target.tokenizer, head_dir, name=version)
     else:
         drafter, transplanted, why = aligned_drafter(target, draft, name=version)
     sample.vocab_mismatch = sample.vocab_transplanted = transplanted

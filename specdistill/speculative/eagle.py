@@ -91,3 +91,13 @@ class EagleDrafter:
         if self.committed > valid_len - 1:  # recompute from one entry back, so the last output is fresh
             self.committed = max(valid_len - 2, 0)
             self.cache.crop(self.committed)
+
+
+def aligned_eagle_drafter(target: PreTrainedModel, target_tokenizer, head_dir, name: str = "draft") -> tuple[EagleDrafter, bool, str]:
+    """(drafter, transplanted, why) for a head directory: its embeddings are always the target's, so
+    a tokenizer change only carries its draft vocabulary (d2t/t2d, lm_head rows) over by token string."""
+    from specdistill.modeling.eagle3_io import load_eagle3
+
+    loaded = load_eagle3(head_dir, target, target_tokenizer=target_tokenizer)
+    label = f"{name} (transplanted)" if loaded.transplanted else name
+    return EagleDrafter(loaded.head, target, name=label), loaded.transplanted, loaded.reason
