@@ -198,3 +198,18 @@ def transplant_head_vocab(
         setattr(config, name, getattr(new_tok, name, None))
     tensors = {**tensors, "lm_head.weight": torch.stack(rows), "d2t": new_vocab.d2t, "t2d": new_vocab.t2d}
     return config, tensors
+
+
+def align_head(head_dir: str | os.PathLike, target: PreTrainedModel, target_tokenizer: PreTrainedTokenizerBase,
+               out_dir: str | os.PathLike) -> tuple[Path, LoadedEagle3, dict]:
+    """A head made usable on `target` (a warm start after a target update): the directory as it is
+    when the tokenizers agree, else a copy in `out_dir` with its draft vocabulary carried over.
+    Returns (directory, loaded head, vocabulary report)."""
+    report = check_vocab(target_tokenizer, AutoTokenizer.from_pretrained(head_dir)).to_dict()
+    loaded = load_eagle3(head_dir, target, target_tokenizer=target_tokenizer)
+    if not loaded.transplanted:
+        return Path(head_dir), loaded, report
+    if (Path(out_dir) / "config.json").is_file():  # carried over before, for this very target
+        return Path(out_dir), loaded, report
+    meta = {**loaded.meta, "transplanted_from": str(head_dir), "transplant_reason": loaded.reason}
+    return save_eagle3(loaded.head, target_tokenizer, out_dir, meta), loaded, report
