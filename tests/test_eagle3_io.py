@@ -158,6 +158,8 @@ def test_head_for_another_fingerprint_or_vocabulary_is_refused(head_dir, target,
     monkeypatch.setattr(eagle3_io, "load_file", lambda *a, **k: pytest.fail("weights read before the check"))
     with pytest.raises(Eagle3ShapeError, match=f"built for target fingerprint {target.fingerprint}, this target is 0123"):
         load_eagle3(head_dir, target.model, target_fingerprint="0123")
+    with pytest.raises(Eagle3ShapeError, match=r"reads target layers \[1, 3, 4\], the features given are of layers \[2, 3, 3\]"):
+        load_eagle3(head_dir, target.model, feature_layers=[2, 3, 3])
     from tests.conftest import make_tiny_llama
 
     with pytest.raises(Eagle3ShapeError, match="target vocabulary 512, head built for"):

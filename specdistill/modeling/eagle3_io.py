@@ -94,7 +94,8 @@ def _llama_config(config: dict) -> LlamaConfig:
 
 
 def check_fits(config: dict, target_config, *, where: str, meta: dict | None = None,
-               target_fingerprint: str | None = None, check_vocab_size: bool = True) -> None:
+               target_fingerprint: str | None = None, feature_layers: list[int] | None = None,
+               check_vocab_size: bool = True) -> None:
     """Refuse a head saved for another target before loading any weight, naming every mismatch."""
     problems = []
     target_hidden = config.get("target_hidden_size", config.get("hidden_size"))
@@ -107,6 +108,8 @@ def check_fits(config: dict, target_config, *, where: str, meta: dict | None = N
     layers = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or []
     if len(layers) != 3 or not all(0 <= i < target_config.num_hidden_layers for i in layers):
         problems.append(f"head reads target layers {layers}, the target has {target_config.num_hidden_layers}")
+    if feature_layers is not None and list(feature_layers) != list(layers):
+        problems.append(f"head reads target layers {layers}, the features given are of layers {list(feature_layers)}")
     trained_for = (meta or {}).get("target_fingerprint")
     if target_fingerprint and trained_for and trained_for != target_fingerprint:
         problems.append(f"head was built for target fingerprint {trained_for}, this target is {target_fingerprint}")
@@ -130,10 +133,12 @@ def load_eagle3(
     *,
     target_tokenizer: PreTrainedTokenizerBase | None = None,
     target_fingerprint: str | None = None,
+    feature_layers: list[int] | None = None,
 ) -> LoadedEagle3:
     """The head in `directory`, paired with `target` (its embeddings), in the target's dtype.
 
-    Shape, layer set and (when given) fingerprint are checked before any weight is read. With
+    Shape, layers and (when given) the fingerprint and the layer set of the features it will be fed
+    (a feature cache's) are checked before any weight is read. With
     `target_tokenizer`, a head saved for another tokenizer (a target update that added tokens) has
     its draft vocabulary carried over by token string (`transplant_head_vocab`); without it, a
     vocabulary size mismatch is an error.
@@ -149,7 +154,7 @@ def load_eagle3(
     if target_tokenizer is not None:
         reason = vocab_mismatch(check_vocab(target_tokenizer, tokenizer), config_dict.get("vocab_size"), target.config.vocab_size)
     check_fits(config_dict, target.config, where=str(directory), meta=meta, target_fingerprint=target_fingerprint,
-               check_vocab_size=not reason)
+               feature_layers=feature_layers, check_vocab_size=not reason)
     weights = directory / WEIGHTS_FILE
     try:
         tensors = load_file(str(weights))

@@ -19,6 +19,9 @@ from specdistill.speculative.sampling import SamplingConfig, probs_from_logits, 
 
 
 class Drafter(Protocol):
+    """A drafter that also has `feature_layers` (the EAGLE drafter) gets `add_features(features)`
+    from the engine after every target forward: the target's features at the positions it kept."""
+
     name: str
 
     def reset(self) -> None: ...
