@@ -135,6 +135,8 @@ def test_rollback_keeps_only_entries_built_from_target_features():
     assert drafter.cache.length == drafter.committed == 3
     with pytest.raises(RuntimeError, match="features for 3 positions, needs 5"):
         drafter.propose(torch.tensor(prompt + [6, 7]), 2, greedy, None)
+    with pytest.raises(RuntimeError, match="3 positions are committed"):
+        drafter.rollback(3)
 
 
 def test_hooks_are_removed_when_drafting_fails(monkeypatch):

@@ -32,18 +32,19 @@ class EagleDrafter:
 
     def reset(self) -> None:
         self.cache = Eagle3Cache()
-        self.features: torch.Tensor | None = None  # [positions, 3·H_target], the target's, one row per position
-        self.committed = 0  # head entries built from real features (positions 0..committed-1)
+        self.committed = 0  # head entries built from the target's features (positions 0..committed-1)
+        self.pending: torch.Tensor | None = None  # the target's features [T, 3·H] of positions committed..
         self.last_hidden: torch.Tensor | None = None  # output of the last committed entry [1, 1, H]
 
     @property
     def featured(self) -> int:
-        return 0 if self.features is None else self.features.shape[0]
+        """Positions whose target features the drafter has been given."""
+        return self.committed + (0 if self.pending is None else self.pending.shape[0])
 
     def add_features(self, features: torch.Tensor) -> None:
         """The target's features [T, 3·H] for the next T positions it has verified (kept ones only)."""
         features = features.to(self.head.fc.weight.dtype)
-        self.features = features if self.features is None else torch.cat([self.features, features])
+        self.pending = features if self.pending is None else torch.cat([self.pending, features])
 
     def _commit(self, tokens: torch.Tensor) -> None:
         """Run the head over the positions whose features arrived since the last round."""
@@ -53,13 +54,13 @@ class EagleDrafter:
                 f"the EAGLE drafter has the target's features for {self.featured} positions, needs {end}: "
                 "it drafts only inside the engine's generate(), which hands it the features"
             )
-        if self.committed == end:
+        if self.pending is None:
             return
         start = self.committed
-        hidden = self.head.project(self.features[start:end]).unsqueeze(0)
         positions = torch.arange(start, end).unsqueeze(0)
-        out = self.head(tokens[start + 1 : end + 1].unsqueeze(0), hidden, positions, self.cache)
-        self.committed, self.last_hidden = end, out[:, -1:]
+        out = self.head(tokens[start + 1 : end + 1].unsqueeze(0), self.head.project(self.pending).unsqueeze(0),
+                        positions, self.cache)
+        self.committed, self.pending, self.last_hidden = end, None, out[:, -1:]
 
     def propose(self, tokens: torch.Tensor, k: int, config: SamplingConfig, generator: torch.Generator | None):
         self._commit(tokens)
@@ -84,13 +85,12 @@ class EagleDrafter:
         return draft_ids, self.vocab.to_full(torch.stack(qs))  # zero outside the draft vocabulary: still lossless
 
     def rollback(self, valid_len: int) -> None:
-        """Drop every speculative entry; real features for the accepted tokens arrive next."""
+        """Drop every speculative entry; the target's features for the accepted tokens arrive next."""
+        if valid_len - 1 < self.committed:
+            raise RuntimeError(f"cannot roll back to {valid_len} tokens: {self.committed} positions are committed")
         self.cache.crop(self.committed)
-        if self.featured > valid_len - 1:  # never when driven by the engine; kept consistent anyway
-            self.features = self.features[: valid_len - 1]
-        if self.committed > valid_len - 1:  # recompute from one entry back, so the last output is fresh
-            self.committed = max(valid_len - 2, 0)
-            self.cache.crop(self.committed)
+        if self.featured > valid_len - 1:  # features of positions past the sequence (never from the engine)
+            self.pending = self.pending[: valid_len - 1 - self.committed] if valid_len - 1 > self.committed else None
 
 
 def aligned_eagle_drafter(target: PreTrainedModel, target_tokenizer, head_dir, name: str = "draft") -> tuple[EagleDrafter, bool, str]:
