@@ -120,6 +120,11 @@ def test_export_matches_the_published_layout(head_dir, target):
     ids = torch.arange(100) + tensors["d2t"]
     assert torch.equal(ids, torch.arange(40, 140)) and torch.equal(tensors["t2d"].nonzero().flatten(), ids)
     assert {vllm_name(name) for name in tensors} - {None} == VLLM_PARAMETERS
+    from transformers import AutoConfig  # what vLLM and SGLang parse config.json with
+
+    read = AutoConfig.from_pretrained(head_dir)
+    assert read.model_type == "llama" and read.architectures == ["LlamaForCausalLMEagle3"] and not read.tie_word_embeddings
+    assert read.eagle_config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4] and read.draft_vocab_size == 100
 
 
 def test_load_back_drafts_identically(head_dir, target):
