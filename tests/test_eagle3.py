@@ -115,3 +115,11 @@ def test_head_for_another_target_is_refused(target, head):
     other = make_tiny_llama(vocab_size=64, hidden=48, layers=3)
     with pytest.raises(Eagle3ShapeError, match="hidden size 48.*layers \\[2, 3, 3\\]"):
         check_head_fits(head, other)
+
+
+def test_cached_forward_builds_its_mask_on_the_heads_device(head):
+    """The causal mask follows the head's device (a CPU-only mask broke any GPU run); checked on meta."""
+    meta = head.to("meta")
+    out = meta(torch.zeros(1, 3, dtype=torch.long, device="meta"), torch.zeros(1, 3, 32, device="meta", dtype=torch.float64),
+               torch.arange(3, device="meta")[None], Eagle3Cache())
+    assert out.shape == (1, 3, 32) and out.device.type == "meta"

@@ -40,11 +40,9 @@ def cmd_vocab_transplant(args: argparse.Namespace) -> int:
 def cmd_draft_init(args: argparse.Namespace) -> int:
     from specdistill.modeling.drafts import init_draft_from_target, parse_layers, save_draft
     from specdistill.modeling.models import load_model, num_parameters
-    from specdistill.modeling.vocab import build_draft_vocab, token_frequencies
+    from specdistill.modeling.vocab import DraftVocab, build_draft_vocab, token_frequencies
 
     target = load_model(args.target)
-    layers = parse_layers(args.layers, target.config.num_hidden_layers)
-    draft = init_draft_from_target(target.model, layers)
     draft_vocab = None
     if args.draft_vocab:
         if not args.traffic:
@@ -52,10 +50,39 @@ def cmd_draft_init(args: argparse.Namespace) -> int:
         with open(args.traffic, encoding="utf-8", errors="replace") as f:
             counts = token_frequencies(target.tokenizer, f)
         draft_vocab = build_draft_vocab(counts, args.draft_vocab, target.config.vocab_size, [target.tokenizer.eos_token_id])
+    if args.kind == "eagle3":
+        import torch
+
+        full = DraftVocab(torch.arange(target.config.vocab_size), target.config.vocab_size)
+        return _init_eagle3(args, target, draft_vocab or full)
+    layers = parse_layers(args.layers or "0,1,2,29", target.config.num_hidden_layers)
+    draft = init_draft_from_target(target.model, layers)
     meta = {"target_fingerprint": target.fingerprint, "layers": layers, "draft_vocab": args.draft_vocab}
     out = save_draft(draft, target.tokenizer, args.out, draft_vocab=draft_vocab, meta=meta)
-    payload = {"out": str(out), "layers": layers, "parameters": num_parameters(draft), **meta}
+    payload = {"out": str(out), "kind": "layers", "layers": layers, "parameters": num_parameters(draft), **meta}
     emit(args, payload, f"draft with layers {layers} ({payload['parameters'] / 1e6:.1f}M parameters) -> {out}")
+    return 0
+
+
+def _init_eagle3(args: argparse.Namespace, target, draft_vocab) -> int:
+    """An untrained EAGLE-3 head over the target's features (layers low/mid/high unless given)."""
+    from specdistill.modeling.eagle3 import init_eagle3_from_target
+    from specdistill.modeling.eagle3_io import save_eagle3
+
+    layers = None
+    if args.layers:
+        try:
+            layers = [int(x) for x in args.layers.split(",")]
+        except ValueError:
+            raise SystemExit(f"--layers {args.layers!r}: an EAGLE-3 head reads three target layers, e.g. 2,15,27") from None
+    head = init_eagle3_from_target(target.model, draft_vocab, layers)
+    meta = {"target_fingerprint": target.fingerprint, "target": str(target.path)}
+    out = save_eagle3(head, target.tokenizer, args.out, meta)
+    parameters = sum(p.numel() for name, p in head.named_parameters() if not name.startswith("embed_tokens."))
+    payload = {"out": str(out), "kind": "eagle3", "layers": head.aux_layers, "draft_vocab": draft_vocab.size,
+               "parameters": parameters, **meta}
+    emit(args, payload, f"EAGLE-3 head over target layers {head.aux_layers}, draft vocabulary {draft_vocab.size} "
+                        f"({parameters / 1e6:.1f}M parameters) -> {out}")
     return 0
 
 
@@ -72,10 +99,14 @@ def register(sub: Subcommands) -> None:
     p.add_argument("out")
 
     draft = group(sub, "draft", "drafts")
-    p = command(draft, "init", cmd_draft_init, "a draft initialized from the target's own layers",
+    p = command(draft, "init", cmd_draft_init, "a draft initialized from the target's own layers, or an EAGLE-3 head",
                 example="draft init --target demo --layers 0,1,2,29 --draft-vocab 8192 --traffic traffic.txt runs/draft")
     p.add_argument("--target", default="demo")
-    p.add_argument("--layers", default="0,1,2,29", help="'0,1,2,29', 'evenly:K' or 'first:K'")
+    p.add_argument("--kind", choices=("layers", "eagle3"), default="layers",
+                   help="layers: a few target layers; eagle3: one layer over the target's features (EAGLE-3)")
+    p.add_argument("--layers", default=None,
+                   help="layers: '0,1,2,29' (default), 'evenly:K' or 'first:K'; eagle3: the three feature layers "
+                        "(default 2, N/2, N-3 as vLLM and SGLang capture them)")
     p.add_argument("--draft-vocab", type=int, default=None, help="keep only the N most frequent tokens")
     p.add_argument("--traffic", default=None, help="text file whose token counts choose the draft vocabulary")
     p.add_argument("out")

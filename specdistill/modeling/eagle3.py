@@ -203,7 +203,8 @@ class Eagle3Draft(nn.Module):
         past = cache.length
         keys, values = cache.append(k, v)
         t = q.shape[2]
-        mask = torch.arange(keys.shape[2]) <= (past + torch.arange(t)).unsqueeze(1)  # [T, past + T]
+        device = q.device
+        mask = torch.arange(keys.shape[2], device=device) <= (past + torch.arange(t, device=device)).unsqueeze(1)  # [T, past + T]
         out = F.scaled_dot_product_attention(q, attn.expand(keys), attn.expand(values), attn_mask=mask)
         return self.midlayer.finish(hidden, attn.out(out))
 

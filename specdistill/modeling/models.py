@@ -180,14 +180,21 @@ def load_model(
     *,
     dtype: str | torch.dtype = torch.float32,
     trust_remote_code: bool = False,
+    target: LoadedModel | None = None,
 ) -> LoadedModel:
     """Load a target or draft with its tokenizer (and chat template), in eval mode.
 
     The fingerprint is taken over the weights as stored (fp32), whatever `dtype` the model runs in:
-    a bf16 run and an fp32 run of one target are the same target version.
+    a bf16 run and an fp32 run of one target are the same target version. An EAGLE-3 head drafts
+    from a target's features and uses its embeddings, so it loads only with `target` (and runs in
+    the target's dtype); it is never read as a plain Llama model.
     """
     dtype = resolve_dtype(dtype)
     model_dir = resolve_model_dir(ref)
+    from specdistill.modeling.eagle3_io import is_eagle3_dir
+
+    if is_eagle3_dir(model_dir):
+        return _load_eagle3_head(model_dir, target)
     known = saved_fingerprint(model_dir)
     try:
         model = AutoModelForCausalLM.from_pretrained(
@@ -202,6 +209,20 @@ def load_model(
     if model.dtype != dtype:
         model.to(dtype)
     return LoadedModel(model, tokenizer, model_dir, fp)
+
+
+def _load_eagle3_head(model_dir: Path, target: LoadedModel | None) -> LoadedModel:
+    from specdistill.modeling.eagle3_io import WEIGHTS_FILE, load_eagle3
+
+    if target is None:
+        raise ModelLoadError(
+            f"{model_dir} is an EAGLE-3 head: it drafts from a target's features with the target's embeddings, "
+            "so load it together with its target (a draft for `generate --draft`, `bench --draft`)"
+        )
+    loaded = load_eagle3(model_dir, target.model)
+    h = hashlib.sha256(file_sha256(model_dir / WEIGHTS_FILE).encode())
+    h.update(tokenizer_digest(loaded.tokenizer).encode())
+    return LoadedModel(loaded.head, loaded.tokenizer, model_dir, h.hexdigest()[:16])
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """The MLflow pyfunc wrapper of a draft, logged as "models from code" (no pickled object).
 
-`predict` gives the draft's own greedy continuation of each prompt: a smoke test of the logged
-model. Serving systems read the HF checkpoint under the model's `artifacts/draft` directory.
+`predict` is a smoke test of the logged model: a layer-extracted draft's own greedy continuation of
+each prompt; for an EAGLE-3 head, which cannot run without its target's features, the target's
+greedy continuation decoded speculatively with the head (the target named in the head's meta, or
+$SPECDISTILL_EAGLE3_TARGET). Serving systems read the checkpoint under the `artifacts/draft` directory.
 """
 
 from __future__ import annotations
@@ -9,14 +11,22 @@ from __future__ import annotations
 import mlflow
 from mlflow.pyfunc import PythonModel
 
+EAGLE3_TARGET_ENV = "SPECDISTILL_EAGLE3_TARGET"
+
 
 class DraftModel(PythonModel):
     def load_context(self, context):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from specdistill.modeling.eagle3_io import is_eagle3_dir
+
         path = context.artifacts["draft"]
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True).eval()
+        self.target = self.drafter = None
+        if is_eagle3_dir(path):
+            self.target, self.drafter = _target_and_head(path)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True).eval()
 
     def predict(self, context, model_input: list[str], params=None) -> list[str]:
         import torch
@@ -26,10 +36,35 @@ class DraftModel(PythonModel):
         outputs = []
         for prompt in prompts:
             ids = self.tokenizer(prompt, return_tensors="pt")
-            with torch.inference_mode():
-                out = self.model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)
-            outputs.append(self.tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+            if self.drafter is not None:
+                from specdistill.speculative import generate
+
+                new = generate(self.target, ids["input_ids"][0], max_new_tokens=max_new_tokens, drafter=self.drafter).output_ids
+            else:
+                with torch.inference_mode():
+                    out = self.model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)
+                new = out[0, ids["input_ids"].shape[1]:]
+            outputs.append(self.tokenizer.decode(new, skip_special_tokens=True))
         return outputs
+
+
+def _target_and_head(path: str):
+    import os
+    from pathlib import Path
+
+    from specdistill.modeling.drafts import load_draft_meta
+    from specdistill.modeling.eagle3_io import load_eagle3
+    from specdistill.modeling.models import load_model
+    from specdistill.speculative.eagle import EagleDrafter
+
+    target_ref = os.environ.get(EAGLE3_TARGET_ENV) or load_draft_meta(path).get("target")
+    if not target_ref or (target_ref != "demo" and not Path(target_ref).exists()):
+        raise FileNotFoundError(
+            f"the EAGLE-3 head in {path} drafts from its target's features, and its target {target_ref!r} is not "
+            f"here: set ${EAGLE3_TARGET_ENV} to the target's directory"
+        )
+    target = load_model(target_ref)
+    return target.model, EagleDrafter(load_eagle3(path, target.model).head, target.model)
 
 
 mlflow.models.set_model(DraftModel())

@@ -39,6 +39,7 @@ from specdistill.speculative import (
     generate,
 )
 from specdistill.speculative.bench import BenchConfig, Prompt, run_bench_many
+from specdistill.speculative.eagle import aligned_eagle_drafter
 
 
 def _loaded(ref: str | os.PathLike | LoadedModel, dtype: str = "float32") -> LoadedModel:
@@ -120,6 +121,15 @@ def aligned_drafter(target: LoadedModel, draft: LoadedModel, name: str = "draft"
     return ModelDrafter(aligned.model, target.config.vocab_size, aligned.draft_vocab, name=label), aligned.transplanted, aligned.reason
 
 
+def _eagle3_dir(ref) -> Path | None:
+    """The directory of an EAGLE-3 head (which loads only with its target), else None."""
+    from specdistill.modeling.eagle3_io import is_eagle3_dir
+    from specdistill.modeling.models import resolve_model_dir
+
+    path = None if isinstance(ref, LoadedModel) else resolve_model_dir(ref)
+    return path if path is not None and is_eagle3_dir(path) else None
+
+
 def replay_acceptance(
     target_ref: str | os.PathLike | LoadedModel,
     draft_ref: str | os.PathLike | LoadedModel,
@@ -148,7 +158,8 @@ def replay_acceptance(
         raise ValueError(f"on_vocab_mismatch must be 'transplant' or 'zero', not {on_vocab_mismatch!r}")
     start = time.perf_counter()
     target = _loaded(target_ref, dtype)
-    draft = _loaded(draft_ref, dtype)
+    head_dir = _eagle3_dir(draft_ref)  # an EAGLE-3 head loads only with its target (below)
+    draft = None if head_dir else _loaded(draft_ref, dtype)
     fp = target_version or target.fingerprint
     version = draft_version or str(draft_ref if not isinstance(draft_ref, LoadedModel) else draft.path)
     sample = AcceptanceSample(False, target_fingerprint=fp, draft_version=version, gamma=gamma)
@@ -156,12 +167,23 @@ def replay_acceptance(
     if on_vocab_mismatch == "zero":
         from specdistill.modeling.vocab import check_vocab, vocab_mismatch
 
-        why = vocab_mismatch(check_vocab(target.tokenizer, draft.tokenizer), draft.config.vocab_size, target.config.vocab_size)
+        if head_dir:
+            from transformers import AutoTokenizer
+
+            from specdistill.modeling.eagle3_io import read_config
+
+            draft_tok, draft_vocab_size = AutoTokenizer.from_pretrained(head_dir), read_config(head_dir)["vocab_size"]
+        else:
+            draft_tok, draft_vocab_size = draft.tokenizer, draft.config.vocab_size
+        why = vocab_mismatch(check_vocab(target.tokenizer, draft_tok), draft_vocab_size, target.config.vocab_size)
         if why:
             sample.ok, sample.reason, sample.vocab_mismatch = True, f"vocabulary mismatch: {why}", True
             sample.acceptance_rate, sample.mean_accepted_length = 0.0, 1.0
             return sample
-    drafter, transplanted, why = aligned_drafter(target, draft, name=version)
+    if head_dir:  # the target's fingerprint is not enforced: replaying on a new target version is the point
+        drafter, transplanted, why = aligned_eagle_drafter(target.model, target.tokenizer, head_dir, name=version)
+    else:
+        drafter, transplanted, why = aligned_drafter(target, draft, name=version)
     sample.vocab_mismatch = sample.vocab_transplanted = transplanted
 
     prompts = prompts_from_store(store, target.tokenizer, n_prompts, max_prompt_tokens=max_prompt_tokens)

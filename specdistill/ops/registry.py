@@ -64,6 +64,19 @@ class RegisteredDraft:
     model_uri: str
 
 
+def draft_kind_tags(draft_dir: str | Path) -> dict[str, str]:
+    """Lineage tags every version carries: which kind of draft, and for an EAGLE-3 head the target
+    layers it reads (a head is only valid on a target whose features it was trained on)."""
+    from specdistill.modeling.eagle3_io import is_eagle3_dir, read_config
+
+    if not is_eagle3_dir(draft_dir):
+        return {"draft_kind": "layers"}
+    config = read_config(draft_dir)
+    layers = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    return {"draft_kind": "eagle3", "feature_layers": ",".join(map(str, layers)),
+            "draft_vocab_size": str(config.get("draft_vocab_size"))}
+
+
 def register_draft(
     draft_dir: str | Path,
     *,
@@ -79,7 +92,7 @@ def register_draft(
     c = client()
     name = model_name_for(target_name)
     experiment_id = experiment_for(target_name)
-    tags = {k: str(v) for k, v in (tags or {}).items()}
+    tags = {**draft_kind_tags(draft_dir), **{k: str(v) for k, v in (tags or {}).items()}}
     with mlflow.start_run(experiment_id=experiment_id, run_name=run_name) as run:
         if params:
             mlflow.log_params({k: str(v)[:500] for k, v in params.items()})

@@ -16,6 +16,7 @@ from pathlib import Path
 from specdistill import paths
 
 MODES = ("draft", "ngram", "self_speculation", "off")
+DRAFT_KINDS = ("layers", "eagle3")  # a plain HF draft checkpoint, or an EAGLE-3 head over the target's features
 SERVING_FILE = "serving.json"
 
 
@@ -25,6 +26,7 @@ class ServingConfig:
     num_speculative_tokens: int = 4
     draft_dir: str | None = None  # draft mode, and self-speculation exported as an early-exit draft
     draft_version: str | None = None
+    draft_kind: str = "layers"  # draft mode: layers (vLLM draft_model, SGLang STANDALONE) or eagle3 (EAGLE3)
     target_fingerprint: str | None = None
     exit_layer: int | None = None  # self-speculation
     prompt_lookup_min: int = 2
@@ -39,12 +41,18 @@ class ServingConfig:
             raise ValueError(f"serving mode {self.mode!r} is not one of {MODES}")
         if self.mode in ("draft", "self_speculation") and not self.draft_dir:
             raise ValueError(f"serving mode {self.mode!r} needs a draft directory")
+        if self.draft_kind not in DRAFT_KINDS:
+            raise ValueError(f"draft kind {self.draft_kind!r} is not one of {DRAFT_KINDS}")
+        if self.draft_kind == "eagle3" and self.mode != "draft":
+            raise ValueError(f"an EAGLE-3 head is served in draft mode, not {self.mode!r}")
         if self.mode != "off" and self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
 
     def vllm(self) -> dict | None:
         """vLLM's `--speculative-config` (None: serve without speculation)."""
         k = self.num_speculative_tokens
+        if self.draft_kind == "eagle3":
+            return {"method": "eagle3", "model": self.draft_dir, "num_speculative_tokens": k}
         if self.mode in ("draft", "self_speculation"):
             return {"method": "draft_model", "model": self.draft_dir, "num_speculative_tokens": k}
         if self.mode == "ngram":
@@ -60,8 +68,8 @@ class ServingConfig:
         """SGLang `launch_server` flags (empty: serve without speculation)."""
         k = self.num_speculative_tokens
         if self.mode in ("draft", "self_speculation"):
-            return [
-                "--speculative-algorithm", "STANDALONE",
+            return [  # a chain of k drafts (top-1 per step), verified as k + 1 tokens, as our engine drafts
+                "--speculative-algorithm", "EAGLE3" if self.draft_kind == "eagle3" else "STANDALONE",
                 "--speculative-draft-model-path", str(self.draft_dir),
                 "--speculative-num-steps", str(k),
                 "--speculative-eagle-topk", "1",
@@ -82,7 +90,8 @@ class ServingConfig:
     def render(self) -> str:
         lines = [f"mode            {self.mode}"]
         if self.draft_dir:
-            lines.append(f"draft           {self.draft_dir} (version {self.draft_version})")
+            what = f"version {self.draft_version}"
+            lines.append(f"draft           {self.draft_dir} ({'EAGLE-3 head, ' if self.draft_kind == 'eagle3' else ''}{what})")
         if self.exit_layer is not None:
             lines.append(f"exit layer      {self.exit_layer}")
         lines.append(f"target          {self.target_fingerprint}")

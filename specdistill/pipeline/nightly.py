@@ -90,10 +90,16 @@ def align_champion(config: NightlyConfig, champion: Champion | None) -> WarmStar
     from transformers import AutoConfig
 
     from specdistill.modeling.drafts import align_draft, load_draft_meta, save_draft
+    from specdistill.modeling.eagle3_io import align_head, is_eagle3_dir
     from specdistill.modeling.models import load_model, resolve_model_dir
     from specdistill.modeling.vocab import DraftVocab
 
     target_tok = _target_tokenizer(config)
+    if is_eagle3_dir(champion["dir"]):  # a head: its draft vocabulary carried over; embeddings are the target's
+        target = load_model(config.target)
+        out = run_root() / "aligned" / f"{champion['name']}-{champion['version']}-{target.fingerprint}"
+        aligned_dir, head, report = align_head(champion["dir"], target.model, target_tok, out)
+        return WarmStart(**{**champion, "dir": str(aligned_dir)}, transplanted=head.transplanted, vocab_report=report)
     target_vocab_size = AutoConfig.from_pretrained(resolve_model_dir(config.target)).vocab_size
     draft = load_model(champion["dir"])
     aligned = align_draft(draft.model, draft.tokenizer, target_tok, DraftVocab.load(champion["dir"]),

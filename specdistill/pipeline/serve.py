@@ -100,9 +100,13 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
                   measured=decision["measured"], measured_on=decision["measured_on"])
     spec, mode = decision["spec"], decision["mode"]
     if mode == "draft":
+        from specdistill.modeling.eagle3_io import is_eagle3_dir
+
+        local = spec.partition(":")[2]
+        kind = "eagle3" if is_eagle3_dir(local) else "layers"  # vLLM method eagle3 / SGLang EAGLE3 for a head
         if decision["name"] == "challenger":  # served from its registered copy once it is registered
-            return ServingConfig(draft_dir=registered_dir or spec.partition(":")[2], draft_version=registered_version, **common)
-        return ServingConfig(draft_dir=spec.partition(":")[2], draft_version=champion["version"] if champion else None, **common)
+            return ServingConfig(draft_dir=registered_dir or local, draft_version=registered_version, draft_kind=kind, **common)
+        return ServingConfig(draft_dir=local, draft_version=champion["version"] if champion else None, draft_kind=kind, **common)
     if mode == "self_speculation":
         k = int(spec.partition(":")[2])
         out = export_early_exit_draft(target["path"], k, fallback_dir(target["fingerprint"], k))

@@ -14,6 +14,7 @@ from specdistill.speculative.drafters import (
     early_exit_model,
     make_drafter,
 )
+from specdistill.speculative.eagle import EagleDrafter
 from specdistill.speculative.engine import (
     GenerationResult,
     SpecStats,
@@ -25,6 +26,7 @@ from specdistill.speculative.sampling import SamplingConfig, probs_from_logits, 
 
 __all__ = [
     "Drafter",
+    "EagleDrafter",
     "GenerationResult",
     "ModelDrafter",
     "NgramDrafter",

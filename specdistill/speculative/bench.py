@@ -40,6 +40,7 @@ from specdistill.speculative import (
     SpecStats,
     generate,
 )
+from specdistill.speculative.eagle import EagleDrafter
 from specdistill.speculative.lossless import DEFAULT_TOLERANCE, LosslessReport, judge_lossless, model_dtype
 
 __all__ = ["BenchConfig", "BenchResult", "Prompt", "PromptFileError", "SliceResult", "encode_prompt", "load_prompts",
@@ -112,6 +113,8 @@ def measure_drafter_cost(target: PreTrainedModel, drafter: Drafter, context: int
     lookup's proposal time, each over a target decode step."""
     if isinstance(drafter, ModelDrafter):
         return measure_cost_ratio(target, drafter.model, draft_vocab=drafter.vocab, context=context, repeats=repeats)
+    if isinstance(drafter, EagleDrafter):  # its proposals need the engine's features: time the head's step
+        return measure_cost_ratio(target, drafter.head, context=context, repeats=repeats)
     from transformers import DynamicCache
 
     tokens = torch.randint(0, target.config.vocab_size, (context,))

@@ -19,6 +19,9 @@ from specdistill.speculative.sampling import SamplingConfig, probs_from_logits, 
 
 
 class Drafter(Protocol):
+    """A drafter that also has `feature_layers` (the EAGLE drafter) gets `add_features(features)`
+    from the engine after every target forward: the target's features at the positions it kept."""
+
     name: str
 
     def reset(self) -> None: ...
@@ -192,7 +195,8 @@ def make_drafter(
 ) -> Drafter | None:
     """The drafter a command line asks for: at most one of a draft model reference, an early-exit
     layer, or n-gram lookup; None means target-only decoding. A draft directory's
-    draft_vocab.safetensors, when present, switches on the reduced draft vocabulary."""
+    draft_vocab.safetensors, when present, switches on the reduced draft vocabulary; a directory
+    holding an EAGLE-3 head (by its config's architecture) gives the EAGLE drafter."""
     chosen = [name for name, on in (("draft", draft), ("self_spec", self_spec is not None), ("ngram", ngram)) if on]
     if len(chosen) > 1:
         raise ValueError(f"choose one drafting method, got {' and '.join(chosen)}")
@@ -201,9 +205,15 @@ def make_drafter(
     if ngram:
         return NgramDrafter(ngram_min, ngram_max)
     if draft:
-        from specdistill.modeling.models import load_model
+        from specdistill.modeling.eagle3_io import is_eagle3_dir, load_eagle3
+        from specdistill.modeling.models import load_model, resolve_model_dir
 
-        loaded = load_model(draft, dtype=next(target.parameters()).dtype)  # the draft runs in the target's dtype
+        path = resolve_model_dir(draft)
+        if is_eagle3_dir(path):  # an EAGLE-3 head, in the target's dtype with the target's embeddings
+            from specdistill.speculative.eagle import EagleDrafter
+
+            return EagleDrafter(load_eagle3(path, target).head, target, name=f"draft:{path.name}")
+        loaded = load_model(path, dtype=next(target.parameters()).dtype)  # the draft runs in the target's dtype
         return ModelDrafter(
             loaded.model, target.config.vocab_size, DraftVocab.load(loaded.path), name=f"draft:{loaded.path.name}"
         )

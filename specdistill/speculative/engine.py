@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from specdistill.modeling.eagle3 import FeatureHooks
 from specdistill.speculative.drafters import Drafter
 from specdistill.speculative.sampling import SamplingConfig, next_token, verify
 
@@ -171,40 +172,55 @@ def generate(
     cache = DynamicCache(config=target.config)
     if drafter is not None:
         drafter.reset()
+    # A drafter that drafts from the target's features (EAGLE-3) names the layers to hook; it is
+    # handed the features of the positions the target kept after every forward. Hooks go at the end.
+    layers = getattr(drafter, "feature_layers", None)
+    hooks = FeatureHooks(target, layers) if layers else None
 
     def forward(input_ids: torch.Tensor, keep: int) -> torch.Tensor:
         stats.target_forwards += 1
         return target(input_ids=input_ids.unsqueeze(0), cache=cache, use_cache=True, logits_to_keep=keep).logits[0]
 
-    new = next_token(forward(prompt, 1)[-1], sampling, generator).view(1)
-    while True:
-        # append the round's tokens, cut at the first stop token exactly as target-only decoding would
-        hit = torch.isin(new, stop).nonzero() if stop.numel() else new[:0]
-        if hit.numel():
-            new = new[: int(hit[0, 0]) + 1]
-        tokens[length : length + new.numel()] = new
-        length += new.numel()
-        generated = length - prompt.numel()
-        if hit.numel() or generated >= budget:
-            break
+    def pass_features(kept: int) -> None:
+        if hooks is not None:
+            drafter.add_features(hooks.take()[0, :kept])
 
-        k = min(gamma, budget - generated - 1)
-        draft_ids, draft_probs = (
-            drafter.propose(tokens[:length], k, sampling, generator) if drafter is not None and k > 0 else (tokens[:0], None)
-        )
-        k = draft_ids.numel()
-        if k == 0:
-            new = next_token(forward(tokens[length - 1 : length], 1)[-1], sampling, generator).view(1)
-            if drafter is not None:
-                drafter.rollback(length)
-            continue
-        logits = forward(torch.cat([tokens[length - 1 : length], draft_ids]), k + 1)
-        n, following = verify(logits, draft_ids, draft_probs, sampling, generator)
-        if n < k:
-            cache.crop(n - k)
-        drafter.rollback(length + n)
-        stats.record_round(k, n)
-        new = torch.cat([draft_ids[:n], following.view(1)])
+    try:
+        new = next_token(forward(prompt, 1)[-1], sampling, generator).view(1)
+        pass_features(prompt.numel())
+        while True:
+            # append the round's tokens, cut at the first stop token exactly as target-only decoding would
+            hit = torch.isin(new, stop).nonzero() if stop.numel() else new[:0]
+            if hit.numel():
+                new = new[: int(hit[0, 0]) + 1]
+            tokens[length : length + new.numel()] = new
+            length += new.numel()
+            generated = length - prompt.numel()
+            if hit.numel() or generated >= budget:
+                break
+
+            k = min(gamma, budget - generated - 1)
+            draft_ids, draft_probs = (
+                drafter.propose(tokens[:length], k, sampling, generator) if drafter is not None and k > 0 else (tokens[:0], None)
+            )
+            k = draft_ids.numel()
+            if k == 0:
+                new = next_token(forward(tokens[length - 1 : length], 1)[-1], sampling, generator).view(1)
+                if drafter is not None:
+                    drafter.rollback(length)
+                    pass_features(1)
+                continue
+            logits = forward(torch.cat([tokens[length - 1 : length], draft_ids]), k + 1)
+            n, following = verify(logits, draft_ids, draft_probs, sampling, generator)
+            if n < k:
+                cache.crop(n - k)
+            drafter.rollback(length + n)
+            pass_features(n + 1)  # the pending token and the n accepted drafts; the new token has none yet
+            stats.record_round(k, n)
+            new = torch.cat([draft_ids[:n], following.view(1)])
+    finally:
+        if hooks is not None:
+            hooks.remove()
 
     stats.generated_tokens = length - prompt.numel()
     stats.seconds = time.perf_counter() - start

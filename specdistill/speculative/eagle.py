@@ -1,0 +1,103 @@
+"""The EAGLE-3 drafter: drafts from the target's own features, with its own KV cache.
+
+Head entry t pairs the target's features at position t with token t+1 and predicts token t+2. With
+the sequence `tokens[:L]` (the last token pending, not yet run through the target), the target has
+produced features for positions 0..L-2 only, so the committed entries are 0..L-2 and entry L-2
+drafts token L. Each later draft step feeds the head's own pre-norm output back at the next position;
+those entries are speculative and `rollback` drops all of them, accepted or not: once the target
+has verified a round, its real features for the pending token and the accepted drafts replace them
+(`add_features`, called by the engine after every target forward). The correction or bonus token
+has no features until the next round, which is why the committed entries always end at L-2.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from specdistill.modeling.eagle3 import Eagle3Cache, Eagle3Draft, check_head_fits
+from specdistill.speculative.sampling import SamplingConfig, probs_from_logits, sample
+
+
+class EagleDrafter:
+    """Drafts with an EAGLE-3 head; `feature_layers` tells the engine which target layers to hook."""
+
+    def __init__(self, head: Eagle3Draft, target: PreTrainedModel, name: str = "eagle3"):
+        check_head_fits(head, target)
+        self.head = head
+        self.name = name
+        self.feature_layers = head.aux_layers
+        self.vocab = head.draft_vocab
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = Eagle3Cache()
+        self.committed = 0  # head entries built from the target's features (positions 0..committed-1)
+        self.pending: torch.Tensor | None = None  # the target's features [T, 3·H] of positions committed..
+        self.last_hidden: torch.Tensor | None = None  # output of the last committed entry [1, 1, H]
+
+    @property
+    def featured(self) -> int:
+        """Positions whose target features the drafter has been given."""
+        return self.committed + (0 if self.pending is None else self.pending.shape[0])
+
+    def add_features(self, features: torch.Tensor) -> None:
+        """The target's features [T, 3·H] for the next T positions it has verified (kept ones only)."""
+        features = features.to(self.head.fc.weight.dtype)
+        self.pending = features if self.pending is None else torch.cat([self.pending, features])
+
+    def _commit(self, tokens: torch.Tensor) -> None:
+        """Run the head over the positions whose features arrived since the last round."""
+        end = tokens.numel() - 1
+        if self.featured != end:
+            raise RuntimeError(
+                f"the EAGLE drafter has the target's features for {self.featured} positions, needs {end}: "
+                "it drafts only inside the engine's generate(), which hands it the features"
+            )
+        if self.pending is None:
+            return
+        start = self.committed
+        positions = torch.arange(start, end).unsqueeze(0)
+        out = self.head(tokens[start + 1 : end + 1].unsqueeze(0), self.head.project(self.pending).unsqueeze(0),
+                        positions, self.cache)
+        self.committed, self.pending, self.last_hidden = end, None, out[:, -1:]
+
+    def propose(self, tokens: torch.Tensor, k: int, config: SamplingConfig, generator: torch.Generator | None):
+        self._commit(tokens)
+        hidden = self.last_hidden
+        position = tokens.numel() - 1
+        ids, qs = [], []
+        for i in range(k):
+            logits = self.head.logits(hidden)[0, -1].float()
+            if config.greedy:
+                d = logits.argmax()
+            else:
+                q = probs_from_logits(logits, config)
+                d = sample(q, generator)
+                qs.append(q)
+            target_id = d + self.head.d2t[d]
+            ids.append(target_id)
+            if i < k - 1:
+                hidden = self.head(target_id.view(1, 1), hidden, torch.tensor([[position + i]]), self.cache)
+        draft_ids = torch.stack(ids)
+        if config.greedy:
+            return draft_ids, None
+        return draft_ids, self.vocab.to_full(torch.stack(qs))  # zero outside the draft vocabulary: still lossless
+
+    def rollback(self, valid_len: int) -> None:
+        """Drop every speculative entry; the target's features for the accepted tokens arrive next."""
+        if valid_len - 1 < self.committed:
+            raise RuntimeError(f"cannot roll back to {valid_len} tokens: {self.committed} positions are committed")
+        self.cache.crop(self.committed)
+        if self.featured > valid_len - 1:  # features of positions past the sequence (never from the engine)
+            self.pending = self.pending[: valid_len - 1 - self.committed] if valid_len - 1 > self.committed else None
+
+
+def aligned_eagle_drafter(target: PreTrainedModel, target_tokenizer, head_dir, name: str = "draft") -> tuple[EagleDrafter, bool, str]:
+    """(drafter, transplanted, why) for a head directory: its embeddings are always the target's, so
+    a tokenizer change only carries its draft vocabulary (d2t/t2d, lm_head rows) over by token string."""
+    from specdistill.modeling.eagle3_io import load_eagle3
+
+    loaded = load_eagle3(head_dir, target, target_tokenizer=target_tokenizer)
+    label = f"{name} (transplanted)" if loaded.transplanted else name
+    return EagleDrafter(loaded.head, target, name=label), loaded.transplanted, loaded.reason
