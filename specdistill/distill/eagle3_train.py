@@ -15,12 +15,10 @@ drafting round actually accepts; τ(γ) from the chain, and from position 1 unde
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from specdistill.acceptance import expected_tokens_per_round
@@ -202,37 +200,6 @@ def eagle3_heldout_acceptance(head: Eagle3Draft, examples: list[Eagle3Example], 
             f"tau_chain_{g}": 1.0 + sum(accepted[:g]), "eval_tokens": int(total[0])}
 
 
-def save_eagle3_head(head: Eagle3Draft, tokenizer, out_dir: str | Path, meta: dict) -> Path:
-    """A trained head: config.json, the head's tensors (no token embeddings: they are the target's), the
-    draft vocabulary and tokenizer, and what made it."""
-    from specdistill import paths
-    from specdistill.modeling.drafts import DRAFT_META_FILE
-
-    out_dir = Path(out_dir)
-    with paths.atomic_dir(out_dir) as tmp:
-        head.config.save_pretrained(tmp)
-        state = {k: v.detach().contiguous() for k, v in head.state_dict().items() if not k.startswith("embed_tokens")}
-        save_file(state, str(tmp / "model.safetensors"))
-        head.draft_vocab.save(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / DRAFT_META_FILE).write_text(json.dumps(meta, indent=2, default=str))
-    return out_dir
-
-
-def load_eagle3_head(directory: str | Path, target) -> Eagle3Draft:
-    """A head saved by `save_eagle3_head`, on the target's token embeddings (warm start)."""
-    from safetensors.torch import load_file
-    from transformers import LlamaConfig
-
-    directory = Path(directory)
-    config = LlamaConfig.from_pretrained(directory)
-    head = Eagle3Draft(config, target.get_input_embeddings())
-    missing, unexpected = head.load_state_dict(load_file(str(directory / "model.safetensors")), strict=False)
-    if unexpected or [m for m in missing if not m.startswith("embed_tokens")]:
-        raise ValueError(f"{directory} is not an EAGLE-3 head: missing {missing}, unexpected {unexpected}")
-    return head
-
-
 class Eagle3Task:
     """The EAGLE-3 kind: a head over the target's features, trained from the feature and teacher
     caches (built in one teacher-forced target pass when absent); what `train.distill` needs of a kind."""
@@ -244,12 +211,14 @@ class Eagle3Task:
         from specdistill.distill.layer_task import _build_draft_vocab
         from specdistill.distill.teacher import TeacherCache, vocab_key
         from specdistill.modeling.eagle3 import check_head_fits, default_aux_layers, init_eagle3_from_target
+        from specdistill.modeling.eagle3_io import load_eagle3
         from specdistill.modeling.models import resolve_dtype
 
         e = config.eagle3
         self.config, self.device = config, device
         if config.draft:
-            head = load_eagle3_head(config.draft, target.model)
+            head = load_eagle3(config.draft, target.model, target_fingerprint=target.fingerprint,
+                               feature_layers=e.layers).head
             draft_vocab = head.draft_vocab
             if isinstance(config.draft_vocab, int) and draft_vocab.size != config.draft_vocab:
                 raise ValueError(f"warm-start head {config.draft} has a {draft_vocab.size}-token vocabulary, "
@@ -322,5 +291,8 @@ class Eagle3Task:
                 "unroll_steps": self.module.steps, **self.feature_bytes}
 
     def save(self, out_dir, target, meta: dict):
-        return save_eagle3_head(self.head.eval(), target.tokenizer, out_dir,
-                                {"target_fingerprint": target.fingerprint, "kind": "eagle3", "layers": self.layers, **meta})
+        """In the layout vLLM and SGLang load (modeling.eagle3_io)."""
+        from specdistill.modeling.eagle3_io import save_eagle3
+
+        return save_eagle3(self.head.eval(), target.tokenizer, out_dir,
+                           {"target_fingerprint": target.fingerprint, "layers": self.layers, **meta})
