@@ -265,6 +265,18 @@ def test_distill_output_dir_depends_on_the_train_config_data_and_warm_start_only
     assert Path(first).parent == run_root() / "distill"
 
 
+def test_train_kind_eagle3_trains_a_head_from_features_beside_the_teacher_cache(monkeypatch):
+    calls = []
+    monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg: calls.append(dcfg) or {})
+    train, heldout = {"path": "/data/a/train.jsonl", "teacher_cache": "/data/a/tc"}, {"path": "/data/a/eval.jsonl"}
+    config = load_nightly_config(None, ["train.kind=eagle3", "train.eagle3_steps=3"])
+    pipeline.distill_draft(config, train, heldout, "/champion/layers-v1")
+    dcfg = calls[-1]
+    assert dcfg.kind == "eagle3" and dcfg.eagle3.steps == 3 and dcfg.eagle3.feature_dir == "/data/a/features"
+    assert dcfg.draft is None and dcfg.teacher.cache_dir == "/data/a/tc"  # a layer-draft champion is no warm start for a head
+    assert load_nightly_config().train.kind == "layers"
+
+
 def test_generic_baseline_dir_depends_on_the_window_and_the_train_config(monkeypatch):
     calls = []
     monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg: calls.append(dcfg) or {})

@@ -41,7 +41,9 @@ class GenerationConfig(Strict):
 
 
 class TrainConfig(Strict):
-    layers: str = "0,1,2,29"
+    kind: Literal["layers", "eagle3"] = "layers"  # a layer-extracted draft, or an EAGLE-3 head over the target's features
+    layers: str = "0,1,2,29"  # kind layers
+    eagle3_steps: int = Field(2, ge=1)  # kind eagle3: the training-time-test unroll length
     draft_vocab: int | None = 8192
     lr: float = 1e-3
     incremental_lr: float = 3e-4

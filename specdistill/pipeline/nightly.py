@@ -249,13 +249,19 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | dict, heldo
     from specdistill.distill.config import (
         DataConfig,
         DistillConfig,
+        Eagle3Config,
         LossConfig,
         OptimConfig,
         TeacherConfig,
     )
     from specdistill.distill.train import distill
+    from specdistill.modeling.eagle3_io import is_eagle3_dir
 
     tc = config.train
+    kind = "layers" if generic else tc.kind
+    if warm_start and is_eagle3_dir(warm_start) != (kind == "eagle3"):
+        warm_start = None  # the champion is of the other kind: this kind starts from the target
+    eagle3 = Eagle3Config()
     if generic:
         out_dir = run_root() / "generic" / f"{window['key']}-{config_hash(tc)}"
         conv_path = paths.ensure(out_dir.parent) / f"{window['key']}-conversations.jsonl"
@@ -269,12 +275,14 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | dict, heldo
         data = DataConfig(path=train_data["path"], kind="generated", heldout_path=heldout_data["path"])
         loss = LossConfig(kind=tc.loss, temperature=1.0)
         teacher = TeacherConfig(mode="cache", cache_dir=train_data["teacher_cache"])
+        if kind == "eagle3":  # features beside the teacher cache: every run on this data reuses them
+            eagle3 = Eagle3Config(steps=tc.eagle3_steps, feature_dir=str(Path(train_data["teacher_cache"]).parent / "features"))
         lr = tc.incremental_lr if warm_start else tc.lr
     result_file = out_dir / "result.json"
     if result_file.is_file():  # finished before: a rerun reuses it
         return json.loads(result_file.read_text())
     dcfg = DistillConfig(
-        target=config.target, draft=warm_start, layers=tc.layers,
+        target=config.target, kind=kind, eagle3=eagle3, draft=warm_start, layers=tc.layers,
         draft_vocab=None if warm_start else tc.draft_vocab, data=data, loss=loss, teacher=teacher,
         optim=OptimConfig(lr=lr, batch_size=tc.batch_size, max_steps=tc.max_steps, max_minutes=tc.max_minutes,
                           warmup_steps=min(20, tc.max_steps // 10)),
