@@ -240,7 +240,12 @@ def row_of(name: str, result: dict, c: float) -> dict:
     last = result["curve"][-1]
     gamma = 4
     tau_chain = last.get(f"tau_chain_{gamma}")
+    chain = last.get("accepted_per_position")  # measured chained acceptance (eagle3); i.i.d. powers of α (layers)
+    chain = chain or [last["acceptance"] ** i for i in range(1, gamma + 1)]
+    by_gamma = {g: (1 + sum(chain[:g])) / (g * c + 1) for g in range(1, min(gamma, len(chain)) + 1)}
+    best = max(by_gamma, key=by_gamma.get)
     return {"name": name, "kind": result.get("kind", "layers"), "cpu_minutes": result["train_minutes"],
+            "best_gamma": best, "best_ideal_speedup": by_gamma[best],
             "steps": result["steps"], "tokens": result["tokens"],
             "tokens_per_cpu_s": result["tokens"] / max(60 * result["train_minutes"], 1e-9),
             "alpha_start": result["curve"][0]["acceptance"], "alpha": last["acceptance"],
@@ -258,7 +263,7 @@ def print_table(rows: list[dict], meta: dict) -> None:
     print(f"draft vocabulary coverage of held-out answer tokens: {meta['coverage']:.3f}; "
           f"unique training answer tokens: {meta['answer_tokens']}")
     head = (f"{'config':28} {'cpu-min':>7} {'tok/cpu-s':>9} {'epochs':>6} {'α0':>6} {'α@1':>6} {'α@2':>6} {'α@3':>6} "
-            f"{'α@4':>6} {'τ(4)':>5} {'c':>6} {'ideal x':>7}")
+            f"{'α@4':>6} {'τ(4)':>5} {'c':>6} {'ideal x':>7} {'best γ: x':>9}")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -266,7 +271,8 @@ def print_table(rows: list[dict], meta: dict) -> None:
         print(f"{r['name']:28} {r['cpu_minutes']:7.2f} {r['tokens_per_cpu_s']:9.0f} "
               f"{r['tokens'] / meta['answer_tokens']:6.1f} {r['alpha_start']:6.3f} "
               + " ".join(f"{a:6.3f}" for a in per[:4])
-              + f" {r['tau_chain'] or r['tau_iid']:5.2f} {r['c']:6.3f} {r['ideal_speedup']:7.2f}")
+              + f" {r['tau_chain'] or r['tau_iid']:5.2f} {r['c']:6.3f} {r['ideal_speedup']:7.2f}"
+              + f" {r['best_gamma']:>3}: {r['best_ideal_speedup']:4.2f}")
     print("\ncurves (CPU minutes: α at position 1)")
     for r in rows:
         print(f"{r['name']:28} " + "  ".join(f"{p['minutes']:.1f}:{p['acceptance']:.3f}" for p in r["curve"]))
