@@ -243,13 +243,17 @@ def test_eagle3_ddp_two_ranks_end_with_identical_weights(eagle_world, tmp_path):
 
 
 def test_answer_only_features_evaluated_with_the_whole_prompt(eagle_world, tmp_path):
-    whole = distill(_eagle_config(eagle_world, tmp_path / "whole", "optim.max_steps=1"))
-    answer_only = distill(_eagle_config(eagle_world, tmp_path / "answer", "optim.max_steps=1", "eagle3.prompt_context=0",
-                                        f"eagle3.feature_dir={tmp_path / 'f0'}",
-                                        f"eagle3.heldout_feature_dir={eagle_world / 'features'}"))
-    # fewer stored positions per answer token, the same held-out tokens, evaluated as served (whole prompt)
+    whole = distill(_eagle_config(eagle_world, tmp_path / "whole", "optim.max_steps=1", "eagle3.prompt_context=null",
+                                  f"eagle3.feature_dir={tmp_path / 'fall'}"))
+    answer_only = distill(_eagle_config(eagle_world, tmp_path / "answer", "optim.max_steps=1",
+                                        f"eagle3.feature_dir={tmp_path / 'f0'}"))
+    # the default stores answer positions only; held-out goes to its own whole-prompt cache, as served
+    assert (tmp_path / "f0-heldout").is_dir() and not (tmp_path / "fall-heldout").exists()
     assert answer_only["feature_bytes_per_answer_token"] < whole["feature_bytes_per_answer_token"]
     assert answer_only["curve"][0] == {**whole["curve"][0], "minutes": answer_only["curve"][0]["minutes"]}
+    named = distill(_eagle_config(eagle_world, tmp_path / "named", "optim.max_steps=1", f"eagle3.feature_dir={tmp_path / 'f0'}",
+                                  f"eagle3.heldout_feature_dir={tmp_path / 'fall'}"))
+    assert named["curve"][0] == {**whole["curve"][0], "minutes": named["curve"][0]["minutes"]}
     with pytest.raises(StaleFeatureCacheError, match="prompt_context=0.*prompt_context=2"):
         distill(_eagle_config(eagle_world, tmp_path / "x", "optim.max_steps=1", "eagle3.prompt_context=2",
                               f"eagle3.feature_dir={tmp_path / 'f0'}"))

@@ -237,19 +237,30 @@ class Eagle3Task:
         cache_dir = Path(config.teacher.cache_dir)
         feature_dir = Path(e.feature_dir) if e.feature_dir else Path(config.out_dir) / "features"
         fresh_teacher = not (cache_dir / "teacher_cache.json").is_file()
-        every = list({str(ex.id): ex for ex in examples + heldout}.values())
+        # held-out sequences are evaluated as the drafter serves them, with the whole prompt; when training
+        # stores less prompt they get a cache of their own (or the one named by heldout_feature_dir)
+        held_dir, held_context = feature_dir, e.prompt_context
+        if e.heldout_feature_dir:
+            held_dir, held_context = Path(e.heldout_feature_dir), "any"
+        elif e.prompt_context is not None and heldout:
+            held_dir, held_context = feature_dir.with_name(feature_dir.name + "-heldout"), None
+        every = list({str(ex.id): ex for ex in examples + (heldout if held_dir == feature_dir else [])}.values())
+        builds = [(feature_dir, every, e.prompt_context, cache_dir if fresh_teacher else None)]
+        if held_dir != feature_dir and not e.heldout_feature_dir:
+            builds.append((held_dir, heldout, None, None))
         multi = torch.distributed.is_available() and torch.distributed.is_initialized()
-        needed = fresh_teacher or {str(ex.id) for ex in every} - FeatureCache(feature_dir, {}).ids()
-        if needed and (not multi or torch.distributed.get_rank() == 0):  # one rank writes, the others wait
-            runner = copy.deepcopy(target.model).to(resolve_dtype(e.feature_dtype))  # features as the target serves
-            build_feature_cache(runner, every, feature_dir, fingerprint=target.fingerprint, layers=self.layers,
-                                prompt_context=e.prompt_context,
-                                max_bytes=None if e.feature_max_gb is None else e.feature_max_gb * 1e9,
-                                teacher_dir=cache_dir if fresh_teacher else None, k=e.teacher_top_k,
-                                temperature=config.loss.temperature, progress=config.progress)
-            del runner
-        if multi:
-            torch.distributed.barrier()
+        for directory, seqs, context, teacher_dir in builds:
+            needed = teacher_dir is not None or {str(ex.id) for ex in seqs} - FeatureCache(directory, {}).ids()
+            if needed and (not multi or torch.distributed.get_rank() == 0):  # one rank writes, the others wait
+                runner = copy.deepcopy(target.model).to(resolve_dtype(e.feature_dtype))  # features as the target serves
+                build_feature_cache(runner, seqs, directory, fingerprint=target.fingerprint, layers=self.layers,
+                                    prompt_context=context,
+                                    max_bytes=None if e.feature_max_gb is None else e.feature_max_gb * 1e9,
+                                    teacher_dir=teacher_dir, k=e.teacher_top_k,
+                                    temperature=config.loss.temperature, progress=config.progress)
+                del runner
+            if multi:
+                torch.distributed.barrier()
         features = FeatureCache.open(feature_dir, fingerprint=target.fingerprint, layers=self.layers,
                                      prompt_context=e.prompt_context)
         teacher = TeacherCache.open(cache_dir, fingerprint=target.fingerprint)
@@ -261,9 +272,9 @@ class Eagle3Task:
         rows, teacher_rows = features.load_all(), teacher.load_all()
         remap = teacher.meta["vocab"] == "full"
         self.examples = eagle3_examples(examples, rows, teacher_rows, draft_vocab, e.prompt_context, remap, config.loss.top_k)
-        held_rows, held_context = rows, e.prompt_context
-        if e.heldout_feature_dir:  # e.g. trained on answer positions only, evaluated with the prompt it will see
-            other = FeatureCache.open(e.heldout_feature_dir, fingerprint=target.fingerprint, layers=self.layers)
+        held_rows = rows
+        if held_dir != feature_dir:
+            other = FeatureCache.open(held_dir, fingerprint=target.fingerprint, layers=self.layers, prompt_context=held_context)
             held_rows, held_context = other.load_all(), other.meta["prompt_context"]
         self.heldout = eagle3_examples(heldout, held_rows, None, draft_vocab, held_context, remap)
         answer_tokens = sum(sum(ex.assistant_mask[1:]) for ex in every)
