@@ -79,3 +79,15 @@ def test_plain_steps_dilute_the_prediction_as_measured():
     # every token from a plain step is target-only decoding; no plain steps is the old formula
     assert predict_speedups(per_position, 0.0024, costs, gammas=[4], plain_share=0.0)[4] == without
     assert plain_step_share({}) == 0.0
+
+
+def test_plain_steps_lower_the_curve_but_do_not_move_the_best_gamma(monkeypatch):
+    from specdistill.speculative import gamma
+
+    monkeypatch.setattr(gamma, "measure_verify_costs", lambda *a, **k: {k: 1.0 + 0.02 * (k - 1) for k in range(1, 10)})
+    per_position = [0.29, 0.19, 0.16, 0.11]  # the demo's n-gram run
+    alone = gamma.speedup_curve(None, per_position, 0.0024)
+    diluted = gamma.speedup_curve(None, per_position, 0.0024, plain_share=0.35)
+    assert diluted["best_gamma"] == alone["best_gamma"]
+    assert all(diluted["predicted_speedups"][g] < alone["predicted_speedups"][g] for g in gamma.GAMMAS)
+    assert diluted["plain_share"] == 0.35

@@ -13,7 +13,9 @@ plain decode step (cost 1, one token), and those steps do not shrink with γ (th
 text does not repeat). With u the share of decoded tokens that came from plain steps, measured in
 the same run, the predicted speedup is 1 / ((1 - u) · cost(γ) / tokens(γ) + u). Leaving u out
 predicted 1.54x for n-gram at γ=4 where the same run measured 1.27x (u = 0.35 there); with u the
-prediction is 1.29x. Model drafters always propose, so their u is ~0.
+prediction is 1.29x. Model drafters always propose, so their u is ~0. The speedup with u is a
+monotone function of the one without, so u moves the predicted level, not the best γ; γ is chosen
+on the drafting rounds' own curve (u = 0), where the tolerance of `best_gamma` keeps its meaning.
 """
 
 from __future__ import annotations
@@ -129,8 +131,9 @@ def speedup_curve(target: PreTrainedModel, per_position: Sequence[float], cost_r
     measured = measure_verify_costs(target, tuple(range(1, max(gammas) + 2)), repeats=repeats)
     costs = monotone_costs(measured)
     predicted = predict_speedups(per_position, cost_ratio, costs, gammas, plain_share)
+    per_round = predict_speedups(per_position, cost_ratio, costs, gammas)  # the same argmax, undiluted
     return {"verify_costs": costs, "verify_costs_measured": measured, "predicted_speedups": predicted,
-            "best_gamma": best_gamma(predicted), "plain_share": plain_share}
+            "best_gamma": best_gamma(per_round), "plain_share": plain_share}
 
 
 def render_curve(curve: dict, dtype: str, cost_ratio: float) -> str:
