@@ -62,3 +62,32 @@ def test_monotone_costs_pool_noisy_dips_and_keep_a_rising_curve():
 def test_a_flat_curve_picks_the_shortest_draft_within_tolerance():
     assert best_gamma({1: 1.20, 2: 1.40, 3: 1.43, 4: 1.44, 5: 1.44}) == 3
     assert best_gamma({1: 1.20, 2: 1.40, 3: 1.43, 4: 1.44}, tolerance=0.0) == 4
+
+
+def test_plain_steps_dilute_the_prediction_as_measured():
+    """The demo's n-gram run at γ=4 (bf16): 145 drafting rounds, 137 plain steps, measured 1.27x."""
+    from specdistill.speculative.gamma import plain_step_share
+
+    stats = {"requests": 10, "generated_tokens": 400, "rounds": 145, "target_forwards": 292}
+    u = plain_step_share(stats)
+    assert u == pytest.approx(137 / 390)
+    per_position = [0.2897, 0.1862, 0.1586, 0.1103]
+    costs = {5: 1.123}
+    without = predict_speedups(per_position, 0.0024, costs, gammas=[4])[4]
+    with_plain = predict_speedups(per_position, 0.0024, costs, gammas=[4], plain_share=u)[4]
+    assert without == pytest.approx(1.54, abs=0.01) and with_plain == pytest.approx(1.29, abs=0.01)
+    # every token from a plain step is target-only decoding; no plain steps is the old formula
+    assert predict_speedups(per_position, 0.0024, costs, gammas=[4], plain_share=0.0)[4] == without
+    assert plain_step_share({}) == 0.0
+
+
+def test_plain_steps_lower_the_curve_but_do_not_move_the_best_gamma(monkeypatch):
+    from specdistill.speculative import gamma
+
+    monkeypatch.setattr(gamma, "measure_verify_costs", lambda *a, **k: {k: 1.0 + 0.02 * (k - 1) for k in range(1, 10)})
+    per_position = [0.29, 0.19, 0.16, 0.11]  # the demo's n-gram run
+    alone = gamma.speedup_curve(None, per_position, 0.0024)
+    diluted = gamma.speedup_curve(None, per_position, 0.0024, plain_share=0.35)
+    assert diluted["best_gamma"] == alone["best_gamma"]
+    assert all(diluted["predicted_speedups"][g] < alone["predicted_speedups"][g] for g in gamma.GAMMAS)
+    assert diluted["plain_share"] == 0.35

@@ -63,7 +63,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from specdistill.data.prompt_files import read_prompt_file
     from specdistill.modeling.models import load_model
     from specdistill.speculative.bench import BenchConfig, run_bench
-    from specdistill.speculative.gamma import render_curve, speedup_curve
+    from specdistill.speculative.gamma import plain_step_share, render_curve, speedup_curve
     from specdistill.speculative.gate import evaluate, gate_config
 
     set_threads(args)
@@ -81,7 +81,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          temperature=args.temperature, top_p=args.top_p, seed=args.seed or 0)
     result = run_bench(target.model, target.tokenizer, drafter, prompts, config)
     payload, text = result.to_dict(), result.render()
-    curve = speedup_curve(target.model, result.per_position_acceptance, result.cost_ratio)
+    curve = speedup_curve(target.model, result.per_position_acceptance, result.cost_ratio,
+                          plain_share=plain_step_share(result.stats))
     payload.update(curve)
     text += "\n\n" + render_curve(curve, result.dtype, result.cost_ratio)
     if args.plot:

@@ -16,6 +16,7 @@ import os
 import sys
 import zlib
 from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from transformers import (
 
 from specdistill.data.prompts import as_messages, encode_chat
 from specdistill.distill.teacher import TeacherCache, pad_batch, topk_rows
+from specdistill.modeling.attention import batched_decode_attention
 
 
 @dataclass
@@ -153,6 +155,7 @@ def generate_answers(
     seed: int = 0,
     progress: bool = True,
     teacher_cache: TeacherCache | None = None,
+    decode_attention: bool = True,
 ) -> dict[str, dict]:
     """Answer every prompt with the target, appending one JSONL record per answer; returns all records.
 
@@ -160,6 +163,8 @@ def generate_answers(
     `seed` and its first id, so a resumed run samples what an uninterrupted one would have.
     With `teacher_cache`, the target's top-k log-probs at every answer token (temperature 1, full
     vocabulary) go into it too, so no second target pass is needed for offline distillation.
+    `decode_attention`: decode steps use `modeling.attention.decode_attention` instead of SDPA's
+    CPU flash kernel (faster for a batch; the same answers up to numerical near-ties).
     """
     if teacher_cache is not None and temperature > 0:
         raise ValueError("record the teacher during greedy generation only; for sampled answers use teacher.build_cache")
@@ -195,10 +200,11 @@ def generate_answers(
             if teacher_cache is not None:
                 recorder = _TopKRecorder(int(teacher_cache.meta["k"]), float(teacher_cache.meta["temperature"]))
                 kwargs["logits_processor"] = LogitsProcessorList([recorder])
-            generated = target.generate(
-                input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
-                pad_token_id=pad, eos_token_id=eos, **kwargs,
-            )[:, width:]
+            with batched_decode_attention(target) if decode_attention else nullcontext():
+                generated = target.generate(
+                    input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
+                    pad_token_id=pad, eos_token_id=eos, **kwargs,
+                )[:, width:]
             answers = []
             for row in range(len(batch)):
                 answer = generated[row].tolist()

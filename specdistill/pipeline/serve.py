@@ -46,7 +46,7 @@ def choose_serving(config: NightlyConfig, window: WindowDict, results: dict[str,
     from specdistill.pipeline.nightly import bench_prompts
     from specdistill.speculative import drafter_from_spec
     from specdistill.speculative.bench import BenchConfig, run_bench_many
-    from specdistill.speculative.gamma import speedup_curve
+    from specdistill.speculative.gamma import plain_step_share, speedup_curve
 
     b, s = config.bench, config.serving
     candidates = serving_candidates(results, verdict)
@@ -66,7 +66,8 @@ def choose_serving(config: NightlyConfig, window: WindowDict, results: dict[str,
     if not s.choose_gamma:
         return decision
 
-    curve = speedup_curve(target.model, r["per_position_acceptance"], r.get("cost_ratio") or 0.0, range(1, s.max_gamma + 1))
+    curve = speedup_curve(target.model, r["per_position_acceptance"], r.get("cost_ratio") or 0.0, range(1, s.max_gamma + 1),
+                          plain_share=plain_step_share(r.get("stats") or {}))
     predicted, best = curve["predicted_speedups"], curve["best_gamma"]
     decision.update(predicted_speedups=predicted, verify_costs=curve["verify_costs"])
     if best == b.gamma:
