@@ -117,7 +117,7 @@ class MonitorConfig(Strict):
     gamma: int = Field(4, ge=1)
     max_new_tokens: int = Field(32, ge=1)
     min_draft_tokens: int = Field(64, ge=1)  # fewer sampled tokens: no sample, no decision
-    live_metrics_url: str | None = None  # a serving engine's /metrics (vLLM names); else replay
+    live_metrics_url: str | None = None  # a serving engine's /metrics (vLLM or llama.cpp names); else replay
     live_interval_s: float = Field(30.0, gt=0.0)
     fallback_exit_layers: list[int] = [4, 8, 12]
     fallback_min_tokens: int = Field(64, ge=1)
