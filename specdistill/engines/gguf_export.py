@@ -90,17 +90,17 @@ def _check_pairing(config: dict, reader, draft_dir: Path) -> int:
     if arch != "llama":
         raise GgufExportError(f"target GGUF architecture {arch!r}: only llama targets are supported")
     tokens = fields["tokenizer.ggml.tokens"].contents()
+    diff = abs(config["vocab_size"] - len(tokens))
+    if diff > LLAMA_VOCAB_MAX_SIZE_DIFFERENCE:
+        raise GgufExportError(
+            f"{draft_dir}: vocabulary-incompatible: draft vocab_size {config['vocab_size']} vs target {len(tokens)} "
+            f"(llama.cpp accepts a difference of at most {LLAMA_VOCAB_MAX_SIZE_DIFFERENCE})")
     for key, ours in (("embedding_length", config["hidden_size"]),
                       ("attention.head_count", config["num_attention_heads"]),
                       ("attention.head_count_kv", config.get("num_key_value_heads", config["num_attention_heads"]))):
         theirs = fields[f"llama.{key}"].contents()
         if theirs != ours:
             raise GgufExportError(f"draft {key} {ours} != target's {theirs}: not a layer-extracted draft of this target")
-    diff = abs(config["vocab_size"] - len(tokens))
-    if diff > LLAMA_VOCAB_MAX_SIZE_DIFFERENCE:
-        raise GgufExportError(
-            f"{draft_dir}: vocabulary-incompatible: draft vocab_size {config['vocab_size']} vs target {len(tokens)} "
-            f"(llama.cpp accepts a difference of at most {LLAMA_VOCAB_MAX_SIZE_DIFFERENCE})")
     tokenizer_file = draft_dir / "tokenizer.json"
     if tokenizer_file.is_file():
         vocab = json.loads(tokenizer_file.read_text())["model"].get("vocab", {})

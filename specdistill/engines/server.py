@@ -136,10 +136,23 @@ class LlamaServer:
             self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
             self._wait_healthy()
+            self._check_speculation()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _check_speculation(self) -> None:
+        """llama-server that cannot pair a draft with the target logs it and serves target-only anyway;
+        a benchmark of that would measure the wrong mode, so it is an error here."""
+        if self.config.mode.spec_type == "none":
+            return
+        log = self.log_tail(400)
+        if "failed to initialize speculative decoding" in log or "failed to load draft model" in log:
+            why = [line for line in log.splitlines() if "compatible" in line or "failed" in line]
+            vocab = " as vocabulary-incompatible" if any("vocab" in line for line in why) else ""
+            raise ServerError(f"llama-server refused the {self.config.mode.spec_type} draft "
+                              f"{self.config.mode.draft or ''}{vocab}: " + " | ".join(why[-4:]))
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
