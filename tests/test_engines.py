@@ -20,7 +20,9 @@ def test_mode_flags_are_llama_cpp_flags(tmp_path):
     assert ServerMode().args() == [] and ServerMode().name == "target-only"
     draft = ServerMode("draft-simple", tmp_path / "d.gguf", 3)
     assert draft.args() == ["-md", str(tmp_path / "d.gguf"), "--spec-type", "draft-simple", "--spec-draft-n-max", "3"]
-    assert ServerMode("ngram-simple", None, 6).args() == ["--spec-type", "ngram-simple", "--spec-draft-n-max", "6"]
+    assert ServerMode("ngram-simple", None, 6).args() == ["--spec-type", "ngram-simple", "--spec-draft-n-max", "6",
+                                                          "--spec-ngram-simple-size-m", "6"]
+    assert ServerMode("ngram-simple", None, 6, ngram_n=3).args()[-2:] == ["--spec-ngram-simple-size-n", "3"]
     args = server_args(ServerConfig(model=tmp_path / "t.gguf", mode=draft, threads=2), 8123)
     assert args[:4] == ["-m", str(tmp_path / "t.gguf"), "--host", "127.0.0.1"] and "--metrics" in args
     assert args[args.index("--port") + 1] == "8123" and args[args.index("-td") + 1] == "2"

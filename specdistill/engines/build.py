@@ -171,6 +171,7 @@ def build_llama_server(version: str = LLAMA_CPP_VERSION, jobs: int | None = None
     final = build_dir(version)
     final.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=final.parent))
+    work.chmod(0o755)  # mkdtemp makes it private; the cache is shared by the machine's users
     log = final.parent / f"{final.name}.build.log"
     log.unlink(missing_ok=True)
     try:

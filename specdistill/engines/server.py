@@ -32,6 +32,7 @@ class ServerMode:
     spec_type: str = "none"
     draft: Path | None = None  # the draft GGUF for draft-simple / draft-eagle3
     draft_n_max: int = 4  # K, tokens drafted per round
+    ngram_n: int | None = None  # ngram-simple: the lookup n-gram's length (None: llama.cpp's default, 12)
 
     def __post_init__(self):
         if self.spec_type not in SPEC_TYPES:
@@ -44,7 +45,7 @@ class ServerMode:
         if self.spec_type == "none":
             return "target-only"
         if self.spec_type == "ngram-simple":
-            return f"ngram-simple(K={self.draft_n_max})"
+            return f"ngram-simple(K={self.draft_n_max}" + (f", n={self.ngram_n})" if self.ngram_n else ")")
         return f"{self.spec_type}:{Path(self.draft).stem}(K={self.draft_n_max})"
 
     def args(self) -> list[str]:
@@ -52,6 +53,10 @@ class ServerMode:
         if self.spec_type == "none":
             return []
         out = ["--spec-type", self.spec_type, "--spec-draft-n-max", str(self.draft_n_max)]
+        if self.spec_type == "ngram-simple":  # its draft length is its m-gram (default 48), not n-max
+            out += ["--spec-ngram-simple-size-m", str(self.draft_n_max)]
+            if self.ngram_n:
+                out += ["--spec-ngram-simple-size-n", str(self.ngram_n)]
         if self.draft is not None:
             out = ["-md", str(self.draft), *out]
         return out
