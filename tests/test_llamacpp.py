@@ -149,3 +149,34 @@ def test_truncated_copy_drafts_and_a_renamed_vocabulary_is_refused(llama_cpp, ta
     with pytest.raises(ServerError, match="refused the draft-simple draft .*renamed.gguf as vocabulary-incompatible"):
         server.start()
     assert server.process is None
+
+
+def test_nightly_serving_choice_measured_in_llama_cpp(llama_cpp, tmp_path):
+    """serving.engine=llamacpp: the servable modes run in llama-server on the window's prompts; the
+    choice, serving.json and the report name the engine; the never-served baseline is not measured."""
+    from specdistill.modeling.models import demo_gguf_path
+    from specdistill.ops.serving import read_serving_config, write_serving_config
+    from specdistill.pipeline.config import load_nightly_config
+    from specdistill.pipeline.engine_bench import engine_benchmark
+    from specdistill.pipeline.report import report_table
+    from specdistill.pipeline.serve import choose_serving, serving_config
+
+    config = load_nightly_config(None, ["serving.engine=llamacpp", "bench.max_new_tokens=32", "serving.margin=0.0"])
+    window = {"eval": [{"id": "1", "slice": "chat", "messages": [{"role": "user", "content": REPEAT}]},
+                       {"id": "2", "slice": "chat", "messages": [{"role": "user", "content": "Name three colors."}]}]}
+    speeds = engine_benchmark(config, window, {"ngram": "ngram", "generic": "draft:/never/measured"})
+    assert set(speeds) == {"ngram"}
+    ngram = speeds["ngram"]
+    assert ngram["engine"] == "llamacpp" and ngram["dtype"] == "Q4_1" and ngram["stats"]["draft_tokens"] > 0
+    args = ngram["stats"]["llamacpp_args"]
+    assert args[:2] == ["-m", str(demo_gguf_path())] and args[args.index("--spec-type") + 1] == "ngram-simple"
+    assert args[args.index("--spec-ngram-simple-size-n") + 1] == "3"  # the harness's n-gram: up to 3-grams
+    decision = choose_serving(config, window, {}, {"promote": False}, speeds)
+    assert decision["engine"] == "llamacpp" and decision["measured"] == {"ngram": ngram["speedup"]}
+    assert decision["mode"] == ("ngram" if ngram["speedup"] > 1.0 and ngram["lossless"] else "off")
+    target = {"ref": "demo", "path": "/t", "fingerprint": "fp", "num_layers": 30, "vocab_size": 49152, "dtype": "Q4_1"}
+    path = write_serving_config(serving_config(decision, target), tmp_path / "serving.json")
+    written = read_serving_config(path)
+    assert written.engine == "llamacpp" and written.measured_on.startswith("llamacpp, Q4_1")
+    assert written.llamacpp()["command"].startswith("llama-server -m ")
+    assert "speeds in the serving engine: **llamacpp**, Q4_1" in report_table({}, speeds=speeds)
