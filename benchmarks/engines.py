@@ -14,6 +14,20 @@ In llama.cpp the draft runs as a GGUF f16 with the full vocabulary head (llama.c
 
 --prompts: the nightly's `eval_generated.jsonl` ({"prompt": [messages]}) or any prompt file
 `specdistill bench` reads; the first user turn of each is asked.
+
+Measured 2026-11-30 08:38-09:20 UTC on the 2-core CPU while four other CPU-bound jobs ran (load
+average 7-8 throughout), the demo nightly's trained layer draft (layers 0,1,2,29; 8k draft vocabulary
+in the harness, full head in llama.cpp), 10 held-out prompts of that nightly, 32 new tokens, K=4:
+
+    engine             target-only tok/s draft speedup (per-prompt median)  draft α ngram speedup (per-prompt median)  ngram α
+    harness fp32                     2.0         0.33x               0.62x    0.139         0.66x               0.92x    0.302
+    harness bf16                     0.9         0.94x               0.89x    0.161         1.61x               1.09x    0.194
+    llama.cpp Q4_1                   2.9         0.50x               0.49x    0.122         0.61x               1.07x    0.000
+
+Under that load every absolute tokens/s is 10-60x below the same engines on an idle machine (21 tok/s
+fp32, ~180 tok/s llama.cpp), so only ratios within one engine mean anything, and with 10 prompts they
+are noisy (the fp32 draft's 0.33x vs its 0.62x per-prompt median). llama.cpp's n-gram (3-gram lookup,
+32 tokens) accepted nothing here.
 """
 
 from __future__ import annotations
