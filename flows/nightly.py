@@ -53,20 +53,21 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
     if config.bench.ngram:
         drafters["ngram"] = "ngram"
     results = t.benchmark(config, window, drafters, fp)
+    speeds = t.engine_benchmark(config, window, drafters, fp) if config.serving.engine != "harness" else None
 
-    verdict = t.gate(config, results["challenger"], results.get("champion"), results)
-    serving = t.choose_serving(config, window, results, verdict)
-    report = report_table(results, verdict, serving=serving, target=target)
+    verdict = t.gate(config, results["challenger"], results.get("champion"), results, speeds)
+    serving = t.choose_serving(config, window, results, verdict, speeds)
+    report = report_table(results, verdict, serving=serving, target=target, speeds=speeds)
     report_path = write_report(report, window)
     registered = t.register(config, target, window, trained, results, verdict,
-                            champion["version"] if champion else None, report_path)
+                            champion["version"] if champion else None, report_path, speeds)
     promoted = None
     if verdict["promote"]:
         promoted = t.promote(config, registered, target, champion["version"] if champion else None, serving)
     else:
         t.write_serving(config, target, serving, champion)
 
-    report = report_table(results, verdict, registered, promoted, serving, target)
+    report = report_table(results, verdict, registered, promoted, serving, target, speeds)
     write_report(report, window, report_path)
     create_markdown_artifact(report, key="nightly-benchmark", description="draft vs champion and baselines")
     log.info("\n%s", report)

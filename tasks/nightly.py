@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from prefect import task
 
+from specdistill.pipeline import engine_bench, serve
 from specdistill.pipeline import nightly as pipeline
-from specdistill.pipeline import serve
 from specdistill.pipeline.config import NightlyConfig, SourceConfig
 from specdistill.pipeline.outputs import (
     BenchEntry,
@@ -78,21 +78,28 @@ def benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str
     return pipeline.benchmark(config, window, drafters)
 
 
+@task(name="engine-benchmark", **CACHED)
+def engine_benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str], target_fingerprint: str) -> dict[str, BenchEntry]:
+    return engine_bench.engine_benchmark(config, window, drafters)
+
+
 @task(name="gate")
-def gate(config: NightlyConfig, challenger: BenchEntry, champion: BenchEntry | None, baselines: dict[str, BenchEntry]) -> VerdictDict:
-    return pipeline.gate(config, challenger, champion, baselines)
+def gate(config: NightlyConfig, challenger: BenchEntry, champion: BenchEntry | None, baselines: dict[str, BenchEntry],
+         speeds: dict[str, BenchEntry] | None = None) -> VerdictDict:
+    return pipeline.gate(config, challenger, champion, baselines, speeds)
 
 
 @task(name="register", retries=2, retry_delay_seconds=5)
 def register(config: NightlyConfig, target: TargetInfo, window: WindowDict, trained: Trained, results: dict[str, BenchEntry],
-             verdict: VerdictDict, parent: str | None, report_path: str | None) -> Registered:
-    return pipeline.register(config, target, window, trained, results, verdict, parent, report_path)
+             verdict: VerdictDict, parent: str | None, report_path: str | None,
+             speeds: dict[str, BenchEntry] | None = None) -> Registered:
+    return pipeline.register(config, target, window, trained, results, verdict, parent, report_path, speeds)
 
 
 @task(name="choose-serving-mode")
 def choose_serving(config: NightlyConfig, window: WindowDict, results: dict[str, BenchEntry],
-                   verdict: VerdictDict) -> ServingDecision:
-    return serve.choose_serving(config, window, results, verdict)
+                   verdict: VerdictDict, speeds: dict[str, BenchEntry] | None = None) -> ServingDecision:
+    return serve.choose_serving(config, window, results, verdict, speeds)
 
 
 @task(name="promote-and-write-serving-config", retries=2, retry_delay_seconds=5)

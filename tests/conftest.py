@@ -164,3 +164,24 @@ def prefect_harness():
 
     with prefect_test_harness(server_startup_timeout=180):
         yield
+
+
+# --------------------------------------------------------------------------------------------
+# llama.cpp: the built llama-server (make test builds it first and requires it)
+
+LLAMA_REQUIRED_ENV = "SPECDISTILL_REQUIRE_LLAMA_SERVER"
+
+
+@pytest.fixture(scope="session")
+def llama_cpp():
+    """The cached llama-server build; skipped when absent unless $SPECDISTILL_REQUIRE_LLAMA_SERVER is set
+    (`make test` builds it, then sets it), where its absence is a failure."""
+    from specdistill.engines.build import build_dir, cached
+
+    engine = cached()
+    if engine is None:
+        message = f"llama-server is not built at {build_dir()} (make llama-server)"
+        if os.environ.get(LLAMA_REQUIRED_ENV):
+            pytest.fail(message)
+        pytest.skip(message)
+    return engine

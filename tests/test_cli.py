@@ -168,3 +168,16 @@ def test_bench_needs_exactly_one_prompt_source_and_both_commands_take_a_dtype(ca
     assert "one of the arguments --prompts --from-logs is required" in err and "not allowed with argument" in err
     assert build_parser().parse_args(["bench", "--ngram", "--from-logs", "eval"]).dtype == "auto"
     assert build_parser().parse_args(["generate", "--prompt", "hi", "--dtype", "bfloat16"]).dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--engine", "openai"], "--engine openai needs --url (the speculative server) and --baseline-url"),
+    (["--engine", "llamacpp", "--self-spec", "4"], "--engine llamacpp measures --draft"),
+    (["--engine", "llamacpp", "--ngram", "--turns", "all"], "measures first turns of a --prompts file"),
+    (["--engine", "llamacpp", "--ngram", "--temperature", "0.7"], "greedy decoding only"),
+])
+def test_bench_engine_errors_name_the_cause(tmp_path, capsys, extra, message):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Name three colors.\n")
+    assert main(["bench", "--prompts", str(prompts), *extra]) == 2
+    assert message in capsys.readouterr().err

@@ -3,7 +3,7 @@
 The library is layered; a module may import its own layer and the ones below it, never one above:
 
     base (specdistill/__init__, config, acceptance, paths, env) -> data -> modeling -> distill
-    -> speculative -> ops -> pipeline -> cli
+    -> speculative -> engines -> ops -> pipeline -> cli
 
 Imports inside functions count as much as those at the top of a file. The library never imports
 Prefect, `tasks` or `flows`; the one exception is `specdistill/cli`, which imports `flows.*` lazily to
@@ -22,7 +22,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-LAYERS = ["base", "data", "modeling", "distill", "speculative", "ops", "pipeline", "cli"]
+LAYERS = ["base", "data", "modeling", "distill", "speculative", "engines", "ops", "pipeline", "cli"]
 BASE_MODULES = {"config", "acceptance", "paths", "env"}
 ORCHESTRATION_MAY_IMPORT = ("specdistill.pipeline", "specdistill.paths")  # for tasks/ and flows/
 MAX_LINES = 400

@@ -138,3 +138,26 @@ def test_malformed_or_incomplete_pages_are_errors(page, match):
 
 def test_fallback_never_on_no_sample():
     assert LiveSample(False, "x").acceptance_rate is None
+
+
+LLAMACPP_PAGE = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed, excluding cached tokens
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 120
+# HELP llamacpp:spec_decode_num_draft_tokens_total Speculative: Total draft tokens generated
+# TYPE llamacpp:spec_decode_num_draft_tokens_total counter
+llamacpp:spec_decode_num_draft_tokens_total 40
+# HELP llamacpp:spec_decode_num_accepted_tokens_total Speculative: Total draft tokens accepted by the target model
+# TYPE llamacpp:spec_decode_num_accepted_tokens_total counter
+llamacpp:spec_decode_num_accepted_tokens_total 13
+# HELP llamacpp:spec_decode_num_drafts_total Speculative: Total speculative decoding verification steps
+# TYPE llamacpp:spec_decode_num_drafts_total counter
+llamacpp:spec_decode_num_drafts_total 10
+"""
+
+
+def test_llamacpp_counters_are_found_by_name():
+    """llama.cpp's page (format of its server-task.cpp) is read without being told the engine."""
+    scraped = parse_spec_decode_counters(LLAMACPP_PAGE)
+    assert (scraped.drafts, scraped.draft_tokens, scraped.accepted, scraped.prefix) == (10, 40, 13, "llamacpp:")
+    with pytest.raises(KeyError, match="vllm:spec_decode_num_drafts_total"):
+        parse_spec_decode_counters(LLAMACPP_PAGE, prefix="vllm:")

@@ -97,7 +97,7 @@ def test_report_says_when_the_best_draft_is_not_what_is_served():
     lossy = report_table({"challenger": {**_result(0.6, 2.5, lossless=False), "lossless_exact": 8}})
     assert "NO: 1 real mismatch" in lossy
     off = report_table(results, verdict, serving={**serving, "mode": "off", "name": None, "reason": "nothing beats it"})
-    assert "**serving: no speculation**: nothing beats it" in off
+    assert "**serving: no speculation** (measured: PyTorch harness, bfloat16): nothing beats it" in off
 
 
 def test_remap_draft_vocab_follows_token_strings():
@@ -383,6 +383,12 @@ def test_registration_records_metrics_and_artifacts_and_a_missing_plot_library_o
         artifacts = registration_artifacts(load_nightly_config(), results, verdict, trained, None)
     assert [a.name for a in artifacts] == ["benchmark.json", "nightly_config.json", "gate.json"]
     assert "without the acceptance plot" in caplog.text and "matplotlib" in caplog.text
+
+    # measured in llama.cpp: the engine's numbers and the challenger's GGUF go with the version
+    speeds = {"challenger": {**_bench_entry(), "stats": {"llamacpp_args": ["-m", "/t.gguf", "-md", str(tmp_path / "c.gguf")]}}}
+    artifacts = registration_artifacts(load_nightly_config(), results, verdict, trained, None, speeds)
+    assert [a.name for a in artifacts][-2:] == ["engine_benchmark.json", "c.gguf"]
+    assert '"llamacpp_args"' in artifacts[-2].read_text()
 
     def broken(self, path):
         raise KeyError("a bug, not a missing plot library")

@@ -68,3 +68,58 @@ def test_a_passing_draft_becomes_champion_while_ngram_is_served(tmp_path, monkey
     # the draft itself wins when it is the fastest: its registered checkpoint is what gets served
     nightly.write_serving(config, TARGET, decision("draft", "challenger", f"draft:{draft}"), None)
     assert read_serving_config(tmp_path / "serving.json").mode == "draft"
+
+
+# --------------------------------------------------------------------------------------------
+# serving.engine: the choice reads the serving engine's measurements
+
+
+def engine_entry(spec: str, speedup: float, args: list[str], lossless: bool = True) -> dict:
+    return {"spec": spec, "speedup": speedup, "lossless": lossless, "dtype": "Q4_1", "engine": "llamacpp",
+            "stats": {"llamacpp_args": args}}
+
+
+TARGET_ARGS = ["-m", "/g/t.gguf", "-t", "2"]
+ENGINE_SPEEDS = {
+    "challenger": engine_entry("draft:/d/challenger", 0.20, [*TARGET_ARGS, "-md", "/g/c.gguf", "--spec-type", "draft-simple",
+                                                             "--spec-draft-n-max", "4"]),
+    "ngram": engine_entry("ngram", 1.12, [*TARGET_ARGS, "--spec-type", "ngram-simple", "--spec-draft-n-max", "4"]),
+}
+
+
+def test_engine_choice_uses_engine_speeds_and_writes_the_llama_cpp_command():
+    from specdistill.pipeline.serve import choose_serving
+
+    config = load_nightly_config(None, ["serving.engine=llamacpp"])
+    # the harness measured the challenger fastest; llama.cpp did not: llama.cpp's numbers decide
+    harness = {"challenger": {"spec": "draft:/d/challenger", "speedup": 1.5, "lossless": True}}
+    chosen = choose_serving(config, {}, harness, {"promote": True}, ENGINE_SPEEDS)
+    assert (chosen["mode"], chosen["name"], chosen["engine"]) == ("ngram", "ngram", "llamacpp")
+    assert chosen["measured"] == {"challenger": 0.20, "ngram": 1.12} and chosen["measured_on"] == "llamacpp, Q4_1, 2 threads"
+    cfg = serving_config(chosen, TARGET)
+    out = cfg.to_dict()
+    assert out["engine"] == "llamacpp"
+    assert out["llamacpp"]["command"] == ("llama-server -m /g/t.gguf -t 2 --spec-type ngram-simple --spec-draft-n-max 4 --metrics")
+    assert "llama.cpp       llama-server -m /g/t.gguf" in cfg.render()
+
+    with pytest.raises(ValueError, match="engine's measurements are missing"):
+        choose_serving(config, {}, harness, {"promote": True}, None)
+
+
+def test_engine_choice_is_off_when_nothing_beats_target_only_there():
+    from specdistill.pipeline.serve import choose_serving
+
+    config = load_nightly_config(None, ["serving.engine=llamacpp"])
+    slow = {**ENGINE_SPEEDS, "ngram": engine_entry("ngram", 0.93, [*TARGET_ARGS, "--spec-type", "ngram-simple"])}
+    chosen = choose_serving(config, {}, {}, {"promote": True}, slow)
+    assert chosen["mode"] == "off" and "0.93x" in chosen["reason"]
+    cfg = serving_config(chosen, TARGET)
+    assert cfg.llamacpp()["args"] == TARGET_ARGS and cfg.vllm() is None  # target-only, as measured
+
+
+def test_gate_speed_bar_reads_the_engine_speedup():
+    config = load_nightly_config(None, ["serving.engine=llamacpp", "gate.overrides.min_speedup=1.0"])
+    challenger = {"spec": "draft:/d/c", "speedup": 1.5, "lossless": True, "acceptance_rate": 0.7, "accepted_length": 3.0}
+    assert nightly.gate(config, challenger, None, {})["passed"]
+    verdict = nightly.gate(config, challenger, None, {}, speeds=ENGINE_SPEEDS)
+    assert not verdict["passed"] and any("0.20" in r for r in verdict["reasons"])

@@ -57,6 +57,37 @@ def _bench_prompts(args: argparse.Namespace, target, records: list | None) -> li
     return [Prompt(p.messages[-1]["content"], p.slice, p.ids) for p in logged]
 
 
+def _bench_engine(args: argparse.Namespace):
+    """The bench in a serving engine: llama.cpp started here per mode, or running OpenAI-compatible
+    servers given by URL (the speculative one and a target-only one)."""
+    from specdistill.data.prompt_files import read_prompt_file
+    from specdistill.engines.bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
+    from specdistill.speculative.bench import Prompt
+
+    if args.prompts is None or args.turns == "all":
+        raise ValueError(f"--engine {args.engine} measures first turns of a --prompts file "
+                         "(--from-logs and --turns all need the target's own tokenizer and answers)")
+    if args.temperature != 0.0:
+        raise ValueError(f"--engine {args.engine} measures greedy decoding only (--temperature 0)")
+    prompts = [Prompt(r.turns[0], r.slice) for r in read_prompt_file(args.prompts, "first")[: args.limit or None]]
+    config = EngineBenchConfig(max_new_tokens=args.max_new_tokens, repeats=args.repeats, gamma=args.gamma,
+                               seed=args.seed or 0)
+    threads = args.threads or 2
+    if args.engine == "openai":
+        if not (args.url and args.baseline_url):
+            raise ValueError("--engine openai needs --url (the speculative server) and --baseline-url (target-only)")
+        results = run_engine_bench({TARGET_ONLY: args.baseline_url, args.mode_name: args.url}, prompts, config,
+                                   engine="openai", dtype=args.engine_dtype, threads=0)
+        return results[args.mode_name]
+    from specdistill.engines.llamacpp import bench_llamacpp, mode_for_spec, target_gguf
+
+    if args.self_spec is not None or not (args.draft or args.ngram):
+        raise ValueError("--engine llamacpp measures --draft (a GGUF, or an HF draft exported to one) or --ngram")
+    spec = f"draft:{args.draft}" if args.draft else "ngram"
+    mode = mode_for_spec(spec, target_gguf(args.target), args.gamma)
+    return bench_llamacpp(args.target, {mode.name: mode}, prompts, config, threads=threads)[mode.name]
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import json
 
@@ -66,6 +97,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from specdistill.speculative.gamma import plain_step_share, render_curve, speedup_curve
     from specdistill.speculative.gate import evaluate, gate_config
 
+    if args.engine != "harness":
+        result = _bench_engine(args)
+        payload, text = result.to_dict(), result.render()
+        if args.gate:
+            champion = json.loads(Path(args.champion).read_text(encoding="utf-8")) if args.champion else None
+            verdict = evaluate(result, gate_config(args.gate), champion)
+            payload["gate"] = verdict.to_dict()
+            text += "\n\n" + verdict.render()
+        emit(args, payload, text)
+        return 0
     set_threads(args)
     if args.from_logs is not None and args.turns is not None:
         raise ValueError("--turns applies to --prompts files; a logged prompt is every turn before its first answer")
@@ -143,3 +184,10 @@ def register(sub: Subcommands) -> None:
     p.add_argument("--plot", default=None, metavar="PNG", help="acceptance per position and speedup per slice")
     p.add_argument("--gate", default=None, choices=["default", "production"], help="also print the gate's verdict")
     p.add_argument("--champion", default=None, metavar="JSON", help="the champion's bench JSON, for the gate's τ check")
+    p.add_argument("--engine", default="harness", choices=["harness", "llamacpp", "openai"],
+                   help="what measures: this PyTorch harness, llama-server built and started here (the target a "
+                        ".gguf or demo; --threads its threads, default 2), or running OpenAI-compatible servers")
+    p.add_argument("--url", default=None, help="--engine openai: base URL of the speculative server (its /metrics too)")
+    p.add_argument("--baseline-url", default=None, help="--engine openai: base URL of a target-only server")
+    p.add_argument("--mode-name", default="speculative", help="--engine openai: the speculative mode's name in reports")
+    p.add_argument("--engine-dtype", default="unknown", help="--engine openai: the served weights' dtype, for reports")

@@ -2,8 +2,8 @@
 
 Counters carry the raw counts (drafts, draft tokens, accepted tokens, accepted per position): a
 recording rule computes acceptance as a ratio of rates, never an average of ratios. The live
-sampler reads a serving engine's own `vllm:spec_decode_*` counters from two scrapes of its
-`/metrics` page.
+sampler reads a serving engine's own `vllm:spec_decode_*` or `llamacpp:spec_decode_*` counters
+from two scrapes of its `/metrics` page (parsed in `engines.prom`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from prometheus_client import (
     CollectorRegistry,
@@ -21,7 +21,11 @@ from prometheus_client import (
     push_to_gateway,
     start_http_server,
 )
-from prometheus_client.parser import text_string_to_metric_families
+
+from specdistill.engines.prom import Scrape, parse_spec_decode_counters, scrape
+
+__all__ = ["LiveSample", "Scrape", "SpecDecodeMetrics", "acceptance_between", "parse_spec_decode_counters",
+           "sample_live_acceptance", "scrape"]
 
 PREFIX = "specdistill"
 MODES = ("draft", "ngram", "self_speculation", "off")
@@ -101,14 +105,6 @@ VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 
 
 @dataclass
-class Scrape:
-    drafts: float
-    draft_tokens: float
-    accepted: float
-    at: float = field(default_factory=time.time)
-
-
-@dataclass
 class LiveSample:
     """Acceptance between two scrapes, or `ok=False` with the reason there is no sample."""
 
@@ -119,33 +115,6 @@ class LiveSample:
     draft_tokens: float = 0.0
     accepted: float = 0.0
     drafts: float = 0.0
-
-
-def parse_spec_decode_counters(text: str, prefix: str = "vllm:") -> Scrape:
-    """Sum the spec-decode counters over every label set (engines, models) of one /metrics page."""
-    names = {
-        f"{prefix}spec_decode_num_drafts_total": "drafts",
-        f"{prefix}spec_decode_num_draft_tokens_total": "draft_tokens",
-        f"{prefix}spec_decode_num_accepted_tokens_total": "accepted",
-    }
-    totals: dict[str, float] = {}
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                key = names.get(sample.name)
-                if key:
-                    totals[key] = totals.get(key, 0.0) + float(sample.value)
-    except Exception as exc:  # the parser raises ValueError and others on malformed pages
-        raise ValueError(f"malformed metrics page: {exc}") from exc
-    missing = [name for name, key in names.items() if key not in totals]
-    if missing:
-        raise KeyError(f"metrics page lacks {', '.join(missing)}")
-    return Scrape(**totals)
-
-
-def scrape(url: str, timeout_s: float = 5.0, prefix: str = "vllm:") -> Scrape:
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:
-        return parse_spec_decode_counters(response.read().decode("utf-8", errors="replace"), prefix)
 
 
 def acceptance_between(first: Scrape, second: Scrape, min_draft_tokens: int = 1) -> LiveSample:
@@ -169,8 +138,9 @@ def acceptance_between(first: Scrape, second: Scrape, min_draft_tokens: int = 1)
 
 
 def sample_live_acceptance(url: str, interval_s: float = 30.0, min_draft_tokens: int = 100,
-                           prefix: str = "vllm:") -> LiveSample:
-    """Two scrapes `interval_s` apart. Any failure is a "no sample", never an acceptance of zero."""
+                           prefix: str | None = None) -> LiveSample:
+    """Two scrapes `interval_s` apart (vLLM's or llama.cpp's counters, found by name when `prefix` is
+    None). Any failure is a "no sample", never an acceptance of zero."""
     try:
         first = scrape(url, prefix=prefix)
         time.sleep(interval_s)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,6 +35,8 @@ class ServingConfig:
     reason: str = ""
     measured: dict[str, float] = field(default_factory=dict)  # every mode's measured speedup, same prompts
     measured_on: str = ""  # engine and dtype the speedups were measured with, e.g. "harness bf16"
+    engine: str = "harness"  # harness | llamacpp | openai: where `measured` comes from
+    llamacpp_args: list[str] = field(default_factory=list)  # llama-server flags of this mode, as measured
     updated_at: float = field(default_factory=time.time)
 
     def __post_init__(self):
@@ -84,8 +87,17 @@ class ServingConfig:
             ]
         return []
 
+    def llamacpp(self) -> dict | None:
+        """llama-server's flags and a command line for this mode (None: not measured in llama.cpp)."""
+        if self.engine != "llamacpp":
+            return None
+        return {"args": list(self.llamacpp_args), "command": shlex.join(["llama-server", *self.llamacpp_args, "--metrics"])}
+
     def to_dict(self) -> dict:
-        return {**asdict(self), "vllm": {"speculative_config": self.vllm()}, "sglang": self.sglang()}
+        out = {**asdict(self), "vllm": {"speculative_config": self.vllm()}, "sglang": self.sglang()}
+        if self.llamacpp() is not None:
+            out["llamacpp"] = self.llamacpp()
+        return out
 
     def render(self) -> str:
         lines = [f"mode            {self.mode}"]
@@ -98,6 +110,8 @@ class ServingConfig:
         vllm = f"--speculative-config '{json.dumps(self.vllm())}'" if self.vllm() else "(no speculation)"
         lines.append(f"vLLM            {vllm}")
         lines.append(f"SGLang          {' '.join(self.sglang()) or '(no speculation)'}")
+        if self.llamacpp() is not None:
+            lines.append(f"llama.cpp       {self.llamacpp()['command']}")
         if self.reason:
             lines.append(f"reason          {self.reason}")
         if self.measured:
@@ -171,4 +185,5 @@ def read_serving_config(path: str | Path | None = None) -> ServingConfig | None:
         raise ValueError(f"corrupt serving config {path}: {exc}") from exc
     data.pop("vllm", None)
     data.pop("sglang", None)
+    data.pop("llamacpp", None)
     return ServingConfig(**data)

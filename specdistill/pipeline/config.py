@@ -78,11 +78,18 @@ class GateSettings(Strict):
 
 class ServingSettings(Strict):
     """What `serving.json` names: the fastest lossless mode measured, only if it beats target-only
-    decoding by `margin` (the no-slowdown guard the monitor uses too); its γ by measurement."""
+    decoding by `margin` (the no-slowdown guard the monitor uses too); its γ by measurement.
+
+    `engine` is where the speeds are measured (the gate's speed bar and this choice): this PyTorch
+    harness; llama.cpp's llama-server, built here and started per mode on the target's GGUF; or
+    running OpenAI-compatible servers, one per mode, named in `endpoints` (`target-only` required)."""
 
     margin: float = Field(0.05, ge=0.0)
-    choose_gamma: bool = True  # predict the best γ from the measured curve, confirm it with a second run
+    choose_gamma: bool = True  # predict the best γ from the measured curve, confirm it with a second run (harness)
     max_gamma: int = Field(8, ge=1)
+    engine: Literal["harness", "llamacpp", "openai"] = "harness"
+    threads: int = Field(2, ge=1)  # llama-server threads
+    endpoints: dict[str, str] = {}  # engine openai: mode name (target-only, ngram, challenger, ...) -> base URL
 
 
 class NightlyConfig(Strict):
@@ -119,7 +126,7 @@ class MonitorConfig(Strict):
     gamma: int = Field(4, ge=1)
     max_new_tokens: int = Field(32, ge=1)
     min_draft_tokens: int = Field(64, ge=1)  # fewer sampled tokens: no sample, no decision
-    live_metrics_url: str | None = None  # a serving engine's /metrics (vLLM names); else replay
+    live_metrics_url: str | None = None  # a serving engine's /metrics (vLLM or llama.cpp names); else replay
     live_interval_s: float = Field(30.0, gt=0.0)
     fallback_exit_layers: list[int] = [4, 8, 12]
     fallback_min_tokens: int = Field(64, ge=1)

@@ -329,10 +329,15 @@ def benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str
 
 
 def gate(config: NightlyConfig, challenger: BenchEntry, champion: BenchEntry | None,
-         baselines: dict[str, BenchEntry] | None = None) -> VerdictDict:
-    """The gate's verdict (`speculative.gate.evaluate`) under the run's profile, overrides and `must_beat`."""
+         baselines: dict[str, BenchEntry] | None = None, speeds: dict[str, BenchEntry] | None = None) -> VerdictDict:
+    """The gate's verdict (`speculative.gate.evaluate`) under the run's profile, overrides and `must_beat`.
+    With `speeds` (the serving engine's measurements) its speed bar reads the engine's speedups."""
     from specdistill.speculative.gate import evaluate, gate_config
 
+    if speeds:
+        challenger = {**challenger, "speedup": speeds["challenger"]["speedup"]} if "challenger" in speeds else challenger
+        if champion is not None and "champion" in speeds:
+            champion = {**champion, "speedup": speeds["champion"]["speedup"]}
     g = config.gate
     return evaluate(challenger, gate_config(g.profile, **g.overrides), champion=champion,
                     baselines=baselines, must_beat=g.must_beat).to_dict()
@@ -355,7 +360,8 @@ def champion_of(config: NightlyConfig) -> Champion | None:
 
 
 def register(config: NightlyConfig, target: TargetInfo, window: WindowDict, trained: Trained,
-             results: dict[str, BenchEntry], verdict: VerdictDict, parent: str | None, report_path: str | None) -> Registered:
+             results: dict[str, BenchEntry], verdict: VerdictDict, parent: str | None, report_path: str | None,
+             speeds: dict[str, BenchEntry] | None = None) -> Registered:
     """The challenger into the registry with its numbers, curves and artifacts (see `pipeline.report`)."""
     from specdistill.ops import registry
     from specdistill.pipeline.report import registration_artifacts, registration_metrics, train_losses
@@ -365,7 +371,7 @@ def register(config: NightlyConfig, target: TargetInfo, window: WindowDict, trai
         params={"layers": trained.get("layers"), "draft_vocab": trained.get("draft_vocab"), "dtype": target["dtype"],
                 **config.train.model_dump()},
         metrics=registration_metrics(results, trained), curves={"train_loss": train_losses(trained)},
-        artifacts=registration_artifacts(config, results, verdict, trained, report_path),
+        artifacts=registration_artifacts(config, results, verdict, trained, report_path, speeds),
         tags={"target_fingerprint": target["fingerprint"], "data_window": window["key"],
               "gate_verdict": "pass" if verdict["passed"] else "fail", "parent": parent or ""},
         run_name=f"nightly-{window['key']}",

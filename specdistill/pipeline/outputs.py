@@ -142,6 +142,8 @@ class ServingDecision(TypedDict):
     predicted_speedups: dict[int, float]  # the winner's predicted curve over γ
     verify_costs: dict[int, float]  # target forward over k tokens ÷ a 1-token step
     gamma_note: str
+    engine: str  # harness | llamacpp | openai: where the speeds were measured
+    llamacpp_args: list[str]  # llama-server flags of the chosen mode, as measured (engine llamacpp)
 
 
 class Promoted(TypedDict):

@@ -46,7 +46,7 @@ def lossless_cell(r: BenchEntry) -> str:
 
 def report_table(results: dict[str, BenchEntry], verdict: VerdictDict | None = None, registered: Registered | None = None,
                  promoted: Promoted | None = None, serving: ServingDecision | None = None,
-                 target: TargetInfo | None = None) -> str:
+                 target: TargetInfo | None = None, speeds: dict[str, BenchEntry] | None = None) -> str:
     """Markdown: the challenger against the champion and the baselines on the same prompts, the gate
     (which draft is champion) and the serving choice (which mode is fastest here), each with its numbers."""
     lines = ["| drafter | acceptance α | accepted length τ | γ | speedup | cost ratio c | lossless |",
@@ -64,6 +64,8 @@ def report_table(results: dict[str, BenchEntry], verdict: VerdictDict | None = N
         lines += ["", f"measured with the PyTorch harness{' in ' + dtype if dtype else ''}: {any_r['max_new_tokens']} new tokens "
                       f"a prompt, target-only {any_r['tokens_per_second_target_only']:.1f} tokens/s; speedups are interleaved "
                       f"medians against it on the same held-out prompts"]
+    if speeds:
+        lines += ["", *engine_table(speeds)]
     if verdict is not None:
         lines += ["", f"**gate (champion draft): {'PASS' if verdict['passed'] else 'FAIL'}**", ""]
         lines += [f"- {reason}" for reason in verdict["reasons"]]
@@ -80,9 +82,21 @@ def report_table(results: dict[str, BenchEntry], verdict: VerdictDict | None = N
     return "\n".join(lines)
 
 
+def engine_table(speeds: dict[str, BenchEntry]) -> list[str]:
+    """The servable modes as the serving engine measured them (the serving choice reads these)."""
+    some = next(iter(speeds.values()))
+    lines = [f"speeds in the serving engine: **{some.get('engine', '?')}**, {some['dtype']}, {some['max_new_tokens']} new tokens "
+             f"a prompt, target-only {some['tokens_per_second_target_only']:.1f} tokens/s (wall clock); α from the engine's counters",
+             "", "| mode | acceptance α | accepted length τ | K | speedup | lossless (engine logprobs) |", "|---|---:|---:|---:|---:|---|"]
+    for name, r in speeds.items():
+        lines.append(f"| {name} ({r.get('spec', '')}) | {r['acceptance_rate']:.3f} | {r['accepted_length']:.2f} | {r['gamma']} | "
+                     f"{r['speedup']:.2f}x | {lossless_cell(r)} |")
+    return lines
+
+
 def _serving_line(serving: ServingDecision) -> str:
     if serving["mode"] == "off":
-        return f"**serving: no speculation**: {serving['reason']}"
+        return f"**serving: no speculation** (measured: {serving['measured_on']}): {serving['reason']}"
     head = (f"**serving: {serving['mode']} ({serving['name']}), γ={serving['gamma']}, {serving['speedup']:.2f}x measured "
             f"({serving['measured_on']})**")
     curve = serving.get("predicted_speedups") or {}
@@ -138,8 +152,9 @@ def train_losses(trained: Trained) -> list[float]:
 
 
 def registration_artifacts(config: NightlyConfig, results: dict[str, BenchEntry], verdict: VerdictDict, trained: Trained,
-                           report_path: str | None) -> list[Path]:
-    """benchmark.json, the run's config, gate.json, the challenger's acceptance plot and the report."""
+                           report_path: str | None, speeds: dict[str, BenchEntry] | None = None) -> list[Path]:
+    """benchmark.json, the run's config, gate.json, the challenger's acceptance plot and the report; with
+    a serving engine's measurements, engine_benchmark.json and the challenger's GGUF as llama.cpp ran it."""
     from specdistill.speculative.bench import BenchResult
 
     artifacts_dir = paths.ensure(Path(trained["draft_dir"]).parent / "artifacts")
@@ -156,6 +171,12 @@ def registration_artifacts(config: NightlyConfig, results: dict[str, BenchEntry]
         artifacts.append(plot)
     if report_path:
         artifacts.append(Path(report_path))
+    if speeds:
+        (artifacts_dir / "engine_benchmark.json").write_text(json.dumps(speeds, indent=2, default=str))
+        artifacts.append(artifacts_dir / "engine_benchmark.json")
+        args = (speeds.get("challenger") or {}).get("stats", {}).get("llamacpp_args", [])
+        if "-md" in args:
+            artifacts.append(Path(args[args.index("-md") + 1]))
     return artifacts
 
 

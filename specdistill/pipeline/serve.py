@@ -39,8 +39,37 @@ def serving_candidates(results: dict[str, BenchEntry], verdict: VerdictDict) -> 
     return out
 
 
+def choose_engine_serving(config: NightlyConfig, speeds: dict[str, BenchEntry], verdict: VerdictDict) -> ServingDecision:
+    """The fastest lossless mode as measured in the serving engine, through the same no-slowdown guard.
+    γ is the benchmark's K (the harness's γ search models the harness's verification cost, not the engine's)."""
+    from specdistill.ops.serving import Candidate, fastest_mode
+
+    b, s = config.bench, config.serving
+    candidates = serving_candidates(speeds, verdict)
+    choice = fastest_mode([Candidate(name, mode_of(r["spec"]), r["speedup"], r["lossless"], b.gamma)
+                           for name, r in candidates.items()], s.margin)
+    some = next(iter(speeds.values()), None)
+    measured_on = f"{s.engine}, {some['dtype'] if some else '?'}" + (f", {s.threads} threads" if s.engine == "llamacpp" else "")
+    decision = ServingDecision(mode=choice.mode, name=None, spec=None, gamma=b.gamma, speedup=1.0, reason=choice.reason,
+                               measured={name: r["speedup"] for name, r in speeds.items()}, measured_on=measured_on,
+                               predicted_speedups={}, verify_costs={}, gamma_note=f"γ=K={b.gamma} as measured in {s.engine}",
+                               engine=s.engine, llamacpp_args=[])
+    if some is not None and s.engine == "llamacpp":  # target-only: the measured command without the mode's flags
+        decision["llamacpp_args"] = list(some["stats"]["llamacpp_args"][:4])
+    if choice.candidate is not None:
+        r = candidates[choice.candidate.name]
+        decision.update(name=choice.candidate.name, spec=r["spec"], speedup=r["speedup"],
+                        llamacpp_args=list(r["stats"].get("llamacpp_args", [])))
+    return decision
+
+
 def choose_serving(config: NightlyConfig, window: WindowDict, results: dict[str, BenchEntry],
-                   verdict: VerdictDict) -> ServingDecision:
+                   verdict: VerdictDict, speeds: dict[str, BenchEntry] | None = None) -> ServingDecision:
+    """`speeds` (from `engine_bench.engine_benchmark`) when the serving engine is not the harness."""
+    if config.serving.engine != "harness":
+        if speeds is None:
+            raise ValueError(f"serving.engine {config.serving.engine}: the engine's measurements are missing")
+        return choose_engine_serving(config, speeds, verdict)
     from specdistill.modeling.models import dtype_name, load_model
     from specdistill.ops.serving import Candidate, fastest_mode
     from specdistill.pipeline.nightly import bench_prompts
@@ -57,7 +86,7 @@ def choose_serving(config: NightlyConfig, window: WindowDict, results: dict[str,
     measured = {name: r["speedup"] for name, r in results.items()}  # every mode measured, served or not
     decision = ServingDecision(mode=choice.mode, name=None, spec=None, gamma=b.gamma, speedup=1.0, reason=choice.reason,
                                measured=measured, measured_on=measured_on, predicted_speedups={},
-                               verify_costs={}, gamma_note="")
+                               verify_costs={}, gamma_note="", engine="harness", llamacpp_args=[])
     if choice.candidate is None:
         return decision
     name = choice.candidate.name
@@ -98,7 +127,8 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
 
     common = dict(mode=decision["mode"], num_speculative_tokens=decision["gamma"], target_fingerprint=target["fingerprint"],
                   reason=f"nightly: {decision['reason']}" + (f"; {decision['gamma_note']}" if decision["gamma_note"] else ""),
-                  measured=decision["measured"], measured_on=decision["measured_on"])
+                  measured=decision["measured"], measured_on=decision["measured_on"],
+                  engine=decision.get("engine", "harness"), llamacpp_args=decision.get("llamacpp_args", []))
     spec, mode = decision["spec"], decision["mode"]
     if mode == "draft":
         from specdistill.modeling.eagle3_io import is_eagle3_dir

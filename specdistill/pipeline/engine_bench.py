@@ -1,0 +1,68 @@
+"""Stage: the servable modes' speeds measured in the serving engine (`serving.engine`), on the same
+held-out prompts as the harness benchmark.
+
+The harness benchmark stays the judge of a draft's quality (α, τ, losslessness: properties of the
+draft, measured exactly); speed is a property of the engine that serves, so the gate's speed bar and
+the serving choice read these numbers when an engine is configured. llama.cpp gets each mode as
+llama-server does it: a draft (or self-speculation's early-exit draft) exported to GGUF with
+`draft-simple`, n-gram lookup as `ngram-simple`; the off-the-shelf baseline is never served, so not
+measured.
+"""
+
+from __future__ import annotations
+
+from specdistill.pipeline.config import NightlyConfig
+from specdistill.pipeline.outputs import BenchEntry, WindowDict
+
+NEVER_SERVED = ("generic",)
+
+
+def engine_prompts(window: WindowDict):
+    """The window's eval prompts as an engine is sent them: their chat turns (it applies the template)."""
+    from specdistill.speculative.bench import Prompt
+
+    return [Prompt(text=p["messages"][-1]["content"], slice=p["slice"], messages=p["messages"]) for p in window["eval"]]
+
+
+def llamacpp_spec(config: NightlyConfig, name: str, spec: str) -> str:
+    """A drafter spec llama.cpp can run: self-speculation becomes its exported early-exit draft."""
+    kind, _, arg = spec.partition(":")
+    if kind != "self_spec":
+        return spec
+    from specdistill.modeling.models import load_model
+    from specdistill.ops.monitor import export_early_exit_draft
+    from specdistill.pipeline.monitor import fallback_dir
+
+    target = load_model(config.target, dtype="float32")
+    return f"draft:{export_early_exit_draft(target, int(arg), fallback_dir(target.fingerprint, int(arg)))}"
+
+
+def engine_benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str]) -> dict[str, BenchEntry]:
+    """Each servable drafter against target-only in `config.serving.engine`, interleaved per prompt.
+    Results are keyed by drafter name, with the `spec` the harness benchmark used."""
+    from specdistill.engines.bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
+
+    s, b = config.serving, config.bench
+    prompts = engine_prompts(window)
+    bcfg = EngineBenchConfig(max_new_tokens=b.max_new_tokens, repeats=b.repeats, gamma=b.gamma)
+    servable = {name: spec for name, spec in drafters.items() if name not in NEVER_SERVED}
+    if s.engine == "llamacpp":
+        from specdistill.engines.llamacpp import bench_llamacpp, mode_for_spec, target_gguf
+
+        gguf = target_gguf(config.target)
+        modes = {name: mode_for_spec(llamacpp_spec(config, name, spec), gguf, b.gamma) for name, spec in servable.items()}
+        results = bench_llamacpp(config.target, modes, prompts, bcfg, threads=s.threads)
+        out = {name: BenchEntry(**r.to_dict(), spec=servable[name]) for name, r in results.items()}
+        for name, mode in modes.items():  # the command line measured (the draft GGUF included): what serving.json names
+            out[name]["stats"]["llamacpp_args"] = ["-m", str(gguf), "-t", str(s.threads), *mode.args()]
+        return out
+    if s.engine == "openai":
+        if TARGET_ONLY not in s.endpoints or len(s.endpoints) < 2:
+            raise ValueError(f"serving.engine openai needs serving.endpoints with {TARGET_ONLY!r} and at least one mode "
+                             f"(got {sorted(s.endpoints)})")
+        unknown = [n for n in s.endpoints if n != TARGET_ONLY and n not in drafters]
+        if unknown:
+            raise ValueError(f"serving.endpoints names modes this run did not benchmark: {unknown} (known: {sorted(drafters)})")
+        results = run_engine_bench(dict(s.endpoints), prompts, bcfg, engine="openai", dtype="served")
+        return {name: BenchEntry(**r.to_dict(), spec=drafters[name]) for name, r in results.items()}
+    raise ValueError(f"serving.engine {s.engine!r} has no separate engine benchmark (the harness benchmark is it)")

@@ -1,0 +1,93 @@
+"""The engine layer without a real engine: llama-server's command line per mode, the server lifecycle's
+errors (port in use, a server that exits or never becomes healthy), the divergence judge, and the GGUF
+exporter's refusal of a vocabulary llama.cpp would not pair with the target."""
+
+from __future__ import annotations
+
+import socket
+import stat
+
+import pytest
+
+from specdistill.engines.bench import divergence_margin
+from specdistill.engines.client import Completion, TokenLogprob
+from specdistill.engines.gguf_export import GgufExportError, export_draft_gguf
+from specdistill.engines.server import LlamaServer, ServerConfig, ServerError, ServerMode, server_args
+from tests.conftest import save_tiny_target
+
+
+def test_mode_flags_are_llama_cpp_flags(tmp_path):
+    assert ServerMode().args() == [] and ServerMode().name == "target-only"
+    draft = ServerMode("draft-simple", tmp_path / "d.gguf", 3)
+    assert draft.args() == ["-md", str(tmp_path / "d.gguf"), "--spec-type", "draft-simple", "--spec-draft-n-max", "3"]
+    assert ServerMode("ngram-simple", None, 6).args() == ["--spec-type", "ngram-simple", "--spec-draft-n-max", "6",
+                                                          "--spec-ngram-simple-size-m", "6"]
+    assert ServerMode("ngram-simple", None, 6, ngram_n=3).args()[-2:] == ["--spec-ngram-simple-size-n", "3"]
+    args = server_args(ServerConfig(model=tmp_path / "t.gguf", mode=draft, threads=2), 8123)
+    assert args[:4] == ["-m", str(tmp_path / "t.gguf"), "--host", "127.0.0.1"] and "--metrics" in args
+    assert args[args.index("--port") + 1] == "8123" and args[args.index("-td") + 1] == "2"
+    with pytest.raises(ValueError, match="needs a draft GGUF"):
+        ServerMode("draft-simple")
+    with pytest.raises(ValueError, match="expected one of"):
+        ServerMode("medusa")
+
+
+def _script(tmp_path, body: str):
+    path = tmp_path / "fake-llama-server"
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    (tmp_path / "t.gguf").write_bytes(b"GGUF")
+    return path
+
+
+def test_port_in_use_is_named(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        server = LlamaServer(_script(tmp_path, "exit 0"), ServerConfig(model=tmp_path / "t.gguf", port=port))
+        with pytest.raises(ServerError, match=f"port {port} on 127.0.0.1 is in use"):
+            server.start()
+
+
+def test_server_that_exits_shows_its_log(tmp_path):
+    binary = _script(tmp_path, 'echo "llama_model_load: error loading model: bad magic"; exit 1')
+    with pytest.raises(ServerError, match=r"exited with code 1 before it was ready(.|\n)*bad magic"):
+        LlamaServer(binary, ServerConfig(model=tmp_path / "t.gguf")).start()
+
+
+def test_server_that_never_becomes_healthy_is_stopped(tmp_path):
+    server = LlamaServer(_script(tmp_path, "exec sleep 30"), ServerConfig(model=tmp_path / "t.gguf"), startup_timeout_s=1)
+    with pytest.raises(ServerError, match="did not become healthy within 1 s"):
+        server.start()
+    assert server.process is None  # killed, not left running
+
+
+def test_missing_files_are_named(tmp_path):
+    binary = _script(tmp_path, "exit 0")
+    with pytest.raises(ServerError, match="draft GGUF not found"):
+        LlamaServer(binary, ServerConfig(model=tmp_path / "t.gguf", mode=ServerMode("draft-simple", tmp_path / "no.gguf"))).start()
+    with pytest.raises(ServerError, match="no llama-server binary"):
+        LlamaServer(tmp_path / "nothing", ServerConfig(model=tmp_path / "t.gguf")).start()
+
+
+def _reference(tokens: list[tuple[str, float, dict]]) -> Completion:
+    return Completion("".join(t for t, _, _ in tokens), len(tokens), 1.0,
+                      logprobs=[TokenLogprob(t, lp, top) for t, lp, top in tokens])
+
+
+def test_divergence_margin_reads_the_target_only_logprobs():
+    ref = _reference([("The", -0.1, {"The": -0.1}), (" cat", -0.60, {" cat": -0.60, " dog": -0.85}),
+                      (" sat", -0.2, {" sat": -0.2})])
+    assert divergence_margin("The cat sat", "The dog ran", ref) == pytest.approx(0.25)  # a near-tie
+    assert divergence_margin("The cat sat", "The bird", ref) == float("inf")  # not in the top-k: real mismatch
+    assert divergence_margin("The cat sat", "The cat", ref) == float("inf")  # one stopped early
+
+
+def test_export_refuses_a_vocabulary_llama_cpp_would_refuse(tmp_path):
+    from specdistill.modeling.models import demo_gguf_path
+
+    draft = save_tiny_target(tmp_path / "tiny")  # a 300-token vocabulary against the demo's 49,152
+    with pytest.raises(GgufExportError, match="vocabulary-incompatible: draft vocab_size 300 vs target 49152"):
+        export_draft_gguf(draft, demo_gguf_path(), tmp_path / "out.gguf")
+    assert not (tmp_path / "out.gguf").exists()
