@@ -246,13 +246,14 @@ def test_distill_output_dir_depends_on_the_train_config_data_and_warm_start_only
         pipeline.distill_draft(config, train_data, heldout, warm)
         return calls[-1].out_dir
 
-    base = load_nightly_config()
+    layers = ["train.kind=layers"]  # warm starts below are layer drafts (a head would ignore them)
+    base = load_nightly_config(None, layers)
     first = out_dir(base)
     assert out_dir(base) == first
-    unrelated = load_nightly_config(None, ["bench.gamma=7", "window.train_prompts=3", "gate.must_beat=[]",
+    unrelated = load_nightly_config(None, [*layers, "bench.gamma=7", "window.train_prompts=3", "gate.must_beat=[]",
                                            "generation.max_new_tokens=5", "log_db=sqlite:////elsewhere.db"])
     assert out_dir(unrelated) == first
-    keys = {first, out_dir(load_nightly_config(None, ["train.max_steps=7"])),
+    keys = {first, out_dir(load_nightly_config(None, [*layers, "train.max_steps=7"])),
             out_dir(base, {**train, "path": "/data/b/train.jsonl"}), out_dir(base, warm="/champion/v1"),
             out_dir(base, warm="/champion/v2")}
     assert len(keys) == 5
@@ -274,7 +275,7 @@ def test_train_kind_eagle3_trains_a_head_from_features_beside_the_teacher_cache(
     dcfg = calls[-1]
     assert dcfg.kind == "eagle3" and dcfg.eagle3.steps == 3 and dcfg.eagle3.feature_dir == "/data/a/features"
     assert dcfg.draft is None and dcfg.teacher.cache_dir == "/data/a/tc"  # a layer-draft champion is no warm start for a head
-    assert load_nightly_config().train.kind == "layers"
+    assert load_nightly_config().train.kind == "eagle3"  # the demo trains the better kind per CPU-minute
 
 
 def test_generic_baseline_dir_depends_on_the_window_and_the_train_config(monkeypatch):

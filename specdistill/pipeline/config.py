@@ -41,7 +41,9 @@ class GenerationConfig(Strict):
 
 
 class TrainConfig(Strict):
-    kind: Literal["layers", "eagle3"] = "layers"  # a layer-extracted draft, or an EAGLE-3 head over the target's features
+    # an EAGLE-3 head over the target's features (the better kind per CPU-minute: benchmarks/eagle_budget.py),
+    # or a layer-extracted draft
+    kind: Literal["layers", "eagle3"] = "eagle3"
     layers: str = "0,1,2,29"  # kind layers
     eagle3_steps: int = Field(2, ge=1)  # kind eagle3: the training-time-test unroll length
     draft_vocab: int | None = 8192
