@@ -226,3 +226,13 @@ def test_draft_init_eagle3_cli(target_dir, tmp_path, capsys):
     assert main(["draft", "init", "--kind", "eagle3", "--target", str(target_dir), "--layers", "0,9,5", str(tmp_path / "bad")]) != 0
     assert "feature layers must be three layer indices in 0..5, got [0, 9, 5]" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+def test_llama_cpp_engine_leaves_a_head_out(head_dir, target_dir):
+    """llama.cpp runs a head only as a draft-eagle3 GGUF, which is not exported yet: the engine
+    benchmark leaves it out by name instead of failing the run; a layer draft stays servable."""
+    from specdistill.pipeline.engine_bench import NO_LLAMACPP_EXPORT, llamacpp_unservable
+
+    assert llamacpp_unservable(f"draft:{head_dir}") == NO_LLAMACPP_EXPORT
+    assert llamacpp_unservable(f"draft:{target_dir}") == ""
+    assert llamacpp_unservable("ngram") == ""

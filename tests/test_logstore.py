@@ -76,6 +76,22 @@ def test_batch_dedups_within_and_across_batches_and_quarantines(store):
     assert stats["conversations"] == 3 and sum(stats["by_split"].values()) == 3
 
 
+def test_export_answered_writes_only_conversations_with_an_answer(store, tmp_path):
+    import json
+
+    run = store.begin_run("src", "jsonl", 0)
+    prompt_only = Conversation([Message("user", "write fib")], "src", "f:2")
+    store.add_batch(run, [conv("a", "yes"), prompt_only])
+    ids = [row.id for row in store.sample(10, seed=0)]
+    path = tmp_path / "answered.jsonl"
+    assert store.export_answered(ids, path) == 1
+    (line,) = path.read_text().splitlines()
+    assert json.loads(line)["messages"][-1] == {"role": "assistant", "content": "yes"}
+    only_prompts = [i for i in ids if i != int(json.loads(line)["id"])]
+    assert store.export_answered(only_prompts, tmp_path / "none.jsonl") == 0
+    assert not (tmp_path / "none.jsonl").exists()
+
+
 def test_split_is_fixed_by_the_prompt_hash():
     first = [Message("user", "same opening"), Message("assistant", "x")]
     longer = first + [Message("user", "more"), Message("assistant", "y")]

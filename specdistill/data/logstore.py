@@ -20,6 +20,7 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -273,6 +274,20 @@ class LogStore(PipelineRecords):
         if missing:
             raise KeyError(f"conversations not in the log store: {missing[:10]}")
         return [found[i] for i in ids]
+
+    def export_answered(self, ids: Iterable[int], path: str | Path) -> int:
+        """The conversations among `ids` that carry a human-written answer, as JSONL `{"id",
+        "messages"}` written atomically (the generic baseline's training data). Returns how many;
+        none writes nothing."""
+        answered = [row for row in self.by_ids(ids) if any(m.role == "assistant" for m in row.messages)]
+        if answered:
+            tmp = Path(path).with_suffix(".tmp")
+            with open(tmp, "w", encoding="utf-8") as f:
+                for row in answered:
+                    messages = [{"role": m.role, "content": m.content} for m in row.messages]
+                    f.write(json.dumps({"id": str(row.id), "messages": messages}, ensure_ascii=False) + "\n")
+            tmp.replace(path)
+        return len(answered)
 
     # -- reports -----------------------------------------------------------------------------
 

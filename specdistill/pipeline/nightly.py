@@ -225,16 +225,9 @@ def _write_conversations(config: NightlyConfig, window: WindowDict, path: Path) 
     from specdistill.data.logstore import LogStore
 
     with LogStore(config.log_db) as store:
-        rows = store.by_ids(int(p["id"]) for p in window["train"])
-    answered = [row for row in rows if any(m.role == "assistant" for m in row.messages)]
-    if not answered:  # HumanEval-style traffic logs prompts only: there is nothing human-written to imitate
-        raise ValueError("the window's train conversations have no human-written answers for the generic baseline")
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in answered:
-            messages = [{"role": m.role, "content": m.content} for m in row.messages]
-            f.write(json.dumps({"id": str(row.id), "messages": messages}, ensure_ascii=False) + "\n")
-    tmp.replace(path)
+        if not store.export_answered((int(p["id"]) for p in window["train"]), path):
+            # HumanEval-style traffic logs prompts only: there is nothing human-written to imitate
+            raise ValueError("the window's train conversations have no human-written answers for the generic baseline")
     return path
 
 
