@@ -331,7 +331,10 @@ def test_bench_command_in_a_dtype_with_all_turns_and_the_gamma_curve(tiny_target
     assert sorted(out["verify_costs_measured"], key=int) == [str(k) for k in range(1, 10)] and out["verify_costs_measured"]["1"] == 1.0
     costs = [out["verify_costs"][str(k)] for k in range(1, 10)]
     assert costs == sorted(costs)
-    assert out["best_gamma"] == max(range(1, 9), key=lambda g: (round(out["predicted_speedups"][str(g)], 6), -g))
+    # the smallest γ within 2% of the best (chosen on the undiluted curve; dilution by plain steps keeps
+    # the order and only narrows the gaps): timing noise on a tiny model may move it, never past the tolerance
+    predicted = out["predicted_speedups"]
+    assert predicted[str(out["best_gamma"])] >= max(predicted.values()) * (1 - 0.02) - 1e-9
 
 
 def test_bench_command_text_shows_dtype_curve_and_first_turns_only(tiny_target_dir, tmp_path, capsys):
