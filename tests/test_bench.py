@@ -368,3 +368,12 @@ def test_bench_command_from_the_log_store(tiny_target_dir, tmp_path, capsys):
     assert "no usable prompt in the train split" in capsys.readouterr().err
     assert main(["bench", "--target", str(tiny_target_dir), "--ngram", "--from-logs", "eval", "--turns", "all", "--db", db]) == 2
     assert "--turns applies to --prompts files" in capsys.readouterr().err
+
+
+def test_bench_command_gates_its_result(tiny_target_dir, tmp_path, capsys):
+    questions = tmp_path / "question.jsonl"
+    questions.write_text("".join(json.dumps(q) + "\n" for q in SPEC_BENCH))
+    out = bench_json(capsys, "--target", str(tiny_target_dir), "--prompts", str(questions), "--dtype", "float32",
+                     "--gate", "default")
+    gate = out["gate"]
+    assert gate["passed"] == (not gate["failures"]) and any("acceptance" in c["reason"] for c in gate["checks"])

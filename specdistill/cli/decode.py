@@ -89,24 +89,15 @@ def _bench_engine(args: argparse.Namespace):
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import json
-
     from specdistill.data.prompt_files import read_prompt_file
     from specdistill.modeling.models import load_model
     from specdistill.speculative.bench import BenchConfig, run_bench
     from specdistill.speculative.gamma import plain_step_share, render_curve, speedup_curve
-    from specdistill.speculative.gate import evaluate, gate_config
 
     if args.engine != "harness":
         result = _bench_engine(args)
         payload, text = result.to_dict(), result.render()
-        if args.gate:
-            champion = json.loads(Path(args.champion).read_text(encoding="utf-8")) if args.champion else None
-            verdict = evaluate(result, gate_config(args.gate), champion)
-            payload["gate"] = verdict.to_dict()
-            text += "\n\n" + verdict.render()
-        emit(args, payload, text)
-        return 0
+        return _emit_bench(args, result, payload, text)
     set_threads(args)
     if args.from_logs is not None and args.turns is not None:
         raise ValueError("--turns applies to --prompts files; a logged prompt is every turn before its first answer")
@@ -129,6 +120,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot:
         payload["plot"] = str(result.plot(args.plot))
         text += f"\nplot -> {payload['plot']}"
+    return _emit_bench(args, result, payload, text)
+
+
+def _emit_bench(args, result, payload: dict, text: str) -> int:
+    """Print a bench result (either engine), with the gate's verdict when `--gate` asks for it."""
+    import json
+
+    from specdistill.speculative.gate import evaluate, gate_config
+
     if args.gate:
         champion = json.loads(Path(args.champion).read_text(encoding="utf-8")) if args.champion else None
         verdict = evaluate(result, gate_config(args.gate), champion)

@@ -25,11 +25,19 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from specdistill.distill.teacher import TeacherCache, data_hash, pad_batch, teacher_positions, topk_rows, vocab_key
+from specdistill.distill.teacher import (
+    TeacherCache,
+    data_hash,
+    load_shards,
+    pad_batch,
+    teacher_positions,
+    topk_rows,
+    vocab_key,
+)
 from specdistill.modeling.eagle3 import FeatureHooks
 from specdistill.modeling.vocab import DraftVocab
 
@@ -139,12 +147,7 @@ class FeatureCache:
         return sum(p.stat().st_size for p in self.dir.glob("shard-*.safetensors"))
 
     def load_all(self) -> dict[str, dict[str, torch.Tensor]]:
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        for shard in sorted(self.dir.glob("shard-*.safetensors")):
-            for key, tensor in load_file(str(shard)).items():
-                ex_id, field = key.rsplit("/", 1)
-                out.setdefault(ex_id, {})[field] = tensor
-        return out
+        return load_shards(self.dir)
 
 
 def check_feature_entry(entry: dict[str, torch.Tensor], ex_id: str, input_ids: Sequence[int], start: int) -> None:

@@ -151,12 +151,17 @@ class TeacherCache:
 
     def load_all(self) -> dict[str, dict[str, torch.Tensor]]:
         """Every entry in memory (a few MB per thousand answers at k=32): epochs then read no disk."""
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        for shard in sorted(self.dir.glob("shard-*.safetensors")):
-            for key, tensor in load_file(str(shard)).items():
-                ex_id, field = key.rsplit("/", 1)
-                out.setdefault(ex_id, {})[field] = tensor
-        return out
+        return load_shards(self.dir)
+
+
+def load_shards(directory: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """A sharded cache's entries by example id: shard keys are `EXAMPLE_ID/FIELD`."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for shard in sorted(directory.glob("shard-*.safetensors")):
+        for key, tensor in load_file(str(shard)).items():
+            ex_id, field = key.rsplit("/", 1)
+            out.setdefault(ex_id, {})[field] = tensor
+    return out
 
 
 def check_entry(entry: dict[str, torch.Tensor], ex_id: str, input_ids: Sequence[int], n_rows: int) -> None:
