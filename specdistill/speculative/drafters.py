@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specdistill.modeling.vocab import DraftVocab, VocabAlignmentError
-from specdistill.speculative.sampling import SamplingConfig, probs_from_logits, sample
+from specdistill.speculative.sampling import SamplingConfig, draft_token
 
 
 class Drafter(Protocol):
@@ -95,14 +95,9 @@ class ModelDrafter:
         x = tokens[self.cached :].unsqueeze(0)
         ids, qs = [], []
         for _ in range(k):
-            logits = self._next_logits(x)
+            d, q = draft_token(self._next_logits(x), config, generator)
             self.cached += x.shape[1]
-            if config.greedy:
-                d = logits.argmax()
-            else:
-                q = probs_from_logits(logits, config)
-                d = sample(q, generator)
-                qs.append(q)
+            qs.append(q)
             if self.head_weight is not None:
                 d = self._token_ids[d]
             ids.append(d)

@@ -16,7 +16,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specdistill.modeling.eagle3 import Eagle3Cache, Eagle3Draft, check_head_fits
-from specdistill.speculative.sampling import SamplingConfig, probs_from_logits, sample
+from specdistill.speculative.sampling import SamplingConfig, draft_token
 
 
 class EagleDrafter:
@@ -68,13 +68,8 @@ class EagleDrafter:
         position = tokens.numel() - 1
         ids, qs = [], []
         for i in range(k):
-            logits = self.head.logits(hidden)[0, -1].float()
-            if config.greedy:
-                d = logits.argmax()
-            else:
-                q = probs_from_logits(logits, config)
-                d = sample(q, generator)
-                qs.append(q)
+            d, q = draft_token(self.head.logits(hidden)[0, -1].float(), config, generator)
+            qs.append(q)
             target_id = d + self.head.d2t[d]
             ids.append(target_id)
             if i < k - 1:
