@@ -66,6 +66,10 @@ def test_openai_bench_against_real_servers(llama_cpp, target_gguf):
     assert r.lossless_exact + r.lossless_near_ties + r.lossless_mismatches == len(prompts)
     assert r.tokens_per_second_target_only > 0 and r.speedup > 0
     assert {s.name for s in r.slices} == {"repeat", "chat"}
+    # per-slice τ from the counters around each request: measured, and > 1 exactly where drafts were accepted
+    by_name = {s.name: s for s in r.slices}
+    assert by_name["repeat"].accepted_length > 1.0
+    assert all((s.acceptance_rate > 0) == (s.accepted_length > 1.0) for s in r.slices)
 
 
 def test_monitor_live_sampler_reads_llama_cpp_metrics(llama_cpp, target_gguf, monkeypatch):

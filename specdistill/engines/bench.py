@@ -118,6 +118,7 @@ def run_engine_bench(endpoints: dict[str, str], prompts: list[Prompt], config: E
     before = {m: scrape(metrics_url(endpoints[m])) for m in spec_modes}
     times = {m: [[None] * len(prompts) for _ in range(config.repeats)] for m in modes}
     per_request: dict[str, list[Completion]] = {m: [None] * len(prompts) for m in spec_modes}
+    per_prompt_counts: dict[str, list[Scrape]] = {m: [None] * len(prompts) for m in spec_modes}  # first repeat
     pairs: dict[str, list[set]] = {m: [set() for _ in prompts] for m in spec_modes}
     bar = tqdm(total=config.repeats * len(prompts), desc=f"bench ({engine})", unit="prompt", file=sys.stderr,
                disable=not progress)
@@ -126,12 +127,15 @@ def run_engine_bench(endpoints: dict[str, str], prompts: list[Prompt], config: E
             shift = (r + i) % len(modes)
             texts = {}
             for mode in modes[shift:] + modes[:shift]:
+                counted = mode != TARGET_ONLY and r == 0
+                pre = scrape(metrics_url(endpoints[mode])) if counted else None  # outside the timed request
                 done = chat(endpoints[mode], _messages(prompt), max_tokens=config.max_new_tokens, seed=config.seed,
                             timeout_s=config.timeout_s)
                 texts[mode] = done.text
                 times[mode][r][i] = (done.generated_tokens, done.seconds)
-                if mode != TARGET_ONLY and r == 0:
+                if counted:
                     per_request[mode][i] = done
+                    per_prompt_counts[mode][i] = _delta(pre, scrape(metrics_url(endpoints[mode])))
             for mode in spec_modes:
                 pairs[mode][i].add((texts[TARGET_ONLY], texts[mode]))
             bar.update(1)
@@ -141,12 +145,12 @@ def run_engine_bench(endpoints: dict[str, str], prompts: list[Prompt], config: E
     for mode in spec_modes:
         verdicts = [judge(endpoints[TARGET_ONLY], p, pairs[mode][i], config) for i, p in enumerate(prompts)]
         results[mode] = _result(mode, prompts, config, times[TARGET_ONLY], times[mode], per_request[mode],
-                                counts[mode], verdicts, engine=engine, dtype=dtype, threads=threads)
+                                counts[mode], per_prompt_counts[mode], verdicts, engine=engine, dtype=dtype, threads=threads)
     return results
 
 
 def _result(mode: str, prompts: list[Prompt], config: EngineBenchConfig, base_times, spec_times,
-            requests: list[Completion], counts: Scrape, verdicts: list[tuple[str, float]], *,
+            requests: list[Completion], counts: Scrape, per_prompt: list[Scrape], verdicts: list[tuple[str, float]], *,
             engine: str, dtype: str, threads: int) -> BenchResult:
     alpha = counts.accepted / counts.draft_tokens if counts.draft_tokens else 0.0
     tau = 1 + counts.accepted / counts.drafts if counts.drafts else 1.0
@@ -156,11 +160,13 @@ def _result(mode: str, prompts: list[Prompt], config: EngineBenchConfig, base_ti
     slices = []
     for name in dict.fromkeys(p.slice for p in prompts):
         idx = [i for i, p in enumerate(prompts) if p.slice == name]
-        drafted = sum(requests[i].draft_tokens or 0 for i in idx)
-        accepted = sum(requests[i].accepted or 0 for i in idx)
+        # the counters' deltas around each of the slice's requests (first repeat): drafts are rounds, so τ too
+        drafts = sum(per_prompt[i].drafts for i in idx)
+        drafted = sum(per_prompt[i].draft_tokens for i in idx)
+        accepted = sum(per_prompt[i].accepted for i in idx)
         b, s, x = speed_summary(base_times, spec_times, idx)
-        # τ per slice needs rounds per request, which engines do not report: 0.0 (the mode-level τ is measured)
-        slices.append(SliceResult(name, len(idx), accepted / drafted if drafted else 0.0, 0.0, b, s, x))
+        slices.append(SliceResult(name, len(idx), accepted / drafted if drafted else 0.0,
+                                  1 + accepted / drafts if drafts else 1.0, b, s, x))
     tags = [v for v, _ in verdicts]
     near_margins = [m for v, m in verdicts if v == "near-tie"]
     return BenchResult(
