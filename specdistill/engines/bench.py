@@ -3,7 +3,8 @@ OpenAI-compatible endpoint, interleaved per prompt as the harness's `run_bench_m
 
 Speeds are wall-clock per request (prompt processing included, as the harness times `generate`);
 acceptance is Δaccepted / Δdraft tokens of the endpoint's Prometheus counters over the run (vLLM's or
-llama.cpp's names), per-request α from llama.cpp's `timings.draft_n_accepted / draft_n` where given.
+llama.cpp's names), per slice over the counters' deltas around the slice's requests (so τ = 1 +
+Δaccepted / Δdrafts per slice too), per-request α from llama.cpp's `timings` where given.
 
 Output equality with target-only is judged on text (greedy). A divergence is a near-tie when, at the
 first token where the outputs part, the speculative side's token is within `near_tie_tolerance` (in
