@@ -88,6 +88,22 @@ def save_tiny_target(path, *, seed: int = 0, layers: int = 4, tie: bool = True, 
     return Path(path)
 
 
+
+def run_distill_ddp(config_path: Path, out: Path) -> dict:
+    """`specdistill distill` on two ranks under torch.distributed.run (one thread each); its result.json."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "specdistill.cli", "distill", "--config", str(config_path), "--json"],
+        env=env, capture_output=True, text=True, timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / "result.json").read_text())
+
 @pytest.fixture
 def tiny_llama():
     return make_tiny_llama()

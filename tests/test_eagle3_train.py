@@ -22,7 +22,7 @@ from specdistill.distill.features import (
     feature_start,
 )
 from specdistill.distill.train import distill
-from tests.conftest import lively, make_tiny_llama, train_bpe
+from tests.conftest import lively, make_tiny_llama, run_distill_ddp, train_bpe
 
 
 def _examples(n: int = 4, prompt: int = 5, answer: int = 7, vocab: int = 64, seed: int = 0) -> list[Example]:
@@ -216,10 +216,6 @@ def test_feature_cache_for_another_layer_set_fails_the_run(eagle_world, tmp_path
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_eagle3_ddp_two_ranks_end_with_identical_weights(eagle_world, tmp_path):
-    import os
-    import subprocess
-    import sys
-
     out = tmp_path / "ddp"
     cfg = tmp_path / "ddp.yaml"
     cfg.write_text(
@@ -229,14 +225,7 @@ def test_eagle3_ddp_two_ranks_end_with_identical_weights(eagle_world, tmp_path):
         f"eagle3: {{feature_dir: {tmp_path / 'features'}, steps: 2}}\n"
         "optim: {max_steps: 3, batch_size: 2, warmup_steps: 1}\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "specdistill.cli", "distill", "--config", str(cfg), "--json"],
-        env=env, capture_output=True, text=True, timeout=280,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads((out / "result.json").read_text())
+    result = run_distill_ddp(cfg, out)
     assert result["kind"] == "eagle3" and result["steps"] == 3
     digests = result["rank_weight_digests"]
     assert len(digests) == 2 and digests[0] == digests[1]

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +15,7 @@ from specdistill.distill.config import load_config
 from specdistill.distill.datagen import Prompt, generate_answers, read_examples
 from specdistill.distill.teacher import TeacherCache, build_cache
 from specdistill.distill.train import NonFiniteLossError, distill
-from tests.conftest import save_tiny_target
+from tests.conftest import run_distill_ddp, save_tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["Name a color.", "What is 2+2?", "Say hi.", "Give me a fruit.", "Count to three.", "Pick a number."]
@@ -185,14 +182,7 @@ def test_ddp_two_ranks_end_with_identical_weights(tiny_world, tmp_path):
         f"data: {{path: {tiny_world['answers']}}}\nout_dir: {out}\nprogress: false\nthreads: 1\n"
         "optim: {max_steps: 3, batch_size: 1, warmup_steps: 1}\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "specdistill.cli", "distill", "--config", str(cfg), "--json"],
-        env=env, capture_output=True, text=True, timeout=280,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads((out / "result.json").read_text())
+    result = run_distill_ddp(cfg, out)
     digests = result["rank_weight_digests"]
     assert len(digests) == 2 and digests[0] == digests[1]
     assert result["steps"] == 3
