@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
 from specdistill.data.prompts import as_messages, encode_chat
 from specdistill.distill.teacher import TeacherCache, pad_batch, topk_rows
 from specdistill.modeling.attention import batched_decode_attention
-from specdistill.modeling.kv_cache import preallocated_cache, select_rows
+from specdistill.modeling.kv_cache import preallocated_cache, select_rows, write_rows
 
 
 @dataclass
@@ -124,29 +124,61 @@ def left_pad(prompts: Sequence[Sequence[int]], pad: int, room: int = 0) -> tuple
     return input_ids, attention
 
 
+def prefill_groups(lengths: Sequence[int], waste: float = 0.15) -> list[list[int]]:
+    """Row indices in groups of similar prompt length, so left padding adds at most `waste` to a group's prefill.
+
+    One padded prefill of a whole batch spends most of its time on padding when one prompt is much
+    longer than the rest (ShareGPT: a batch of 47- to 145-token prompts is half padding), and a
+    prefill costs tens of decode steps; one prefill per row wastes the matmuls' efficiency instead.
+    """
+    groups: list[list[int]] = []
+    group: list[int] = []
+    tokens = 0
+    for row in sorted(range(len(lengths)), key=lambda r: lengths[r]):
+        if group and lengths[row] * (len(group) + 1) > (1 + waste) * (tokens + lengths[row]):
+            groups.append(group)
+            group, tokens = [], 0
+        group.append(row)
+        tokens += lengths[row]
+    return [*groups, group] if group else groups
+
+
+def _positions(attention: torch.Tensor) -> torch.Tensor:
+    """Position ids counted from each row's first real token (left padding at 0), as `generate` sets them."""
+    return (attention.cumsum(-1) - 1).clamp(min=0)
+
+
 @torch.inference_mode()
 def decode_batch(target: PreTrainedModel, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, pad: int, eos: int,
                  temperature: float = 0.0, recorder: _TopKRecorder | None = None) -> torch.Tensor:
     """Answers to a batch of prompts, `[rows, max_new_tokens]`, each row padded with `pad` after its EOS.
 
-    `model.generate`'s loop without its waste: prompts are left-padded (every answer starts at the
-    same column, positions count from each row's first real token), the KV cache is written in place
-    (`modeling.kv_cache`), and a row that produced EOS leaves the batch with its cache rows, so no
-    step is spent on a finished answer. Rows never see each other, so greedy answers are
-    `generate`'s (argmax over fp32 logits, ties to the lowest id). Sampling draws as `generate` does
-    (softmax of logits / temperature, one multinomial over the rows still going): the same stream
-    until the first row finishes.
+    `model.generate`'s loop without its waste: rows are left-padded (every answer starts at the same
+    column, positions count from each row's first real token) but prefilled in groups of similar
+    length (`prefill_groups`), the KV cache is written in place (`modeling.kv_cache`), and a row
+    that produced EOS leaves the batch with its cache rows, so no step is spent on a finished
+    answer. Rows never see each other, so greedy answers are `generate`'s (argmax over fp32 logits,
+    ties to the lowest id) up to float rounding of the differently grouped matmuls. Sampling draws
+    as `generate` does (softmax of logits / temperature, one multinomial over the rows still going).
     """
     rows, width = len(prompts), max(len(ids) for ids in prompts)
-    input_ids, attention = left_pad(prompts, pad, max_new_tokens)
-    positions = (attention[:, :width].cumsum(-1) - 1).clamp(min=0)
+    _, attention = left_pad(prompts, pad, max_new_tokens)
+    cache = preallocated_cache(target, rows, width + max_new_tokens)
+    logits = None
+    for group in prefill_groups([len(ids) for ids in prompts]):
+        input_ids, group_attention = left_pad([prompts[r] for r in group], pad)
+        prefill = DynamicCache(config=target.config)
+        last = target(input_ids=input_ids, attention_mask=group_attention, position_ids=_positions(group_attention),
+                      cache=prefill, use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits = last.new_empty((rows, last.shape[-1])) if logits is None else logits
+        logits[group] = last
+        write_rows(cache, torch.tensor(group), width, prefill)
+    positions = _positions(attention[:, :width])[:, -1:]
     answers = torch.full((rows, max_new_tokens), pad, dtype=torch.long)
     going = torch.arange(rows)  # the batch rows still generating, in cache order
-    cache = preallocated_cache(target, width + max_new_tokens)
     length = width
     for step in range(max_new_tokens):
-        logits = target(input_ids=input_ids, attention_mask=attention[:, :length], position_ids=positions, cache=cache,
-                        use_cache=True, logits_to_keep=1).logits[:, -1].float()
+        logits = logits.float()
         if recorder is not None:
             recorder.record(step, going, logits)
         if temperature > 0:
@@ -159,14 +191,14 @@ def decode_batch(target: PreTrainedModel, prompts: Sequence[Sequence[int]], *, m
             break
         attention[:, length] = 1
         length += 1
-        positions = positions[:, -1:] + 1
+        positions = positions + 1
         if not bool(unfinished.all()):
             kept = unfinished.nonzero().squeeze(1)
             going, new, attention, positions = going[kept], new[kept], attention[kept], positions[kept]
             select_rows(cache, kept)
-        input_ids = new[:, None]
+        logits = target(input_ids=new[:, None], attention_mask=attention[:, :length], position_ids=positions, cache=cache,
+                        use_cache=True, logits_to_keep=1).logits[:, -1]
     return answers
-
 
 class _RecordScores(LogitsProcessor):
     """`generate`'s hook into a `_TopKRecorder`: every step's scores of all rows."""
