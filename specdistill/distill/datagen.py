@@ -2,8 +2,9 @@
 
 A draft learns the target's own output distribution far faster from the target's answers than from
 the human-written ones in the logs (DistillSpec). Generation is batched with left padding, greedy
-or sampled, and append-only: every finished answer is one JSONL line with its id, so a killed run
-resumes where it stopped and never generates an answer twice.
+or sampled, through an own decode loop (`decode_batch`: no cache re-concatenation, no steps for
+finished answers, prefills grouped by length), and append-only: every finished answer is one JSONL
+line with its id, so a killed run resumes where it stopped and never generates an answer twice.
 
 Also here: turning a conversation into training ids with the chat template, and the mask of the
 assistant tokens that every loss is restricted to.
@@ -199,6 +200,7 @@ def decode_batch(target: PreTrainedModel, prompts: Sequence[Sequence[int]], *, m
         logits = target(input_ids=new[:, None], attention_mask=attention[:, :length], position_ids=positions, cache=cache,
                         use_cache=True, logits_to_keep=1).logits[:, -1]
     return answers
+
 
 class _RecordScores(LogitsProcessor):
     """`generate`'s hook into a `_TopKRecorder`: every step's scores of all rows."""
