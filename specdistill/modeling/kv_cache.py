@@ -1,0 +1,107 @@
+"""A KV cache allocated once per batch, for batched decoding with transformers models.
+
+transformers' `DynamicCache` grows by `torch.cat` of every layer's keys and values at every step:
+each decode step copies the whole cache into freshly allocated memory. In a profile of one bf16
+batch of 16 answers (96 new tokens, demo target, machine shared) that concatenation was 14% of
+the time. `PreallocatedLayer` keeps `DynamicLayer`'s interface (the model sees the filled part,
+masks are sized as for a dynamic cache) over buffers of fixed capacity, so a step writes one
+column; the attention inputs are views with the values and shapes the concatenated tensors had.
+Rows can be filled from separate prefills (`write_rows`), so prompts of very different lengths
+need not be prefilled through one padded forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Cache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+
+class PreallocatedLayer(DynamicLayer):
+    """One layer's keys and values in `[rows, kv_heads, capacity, head_dim]` buffers; `length` columns are filled."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.key_buffer, self.value_buffer = keys, values
+        self.device, self.length, self.is_initialized = keys.device, 0, True
+        self._expose()
+
+    @property
+    def capacity(self) -> int:
+        return self.key_buffer.shape[2]
+
+    def _expose(self) -> None:
+        self.keys, self.values = self.key_buffer[:, :, : self.length], self.value_buffer[:, :, : self.length]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Never needed: the buffers exist from the start."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            raise ValueError(f"KV cache capacity {self.capacity} exceeded: {end} tokens")
+        self.key_buffer[:, :, self.length : end] = key_states
+        self.value_buffer[:, :, self.length : end] = value_states
+        self.length = end
+        self._expose()
+        return self.keys, self.values
+
+    def write_rows(self, rows: torch.Tensor, end: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Put a separate prefill's keys and values into batch rows `rows`, ending at column `end`."""
+        start = end - keys.shape[-2]
+        self.key_buffer[rows, :, start:end] = keys
+        self.value_buffer[rows, :, start:end] = values
+        self.length = max(self.length, end)
+        self._expose()
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number: the tokens to remove")
+        self.length = max(0, self.length + tokens_to_remove)
+        self._expose()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the rows `indices` (finished sequences leave the batch); copies the filled part only."""
+
+        def select(buffer: torch.Tensor) -> torch.Tensor:
+            kept = buffer.new_zeros((indices.numel(), *buffer.shape[1:]))
+            kept[:, :, : self.length] = buffer[indices, :, : self.length]
+            return kept
+
+        self.key_buffer, self.value_buffer = select(self.key_buffer), select(self.value_buffer)
+        self._expose()
+
+    def reset(self) -> None:
+        self.length = 0
+        self._expose()
+
+
+def preallocated_cache(model: PreTrainedModel, rows: int, capacity: int) -> Cache:
+    """A cache for `model` holding up to `capacity` tokens (prompt and generated) for each of `rows` sequences.
+
+    Zero-filled: columns a row never writes (left padding) are masked in attention, and must be finite.
+    """
+    config = model.config
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dtype, device = model.dtype, model.device
+
+    def buffer() -> torch.Tensor:
+        return torch.zeros((rows, kv_heads, capacity, head_dim), dtype=dtype, device=device)
+
+    return Cache(layers=[PreallocatedLayer(buffer(), buffer()) for _ in range(config.num_hidden_layers)])
+
+
+def select_rows(cache: Cache, indices: torch.Tensor) -> None:
+    """Drop every row of `cache` but `indices`, in every layer."""
+    for layer in cache.layers:
+        layer.batch_select_indices(indices)
+
+
+def write_rows(cache: Cache, rows: torch.Tensor, end: int, prefill: Cache) -> None:
+    """Copy `prefill` (a cache of `len(rows)` sequences) into `cache`'s rows `rows`, right-aligned at column `end`."""
+    for layer, source in zip(cache.layers, prefill.layers, strict=True):
+        layer.write_rows(rows, end, source.keys, source.values)
