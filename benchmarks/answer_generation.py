@@ -4,8 +4,8 @@ The target answers the same prompts (ShareGPT first turns shipped with `sharegpt
 template applied, at most `data.prompts.MAX_PROMPT_TOKENS` tokens) through
 `distill.datagen.generate_answers`, the function the nightly calls: batches of 16, left padding,
 greedy, 96 new tokens, decode steps through `modeling.attention.decode_attention`. Four variants:
-each dtype with the batch decoded by `datagen.decode_batch` (KV cache written in place, finished
-rows leave the batch) and by `datagen.generate_batch` (transformers' `generate`, the loop before
+each dtype with the batch decoded by `answer_loop.decode_batch` (KV cache written in place, finished
+rows leave the batch) and by `answer_loop.generate_batch` (transformers' `generate`, the loop before
 it). `--teacher` also records the top-32 teacher rows into a teacher cache, as the nightly does.
 Rounds are interleaved (the order rotates from round to round), each variant's answers written to
 a fresh file so nothing is resumed; tokens/s counts the answer tokens (up to and including EOS)
@@ -44,7 +44,8 @@ import specdistill  # noqa: F401  (offline environment)
 from specdistill.data.datasets import sharegpt_first_turns
 from specdistill.data.prompts import MAX_PROMPT_TOKENS
 from specdistill.distill import datagen
-from specdistill.distill.datagen import Prompt, decode_batch, generate_answers, generate_batch
+from specdistill.distill.answer_loop import decode_batch, generate_batch
+from specdistill.distill.datagen import Prompt, generate_answers
 from specdistill.distill.teacher import TeacherCache
 from specdistill.modeling.models import cpu_has_native_bf16, load_model
 

@@ -1,4 +1,4 @@
-"""The batched answer loop (`datagen.decode_batch`) against transformers' `generate` on tiny random Llamas:
+"""The batched answer loop (`answer_loop.decode_batch`) against transformers' `generate` on tiny random Llamas:
 same greedy tokens and teacher rows in fp32 with mixed prompt lengths (grouped prefills) and rows
 finishing early; the preallocated KV cache it decodes with."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from specdistill.distill.datagen import _TopKRecorder, decode_batch, generate_batch, prefill_groups
+from specdistill.distill.answer_loop import TopKRecorder, decode_batch, generate_batch, prefill_groups
 from specdistill.modeling.attention import batched_decode_attention
 from specdistill.modeling.kv_cache import preallocated_cache, select_rows, write_rows
 from tests.conftest import lively, make_tiny_llama
@@ -34,7 +34,7 @@ def _eos_mid_answer(target, steps: int) -> int:
 def test_greedy_answers_and_teacher_rows_match_generate(target, decode_attention):
     steps = 12
     eos = _eos_mid_answer(target, steps)
-    recorders = [_TopKRecorder(8, 1.0, len(PROMPTS), steps) for _ in range(2)]
+    recorders = [TopKRecorder(8, 1.0, len(PROMPTS), steps) for _ in range(2)]
     with batched_decode_attention(target) if decode_attention else torch.inference_mode():
         want = generate_batch(target, PROMPTS, max_new_tokens=steps, pad=PAD, eos=eos, recorder=recorders[0])
         got = decode_batch(target, PROMPTS, max_new_tokens=steps, pad=PAD, eos=eos, recorder=recorders[1])
