@@ -87,7 +87,7 @@ class ServingSettings(Strict):
     running OpenAI-compatible servers, one per mode, named in `endpoints` (`target-only` required)."""
 
     margin: float = Field(0.05, ge=0.0)
-    choose_gamma: bool = True  # predict the best γ from the measured curve, confirm it with a second run (harness)
+    choose_gamma: bool = True  # every drafter at the γ its measured curve predicts best, confirmed by a second run
     max_gamma: int = Field(8, ge=1)
     engine: Literal["harness", "llamacpp", "openai"] = "harness"
     threads: int = Field(2, ge=1)  # llama-server threads
