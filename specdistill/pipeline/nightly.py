@@ -157,9 +157,11 @@ def select_window(config: NightlyConfig, now: datetime | None = None) -> Window:
         return out
 
     def per_source(store: LogStore, n: int, **filters) -> list[WindowPrompt]:
-        """An even share of prompts from every source, so code and chat are both represented."""
+        """An even share of prompts from every source, so code and chat are both represented; smallest
+        source first, so what a small one lacks (HumanEval has 157 train prompts) goes to the larger ones."""
         picked: list[WindowPrompt] = []
-        sources = [s for s in slice_of if store.count(source=s, **filters)]
+        counts = {s: store.count(source=s, **filters) for s in slice_of}
+        sources = sorted((s for s in slice_of if counts[s]), key=counts.get)
         for i, source in enumerate(sources):
             share = (n - len(picked)) // (len(sources) - i)
             rows = store.sample(max(4 * share, share + 16), seed=w.seed, source=source, **filters)
