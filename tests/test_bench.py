@@ -152,6 +152,24 @@ def test_bench_many_shares_one_target_only_run_and_matches_single_runs(monkeypat
         assert many[name].speedup > 0 and many[name].tokens_per_second_target_only > 0
 
 
+def test_bench_many_runs_each_drafter_at_its_own_gamma(monkeypatch):
+    """`gammas` sets a drafter's γ in the shared run; the others keep `config.gamma`."""
+    import specdistill.speculative.bench as bench
+
+    target = lively(5)
+    drafters = {"self3": SelfSpecDrafter(target, 3), "ngram": NgramDrafter(2, 3)}
+    prompts = [Prompt("", "chat", [5, 9, 14, 5, 9]), Prompt("", "code", [7, 7, 8, 7])]
+    used = {}
+    real = bench.generate
+    monkeypatch.setattr(bench, "generate", lambda *a, **kw: used.setdefault(getattr(kw["drafter"], "name", None), set()).add(kw["gamma"])
+                        or real(*a, **kw))
+    out = run_bench_many(target, None, drafters, prompts, BenchConfig(gamma=3, max_new_tokens=12, repeats=1, measure_cost=False),
+                         progress=False, gammas={"self3": 1})
+    assert used[drafters["self3"].name] == {1} and used[drafters["ngram"].name] == {3}
+    assert (out["self3"].gamma, out["ngram"].gamma) == (1, 3)
+    assert len(out["self3"].per_position_acceptance) == 1 and out["self3"].lossless is True
+
+
 def test_drafter_specs_build_the_drafters_the_pipeline_and_the_monitor_name(tmp_path):
     from specdistill.modeling.drafts import init_draft_from_target, save_draft
     from specdistill.speculative import drafter_from_spec

@@ -91,3 +91,87 @@ def test_plain_steps_lower_the_curve_but_do_not_move_the_best_gamma(monkeypatch)
     assert diluted["best_gamma"] == alone["best_gamma"]
     assert all(diluted["predicted_speedups"][g] < alone["predicted_speedups"][g] for g in gamma.GAMMAS)
     assert diluted["plain_share"] == 0.35
+
+
+# --------------------------------------------------------------------------------------------
+# every drafter at its own γ (the nightly's table), on recorded results
+
+# the fresh-clone demo's drafters at γ=4 (bf16): the EAGLE-3 head, trained with a 2-step unroll, has ~no
+# acceptance at positions 3-4; n-gram keeps accepting; v(k) as measured in bf16 on this CPU
+RECORDED = {
+    "challenger": dict(per_position=[0.41, 0.147, 0.002, 0.0], cost=0.071, speedup=1.07, stats={}),
+    "ngram": dict(per_position=[0.29, 0.19, 0.16, 0.11], cost=0.004, speedup=1.32,
+                  stats={"requests": 10, "generated_tokens": 400, "rounds": 145, "target_forwards": 292}),
+    "self-spec@8": dict(per_position=[0.04, 0.01, 0.0, 0.0], cost=0.36, speedup=0.44, stats={}),
+}
+BF16_COSTS = {k: 1.0 + 0.03 * (k - 1) for k in range(1, 10)}
+
+
+def _result(name: str, gamma: int, speedup: float, lossless: bool = True, cost: float | None = None):
+    from specdistill.speculative.bench import BenchResult
+
+    r = RECORDED[name]
+    return BenchResult(drafter=name, gamma=gamma, max_new_tokens=40, repeats=1, greedy=True, lossless=lossless,
+                       lossless_mismatches=0 if lossless else 1, acceptance_rate=0.1, accepted_length=1.4,
+                       per_position_acceptance=r["per_position"][:gamma], request_acceptance_p10=0.0,
+                       request_acceptance_p50=0.1, request_acceptance_p90=0.2, tokens_per_second_target_only=21.0,
+                       tokens_per_second_speculative=21.0 * speedup, speedup=speedup, cost_ratio=cost,
+                       ideal_speedup=None, stats=r["stats"])
+
+
+def test_each_drafter_is_benchmarked_again_at_its_predicted_best_gamma(monkeypatch):
+    from specdistill.speculative import gamma
+    from specdistill.speculative.bench import BenchConfig
+
+    monkeypatch.setattr(gamma, "measure_verify_costs", lambda *a, **k: dict(BF16_COSTS))
+    first = {name: _result(name, 4, r["speedup"], cost=r["cost"]) for name, r in RECORDED.items()}
+    confirmed = {"challenger": 1.31, "self-spec@8": 0.40}  # self-spec at its best γ measured slower: it keeps γ=4
+    calls = []
+
+    def confirm(target, tokenizer, drafters, prompts, config, *, gammas, **kw):
+        calls.append((sorted(drafters), dict(gammas), config.measure_cost))
+        return {name: _result(name, g, confirmed[name]) for name, g in gammas.items()}
+
+    monkeypatch.setattr(gamma, "run_bench_many", confirm)
+    drafters = {name: object() for name in RECORDED}
+    out = gamma.bench_at_best_gamma(None, None, drafters, [], BenchConfig(gamma=4), first)
+
+    # one confirming run, only for the drafters whose predicted best γ moved, without re-measuring c
+    (names, gammas, measure_cost), = calls
+    assert names == ["challenger", "self-spec@8"] and not measure_cost
+    assert gammas["challenger"] <= 2 and gammas["self-spec@8"] == 1
+    # the head takes its shorter γ (faster, lossless), keeping the c its first run measured
+    head = out["challenger"]
+    assert (head.gamma, head.speedup, head.cost_ratio) == (gammas["challenger"], 1.31, 0.071)
+    assert head.gamma_search["measured"] == {4: 1.07, gammas["challenger"]: 1.31}
+    assert head.gamma_search["predicted_best"] == gammas["challenger"]
+    assert head.ideal_speedup is not None
+    # n-gram's curve does not move: its γ=4 run stands, with the curve recorded
+    assert (out["ngram"].gamma, out["ngram"].speedup) == (4, 1.32)
+    assert out["ngram"].gamma_search["measured"] == {4: 1.32}
+    assert sorted(out["ngram"].gamma_search["predicted_speedups"]) == list(gamma.GAMMAS)
+    # slower when confirmed: the first run stands
+    assert (out["self-spec@8"].gamma, out["self-spec@8"].speedup) == (4, 0.44)
+    assert out["self-spec@8"].gamma_search["measured"] == {4: 0.44, 1: 0.40}
+
+
+def test_a_lossy_confirmation_never_replaces_the_first_run(monkeypatch):
+    from specdistill.speculative import gamma
+    from specdistill.speculative.bench import BenchConfig
+
+    monkeypatch.setattr(gamma, "measure_verify_costs", lambda *a, **k: dict(BF16_COSTS))
+    monkeypatch.setattr(gamma, "run_bench_many", lambda t, tok, drafters, p, c, *, gammas, **kw:
+                        {name: _result(name, g, 2.0, lossless=False) for name, g in gammas.items()})
+    first = {"challenger": _result("challenger", 4, 1.07, cost=0.071)}
+    out = gamma.bench_at_best_gamma(None, None, {"challenger": object()}, [], BenchConfig(gamma=4), first)
+    assert (out["challenger"].gamma, out["challenger"].speedup, out["challenger"].lossless) == (4, 1.07, True)
+
+
+def test_nothing_runs_again_when_every_drafter_is_at_its_best_gamma(monkeypatch):
+    from specdistill.speculative import gamma
+    from specdistill.speculative.bench import BenchConfig
+
+    monkeypatch.setattr(gamma, "measure_verify_costs", lambda *a, **k: dict(BF16_COSTS))
+    monkeypatch.setattr(gamma, "run_bench_many", lambda *a, **k: pytest.fail("no γ moved: no second run"))
+    first = {"ngram": _result("ngram", 4, 1.32, cost=0.004)}
+    assert gamma.bench_at_best_gamma(None, None, {"ngram": object()}, [], BenchConfig(gamma=4), first)["ngram"].gamma == 4

@@ -210,6 +210,12 @@ def test_select_window_takes_usable_prompts_evenly_from_each_source_and_split(ti
         usable = {str(c.id) for c in store.window() if c.messages[0].role == "user" and "def add" not in c.messages[0].content}
     assert len(usable) == 40 + 30
     assert {p["id"] for p in everything.train + everything.eval} == usable  # every usable prompt, and only those
+    # a source too small for its even share (HumanEval in the demo): the larger source makes up the rest
+    with LogStore(url) as store:
+        code_train = store.count(source=str(code_file), split="train")
+    short = pipeline.select_window(_window_config(tiny_target_dir, url, chat_file, code_file,
+                                                  f"window.train_prompts={2 * code_train + 2}"), now=NOW)
+    assert Counter(p["slice"] for p in short.train) == {"code": code_train, "chat": code_train + 2}
     again = pipeline.select_window(config, now=NOW)
     assert again.key == window.key and again.train == window.train  # deterministic for a store and seed
     other = pipeline.select_window(_window_config(tiny_target_dir, url, chat_file, code_file, "window.seed=1"), now=NOW)

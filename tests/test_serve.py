@@ -123,3 +123,34 @@ def test_gate_speed_bar_reads_the_engine_speedup():
     assert nightly.gate(config, challenger, None, {})["passed"]
     verdict = nightly.gate(config, challenger, None, {}, speeds=ENGINE_SPEEDS)
     assert not verdict["passed"] and any("0.20" in r for r in verdict["reasons"])
+
+
+def test_harness_choice_serves_the_winner_at_the_gamma_it_was_benchmarked_at(monkeypatch):
+    """Every entry arrives at its own best γ (the benchmark stage searched it): the choice reads it and
+    runs nothing again."""
+    from specdistill.modeling import models
+    from specdistill.pipeline.report import report_table
+    from specdistill.pipeline.serve import choose_serving
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the choice measures nothing"))
+    search = {"predicted_speedups": {"1": 1.30, "2": 1.38, "3": 1.33}, "predicted_best": 2,
+              "verify_costs": {"2": 1.03, "3": 1.06}, "measured": {"4": 1.07, "2": 1.41}}
+    results = {**RECORDED, "challenger": {**RECORDED["challenger"], "speedup": 1.41, "gamma": 2, "gamma_search": search},
+               "ngram": {**RECORDED["ngram"], "gamma_search": {**search, "predicted_speedups": {"3": 1.35, "4": 1.37},
+                                                             "predicted_best": 4, "measured": {"4": 1.33}}}}
+    results = {name: {"gamma": 4, "dtype": "bfloat16", **r} for name, r in results.items()}
+    config = load_nightly_config()
+    chosen = choose_serving(config, {}, results, {"promote": True})
+    assert (chosen["name"], chosen["gamma"], chosen["speedup"]) == ("challenger", 2, 1.41)
+    assert chosen["gamma_note"] == "γ=2 predicted best (1.38x), confirmed: measured 1.41x at γ=2, 1.07x at γ=4"
+    assert chosen["predicted_speedups"] == search["predicted_speedups"] and chosen["measured_on"].endswith("bfloat16")
+    assert serving_config(chosen, TARGET).num_speculative_tokens == 2
+    # the table shows each drafter's γ and says how it was chosen
+    table = report_table({name: {**_row(), **r} for name, r in results.items()}, serving=chosen)
+    assert "- ngram: γ=4 predicted best (1.37x) and measured 1.33x at γ=4" in table
+    assert "| challenger | 0.300 | 1.60 | 2 | 1.41x |" in table
+
+
+def _row() -> dict:
+    return {"acceptance_rate": 0.3, "accepted_length": 1.6, "cost_ratio": 0.07, "max_new_tokens": 40,
+            "tokens_per_second_target_only": 21.4}

@@ -157,9 +157,11 @@ def select_window(config: NightlyConfig, now: datetime | None = None) -> Window:
         return out
 
     def per_source(store: LogStore, n: int, **filters) -> list[WindowPrompt]:
-        """An even share of prompts from every source, so code and chat are both represented."""
+        """An even share of prompts from every source, so code and chat are both represented; smallest
+        source first, so what a small one lacks (HumanEval has 157 train prompts) goes to the larger ones."""
         picked: list[WindowPrompt] = []
-        sources = [s for s in slice_of if store.count(source=s, **filters)]
+        counts = {s: store.count(source=s, **filters) for s in slice_of}
+        sources = sorted((s for s in slice_of if counts[s]), key=counts.get)
         for i, source in enumerate(sources):
             share = (n - len(picked)) // (len(sources) - i)
             rows = store.sample(max(4 * share, share + 16), seed=w.seed, source=source, **filters)
@@ -239,14 +241,7 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | dict, heldo
 
     The output directory is keyed by the train config, the data and the warm start (the generic
     baseline: by the window and the train config), so a finished run is found again and reused."""
-    from specdistill.distill.config import (
-        DataConfig,
-        DistillConfig,
-        Eagle3Config,
-        LossConfig,
-        OptimConfig,
-        TeacherConfig,
-    )
+    from specdistill.distill.config import DataConfig, DistillConfig, Eagle3Config, LossConfig, OptimConfig, TeacherConfig
     from specdistill.distill.train import distill
     from specdistill.modeling.eagle3_io import is_eagle3_dir
 
@@ -299,7 +294,8 @@ def bench_prompts(config: NightlyConfig, window: WindowDict):
 
 
 def benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str]) -> dict[str, BenchEntry]:
-    """Every drafter on the same held-out prompts, sharing one interleaved target-only run per prompt.
+    """Every drafter on the same held-out prompts, sharing one interleaved target-only run per prompt,
+    then (`serving.choose_gamma`) each at the γ its curve predicts best, confirmed by a second run.
 
     A drafter spec is what `speculative.drafter_from_spec` reads (`draft:DIR`, `self_spec:K`, `ngram`);
     results are keyed by the given name.
@@ -309,15 +305,18 @@ def benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str
     from specdistill.modeling.models import load_model
     from specdistill.speculative import drafter_from_spec
     from specdistill.speculative.bench import BenchConfig, run_bench_many
+    from specdistill.speculative.gamma import bench_at_best_gamma
 
     if config.bench.threads:
         torch.set_num_threads(config.bench.threads)
     target = load_model(config.target, dtype=config.dtype)
     prompts = bench_prompts(config, window)
-    b = config.bench
+    b, s = config.bench, config.serving
     bcfg = BenchConfig(gamma=b.gamma, max_new_tokens=b.max_new_tokens, repeats=b.repeats)
     made = {name: drafter_from_spec(target.model, spec) for name, spec in drafters.items()}
     results = run_bench_many(target.model, target.tokenizer, made, prompts, bcfg)
+    if s.choose_gamma:
+        results = bench_at_best_gamma(target.model, target.tokenizer, made, prompts, bcfg, results, range(1, s.max_gamma + 1))
     return {name: BenchEntry(**result.to_dict(), spec=drafters[name]) for name, result in results.items()}
 
 

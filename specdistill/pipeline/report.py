@@ -64,6 +64,9 @@ def report_table(results: dict[str, BenchEntry], verdict: VerdictDict | None = N
         lines += ["", f"measured with the PyTorch harness{' in ' + dtype if dtype else ''}: {any_r['max_new_tokens']} new tokens "
                       f"a prompt, target-only {any_r['tokens_per_second_target_only']:.1f} tokens/s; speedups are interleaved "
                       f"medians against it on the same held-out prompts"]
+    searched = {name: r for name, r in results.items() if r.get("gamma_search")}
+    if searched:
+        lines += ["", "γ per drafter, by measurement:", *(f"- {name}: {gamma_note(r)}" for name, r in searched.items())]
     if speeds:
         lines += ["", *engine_table(speeds)]
     if verdict is not None:
@@ -80,6 +83,20 @@ def report_table(results: dict[str, BenchEntry], verdict: VerdictDict | None = N
     elif registered is not None:
         lines.append("champion unchanged")
     return "\n".join(lines)
+
+
+def gamma_note(r: BenchEntry) -> str:
+    """How an entry's γ was chosen, in words: the predicted best and what each measured γ ran at."""
+    search = r.get("gamma_search") or {}
+    if not search:
+        return f"γ={r['gamma']} as benchmarked (no γ search)"
+    best = int(search["predicted_best"])
+    predicted = {int(g): x for g, x in search["predicted_speedups"].items()}  # JSON keys are strings
+    runs = ", ".join(f"{x:.2f}x at γ={g}" for g, x in sorted((int(g), x) for g, x in search["measured"].items()))
+    if best == r["gamma"] and len(search["measured"]) == 1:
+        return f"γ={best} predicted best ({predicted[best]:.2f}x) and measured {runs}"
+    kept = "confirmed" if best == r["gamma"] else f"not confirmed, γ={r['gamma']} kept"
+    return f"γ={best} predicted best ({predicted[best]:.2f}x), {kept}: measured {runs}"
 
 
 def engine_table(speeds: dict[str, BenchEntry]) -> list[str]:

@@ -3,9 +3,10 @@
 Every mode measured on the held-out prompts (the promoted challenger or the current champion,
 self-speculation, n-gram) goes through the one no-slowdown guard (`ops.serving.fastest_mode`, which
 the monitor's fallback uses too): the fastest lossless mode, only if it beats target-only decoding
-by the margin, else no speculation. The winner's γ is then chosen by measurement
-(`speculative.gamma`): predicted from its per-position acceptance, its cost ratio and the target's
-measured verification costs, and kept only if a second measured run confirms it. The `champion`
+by the margin, else no speculation. Every mode arrives at its own γ, chosen by measurement in the
+benchmark stage (`speculative.gamma.bench_at_best_gamma`: predicted from its per-position
+acceptance, its cost ratio and the target's measured verification costs, kept only if a second
+measured run confirms it), so modes are compared at their best and the winner is served at it. The `champion`
 alias is not decided here: it names the best draft (the gate), even when another mode is faster on
 this hardware; the report says so.
 """
@@ -65,54 +66,33 @@ def choose_engine_serving(config: NightlyConfig, speeds: dict[str, BenchEntry], 
 
 def choose_serving(config: NightlyConfig, window: WindowDict, results: dict[str, BenchEntry],
                    verdict: VerdictDict, speeds: dict[str, BenchEntry] | None = None) -> ServingDecision:
-    """`speeds` (from `engine_bench.engine_benchmark`) when the serving engine is not the harness."""
+    """`speeds` (from `engine_bench.engine_benchmark`) when the serving engine is not the harness.
+    In the harness each entry was benchmarked at its own best γ already (`nightly.benchmark`), and
+    the winner is served at that γ."""
     if config.serving.engine != "harness":
         if speeds is None:
             raise ValueError(f"serving.engine {config.serving.engine}: the engine's measurements are missing")
         return choose_engine_serving(config, speeds, verdict)
-    from specdistill.modeling.models import dtype_name, load_model
     from specdistill.ops.serving import Candidate, fastest_mode
-    from specdistill.pipeline.nightly import bench_prompts
-    from specdistill.speculative import drafter_from_spec
-    from specdistill.speculative.bench import BenchConfig, run_bench_many
-    from specdistill.speculative.gamma import plain_step_share, speedup_curve
+    from specdistill.pipeline.report import gamma_note
 
-    b, s = config.bench, config.serving
     candidates = serving_candidates(results, verdict)
-    choice = fastest_mode([Candidate(name, mode_of(r["spec"]), r["speedup"], r["lossless"], b.gamma)
-                           for name, r in candidates.items()], s.margin)
-    target = load_model(config.target, dtype=config.dtype)
-    measured_on = f"PyTorch harness, {dtype_name(target.model.dtype)}"
+    choice = fastest_mode([Candidate(name, mode_of(r["spec"]), r["speedup"], r["lossless"], r["gamma"])
+                           for name, r in candidates.items()], config.serving.margin)
+    some = next(iter(results.values()), None)
     measured = {name: r["speedup"] for name, r in results.items()}  # every mode measured, served or not
-    decision = ServingDecision(mode=choice.mode, name=None, spec=None, gamma=b.gamma, speedup=1.0, reason=choice.reason,
-                               measured=measured, measured_on=measured_on, predicted_speedups={},
+    decision = ServingDecision(mode=choice.mode, name=None, spec=None, gamma=config.bench.gamma, speedup=1.0,
+                               reason=choice.reason, measured=measured,
+                               measured_on=f"PyTorch harness, {some['dtype'] if some else '?'}", predicted_speedups={},
                                verify_costs={}, gamma_note="", engine="harness", llamacpp_args=[])
     if choice.candidate is None:
         return decision
     name = choice.candidate.name
     r = candidates[name]
-    decision.update(name=name, spec=r["spec"], speedup=r["speedup"])
-    if not s.choose_gamma:
-        return decision
-
-    curve = speedup_curve(target.model, r["per_position_acceptance"], r.get("cost_ratio") or 0.0, range(1, s.max_gamma + 1),
-                          plain_share=plain_step_share(r.get("stats") or {}))
-    predicted, best = curve["predicted_speedups"], curve["best_gamma"]
-    decision.update(predicted_speedups=predicted, verify_costs=curve["verify_costs"])
-    if best == b.gamma:
-        decision["gamma_note"] = f"γ={best} predicted best ({predicted[best]:.2f}x) and measured at {r['speedup']:.2f}x"
-        return decision
-    confirm = run_bench_many(target.model, target.tokenizer, {name: drafter_from_spec(target.model, r["spec"])},
-                             bench_prompts(config, window),
-                             BenchConfig(gamma=best, max_new_tokens=b.max_new_tokens, repeats=b.repeats, measure_cost=False))[name]
-    if confirm.lossless is not False and confirm.speedup > r["speedup"]:
-        decision.update(gamma=best, speedup=confirm.speedup)
-        decision["measured"][f"{name} γ={best}"] = confirm.speedup
-        decision["gamma_note"] = (f"γ={best} predicted best ({predicted[best]:.2f}x), confirmed: {confirm.speedup:.2f}x "
-                                  f"against {r['speedup']:.2f}x at γ={b.gamma}")
-    else:
-        decision["gamma_note"] = (f"γ={best} predicted best ({predicted[best]:.2f}x) but measured {confirm.speedup:.2f}x, "
-                                  f"not above {r['speedup']:.2f}x at γ={b.gamma}: γ={b.gamma} kept")
+    search = r.get("gamma_search") or {}
+    decision.update(name=name, spec=r["spec"], speedup=r["speedup"], gamma=r["gamma"],
+                    predicted_speedups=search.get("predicted_speedups", {}), verify_costs=search.get("verify_costs", {}),
+                    gamma_note=gamma_note(r))
     return decision
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -175,6 +175,8 @@ class BenchResult:
     lossless_max_margin: float = 0.0  # the largest fp32 logit margin among the near-tie divergences
     lossless_tolerance: float = 0.0  # the near-tie bound (fp32 logits); 0 for the exact criterion
     engine: str = "harness"  # what measured the speeds: harness (this PyTorch engine), llamacpp, openai
+    # `speculative.gamma.bench_at_best_gamma`: the predicted curve and the speedup measured at each γ run
+    gamma_search: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -279,8 +281,10 @@ def run_bench_many(
     config: BenchConfig | None = None,
     *,
     progress: bool = True,
+    gammas: dict[str, int] | None = None,
 ) -> dict[str, BenchResult]:
-    """Several drafters against one shared target-only run per prompt and repeat.
+    """Several drafters against one shared target-only run per prompt and repeat; each at its own γ
+    where `gammas` names one (else `config.gamma`).
 
     For each prompt, target-only and every drafter run back to back, in an order that rotates from
     prompt to prompt and repeat to repeat, so no method always runs first (or right after another).
@@ -297,10 +301,11 @@ def run_bench_many(
     sampling = SamplingConfig(config.temperature, config.top_p, config.seed)
     encoded = [list(p.ids) if p.ids is not None else encode_prompt(tokenizer, p.text, config.chat_template) for p in prompts]
     modes: list[str | None] = [None, *drafters]  # None: target-only
+    gamma_of = {name: (gammas or {}).get(name, config.gamma) for name in drafters}
 
     def run(ids: list[int], mode: str | None):
-        return generate(target, ids, max_new_tokens=config.max_new_tokens,
-                        drafter=drafters[mode] if mode is not None else None, gamma=config.gamma, sampling=sampling)
+        return generate(target, ids, max_new_tokens=config.max_new_tokens, drafter=drafters[mode] if mode is not None else None,
+                        gamma=gamma_of[mode] if mode is not None else config.gamma, sampling=sampling)
 
     for mode in modes:  # warm-up: first-call allocations
         run(encoded[0][:8], mode)
@@ -326,8 +331,8 @@ def run_bench_many(
             bar.update(1)
     bar.close()
     reports = judge_lossless(target, encoded, pairs, config.near_tie_tolerance) if sampling.greedy else {}
-    return {name: _summarize(target, drafter, prompts, config, sampling, times[None], times[name],
-                             first_stats[name], reports.get(name))
+    return {name: _summarize(target, drafter, prompts, replace(config, gamma=gamma_of[name]), sampling, times[None],
+                             times[name], first_stats[name], reports.get(name))
             for name, drafter in drafters.items()}
 
 

@@ -22,9 +22,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+
+from specdistill.acceptance import ideal_speedup
+from specdistill.speculative.bench import BenchConfig, BenchResult, run_bench_many
 
 GAMMAS = range(1, 9)
 
@@ -124,16 +128,50 @@ def monotone_costs(costs: dict[int, float]) -> dict[int, float]:
 
 
 def speedup_curve(target: PreTrainedModel, per_position: Sequence[float], cost_ratio: float,
-                  gammas: Sequence[int] = GAMMAS, repeats: int = 11, plain_share: float = 0.0) -> dict:
+                  gammas: Sequence[int] = GAMMAS, repeats: int = 11, plain_share: float = 0.0,
+                  measured: dict[int, float] | None = None) -> dict:
     """What one benchmark run predicts for every γ: the target's verify costs v(k), measured now in
-    the dtype it runs in and made non-decreasing (`monotone_costs`; the raw medians are kept as
-    `verify_costs_measured`), the predicted speedups and the best γ. JSON-friendly."""
-    measured = measure_verify_costs(target, tuple(range(1, max(gammas) + 2)), repeats=repeats)
+    the dtype it runs in (or the `measured` ones, to share one measurement among drafters) and made
+    non-decreasing (`monotone_costs`; the raw medians are kept as `verify_costs_measured`), the
+    predicted speedups and the best γ. JSON-friendly."""
+    if measured is None:
+        measured = measure_verify_costs(target, tuple(range(1, max(gammas) + 2)), repeats=repeats)
     costs = monotone_costs(measured)
     predicted = predict_speedups(per_position, cost_ratio, costs, gammas, plain_share)
     per_round = predict_speedups(per_position, cost_ratio, costs, gammas)  # the same argmax, undiluted
     return {"verify_costs": costs, "verify_costs_measured": measured, "predicted_speedups": predicted,
             "best_gamma": best_gamma(per_round), "plain_share": plain_share}
+
+
+def bench_at_best_gamma(target: PreTrainedModel, tokenizer, drafters: dict, prompts: list, config: BenchConfig,
+                        results: dict[str, BenchResult], gammas: Sequence[int] = GAMMAS) -> dict[str, BenchResult]:
+    """Every drafter at its own best γ, so a table compares drafters at their best rather than at one
+    shared γ that suits some and not others (a head trained with a 2-step unroll has ~no acceptance
+    at positions 3-4; n-gram gains from longer drafts).
+
+    From `results` (all measured at `config.gamma`) each drafter's curve is predicted with one shared
+    measurement of the target's verify costs; the drafters whose best γ differs run once more, together,
+    interleaved with their own target-only runs. A drafter takes the new γ only when that run measured it
+    lossless and faster; its c is the first run's (the draft step does not depend on γ). Every result
+    records the curve and the speedups measured at each γ in `gamma_search`."""
+    measured = measure_verify_costs(target, tuple(range(1, max(gammas) + 2)))
+    curves = {name: speedup_curve(target, r.per_position_acceptance, r.cost_ratio or 0.0, gammas,
+                                  plain_share=plain_step_share(r.stats), measured=measured) for name, r in results.items()}
+    moved = {name: c["best_gamma"] for name, c in curves.items() if c["best_gamma"] != results[name].gamma}
+    confirmed = {}
+    if moved:
+        confirmed = run_bench_many(target, tokenizer, {name: drafters[name] for name in moved}, prompts,
+                                   replace(config, measure_cost=False), gammas=moved)
+    out = {}
+    for name, first in results.items():
+        again = confirmed.get(name)
+        best = again if again is not None and again.lossless is not False and again.speedup > first.speedup else first
+        search = {"predicted_speedups": curves[name]["predicted_speedups"], "predicted_best": curves[name]["best_gamma"],
+                  "verify_costs": curves[name]["verify_costs"],
+                  "measured": {first.gamma: first.speedup, **({again.gamma: again.speedup} if again else {})}}
+        ideal = ideal_speedup(best.acceptance_rate, best.gamma, first.cost_ratio) if first.cost_ratio is not None else None
+        out[name] = replace(best, cost_ratio=first.cost_ratio, ideal_speedup=ideal, gamma_search=search)
+    return out
 
 
 def render_curve(curve: dict, dtype: str, cost_ratio: float) -> str:
