@@ -39,26 +39,29 @@ def generate_responses(config: NightlyConfig, window: WindowDict, split: str, *,
                          tokens=sum(len(r["response_ids"]) for r in records.values()))
 
 
-def _data_dir(config: NightlyConfig, window: WindowDict, fingerprint: str, source: str):
+def _outputs(config: NightlyConfig, window: WindowDict, fingerprint: str, split: str, source: str, k: int,
+             record_teacher: bool):
+    """The split's answers file and, for train answers, the teacher cache, keyed by what answered."""
+    from specdistill.distill.teacher import TeacherCache
+
     g = config.generation
     settings = g.model_dump(exclude=ENGINE_ONLY) if g.backend == "harness" else g
     tag = re.sub(r"[^A-Za-z0-9._-]+", "-", source)[:64]
-    return paths.ensure(run_root() / "data" / f"{window['key']}-{fingerprint}-{config_hash(settings)}-{tag}")
+    out_dir = paths.ensure(run_root() / "data" / f"{window['key']}-{fingerprint}-{config_hash(settings)}-{tag}")
+    cache = None
+    if record_teacher:
+        cache = TeacherCache.create(out_dir / "teacher_cache", fingerprint=fingerprint, k=k, temperature=1.0,
+                                    vocab="full", data=f"{window['key']}-{source}")
+    return out_dir / f"{split}_generated.jsonl", cache
 
 
 def _answer_in_harness(config: NightlyConfig, target, window: WindowDict, split: str, prompts, record_teacher: bool):
     from specdistill.distill.datagen import generate_answers
-    from specdistill.distill.teacher import TeacherCache
     from specdistill.modeling.models import dtype_name
 
     g = config.generation
     dtype = dtype_name(target.model.dtype)
-    out_dir = _data_dir(config, window, target.fingerprint, dtype)
-    cache = None
-    if record_teacher:
-        cache = TeacherCache.create(out_dir / "teacher_cache", fingerprint=target.fingerprint, k=g.teacher_top_k,
-                                    temperature=1.0, vocab="full", data=f"{window['key']}-{dtype}")
-    out_path = out_dir / f"{split}_generated.jsonl"
+    out_path, cache = _outputs(config, window, target.fingerprint, split, dtype, g.teacher_top_k, record_teacher)
     records = generate_answers(target.model, target.tokenizer, prompts, out_path, batch_size=g.batch_size,
                                max_new_tokens=g.max_new_tokens, teacher_cache=cache)
     return records, dtype, out_path, str(cache.dir) if cache else None
@@ -70,7 +73,6 @@ def _answer_in_engine(config: NightlyConfig, target, window: WindowDict, split: 
     from contextlib import ExitStack
 
     from specdistill.data.prompts import encode_chat
-    from specdistill.distill.teacher import TeacherCache
     from specdistill.engines.answers import connect, generate_answers_openai
     from specdistill.engines.llamacpp import gguf_dtype, target_server
 
@@ -86,12 +88,7 @@ def _answer_in_engine(config: NightlyConfig, target, window: WindowDict, split: 
         probe = prompts[0].messages if prompts else [{"role": "user", "content": "Hi."}]
         served = connect(url, encode_chat(target.tokenizer, probe), g.teacher_top_k)
         source = source or f"openai:{served.model.rstrip('/').rsplit('/', 1)[-1]}"
-        out_dir = _data_dir(config, window, target.fingerprint, source)
-        cache = None
-        if record_teacher:
-            cache = TeacherCache.create(out_dir / "teacher_cache", fingerprint=target.fingerprint, k=served.top_k,
-                                        temperature=1.0, vocab="full", data=f"{window['key']}-{source}")
-        out_path = out_dir / f"{split}_generated.jsonl"
+        out_path, cache = _outputs(config, window, target.fingerprint, split, source, served.top_k, record_teacher)
         records = generate_answers_openai(served, target.tokenizer, prompts, out_path, parallel=g.parallel,
                                           batch_size=g.batch_size, max_new_tokens=g.max_new_tokens, teacher_cache=cache)
     return records, source, out_path, str(cache.dir) if cache else None
