@@ -87,24 +87,51 @@ def test_base_url_accepts_the_sdk_form():
     assert base_url("http://h:8000/v1/") == base_url("http://h:8000") == "http://h:8000"
 
 
-class _NotOpenAI(BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_error(404, "Not Found")
+def _fake_server(completion: tuple[int, dict] | None):
+    """A loopback HTTP server: 404 everywhere when `completion` is None (not OpenAI-compatible), else one
+    model in /v1/models and this (status, body) for every /v1/completions."""
 
-    def log_message(self, *args):
-        pass
+    class Handler(BaseHTTPRequestHandler):
+        def _reply(self, status: int, body: dict):
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
 
+        def do_GET(self):
+            if completion is None:
+                self.send_error(404, "Not Found")
+            else:
+                self._reply(200, {"data": [{"id": "org/target"}]})
 
-def test_connect_names_a_server_that_is_not_there_or_not_openai_compatible():
-    with pytest.raises(EngineRequestError, match="no OpenAI-compatible server at http://127.0.0.1:.*(refused|no answer)"):
-        connect(f"http://127.0.0.1:{free_port()}", PROMPT_IDS, 8, timeout_s=5)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _NotOpenAI)
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self._reply(*completion)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.parametrize("completion, match", [
+    (None, "no OpenAI-compatible server.*HTTP 404"),
+    ((400, {"message": "Requested logprobs of 32, which is greater than max of 20"}), "--max-logprobs"),
+    ((200, {"choices": [{"text": "Hi", "finish_reason": "length"}]}), "no logprobs"),
+])
+def test_connect_names_a_server_that_cannot_answer_for_the_teacher(completion, match):
+    server = _fake_server(completion)
     try:
-        with pytest.raises(EngineRequestError, match="no OpenAI-compatible server.*HTTP 404"):
-            connect(f"http://127.0.0.1:{server.server_address[1]}/v1", PROMPT_IDS, 8, timeout_s=5)
+        with pytest.raises(EngineRequestError, match=match):
+            connect(f"http://127.0.0.1:{server.server_address[1]}/v1", PROMPT_IDS, 32, timeout_s=5)
     finally:
         server.shutdown()
+    with pytest.raises(EngineRequestError, match="no OpenAI-compatible server at http://127.0.0.1:.*(refused|no answer)"):
+        connect(f"http://127.0.0.1:{free_port()}", PROMPT_IDS, 8, timeout_s=5)
 
 
 def test_generation_backend_config():

@@ -134,7 +134,13 @@ def connect(url: str, probe_ids: list[int], top_k: int, timeout_s: float = 60.0)
     if not models:
         raise EngineRequestError(f"{base}/v1/models lists no model to ask")
     model = str(models[0]["id"])
-    probe = complete_ids(base, probe_ids, model=model, max_tokens=1, top_logprobs=top_k, timeout_s=timeout_s)
+    try:
+        probe = complete_ids(base, probe_ids, model=model, max_tokens=1, top_logprobs=top_k, timeout_s=timeout_s)
+    except EngineRequestError as exc:
+        if "logprobs" not in str(exc).lower():
+            raise
+        raise EngineRequestError(f"{exc}: lower generation.teacher_top_k to what the server allows (vLLM: "
+                                 "--max-logprobs, 20 by default)") from exc
     given = min((len(r) for r in probe.top_ids), default=0)
     if not probe.token_ids or given == 0:
         raise EngineRequestError(f"{base}: the server returned no logprobs for a completion: no token ids and no "
