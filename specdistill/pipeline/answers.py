@@ -9,12 +9,20 @@ engine and its weights: `llamacpp-Q4_1`, `openai-MODEL`): answers from another e
 from __future__ import annotations
 
 import re
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specdistill import paths
 from specdistill.pipeline.config import NightlyConfig, config_hash, run_root
 from specdistill.pipeline.outputs import GeneratedData, WindowDict
 
+if TYPE_CHECKING:
+    from specdistill.distill.datagen import Prompt
+    from specdistill.distill.teacher import TeacherCache
+    from specdistill.modeling.models import LoadedModel
+
 ENGINE_ONLY = {"backend", "url", "parallel"}  # settings the harness's answers do not depend on
+Answered = tuple[dict[str, dict], str, Path, str | None]  # records by id, what answered, answers file, teacher cache
 
 
 def generate_responses(config: NightlyConfig, window: WindowDict, split: str, *, record_teacher: bool) -> GeneratedData:
@@ -40,7 +48,7 @@ def generate_responses(config: NightlyConfig, window: WindowDict, split: str, *,
 
 
 def _outputs(config: NightlyConfig, window: WindowDict, fingerprint: str, split: str, source: str, k: int,
-             record_teacher: bool):
+             record_teacher: bool) -> tuple[Path, TeacherCache | None]:
     """The split's answers file and, for train answers, the teacher cache, keyed by what answered."""
     from specdistill.distill.teacher import TeacherCache
 
@@ -55,7 +63,8 @@ def _outputs(config: NightlyConfig, window: WindowDict, fingerprint: str, split:
     return out_dir / f"{split}_generated.jsonl", cache
 
 
-def _answer_in_harness(config: NightlyConfig, target, window: WindowDict, split: str, prompts, record_teacher: bool):
+def _answer_in_harness(config: NightlyConfig, target: LoadedModel, window: WindowDict, split: str,
+                       prompts: list[Prompt], record_teacher: bool) -> Answered:
     from specdistill.distill.datagen import generate_answers
     from specdistill.modeling.models import dtype_name
 
@@ -67,7 +76,8 @@ def _answer_in_harness(config: NightlyConfig, target, window: WindowDict, split:
     return records, dtype, out_path, str(cache.dir) if cache else None
 
 
-def _answer_in_engine(config: NightlyConfig, target, window: WindowDict, split: str, prompts, record_teacher: bool):
+def _answer_in_engine(config: NightlyConfig, target: LoadedModel, window: WindowDict, split: str,
+                      prompts: list[Prompt], record_teacher: bool) -> Answered:
     """Through `generation.url`, or a llama-server started here on the target's GGUF (stopped after).
     The teacher cache's `data` names the engine; its k is what the server gives."""
     from contextlib import ExitStack
