@@ -25,6 +25,24 @@ Measured with `--threads 1` on the 2-core CPU while it was shared (load average 
 53.9, bf16 109.5, bf16 through SDPA 89.9 answer tokens/s (decode attention 1.10x wall, 1.04x per
 CPU-second); bf16 answers identical to fp32 in 11/32 (10/32 through SDPA). With `--threads 2` at
 load 8 both dtypes collapsed (6-22 tokens/s: two OpenMP threads on a machine with no free core).
+
+With llama.cpp (`--threads 1 --teacher-k 32 --harness float32,bfloat16 --llamacpp Q4_1,F16,F32
+--parallel 16`, 32 prompts, 2 rounds, load average 9-16 on the 2 cores, so only the ratios mean much):
+
+    variant         tokens/s  tokens/CPU-s  same as bf16  common prefix (share of bf16 tokens)  same as fp32
+    harness fp32        20.4          68.1         11/32                           42.6 (0.48)         32/32
+    harness bf16        29.8         122.4         32/32                           88.3 (1.00)         11/32
+    llama.cpp Q4_1      19.4         101.1          6/32                           27.7 (0.31)          7/32
+    llama.cpp F16       22.8         119.0          9/32                           36.5 (0.41)         24/32
+    llama.cpp F32       18.5          95.6         11/32                           42.3 (0.48)         29/32
+
+llama.cpp Q4_1 / harness bf16: 0.70x wall, 0.83x per CPU-second (16 slots decode as one batch; one
+slot alone ran 9 tokens/s here, and asking for 32 logprobs instead of 1 cost 6%). On a CPU a batch
+of 16 is compute-bound in llama.cpp's quantized kernels, while the harness's bf16 GEMMs use the
+AVX-512 BF16 units: the engine backend is for a target served on a GPU, not for speed here. F32
+(the same dequantized weights in fp32) agrees with the harness's fp32 in 29/32 answers: the token-id
+path is exact, and what parts Q4_1's answers from the harness's is llama.cpp's Q4_1 x Q8 arithmetic
+(activations quantized to 8 bits), not the plumbing.
 """
 
 from __future__ import annotations
@@ -46,6 +64,7 @@ from specdistill.data.prompts import MAX_PROMPT_TOKENS, encode_chat
 from specdistill.distill.datagen import Prompt, generate_answers
 from specdistill.distill.teacher import TeacherCache
 from specdistill.modeling.models import cpu_has_native_bf16, demo_gguf_path, load_model, resolve_model_dir
+from specdistill.speculative.lossless import first_divergence
 
 HARNESS = {"float32": ("float32", True), "bfloat16": ("bfloat16", True), "bfloat16 sdpa": ("bfloat16", False)}
 EXPORTED = {"F16": "f16", "F32": "f32"}  # GGUF types made here from the demo target's dequantized weights
@@ -58,10 +77,9 @@ def cpu_seconds(pid: int) -> float:
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+    """Tokens two answers share before they part (all of them when identical)."""
+    at = first_divergence(a, b)
+    return len(a) if at is None else at
 
 
 def target_ggufs(kinds: list[str], tmp: Path) -> dict[str, Path]:
