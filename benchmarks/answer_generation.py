@@ -37,7 +37,10 @@ With llama.cpp (`--threads 1 --teacher-k 32 --harness float32,bfloat16 --llamacp
     llama.cpp F32       18.5          95.6         11/32                           42.3 (0.48)         29/32
 
 llama.cpp Q4_1 / harness bf16: 0.70x wall, 0.83x per CPU-second (16 slots decode as one batch; one
-slot alone ran 9 tokens/s here, and asking for 32 logprobs instead of 1 cost 6%). On a CPU a batch
+slot alone ran 9 tokens/s here, and asking for 32 logprobs instead of 1 cost 6%). With `--parallel 8
+--harness bfloat16 --llamacpp Q4_1` (load 8.5-10.6): 0.68x wall, 0.91x per CPU-second, 6/32 identical
+to bf16, common prefix 27.5 (0.31); that run's two Q4_1 rounds gave 2,680 and 2,699 answer tokens
+(several slots make llama.cpp's answers depend on what else is in the batch). On a CPU a batch
 of 16 is compute-bound in llama.cpp's quantized kernels, while the harness's bf16 GEMMs use the
 AVX-512 BF16 units: the engine backend is for a target served on a GPU, not for speed here. F32
 (the same dequantized weights in fp32) agrees with the harness's fp32 in 29/32 answers: the token-id
