@@ -234,11 +234,12 @@ def test_nightly_answer_stage_through_llama_server_feeds_the_trainer(llama_cpp, 
     traffic = tmp_path / "traffic.jsonl"
     traffic.write_text("".join(json.dumps({"prompt": f"{t} ({i})", "response": "ok"}) + "\n"
                                for i, t in enumerate(PROMPTS * 12)))  # 60: a few land in the eval split
-    config = load_nightly_config(None, [
+    settings = [
         "target=demo", f"log_db=sqlite:///{tmp_path / 'logs.db'}", f"sources=[{{path: '{traffic}', format: jsonl}}]",
-        "window.train_prompts=4", "window.eval_prompts=2", "generation.backend=openai", "generation.max_new_tokens=8",
-        "generation.parallel=2", "generation.teacher_top_k=8", "train.kind=layers", "train.layers=0,29",
-        "train.draft_vocab=null", "train.max_steps=2", "train.batch_size=2", "bench.threads=1"])
+        "window.train_prompts=4", "window.eval_prompts=2", "generation.max_new_tokens=8", "generation.parallel=2",
+        "generation.teacher_top_k=8", "train.kind=layers", "train.layers=0,29", "train.draft_vocab=null",
+        "train.max_steps=2", "train.batch_size=2", "bench.threads=1"]
+    config = load_nightly_config(None, [*settings, "generation.backend=openai"])
     nightly.ingest_source(config.sources[0], config.log_db)
     window = nightly.select_window(config).to_dict()
     train = answers.generate_responses(config, window, "train", record_teacher=True)
@@ -249,3 +250,10 @@ def test_nightly_answer_stage_through_llama_server_feeds_the_trainer(llama_cpp, 
     assert "llamacpp-Q4_1" in train["path"] and train["tokens"] > 0
     trained = nightly.distill_draft(config, train, heldout)
     assert trained["steps"] == 2 and 0.0 <= trained["curve"][-1]["acceptance"] <= 1.0
+    # the harness backend on the same window: other data (its own directory), the same records, prompt for prompt
+    harness = answers.generate_responses(load_nightly_config(None, settings), window, "eval", record_teacher=False)
+    assert harness["path"] != heldout["path"]
+    read = [{r["id"]: r for r in map(json.loads, Path(d["path"]).read_text().splitlines())} for d in (harness, heldout)]
+    assert read[0].keys() == read[1].keys()
+    for pid, rec in read[0].items():
+        assert rec.keys() == read[1][pid].keys() and rec["prompt_ids"] == read[1][pid]["prompt_ids"]
