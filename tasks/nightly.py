@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prefect import task
 
-from specdistill.pipeline import engine_bench, serve
+from specdistill.pipeline import answers, engine_bench, serve
 from specdistill.pipeline import nightly as pipeline
 from specdistill.pipeline.config import NightlyConfig, SourceConfig
 from specdistill.pipeline.outputs import (
@@ -59,7 +59,7 @@ def align_vocab(config: NightlyConfig, champion: Champion | None) -> WarmStart |
 @task(name="generate-responses", **CACHED)
 def generate_responses(config: NightlyConfig, window: WindowDict, split: str, target_fingerprint: str,
                        record_teacher: bool) -> GeneratedData:
-    return pipeline.generate_responses(config, window, split, record_teacher=record_teacher)
+    return answers.generate_responses(config, window, split, record_teacher=record_teacher)
 
 
 @task(name="distill", **CACHED)

@@ -43,6 +43,14 @@ class Completion:
 
 def post_json(url: str, payload: dict, timeout_s: float = 300.0) -> dict:
     request = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    return _reply_json(request, url, timeout_s)
+
+
+def get_json(url: str, timeout_s: float = 30.0) -> dict:
+    return _reply_json(urllib.request.Request(url), url, timeout_s)
+
+
+def _reply_json(request: urllib.request.Request, url: str, timeout_s: float) -> dict:
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return json.loads(response.read().decode("utf-8"))

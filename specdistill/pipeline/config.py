@@ -10,7 +10,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from specdistill import paths
 from specdistill.acceptance import ACCEPTANCE_RED_LINE
@@ -37,9 +37,27 @@ class WindowConfig(Strict):
 
 
 class GenerationConfig(Strict):
+    """How the target answers the window's prompts (greedy) and records its top-k teacher on the way.
+
+    `harness`: this PyTorch harness, `batch_size` prompts per batched forward, in the run's dtype.
+    `openai`: a serving engine through its OpenAI-compatible API, `parallel` requests at a time over its
+    slots: the server at `url` (vLLM, SGLang or llama.cpp; with or without the trailing `/v1`), or, with
+    `url: null`, a llama-server started here on the target's GGUF (`demo` or a `.gguf` target; its
+    `serving.threads`), as `serving.engine: llamacpp` does. The teacher is then the engine's top-k as
+    served (k = `teacher_top_k` or fewer when the server caps it, recorded in the cache)."""
+
     max_new_tokens: int = Field(96, ge=1)
-    batch_size: int = Field(16, ge=1)
+    batch_size: int = Field(16, ge=1)  # backend openai: answers per teacher shard (what a kill can lose)
     teacher_top_k: int = Field(32, ge=1)
+    backend: Literal["harness", "openai"] = "harness"
+    url: str | None = None  # backend openai: the server's base URL; null: start llama-server on the target's GGUF
+    parallel: int = Field(8, ge=1)  # backend openai: concurrent requests (the started llama-server's slots)
+
+    @model_validator(mode="after")
+    def _url_needs_openai(self):
+        if self.url and self.backend != "openai":
+            raise ValueError("generation.url is read by generation.backend=openai only")
+        return self
 
 
 class TrainConfig(Strict):
@@ -114,6 +132,14 @@ class NightlyConfig(Strict):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 where the hardware has it (CUDA, AVX-512 BF16, AMX)
     log_db: str | None = None  # default: SQLite under $SPECDISTILL_HOME
     serving_path: str | None = None  # default: $SPECDISTILL_HOME/serving.json
+
+    @model_validator(mode="after")
+    def _engine_reaches_the_target(self):
+        g = self.generation
+        if g.backend == "openai" and not g.url and not (self.target == "demo" or self.target.endswith(".gguf")):
+            raise ValueError(f"generation.backend=openai needs generation.url, or a GGUF target to start llama-server "
+                             f"on ('demo' or a .gguf file); target is {self.target!r}")
+        return self
 
 
 def load_nightly_config(path: str | Path | None = None, overrides: list[str] | None = None) -> NightlyConfig:

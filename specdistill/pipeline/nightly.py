@@ -185,40 +185,6 @@ def select_window(config: NightlyConfig, now: datetime | None = None) -> Window:
 
 
 # --------------------------------------------------------------------------------------------
-# Stage: target responses and teacher cache
-
-
-def generate_responses(config: NightlyConfig, window: WindowDict, split: str, *, record_teacher: bool) -> GeneratedData:
-    """The target answers the window's prompts (greedy), resumably; train answers also record the
-    target's top-k log-probs into the teacher cache in the same pass."""
-    from specdistill.data.logstore import LogStore
-    from specdistill.distill.datagen import Prompt, generate_answers
-    from specdistill.distill.teacher import TeacherCache
-    from specdistill.modeling.models import dtype_name, load_model
-
-    g = config.generation
-    target = load_model(config.target, dtype=config.dtype)  # answers in bf16 where the hardware has it
-    dtype = dtype_name(target.model.dtype)
-    out_dir = paths.ensure(run_root() / "data" / f"{window['key']}-{target.fingerprint}-{config_hash(g)}-{dtype}")
-    out_path = out_dir / f"{split}_generated.jsonl"
-    cache = None
-    if record_teacher:
-        cache = TeacherCache.create(out_dir / "teacher_cache", fingerprint=target.fingerprint, k=g.teacher_top_k,
-                                    temperature=1.0, vocab="full", data=f"{window['key']}-{dtype}")
-    prompts = [Prompt(p["id"], p["messages"]) for p in window[split]]
-    records = generate_answers(target.model, target.tokenizer, prompts, out_path, batch_size=g.batch_size,
-                               max_new_tokens=g.max_new_tokens, teacher_cache=cache)
-    with LogStore(config.log_db) as store:
-        for p in window[split]:
-            rec = records[p["id"]]
-            store.add_response(int(p["id"]), target.fingerprint, rec["response"], prompt_messages=len(p["messages"]),
-                               params={"temperature": 0.0, "max_new_tokens": g.max_new_tokens, "dtype": dtype},
-                               token_ids=rec["response_ids"])
-    return GeneratedData(path=str(out_path), teacher_cache=str(cache.dir) if cache else None,
-                         answers=len(records), tokens=sum(len(r["response_ids"]) for r in records.values()))
-
-
-# --------------------------------------------------------------------------------------------
 # Stage: distillation (and the generic baseline draft)
 
 

@@ -1,0 +1,225 @@
+"""Target answers from a serving engine: the logged prompts answered through an OpenAI-compatible server
+(llama.cpp here, vLLM or SGLang in production), its top-k logprobs recorded as the teacher.
+
+The teacher cache is keyed by token positions, so answers must come back as the target tokenizer's ids,
+never as text to re-tokenise: we apply the chat template ourselves (`encode_chat`, as the harness does)
+and send the prompt as token ids to `/v1/completions`; the answer's ids come with its logprobs (llama.cpp
+puts an `id` in every `logprobs.content` item; vLLM names tokens `token_id:N` when asked with
+`return_tokens_as_token_ids`). Requests run `parallel` at a time over the server's slots. Every
+`batch_size` finished answers become one teacher shard and then their JSONL lines (the harness's order
+and record format), so a killed run resumes where it stopped and never asks for an answer twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import zlib
+from collections import Counter
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specdistill.data.prompts import as_messages, encode_chat
+from specdistill.distill.datagen import Prompt, _repair_tail, read_done
+from specdistill.distill.teacher import TeacherCache
+from specdistill.engines.client import EngineRequestError, get_json, post_json
+
+TOKEN_ID_PREFIX = "token_id:"  # vLLM's token names under return_tokens_as_token_ids
+
+
+@dataclass
+class EngineAnswer:
+    """One greedy answer as the engine gave it: token ids and, at each, its top-k (ids, logprobs)."""
+
+    token_ids: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+    finish: str  # "eos" or "length", as the harness records it
+
+
+@dataclass(frozen=True)
+class ServedTarget:
+    """What answers: the server, the model name it wants in requests, and the top-k it gives."""
+
+    url: str
+    model: str
+    top_k: int
+
+
+def base_url(url: str) -> str:
+    """A server's base URL, accepting the OpenAI SDK's `.../v1` form too."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def _token_id(item: dict, url: str) -> int:
+    if "id" in item:
+        return int(item["id"])
+    token = str(item.get("token", ""))
+    if token.startswith(TOKEN_ID_PREFIX):
+        return int(token[len(TOKEN_ID_PREFIX):])
+    raise EngineRequestError(f"{url}: logprobs name tokens by text ({token!r}), not by id: re-tokenising text "
+                             "would misplace the teacher rows (vLLM gives ids with return_tokens_as_token_ids)")
+
+
+def parse_completion(reply: dict, url: str = "server") -> EngineAnswer:
+    """A `/v1/completions` reply with logprobs: llama.cpp's `logprobs.content` items or the OpenAI
+    legacy `tokens` / `top_logprobs` lists (vLLM), into ids and top-k rows sorted by logprob."""
+    try:
+        choice = reply["choices"][0]
+    except (KeyError, IndexError, TypeError) as exc:
+        raise EngineRequestError(f"{url}: unexpected completion reply: {str(reply)[:300]}") from exc
+    logprobs = choice.get("logprobs") or {}
+    rows: list[list[tuple[int, float]]] = []
+    ids: list[int] = []
+    if logprobs.get("content") is None and logprobs.get("tokens") is None:
+        raise EngineRequestError(f"{url}: the server returned no logprobs: it cannot give token ids and a teacher "
+                                 "(it needs /v1/completions with `logprobs`)")
+    if logprobs.get("content") is not None:
+        for item in logprobs["content"]:
+            ids.append(_token_id(item, url))
+            rows.append([(_token_id(alt, url), float(alt["logprob"])) for alt in item.get("top_logprobs") or []])
+    elif logprobs.get("tokens") is not None:
+        for token, top in zip(logprobs["tokens"], logprobs.get("top_logprobs") or [{}] * len(logprobs["tokens"])):
+            ids.append(_token_id({"token": token}, url))
+            rows.append([(_token_id({"token": t}, url), float(lp)) for t, lp in (top or {}).items()])
+    rows = [sorted(r, key=lambda x: -x[1]) for r in rows]
+    finish = "eos" if choice.get("finish_reason") == "stop" else "length"
+    return EngineAnswer(ids, [[i for i, _ in r] for r in rows], [[lp for _, lp in r] for r in rows], finish)
+
+
+def teacher_entry(prompt_ids: list[int], answer: EngineAnswer, k: int) -> dict[str, torch.Tensor]:
+    """A teacher-cache entry from an engine's answer: row t is the top-k at answer token t (its
+    distribution given the prompt and the answer before it), the residual is 1 - Σ top-k
+    probabilities (the engine gives nothing beyond its top-k), clamped at 0."""
+    short = [t for t, r in enumerate(answer.top_ids) if len(r) < k]
+    if short:
+        raise EngineRequestError(f"the server gave {len(answer.top_ids[short[0]])} top logprobs at answer token "
+                                 f"{short[0]}, the teacher cache holds {k}")
+    logprobs = torch.tensor([r[:k] for r in answer.top_logprobs], dtype=torch.float64).reshape(-1, k)
+    indices = torch.tensor([r[:k] for r in answer.top_ids], dtype=torch.int32).reshape(-1, k)
+    residual = (1.0 - logprobs.exp().sum(-1)).clamp_min(0.0)
+    return {"input_ids": torch.tensor(prompt_ids + answer.token_ids, dtype=torch.int32),
+            "logprobs": logprobs.float(), "indices": indices, "residual": residual.float()}
+
+
+def complete_ids(url: str, prompt_ids: list[int], *, model: str, max_tokens: int, top_logprobs: int,
+                 timeout_s: float = 600.0) -> EngineAnswer:
+    """One greedy completion of a token-id prompt, with the top `top_logprobs` at every answer token."""
+    payload = {"model": model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": 0.0, "top_k": 1,
+               "seed": 0, "stream": False, "logprobs": max(top_logprobs, 1), "return_tokens_as_token_ids": True}
+    endpoint = base_url(url) + "/v1/completions"
+    answer = parse_completion(post_json(endpoint, payload, timeout_s), endpoint)
+    if len(answer.token_ids) > max_tokens:  # llama.cpp may finish a multi-byte character past the limit
+        answer = EngineAnswer(answer.token_ids[:max_tokens], answer.top_ids[:max_tokens],
+                              answer.top_logprobs[:max_tokens], "length")
+    return answer
+
+
+def connect(url: str, probe_ids: list[int], top_k: int, timeout_s: float = 60.0) -> ServedTarget:
+    """Check the server before any work: it answers, it is OpenAI-compatible, it returns token ids and
+    logprobs; and learn the model name it expects and how many top logprobs it gives (≤ `top_k`)."""
+    base = base_url(url)
+    try:
+        models = get_json(base + "/v1/models", timeout_s).get("data") or []
+    except EngineRequestError as exc:
+        raise EngineRequestError(f"no OpenAI-compatible server at {base} (is it running, is the URL its base "
+                                 f"URL?): {exc}") from exc
+    if not models:
+        raise EngineRequestError(f"{base}/v1/models lists no model to ask")
+    model = str(models[0]["id"])
+    try:
+        probe = complete_ids(base, probe_ids, model=model, max_tokens=1, top_logprobs=top_k, timeout_s=timeout_s)
+    except EngineRequestError as exc:
+        if "logprobs" not in str(exc).lower():
+            raise
+        raise EngineRequestError(f"{exc}: lower generation.teacher_top_k to what the server allows (vLLM: "
+                                 "--max-logprobs, 20 by default)") from exc
+    given = min((len(r) for r in probe.top_ids), default=0)
+    if not probe.token_ids or given == 0:
+        raise EngineRequestError(f"{base}: the server returned no logprobs for a completion: no token ids and no "
+                                 "teacher to record")
+    return ServedTarget(base, model, min(top_k, given))
+
+
+def generate_answers_openai(
+    served: ServedTarget,
+    tokenizer,
+    prompts: Iterable[Prompt],
+    out_path: str | os.PathLike,
+    *,
+    parallel: int = 8,
+    batch_size: int = 16,
+    max_new_tokens: int = 128,
+    teacher_cache: TeacherCache | None = None,
+    progress: bool = True,
+    timeout_s: float = 600.0,
+) -> dict[str, dict]:
+    """`datagen.generate_answers` through a serving engine: the same JSONL records and teacher rows
+    (greedy; k from the cache's metadata, which `served.top_k` must cover), returns all records."""
+    k = int(teacher_cache.meta["k"]) if teacher_cache is not None else 1
+    if k > served.top_k:
+        raise ValueError(f"the teacher cache holds top-{k}, {served.url} gives top-{served.top_k}")
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    _repair_tail(out_path)
+    done = read_done(out_path)
+    todo = [p for p in prompts if str(p.id) not in done]
+    repeated = [pid for pid, n in Counter(p.id for p in todo).items() if n > 1]
+    if repeated:
+        raise ValueError(f"duplicate prompt id {repeated[0]!r}")
+
+    def answer(p: Prompt) -> tuple[Prompt, list[int], EngineAnswer]:
+        ids = encode_chat(tokenizer, p.messages)
+        try:
+            return p, ids, complete_ids(served.url, ids, model=served.model, max_tokens=max_new_tokens,
+                                        top_logprobs=k, timeout_s=timeout_s)
+        except EngineRequestError as exc:
+            raise EngineRequestError(f"prompt {p.id!r}: {exc}") from exc
+
+    bar = tqdm(total=len(todo), desc="target answers (engine)", unit="prompt", disable=not progress, file=sys.stderr)
+    new_tokens = 0
+
+    def flush(finished: list[tuple[Prompt, list[int], EngineAnswer]], out) -> None:
+        """Teacher shard first, then the JSONL lines: a line on disk always has its teacher rows."""
+        nonlocal new_tokens
+        if not finished:
+            return
+        if teacher_cache is not None:
+            name = f"engine-{zlib.crc32('|'.join(p.id for p, _, _ in finished).encode()):08x}"
+            teacher_cache.write_shard(name, {p.id: teacher_entry(ids, a, k) for p, ids, a in finished})
+        for p, ids, a in finished:
+            record = {"id": p.id, "prompt": as_messages(p.messages), "prompt_ids": ids, "response_ids": a.token_ids,
+                      "response": tokenizer.decode(a.token_ids, skip_special_tokens=True), "finish": a.finish,
+                      "temperature": 0.0}
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            done[p.id] = record
+            new_tokens += len(a.token_ids)
+        out.flush()
+        os.fsync(out.fileno())
+        bar.update(len(finished))
+        bar.set_postfix(tokens=new_tokens)
+        finished.clear()
+
+    finished: list[tuple[Prompt, list[int], EngineAnswer]] = []
+    with open(out_path, "a", encoding="utf-8") as out, ThreadPoolExecutor(max_workers=parallel) as pool:
+        futures = [pool.submit(answer, p) for p in todo]
+        try:
+            for future in as_completed(futures):
+                finished.append(future.result())
+                if len(finished) >= batch_size:
+                    flush(finished, out)
+        except BaseException:  # a failed request or an interrupt: keep what finished, ask nothing more
+            for future in futures:
+                future.cancel()
+            flush(finished, out)
+            raise
+        flush(finished, out)
+    bar.close()
+    return done

@@ -1,0 +1,104 @@
+"""Stage: the target answers the window's prompts (greedy) and records its top-k teacher on the way,
+in this PyTorch harness or in a serving engine (`generation.backend`).
+
+Both backends write the same JSONL records and teacher-cache rows, resumably, under a directory keyed
+by the window, the target, the generation settings and what answered (the harness's dtype, or the
+engine and its weights: `llamacpp-Q4_1`, `openai-MODEL`): answers from another engine are other data.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from specdistill import paths
+from specdistill.pipeline.config import NightlyConfig, config_hash, run_root
+from specdistill.pipeline.outputs import GeneratedData, WindowDict
+
+if TYPE_CHECKING:
+    from specdistill.distill.datagen import Prompt
+    from specdistill.distill.teacher import TeacherCache
+    from specdistill.modeling.models import LoadedModel
+
+ENGINE_ONLY = {"backend", "url", "parallel"}  # settings the harness's answers do not depend on
+Answered = tuple[dict[str, dict], str, Path, str | None]  # records by id, what answered, answers file, teacher cache
+
+
+def generate_responses(config: NightlyConfig, window: WindowDict, split: str, *, record_teacher: bool) -> GeneratedData:
+    """The target answers the window's `split` prompts, resumably; train answers also record the
+    target's top-k log-probs into the teacher cache in the same pass."""
+    from specdistill.data.logstore import LogStore
+    from specdistill.distill.datagen import Prompt
+    from specdistill.modeling.models import load_model
+
+    g = config.generation
+    target = load_model(config.target, dtype=config.dtype)  # the harness answers in bf16 where the hardware has it
+    prompts = [Prompt(p["id"], p["messages"]) for p in window[split]]
+    answer = _answer_in_harness if g.backend == "harness" else _answer_in_engine
+    records, source, out_path, cache_dir = answer(config, target, window, split, prompts, record_teacher)
+    with LogStore(config.log_db) as store:
+        for p in window[split]:
+            rec = records[p["id"]]
+            store.add_response(int(p["id"]), target.fingerprint, rec["response"], prompt_messages=len(p["messages"]),
+                               params={"temperature": 0.0, "max_new_tokens": g.max_new_tokens, "dtype": source},
+                               token_ids=rec["response_ids"])
+    return GeneratedData(path=str(out_path), teacher_cache=cache_dir, answers=len(records),
+                         tokens=sum(len(r["response_ids"]) for r in records.values()))
+
+
+def _outputs(config: NightlyConfig, window: WindowDict, fingerprint: str, split: str, source: str, k: int,
+             record_teacher: bool) -> tuple[Path, TeacherCache | None]:
+    """The split's answers file and, for train answers, the teacher cache, keyed by what answered."""
+    from specdistill.distill.teacher import TeacherCache
+
+    g = config.generation
+    settings = g.model_dump(exclude=ENGINE_ONLY) if g.backend == "harness" else g
+    tag = re.sub(r"[^A-Za-z0-9._-]+", "-", source)[:64]
+    out_dir = paths.ensure(run_root() / "data" / f"{window['key']}-{fingerprint}-{config_hash(settings)}-{tag}")
+    cache = None
+    if record_teacher:
+        cache = TeacherCache.create(out_dir / "teacher_cache", fingerprint=fingerprint, k=k, temperature=1.0,
+                                    vocab="full", data=f"{window['key']}-{source}")
+    return out_dir / f"{split}_generated.jsonl", cache
+
+
+def _answer_in_harness(config: NightlyConfig, target: LoadedModel, window: WindowDict, split: str,
+                       prompts: list[Prompt], record_teacher: bool) -> Answered:
+    from specdistill.distill.datagen import generate_answers
+    from specdistill.modeling.models import dtype_name
+
+    g = config.generation
+    dtype = dtype_name(target.model.dtype)
+    out_path, cache = _outputs(config, window, target.fingerprint, split, dtype, g.teacher_top_k, record_teacher)
+    records = generate_answers(target.model, target.tokenizer, prompts, out_path, batch_size=g.batch_size,
+                               max_new_tokens=g.max_new_tokens, teacher_cache=cache)
+    return records, dtype, out_path, str(cache.dir) if cache else None
+
+
+def _answer_in_engine(config: NightlyConfig, target: LoadedModel, window: WindowDict, split: str,
+                      prompts: list[Prompt], record_teacher: bool) -> Answered:
+    """Through `generation.url`, or a llama-server started here on the target's GGUF (stopped after).
+    The teacher cache's `data` names the engine; its k is what the server gives."""
+    from contextlib import ExitStack
+
+    from specdistill.data.prompts import encode_chat
+    from specdistill.engines.answers import connect, generate_answers_openai
+    from specdistill.engines.llamacpp import gguf_dtype, target_server
+
+    g = config.generation
+    with ExitStack() as stack:
+        if g.url:
+            url, source = g.url, ""
+        else:
+            server = stack.enter_context(target_server(
+                config.target, parallel=g.parallel, ctx_per_slot=config.window.max_prompt_tokens + g.max_new_tokens + 1,
+                threads=config.serving.threads))
+            url, source = server.url, f"llamacpp:{gguf_dtype(server.config.model)}"
+        probe = prompts[0].messages if prompts else [{"role": "user", "content": "Hi."}]
+        served = connect(url, encode_chat(target.tokenizer, probe), g.teacher_top_k)
+        source = source or f"openai:{served.model.rstrip('/').rsplit('/', 1)[-1]}"
+        out_path, cache = _outputs(config, window, target.fingerprint, split, source, served.top_k, record_teacher)
+        records = generate_answers_openai(served, target.tokenizer, prompts, out_path, parallel=g.parallel,
+                                          batch_size=g.batch_size, max_new_tokens=g.max_new_tokens, teacher_cache=cache)
+    return records, source, out_path, str(cache.dir) if cache else None
