@@ -146,6 +146,22 @@ def _check_pairing(config: dict, reader, draft_dir: Path) -> int:
     return len(tokens)
 
 
+def _gguf_tensors(tensors: dict[str, np.ndarray], names: dict[str, str], n_head: int, n_head_kv: int,
+                  where: Path) -> dict[str, np.ndarray]:
+    """Pop `names` (HF name -> GGUF name) out of `tensors`, q/k projections permuted to GGUF's rotary layout."""
+    out = {}
+    for hf, ours in names.items():
+        if hf not in tensors:
+            raise GgufExportError(f"{where}: missing tensor {hf}")
+        value = tensors.pop(hf)
+        if hf.endswith("self_attn.q_proj.weight"):
+            value = permute_rotary(value, n_head)
+        elif hf.endswith("self_attn.k_proj.weight"):
+            value = permute_rotary(value, n_head_kv)
+        out[ours] = value
+    return out
+
+
 def _value_type(value):
     """The GGUF type of a key the target GGUF lacks (lists are llama.cpp's int32 arrays)."""
     import gguf
@@ -212,17 +228,8 @@ def export_draft_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLi
     if "lm_head.weight" in tensors and not config.get("tie_word_embeddings", False):
         out["output.weight"] = tensors.pop("lm_head.weight")
     tensors.pop("lm_head.weight", None)
-    for i in range(n_layers):
-        for hf, ours in _LAYER_NAMES.items():
-            key = f"model.layers.{i}.{hf}"
-            if key not in tensors:
-                raise GgufExportError(f"{draft_dir}: missing tensor {key}")
-            value = tensors.pop(key)
-            if hf.startswith("self_attn.q_proj"):
-                value = permute_rotary(value, n_head)
-            elif hf.startswith("self_attn.k_proj"):
-                value = permute_rotary(value, n_head_kv)
-            out[f"blk.{i}.{ours}"] = value
+    names = {f"model.layers.{i}.{hf}": f"blk.{i}.{ours}" for i in range(n_layers) for hf, ours in _LAYER_NAMES.items()}
+    out.update(_gguf_tensors(tensors, names, n_head, n_head_kv, draft_dir))
     leftover = [k for k in tensors if "rotary_emb" not in k]
     if leftover:
         raise GgufExportError(f"{draft_dir}: tensors with no GGUF name: {leftover[:5]}")
@@ -279,16 +286,7 @@ def export_eagle3_gguf(head_dir: str | os.PathLike, target_gguf: str | os.PathLi
         raise GgufExportError(f"{head_dir}: d2t maps the draft vocabulary outside the target's {len(tokens)} tokens or "
                               "onto the same token twice")
     n_head = config["num_attention_heads"]
-    out = {}
-    for hf, ours in _EAGLE3_NAMES.items():
-        if hf not in tensors:
-            raise GgufExportError(f"{head_dir}: missing tensor {hf}")
-        value = tensors.pop(hf)
-        if hf.endswith("q_proj.weight"):
-            value = permute_rotary(value, n_head)
-        elif hf.endswith("k_proj.weight"):
-            value = permute_rotary(value, config.get("num_key_value_heads", n_head))
-        out[ours] = value
+    out = _gguf_tensors(tensors, _EAGLE3_NAMES, n_head, config.get("num_key_value_heads", n_head), head_dir)
     out["d2t"] = target_ids
     if tensors:
         raise GgufExportError(f"{head_dir}: tensors with no GGUF name: {sorted(tensors)[:5]}")
