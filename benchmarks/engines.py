@@ -1,16 +1,19 @@
 """The demo target in three engines, side by side in one run: this PyTorch harness in fp32 and in
 bf16, and llama.cpp (`llama-server`, the target's own Q4_1 GGUF). For each engine: target-only
-tokens/s, and for a trained draft and for n-gram lookup their speedup and acceptance α.
+tokens/s, and for a trained draft and for n-gram lookup their speedup, acceptance α and accepted
+length τ.
 
     python benchmarks/engines.py --draft DIR --prompts eval_generated.jsonl [--limit 20]
-        [--max-new-tokens 48] [--gamma 4] [--threads 2]
+        [--max-new-tokens 48] [--gamma 4] [--threads 2] [--engines fp32,bf16,llamacpp]
 
 Every (engine, mode) pair runs each prompt once, in an order that rotates from prompt to prompt, so
 no engine or mode always runs first and all see the same machine state; tokens/s is summed tokens
 over summed wall-clock seconds (prompt processing included), speedup is a mode's tokens/s over its
 own engine's target-only tokens/s, and the per-prompt median of that ratio is shown beside it.
-α: the harness's own counts; llama.cpp's Δaccepted / Δdraft tokens of its /metrics counters.
-In llama.cpp the draft runs as a GGUF f16 with the full vocabulary head (llama.cpp refuses a reduced one).
+α and τ: the harness's own counts; llama.cpp's Δaccepted / Δdraft tokens and 1 + Δaccepted / Δdrafts
+of its /metrics counters. In llama.cpp the draft runs as a GGUF f16: a layer-extracted draft with
+`draft-simple` and the full vocabulary head (llama.cpp refuses a reduced one), an EAGLE-3 head with
+`draft-eagle3` and its own draft vocabulary (d2t).
 
 --prompts: the nightly's `eval_generated.jsonl` ({"prompt": [messages]}) or any prompt file
 `specdistill bench` reads; the first user turn of each is asked.
@@ -33,6 +36,18 @@ llama.cpp alone, `specdistill bench --engine llamacpp --prompts` (the same 10 pr
 48 new tokens, --repeats 3), 09:36-09:39 UTC when the load had dropped (load average 0.8 -> 2.4):
 draft-simple α 0.138, τ 1.54, 0.31x, 10/10 outputs identical to target-only; ngram-simple (3-gram
 lookup, K=4) α 0.603, τ 3.30, 1.69x, 10/10 identical.
+
+The demo's EAGLE-3 head (a finished `make demo`: layers 2,15,27, 8k draft vocabulary; the harness
+measured it at α 0.123, γ=4, 1.07x in bf16) in llama.cpp as `draft-eagle3` with its 8k vocabulary, the
+same 10 held-out prompts, 32 new tokens, K=4, `--engines llamacpp --threads 1` (one thread: at load
+average 8-15 two-thread llama.cpp stalled at seconds per token), 12:05-12:24 UTC 2026-11-30, load
+average 7.4 -> 9.1 (10-15 between), four other engineers' CPU-bound jobs running:
+
+  engine             target-only tok/s draft speedup (per-prompt median)  draft α draft τ ngram speedup (per-prompt median)  ngram α ngram τ
+  llama.cpp Q4_1                   1.5         0.48x               0.54x    0.123    1.47         0.96x               0.99x    0.679    3.59
+
+α is the harness's α exactly: the head drafts the same in llama.cpp. At α 0.12 it is a slowdown there,
+as the layer draft is; n-gram is at parity under this load.
 """
 
 from __future__ import annotations
@@ -47,15 +62,16 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
 
 from specdistill.data.prompt_files import read_prompt_file
 from specdistill.data.prompts import encode_chat
 from specdistill.engines.build import build_llama_server
 from specdistill.engines.client import chat, metrics_url
-from specdistill.engines.llamacpp import draft_gguf, gguf_dtype, target_gguf
+from specdistill.engines.llamacpp import gguf_dtype, mode_for_spec, target_gguf
 from specdistill.engines.prom import scrape
 from specdistill.engines.server import LlamaServer, ServerConfig, ServerMode
-from specdistill.modeling.models import load_model
+from specdistill.modeling.models import load_model, resolve_model_dir
 from specdistill.speculative import drafter_from_spec
 from specdistill.speculative.engine import SpecStats, generate
 
@@ -76,31 +92,35 @@ def read_prompts(path: Path, limit: int) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="demo")
-    ap.add_argument("--draft", required=True, help="a layer-extracted draft directory (HF checkpoint)")
+    ap.add_argument("--draft", required=True, help="a layer-extracted draft (HF checkpoint) or an EAGLE-3 head directory")
     ap.add_argument("--prompts", required=True, type=Path)
     ap.add_argument("--limit", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--engines", default="fp32,bf16,llamacpp", help="which of fp32, bf16, llamacpp to run")
     ap.add_argument("--json", default=None, help="also write the raw numbers here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     texts = read_prompts(args.prompts, args.limit)
     engine = build_llama_server()
     gguf = target_gguf(args.target)
-    draft_file = draft_gguf(args.draft, gguf)
+    draft_mode = mode_for_spec(f"draft:{args.draft}", gguf, args.gamma)
+    chosen = args.engines.split(",")
+    engines = {name: kind for key, name, kind in (("fp32", "harness fp32", "float32"), ("bf16", "harness bf16", "bfloat16"),
+                                                   ("llamacpp", f"llama.cpp {gguf_dtype(gguf)}", "llamacpp")) if key in chosen}
 
     harness = {}
-    for dtype in ("float32", "bfloat16"):
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(args.target))
+    for dtype in (kind for kind in engines.values() if kind != "llamacpp"):
         loaded = load_model(args.target, dtype=dtype)
         harness[dtype] = (loaded.model, {"target-only": None, "draft": drafter_from_spec(loaded.model, f"draft:{args.draft}"),
                                          "ngram": drafter_from_spec(loaded.model, "ngram")})
-        tokenizer = loaded.tokenizer
     ids = [encode_chat(tokenizer, [{"role": "user", "content": t}]) for t in texts]
 
-    llama_modes = {"target-only": ServerMode(), "draft": ServerMode("draft-simple", draft_file, args.gamma),
-                   "ngram": ServerMode("ngram-simple", None, args.gamma)}
-    engines = {"harness fp32": "float32", "harness bf16": "bfloat16", f"llama.cpp {gguf_dtype(gguf)}": "llamacpp"}
+    llama_modes = {"target-only": ServerMode(), "draft": draft_mode, "ngram": mode_for_spec("ngram", gguf, args.gamma)}
+    if "llamacpp" not in engines.values():
+        llama_modes = {}
     runs = [(e, m) for e in engines for m in ("target-only", "draft", "ngram")]
     times = {run: [] for run in runs}  # (tokens, seconds) per prompt
     stats = {run: SpecStats() for run in runs if run[1] != "target-only" and engines[run[0]] != "llamacpp"}
@@ -120,7 +140,7 @@ def main() -> None:
         for run in runs:  # warm-up: first-call allocations
             one(run, 0, 8)
         start = time.monotonic()
-        before = {m: scrape(metrics_url(urls[m])) for m in ("draft", "ngram")}
+        before = {m: scrape(metrics_url(urls[m])) for m in urls if m != "target-only"}
         for i in range(len(texts)):
             shift = i % len(runs)
             for run in runs[shift:] + runs[:shift]:
@@ -129,22 +149,24 @@ def main() -> None:
                 if st is not None and run in stats:
                     stats[run] = stats[run].merge(st)
             print(f"prompt {i + 1}/{len(texts)} ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
-        after = {m: scrape(metrics_url(urls[m])) for m in ("draft", "ngram")}
+        after = {m: scrape(metrics_url(urls[m])) for m in urls if m != "target-only"}
 
     def tps(run) -> float:
         return sum(n for n, _ in times[run]) / sum(s for _, s in times[run])
 
-    def alpha(run) -> float:
+    def alpha_tau(run) -> tuple[float, float]:
         if engines[run[0]] == "llamacpp":
             d_tok = after[run[1]].draft_tokens - before[run[1]].draft_tokens
-            return (after[run[1]].accepted - before[run[1]].accepted) / d_tok if d_tok else 0.0
-        return stats[run].acceptance_rate
+            d_drafts = after[run[1]].drafts - before[run[1]].drafts
+            accepted = after[run[1]].accepted - before[run[1]].accepted
+            return (accepted / d_tok if d_tok else 0.0), 1.0 + (accepted / d_drafts if d_drafts else 0.0)
+        return stats[run].acceptance_rate, stats[run].accepted_length
 
     rows = []
     print(f"\n{len(texts)} prompts, greedy, {args.max_new_tokens} new tokens, γ/K={args.gamma}, {args.threads} threads, "
           f"load average {os.getloadavg()[0]:.2f} at the end")
     print(f"{'engine':<18} {'target-only tok/s':>17} {'draft speedup':>13} {'(per-prompt median)':>19} {'draft α':>8} "
-          f"{'ngram speedup':>13} {'(per-prompt median)':>19} {'ngram α':>8}")
+          f"{'draft τ':>7} {'ngram speedup':>13} {'(per-prompt median)':>19} {'ngram α':>8} {'ngram τ':>7}")
     for name in engines:
         base = tps((name, "target-only"))
         row = {"engine": name, "target_only_tokens_per_s": base}
@@ -152,9 +174,10 @@ def main() -> None:
         for mode in ("draft", "ngram"):
             run = (name, mode)
             ratios = [(n / s) / (bn / bs) for (n, s), (bn, bs) in zip(times[run], times[(name, "target-only")])]
+            alpha, tau = alpha_tau(run)
             row.update({f"{mode}_speedup": tps(run) / base, f"{mode}_speedup_median": statistics.median(ratios),
-                        f"{mode}_alpha": alpha(run)})
-            cells.append(f"{tps(run) / base:>12.2f}x {statistics.median(ratios):>18.2f}x {alpha(run):>8.3f}")
+                        f"{mode}_alpha": alpha, f"{mode}_tau": tau})
+            cells.append(f"{tps(run) / base:>12.2f}x {statistics.median(ratios):>18.2f}x {alpha:>8.3f} {tau:>7.2f}")
         rows.append(row)
         print(f"{name:<18} {base:>17.1f} " + " ".join(cells))
     if args.json:

@@ -4,6 +4,7 @@ target; refusing a head for another target before any work; `draft init --kind e
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -228,11 +229,18 @@ def test_draft_init_eagle3_cli(target_dir, tmp_path, capsys):
     assert not (tmp_path / "bad").exists()
 
 
-def test_llama_cpp_engine_leaves_a_head_out(head_dir, target_dir):
-    """llama.cpp runs a head only as a draft-eagle3 GGUF, which is not exported yet: the engine
-    benchmark leaves it out by name instead of failing the run; a layer draft stays servable."""
-    from specdistill.pipeline.engine_bench import NO_LLAMACPP_EXPORT, llamacpp_unservable
+def test_llama_cpp_engine_refuses_a_head_for_another_target(head_dir):
+    """serving.engine=llamacpp measures a head as a draft-eagle3 GGUF paired with the target's GGUF; a
+    head built for another target fails the stage by name before any server starts (so before the
+    registry or serving.json are touched), and nothing is left in the GGUF cache."""
+    from specdistill import paths
+    from specdistill.engines.gguf_export import GgufExportError
+    from specdistill.pipeline.config import load_nightly_config
+    from specdistill.pipeline.engine_bench import engine_benchmark
 
-    assert llamacpp_unservable(f"draft:{head_dir}") == NO_LLAMACPP_EXPORT
-    assert llamacpp_unservable(f"draft:{target_dir}") == ""
-    assert llamacpp_unservable("ngram") == ""
+    config = load_nightly_config(None, ["serving.engine=llamacpp"])
+    window = {"eval": [{"id": "1", "slice": "chat", "messages": [{"role": "user", "content": "Hi"}]}]}
+    with pytest.raises(GgufExportError, match=re.escape(f"EAGLE-3 head {head_dir} does not fit this target: target hidden size 576")):
+        engine_benchmark(config, window, {"challenger": f"draft:{head_dir}"})
+    assert not list((paths.home() / "engines").rglob("*.gguf*"))
+    assert not (paths.home() / "serving.json").exists()

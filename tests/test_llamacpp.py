@@ -1,5 +1,6 @@
 """llama.cpp for real (e2e: needs the built llama-server, `make llama-server`): a GGUF export of the
-target's own weights drafts for the target with acceptance > 0; the OpenAI-compatible bench against
+target's own weights drafts for the target with acceptance > 0; an EAGLE-3 head exported to GGUF
+drafts in `draft-eagle3` mode as it does in our engine; the OpenAI-compatible bench against
 real servers on loopback; the monitor's live sampler on llama.cpp's real /metrics; a draft llama.cpp
 refuses is an error, not a silent target-only server. Generations are a few tokens."""
 
@@ -48,6 +49,103 @@ def test_exported_draft_loads_and_drafts(llama_cpp, target_gguf, self_draft):
     assert done.accepted > 0, f"the target's own weights were never accepted ({done.accepted}/{done.draft_tokens})"
     assert counters.prefix == "llamacpp:" and counters.accepted == done.accepted
     assert counters.draft_tokens == done.draft_tokens
+
+
+def _memorizing_head(target, out_dir, messages: list[dict], answer_tokens: int = 32, steps: int = 2):
+    """An EAGLE-3 head trained (seconds) on the target's own greedy answer to `messages`, so that
+    drafting that answer is easy: its first `steps` draft positions are learnt, later ones are not.
+    The draft vocabulary is 1k tokens plus the answer's, so the export carries a reduced vocabulary.
+    Returns the head's directory and its last loss."""
+    import torch
+    import torch.nn.functional as F
+
+    from specdistill.modeling.eagle3 import FeatureHooks, init_eagle3_from_target
+    from specdistill.modeling.eagle3_io import save_eagle3
+    from specdistill.modeling.vocab import DraftVocab
+
+    tok, model = target.tokenizer, target.model
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        ids = model.generate(prompt, max_new_tokens=answer_tokens, do_sample=False)
+    vocab = DraftVocab(torch.cat([torch.arange(1024), ids[0]]).unique(), target.config.vocab_size)
+    head = init_eagle3_from_target(model, vocab).float()
+    with FeatureHooks(model, head.aux_layers) as hooks, torch.no_grad():
+        model(ids)
+        features = hooks.take().float()[:, :-1]
+    next_ids, t = ids[:, 1:], ids.shape[1] - 1
+    labels = [vocab.to_draft_ids(ids[0, 2 + j:]) for j in range(steps)]  # step j at entry i drafts token i+2+j
+    valid = torch.ones_like(next_ids, dtype=torch.bool)
+    optimizer = torch.optim.Adam([p for n, p in head.named_parameters() if not n.startswith("embed_tokens")], lr=1e-3)
+    for _ in range(60):
+        logits = head.unroll(next_ids, features, steps, valid)
+        loss = sum(F.cross_entropy(x[0, : t - 1 - j], labels[j]) for j, x in enumerate(logits))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if loss.item() < 0.05 * steps:
+            break
+    return save_eagle3(head, tok, out_dir), loss.item()
+
+
+@pytest.fixture(scope="module")
+def memorized_head(tmp_path_factory, demo_target):
+    head_dir, loss = _memorizing_head(demo_target, tmp_path_factory.mktemp("eagle3") / "head",
+                                      [{"role": "user", "content": REPEAT}])
+    assert loss < 0.5
+    return head_dir
+
+
+def test_exported_eagle3_head_loads_and_drafts(llama_cpp, target_gguf, memorized_head):
+    """The exported head pairs with the target GGUF (target layers, hidden size, its tokenizer, the
+    reduced draft vocabulary through d2t) and drafts what it learnt: acceptance > 0 and, a memorised
+    answer, a good part of the first two draft positions (our engine accepts about half of K=4 here)."""
+    from specdistill.engines.llamacpp import mode_for_spec
+
+    mode = mode_for_spec(f"draft:{memorized_head}", target_gguf, 4)
+    assert mode.spec_type == "draft-eagle3"
+    with LlamaServer(llama_cpp.server, ServerConfig(model=target_gguf, mode=mode, threads=2)) as server:
+        done = chat(server.url, [{"role": "user", "content": REPEAT}], max_tokens=24)
+        counters = scrape(metrics_url(server.url))
+    assert done.generated_tokens > 0 and done.draft_tokens and done.draft_tokens > 0
+    assert done.accepted > 0, f"the memorised answer was never accepted ({done.accepted}/{done.draft_tokens})"
+    assert done.accepted >= done.draft_tokens / 4, f"{done.accepted}/{done.draft_tokens} accepted"
+    assert counters.accepted == done.accepted and counters.draft_tokens == done.draft_tokens
+
+
+def test_nightly_measures_an_eagle3_head_in_llama_cpp(llama_cpp, memorized_head, tmp_path, capsys):
+    """serving.engine=llamacpp: the challenger head runs as draft-eagle3 from its exported GGUF; that
+    GGUF goes to MLflow with the version, and serving.json (when the head is served) names it."""
+    from specdistill.cli import main
+    from specdistill.engines.gguf_export import gguf_spec_type
+    from specdistill.ops.serving import write_serving_config
+    from specdistill.pipeline.config import load_nightly_config
+    from specdistill.pipeline.engine_bench import engine_benchmark
+    from specdistill.pipeline.report import registration_artifacts
+    from specdistill.pipeline.serve import choose_serving, serving_config
+
+    config = load_nightly_config(None, ["serving.engine=llamacpp", "bench.max_new_tokens=24", "serving.margin=0.0"])
+    window = {"eval": [{"id": "1", "slice": "chat", "messages": [{"role": "user", "content": REPEAT}]}]}
+    speeds = engine_benchmark(config, window, {"challenger": f"draft:{memorized_head}"})
+    head = speeds["challenger"]
+    args = head["stats"]["llamacpp_args"]
+    assert args[args.index("--spec-type") + 1] == "draft-eagle3" and args[args.index("--spec-draft-n-max") + 1] == "4"
+    gguf = args[args.index("-md") + 1]
+    assert gguf_spec_type(gguf) == "draft-eagle3" and head["stats"]["accepted"] > 0
+
+    verdict = {"passed": True, "reasons": [], "failures": [], "checks": [], "beats_champion": True, "promote": True}
+    trained = {"draft_dir": str(memorized_head), "tokens": 1, "train_minutes": 0.1}
+    assert str(registration_artifacts(config, speeds, verdict, trained, None, speeds)[-1]) == gguf
+
+    decision = choose_serving(config, window, {}, verdict, speeds)
+    assert decision["engine"] == "llamacpp" and decision["measured"] == {"challenger": head["speedup"]}
+    if decision["mode"] == "off":  # a loaded machine can make any mode slower: the guard then says so
+        assert head["speedup"] <= 1.0 or not head["lossless"]
+        return
+    target = {"ref": "demo", "path": "/t", "fingerprint": "fp", "num_layers": 30, "vocab_size": 49152, "dtype": "Q4_1"}
+    path = write_serving_config(serving_config(decision, target, "1", str(memorized_head)), tmp_path / "serving.json")
+    assert main(["serving", "show", "--path", str(path)]) == 0
+    shown = capsys.readouterr().out
+    assert "EAGLE-3 head" in shown and f"-md {gguf} --spec-type draft-eagle3 --spec-draft-n-max 4" in shown
 
 
 def test_openai_bench_against_real_servers(llama_cpp, target_gguf):

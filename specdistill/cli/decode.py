@@ -82,7 +82,8 @@ def _bench_engine(args: argparse.Namespace):
     from specdistill.engines.llamacpp import bench_llamacpp, mode_for_spec, target_gguf
 
     if args.self_spec is not None or not (args.draft or args.ngram):
-        raise ValueError("--engine llamacpp measures --draft (a GGUF, or an HF draft exported to one) or --ngram")
+        raise ValueError("--engine llamacpp measures --draft (a GGUF, or a draft or EAGLE-3 head directory exported to one) "
+                         "or --ngram")
     spec = f"draft:{args.draft}" if args.draft else "ngram"
     mode = mode_for_spec(spec, target_gguf(args.target), args.gamma)
     return bench_llamacpp(args.target, {mode.name: mode}, prompts, config, threads=threads)[mode.name]

@@ -10,6 +10,15 @@ HF's rotary layout to GGUF's, as llama.cpp's own converter does.
 A reduced draft vocabulary (`draft_vocab.safetensors`, e.g. 8k of 49k) cannot be carried over:
 llama.cpp refuses a draft vocabulary that differs from the target's by more than 128 tokens, so the
 exported draft drafts over the full head (its tied embeddings). `GgufExport.head` says which.
+
+An EAGLE-3 head (`modeling/eagle3_io.py`'s layout) becomes the `eagle3` architecture that llama.cpp's
+`--spec-type draft-eagle3` loads, as its own converter (`conversion/llama.py`, `convert_hf_to_gguf.py
+--target-model-dir`) writes it: the target's tokenizer, `eagle3.target_layers` (the three layers whose
+inputs feed `fc`, the same "input of layer i" our hooks capture) and `eagle3.target_hidden_size`,
+`fc.weight`, the midlayer as `blk.0.*` with `hidden_norm` as `attn_norm_2`, `d2t` as absolute target ids
+(int64), `t2d` left out. No `token_embd`: llama.cpp then embeds with the target's, as vLLM and SGLang
+do. Unlike a layer draft, the reduced draft vocabulary is carried over: llama.cpp's EAGLE-3 graph
+scatters the head's logits to the target vocabulary through `d2t`.
 """
 
 from __future__ import annotations
@@ -18,11 +27,13 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
 LLAMA_VOCAB_MAX_SIZE_DIFFERENCE = 128  # SPEC_VOCAB_MAX_SIZE_DIFFERENCE in llama.cpp's common/speculative.cpp
 DTYPES = ("f16", "f32")
+EAGLE3_ARCH = "eagle3"  # MODEL_ARCH.EAGLE3 in llama.cpp's gguf-py (newer than the `gguf` package on PyPI)
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight",
@@ -34,6 +45,9 @@ _LAYER_NAMES = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+_EAGLE3_NAMES = {"fc.weight": "fc.weight", "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
+                 "midlayer.hidden_norm.weight": "blk.0.attn_norm_2.weight",
+                 **{f"midlayer.{hf}": f"blk.0.{ours}" for hf, ours in _LAYER_NAMES.items()}}
 
 
 class GgufExportError(ValueError):
@@ -46,8 +60,9 @@ class GgufExport:
     layers: int
     dtype: str
     vocab_size: int
-    head: str  # "full" or why the draft vocabulary was not carried over
+    head: str  # "full" or why the draft vocabulary was not carried over; for an EAGLE-3 head, its draft vocabulary
     bytes: int
+    spec_type: str = "draft-simple"  # the llama-server --spec-type that loads it
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -59,36 +74,62 @@ def permute_rotary(weight: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def _read_draft(draft_dir: Path) -> tuple[dict, dict[str, np.ndarray]]:
-    """config.json and every weight as fp32 numpy (read through torch: numpy has no bf16)."""
+def _read_weights(directory: Path) -> dict[str, np.ndarray]:
+    """Every weight as numpy, floats as fp32 (read through torch: numpy has no bf16), integers as they are."""
     import torch
     from safetensors.torch import load_file
 
+    files = sorted(p for p in directory.glob("*.safetensors") if p.name != "draft_vocab.safetensors")
+    if not files:
+        raise GgufExportError(f"{directory}: no safetensors weights")
+    tensors: dict[str, np.ndarray] = {}
+    for f in files:
+        tensors.update({k: (v.to(torch.float32) if v.is_floating_point() else v).numpy() for k, v in load_file(str(f)).items()})
+    return tensors
+
+
+def _read_draft(draft_dir: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """config.json and every weight of a Llama checkpoint."""
     config_path = draft_dir / "config.json"
     if not config_path.is_file():
         raise GgufExportError(f"{draft_dir}: no config.json (not an HF checkpoint)")
     config = json.loads(config_path.read_text())
     if config.get("model_type") != "llama":
         raise GgufExportError(f"{draft_dir}: model_type {config.get('model_type')!r}; only Llama drafts export to GGUF here")
-    files = sorted(p for p in draft_dir.glob("*.safetensors") if p.name != "draft_vocab.safetensors")
-    if not files:
-        raise GgufExportError(f"{draft_dir}: no safetensors weights")
-    tensors: dict[str, np.ndarray] = {}
-    for f in files:
-        tensors.update({k: v.to(torch.float32).numpy() for k, v in load_file(str(f)).items()})
-    return config, tensors
+    return config, _read_weights(draft_dir)
 
 
 def _target_fields(reader) -> dict:
     return {name: field for name, field in reader.fields.items() if not name.startswith("GGUF.")}
 
 
-def _check_pairing(config: dict, reader, draft_dir: Path) -> int:
-    """Shape and vocabulary checks that llama.cpp would otherwise fail on at load (or silently botch)."""
+def _target_llama(reader) -> dict:
+    """The target GGUF's fields, after checking it is a Llama (the only architecture drafted for here)."""
     fields = _target_fields(reader)
     arch = fields["general.architecture"].contents()
     if arch != "llama":
         raise GgufExportError(f"target GGUF architecture {arch!r}: only llama targets are supported")
+    return fields
+
+
+def _check_tokens(draft_dir: Path, tokens: list[str], vocab_size: int) -> None:
+    """The draft's saved tokenizer against the target GGUF's token texts, as llama.cpp compares them."""
+    tokenizer_file = draft_dir / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        return
+    saved = json.loads(tokenizer_file.read_text())
+    vocab = saved["model"].get("vocab", {})
+    added = {t["content"]: t["id"] for t in saved.get("added_tokens", [])}
+    by_id = {i: tok for tok, i in {**vocab, **added}.items()}
+    for i in range(5, min(len(tokens), vocab_size)):  # llama.cpp compares from id 5 on
+        if i in by_id and by_id[i] != tokens[i]:
+            raise GgufExportError(
+                f"{draft_dir}: vocabulary-incompatible: token {i} is {by_id[i]!r} in the draft, {tokens[i]!r} in the target")
+
+
+def _check_pairing(config: dict, reader, draft_dir: Path) -> int:
+    """Shape and vocabulary checks that llama.cpp would otherwise fail on at load (or silently botch)."""
+    fields = _target_llama(reader)
     tokens = fields["tokenizer.ggml.tokens"].contents()
     diff = abs(config["vocab_size"] - len(tokens))
     if diff > LLAMA_VOCAB_MAX_SIZE_DIFFERENCE:
@@ -101,16 +142,72 @@ def _check_pairing(config: dict, reader, draft_dir: Path) -> int:
         theirs = fields[f"llama.{key}"].contents()
         if theirs != ours:
             raise GgufExportError(f"draft {key} {ours} != target's {theirs}: not a layer-extracted draft of this target")
-    tokenizer_file = draft_dir / "tokenizer.json"
-    if tokenizer_file.is_file():
-        vocab = json.loads(tokenizer_file.read_text())["model"].get("vocab", {})
-        added = {t["content"]: t["id"] for t in json.loads(tokenizer_file.read_text()).get("added_tokens", [])}
-        by_id = {i: tok for tok, i in {**vocab, **added}.items()}
-        for i in range(5, min(len(tokens), config["vocab_size"])):  # llama.cpp compares from id 5 on
-            if i in by_id and by_id[i] != tokens[i]:
-                raise GgufExportError(
-                    f"{draft_dir}: vocabulary-incompatible: token {i} is {by_id[i]!r} in the draft, {tokens[i]!r} in the target")
+    _check_tokens(draft_dir, tokens, config["vocab_size"])
     return len(tokens)
+
+
+def _gguf_tensors(tensors: dict[str, np.ndarray], names: dict[str, str], n_head: int, n_head_kv: int,
+                  where: Path) -> dict[str, np.ndarray]:
+    """Pop `names` (HF name -> GGUF name) out of `tensors`, q/k projections permuted to GGUF's rotary layout."""
+    out = {}
+    for hf, ours in names.items():
+        if hf not in tensors:
+            raise GgufExportError(f"{where}: missing tensor {hf}")
+        value = tensors.pop(hf)
+        if hf.endswith("self_attn.q_proj.weight"):
+            value = permute_rotary(value, n_head)
+        elif hf.endswith("self_attn.k_proj.weight"):
+            value = permute_rotary(value, n_head_kv)
+        out[ours] = value
+    return out
+
+
+def _value_type(value):
+    """The GGUF type of a key the target GGUF lacks (lists are llama.cpp's int32 arrays)."""
+    import gguf
+
+    t = gguf.GGUFValueType
+    if isinstance(value, list):
+        return t.ARRAY, t.INT32
+    return {bool: t.BOOL, int: t.UINT32, float: t.FLOAT32, str: t.STRING}[type(value)], None
+
+
+def _write_gguf(out_path: Path, arch: str, reader, overrides: dict, tensors: dict[str, np.ndarray], dtype: str) -> int:
+    """Write `out_path` atomically: the target GGUF's metadata (its `llama.*` keys as `{arch}.*`) with
+    `overrides` (keys the target lacks are added), then the tensors (matrices in `dtype`, vectors in
+    f32, integer tensors as they are). Returns the file's size."""
+    import gguf
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    overrides = {**overrides, "general.file_type": int(gguf.LlamaFileType.MOSTLY_F16 if dtype == "f16" else gguf.LlamaFileType.ALL_F32)}
+    for name, field in _target_fields(reader).items():
+        if name == "general.architecture":
+            continue  # the writer adds it
+        name = f"{arch}.{name.removeprefix('llama.')}" if name.startswith("llama.") else name
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, overrides.pop(name, field.contents()), vtype, sub_type=sub)
+    for name, value in overrides.items():
+        vtype, sub = _value_type(value)
+        writer.add_key_value(name, value, vtype, sub_type=sub)
+    for name, value in tensors.items():
+        if not np.issubdtype(value.dtype, np.floating):
+            writer.add_tensor(name, value)
+        elif value.ndim == 1 or dtype == "f32":
+            writer.add_tensor(name, value.astype(np.float32))
+        else:
+            writer.add_tensor(name, value.astype(np.float16))
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, out_path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out_path.stat().st_size
 
 
 def export_draft_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLike, out_path: str | os.PathLike,
@@ -127,54 +224,108 @@ def export_draft_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLi
     n_layers, n_head = config["num_hidden_layers"], config["num_attention_heads"]
     n_head_kv = config.get("num_key_value_heads", n_head)
 
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    writer = gguf.GGUFWriter(str(tmp), "llama")
-    overrides = {"llama.block_count": n_layers, "llama.feed_forward_length": config["intermediate_size"],
-                 "general.file_type": int(gguf.LlamaFileType.MOSTLY_F16 if dtype == "f16" else gguf.LlamaFileType.ALL_F32),
-                 "general.name": f"specdistill draft ({n_layers} layers)"}
-    for name, field in _target_fields(reader).items():
-        if name == "general.architecture":
-            continue  # the writer adds it
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(name, overrides.get(name, field.contents()), vtype, sub_type=sub)
-
-    def add(name: str, value: np.ndarray) -> None:
-        if value.ndim == 1 or dtype == "f32":
-            writer.add_tensor(name, value.astype(np.float32))
-        else:
-            writer.add_tensor(name, value.astype(np.float16))
-
-    add("token_embd.weight", tensors.pop("model.embed_tokens.weight"))
-    add("output_norm.weight", tensors.pop("model.norm.weight"))
+    out = {"token_embd.weight": tensors.pop("model.embed_tokens.weight"), "output_norm.weight": tensors.pop("model.norm.weight")}
     if "lm_head.weight" in tensors and not config.get("tie_word_embeddings", False):
-        add("output.weight", tensors.pop("lm_head.weight"))
+        out["output.weight"] = tensors.pop("lm_head.weight")
     tensors.pop("lm_head.weight", None)
-    for i in range(n_layers):
-        for hf, ours in _LAYER_NAMES.items():
-            key = f"model.layers.{i}.{hf}"
-            if key not in tensors:
-                raise GgufExportError(f"{draft_dir}: missing tensor {key}")
-            value = tensors.pop(key)
-            if hf.startswith("self_attn.q_proj"):
-                value = permute_rotary(value, n_head)
-            elif hf.startswith("self_attn.k_proj"):
-                value = permute_rotary(value, n_head_kv)
-            add(f"blk.{i}.{ours}", value)
+    names = {f"model.layers.{i}.{hf}": f"blk.{i}.{ours}" for i in range(n_layers) for hf, ours in _LAYER_NAMES.items()}
+    out.update(_gguf_tensors(tensors, names, n_head, n_head_kv, draft_dir))
     leftover = [k for k in tensors if "rotary_emb" not in k]
     if leftover:
         raise GgufExportError(f"{draft_dir}: tensors with no GGUF name: {leftover[:5]}")
-    try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, out_path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    overrides = {"llama.block_count": n_layers, "llama.feed_forward_length": config["intermediate_size"],
+                 "general.name": f"specdistill draft ({n_layers} layers)"}
+    size = _write_gguf(out_path, "llama", reader, overrides, out, dtype)
     head = "full"
     if (draft_dir / "draft_vocab.safetensors").is_file():
         head = (f"full ({n_vocab} tokens): the draft's reduced vocabulary is not carried over, llama.cpp requires the "
                 f"draft vocabulary to match the target's within {LLAMA_VOCAB_MAX_SIZE_DIFFERENCE} tokens")
-    return GgufExport(str(out_path), n_layers, dtype, n_vocab, head, out_path.stat().st_size)
+    return GgufExport(str(out_path), n_layers, dtype, n_vocab, head, size)
+
+
+def _check_eagle3(config: dict, fields: dict, head_dir: Path) -> list[str]:
+    """The head against the target GGUF (widths, vocabulary, feature layers, token texts), with the
+    same checks and messages as loading it on the target in PyTorch. Returns the target's tokens."""
+    from specdistill.modeling.eagle3 import Eagle3ShapeError
+    from specdistill.modeling.eagle3_io import check_fits
+
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    target = SimpleNamespace(hidden_size=fields["llama.embedding_length"].contents(), vocab_size=len(tokens),
+                             num_hidden_layers=fields["llama.block_count"].contents())
+    try:
+        check_fits(config, target, where=str(head_dir))
+    except Eagle3ShapeError as exc:
+        raise GgufExportError(f"{exc} (the target GGUF's shapes)") from exc
+    _check_tokens(head_dir, tokens, config["vocab_size"])
+    return tokens
+
+
+def export_eagle3_gguf(head_dir: str | os.PathLike, target_gguf: str | os.PathLike, out_path: str | os.PathLike,
+                       *, dtype: str = "f16") -> GgufExport:
+    """Write `out_path` (atomically): the EAGLE-3 head in `head_dir` as llama.cpp's `eagle3` architecture,
+    paired with the target GGUF (its tokenizer and metadata)."""
+    import gguf
+
+    from specdistill.modeling.eagle3_io import is_eagle3_dir, read_config
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: expected one of {DTYPES}")
+    head_dir, out_path = Path(head_dir), Path(out_path)
+    if not is_eagle3_dir(head_dir):
+        raise GgufExportError(f"{head_dir}: not an EAGLE-3 head (config.json must name LlamaForCausalLMEagle3)")
+    config = read_config(head_dir)
+    reader = gguf.GGUFReader(str(target_gguf))
+    tokens = _check_eagle3(config, _target_llama(reader), head_dir)
+    tensors = _read_weights(head_dir)
+    d2t = tensors.pop("d2t", None)
+    tensors.pop("t2d", None)  # llama.cpp does not read it
+    if d2t is None:
+        raise GgufExportError(f"{head_dir}: no d2t tensor (the draft vocabulary's map to target ids)")
+    target_ids = d2t.astype(np.int64) + np.arange(d2t.size, dtype=np.int64)
+    if target_ids.min() < 0 or target_ids.max() >= len(tokens) or np.unique(target_ids).size != target_ids.size:
+        raise GgufExportError(f"{head_dir}: d2t maps the draft vocabulary outside the target's {len(tokens)} tokens or "
+                              "onto the same token twice")
+    n_head = config["num_attention_heads"]
+    out = _gguf_tensors(tensors, _EAGLE3_NAMES, n_head, config.get("num_key_value_heads", n_head), head_dir)
+    out["d2t"] = target_ids
+    if tensors:
+        raise GgufExportError(f"{head_dir}: tensors with no GGUF name: {sorted(tensors)[:5]}")
+    if "rope_freqs.weight" in {t.name for t in reader.tensors}:  # llama3-style rope: the head rotates as its target
+        out["rope_freqs.weight"] = np.array(next(t.data for t in reader.tensors if t.name == "rope_freqs.weight"))
+
+    layers = [int(i) for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_head
+    overrides = {
+        "general.name": f"specdistill EAGLE-3 head (target layers {layers})",
+        f"{EAGLE3_ARCH}.block_count": 1,
+        f"{EAGLE3_ARCH}.embedding_length": config["hidden_size"],
+        f"{EAGLE3_ARCH}.feed_forward_length": config["intermediate_size"],
+        f"{EAGLE3_ARCH}.attention.head_count": n_head,
+        f"{EAGLE3_ARCH}.attention.head_count_kv": config.get("num_key_value_heads", n_head),
+        f"{EAGLE3_ARCH}.attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
+        f"{EAGLE3_ARCH}.rope.dimension_count": head_dim,
+        f"{EAGLE3_ARCH}.target_layers": layers,
+        f"{EAGLE3_ARCH}.target_hidden_size": int(config["target_hidden_size"]),
+    }
+    if config.get("rope_theta") is not None:
+        overrides[f"{EAGLE3_ARCH}.rope.freq_base"] = float(config["rope_theta"])
+    size = _write_gguf(out_path, EAGLE3_ARCH, reader, overrides, out, dtype)
+    head = f"draft vocabulary of {d2t.size} tokens (d2t), of the target's {len(tokens)}"
+    return GgufExport(str(out_path), 1, dtype, len(tokens), head, size, spec_type="draft-eagle3")
+
+
+def export_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLike, out_path: str | os.PathLike,
+                *, dtype: str = "f16") -> GgufExport:
+    """Either kind of draft directory: an EAGLE-3 head (known by its config) or a layer-extracted draft."""
+    from specdistill.modeling.eagle3_io import is_eagle3_dir
+
+    export = export_eagle3_gguf if is_eagle3_dir(draft_dir) else export_draft_gguf
+    return export(draft_dir, target_gguf, out_path, dtype=dtype)
+
+
+def gguf_spec_type(path: str | os.PathLike) -> str:
+    """The llama-server --spec-type that loads a draft GGUF, from its architecture."""
+    import gguf
+
+    field = gguf.GGUFReader(str(path)).fields.get("general.architecture")
+    return "draft-eagle3" if field is not None and field.contents() == EAGLE3_ARCH else "draft-simple"

@@ -1,5 +1,6 @@
 """llama.cpp as the measuring engine: model references to GGUF files, one `llama-server` per mode
-(target-only, a draft, n-gram lookup), the engine bench over them, and the command line to serve a mode.
+(target-only, a draft, an EAGLE-3 head, n-gram lookup), the engine bench over them, and the command
+line to serve a mode.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 from specdistill import paths
 from specdistill.engines.bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
 from specdistill.engines.build import LlamaCpp, build_llama_server
-from specdistill.engines.gguf_export import export_draft_gguf
+from specdistill.engines.gguf_export import export_gguf, gguf_spec_type
 from specdistill.engines.server import LlamaServer, ServerConfig, ServerMode, server_args
 from specdistill.modeling.models import DEMO_REF, demo_gguf_path
 from specdistill.speculative.bench import BenchResult, Prompt
@@ -45,8 +46,8 @@ def gguf_dtype(path: str | os.PathLike) -> str:
 
 
 def draft_gguf(draft: str | os.PathLike, target: Path) -> Path:
-    """A draft as a GGUF: a .gguf as it is; an HF directory exported once (cached by the draft's
-    weights and the target's metadata) under the state directory."""
+    """A draft as a GGUF: a .gguf as it is; a directory (a layer-extracted draft or an EAGLE-3 head)
+    exported once (cached by the draft's weights and the target's metadata) under the state directory."""
     draft = Path(draft)
     if draft.suffix == ".gguf":
         if not draft.is_file():
@@ -61,16 +62,18 @@ def draft_gguf(draft: str | os.PathLike, target: Path) -> Path:
         key.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
     out = paths.home() / "engines" / "gguf" / f"{draft.name}-{key.hexdigest()[:16]}.gguf"
     if not out.is_file():
-        export_draft_gguf(draft, target, out)
+        export_gguf(draft, target, out)
     return out
 
 
 def mode_for_spec(spec: str, target: Path, k: int = 4) -> ServerMode:
-    """The llama-server mode of a drafter spec (`draft:DIR|GGUF` or `ngram`); self-speculation reaches
-    llama.cpp as its exported early-exit draft, i.e. as `draft:DIR`."""
+    """The llama-server mode of a drafter spec (`draft:DIR|GGUF` or `ngram`): `draft-eagle3` for an
+    EAGLE-3 head, `draft-simple` for any other draft; self-speculation reaches llama.cpp as its
+    exported early-exit draft, i.e. as `draft:DIR`."""
     kind, _, arg = spec.partition(":")
     if kind == "draft" and arg:
-        return ServerMode("draft-simple", draft_gguf(arg, target), k)
+        gguf = draft_gguf(arg, target)
+        return ServerMode(gguf_spec_type(gguf), gguf, k)
     if kind == "ngram":  # the harness's prompt lookup matches 1..3-grams (`ngram:MIN,MAX`): look up the longest
         return ServerMode("ngram-simple", None, k, ngram_n=int(arg.split(",")[-1]) if arg else NGRAM_N)
     raise ValueError(f"drafter {spec!r} has no llama.cpp mode (draft:DIR or ngram)")

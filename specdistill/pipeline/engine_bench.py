@@ -5,30 +5,16 @@ The harness benchmark stays the judge of a draft's quality (α, τ, losslessness
 draft, measured exactly); speed is a property of the engine that serves, so the gate's speed bar and
 the serving choice read these numbers when an engine is configured. llama.cpp gets each mode as
 llama-server does it: a draft (or self-speculation's early-exit draft) exported to GGUF with
-`draft-simple`, n-gram lookup as `ngram-simple`; the off-the-shelf baseline is never served, so not
-measured.
+`draft-simple`, an EAGLE-3 head exported to GGUF with `draft-eagle3`, n-gram lookup as `ngram-simple`;
+the off-the-shelf baseline is never served, so not measured.
 """
 
 from __future__ import annotations
 
-import logging
-
 from specdistill.pipeline.config import NightlyConfig
 from specdistill.pipeline.outputs import BenchEntry, WindowDict
 
-log = logging.getLogger(__name__)
 NEVER_SERVED = ("generic",)
-# An EAGLE-3 head reaches llama.cpp only as a `draft-eagle3` GGUF, an export not built yet: such a
-# head is left out of the engine benchmark (and so out of the serving choice in that engine).
-NO_LLAMACPP_EXPORT = "EAGLE-3 head (no draft-eagle3 GGUF export yet)"
-
-
-def llamacpp_unservable(spec: str) -> str:
-    """Why llama.cpp cannot run this drafter spec, or "" when it can."""
-    from specdistill.modeling.eagle3_io import is_eagle3_dir
-
-    kind, _, arg = spec.partition(":")
-    return NO_LLAMACPP_EXPORT if kind == "draft" and arg and is_eagle3_dir(arg) else ""
 
 
 def engine_prompts(window: WindowDict):
@@ -63,10 +49,6 @@ def engine_benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[s
     if s.engine == "llamacpp":
         from specdistill.engines.llamacpp import bench_llamacpp, mode_for_spec, target_gguf
 
-        skipped = {name: why for name, spec in servable.items() if (why := llamacpp_unservable(spec))}
-        for name, why in skipped.items():
-            log.warning("not measured in llama.cpp: %s, an %s", name, why)
-            servable.pop(name)
         gguf = target_gguf(config.target)
         modes = {name: mode_for_spec(llamacpp_spec(config, name, spec), gguf, b.gamma) for name, spec in servable.items()}
         results = bench_llamacpp(config.target, modes, prompts, bcfg, threads=s.threads)
