@@ -48,6 +48,19 @@ average 7.4 -> 9.1 (10-15 between), four other engineers' CPU-bound jobs running
 
 α is the harness's α exactly: the head drafts the same in llama.cpp. At α 0.12 it is a slowdown there,
 as the layer draft is; n-gram is at parity under this load.
+
+The quiet run (nothing else running, load average 1.5-2.0, 13:18-13:20 UTC 2026-11-30): the EAGLE-3 head of
+a fresh `make demo` (3 minutes of training on 384 target answers; α 0.374 at γ=1, 1.21x in that demo's bench),
+the demo's 10 held-out prompts, 40 new tokens, γ/K=2, 2 threads:
+
+  engine             target-only tok/s draft speedup (per-prompt median)  draft α draft τ ngram speedup (per-prompt median)  ngram α ngram τ
+  harness fp32                    16.4         0.69x               0.69x    0.219    1.43         0.96x               0.93x    0.449    1.89
+  harness bf16                    24.1         1.21x               1.22x    0.256    1.51         1.19x               1.10x    0.277    1.55
+  llama.cpp Q4_1                  67.7         0.62x               0.63x    0.250    1.49         1.00x               1.00x    0.000    1.00
+
+llama.cpp decodes the target 2.8x faster than the bf16 harness; the head drafts the same there (α 0.250 vs
+0.256) but its step is not cheap next to a Q4_1 target step, so it slows llama.cpp down. With K=2,
+llama.cpp's ngram-simple drafted nothing on these prompts (α 0, τ 1.00): its draft length is its m-gram.
 """
 
 from __future__ import annotations
