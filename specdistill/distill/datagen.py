@@ -109,7 +109,7 @@ def read_done(path: Path) -> dict[str, dict]:
     return done
 
 
-def _repair_tail(path: Path) -> None:
+def repair_tail(path: Path) -> None:
     """Cut a partial last line so appends start on a fresh line."""
     if not path.exists() or path.stat().st_size == 0:
         return
@@ -149,7 +149,7 @@ def generate_answers(
         raise ValueError("record the teacher during greedy generation only; for sampled answers use teacher.build_cache")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    _repair_tail(out_path)
+    repair_tail(out_path)
     done = read_done(out_path)
     todo = [p for p in prompts if str(p.id) not in done]
     seen: set[str] = set()
