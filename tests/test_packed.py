@@ -1,0 +1,74 @@
+import copy
+
+import pytest
+import torch
+
+from specdistill.modeling import models
+from specdistill.modeling.models import load_model
+from specdistill.modeling.packed import PackedLinear, pack_linears, packing_available
+from tests.conftest import make_tiny_llama, save_tiny_target
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
+
+
+def _pair(in_features=48, out_features=80, bias=True, seed=0):
+    torch.manual_seed(seed)
+    plain = torch.nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
+    packed = copy.deepcopy(plain)
+    assert pack_linears(packed) == 1
+    return plain, packed
+
+
+@pytest.mark.parametrize("shape", [(1, 48), (5, 48), (2, 3, 48)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_matches_linear(shape, bias):
+    plain, packed = _pair(bias=bias)
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want, got = plain(x), packed(x)
+        # as `logits_to_keep` slices hidden states (F.linear itself rounds a strided input differently)
+        strided = torch.randn(2, 7, 48, dtype=torch.bfloat16)[:, -1:]
+        torch.testing.assert_close(packed(strided), plain(strided.contiguous()))
+    assert isinstance(packed, PackedLinear) and isinstance(packed, torch.nn.Linear)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want)
+    assert packed.state_dict().keys() == plain.state_dict().keys()
+
+
+def test_packed_follows_weight_changes_and_trains():
+    plain, packed = _pair()
+    x = torch.randn(4, 48, dtype=torch.bfloat16)
+    with torch.no_grad():
+        packed(x)  # packs
+        packed.weight.mul_(-2.0)  # an in-place update (an optimizer step) repacks
+        plain.weight.mul_(-2.0)
+        torch.testing.assert_close(packed(x), plain(x))
+        packed.load_state_dict({"weight": torch.zeros_like(packed.weight), "bias": packed.bias})
+        assert packed(x).sub(packed.bias).abs().max() == 0
+    # with autograd on, the packed path steps aside and gradients flow to the weight
+    packed.weight.grad = None
+    packed(x).sum().backward()
+    assert packed.weight.grad is not None and packed.weight.grad.abs().sum() > 0
+
+
+def test_packed_falls_back_outside_bf16():
+    plain, packed = _pair()
+    packed.float(), plain.float()
+    x = torch.randn(3, 48)
+    with torch.inference_mode():
+        assert torch.equal(packed(x), plain(x))  # fp32 keeps MKL's exact numbers
+    assert pack_linears(torch.nn.Linear(4, 4)) == 0  # fp32 layers are never packed
+
+
+def test_bf16_load_packs_and_keeps_greedy_logits(tmp_path, monkeypatch):
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: True)
+    path = save_tiny_target(tmp_path / "tiny")
+    packed = load_model(path, dtype="bfloat16").model
+    kinds = {type(m).__name__ for m in packed.modules() if isinstance(m, torch.nn.Linear)}
+    assert kinds == {"PackedLinear"}
+    assert not any(isinstance(m, PackedLinear) for m in load_model(path, dtype="float32").model.modules())
+    plain = make_tiny_llama(vocab_size=packed.config.vocab_size).to(torch.bfloat16)
+    plain.load_state_dict(packed.state_dict())
+    ids = torch.randint(0, packed.config.vocab_size, (2, 9))
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(ids).logits, plain(ids).logits)
