@@ -284,6 +284,16 @@ def test_train_kind_eagle3_trains_a_head_from_features_beside_the_teacher_cache(
     assert load_nightly_config().train.kind == "eagle3"  # the demo trains the better kind per CPU-minute
 
 
+def test_training_autocasts_to_bf16_exactly_when_the_run_is_bf16(monkeypatch):
+    calls = []
+    monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg: calls.append(dcfg) or {})
+    train, heldout = {"path": "/data/a/train.jsonl", "teacher_cache": "/data/a/tc"}, {"path": "/data/a/eval.jsonl"}
+    for overrides, want in ((["dtype=bfloat16"], True), (["dtype=float32"], False),
+                            (["dtype=bfloat16", "train.bf16=false"], False), (["dtype=float32", "train.bf16=true"], True)):
+        pipeline.distill_draft(load_nightly_config(None, overrides), train, heldout)
+        assert calls[-1].optim.bf16 is want, overrides
+
+
 def test_generic_baseline_dir_depends_on_the_window_and_the_train_config(monkeypatch):
     calls = []
     monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg: calls.append(dcfg) or {})

@@ -199,6 +199,17 @@ def _write_conversations(config: NightlyConfig, window: WindowDict, path: Path) 
     return path
 
 
+def train_autocast(config: NightlyConfig) -> bool:
+    """`train.bf16`, or (null) bf16 autocast exactly when the run's models run in bf16."""
+    if config.train.bf16 is not None:
+        return config.train.bf16
+    import torch
+
+    from specdistill.modeling.models import resolve_dtype
+
+    return resolve_dtype(config.dtype) == torch.bfloat16
+
+
 def distill_draft(config: NightlyConfig, train_data: GeneratedData | dict, heldout_data: GeneratedData,
                   warm_start: str | None = None, *, generic: bool = False, window: WindowDict | None = None) -> Trained:
     """Distill a draft on the target's own answers (KL on the cached teacher), fresh or warm-started
@@ -239,7 +250,7 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | dict, heldo
         target=config.target, kind=kind, eagle3=eagle3, draft=warm_start, layers=tc.layers,
         draft_vocab=None if warm_start else tc.draft_vocab, data=data, loss=loss, teacher=teacher,
         optim=OptimConfig(lr=lr, batch_size=tc.batch_size, max_steps=tc.max_steps, max_minutes=tc.max_minutes,
-                          warmup_steps=min(20, tc.max_steps // 10)),
+                          warmup_steps=min(20, tc.max_steps // 10), bf16=train_autocast(config)),
         out_dir=str(out_dir), checkpoint_every=max(10, tc.max_steps // 4), eval_every=max(10, tc.max_steps // 4),
         threads=config.bench.threads,
     )
