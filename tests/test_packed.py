@@ -51,6 +51,18 @@ def test_packed_follows_weight_changes_and_trains():
     assert packed.weight.grad is not None and packed.weight.grad.abs().sum() > 0
 
 
+def test_packed_model_copies_and_pickles_after_use(tmp_path):
+    plain, packed = _pair()
+    x = torch.randn(3, 48, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        packed(x)
+    twin = copy.deepcopy(packed)
+    torch.save(packed, tmp_path / "packed.pt")
+    with torch.inference_mode():
+        torch.testing.assert_close(twin(x), plain(x))
+        assert torch.equal(twin.float()(x.float()), plain.float()(x.float()))
+
+
 def test_packed_falls_back_outside_bf16():
     plain, packed = _pair()
     packed.float(), plain.float()

@@ -40,6 +40,14 @@ class PackedLinear(torch.nn.Linear):
             self._packed_key = key
         return self._packed
 
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave the packed weight behind (oneDNN's opaque tensor has no storage to
+        copy); the copy packs its own on first use."""
+        state = self.__dict__.copy()
+        state.pop("_packed", None)
+        state.pop("_packed_key", None)
+        return state
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if (w.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or w.device.type != "cpu"
