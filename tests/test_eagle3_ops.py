@@ -73,8 +73,17 @@ def test_serving_config_for_an_eagle3_head(tmp_path, capsys):
     assert main(["serving", "show", "--path", str(path)]) == 0
     shown = capsys.readouterr().out
     assert "EAGLE-3 head, version 3" in shown and '"method": "eagle3"' in shown and "EAGLE3" in shown
+    # measured as a tree of 4 first-position candidates: SGLang gets the same tree, vLLM the chain
+    tree = ServingConfig(mode="draft", draft_dir="/models/eagle-v3", draft_kind="eagle3", num_speculative_tokens=2,
+                         tree_width=4)
+    flags = tree.sglang()
+    assert [flags[flags.index(f) + 1] for f in ("--speculative-num-steps", "--speculative-eagle-topk",
+                                                "--speculative-num-draft-tokens")] == ["2", "4", "6"]
+    assert tree.vllm() == {"method": "eagle3", "model": "/models/eagle-v3", "num_speculative_tokens": 2}
+    assert read_serving_config(write_serving_config(tree, tmp_path / "tree.json")).tree_width == 4
     for bad, match in (({"mode": "ngram", "draft_kind": "eagle3"}, "served in draft mode"),
-                       ({"mode": "draft", "draft_dir": "/d", "draft_kind": "medusa"}, "not one of")):
+                       ({"mode": "draft", "draft_dir": "/d", "draft_kind": "medusa"}, "not one of"),
+                       ({"mode": "draft", "draft_dir": "/d", "tree_width": 3}, "needs an EAGLE-3 head")):
         with pytest.raises(ValueError, match=match):
             ServingConfig(**bad)
 

@@ -44,10 +44,11 @@ def random_head(target, seed: int, keep: list[int] | None = None, layers: list[i
     gamma=st.integers(1, 6),
     max_new=st.integers(1, 16),
     stop=st.sampled_from([None, [], [2], [2, 5]]),
+    width=st.integers(1, 4),
 )
-def test_greedy_eagle_equals_target_only(seed, reduced, prompt, gamma, max_new, stop):
+def test_greedy_eagle_equals_target_only(seed, reduced, prompt, gamma, max_new, stop, width):
     target = tiny_target(seed)
-    drafter = EagleDrafter(random_head(target, seed, [0, 2, 3, 5, 6] if reduced else None), target)
+    drafter = EagleDrafter(random_head(target, seed, [0, 2, 3, 5, 6] if reduced else None), target, tree_width=width)
     base = generate(target, prompt, max_new_tokens=max_new, stop_token_ids=stop)
     spec = generate(target, prompt, max_new_tokens=max_new, drafter=drafter, gamma=gamma, stop_token_ids=stop)
     assert spec.output_ids == base.output_ids
@@ -162,3 +163,51 @@ def test_eagle_sampling_matches_target_distribution():
     expected = exact_two_token_distribution(target, prompt, config)
     counts = sampled_two_token_counts(target, drafter, prompt, config, 500)
     assert chi_square_pvalue(counts, expected) > 1e-3
+
+
+def test_tree_accepts_runner_up_candidates_and_never_fewer_tokens_per_round():
+    """Width 4 verifies the head's top 4 first-position candidates: rounds where a runner-up is the
+    target's choice accept a token that the chain (width 1) rejects, for the same rounds."""
+    chain_tau, tree_tau, runner_ups = [], [], 0
+    for seed in range(4):
+        target = tiny_target(seed)
+        head = random_head(target, seed)
+        chain = generate(target, [1, 4, 3], max_new_tokens=24, drafter=EagleDrafter(head, target), gamma=2, stop_token_ids=[])
+        tree = generate(target, [1, 4, 3], max_new_tokens=24, drafter=EagleDrafter(head, target, tree_width=4), gamma=2,
+                        stop_token_ids=[])
+        assert tree.output_ids == chain.output_ids
+        chain_tau.append(chain.stats.accepted_length)
+        tree_tau.append(tree.stats.accepted_length)
+        runner_ups += tree.stats.accepted_per_position[0] - chain.stats.accepted_per_position[0]
+    assert runner_ups > 3
+    assert sum(tree_tau) > sum(chain_tau)
+
+
+def test_tree_verification_gives_each_node_its_own_branch_logits():
+    """One tree forward equals separate chain forwards of each branch (fp32, exact argmax)."""
+    from transformers import DynamicCache
+
+    from specdistill.speculative.engine import greedy_path, keep_cache_rows, verify_tree
+
+    target = tiny_target(3)
+    prefix = torch.tensor([1, 4, 3, 6, 2])
+    ids, parents = torch.tensor([5, 7, 0, 2, 1]), [-1, 0, 1, -1, 3]  # branches: 5-7-0 and 2-1
+    with torch.inference_mode():
+        cache = DynamicCache(config=target.config)
+        target(input_ids=prefix[:-1].unsqueeze(0), cache=cache, use_cache=True)
+        choice = verify_tree(target, cache, prefix[-1], ids, parents, prefix.numel() - 1)
+        for branch in ([0, 1, 2], [3, 4]):
+            seq = torch.cat([prefix, ids[branch]])
+            want = target(input_ids=seq.unsqueeze(0)).logits[0, prefix.numel() - 1 :].argmax(-1)
+            assert choice[[0, *(1 + i for i in branch)]].tolist() == want.tolist()
+        # the walk follows the target's choices; the cache keeps the pending token and the path only
+        fake = torch.tensor([2, 9, 9, 9, 1, 8])  # after pending: 2 (node 3), after node 3: 1 (node 4), then 8
+        path, following = greedy_path(fake, ids, parents)
+        assert path == [3, 4] and int(following) == 8
+        keep_cache_rows(cache, prefix.numel() - 1, [0, 4, 5])
+        assert cache.get_seq_length() == prefix.numel() + 2
+        seq = torch.cat([prefix, ids[[3, 4]]])
+        fresh = DynamicCache(config=target.config)
+        target(input_ids=seq.unsqueeze(0), cache=fresh, use_cache=True)
+        torch.testing.assert_close(cache.layers[0].keys, fresh.layers[0].keys)
+        torch.testing.assert_close(cache.layers[-1].values, fresh.layers[-1].values)

@@ -37,6 +37,9 @@ class ServingConfig:
     measured_on: str = ""  # engine and dtype the speedups were measured with, e.g. "harness bf16"
     engine: str = "harness"  # harness | llamacpp | openai: where `measured` comes from
     llamacpp_args: list[str] = field(default_factory=list)  # llama-server flags of this mode, as measured
+    # an EAGLE-3 head's first-position candidates, verified as a tree (SGLang's --speculative-eagle-topk);
+    # vLLM's eagle3 method and llama.cpp verify a chain (width 1)
+    tree_width: int = 1
     updated_at: float = field(default_factory=time.time)
 
     def __post_init__(self):
@@ -50,6 +53,8 @@ class ServingConfig:
             raise ValueError(f"an EAGLE-3 head is served in draft mode, not {self.mode!r}")
         if self.mode != "off" and self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
+        if self.tree_width < 1 or (self.tree_width > 1 and self.draft_kind != "eagle3"):
+            raise ValueError(f"tree_width {self.tree_width}: a tree of first-position candidates needs an EAGLE-3 head")
 
     def vllm(self) -> dict | None:
         """vLLM's `--speculative-config` (None: serve without speculation)."""
@@ -71,12 +76,15 @@ class ServingConfig:
         """SGLang `launch_server` flags (empty: serve without speculation)."""
         k = self.num_speculative_tokens
         if self.mode in ("draft", "self_speculation"):
-            return [  # a chain of k drafts (top-1 per step), verified as k + 1 tokens, as our engine drafts
+            # k draft steps; with a tree the head's top `tree_width` per step, of which the best
+            # k + tree_width - 1 nodes (our engine's tree size) are verified with the pending token
+            w = self.tree_width
+            return [
                 "--speculative-algorithm", "EAGLE3" if self.draft_kind == "eagle3" else "STANDALONE",
                 "--speculative-draft-model-path", str(self.draft_dir),
                 "--speculative-num-steps", str(k),
-                "--speculative-eagle-topk", "1",
-                "--speculative-num-draft-tokens", str(k + 1),
+                "--speculative-eagle-topk", str(w),
+                "--speculative-num-draft-tokens", str(k + w),
             ]
         if self.mode == "ngram":
             return [

@@ -81,6 +81,9 @@ class TrainConfig(Strict):
 
 class BenchSettings(Strict):
     gamma: int = Field(4, ge=1)
+    # EAGLE-3 heads, greedy: first-position candidates verified as a tree (1: a chain). Serving: SGLang's
+    # --speculative-eagle-topk; vLLM and llama.cpp verify a chain
+    tree_width: int = Field(4, ge=1)
     max_new_tokens: int = Field(40, ge=1)
     repeats: int = Field(1, ge=1)
     self_spec_layers: list[int] = [8]

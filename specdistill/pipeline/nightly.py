@@ -290,7 +290,7 @@ def benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str
     prompts = bench_prompts(config, window)
     b, s = config.bench, config.serving
     bcfg = BenchConfig(gamma=b.gamma, max_new_tokens=b.max_new_tokens, repeats=b.repeats)
-    made = {name: drafter_from_spec(target.model, spec) for name, spec in drafters.items()}
+    made = {name: drafter_from_spec(target.model, spec, tree_width=b.tree_width) for name, spec in drafters.items()}
     results = run_bench_many(target.model, target.tokenizer, made, prompts, bcfg)
     if s.choose_gamma:
         results = bench_at_best_gamma(target.model, target.tokenizer, made, prompts, bcfg, results, range(1, s.max_gamma + 1))

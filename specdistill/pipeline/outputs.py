@@ -144,6 +144,7 @@ class ServingDecision(TypedDict):
     gamma_note: str
     engine: str  # harness | llamacpp | openai: where the speeds were measured
     llamacpp_args: list[str]  # llama-server flags of the chosen mode, as measured (engine llamacpp)
+    tree_width: int  # first-position candidates the chosen head was measured with (1: a chain)
 
 
 class Promoted(TypedDict):

@@ -55,9 +55,14 @@ def report_table(results: dict[str, BenchEntry], verdict: VerdictDict | None = N
         c = "" if r.get("cost_ratio") is None else f"{r['cost_ratio']:.3f}"
         spec = r.get("spec", "")
         label = name if spec.startswith("draft:") or not spec else f"{name} ({spec})"
-        lines.append(f"| {label} | {r['acceptance_rate']:.3f} | {r['accepted_length']:.2f} | {r['gamma']} | "
+        gamma = f"{r['gamma']} (tree {r['tree_width']})" if r.get("tree_width", 1) > 1 else f"{r['gamma']}"
+        lines.append(f"| {label} | {r['acceptance_rate']:.3f} | {r['accepted_length']:.2f} | {gamma} | "
                      f"{r['speedup']:.2f}x | {c} | {lossless_cell(r)} |")
     lines.append("| no speculation | – | 1.00 | – | 1.00x | – | yes |")
+    if any(r.get("tree_width", 1) > 1 for r in results.values()):
+        lines += ["", "γ (tree W): a chain of γ drafts after the head's top candidate plus its next W-1 candidates for "
+                      "the first position, verified in one target forward (greedy); α counts accepted tokens per chain "
+                      "position"]
     any_r = next(iter(results.values()), None)
     if any_r is not None:
         dtype = any_r.get("dtype") or (target or {}).get("dtype", "")
@@ -114,7 +119,8 @@ def engine_table(speeds: dict[str, BenchEntry]) -> list[str]:
 def _serving_line(serving: ServingDecision) -> str:
     if serving["mode"] == "off":
         return f"**serving: no speculation** (measured: {serving['measured_on']}): {serving['reason']}"
-    head = (f"**serving: {serving['mode']} ({serving['name']}), γ={serving['gamma']}, {serving['speedup']:.2f}x measured "
+    tree = f" (tree {serving['tree_width']})" if serving.get("tree_width", 1) > 1 else ""
+    head = (f"**serving: {serving['mode']} ({serving['name']}), γ={serving['gamma']}{tree}, {serving['speedup']:.2f}x measured "
             f"({serving['measured_on']})**")
     curve = serving.get("predicted_speedups") or {}
     out = f"{head}: {serving['reason']}"

@@ -54,7 +54,7 @@ def choose_engine_serving(config: NightlyConfig, speeds: dict[str, BenchEntry], 
     decision = ServingDecision(mode=choice.mode, name=None, spec=None, gamma=b.gamma, speedup=1.0, reason=choice.reason,
                                measured={name: r["speedup"] for name, r in speeds.items()}, measured_on=measured_on,
                                predicted_speedups={}, verify_costs={}, gamma_note=f"γ=K={b.gamma} as measured in {s.engine}",
-                               engine=s.engine, llamacpp_args=[])
+                               engine=s.engine, llamacpp_args=[], tree_width=1)
     if some is not None and s.engine == "llamacpp":  # target-only: the measured command without the mode's flags
         decision["llamacpp_args"] = list(some["stats"]["llamacpp_args"][:4])
     if choice.candidate is not None:
@@ -84,13 +84,13 @@ def choose_serving(config: NightlyConfig, window: WindowDict, results: dict[str,
     decision = ServingDecision(mode=choice.mode, name=None, spec=None, gamma=config.bench.gamma, speedup=1.0,
                                reason=choice.reason, measured=measured,
                                measured_on=f"PyTorch harness, {some['dtype'] if some else '?'}", predicted_speedups={},
-                               verify_costs={}, gamma_note="", engine="harness", llamacpp_args=[])
+                               verify_costs={}, gamma_note="", engine="harness", llamacpp_args=[], tree_width=1)
     if choice.candidate is None:
         return decision
     name = choice.candidate.name
     r = candidates[name]
     search = r.get("gamma_search") or {}
-    decision.update(name=name, spec=r["spec"], speedup=r["speedup"], gamma=r["gamma"],
+    decision.update(name=name, spec=r["spec"], speedup=r["speedup"], gamma=r["gamma"], tree_width=r.get("tree_width", 1),
                     predicted_speedups=search.get("predicted_speedups", {}), verify_costs=search.get("verify_costs", {}),
                     gamma_note=gamma_note(r))
     return decision
@@ -115,9 +115,12 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
 
         local = spec.partition(":")[2]
         kind = "eagle3" if is_eagle3_dir(local) else "layers"  # vLLM method eagle3 / SGLang EAGLE3 for a head
+        tree = decision.get("tree_width", 1) if kind == "eagle3" else 1
         if decision["name"] == "challenger":  # served from its registered copy once it is registered
-            return ServingConfig(draft_dir=registered_dir or local, draft_version=registered_version, draft_kind=kind, **common)
-        return ServingConfig(draft_dir=local, draft_version=champion["version"] if champion else None, draft_kind=kind, **common)
+            return ServingConfig(draft_dir=registered_dir or local, draft_version=registered_version, draft_kind=kind,
+                                 tree_width=tree, **common)
+        return ServingConfig(draft_dir=local, draft_version=champion["version"] if champion else None, draft_kind=kind,
+                             tree_width=tree, **common)
     if mode == "self_speculation":
         k = int(spec.partition(":")[2])
         out = export_early_exit_draft(target["path"], k, fallback_dir(target["fingerprint"], k))

@@ -177,6 +177,7 @@ class BenchResult:
     engine: str = "harness"  # what measured the speeds: harness (this PyTorch engine), llamacpp, openai
     # `speculative.gamma.bench_at_best_gamma`: the predicted curve and the speedup measured at each γ run
     gamma_search: dict = field(default_factory=dict)
+    tree_width: int = 1  # first-position candidates verified as a tree (EAGLE-3 heads, greedy); 1: a chain
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -193,6 +194,7 @@ class BenchResult:
         ideal = "n/a" if self.ideal_speedup is None else f"{self.ideal_speedup:.2f}x"
         lines = [
             f"drafter {self.drafter}   engine {self.engine}   dtype {self.dtype}   gamma {self.gamma}   "
+            + (f"tree width {self.tree_width}   " if self.tree_width > 1 else "") +
             f"max_new_tokens {self.max_new_tokens}   "
             f"repeats {self.repeats}   threads {self.threads}",
             f"lossless                          {self.render_lossless()}",
@@ -391,4 +393,5 @@ def _summarize(target, drafter: Drafter, prompts: list[Prompt], config: BenchCon
         lossless_near_ties=report.near_ties if report is not None else 0,
         lossless_max_margin=report.max_near_tie_margin if report is not None else 0.0,
         lossless_tolerance=report.tolerance if report is not None else 0.0,
+        tree_width=getattr(drafter, "tree_width", 1) if sampling.greedy else 1,
     )

@@ -187,11 +187,13 @@ def make_drafter(
     ngram: bool = False,
     ngram_min: int = 1,
     ngram_max: int = 3,
+    tree_width: int = 1,
 ) -> Drafter | None:
     """The drafter a command line asks for: at most one of a draft model reference, an early-exit
     layer, or n-gram lookup; None means target-only decoding. A draft directory's
     draft_vocab.safetensors, when present, switches on the reduced draft vocabulary; a directory
-    holding an EAGLE-3 head (by its config's architecture) gives the EAGLE drafter."""
+    holding an EAGLE-3 head (by its config's architecture) gives the EAGLE drafter, which verifies its
+    `tree_width` best first-position candidates as a tree when decoding greedily."""
     chosen = [name for name, on in (("draft", draft), ("self_spec", self_spec is not None), ("ngram", ngram)) if on]
     if len(chosen) > 1:
         raise ValueError(f"choose one drafting method, got {' and '.join(chosen)}")
@@ -207,7 +209,7 @@ def make_drafter(
         if is_eagle3_dir(path):  # an EAGLE-3 head, in the target's dtype with the target's embeddings
             from specdistill.speculative.eagle import EagleDrafter
 
-            return EagleDrafter(load_eagle3(path, target).head, target, name=f"draft:{path.name}")
+            return EagleDrafter(load_eagle3(path, target).head, target, name=f"draft:{path.name}", tree_width=tree_width)
         loaded = load_model(path, dtype=next(target.parameters()).dtype)  # the draft runs in the target's dtype
         return ModelDrafter(
             loaded.model, target.config.vocab_size, DraftVocab.load(loaded.path), name=f"draft:{loaded.path.name}"
@@ -218,14 +220,14 @@ def make_drafter(
 DRAFTER_SPECS = "draft:DIR, self_spec:K, ngram or ngram:MIN,MAX"
 
 
-def drafter_from_spec(target: PreTrainedModel, spec: str) -> Drafter:
+def drafter_from_spec(target: PreTrainedModel, spec: str, tree_width: int = 1) -> Drafter:
     """A drafter from its spec string, as the nightly benchmark and the monitor's fallback name them:
     `draft:DIR` (a draft checkpoint), `self_spec:K` (the target's exit after layer K), `ngram`
-    (prompt lookup over 1..3-grams) or `ngram:MIN,MAX`."""
+    (prompt lookup over 1..3-grams) or `ngram:MIN,MAX`. `tree_width` applies to EAGLE-3 heads."""
     kind, sep, arg = spec.partition(":")
     sizes = [s.strip() for s in arg.split(",")]
     if kind == "draft" and arg:
-        return make_drafter(target, draft=arg)
+        return make_drafter(target, draft=arg, tree_width=tree_width)
     if kind == "self_spec" and arg.isdigit():
         return make_drafter(target, self_spec=int(arg))
     if kind == "ngram" and not sep:

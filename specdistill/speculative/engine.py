@@ -181,9 +181,13 @@ def generate(
         stats.target_forwards += 1
         return target(input_ids=input_ids.unsqueeze(0), cache=cache, use_cache=True, logits_to_keep=keep).logits[0]
 
-    def pass_features(kept: int) -> None:
+    def pass_features(kept: int | torch.Tensor) -> None:
         if hooks is not None:
-            drafter.add_features(hooks.take()[0, :kept])
+            features = hooks.take()[0]
+            drafter.add_features(features[:kept] if isinstance(kept, int) else features[kept])
+
+    # greedy decoding with a drafter that proposes several candidates for the first position verifies them as a tree
+    tree = sampling.greedy and getattr(drafter, "tree_width", 1) > 1
 
     try:
         new = next_token(forward(prompt, 1)[-1], sampling, generator).view(1)
@@ -201,8 +205,20 @@ def generate(
 
             k = min(gamma, budget - generated - 1)
             draft_ids, draft_probs = (
-                drafter.propose(tokens[:length], k, sampling, generator) if drafter is not None and k > 0 else (tokens[:0], None)
+                drafter.propose(tokens[:length], k, sampling, generator)
+                if drafter is not None and k > 0 and not tree else (tokens[:0], None)
             )
+            if tree and k > 0:
+                ids, parents = drafter.propose_tree(tokens[:length], k)
+                stats.target_forwards += 1
+                choice = verify_tree(target, cache, tokens[length - 1], ids, parents, length - 1)
+                path, following = greedy_path(choice, ids, parents)
+                keep_cache_rows(cache, length - 1, [0] + [1 + i for i in path])
+                drafter.rollback(length + len(path))
+                pass_features(torch.tensor([0] + [1 + i for i in path]))
+                stats.record_round(k, len(path))
+                new = torch.cat([ids[path], following.view(1)])
+                continue
             k = draft_ids.numel()
             if k == 0:
                 new = next_token(forward(tokens[length - 1 : length], 1)[-1], sampling, generator).view(1)
@@ -225,3 +241,69 @@ def generate(
     stats.generated_tokens = length - prompt.numel()
     stats.seconds = time.perf_counter() - start
     return GenerationResult(tokens[prompt.numel() : length].tolist(), stats)
+
+
+# --------------------------------------------------------------------------------------------
+# Tree verification (greedy): several candidates for the first draft position in one target forward
+
+
+def tree_depths(parents: Sequence[int]) -> list[int]:
+    """Depth of every node (1 for a child of the pending token); a parent always comes before its children."""
+    depths: list[int] = []
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise ValueError(f"draft tree node {i} has parent {p}: parents must be -1 or an earlier node")
+        depths.append(1 if p < 0 else depths[p] + 1)
+    return depths
+
+
+def verify_tree(target: PreTrainedModel, cache, pending: torch.Tensor, ids: torch.Tensor, parents: Sequence[int],
+                past: int) -> torch.Tensor:
+    """The target's greedy choice after the pending token and after every node, `[1 + n]`, in one forward.
+
+    Node i sits at position `past + depth(i)` and attends to the cached `past` tokens, the pending
+    token and its own ancestors only, so each row's logits are those of the node's own branch.
+    """
+    n = ids.numel()
+    depths = tree_depths(parents)
+    visible = torch.zeros((n + 1, n + 1), dtype=torch.bool)
+    visible[:, 0] = True
+    for i, p in enumerate(parents):
+        if p >= 0:
+            visible[i + 1] = visible[p + 1]
+        visible[i + 1, i + 1] = True
+    visible[0, 0] = True
+    mask = torch.cat([torch.ones((n + 1, past), dtype=torch.bool), visible], dim=1)[None, None]
+    positions = torch.tensor([[past, *(past + d for d in depths)]])
+    logits = target(input_ids=torch.cat([pending.view(1), ids]).unsqueeze(0), attention_mask=mask, position_ids=positions,
+                    cache=cache, use_cache=True).logits[0]
+    return logits.argmax(-1)
+
+
+def greedy_path(choice: torch.Tensor, ids: torch.Tensor, parents: Sequence[int]) -> tuple[list[int], torch.Tensor]:
+    """The accepted nodes (root to leaf) and the target's next token after them: from the pending
+    token, follow the child whose id is the target's choice until none is."""
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        children.setdefault(p, []).append(i)
+    path: list[int] = []
+    node = -1
+    while True:
+        want = choice[node + 1]
+        step = next((c for c in children.get(node, []) if ids[c] == want), None)
+        if step is None:
+            return path, want
+        path.append(step)
+        node = step
+
+
+def keep_cache_rows(cache, start: int, rows: Sequence[int]) -> None:
+    """Keep only the forward's rows `rows` (increasing, relative to `start`) of every layer's KV cache."""
+    if list(rows) != list(range(len(rows))):
+        index = torch.tensor(rows) + start
+        for layer in cache.layers:
+            layer.keys[:, :, start : start + len(rows)] = layer.keys[:, :, index]
+            layer.values[:, :, start : start + len(rows)] = layer.values[:, :, index]
+    extra = cache.get_seq_length() - start - len(rows)
+    if extra > 0:
+        cache.crop(-extra)
