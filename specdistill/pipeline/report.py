@@ -61,8 +61,8 @@ def report_table(results: dict[str, BenchEntry], verdict: VerdictDict | None = N
     lines.append("| no speculation | – | 1.00 | – | 1.00x | – | yes |")
     if any(r.get("tree_width", 1) > 1 for r in results.values()):
         lines += ["", "γ (tree W): a chain of γ drafts after the head's top candidate plus its next W-1 candidates for "
-                      "the first position, verified in one target forward (greedy); α counts accepted tokens per chain "
-                      "position"]
+                      "the first position, verified in one target forward (greedy); α is the chain's acceptance, τ "
+                      "counts the runner-ups accepted too"]
     any_r = next(iter(results.values()), None)
     if any_r is not None:
         dtype = any_r.get("dtype") or (target or {}).get("dtype", "")

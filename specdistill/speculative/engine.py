@@ -38,6 +38,9 @@ class SpecStats:
     seconds: float = 0.0
     accepted_per_position: list[int] = field(default_factory=list)
     proposed_per_position: list[int] = field(default_factory=list)
+    # tree rounds (an EAGLE-3 head, greedy): first-position runner-ups accepted where the chain's top
+    # candidate was not; in τ, not in α (α stays the chain's acceptance, what a chain-verifying server sees)
+    runner_ups_accepted: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -46,8 +49,8 @@ class SpecStats:
 
     @property
     def accepted_length(self) -> float:
-        """τ = 1 + accepted / drafting rounds: tokens per verifying target forward, bonus included."""
-        return 1.0 + self.accepted / self.rounds if self.rounds else 1.0
+        """τ = 1 + accepted / drafting rounds: tokens per verifying target forward, bonus (and tree runner-ups) included."""
+        return 1.0 + (self.accepted + self.runner_ups_accepted) / self.rounds if self.rounds else 1.0
 
     @property
     def per_position_acceptance(self) -> list[float]:
@@ -85,6 +88,7 @@ class SpecStats:
             proposed=self.proposed + other.proposed,
             accepted=self.accepted + other.accepted,
             target_forwards=self.target_forwards + other.target_forwards,
+            runner_ups_accepted=self.runner_ups_accepted + other.runner_ups_accepted,
             seconds=self.seconds + other.seconds,
             accepted_per_position=add(self.accepted_per_position, other.accepted_per_position),
             proposed_per_position=add(self.proposed_per_position, other.proposed_per_position),
@@ -216,7 +220,9 @@ def generate(
                 keep_cache_rows(cache, length - 1, [0] + [1 + i for i in path])
                 drafter.rollback(length + len(path))
                 pass_features(torch.tensor([0] + [1 + i for i in path]))
-                stats.record_round(k, len(path))
+                on_chain = bool(path) and path[0] == 0  # nodes 0..k-1 are the chain after the top candidate
+                stats.record_round(k, len(path) if on_chain else 0)
+                stats.runner_ups_accepted += 0 if on_chain else len(path)
                 new = torch.cat([ids[path], following.view(1)])
                 continue
             k = draft_ids.numel()
