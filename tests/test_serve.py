@@ -154,3 +154,18 @@ def test_harness_choice_serves_the_winner_at_the_gamma_it_was_benchmarked_at(mon
 def _row() -> dict:
     return {"acceptance_rate": 0.3, "accepted_length": 1.6, "cost_ratio": 0.07, "max_new_tokens": 40,
             "tokens_per_second_target_only": 21.4}
+
+
+def test_a_faster_challenger_that_failed_the_gate_is_named_but_not_served():
+    """The demo's case: the head (a tree) beats n-gram on speed but its α is under the red line."""
+    from specdistill.pipeline.serve import choose_serving
+
+    results = {name: {"gamma": 2, "dtype": "bfloat16", **r} for name, r in RECORDED.items()}
+    results["challenger"]["speedup"] = 1.35
+    verdict = {"promote": False, "failures": ["acceptance rate 0.295 < 0.500"]}
+    chosen = choose_serving(load_nightly_config(), {}, results, verdict)
+    assert chosen["name"] == "ngram"
+    assert chosen["reason"].endswith("the challenger measured faster (1.35x) but is not served: it did not pass the "
+                                     "gate (acceptance rate 0.295 < 0.500)")
+    slower = {**results, "challenger": {**results["challenger"], "speedup": 1.2}}
+    assert "challenger" not in choose_serving(load_nightly_config(), {}, slower, verdict)["reason"]

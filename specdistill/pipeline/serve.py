@@ -64,6 +64,18 @@ def choose_engine_serving(config: NightlyConfig, speeds: dict[str, BenchEntry], 
     return decision
 
 
+def unserved_faster_challenger(results: dict[str, BenchEntry], verdict: VerdictDict, served_speedup: float) -> str:
+    """Why a challenger that measured faster than what is served is not served (empty: there is none).
+
+    Only a draft that passed the gate is served: its acceptance bar is the red line the monitor
+    holds in production, so a draft below it would be taken back at the monitor's next run."""
+    r = results.get("challenger")
+    if r is None or verdict["promote"] or not r.get("lossless") or r["speedup"] <= served_speedup:
+        return ""
+    why = "; ".join(verdict.get("failures") or []) or "it does not beat the champion"
+    return f"the challenger measured faster ({r['speedup']:.2f}x) but is not served: it did not pass the gate ({why})"
+
+
 def choose_serving(config: NightlyConfig, window: WindowDict, results: dict[str, BenchEntry],
                    verdict: VerdictDict, speeds: dict[str, BenchEntry] | None = None) -> ServingDecision:
     """`speeds` (from `engine_bench.engine_benchmark`) when the serving engine is not the harness.
@@ -85,6 +97,9 @@ def choose_serving(config: NightlyConfig, window: WindowDict, results: dict[str,
                                reason=choice.reason, measured=measured,
                                measured_on=f"PyTorch harness, {some['dtype'] if some else '?'}", predicted_speedups={},
                                verify_costs={}, gamma_note="", engine="harness", llamacpp_args=[], tree_width=1)
+    held_back = unserved_faster_challenger(results, verdict, choice.candidate.speedup if choice.candidate else 1.0)
+    if held_back:
+        decision["reason"] += f"; {held_back}"
     if choice.candidate is None:
         return decision
     name = choice.candidate.name
