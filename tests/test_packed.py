@@ -51,6 +51,18 @@ def test_packed_follows_weight_changes_and_trains():
     assert packed.weight.grad is not None and packed.weight.grad.abs().sum() > 0
 
 
+def test_packed_model_copies_and_pickles_after_use(tmp_path):
+    plain, packed = _pair()
+    x = torch.randn(3, 48, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        packed(x)
+    twin = copy.deepcopy(packed)
+    torch.save(packed, tmp_path / "packed.pt")
+    with torch.inference_mode():
+        torch.testing.assert_close(twin(x), plain(x))
+        assert torch.equal(twin.float()(x.float()), plain.float()(x.float()))
+
+
 def test_packed_falls_back_outside_bf16():
     plain, packed = _pair()
     packed.float(), plain.float()
@@ -98,6 +110,8 @@ def test_fused_projections_match_separate_ones_bit_for_bit():
         attn.v_proj.weight.mul_(-1.0)
         _, v = attn.q_proj(x), attn.v_proj(x)
         torch.testing.assert_close(v, torch.nn.functional.linear(x, attn.v_proj.weight))
+        copied = copy.deepcopy(fused)  # after a forward: the group's packed weight stays behind too
+        torch.testing.assert_close(copied(ids).logits, fused(ids).logits)
     # with autograd on, every member runs F.linear and gradients flow
     fused.train()
     fused(ids).logits.float().sum().backward()

@@ -49,6 +49,14 @@ class PackedLinear(torch.nn.Linear):
             self._packed_key = key
         return self._packed
 
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave the packed weight behind (oneDNN's opaque tensor has no storage to
+        copy); the copy packs its own on first use."""
+        state = self.__dict__.copy()
+        state.pop("_packed", None)
+        state.pop("_packed_key", None)
+        return state
+
     def _packable(self, x: torch.Tensor) -> bool:
         w = self.weight
         return not (w.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or w.device.type != "cpu"
@@ -74,6 +82,12 @@ class _FusedGroup:
 
     def forget(self) -> None:
         self.input, self.input_version, self.parts = None, None, ()
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave the packed weight and the last GEMM behind (see `PackedLinear.__getstate__`)."""
+        state = self.__dict__.copy()
+        state.update(_key=None, _packed=None, _bias=None, input=None, input_version=None, parts=())
+        return state
 
     def packed(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         key = tuple((m.weight.data_ptr(), m.weight._version, m.weight.shape) for m in self.members)
