@@ -13,7 +13,8 @@ The buffers grow in blocks of `BLOCK` columns up to the capacity rather than bei
 so that `modeling.attention.decode_attention` can attend over a whole buffer (`dense_buffers`; the
 columns past the filled part masked): oneDNN's bf16 batched matmul takes only dense operands and
 copies any other view first, so a view of the filled part cost a copy of every layer's keys and
-values at every step. Growing copies the filled part once every `BLOCK` steps instead.
+values at every step. Growing copies the filled part once every `BLOCK` steps instead (the
+numbers are in `modeling.attention`).
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ class PreallocatedLayer(DynamicLayer):
         columns = min(self.capacity, -(-end // BLOCK) * BLOCK)
 
         def grow(buffer: torch.Tensor) -> torch.Tensor:
-            grown = buffer.new_zeros((buffer.shape[0], buffer.shape[1], columns, buffer.shape[3]))
+            grown = buffer.new_empty((buffer.shape[0], buffer.shape[1], columns, buffer.shape[3]))
             grown[:, :, : self.length] = buffer[:, :, : self.length]
+            grown[:, :, self.length :] = 0  # unfilled columns are masked, and must be finite
             return grown
 
         self.key_buffer, self.value_buffer = grow(self.key_buffer), grow(self.value_buffer)
@@ -89,12 +91,11 @@ class PreallocatedLayer(DynamicLayer):
         self._expose()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep only the rows `indices` (finished sequences leave the batch); copies the filled part only."""
+        """Keep only the rows `indices` (finished sequences leave the batch): one copy of their buffers (the
+        columns past `length`, zeros or stale keys, stay finite and masked)."""
 
         def select(buffer: torch.Tensor) -> torch.Tensor:
-            kept = buffer.new_zeros((indices.numel(), *buffer.shape[1:]))
-            kept[:, :, : self.length] = buffer[indices, :, : self.length]
-            return kept
+            return buffer.index_select(0, indices)
 
         self.key_buffer, self.value_buffer = select(self.key_buffer), select(self.value_buffer)
         self._expose()
