@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from specdistill.modeling.attention import DECODE_ATTENTION, batched_decode_attention
+from specdistill.modeling.attention import DECODE_ATTENTION, batched_decode_attention, decode_attention
+from specdistill.modeling.kv_cache import BLOCK, PreallocatedLayer, dense_buffers
 from tests.conftest import lively, make_tiny_llama
 
 
@@ -34,3 +35,25 @@ def test_a_model_not_on_sdpa_is_left_alone():
     with batched_decode_attention(model):
         assert model.config._attn_implementation == "eager"
     assert model.config._attn_implementation == "eager"
+
+
+def test_bf16_steps_over_a_preallocated_cache_attend_over_whole_buffers_with_the_same_numbers():
+    """bf16 decode steps read a preallocated cache's whole buffers (the unfilled columns masked): the
+    result is bit-identical to attending over copies of the filled part, with or without padding."""
+    gen = torch.Generator().manual_seed(0)
+    rows, kv_heads, heads, dim, filled = 4, 3, 9, 64, BLOCK + 5
+    layer = PreallocatedLayer(*(torch.zeros(rows, kv_heads, BLOCK, dim, dtype=torch.bfloat16) for _ in range(2)),
+                              capacity=4 * BLOCK)
+    layer.update(*(torch.randn(rows, kv_heads, filled, dim, generator=gen).to(torch.bfloat16) for _ in range(2)))
+    assert layer.key_buffer.shape[2] == 2 * BLOCK > filled
+    query = torch.randn(rows, heads, 1, dim, generator=gen).to(torch.bfloat16)
+    padding = torch.ones(rows, 1, 1, filled, dtype=torch.bool)
+    padding[0, ..., :7] = False
+    padding[2, ..., :1] = False
+    with torch.inference_mode():
+        for mask in (padding, None, torch.zeros(rows, 1, 1, filled).masked_fill(~padding, float("-inf"))):
+            fast, _ = decode_attention(None, query, layer.keys, layer.values, mask)
+            copied, _ = decode_attention(None, query, layer.keys.clone(), layer.values.clone(), mask)
+            assert dense_buffers(layer.keys.clone(), layer.values.clone()) is None
+            assert fast.shape == (rows, 1, heads, dim)
+            assert torch.equal(fast, copied)

@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from specdistill.distill.answer_loop import TopKRecorder, decode_batch, generate_batch, prefill_groups
 from specdistill.modeling.attention import batched_decode_attention
-from specdistill.modeling.kv_cache import preallocated_cache, select_rows, write_rows
+from specdistill.modeling.kv_cache import BLOCK, dense_buffers, preallocated_cache, select_rows, write_rows
 from tests.conftest import lively, make_tiny_llama
 
 VOCAB, PAD = 96, 0
@@ -88,6 +88,7 @@ def test_preallocated_cache_takes_separate_prefills_and_drops_rows(target):
         assert torch.allclose(cache.layers[1].keys, whole.layers[1].keys, atol=1e-6)
         select_rows(cache, torch.tensor([0, 2]))
         assert torch.equal(cache.layers[0].keys, cache.layers[0].key_buffer[:, :, :3])
+        assert dense_buffers(cache.layers[0].keys, cache.layers[0].values)[0] is cache.layers[0].key_buffer
         assert torch.allclose(cache.layers[0].values, whole.layers[0].values[[0, 2]], atol=1e-6)
         target(input_ids=ids[[0, 2], :1], cache=cache, use_cache=True)
         assert cache.get_seq_length() == 4
@@ -95,3 +96,21 @@ def test_preallocated_cache_takes_separate_prefills_and_drops_rows(target):
         assert cache.layers[1].keys.shape[-2] == 2
         with pytest.raises(ValueError, match="capacity 6"):
             target(input_ids=torch.ones((2, 5), dtype=torch.long), cache=cache, use_cache=True)
+
+
+def test_preallocated_cache_grows_by_blocks_and_keeps_its_contents(target):
+    """Buffers grow a block at a time (what `decode_attention` attends over whole); the filled part survives."""
+    capacity = 2 * BLOCK + 5
+    cache = preallocated_cache(target, rows=2, capacity=capacity)
+    ids = torch.randint(3, VOCAB, (2, capacity), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        whole = DynamicCache(config=target.config)
+        target(input_ids=ids, cache=whole, use_cache=True)
+        assert cache.layers[0].key_buffer.shape[2] == BLOCK
+        target(input_ids=ids[:, : BLOCK + 1], cache=cache, use_cache=True)
+        assert cache.layers[0].key_buffer.shape[2] == 2 * BLOCK
+        for t in range(BLOCK + 1, capacity):
+            target(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True)
+        assert cache.layers[0].key_buffer.shape[2] == capacity
+        assert torch.allclose(cache.layers[1].keys, whole.layers[1].keys, atol=1e-5)
+        assert torch.allclose(cache.layers[1].values, whole.layers[1].values, atol=1e-5)

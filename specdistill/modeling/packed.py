@@ -15,6 +15,15 @@ break fp32's exact-equality lossless check. A packed layer is still an `nn.Linea
 parameters, same `state_dict`); it falls back to `F.linear` whenever autograd needs the weight or
 input, or the weight is no longer bf16 on a CPU, and packs again when the weight changed (a
 training step, `load_state_dict`, `.to()`), so a packed model can still be trained or moved.
+
+Projections that read the same input (a Llama layer's q/k/v and its gate/up) are fused at
+inference by `fuse_projections`: the first member's call runs one GEMM on the members' weights
+concatenated and packed once, and the others take their columns of it when they are called with
+that very tensor (anything else: their own packed GEMM). Parameters, `state_dict` and the model's
+code are unchanged; the logits stay bit-identical (each output column is the same dot product).
+A batched bf16 decode step makes 4 linear calls per layer instead of 7: for 16 rows of the demo
+target, 1 thread, interleaved, machine shared (load 3.4), q/k/v took 112 µs fused against 135 µs
+as three calls, gate/up with SiLU·up 320 µs against 333 µs (bit-identical outputs).
 """
 
 from __future__ import annotations
@@ -48,12 +57,95 @@ class PackedLinear(torch.nn.Linear):
         state.pop("_packed_key", None)
         return state
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _packable(self, x: torch.Tensor) -> bool:
         w = self.weight
-        if (w.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or w.device.type != "cpu"
-                or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
-            return F.linear(x, w, self.bias)
+        return not (w.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or w.device.type != "cpu"
+                    or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._packable(x):
+            return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), self.bias, "none", [], "")
+
+
+def _version(x: torch.Tensor) -> int | None:
+    return None if x.is_inference() else x._version  # inference tensors keep no version counter
+
+
+class _FusedGroup:
+    """Linear layers over one input, computed as one GEMM on their weights concatenated and packed."""
+
+    def __init__(self, members: list[PackedLinear]):
+        self.members, self.sizes = members, [m.out_features for m in members]
+        self._key, self._packed, self._bias = None, None, None
+        self.forget()
+
+    def forget(self) -> None:
+        self.input, self.input_version, self.parts = None, None, ()
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave the packed weight and the last GEMM behind (see `PackedLinear.__getstate__`)."""
+        state = self.__dict__.copy()
+        state.update(_key=None, _packed=None, _bias=None, input=None, input_version=None, parts=())
+        return state
+
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        key = tuple((m.weight.data_ptr(), m.weight._version, m.weight.shape) for m in self.members)
+        key += tuple((m.bias.data_ptr(), m.bias._version) for m in self.members if m.bias is not None)
+        if key != self._key:
+            with torch.no_grad():
+                weight = torch.cat([m.weight.detach() for m in self.members])
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+                self._bias = None if self.members[0].bias is None else torch.cat([m.bias.detach() for m in self.members])
+            self._key = key
+        return self._packed, self._bias
+
+
+class FusedLinear(PackedLinear):
+    """A `PackedLinear` in a `_FusedGroup`: member 0 computes the group's GEMM, the others take their part of it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group, index = self._fused_group, self._fused_index
+        if index == 0:
+            group.forget()
+            if not self._packable(x):
+                return super().forward(x)
+            weight, bias = group.packed()
+            out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+            group.input, group.input_version, group.parts = x, _version(x), out.split(group.sizes, dim=-1)
+            return group.parts[0]
+        if group.input is x and group.input_version == _version(x) and self._packable(x):
+            part = group.parts[index]
+            if index == len(group.sizes) - 1:
+                group.forget()
+            return part
+        return super().forward(x)
+
+
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def fuse_projections(model: torch.nn.Module, names: tuple[tuple[str, ...], ...] = FUSED) -> int:
+    """Fuse each module's packed projections named together in `names` (`FusedLinear`); returns how many groups.
+
+    A group needs all its members to be `PackedLinear`s of one input size, all with a bias or none.
+    The first name must be the one the model calls first (Llama: q before k and v, gate before up);
+    called in another order the members stay correct, only unfused.
+    """
+    count = 0
+    for module in model.modules():
+        for group_names in names:
+            members = [getattr(module, n, None) for n in group_names]
+            if not all(type(m) is PackedLinear for m in members):
+                continue
+            if len({m.in_features for m in members}) > 1 or len({m.bias is None for m in members}) > 1:
+                continue
+            group = _FusedGroup(members)
+            for index, member in enumerate(members):
+                member.__class__ = FusedLinear
+                member._fused_group, member._fused_index = group, index
+            count += 1
+    return count
 
 
 def pack_linears(model: torch.nn.Module) -> int:
