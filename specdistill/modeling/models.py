@@ -209,11 +209,11 @@ def load_model(
     fp = known or cached_fingerprint(model_dir, model, tokenizer)
     if model.dtype != dtype:
         model.to(dtype)
-    _pack_for_cpu(model)
+    pack_for_cpu(model)
     return LoadedModel(model, tokenizer, model_dir, fp)
 
 
-def _pack_for_cpu(model: torch.nn.Module) -> None:
+def pack_for_cpu(model: torch.nn.Module) -> None:
     """bf16 on a CPU with native bf16: linear layers on weights packed once, projections of one input fused
     (`modeling.packed`)."""
     if next(model.parameters()).dtype == torch.bfloat16 and cpu_has_native_bf16():
@@ -230,7 +230,7 @@ def _load_eagle3_head(model_dir: Path, target: LoadedModel | None) -> LoadedMode
             "so load it together with its target (a draft for `generate --draft`, `bench --draft`)"
         )
     loaded = load_eagle3(model_dir, target.model)
-    _pack_for_cpu(loaded.head)
+    pack_for_cpu(loaded.head)
     h = hashlib.sha256(file_sha256(model_dir / WEIGHTS_FILE).encode())
     h.update(tokenizer_digest(loaded.tokenizer).encode())
     return LoadedModel(loaded.head, loaded.tokenizer, model_dir, h.hexdigest()[:16])

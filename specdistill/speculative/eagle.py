@@ -16,6 +16,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specdistill.modeling.eagle3 import Eagle3Cache, Eagle3Draft, check_head_fits
+from specdistill.modeling.models import pack_for_cpu
 from specdistill.speculative.sampling import SamplingConfig, draft_token
 
 
@@ -26,6 +27,7 @@ class EagleDrafter:
         check_head_fits(head, target)
         if tree_width < 1:
             raise ValueError(f"tree_width (candidates for the first draft position) must be >= 1, got {tree_width}")
+        pack_for_cpu(head)  # however it was loaded: a bf16 head's step on unpacked weights cost ~1.6x
         self.head = head
         self.name = name
         self.tree_width = tree_width  # > 1: greedy decoding verifies the head's top candidates as a tree
