@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specdistill.modeling.attention import DECODE_ATTENTION, batched_decode_attention, decode_attention
+from specdistill.modeling.attention import DECODE_ATTENTION, decode_attention_for, decode_attention
 from specdistill.modeling.kv_cache import BLOCK, PreallocatedLayer, dense_buffers
 from tests.conftest import lively, make_tiny_llama
 
@@ -19,7 +19,7 @@ def test_decode_steps_match_sdpa_on_a_left_padded_batch():
     with torch.inference_mode():
         plain = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
                                output_scores=True, return_dict_in_generate=True, pad_token_id=2, eos_token_id=None)
-        with batched_decode_attention(model):
+        with decode_attention_for(model):
             assert model.config._attn_implementation == DECODE_ATTENTION
             fast = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
                                   output_scores=True, return_dict_in_generate=True, pad_token_id=2, eos_token_id=None)
@@ -32,7 +32,7 @@ def test_decode_steps_match_sdpa_on_a_left_padded_batch():
 def test_a_model_not_on_sdpa_is_left_alone():
     model = make_tiny_llama()
     model.set_attn_implementation("eager")
-    with batched_decode_attention(model):
+    with decode_attention_for(model):
         assert model.config._attn_implementation == "eager"
     assert model.config._attn_implementation == "eager"
 
@@ -57,3 +57,32 @@ def test_bf16_steps_over_a_preallocated_cache_attend_over_whole_buffers_with_the
             assert dense_buffers(layer.keys.clone(), layer.values.clone()) is None
             assert fast.shape == (rows, 1, heads, dim)
             assert torch.equal(fast, copied)
+
+
+def test_a_verification_forward_of_a_few_tokens_matches_sdpa():
+    """The k + 1 tokens of a verification attend causally among themselves and to the whole cache."""
+    from transformers import DynamicCache
+
+    model = lively(make_tiny_llama(), seed=5).to(torch.float64)
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        outs = []
+        for fast in (False, True):
+            cache = DynamicCache(config=model.config)
+            model(input_ids=ids[:, :7], cache=cache, use_cache=True)
+            with decode_attention_for(model) if fast else torch.inference_mode():
+                outs.append(model(input_ids=ids[:, 7:], cache=cache, use_cache=True).logits)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-9, atol=1e-9)
+
+
+def test_a_query_that_sees_no_key_gets_finite_output():
+    """A left-padding position of a batched prefill sees no key: finite garbage, never NaN (its cached
+    keys and values would spread NaN into every later step through probability 0 × NaN)."""
+    query, key, value = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    mask = torch.tensor([[False, False, False], [True, True, False], [True, True, True]])[None, None]
+    out, _ = decode_attention(None, query, key, value, mask)
+    assert torch.isfinite(out).all()
+    reference = torch.nn.functional.scaled_dot_product_attention(query[:, :, 1:], key.repeat_interleave(2, 1),
+                                                                 value.repeat_interleave(2, 1), attn_mask=mask[:, :, 1:])
+    torch.testing.assert_close(out[:, 1:], reference.transpose(1, 2))

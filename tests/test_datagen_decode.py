@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from specdistill.distill.answer_loop import TopKRecorder, decode_batch, generate_batch, prefill_groups
-from specdistill.modeling.attention import batched_decode_attention
+from specdistill.modeling.attention import decode_attention_for
 from specdistill.modeling.kv_cache import BLOCK, dense_buffers, preallocated_cache, select_rows, write_rows
 from tests.conftest import lively, make_tiny_llama
 
@@ -35,7 +35,7 @@ def test_greedy_answers_and_teacher_rows_match_generate(target, decode_attention
     steps = 12
     eos = _eos_mid_answer(target, steps)
     recorders = [TopKRecorder(8, 1.0, len(PROMPTS), steps) for _ in range(2)]
-    with batched_decode_attention(target) if decode_attention else torch.inference_mode():
+    with decode_attention_for(target) if decode_attention else torch.inference_mode():
         want = generate_batch(target, PROMPTS, max_new_tokens=steps, pad=PAD, eos=eos, recorder=recorders[0])
         got = decode_batch(target, PROMPTS, max_new_tokens=steps, pad=PAD, eos=eos, recorder=recorders[1])
     finished = [(row == eos).nonzero() for row in want]

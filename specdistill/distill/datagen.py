@@ -28,7 +28,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from specdistill.data.prompts import as_messages, encode_chat
 from specdistill.distill.answer_loop import TopKRecorder, decode_batch
 from specdistill.distill.teacher import TeacherCache, pad_batch
-from specdistill.modeling.attention import batched_decode_attention
+from specdistill.modeling.attention import decode_attention_for
 
 
 @dataclass
@@ -171,7 +171,7 @@ def generate_answers(
             if teacher_cache is not None:
                 recorder = TopKRecorder(int(teacher_cache.meta["k"]), float(teacher_cache.meta["temperature"]),
                                          len(batch), max_new_tokens)
-            with batched_decode_attention(target) if decode_attention else nullcontext():
+            with decode_attention_for(target) if decode_attention else nullcontext():
                 generated = decode_batch(target, [ids for _, ids in batch], max_new_tokens=max_new_tokens, pad=pad,
                                          eos=eos, temperature=temperature, recorder=recorder)
             answers = []

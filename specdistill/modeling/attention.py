@@ -1,25 +1,26 @@
-"""Attention for batched decode steps on a CPU: two small matmuls instead of SDPA's flash kernel.
+"""Attention for decode steps and verifications on a CPU: two small matmuls instead of SDPA's flash kernel.
 
-A decode step has one query per sequence. For it, PyTorch's CPU flash-attention kernel is slow in
-bf16: with 16 sequences, the demo target's 9 query heads over 3 key/value heads and ~150 cached
-tokens it took 1.3 ms per layer where q·Kᵀ, softmax and ·V as plain batched matmuls took 0.64 ms
-(same process, interleaved, 1 thread, busy machine); in a profile of a batched bf16 decode step
-SDPA was about half the step. `benchmarks/answer_generation.py` measures the whole effect. Prefill
-(more than one query) keeps SDPA. The query heads that share a key/value head are packed into one matmul, so
-keys and values are never repeated per head. The result matches SDPA's up to bf16 rounding
-(greedy outputs can differ at numerical near-ties).
+A decode step has one query per sequence, a verification of k drafts k + 1. For so few queries
+PyTorch's CPU flash-attention kernel is slow in bf16: one query of the demo target (9 query heads
+over 3 key/value heads, 200 cached tokens) took 190 µs a layer where q·Kᵀ, softmax and ·V as plain
+matmuls took about 50 µs (1 thread, quiet machine); in a profile of a single-sequence bf16 decode
+step SDPA was 18% of the step, and with 16 sequences, ~150 cached tokens, 1.3 ms against 0.64 ms a
+layer. `benchmarks/answer_generation.py` and `benchmarks/engine_vs_hf.py` measure the whole effect.
+Prefill keeps SDPA. The query heads that share a key/value head are stacked into one matmul, so
+keys and values are never repeated per head. The result matches SDPA's up to rounding (greedy
+bf16 outputs can differ at numerical near-ties); the engine's target-only baseline runs the same
+attention, so its lossless checks compare like with like.
 
 In bf16, oneDNN's batched matmul takes only dense operands and copies anything else first, so the
 views of a preallocated cache's filled part (`modeling.kv_cache`) cost a copy of the keys and the
 values in every layer at every step. Keeping the keys transposed does not help (the transposed view
 of a part of a buffer is not dense either: still copied inside bmm). A bf16 step over a
 preallocated cache therefore attends over the cache's whole buffers, which grow in blocks of 16
-columns, with the unfilled columns masked (-inf, an exact 0 after softmax): bit-identical to the
+columns, with the unfilled columns masked (an exact 0 after softmax): bit-identical to the
 copying path. For 16 rows, 3 kv heads, 1 thread, interleaved (load 2.4): 258 µs against 334 µs a
 layer with 170 of 180 columns filled; with 110 of 250 filled the extra columns cost more than the
 copies saved (295 against 224 µs), hence the blocks. fp32 keeps the copying path (MKL's exact numbers).
 """
-
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -35,59 +36,70 @@ from specdistill.modeling.kv_cache import dense_buffers
 DECODE_ATTENTION = "specdistill_decode"
 
 
+MAX_QUERIES = 16  # forwards of at most this many new tokens per sequence take the matmul path
+
+
 def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface: query [B, H, q, D], key/value [B, KV, L, D] -> ([B, q, H, D], None)."""
+    """transformers' attention interface: query [B, H, q, D], key/value [B, KV, L, D] -> ([B, q, H, D], None).
+
+    Decode steps (q = 1) and the few-token forwards of speculative decoding (a verification of k
+    drafts, a draft tree: q <= MAX_QUERIES with the mask transformers built, or the tree's own)
+    take the matmul path; prefill and anything unusual go to SDPA.
+    """
     batch, heads, q_len, dim = query.shape
-    if q_len != 1 or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
+    if (q_len > MAX_QUERIES or (q_len > 1 and attention_mask is None) or kwargs.get("position_bias") is not None
+            or kwargs.get("softcap") is not None or kwargs.get("dropout", 0.0)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     kv_heads, length = key.shape[1], key.shape[2]
+    group = heads // kv_heads
     scale = dim**-0.5 if scaling is None else scaling
-    q = query.reshape(batch, kv_heads, heads // kv_heads, dim)  # the query heads of one kv head side by side
+    q = query.reshape(batch, kv_heads, group * q_len, dim)  # the query heads of one kv head stacked: no repeated keys
     dense = dense_buffers(key, value) if value.dtype == torch.bfloat16 else None
     if dense is not None:
         # a preallocated cache's whole buffers (modeling.kv_cache), the columns past `length` masked:
         # oneDNN's bf16 bmm would copy the views of the filled part (it takes only dense operands)
         key, value = dense
-        scores = torch.matmul(q, key.transpose(2, 3))  # [B, KV, G, columns]
-        scores = torch.add(_additive_mask(attention_mask, batch, length, key.shape[2]), scores, alpha=scale)
-        probs = torch.softmax(scores, dim=-1).to(value.dtype)
-        out = torch.matmul(probs, value)  # [B, KV, G, D]
-        return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
-    # a view into a preallocated cache (modeling.kv_cache) is copied once here: matmul would copy its
-    # transpose element by element (3x the time of q·Kᵀ itself in bf16); the same numbers either way
-    key = key.contiguous()
-    scores = torch.matmul(q, key.transpose(2, 3)) * scale  # [B, KV, G, L]
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attention_mask, float("-inf"))
-        else:
-            scores = scores + attention_mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
-    out = torch.matmul(probs, value)  # [B, KV, G, D]
-    return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
+    else:
+        # a view into a preallocated cache is copied once here: matmul would copy its transpose
+        # element by element (3x the time of q·Kᵀ itself in bf16); the same numbers either way
+        key = key.contiguous()
+    columns = key.shape[2]
+    scores = torch.matmul(q, key.transpose(2, 3)).view(batch, kv_heads, group, q_len, columns)
+    mask = _additive_mask(attention_mask, batch, q_len, length, columns, key.device)  # [B, 1, 1, q, columns] float32
+    probs = torch.softmax(torch.add(mask, scores, alpha=scale), dim=-1).to(value.dtype)
+    out = torch.matmul(probs.view(batch, kv_heads, group * q_len, columns), value)  # [B, KV, G·q, D]
+    return out.view(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
 
 
 _last_mask: tuple = (None,)
+# a masked score: finite, so that a query that sees no key at all (a left-padding position in a
+# batched prefill) gets finite garbage, not NaN that its cached keys and values would spread; still
+# an exact 0 after softmax next to any attended key
+MASKED = -1e30
 
 
-def _additive_mask(mask: torch.Tensor | None, batch: int, length: int, columns: int) -> torch.Tensor:
-    """`mask` (transformers' decode-step mask over `length` keys, bool or additive, or None) as a float32
-    `[B, 1, 1, columns]` to add: 0 where attended, -inf elsewhere and at every column past `length`.
+def _additive_mask(mask: torch.Tensor | None, batch: int, q_len: int, length: int, columns: int,
+                   device: torch.device) -> torch.Tensor:
+    """`mask` (transformers' mask over `length` keys, bool or additive, `[B or 1, 1, q, length]`, or None
+    for a decode step that sees every key) as a float32 `[B, 1, 1, q, columns]` to add: 0 where
+    attended, MASKED elsewhere and at every column past `length`.
 
-    Every layer of a forward gets the same mask object: it is converted once (the last one is kept).
+    Every layer of a forward gets the same mask object: it is converted once (the last one is kept;
+    without a mask the result depends on the shapes only).
     """
     global _last_mask
-    if _last_mask[0] is mask and mask is not None and _last_mask[1:] == (batch, length, columns):
+    if _last_mask[0] is mask and _last_mask[1:-1] == (batch, q_len, length, columns, device):
         return _last_mask[-1]
-    additive = torch.full((batch, 1, 1, columns), float("-inf"))
+    additive = torch.full((batch, 1, q_len, columns), MASKED, device=device)
     if mask is None:
         additive[..., :length] = 0.0
     elif mask.dtype == torch.bool:
-        additive[..., :length].masked_fill_(mask.expand(batch, 1, 1, length), 0.0)
+        additive[..., :length].masked_fill_(mask[..., -q_len:, -length:].expand(batch, 1, q_len, length), 0.0)
     else:
-        additive[..., :length] = mask.float().expand(batch, 1, 1, length)
-    _last_mask = (mask, batch, length, columns, additive)
+        additive[..., :length] = mask[..., -q_len:, -length:].float().expand(batch, 1, q_len, length)
+    additive = additive.unsqueeze(1)
+    _last_mask = (mask, batch, q_len, length, columns, device, additive)
     return additive
 
 
@@ -96,14 +108,14 @@ AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)  # the masks SDPA g
 
 
 @contextmanager
-def batched_decode_attention(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
-    """Run `model` with `decode_attention` inside the block (only if it uses SDPA), then restore it."""
-    before = model.config._attn_implementation
-    if before != "sdpa":
-        yield model
-        return
-    model.set_attn_implementation(DECODE_ATTENTION)
+def decode_attention_for(*models: PreTrainedModel | None) -> Iterator[None]:
+    """Run each of `models` that uses SDPA with `decode_attention` inside the block, then restore it
+    (None and models on another attention are left alone)."""
+    switched = [m for m in models if m is not None and getattr(m.config, "_attn_implementation", None) == "sdpa"]
+    for m in switched:
+        m.set_attn_implementation(DECODE_ATTENTION)
     try:
-        yield model
+        yield
     finally:
-        model.set_attn_implementation(before)
+        for m in switched:
+            m.set_attn_implementation("sdpa")

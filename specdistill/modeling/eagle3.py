@@ -20,6 +20,7 @@ from torch import nn
 from transformers import LlamaConfig, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from specdistill.modeling.attention import MAX_QUERIES, decode_attention
 from specdistill.modeling.vocab import DraftVocab
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -205,8 +206,11 @@ class Eagle3Draft(nn.Module):
         t = q.shape[2]
         device = q.device
         mask = torch.arange(keys.shape[2], device=device) <= (past + torch.arange(t, device=device)).unsqueeze(1)  # [T, past + T]
-        out = F.scaled_dot_product_attention(q, attn.expand(keys), attn.expand(values), attn_mask=mask)
-        return self.midlayer.finish(hidden, attn.out(out))
+        if t > MAX_QUERIES:  # a long prefill: SDPA
+            out = F.scaled_dot_product_attention(q, attn.expand(keys), attn.expand(values), attn_mask=mask).transpose(1, 2)
+        else:  # the few tokens of a drafting step: matmuls, not SDPA's slow CPU kernel (modeling.attention)
+            out, _ = decode_attention(None, q, keys, values, mask[None, None])  # [1, T, heads, head_dim]
+        return self.midlayer.finish(hidden, attn.o_proj(out.reshape(1, t, -1)))
 
     def unroll(self, next_ids: torch.Tensor, features: torch.Tensor, steps: int, valid: torch.Tensor) -> list[torch.Tensor]:
         """Training-time test over a batch: `features` [B, T, 3·H_target] are the target's at

@@ -9,13 +9,16 @@ appends the target's own next token (its correction, or the bonus token when all
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
+from specdistill.modeling.attention import decode_attention_for
 from specdistill.modeling.eagle3 import FeatureHooks
+from specdistill.modeling.kv_cache import preallocated_cache
 from specdistill.speculative.drafters import Drafter
 from specdistill.speculative.sampling import SamplingConfig, next_token, verify
 
@@ -173,7 +176,8 @@ def generate(
     tokens = torch.empty(prompt.numel() + budget + gamma + 1, dtype=torch.long)
     tokens[: prompt.numel()] = prompt
     length = prompt.numel()
-    cache = DynamicCache(config=target.config)
+    # one preallocated buffer per layer: a step writes its column instead of concatenating the whole cache
+    cache = preallocated_cache(target, 1, prompt.numel() + budget + gamma + getattr(drafter, "tree_width", 1) + 1)
     if drafter is not None:
         drafter.reset()
     # A drafter that drafts from the target's features (EAGLE-3) names the layers to hook; it is
@@ -193,7 +197,8 @@ def generate(
     # greedy decoding with a drafter that proposes several candidates for the first position verifies them as a tree
     tree = sampling.greedy and getattr(drafter, "tree_width", 1) > 1
 
-    try:
+    # few-token forwards (decode steps, verifications) attend through matmuls, not SDPA's CPU flash kernel
+    with decode_attention_for(target, getattr(drafter, "model", None)), hooks or nullcontext():
         new = next_token(forward(prompt, 1)[-1], sampling, generator).view(1)
         pass_features(prompt.numel())
         while True:
@@ -240,9 +245,6 @@ def generate(
             pass_features(n + 1)  # the pending token and the n accepted drafts; the new token has none yet
             stats.record_round(k, n)
             new = torch.cat([draft_ids[:n], following.view(1)])
-    finally:
-        if hooks is not None:
-            hooks.remove()
 
     stats.generated_tokens = length - prompt.numel()
     stats.seconds = time.perf_counter() - start
