@@ -188,7 +188,7 @@ def test_tree_verification_gives_each_node_its_own_branch_logits():
     """One tree forward equals separate chain forwards of each branch (fp32, exact argmax)."""
     from transformers import DynamicCache
 
-    from specdistill.speculative.engine import greedy_path, keep_cache_rows, verify_tree
+    from specdistill.speculative.engine import greedy_path, keep_cache_rows, tree_inputs
 
     target = tiny_target(3)
     prefix = torch.tensor([1, 4, 3, 6, 2])
@@ -196,7 +196,9 @@ def test_tree_verification_gives_each_node_its_own_branch_logits():
     with torch.inference_mode():
         cache = DynamicCache(config=target.config)
         target(input_ids=prefix[:-1].unsqueeze(0), cache=cache, use_cache=True)
-        choice = verify_tree(target, cache, prefix[-1], ids, parents, prefix.numel() - 1)
+        input_ids, _, positions, mask = tree_inputs(prefix[-1], ids, parents, prefix.numel() - 1)
+        choice = target(input_ids=input_ids.unsqueeze(0), attention_mask=mask, position_ids=positions, cache=cache,
+                        use_cache=True).logits[0].argmax(-1)
         for branch in ([0, 1, 2], [3, 4]):
             seq = torch.cat([prefix, ids[branch]])
             want = target(input_ids=seq.unsqueeze(0)).logits[0, prefix.numel() - 1 :].argmax(-1)

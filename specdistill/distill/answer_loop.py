@@ -15,6 +15,7 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, Pre
 
 from specdistill.distill.teacher import topk_rows
 from specdistill.modeling.kv_cache import preallocated_cache, select_rows, write_rows
+from specdistill.modeling.lean import lean_forward, supports_lean
 
 
 class TopKRecorder:
@@ -100,6 +101,7 @@ def decode_batch(target: PreTrainedModel, prompts: Sequence[Sequence[int]], *, m
     positions = _positions(attention[:, :width])[:, -1:]
     answers = torch.full((rows, max_new_tokens), pad, dtype=torch.long)
     going = torch.arange(rows)  # the batch rows still generating, in cache order
+    lean = supports_lean(target)  # decode steps through `modeling.lean` (prefill keeps transformers' forward)
     length = width
     for step in range(max_new_tokens):
         logits = logits.float()
@@ -120,8 +122,12 @@ def decode_batch(target: PreTrainedModel, prompts: Sequence[Sequence[int]], *, m
             kept = unfinished.nonzero().squeeze(1)
             going, new, attention, positions = going[kept], new[kept], attention[kept], positions[kept]
             select_rows(cache, kept)
-        logits = target(input_ids=new[:, None], attention_mask=attention[:, :length], position_ids=positions, cache=cache,
-                        use_cache=True, logits_to_keep=1).logits[:, -1]
+        if lean:
+            logits = lean_forward(target, new[:, None], cache, positions=positions,
+                                  mask=attention[:, None, None, :length].bool())[0][:, -1]
+        else:
+            logits = target(input_ids=new[:, None], attention_mask=attention[:, :length], position_ids=positions,
+                            cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     return answers
 
 

@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 from specdistill.modeling.attention import decode_attention_for
 from specdistill.modeling.eagle3 import FeatureHooks
 from specdistill.modeling.kv_cache import preallocated_cache
+from specdistill.modeling.lean import lean_forward, supports_lean
 from specdistill.speculative.drafters import Drafter
 from specdistill.speculative.sampling import SamplingConfig, next_token, verify
 
@@ -180,18 +181,31 @@ def generate(
     cache = preallocated_cache(target, 1, prompt.numel() + budget + gamma + getattr(drafter, "tree_width", 1) + 1)
     if drafter is not None:
         drafter.reset()
-    # A drafter that drafts from the target's features (EAGLE-3) names the layers to hook; it is
-    # handed the features of the positions the target kept after every forward. Hooks go at the end.
-    layers = getattr(drafter, "feature_layers", None)
-    hooks = FeatureHooks(target, layers) if layers else None
+    # A drafter that drafts from the target's features (EAGLE-3) names the layers whose inputs it
+    # needs; it is handed the features of the positions the target kept after every forward.
+    layers = list(getattr(drafter, "feature_layers", None) or [])
+    lean = supports_lean(target)  # else transformers' forward, the features from hooks on those layers
+    hooks = FeatureHooks(target, layers) if layers and not lean else None
+    seen: dict[str, torch.Tensor] = {}
 
-    def forward(input_ids: torch.Tensor, keep: int) -> torch.Tensor:
+    def forward(input_ids: torch.Tensor, keep: int, positions: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The target's logits for the last `keep` of `input_ids` [T], appended to the cache."""
         stats.target_forwards += 1
-        return target(input_ids=input_ids.unsqueeze(0), cache=cache, use_cache=True, logits_to_keep=keep).logits[0]
+        if lean:
+            logits, features = lean_forward(target, input_ids.unsqueeze(0), cache, positions=positions, mask=mask,
+                                            keep=keep, capture=layers)
+        else:
+            logits = target(input_ids=input_ids.unsqueeze(0), attention_mask=mask, position_ids=positions, cache=cache,
+                            use_cache=True, logits_to_keep=keep).logits
+            features = hooks.take() if hooks is not None else None
+        if features is not None:
+            seen["features"] = features[0]
+        return logits[0]
 
     def pass_features(kept: int | torch.Tensor) -> None:
-        if hooks is not None:
-            features = hooks.take()[0]
+        if layers:
+            features = seen.pop("features")
             drafter.add_features(features[:kept] if isinstance(kept, int) else features[kept])
 
     # greedy decoding with a drafter that proposes several candidates for the first position verifies them as a tree
@@ -219,8 +233,7 @@ def generate(
             )
             if tree and k > 0:
                 ids, parents = drafter.propose_tree(tokens[:length], k)
-                stats.target_forwards += 1
-                choice = verify_tree(target, cache, tokens[length - 1], ids, parents, length - 1)
+                choice = forward(*tree_inputs(tokens[length - 1], ids, parents, length - 1)).argmax(-1)
                 path, following = greedy_path(choice, ids, parents)
                 keep_cache_rows(cache, length - 1, [0] + [1 + i for i in path])
                 drafter.rollback(length + len(path))
@@ -265,9 +278,11 @@ def tree_depths(parents: Sequence[int]) -> list[int]:
     return depths
 
 
-def verify_tree(target: PreTrainedModel, cache, pending: torch.Tensor, ids: torch.Tensor, parents: Sequence[int],
-                past: int) -> torch.Tensor:
-    """The target's greedy choice after the pending token and after every node, `[1 + n]`, in one forward.
+def tree_inputs(pending: torch.Tensor, ids: torch.Tensor, parents: Sequence[int],
+                past: int) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
+    """One forward's arguments that verify a draft tree after `past` cached tokens: the pending token
+    and the nodes `[1 + n]`, how many logits to keep (all), positions `[1, 1 + n]` and a bool mask
+    `[1, 1, 1 + n, past + 1 + n]`.
 
     Node i sits at position `past + depth(i)` and attends to the cached `past` tokens, the pending
     token and its own ancestors only, so each row's logits are those of the node's own branch.
@@ -280,12 +295,9 @@ def verify_tree(target: PreTrainedModel, cache, pending: torch.Tensor, ids: torc
         if p >= 0:
             visible[i + 1] = visible[p + 1]
         visible[i + 1, i + 1] = True
-    visible[0, 0] = True
     mask = torch.cat([torch.ones((n + 1, past), dtype=torch.bool), visible], dim=1)[None, None]
     positions = torch.tensor([[past, *(past + d for d in depths)]])
-    logits = target(input_ids=torch.cat([pending.view(1), ids]).unsqueeze(0), attention_mask=mask, position_ids=positions,
-                    cache=cache, use_cache=True).logits[0]
-    return logits.argmax(-1)
+    return torch.cat([pending.view(1), ids]), n + 1, positions, mask
 
 
 def greedy_path(choice: torch.Tensor, ids: torch.Tensor, parents: Sequence[int]) -> tuple[list[int], torch.Tensor]:
