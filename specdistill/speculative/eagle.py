@@ -67,22 +67,29 @@ class EagleDrafter:
                         positions, self.cache)
         self.committed, self.pending, self.last_hidden = end, None, out[:, -1:]
 
+    def _chain(self, first: torch.Tensor, hidden: torch.Tensor, position: int, k: int) -> list[torch.Tensor]:
+        """Greedy drafts after `first` (a target id at `position`, drafted from `hidden`): `first` and k - 1 more."""
+        ids = [first]
+        for i in range(1, k):
+            hidden = self.head(ids[-1].view(1, 1), hidden, torch.tensor([[position + i - 1]]), self.cache)
+            d = self.head.logits(hidden)[0, -1].float().argmax()
+            ids.append(d + self.head.d2t[d])
+        return ids
+
     def propose(self, tokens: torch.Tensor, k: int, config: SamplingConfig, generator: torch.Generator | None):
         self._commit(tokens)
-        hidden = self.last_hidden
         position = tokens.numel() - 1
-        ids, qs = [], []
+        if config.greedy:
+            d = self.head.logits(self.last_hidden)[0, -1].float().argmax()
+            return torch.stack(self._chain(d + self.head.d2t[d], self.last_hidden, position, k)), None
+        hidden, ids, qs = self.last_hidden, [], []
         for i in range(k):
             d, q = draft_token(self.head.logits(hidden)[0, -1].float(), config, generator)
             qs.append(q)
-            target_id = d + self.head.d2t[d]
-            ids.append(target_id)
+            ids.append(d + self.head.d2t[d])
             if i < k - 1:
-                hidden = self.head(target_id.view(1, 1), hidden, torch.tensor([[position + i]]), self.cache)
-        draft_ids = torch.stack(ids)
-        if config.greedy:
-            return draft_ids, None
-        return draft_ids, self.vocab.to_full(torch.stack(qs))  # zero outside the draft vocabulary: still lossless
+                hidden = self.head(ids[-1].view(1, 1), hidden, torch.tensor([[position + i]]), self.cache)
+        return torch.stack(ids), self.vocab.to_full(torch.stack(qs))  # zero outside the draft vocabulary: still lossless
 
     def propose_tree(self, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, list[int]]:
         """Greedy drafts as a tree (node ids, parent indices, -1 for the pending token): the head's chain
@@ -95,16 +102,8 @@ class EagleDrafter:
         logits = self.head.logits(self.last_hidden)[0, -1].float()
         top = logits.topk(min(self.tree_width, logits.numel())).indices
         top = top + self.head.d2t[top]
-        ids, parents, hidden = [top[0]], [-1], self.last_hidden
-        position = tokens.numel() - 1
-        for i in range(1, k):
-            hidden = self.head(ids[-1].view(1, 1), hidden, torch.tensor([[position + i - 1]]), self.cache)
-            d = self.head.logits(hidden)[0, -1].float().argmax()
-            ids.append(d + self.head.d2t[d])
-            parents.append(i - 1)
-        ids += list(top[1:])
-        parents += [-1] * (top.numel() - 1)
-        return torch.stack(ids), parents
+        chain = self._chain(top[0], self.last_hidden, tokens.numel() - 1, k)
+        return torch.stack(chain + list(top[1:])), list(range(-1, k - 1)) + [-1] * (top.numel() - 1)
 
     def rollback(self, valid_len: int) -> None:
         """Drop every speculative entry; the target's features for the accepted tokens arrive next."""

@@ -227,10 +227,6 @@ def generate(
                 break
 
             k = min(gamma, budget - generated - 1)
-            draft_ids, draft_probs = (
-                drafter.propose(tokens[:length], k, sampling, generator)
-                if drafter is not None and k > 0 and not tree else (tokens[:0], None)
-            )
             if tree and k > 0:
                 ids, parents = drafter.propose_tree(tokens[:length], k)
                 choice = forward(*tree_inputs(tokens[length - 1], ids, parents, length - 1)).argmax(-1)
@@ -243,6 +239,9 @@ def generate(
                 stats.runner_ups_accepted += 0 if on_chain else len(path)
                 new = torch.cat([ids[path], following.view(1)])
                 continue
+            draft_ids, draft_probs = (
+                drafter.propose(tokens[:length], k, sampling, generator) if drafter is not None and k > 0 else (tokens[:0], None)
+            )
             k = draft_ids.numel()
             if k == 0:
                 new = next_token(forward(tokens[length - 1 : length], 1)[-1], sampling, generator).view(1)
