@@ -9,6 +9,10 @@ norm, rotary embedding applied to q and k in one pass, the model's attention fun
 `modeling.attention`'s inside `decode_attention_for`) called directly, and the hidden states entering chosen layers returned on the way (the EAGLE-3
 features, without hooks). Its logits equal transformers' (bit for bit in the tests that compare
 them) and it is used only where it is known to: `supports_lean` names the architectures.
+
+A single-sequence bf16 decode step of the demo target over 200 cached tokens, 1 thread, interleaved:
+38.5 ms through transformers' forward, 35.3 ms through this one (both with the matmul attention and
+a preallocated cache; greedy logits identical).
 """
 
 from __future__ import annotations
