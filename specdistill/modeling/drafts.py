@@ -184,21 +184,23 @@ def measure_cost_ratio(
 
     from transformers import DynamicCache
 
+    from specdistill.modeling.attention import decode_attention_for
+    from specdistill.modeling.kv_cache import preallocated_cache
+    from specdistill.modeling.lean import engine_forward, lean_forward, supports_lean
+
     vocab_size = target.config.vocab_size
     ids = torch.randint(0, vocab_size, (1, context))
     step = torch.randint(0, vocab_size, (1, 1))
 
-    def prefill(model):
-        cache = DynamicCache(config=model.config)
-        model(input_ids=ids, cache=cache, use_cache=True)
-        return cache
-
     def decode_target(cache):
-        target(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1)
+        engine_forward(target, step, cache)
 
     def decode_draft(cache):
         if draft_vocab is None:
-            draft(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1)
+            engine_forward(draft, step, cache)
+        elif supports_lean(draft):
+            hidden = lean_forward(draft, step, cache, head=False)[0]
+            draft_vocab.logits(hidden[:, -1], draft.get_output_embeddings().weight)
         else:
             hidden = draft.model(input_ids=step, cache=cache, use_cache=True).last_hidden_state
             draft_vocab.logits(hidden[:, -1], draft.get_output_embeddings().weight)
@@ -211,18 +213,22 @@ def measure_cost_ratio(
         fn(cache)
         return time.perf_counter() - start
 
-    if isinstance(draft, Eagle3Draft):
-        decode_draft, d_cache = _eagle3_step(draft, ids, step)
-    else:
-        d_cache = prefill(draft)
-    t_cache = prefill(target)
-    for _ in range(2):  # warm-up
-        timed(decode_target, t_cache), timed(decode_draft, d_cache)
-    ratios = []
-    for _ in range(repeats):
-        t = timed(decode_target, t_cache)
-        d = timed(decode_draft, d_cache)
-        ratios.append(d / t)
+    # the engine's steps: its attention, its forward, a preallocated cache for the target
+    with decode_attention_for(target, None if isinstance(draft, Eagle3Draft) else draft):
+        if isinstance(draft, Eagle3Draft):
+            decode_draft, d_cache = _eagle3_step(draft, ids, step)
+        else:
+            d_cache = DynamicCache(config=draft.config)
+            engine_forward(draft, ids, d_cache)
+        t_cache = preallocated_cache(target, 1, context + 1)
+        engine_forward(target, ids, t_cache)
+        for _ in range(2):  # warm-up
+            timed(decode_target, t_cache), timed(decode_draft, d_cache)
+        ratios = []
+        for _ in range(repeats):
+            t = timed(decode_target, t_cache)
+            d = timed(decode_draft, d_cache)
+            ratios.append(d / t)
     ratios.sort()
     return ratios[len(ratios) // 2]
 

@@ -87,3 +87,12 @@ def lean_forward(model: PreTrainedModel, input_ids: torch.Tensor, cache: Cache, 
     hidden = rms_norm(inner.norm, x[:, -keep:])
     features = torch.cat([seen[i] for i in capture], dim=-1) if capture else None
     return (model.lm_head(hidden) if head else hidden), features
+
+
+def engine_forward(model: PreTrainedModel, input_ids: torch.Tensor, cache: Cache, keep: int = 1) -> torch.Tensor:
+    """Logits `[B, keep, V]` as the engine computes them: the lean forward where supported, transformers'
+    elsewhere. Cost measurements (c, v(k)) time this, inside `decode_attention_for`, so that they
+    price the steps the engine actually runs."""
+    if supports_lean(model):
+        return lean_forward(model, input_ids, cache, keep=keep)[0]
+    return model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=keep).logits

@@ -116,21 +116,24 @@ def measure_drafter_cost(target: PreTrainedModel, drafter: Drafter, context: int
         return measure_cost_ratio(target, drafter.model, draft_vocab=drafter.vocab, context=context, repeats=repeats)
     if isinstance(drafter, EagleDrafter):  # its proposals need the engine's features: time the head's step
         return measure_cost_ratio(target, drafter.head, context=context, repeats=repeats)
-    from transformers import DynamicCache
+    from specdistill.modeling.attention import decode_attention_for
+    from specdistill.modeling.kv_cache import preallocated_cache
+    from specdistill.modeling.lean import engine_forward
 
     tokens = torch.randint(0, target.config.vocab_size, (context,))
-    cache = DynamicCache(config=target.config)
-    target(input_ids=tokens[None, :-1], cache=cache, use_cache=True, logits_to_keep=1)
-    greedy = SamplingConfig()
-    ratios = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        target(input_ids=tokens[None, -1:], cache=cache, use_cache=True, logits_to_keep=1)
-        t = time.perf_counter() - start
-        cache.crop(-1)
-        start = time.perf_counter()
-        drafter.propose(tokens, 1, greedy, None)
-        ratios.append((time.perf_counter() - start) / t)
+    cache = preallocated_cache(target, 1, context)
+    with decode_attention_for(target):
+        engine_forward(target, tokens[None, :-1], cache)
+        greedy = SamplingConfig()
+        ratios = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            engine_forward(target, tokens[None, -1:], cache)
+            t = time.perf_counter() - start
+            cache.crop(-1)
+            start = time.perf_counter()
+            drafter.propose(tokens, 1, greedy, None)
+            ratios.append((time.perf_counter() - start) / t)
     return statistics.median(ratios)
 
 

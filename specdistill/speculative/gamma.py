@@ -25,9 +25,12 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from specdistill.acceptance import ideal_speedup
+from specdistill.modeling.attention import decode_attention_for
+from specdistill.modeling.kv_cache import preallocated_cache
+from specdistill.modeling.lean import engine_forward
 from specdistill.speculative.bench import BenchConfig, BenchResult, run_bench_many
 
 GAMMAS = range(1, 9)
@@ -35,14 +38,12 @@ GAMMAS = range(1, 9)
 
 def measure_forward_seconds(target: PreTrainedModel, ks: Sequence[int] = tuple(range(1, 10)), *,
                             context: int = 128, repeats: int = 7) -> dict[int, float]:
-    """Seconds of one forward over k new tokens with a KV cache of `context` tokens, for each k;
-    interleaved (alternating order), median of repeats: the machine is shared and noisy."""
+    """Seconds of one forward over k new tokens with a KV cache of `context` tokens, for each k, as the
+    engine runs them; interleaved (alternating order), median of repeats: the machine is shared and noisy."""
     vocab = target.config.vocab_size
     device = next(target.parameters()).device
     ids = torch.randint(0, vocab, (1, context), device=device)
-    cache = DynamicCache(config=target.config)
-    with torch.inference_mode():
-        target(input_ids=ids, cache=cache, use_cache=True)
+    cache = preallocated_cache(target, 1, context + max(ks))  # as the engine runs its target
     inputs = {k: torch.randint(0, vocab, (1, k), device=device) for k in ks}
 
     def timed(k: int) -> float:
@@ -50,16 +51,17 @@ def measure_forward_seconds(target: PreTrainedModel, ks: Sequence[int] = tuple(r
         if extra:
             cache.crop(-extra)
         start = time.perf_counter()
-        with torch.inference_mode():
-            target(input_ids=inputs[k], cache=cache, use_cache=True, logits_to_keep=k)
+        engine_forward(target, inputs[k], cache, keep=k)
         return time.perf_counter() - start
 
     samples: dict[int, list[float]] = {k: [] for k in ks}
-    for k in ks:  # warm-up
-        timed(k)
-    for r in range(repeats):
-        for k in (list(ks) if r % 2 == 0 else list(reversed(ks))):
-            samples[k].append(timed(k))
+    with torch.inference_mode(), decode_attention_for(target):
+        engine_forward(target, ids, cache)
+        for k in ks:  # warm-up
+            timed(k)
+        for r in range(repeats):
+            for k in (list(ks) if r % 2 == 0 else list(reversed(ks))):
+                samples[k].append(timed(k))
     return {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
 
 
