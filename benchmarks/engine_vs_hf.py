@@ -45,10 +45,10 @@ step or verification instead of SDPA's CPU flash kernel (`modeling.attention`), 
 cache, and the lean Llama forward (`modeling.lean`). With the demo's generic draft (α 0.083),
 bf16, 10 prompts × 32 tokens, γ 3, quiet machine, the checkout before them and after:
 
-    threads  ours-base / hf-base  ours-draft / hf-assisted
-    1 (before)       0.99x               1.04x
-    1                1.08x               1.10x
-    2                1.04x               1.11x
+    threads      ours-base / hf-base  ours-draft / hf-assisted
+    1 (before)         0.99x                 1.04x
+    1 (two runs)       1.08x, 1.06x          1.10x, 1.08x
+    2                  1.04x                 1.11x
 
 A bf16 step of the demo target moves ~270 MB of weights (7.7 GB/s at 35 ms a step on one core):
 the GEMMs are bandwidth-bound and the same in both engines, so what is left between them is the
