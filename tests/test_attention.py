@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specdistill.modeling.attention import DECODE_ATTENTION, decode_attention_for, decode_attention
+from specdistill.modeling.attention import DECODE_ATTENTION, decode_attention, decode_attention_for
 from specdistill.modeling.kv_cache import BLOCK, PreallocatedLayer, dense_buffers
 from tests.conftest import lively, make_tiny_llama
 

@@ -9,8 +9,8 @@ appends the target's own next token (its correction, or the bonus token when all
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
 import torch
