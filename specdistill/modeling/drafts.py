@@ -186,7 +186,7 @@ def measure_cost_ratio(
 
     from specdistill.modeling.attention import decode_attention_for
     from specdistill.modeling.kv_cache import preallocated_cache
-    from specdistill.modeling.lean import engine_forward, lean_forward, supports_lean
+    from specdistill.modeling.lean import engine_forward
 
     vocab_size = target.config.vocab_size
     ids = torch.randint(0, vocab_size, (1, context))
@@ -196,14 +196,9 @@ def measure_cost_ratio(
         engine_forward(target, step, cache)
 
     def decode_draft(cache):
-        if draft_vocab is None:
-            engine_forward(draft, step, cache)
-        elif supports_lean(draft):
-            hidden = lean_forward(draft, step, cache, head=False)[0]
-            draft_vocab.logits(hidden[:, -1], draft.get_output_embeddings().weight)
-        else:
-            hidden = draft.model(input_ids=step, cache=cache, use_cache=True).last_hidden_state
-            draft_vocab.logits(hidden[:, -1], draft.get_output_embeddings().weight)
+        out = engine_forward(draft, step, cache, head=draft_vocab is None)
+        if draft_vocab is not None:
+            draft_vocab.logits(out[:, -1], draft.get_output_embeddings().weight)
 
     def timed(fn, cache) -> float:
         extra = cache.get_seq_length() - context

@@ -90,10 +90,14 @@ def lean_forward(model: PreTrainedModel, input_ids: torch.Tensor, cache: Cache, 
     return (model.lm_head(hidden) if head else hidden), features
 
 
-def engine_forward(model: PreTrainedModel, input_ids: torch.Tensor, cache: Cache, keep: int = 1) -> torch.Tensor:
-    """Logits `[B, keep, V]` as the engine computes them: the lean forward where supported, transformers'
-    elsewhere. Cost measurements (c, v(k)) time this, inside `decode_attention_for`, so that they
+def engine_forward(model: PreTrainedModel, input_ids: torch.Tensor, cache: Cache, keep: int = 1,
+                   head: bool = True) -> torch.Tensor:
+    """Logits `[B, keep, V]` (with `head=False` the final-norm hidden states `[B, keep, H]`) as the
+    engine computes them: the lean forward where supported, transformers' elsewhere. Drafts step
+    through it, and cost measurements (c, v(k)) time it inside `decode_attention_for`, so that they
     price the steps the engine actually runs."""
     if supports_lean(model):
-        return lean_forward(model, input_ids, cache, keep=keep)[0]
-    return model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=keep).logits
+        return lean_forward(model, input_ids, cache, keep=keep, head=head)[0]
+    if head:
+        return model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=keep).logits
+    return model.model(input_ids=input_ids, cache=cache, use_cache=True).last_hidden_state[:, -keep:]

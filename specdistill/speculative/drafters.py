@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specdistill.modeling.lean import lean_forward, supports_lean
+from specdistill.modeling.lean import engine_forward
 from specdistill.modeling.vocab import DraftVocab, VocabAlignmentError
 from specdistill.speculative.sampling import SamplingConfig, draft_token
 
@@ -84,14 +84,8 @@ class ModelDrafter:
         self.cached = 0
 
     def _next_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if supports_lean(self.model):
-            out, _ = lean_forward(self.model, input_ids, self.cache, keep=1, head=self.head_weight is None)
-            return out[0, -1] if self.head_weight is None else torch.mv(self.head_weight, out[0, -1])
-        if self.head_weight is None:
-            out = self.model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=1)
-            return out.logits[0, -1]
-        hidden = self.model.model(input_ids=input_ids, cache=self.cache, use_cache=True).last_hidden_state
-        return torch.mv(self.head_weight, hidden[0, -1])
+        out = engine_forward(self.model, input_ids, self.cache, head=self.head_weight is None)[0, -1]
+        return out if self.head_weight is None else torch.mv(self.head_weight, out)
 
     def propose(self, tokens, k, config, generator):
         if self.cache is None:
