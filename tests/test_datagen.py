@@ -1,4 +1,4 @@
-"""Target-generated data: chat-template masks, batched left-padded generation, resume, recorded teacher."""
+"""Target-generated data: chat-template masks, batched left-padded generation, resume, recorded teacher and features."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from specdistill.distill.datagen import (
     generate_answers,
     read_done,
 )
+from specdistill.distill.features import FeatureCache, build_feature_cache, entry_features, feature_start
 from specdistill.distill.teacher import TeacherCache
 from tests.conftest import make_tiny_llama
 
@@ -107,3 +108,62 @@ def test_sampled_generation_is_reproducible(tok, tiny_target, tmp_path):
     b = generate_answers(tiny_target, tok, _prompts(2), tmp_path / "b.jsonl", temperature=1.0, seed=5, max_new_tokens=6,
                          progress=False)
     assert [a[k]["response_ids"] for k in sorted(a)] == [b[k]["response_ids"] for k in sorted(b)]
+
+
+@pytest.mark.parametrize("lean", [True, False])
+@pytest.mark.parametrize("context", [0, 2, None])
+def test_answer_pass_records_the_features_a_teacher_forced_pass_would(tok, tiny_target, tmp_path, context, lean):
+    """The feature layers' inputs seen by prefill and decode steps are the ones the separate feature
+    pass records over the finished answers (fp32), at the same stored positions; lean or not."""
+    if not lean:
+        tiny_target.config._attn_implementation = "eager"  # transformers' forward and the hooks record the steps
+    try:
+        cache = FeatureCache.create(tmp_path / "f", fingerprint="fp", layers=[0, 1, 1], data="answers", prompt_context=context)
+        done = generate_answers(tiny_target, tok, _prompts(5), tmp_path / "g.jsonl", batch_size=3, max_new_tokens=7,
+                                feature_cache=cache, progress=False, decode_attention=lean)
+    finally:
+        tiny_target.config._attn_implementation = "sdpa"
+    examples = [encode_generated(tok, rec) for rec in done.values()]
+    reference = build_feature_cache(tiny_target, examples, tmp_path / "ref", fingerprint="fp", layers=[0, 1, 1],
+                                    prompt_context=context, progress=False).load_all()
+    rows = FeatureCache.open(tmp_path / "f", fingerprint="fp", layers=[0, 1, 1], prompt_context=context).load_all()
+    assert sorted(rows) == sorted(done)
+    for ex in examples:
+        start = feature_start(ex.assistant_mask, context)
+        got = entry_features(rows[ex.id], ex.id, ex.input_ids, start)
+        want = entry_features(reference[ex.id], ex.id, ex.input_ids, start)
+        assert got.shape == want.shape == (len(ex.input_ids) - 1 - start, 3 * 32)
+        torch.testing.assert_close(got.float(), want.float(), atol=0.02, rtol=0.02)  # both stored in bf16
+
+
+def test_a_truncated_example_reads_the_prefix_of_its_answer_pass_features(tok, tiny_target, tmp_path):
+    cache = FeatureCache.create(tmp_path / "f", fingerprint="fp", layers=[0, 1], data="answers", prompt_context=0)
+    done = generate_answers(tiny_target, tok, _prompts(1), tmp_path / "g.jsonl", max_new_tokens=7, feature_cache=cache,
+                            progress=False)
+    rec = next(iter(done.values()))
+    full, cut = encode_generated(tok, rec), encode_generated(tok, rec, max_len=len(rec["prompt_ids"]) + 2)
+    entry = cache.load_all()[rec["id"]]
+    start = feature_start(cut.assistant_mask, 0)
+    assert entry_features(entry, cut.id, cut.input_ids, start).shape[0] == len(cut.input_ids) - 1 - start
+    torch.testing.assert_close(entry_features(entry, cut.id, cut.input_ids, start),
+                               entry_features(entry, full.id, full.input_ids, start)[: len(cut.input_ids) - 1 - start])
+    other = list(cut.input_ids)
+    other[-1] += 1
+    with pytest.raises(ValueError, match="other token ids"):
+        entry_features(entry, cut.id, other, start)
+
+
+def test_feature_pass_extends_the_answer_pass_cache_with_what_it_lacks(tok, tiny_target, tmp_path):
+    cache = FeatureCache.create(tmp_path / "f", fingerprint="fp", layers=[0, 1], data="answers", prompt_context=0)
+    done = generate_answers(tiny_target, tok, _prompts(3), tmp_path / "g.jsonl", max_new_tokens=5, feature_cache=cache,
+                            progress=False)
+    shards = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "f").glob("shard-*")}
+    more = generate_answers(tiny_target, tok, _prompts(5), tmp_path / "g.jsonl", max_new_tokens=5, progress=False)
+    examples = [encode_generated(tok, rec) for rec in more.values()]
+    extended = build_feature_cache(tiny_target, examples, tmp_path / "f", fingerprint="fp", layers=[0, 1],
+                                   prompt_context=0, progress=False, extend=True)
+    assert extended.ids() == set(more) and len(more) == len(done) + 2
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "f").glob("shard-*") if p.name in shards} == shards
+    with pytest.raises(ValueError, match="layers"):  # extending is for the same layers only
+        build_feature_cache(tiny_target, examples, tmp_path / "f", fingerprint="fp", layers=[0, 0], prompt_context=0,
+                            progress=False, extend=True)

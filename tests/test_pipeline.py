@@ -284,6 +284,28 @@ def test_train_kind_eagle3_trains_a_head_from_features_beside_the_teacher_cache(
     assert load_nightly_config().train.kind == "eagle3"  # the demo trains the better kind per CPU-minute
 
 
+def test_the_answer_pass_records_the_heads_features_so_training_needs_no_second_target_pass(tiny_target_dir, tmp_path,
+                                                                                             monkeypatch):
+    import specdistill.distill.features as features
+    from specdistill.pipeline.answers import features_dir, generate_responses
+
+    built = []
+    real_build = features.build_feature_cache
+    monkeypatch.setattr(features, "build_feature_cache", lambda target, seqs, directory, **kw: (
+        built.append((Path(directory).name, len(seqs))) or real_build(target, seqs, directory, **kw)))
+    url, chat_file, code_file = _store_with_traffic(tmp_path)
+    config = _window_config(tiny_target_dir, url, chat_file, code_file, "train.kind=eagle3", "train.max_steps=4",
+                            "train.draft_vocab=null", "generation.max_new_tokens=6", "dtype=float32")
+    window = pipeline.select_window(config, now=NOW).to_dict()
+    train = generate_responses(config, window, "train", record_teacher=True)
+    heldout = generate_responses(config, window, "eval", record_teacher=False)
+    shards = sorted(p.name for p in features_dir(train["teacher_cache"]).glob("shard-*"))
+    assert shards and all(name.startswith("shard-gen-") for name in shards)
+    result = pipeline.distill_draft(config, train, heldout)
+    assert result["steps"] == 4 and built == [("features-heldout", 4)]  # the held-out answers only: whole prompts
+    assert sorted(p.name for p in features_dir(train["teacher_cache"]).glob("shard-*")) == shards
+
+
 def test_training_autocasts_to_bf16_exactly_when_the_run_is_bf16(monkeypatch):
     calls = []
     monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg: calls.append(dcfg) or {})

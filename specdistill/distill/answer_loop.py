@@ -1,5 +1,6 @@
 """The batched answer loop: the target answers a batch of prompts, greedy or sampled, recording its
-top-k log-probs on the way (the offline teacher for free).
+top-k log-probs (the offline teacher) and, for EAGLE-3 heads, its feature layers' inputs on the way:
+the answer pass is the only target pass the training data needs.
 
 An own decode loop rather than `generate`: the KV cache is preallocated and written in place, a row
 that reaches EOS leaves the batch with its cache rows, and prompts are prefilled in groups of similar
@@ -14,6 +15,7 @@ import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 from specdistill.distill.teacher import topk_rows
+from specdistill.modeling.eagle3 import FeatureHooks
 from specdistill.modeling.kv_cache import preallocated_cache, select_rows, write_rows
 from specdistill.modeling.lean import lean_forward, supports_lean
 
@@ -35,6 +37,35 @@ class TopKRecorder:
 
     def rows(self, row: int, n: int) -> dict[str, torch.Tensor]:
         return {"logprobs": self.logprobs[row, :n], "indices": self.indices[row, :n], "residual": self.residual[row, :n]}
+
+
+class FeatureRecorder:
+    """Keeps the inputs of the target's feature `layers` (EAGLE-3) for every row: the last
+    `prompt_context + 1` prompt positions from the prefill (None: the whole prompt) and every answer
+    token fed back in a decode step, which together are the positions a feature cache stores."""
+
+    def __init__(self, layers: Sequence[int], prompt_context: int | None, rows: int, steps: int):
+        self.layers, self.prompt_context = list(layers), prompt_context
+        self.prompt: list[torch.Tensor | None] = [None] * rows
+        self.answer: torch.Tensor | None = None  # [rows, steps, F], allocated at the first step
+        self.steps = steps
+
+    def record_prompt(self, row: int, features: torch.Tensor) -> None:
+        """`features` `[prompt length, F]` of batch row `row`'s prompt."""
+        keep = features.shape[0] if self.prompt_context is None else min(features.shape[0], self.prompt_context + 1)
+        self.prompt[row] = features[features.shape[0] - keep:].clone()
+
+    def record(self, step: int, rows: torch.Tensor, features: torch.Tensor) -> None:
+        """`features[i]` `[F]` is batch row `rows[i]`'s at answer token `step`."""
+        if self.answer is None:
+            self.answer = features.new_zeros((len(self.prompt), self.steps, features.shape[-1]))
+        self.answer[rows, step] = features
+
+    def rows(self, row: int, answer_length: int) -> torch.Tensor:
+        """Row `row`'s features at its stored prompt positions and answer tokens 0..n-2 (the last token
+        is never an input of the head)."""
+        answer = self.answer[row, : answer_length - 1] if self.answer is not None else self.prompt[row][:0]
+        return torch.cat([self.prompt[row], answer])
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad: int, room: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +106,8 @@ def _positions(attention: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def decode_batch(target: PreTrainedModel, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, pad: int, eos: int,
-                 temperature: float = 0.0, recorder: TopKRecorder | None = None) -> torch.Tensor:
+                 temperature: float = 0.0, recorder: TopKRecorder | None = None,
+                 features: FeatureRecorder | None = None) -> torch.Tensor:
     """Answers to a batch of prompts, `[rows, max_new_tokens]`, each row padded with `pad` after its EOS.
 
     `model.generate`'s loop without its waste: rows are left-padded (every answer starts at the same
@@ -85,50 +117,69 @@ def decode_batch(target: PreTrainedModel, prompts: Sequence[Sequence[int]], *, m
     answer. Rows never see each other, so greedy answers are `generate`'s (argmax over fp32 logits,
     ties to the lowest id) up to float rounding of the differently grouped matmuls. Sampling draws
     as `generate` does (softmax of logits / temperature, one multinomial over the rows still going).
+    With `features`, the feature layers' inputs of the prompts and fed-back answer tokens go into it.
     """
     rows, width = len(prompts), max(len(ids) for ids in prompts)
     _, attention = left_pad(prompts, pad, max_new_tokens)
     cache = preallocated_cache(target, rows, width + max_new_tokens)
+    capture = features.layers if features is not None else []
+    lean = supports_lean(target)  # decode steps through `modeling.lean` (prefill keeps transformers' forward)
+    with FeatureHooks(target, capture) as hooks:  # the prefill's (and a non-lean step's) features
+        logits = _prefill(target, prompts, pad, cache, hooks, features)
+        positions = _positions(attention[:, :width])[:, -1:]
+        answers = torch.full((rows, max_new_tokens), pad, dtype=torch.long)
+        going = torch.arange(rows)  # the batch rows still generating, in cache order
+        length = width
+        for step in range(max_new_tokens):
+            logits = logits.float()
+            if recorder is not None:
+                recorder.record(step, going, logits)
+            if temperature > 0:
+                new = torch.multinomial(torch.softmax(logits / temperature, dim=-1), num_samples=1).squeeze(1)
+            else:
+                new = logits.argmax(dim=-1)
+            answers[going, step] = new
+            unfinished = new != eos
+            if step + 1 == max_new_tokens or not bool(unfinished.any()):
+                break
+            attention[:, length] = 1
+            length += 1
+            positions = positions + 1
+            if not bool(unfinished.all()):
+                kept = unfinished.nonzero().squeeze(1)
+                going, new, attention, positions = going[kept], new[kept], attention[kept], positions[kept]
+                select_rows(cache, kept)
+            if lean:
+                out, seen = lean_forward(target, new[:, None], cache, positions=positions,
+                                         mask=attention[:, None, None, :length].bool(), capture=capture)
+                logits = out[:, -1]
+            else:
+                logits = target(input_ids=new[:, None], attention_mask=attention[:, :length], position_ids=positions,
+                                cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+                seen = hooks.take() if capture else None
+            if features is not None:
+                features.record(step, going, seen[:, 0])
+    return answers
+
+
+def _prefill(target: PreTrainedModel, prompts: Sequence[Sequence[int]], pad: int, cache, hooks: FeatureHooks,
+             features: FeatureRecorder | None) -> torch.Tensor:
+    """Every row's next-token logits after its prompt, the prompts written into `cache` right-aligned."""
+    width = max(len(ids) for ids in prompts)
     logits = None
     for group in prefill_groups([len(ids) for ids in prompts]):
         input_ids, group_attention = left_pad([prompts[r] for r in group], pad)
         prefill = DynamicCache(config=target.config)
         last = target(input_ids=input_ids, attention_mask=group_attention, position_ids=_positions(group_attention),
                       cache=prefill, use_cache=True, logits_to_keep=1).logits[:, -1]
-        logits = last.new_empty((rows, last.shape[-1])) if logits is None else logits
+        logits = last.new_empty((len(prompts), last.shape[-1])) if logits is None else logits
         logits[group] = last
         write_rows(cache, torch.tensor(group), width, prefill)
-    positions = _positions(attention[:, :width])[:, -1:]
-    answers = torch.full((rows, max_new_tokens), pad, dtype=torch.long)
-    going = torch.arange(rows)  # the batch rows still generating, in cache order
-    lean = supports_lean(target)  # decode steps through `modeling.lean` (prefill keeps transformers' forward)
-    length = width
-    for step in range(max_new_tokens):
-        logits = logits.float()
-        if recorder is not None:
-            recorder.record(step, going, logits)
-        if temperature > 0:
-            new = torch.multinomial(torch.softmax(logits / temperature, dim=-1), num_samples=1).squeeze(1)
-        else:
-            new = logits.argmax(dim=-1)
-        answers[going, step] = new
-        unfinished = new != eos
-        if step + 1 == max_new_tokens or not bool(unfinished.any()):
-            break
-        attention[:, length] = 1
-        length += 1
-        positions = positions + 1
-        if not bool(unfinished.all()):
-            kept = unfinished.nonzero().squeeze(1)
-            going, new, attention, positions = going[kept], new[kept], attention[kept], positions[kept]
-            select_rows(cache, kept)
-        if lean:
-            logits = lean_forward(target, new[:, None], cache, positions=positions,
-                                  mask=attention[:, None, None, :length].bool())[0][:, -1]
-        else:
-            logits = target(input_ids=new[:, None], attention_mask=attention[:, :length], position_ids=positions,
-                            cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-    return answers
+        if features is not None:
+            seen = hooks.take()
+            for i, row in enumerate(group):
+                features.record_prompt(row, seen[i, input_ids.shape[1] - len(prompts[row]):])
+    return logits
 
 
 class _RecordScores(LogitsProcessor):

@@ -26,7 +26,8 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdistill.data.prompts import as_messages, encode_chat
-from specdistill.distill.answer_loop import TopKRecorder, decode_batch
+from specdistill.distill.answer_loop import FeatureRecorder, TopKRecorder, decode_batch
+from specdistill.distill.features import FEATURE_DTYPE, FeatureCache, feature_start
 from specdistill.distill.teacher import TeacherCache, pad_batch
 from specdistill.modeling.attention import decode_attention_for
 
@@ -134,6 +135,7 @@ def generate_answers(
     seed: int = 0,
     progress: bool = True,
     teacher_cache: TeacherCache | None = None,
+    feature_cache: FeatureCache | None = None,
     decode_attention: bool = True,
 ) -> dict[str, dict]:
     """Answer every prompt with the target, appending one JSONL record per answer; returns all records.
@@ -141,12 +143,15 @@ def generate_answers(
     Prompts are sorted by length so a batch pads little; with sampling, each batch is seeded from
     `seed` and its first id, so a resumed run samples what an uninterrupted one would have.
     With `teacher_cache`, the target's top-k log-probs at every answer token (temperature 1, full
-    vocabulary) go into it too, so no second target pass is needed for offline distillation.
+    vocabulary) go into it too, so no second target pass is needed for offline distillation; with
+    `feature_cache`, so do the EAGLE-3 feature layers' inputs at the positions the cache stores (its
+    `layers` and `prompt_context`), as seen by the target's decode steps.
     `decode_attention`: decode steps use `modeling.attention.decode_attention` instead of SDPA's
     CPU flash kernel (faster for a batch; the same answers up to numerical near-ties).
     """
     if teacher_cache is not None and temperature > 0:
         raise ValueError("record the teacher during greedy generation only; for sampled answers use teacher.build_cache")
+    context = feature_cache.meta["prompt_context"] if feature_cache is not None else None
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     repair_tail(out_path)
@@ -171,20 +176,31 @@ def generate_answers(
             if teacher_cache is not None:
                 recorder = TopKRecorder(int(teacher_cache.meta["k"]), float(teacher_cache.meta["temperature"]),
                                          len(batch), max_new_tokens)
+            features = None
+            if feature_cache is not None:
+                features = FeatureRecorder(feature_cache.meta["layers"], context, len(batch), max_new_tokens)
             with decode_attention_for(target) if decode_attention else nullcontext():
                 generated = decode_batch(target, [ids for _, ids in batch], max_new_tokens=max_new_tokens, pad=pad,
-                                         eos=eos, temperature=temperature, recorder=recorder)
+                                         eos=eos, temperature=temperature, recorder=recorder, features=features)
             answers = []
             for row in range(len(batch)):
                 answer = generated[row].tolist()
                 answers.append(answer[: answer.index(eos) + 1] if eos in answer else answer)
+            name = f"gen-{zlib.crc32('|'.join(p.id for p, _ in batch).encode()):08x}"
             if recorder is not None:
                 entries = {}
                 for row, ((p, ids), answer) in enumerate(zip(batch, answers)):
                     entries[p.id] = {"input_ids": torch.tensor(ids + answer, dtype=torch.int32),
                                      **recorder.rows(row, len(answer))}
-                name = f"gen-{zlib.crc32('|'.join(p.id for p, _ in batch).encode()):08x}"
                 teacher_cache.write_shard(name, entries)
+            if features is not None:
+                entries = {}
+                for row, ((p, ids), answer) in enumerate(zip(batch, answers)):
+                    start = feature_start([False] * len(ids) + [True] * len(answer), context)
+                    entries[p.id] = {"input_ids": torch.tensor(ids + answer, dtype=torch.int32),
+                                     "start": torch.tensor(start, dtype=torch.int64),
+                                     "features": features.rows(row, len(answer)).to(FEATURE_DTYPE)}
+                feature_cache.write_shard(name, entries)
             for row, (p, ids) in enumerate(batch):
                 answer = generated[row].tolist()
                 finish = "length"

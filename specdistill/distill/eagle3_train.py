@@ -23,7 +23,7 @@ from torch import nn
 
 from specdistill.acceptance import expected_tokens_per_round
 from specdistill.distill import losses
-from specdistill.distill.features import check_feature_entry, feature_start
+from specdistill.distill.features import entry_features, feature_start
 from specdistill.distill.teacher import check_entry, teacher_positions, to_draft_space
 from specdistill.modeling.eagle3 import Eagle3Draft
 from specdistill.modeling.vocab import DraftVocab
@@ -53,7 +53,7 @@ def eagle3_examples(examples: list, feature_rows: dict, teacher_rows: dict | Non
     for ex in examples:
         start = feature_start(ex.assistant_mask, prompt_context)
         entry = feature_rows.get(str(ex.id))
-        check_feature_entry(entry, str(ex.id), ex.input_ids, start)
+        features = entry_features(entry, str(ex.id), ex.input_ids, start)
         answer_rows = teacher_positions(ex.assistant_mask)
         row_of = torch.full((len(ex.input_ids),), -1, dtype=torch.long)
         row_of[torch.tensor(answer_rows, dtype=torch.long) + 1] = torch.arange(len(answer_rows))
@@ -74,7 +74,7 @@ def eagle3_examples(examples: list, feature_rows: dict, teacher_rows: dict | Non
                 keep = torch.ones(n, dtype=torch.bool)
         else:  # held-out sequences need labels only
             top, keep = losses.TopKTeacher(torch.zeros(0, 1), torch.zeros(0, 1, dtype=torch.long), torch.zeros(0)), None
-        out.append(Eagle3Example(str(ex.id), torch.tensor(ex.input_ids, dtype=torch.long), start, entry["features"],
+        out.append(Eagle3Example(str(ex.id), torch.tensor(ex.input_ids, dtype=torch.long), start, features,
                                  row_of, top, keep))
     return out
 
@@ -257,7 +257,8 @@ class Eagle3Task:
                                     prompt_context=context,
                                     max_bytes=None if e.feature_max_gb is None else e.feature_max_gb * 1e9,
                                     teacher_dir=teacher_dir, k=e.teacher_top_k,
-                                    temperature=config.loss.temperature, progress=config.progress)
+                                    temperature=config.loss.temperature, progress=config.progress,
+                                    extend=teacher_dir is None)  # e.g. the answer pass's cache lacks a few
                 del runner
             if multi:
                 torch.distributed.barrier()

@@ -1,9 +1,10 @@
 """Target features for EAGLE-3 heads: the inputs of three target decoder layers, recorded offline.
 
-One teacher-forced target pass over the training and held-out sequences (about one prefill each)
-records, through `FeatureHooks`, the concatenated inputs of the head's feature layers at every
-stored position, in bf16 safetensors shards. The same pass can also write the top-k teacher rows
-(`TeacherCache`), so features and teacher come from one forward.
+The target's answer pass records them on the way (`datagen.generate_answers(feature_cache=...)`), so
+the pass that writes the training data is the only target pass it needs. Answers that came from
+elsewhere get one teacher-forced target pass (about one prefill each, `build_feature_cache`), which
+records through `FeatureHooks` and can also write the top-k teacher rows (`TeacherCache`). Either way
+the concatenated inputs of the head's feature layers are stored in bf16 safetensors shards.
 
 Stored positions: for a sequence of length L whose first answer token sits at p, positions
 start..L-2 with start = p-1-prompt_context (clamped at 0; `prompt_context=None` keeps the whole
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -150,16 +152,21 @@ class FeatureCache:
         return load_shards(self.dir)
 
 
-def check_feature_entry(entry: dict[str, torch.Tensor], ex_id: str, input_ids: Sequence[int], start: int) -> None:
-    """A cache entry must describe exactly this sequence from the expected first position."""
+def entry_features(entry: dict[str, torch.Tensor] | None, ex_id: str, input_ids: Sequence[int], start: int) -> torch.Tensor:
+    """The features `[len - 1 - start, F]` of this sequence from its cache entry, checked: the entry must
+    have been written for these token ids (or a longer sequence they begin: the answer pass stores
+    whole answers, training may truncate them) from the expected first position."""
     if entry is None:
         raise StaleFeatureCacheError(f"feature cache has no entry for example {ex_id!r}")
-    if entry["input_ids"].tolist() != list(input_ids):
+    cached = entry["input_ids"].tolist()
+    if cached[: len(input_ids)] != list(input_ids):
         raise StaleFeatureCacheError(f"feature cache entry {ex_id!r} was written for other token ids")
-    if int(entry["start"]) != start or entry["features"].shape[0] != len(input_ids) - 1 - start:
+    rows = len(input_ids) - 1 - start
+    if int(entry["start"]) != start or entry["features"].shape[0] != len(cached) - 1 - start:
         raise StaleFeatureCacheError(
             f"feature cache entry {ex_id!r} stores positions from {int(entry['start'])} "
             f"({entry['features'].shape[0]} rows), this run needs them from {start}")
+    return entry["features"][:rows]
 
 
 @torch.inference_mode()
@@ -178,13 +185,24 @@ def build_feature_cache(
     draft_vocab: DraftVocab | None = None,
     batch_size: int = 8,
     progress: bool = True,
+    extend: bool = False,
 ) -> FeatureCache:
     """Run the target once over the examples and store the feature layers' inputs (bf16); with
     `teacher_dir`, the same forward also writes the top-k teacher rows there. Resumable per shard;
-    the disk budget is checked before the first forward."""
+    the disk budget is checked before the first forward. With `extend`, an existing cache of the
+    same target, layers and prompt context (the answer pass's) gets just the examples it lacks."""
+    directory = Path(directory)
+    existing = extend and (directory / FEATURE_META).is_file()
+    if existing:
+        if teacher_dir is not None:
+            raise ValueError("extend a feature cache without a teacher: its examples' teacher rows exist already")
+        cache = FeatureCache.open(directory, fingerprint=fingerprint, layers=layers, prompt_context=prompt_context)
+        have = cache.ids()
+        examples = [ex for ex in examples if str(ex.id) not in have]
     check_budget(examples, target.config.hidden_size, prompt_context, max_bytes, len(layers))
     data = data_hash(examples)
-    cache = FeatureCache.create(directory, fingerprint=fingerprint, layers=layers, data=data, prompt_context=prompt_context)
+    if not existing:
+        cache = FeatureCache.create(directory, fingerprint=fingerprint, layers=layers, data=data, prompt_context=prompt_context)
     teacher = None
     if teacher_dir is not None:
         teacher = TeacherCache.create(teacher_dir, fingerprint=fingerprint, k=k, temperature=temperature,
@@ -193,8 +211,9 @@ def build_feature_cache(
     bar = tqdm(total=len(examples), desc="target features", unit="seq", disable=not progress, file=sys.stderr)
     with FeatureHooks(target, layers) as hooks:
         for begin in range(0, len(examples), batch_size):
-            name = f"{begin:07d}"
             batch = examples[begin : begin + batch_size]
+            # extending: named by content, since the examples still missing shift on a resume
+            name = f"x{zlib.crc32('|'.join(str(ex.id) for ex in batch).encode()):08x}" if existing else f"{begin:07d}"
             if cache.has_shard(name) and (teacher is None or teacher.has_shard(name)):
                 bar.update(len(batch))
                 continue

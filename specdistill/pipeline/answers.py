@@ -49,7 +49,8 @@ def generate_responses(config: NightlyConfig, window: WindowDict, split: str, *,
 
 def _outputs(config: NightlyConfig, window: WindowDict, fingerprint: str, split: str, source: str, k: int,
              record_teacher: bool) -> tuple[Path, TeacherCache | None]:
-    """The split's answers file and, for train answers, the teacher cache, keyed by what answered."""
+    """The split's answers file and, for train answers, the teacher cache, keyed by what answered
+    (the EAGLE-3 feature cache, when there is one, lies beside the teacher cache: `features_dir`)."""
     from specdistill.distill.teacher import TeacherCache
 
     g = config.generation
@@ -71,9 +72,34 @@ def _answer_in_harness(config: NightlyConfig, target: LoadedModel, window: Windo
     g = config.generation
     dtype = dtype_name(target.model.dtype)
     out_path, cache = _outputs(config, window, target.fingerprint, split, dtype, g.teacher_top_k, record_teacher)
+    features = _feature_cache(config, target, out_path, cache)
     records = generate_answers(target.model, target.tokenizer, prompts, out_path, batch_size=g.batch_size,
-                               max_new_tokens=g.max_new_tokens, teacher_cache=cache)
+                               max_new_tokens=g.max_new_tokens, teacher_cache=cache, feature_cache=features)
     return records, dtype, out_path, str(cache.dir) if cache else None
+
+
+def features_dir(teacher_cache: str | Path) -> Path:
+    """Where an EAGLE-3 head's training features for these answers live: beside their teacher cache,
+    so every run on the same answers reuses them."""
+    return Path(teacher_cache).parent / "features"
+
+
+def _feature_cache(config: NightlyConfig, target: LoadedModel, out_path: Path, teacher: TeacherCache | None):
+    """The feature cache the answer pass fills for an EAGLE-3 head (at the layers and prompt context the
+    trainer reads), so training needs no second target pass over the answers. None for a layer draft,
+    and for answers already written without one (a resume of an older run: the trainer's pass fills it)."""
+    from specdistill.distill.config import Eagle3Config
+    from specdistill.distill.features import FEATURE_META, FeatureCache
+    from specdistill.modeling.eagle3 import default_aux_layers
+
+    if teacher is None or config.train.kind != "eagle3":
+        return None
+    directory = features_dir(teacher.dir)
+    if out_path.is_file() and not (directory / FEATURE_META).is_file():
+        return None
+    return FeatureCache.create(directory, fingerprint=target.fingerprint,
+                               layers=default_aux_layers(target.model.config.num_hidden_layers),
+                               data=teacher.meta["data"], prompt_context=Eagle3Config().prompt_context)
 
 
 def _answer_in_engine(config: NightlyConfig, target: LoadedModel, window: WindowDict, split: str,

@@ -17,6 +17,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from specdistill import paths
+from specdistill.pipeline.answers import features_dir
 from specdistill.pipeline.config import NightlyConfig, SourceConfig, config_hash, run_root
 from specdistill.pipeline.outputs import (
     BenchEntry,
@@ -241,7 +242,7 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | dict, heldo
         loss = LossConfig(kind=tc.loss, temperature=1.0)
         teacher = TeacherConfig(mode="cache", cache_dir=train_data["teacher_cache"])
         if kind == "eagle3":  # features beside the teacher cache: every run on this data reuses them
-            eagle3 = Eagle3Config(steps=tc.eagle3_steps, feature_dir=str(Path(train_data["teacher_cache"]).parent / "features"))
+            eagle3 = Eagle3Config(steps=tc.eagle3_steps, feature_dir=str(features_dir(train_data["teacher_cache"])))
         lr = tc.incremental_lr if warm_start else tc.lr
     result_file = out_dir / "result.json"
     if result_file.is_file():  # finished before: a rerun reuses it
