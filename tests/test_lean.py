@@ -84,3 +84,18 @@ def test_causal_mask_and_support():
     assert not supports_lean(m.train())
     m.eval().set_attn_implementation("eager")
     assert not supports_lean(m)
+
+
+@pytest.mark.parametrize("hidden", [64, 576])
+def test_rms_norm_is_bit_identical_to_llama_rms_norm_in_bf16(hidden):
+    """One kernel on the bf16 input (no float32 copy) rounds exactly where `LlamaRMSNorm` does."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from specdistill.modeling.lean import rms_norm
+
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(hidden, eps=1e-5).to(torch.bfloat16)
+    norm.weight.data = (torch.randn(hidden) * 0.5 + 1).to(torch.bfloat16)
+    for scale in (1e-2, 1.0, 30.0):
+        x = (torch.randn(2, 5, hidden) * scale).to(torch.bfloat16)
+        assert torch.equal(rms_norm(norm, x), norm(x))
