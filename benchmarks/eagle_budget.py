@@ -5,9 +5,10 @@
 Phases (each cached in --work, so a rerun or a resume after a kill never redoes them):
   1. prompts: first-turn ShareGPT prompts, shuffled once, split into train and held-out (disjoint).
   2. target answers: the bf16 target answers every prompt greedily (batched, resumable); the top-k
-     log-probs it produced on the way are the offline teacher cache.
-  3. features: one teacher-forced bf16 target pass over the answers records the inputs of the
-     head's three feature layers (the feature cache).
+     log-probs it produced on the way are the offline teacher cache, and the inputs of the head's three
+     feature layers it saw on the way are the feature cache of the first --prompt-contexts entry.
+  3. features: other prompt contexts (and answers reused from elsewhere) get one teacher-forced bf16
+     target pass over the answers.
   4. one training run per kind and CPU-minute budget (both kinds on the same answers, the same 8k
      draft vocabulary and the same held-out answers), plus EAGLE-3 runs on fewer unique answers.
   5. costs: c of the layer draft (measure_cost_ratio) and of one EAGLE-3 drafting step (fc +
@@ -31,8 +32,9 @@ import torch
 import specdistill  # noqa: F401  (offline environment)
 from benchmarks.distill_budget import log, run_config, select_prompts, write_jsonl
 from specdistill.distill.datagen import Prompt, generate_answers, read_examples
-from specdistill.distill.features import build_feature_cache
+from specdistill.distill.features import FeatureCache, build_feature_cache
 from specdistill.distill.teacher import TeacherCache
+from specdistill.modeling.eagle3 import default_aux_layers
 from specdistill.modeling.models import load_model
 from specdistill.modeling.vocab import DraftVocab, build_draft_vocab
 
@@ -58,9 +60,13 @@ def prepare(args) -> dict:
             split_path.write_text(json.dumps(split, ensure_ascii=False))
         cache = TeacherCache.create(work / "teacher_cache", fingerprint=target.fingerprint, k=args.top_k,
                                     temperature=1.0, vocab="full", data="generated-bf16")
+        first = args.prompt_contexts[0]  # the answer pass records this context's features; others get a feature pass
+        features = FeatureCache.create(work / f"features-ctx{first}", fingerprint=target.fingerprint,
+                                       layers=feature_layers(target), data="generated-bf16",
+                                       prompt_context=None if first == "all" else int(first))
         prompts = [Prompt(p["id"], p["prompt"]) for p in split["heldout"] + split["train"]]
         answers = generate_answers(target.model, tok, prompts, work / "target_answers.jsonl", batch_size=args.gen_batch,
-                                   max_new_tokens=args.max_new_tokens, teacher_cache=cache)
+                                   max_new_tokens=args.max_new_tokens, teacher_cache=cache, feature_cache=features)
         write_jsonl(train_path, [answers[p["id"]] for p in split["train"]])
         write_jsonl(heldout_path, [answers[p["id"]] for p in split["heldout"]])
     train = read_examples(str(train_path), "generated", tok, args.max_len)
@@ -83,13 +89,12 @@ def prepare(args) -> dict:
     coverage = float(kept[held_tokens].float().mean())
 
     features = {}
-    layers = [2, target.config.num_hidden_layers // 2, target.config.num_hidden_layers - 3]
     for context in args.prompt_contexts:
         fdir = work / f"features-ctx{context}"
         t0 = time.process_time()
-        cache = build_feature_cache(target.model, train + heldout, fdir, fingerprint=target.fingerprint, layers=layers,
-                                    prompt_context=None if context == "all" else int(context),
-                                    max_bytes=args.feature_max_gb * 1e9)
+        cache = build_feature_cache(target.model, train + heldout, fdir, fingerprint=target.fingerprint,
+                                    layers=feature_layers(target), prompt_context=None if context == "all" else int(context),
+                                    max_bytes=args.feature_max_gb * 1e9, extend=True)
         positions = sum(c["features"].shape[0] for c in cache.load_all().values())
         features[context] = {"dir": str(fdir), "positions": positions, "disk_bytes": cache.disk_bytes(),
                              "bytes_per_position": cache.disk_bytes() / positions,
@@ -100,6 +105,10 @@ def prepare(args) -> dict:
             f"{features[context]['bytes_per_answer_token']:.0f} B/answer token")
     return {"target": target, "train": train_path, "heldout": heldout_path, "vocab_dir": vdir, "vocab": vocab,
             "coverage": coverage, "answer_tokens": answer_tokens, "n_train": len(train), "features": features}
+
+
+def feature_layers(target) -> list[int]:
+    return default_aux_layers(target.config.num_hidden_layers)
 
 
 def reuse_answers(source: Path, work: Path, n_heldout: int) -> None:
