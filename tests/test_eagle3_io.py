@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from specdistill.modeling import eagle3_io
 from specdistill.modeling.eagle3 import Eagle3Cache, Eagle3ShapeError, init_eagle3_from_target
-from specdistill.modeling.eagle3_io import is_eagle3_dir, load_eagle3, save_eagle3
+from specdistill.modeling.eagle3_io import aux_layers_of, is_eagle3_dir, load_eagle3, save_eagle3
 from specdistill.modeling.models import ModelLoadError, load_model
 from specdistill.modeling.vocab import DraftVocab
 from tests.conftest import save_tiny_target, train_bpe
@@ -105,6 +105,7 @@ def test_export_matches_the_published_layout(head_dir, target):
     assert config["vocab_size"] == tc.vocab_size and config["draft_vocab_size"] == 100
     assert config["target_hidden_size"] == tc.hidden_size
     assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 3, 4], "use_aux_hidden_state": True}
+    assert aux_layers_of(head_dir) == [1, 3, 4] and aux_layers_of(head_dir.parent) is None
     assert config["rope_theta"] == tc.rope_parameters["rope_theta"]
 
     width, target_width = config["hidden_size"], config["target_hidden_size"]

@@ -306,6 +306,17 @@ def test_the_answer_pass_records_the_heads_features_so_training_needs_no_second_
     assert sorted(p.name for p in features_dir(train["teacher_cache"]).glob("shard-*")) == shards
 
 
+def test_a_head_reading_other_layers_gets_features_of_its_own(tmp_path):
+    from specdistill.distill.features import FeatureCache
+    from specdistill.pipeline.answers import features_dir
+
+    teacher = tmp_path / "data" / "teacher_cache"
+    assert features_dir(teacher, [1, 2, 3]) == tmp_path / "data" / "features"  # nothing written yet
+    FeatureCache.create(tmp_path / "data" / "features", fingerprint="fp", layers=[2, 15, 27], data="d", prompt_context=0)
+    assert features_dir(teacher) == features_dir(teacher, [2, 15, 27]) == tmp_path / "data" / "features"
+    assert features_dir(teacher, [1, 2, 3]) == tmp_path / "data" / "features-layers-1-2-3"
+
+
 def test_training_autocasts_to_bf16_exactly_when_the_run_is_bf16(monkeypatch):
     calls = []
     monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg: calls.append(dcfg) or {})

@@ -51,6 +51,13 @@ def is_eagle3_dir(directory: str | os.PathLike) -> bool:
     return bool(config) and EAGLE3_ARCHITECTURE in (config.get("architectures") or [])
 
 
+def aux_layers_of(directory: str | os.PathLike) -> list[int] | None:
+    """The target layers a saved head reads (`eagle_aux_hidden_state_layer_ids`), without loading it."""
+    config = read_config(directory) or {}
+    layers = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return list(layers) if layers else None
+
+
 def export_config(head: Eagle3Draft) -> dict:
     """config.json: the head's Llama config plus the fields older readers take at top level."""
     config = head.config.to_diff_dict()

@@ -78,10 +78,20 @@ def _answer_in_harness(config: NightlyConfig, target: LoadedModel, window: Windo
     return records, dtype, out_path, str(cache.dir) if cache else None
 
 
-def features_dir(teacher_cache: str | Path) -> Path:
+def features_dir(teacher_cache: str | Path, layers: list[int] | None = None) -> Path:
     """Where an EAGLE-3 head's training features for these answers live: beside their teacher cache,
-    so every run on the same answers reuses them."""
-    return Path(teacher_cache).parent / "features"
+    so every run on the same answers reuses them. The answer pass writes `features` (the default
+    layers); a head that reads other `layers` (a warm start from an imported head) gets a directory of
+    its own, which the trainer fills."""
+    import json
+
+    from specdistill.distill.features import FEATURE_META
+
+    directory = Path(teacher_cache).parent / "features"
+    meta = directory / FEATURE_META
+    if layers is not None and meta.is_file() and json.loads(meta.read_text())["layers"] != list(layers):
+        return directory.with_name("features-layers-" + "-".join(str(i) for i in layers))
+    return directory
 
 
 def _feature_cache(config: NightlyConfig, target: LoadedModel, out_path: Path, teacher: TeacherCache | None):

@@ -221,7 +221,7 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | dict, heldo
     baseline: by the window and the train config), so a finished run is found again and reused."""
     from specdistill.distill.config import DataConfig, DistillConfig, Eagle3Config, LossConfig, OptimConfig, TeacherConfig
     from specdistill.distill.train import distill
-    from specdistill.modeling.eagle3_io import is_eagle3_dir
+    from specdistill.modeling.eagle3_io import aux_layers_of, is_eagle3_dir
 
     tc = config.train
     kind = "layers" if generic else tc.kind
@@ -242,7 +242,8 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | dict, heldo
         loss = LossConfig(kind=tc.loss, temperature=1.0)
         teacher = TeacherConfig(mode="cache", cache_dir=train_data["teacher_cache"])
         if kind == "eagle3":  # features beside the teacher cache: every run on this data reuses them
-            eagle3 = Eagle3Config(steps=tc.eagle3_steps, feature_dir=str(features_dir(train_data["teacher_cache"])))
+            head_layers = aux_layers_of(warm_start) if warm_start else None  # other layers than the answer pass's: own dir
+            eagle3 = Eagle3Config(steps=tc.eagle3_steps, feature_dir=str(features_dir(train_data["teacher_cache"], head_layers)))
         lr = tc.incremental_lr if warm_start else tc.lr
     result_file = out_dir / "result.json"
     if result_file.is_file():  # finished before: a rerun reuses it
