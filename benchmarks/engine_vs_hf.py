@@ -30,6 +30,9 @@ mostly compares per-round overhead); with `--draft DIR` a trained draft checkpoi
 target's dtype. ours-draft and hf-assisted both run its full-vocabulary head (transformers'
 assistant needs the target's vocabulary); ours-draft-rv uses the draft's own reduced vocabulary
 (draft_vocab.safetensors) when the checkpoint has one, as `specdistill generate --draft` does.
+ours-draft-tree is the same draft at the same γ with our engine's tree verification (`--tree-width`
+W: the chain plus the draft's W-1 runner-ups for the first position, one target forward), which
+transformers' assisted generation does not have.
 
     python benchmarks/engine_vs_hf.py --dtype bfloat16 --draft DIR --methods ours-base,hf-base,ours-draft,hf-assisted,ours-draft-rv
 
@@ -157,6 +160,7 @@ def main() -> int:
     ap.add_argument("--draft", default=None, metavar="DIR", help="a trained draft checkpoint instead of the untrained layers")
     ap.add_argument("--self-spec", type=int, default=8, help="exit layer for ours-self-K / hf-early-exit-K")
     ap.add_argument("--draft-vocab", type=int, default=4096)
+    ap.add_argument("--tree-width", type=int, default=4, help="first-position candidates of ours-draft-tree")
     ap.add_argument("--methods", default="ours-base,hf-base,ours-draft,hf-assisted,ours-draft-rv,ours-ngram,hf-lookup,"
                                           "ours-self,hf-early-exit")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
@@ -205,6 +209,8 @@ def main() -> int:
     ours = {
         "ours-draft": lambda: ModelDrafter(draft, target.config.vocab_size, name="draft"),
         "ours-draft-rv": lambda: ModelDrafter(draft, target.config.vocab_size, draft_vocab, name="draft+reduced-vocab"),
+        "ours-draft-tree": lambda: ModelDrafter(draft, target.config.vocab_size, name=f"draft, tree {args.tree_width}",
+                                                tree_width=args.tree_width),
         "ours-ngram": lambda: NgramDrafter(1, 3),
         "ours-self": lambda: SelfSpecDrafter(target, K),
     }
@@ -240,7 +246,8 @@ def main() -> int:
         row["speedup_vs_hf_base"] = (row["speedup_vs_ours_base"] / rows["hf-base"]["speedup_vs_ours_base"]
                                      if "hf-base" in rows else None)
         table.append(row)
-    pairs = [("ours-draft", "hf-assisted"), ("ours-ngram", "hf-lookup"), ("ours-self", "hf-early-exit"), ("ours-base", "hf-base")]
+    pairs = [("ours-draft", "hf-assisted"), ("ours-draft-tree", "hf-assisted"), ("ours-ngram", "hf-lookup"),
+             ("ours-self", "hf-early-exit"), ("ours-base", "hf-base")]
     head_to_head = {f"{a} / {b}": rows[a]["speedup_vs_ours_base"] / rows[b]["speedup_vs_ours_base"]
                     for a, b in pairs if a in rows and b in rows}
 

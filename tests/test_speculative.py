@@ -43,18 +43,19 @@ def noisy_copy(model, noise: float, seed: int):
     return draft
 
 
-def drafter_for(kind: str, target, seed: int):
+def drafter_for(kind: str, target, seed: int, width: int = 1):
+    """`width` > 1: a model drafter that verifies its top `width` first-position candidates as a tree."""
     if kind == "draft":
-        return ModelDrafter(noisy_copy(target, 0.01, seed), VOCAB)
+        return ModelDrafter(noisy_copy(target, 0.01, seed), VOCAB, tree_width=width)
     if kind == "other-model":
-        return ModelDrafter(tiny(seed + 1000, layers=2), VOCAB)
+        return ModelDrafter(tiny(seed + 1000, layers=2), VOCAB, tree_width=width)
     if kind == "self-spec":
-        return SelfSpecDrafter(target, 1 + seed % (target.config.num_hidden_layers - 1))
+        return SelfSpecDrafter(target, 1 + seed % (target.config.num_hidden_layers - 1), tree_width=width)
     if kind == "ngram":
         return NgramDrafter(1, 3)
     if kind == "reduced-vocab":
         keep = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[: VOCAB // 2]
-        return ModelDrafter(noisy_copy(target, 0.01, seed), VOCAB, DraftVocab(keep, VOCAB))
+        return ModelDrafter(noisy_copy(target, 0.01, seed), VOCAB, DraftVocab(keep, VOCAB), tree_width=width)
     raise AssertionError(kind)
 
 
@@ -72,16 +73,18 @@ KINDS = ["draft", "other-model", "self-spec", "ngram", "reduced-vocab"]
     gamma=st.integers(1, 6),
     max_new=st.integers(1, 16),
     stop=st.sampled_from([None, [], [2], [2, 7, 11]]),
+    width=st.sampled_from([1, 1, 3]),
 )
-def test_greedy_speculative_equals_target_only(seed, kind, prompt, gamma, max_new, stop):
+def test_greedy_speculative_equals_target_only(seed, kind, prompt, gamma, max_new, stop, width):
     target = tiny(seed)
     base = generate(target, prompt, max_new_tokens=max_new, stop_token_ids=stop)
-    spec = generate(target, prompt, max_new_tokens=max_new, drafter=drafter_for(kind, target, seed), gamma=gamma, stop_token_ids=stop)
+    drafter = drafter_for(kind, target, seed, width)
+    spec = generate(target, prompt, max_new_tokens=max_new, drafter=drafter, gamma=gamma, stop_token_ids=stop)
     assert spec.output_ids == base.output_ids
     s = spec.stats
     assert 0 <= s.accepted <= s.proposed <= gamma * s.rounds
-    if stop == []:  # every target forward yields its accepted drafts plus one token of its own
-        assert s.generated_tokens == s.accepted + s.target_forwards
+    if stop == []:  # every target forward yields its accepted drafts (or a runner-up) plus one token of its own
+        assert s.generated_tokens == s.accepted + s.runner_ups_accepted + s.target_forwards
     assert sum(s.accepted_per_position) == s.accepted and sum(s.proposed_per_position) == s.proposed
 
 
@@ -99,6 +102,38 @@ def test_drafters_accept_and_reject():
     own = generate(target, prompt, max_new_tokens=41, drafter=ModelDrafter(target, VOCAB), gamma=4, stop_token_ids=[]).stats
     assert own.acceptance_rate == 1.0 and own.accepted_length == 5.0 and own.rounds == 8
     assert own.per_position_acceptance == [1.0] * 4
+
+
+def test_model_drafter_tree_accepts_runner_ups_and_keeps_its_cache_on_the_accepted_branch():
+    """Width 4 verifies the draft's runner-ups for the first position: the same output as the chain,
+    more tokens per round, and after a runner-up wins, every proposal equals a fresh drafter's
+    proposal for the same sequence (the draft's cache holds only the accepted prefix)."""
+
+    class Recording(ModelDrafter):
+        def propose_tree(self, tokens, k):
+            ids, parents = super().propose_tree(tokens, k)
+            self.calls.append((tokens.clone(), k, ids.clone(), parents))
+            return ids, parents
+
+    chain_tau, tree_tau, runner_ups = [], [], 0
+    for seed in range(4):
+        target = tiny(seed)
+        draft = noisy_copy(target, 0.03, seed)
+        chain = generate(target, [5, 9, 14], max_new_tokens=24, drafter=ModelDrafter(draft, VOCAB), gamma=2, stop_token_ids=[])
+        recording = Recording(draft, VOCAB, tree_width=4)
+        recording.calls = []
+        tree = generate(target, [5, 9, 14], max_new_tokens=24, drafter=recording, gamma=2, stop_token_ids=[])
+        assert tree.output_ids == chain.output_ids
+        chain_tau.append(chain.stats.accepted_length)
+        tree_tau.append(tree.stats.accepted_length)
+        runner_ups += tree.stats.runner_ups_accepted
+        for tokens, k, ids, parents in recording.calls:
+            with torch.inference_mode():
+                fresh_ids, fresh_parents = ModelDrafter(draft, VOCAB, tree_width=4).propose_tree(tokens, k)
+            assert fresh_ids.tolist() == ids.tolist() and fresh_parents == parents
+            assert parents == list(range(-1, k - 1)) + [-1] * 3
+    assert runner_ups > 3
+    assert sum(tree_tau) > sum(chain_tau)
 
 
 def test_stop_token_inside_accepted_drafts_ends_where_target_only_does():

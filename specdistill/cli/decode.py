@@ -16,7 +16,7 @@ def _drafter(args: argparse.Namespace, target):
     drafter = make_drafter(target, draft=args.draft, self_spec=args.self_spec, ngram=args.ngram,
                            ngram_min=args.ngram_min, ngram_max=args.ngram_max, tree_width=args.tree_width)
     if args.tree_width != 1 and not hasattr(drafter, "propose_tree"):
-        raise ValueError(f"--tree-width {args.tree_width}: only an EAGLE-3 head drafts a tree (--draft HEAD_DIR)")
+        raise ValueError(f"--tree-width {args.tree_width}: only a model drafter drafts a tree (--draft DIR or --self-spec K)")
     return drafter
 
 
@@ -155,7 +155,8 @@ def _add_drafting(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-max", type=int, default=3)
     p.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
     p.add_argument("--tree-width", type=int, default=1, metavar="W",
-                   help="EAGLE-3 head, greedy: verify its top W candidates for the first draft position as a tree")
+                   help="draft model, EAGLE-3 head or early exit, greedy: verify its top W candidates for the first "
+                        "draft position as a tree")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)

@@ -292,11 +292,21 @@ def benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str
     prompts = bench_prompts(config, window)
     b, s = config.bench, config.serving
     bcfg = BenchConfig(gamma=b.gamma, max_new_tokens=b.max_new_tokens, repeats=b.repeats)
-    made = {name: drafter_from_spec(target.model, spec, tree_width=b.tree_width) for name, spec in drafters.items()}
+    made = {name: drafter_from_spec(target.model, spec, tree_width=_served_tree_width(spec, b.tree_width))
+            for name, spec in drafters.items()}
     results = run_bench_many(target.model, target.tokenizer, made, prompts, bcfg)
     if s.choose_gamma:
         results = bench_at_best_gamma(target.model, target.tokenizer, made, prompts, bcfg, results, range(1, s.max_gamma + 1))
     return {name: BenchEntry(**result.to_dict(), spec=drafters[name]) for name, result in results.items()}
+
+
+def _served_tree_width(spec: str, width: int) -> int:
+    """The tree width a drafter is measured with: vLLM and SGLang verify trees for EAGLE-3 heads only,
+    so any other draft is measured as the chain it would be served as."""
+    from specdistill.modeling.eagle3_io import is_eagle3_dir
+
+    kind, _, path = spec.partition(":")
+    return width if kind == "draft" and Path(path).is_dir() and is_eagle3_dir(path) else 1
 
 
 def gate(config: NightlyConfig, challenger: BenchEntry, champion: BenchEntry | None,

@@ -39,6 +39,8 @@ class ModelDrafter:
 
     With a reduced draft vocabulary the draft's head covers only the N kept tokens: the sliced head
     weight is taken once here, so each draft step is one [N, H] matmul instead of the full head.
+    `tree_width` > 1: greedy decoding also verifies the draft's next `tree_width - 1` candidates for
+    the first position (`propose_tree`), read off logits the chain computes anyway.
     """
 
     def __init__(
@@ -47,9 +49,13 @@ class ModelDrafter:
         target_vocab_size: int,
         draft_vocab: DraftVocab | None = None,
         name: str = "draft",
+        tree_width: int = 1,
     ):
+        if tree_width < 1:
+            raise ValueError(f"tree_width (candidates for the first draft position) must be >= 1, got {tree_width}")
         self.model = model
         self.name = name
+        self.tree_width = tree_width
         self.vocab = draft_vocab
         self.target_vocab_size = target_vocab_size
         embed_rows = model.get_input_embeddings().weight.shape[0]
@@ -87,6 +93,9 @@ class ModelDrafter:
         out = engine_forward(self.model, input_ids, self.cache, head=self.head_weight is None)[0, -1]
         return out if self.head_weight is None else torch.mv(self.head_weight, out)
 
+    def _full_ids(self, d: torch.Tensor) -> torch.Tensor:
+        return d if self.head_weight is None else self._token_ids[d]
+
     def propose(self, tokens, k, config, generator):
         if self.cache is None:
             self.reset()
@@ -96,10 +105,8 @@ class ModelDrafter:
             d, q = draft_token(self._next_logits(x), config, generator)
             self.cached += x.shape[1]
             qs.append(q)
-            if self.head_weight is not None:
-                d = self._token_ids[d]
-            ids.append(d)
-            x = d.view(1, 1)
+            ids.append(self._full_ids(d))
+            x = ids[-1].view(1, 1)
         draft_ids = torch.stack(ids)
         if config.greedy:
             return draft_ids, None
@@ -107,6 +114,30 @@ class ModelDrafter:
         if self.vocab is not None:  # q is zero outside the kept tokens: still lossless
             q = self.vocab.to_full(q)
         return draft_ids, q
+
+    def propose_tree(self, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, list[int]]:
+        """Greedy drafts as a tree (node ids, parent indices, -1 for the pending token): the chain of k
+        after the draft's top candidate, then its next `tree_width - 1` candidates for the first position.
+
+        Only the chain enters the draft's KV cache; the engine rolls back to the accepted chain prefix,
+        so a runner-up that wins is fed to the draft with the target's next token in the next round.
+        """
+        if self.cache is None:
+            self.reset()
+        x = tokens[self.cached :].unsqueeze(0)
+        ids: list[torch.Tensor] = []
+        runner_ups = torch.empty(0, dtype=torch.long)
+        for i in range(k):
+            logits = self._next_logits(x).float()
+            self.cached += x.shape[1]
+            if i == 0:
+                top = self._full_ids(logits.topk(min(self.tree_width, logits.numel())).indices)
+                d, runner_ups = top[0], top[1:]
+            else:
+                d = self._full_ids(logits.argmax())
+            ids.append(d)
+            x = d.view(1, 1)
+        return torch.cat([torch.stack(ids), runner_ups]), list(range(-1, k - 1)) + [-1] * runner_ups.numel()
 
     def rollback(self, valid_len: int) -> None:
         extra = self.cached - valid_len
@@ -145,8 +176,9 @@ def early_exit_model(target: PreTrainedModel, exit_layer: int) -> PreTrainedMode
 class SelfSpecDrafter(ModelDrafter):
     """The target drafts for itself by exiting early at layer k (LayerSkip-style, untrained exit)."""
 
-    def __init__(self, target: PreTrainedModel, exit_layer: int):
-        super().__init__(early_exit_model(target, exit_layer), target.config.vocab_size, name=f"self-spec@{exit_layer}")
+    def __init__(self, target: PreTrainedModel, exit_layer: int, tree_width: int = 1):
+        super().__init__(early_exit_model(target, exit_layer), target.config.vocab_size, name=f"self-spec@{exit_layer}",
+                         tree_width=tree_width)
 
 
 class NgramDrafter:
@@ -190,13 +222,14 @@ def make_drafter(
     """The drafter a command line asks for: at most one of a draft model reference, an early-exit
     layer, or n-gram lookup; None means target-only decoding. A draft directory's
     draft_vocab.safetensors, when present, switches on the reduced draft vocabulary; a directory
-    holding an EAGLE-3 head (by its config's architecture) gives the EAGLE drafter, which verifies its
-    `tree_width` best first-position candidates as a tree when decoding greedily."""
+    holding an EAGLE-3 head (by its config's architecture) gives the EAGLE drafter. A model drafter
+    (draft, head or early exit) verifies its `tree_width` best first-position candidates as a tree
+    when decoding greedily; n-gram lookup drafts a chain."""
     chosen = [name for name, on in (("draft", draft), ("self_spec", self_spec is not None), ("ngram", ngram)) if on]
     if len(chosen) > 1:
         raise ValueError(f"choose one drafting method, got {' and '.join(chosen)}")
     if self_spec is not None:
-        return SelfSpecDrafter(target, self_spec)
+        return SelfSpecDrafter(target, self_spec, tree_width=tree_width)
     if ngram:
         return NgramDrafter(ngram_min, ngram_max)
     if draft:
@@ -210,7 +243,8 @@ def make_drafter(
             return EagleDrafter(load_eagle3(path, target).head, target, name=f"draft:{path.name}", tree_width=tree_width)
         loaded = load_model(path, dtype=next(target.parameters()).dtype)  # the draft runs in the target's dtype
         return ModelDrafter(
-            loaded.model, target.config.vocab_size, DraftVocab.load(loaded.path), name=f"draft:{loaded.path.name}"
+            loaded.model, target.config.vocab_size, DraftVocab.load(loaded.path), name=f"draft:{loaded.path.name}",
+            tree_width=tree_width,
         )
     return None
 
@@ -221,13 +255,13 @@ DRAFTER_SPECS = "draft:DIR, self_spec:K, ngram or ngram:MIN,MAX"
 def drafter_from_spec(target: PreTrainedModel, spec: str, tree_width: int = 1) -> Drafter:
     """A drafter from its spec string, as the nightly benchmark and the monitor's fallback name them:
     `draft:DIR` (a draft checkpoint), `self_spec:K` (the target's exit after layer K), `ngram`
-    (prompt lookup over 1..3-grams) or `ngram:MIN,MAX`. `tree_width` applies to EAGLE-3 heads."""
+    (prompt lookup over 1..3-grams) or `ngram:MIN,MAX`. `tree_width` applies to model drafters."""
     kind, sep, arg = spec.partition(":")
     sizes = [s.strip() for s in arg.split(",")]
     if kind == "draft" and arg:
         return make_drafter(target, draft=arg, tree_width=tree_width)
     if kind == "self_spec" and arg.isdigit():
-        return make_drafter(target, self_spec=int(arg))
+        return make_drafter(target, self_spec=int(arg), tree_width=tree_width)
     if kind == "ngram" and not sep:
         return make_drafter(target, ngram=True)
     if kind == "ngram" and len(sizes) == 2 and all(s.isdigit() for s in sizes):

@@ -232,9 +232,9 @@ def generate(
                 choice = forward(*tree_inputs(tokens[length - 1], ids, parents, length - 1)).argmax(-1)
                 path, following = greedy_path(choice, ids, parents)
                 keep_cache_rows(cache, length - 1, [0] + [1 + i for i in path])
-                drafter.rollback(length + len(path))
-                pass_features(torch.tensor([0] + [1 + i for i in path]))
                 on_chain = bool(path) and path[0] == 0  # nodes 0..k-1 are the chain after the top candidate
+                drafter.rollback(length + (len(path) if on_chain else 0))  # the drafter's cache holds the chain only
+                pass_features(torch.tensor([0] + [1 + i for i in path]))
                 stats.record_round(k, len(path) if on_chain else 0)
                 stats.runner_ups_accepted += 0 if on_chain else len(path)
                 new = torch.cat([ids[path], following.view(1)])
