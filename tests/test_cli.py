@@ -181,3 +181,16 @@ def test_bench_engine_errors_name_the_cause(tmp_path, capsys, extra, message):
     prompts.write_text("Name three colors.\n")
     assert main(["bench", "--prompts", str(prompts), *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_tree_width_is_for_model_drafters():
+    """--tree-width reaches a model drafter (here the target's early exit); n-gram lookup drafts a chain."""
+    from specdistill.cli.decode import _drafter
+    from tests.conftest import make_tiny_llama
+
+    target = make_tiny_llama(vocab_size=32, hidden=16, layers=3, seed=0)
+    ask = lambda **kw: argparse.Namespace(**{"draft": None, "self_spec": None, "ngram": False, "ngram_min": 1,  # noqa: E731
+                                             "ngram_max": 3, "tree_width": 3, **kw})
+    assert _drafter(ask(self_spec=1), target).tree_width == 3
+    with pytest.raises(ValueError, match="only a model drafter drafts a tree"):
+        _drafter(ask(ngram=True), target)
