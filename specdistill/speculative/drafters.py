@@ -96,18 +96,29 @@ class ModelDrafter:
     def _full_ids(self, d: torch.Tensor) -> torch.Tensor:
         return d if self.head_weight is None else self._token_ids[d]
 
-    def propose(self, tokens, k, config, generator):
+    def _draft(self, tokens: torch.Tensor, k: int, config: SamplingConfig, generator: torch.Generator | None,
+               width: int = 1) -> tuple[torch.Tensor, list, torch.Tensor]:
+        """k drafts, each fed back through the draft's cache; their q; and (width > 1, greedy) the first
+        position's next width - 1 candidates, which never enter the cache."""
         if self.cache is None:
             self.reset()
         x = tokens[self.cached :].unsqueeze(0)
-        ids, qs = [], []
-        for _ in range(k):
-            d, q = draft_token(self._next_logits(x), config, generator)
+        ids, qs, runner_ups = [], [], torch.empty(0, dtype=torch.long)
+        for i in range(k):
+            logits = self._next_logits(x)
             self.cached += x.shape[1]
+            if i == 0 and width > 1:
+                top = logits.topk(min(width, logits.numel())).indices
+                d, q, runner_ups = top[0], None, self._full_ids(top[1:])
+            else:
+                d, q = draft_token(logits, config, generator)
             qs.append(q)
             ids.append(self._full_ids(d))
             x = ids[-1].view(1, 1)
-        draft_ids = torch.stack(ids)
+        return torch.stack(ids), qs, runner_ups
+
+    def propose(self, tokens, k, config, generator):
+        draft_ids, qs, _ = self._draft(tokens, k, config, generator)
         if config.greedy:
             return draft_ids, None
         q = torch.stack(qs)
@@ -122,22 +133,8 @@ class ModelDrafter:
         Only the chain enters the draft's KV cache; the engine rolls back to the accepted chain prefix,
         so a runner-up that wins is fed to the draft with the target's next token in the next round.
         """
-        if self.cache is None:
-            self.reset()
-        x = tokens[self.cached :].unsqueeze(0)
-        ids: list[torch.Tensor] = []
-        runner_ups = torch.empty(0, dtype=torch.long)
-        for i in range(k):
-            logits = self._next_logits(x).float()
-            self.cached += x.shape[1]
-            if i == 0:
-                top = self._full_ids(logits.topk(min(self.tree_width, logits.numel())).indices)
-                d, runner_ups = top[0], top[1:]
-            else:
-                d = self._full_ids(logits.argmax())
-            ids.append(d)
-            x = d.view(1, 1)
-        return torch.cat([torch.stack(ids), runner_ups]), list(range(-1, k - 1)) + [-1] * runner_ups.numel()
+        chain, _, runner_ups = self._draft(tokens, k, SamplingConfig(), None, self.tree_width)
+        return torch.cat([chain, runner_ups]), list(range(-1, k - 1)) + [-1] * runner_ups.numel()
 
     def rollback(self, valid_len: int) -> None:
         extra = self.cached - valid_len
