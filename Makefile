@@ -45,11 +45,13 @@ lint: $(STAMP)
 # `make test`: lint, then the whole suite (~17 min on 2 cores). `make test-fast`: everything but the
 # e2e tier (the real demo target, Prefect/MLflow servers and flows, tests of more than a few seconds).
 test: $(STAMP) llama-server
+	@$(PY) -m specdistill.hardware
 	$(VENV)/bin/ruff check .
 	scripts/ensure_promtool.sh
 	SPECDISTILL_REQUIRE_LLAMA_SERVER=1 scripts/with_postgres.sh $(PY) -m pytest -q -p no:cacheprovider
 
 test-fast: $(STAMP)
+	@$(PY) -m specdistill.hardware
 	scripts/ensure_promtool.sh
 	scripts/with_postgres.sh $(PY) -m pytest -q -p no:cacheprovider -m "not e2e"
 

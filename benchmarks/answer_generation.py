@@ -73,7 +73,8 @@ from specdistill.data.datasets import sharegpt_first_turns
 from specdistill.data.prompts import MAX_PROMPT_TOKENS, encode_chat
 from specdistill.distill.datagen import Prompt, generate_answers
 from specdistill.distill.teacher import TeacherCache
-from specdistill.modeling.models import cpu_has_native_bf16, demo_gguf_path, load_model, resolve_model_dir
+from specdistill.hardware import cpu_has_native_bf16
+from specdistill.modeling.models import demo_gguf_path, load_model, resolve_model_dir
 from specdistill.speculative.lossless import first_divergence
 
 HARNESS = {"float32": ("float32", True), "bfloat16": ("bfloat16", True), "bfloat16 sdpa": ("bfloat16", False)}

@@ -47,7 +47,8 @@ from specdistill.distill import datagen
 from specdistill.distill.answer_loop import decode_batch, generate_batch
 from specdistill.distill.datagen import Prompt, generate_answers
 from specdistill.distill.teacher import TeacherCache
-from specdistill.modeling.models import cpu_has_native_bf16, load_model
+from specdistill.hardware import cpu_has_native_bf16
+from specdistill.modeling.models import load_model
 
 VARIANTS = {"fp32 old": ("float32", generate_batch), "fp32 new": ("float32", decode_batch),
             "bf16 old": ("bfloat16", generate_batch), "bf16 new": ("bfloat16", decode_batch)}

