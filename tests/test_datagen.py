@@ -167,3 +167,21 @@ def test_feature_pass_extends_the_answer_pass_cache_with_what_it_lacks(tok, tiny
     with pytest.raises(ValueError, match="layers"):  # extending is for the same layers only
         build_feature_cache(tiny_target, examples, tmp_path / "f", fingerprint="fp", layers=[0, 0], prompt_context=0,
                             progress=False, extend=True)
+
+
+def test_a_time_budget_keeps_the_answers_so_far_and_a_later_run_resumes(tok, tiny_target, tmp_path, monkeypatch):
+    import specdistill.distill.datagen as datagen
+    from specdistill.budget import Deadline
+
+    prompts, out = _prompts(12), tmp_path / "answers.jsonl"
+    monkeypatch.setattr(datagen, "SORT_CHUNK", 1)  # sorted by length within each batch only
+    clock = iter([False, False, True])  # two batches of 4 fit into the budget, the third does not start
+    budget = Deadline(0.0)
+    monkeypatch.setattr(Deadline, "expired", lambda self, now=None: next(clock))
+    cut = generate_answers(tiny_target, tok, prompts, out, batch_size=4, max_new_tokens=3, progress=False, deadline=budget)
+    assert set(cut) == {p.id for p in prompts[:8]}  # the first prompts in the given order, not the shortest
+    assert len(read_done(out)) == 8
+    monkeypatch.setattr(Deadline, "expired", lambda self, now=None: False)
+    full = generate_answers(tiny_target, tok, prompts, out, batch_size=4, max_new_tokens=3, progress=False, deadline=budget)
+    assert set(full) == {p.id for p in prompts} and [full[p.id] for p in prompts[:8]] == [cut[p.id] for p in prompts[:8]]
+    assert Deadline(None).expired() is False

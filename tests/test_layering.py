@@ -2,7 +2,7 @@
 
 The library is layered; a module may import its own layer and the ones below it, never one above:
 
-    base (specdistill/__init__, config, acceptance, paths, env, hardware) -> data -> modeling -> distill
+    base (specdistill/__init__, config, acceptance, paths, env, hardware, budget) -> data -> modeling -> distill
     -> speculative -> engines -> ops -> pipeline -> cli
 
 Imports inside functions count as much as those at the top of a file. The library never imports
@@ -23,7 +23,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 LAYERS = ["base", "data", "modeling", "distill", "speculative", "engines", "ops", "pipeline", "cli"]
-BASE_MODULES = {"config", "acceptance", "paths", "env", "hardware"}
+BASE_MODULES = {"config", "acceptance", "paths", "env", "hardware", "budget"}
 ORCHESTRATION_MAY_IMPORT = ("specdistill.pipeline", "specdistill.paths")  # for tasks/ and flows/
 MAX_LINES = 400
 MAX_TOP_LEVEL = 8  # modules directly in specdistill/, __init__.py not counted

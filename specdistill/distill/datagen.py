@@ -25,11 +25,15 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from specdistill.budget import Deadline
 from specdistill.data.prompts import as_messages, encode_chat
 from specdistill.distill.answer_loop import FeatureRecorder, TopKRecorder, decode_batch
 from specdistill.distill.features import FEATURE_DTYPE, FeatureCache, feature_start
 from specdistill.distill.teacher import TeacherCache, pad_batch
 from specdistill.modeling.attention import decode_attention_for
+
+
+SORT_CHUNK = 8  # batches sorted by length together: little padding, and a time cut keeps a sample of the prompts
 
 
 @dataclass
@@ -137,10 +141,14 @@ def generate_answers(
     teacher_cache: TeacherCache | None = None,
     feature_cache: FeatureCache | None = None,
     decode_attention: bool = True,
+    deadline: Deadline | None = None,
 ) -> dict[str, dict]:
     """Answer every prompt with the target, appending one JSONL record per answer; returns all records.
 
-    Prompts are sorted by length so a batch pads little; with sampling, each batch is seeded from
+    With a `deadline`, no batch starts after it: the answers written so far are kept and returned (a
+    later run with more time resumes from them). Prompts are answered in their given order, chunk by
+    chunk (`SORT_CHUNK` batches), sorted by length inside a chunk so a batch pads little while a cut
+    leaves a sample of the prompts rather than the shortest ones. With sampling, each batch is seeded from
     `seed` and its first id, so a resumed run samples what an uninterrupted one would have.
     With `teacher_cache`, the target's top-k log-probs at every answer token (temperature 1, full
     vocabulary) go into it too, so no second target pass is needed for offline distillation; with
@@ -162,13 +170,19 @@ def generate_answers(
         if p.id in seen:
             raise ValueError(f"duplicate prompt id {p.id!r}")
         seen.add(p.id)
-    encoded = sorted(((p, encode_chat(tokenizer, p.messages)) for p in todo), key=lambda x: len(x[1]))
+    encoded = [(p, encode_chat(tokenizer, p.messages)) for p in todo]
+    chunk = SORT_CHUNK * batch_size
+    encoded = [x for begin in range(0, len(encoded), chunk) for x in sorted(encoded[begin:begin + chunk], key=lambda x: len(x[1]))]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = tokenizer.eos_token_id
     bar = tqdm(total=len(encoded), desc="target answers", unit="prompt", disable=not progress, file=sys.stderr)
     new_tokens = 0
     with open(out_path, "a", encoding="utf-8") as out:
         for start in range(0, len(encoded), batch_size):
+            if deadline is not None and deadline.expired():
+                bar.write(f"target answers: time budget reached after {len(done)} of {len(done) + len(encoded) - start} "
+                          f"prompts; the answers so far are kept", file=sys.stderr)
+                break
             batch = encoded[start : start + batch_size]
             if temperature > 0:
                 torch.manual_seed(seed + zlib.crc32(batch[0][0].id.encode()))
