@@ -32,7 +32,6 @@ from specdistill.distill.features import FEATURE_DTYPE, FeatureCache, feature_st
 from specdistill.distill.teacher import TeacherCache, pad_batch
 from specdistill.modeling.attention import decode_attention_for
 
-
 SORT_CHUNK = 8  # batches sorted by length together: little padding, and a time cut keeps a sample of the prompts
 
 
