@@ -17,6 +17,8 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 # The flags that change what the library does or how fast it is: bf16 matmuls run at hardware speed
 # with avx512_bf16 or amx_bf16; oneDNN's bf16 weight reorder needs avx512bw+vl+dq or avx_ne_convert.
 FLAGS_THAT_MATTER = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_bf16",
@@ -84,6 +86,13 @@ def real_cpu() -> CpuInfo:
 def cpu_has_native_bf16() -> bool:
     """AVX-512 BF16 or AMX: the CPUs on which bf16 matmuls run at hardware speed."""
     return cpu_info().native_bf16
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the device's queued work (a GPU runs asynchronously): a timed step ends here."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 if __name__ == "__main__":  # `python -m specdistill.hardware`: the first line of `make test`

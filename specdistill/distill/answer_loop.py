@@ -32,8 +32,9 @@ class TopKRecorder:
 
     def record(self, step: int, rows: torch.Tensor, logits: torch.Tensor) -> None:
         """`logits[i]` is the distribution of batch row `rows[i]` at answer token `step`."""
-        top, idx, res = topk_rows(logits, self.k, self.temperature)
-        self.logprobs[rows, step], self.indices[rows, step], self.residual[rows, step] = top, idx, res
+        top, idx, res = topk_rows(logits, self.k, self.temperature)  # on the target's device, kept on the CPU
+        rows = rows.cpu()
+        self.logprobs[rows, step], self.indices[rows, step], self.residual[rows, step] = top.cpu(), idx.cpu(), res.cpu()
 
     def rows(self, row: int, n: int) -> dict[str, torch.Tensor]:
         return {"logprobs": self.logprobs[row, :n], "indices": self.indices[row, :n], "residual": self.residual[row, :n]}
@@ -53,13 +54,13 @@ class FeatureRecorder:
     def record_prompt(self, row: int, features: torch.Tensor) -> None:
         """`features` `[prompt length, F]` of batch row `row`'s prompt."""
         keep = features.shape[0] if self.prompt_context is None else min(features.shape[0], self.prompt_context + 1)
-        self.prompt[row] = features[features.shape[0] - keep:].clone()
+        self.prompt[row] = features[features.shape[0] - keep:].cpu().clone()
 
     def record(self, step: int, rows: torch.Tensor, features: torch.Tensor) -> None:
         """`features[i]` `[F]` is batch row `rows[i]`'s at answer token `step`."""
         if self.answer is None:
-            self.answer = features.new_zeros((len(self.prompt), self.steps, features.shape[-1]))
-        self.answer[rows, step] = features
+            self.answer = torch.zeros((len(self.prompt), self.steps, features.shape[-1]), dtype=features.dtype)
+        self.answer[rows.cpu(), step] = features.cpu()
 
     def rows(self, row: int, answer_length: int) -> torch.Tensor:
         """Row `row`'s features at its stored prompt positions and answer tokens 0..n-2 (the last token
@@ -120,15 +121,16 @@ def decode_batch(target: PreTrainedModel, prompts: Sequence[Sequence[int]], *, m
     With `features`, the feature layers' inputs of the prompts and fed-back answer tokens go into it.
     """
     rows, width = len(prompts), max(len(ids) for ids in prompts)
-    _, attention = left_pad(prompts, pad, max_new_tokens)
+    device = target.device  # the whole loop runs there; recorders keep what they record on the CPU
+    attention = left_pad(prompts, pad, max_new_tokens)[1].to(device)
     cache = preallocated_cache(target, rows, width + max_new_tokens)
     capture = features.layers if features is not None else []
     lean = supports_lean(target)  # decode steps through `modeling.lean` (prefill keeps transformers' forward)
     with FeatureHooks(target, capture) as hooks:  # the prefill's (and a non-lean step's) features
         logits = _prefill(target, prompts, pad, cache, hooks, features)
         positions = _positions(attention[:, :width])[:, -1:]
-        answers = torch.full((rows, max_new_tokens), pad, dtype=torch.long)
-        going = torch.arange(rows)  # the batch rows still generating, in cache order
+        answers = torch.full((rows, max_new_tokens), pad, dtype=torch.long, device=device)
+        going = torch.arange(rows, device=device)  # the batch rows still generating, in cache order
         length = width
         for step in range(max_new_tokens):
             logits = logits.float()
@@ -159,7 +161,7 @@ def decode_batch(target: PreTrainedModel, prompts: Sequence[Sequence[int]], *, m
                 seen = hooks.take() if capture else None
             if features is not None:
                 features.record(step, going, seen[:, 0])
-    return answers
+    return answers.cpu()
 
 
 def _prefill(target: PreTrainedModel, prompts: Sequence[Sequence[int]], pad: int, cache, hooks: FeatureHooks,
@@ -168,13 +170,13 @@ def _prefill(target: PreTrainedModel, prompts: Sequence[Sequence[int]], pad: int
     width = max(len(ids) for ids in prompts)
     logits = None
     for group in prefill_groups([len(ids) for ids in prompts]):
-        input_ids, group_attention = left_pad([prompts[r] for r in group], pad)
+        input_ids, group_attention = (t.to(target.device) for t in left_pad([prompts[r] for r in group], pad))
         prefill = DynamicCache(config=target.config)
         last = target(input_ids=input_ids, attention_mask=group_attention, position_ids=_positions(group_attention),
                       cache=prefill, use_cache=True, logits_to_keep=1).logits[:, -1]
         logits = last.new_empty((len(prompts), last.shape[-1])) if logits is None else logits
         logits[group] = last
-        write_rows(cache, torch.tensor(group), width, prefill)
+        write_rows(cache, torch.tensor(group, device=target.device), width, prefill)
         if features is not None:
             seen = hooks.take()
             for i, row in enumerate(group):

@@ -110,8 +110,10 @@ AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)  # the masks SDPA g
 @contextmanager
 def decode_attention_for(*models: PreTrainedModel | None) -> Iterator[None]:
     """Run each of `models` that uses SDPA with `decode_attention` inside the block, then restore it
-    (None and models on another attention are left alone)."""
-    switched = [m for m in models if m is not None and getattr(m.config, "_attn_implementation", None) == "sdpa"]
+    (None, models on another attention and models on a GPU, where SDPA's kernels suit few-token
+    forwards, are left alone)."""
+    switched = [m for m in models if m is not None and getattr(m.config, "_attn_implementation", None) == "sdpa"
+                and m.device.type == "cpu"]
     for m in switched:
         m.set_attn_implementation(DECODE_ATTENTION)
     try:

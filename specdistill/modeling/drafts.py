@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from specdistill import paths
+from specdistill import hardware, paths
 from specdistill.modeling.eagle3 import Eagle3Cache, Eagle3Draft
 from specdistill.modeling.vocab import (
     DraftVocab,
@@ -193,12 +193,12 @@ def measure_cost_ratio(
     step = torch.randint(0, vocab_size, (1, 1))
 
     def decode_target(cache):
-        engine_forward(target, step, cache)
+        engine_forward(target, step, cache, sync=True)
 
     def decode_draft(cache):
-        out = engine_forward(draft, step, cache, head=draft_vocab is None)
+        out = engine_forward(draft, step, cache, head=draft_vocab is None, sync=draft_vocab is None)
         if draft_vocab is not None:
-            draft_vocab.logits(out[:, -1], draft.get_output_embeddings().weight)
+            hardware.synchronize(draft_vocab.logits(out[:, -1], draft.get_output_embeddings().weight).device)
 
     def timed(fn, cache) -> float:
         extra = cache.get_seq_length() - context
@@ -242,12 +242,12 @@ def _eagle3_step(head: Eagle3Draft, ids: torch.Tensor, step: torch.Tensor):
     dtype = head.fc.weight.dtype
     context = ids.shape[1]
     cache = _HeadCache()
-    features = torch.randn(1, context, 3 * head.config.target_hidden_size, dtype=dtype)
+    features = torch.randn(1, context, 3 * head.config.target_hidden_size, dtype=dtype, device=head.fc.weight.device)
     head(ids, head.project(features), torch.arange(context)[None], cache)
     feature = features[:, -1:]
     position = torch.tensor([[context]])
 
     def decode(cache):
-        head.logits(head(step, head.project(feature), position, cache))
+        hardware.synchronize(head.logits(head(step, head.project(feature), position, cache)).device)
 
     return decode, cache

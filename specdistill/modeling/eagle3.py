@@ -196,7 +196,9 @@ class Eagle3Draft(nn.Module):
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, cache: Eagle3Cache) -> torch.Tensor:
         """One drafting call on a single sequence: input_ids [1, T], hidden [1, T, H] (projected
         features or the head's own earlier outputs), positions [1, T] following the cache's entries.
-        Appends T entries to `cache`; returns the pre-norm hidden state [1, T, H]."""
+        Appends T entries to `cache`; returns the pre-norm hidden state [1, T, H]. Ids and positions may
+        come from the CPU (the engine's bookkeeping); they move to the head's device."""
+        input_ids, position_ids = input_ids.to(hidden.device), position_ids.to(hidden.device)
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary_emb(hidden, position_ids)
         attn = self.midlayer.self_attn

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 from transformers import AttentionInterface, Cache, PreTrainedModel
 
+from specdistill import hardware
 from specdistill.modeling.attention import DECODE_ATTENTION
 
 LEAN_ARCHITECTURES = ("LlamaForCausalLM",)
@@ -45,9 +46,9 @@ def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return normed.to(x.dtype) * norm.weight
 
 
-def causal_mask(past: int, new: int) -> torch.Tensor:
+def causal_mask(past: int, new: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """`[1, 1, new, past + new]`: the new tokens see the cached ones and each other causally."""
-    return (torch.arange(past + new) <= torch.arange(past, past + new).unsqueeze(1))[None, None]
+    return (torch.arange(past + new, device=device) <= torch.arange(past, past + new, device=device).unsqueeze(1))[None, None]
 
 
 def lean_forward(model: PreTrainedModel, input_ids: torch.Tensor, cache: Cache, *, positions: torch.Tensor | None = None,
@@ -62,12 +63,17 @@ def lean_forward(model: PreTrainedModel, input_ids: torch.Tensor, cache: Cache, 
     (True: attended); without one the new tokens attend causally to the cache and each other.
     """
     inner = model.model
+    device = inner.embed_tokens.weight.device  # the engine's bookkeeping stays on the CPU; the model's inputs go here
+    input_ids = input_ids.to(device)
     batch, new = input_ids.shape
     past = cache.get_seq_length()
     if positions is None:
-        positions = torch.arange(past, past + new).unsqueeze(0)
+        positions = torch.arange(past, past + new, device=device).unsqueeze(0)
+    positions = positions.to(device)
     if mask is None and new > 1 and past > 0:
-        mask = causal_mask(past, new)
+        mask = causal_mask(past, new, device)
+    elif mask is not None:
+        mask = mask.to(device)
     attend = AttentionInterface()[model.config._attn_implementation]  # SDPA, or ours inside `decode_attention_for`
     x = inner.embed_tokens(input_ids)
     cos, sin = (t.unsqueeze(1) for t in inner.rotary_emb(x, positions))  # [B, 1, T, D]
@@ -95,13 +101,18 @@ def lean_forward(model: PreTrainedModel, input_ids: torch.Tensor, cache: Cache, 
 
 
 def engine_forward(model: PreTrainedModel, input_ids: torch.Tensor, cache: Cache, keep: int = 1,
-                   head: bool = True) -> torch.Tensor:
+                   head: bool = True, sync: bool = False) -> torch.Tensor:
     """Logits `[B, keep, V]` (with `head=False` the final-norm hidden states `[B, keep, H]`) as the
     engine computes them: the lean forward where supported, transformers' elsewhere. Drafts step
     through it, and cost measurements (c, v(k)) time it inside `decode_attention_for`, so that they
-    price the steps the engine actually runs."""
+    price the steps the engine actually runs. Inputs move to the model's device; the result stays there.
+    `sync`: return only when the device has finished (a GPU runs asynchronously): for timings."""
     if supports_lean(model):
-        return lean_forward(model, input_ids, cache, keep=keep, head=head)[0]
-    if head:
-        return model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=keep).logits
-    return model.model(input_ids=input_ids, cache=cache, use_cache=True).last_hidden_state[:, -keep:]
+        out = lean_forward(model, input_ids, cache, keep=keep, head=head)[0]
+    elif head:
+        out = model(input_ids=input_ids.to(model.device), cache=cache, use_cache=True, logits_to_keep=keep).logits
+    else:
+        out = model.model(input_ids=input_ids.to(model.device), cache=cache, use_cache=True).last_hidden_state[:, -keep:]
+    if sync:
+        hardware.synchronize(out.device)
+    return out

@@ -128,7 +128,7 @@ def measure_drafter_cost(target: PreTrainedModel, drafter: Drafter, context: int
         ratios = []
         for _ in range(repeats):
             start = time.perf_counter()
-            engine_forward(target, tokens[None, -1:], cache)
+            engine_forward(target, tokens[None, -1:], cache, sync=True)
             t = time.perf_counter() - start
             cache.crop(-1)
             start = time.perf_counter()

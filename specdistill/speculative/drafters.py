@@ -81,7 +81,7 @@ class ModelDrafter:
                 self.head_weight = head.contiguous()
             else:
                 self.head_weight = head.index_select(0, draft_vocab.token_ids).contiguous()
-            self._token_ids = draft_vocab.token_ids.to(head.device)
+            self._token_ids = draft_vocab.token_ids.cpu()
         self.cache: DynamicCache | None = None
         self.cached = 0
 
@@ -91,7 +91,7 @@ class ModelDrafter:
 
     def _next_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         out = engine_forward(self.model, input_ids, self.cache, head=self.head_weight is None)[0, -1]
-        return out if self.head_weight is None else torch.mv(self.head_weight, out)
+        return (out if self.head_weight is None else torch.mv(self.head_weight, out)).cpu()  # drafting runs on the CPU
 
     def _full_ids(self, d: torch.Tensor) -> torch.Tensor:
         return d if self.head_weight is None else self._token_ids[d]

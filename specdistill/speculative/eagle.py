@@ -33,7 +33,12 @@ class EagleDrafter:
         self.tree_width = tree_width  # > 1: greedy decoding verifies the head's top candidates as a tree
         self.feature_layers = head.aux_layers
         self.vocab = head.draft_vocab
+        self.d2t = head.d2t.cpu()  # drafting and verification run on the CPU, the head's forwards on its device
         self.reset()
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's draft-vocabulary logits at the last position, in fp32 on the CPU."""
+        return self.head.logits(hidden)[0, -1].float().cpu()
 
     def reset(self) -> None:
         self.cache = Eagle3Cache()
@@ -72,21 +77,21 @@ class EagleDrafter:
         ids = [first]
         for i in range(1, k):
             hidden = self.head(ids[-1].view(1, 1), hidden, torch.tensor([[position + i - 1]]), self.cache)
-            d = self.head.logits(hidden)[0, -1].float().argmax()
-            ids.append(d + self.head.d2t[d])
+            d = self._logits(hidden).argmax()
+            ids.append(d + self.d2t[d])
         return ids
 
     def propose(self, tokens: torch.Tensor, k: int, config: SamplingConfig, generator: torch.Generator | None):
         self._commit(tokens)
         position = tokens.numel() - 1
         if config.greedy:
-            d = self.head.logits(self.last_hidden)[0, -1].float().argmax()
-            return torch.stack(self._chain(d + self.head.d2t[d], self.last_hidden, position, k)), None
+            d = self._logits(self.last_hidden).argmax()
+            return torch.stack(self._chain(d + self.d2t[d], self.last_hidden, position, k)), None
         hidden, ids, qs = self.last_hidden, [], []
         for i in range(k):
-            d, q = draft_token(self.head.logits(hidden)[0, -1].float(), config, generator)
+            d, q = draft_token(self._logits(hidden), config, generator)
             qs.append(q)
-            ids.append(d + self.head.d2t[d])
+            ids.append(d + self.d2t[d])
             if i < k - 1:
                 hidden = self.head(ids[-1].view(1, 1), hidden, torch.tensor([[position + i]]), self.cache)
         return torch.stack(ids), self.vocab.to_full(torch.stack(qs))  # zero outside the draft vocabulary: still lossless
@@ -99,9 +104,9 @@ class EagleDrafter:
         tokens costs next to nothing in bf16, so the runners-up there are the cheapest acceptance to add.
         """
         self._commit(tokens)
-        logits = self.head.logits(self.last_hidden)[0, -1].float()
+        logits = self._logits(self.last_hidden)
         top = logits.topk(min(self.tree_width, logits.numel())).indices
-        top = top + self.head.d2t[top]
+        top = top + self.d2t[top]
         chain = self._chain(top[0], self.last_hidden, tokens.numel() - 1, k)
         return torch.stack(chain + list(top[1:])), list(range(-1, k - 1)) + [-1] * (top.numel() - 1)
 

@@ -134,6 +134,10 @@ def default_stop_ids(model: PreTrainedModel) -> list[int]:
     return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
 
 
+def _to(x: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if x is None else x.to(device)
+
+
 def _check_request(target: PreTrainedModel, prompt: torch.Tensor, max_new_tokens: int, gamma: int) -> None:
     if prompt.numel() == 0:
         raise ValueError("empty prompt: give at least one token")
@@ -196,17 +200,18 @@ def generate(
             logits, features = lean_forward(target, input_ids.unsqueeze(0), cache, positions=positions, mask=mask,
                                             keep=keep, capture=layers)
         else:
-            logits = target(input_ids=input_ids.unsqueeze(0), attention_mask=mask, position_ids=positions, cache=cache,
-                            use_cache=True, logits_to_keep=keep).logits
+            device = target.device
+            logits = target(input_ids=input_ids.unsqueeze(0).to(device), position_ids=_to(positions, device),
+                            attention_mask=_to(mask, device), cache=cache, use_cache=True, logits_to_keep=keep).logits
             features = hooks.take() if hooks is not None else None
         if features is not None:
-            seen["features"] = features[0]
-        return logits[0]
+            seen["features"] = features[0]  # on the target's device: the EAGLE head drafts there too
+        return logits[0].cpu()  # drafting and verification run on the CPU (a no-op there)
 
     def pass_features(kept: int | torch.Tensor) -> None:
         if layers:
             features = seen.pop("features")
-            drafter.add_features(features[:kept] if isinstance(kept, int) else features[kept])
+            drafter.add_features(features[:kept] if isinstance(kept, int) else features[kept.to(features.device)])
 
     # greedy decoding with a drafter that proposes several candidates for the first position verifies them as a tree
     tree = sampling.greedy and getattr(drafter, "tree_width", 1) > 1
@@ -319,7 +324,7 @@ def greedy_path(choice: torch.Tensor, ids: torch.Tensor, parents: Sequence[int])
 def keep_cache_rows(cache, start: int, rows: Sequence[int]) -> None:
     """Keep only the forward's rows `rows` (increasing, relative to `start`) of every layer's KV cache."""
     if list(rows) != list(range(len(rows))):
-        index = torch.tensor(rows) + start
+        index = torch.tensor(rows, device=cache.layers[0].keys.device) + start
         for layer in cache.layers:
             layer.keys[:, :, start : start + len(rows)] = layer.keys[:, :, index]
             layer.values[:, :, start : start + len(rows)] = layer.values[:, :, index]

@@ -51,7 +51,7 @@ def measure_forward_seconds(target: PreTrainedModel, ks: Sequence[int] = tuple(r
         if extra:
             cache.crop(-extra)
         start = time.perf_counter()
-        engine_forward(target, inputs[k], cache, keep=k)
+        engine_forward(target, inputs[k], cache, keep=k, sync=True)
         return time.perf_counter() - start
 
     samples: dict[int, list[float]] = {k: [] for k in ks}

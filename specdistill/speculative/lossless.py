@@ -82,8 +82,8 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
 @torch.inference_mode()
 def support_margins(reference: PreTrainedModel, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> torch.Tensor:
     """Per generated token: the fp32 reference's top logit minus the logit of the token emitted."""
-    ids = torch.tensor([*prompt_ids, *output_ids], dtype=torch.long).unsqueeze(0)
-    logits = reference(input_ids=ids, logits_to_keep=len(output_ids) + 1).logits[0, :-1].float()
+    ids = torch.tensor([*prompt_ids, *output_ids], dtype=torch.long, device=getattr(reference, "device", "cpu")).unsqueeze(0)
+    logits = reference(input_ids=ids, logits_to_keep=len(output_ids) + 1).logits[0, :-1].float().cpu()
     chosen = logits.gather(1, torch.tensor(output_ids, dtype=torch.long).unsqueeze(1)).squeeze(1)
     return logits.max(dim=1).values - chosen
 
