@@ -15,6 +15,7 @@ from specdistill.distill.config import load_config
 from specdistill.distill.datagen import Prompt, generate_answers, read_examples
 from specdistill.distill.teacher import TeacherCache, build_cache
 from specdistill.distill.train import NonFiniteLossError, distill
+from specdistill.modeling.vocab import DRAFT_VOCAB_FILE
 from tests.conftest import run_distill_ddp, save_tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -143,7 +144,7 @@ def test_generation_time_cache_and_reduced_vocab_train(tiny_world, tmp_path):
     result = distill(_config(tiny_world, tmp_path / "r", "draft_vocab=64", "teacher.mode=cache",
                              f"teacher.cache_dir={tiny_world['gen_cache']}", "optim.max_steps=3"))
     assert result["draft_vocab"] == 64 and result["steps"] == 3
-    assert (Path(result["draft_dir"]) / "draft_vocab.safetensors").is_file()
+    assert (Path(result["draft_dir"]) / DRAFT_VOCAB_FILE).is_file()
     assert 0.0 <= result["curve"][-1]["acceptance"] <= 1.0
 
 

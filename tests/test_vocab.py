@@ -6,10 +6,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdistill.modeling.vocab import (
+    DRAFT_VOCAB_FILE,
+    LEGACY_DRAFT_VOCAB_FILE,
     DraftVocab,
     VocabAlignmentError,
     build_draft_vocab,
     check_vocab,
+    draft_vocab_path,
     token_frequencies,
     transplant_vocab,
 )
@@ -123,6 +126,21 @@ def test_reduced_vocab_roundtrip_and_eagle3_convention(tmp_path):
     loaded = DraftVocab.load(tmp_path)
     assert torch.equal(loaded.token_ids, dv.token_ids) and loaded.target_vocab_size == 50
     assert DraftVocab.load(tmp_path / "nowhere") is None
+
+
+def test_draft_vocab_is_not_a_weights_file_beside_the_checkpoint(tmp_path):
+    """Serving engines load every *.safetensors beside the weights (vLLM's draft_model fails on `d2t`)."""
+    DraftVocab(torch.tensor([1, 5]), 50).save(tmp_path)
+    assert not list(tmp_path.glob("*.safetensors"))
+    assert draft_vocab_path(tmp_path) == tmp_path / DRAFT_VOCAB_FILE
+
+
+def test_draft_vocab_of_a_draft_saved_before_still_loads(tmp_path):
+    from safetensors.torch import save_file
+
+    dv = DraftVocab(torch.tensor([1, 5, 9]), 50)
+    save_file({"d2t": dv.d2t.contiguous(), "t2d": dv.t2d.contiguous()}, str(tmp_path / LEGACY_DRAFT_VOCAB_FILE))
+    assert DraftVocab.load(tmp_path).token_ids.tolist() == [1, 5, 9]
 
 
 def test_build_draft_vocab_takes_most_frequent_and_keeps_eos(draft_tok):

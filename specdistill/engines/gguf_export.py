@@ -7,7 +7,7 @@ check (same vocab type, same BOS/EOS, vocab sizes within 128, same token texts) 
 weights come from its safetensors with llama.cpp's tensor names; q/k projections are permuted from
 HF's rotary layout to GGUF's, as llama.cpp's own converter does.
 
-A reduced draft vocabulary (`draft_vocab.safetensors`, e.g. 8k of 49k) cannot be carried over:
+A reduced draft vocabulary (`draft_vocab/draft_vocab.safetensors`, e.g. 8k of 49k) cannot be carried over:
 llama.cpp refuses a draft vocabulary that differs from the target's by more than 128 tokens, so the
 exported draft drafts over the full head (its tied embeddings). `GgufExport.head` says which.
 
@@ -79,7 +79,9 @@ def _read_weights(directory: Path) -> dict[str, np.ndarray]:
     import torch
     from safetensors.torch import load_file
 
-    files = sorted(p for p in directory.glob("*.safetensors") if p.name != "draft_vocab.safetensors")
+    from specdistill.modeling.vocab import LEGACY_DRAFT_VOCAB_FILE
+
+    files = sorted(p for p in directory.glob("*.safetensors") if p.name != LEGACY_DRAFT_VOCAB_FILE)
     if not files:
         raise GgufExportError(f"{directory}: no safetensors weights")
     tensors: dict[str, np.ndarray] = {}
@@ -236,8 +238,10 @@ def export_draft_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLi
     overrides = {"llama.block_count": n_layers, "llama.feed_forward_length": config["intermediate_size"],
                  "general.name": f"specdistill draft ({n_layers} layers)"}
     size = _write_gguf(out_path, "llama", reader, overrides, out, dtype)
+    from specdistill.modeling.vocab import draft_vocab_path
+
     head = "full"
-    if (draft_dir / "draft_vocab.safetensors").is_file():
+    if draft_vocab_path(draft_dir) is not None:
         head = (f"full ({n_vocab} tokens): the draft's reduced vocabulary is not carried over, llama.cpp requires the "
                 f"draft vocabulary to match the target's within {LLAMA_VOCAB_MAX_SIZE_DIFFERENCE} tokens")
     return GgufExport(str(out_path), n_layers, dtype, n_vocab, head, size)

@@ -19,7 +19,18 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
+# The reduced-vocabulary map lives in a subdirectory: serving engines load every `*.safetensors` file
+# beside a checkpoint's weights as weights (vLLM's `draft_model` then fails on an unknown `d2t`).
+DRAFT_VOCAB_FILE = "draft_vocab/draft_vocab.safetensors"
+LEGACY_DRAFT_VOCAB_FILE = "draft_vocab.safetensors"  # where drafts saved before kept it; still read
+
+
+def draft_vocab_path(directory: str | Path) -> Path | None:
+    """The draft vocabulary map of a checkpoint directory (its current place, else the legacy one), or None."""
+    for name in (DRAFT_VOCAB_FILE, LEGACY_DRAFT_VOCAB_FILE):
+        if (Path(directory) / name).is_file():
+            return Path(directory) / name
+    return None
 
 # Strings that show segmentation differences a user cares about: code, finance, chat scaffolding.
 PROBE_STRINGS = [
@@ -300,13 +311,14 @@ class DraftVocab:
 
     def save(self, directory: str | Path) -> Path:
         path = Path(directory) / DRAFT_VOCAB_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
         save_file({"d2t": self.d2t.contiguous(), "t2d": self.t2d.contiguous()}, str(path))
         return path
 
     @classmethod
     def load(cls, directory: str | Path) -> DraftVocab | None:
-        path = Path(directory) / DRAFT_VOCAB_FILE
-        if not path.is_file():
+        path = draft_vocab_path(directory)
+        if path is None:
             return None
         try:
             tensors = load_file(str(path))
