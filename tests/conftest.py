@@ -201,3 +201,24 @@ def llama_cpp():
             pytest.fail(message)
         pytest.skip(message)
     return engine
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM: its CPU build in its own venv (make test installs it first and requires it)
+
+VLLM_REQUIRED_ENV = "SPECDISTILL_REQUIRE_VLLM"
+
+
+@pytest.fixture(scope="session")
+def vllm_env():
+    """The installed vLLM (`make vllm`, or $SPECDISTILL_VLLM_PYTHON); skipped when absent unless
+    $SPECDISTILL_REQUIRE_VLLM is set (`make test` installs it, then sets it), where absence fails."""
+    from specdistill.engines.vllm_install import env_dir, find_vllm
+
+    env = find_vllm()
+    if env is None:
+        message = f"vLLM is not installed at {env_dir()} (make vllm)"
+        if os.environ.get(VLLM_REQUIRED_ENV):
+            pytest.fail(message)
+        pytest.skip(message)
+    return env

@@ -82,6 +82,8 @@ def _bench_engine(args: argparse.Namespace):
         results = run_engine_bench({TARGET_ONLY: args.baseline_url, args.mode_name: args.url}, prompts, config,
                                    engine="openai", dtype=args.engine_dtype, threads=0)
         return results[args.mode_name]
+    if args.engine == "vllm":
+        return _bench_vllm(args, prompts, config, threads)
     from specdistill.engines.llamacpp import bench_llamacpp, mode_for_spec, target_gguf
 
     if args.self_spec is not None or not (args.draft or args.ngram):
@@ -90,6 +92,28 @@ def _bench_engine(args: argparse.Namespace):
     spec = f"draft:{args.draft}" if args.draft else "ngram"
     mode = mode_for_spec(spec, target_gguf(args.target), args.gamma)
     return bench_llamacpp(args.target, {mode.name: mode}, prompts, config, threads=threads)[mode.name]
+
+
+def _bench_vllm(args: argparse.Namespace, prompts: list, config, threads: int):
+    """vLLM started here twice, target-only and with the mode's `speculative_config` as serving.json
+    would carry it; a config vLLM refuses is an error carrying vLLM's own message."""
+    from specdistill.engines.vllm_bench import bench_vllm
+    from specdistill.pipeline.vllm_bench import mode_serving_config
+
+    if args.draft:
+        spec = f"draft:{args.draft}"
+    elif args.self_spec is not None:
+        spec = f"self_spec:{args.self_spec}"
+    elif args.ngram:
+        spec = f"ngram:{args.ngram_min},{args.ngram_max}"
+    else:
+        raise ValueError("--engine vllm measures --draft DIR, --self-spec K or --ngram")
+    name = spec.partition(":")[0]
+    run = bench_vllm(args.target, {name: mode_serving_config(spec, args.gamma, args.target).vllm()}, prompts, config,
+                     threads=threads, dtype=args.dtype)
+    if name in run.refused:
+        raise ValueError(f"vLLM {run.version} refused the {name} mode: {run.refused[name]}")
+    return run.results[name]
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -191,9 +215,10 @@ def register(sub: Subcommands) -> None:
     p.add_argument("--plot", default=None, metavar="PNG", help="acceptance per position and speedup per slice")
     p.add_argument("--gate", default=None, choices=["default", "production"], help="also print the gate's verdict")
     p.add_argument("--champion", default=None, metavar="JSON", help="the champion's bench JSON, for the gate's τ check")
-    p.add_argument("--engine", default="harness", choices=["harness", "llamacpp", "openai"],
+    p.add_argument("--engine", default="harness", choices=["harness", "llamacpp", "vllm", "openai"],
                    help="what measures: this PyTorch harness, llama-server built and started here (the target a "
-                        ".gguf or demo; --threads its threads, default 2), or running OpenAI-compatible servers")
+                        ".gguf or demo; --threads its threads, default 2), vLLM started here (make vllm; the "
+                        "target an HF directory, .gguf or demo, in --dtype), or running OpenAI-compatible servers")
     p.add_argument("--url", default=None, help="--engine openai: base URL of the speculative server (its /metrics too)")
     p.add_argument("--baseline-url", default=None, help="--engine openai: base URL of a target-only server")
     p.add_argument("--mode-name", default="speculative", help="--engine openai: the speculative mode's name in reports")

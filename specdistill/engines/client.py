@@ -73,11 +73,14 @@ def _logprobs(choice: dict) -> list[TokenLogprob] | None:
 
 
 def chat(base_url: str, messages: list[dict], *, max_tokens: int, temperature: float = 0.0, seed: int = 0,
-         top_logprobs: int = 0, model: str = "default", timeout_s: float = 300.0) -> Completion:
+         top_logprobs: int = 0, model: str | None = None, timeout_s: float = 300.0) -> Completion:
     """One `/v1/chat/completions` request (greedy by default); `top_logprobs > 0` asks for the top-k
-    alternatives of every generated token."""
-    payload = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
+    alternatives of every generated token. No `model` asks the server's only model (vLLM refuses a
+    name it does not serve; llama.cpp ignores it)."""
+    payload = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature,
                "seed": seed, "stream": False}
+    if model is not None:
+        payload["model"] = model
     if temperature == 0.0:
         payload["top_k"] = 1  # llama.cpp and vLLM accept it; greedy without sampler noise
     if top_logprobs:

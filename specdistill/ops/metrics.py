@@ -12,7 +12,7 @@ import os
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import (
     CollectorRegistry,
@@ -115,6 +115,8 @@ class LiveSample:
     draft_tokens: float = 0.0
     accepted: float = 0.0
     drafts: float = 0.0
+    # Δaccepted at draft position i / Δdrafts (vLLM's `..._per_pos` counters; empty where not exported)
+    per_position_acceptance: list[float] = field(default_factory=list)
 
 
 def acceptance_between(first: Scrape, second: Scrape, min_draft_tokens: int = 1) -> LiveSample:
@@ -127,6 +129,9 @@ def acceptance_between(first: Scrape, second: Scrape, min_draft_tokens: int = 1)
     if d_tokens < max(min_draft_tokens, 1):
         return LiveSample(False, f"only {d_tokens:g} draft tokens between scrapes (minimum {min_draft_tokens})",
                           draft_tokens=d_tokens, accepted=d_accepted, drafts=d_drafts)
+    before = first.accepted_per_position
+    per_position = [(a - (before[i] if i < len(before) else 0.0)) / d_drafts
+                    for i, a in enumerate(second.accepted_per_position)] if d_drafts else []
     return LiveSample(
         True,
         acceptance_rate=d_accepted / d_tokens,
@@ -134,6 +139,7 @@ def acceptance_between(first: Scrape, second: Scrape, min_draft_tokens: int = 1)
         draft_tokens=d_tokens,
         accepted=d_accepted,
         drafts=d_drafts,
+        per_position_acceptance=per_position,
     )
 
 

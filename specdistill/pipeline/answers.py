@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from specdistill.distill.teacher import TeacherCache
     from specdistill.modeling.models import LoadedModel
 
-ENGINE_ONLY = {"backend", "url", "parallel"}  # settings the harness's answers do not depend on
+ENGINE_ONLY = {"backend", "url", "engine", "parallel"}  # settings the harness's answers do not depend on
 Answered = tuple[dict[str, dict], str, Path, str | None]  # records by id, what answered, answers file, teacher cache
 
 
@@ -54,7 +54,8 @@ def _outputs(config: NightlyConfig, window: WindowDict, fingerprint: str, split:
     from specdistill.distill.teacher import TeacherCache
 
     g = config.generation
-    settings = g.model_dump(exclude=ENGINE_ONLY) if g.backend == "harness" else g
+    # which engine was started is in `source` (the key's tag), so keys of earlier llama.cpp answers hold
+    settings = g.model_dump(mode="json", exclude=ENGINE_ONLY if g.backend == "harness" else {"engine"})
     tag = re.sub(r"[^A-Za-z0-9._-]+", "-", source)[:64]
     out_dir = paths.ensure(run_root() / "data" / f"{window['key']}-{fingerprint}-{config_hash(settings)}-{tag}")
     cache = None
@@ -114,22 +115,30 @@ def _feature_cache(config: NightlyConfig, target: LoadedModel, out_path: Path, t
 
 def _answer_in_engine(config: NightlyConfig, target: LoadedModel, window: WindowDict, split: str,
                       prompts: list[Prompt], record_teacher: bool) -> Answered:
-    """Through `generation.url`, or a llama-server started here on the target's GGUF (stopped after).
+    """Through `generation.url`, or a server started here (stopped after): llama-server on the target's
+    GGUF, or vLLM on its HF directory (`generation.engine`).
     The teacher cache's `data` names the engine; its k is what the server gives."""
     from contextlib import ExitStack
 
     from specdistill.data.prompts import encode_chat
     from specdistill.engines.answers import connect, generate_answers_openai
-    from specdistill.engines.llamacpp import gguf_dtype, target_server
-
     g = config.generation
+    ctx_per_slot = config.window.max_prompt_tokens + g.max_new_tokens + 1
     with ExitStack() as stack:
         if g.url:
             url, source = g.url, ""
+        elif g.engine == "vllm":
+            from specdistill.engines.vllm_bench import target_server
+
+            server = stack.enter_context(target_server(config.target, parallel=g.parallel, ctx_per_slot=ctx_per_slot,
+                                                       top_k=g.teacher_top_k, threads=config.serving.threads,
+                                                       dtype=config.dtype))
+            url, source = server.url, f"vllm:{server.config.dtype}"
         else:
-            server = stack.enter_context(target_server(
-                config.target, parallel=g.parallel, ctx_per_slot=config.window.max_prompt_tokens + g.max_new_tokens + 1,
-                threads=config.serving.threads))
+            from specdistill.engines.llamacpp import gguf_dtype, target_server
+
+            server = stack.enter_context(target_server(config.target, parallel=g.parallel, ctx_per_slot=ctx_per_slot,
+                                                       threads=config.serving.threads))
             url, source = server.url, f"llamacpp:{gguf_dtype(server.config.model)}"
         probe = prompts[0].messages if prompts else [{"role": "user", "content": "Hi."}]
         served = connect(url, encode_chat(target.tokenizer, probe), g.teacher_top_k)

@@ -43,15 +43,17 @@ class GenerationConfig(Strict):
     `harness`: this PyTorch harness, `batch_size` prompts per batched forward, in the run's dtype.
     `openai`: a serving engine through its OpenAI-compatible API, `parallel` requests at a time over its
     slots: the server at `url` (vLLM, SGLang or llama.cpp; with or without the trailing `/v1`), or, with
-    `url: null`, a llama-server started here on the target's GGUF (`demo` or a `.gguf` target; its
-    `serving.threads`), as `serving.engine: llamacpp` does. The teacher is then the engine's top-k as
+    `url: null`, a server started here for the window and stopped after (`engine`): llama-server on the
+    target's GGUF (`demo` or a `.gguf` target), or vLLM on its HF directory (`make vllm`), with
+    `serving.threads` threads, as `serving.engine` does. The teacher is then the engine's top-k as
     served (k = `teacher_top_k` or fewer when the server caps it, recorded in the cache)."""
 
     max_new_tokens: int = Field(96, ge=1)
     batch_size: int = Field(16, ge=1)  # backend openai: answers per teacher shard (what a kill can lose)
     teacher_top_k: int = Field(32, ge=1)
     backend: Literal["harness", "openai"] = "harness"
-    url: str | None = None  # backend openai: the server's base URL; null: start llama-server on the target's GGUF
+    url: str | None = None  # backend openai: the server's base URL; null: start `engine` on the target
+    engine: Literal["llamacpp", "vllm"] = "llamacpp"  # backend openai without a url: the server started here
     parallel: int = Field(8, ge=1)  # backend openai: concurrent requests (the started llama-server's slots)
 
     @model_validator(mode="after")
@@ -110,14 +112,15 @@ class ServingSettings(Strict):
     decoding by `margin` (the no-slowdown guard the monitor uses too); its γ by measurement.
 
     `engine` is where the speeds are measured (the gate's speed bar and this choice): this PyTorch
-    harness; llama.cpp's llama-server, built here and started per mode on the target's GGUF; or
+    harness; llama.cpp's llama-server, built here and started per mode on the target's GGUF; vLLM
+    (`make vllm`), started per mode from the `speculative_config` serving.json would carry; or
     running OpenAI-compatible servers, one per mode, named in `endpoints` (`target-only` required)."""
 
     margin: float = Field(0.05, ge=0.0)
     choose_gamma: bool = True  # every drafter at the γ its measured curve predicts best, confirmed by a second run
     max_gamma: int = Field(8, ge=1)
-    engine: Literal["harness", "llamacpp", "openai"] = "harness"
-    threads: int = Field(2, ge=1)  # llama-server threads
+    engine: Literal["harness", "llamacpp", "vllm", "openai"] = "harness"
+    threads: int = Field(2, ge=1)  # llama-server threads; vLLM CPU's OpenMP threads
     endpoints: dict[str, str] = {}  # engine openai: mode name (target-only, ngram, challenger, ...) -> base URL
 
 
@@ -143,7 +146,7 @@ class NightlyConfig(Strict):
     @model_validator(mode="after")
     def _engine_reaches_the_target(self):
         g = self.generation
-        if g.backend == "openai" and not g.url and not (self.target == "demo" or self.target.endswith(".gguf")):
+        if g.backend == "openai" and not g.url and g.engine == "llamacpp" and not (self.target == "demo" or self.target.endswith(".gguf")):
             raise ValueError(f"generation.backend=openai needs generation.url, or a GGUF target to start llama-server "
                              f"on ('demo' or a .gguf file); target is {self.target!r}")
         return self

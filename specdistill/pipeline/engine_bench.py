@@ -56,6 +56,10 @@ def engine_benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[s
         for name, mode in modes.items():  # the command line measured (the draft GGUF included): what serving.json names
             out[name]["stats"]["llamacpp_args"] = ["-m", str(gguf), "-t", str(s.threads), *mode.args()]
         return out
+    if s.engine == "vllm":
+        from specdistill.pipeline.vllm_bench import vllm_engine_benchmark
+
+        return vllm_engine_benchmark(config, prompts, servable, bcfg)
     if s.engine == "openai":
         if TARGET_ONLY not in s.endpoints or len(s.endpoints) < 2:
             raise ValueError(f"serving.engine openai needs serving.endpoints with {TARGET_ONLY!r} and at least one mode "

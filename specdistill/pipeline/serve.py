@@ -46,13 +46,21 @@ def choose_engine_serving(config: NightlyConfig, speeds: dict[str, BenchEntry], 
     from specdistill.ops.serving import Candidate, fastest_mode
 
     b, s = config.bench, config.serving
-    candidates = serving_candidates(speeds, verdict)
+    refused = {name: r["stats"]["vllm_refused"] for name, r in speeds.items() if r["stats"].get("vllm_refused")}
+    candidates = {name: r for name, r in serving_candidates(speeds, verdict).items() if name not in refused}
     choice = fastest_mode([Candidate(name, mode_of(r["spec"]), r["speedup"], r["lossless"], b.gamma)
                            for name, r in candidates.items()], s.margin)
     some = next(iter(speeds.values()), None)
-    measured_on = f"{s.engine}, {some['dtype'] if some else '?'}" + (f", {s.threads} threads" if s.engine == "llamacpp" else "")
-    decision = ServingDecision(mode=choice.mode, name=None, spec=None, gamma=b.gamma, speedup=1.0, reason=choice.reason,
-                               measured={name: r["speedup"] for name, r in speeds.items()}, measured_on=measured_on,
+    measured_on = f"{s.engine}, {some['dtype'] if some else '?'}" + (f", {s.threads} threads" if s.engine in ("llamacpp", "vllm") else "")
+    if s.engine == "vllm" and some is not None:
+        from specdistill.engines.build import cpu_name
+
+        measured_on += f", vLLM {some['stats'].get('vllm_version', '?')}, {cpu_name()}"
+    reason = choice.reason
+    if refused:
+        reason += "; not served, vLLM refused: " + "; ".join(f"{n} ({why})" for n, why in refused.items())
+    decision = ServingDecision(mode=choice.mode, name=None, spec=None, gamma=b.gamma, speedup=1.0, reason=reason,
+                               measured={name: r["speedup"] for name, r in speeds.items() if name not in refused}, measured_on=measured_on,
                                predicted_speedups={}, verify_costs={}, gamma_note=f"γ=K={b.gamma} as measured in {s.engine}",
                                engine=s.engine, llamacpp_args=[], tree_width=1)
     if some is not None and s.engine == "llamacpp":  # target-only: the measured command without the mode's flags

@@ -1,0 +1,275 @@
+"""A `vllm serve` process on loopback: the target (an HF directory or the demo's safetensors cache)
+with one `--speculative-config` (or none), started on a free port, waited for at `/health`, stopped.
+
+The speculative config is taken as given: callers pass the very block `serving.json` carries, so a
+mode vLLM refuses fails here, with vLLM's own error and the last lines of its log, not in a user's
+deployment. What vLLM's CPU build needs is set here, from its source (`vllm/envs.py`,
+`vllm/platforms/cpu.py`, `vllm/utils/ompmultiprocessing.py`):
+- `VLLM_TARGET_DEVICE=cpu`: the CPU platform, whatever the distribution's version string says;
+- `VLLM_CPU_KVCACHE_SPACE` (GiB; vLLM reserves 4 by default, more than a small target needs);
+- `VLLM_CPU_OMP_THREADS_BIND`: the cores the OpenMP threads are pinned to. vLLM's `auto` keeps one
+  core of each NUMA node for its scheduler, i.e. one thread on a 2-core machine; we bind `threads`
+  cores of this process's affinity, as llama-server's `-t`;
+- `LD_PRELOAD` of the wheel's `libiomp5.so` (vLLM then binds with KMP_AFFINITY; else it preloads
+  torch's libgomp itself), and the soft open-file limit raised to the hard one (one fd per socket);
+- `--enforce-eager`: vLLM's compiled graphs took 165-228 s to start on a 2-core CPU and their cache
+  never reloaded there; eager starts in about a minute.
+A GPU machine's own vLLM (`$SPECDISTILL_VLLM_PYTHON`) gets none of the CPU variables.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specdistill.engines.server import LOOPBACK, ServerError, free_port, port_in_use
+from specdistill.engines.vllm_install import VllmEnv, find_vllm
+
+SERVED_NAME = "target"  # the model name requests carry
+_HANDED_OUT: set[int] = set()  # ports given to servers of this process
+
+
+class VllmStartError(ServerError):
+    """vLLM did not come up: `cause` is vLLM's own error line (a refused speculative config, say)."""
+
+    def __init__(self, message: str, cause: str = "", log_tail: str = ""):
+        super().__init__(message)
+        self.cause = cause
+        self.log_tail = log_tail
+
+
+@dataclass
+class VllmConfig:
+    model: Path  # the target's HF directory
+    speculative_config: dict | None = None  # vLLM's --speculative-config, as serving.json carries it
+    threads: int = 2
+    dtype: str = "auto"  # vLLM's --dtype: auto (the checkpoint's), float32, bfloat16
+    max_model_len: int = 2048
+    max_num_seqs: int = 8  # requests decoded together
+    max_logprobs: int = 32  # the teacher's top-k must fit under it
+    kv_cache_gib: int = 1
+    host: str = LOOPBACK
+    port: int = 0  # 0: a free port is picked
+    seed: int = 0
+    extra_args: tuple[str, ...] = ()
+    name: str = field(default="", compare=False)  # for messages (the mode's name)
+
+
+def vllm_args(config: VllmConfig, port: int) -> list[str]:
+    """`vllm serve`'s arguments: eager, greedy-friendly (no generation_config.json defaults), logprobs
+    within `max_logprobs`, the speculative config as JSON."""
+    args = ["serve", str(config.model), "--host", config.host, "--port", str(port), "--served-model-name", SERVED_NAME,
+            "--enforce-eager", "--dtype", config.dtype, "--max-model-len", str(config.max_model_len),
+            "--max-num-seqs", str(config.max_num_seqs), "--max-logprobs", str(config.max_logprobs),
+            "--seed", str(config.seed), "--generation-config", "vllm"]
+    if config.speculative_config:
+        args += ["--speculative-config", json.dumps(config.speculative_config, sort_keys=True)]
+    return [*args, *config.extra_args]
+
+
+def bound_cpus(threads: int) -> list[int]:
+    """The first `threads` cores this process may run on (its affinity), for vLLM's OpenMP threads."""
+    try:
+        allowed = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        allowed = list(range(os.cpu_count() or 1))
+    return allowed[: max(1, min(threads, len(allowed)))]
+
+
+def vllm_environment(env: VllmEnv, config: VllmConfig, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The process environment for `vllm serve`: offline, no usage reports, and on the CPU build the
+    variables vLLM's CPU backend reads."""
+    out = dict(os.environ if base is None else base)
+    out.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+                "PYTHONUNBUFFERED": "1"})
+    out.pop("PYTHONPATH", None)  # the project's packages must not shadow vLLM's pins
+    if env.device == "cpu":
+        out["VLLM_TARGET_DEVICE"] = "cpu"
+        out["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
+        out["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, bound_cpus(config.threads)))
+        iomp = env.libiomp5()
+        preload = [p for p in out.get("LD_PRELOAD", "").split(":") if p and "libgomp" not in p]
+        if iomp is not None and not any("libiomp" in p for p in preload):
+            preload.append(str(iomp))  # vLLM asserts one OpenMP runtime: never iomp and gomp both
+        if preload:
+            out["LD_PRELOAD"] = ":".join(preload)
+    return out
+
+
+def _raise_fd_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 65535) if hard != resource.RLIM_INFINITY else 65535, hard))
+
+
+_ERROR_LINE = re.compile(r"^(?:\(\w+ pid=\d+\)\s*)?(?:[\w.]*(?:Error|Exception)\b:?.*|ERROR .*)$")
+
+
+def vllm_error(log: str) -> str:
+    """vLLM's own reason from its log: the last exception line (`ValueError: ...`), else the last ERROR line."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    exceptions = [line for line in lines if re.search(r"\b\w*(?:Error|Exception): ", line)]
+    if exceptions:
+        return re.sub(r"^\(\w+ pid=\d+\)\s*", "", exceptions[-1])
+    errors = [line for line in lines if " ERROR " in f" {line} " or line.startswith("ERROR")]
+    return errors[-1] if errors else ""
+
+
+class VllmServer:
+    """A running `vllm serve`; use as a context manager (`with VllmServer(config) as s: s.url`)."""
+
+    def __init__(self, config: VllmConfig, env: VllmEnv | None = None, *, startup_timeout_s: float = 600.0):
+        self.config = config
+        self.env = env
+        self.startup_timeout_s = startup_timeout_s
+        self.process: subprocess.Popen | None = None
+        self.port = 0
+        self.log_path: Path | None = None
+        self.startup_s: float | None = None
+        self._t0 = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    @property
+    def what(self) -> str:
+        mode = self.config.name or (self.config.speculative_config or {}).get("method", "target-only")
+        return f"vLLM ({mode})"
+
+    def command(self) -> list[str]:
+        return self.env.command(*vllm_args(self.config, self.port))
+
+    def log_tail(self, lines: int = 25) -> str:
+        if self.log_path is None or not self.log_path.is_file():
+            return ""
+        return "".join(self.log_path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
+
+    def start(self) -> VllmServer:
+        """Launch and wait until healthy (or raise, the process stopped)."""
+        self.launch()
+        return self.wait()
+
+    def launch(self) -> VllmServer:
+        """Start the process and return at once: `wait()` for it (several servers load side by side)."""
+        self.env = self.env or find_vllm()
+        if self.env is None:
+            raise VllmStartError("vLLM is not installed: run `make vllm` (its own environment, cached outside the "
+                                 "repository) or point SPECDISTILL_VLLM_PYTHON at a Python that has vLLM")
+        model = Path(self.config.model)
+        if not (model / "config.json").is_file():
+            raise VllmStartError(f"vLLM serves a target from an HF directory with config.json; {model} has none")
+        draft = (self.config.speculative_config or {}).get("model")
+        if draft and not (Path(draft) / "config.json").is_file():
+            raise VllmStartError(f"the speculative config's draft {draft} is not an HF directory (no config.json)")
+        if self.config.port:
+            if port_in_use(self.config.port, self.config.host):
+                raise VllmStartError(f"port {self.config.port} on {self.config.host} is in use: pick another or pass port 0")
+            self.port = self.config.port
+        else:  # servers launched together have not bound theirs yet: never hand out one port twice
+            self.port = free_port(self.config.host)
+            while self.port in _HANDED_OUT:
+                self.port = free_port(self.config.host)
+            _HANDED_OUT.add(self.port)
+        fd, log = tempfile.mkstemp(prefix=f"vllm-{self.port}-", suffix=".log")
+        self.log_path = Path(log)
+        self._t0 = time.monotonic()
+        with os.fdopen(fd, "w") as out:
+            out.write(f"$ {' '.join(self.command())}\n")
+            out.flush()
+            # its own process group: vLLM forks an engine-core process that must stop with it
+            self.process = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            env=vllm_environment(self.env, self.config), start_new_session=True,
+                                            preexec_fn=_raise_fd_limit)
+        return self
+
+    def wait(self) -> VllmServer:
+        """Until `/health` answers; on failure the process is stopped and the error names vLLM's reason."""
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - self._t0
+        return self
+
+    def _fail(self, message: str) -> VllmStartError:
+        tail = self.log_tail()
+        cause = vllm_error(self.log_tail(400))
+        if "address already in use" in tail.lower():
+            cause = cause or f"port {self.port} is in use"
+        return VllmStartError(f"{message}{': ' + cause if cause else ''}; log {self.log_path}:\n{tail}", cause, tail)
+
+    def _wait_healthy(self) -> None:
+        deadline = self._t0 + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                raise self._fail(f"{self.what} exited with code {code} before it was ready")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass  # refused before it listens
+            time.sleep(0.5)
+        raise self._fail(f"{self.what} did not become healthy within {self.startup_timeout_s:.0f} s at {self.url}")
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self) -> None:
+        """SIGTERM to the API server (it shuts its engine core down), SIGKILL to its process group after 20 s."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        try:  # stragglers of the group (the engine core outliving its parent)
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.process = None
+
+    def __enter__(self) -> VllmServer:
+        return self.wait() if self.process is not None else self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_together(servers: list[VllmServer]) -> dict[int, VllmStartError]:
+    """Launch every server, then wait for each: start-ups overlap (model loading is mostly waiting on
+    one core). Returns the errors by index; the servers that failed are stopped, the others run."""
+    errors: dict[int, VllmStartError] = {}
+    for i, server in enumerate(servers):
+        try:
+            server.launch()
+        except VllmStartError as exc:
+            errors[i] = exc
+    for i, server in enumerate(servers):
+        if i in errors:
+            continue
+        try:
+            server.wait()
+        except VllmStartError as exc:
+            errors[i] = exc
+        except BaseException:
+            for other in servers:
+                other.stop()
+            raise
+    return errors

@@ -1,0 +1,70 @@
+"""Stage (serving.engine vllm): each servable mode measured in a real vLLM, started from the very
+`speculative_config` block `serving.json` would carry for it.
+
+The mode's serving config is built the way `serve.serving_config` builds the one it writes (the
+draft's directory and kind, self-speculation's exported early-exit draft, the measured n-gram sizes),
+and its `vllm()` block is what vLLM is started with. A mode vLLM refuses gets an entry that cannot be
+served (not lossless, speedup 0) carrying vLLM's own error, so the serving choice skips it and says why.
+"""
+
+from __future__ import annotations
+
+from specdistill.pipeline.config import NightlyConfig
+from specdistill.pipeline.outputs import BenchEntry
+
+
+def mode_serving_config(spec: str, gamma: int, target_ref: str):
+    """The serving config `serving.json` would carry for a drafter spec (`draft:DIR`, `self_spec:K`, `ngram...`)."""
+    from specdistill.ops.serving import ServingConfig
+
+    kind, _, arg = spec.partition(":")
+    if kind == "draft":
+        from specdistill.modeling.eagle3_io import is_eagle3_dir
+
+        return ServingConfig(mode="draft", draft_dir=arg, num_speculative_tokens=gamma,
+                             draft_kind="eagle3" if is_eagle3_dir(arg) else "layers")
+    if kind == "self_spec":
+        from specdistill.modeling.models import load_model
+        from specdistill.ops.monitor import export_early_exit_draft
+        from specdistill.pipeline.monitor import fallback_dir
+
+        target = load_model(target_ref, dtype="float32")
+        out = export_early_exit_draft(target, int(arg), fallback_dir(target.fingerprint, int(arg)))
+        return ServingConfig(mode="self_speculation", draft_dir=str(out), exit_layer=int(arg), num_speculative_tokens=gamma)
+    if kind == "ngram":
+        from specdistill.speculative.drafters import NgramDrafter, drafter_from_spec
+
+        ngram = drafter_from_spec(None, spec)
+        assert isinstance(ngram, NgramDrafter)
+        return ServingConfig(mode="ngram", num_speculative_tokens=gamma, prompt_lookup_min=ngram.min_n,
+                             prompt_lookup_max=ngram.max_n)
+    raise ValueError(f"drafter {spec!r} has no vLLM mode (draft:DIR, self_spec:K or ngram)")
+
+
+def refused_entry(name: str, spec: str, cause: str, gamma: int, dtype: str) -> BenchEntry:
+    """A mode vLLM would not start: measured as nothing, never served, vLLM's reason kept."""
+    from specdistill.speculative.bench import BenchResult
+
+    r = BenchResult(drafter=name, gamma=gamma, max_new_tokens=0, repeats=0, greedy=True, lossless=False,
+                    lossless_mismatches=0, acceptance_rate=0.0, accepted_length=1.0, per_position_acceptance=[],
+                    request_acceptance_p10=0.0, request_acceptance_p50=0.0, request_acceptance_p90=0.0,
+                    tokens_per_second_target_only=0.0, tokens_per_second_speculative=0.0, speedup=0.0,
+                    cost_ratio=None, ideal_speedup=None, slices=[], stats={"vllm_refused": cause}, dtype=dtype,
+                    engine="vllm")
+    return BenchEntry(**r.to_dict(), spec=spec)
+
+
+def vllm_engine_benchmark(config: NightlyConfig, prompts, servable: dict[str, str], bcfg) -> dict[str, BenchEntry]:
+    """`engine_bench.engine_benchmark` for serving.engine vllm: results keyed by drafter name."""
+    from specdistill.engines.vllm_bench import bench_vllm, served_dtype
+
+    s, b = config.serving, config.bench
+    configs = {name: mode_serving_config(spec, b.gamma, config.target) for name, spec in servable.items()}
+    run = bench_vllm(config.target, {name: c.vllm() for name, c in configs.items()}, prompts, bcfg,
+                     threads=s.threads, dtype=config.dtype)
+    out = {name: BenchEntry(**r.to_dict(), spec=servable[name]) for name, r in run.results.items()}
+    for name, cause in run.refused.items():
+        out[name] = refused_entry(name, servable[name], cause, b.gamma, served_dtype(config.dtype))
+    for entry in out.values():
+        entry["stats"]["vllm_version"] = run.version
+    return out
