@@ -71,13 +71,16 @@ def test_bound_cpus_stay_within_the_affinity():
 
 
 def test_vllms_own_error_is_found_in_its_log():
-    log = ("(APIServer pid=1) INFO loading\n"
-           "(EngineCore pid=2) ERROR 12-01 [core.py:1] EngineCore failed to start.\n"
-           "(EngineCore pid=2) ValueError: There is no module or parameter named 'd2t' in LlamaForCausalLM\n"
-           "RuntimeError: Engine core initialization failed. See root cause above.\n")
-    assert vllm_error(log) == "RuntimeError: Engine core initialization failed. See root cause above."
-    assert vllm_error(log.rsplit("RuntimeError", 1)[0]).startswith("ValueError: There is no module")
-    assert vllm_error("INFO fine\n") == ""
+    log = ("(APIServer pid=1) WARNING 12-01 13:01:03 [system_utils.py:255] Found ulimit of 20000: `OSError: [Errno 24]`\n"
+           "(Worker pid=3) ERROR 12-01 13:02:31 [multiproc_executor.py:953]     raise ValueError(msg)\n"
+           "(Worker pid=3) ERROR 12-01 13:02:31 [multiproc_executor.py:953] ValueError: There is no module or parameter "
+           "named 'd2t' in LlamaForCausalLM\n"
+           "(EngineCore pid=2) ERROR 12-01 13:02:37 [core.py:1510] Exception: WorkerProc initialization failed due to an "
+           "exception in a background process. See stack trace for root cause.\n"
+           "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
+    assert vllm_error(log) == "ValueError: There is no module or parameter named 'd2t' in LlamaForCausalLM"
+    assert vllm_error("RuntimeError: Engine core initialization failed. See root cause above.\n").startswith("RuntimeError")
+    assert vllm_error("(APIServer pid=1) INFO 12-01 13:01:03 [x.py:1] fine\n") == ""
 
 
 def test_launcher_answers_the_cpu_version(tmp_path):
@@ -146,3 +149,24 @@ def test_serving_choice_skips_a_mode_vllm_refused():
     assert decision["mode"] == "ngram" and decision["measured"] == {"ngram": 1.2}
     assert "vLLM refused: challenger (ValueError: no d2t)" in decision["reason"]
     assert "vLLM 0.32.0" in decision["measured_on"] and decision["engine"] == "vllm"
+
+
+def test_live_sample_carries_per_position_acceptance():
+    from specdistill.engines.prom import Scrape
+    from specdistill.ops.metrics import acceptance_between
+
+    first = Scrape(10, 40, 20, accepted_per_position=[8, 6, 4, 2])
+    second = Scrape(20, 80, 35, accepted_per_position=[16, 11, 6, 2])
+    sample = acceptance_between(first, second)
+    assert sample.ok and sample.per_position_acceptance == pytest.approx([0.8, 0.5, 0.2, 0.0])
+    assert sum(sample.per_position_acceptance) == pytest.approx(sample.mean_accepted_length - 1)
+
+
+def test_vllm_answers_need_no_gguf_target(tmp_path):
+    from specdistill.config import ConfigError
+    from specdistill.pipeline.config import load_nightly_config
+
+    ok = load_nightly_config(None, [f"target={tmp_path}", "generation.backend=openai", "generation.engine=vllm"])
+    assert ok.generation.engine == "vllm" and ok.generation.url is None
+    with pytest.raises((ConfigError, ValueError), match="llama-server"):
+        load_nightly_config(None, [f"target={tmp_path}", "generation.backend=openai"])

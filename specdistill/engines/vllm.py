@@ -112,16 +112,20 @@ def _raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 65535) if hard != resource.RLIM_INFINITY else 65535, hard))
 
 
-_ERROR_LINE = re.compile(r"^(?:\(\w+ pid=\d+\)\s*)?(?:[\w.]*(?:Error|Exception)\b:?.*|ERROR .*)$")
+_PREFIX = re.compile(r"^(?:\(\w+ pid=\d+\)\s*)?(?:(?:ERROR|WARNING|INFO) [\d-]+ [\d:]+ \[[^\]]+\]\s*)?")
+_EXCEPTION = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception)): .+")
+_POINTERS = ("root cause", "See stack trace")  # vLLM's wrappers that point back at the real error
 
 
 def vllm_error(log: str) -> str:
-    """vLLM's own reason from its log: the last exception line (`ValueError: ...`), else the last ERROR line."""
-    lines = [line.strip() for line in log.splitlines() if line.strip()]
-    exceptions = [line for line in lines if re.search(r"\b\w*(?:Error|Exception): ", line)]
-    if exceptions:
-        return re.sub(r"^\(\w+ pid=\d+\)\s*", "", exceptions[-1])
-    errors = [line for line in lines if " ERROR " in f" {line} " or line.startswith("ERROR")]
+    """vLLM's own reason from its log: the last exception raised (`ValueError: ...` from the worker),
+    past the wrappers that only point back at it; else the last ERROR line."""
+    messages = [_PREFIX.sub("", line.strip()) for line in log.splitlines() if line.strip()]
+    raised = [m for m in messages if _EXCEPTION.match(m)]
+    real = [m for m in raised if not any(p in m for p in _POINTERS)]
+    if real or raised:
+        return (real or raised)[-1]
+    errors = [line.strip() for line in log.splitlines() if " ERROR " in f" {line} "]
     return errors[-1] if errors else ""
 
 
@@ -206,6 +210,7 @@ class VllmServer:
     def _fail(self, message: str) -> VllmStartError:
         tail = self.log_tail()
         cause = vllm_error(self.log_tail(400))
+        cause = cause if len(cause) <= 400 else cause[:400] + " …"
         if "address already in use" in tail.lower():
             cause = cause or f"port {self.port} is in use"
         return VllmStartError(f"{message}{': ' + cause if cause else ''}; log {self.log_path}:\n{tail}", cause, tail)

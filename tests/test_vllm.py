@@ -1,0 +1,233 @@
+"""vLLM for real (e2e: needs `make vllm`, which `make test` runs first): one CPU vLLM server per mode for
+the whole session (target-only, n-gram, an exported EAGLE-3 head, a layer draft with a reduced
+vocabulary), all started together. The engine bench against them, the exports loading and drafting in
+vLLM, answers with logprobs as token ids, the monitor's live sampler on vLLM's real /metrics, the
+nightly's serving choice measured in vLLM, and a draft layout vLLM refuses (the layout drafts had
+before the vocabulary map moved) reported with vLLM's own error. Generations are a few tokens."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from specdistill.engines.bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
+from specdistill.engines.client import chat, metrics_url
+from specdistill.engines.prom import scrape
+from specdistill.speculative.bench import Prompt
+from tests.test_llamacpp import REPEAT, _memorizing_head
+
+pytestmark = pytest.mark.e2e
+
+NGRAM_SPEC = "ngram"  # the harness's n-gram drafter: 1..3-grams
+K = 4
+
+
+def _serving_block(spec: str) -> dict:
+    """The speculative_config serving.json would carry for a drafter spec."""
+    from specdistill.pipeline.vllm_bench import mode_serving_config
+
+    return mode_serving_config(spec, K, "demo").vllm()
+
+
+@pytest.fixture(scope="session")
+def layer_draft(tmp_path_factory, demo_target):
+    """A 4-layer draft of the target with an 8k reduced vocabulary, saved as the pipeline saves drafts."""
+    import torch
+
+    from specdistill.modeling.drafts import init_draft_from_target, save_draft
+    from specdistill.modeling.vocab import DraftVocab
+
+    draft = init_draft_from_target(demo_target.model, [0, 1, 2, 29])
+    vocab = DraftVocab(torch.arange(8192), demo_target.config.vocab_size)
+    return save_draft(draft, demo_target.tokenizer, tmp_path_factory.mktemp("draft") / "layers", draft_vocab=vocab)
+
+
+@pytest.fixture(scope="session")
+def eagle_head(tmp_path_factory, demo_target):
+    head_dir, loss = _memorizing_head(demo_target, tmp_path_factory.mktemp("eagle3") / "head",
+                                      [{"role": "user", "content": REPEAT}])
+    assert loss < 0.5
+    return head_dir
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(vllm_env, layer_draft, eagle_head):
+    """target-only, ngram, eagle3 and draft_model servers, started side by side, stopped at the end."""
+    from specdistill.engines.vllm import VllmConfig, VllmServer, start_together
+    from specdistill.engines.vllm_bench import served_dtype, target_dir
+
+    modes = {TARGET_ONLY: None, "ngram": _serving_block(NGRAM_SPEC), "eagle3": _serving_block(f"draft:{eagle_head}"),
+             "layers": _serving_block(f"draft:{layer_draft}")}
+    assert modes["eagle3"]["method"] == "eagle3" and modes["layers"]["method"] == "draft_model"
+    servers = {name: VllmServer(VllmConfig(model=target_dir("demo"), speculative_config=spec, dtype=served_dtype(),
+                                           max_logprobs=20, name=name), vllm_env)
+               for name, spec in modes.items()}
+    t0 = time.monotonic()
+    errors = start_together(list(servers.values()))
+    try:
+        assert not errors, {list(servers)[i]: str(e) for i, e in errors.items()}
+        print(f"\nvLLM: {len(servers)} servers up in {time.monotonic() - t0:.0f} s "
+              + ", ".join(f"{n} {s.startup_s:.0f} s" for n, s in servers.items()))
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+def test_bench_against_real_vllm(vllm_servers):
+    prompts = [Prompt(REPEAT, "repeat"), Prompt("Name three colors.", "chat")]
+    endpoints = {TARGET_ONLY: vllm_servers[TARGET_ONLY].url, "ngram": vllm_servers["ngram"].url}
+    r = run_engine_bench(endpoints, prompts, EngineBenchConfig(max_new_tokens=32), engine="vllm", dtype="served",
+                         progress=False)["ngram"]
+    assert r.engine == "vllm" and r.stats["metrics_prefix"] == "vllm:"
+    assert r.stats["draft_tokens"] > 0 and 0.0 < r.acceptance_rate <= 1.0
+    assert r.accepted_length == pytest.approx(1 + r.stats["accepted"] / r.stats["drafts"])
+    # vLLM's per-position counters: position 0 is accepted at least as often as any later one
+    assert len(r.per_position_acceptance) == K and r.per_position_acceptance[0] >= max(r.per_position_acceptance[1:])
+    assert sum(r.per_position_acceptance) == pytest.approx(r.accepted_length - 1)
+    assert r.lossless_exact + r.lossless_near_ties + r.lossless_mismatches == len(prompts) and r.lossless
+    assert r.tokens_per_second_target_only > 0 and r.speedup > 0
+    assert {s.name: s.accepted_length > 1.0 for s in r.slices}["repeat"]
+
+
+def test_exported_eagle3_head_loads_and_drafts_in_vllm(vllm_servers):
+    """The head as exported (LlamaForCausalLMEagle3, d2t/t2d, eagle_config) drafts in vLLM what it learnt."""
+    server = vllm_servers["eagle3"]
+    before = scrape(metrics_url(server.url))
+    done = chat(server.url, [{"role": "user", "content": REPEAT}], max_tokens=24)
+    d = scrape(metrics_url(server.url))
+    drafted, accepted = d.draft_tokens - before.draft_tokens, d.accepted - before.accepted
+    assert done.generated_tokens > 0 and drafted > 0
+    assert accepted >= drafted / 4, f"{accepted:g}/{drafted:g} accepted of a memorised answer"
+    base = chat(vllm_servers[TARGET_ONLY].url, [{"role": "user", "content": REPEAT}], max_tokens=24)
+    assert done.text == base.text  # greedy: speculation changes nothing
+
+
+def test_layer_draft_with_reduced_vocabulary_loads_and_drafts_in_vllm(vllm_servers, layer_draft):
+    """The draft vocabulary map is not a weights file beside the checkpoint: vLLM's draft_model loads it."""
+    from specdistill.modeling.vocab import DRAFT_VOCAB_FILE
+
+    assert (layer_draft / DRAFT_VOCAB_FILE).is_file() and not (layer_draft / "draft_vocab.safetensors").exists()
+    server = vllm_servers["layers"]
+    before = scrape(metrics_url(server.url))
+    chat(server.url, [{"role": "user", "content": REPEAT}], max_tokens=16)
+    after = scrape(metrics_url(server.url))
+    assert after.draft_tokens > before.draft_tokens
+
+
+def test_answers_with_logprobs_as_token_ids_from_vllm(vllm_servers, demo_target, tmp_path):
+    from specdistill.data.prompts import encode_chat
+    from specdistill.distill.datagen import Prompt as AnswerPrompt
+    from specdistill.distill.datagen import read_done
+    from specdistill.distill.teacher import TeacherCache
+    from specdistill.engines.answers import connect, generate_answers_openai
+
+    tok = demo_target.tokenizer
+    prompts = [AnswerPrompt("a", [{"role": "user", "content": REPEAT}]),
+               AnswerPrompt("b", [{"role": "user", "content": "Name three colors."}])]
+    served = connect(vllm_servers[TARGET_ONLY].url, encode_chat(tok, prompts[0].messages), 5)
+    assert served.top_k == 5 and served.model == "target"
+    cache = TeacherCache.create(tmp_path / "teacher", fingerprint=demo_target.fingerprint, k=5, temperature=1.0, vocab="full",
+                                data="vllm")
+    records = generate_answers_openai(served, tok, prompts, tmp_path / "answers.jsonl", parallel=2, batch_size=1,
+                                      max_new_tokens=12, teacher_cache=cache, progress=False)
+    assert set(records) == {"a", "b"} and set(read_done(tmp_path / "answers.jsonl")) == {"a", "b"}
+    for p in prompts:
+        r = records[p.id]
+        assert r["prompt_ids"] == encode_chat(tok, p.messages) and 0 < len(r["response_ids"]) <= 12
+        text = chat(vllm_servers[TARGET_ONLY].url, p.messages, max_tokens=12).text
+        assert tok.decode(r["response_ids"], skip_special_tokens=True) == text  # ids, not re-tokenised text
+    # a resume asks for nothing more
+    again = generate_answers_openai(served, tok, prompts, tmp_path / "answers.jsonl", parallel=2, batch_size=1,
+                                    max_new_tokens=12, teacher_cache=cache, progress=False)
+    assert again == records
+
+
+def test_monitor_live_sampler_reads_vllm_metrics(vllm_servers, monkeypatch):
+    """Two real scrapes of vLLM's counters with real speculative traffic between them."""
+    import types
+
+    from specdistill.ops import metrics
+
+    server = vllm_servers["ngram"]
+    counts = []
+
+    def traffic(_seconds):
+        counts.append(scrape(metrics_url(server.url)))
+        chat(server.url, [{"role": "user", "content": REPEAT}], max_tokens=24)
+        counts.append(scrape(metrics_url(server.url)))
+
+    monkeypatch.setattr(metrics, "time", types.SimpleNamespace(time=time.time, sleep=traffic))
+    sample = metrics.sample_live_acceptance(metrics_url(server.url), interval_s=1.0, min_draft_tokens=1)
+    assert sample.ok, sample.reason
+    before, after = counts
+    assert sample.draft_tokens == after.draft_tokens - before.draft_tokens > 0
+    assert sample.acceptance_rate == pytest.approx((after.accepted - before.accepted) / sample.draft_tokens)
+    assert sample.per_position_acceptance and sample.per_position_acceptance[0] >= sample.per_position_acceptance[-1]
+
+
+def test_nightly_serving_choice_measured_in_vllm(vllm_servers, eagle_head, tmp_path, monkeypatch):
+    """serving.engine=vllm: every servable mode is started from the speculative_config serving.json
+    would carry (the session's servers stand in for the ones the stage starts, checked block by block);
+    the choice and serving.json name vLLM, its version and the CPU."""
+    from specdistill.engines import vllm_bench
+    from specdistill.ops.serving import read_serving_config, write_serving_config
+    from specdistill.pipeline.config import load_nightly_config
+    from specdistill.pipeline.engine_bench import engine_benchmark
+    from specdistill.pipeline.serve import choose_serving, serving_config
+
+    by_block = {repr(None): vllm_servers[TARGET_ONLY], repr(_serving_block(NGRAM_SPEC)): vllm_servers["ngram"],
+                repr(_serving_block(f"draft:{eagle_head}")): vllm_servers["eagle3"]}
+
+    class Running:  # a started session server in place of a new one with the same speculative config
+        def __init__(self, config, env, **_):
+            self.server = by_block[repr(config.speculative_config)]
+            self.url, self.startup_s = self.server.url, 0.0
+
+        def launch(self):
+            return self
+
+        def wait(self):
+            return self
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(vllm_bench, "VllmServer", Running)
+    config = load_nightly_config(None, ["serving.engine=vllm", "bench.max_new_tokens=24", "serving.margin=0.0"])
+    window = {"eval": [{"id": "1", "slice": "chat", "messages": [{"role": "user", "content": REPEAT}]}]}
+    speeds = engine_benchmark(config, window, {"ngram": NGRAM_SPEC, "challenger": f"draft:{eagle_head}",
+                                               "generic": "draft:/never/measured"})
+    assert set(speeds) == {"ngram", "challenger"}
+    for name, spec in (("ngram", NGRAM_SPEC), ("challenger", f"draft:{eagle_head}")):
+        assert speeds[name]["engine"] == "vllm" and speeds[name]["stats"]["draft_tokens"] > 0
+        assert speeds[name]["stats"]["vllm_speculative_config"] == _serving_block(spec)
+    decision = choose_serving(config, window, {}, {"promote": True}, speeds)
+    assert decision["engine"] == "vllm" and set(decision["measured"]) == {"ngram", "challenger"}
+    target = {"ref": "demo", "path": "/t", "fingerprint": "fp", "num_layers": 30, "vocab_size": 49152, "dtype": "bf16"}
+    written = read_serving_config(write_serving_config(serving_config(decision, target), tmp_path / "serving.json"))
+    assert written.engine == "vllm" and "vLLM 0.32.0" in written.measured_on and "cores" in written.measured_on
+    if decision["mode"] != "off":
+        assert written.vllm() == speeds[decision["name"]]["stats"]["vllm_speculative_config"]
+
+
+def test_legacy_draft_layout_is_refused_with_vllms_error(vllm_env, layer_draft, tmp_path):
+    """A draft saved before the map moved (draft_vocab.safetensors beside the weights): vLLM loads it as
+    weights and refuses; the error is vLLM's own, and the server is stopped."""
+    import shutil
+
+    from specdistill.engines.vllm import VllmConfig, VllmServer, VllmStartError
+    from specdistill.engines.vllm_bench import served_dtype, target_dir
+    from specdistill.modeling.vocab import DRAFT_VOCAB_FILE, LEGACY_DRAFT_VOCAB_FILE, DraftVocab
+
+    legacy = tmp_path / "legacy"
+    shutil.copytree(layer_draft, legacy)
+    (legacy / DRAFT_VOCAB_FILE).rename(legacy / LEGACY_DRAFT_VOCAB_FILE)
+    shutil.rmtree(legacy / DRAFT_VOCAB_FILE.split("/")[0])
+    assert DraftVocab.load(legacy).size == 8192  # still read by this project
+    server = VllmServer(VllmConfig(model=target_dir("demo"), speculative_config=_serving_block(f"draft:{legacy}"),
+                                   dtype=served_dtype(), name="legacy"), vllm_env)
+    with pytest.raises(VllmStartError, match="exited with code") as err:
+        server.start()
+    assert "d2t" in err.value.cause and server.process is None
