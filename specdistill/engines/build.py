@@ -66,22 +66,6 @@ def cpu_key() -> str:
     return f"{platform.machine()}-{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
 
 
-def cpu_name() -> str:
-    """The CPU as reports name it: model name, core count, and the vector extensions that pick kernels
-    (AVX-512 BF16 / AVX-512 / AVX2), e.g. `AMD EPYC 9R14, 2 cores, avx512_bf16`."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model in ("", platform.machine(), platform.processor()):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith(("flags", "Features")) and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    isa = next((f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2", "asimd") if f in flags), "baseline")
-    return f"{model}, {os.cpu_count()} cores, {isa}"
-
-
 def cache_root() -> Path:
     override = os.environ.get("SPECDISTILL_ENGINE_CACHE")
     base = Path(override) if override else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specdistill"

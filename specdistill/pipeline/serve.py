@@ -53,9 +53,9 @@ def choose_engine_serving(config: NightlyConfig, speeds: dict[str, BenchEntry], 
     some = next(iter(speeds.values()), None)
     measured_on = f"{s.engine}, {some['dtype'] if some else '?'}" + (f", {s.threads} threads" if s.engine in ("llamacpp", "vllm") else "")
     if s.engine == "vllm" and some is not None:
-        from specdistill.engines.build import cpu_name
+        from specdistill.hardware import cpu_info
 
-        measured_on += f", vLLM {some['stats'].get('vllm_version', '?')}, {cpu_name()}"
+        measured_on += f", vLLM {some['stats'].get('vllm_version', '?')}, {cpu_info().describe()}"
     reason = choice.reason
     if refused:
         reason += "; not served, vLLM refused: " + "; ".join(f"{n} ({why})" for n, why in refused.items())
