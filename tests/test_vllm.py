@@ -52,24 +52,45 @@ def eagle_head(tmp_path_factory, demo_target):
 
 
 @pytest.fixture(scope="session")
-def vllm_servers(vllm_env, layer_draft, eagle_head):
-    """target-only, ngram, eagle3 and draft_model servers, started side by side, stopped at the end."""
+def legacy_draft(tmp_path_factory, layer_draft):
+    """The layer draft as drafts were saved before the map moved: draft_vocab.safetensors beside the weights."""
+    import shutil
+
+    from specdistill.modeling.vocab import DRAFT_VOCAB_FILE, LEGACY_DRAFT_VOCAB_FILE
+
+    legacy = tmp_path_factory.mktemp("legacy") / "layers"
+    shutil.copytree(layer_draft, legacy)
+    (legacy / DRAFT_VOCAB_FILE).rename(legacy / LEGACY_DRAFT_VOCAB_FILE)
+    shutil.rmtree(legacy / DRAFT_VOCAB_FILE.split("/")[0])
+    return legacy
+
+
+class Servers(dict):
+    refused: dict  # mode -> the VllmStartError it failed with
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(vllm_env, layer_draft, eagle_head, legacy_draft):
+    """target-only, ngram, eagle3 and draft_model servers, started side by side with a legacy-layout draft
+    that vLLM must refuse (its failure overlaps the others' start-up), stopped at the end."""
     from specdistill.engines.vllm import VllmConfig, VllmServer, start_together
     from specdistill.engines.vllm_bench import served_dtype, target_dir
 
     modes = {TARGET_ONLY: None, "ngram": _serving_block(NGRAM_SPEC), "eagle3": _serving_block(f"draft:{eagle_head}"),
-             "layers": _serving_block(f"draft:{layer_draft}")}
+             "layers": _serving_block(f"draft:{layer_draft}"), "legacy": _serving_block(f"draft:{legacy_draft}")}
     assert modes["eagle3"]["method"] == "eagle3" and modes["layers"]["method"] == "draft_model"
     servers = {name: VllmServer(VllmConfig(model=target_dir("demo"), speculative_config=spec, dtype=served_dtype(),
                                            max_logprobs=20, name=name), vllm_env)
                for name, spec in modes.items()}
     t0 = time.monotonic()
-    errors = start_together(list(servers.values()))
+    errors = {list(servers)[i]: e for i, e in start_together(list(servers.values())).items()}
     try:
-        assert not errors, {list(servers)[i]: str(e) for i, e in errors.items()}
-        print(f"\nvLLM: {len(servers)} servers up in {time.monotonic() - t0:.0f} s "
-              + ", ".join(f"{n} {s.startup_s:.0f} s" for n, s in servers.items()))
-        yield servers
+        assert set(errors) <= {"legacy"}, {n: str(e) for n, e in errors.items()}
+        up = Servers((n, s) for n, s in servers.items() if n not in errors)
+        up.refused = errors
+        print(f"\nvLLM: {len(up)} servers up in {time.monotonic() - t0:.0f} s "
+              + ", ".join(f"{n} {s.startup_s:.0f} s" for n, s in up.items()))
+        yield up
     finally:
         for server in servers.values():
             server.stop()
@@ -212,22 +233,48 @@ def test_nightly_serving_choice_measured_in_vllm(vllm_servers, eagle_head, tmp_p
         assert written.vllm() == speeds[decision["name"]]["stats"]["vllm_speculative_config"]
 
 
-def test_legacy_draft_layout_is_refused_with_vllms_error(vllm_env, layer_draft, tmp_path):
-    """A draft saved before the map moved (draft_vocab.safetensors beside the weights): vLLM loads it as
-    weights and refuses; the error is vLLM's own, and the server is stopped."""
-    import shutil
+def test_legacy_draft_layout_is_refused_with_vllms_error(vllm_servers, legacy_draft):
+    """A draft saved before the map moved: vLLM loads draft_vocab.safetensors as weights and refuses;
+    the error is vLLM's own (its worker's ValueError), and the server was stopped. This project still reads it."""
+    from specdistill.modeling.vocab import DraftVocab
 
-    from specdistill.engines.vllm import VllmConfig, VllmServer, VllmStartError
-    from specdistill.engines.vllm_bench import served_dtype, target_dir
-    from specdistill.modeling.vocab import DRAFT_VOCAB_FILE, LEGACY_DRAFT_VOCAB_FILE, DraftVocab
+    assert DraftVocab.load(legacy_draft).size == 8192
+    err = vllm_servers.refused.get("legacy")
+    assert err is not None, "vLLM started a draft with draft_vocab.safetensors beside its weights"
+    assert "exited with code" in str(err) and err.cause.startswith("ValueError") and "d2t" in err.cause
 
-    legacy = tmp_path / "legacy"
-    shutil.copytree(layer_draft, legacy)
-    (legacy / DRAFT_VOCAB_FILE).rename(legacy / LEGACY_DRAFT_VOCAB_FILE)
-    shutil.rmtree(legacy / DRAFT_VOCAB_FILE.split("/")[0])
-    assert DraftVocab.load(legacy).size == 8192  # still read by this project
-    server = VllmServer(VllmConfig(model=target_dir("demo"), speculative_config=_serving_block(f"draft:{legacy}"),
-                                   dtype=served_dtype(), name="legacy"), vllm_env)
-    with pytest.raises(VllmStartError, match="exited with code") as err:
-        server.start()
-    assert "d2t" in err.value.cause and server.process is None
+
+def test_nightly_answer_stage_through_vllm(vllm_servers, tmp_path, monkeypatch):
+    """`generation.backend=openai`, `generation.engine=vllm`, no URL: the stage asks for a target-only
+    vLLM for the window (the session's stands in; what it asked for is checked) and writes answers and a
+    teacher cache whose `data` names vLLM and its dtype."""
+    import contextlib
+    import json
+    from pathlib import Path
+
+    from specdistill.distill.teacher import CACHE_META
+    from specdistill.engines import vllm_bench
+    from specdistill.pipeline import answers, nightly
+    from specdistill.pipeline.config import load_nightly_config
+
+    asked = []
+
+    @contextlib.contextmanager
+    def started(target_ref, **kw):
+        asked.append((target_ref, kw))
+        yield vllm_servers[TARGET_ONLY]
+
+    monkeypatch.setattr(vllm_bench, "target_server", started)
+    traffic = tmp_path / "traffic.jsonl"
+    traffic.write_text("".join(json.dumps({"prompt": f"Name a color ({i}).", "response": "ok"}) + "\n" for i in range(30)))
+    config = load_nightly_config(None, [
+        "target=demo", f"log_db=sqlite:///{tmp_path / 'logs.db'}", f"sources=[{{path: '{traffic}', format: jsonl}}]",
+        "window.train_prompts=3", "window.eval_prompts=1", "generation.max_new_tokens=8", "generation.parallel=2",
+        "generation.teacher_top_k=8", "generation.backend=openai", "generation.engine=vllm"])
+    nightly.ingest_source(config.sources[0], config.log_db)
+    window = nightly.select_window(config).to_dict()
+    train = answers.generate_responses(config, window, "train", record_teacher=True)
+    assert asked and asked[0][0] == "demo" and asked[0][1]["parallel"] == 2 and asked[0][1]["top_k"] == 8
+    meta = json.loads((Path(train["teacher_cache"]) / CACHE_META).read_text())
+    assert meta["k"] == 8 and meta["data"].endswith(f"vllm:{vllm_servers[TARGET_ONLY].config.dtype}")
+    assert train["answers"] == len(window["train"]) and train["tokens"] > 0
