@@ -120,9 +120,10 @@ def sample_acceptance(config: MonitorConfig, champion: Champion, target: TargetV
             from specdistill.ops.metrics import sample_live_acceptance
 
             live = sample_live_acceptance(config.live_metrics_url, config.live_interval_s, config.min_draft_tokens)
-            if live.ok:
-                store.add_acceptance_sample(target["fingerprint"], champion["version"], 0, int(live.drafts),
-                                            int(live.draft_tokens), int(live.accepted), [])
+            if live.ok:  # the engine's per-position counters (vLLM), as counts per position
+                per_position = [round(a * live.drafts) for a in live.per_position_acceptance]
+                store.add_acceptance_sample(target["fingerprint"], champion["version"], len(per_position),
+                                            int(live.drafts), int(live.draft_tokens), int(live.accepted), per_position)
             return {**live.__dict__, "source": "live", "proposed": live.draft_tokens, "rounds": None}
         from specdistill.ops.monitor import replay_acceptance
 

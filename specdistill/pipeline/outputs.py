@@ -208,6 +208,7 @@ class LiveSampleDict(TypedDict):
     draft_tokens: float
     accepted: float
     drafts: float
+    per_position_acceptance: list[float]  # vLLM's per-position counters, Δ between the scrapes
     source: str  # "live"
     proposed: float
     rounds: None
