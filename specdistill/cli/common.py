@@ -8,6 +8,40 @@ import json
 from collections.abc import Callable
 
 Handler = Callable[[argparse.Namespace], int]
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `low`, checked while parsing (before any model loads)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def number_in(low: float, high: float = float("inf"), *, low_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number in [low, high] ((low, high] with `low_open`)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value != value or value in (float("inf"), float("-inf")) or value > high or value < low \
+                or (low_open and value == low):
+            bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+            raise argparse.ArgumentTypeError(f"must be in {bounds}, got {text}")
+        return value
+    parse.__name__ = "number"
+    return parse
+
+
+positive_int = at_least(1)
+port_number = at_least(1)  # the upper bound is checked with the host (ops.metrics.check_listen_address)
 Subcommands = argparse._SubParsersAction  # what add_subparsers() returns
 
 
@@ -15,7 +49,9 @@ def command(parent: Subcommands, name: str, handler: Handler, help: str, example
             description: str | None = None) -> argparse.ArgumentParser:
     """A subcommand that runs `handler(args) -> exit code`; `example` (the words after `specdistill`)
     is shown under its --help, and tests/test_cli.py checks that it parses."""
-    p = parent.add_parser(name, help=help, description=description or help, epilog=f"example: specdistill {example}")
+    # argparse %-formats a help string (not a description): a literal % ("below 50%") is written %%
+    p = parent.add_parser(name, help=help.replace("%", "%%"), description=description or help,
+                          epilog=f"example: specdistill {example}")
     add_json(p)
     p.set_defaults(func=handler)
     return p
@@ -23,7 +59,7 @@ def command(parent: Subcommands, name: str, handler: Handler, help: str, example
 
 def group(parent: Subcommands, name: str, help: str) -> Subcommands:
     """A command made of subcommands (`specdistill NAME SUBCOMMAND ...`)."""
-    return parent.add_parser(name, help=help, description=help).add_subparsers(dest=f"{name}_command", required=True)
+    return parent.add_parser(name, help=help.replace("%", "%%"), description=help).add_subparsers(dest=f"{name}_command", required=True)
 
 
 def add_json(p: argparse.ArgumentParser) -> None:
@@ -40,8 +76,21 @@ def emit(args: argparse.Namespace, payload: dict, text: str) -> None:
         print(text)
 
 
+OUT_HELP = "a new directory (an existing one is refused unless it is this command's previous output and --force)"
+
+
+def add_out(p: argparse.ArgumentParser, flag: str | None = None, help: str = OUT_HELP) -> None:
+    """OUT (positional, or `flag`) and --force, which replaces only a previous output of the same command."""
+    if flag:
+        p.add_argument(flag, dest="out", default=None, help=help)
+    else:
+        p.add_argument("out", metavar="OUT", help=help)
+    p.add_argument("--force", action="store_true",
+                   help="replace OUT when it is a previous output of this command (never anything else)")
+
+
 def add_threads(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 avoids stalls on a busy machine)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (1 avoids stalls on a busy machine)")
 
 
 def set_threads(args: argparse.Namespace) -> None:
@@ -56,8 +105,9 @@ def add_db(p: argparse.ArgumentParser) -> None:
                    help="log store URL (default $SPECDISTILL_LOG_DB, else sqlite under $SPECDISTILL_HOME/logs.db)")
 
 
-def log_store(args: argparse.Namespace):
-    """The log store named by --db, as a context manager (`with log_store(args) as store:`)."""
+def log_store(args: argparse.Namespace, *, create: bool = False):
+    """The log store named by --db, as a context manager (`with log_store(args) as store:`). Only
+    writers (`create=True`) create a missing SQLite file; a reader names it and stops."""
     from specdistill.data.logstore import LogStore
 
-    return LogStore(args.db)
+    return LogStore(args.db, create=create)

@@ -8,7 +8,17 @@ from __future__ import annotations
 
 import argparse
 
-from specdistill.cli.common import Subcommands, add_threads, command, emit, group, set_threads
+from specdistill.cli.common import (
+    Subcommands,
+    add_out,
+    add_threads,
+    command,
+    emit,
+    group,
+    number_in,
+    positive_int,
+    set_threads,
+)
 
 
 def cmd_nightly(args: argparse.Namespace) -> int:
@@ -32,7 +42,8 @@ def cmd_demo_target_update(args: argparse.Namespace) -> int:
     from specdistill.ops.drift import load_update_meta, make_target_update
 
     set_threads(args)
-    out = make_target_update(args.base, args.out, steps=args.steps, lr=args.lr, top_layers=args.top_layers)
+    out = make_target_update(args.base, args.out, steps=args.steps, lr=args.lr, top_layers=args.top_layers,
+                             force=args.force)
     meta = load_update_meta(out)
     payload = {"out": str(out), "fingerprint": load_model(out).fingerprint, **meta}
     emit(args, payload, f"new target version {payload['fingerprint']} -> {out} "
@@ -81,8 +92,8 @@ def register(sub: Subcommands) -> None:
                 "a new target version from the demo target: domain tokens + top layers fine-tuned on code",
                 example="demo target-update --steps 30 --top-layers 4 --threads 1")
     p.add_argument("--base", default="demo")
-    p.add_argument("--out", default=None, help="default: $SPECDISTILL_HOME/targets/demo-update")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--lr", type=float, default=None, help="default: the measured one (specdistill.ops.drift)")
-    p.add_argument("--top-layers", type=int, default=4)
+    add_out(p, "--out", help="a new directory (default: $SPECDISTILL_HOME/targets/demo-update)")
+    p.add_argument("--steps", type=positive_int, default=30)
+    p.add_argument("--lr", type=number_in(0.0, low_open=True), default=None, help="default: the measured one (specdistill.ops.drift)")
+    p.add_argument("--top-layers", type=positive_int, default=4)
     add_threads(p)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from specdistill.cli.common import Subcommands, command, emit, group
+from specdistill.cli.common import Subcommands, add_out, command, emit, group, positive_int
 
 
 def cmd_vocab_check(args: argparse.Namespace) -> int:
@@ -27,10 +27,11 @@ def cmd_vocab_transplant(args: argparse.Namespace) -> int:
     from specdistill.modeling.models import load_model, resolve_model_dir
     from specdistill.modeling.vocab import check_vocab, transplant_vocab
 
+    check_out(args)
     target_tok = AutoTokenizer.from_pretrained(resolve_model_dir(args.target))
     draft = load_model(args.draft)
     transplant_vocab(draft.model, draft.tokenizer, target_tok)
-    out = save_draft(draft.model, target_tok, args.out, meta={"transplanted_from": str(draft.path)})
+    out = save_draft(draft.model, target_tok, args.out, meta={"transplanted_from": str(draft.path)}, force=args.force)
     report = check_vocab(target_tok, load_model(out).tokenizer)
     payload = {"out": str(out), "vocab_size": draft.model.config.vocab_size, "identical": report.identical}
     emit(args, payload, f"draft re-embedded over the target's {payload['vocab_size']} tokens -> {out}")
@@ -42,6 +43,9 @@ def cmd_draft_init(args: argparse.Namespace) -> int:
     from specdistill.modeling.models import load_model, num_parameters
     from specdistill.modeling.vocab import DraftVocab, build_draft_vocab, token_frequencies
 
+    check_out(args)  # before the target loads: a refused OUT costs nothing
+    if args.draft_vocab is not None and args.draft_vocab < 1:
+        raise SystemExit(f"--draft-vocab {args.draft_vocab}: a draft vocabulary needs at least one token")
     target = load_model(args.target)
     draft_vocab = None
     if args.draft_vocab:
@@ -58,7 +62,7 @@ def cmd_draft_init(args: argparse.Namespace) -> int:
     layers = parse_layers(args.layers or "0,1,2,29", target.config.num_hidden_layers)
     draft = init_draft_from_target(target.model, layers)
     meta = {"target_fingerprint": target.fingerprint, "layers": layers, "draft_vocab": args.draft_vocab}
-    out = save_draft(draft, target.tokenizer, args.out, draft_vocab=draft_vocab, meta=meta)
+    out = save_draft(draft, target.tokenizer, args.out, draft_vocab=draft_vocab, meta=meta, force=args.force)
     payload = {"out": str(out), "kind": "layers", "layers": layers, "parameters": num_parameters(draft), **meta}
     emit(args, payload, f"draft with layers {layers} ({payload['parameters'] / 1e6:.1f}M parameters) -> {out}")
     return 0
@@ -77,13 +81,21 @@ def _init_eagle3(args: argparse.Namespace, target, draft_vocab) -> int:
             raise SystemExit(f"--layers {args.layers!r}: an EAGLE-3 head reads three target layers, e.g. 2,15,27") from None
     head = init_eagle3_from_target(target.model, draft_vocab, layers)
     meta = {"target_fingerprint": target.fingerprint, "target": str(target.path)}
-    out = save_eagle3(head, target.tokenizer, args.out, meta)
+    out = save_eagle3(head, target.tokenizer, args.out, meta, force=args.force)
     parameters = sum(p.numel() for name, p in head.named_parameters() if not name.startswith("embed_tokens."))
     payload = {"out": str(out), "kind": "eagle3", "layers": head.aux_layers, "draft_vocab": draft_vocab.size,
                "parameters": parameters, **meta}
     emit(args, payload, f"EAGLE-3 head over target layers {head.aux_layers}, draft vocabulary {draft_vocab.size} "
                         f"({parameters / 1e6:.1f}M parameters) -> {out}")
     return 0
+
+
+def check_out(args: argparse.Namespace) -> None:
+    """Refuse OUT before any work when it would replace what `draft` writers did not write."""
+    from specdistill import paths
+    from specdistill.modeling.drafts import DRAFT_OUTPUT
+
+    paths.check_output_dir(args.out, DRAFT_OUTPUT, force=args.force)
 
 
 def register(sub: Subcommands) -> None:
@@ -96,7 +108,7 @@ def register(sub: Subcommands) -> None:
                 example="vocab transplant demo other-draft/ runs/aligned")
     p.add_argument("target")
     p.add_argument("draft")
-    p.add_argument("out")
+    add_out(p)
 
     draft = group(sub, "draft", "drafts")
     p = command(draft, "init", cmd_draft_init, "a draft initialized from the target's own layers, or an EAGLE-3 head",
@@ -107,6 +119,6 @@ def register(sub: Subcommands) -> None:
     p.add_argument("--layers", default=None,
                    help="layers: '0,1,2,29' (default), 'evenly:K' or 'first:K'; eagle3: the three feature layers "
                         "(default 2, N/2, N-3 as vLLM and SGLang capture them)")
-    p.add_argument("--draft-vocab", type=int, default=None, help="keep only the N most frequent tokens")
+    p.add_argument("--draft-vocab", type=positive_int, default=None, help="keep only the N most frequent tokens")
     p.add_argument("--traffic", default=None, help="text file whose token counts choose the draft vocabulary")
-    p.add_argument("out")
+    add_out(p)

