@@ -52,6 +52,7 @@ def monitor(config_path: str | None = None, overrides: list[str] | None = None,
     create_markdown_artifact(report, key="monitor-decision", description="acceptance and what the monitor did")
     log.info("\n%s", report)
     outcome["report"] = report
+    nt.mark_success(config.nightly, "monitor", change["current"]["fingerprint"])
     return outcome
 
 

@@ -71,6 +71,7 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
     write_report(report, window, report_path)
     create_markdown_artifact(report, key="nightly-benchmark", description="draft vs champion and baselines")
     log.info("\n%s", report)
+    t.mark_success(config, "nightly", fp)  # the last step: only a run that got here counts as a success
     return {"target": target, "window": window["key"], "warm_start": warm_start, "results": results, "verdict": verdict,
             "registered": registered, "promoted": promoted, "serving": serving, "report": report}
 

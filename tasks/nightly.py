@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prefect import task
 
-from specdistill.pipeline import answers, engine_bench, serve
+from specdistill.pipeline import answers, engine_bench, serve, success
 from specdistill.pipeline import nightly as pipeline
 from specdistill.pipeline.config import NightlyConfig, SourceConfig
 from specdistill.pipeline.outputs import (
@@ -111,3 +111,8 @@ def promote(config: NightlyConfig, registered: Registered, target: TargetInfo, e
 @task(name="write-serving-config", retries=2, retry_delay_seconds=5)
 def write_serving(config: NightlyConfig, target: TargetInfo, serving: ServingDecision, champion: Champion | None) -> str:
     return pipeline.write_serving(config, target, serving, champion)
+
+
+@task(name="mark-pipeline-success", retries=2, retry_delay_seconds=5)
+def mark_success(config: NightlyConfig, flow: str, target_fingerprint: str) -> float:
+    return success.mark_pipeline_success(config.log_db, flow, target_fingerprint)

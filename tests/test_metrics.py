@@ -50,6 +50,20 @@ def test_record_uses_vllm_style_names_and_design_definitions():
         m.record(rounds=1, proposed=2, accepted=3, accepted_per_position=[])
 
 
+def test_gauges_have_no_value_before_the_first_sample():
+    """Before any sample the page showed acceptance 0.0 and accepted length 0.0: real-looking values."""
+    m = SpecDecodeMetrics()
+    names = {name for name, _ in values(m.registry)}
+    assert "specdistill_acceptance_rate" not in names and "specdistill_mean_accepted_length" not in names
+    assert "specdistill_pipeline_last_success_timestamp_seconds" not in names
+    assert ("specdistill_serving_config_errors_total", ()) in values(m.registry)  # a counter: 0 is the truth
+    m.record(rounds=0, proposed=0, accepted=0, accepted_per_position=[])  # nothing proposed: still no value
+    assert "specdistill_acceptance_rate" not in {name for name, _ in values(m.registry)}
+    m.record(rounds=2, proposed=4, accepted=1, accepted_per_position=[1])
+    m.record(rounds=2, proposed=4, accepted=3, accepted_per_position=[2, 1])
+    assert values(m.registry)[("specdistill_acceptance_rate", ())] == 0.75
+
+
 def test_serving_mode_and_versions_are_exclusive():
     m = SpecDecodeMetrics()
     m.set_serving("draft", target_fingerprint="aaa", draft_version="1")

@@ -180,6 +180,52 @@ def test_metrics_page_counts_each_stored_sample_once_and_shows_the_serving_mode(
     assert "specdistill_acceptance_rate 0.2" in page
 
 
+def _page(metrics) -> str:
+    from prometheus_client import generate_latest
+
+    return generate_latest(metrics.registry).decode()
+
+
+def test_the_exporter_survives_a_bad_and_a_newer_serving_file(store, tmp_path):
+    """A truncated file or one unknown key used to end `monitor serve` (exit 2 / TypeError): Prometheus
+    lost its target. Now the last good config stays and an error counter rises."""
+    path = tmp_path / "serving.json"
+    metrics = SpecDecodeMetrics()
+    write_serving_config(ServingConfig("draft", draft_dir="/d", draft_version="7", target_fingerprint="fp"), path)
+    refresh_metrics(metrics, store, 0, path)
+    newer = {**json.loads(path.read_text()), "speculative_tree": {"depth": 3}}  # as a newer version writes
+    path.write_text(json.dumps(newer))
+    refresh_metrics(metrics, store, 0, path)
+    assert 'specdistill_serving_mode{mode="draft"} 1.0' in _page(metrics)
+    assert "specdistill_serving_config_errors_total 0.0" in _page(metrics)
+    for bad in ('{"mode": "ngram", "num_specul', '{"mode": "ngram", "num_speculative_tokens": true}', "[]"):
+        path.write_text(bad)
+        refresh_metrics(metrics, store, 0, path)
+    page = _page(metrics)
+    assert 'specdistill_serving_mode{mode="draft"} 1.0' in page and 'specdistill_draft_version_info{version="7"} 1.0' in page
+    assert "specdistill_serving_config_errors_total 3.0" in page
+
+
+def test_serve_metrics_refuses_a_zero_interval_before_binding(store):
+    from specdistill.ops.monitor import serve_metrics
+
+    for interval in (0, -1, float("nan")):
+        with pytest.raises(ValueError, match="refresh interval"):
+            serve_metrics(store, 0, interval_s=interval, iterations=1)
+
+
+def test_pipeline_success_recorded_in_the_store_reaches_the_exporter(store):
+    from specdistill.pipeline.success import mark_pipeline_success
+
+    metrics = SpecDecodeMetrics()
+    refresh_metrics(metrics, store)
+    assert "specdistill_pipeline_last_success_timestamp_seconds" not in _page(metrics)  # never succeeded: no value
+    when = mark_pipeline_success(store.url, "nightly", "fp", when=1_765_000_000.5)
+    refresh_metrics(metrics, store)
+    assert "specdistill_pipeline_last_success_timestamp_seconds 1.7650000005e+09" in _page(metrics)
+    assert store.last_pipeline_success().timestamp() == pytest.approx(when)
+
+
 def test_decisions_are_recorded_with_their_numbers(store_url):
     s = LogStore(store_url)
     try:

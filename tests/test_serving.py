@@ -119,3 +119,65 @@ def test_measured_speedups_travel_in_the_serving_config(tmp_path):
     cfg = ServingConfig(mode="ngram", measured={"ngram": 1.33, "challenger": 0.74}, measured_on="harness bf16")
     assert read_serving_config(write_serving_config(cfg, tmp_path / "s.json")) == cfg
     assert "ngram 1.33x, challenger 0.74x (harness bf16)" in cfg.render()
+
+
+# --------------------------------------------------------------------------------------------
+# the schema: one typed model for read and write
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"mode": "ngram", "num_speculative_tokens": tr', "corrupt serving config"),
+    ('[1, 2]', "expected a JSON object, got list"),
+    ('{"num_speculative_tokens": 4}', "mode: Field required"),
+    ('{"mode": "ngram", "num_speculative_tokens": true}', "num_speculative_tokens: Input should be a valid integer"),
+    ('{"mode": "ngram", "num_speculative_tokens": "4"}', "num_speculative_tokens"),
+    ('{"mode": "draft", "draft_dir": 7}', "draft_dir"),
+    ('{"mode": "ngram", "measured": {"ngram": "fast"}}', "measured.ngram"),
+    (b'\xff\xfe\x00binary', "corrupt serving config"),
+])
+def test_a_bad_serving_file_names_the_file_and_the_key(tmp_path, content, message):
+    from specdistill.ops.serving import ServingConfigError
+
+    path = tmp_path / "serving.json"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ServingConfigError, match=message) as err:
+        read_serving_config(path)
+    assert str(path) in str(err.value)
+
+
+def test_serving_show_on_a_bad_file_is_one_line_not_a_traceback(tmp_path, capsys):
+    from specdistill.cli import main
+
+    path = tmp_path / "serving.json"
+    path.write_text('{"mode": "ngram", "num_speculative_tokens": true}')
+    assert main(["serving", "show", "--path", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "num_speculative_tokens" in err and str(path) in err and "Traceback" not in err
+
+
+def test_keys_from_a_newer_version_are_kept_and_not_fatal(tmp_path):
+    path = tmp_path / "serving.json"
+    on_disk = {**ServingConfig(mode="ngram").to_dict(), "draft_tree": {"depth": 3}, "future_flag": True}
+    path.write_text(json.dumps(on_disk))
+    cfg = read_serving_config(path)
+    assert cfg.mode == "ngram" and cfg.extras == {"draft_tree": {"depth": 3}, "future_flag": True}
+    write_serving_config(cfg, path)  # written back by this version: the newer keys survive
+    assert json.loads(path.read_text())["draft_tree"] == {"depth": 3}
+
+
+def test_serving_file_is_readable_by_the_serving_engine(tmp_path):
+    path = write_serving_config(ServingConfig(mode="off"), tmp_path / "serving.json")
+    assert path.stat().st_mode & 0o777 == 0o644
+
+
+def test_pasted_command_lines_are_shell_quoted():
+    import shlex
+
+    evil = "/models/it's; touch /tmp/pwned"
+    cfg = ServingConfig(mode="draft", draft_dir=evil, num_speculative_tokens=3)
+    lines = dict(line.split(None, 1) for line in cfg.render().splitlines() if line.startswith(("vLLM", "SGLang")))
+    vllm = shlex.split(lines["vLLM"])
+    assert vllm[0] == "--speculative-config" and json.loads(vllm[1])["model"] == evil and len(vllm) == 2
+    sglang = shlex.split(lines["SGLang"])
+    assert sglang[sglang.index("--speculative-draft-model-path") + 1] == evil
+    assert sglang == cfg.sglang()

@@ -6,7 +6,20 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specdistill.cli.common import Subcommands, add_db, add_threads, command, emit, group, log_store, set_threads
+from specdistill.cli.common import (
+    Subcommands,
+    add_db,
+    add_threads,
+    at_least,
+    command,
+    emit,
+    group,
+    log_store,
+    number_in,
+    port_number,
+    positive_int,
+    set_threads,
+)
 
 
 def cmd_target_register(args: argparse.Namespace) -> int:
@@ -61,8 +74,10 @@ def cmd_monitor_sample(args: argparse.Namespace) -> int:
 
 
 def cmd_monitor_serve(args: argparse.Namespace) -> int:
+    from specdistill.ops.metrics import check_listen_address
     from specdistill.ops.monitor import serve_metrics
 
+    check_listen_address(args.port, args.host)  # before the log store opens
     print(f"serving metrics on http://{args.host}:{args.port}/metrics (refresh every {args.interval:g} s)", file=sys.stderr)
     with log_store(args) as store:
         try:
@@ -84,6 +99,9 @@ def cmd_serving_show(args: argparse.Namespace) -> int:
     return 0
 
 
+MIN_REFRESH_S = 0.1  # as ops.monitor.MIN_REFRESH_S (not imported here: the parser loads no library module)
+
+
 def register(sub: Subcommands) -> None:
     target = group(sub, "target", "target versions")
     p = command(target, "register", cmd_target_register, "record a target (its fingerprint and location) as the current version",
@@ -102,18 +120,18 @@ def register(sub: Subcommands) -> None:
     p.add_argument("--target", default="demo")
     p.add_argument("--draft", required=True, help="draft directory or models:/NAME@champion")
     p.add_argument("--draft-version", default=None, help="version recorded with the samples (default: the reference)")
-    p.add_argument("--n", type=int, default=16, help="prompts to replay")
-    p.add_argument("--gamma", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--min-draft-tokens", type=int, default=100, help="fewer proposed tokens: no sample")
-    p.add_argument("--threshold", type=float, default=None, help="default: the red line, 0.5")
+    p.add_argument("--n", type=positive_int, default=16, help="prompts to replay")
+    p.add_argument("--gamma", type=positive_int, default=4)
+    p.add_argument("--max-new-tokens", type=positive_int, default=48)
+    p.add_argument("--min-draft-tokens", type=at_least(1), default=100, help="fewer proposed tokens: no sample")
+    p.add_argument("--threshold", type=number_in(0.0, 1.0), default=None, help="default: the red line, 0.5")
     add_db(p)
     add_threads(p)
     p = command(monitor, "serve", cmd_monitor_serve, "expose the spec-decode metrics over HTTP, fed from the log store",
                 example="monitor serve --port 9464 --interval 15")
-    p.add_argument("--port", type=int, default=9464)
+    p.add_argument("--port", type=port_number, default=9464)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--interval", type=float, default=15.0, help="seconds between refreshes from the log store")
+    p.add_argument("--interval", type=number_in(MIN_REFRESH_S), default=15.0, help="seconds between refreshes from the log store")
     add_db(p)
     p.add_argument("--serving", default=None, help="serving config (default: $SPECDISTILL_HOME/serving.json)")
 

@@ -13,6 +13,8 @@ import sqlalchemy as sa
 
 from specdistill.data.logschema import acceptance_samples, decisions, responses, writing
 
+PIPELINE_SUCCESS = "pipeline_success"  # the decision kind a flow records when it ran to its end
+
 
 def _now() -> datetime:
     return datetime.now(timezone.utc)
@@ -122,6 +124,19 @@ class PipelineRecords:
             return conn.execute(decisions.insert().returning(decisions.c.id), dict(
                 decided_at=decided_at or _now(), kind=kind, target_fingerprint=target_fingerprint,
                 draft_version=draft_version, payload=payload_json)).scalar_one()
+
+    def add_pipeline_success(self, flow: str, target_fingerprint: str = "", payload: dict | None = None,
+                             when: datetime | None = None) -> int:
+        """A flow (nightly, monitor) that ran to its end: what `specdistill_pipeline_last_success_timestamp_seconds`
+        reports, read by the exporter (`monitor serve`) from here."""
+        return self.add_decision(PIPELINE_SUCCESS, target_fingerprint, None,
+                                 json.dumps({"flow": flow, **(payload or {})}, default=str, sort_keys=True), when)
+
+    def last_pipeline_success(self) -> datetime | None:
+        """When a flow last succeeded (None: never)."""
+        d = decisions.c
+        with self.engine.connect() as conn:
+            return conn.execute(sa.select(sa.func.max(d.decided_at)).where(d.kind == PIPELINE_SUCCESS)).scalar()
 
     def decisions(self, *, kind: str | None = None, target_fingerprint: str | None = None,
                   limit: int | None = 100) -> list[dict]:

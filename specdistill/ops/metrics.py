@@ -8,7 +8,9 @@ from two scrapes of its `/metrics` page (parsed in `engines.prom`).
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -43,16 +45,33 @@ class SpecDecodeMetrics:
         self.accepted_per_pos = Counter(
             f"{PREFIX}_spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position.", ["position"], registry=r
         )
-        self.acceptance_rate = Gauge(f"{PREFIX}_acceptance_rate", "Last measured acceptance rate (accepted / proposed).", registry=r)
+        # gauges of a measurement are registered at their first value: before it they have none
+        # (a scrape shows no series), never a made-up 0.0
+        self.acceptance_rate = Gauge(f"{PREFIX}_acceptance_rate", "Last measured acceptance rate (accepted / proposed).",
+                                     registry=None)
         self.mean_accepted_length = Gauge(
-            f"{PREFIX}_mean_accepted_length", "Last measured mean accepted length (tokens per target forward, bonus included).", registry=r
+            f"{PREFIX}_mean_accepted_length", "Last measured mean accepted length (tokens per target forward, bonus included).",
+            registry=None,
         )
         self.serving_mode = Gauge(f"{PREFIX}_serving_mode", "1 for the serving mode in force.", ["mode"], registry=r)
         self.target_version = Gauge(f"{PREFIX}_target_version_info", "The target version being served.", ["fingerprint"], registry=r)
         self.draft_version = Gauge(f"{PREFIX}_draft_version_info", "The champion draft version.", ["version"], registry=r)
         self.pipeline_last_success = Gauge(
-            f"{PREFIX}_pipeline_last_success_timestamp_seconds", "Unix time of the last successful nightly pipeline.", registry=r
+            f"{PREFIX}_pipeline_last_success_timestamp_seconds", "Unix time of the last successful nightly pipeline.",
+            registry=None,
         )
+        self.serving_config_errors = Counter(
+            f"{PREFIX}_serving_config_errors", "Refreshes that found the serving config unreadable (the last good one is kept).",
+            registry=r,
+        )
+        self._shown: set[int] = set()
+
+    def _set(self, gauge: Gauge, value: float) -> None:
+        """Set a gauge that has no value until its first one (registered then)."""
+        if id(gauge) not in self._shown:
+            self.registry.register(gauge)
+            self._shown.add(id(gauge))
+        gauge.set(value)
 
     def record(self, *, rounds: int, proposed: int, accepted: int, accepted_per_position: list[int]) -> None:
         """Add one sample's raw counts, and set the gauges to that sample's α and τ."""
@@ -64,9 +83,9 @@ class SpecDecodeMetrics:
         for position, count in enumerate(accepted_per_position):
             self.accepted_per_pos.labels(position=str(position)).inc(count)
         if proposed:
-            self.acceptance_rate.set(accepted / proposed)
+            self._set(self.acceptance_rate, accepted / proposed)
         if rounds:
-            self.mean_accepted_length.set(1 + accepted / rounds)
+            self._set(self.mean_accepted_length, 1 + accepted / rounds)
 
     def set_serving(self, mode: str, *, target_fingerprint: str | None = None, draft_version: str | None = None) -> None:
         if mode not in MODES:
@@ -81,11 +100,19 @@ class SpecDecodeMetrics:
             self.draft_version.labels(version=str(draft_version)).set(1)
 
     def mark_pipeline_success(self, when: float | None = None) -> None:
-        self.pipeline_last_success.set(when if when is not None else time.time())
+        self._set(self.pipeline_last_success, when if when is not None else time.time())
 
     def serve(self, port: int, host: str = "127.0.0.1"):
-        """Expose /metrics over HTTP (loopback by default); returns the server and its thread."""
-        return start_http_server(port, addr=host, registry=self.registry)
+        """Expose /metrics over HTTP (loopback by default); returns the server and its thread. A bad
+        port or host, or a port in use, is a `ValueError` naming them."""
+        check_listen_address(port, host)
+        try:
+            return start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            raise ValueError(f"cannot serve metrics on {host}:{port}: {reason}"
+                             + (" (another process listens there: choose another --port)" if exc.errno == errno.EADDRINUSE
+                                else "")) from None
 
     def push(self, job: str = "specdistill", gateway: str | None = None) -> bool:
         """Push to a Pushgateway when one is configured (batch flows end before a scrape would come)."""
@@ -94,6 +121,16 @@ class SpecDecodeMetrics:
             return False
         push_to_gateway(gateway, job=job, registry=self.registry)
         return True
+
+
+def check_listen_address(port: int, host: str) -> None:
+    """A TCP port in 0..65535 (0: any free one) and a host that resolves: checked before anything binds."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port {port!r} is not a TCP port (1..65535)")
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(f"host {host!r} is not an address this machine can listen on: {exc}") from None
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import re
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,9 +30,13 @@ from specdistill.modeling.mlflow_refs import (  # noqa: F401
 )
 from specdistill.ops.serving import (
     ServingConfig,
+    ServingConfigError,
     read_serving_config,
     write_serving_config,
 )
+from specdistill.ops.serving import serving_path as default_serving_path
+
+log = logging.getLogger(__name__)
 
 CHAMPION = "champion"
 CHALLENGER = "challenger"
@@ -154,6 +160,19 @@ def promotion_lock(timeout_s: float = 600.0) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _previous_serving(serving_path: str | Path | None) -> ServingConfig | None:
+    """The serving config a promotion replaces (restored if the promotion fails). An unreadable file
+    does not block the promotion: it is kept beside as `<name>.invalid` and replaced."""
+    try:
+        return read_serving_config(serving_path)
+    except ServingConfigError as exc:
+        path = Path(serving_path) if serving_path else default_serving_path()
+        keep = path.with_name(path.name + ".invalid")
+        shutil.copyfile(path, keep)
+        log.warning("%s: replacing it (its content is kept in %s)", exc, keep)
+        return None
+
+
 class PromotionConflict(RuntimeError):
     """The champion changed between the benchmark and the promotion: the comparison is stale."""
 
@@ -173,7 +192,7 @@ def promote(name: str, version: str, serving: ServingConfig, *, expected_champio
             raise PromotionConflict(
                 f"champion of {name} is now version {current_version}, not {expected_champion}: benchmark again"
             )
-        previous_serving = read_serving_config(serving_path)
+        previous_serving = _previous_serving(serving_path)
         c.set_registered_model_alias(name, CHAMPION, version)
         try:
             write_serving_config(serving, serving_path)

@@ -2,7 +2,8 @@
 
 A small JSON file, replaced atomically (write, fsync, rename) so a serving system never reads half a
 config. It names the mode and the draft, and carries the exact vLLM `speculative_config` and the
-SGLang flags for that mode.
+SGLang flags for that mode. One typed model (`ServingConfig`, pydantic) reads and writes it: a wrong
+type is named with its key, and keys a newer version writes are kept, not fatal.
 """
 
 from __future__ import annotations
@@ -11,50 +12,89 @@ import json
 import os
 import shlex
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, model_validator
 
 from specdistill import paths
 
 MODES = ("draft", "ngram", "self_speculation", "off")
 DRAFT_KINDS = ("layers", "eagle3")  # a plain HF draft checkpoint, or an EAGLE-3 head over the target's features
 SERVING_FILE = "serving.json"
+SERVING_FILE_MODE = 0o644  # it holds no secret, and the serving engine may run as another user
+DERIVED_KEYS = ("vllm", "sglang", "llamacpp")  # written for the engines, recomputed on read
 
 
-@dataclass
-class ServingConfig:
-    mode: str
-    num_speculative_tokens: int = 4
-    draft_dir: str | None = None  # draft mode, and self-speculation exported as an early-exit draft
-    draft_version: str | None = None
-    draft_kind: str = "layers"  # draft mode: layers (vLLM draft_model, SGLang STANDALONE) or eagle3 (EAGLE3)
-    target_fingerprint: str | None = None
-    exit_layer: int | None = None  # self-speculation
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
-    reason: str = ""
-    measured: dict[str, float] = field(default_factory=dict)  # every mode's measured speedup, same prompts
-    measured_on: str = ""  # engine and dtype the speedups were measured with, e.g. "harness bf16"
-    engine: str = "harness"  # harness | llamacpp | openai: where `measured` comes from
-    llamacpp_args: list[str] = field(default_factory=list)  # llama-server flags of this mode, as measured
+class ServingConfigError(ValueError):
+    """A serving config that cannot be used; the message names the file and every bad key."""
+
+
+def _problems(exc: ValidationError) -> str:
+    out = []
+    for err in exc.errors():
+        where = ".".join(str(x) for x in err["loc"]) or "config"
+        message = err["msg"].removeprefix("Value error, ")
+        out.append(f"{where}: {message}" + (f" (got {err['input']!r})" if err["type"] not in ("value_error", "missing")
+                                            and not isinstance(err["input"], dict) else ""))
+    return "; ".join(out)
+
+
+class ServingConfig(BaseModel):
+    """The serving file's schema. Ints are strict (`true` is not 1); unknown keys are kept as extras."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+    mode: Literal["draft", "ngram", "self_speculation", "off"]
+    num_speculative_tokens: StrictInt = 4
+    draft_dir: StrictStr | None = None  # draft mode, and self-speculation exported as an early-exit draft
+    draft_version: StrictStr | None = None
+    draft_kind: Literal["layers", "eagle3"] = "layers"  # layers (vLLM draft_model, SGLang STANDALONE) or eagle3
+    target_fingerprint: StrictStr | None = None
+    exit_layer: StrictInt | None = None  # self-speculation
+    prompt_lookup_min: StrictInt = 2
+    prompt_lookup_max: StrictInt = 4
+    reason: StrictStr = ""
+    measured: dict[str, float] = Field(default_factory=dict)  # every mode's measured speedup, same prompts
+    measured_on: StrictStr = ""  # engine and dtype the speedups were measured with, e.g. "harness bf16"
+    engine: StrictStr = "harness"  # harness | llamacpp | openai: where `measured` comes from
+    llamacpp_args: list[StrictStr] = Field(default_factory=list)  # llama-server flags of this mode, as measured
     # an EAGLE-3 head's first-position candidates, verified as a tree (SGLang's --speculative-eagle-topk);
     # vLLM's eagle3 method and llama.cpp verify a chain (width 1)
-    tree_width: int = 1
-    updated_at: float = field(default_factory=time.time)
+    tree_width: StrictInt = 1
+    updated_at: float = Field(default_factory=time.time)
 
-    def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"serving mode {self.mode!r} is not one of {MODES}")
+    def __init__(self, mode: str | None = None, /, **data: Any) -> None:
+        if mode is not None:  # ServingConfig("ngram", ...) as the dataclass allowed
+            data["mode"] = mode
+        super().__init__(**data)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mode_first(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "mode" in data and data["mode"] not in MODES:
+            raise ValueError(f"serving mode {data['mode']!r} is not one of {MODES}")
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ServingConfig:
         if self.mode in ("draft", "self_speculation") and not self.draft_dir:
             raise ValueError(f"serving mode {self.mode!r} needs a draft directory")
-        if self.draft_kind not in DRAFT_KINDS:
-            raise ValueError(f"draft kind {self.draft_kind!r} is not one of {DRAFT_KINDS}")
         if self.draft_kind == "eagle3" and self.mode != "draft":
             raise ValueError(f"an EAGLE-3 head is served in draft mode, not {self.mode!r}")
         if self.mode != "off" and self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
         if self.tree_width < 1 or (self.tree_width > 1 and self.draft_kind != "eagle3"):
             raise ValueError(f"tree_width {self.tree_width}: a tree of first-position candidates needs an EAGLE-3 head")
+        if self.prompt_lookup_min < 1 or self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(f"prompt lookup window {self.prompt_lookup_min}..{self.prompt_lookup_max} is empty")
+        return self
+
+    @property
+    def extras(self) -> dict[str, Any]:
+        """Keys this version does not know (a newer version wrote them): kept and written back."""
+        return dict(self.__pydantic_extra__ or {})
 
     def vllm(self) -> dict | None:
         """vLLM's `--speculative-config` (None: serve without speculation)."""
@@ -102,7 +142,7 @@ class ServingConfig:
         return {"args": list(self.llamacpp_args), "command": shlex.join(["llama-server", *self.llamacpp_args, "--metrics"])}
 
     def to_dict(self) -> dict:
-        out = {**asdict(self), "vllm": {"speculative_config": self.vllm()}, "sglang": self.sglang()}
+        out = {**self.model_dump(), "vllm": {"speculative_config": self.vllm()}, "sglang": self.sglang()}
         if self.llamacpp() is not None:
             out["llamacpp"] = self.llamacpp()
         return out
@@ -115,9 +155,10 @@ class ServingConfig:
         if self.exit_layer is not None:
             lines.append(f"exit layer      {self.exit_layer}")
         lines.append(f"target          {self.target_fingerprint}")
-        vllm = f"--speculative-config '{json.dumps(self.vllm())}'" if self.vllm() else "(no speculation)"
+        # quoted for a shell: a pasted line never runs a word of a draft path (shlex.join for every engine)
+        vllm = shlex.join(["--speculative-config", json.dumps(self.vllm())]) if self.vllm() else "(no speculation)"
         lines.append(f"vLLM            {vllm}")
-        lines.append(f"SGLang          {' '.join(self.sglang()) or '(no speculation)'}")
+        lines.append(f"SGLang          {shlex.join(self.sglang()) or '(no speculation)'}")
         if self.llamacpp() is not None:
             lines.append(f"llama.cpp       {self.llamacpp()['command']}")
         if self.reason:
@@ -179,19 +220,32 @@ def serving_path() -> Path:
 
 
 def write_serving_config(config: ServingConfig, path: str | Path | None = None) -> Path:
-    """Replace the serving config atomically: readers see the old file or the new one, never a mix."""
-    return paths.atomic_write_json(Path(path) if path else serving_path(), config.to_dict())
+    """Replace the serving config atomically: readers see the old file or the new one, never a mix.
+    Mode 0644: the file holds no secret and the serving engine (maybe another user) must read it."""
+    return paths.atomic_write_json(Path(path) if path else serving_path(), config.to_dict(), mode=SERVING_FILE_MODE)
+
+
+def parse_serving_config(data: Any, where: str | Path = "serving config") -> ServingConfig:
+    """A serving config from its JSON value; a wrong shape or type is a `ServingConfigError` naming `where`."""
+    if not isinstance(data, dict):
+        raise ServingConfigError(f"serving config {where}: expected a JSON object, got {type(data).__name__}")
+    data = {k: v for k, v in data.items() if k not in DERIVED_KEYS}
+    try:
+        return ServingConfig(**data)
+    except ValidationError as exc:
+        raise ServingConfigError(f"serving config {where}: {_problems(exc)}") from None
 
 
 def read_serving_config(path: str | Path | None = None) -> ServingConfig | None:
+    """The serving config on disk (None: no file). A truncated, mistyped or wrongly shaped file is a
+    `ServingConfigError` naming the file and the key; keys from a newer version are kept."""
     path = Path(path) if path else serving_path()
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text())
-    except ValueError as exc:
-        raise ValueError(f"corrupt serving config {path}: {exc}") from exc
-    data.pop("vllm", None)
-    data.pop("sglang", None)
-    data.pop("llamacpp", None)
-    return ServingConfig(**data)
+        data = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ServingConfigError(f"corrupt serving config {path}: {exc}") from None
+    except OSError as exc:
+        raise ServingConfigError(f"cannot read serving config {path}: {exc}") from None
+    return parse_serving_config(data, path)
