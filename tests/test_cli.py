@@ -120,7 +120,10 @@ def test_demo_bad_key_fails_before_the_flow(fake_nightly, capsys):
 
 
 def test_logs_on_an_empty_store(tmp_path, capsys):
+    from specdistill.data.logstore import LogStore
+
     db = f"sqlite:///{tmp_path / 'logs.db'}"
+    LogStore(db).close()  # a writer creates it; the read commands below never do
     assert main(["logs", "stats", "--db", db, "--json"]) == 0
     assert _one_json(capsys)["conversations"] == 0
     assert main(["logs", "quarantine", "--db", db, "--json"]) == 0
@@ -194,3 +197,110 @@ def test_tree_width_is_for_model_drafters():
     assert _drafter(ask(self_spec=1), target).tree_width == 3
     with pytest.raises(ValueError, match="only a model drafter drafts a tree"):
         _drafter(ask(ngram=True), target)
+
+
+# --------------------------------------------------------------------------------------------
+# first contact: every --help, numeric arguments, database URLs
+
+
+def _all_parsers(parser: argparse.ArgumentParser, words: tuple[str, ...] = ()):
+    """(command words, parser) for every parser, groups included."""
+    yield words, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _all_parsers(sub, (*words, name))
+
+
+def test_every_subcommand_help_works(capsys):
+    """A literal % in a help string crashed `monitor --help` (ValueError: incomplete format)."""
+    walked = list(_all_parsers(build_parser()))
+    assert len(walked) > 25 and ("monitor",) in [w for w, _ in walked]
+    for words, _ in walked:
+        text = _help(list(words), capsys)
+        assert "usage:" in text, words
+    assert "below 50%" in _help(["monitor"], capsys)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--ngram", "--prompts", "p.txt", "--repeats", "0"], "--repeats: must be at least 1, got 0"),
+    (["bench", "--ngram", "--prompts", "p.txt", "--max-new-tokens", "0"], "--max-new-tokens: must be at least 1"),
+    (["generate", "--ngram", "--prompt", "x", "--gamma", "-1"], "--gamma: must be at least 1"),
+    (["generate", "--ngram", "--prompt", "x", "--top-p", "0"], "--top-p: must be in (0, 1]"),
+    (["generate", "--ngram", "--prompt", "x", "--temperature", "nan"], "--temperature: must be in"),
+    (["monitor", "serve", "--interval", "0"], "--interval: must be in [0.1"),
+    (["monitor", "serve", "--port", "0"], "--port: must be at least 1"),
+    (["monitor", "sample", "--draft", "d", "--n", "0"], "--n: must be at least 1"),
+    (["demo", "target-update", "--steps", "0"], "--steps: must be at least 1"),
+    (["draft", "init", "--draft-vocab", "0", "out"], "--draft-vocab: must be at least 1"),
+])
+def test_numeric_arguments_are_checked_while_parsing(argv, message, capsys, monkeypatch):
+    import specdistill.modeling.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("no model loads for a bad argument"))
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_ngram_window_is_checked_before_the_model_loads(capsys, monkeypatch):
+    import specdistill.modeling.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("no model loads for a bad argument"))
+    assert main(["generate", "--ngram", "--prompt", "x", "--ngram-min", "3", "--ngram-max", "2"]) == 2
+    assert "--ngram-max 2 is below --ngram-min 3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("port, host, message", [
+    ("70000", "127.0.0.1", "port 70000 is not a TCP port"),
+    ("9464", "no such host!", "host 'no such host!' is not an address"),
+])
+def test_monitor_serve_refuses_a_bad_address_in_one_line(port, host, message, tmp_path, capsys):
+    from specdistill.data.logstore import LogStore
+
+    db = f"sqlite:///{tmp_path / 'logs.db'}"
+    LogStore(db).close()
+    assert main(["monitor", "serve", "--db", db, "--port", port, "--host", host]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_monitor_serve_on_a_port_in_use_is_a_clear_error(tmp_path, capsys):
+    import socket
+
+    from specdistill.data.logstore import LogStore
+
+    db = f"sqlite:///{tmp_path / 'logs.db'}"
+    LogStore(db).close()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["monitor", "serve", "--db", db, "--port", str(port), "--interval", "1"]) == 2
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("url, message", [
+    ("notaurl", "not a database URL: 'notaurl'"),
+    ("mysql://u:secret@127.0.0.1/x", "unsupported database 'mysql'"),
+    ("postgresql://u:secret@127.0.0.1:1/x", "cannot open log store postgresql://u:***@127.0.0.1:1/x"),
+])
+def test_database_urls_are_checked_in_one_line(url, message, capsys):
+    assert main(["logs", "stats", "--db", url]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "secret" not in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_missing_sqlite_file_is_an_error_for_readers_and_created_by_writers(tmp_path, capsys):
+    missing = tmp_path / "no" / "dir" / "x.db"
+    for argv in (["logs", "stats"], ["logs", "quarantine"], ["monitor", "serve", "--interval", "1"]):
+        assert main([*argv, "--db", f"sqlite:///{missing}"]) == 2
+        assert f"{missing} does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "no").exists()  # nothing created by a reader
+    assert main(["logs", "stats", "--db", f"sqlite:///{tmp_path}"]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    traffic = tmp_path / "t.jsonl"
+    traffic.write_text(json.dumps({"prompt": "hi", "response": "hello"}) + "\n")
+    assert main(["ingest", str(traffic), "--format", "jsonl", "--db", f"sqlite:///{missing}", "--no-progress"]) == 0
+    assert missing.is_file() and (missing.stat().st_mode & 0o777) == 0o600  # it holds traffic: the owner only

@@ -175,3 +175,27 @@ def test_nothing_runs_again_when_every_drafter_is_at_its_best_gamma(monkeypatch)
     monkeypatch.setattr(gamma, "run_bench_many", lambda *a, **k: pytest.fail("no γ moved: no second run"))
     first = {"ngram": _result("ngram", 4, 1.32, cost=0.004)}
     assert gamma.bench_at_best_gamma(None, None, {"ngram": object()}, [], BenchConfig(gamma=4), first)["ngram"].gamma == 4
+
+
+def test_a_run_that_never_drafted_predicts_no_gain_and_moves_no_gamma(monkeypatch):
+    """`bench --ngram --max-new-tokens 4`: every step a plain step (u = 1.0) failed after the whole
+    benchmark ("plain-step share must be in [0, 1)") and lost its result; the nightly calls the same code."""
+    from specdistill.speculative import gamma
+    from specdistill.speculative.bench import BenchConfig
+    from specdistill.speculative.gamma import plain_step_share, render_curve, speedup_curve
+
+    stats = {"requests": 4, "generated_tokens": 16, "rounds": 0, "target_forwards": 16}
+    assert plain_step_share(stats) == 1.0
+    assert predict_speedups([], 0.0, dict(BF16_COSTS), range(1, 5), plain_share=1.0) == {g: 1.0 for g in range(1, 5)}
+    curve = speedup_curve(None, [], 0.0, range(1, 5), plain_share=1.0, measured=dict(BF16_COSTS))
+    assert curve["best_gamma"] is None and "no drafting round" in render_curve(curve, "float32", 0.0)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        predict_speedups([], 0.0, dict(BF16_COSTS), range(1, 5), plain_share=1.5)
+
+    monkeypatch.setitem(RECORDED, "idle-ngram", dict(per_position=[0.0] * 4, cost=0.004, speedup=0.98, stats=stats))
+    monkeypatch.setattr(gamma, "measure_verify_costs", lambda *a, **k: dict(BF16_COSTS))
+    monkeypatch.setattr(gamma, "run_bench_many", lambda *a, **k: pytest.fail("nothing to confirm without a round"))
+    first = {"idle-ngram": _result("idle-ngram", 4, 0.98, cost=0.004)}
+    out = gamma.bench_at_best_gamma(None, None, {"idle-ngram": object()}, [], BenchConfig(gamma=4), first)
+    assert (out["idle-ngram"].gamma, out["idle-ngram"].speedup) == (4, 0.98)
+    assert out["idle-ngram"].gamma_search["predicted_best"] is None

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from specdistill.cli.common import Subcommands, add_db, command, emit, group, log_store
+from specdistill.cli.common import Subcommands, add_db, command, emit, group, log_store, positive_int
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
     from specdistill.data.ingest import ingest
 
-    with log_store(args) as store:
+    with log_store(args, create=True) as store:
         result = ingest(args.path, args.format, store, batch_size=args.batch_size, source=args.source,
                         progress=not args.no_progress)
     emit(args, result.to_dict(), result.render())
@@ -50,7 +50,7 @@ def register(sub: Subcommands) -> None:
     p.add_argument("--format", required=True, choices=["sharegpt", "openai", "jsonl", "humaneval"])
     add_db(p)
     p.add_argument("--source", default=None, help="source name (default: the file's absolute path)")
-    p.add_argument("--batch-size", type=int, default=1000, help="records per transaction")
+    p.add_argument("--batch-size", type=positive_int, default=1000, help="records per transaction")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     logs = group(sub, "logs", "log store")
@@ -60,4 +60,4 @@ def register(sub: Subcommands) -> None:
                 example="logs quarantine --source prod-2026-11-29 --limit 20")
     add_db(p)
     p.add_argument("--source", default=None, help="only this source")
-    p.add_argument("--limit", type=int, default=100)
+    p.add_argument("--limit", type=positive_int, default=100)

@@ -5,7 +5,17 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from specdistill.cli.common import Subcommands, add_db, add_threads, command, emit, log_store, set_threads
+from specdistill.cli.common import (
+    Subcommands,
+    add_db,
+    add_threads,
+    command,
+    emit,
+    log_store,
+    number_in,
+    positive_int,
+    set_threads,
+)
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")  # modeling.models.DTYPE_CHOICES, without importing torch to parse
 
@@ -20,11 +30,18 @@ def _drafter(args: argparse.Namespace, target):
     return drafter
 
 
+def _check_drafting(args: argparse.Namespace) -> None:
+    """What argparse types cannot check alone, before any model loads."""
+    if args.ngram_max < args.ngram_min:
+        raise ValueError(f"--ngram-max {args.ngram_max} is below --ngram-min {args.ngram_min}")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from specdistill.modeling.models import dtype_name, load_model
     from specdistill.speculative import SamplingConfig, generate
     from specdistill.speculative.bench import encode_prompt
 
+    _check_drafting(args)
     set_threads(args)
     target = load_model(args.target, dtype=args.dtype)
     if args.prompt_ids is not None:
@@ -126,6 +143,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = _bench_engine(args)
         payload, text = result.to_dict(), result.render()
         return _emit_bench(args, result, payload, text)
+    _check_drafting(args)
     set_threads(args)
     if args.from_logs is not None and args.turns is not None:
         raise ValueError("--turns applies to --prompts files; a logged prompt is every turn before its first answer")
@@ -141,13 +159,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          temperature=args.temperature, top_p=args.top_p, seed=args.seed or 0)
     result = run_bench(target.model, target.tokenizer, drafter, prompts, config)
     payload, text = result.to_dict(), result.render()
-    curve = speedup_curve(target.model, result.per_position_acceptance, result.cost_ratio,
-                          plain_share=plain_step_share(result.stats))
-    payload.update(curve)
-    text += "\n\n" + render_curve(curve, result.dtype, result.cost_ratio)
-    if args.plot:
-        payload["plot"] = str(result.plot(args.plot))
-        text += f"\nplot -> {payload['plot']}"
+    try:  # what follows the measurement never loses it: a failure is reported with the result
+        curve = speedup_curve(target.model, result.per_position_acceptance, result.cost_ratio,
+                              plain_share=plain_step_share(result.stats))
+        payload.update(curve)
+        text += "\n\n" + render_curve(curve, result.dtype, result.cost_ratio)
+        if args.plot:
+            payload["plot"] = str(result.plot(args.plot))
+            text += f"\nplot -> {payload['plot']}"
+    except (ValueError, RuntimeError, OSError) as exc:
+        payload["error"] = f"after the benchmark: {exc}"
+        _emit_bench(args, result, payload, text + f"\n\nerror after the benchmark (the result above stands): {exc}")
+        return 2
     return _emit_bench(args, result, payload, text)
 
 
@@ -173,17 +196,17 @@ def _add_drafting(p: argparse.ArgumentParser) -> None:
                    help="auto: bf16 on CUDA and on CPUs with native bf16 (AVX-512 BF16, AMX), else fp32; drafts follow the target")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--draft", default=None, help="draft model directory (its draft_vocab.safetensors is used if present)")
-    how.add_argument("--self-spec", type=int, default=None, metavar="K", help="the target drafts by exiting at layer K")
+    how.add_argument("--self-spec", type=positive_int, default=None, metavar="K", help="the target drafts by exiting at layer K")
     how.add_argument("--ngram", action="store_true", help="prompt-lookup drafting from the history")
-    p.add_argument("--ngram-min", type=int, default=1)
-    p.add_argument("--ngram-max", type=int, default=3)
-    p.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
-    p.add_argument("--tree-width", type=int, default=1, metavar="W",
+    p.add_argument("--ngram-min", type=positive_int, default=1)
+    p.add_argument("--ngram-max", type=positive_int, default=3)
+    p.add_argument("--gamma", type=positive_int, default=4, help="draft tokens per round")
+    p.add_argument("--tree-width", type=positive_int, default=1, metavar="W",
                    help="draft model, EAGLE-3 head or early exit, greedy: verify its top W candidates for the first "
                         "draft position as a tree")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--temperature", type=number_in(0.0), default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=number_in(0.0, 1.0, low_open=True), default=1.0)
     p.add_argument("--seed", type=int, default=None)
     add_threads(p)
 
@@ -207,11 +230,11 @@ def register(sub: Subcommands) -> None:
     p.add_argument("--turns", default=None, choices=["first", "all"],
                    help="Spec-Bench files: the first turn (default), or every turn, each asked after the target's own "
                         "greedy answers to the turns before it (one measured prompt per turn; the slice is the category)")
-    p.add_argument("--limit", type=int, default=None,
+    p.add_argument("--limit", type=positive_int, default=None,
                    help="only the first N prompts (records) of a file; with --from-logs how many to draw (default 32)")
     p.add_argument("--log-seed", type=int, default=None, help="--from-logs: a seeded sample instead of the newest")
     add_db(p)
-    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats; tokens/s is their median")
+    p.add_argument("--repeats", type=positive_int, default=3, help="interleaved repeats; tokens/s is their median")
     p.add_argument("--plot", default=None, metavar="PNG", help="acceptance per position and speedup per slice")
     p.add_argument("--gate", default=None, choices=["default", "production"], help="also print the gate's verdict")
     p.add_argument("--champion", default=None, metavar="JSON", help="the champion's bench JSON, for the gate's τ check")

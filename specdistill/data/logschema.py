@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from specdistill.data.formats import Message
-from specdistill.paths import ensure, home
+from specdistill.paths import create_private_file, ensure, home
 
 DEFAULT_EVAL_FRACTION = 0.05
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
@@ -182,16 +182,54 @@ def default_url() -> str:
     return url if url else f"sqlite:///{ensure(home()) / 'logs.db'}"
 
 
+SUPPORTED_BACKENDS = ("sqlite", "postgresql")
+
+
+class LogStoreError(RuntimeError):
+    """A log store URL that cannot be used: unparsable, of an unsupported kind, missing or unreachable.
+    The message names the URL with its password masked."""
+
+
 def display_url(url: str | sa.URL) -> str:
     """The URL with its password masked: the only form that goes into logs and reports."""
-    return sa.make_url(url).render_as_string(hide_password=True)
+    try:
+        return sa.make_url(url).render_as_string(hide_password=True)
+    except sa.exc.ArgumentError:
+        return str(url) if "@" not in str(url) else "<unparsable URL>"
 
 
-def make_engine(url: str) -> Engine:
-    parsed = sa.make_url(url)
+def parse_url(url: str | sa.URL, *, create: bool = True) -> sa.URL:
+    """The URL checked before any engine: a known backend whose driver is installed; for SQLite, a
+    file path that is not a directory and, unless `create` (a writer), a file that exists."""
+    try:
+        parsed = sa.make_url(url)
+    except sa.exc.ArgumentError:
+        raise LogStoreError(f"not a database URL: {display_url(url)!r} (expected e.g. sqlite:///path/logs.db or "
+                            "postgresql+psycopg://user:password@host/db)") from None
+    backend = parsed.get_backend_name()
+    if backend not in SUPPORTED_BACKENDS:
+        raise LogStoreError(f"log store {display_url(parsed)}: unsupported database {backend!r} "
+                            f"(supported: {', '.join(SUPPORTED_BACKENDS)})")
+    try:
+        parsed.get_dialect()
+    except (ImportError, sa.exc.NoSuchModuleError) as exc:
+        raise LogStoreError(f"log store {display_url(parsed)}: its database driver is not installed ({exc})") from None
+    if backend == "sqlite" and parsed.database and parsed.database != ":memory:":
+        path = Path(parsed.database)
+        if path.is_dir():
+            raise LogStoreError(f"log store {display_url(parsed)}: {path} is a directory, not a database file")
+        if not create and not path.is_file():
+            raise LogStoreError(f"log store {display_url(parsed)}: {path} does not exist (read commands never create "
+                                "one; `specdistill ingest` does)")
+    return parsed
+
+
+def make_engine(url: str, *, create: bool = True) -> Engine:
+    """An engine for a checked URL (`parse_url`). A new SQLite file is created 0600 (it holds traffic)."""
+    parsed = parse_url(url, create=create)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
-            ensure(Path(parsed.database).resolve().parent)
+            create_private_file(Path(parsed.database).resolve())
         engine = sa.create_engine(parsed, connect_args={"timeout": 60})
 
         @sa.event.listens_for(engine, "connect")

@@ -28,6 +28,7 @@ from sqlalchemy.engine import Connection
 
 from specdistill.data.logschema import (  # noqa: F401  (the schema and hashes are part of this module's API)
     DEFAULT_EVAL_FRACTION,
+    LogStoreError,
     UTCDateTime,
     _revision,
     acceptance_samples,
@@ -40,6 +41,7 @@ from specdistill.data.logschema import (  # noqa: F401  (the schema and hashes a
     ingest_runs,
     make_engine,
     metadata,
+    parse_url,
     prompt_hash,
     quarantine,
     responses,
@@ -88,11 +90,18 @@ class Watermark:
 class LogStore(PipelineRecords):
     """Conversations in, windows out; the pipeline's own records come from `PipelineRecords`."""
 
-    def __init__(self, url: str | None = None, eval_fraction: float = DEFAULT_EVAL_FRACTION) -> None:
+    def __init__(self, url: str | None = None, eval_fraction: float = DEFAULT_EVAL_FRACTION, *,
+                 create: bool = True) -> None:
+        """`create=False` (read commands): a SQLite file that does not exist is an error, not a new store."""
         self.url = url or default_url()
         self.eval_fraction = eval_fraction
-        self.engine = make_engine(self.url)
-        upgrade(self.engine)
+        self.engine = make_engine(self.url, create=create)
+        try:
+            upgrade(self.engine)
+        except sa.exc.DBAPIError as exc:  # unreachable server, bad credentials, a file that is no database
+            self.engine.dispose()
+            reason = str(getattr(exc, "orig", exc)).strip().splitlines()[0]
+            raise LogStoreError(f"cannot open log store {display_url(self.url)}: {reason}") from None
 
     def __repr__(self) -> str:
         return f"LogStore({display_url(self.url)!r})"

@@ -96,9 +96,11 @@ def plain_step_share(stats: dict) -> float:
 
 def predict_speedups(per_position: Sequence[float], cost_ratio: float, verify_costs: dict[int, float],
                      gammas: Sequence[int] = GAMMAS, plain_share: float = 0.0) -> dict[int, float]:
-    """Predicted speedup over target-only decoding for each γ (see the module docstring)."""
-    if not 0.0 <= plain_share < 1.0:
-        raise ValueError(f"plain-step share must be in [0, 1), got {plain_share}")
+    """Predicted speedup over target-only decoding for each γ (see the module docstring). At u = 1
+    (a run that never drafted, e.g. n-gram lookup on a few tokens without a repeat) every γ predicts
+    1.0x: no round was measured, so γ changes nothing the run can tell."""
+    if not 0.0 <= plain_share <= 1.0:
+        raise ValueError(f"plain-step share must be in [0, 1], got {plain_share}")
     out = {}
     for g in gammas:
         if g + 1 not in verify_costs:
@@ -141,8 +143,10 @@ def speedup_curve(target: PreTrainedModel, per_position: Sequence[float], cost_r
     costs = monotone_costs(measured)
     predicted = predict_speedups(per_position, cost_ratio, costs, gammas, plain_share)
     per_round = predict_speedups(per_position, cost_ratio, costs, gammas)  # the same argmax, undiluted
+    # no drafting round measured (u = 1): no γ is better than another, and none is proposed
+    best = None if plain_share >= 1.0 else best_gamma(per_round)
     return {"verify_costs": costs, "verify_costs_measured": measured, "predicted_speedups": predicted,
-            "best_gamma": best_gamma(per_round), "plain_share": plain_share}
+            "best_gamma": best, "plain_share": plain_share}
 
 
 def bench_at_best_gamma(target: PreTrainedModel, tokenizer, drafters: dict, prompts: list, config: BenchConfig,
@@ -159,7 +163,8 @@ def bench_at_best_gamma(target: PreTrainedModel, tokenizer, drafters: dict, prom
     measured = measure_verify_costs(target, tuple(range(1, max(gammas) + 2)))
     curves = {name: speedup_curve(target, r.per_position_acceptance, r.cost_ratio or 0.0, gammas,
                                   plain_share=plain_step_share(r.stats), measured=measured) for name, r in results.items()}
-    moved = {name: c["best_gamma"] for name, c in curves.items() if c["best_gamma"] != results[name].gamma}
+    moved = {name: c["best_gamma"] for name, c in curves.items()
+             if c["best_gamma"] is not None and c["best_gamma"] != results[name].gamma}
     confirmed = {}
     if moved:
         confirmed = run_bench_many(target, tokenizer, {name: drafters[name] for name in moved}, prompts,
@@ -187,5 +192,6 @@ def render_curve(curve: dict, dtype: str, cost_ratio: float) -> str:
         "v(γ+1) measured " + " ".join(f"{raw[g + 1]:>6.2f}" for g in gammas),
         "v(γ+1) monotone " + " ".join(f"{costs[g + 1]:>6.2f}" for g in gammas),
         "speedup         " + " ".join(f"{predicted[g]:>5.2f}x" for g in gammas),
-        f"best γ {best} (predicted {predicted[best]:.2f}x)",
+        f"best γ {best} (predicted {predicted[best]:.2f}x)" if best is not None else
+        "best γ: none (no drafting round in this run: every step was a plain target step)",
     ])
