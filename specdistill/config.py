@@ -70,10 +70,16 @@ def load_model_config(model: type[BaseModel], path: str | os.PathLike | None = N
     source = "<overrides>"
     if path is not None:
         source = str(path)
+        if Path(path).is_dir():
+            raise ConfigError(f"{what} {path} is a directory: give a YAML file")
         try:
-            raw = yaml.safe_load(Path(path).read_text()) or {}
+            raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
         except FileNotFoundError:
             raise ConfigError(f"{what} file not found: {path}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not a text (UTF-8) YAML file: byte {exc.start} is {exc.object[exc.start]:#04x}") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read {what} file {path}: {exc.strerror or exc}") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from None
         if not isinstance(raw, dict):

@@ -304,3 +304,17 @@ def test_a_missing_sqlite_file_is_an_error_for_readers_and_created_by_writers(tm
     traffic.write_text(json.dumps({"prompt": "hi", "response": "hello"}) + "\n")
     assert main(["ingest", str(traffic), "--format", "jsonl", "--db", f"sqlite:///{missing}", "--no-progress"]) == 0
     assert missing.is_file() and (missing.stat().st_mode & 0o777) == 0o600  # it holds traffic: the owner only
+
+
+def test_distill_config_that_is_a_directory_or_binary_is_named(tmp_path, capsys):
+    assert main(["distill", "--config", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path} is a directory" in err and "Traceback" not in err
+    binary = tmp_path / "config.yaml"
+    binary.write_bytes(b"target: demo\n\xff\xfe\x00")
+    assert main(["distill", "--config", str(binary)]) == 2
+    err = capsys.readouterr().err
+    assert str(binary) in err and "not a text (UTF-8) YAML file" in err
+    for argv in (["pipeline", "run", "--config", str(tmp_path)], ["monitor", "run", "--config", str(binary)]):
+        assert main(argv) == 2
+        assert str(tmp_path) in capsys.readouterr().err

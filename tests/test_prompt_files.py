@@ -51,3 +51,15 @@ def test_missing_and_empty_files(tmp_path):
     (tmp_path / "empty.txt").write_text("\n\n")
     with pytest.raises(PromptFileError, match="no prompts"):
         read_prompt_file(tmp_path / "empty.txt")
+
+
+def test_a_binary_file_or_a_directory_is_named_not_a_utf8_traceback(tmp_path):
+    binary = tmp_path / "prompts.bin"
+    binary.write_bytes(b"first prompt\n\x89PNG\r\n\x1a\n\x00\x00")
+    with pytest.raises(PromptFileError, match=r"prompts.bin:2: not UTF-8 text \(byte 1 of the line is 0x89\)"):
+        read_prompt_file(binary)
+    with pytest.raises(PromptFileError, match="is a directory"):
+        read_prompt_file(tmp_path)
+    crlf = tmp_path / "crlf.txt"
+    crlf.write_bytes(b"one\r\ntwo\r\n")
+    assert [r.turns for r in read_prompt_file(crlf)] == [["one"], ["two"]]

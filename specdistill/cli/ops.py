@@ -47,6 +47,9 @@ def cmd_target_history(args: argparse.Namespace) -> int:
 
 
 def cmd_monitor_run(args: argparse.Namespace) -> int:
+    from specdistill.pipeline.config import load_monitor_config
+
+    load_monitor_config(args.config, args.overrides)  # a bad file or key fails here, before Prefect starts
     from flows.monitor import monitor  # the flows are the one place Prefect is imported
 
     outcome = monitor(config_path=args.config, overrides=args.overrides)

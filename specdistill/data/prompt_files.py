@@ -31,16 +31,23 @@ def read_prompt_file(path: str | Path, turns: str = "first") -> list[PromptRecor
     if turns not in ("first", "all"):
         raise PromptFileError(f"turns must be 'first' or 'all', not {turns!r}")
     path = Path(path)
+    if path.is_dir():
+        raise PromptFileError(f"prompts file {path} is a directory")
     if not path.is_file():
         raise PromptFileError(f"prompts file not found: {path}")
     records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise PromptFileError(f"{path}:{lineno}: not UTF-8 text (byte {exc.start + 1} of the line is "
+                                      f"{raw[exc.start]:#04x}): a prompts file is text or JSONL") from None
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
             if not line.lstrip().startswith("{"):
-                records.append(PromptRecord([line.rstrip("\n")]))
+                records.append(PromptRecord([line.rstrip("\r\n")]))
                 continue
             try:
                 obj = json.loads(line)
