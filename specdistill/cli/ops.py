@@ -77,8 +77,8 @@ def cmd_monitor_sample(args: argparse.Namespace) -> int:
 
 
 def cmd_monitor_serve(args: argparse.Namespace) -> int:
+    from specdistill.ops.exporter import serve_metrics
     from specdistill.ops.metrics import check_listen_address
-    from specdistill.ops.monitor import serve_metrics
 
     check_listen_address(args.port, args.host)  # before the log store opens
     print(f"serving metrics on http://{args.host}:{args.port}/metrics (refresh every {args.interval:g} s)", file=sys.stderr)

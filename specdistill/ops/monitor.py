@@ -20,7 +20,6 @@ says `vocab_mismatch: true`. Pass `on_vocab_mismatch="zero"` to get the strict r
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 from specdistill.acceptance import ACCEPTANCE_RED_LINE
 from specdistill.data.prompts import MAX_PROMPT_TOKENS, usable_prompt
 from specdistill.modeling.models import LoadedModel, load_model
+from specdistill.ops.exporter import refresh_metrics, serve_metrics  # noqa: F401  (the exporter's home)
 from specdistill.ops.serving import DEFAULT_MARGIN, Candidate, fastest_mode
 from specdistill.speculative import (
     ModelDrafter,
@@ -41,8 +41,6 @@ from specdistill.speculative import (
 )
 from specdistill.speculative.bench import BenchConfig, Prompt, run_bench_many
 from specdistill.speculative.eagle import aligned_eagle_drafter
-
-log = logging.getLogger(__name__)
 
 
 def _loaded(ref: str | os.PathLike | LoadedModel, dtype: str = "float32") -> LoadedModel:
@@ -353,57 +351,3 @@ def export_early_exit_draft(target_ref: str | os.PathLike | LoadedModel, exit_la
     meta = {"kind": "early_exit", "exit_layer": exit_layer, "target_fingerprint": target.fingerprint,
             "target_dir": str(target.path)}
     return save_draft(draft, target.tokenizer, out_dir, meta=meta)
-
-
-# --------------------------------------------------------------------------------------------
-# Metrics page fed from the log store
-
-
-MIN_REFRESH_S = 0.1  # the exporter's shortest refresh interval
-
-
-def refresh_metrics(metrics, store, after_id: int = 0, serving_path: str | Path | None = None) -> int:
-    """Add acceptance samples stored since `after_id` to the counters, set the serving gauges and the
-    pipeline's last success; returns the newest sample id seen (pass it back next time, so nothing
-    is counted twice). An unreadable serving config keeps the last good gauges, counts an error in
-    `specdistill_serving_config_errors_total` and says why on stderr."""
-    from specdistill.ops.serving import ServingConfigError, read_serving_config
-
-    for row in store.acceptance_samples_after(after_id):
-        metrics.record(rounds=row["num_drafts"], proposed=row["num_draft_tokens"],
-                       accepted=row["num_accepted_tokens"], accepted_per_position=row["accepted_per_position"])
-        after_id = row["id"]
-    try:
-        serving = read_serving_config(serving_path)
-    except ServingConfigError as exc:
-        metrics.serving_config_errors.inc()
-        log.warning("%s; the metrics keep the last good serving config", exc)
-        serving = None
-    if serving is not None:
-        metrics.set_serving(serving.mode, target_fingerprint=serving.target_fingerprint,
-                            draft_version=serving.draft_version)
-    last_success = store.last_pipeline_success()
-    if last_success is not None:
-        metrics.mark_pipeline_success(last_success.timestamp())
-    return after_id
-
-
-def serve_metrics(store, port: int = 9464, host: str = "127.0.0.1", interval_s: float = 15.0,
-                  serving_path: str | Path | None = None, iterations: int | None = None):
-    """`specdistill monitor serve`: the metrics of docs/metrics.md on http://host:port/metrics, refreshed
-    from the log store every `interval_s` (forever, or `iterations` times)."""
-    from specdistill.ops.metrics import SpecDecodeMetrics, check_listen_address
-
-    if not interval_s >= MIN_REFRESH_S:  # also NaN
-        raise ValueError(f"refresh interval {interval_s!r} s: at least {MIN_REFRESH_S:g} s (0 would spin a CPU)")
-    check_listen_address(port, host)
-    metrics = SpecDecodeMetrics()
-    server = metrics.serve(port, host)
-    last = 0
-    done = 0
-    while iterations is None or done < iterations:
-        last = refresh_metrics(metrics, store, last, serving_path)
-        done += 1
-        if iterations is None or done < iterations:
-            time.sleep(interval_s)
-    return metrics, server

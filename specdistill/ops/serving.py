@@ -75,6 +75,8 @@ class ServingConfig(BaseModel):
     def _mode_first(cls, data: Any) -> Any:
         if isinstance(data, dict) and "mode" in data and data["mode"] not in MODES:
             raise ValueError(f"serving mode {data['mode']!r} is not one of {MODES}")
+        if isinstance(data, dict) and "draft_kind" in data and data["draft_kind"] not in DRAFT_KINDS:
+            raise ValueError(f"draft kind {data['draft_kind']!r} is not one of {DRAFT_KINDS}")
         return data
 
     @model_validator(mode="after")

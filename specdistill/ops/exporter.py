@@ -1,0 +1,63 @@
+"""The metrics exporter (`specdistill monitor serve`): the metrics of docs/metrics.md fed from the log
+store, which the monitor and the flows write. It keeps serving through a bad serving config (the last
+good one stays, `specdistill_serving_config_errors_total` counts the bad reads) and reports no value
+where nothing has been measured yet."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+
+MIN_REFRESH_S = 0.1  # the exporter's shortest refresh interval
+
+
+def refresh_metrics(metrics, store, after_id: int = 0, serving_path: str | Path | None = None) -> int:
+    """Add acceptance samples stored since `after_id` to the counters, set the serving gauges and the
+    pipeline's last success; returns the newest sample id seen (pass it back next time, so nothing
+    is counted twice). An unreadable serving config keeps the last good gauges, counts an error in
+    `specdistill_serving_config_errors_total` and says why on stderr."""
+    from specdistill.ops.serving import ServingConfigError, read_serving_config
+
+    for row in store.acceptance_samples_after(after_id):
+        metrics.record(rounds=row["num_drafts"], proposed=row["num_draft_tokens"],
+                       accepted=row["num_accepted_tokens"], accepted_per_position=row["accepted_per_position"])
+        after_id = row["id"]
+    try:
+        serving = read_serving_config(serving_path)
+    except ServingConfigError as exc:
+        metrics.serving_config_errors.inc()
+        log.warning("%s; the metrics keep the last good serving config", exc)
+        serving = None
+    if serving is not None:
+        metrics.set_serving(serving.mode, target_fingerprint=serving.target_fingerprint,
+                            draft_version=serving.draft_version)
+    last_success = store.last_pipeline_success()
+    if last_success is not None:
+        metrics.mark_pipeline_success(last_success.timestamp())
+    return after_id
+
+
+def serve_metrics(store, port: int = 9464, host: str = "127.0.0.1", interval_s: float = 15.0,
+                  serving_path: str | Path | None = None, iterations: int | None = None):
+    """`specdistill monitor serve`: the metrics of docs/metrics.md on http://host:port/metrics, refreshed
+    from the log store every `interval_s` (forever, or `iterations` times)."""
+    from specdistill.ops.metrics import SpecDecodeMetrics, check_listen_address
+
+    if not interval_s >= MIN_REFRESH_S:  # also NaN
+        raise ValueError(f"refresh interval {interval_s!r} s: at least {MIN_REFRESH_S:g} s (0 would spin a CPU)")
+    check_listen_address(port, host)
+    metrics = SpecDecodeMetrics()
+    server = metrics.serve(port, host)
+    last = 0
+    done = 0
+    while iterations is None or done < iterations:
+        last = refresh_metrics(metrics, store, last, serving_path)
+        done += 1
+        if iterations is None or done < iterations:
+            time.sleep(interval_s)
+    return metrics, server
