@@ -140,6 +140,18 @@ def atomic_dir(out_dir: Path, kind: str, *, replace: bool = True, force: bool = 
         raise
 
 
+def read_json(path: Path, what: str = "file"):
+    """A JSON file's value; unreadable or corrupt is a `ValueError` naming the file (never a bare
+    `Expecting value: line 2 column 1`)."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"corrupt {what} {path}: {exc}") from None
+    except IsADirectoryError:
+        raise ValueError(f"{what} {path} is a directory, not a JSON file") from None
+
+
 def atomic_write_json(path: Path, data, *, mode: int = PRIVATE_FILE_MODE) -> Path:
     """Replace a small JSON file so that readers see the old content or the new, never a mix."""
     path = Path(path)

@@ -56,7 +56,9 @@ def align_vocab(config: NightlyConfig, champion: Champion | None) -> WarmStart |
     return pipeline.align_champion(config, champion)
 
 
-@task(name="generate-responses", **CACHED)
+# not result-cached: the stage resumes itself from its answers file and verified cache shards, so a
+# shard quarantined as corrupt is answered again on the next run instead of hidden by a cached result
+@task(name="generate-responses", retries=1, retry_delay_seconds=5)
 def generate_responses(config: NightlyConfig, window: WindowDict, split: str, target_fingerprint: str,
                        record_teacher: bool) -> GeneratedData:
     return answers.generate_responses(config, window, split, record_teacher=record_teacher)

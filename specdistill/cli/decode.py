@@ -176,12 +176,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _emit_bench(args, result, payload: dict, text: str) -> int:
     """Print a bench result (either engine), with the gate's verdict when `--gate` asks for it."""
-    import json
 
     from specdistill.speculative.gate import evaluate, gate_config
 
     if args.gate:
-        champion = json.loads(Path(args.champion).read_text(encoding="utf-8")) if args.champion else None
+        from specdistill import paths
+
+        champion = paths.read_json(Path(args.champion), "champion bench JSON") if args.champion else None
         verdict = evaluate(result, gate_config(args.gate), champion)
         payload["gate"] = verdict.to_dict()
         text += "\n\n" + verdict.render()

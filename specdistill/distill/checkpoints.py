@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from specdistill import paths
 from specdistill.distill.config import DistillConfig, save_config
 
 CKPT_PREFIX = "step-"
@@ -61,7 +62,7 @@ def load_checkpoint(ckpt: Path, module: torch.nn.Module, optimizer) -> dict:
     optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
     rng = torch.load(ckpt / "rng.pt", weights_only=True)
     torch.set_rng_state(rng["torch"])
-    state = json.loads((ckpt / "state.json").read_text())
+    state = paths.read_json(ckpt / "state.json", "checkpoint state")
     version, internal, gauss = state["python_rng"]
     random.setstate((version, tuple(internal), gauss))
     return state

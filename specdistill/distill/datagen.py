@@ -125,6 +125,34 @@ def repair_tail(path: Path) -> None:
         f.truncate(cut)
 
 
+def drop_unbacked(out_path: Path, done: dict[str, dict], caches: list) -> dict[str, dict]:
+    """Resume is keyed on the answers file and on the caches it feeds: an answer whose teacher (or
+    feature) rows are gone, because their shard failed its checksum and was quarantined, is taken out
+    of the answers file so that this run answers it again. Returns the answers that stand."""
+    caches = [c for c in caches if c is not None]
+    if not caches or not done:
+        return done
+    have: set[str] | None = None
+    for cache in caches:
+        ids, bad = cache.verified_ids()
+        for line in bad:
+            print(f"quarantined a bad cache shard: {line}", file=sys.stderr)
+        have = ids if have is None else have & ids
+    lost = [i for i in done if i not in have]
+    if not lost:
+        return done
+    print(f"{len(lost)} answers in {out_path} have no verified cache rows: answering them again", file=sys.stderr)
+    kept = {i: r for i, r in done.items() if i in have}
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for record in kept.values():
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out_path)
+    return kept
+
+
 @torch.inference_mode()
 def generate_answers(
     target: PreTrainedModel,
@@ -162,7 +190,7 @@ def generate_answers(
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     repair_tail(out_path)
-    done = read_done(out_path)
+    done = drop_unbacked(out_path, read_done(out_path), [teacher_cache, feature_cache])
     todo = [p for p in prompts if str(p.id) not in done]
     seen: set[str] = set()
     for p in todo:

@@ -18,7 +18,6 @@ entry stores its token ids so a cache for other data is refused per example.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import zlib
@@ -26,19 +25,19 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
+from specdistill.distill import shards
 from specdistill.distill.teacher import (
     TeacherCache,
     data_hash,
-    load_shards,
     pad_batch,
+    read_cache_meta,
     teacher_positions,
     topk_rows,
     vocab_key,
+    write_cache_meta,
 )
 from specdistill.modeling.eagle3 import FeatureHooks
 from specdistill.modeling.vocab import DraftVocab
@@ -101,10 +100,7 @@ class FeatureCache:
                 "dtype": "bfloat16"}
         if (directory / FEATURE_META).is_file():
             return cls.open(directory, **{k: v for k, v in meta.items() if k != "dtype"})
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / (FEATURE_META + ".tmp")
-        tmp.write_text(json.dumps(meta, indent=2))
-        os.replace(tmp, directory / FEATURE_META)
+        write_cache_meta(directory, FEATURE_META, meta)
         return cls(directory, meta)
 
     @classmethod
@@ -115,7 +111,7 @@ class FeatureCache:
         meta_path = directory / FEATURE_META
         if not meta_path.is_file():
             raise FileNotFoundError(f"no feature cache at {directory} ({FEATURE_META} missing)")
-        meta = json.loads(meta_path.read_text())
+        meta = read_cache_meta(meta_path)
         wanted = {"fingerprint": fingerprint, "layers": list(layers), "data": data}
         if prompt_context != "any":
             wanted["prompt_context"] = prompt_context
@@ -128,28 +124,27 @@ class FeatureCache:
 
     def write_shard(self, name: str, entries: dict[str, dict[str, torch.Tensor]]) -> Path:
         """One shard, written atomically: after a kill a shard is either complete or absent."""
-        tensors = {f"{ex_id}/{key}": t.contiguous() for ex_id, rows in entries.items() for key, t in rows.items()}
-        path = self.dir / f"shard-{name}.safetensors"
-        tmp = self.dir / f".shard-{name}.tmp"
-        save_file(tensors, str(tmp))
-        os.replace(tmp, path)
-        return path
+        tensors = {f"{ex_id}/{key}": t for ex_id, rows in entries.items() for key, t in rows.items()}
+        return shards.write_shard(self.dir / f"shard-{name}.safetensors", tensors)
 
     def has_shard(self, name: str) -> bool:
         return (self.dir / f"shard-{name}.safetensors").is_file()
 
     def ids(self) -> set[str]:
-        out = set()
-        for shard in self.dir.glob("shard-*.safetensors"):
-            with safe_open(str(shard), "pt") as f:
-                out.update(key[: -len("/input_ids")] for key in f.keys() if key.endswith("/input_ids"))
-        return out
+        """Ids in the shards' headers (cheap; a shard with an unreadable header is quarantined)."""
+        keys = shards.header_keys(sorted(self.dir.glob(shards.SHARD_GLOB)))
+        return {key[: -len("/input_ids")] for key in keys if key.endswith("/input_ids")}
+
+    def verified_ids(self) -> tuple[set[str], list[str]]:
+        """Ids whose features are in a shard that passes its checksum; bad shards are quarantined (and listed)."""
+        return shards.verified_keys(self.dir, "input_ids")
 
     def disk_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.dir.glob("shard-*.safetensors"))
 
     def load_all(self) -> dict[str, dict[str, torch.Tensor]]:
-        return load_shards(self.dir)
+        """Every entry, each shard verified (a bad one is quarantined and named)."""
+        return shards.load_shards(self.dir)
 
 
 def entry_features(entry: dict[str, torch.Tensor] | None, ex_id: str, input_ids: Sequence[int], start: int) -> torch.Tensor:

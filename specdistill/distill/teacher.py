@@ -22,11 +22,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
+from specdistill import paths
+from specdistill.distill import shards
 from specdistill.distill.losses import TopKTeacher
+from specdistill.distill.shards import load_shards  # noqa: F401  (part of this module's API)
 from specdistill.modeling.vocab import DraftVocab
 
 CACHE_META = "teacher_cache.json"
@@ -34,6 +36,23 @@ CACHE_META = "teacher_cache.json"
 
 class StaleTeacherCacheError(ValueError):
     """A cache written for another target, data, k, temperature or vocabulary."""
+
+
+def read_cache_meta(meta_path: Path) -> dict:
+    """A cache directory's JSON key file; a corrupt one is an error naming it."""
+    meta = paths.read_json(meta_path, "cache file")
+    if not isinstance(meta, dict):
+        raise ValueError(f"corrupt cache file {meta_path}: expected a JSON object")
+    return meta
+
+
+def write_cache_meta(directory: Path, name: str, meta: dict) -> None:
+    """Create a cache directory (0700: it holds answers to production traffic) with its key file."""
+    paths.ensure_private(directory)
+    tmp = directory / (name + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2))
+    os.chmod(tmp, paths.PRIVATE_FILE_MODE)
+    os.replace(tmp, directory / name)
 
 
 def vocab_key(draft_vocab: DraftVocab | None) -> str:
@@ -88,10 +107,7 @@ class TeacherCache:
         meta = {"fingerprint": fingerprint, "k": k, "temperature": temperature, "vocab": vocab, "data": data}
         if (directory / CACHE_META).is_file():
             return cls.open(directory, **meta)
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / (CACHE_META + ".tmp")
-        tmp.write_text(json.dumps(meta, indent=2))
-        os.replace(tmp, directory / CACHE_META)
+        write_cache_meta(directory, CACHE_META, meta)
         return cls(directory, meta)
 
     def write_shard(self, name: str, entries: dict[str, dict[str, torch.Tensor]]) -> Path:
@@ -100,10 +116,7 @@ class TeacherCache:
         for ex_id, rows in entries.items():
             for key in ("input_ids", "logprobs", "indices", "residual"):
                 tensors[f"{ex_id}/{key}"] = rows[key].contiguous()
-        path = self.dir / f"shard-{name}.safetensors"
-        tmp = self.dir / f".shard-{name}.tmp"
-        save_file(tensors, str(tmp))
-        os.replace(tmp, path)
+        path = shards.write_shard(self.dir / f"shard-{name}.safetensors", tensors)
         self._index = None
         return path
 
@@ -119,7 +132,7 @@ class TeacherCache:
         meta_path = directory / CACHE_META
         if not meta_path.is_file():
             raise FileNotFoundError(f"no teacher cache at {directory} ({CACHE_META} missing)")
-        meta = json.loads(meta_path.read_text())
+        meta = read_cache_meta(meta_path)
         wanted = {"fingerprint": fingerprint, "k": k, "temperature": temperature, "vocab": vocab, "data": data}
         for key, value in wanted.items():
             if value is not None and meta.get(key) != value:
@@ -130,15 +143,13 @@ class TeacherCache:
         return cls(directory, meta)
 
     def _build_index(self) -> dict[str, Path]:
-        index = {}
-        for shard in sorted(self.dir.glob("shard-*.safetensors")):
-            from safetensors import safe_open
+        keys = shards.header_keys(sorted(self.dir.glob(shards.SHARD_GLOB)))
+        return {key[: -len("/input_ids")]: shard for key, shard in keys.items() if key.endswith("/input_ids")}
 
-            with safe_open(str(shard), "pt") as f:
-                for key in f.keys():
-                    if key.endswith("/input_ids"):
-                        index[key[: -len("/input_ids")]] = shard
-        return index
+    def verified_ids(self) -> tuple[set[str], list[str]]:
+        """Ids whose rows are in a shard that passes its checksum; bad shards are quarantined (and listed)."""
+        self._index = None
+        return shards.verified_keys(self.dir, "input_ids")
 
     def __contains__(self, ex_id: str) -> bool:
         if self._index is None:
@@ -151,18 +162,9 @@ class TeacherCache:
         return len(self._index)
 
     def load_all(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Every entry in memory (a few MB per thousand answers at k=32): epochs then read no disk."""
-        return load_shards(self.dir)
-
-
-def load_shards(directory: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """A sharded cache's entries by example id: shard keys are `EXAMPLE_ID/FIELD`."""
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    for shard in sorted(directory.glob("shard-*.safetensors")):
-        for key, tensor in load_file(str(shard)).items():
-            ex_id, field = key.rsplit("/", 1)
-            out.setdefault(ex_id, {})[field] = tensor
-    return out
+        """Every entry in memory (a few MB per thousand answers at k=32): epochs then read no disk.
+        Every shard is verified; a bad one is quarantined and named (`shards.CorruptShardError`)."""
+        return shards.load_shards(self.dir)
 
 
 def check_entry(entry: dict[str, torch.Tensor], ex_id: str, input_ids: Sequence[int], n_rows: int) -> None:

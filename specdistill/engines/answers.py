@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from specdistill.data.prompts import as_messages, encode_chat
-from specdistill.distill.datagen import Prompt, read_done, repair_tail
+from specdistill.distill.datagen import Prompt, drop_unbacked, read_done, repair_tail
 from specdistill.distill.teacher import TeacherCache
 from specdistill.engines.client import EngineRequestError, get_json, post_json
 
@@ -169,7 +169,7 @@ def generate_answers_openai(
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     repair_tail(out_path)
-    done = read_done(out_path)
+    done = drop_unbacked(out_path, read_done(out_path), [teacher_cache])
     todo = [p for p in prompts if str(p.id) not in done]
     repeated = [pid for pid, n in Counter(p.id for p in todo).items() if n > 1]
     if repeated:

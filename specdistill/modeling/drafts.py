@@ -166,7 +166,7 @@ DRAFT_OUTPUT = "draft"  # the output kind of every draft writer (layers, transpl
 
 def load_draft_meta(directory: str | os.PathLike) -> dict:
     path = Path(directory) / DRAFT_META_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return paths.read_json(path, "draft metadata") if path.is_file() else {}
 
 
 @torch.inference_mode()

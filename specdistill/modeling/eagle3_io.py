@@ -158,7 +158,7 @@ def load_eagle3(
     if not config_dict or EAGLE3_ARCHITECTURE not in (config_dict.get("architectures") or []):
         raise Eagle3ShapeError(f"{directory} is not an EAGLE-3 head (config.json must name {EAGLE3_ARCHITECTURE})")
     meta_path = directory / META_FILE
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    meta = paths.read_json(meta_path, "EAGLE-3 head metadata") if meta_path.is_file() else {}
     tokenizer = AutoTokenizer.from_pretrained(directory)
     reason = ""
     if target_tokenizer is not None:

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from specdistill import paths
+
 DEFAULT_DOMAIN_TOKENS = ("QuantLib", "CalcBlackScholesVega", "BlackScholesProcess", "YieldTermStructure")
 UPDATE_META_FILE = "specdistill_target_update.json"
 TARGET_OUTPUT = "target"  # the output kind of a target update (paths.atomic_dir)
@@ -231,8 +233,6 @@ def finetune_top_layers(model, tokenizer, chats: list[list[dict]], new_token_ids
 
 
 def default_update_dir() -> Path:
-    from specdistill import paths
-
     return paths.home() / "targets" / "demo-update"
 
 
@@ -254,7 +254,6 @@ def make_target_update(
 ) -> Path:
     """Write a new target version (HF directory: safetensors + tokenizer) made from `base_ref`. An
     existing `out_dir` is replaced only when it is a previous target update and `force` is set."""
-    from specdistill import paths
     from specdistill.modeling.models import load_model
 
     lr = TargetUpdateConfig.lr if lr is None else lr
@@ -279,4 +278,4 @@ def make_target_update(
 
 def load_update_meta(model_dir: str | Path) -> dict | None:
     path = Path(model_dir) / UPDATE_META_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
+    return paths.read_json(path, "target update record") if path.is_file() else None

@@ -84,13 +84,12 @@ def features_dir(teacher_cache: str | Path, layers: list[int] | None = None) -> 
     so every run on the same answers reuses them. The answer pass writes `features` (the default
     layers); a head that reads other `layers` (a warm start from an imported head) gets a directory of
     its own, which the trainer fills."""
-    import json
 
     from specdistill.distill.features import FEATURE_META
 
     directory = Path(teacher_cache).parent / "features"
     meta = directory / FEATURE_META
-    if layers is not None and meta.is_file() and json.loads(meta.read_text())["layers"] != list(layers):
+    if layers is not None and meta.is_file() and paths.read_json(meta, "feature cache file").get("layers") != list(layers):
         return directory.with_name("features-layers-" + "-".join(str(i) for i in layers))
     return directory
 

@@ -247,7 +247,7 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | dict, heldo
         lr = tc.incremental_lr if warm_start else tc.lr
     result_file = out_dir / "result.json"
     if result_file.is_file():  # finished before: a rerun reuses it
-        return json.loads(result_file.read_text())
+        return paths.read_json(result_file, "distillation result")
     dcfg = DistillConfig(
         target=config.target, kind=kind, eagle3=eagle3, draft=warm_start, layers=tc.layers,
         draft_vocab=None if warm_start else tc.draft_vocab, data=data, loss=loss, teacher=teacher,

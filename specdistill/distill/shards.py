@@ -1,0 +1,124 @@
+"""Safetensors shards of the offline teacher and the EAGLE-3 features, with a checksum each.
+
+A shard carries a SHA-256 over its tensors (names, dtypes, shapes, bytes) in its safetensors
+metadata, written with it and verified when it is read. A shard that fails (truncated, scrambled,
+not safetensors) is named, moved into the cache's `quarantine/` directory with the reason beside it,
+and so is missing on the next run, which answers its examples again: nothing is trained on garbage,
+and no run is stuck on the same bad file. Shards written before checksums read as they are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+DIGEST_KEY = "specdistill_sha256"
+QUARANTINE = "quarantine"
+SHARD_GLOB = "shard-*.safetensors"
+
+
+class CorruptShardError(ValueError):
+    """A shard that cannot be trusted; the message names the file and where it was moved."""
+
+    def __init__(self, message: str, path: Path):
+        super().__init__(message)
+        self.path = path
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    """Write atomically (a kill leaves the shard complete or absent), with its checksum, mode 0600
+    (the rows describe answers to production traffic)."""
+    path = Path(path)
+    tensors = {k: t.contiguous() for k, t in tensors.items()}
+    tmp = path.with_name(f".{path.stem}.tmp")
+    save_file(tensors, str(tmp), metadata={DIGEST_KEY: tensors_digest(tensors)})
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+    return path
+
+
+def _problem(path: Path) -> tuple[dict[str, torch.Tensor] | None, str]:
+    try:
+        with safe_open(str(path), "pt") as f:
+            expected = (f.metadata() or {}).get(DIGEST_KEY)
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:  # safetensors raises its own error kinds on a truncated or foreign file
+        return None, f"unreadable ({type(exc).__name__}: {exc})"
+    if expected is not None and tensors_digest(tensors) != expected:
+        return None, "checksum mismatch (its content changed after it was written)"
+    return tensors, ""
+
+
+def quarantine(path: Path, reason: str) -> Path:
+    """Move a bad shard into `quarantine/` beside it, with the reason in a .reason file; returns where."""
+    path = Path(path)
+    where = path.parent / QUARANTINE
+    where.mkdir(exist_ok=True)
+    moved = where / f"{path.name}.{time.strftime('%Y%m%dT%H%M%S')}"
+    os.replace(path, moved)
+    moved.with_name(moved.name + ".reason").write_text(f"{path}: {reason}\n")
+    return moved
+
+
+def read_shard(path: Path) -> dict[str, torch.Tensor]:
+    """A shard's tensors, verified. A bad shard is quarantined and raises `CorruptShardError`."""
+    tensors, reason = _problem(Path(path))
+    if tensors is None:
+        moved = quarantine(path, reason)
+        raise CorruptShardError(f"cache shard {path} is {reason}: moved to {moved}; the next run answers its "
+                                "examples again", Path(path))
+    return tensors
+
+
+def verified_keys(directory: Path, suffix: str) -> tuple[set[str], list[str]]:
+    """Example ids (keys `ID/<suffix>`) of the good shards in `directory`, and a line per shard that
+    was bad and is now quarantined (reads every shard: a resume's check)."""
+    ids: set[str] = set()
+    bad = []
+    for shard in sorted(Path(directory).glob(SHARD_GLOB)):
+        tensors, reason = _problem(shard)
+        if tensors is None:
+            bad.append(f"{shard}: {reason} (moved to {quarantine(shard, reason)})")
+            continue
+        ids.update(key[: -len(suffix) - 1] for key in tensors if key.endswith("/" + suffix))
+    return ids, bad
+
+
+def load_shards(directory: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """A sharded cache's entries by example id: shard keys are `EXAMPLE_ID/FIELD`; every shard verified."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for shard in sorted(Path(directory).glob(SHARD_GLOB)):
+        for key, tensor in read_shard(shard).items():
+            ex_id, field = key.rsplit("/", 1)
+            out.setdefault(ex_id, {})[field] = tensor
+    return out
+
+
+def header_keys(paths: Iterable[Path]) -> dict[str, Path]:
+    """`key -> shard` from the shards' headers only (cheap); an unreadable header quarantines its shard."""
+    out = {}
+    for shard in paths:
+        try:
+            with safe_open(str(shard), "pt") as f:
+                keys = list(f.keys())
+        except Exception as exc:
+            quarantine(shard, f"unreadable ({type(exc).__name__}: {exc})")
+            continue
+        out.update(dict.fromkeys(keys, shard))
+    return out
