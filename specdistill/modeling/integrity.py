@@ -1,0 +1,98 @@
+"""Weights checked by content, not by name, size and mtime.
+
+A record of a directory's safetensors files holds, per file, its stat, its full SHA-256 and a
+sampled digest (512 blocks of 8 KiB spread over the file, the first and last included: ~4 MiB
+read, a block at least every 1/511 of the file). Each load checks the sampled digest (cheap); a
+file whose stat changed gets the full hash again. A rewrite that keeps size and mtime is caught
+when it touches a sampled block, which any overwrite longer than the sampling stride does; any
+change that moves the stat is caught in full.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+SAMPLE_BLOCKS = 512
+SAMPLE_BYTES = 8192
+
+
+class WeightsIntegrityError(RuntimeError):
+    """Weights whose content no longer matches the record written with them; names the file."""
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sample_digest(path: Path) -> str:
+    """SHA-256 over evenly spaced blocks of the file (and its size): the cheap per-load check."""
+    size = Path(path).stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        if size <= SAMPLE_BLOCKS * SAMPLE_BYTES:
+            h.update(f.read())
+            return h.hexdigest()
+        last = size - SAMPLE_BYTES
+        for i in range(SAMPLE_BLOCKS):
+            f.seek(last * i // (SAMPLE_BLOCKS - 1))
+            h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def _stat(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns]
+
+
+def weights_record(directory: Path) -> dict[str, dict]:
+    """The record of every `*.safetensors` in `directory` (full hashes: at conversion or a first sight)."""
+    return {p.name: {"sha256": file_sha256(p), "sample": sample_digest(p), "stat": _stat(p)}
+            for p in sorted(Path(directory).glob("*.safetensors"))}
+
+
+def verify_weights(directory: Path, record: dict[str, dict]) -> bool:
+    """Check `directory`'s safetensors against `record`: the sampled digest always, the full hash when a
+    file's stat changed (then the record's stat is refreshed in place; returns True when it was).
+    Raises `WeightsIntegrityError` naming the first file that differs, is missing or is new."""
+    directory = Path(directory)
+    present = sorted(p.name for p in directory.glob("*.safetensors"))
+    if present != sorted(record):
+        extra, missing = set(present) - set(record), set(record) - set(present)
+        raise WeightsIntegrityError(f"weights of {directory} changed: "
+                                    + ", ".join([*(f"{n} is new" for n in sorted(extra)),
+                                                 *(f"{n} is missing" for n in sorted(missing))]))
+    refreshed = False
+    for name, want in record.items():
+        path = directory / name
+        if _stat(path) != want["stat"]:
+            if file_sha256(path) != want["sha256"]:
+                raise WeightsIntegrityError(f"{path}: content differs from the SHA-256 recorded when it was written")
+            want["stat"], want["sample"] = _stat(path), sample_digest(path)
+            refreshed = True
+        elif sample_digest(path) != want["sample"]:
+            raise WeightsIntegrityError(f"{path}: content differs from what was recorded when it was written "
+                                        "(same size and modification time)")
+    return refreshed
+
+
+def sealed(payload: dict) -> dict:
+    """`payload` with a `check` over its canonical JSON: a hand edit of any value breaks it."""
+    body = {k: v for k, v in payload.items() if k != "check"}
+    return {**body, "check": hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()}
+
+
+def is_sealed(payload: dict) -> bool:
+    return isinstance(payload, dict) and payload.get("check") == sealed(payload)["check"]
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
