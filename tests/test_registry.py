@@ -119,3 +119,21 @@ def test_two_state_directories_never_share_a_registry(draft_dir, tmp_path, monke
     monkeypatch.setenv("SPECDISTILL_HOME", str(tmp_path / "b"))
     assert registry.client().search_registered_models() == []
     assert "MLFLOW_TRACKING_URI" not in __import__("os").environ
+
+
+def test_a_promotion_replaces_an_unreadable_serving_file_and_keeps_a_copy(draft_dir, monkeypatch):
+    """A bad serving.json used to block promotion (the read before the move raised)."""
+    from specdistill import paths
+    from specdistill.ops.serving import serving_path
+
+    reg = registry.register_draft(draft_dir, target_name="bad-serving-file", params={}, metrics={}, curves={}, tags={})
+    bad = serving_path()
+    bad.parent.mkdir(parents=True, exist_ok=True)
+    bad.write_text('{"mode": "draft", "num_speculative_tokens": true')
+    registry.promote(reg.name, reg.version, ServingConfig(mode="draft", draft_dir=str(draft_dir)), expected_champion=None)
+    assert read_serving_config().draft_dir == str(draft_dir)
+    assert bad.with_name("serving.json.invalid").read_text() == '{"mode": "draft", "num_speculative_tokens": true'
+    assert bad.stat().st_mode & 0o777 == 0o644
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert registry.tracking_uri() == f"sqlite:///{paths.home() / 'mlflow.db'}"
+    assert (paths.home() / "mlflow.db").stat().st_mode & 0o777 == 0o600  # created before MLflow opens it

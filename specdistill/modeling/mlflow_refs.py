@@ -21,8 +21,11 @@ DRAFT_ARTIFACT = "draft"
 
 
 def tracking_uri() -> str:
-    """`MLFLOW_TRACKING_URI` when set (an `mlflow server` on PostgreSQL), else SQLite in the state directory."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{paths.ensure(paths.home()) / 'mlflow.db'}"
+    """`MLFLOW_TRACKING_URI` when set (an `mlflow server` on PostgreSQL), else SQLite in the state directory
+    (created 0600: its runs and tags describe production traffic)."""
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    return f"sqlite:///{paths.create_private_file(paths.ensure(paths.home()) / 'mlflow.db')}"
 
 
 def client() -> MlflowClient:
