@@ -65,6 +65,20 @@ def test_nightly_twice_then_forced_gate_failure(prefect_harness, traffic, tmp_pa
     assert all(r["lossless"] for r in first["results"].values())
     assert "| challenger" in first["report"] and "no speculation" in first["report"]
     stored = LogStore().count()
+    # the run's success reaches the exporter (the stale-pipeline alert read 0 whatever the nightly did)
+    import time
+
+    from prometheus_client import generate_latest
+
+    from specdistill.ops.exporter import refresh_metrics
+    from specdistill.ops.metrics import SpecDecodeMetrics
+
+    with LogStore() as store:
+        succeeded = store.last_pipeline_success()
+        assert succeeded is not None and time.time() - succeeded.timestamp() < 3600
+        metrics = SpecDecodeMetrics()
+        refresh_metrics(metrics, store)
+    assert "specdistill_pipeline_last_success_timestamp_seconds 1." in generate_latest(metrics.registry).decode()
 
     second = _run(traffic)
     assert LogStore().count() == stored  # nothing ingested twice

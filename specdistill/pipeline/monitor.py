@@ -47,7 +47,7 @@ def record_decision(config: MonitorConfig, outcome: MonitorOutcome) -> RecordedD
     from specdistill.data.logstore import LogStore
     from specdistill.ops import registry
     from specdistill.ops.metrics import SpecDecodeMetrics
-    from specdistill.ops.serving import read_serving_config
+    from specdistill.ops.serving import ServingConfigError, read_serving_config
 
     target = outcome["change"]["current"]
     sample = outcome.get("sample") or {}
@@ -77,7 +77,10 @@ def record_decision(config: MonitorConfig, outcome: MonitorOutcome) -> RecordedD
         metrics.record(rounds=int(sample.get("rounds", 0)), proposed=int(sample.get("proposed", 0)),
                        accepted=int(sample.get("accepted", 0)),
                        accepted_per_position=[int(x) for x in sample.get("accepted_per_position", [])])
-    serving = read_serving_config(config.nightly.serving_path)
+    try:
+        serving = read_serving_config(config.nightly.serving_path)
+    except ServingConfigError:  # a bad file does not lose the decision: the gauges just skip it
+        serving = None
     if serving is not None:
         metrics.set_serving(serving.mode, target_fingerprint=target["fingerprint"], draft_version=serving.draft_version)
     pushed = metrics.push(job="specdistill-monitor")
