@@ -11,8 +11,6 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-
-
 MIN_REFRESH_S = 0.1  # the exporter's shortest refresh interval
 
 
