@@ -185,7 +185,7 @@ def render(r: dict) -> str:
         lines.append(f"| v(k) | {x['verify_costs']} |")
     if "distill" in r:
         x = r["distill"]
-        lines.append(f"| distill under torchrun | " + (f"{x['ranks']} ranks ({x['backend']}), {x['steps']} steps, loss "
+        lines.append("| distill under torchrun | " + (f"{x['ranks']} ranks ({x['backend']}), {x['steps']} steps, loss "
                                                      f"{x['loss']}, {x['seconds']:.0f} s |" if x["passed"]
                                                      else f"FAIL: {x['error'][-300:]} |"))
     lines.append(f"**{'PASS' if r['passed'] else 'FAIL'}**")
