@@ -1,11 +1,13 @@
 """The monitoring flow: is the champion still drafting well for the target being served?
 
     target fingerprint changed? -> sample acceptance (replay of recent prompts, or a live engine's
-    counters) -> Prometheus metrics -> acceptance >= 0.5: keep the champion
+    counters) -> Prometheus metrics -> first-position acceptance >= 0.5: keep the champion
                                     -> below 0.5: switch serving to the fastest fallback (self-speculation,
                                        n-gram, or off) and run the nightly distill-benchmark-gate-promote
                                        path warm-started from the champion; a promotion puts the serving
                                        config back in draft mode.
+                                    -> above 0.5 but far under the champion's own at registration (drift):
+                                       keep serving it and run the same incremental path.
 
 Runs on a schedule and on the `specdistill.target.updated` event (deploy/prefect.yaml).
 """
@@ -39,12 +41,13 @@ def monitor(config_path: str | None = None, overrides: list[str] | None = None,
         return MonitorOutcome(change=change, decision="no-champion")
 
     sample = t.sample_acceptance(config, champion, change["current"])
-    decision = mc.decide(config, sample)
-    outcome = MonitorOutcome(change=change, champion=champion, sample=sample, decision=decision)
+    decision, why = mc.judge(config, sample, champion)
+    outcome = MonitorOutcome(change=change, champion=champion, sample=sample, decision=decision, decision_reason=why)
     if decision == "fallback":
         fallback = t.choose_fallback(config, change["current"])
         outcome["fallback"] = fallback
         outcome["serving"] = t.apply_fallback(config, fallback, change["current"])
+    if decision in ("fallback", "retrain"):
         retrain = nightly(config_path=config.nightly_config, overrides=mc.incremental_overrides(config, change))
         outcome["incremental"] = {k: retrain[k] for k in ("warm_start", "verdict", "registered", "promoted", "serving")}
     t.record_decision(config, outcome)

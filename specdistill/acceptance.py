@@ -1,12 +1,8 @@
-"""The acceptance definitions every layer shares (docs/metrics.md): the red line, and the i.i.d.
-model's expected tokens per round and ideal speedup, so the trainer's held-out estimate, the bench,
-the gate and the monitor cannot drift apart."""
+"""The acceptance formulas every layer shares (docs/metrics.md): the i.i.d. model's expected tokens
+per round and ideal speedup, so the trainer's held-out estimate, the bench and the γ search cannot
+drift apart. The red line and every decision taken on these numbers are in `ops.policy`."""
 
 from __future__ import annotations
-
-# Below this acceptance rate the champion is no longer worth serving: the monitor falls back and
-# retrains, and the default gate refuses a challenger.
-ACCEPTANCE_RED_LINE = 0.5
 
 
 def expected_tokens_per_round(alpha: float, gamma: int) -> float:

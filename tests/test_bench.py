@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from specdistill.acceptance import expected_tokens_per_round, ideal_speedup
+from specdistill.ops.policy import evaluate
 from specdistill.speculative import ModelDrafter, NgramDrafter, SelfSpecDrafter
 from specdistill.speculative.bench import (
     BenchConfig,
@@ -22,7 +23,6 @@ from specdistill.speculative.bench import (
     run_bench,
     run_bench_many,
 )
-from specdistill.speculative.gate import evaluate
 from tests.conftest import make_tiny_llama
 
 

@@ -50,4 +50,4 @@ def test_the_monitor_configs_load():
 
     tiny = load_monitor_config(REPO / "deploy" / "monitor" / "tiny.yaml")
     assert tiny.nightly.sources[0].path == "humaneval" and not tiny.nightly.bench.generic_draft
-    assert load_monitor_config(REPO / "deploy" / "monitor" / "monitor.yaml").threshold == tiny.threshold == 0.5
+    assert load_monitor_config(REPO / "deploy" / "monitor" / "monitor.yaml").red_line == tiny.red_line == 0.5

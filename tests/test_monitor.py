@@ -12,19 +12,18 @@ from specdistill.data.formats import Message
 from specdistill.data.logstore import LogStore
 from specdistill.data.prompts import prompt_messages
 from specdistill.data.readers import Conversation
-from specdistill.modeling.drafts import init_draft_from_target, save_draft
+from specdistill.modeling.drafts import export_early_exit_draft, init_draft_from_target, save_draft
 from specdistill.modeling.models import load_model
 from specdistill.ops.metrics import LiveSample, SpecDecodeMetrics
 from specdistill.ops.monitor import (
     AcceptanceSample,
     Decision,
     choose_fallback,
-    decide,
-    export_early_exit_draft,
     prompts_from_store,
     refresh_metrics,
     replay_acceptance,
 )
+from specdistill.ops.policy import decide
 from specdistill.ops.serving import ServingConfig, write_serving_config
 from specdistill.speculative import ModelDrafter, SelfSpecDrafter, generate
 from specdistill.speculative.bench import Prompt
@@ -115,13 +114,15 @@ def test_a_draft_with_the_old_vocabulary_is_measured_through_a_transplant_or_rea
     assert decide(strict) == "fallback"
 
 
-def test_decide_thresholds_and_live_samples():
-    assert decide(AcceptanceSample(True, acceptance_rate=0.5)) == "keep"
-    assert decide(AcceptanceSample(True, acceptance_rate=0.49)) == "fallback"
-    assert decide(AcceptanceSample(True, acceptance_rate=0.6), threshold=0.7) == "fallback"
+def test_decide_on_first_position_acceptance_of_replayed_and_live_samples():
+    assert decide(AcceptanceSample(True, acceptance_rate=0.3, first_position_acceptance=0.5, gamma=8)) == "keep"
+    assert decide(AcceptanceSample(True, acceptance_rate=0.3, first_position_acceptance=0.49)) == "fallback"
+    assert decide(AcceptanceSample(True, acceptance_rate=0.3, first_position_acceptance=0.6), 0.7) == "fallback"
     assert decide(AcceptanceSample(False, reason="no prompts")) == "no-sample"
     assert decide(LiveSample(False, "metrics page unreachable")) == "no-sample"  # never a fallback by itself
-    assert decide(LiveSample(True, acceptance_rate=0.2)) == "fallback"
+    assert decide(LiveSample(True, acceptance_rate=0.2, first_position_acceptance=0.7)) == "keep"
+    assert decide(LiveSample(True, acceptance_rate=0.6, first_position_acceptance=0.4)) == "fallback"
+    assert decide(LiveSample(True, acceptance_rate=0.2)) == "fallback"  # no per-position counters: α stands in
 
 
 @pytest.mark.e2e

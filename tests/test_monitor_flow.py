@@ -59,8 +59,8 @@ def test_drift_scenario_detect_fallback_retrain_recover(prefect_harness, demo_ta
 
     before = monitor(overrides=_monitor_overrides(traffic))
     assert before["decision"] == "keep" and not before["change"]["changed"]
-    alpha_before = before["sample"]["acceptance_rate"]
-    assert alpha_before >= 0.5
+    first_before = before["sample"]["first_position_acceptance"]  # the red line's quantity
+    assert first_before >= 0.5
 
     # The target is updated and registered (as `specdistill target register` does).
     # a strong update (lr 1e-3) so the drop is far below the red line on any CPU; the fluent default (2e-4)
@@ -70,8 +70,8 @@ def test_drift_scenario_detect_fallback_retrain_recover(prefect_harness, demo_ta
 
     after = monitor(overrides=_monitor_overrides(traffic))
     assert after["change"]["drifted"] and after["sample"]["ok"]
-    alpha_after = after["sample"]["acceptance_rate"]
-    assert alpha_after < 0.5 and after["decision"] == "fallback"
+    first_after = after["sample"]["first_position_acceptance"]
+    assert first_after < 0.5 and after["decision"] == "fallback"
     # the serving config switched to the fallback that measured fastest
     fallback = after["fallback"]
     assert fallback["decided"]
@@ -101,5 +101,5 @@ def test_drift_scenario_detect_fallback_retrain_recover(prefect_harness, demo_ta
     else:
         assert str(registry.version_by_alias(reg.name, "champion").version) == reg.version
         assert serving.mode == fallback["mode"]
-    print(json.dumps({"alpha_before": alpha_before, "alpha_after": alpha_after,
+    print(json.dumps({"first_position_before": first_before, "first_position_after": first_after,
                       "fallback": fallback["mode"], "promoted": bool(inc["promoted"])}))

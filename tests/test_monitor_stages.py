@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 import pytest
 
 from specdistill.data.logstore import LogStore
+from specdistill.modeling.drafts import early_exit_dir
 from specdistill.modeling.models import load_model
 from specdistill.ops.serving import read_serving_config
 from specdistill.pipeline import monitor as mc
@@ -81,7 +82,7 @@ def test_apply_fallback_writes_the_chosen_mode_into_the_serving_config(tiny_targ
     applied = mc.apply_fallback(config, early, target)
     serving = read_serving_config(serving_file)
     assert applied["mode"] == serving.mode == "self_speculation" and serving.exit_layer == 2
-    assert serving.draft_dir == str(mc.fallback_dir("fp-t", 2))
+    assert serving.draft_dir == str(early_exit_dir("fp-t", 2))
     exported = load_model(serving.draft_dir)  # the early exit, exported as a draft a serving engine can load
     assert exported.config.num_hidden_layers == 2 and exported.config.vocab_size == load_model(tiny_target).config.vocab_size
 

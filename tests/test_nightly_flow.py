@@ -42,8 +42,8 @@ def _run(traffic, *overrides):
 def test_nightly_twice_then_forced_gate_failure(prefect_harness, traffic, tmp_path, monkeypatch):
     from specdistill.data.logstore import LogStore
     from specdistill.ops import registry
+    from specdistill.ops.policy import GateConfig
     from specdistill.ops.serving import read_serving_config
-    from specdistill.speculative.gate import GateConfig
 
     monkeypatch.setenv("SPECDISTILL_HOME", str(tmp_path / "home"))
     first = _run(traffic)
@@ -93,7 +93,7 @@ def test_nightly_twice_then_forced_gate_failure(prefect_harness, traffic, tmp_pa
     assert bool(second["promoted"]) == improved
 
     champion_before = str(registry.version_by_alias(name, "champion").version)
-    third = _run(traffic, "gate.overrides.min_acceptance_rate=1.01", "bench.generic_draft=false",
+    third = _run(traffic, "gate.overrides.min_first_position_acceptance=1.01", "bench.generic_draft=false",
                  "bench.self_spec_layers=[]", "bench.ngram=false")
     assert not third["verdict"]["passed"] and third["promoted"] is None
     assert registry.client().get_model_version(name, third["registered"]["version"]).tags["gate_verdict"] == "fail"

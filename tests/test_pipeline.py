@@ -44,7 +44,7 @@ def _result(alpha, tau, speedup=1.2, lossless=True):
 
 def test_demo_gate_holds_the_red_line_and_requires_beating_the_generic_draft():
     cfg = load_nightly_config()
-    # the draft gate keeps the α bar (the red line); speed is the serving choice's job, not the draft gate's
+    # the draft gate keeps the first-position bar (the red line); speed is the serving choice's job, not the draft gate's
     assert pipeline.gate(cfg, _result(0.6, 2.5, speedup=0.8), None, {"generic": _result(0.1, 1.2)})["promote"]
     low = pipeline.gate(cfg, _result(0.2, 1.5, speedup=1.5), None, {"generic": _result(0.1, 1.2)})
     assert not low["passed"] and any("acceptance" in f for f in low["failures"])
@@ -74,7 +74,7 @@ def test_report_table_lists_every_drafter_and_the_decision():
     results = {"challenger": _result(0.55, 2.4), "ngram": _result(0.1, 1.2, speedup=0.9)}
     verdict = {"passed": True, "reasons": ["acceptance rate 0.550 >= 0.500"]}
     text = report_table(results, verdict, {"name": "draft-t", "version": "3"}, {"serving_config": "/s.json"})
-    assert "| challenger (x) | 0.550 | 2.40 | 4 | 1.20x" in text
+    assert "| challenger (x) | 0.550 | 0.550 | 2.40 | 4 | 1.20x" in text  # first-position, then α
     assert "| d |" in report_table({"d": {**_result(0.5, 2.0), "spec": "draft:/long/path"}})
     assert "| no speculation |" in text and "**gate (champion draft): PASS**" in text
     assert "version 3 (alias `champion`)" in text and "/s.json" in text
@@ -91,7 +91,7 @@ def test_report_says_when_the_best_draft_is_not_what_is_served():
                "measured": {"ngram": 1.33, "challenger": 0.74}, "measured_on": "PyTorch harness, bfloat16",
                "predicted_speedups": {1: 1.2, 2: 1.3, 3: 1.36}, "verify_costs": {}, "gamma_note": "γ=3 confirmed"}
     text = report_table(results, verdict, serving=serving)
-    assert "| challenger | 0.600 | 2.50 | 4 | 0.74x | 0.200 | yes: 7 exact, 3 near-tie (≤ 0.21) |" in text
+    assert "| challenger | 0.600 | 0.600 | 2.50 | 4 | 0.74x | 0.200 | yes: 7 exact, 3 near-tie (≤ 0.21) |" in text
     assert "in bfloat16" in text and "**serving: ngram (ngram), γ=3, 1.36x measured" in text
     assert "the challenger draft runs at 0.74x here, so ngram is served instead" in text
     lossy = report_table({"challenger": {**_result(0.6, 2.5, lossless=False), "lossless_exact": 8}})

@@ -148,7 +148,9 @@ def test_harness_choice_serves_the_winner_at_the_gamma_it_was_benchmarked_at(mon
     # the table shows each drafter's γ and says how it was chosen
     table = report_table({name: {**_row(), **r} for name, r in results.items()}, serving=chosen)
     assert "- ngram: γ=4 predicted best (1.37x) and measured 1.33x at γ=4" in table
-    assert "| challenger | 0.300 | 1.60 | 2 | 1.41x |" in table
+    assert "| challenger | – | 0.300 | 1.60 | 2 | 1.41x |" in table  # no per-position counts recorded: "–"
+    first = report_table({"challenger": {**_row(), **results["challenger"], "per_position_acceptance": [0.48, 0.2]}})
+    assert "| challenger | 0.480 | 0.300 | 1.60 | 2 | 1.41x |" in first
 
 
 def _row() -> dict:
@@ -169,3 +171,25 @@ def test_a_faster_challenger_that_failed_the_gate_is_named_but_not_served():
                                      "gate (acceptance rate 0.295 < 0.500)")
     slower = {**results, "challenger": {**results["challenger"], "speedup": 1.2}}
     assert "challenger" not in choose_serving(load_nightly_config(), {}, slower, verdict)["reason"]
+
+
+def test_a_mean_gain_carried_by_a_few_prompts_is_not_written_and_the_report_states_the_bound(monkeypatch):
+    """Per-prompt speeds travel with each entry: n-gram's 1.33x mean comes from 3 of 12 prompts, so it is
+    not served; self-speculation's steadier 1.12x is, and the report says how sure that is."""
+    from specdistill.pipeline.report import report_table
+    from specdistill.pipeline.serve import choose_serving
+
+    few = [3.2, 2.9, 2.6, 0.9, 0.85, 0.8, 0.8, 0.75, 0.7, 0.65, 0.5, 0.3]  # mean 1.33
+    steady = [1.1, 1.12, 1.15, 1.09, 1.13, 1.1, 1.14, 1.11, 1.12, 1.13, 1.1, 1.15]
+    results = {**RECORDED, "ngram": {**RECORDED["ngram"], "prompt_speedups": few},
+               "self-spec@8": {**RECORDED["self-spec@8"], "speedup": 1.12, "prompt_speedups": steady}}
+    results = {name: {"gamma": 4, "dtype": "bfloat16", **r} for name, r in results.items()}
+    config = load_nightly_config()
+    chosen = choose_serving(config, {}, results, {"promote": False})
+    assert chosen["mode"] == "self_speculation" and chosen["name"] == "self-spec@8"
+    assert 1.05 < chosen["speedup_lower_bound"] < 1.12 and chosen["confidence"] == 0.95
+    assert "ngram 1.33x (≥" in chosen["reason"]  # the unsteady mean is listed with its bound
+    line = report_table({name: {**_row(), **r} for name, r in results.items()}, serving=chosen)
+    assert f"lower bound of {chosen['speedup_lower_bound']:.2f}x at 95% confidence" in line
+    only_few = choose_serving(config, {}, {"ngram": results["ngram"]}, {"promote": False})
+    assert only_few["mode"] == "off" and "no mode's gain holds over the prompts" in only_few["reason"]

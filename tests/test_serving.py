@@ -85,36 +85,6 @@ def test_serving_show_cli(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["config"]["vllm"]["speculative_config"]["method"] == "ngram"
 
 
-# --------------------------------------------------------------------------------------------
-# the no-slowdown guard
-
-
-def _c(name, mode, speedup, lossless=True):
-    from specdistill.ops.serving import Candidate
-
-    return Candidate(name, mode, speedup, lossless, draft_dir="/d" if mode != "ngram" else None)
-
-
-def test_the_fastest_lossless_mode_wins_even_over_the_draft():
-    from specdistill.ops.serving import fastest_mode
-
-    # recorded demo numbers: the distilled draft slows decoding, n-gram speeds it up
-    choice = fastest_mode([_c("challenger", "draft", 0.74), _c("ngram", "ngram", 1.33),
-                           _c("self_spec:8", "self_speculation", 0.9)])
-    assert choice.mode == "ngram" and choice.candidate.name == "ngram"
-    assert choice.speedups == {"challenger": 0.74, "ngram": 1.33, "self_spec:8": 0.9}
-    assert "ngram measured fastest at 1.33x" in choice.reason
-
-
-def test_a_lossy_mode_is_never_chosen_and_a_slowdown_turns_speculation_off():
-    from specdistill.ops.serving import fastest_mode
-
-    assert fastest_mode([_c("fast-but-wrong", "draft", 2.0, lossless=False), _c("ngram", "ngram", 1.2)]).mode == "ngram"
-    off = fastest_mode([_c("challenger", "draft", 1.03), _c("ngram", "ngram", 0.95)], margin=0.05)
-    assert off.mode == "off" and off.candidate is None and "does not beat target-only by more than 5%" in off.reason
-    assert fastest_mode([]).mode == "off"
-
-
 def test_measured_speedups_travel_in_the_serving_config(tmp_path):
     cfg = ServingConfig(mode="ngram", measured={"ngram": 1.33, "challenger": 0.74}, measured_on="harness bf16")
     assert read_serving_config(write_serving_config(cfg, tmp_path / "s.json")) == cfg

@@ -10,11 +10,12 @@ import pytest
 from specdistill.data.ingest import IngestResult
 from specdistill.ops.metrics import LiveSample
 from specdistill.ops.monitor import AcceptanceSample, FallbackCandidate, FallbackDecision
+from specdistill.ops.policy import GateVerdict, evaluate
 from specdistill.ops.registry import RegisteredDraft
 from specdistill.ops.targets import TargetVersion
 from specdistill.pipeline import outputs
-from specdistill.speculative.bench import BenchResult, SliceResult
-from specdistill.speculative.gate import GateVerdict, VerdictDict, evaluate
+from specdistill.pipeline.outputs import VerdictDict
+from specdistill.speculative.results import BenchResult, SliceResult
 
 
 def keys(typed_dict) -> set[str]:
@@ -28,7 +29,7 @@ def fields(cls) -> set[str]:
 @pytest.mark.parametrize("typed_dict, cls, extra", [
     (outputs.IngestSummary, IngestResult, set()),
     (outputs.SliceDict, SliceResult, set()),
-    (outputs.BenchEntry, BenchResult, {"spec"}),
+    (outputs.BenchEntry, BenchResult, {"spec", "first_position_acceptance"}),
     (outputs.Registered, RegisteredDraft, set()),
     (outputs.TargetVersionDict, TargetVersion, set()),
     (outputs.ReplaySample, AcceptanceSample, set()),

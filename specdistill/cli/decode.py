@@ -177,7 +177,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _emit_bench(args, result, payload: dict, text: str) -> int:
     """Print a bench result (either engine), with the gate's verdict when `--gate` asks for it."""
 
-    from specdistill.speculative.gate import evaluate, gate_config
+    from specdistill.ops.policy import evaluate, gate_config
 
     if args.gate:
         from specdistill import paths

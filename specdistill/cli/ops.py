@@ -58,18 +58,21 @@ def cmd_monitor_run(args: argparse.Namespace) -> int:
 
 
 def cmd_monitor_sample(args: argparse.Namespace) -> int:
-    from specdistill.ops.monitor import decide, replay_acceptance
+    from specdistill.ops.monitor import replay_acceptance
+    from specdistill.ops.policy import judge_acceptance
 
     set_threads(args)
     with log_store(args) as store:
         sample = replay_acceptance(args.target, args.draft, store, n_prompts=args.n, gamma=args.gamma,
                                    max_new_tokens=args.max_new_tokens, draft_version=args.draft_version,
                                    min_draft_tokens=args.min_draft_tokens)
-    payload = {**sample.to_dict(), "decision": decide(sample, args.threshold)}
+    decision, why = judge_acceptance(sample, *([] if args.threshold is None else [args.threshold]))
+    payload = {**sample.to_dict(), "decision": decision, "decision_reason": why}
     if sample.ok:
-        text = (f"acceptance rate α {sample.acceptance_rate:.3f}   mean accepted length τ {sample.mean_accepted_length:.3f}"
+        text = (f"first-position acceptance {sample.first_position_acceptance:.3f}   acceptance rate α {sample.acceptance_rate:.3f}"
+                f" at γ={sample.gamma}   mean accepted length τ {sample.mean_accepted_length:.3f}"
                 f"   ({sample.accepted}/{sample.proposed} draft tokens, {sample.requests} requests)"
-                f"\ndecision: {payload['decision']}" + (f"\n{sample.reason}" if sample.reason else ""))
+                f"\ndecision: {decision}: {why}" + (f"\n{sample.reason}" if sample.reason else ""))
     else:
         text = f"no sample: {sample.reason}"
     emit(args, payload, text)
@@ -127,7 +130,7 @@ def register(sub: Subcommands) -> None:
     p.add_argument("--gamma", type=positive_int, default=4)
     p.add_argument("--max-new-tokens", type=positive_int, default=48)
     p.add_argument("--min-draft-tokens", type=at_least(1), default=100, help="fewer proposed tokens: no sample")
-    p.add_argument("--threshold", type=number_in(0.0, 1.0), default=None, help="default: the red line, 0.5")
+    p.add_argument("--threshold", type=number_in(0.0, 1.0), default=None, help="first-position acceptance under which: fallback (0.5)")
     add_db(p)
     add_threads(p)
     p = command(monitor, "serve", cmd_monitor_serve, "expose the spec-decode metrics over HTTP, fed from the log store",

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 from specdistill.engines.client import Completion, chat, metrics_url
 from specdistill.engines.prom import Scrape, scrape
-from specdistill.speculative.bench import BenchResult, Prompt, SliceResult, percentile, speed_summary
+from specdistill.speculative.bench import Prompt
 from specdistill.speculative.lossless import DEFAULT_TOLERANCE
+from specdistill.speculative.results import BenchResult, SliceResult, percentile, prompt_speedups, speed_summary
 
 TARGET_ONLY = "target-only"
 
@@ -187,5 +188,5 @@ def _result(mode: str, prompts: list[Prompt], config: EngineBenchConfig, base_ti
                    or [0.0])},
         threads=threads, dtype=dtype, lossless_criterion="near-tie", lossless_exact=tags.count("exact"),
         lossless_near_ties=tags.count("near-tie"), lossless_max_margin=max(near_margins, default=0.0),
-        lossless_tolerance=config.near_tie_tolerance, engine=engine,
+        lossless_tolerance=config.near_tie_tolerance, engine=engine, prompt_speedups=prompt_speedups(base_times, spec_times),
     )

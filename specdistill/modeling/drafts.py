@@ -170,6 +170,26 @@ def load_draft_meta(directory: str | os.PathLike) -> dict:
 
 
 @torch.inference_mode()
+def early_exit_dir(fingerprint: str, exit_layer: int) -> Path:
+    """Where the early-exit draft of a target version is exported ($SPECDISTILL_HOME/fallback)."""
+    return paths.ensure(paths.home() / "fallback") / f"early-exit-{fingerprint}-{exit_layer}"
+
+
+def export_early_exit_draft(target, exit_layer: int, out_dir: str | os.PathLike | None = None) -> Path:
+    """Self-speculation as a servable draft checkpoint: the target's layers 0..k-1 with its embeddings,
+    final norm and head, so vLLM's `draft_model` method (and SGLang STANDALONE) can serve it. Proposes
+    exactly what `SelfSpecDrafter(target, k)` proposes. `target` is a `models.LoadedModel`; `out_dir`
+    defaults to `early_exit_dir` of its fingerprint."""
+    n = target.config.num_hidden_layers
+    if not 1 <= exit_layer < n:
+        raise ValueError(f"exit layer must be in 1..{n - 1}, got {exit_layer}")
+    out_dir = out_dir if out_dir is not None else early_exit_dir(target.fingerprint, exit_layer)
+    draft = init_draft_from_target(target.model, list(range(exit_layer)))
+    meta = {"kind": "early_exit", "exit_layer": exit_layer, "target_fingerprint": target.fingerprint,
+            "target_dir": str(target.path)}
+    return save_draft(draft, target.tokenizer, out_dir, meta=meta)
+
+
 def measure_cost_ratio(
     target: PreTrainedModel,
     draft: PreTrainedModel | Eagle3Draft,

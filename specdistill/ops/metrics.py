@@ -49,6 +49,10 @@ class SpecDecodeMetrics:
         # (a scrape shows no series), never a made-up 0.0
         self.acceptance_rate = Gauge(f"{PREFIX}_acceptance_rate", "Last measured acceptance rate (accepted / proposed).",
                                      registry=None)
+        self.first_position_acceptance = Gauge(
+            f"{PREFIX}_first_position_acceptance",
+            "Last measured first-position acceptance (accepted at position 1 / drafting rounds): the red line's quantity.",
+            registry=None)
         self.mean_accepted_length = Gauge(
             f"{PREFIX}_mean_accepted_length", "Last measured mean accepted length (tokens per target forward, bonus included).",
             registry=None,
@@ -86,6 +90,8 @@ class SpecDecodeMetrics:
             self._set(self.acceptance_rate, accepted / proposed)
         if rounds:
             self._set(self.mean_accepted_length, 1 + accepted / rounds)
+            if accepted_per_position:
+                self._set(self.first_position_acceptance, accepted_per_position[0] / rounds)
 
     def set_serving(self, mode: str, *, target_fingerprint: str | None = None, draft_version: str | None = None) -> None:
         if mode not in MODES:
@@ -147,7 +153,8 @@ class LiveSample:
 
     ok: bool
     reason: str = ""
-    acceptance_rate: float | None = None
+    acceptance_rate: float | None = None  # α: Δaccepted / Δdraft tokens, at whatever γ the engine serves
+    first_position_acceptance: float | None = None  # Δaccepted at position 0 / Δdrafts (None: no per-position counters)
     mean_accepted_length: float | None = None
     draft_tokens: float = 0.0
     accepted: float = 0.0
@@ -157,7 +164,9 @@ class LiveSample:
 
 
 def acceptance_between(first: Scrape, second: Scrape, min_draft_tokens: int = 1) -> LiveSample:
-    """α = Δaccepted / Δdraft tokens; a counter that went down means the engine restarted."""
+    """α = Δaccepted / Δdraft tokens and first-position acceptance = Δaccepted at position 0 / Δdrafts (the
+    red line's quantity, where the engine exports per-position counters); a counter that went down means
+    the engine restarted."""
     d_tokens = second.draft_tokens - first.draft_tokens
     d_accepted = second.accepted - first.accepted
     d_drafts = second.drafts - first.drafts
@@ -172,6 +181,7 @@ def acceptance_between(first: Scrape, second: Scrape, min_draft_tokens: int = 1)
     return LiveSample(
         True,
         acceptance_rate=d_accepted / d_tokens,
+        first_position_acceptance=per_position[0] if per_position else None,
         mean_accepted_length=1 + d_accepted / d_drafts if d_drafts else None,
         draft_tokens=d_tokens,
         accepted=d_accepted,

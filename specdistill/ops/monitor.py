@@ -2,9 +2,9 @@
 fallback mode that measures fastest.
 
     sample = replay_acceptance("demo", "models:/draft@champion", store, n_prompts=20)
-    decide(sample)                       # "keep" | "fallback" | "no-sample"
+    policy.decide(sample)                # "keep" | "fallback" | "retrain" | "no-sample"
     choice = choose_fallback("demo", prompts_from_store(store, tokenizer, 8))
-    export_early_exit_draft("demo", choice.exit_layer, out)   # self-speculation, served as a draft
+    drafts.export_early_exit_draft(target, choice.exit_layer)   # self-speculation, served as a draft
 
 Replayed prompts are what the nightly evaluates on (`data.prompts.usable_prompt`: the turns before the
 first answer, ending with a user turn, within `max_prompt_tokens`), taken newest first.
@@ -28,11 +28,10 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from specdistill.acceptance import ACCEPTANCE_RED_LINE
 from specdistill.data.prompts import MAX_PROMPT_TOKENS, usable_prompt
 from specdistill.modeling.models import LoadedModel, load_model
 from specdistill.ops.exporter import refresh_metrics, serve_metrics  # noqa: F401  (the exporter's home)
-from specdistill.ops.serving import DEFAULT_MARGIN, Candidate, fastest_mode
+from specdistill.ops.policy import DEFAULT_MARGIN, RED_LINE, Candidate, fastest_mode
 from specdistill.speculative import (
     ModelDrafter,
     SpecStats,
@@ -98,7 +97,8 @@ class AcceptanceSample:
     accepted: int = 0
     generated_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
-    acceptance_rate: float | None = None
+    acceptance_rate: float | None = None  # α at `gamma`, reported beside the red line's quantity
+    first_position_acceptance: float | None = None  # accepted at position 1 / rounds: what the red line reads
     mean_accepted_length: float | None = None
     per_position_acceptance: list[float] = field(default_factory=list)
     vocab_mismatch: bool = False
@@ -180,6 +180,7 @@ def replay_acceptance(
         if why:
             sample.ok, sample.reason, sample.vocab_mismatch = True, f"vocabulary mismatch: {why}", True
             sample.acceptance_rate, sample.mean_accepted_length = 0.0, 1.0
+            sample.first_position_acceptance = 0.0
             return sample
     if head_dir:  # the target's fingerprint is not enforced: replaying on a new target version is the point
         drafter, transplanted, why = aligned_eagle_drafter(target.model, target.tokenizer, head_dir, name=version)
@@ -213,24 +214,14 @@ def replay_acceptance(
         return sample
     sample.ok = True
     sample.acceptance_rate = total.acceptance_rate
+    sample.first_position_acceptance = sample.per_position_acceptance[0] if sample.per_position_acceptance else 0.0
     sample.mean_accepted_length = total.accepted_length
     sample.reason = f"vocabulary mismatch, measured through a transplanted copy: {why}" if transplanted else ""
     return sample
 
 
 # --------------------------------------------------------------------------------------------
-# Decision
-
-
-def decide(sample, threshold: float | None = None) -> str:
-    """keep (α ≥ threshold), fallback (α below it), or no-sample (nothing to decide on).
-
-    Takes a replay AcceptanceSample or a live metrics.LiveSample (both carry ok and acceptance_rate).
-    """
-    threshold = ACCEPTANCE_RED_LINE if threshold is None else threshold
-    if not getattr(sample, "ok", False) or getattr(sample, "acceptance_rate", None) is None:
-        return "no-sample"
-    return "keep" if sample.acceptance_rate >= threshold else "fallback"
+# Decision (taken by `ops.policy.judge_acceptance`)
 
 
 @dataclass
@@ -243,7 +234,7 @@ class Decision:
     draft_version: str | None = None
     acceptance: dict | None = None  # AcceptanceSample.to_dict() or a live sample's fields
     fallback: dict | None = None  # FallbackDecision.to_dict()
-    threshold: float = ACCEPTANCE_RED_LINE
+    threshold: float = RED_LINE  # on first-position acceptance (ops.policy)
     reason: str = ""
     decided_at: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat())
 
@@ -269,6 +260,7 @@ class FallbackCandidate:
     tokens_per_second_target_only: float
     generated_tokens: int
     lossless: bool | None
+    prompt_speedups: list[float] = field(default_factory=list)  # per sampled prompt (the guard's confidence bound)
 
 
 @dataclass
@@ -301,7 +293,7 @@ def choose_fallback(
 ) -> FallbackDecision:
     """Measure each fallback against target-only decoding on the sampled prompts (interleaved,
     median of repeats, one shared target-only run per prompt) and pick the fastest through the
-    no-slowdown guard the nightly uses too (`ops.serving.fastest_mode`): speculation is kept only when
+    no-slowdown guard the nightly uses too (`ops.policy.fastest_mode`): speculation is kept only when
     it beats target-only by more than `margin`; otherwise the mode is "off"."""
     if not prompts:
         return FallbackDecision(False, None, None, None, "no decision: no prompts to measure on", margin=margin)
@@ -322,32 +314,16 @@ def choose_fallback(
         candidates.append(FallbackCandidate(
             mode, k, result.speedup, result.acceptance_rate, result.accepted_length,
             result.tokens_per_second_speculative, result.tokens_per_second_target_only,
-            int(result.stats["generated_tokens"]), result.lossless))
+            int(result.stats["generated_tokens"]), result.lossless, list(result.prompt_speedups)))
     generated = min(c.generated_tokens for c in candidates)
     if generated < min_tokens:
         return FallbackDecision(False, None, None, None,
                                 f"no decision: only {generated} tokens generated (minimum {min_tokens})",
                                 candidates, margin, generated)
-    choice = fastest_mode([Candidate(name, c.mode, c.speedup, c.lossless, gamma, exit_layer=c.exit_layer)
+    choice = fastest_mode([Candidate(name, c.mode, c.speedup, c.lossless, gamma, exit_layer=c.exit_layer,
+                                     prompt_speedups=c.prompt_speedups)
                            for name, c in zip(specs, candidates)], margin)
     if choice.candidate is None:
         return FallbackDecision(True, "off", None, 1.0, choice.reason, candidates, margin, generated)
     best = choice.candidate
     return FallbackDecision(True, best.mode, best.exit_layer, best.speedup, choice.reason, candidates, margin, generated)
-
-
-def export_early_exit_draft(target_ref: str | os.PathLike | LoadedModel, exit_layer: int,
-                            out_dir: str | os.PathLike) -> Path:
-    """Self-speculation as a servable draft checkpoint: the target's layers 0..k-1 with its
-    embeddings, final norm and head, so vLLM's `draft_model` method (and SGLang STANDALONE) can
-    serve the fallback. Proposes exactly what `SelfSpecDrafter(target, k)` proposes."""
-    from specdistill.modeling.drafts import init_draft_from_target, save_draft
-
-    target = _loaded(target_ref)
-    n = target.config.num_hidden_layers
-    if not 1 <= exit_layer < n:
-        raise ValueError(f"exit layer must be in 1..{n - 1}, got {exit_layer}")
-    draft = init_draft_from_target(target.model, list(range(exit_layer)))
-    meta = {"kind": "early_exit", "exit_layer": exit_layer, "target_fingerprint": target.fingerprint,
-            "target_dir": str(target.path)}
-    return save_draft(draft, target.tokenizer, out_dir, meta=meta)

@@ -12,7 +12,6 @@ import json
 import os
 import shlex
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -170,50 +169,6 @@ class ServingConfig(BaseModel):
             lines.append(f"measured        {speedups}" + (f" ({self.measured_on})" if self.measured_on else ""))
         lines.append(f"updated         {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.updated_at))}")
         return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------------------------
-# The no-slowdown guard: one implementation for the nightly flow and the monitor's fallback
-
-DEFAULT_MARGIN = 0.05
-
-
-@dataclass
-class Candidate:
-    """One speculation mode measured against target-only decoding on the same prompts."""
-
-    name: str
-    mode: str  # draft | self_speculation | ngram
-    speedup: float
-    lossless: bool | None  # None: sampling run, not decidable from outputs
-    gamma: int = 4
-    draft_dir: str | None = None
-    exit_layer: int | None = None
-
-
-@dataclass
-class ServingChoice:
-    mode: str  # a mode of MODES; "off" when nothing beats target-only by the margin
-    candidate: Candidate | None
-    reason: str
-    margin: float
-    speedups: dict[str, float] = field(default_factory=dict)
-
-
-def fastest_mode(candidates: list[Candidate], margin: float = DEFAULT_MARGIN) -> ServingChoice:
-    """The fastest lossless candidate, kept only if it beats target-only by more than `margin`
-    (speedup > 1 + margin); otherwise speculation is off. Serving never gets slower than no
-    speculation on the measured prompts."""
-    speedups = {c.name: c.speedup for c in candidates}
-    table = ", ".join(f"{c.name} {c.speedup:.2f}x" + ("" if c.lossless is not False else " (lossy)")
-                      for c in sorted(candidates, key=lambda c: -c.speedup))
-    usable = [c for c in candidates if c.lossless is not False and c.mode in MODES]
-    best = max(usable, key=lambda c: c.speedup, default=None)
-    if best is None or best.speedup <= 1.0 + margin:
-        why = ("no lossless speculation mode was measured" if best is None else
-               f"the fastest mode, {best.name} at {best.speedup:.2f}x, does not beat target-only by more than {margin:.0%}")
-        return ServingChoice("off", None, f"{why} ({table or 'nothing measured'})", margin, speedups)
-    return ServingChoice(best.mode, best, f"{best.name} measured fastest at {best.speedup:.2f}x ({table})", margin, speedups)
 
 
 def serving_path() -> Path:

@@ -13,9 +13,9 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from specdistill import paths
-from specdistill.acceptance import ACCEPTANCE_RED_LINE
 from specdistill.config import ConfigError, Strict, load_model_config
 from specdistill.data.prompts import MAX_PROMPT_TOKENS
+from specdistill.ops.policy import CONFIDENCE, DEFAULT_MARGIN, MAX_RELATIVE_DROP, RED_LINE
 
 
 class SourceConfig(Strict):
@@ -96,7 +96,8 @@ class BenchSettings(Strict):
 
 
 class GateSettings(Strict):
-    """The draft gate decides the `champion` alias: lossless, α ≥ the red line, better than the
+    """The draft gate (`ops.policy.evaluate`) decides the `champion` alias: lossless, first-position
+    acceptance at the red line (α at the measured γ is reported beside it), better than the
     champion (τ up by at least `min_accepted_length_gain`, 0.02 unless overridden here) and than
     the `must_beat` baselines. Its speedup bar is off by default: speed on the
     measuring hardware is the serving choice's job (`ServingSettings`), and a draft slower than
@@ -104,19 +105,22 @@ class GateSettings(Strict):
 
     profile: Literal["default", "production"] = "default"
     overrides: dict[str, float | bool | None] = {"min_speedup": None}
-    must_beat: list[str] = ["generic"]  # baselines whose acceptance rate the challenger must exceed
+    must_beat: list[str] = ["generic"]  # baselines whose first-position acceptance the challenger must exceed
 
 
 class ServingSettings(Strict):
-    """What `serving.json` names: the fastest lossless mode measured, only if it beats target-only
-    decoding by `margin` (the no-slowdown guard the monitor uses too); its γ by measurement.
+    """What `serving.json` names: the fastest lossless mode measured, only if its gain holds over the
+    held-out prompts (`ops.policy.fastest_mode`: the `confidence` lower bound of its per-prompt speedups
+    beats target-only decoding by `margin`; the no-slowdown guard the monitor uses too); its γ by
+    measurement, the smaller one where the curve is flat.
 
     `engine` is where the speeds are measured (the gate's speed bar and this choice): this PyTorch
     harness; llama.cpp's llama-server, built here and started per mode on the target's GGUF; vLLM
     (`make vllm`), started per mode from the `speculative_config` serving.json would carry; or
     running OpenAI-compatible servers, one per mode, named in `endpoints` (`target-only` required)."""
 
-    margin: float = Field(0.05, ge=0.0)
+    margin: float = Field(DEFAULT_MARGIN, ge=0.0)
+    confidence: float = Field(CONFIDENCE, gt=0.0, lt=1.0)  # one-sided level of the speedup's lower bound
     choose_gamma: bool = True  # every drafter at the γ its measured curve predicts best, confirmed by a second run
     max_gamma: int = Field(8, ge=1)
     engine: Literal["harness", "llamacpp", "vllm", "openai"] = "harness"
@@ -161,7 +165,9 @@ class MonitorConfig(Strict):
     target: str | None = None  # the target being served (None: the last `target register`ed, else demo)
     nightly_config: str | None = None  # the nightly flow's config for incremental distillation
     nightly_overrides: list[str] = []
-    threshold: float = Field(ACCEPTANCE_RED_LINE, gt=0.0, lt=1.0)  # acceptance below this: fallback + retrain
+    red_line: float = Field(RED_LINE, gt=0.0, lt=1.0)  # first-position acceptance below this: fallback + retrain
+    # first-position acceptance this far (relatively) under the champion's own at registration: retrain, keep serving
+    max_relative_drop: float = Field(MAX_RELATIVE_DROP, gt=0.0, lt=1.0)
     replay_prompts: int = Field(12, ge=1)
     gamma: int = Field(4, ge=1)
     max_new_tokens: int = Field(32, ge=1)

@@ -29,12 +29,11 @@ def llamacpp_spec(config: NightlyConfig, name: str, spec: str) -> str:
     kind, _, arg = spec.partition(":")
     if kind != "self_spec":
         return spec
+    from specdistill.modeling.drafts import export_early_exit_draft
     from specdistill.modeling.models import load_model
-    from specdistill.ops.monitor import export_early_exit_draft
-    from specdistill.pipeline.monitor import fallback_dir
 
-    target = load_model(config.target, dtype="float32")
-    return f"draft:{export_early_exit_draft(target, int(arg), fallback_dir(target.fingerprint, int(arg)))}"
+    target = load_model(config.target, dtype="float32")  # a weight copy, exported at full precision
+    return f"draft:{export_early_exit_draft(target, int(arg))}"
 
 
 def engine_benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str]) -> dict[str, BenchEntry]:

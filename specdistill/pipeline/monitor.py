@@ -6,9 +6,8 @@ words is `pipeline.report.render_outcome`."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-from specdistill import paths
+from specdistill.ops.policy import FIRST_POSITION_TAG
 from specdistill.pipeline.config import MonitorConfig
 from specdistill.pipeline.outputs import (
     AppliedFallback,
@@ -66,6 +65,8 @@ def record_decision(config: MonitorConfig, outcome: MonitorOutcome) -> RecordedD
         if sample.get("acceptance_rate") is not None:
             mlflow.log_metrics({"acceptance_rate": sample["acceptance_rate"],
                                 "accepted_length": sample.get("mean_accepted_length") or 0.0})
+        if sample.get("first_position_acceptance") is not None:
+            mlflow.log_metric("first_position_acceptance", sample["first_position_acceptance"])
         fallback = outcome.get("fallback") or {}
         for c in fallback.get("candidates", []):
             name = c["mode"] + (f"_at_{c['exit_layer']}" if c.get("exit_layer") else "")
@@ -87,17 +88,26 @@ def record_decision(config: MonitorConfig, outcome: MonitorOutcome) -> RecordedD
     return RecordedDecision(log_store_row=row, pushed=pushed)
 
 
-def decide(config: MonitorConfig, sample: Sample) -> str:
-    """keep, fallback or no-sample: the sampled acceptance against the configured red line."""
-    from types import SimpleNamespace
+def registered_first_position(champion: Champion | None) -> float | None:
+    """The champion's own first-position acceptance when it was registered (its version's tag), if recorded."""
+    value = ((champion or {}).get("tags") or {}).get(FIRST_POSITION_TAG)
+    try:
+        return float(value) if value not in (None, "") else None
+    except ValueError:
+        return None
 
-    from specdistill.ops.monitor import decide as decide_on
 
-    return decide_on(SimpleNamespace(**sample), config.threshold)
+def judge(config: MonitorConfig, sample: Sample, champion: Champion | None = None) -> tuple[str, str]:
+    """(decision, why): keep, fallback, retrain or no-sample (`ops.policy.judge_acceptance`): the sampled
+    first-position acceptance against the red line, and against the champion's own at registration."""
+    from specdistill.ops.policy import judge_acceptance
+
+    return judge_acceptance(sample, config.red_line, registered=registered_first_position(champion),
+                            max_relative_drop=config.max_relative_drop)
 
 
-def fallback_dir(fingerprint: str, exit_layer: int) -> Path:
-    return paths.ensure(paths.home() / "fallback") / f"early-exit-{fingerprint}-{exit_layer}"
+def decide(config: MonitorConfig, sample: Sample, champion: Champion | None = None) -> str:
+    return judge(config, sample, champion)[0]
 
 
 def detect_drift(config: MonitorConfig, champion: Champion | None) -> TargetChange:
@@ -157,8 +167,9 @@ def measure_fallback(config: MonitorConfig, target: TargetVersionDict) -> Fallba
 
 def apply_fallback(config: MonitorConfig, fallback: FallbackChoice, target: TargetVersionDict) -> AppliedFallback | None:
     """Switch the serving config to the measured-fastest fallback (under the promotion lock)."""
+    from specdistill.modeling.drafts import early_exit_dir, export_early_exit_draft
+    from specdistill.modeling.models import load_model
     from specdistill.ops import registry
-    from specdistill.ops.monitor import export_early_exit_draft
     from specdistill.ops.serving import ServingConfig, write_serving_config
 
     if not fallback.get("decided"):
@@ -166,7 +177,8 @@ def apply_fallback(config: MonitorConfig, fallback: FallbackChoice, target: Targ
     mode, k = fallback["mode"], fallback.get("exit_layer")
     draft_dir = None
     if mode == "self_speculation":
-        draft_dir = str(export_early_exit_draft(target["path"], k, fallback_dir(target["fingerprint"], k)))
+        loaded = load_model(target["path"], dtype="float32")  # a weight copy, exported at full precision
+        draft_dir = str(export_early_exit_draft(loaded, k, early_exit_dir(target["fingerprint"], k)))
     serving = ServingConfig(mode=mode, draft_dir=draft_dir, exit_layer=k, num_speculative_tokens=config.gamma,
                             target_fingerprint=target["fingerprint"], reason=f"monitor fallback: {fallback['reason']}")
     with registry.promotion_lock():

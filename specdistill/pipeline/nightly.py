@@ -29,11 +29,11 @@ from specdistill.pipeline.outputs import (
     ServingDecision,
     TargetInfo,
     Trained,
+    VerdictDict,
     WarmStart,
     WindowDict,
     WindowPrompt,
 )
-from specdistill.speculative.gate import VerdictDict
 
 
 def _target_tokenizer(config: NightlyConfig):
@@ -311,9 +311,9 @@ def _served_tree_width(spec: str, width: int) -> int:
 
 def gate(config: NightlyConfig, challenger: BenchEntry, champion: BenchEntry | None,
          baselines: dict[str, BenchEntry] | None = None, speeds: dict[str, BenchEntry] | None = None) -> VerdictDict:
-    """The gate's verdict (`speculative.gate.evaluate`) under the run's profile, overrides and `must_beat`.
+    """The gate's verdict (`ops.policy.evaluate`) under the run's profile, overrides and `must_beat`.
     With `speeds` (the serving engine's measurements) its speed bar reads the engine's speedups."""
-    from specdistill.speculative.gate import evaluate, gate_config
+    from specdistill.ops.policy import evaluate, gate_config
 
     if speeds:
         challenger = {**challenger, "speedup": speeds["challenger"]["speedup"]} if "challenger" in speeds else challenger
@@ -345,6 +345,7 @@ def register(config: NightlyConfig, target: TargetInfo, window: WindowDict, trai
              speeds: dict[str, BenchEntry] | None = None) -> Registered:
     """The challenger into the registry with its numbers, curves and artifacts (see `pipeline.report`)."""
     from specdistill.ops import registry
+    from specdistill.ops.policy import FIRST_POSITION_TAG, first_position
     from specdistill.pipeline.report import registration_artifacts, registration_metrics, train_losses
 
     reg = registry.register_draft(
@@ -354,7 +355,8 @@ def register(config: NightlyConfig, target: TargetInfo, window: WindowDict, trai
         metrics=registration_metrics(results, trained), curves={"train_loss": train_losses(trained)},
         artifacts=registration_artifacts(config, results, verdict, trained, report_path, speeds),
         tags={"target_fingerprint": target["fingerprint"], "data_window": window["key"],
-              "gate_verdict": "pass" if verdict["passed"] else "fail", "parent": parent or ""},
+              "gate_verdict": "pass" if verdict["passed"] else "fail", "parent": parent or "",
+              FIRST_POSITION_TAG: f"{first_position(results['challenger'])[0] or 0.0:.4f}"},  # the monitor's drift baseline
         run_name=f"nightly-{window['key']}",
     )
     return Registered(**asdict(reg))

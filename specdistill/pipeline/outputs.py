@@ -3,18 +3,16 @@
 They are TypedDicts, so at runtime they stay plain JSON-friendly dicts (Prefect persists them and
 `tasks.common.content_key` hashes them) while the stage signatures say what is inside. Several
 mirror a library dataclass's `to_dict()`; tests/test_stage_outputs.py keeps the two in step.
-The gate's verdict is `speculative.gate.VerdictDict`, next to the gate that produces it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from specdistill.ops.monitor import FallbackCandidate
-from specdistill.speculative.bench import BenchResult, SliceResult
-from specdistill.speculative.gate import VerdictDict  # noqa: F401  (a stage output: the gate's verdict)
+from specdistill.speculative.results import BenchResult, SliceResult
 
 # --------------------------------------------------------------------------------------------
 # nightly
@@ -116,7 +114,28 @@ def mirror(cls: type, name: str, **extra: type) -> type:
 
 SliceDict = mirror(SliceResult, "SliceDict")  # `speculative.bench.SliceResult`
 # `speculative.bench.BenchResult.to_dict()` plus the drafter spec it was run with (draft:DIR, self_spec:K, ngram)
-BenchEntry = mirror(BenchResult, "BenchEntry", spec=str)
+BenchEntry = mirror(BenchResult, "BenchEntry", spec=str, first_position_acceptance=float)
+
+
+class CheckDict(TypedDict):
+    """`ops.policy.Check` as a dict."""
+
+    name: str
+    passed: bool
+    value: Any
+    threshold: Any
+    reason: str
+
+
+class VerdictDict(TypedDict):
+    """`ops.policy.GateVerdict.to_dict()`: what the gate stage hands to registration, promotion and reports."""
+
+    passed: bool
+    reasons: list[str]
+    failures: list[str]
+    checks: list[CheckDict]
+    beats_champion: bool
+    promote: bool
 
 
 class Registered(TypedDict):
@@ -145,6 +164,8 @@ class ServingDecision(TypedDict):
     engine: str  # harness | llamacpp | openai: where the speeds were measured
     llamacpp_args: list[str]  # llama-server flags of the chosen mode, as measured (engine llamacpp)
     tree_width: int  # first-position candidates the chosen head was measured with (1: a chain)
+    speedup_lower_bound: float | None  # the served mode's lower confidence bound over the prompts (None: off, or no per-prompt speeds)
+    confidence: float  # its one-sided level
 
 
 class Promoted(TypedDict):
@@ -189,6 +210,7 @@ class ReplaySample(TypedDict):
     generated_tokens: int
     accepted_per_position: list[int]
     acceptance_rate: float | None
+    first_position_acceptance: float | None
     mean_accepted_length: float | None
     per_position_acceptance: list[float]
     vocab_mismatch: bool
@@ -204,6 +226,7 @@ class LiveSampleDict(TypedDict):
     ok: bool
     reason: str
     acceptance_rate: float | None
+    first_position_acceptance: float | None
     mean_accepted_length: float | None
     draft_tokens: float
     accepted: float
@@ -250,6 +273,7 @@ class _OutcomeOptional(TypedDict, total=False):
     fallback: FallbackChoice
     serving: AppliedFallback | None
     incremental: dict  # the nightly run's warm_start, verdict, registered, promoted, serving
+    decision_reason: str  # the numbers the decision was taken on (`ops.policy.judge_acceptance`)
     report: str
 
 
@@ -257,4 +281,4 @@ class MonitorOutcome(_OutcomeOptional):
     """What one monitor run saw and did: the record `record_decision` stores and the report renders."""
 
     change: TargetChange
-    decision: str  # keep | fallback | no-sample | no-champion
+    decision: str  # keep | fallback | retrain | no-sample | no-champion

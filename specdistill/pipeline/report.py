@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from specdistill import paths
+from specdistill.ops.policy import first_position
 from specdistill.pipeline.config import NightlyConfig, run_root
 from specdistill.pipeline.outputs import (
     BenchEntry,
@@ -20,9 +21,9 @@ from specdistill.pipeline.outputs import (
     ServingDecision,
     TargetInfo,
     Trained,
+    VerdictDict,
     WindowDict,
 )
-from specdistill.speculative.gate import VerdictDict
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +50,17 @@ def report_table(results: dict[str, BenchEntry], verdict: VerdictDict | None = N
                  target: TargetInfo | None = None, speeds: dict[str, BenchEntry] | None = None) -> str:
     """Markdown: the challenger against the champion and the baselines on the same prompts, the gate
     (which draft is champion) and the serving choice (which mode is fastest here), each with its numbers."""
-    lines = ["| drafter | acceptance α | accepted length τ | γ | speedup | cost ratio c | lossless |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| drafter | first-position acceptance | acceptance α | accepted length τ | γ | speedup | cost ratio c | lossless |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
     for name, r in results.items():
         c = "" if r.get("cost_ratio") is None else f"{r['cost_ratio']:.3f}"
         spec = r.get("spec", "")
         label = name if spec.startswith("draft:") or not spec else f"{name} ({spec})"
         gamma = f"{r['gamma']} (tree {r['tree_width']})" if r.get("tree_width", 1) > 1 else f"{r['gamma']}"
-        lines.append(f"| {label} | {r['acceptance_rate']:.3f} | {r['accepted_length']:.2f} | {gamma} | "
-                     f"{r['speedup']:.2f}x | {c} | {lossless_cell(r)} |")
-    lines.append("| no speculation | – | 1.00 | – | 1.00x | – | yes |")
+        first, source = first_position(r)  # "–": no per-position counts (an engine without them)
+        lines.append(f"| {label} | {f'{first:.3f}' if source == 'first-position' else '–'} | {r['acceptance_rate']:.3f} | "
+                     f"{r['accepted_length']:.2f} | {gamma} | {r['speedup']:.2f}x | {c} | {lossless_cell(r)} |")
+    lines.append("| no speculation | – | – | 1.00 | – | 1.00x | – | yes |")
     if any(r.get("tree_width", 1) > 1 for r in results.values()):
         lines += ["", "γ (tree W): a chain of γ drafts after the head's top candidate plus its next W-1 candidates for "
                       "the first position, verified in one target forward (greedy); α is the chain's acceptance, τ "
@@ -124,6 +126,9 @@ def _serving_line(serving: ServingDecision) -> str:
             f"({serving['measured_on']})**")
     curve = serving.get("predicted_speedups") or {}
     out = f"{head}: {serving['reason']}"
+    if serving.get("speedup_lower_bound") is not None:
+        out += (f"\n\nhow sure: the served mode's per-prompt speedups give a lower bound of "
+                f"{serving['speedup_lower_bound']:.2f}x at {serving.get('confidence', 0.95):.0%} confidence (bootstrap over prompts)")
     if serving.get("gamma_note"):
         out += f"\n\nγ by measurement: {serving['gamma_note']}"
     if curve:
@@ -155,7 +160,8 @@ def write_report(text: str, window: WindowDict, path: str | None = None) -> str:
 def registration_metrics(results: dict[str, BenchEntry], trained: Trained) -> dict[str, float]:
     """The challenger's numbers, its per-position acceptance, and each baseline's α and speedup."""
     challenger = results["challenger"]
-    metrics = {"acceptance_rate": challenger["acceptance_rate"], "accepted_length": challenger["accepted_length"],
+    metrics = {"first_position_acceptance": first_position(challenger)[0] or 0.0,
+               "acceptance_rate": challenger["acceptance_rate"], "accepted_length": challenger["accepted_length"],
                "speedup": challenger["speedup"], "cost_ratio": challenger.get("cost_ratio") or 0.0,
                "train_tokens": trained["tokens"], "train_minutes": trained["train_minutes"]}
     for i, a in enumerate(challenger["per_position_acceptance"]):
@@ -214,11 +220,14 @@ def render_outcome(outcome: MonitorOutcome) -> str:
         f" (changed from {change['previous']['fingerprint']})" if change.get("changed") and change.get("previous") else "")]
     if sample:
         if sample.get("ok"):
-            lines.append(f"acceptance α {sample['acceptance_rate']:.3f}, τ {sample.get('mean_accepted_length') or 0:.2f} "
+            first = sample.get("first_position_acceptance")
+            lines.append((f"first-position acceptance {first:.3f}, " if first is not None else "") +
+                         f"acceptance α {sample['acceptance_rate']:.3f}, τ {sample.get('mean_accepted_length') or 0:.2f} "
                          f"over {sample.get('proposed', sample.get('draft_tokens', 0)):g} draft tokens ({sample.get('source', 'live')})")
         else:
             lines.append(f"no acceptance sample: {sample.get('reason')}")
-    lines.append(f"decision: **{outcome['decision']}**")
+    why = outcome.get("decision_reason")
+    lines.append(f"decision: **{outcome['decision']}**" + (f": {why}" if why else ""))
     fb = outcome.get("fallback")
     if fb:
         lines.append(f"fallback: {fb.get('mode')} — {fb.get('reason')}")
@@ -227,5 +236,5 @@ def render_outcome(outcome: MonitorOutcome) -> str:
         reg = inc["registered"]
         lines.append(f"incremental distillation: version {reg['version']}, gate {'PASS' if inc['verdict']['passed'] else 'FAIL'}"
                      + (f", promoted; serving {(inc.get('serving') or {}).get('mode', 'draft')}" if inc["promoted"]
-                        else ", not promoted: fallback stays"))
+                        else ", not promoted: " + ("fallback stays" if outcome["decision"] == "fallback" else "champion stays")))
     return "\n\n".join(lines)

@@ -1,9 +1,10 @@
 """Which mode the serving engine runs after a nightly run.
 
 Every mode measured on the held-out prompts (the promoted challenger or the current champion,
-self-speculation, n-gram) goes through the one no-slowdown guard (`ops.serving.fastest_mode`, which
-the monitor's fallback uses too): the fastest lossless mode, only if it beats target-only decoding
-by the margin, else no speculation. Every mode arrives at its own γ, chosen by measurement in the
+self-speculation, n-gram) goes through the one no-slowdown guard (`ops.policy.fastest_mode`, which
+the monitor's fallback uses too): the fastest lossless mode, only if its gain holds over the prompts
+(a lower confidence bound of its per-prompt speedups beats target-only decoding by the margin), else
+no speculation. Every mode arrives at its own γ, chosen by measurement in the
 benchmark stage (`speculative.gamma.bench_at_best_gamma`: predicted from its per-position
 acceptance, its cost ratio and the target's measured verification costs, kept only if a second
 measured run confirms it), so modes are compared at their best and the winner is served at it. The `champion`
@@ -13,11 +14,9 @@ this hardware; the report says so.
 
 from __future__ import annotations
 
+from specdistill.ops.policy import Candidate, fastest_mode, servable, unserved_faster_challenger
 from specdistill.pipeline.config import NightlyConfig
-from specdistill.pipeline.outputs import BenchEntry, Champion, ServingDecision, TargetInfo, WindowDict
-from specdistill.speculative.gate import VerdictDict
-
-BASELINES_NEVER_SERVED = ("generic",)  # the off-the-shelf baseline is measured to set a bar, not to be served
+from specdistill.pipeline.outputs import BenchEntry, Champion, ServingDecision, TargetInfo, VerdictDict, WindowDict
 
 
 def mode_of(spec: str) -> str:
@@ -26,30 +25,22 @@ def mode_of(spec: str) -> str:
 
 
 def serving_candidates(results: dict[str, BenchEntry], verdict: VerdictDict) -> dict[str, BenchEntry]:
-    """The modes that may be served: the challenger only when the gate promotes it (then the old
-    champion is superseded), the champion otherwise, and every draft-free mode."""
-    out = {}
-    for name, r in results.items():
-        if name in BASELINES_NEVER_SERVED:
-            continue
-        if name == "challenger" and not verdict["promote"]:
-            continue
-        if name == "champion" and verdict["promote"]:
-            continue
-        out[name] = r
-    return out
+    """The modes that may be served (`ops.policy.servable`)."""
+    return servable(results, verdict["promote"])
+
+
+def _candidates(entries: dict[str, BenchEntry], gamma: int | None = None) -> list[Candidate]:
+    return [Candidate(name, mode_of(r["spec"]), r["speedup"], r["lossless"], gamma or r["gamma"],
+                      prompt_speedups=list(r.get("prompt_speedups") or [])) for name, r in entries.items()]
 
 
 def choose_engine_serving(config: NightlyConfig, speeds: dict[str, BenchEntry], verdict: VerdictDict) -> ServingDecision:
     """The fastest lossless mode as measured in the serving engine, through the same no-slowdown guard.
     γ is the benchmark's K (the harness's γ search models the harness's verification cost, not the engine's)."""
-    from specdistill.ops.serving import Candidate, fastest_mode
-
     b, s = config.bench, config.serving
     refused = {name: r["stats"]["vllm_refused"] for name, r in speeds.items() if r["stats"].get("vllm_refused")}
     candidates = {name: r for name, r in serving_candidates(speeds, verdict).items() if name not in refused}
-    choice = fastest_mode([Candidate(name, mode_of(r["spec"]), r["speedup"], r["lossless"], b.gamma)
-                           for name, r in candidates.items()], s.margin)
+    choice = fastest_mode(_candidates(candidates, b.gamma), s.margin, confidence=s.confidence)
     some = next(iter(speeds.values()), None)
     measured_on = f"{s.engine}, {some['dtype'] if some else '?'}" + (f", {s.threads} threads" if s.engine in ("llamacpp", "vllm") else "")
     if s.engine == "vllm" and some is not None:
@@ -62,7 +53,8 @@ def choose_engine_serving(config: NightlyConfig, speeds: dict[str, BenchEntry], 
     decision = ServingDecision(mode=choice.mode, name=None, spec=None, gamma=b.gamma, speedup=1.0, reason=reason,
                                measured={name: r["speedup"] for name, r in speeds.items() if name not in refused}, measured_on=measured_on,
                                predicted_speedups={}, verify_costs={}, gamma_note=f"γ=K={b.gamma} as measured in {s.engine}",
-                               engine=s.engine, llamacpp_args=[], tree_width=1)
+                               engine=s.engine, llamacpp_args=[], tree_width=1,
+                               speedup_lower_bound=choice.lower_bound, confidence=choice.confidence)
     if some is not None and s.engine == "llamacpp":  # target-only: the measured command without the mode's flags
         decision["llamacpp_args"] = list(some["stats"]["llamacpp_args"][:4])
     if choice.candidate is not None:
@@ -70,18 +62,6 @@ def choose_engine_serving(config: NightlyConfig, speeds: dict[str, BenchEntry], 
         decision.update(name=choice.candidate.name, spec=r["spec"], speedup=r["speedup"],
                         llamacpp_args=list(r["stats"].get("llamacpp_args", [])))
     return decision
-
-
-def unserved_faster_challenger(results: dict[str, BenchEntry], verdict: VerdictDict, served_speedup: float) -> str:
-    """Why a challenger that measured faster than what is served is not served (empty: there is none).
-
-    Only a draft that passed the gate is served: its acceptance bar is the red line the monitor
-    holds in production, so a draft below it would be taken back at the monitor's next run."""
-    r = results.get("challenger")
-    if r is None or verdict["promote"] or not r.get("lossless") or r["speedup"] <= served_speedup:
-        return ""
-    why = "; ".join(verdict.get("failures") or []) or "it does not beat the champion"
-    return f"the challenger measured faster ({r['speedup']:.2f}x) but is not served: it did not pass the gate ({why})"
 
 
 def choose_serving(config: NightlyConfig, window: WindowDict, results: dict[str, BenchEntry],
@@ -93,18 +73,17 @@ def choose_serving(config: NightlyConfig, window: WindowDict, results: dict[str,
         if speeds is None:
             raise ValueError(f"serving.engine {config.serving.engine}: the engine's measurements are missing")
         return choose_engine_serving(config, speeds, verdict)
-    from specdistill.ops.serving import Candidate, fastest_mode
     from specdistill.pipeline.report import gamma_note
 
     candidates = serving_candidates(results, verdict)
-    choice = fastest_mode([Candidate(name, mode_of(r["spec"]), r["speedup"], r["lossless"], r["gamma"])
-                           for name, r in candidates.items()], config.serving.margin)
+    choice = fastest_mode(_candidates(candidates), config.serving.margin, confidence=config.serving.confidence)
     some = next(iter(results.values()), None)
     measured = {name: r["speedup"] for name, r in results.items()}  # every mode measured, served or not
     decision = ServingDecision(mode=choice.mode, name=None, spec=None, gamma=config.bench.gamma, speedup=1.0,
                                reason=choice.reason, measured=measured,
                                measured_on=f"PyTorch harness, {some['dtype'] if some else '?'}", predicted_speedups={},
-                               verify_costs={}, gamma_note="", engine="harness", llamacpp_args=[], tree_width=1)
+                               verify_costs={}, gamma_note="", engine="harness", llamacpp_args=[], tree_width=1,
+                               speedup_lower_bound=choice.lower_bound, confidence=choice.confidence)
     held_back = unserved_faster_challenger(results, verdict, choice.candidate.speedup if choice.candidate else 1.0)
     if held_back:
         decision["reason"] += f"; {held_back}"
@@ -123,9 +102,9 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
                    registered_dir: str | None = None, champion: Champion | None = None):
     """The serving config for a decision: the draft's directory, or the exported early-exit draft
     for self-speculation, or the n-gram sizes that were measured."""
-    from specdistill.ops.monitor import export_early_exit_draft
+    from specdistill.modeling.drafts import early_exit_dir, export_early_exit_draft
+    from specdistill.modeling.models import load_model
     from specdistill.ops.serving import ServingConfig
-    from specdistill.pipeline.monitor import fallback_dir
     from specdistill.speculative.drafters import NgramDrafter, drafter_from_spec
 
     common = dict(mode=decision["mode"], num_speculative_tokens=decision["gamma"], target_fingerprint=target["fingerprint"],
@@ -146,7 +125,8 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
                              tree_width=tree, **common)
     if mode == "self_speculation":
         k = int(spec.partition(":")[2])
-        out = export_early_exit_draft(target["path"], k, fallback_dir(target["fingerprint"], k))
+        loaded = load_model(target["path"], dtype="float32")  # a weight copy, exported at full precision
+        out = export_early_exit_draft(loaded, k, early_exit_dir(target["fingerprint"], k))
         return ServingConfig(draft_dir=str(out), exit_layer=k, **common)
     if mode == "ngram":
         ngram = drafter_from_spec(None, spec)

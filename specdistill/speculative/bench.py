@@ -22,7 +22,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -42,6 +42,7 @@ from specdistill.speculative import (
 )
 from specdistill.speculative.eagle import EagleDrafter
 from specdistill.speculative.lossless import DEFAULT_TOLERANCE, LosslessReport, judge_lossless, model_dtype
+from specdistill.speculative.results import BenchResult, SliceResult, percentile, prompt_speedups, speed_summary
 
 __all__ = ["BenchConfig", "BenchResult", "Prompt", "PromptFileError", "SliceResult", "encode_prompt", "load_prompts",
            "measure_drafter_cost", "percentile", "prompts_from_records", "run_bench", "run_bench_many", "speed_summary"]
@@ -99,15 +100,6 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat_template: 
     return list(tokenizer(text)["input_ids"])
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q
-    lo, hi = int(pos), min(int(pos) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
 @torch.inference_mode()
 def measure_drafter_cost(target: PreTrainedModel, drafter: Drafter, context: int = 64, repeats: int = 9) -> float:
     """c for any drafter: a model drafter's decode step (via measure_cost_ratio), or an n-gram
@@ -135,134 +127,6 @@ def measure_drafter_cost(target: PreTrainedModel, drafter: Drafter, context: int
             drafter.propose(tokens, 1, greedy, None)
             ratios.append((time.perf_counter() - start) / t)
     return statistics.median(ratios)
-
-
-@dataclass
-class SliceResult:
-    name: str
-    requests: int
-    acceptance_rate: float
-    accepted_length: float
-    tokens_per_second_target_only: float
-    tokens_per_second_speculative: float
-    speedup: float
-
-
-@dataclass
-class BenchResult:
-    drafter: str
-    gamma: int
-    max_new_tokens: int
-    repeats: int
-    greedy: bool
-    lossless: bool | None  # no real mismatch; None for sampling runs, where outputs are not the criterion
-    lossless_mismatches: int  # prompts with a real mismatch (near-tie divergences are not counted here)
-    acceptance_rate: float
-    accepted_length: float
-    per_position_acceptance: list[float]
-    request_acceptance_p10: float
-    request_acceptance_p50: float
-    request_acceptance_p90: float
-    tokens_per_second_target_only: float
-    tokens_per_second_speculative: float
-    speedup: float
-    cost_ratio: float | None
-    ideal_speedup: float | None
-    slices: list[SliceResult] = field(default_factory=list)
-    stats: dict = field(default_factory=dict)
-    threads: int = 0
-    dtype: str = "float32"  # the target's (and the drafts') dtype in this run
-    lossless_criterion: str | None = None  # "exact" (fp32 or wider), "near-tie" (reduced precision), None (sampling)
-    lossless_exact: int = 0  # prompts whose speculative output equals target-only output
-    lossless_near_ties: int = 0  # prompts that part only at near-ties of the fp32 target
-    lossless_max_margin: float = 0.0  # the largest fp32 logit margin among the near-tie divergences
-    lossless_tolerance: float = 0.0  # the near-tie bound (fp32 logits); 0 for the exact criterion
-    engine: str = "harness"  # what measured the speeds: harness (this PyTorch engine), llamacpp, openai
-    # `speculative.gamma.bench_at_best_gamma`: the predicted curve and the speedup measured at each γ run
-    gamma_search: dict = field(default_factory=dict)
-    tree_width: int = 1  # first-position candidates verified as a tree (EAGLE-3 heads, greedy); 1: a chain
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> BenchResult:
-        """The result back from `to_dict()` (or its JSON); keys that are not fields (a drafter spec) are ignored."""
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        known["slices"] = [SliceResult(**s) for s in known.get("slices", [])]
-        return cls(**known)
-
-    def render(self) -> str:
-        c = "n/a" if self.cost_ratio is None else f"{self.cost_ratio:.3f}"
-        ideal = "n/a" if self.ideal_speedup is None else f"{self.ideal_speedup:.2f}x"
-        lines = [
-            f"drafter {self.drafter}   engine {self.engine}   dtype {self.dtype}   gamma {self.gamma}   "
-            + (f"tree width {self.tree_width}   " if self.tree_width > 1 else "") +
-            f"max_new_tokens {self.max_new_tokens}   "
-            f"repeats {self.repeats}   threads {self.threads}",
-            f"lossless                          {self.render_lossless()}",
-            f"acceptance rate α                 {self.acceptance_rate:.3f}",
-            f"mean accepted length τ            {self.accepted_length:.3f}",
-            "per-position acceptance           " + " ".join(f"{a:.2f}" for a in self.per_position_acceptance),
-            f"per-request α p10 / p50 / p90     {self.request_acceptance_p10:.2f} / "
-            f"{self.request_acceptance_p50:.2f} / {self.request_acceptance_p90:.2f}",
-            f"tokens/s target-only              {self.tokens_per_second_target_only:.2f}",
-            f"tokens/s speculative              {self.tokens_per_second_speculative:.2f}",
-            f"speedup (median of repeats)       {self.speedup:.2f}x",
-            f"cost ratio c                      {c}",
-            f"ideal speedup at measured α, c    {ideal}",
-        ]
-        if len(self.slices) > 1 or (self.slices and self.slices[0].name != "default"):
-            w = max(12, *(len(s.name) for s in self.slices))
-            lines.append("")
-            lines.append(f"{'slice':<{w}} {'n':>4} {'α':>6} {'τ':>6} {'tok/s base':>11} {'tok/s spec':>11} {'speedup':>8}")
-            for s in self.slices:
-                lines.append(
-                    f"{s.name:<{w}} {s.requests:>4} {s.acceptance_rate:>6.3f} {s.accepted_length:>6.2f} "
-                    f"{s.tokens_per_second_target_only:>11.2f} {s.tokens_per_second_speculative:>11.2f} {s.speedup:>7.2f}x"
-                )
-        return "\n".join(lines)
-
-    def render_lossless(self) -> str:
-        if self.lossless is None:
-            return "n/a (sampling)"
-        verdict = "PASS" if self.lossless else "FAIL"
-        if self.lossless_criterion is None:  # a result saved before the criterion was recorded
-            return verdict if self.lossless else f"{verdict} ({self.lossless_mismatches} outputs differ)"
-        if self.lossless_criterion == "near-tie":
-            return (f"{verdict} — {self.lossless_exact} exact, {self.lossless_near_ties} near-tie (max margin "
-                    f"{self.lossless_max_margin:.3f} ≤ {self.lossless_tolerance:g}), {self.lossless_mismatches} real mismatches")
-        return (f"{verdict} — {self.lossless_exact} exact, {self.lossless_mismatches} differ from target-only "
-                f"({self.dtype}: exact equality)")
-
-    def plot(self, path: str | Path) -> Path:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-        positions = list(range(1, len(self.per_position_acceptance) + 1))
-        left.bar(positions, self.per_position_acceptance, color="tab:blue")
-        left.set(xlabel="draft position", ylabel="acceptance", ylim=(0, 1), title=f"acceptance per position (α={self.acceptance_rate:.2f})")
-        names = [s.name for s in self.slices] or ["all"]
-        speedups = [s.speedup for s in self.slices] or [self.speedup]
-        right.bar(names, speedups, color="tab:green")
-        right.axhline(1.0, color="gray", linestyle="--", linewidth=1)
-        right.set(ylabel="speedup over target-only", title=f"speedup per slice (all: {self.speedup:.2f}x)")
-        fig.suptitle(f"{self.drafter}, γ={self.gamma}")
-        fig.tight_layout()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        return path
-
-
-def _tps(records: list[tuple[int, float]]) -> float:
-    tokens = sum(n for n, _ in records)
-    seconds = sum(s for _, s in records)
-    return tokens / seconds if seconds > 0 else 0.0
 
 
 def run_bench(
@@ -341,17 +205,6 @@ def run_bench_many(
             for name, drafter in drafters.items()}
 
 
-def speed_summary(base_times: list, spec_times: list, indices: list[int]) -> tuple[float, float, float]:
-    """Target-only tokens/s, speculative tokens/s and speedup over `indices` (prompts): per repeat the
-    ratio of summed tokens over summed seconds, then the median over repeats.
-    `*_times[repeat][prompt] = (generated tokens, seconds)`, both modes from the same interleaved rounds."""
-    repeats = range(len(base_times))
-    base = [_tps([base_times[r][i] for i in indices]) for r in repeats]
-    spec = [_tps([spec_times[r][i] for i in indices]) for r in repeats]
-    ratios = [s / b for s, b in zip(spec, base) if b > 0]
-    return statistics.median(base), statistics.median(spec), statistics.median(ratios) if ratios else 0.0
-
-
 def _summarize(target, drafter: Drafter, prompts: list[Prompt], config: BenchConfig, sampling: SamplingConfig,
                base_times: list, spec_times: list, first_stats: list[SpecStats], report: LosslessReport | None) -> BenchResult:
     def summary(indices: list[int]) -> tuple[float, float, float]:
@@ -397,4 +250,5 @@ def _summarize(target, drafter: Drafter, prompts: list[Prompt], config: BenchCon
         lossless_max_margin=report.max_near_tie_margin if report is not None else 0.0,
         lossless_tolerance=report.tolerance if report is not None else 0.0,
         tree_width=getattr(drafter, "tree_width", 1) if sampling.greedy else 1,
+        prompt_speedups=prompt_speedups(base_times, spec_times),
     )

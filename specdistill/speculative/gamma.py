@@ -34,6 +34,7 @@ from specdistill.modeling.lean import engine_forward
 from specdistill.speculative.bench import BenchConfig, BenchResult, run_bench_many
 
 GAMMAS = range(1, 9)
+FLAT = 0.02  # speedups within this (relative) of each other are a flat curve: the smaller γ is kept
 
 
 def measure_forward_seconds(target: PreTrainedModel, ks: Sequence[int] = tuple(range(1, 10)), *,
@@ -111,7 +112,7 @@ def predict_speedups(per_position: Sequence[float], cost_ratio: float, verify_co
     return out
 
 
-def best_gamma(predicted: dict[int, float], tolerance: float = 0.02) -> int:
+def best_gamma(predicted: dict[int, float], tolerance: float = FLAT) -> int:
     """The smallest γ predicted within `tolerance` of the best speedup: on a flat curve a longer draft
     gains nothing the prediction can resolve and costs more when acceptance drops."""
     top = max(predicted.values())
@@ -158,8 +159,9 @@ def bench_at_best_gamma(target: PreTrainedModel, tokenizer, drafters: dict, prom
     From `results` (all measured at `config.gamma`) each drafter's curve is predicted with one shared
     measurement of the target's verify costs; the drafters whose best γ differs run once more, together,
     interleaved with their own target-only runs. A drafter takes the new γ only when that run measured it
-    lossless and faster; its c is the first run's (the draft step does not depend on γ). Every result
-    records the curve and the speedups measured at each γ in `gamma_search`."""
+    lossless, and a larger γ only when it is faster by more than `FLAT` (`prefer_smaller_gamma`); its c
+    is the first run's (the draft step does not depend on γ). Every result records the curve and the
+    speedups measured at each γ in `gamma_search`."""
     measured = measure_verify_costs(target, tuple(range(1, max(gammas) + 2)))
     curves = {name: speedup_curve(target, r.per_position_acceptance, r.cost_ratio or 0.0, gammas,
                                   plain_share=plain_step_share(r.stats), measured=measured) for name, r in results.items()}
@@ -172,13 +174,21 @@ def bench_at_best_gamma(target: PreTrainedModel, tokenizer, drafters: dict, prom
     out = {}
     for name, first in results.items():
         again = confirmed.get(name)
-        best = again if again is not None and again.lossless is not False and again.speedup > first.speedup else first
+        best = first if again is None or again.lossless is False else prefer_smaller_gamma(first, again)
         search = {"predicted_speedups": curves[name]["predicted_speedups"], "predicted_best": curves[name]["best_gamma"],
                   "verify_costs": curves[name]["verify_costs"],
                   "measured": {first.gamma: first.speedup, **({again.gamma: again.speedup} if again else {})}}
         ideal = ideal_speedup(best.acceptance_rate, best.gamma, first.cost_ratio) if first.cost_ratio is not None else None
         out[name] = replace(best, cost_ratio=first.cost_ratio, ideal_speedup=ideal, gamma_search=search)
     return out
+
+
+def prefer_smaller_gamma(a: BenchResult, b: BenchResult, flat: float = FLAT) -> BenchResult:
+    """Of two measured runs of one drafter, the larger γ only when it is faster than the smaller by more
+    than `flat` (relative): on a flat curve a longer draft gains nothing the measurement resolves, and
+    it costs more where acceptance drops (unseen traffic)."""
+    small, large = sorted((a, b), key=lambda r: r.gamma)
+    return large if large.speedup > small.speedup * (1 + flat) else small
 
 
 def render_curve(curve: dict, dtype: str, cost_ratio: float) -> str:
