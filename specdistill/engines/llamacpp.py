@@ -70,12 +70,14 @@ def mode_for_spec(spec: str, target: Path, k: int = 4) -> ServerMode:
     """The llama-server mode of a drafter spec (`draft:DIR|GGUF` or `ngram`): `draft-eagle3` for an
     EAGLE-3 head, `draft-simple` for any other draft; self-speculation reaches llama.cpp as its
     exported early-exit draft, i.e. as `draft:DIR`."""
-    kind, _, arg = spec.partition(":")
-    if kind == "draft" and arg:
-        gguf = draft_gguf(arg, target)
+    from specdistill.speculative.specs import DrafterSpec
+
+    parsed = DrafterSpec.parse(spec)
+    if parsed.path:
+        gguf = draft_gguf(parsed.path, target)
         return ServerMode(gguf_spec_type(gguf), gguf, k)
-    if kind == "ngram":  # the harness's prompt lookup matches 1..3-grams (`ngram:MIN,MAX`): look up the longest
-        return ServerMode("ngram-simple", None, k, ngram_n=int(arg.split(",")[-1]) if arg else NGRAM_N)
+    if parsed.ngram_sizes:  # the harness's prompt lookup matches 1..3-grams (`ngram:MIN,MAX`): look up the longest
+        return ServerMode("ngram-simple", None, k, ngram_n=parsed.ngram_sizes[1] if parsed.arg else NGRAM_N)
     raise ValueError(f"drafter {spec!r} has no llama.cpp mode (draft:DIR or ngram)")
 
 

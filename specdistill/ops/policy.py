@@ -19,6 +19,7 @@ import random
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from enum import StrEnum
 from typing import Any
 
 RED_LINE = 0.5  # first-position acceptance below this: the draft is not worth serving
@@ -27,7 +28,20 @@ DEFAULT_MARGIN = 0.05  # a mode must beat target-only by more than this to be se
 CONFIDENCE = 0.95  # one-sided level of the speedup's lower bound
 RESAMPLES = 2000
 FIRST_POSITION_TAG = "first_position_acceptance"  # a registered draft version's own, at registration
-BASELINES_NEVER_SERVED = ("generic",)  # the off-the-shelf baseline is measured to set a bar, not to be served
+
+
+class Role(StrEnum):
+    """What a draft is to a nightly run; its benchmark entry is keyed by its role (draft-free modes by
+    their own names: `self-spec@8`, `ngram`)."""
+
+    CHALLENGER = "challenger"  # distilled this run
+    CHAMPION = "champion"  # the registry's current best draft (its `champion` alias)
+    GENERIC = "generic"  # the off-the-shelf baseline: measured to set a bar (`must_beat`), never served
+
+    @classmethod
+    def served(cls, name: str) -> bool:
+        """May the entry named `name` be served at all (before the gate has its say)?"""
+        return name != cls.GENERIC
 
 
 def _get(obj: Any, key: str, default: Any = None) -> Any:
@@ -326,8 +340,8 @@ def fastest_mode(candidates: Sequence[Candidate], margin: float = DEFAULT_MARGIN
 def servable(results: Mapping[str, Any], promote: bool) -> dict[str, Any]:
     """The measured entries that may be served: the challenger only when the gate promotes it (then the
     old champion is superseded), the champion otherwise, and every draft-free mode; never a baseline."""
-    superseded = "champion" if promote else "challenger"
-    return {name: r for name, r in results.items() if name not in BASELINES_NEVER_SERVED and name != superseded}
+    superseded = Role.CHAMPION if promote else Role.CHALLENGER
+    return {name: r for name, r in results.items() if Role.served(name) and name != superseded}
 
 
 def unserved_faster_challenger(results: Mapping[str, Any], verdict: Mapping, served_speedup: float) -> str:
@@ -335,7 +349,7 @@ def unserved_faster_challenger(results: Mapping[str, Any], verdict: Mapping, ser
 
     Only a draft that passed the gate is served: its acceptance bar is the red line the monitor holds in
     production, so a draft below it would be taken back at the monitor's next run."""
-    r = results.get("challenger")
+    r = results.get(Role.CHALLENGER)
     if r is None or verdict["promote"] or not r.get("lossless") or r["speedup"] <= served_speedup:
         return ""
     why = "; ".join(verdict.get("failures") or []) or "it does not beat the champion"

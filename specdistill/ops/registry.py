@@ -28,6 +28,7 @@ from specdistill.modeling.mlflow_refs import (  # noqa: F401
     download_draft,
     tracking_uri,
 )
+from specdistill.ops.policy import Role
 from specdistill.ops.serving import (
     ServingConfig,
     ServingConfigError,
@@ -38,8 +39,8 @@ from specdistill.ops.serving import serving_path as default_serving_path
 
 log = logging.getLogger(__name__)
 
-CHAMPION = "champion"
-CHALLENGER = "challenger"
+CHAMPION = Role.CHAMPION.value  # the registry aliases: the best draft, and the newest registered one
+CHALLENGER = Role.CHALLENGER.value
 
 
 def model_name_for(target_name: str) -> str:

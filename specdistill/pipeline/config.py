@@ -15,7 +15,7 @@ from pydantic import Field, model_validator
 from specdistill import paths
 from specdistill.config import ConfigError, Strict, load_model_config
 from specdistill.data.prompts import MAX_PROMPT_TOKENS
-from specdistill.ops.policy import CONFIDENCE, DEFAULT_MARGIN, MAX_RELATIVE_DROP, RED_LINE
+from specdistill.ops.policy import CONFIDENCE, DEFAULT_MARGIN, MAX_RELATIVE_DROP, RED_LINE, Role
 
 
 class SourceConfig(Strict):
@@ -105,7 +105,7 @@ class GateSettings(Strict):
 
     profile: Literal["default", "production"] = "default"
     overrides: dict[str, float | bool | None] = {"min_speedup": None}
-    must_beat: list[str] = ["generic"]  # baselines whose first-position acceptance the challenger must exceed
+    must_beat: list[str] = [Role.GENERIC.value]  # baselines whose first-position acceptance the challenger must exceed
 
 
 class ServingSettings(Strict):

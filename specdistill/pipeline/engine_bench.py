@@ -11,10 +11,9 @@ the off-the-shelf baseline is never served, so not measured.
 
 from __future__ import annotations
 
+from specdistill.ops.policy import Role
 from specdistill.pipeline.config import NightlyConfig
 from specdistill.pipeline.outputs import BenchEntry, WindowDict
-
-NEVER_SERVED = ("generic",)
 
 
 def engine_prompts(window: WindowDict):
@@ -26,14 +25,16 @@ def engine_prompts(window: WindowDict):
 
 def llamacpp_spec(config: NightlyConfig, name: str, spec: str) -> str:
     """A drafter spec llama.cpp can run: self-speculation becomes its exported early-exit draft."""
-    kind, _, arg = spec.partition(":")
-    if kind != "self_spec":
+    from specdistill.speculative.specs import DrafterSpec
+
+    exit_layer = DrafterSpec.parse(spec).exit_layer
+    if exit_layer is None:
         return spec
     from specdistill.modeling.drafts import export_early_exit_draft
     from specdistill.modeling.models import load_model
 
     target = load_model(config.target, dtype="float32")  # a weight copy, exported at full precision
-    return f"draft:{export_early_exit_draft(target, int(arg))}"
+    return str(DrafterSpec("draft", str(export_early_exit_draft(target, exit_layer))))
 
 
 def engine_benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str]) -> dict[str, BenchEntry]:
@@ -44,7 +45,7 @@ def engine_benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[s
     s, b = config.serving, config.bench
     prompts = engine_prompts(window)
     bcfg = EngineBenchConfig(max_new_tokens=b.max_new_tokens, repeats=b.repeats, gamma=b.gamma)
-    servable = {name: spec for name, spec in drafters.items() if name not in NEVER_SERVED}
+    servable = {name: spec for name, spec in drafters.items() if Role.served(name)}
     if s.engine == "llamacpp":
         from specdistill.engines.llamacpp import bench_llamacpp, mode_for_spec, target_gguf
 

@@ -304,21 +304,22 @@ def _served_tree_width(spec: str, width: int) -> int:
     """The tree width a drafter is measured with: vLLM and SGLang verify trees for EAGLE-3 heads only,
     so any other draft is measured as the chain it would be served as."""
     from specdistill.modeling.eagle3_io import is_eagle3_dir
+    from specdistill.speculative.specs import DrafterSpec
 
-    kind, _, path = spec.partition(":")
-    return width if kind == "draft" and Path(path).is_dir() and is_eagle3_dir(path) else 1
+    path = DrafterSpec.parse(spec).path
+    return width if path and Path(path).is_dir() and is_eagle3_dir(path) else 1
 
 
 def gate(config: NightlyConfig, challenger: BenchEntry, champion: BenchEntry | None,
          baselines: dict[str, BenchEntry] | None = None, speeds: dict[str, BenchEntry] | None = None) -> VerdictDict:
     """The gate's verdict (`ops.policy.evaluate`) under the run's profile, overrides and `must_beat`.
     With `speeds` (the serving engine's measurements) its speed bar reads the engine's speedups."""
-    from specdistill.ops.policy import evaluate, gate_config
+    from specdistill.ops.policy import Role, evaluate, gate_config
 
     if speeds:
-        challenger = {**challenger, "speedup": speeds["challenger"]["speedup"]} if "challenger" in speeds else challenger
-        if champion is not None and "champion" in speeds:
-            champion = {**champion, "speedup": speeds["champion"]["speedup"]}
+        challenger = {**challenger, "speedup": speeds[Role.CHALLENGER]["speedup"]} if Role.CHALLENGER in speeds else challenger
+        if champion is not None and Role.CHAMPION in speeds:
+            champion = {**champion, "speedup": speeds[Role.CHAMPION]["speedup"]}
     g = config.gate
     return evaluate(challenger, gate_config(g.profile, **g.overrides), champion=champion,
                     baselines=baselines, must_beat=g.must_beat).to_dict()
@@ -345,7 +346,7 @@ def register(config: NightlyConfig, target: TargetInfo, window: WindowDict, trai
              speeds: dict[str, BenchEntry] | None = None) -> Registered:
     """The challenger into the registry with its numbers, curves and artifacts (see `pipeline.report`)."""
     from specdistill.ops import registry
-    from specdistill.ops.policy import FIRST_POSITION_TAG, first_position
+    from specdistill.ops.policy import FIRST_POSITION_TAG, Role, first_position
     from specdistill.pipeline.report import registration_artifacts, registration_metrics, train_losses
 
     reg = registry.register_draft(
@@ -356,7 +357,7 @@ def register(config: NightlyConfig, target: TargetInfo, window: WindowDict, trai
         artifacts=registration_artifacts(config, results, verdict, trained, report_path, speeds),
         tags={"target_fingerprint": target["fingerprint"], "data_window": window["key"],
               "gate_verdict": "pass" if verdict["passed"] else "fail", "parent": parent or "",
-              FIRST_POSITION_TAG: f"{first_position(results['challenger'])[0] or 0.0:.4f}"},  # the monitor's drift baseline
+              FIRST_POSITION_TAG: f"{first_position(results[Role.CHALLENGER])[0] or 0.0:.4f}"},  # the monitor's drift baseline
         run_name=f"nightly-{window['key']}",
     )
     return Registered(**asdict(reg))

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from specdistill import paths
-from specdistill.ops.policy import first_position
+from specdistill.ops.policy import Role, first_position
 from specdistill.pipeline.config import NightlyConfig, run_root
 from specdistill.pipeline.outputs import (
     BenchEntry,
@@ -83,7 +83,7 @@ def report_table(results: dict[str, BenchEntry], verdict: VerdictDict | None = N
         lines += ["", _serving_line(serving)]
         lines += _draft_vs_serving(results, verdict, serving)
     if registered is not None:
-        alias = "champion" if promoted else "challenger"
+        alias = Role.CHAMPION if promoted else Role.CHALLENGER
         lines += ["", f"registered: `{registered['name']}` version {registered['version']} (alias `{alias}`)"]
     if promoted:
         lines.append(f"serving config: `{promoted['serving_config']}`")
@@ -138,7 +138,7 @@ def _serving_line(serving: ServingDecision) -> str:
 
 def _draft_vs_serving(results: dict[str, BenchEntry], verdict: VerdictDict | None, serving: ServingDecision) -> list[str]:
     """Say it plainly when the best draft is not what is served on this hardware."""
-    best = "challenger" if verdict and verdict.get("promote") else ("champion" if "champion" in results else None)
+    best = Role.CHALLENGER if verdict and verdict.get("promote") else (Role.CHAMPION if Role.CHAMPION in results else None)
     if best is None or serving["name"] == best:
         return []
     r = results[best]
@@ -159,7 +159,7 @@ def write_report(text: str, window: WindowDict, path: str | None = None) -> str:
 
 def registration_metrics(results: dict[str, BenchEntry], trained: Trained) -> dict[str, float]:
     """The challenger's numbers, its per-position acceptance, and each baseline's α and speedup."""
-    challenger = results["challenger"]
+    challenger = results[Role.CHALLENGER]
     metrics = {"first_position_acceptance": first_position(challenger)[0] or 0.0,
                "acceptance_rate": challenger["acceptance_rate"], "accepted_length": challenger["accepted_length"],
                "speedup": challenger["speedup"], "cost_ratio": challenger.get("cost_ratio") or 0.0,
@@ -167,7 +167,7 @@ def registration_metrics(results: dict[str, BenchEntry], trained: Trained) -> di
     for i, a in enumerate(challenger["per_position_acceptance"]):
         metrics[f"acceptance_pos_{i}"] = a
     for name, r in results.items():
-        if name != "challenger":
+        if name != Role.CHALLENGER:
             key = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
             metrics[f"baseline_{key}_acceptance_rate"] = r["acceptance_rate"]
             metrics[f"baseline_{key}_speedup"] = r["speedup"]
@@ -193,7 +193,7 @@ def registration_artifacts(config: NightlyConfig, results: dict[str, BenchEntry]
     artifacts = [artifacts_dir / "benchmark.json", artifacts_dir / "nightly_config.json", artifacts_dir / "gate.json"]
     plot = artifacts_dir / "acceptance.png"
     try:
-        BenchResult.from_dict(results["challenger"]).plot(plot)
+        BenchResult.from_dict(results[Role.CHALLENGER]).plot(plot)
     except (ImportError, OSError) as exc:  # no matplotlib, or the file cannot be written: register without the plot
         log.warning("registering without the acceptance plot: %s: %s", type(exc).__name__, exc)
     else:
@@ -203,7 +203,7 @@ def registration_artifacts(config: NightlyConfig, results: dict[str, BenchEntry]
     if speeds:
         (artifacts_dir / "engine_benchmark.json").write_text(json.dumps(speeds, indent=2, default=str))
         artifacts.append(artifacts_dir / "engine_benchmark.json")
-        args = (speeds.get("challenger") or {}).get("stats", {}).get("llamacpp_args", [])
+        args = (speeds.get(Role.CHALLENGER) or {}).get("stats", {}).get("llamacpp_args", [])
         if "-md" in args:
             artifacts.append(Path(args[args.index("-md") + 1]))
     return artifacts

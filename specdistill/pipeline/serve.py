@@ -14,14 +14,15 @@ this hardware; the report says so.
 
 from __future__ import annotations
 
-from specdistill.ops.policy import Candidate, fastest_mode, servable, unserved_faster_challenger
+from specdistill.ops.policy import Candidate, Role, fastest_mode, servable, unserved_faster_challenger
 from specdistill.pipeline.config import NightlyConfig
 from specdistill.pipeline.outputs import BenchEntry, Champion, ServingDecision, TargetInfo, VerdictDict, WindowDict
+from specdistill.speculative.specs import DrafterSpec
 
 
 def mode_of(spec: str) -> str:
-    kind = spec.partition(":")[0]
-    return {"draft": "draft", "self_spec": "self_speculation", "ngram": "ngram"}[kind]
+    """The serving mode a drafter spec is written as (`speculative.specs.DrafterSpec.mode`)."""
+    return DrafterSpec.parse(spec).mode
 
 
 def serving_candidates(results: dict[str, BenchEntry], verdict: VerdictDict) -> dict[str, BenchEntry]:
@@ -105,31 +106,29 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
     from specdistill.modeling.drafts import early_exit_dir, export_early_exit_draft
     from specdistill.modeling.models import load_model
     from specdistill.ops.serving import ServingConfig
-    from specdistill.speculative.drafters import NgramDrafter, drafter_from_spec
 
     common = dict(mode=decision["mode"], num_speculative_tokens=decision["gamma"], target_fingerprint=target["fingerprint"],
                   reason=f"nightly: {decision['reason']}" + (f"; {decision['gamma_note']}" if decision["gamma_note"] else ""),
                   measured=decision["measured"], measured_on=decision["measured_on"],
                   engine=decision.get("engine", "harness"), llamacpp_args=decision.get("llamacpp_args", []))
-    spec, mode = decision["spec"], decision["mode"]
+    spec, mode = DrafterSpec.parse(decision["spec"]) if decision["spec"] else None, decision["mode"]
     if mode == "draft":
         from specdistill.modeling.eagle3_io import is_eagle3_dir
 
-        local = spec.partition(":")[2]
+        local = spec.path
         kind = "eagle3" if is_eagle3_dir(local) else "layers"  # vLLM method eagle3 / SGLang EAGLE3 for a head
         tree = decision.get("tree_width", 1) if kind == "eagle3" else 1
-        if decision["name"] == "challenger":  # served from its registered copy once it is registered
+        if decision["name"] == Role.CHALLENGER:  # served from its registered copy once it is registered
             return ServingConfig(draft_dir=registered_dir or local, draft_version=registered_version, draft_kind=kind,
                                  tree_width=tree, **common)
         return ServingConfig(draft_dir=local, draft_version=champion["version"] if champion else None, draft_kind=kind,
                              tree_width=tree, **common)
     if mode == "self_speculation":
-        k = int(spec.partition(":")[2])
+        k = spec.exit_layer
         loaded = load_model(target["path"], dtype="float32")  # a weight copy, exported at full precision
         out = export_early_exit_draft(loaded, k, early_exit_dir(target["fingerprint"], k))
         return ServingConfig(draft_dir=str(out), exit_layer=k, **common)
     if mode == "ngram":
-        ngram = drafter_from_spec(None, spec)
-        assert isinstance(ngram, NgramDrafter)
-        return ServingConfig(prompt_lookup_min=ngram.min_n, prompt_lookup_max=ngram.max_n, **common)
+        lo, hi = spec.ngram_sizes
+        return ServingConfig(prompt_lookup_min=lo, prompt_lookup_max=hi, **common)
     return ServingConfig(**common)

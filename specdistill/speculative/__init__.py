@@ -10,7 +10,6 @@ from specdistill.speculative.drafters import (
     ModelDrafter,
     NgramDrafter,
     SelfSpecDrafter,
-    drafter_from_spec,
     early_exit_model,
     make_drafter,
 )
@@ -23,9 +22,11 @@ from specdistill.speculative.engine import (
     generate,
 )
 from specdistill.speculative.sampling import SamplingConfig, probs_from_logits, verify
+from specdistill.speculative.specs import DrafterSpec, drafter_from_spec
 
 __all__ = [
     "Drafter",
+    "DrafterSpec",
     "EagleDrafter",
     "GenerationResult",
     "ModelDrafter",

@@ -222,7 +222,7 @@ def _summarize(target, drafter: Drafter, prompts: list[Prompt], config: BenchCon
     cost = measure_drafter_cost(target, drafter) if config.measure_cost else None
     ideal = ideal_speedup(total.acceptance_rate, config.gamma, cost) if cost is not None else None
     return BenchResult(
-        drafter=getattr(drafter, "name", type(drafter).__name__),
+        drafter=drafter.name,
         gamma=config.gamma,
         max_new_tokens=config.max_new_tokens,
         repeats=config.repeats,
@@ -249,6 +249,6 @@ def _summarize(target, drafter: Drafter, prompts: list[Prompt], config: BenchCon
         lossless_near_ties=report.near_ties if report is not None else 0,
         lossless_max_margin=report.max_near_tie_margin if report is not None else 0.0,
         lossless_tolerance=report.tolerance if report is not None else 0.0,
-        tree_width=getattr(drafter, "tree_width", 1) if sampling.greedy else 1,
+        tree_width=drafter.tree_width if sampling.greedy else 1,
         prompt_speedups=prompt_speedups(base_times, spec_times),
     )

@@ -20,10 +20,18 @@ from specdistill.speculative.sampling import SamplingConfig, draft_token
 
 
 class Drafter(Protocol):
-    """A drafter that also has `feature_layers` (the EAGLE drafter) gets `add_features(features)`
-    from the engine after every target forward: the target's features at the positions it kept."""
+    """Everything the engine asks of a drafter. A drafter class subclasses this to get the defaults: a
+    chain drafter (`tree_width` 1) that needs no target features and has no model of its own.
+
+    - `tree_width` > 1: when decoding greedily the engine verifies `propose_tree`'s tree instead of a chain;
+    - `feature_layers` (the EAGLE drafter): the target layers whose inputs it drafts from; the engine
+      hands it the target's features at the positions it kept after every forward (`add_features`);
+    - `model`: its own decoder, which the engine's few-token attention covers too (None: none)."""
 
     name: str
+    tree_width: int = 1
+    feature_layers: tuple[int, ...] | list[int] = ()
+    model: PreTrainedModel | None = None
 
     def reset(self) -> None: ...
 
@@ -33,8 +41,16 @@ class Drafter(Protocol):
 
     def rollback(self, valid_len: int) -> None: ...
 
+    def propose_tree(self, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, list[int]]:
+        """Greedy drafts as a tree: node ids and parent indices (-1: the pending token)."""
+        raise NotImplementedError(f"{self.name} drafts chains only (tree_width 1)")
 
-class ModelDrafter:
+    def add_features(self, features: torch.Tensor) -> None:
+        """The target's features [T, F] for the next T positions it has verified (kept ones only)."""
+        raise NotImplementedError(f"{self.name} drafts without the target's features")
+
+
+class ModelDrafter(Drafter):
     """A small causal LM (or the target's early exit) drafting autoregressively with its own KV cache.
 
     With a reduced draft vocabulary the draft's head covers only the N kept tokens: the sliced head
@@ -178,7 +194,7 @@ class SelfSpecDrafter(ModelDrafter):
                          tree_width=tree_width)
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt lookup (vLLM's `ngram` method): find the sequence's last n tokens earlier in the
     prompt or output, longest n first from `max_n` down to `min_n`, and propose what followed the
     earliest occurrence. Deterministic, so q is one-hot (returned as None)."""
@@ -245,22 +261,3 @@ def make_drafter(
         )
     return None
 
-
-DRAFTER_SPECS = "draft:DIR, self_spec:K, ngram or ngram:MIN,MAX"
-
-
-def drafter_from_spec(target: PreTrainedModel, spec: str, tree_width: int = 1) -> Drafter:
-    """A drafter from its spec string, as the nightly benchmark and the monitor's fallback name them:
-    `draft:DIR` (a draft checkpoint), `self_spec:K` (the target's exit after layer K), `ngram`
-    (prompt lookup over 1..3-grams) or `ngram:MIN,MAX`. `tree_width` applies to model drafters."""
-    kind, sep, arg = spec.partition(":")
-    sizes = [s.strip() for s in arg.split(",")]
-    if kind == "draft" and arg:
-        return make_drafter(target, draft=arg, tree_width=tree_width)
-    if kind == "self_spec" and arg.isdigit():
-        return make_drafter(target, self_spec=int(arg), tree_width=tree_width)
-    if kind == "ngram" and not sep:
-        return make_drafter(target, ngram=True)
-    if kind == "ngram" and len(sizes) == 2 and all(s.isdigit() for s in sizes):
-        return make_drafter(target, ngram=True, ngram_min=int(sizes[0]), ngram_max=int(sizes[1]))
-    raise ValueError(f"unknown drafter spec {spec!r} ({DRAFTER_SPECS})")

@@ -17,10 +17,11 @@ from transformers import PreTrainedModel
 
 from specdistill.modeling.eagle3 import Eagle3Cache, Eagle3Draft, check_head_fits
 from specdistill.modeling.models import pack_for_cpu
+from specdistill.speculative.drafters import Drafter
 from specdistill.speculative.sampling import SamplingConfig, draft_token
 
 
-class EagleDrafter:
+class EagleDrafter(Drafter):
     """Drafts with an EAGLE-3 head; `feature_layers` tells the engine which target layers to hook."""
 
     def __init__(self, head: Eagle3Draft, target: PreTrainedModel, name: str = "eagle3", tree_width: int = 1):

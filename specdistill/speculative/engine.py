@@ -182,12 +182,12 @@ def generate(
     tokens[: prompt.numel()] = prompt
     length = prompt.numel()
     # one preallocated buffer per layer: a step writes its column instead of concatenating the whole cache
-    cache = preallocated_cache(target, 1, prompt.numel() + budget + gamma + getattr(drafter, "tree_width", 1) + 1)
+    cache = preallocated_cache(target, 1, prompt.numel() + budget + gamma + (drafter.tree_width if drafter else 1) + 1)
     if drafter is not None:
         drafter.reset()
     # A drafter that drafts from the target's features (EAGLE-3) names the layers whose inputs it
     # needs; it is handed the features of the positions the target kept after every forward.
-    layers = list(getattr(drafter, "feature_layers", None) or [])
+    layers = list(drafter.feature_layers) if drafter is not None else []
     lean = supports_lean(target)  # else transformers' forward, the features from hooks on those layers
     hooks = FeatureHooks(target, layers) if layers and not lean else None
     seen: dict[str, torch.Tensor] = {}
@@ -214,10 +214,10 @@ def generate(
             drafter.add_features(features[:kept] if isinstance(kept, int) else features[kept.to(features.device)])
 
     # greedy decoding with a drafter that proposes several candidates for the first position verifies them as a tree
-    tree = sampling.greedy and getattr(drafter, "tree_width", 1) > 1
+    tree = sampling.greedy and drafter is not None and drafter.tree_width > 1
 
     # few-token forwards (decode steps, verifications) attend through matmuls, not SDPA's CPU flash kernel
-    with decode_attention_for(target, getattr(drafter, "model", None)), hooks or nullcontext():
+    with decode_attention_for(target, drafter.model if drafter is not None else None), hooks or nullcontext():
         new = next_token(forward(prompt, 1)[-1], sampling, generator).view(1)
         pass_features(prompt.numel())
         while True:

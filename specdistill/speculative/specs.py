@@ -1,0 +1,123 @@
+"""Drafter specs: the one parser of the strings that name a drafting method (`draft:DIR`, `self_spec:K`,
+`ngram`, `ngram:MIN,MAX`), and the one place a new kind of drafter is added.
+
+    spec = DrafterSpec.parse("self_spec:8")      # kind "self_spec", exit_layer 8, serving mode "self_speculation"
+    drafter = drafter_from_spec(target, spec.with_(tree_width=4))
+
+A spec's text is what the nightly's benchmark entries, the monitor's fallback and the reports carry
+(it is part of cache keys and of `serving.json`'s record), so `str(DrafterSpec.parse(s)) == s`. γ and
+the tree width are not in the text: they are measured settings a spec is run with (`with_`).
+
+A new kind registers a `Kind` in `KINDS` (`register_kind`): how its argument is checked, the serving
+mode it is written as, and how its drafter is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from transformers import PreTrainedModel
+
+from specdistill.speculative.drafters import Drafter, make_drafter
+
+
+class DrafterSpecError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    mode: str  # the serving mode it is written as: draft | self_speculation | ngram | ...
+    usage: str  # how its spec is written, for error messages
+    check: Callable[[str], bool]  # is this argument (after "kind:", "" when there is none) valid?
+    build: Callable[[PreTrainedModel, DrafterSpec], Drafter]
+
+
+KINDS: dict[str, Kind] = {}
+
+
+def register_kind(kind: Kind) -> Kind:
+    if kind.name in KINDS:
+        raise ValueError(f"drafter kind {kind.name!r} is already registered")
+    KINDS[kind.name] = kind
+    return kind
+
+
+def usage() -> str:
+    return ", ".join(k.usage for k in KINDS.values())
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """A drafting method: its kind, its argument (a path or a parameter; "" when it has none), and the
+    γ and tree width it is run with (None: the caller's)."""
+
+    kind: str
+    arg: str = ""
+    gamma: int | None = None
+    tree_width: int = 1
+
+    @classmethod
+    def parse(cls, text: str | DrafterSpec) -> DrafterSpec:
+        if isinstance(text, DrafterSpec):
+            return text
+        kind, sep, arg = str(text).partition(":")
+        known = KINDS.get(kind)
+        if known is None or (sep and not arg) or not known.check(arg):
+            raise DrafterSpecError(f"unknown drafter spec {text!r} ({usage()})")
+        return cls(kind, arg)
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.arg}" if self.arg else self.kind
+
+    def with_(self, **changes: Any) -> DrafterSpec:
+        return replace(self, **changes)
+
+    @property
+    def mode(self) -> str:
+        """The serving mode this drafter is written as."""
+        return KINDS[self.kind].mode
+
+    @property
+    def path(self) -> str | None:
+        """A draft's checkpoint or EAGLE-3 head (kind draft)."""
+        return self.arg if self.kind == "draft" else None
+
+    @property
+    def exit_layer(self) -> int | None:
+        return int(self.arg) if self.kind == "self_spec" else None
+
+    @property
+    def ngram_sizes(self) -> tuple[int, int] | None:
+        """(min n, max n) of prompt lookup; plain `ngram` matches 1..3-grams."""
+        if self.kind != "ngram":
+            return None
+        if not self.arg:
+            return (1, 3)
+        lo, hi = (int(s) for s in self.arg.split(","))
+        return (lo, hi)
+
+
+def _sizes_ok(arg: str) -> bool:
+    sizes = [s.strip() for s in arg.split(",")]
+    return not arg or (len(sizes) == 2 and all(s.isdigit() for s in sizes))
+
+
+register_kind(Kind("draft", "draft", "draft:DIR", lambda arg: bool(arg),
+                   lambda target, s: make_drafter(target, draft=s.arg, tree_width=s.tree_width)))
+register_kind(Kind("self_spec", "self_speculation", "self_spec:K", str.isdigit,
+                   lambda target, s: make_drafter(target, self_spec=s.exit_layer, tree_width=s.tree_width)))
+register_kind(Kind("ngram", "ngram", "ngram or ngram:MIN,MAX", _sizes_ok,
+                   lambda target, s: make_drafter(target, ngram=True, ngram_min=s.ngram_sizes[0], ngram_max=s.ngram_sizes[1])))
+
+
+def drafter_from_spec(target: PreTrainedModel, spec: str | DrafterSpec, tree_width: int | None = None) -> Drafter:
+    """The drafter a spec names, as the nightly benchmark and the monitor's fallback build them.
+    `tree_width` (default: the spec's) applies to model drafters."""
+    spec = DrafterSpec.parse(spec)
+    if tree_width is not None:
+        spec = spec.with_(tree_width=tree_width)
+    return KINDS[spec.kind].build(target, spec)

@@ -1,0 +1,51 @@
+"""Drafter specs: parsed once, written back as they were read, extended with a new kind in one place."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdistill.speculative import NgramDrafter, SelfSpecDrafter
+from specdistill.speculative.specs import KINDS, DrafterSpec, DrafterSpecError, Kind, drafter_from_spec, register_kind
+from tests.conftest import make_tiny_llama
+
+
+@pytest.mark.parametrize("text, mode, fields", [
+    ("draft:/d/challenger", "draft", {"path": "/d/challenger", "exit_layer": None, "ngram_sizes": None}),
+    ("self_spec:8", "self_speculation", {"path": None, "exit_layer": 8, "ngram_sizes": None}),
+    ("ngram", "ngram", {"ngram_sizes": (1, 3)}),
+    ("ngram:2,4", "ngram", {"ngram_sizes": (2, 4)}),
+])
+def test_a_spec_is_parsed_once_into_typed_fields_and_written_back_as_it_was(text, mode, fields):
+    spec = DrafterSpec.parse(text)
+    assert str(spec) == text and spec.mode == mode and DrafterSpec.parse(spec) is spec
+    assert {name: getattr(spec, name) for name in fields} == fields
+    run = spec.with_(gamma=3, tree_width=4)
+    assert (run.gamma, run.tree_width, str(run)) == (3, 4, text)  # measured settings, not part of the text
+
+
+@pytest.mark.parametrize("bad", ["draft:", "self_spec:x", "self_spec:", "ngram:2", "ngram:a,b", "medusa:3", ""])
+def test_a_bad_spec_is_refused_naming_the_known_forms(bad):
+    with pytest.raises(DrafterSpecError, match="unknown drafter spec .*draft:DIR, self_spec:K, ngram or ngram:MIN,MAX"):
+        DrafterSpec.parse(bad)
+
+
+def test_a_new_kind_is_one_registration():
+    register_kind(Kind("lookup", "ngram", "lookup:N", str.isdigit, lambda target, s: NgramDrafter(1, int(s.arg))))
+    try:
+        spec = DrafterSpec.parse("lookup:5")
+        assert spec.mode == "ngram" and drafter_from_spec(None, spec).max_n == 5
+        with pytest.raises(ValueError, match="already registered"):
+            register_kind(KINDS["lookup"])
+    finally:
+        KINDS.pop("lookup")
+
+
+def test_specs_build_drafters_that_state_their_capabilities():
+    target = make_tiny_llama(layers=4, seed=2)
+    early = drafter_from_spec(target, DrafterSpec.parse("self_spec:2").with_(tree_width=3))
+    assert isinstance(early, SelfSpecDrafter) and early.tree_width == 3 and early.model is not None
+    assert early.feature_layers == ()  # drafts without the target's features
+    ngram = drafter_from_spec(target, "ngram:2,4")
+    assert (ngram.tree_width, ngram.model, tuple(ngram.feature_layers)) == (1, None, ())
+    with pytest.raises(NotImplementedError, match="chains only"):
+        ngram.propose_tree(None, 2)
