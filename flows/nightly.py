@@ -13,10 +13,9 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from specdistill.ops.policy import Role
+from specdistill.pipeline.bench import Role, measured_drafters
 from specdistill.pipeline.config import load_nightly_config
 from specdistill.pipeline.report import report_table, write_report
-from specdistill.speculative.specs import DrafterSpec
 from tasks import nightly as t
 
 
@@ -44,16 +43,8 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
     heldout_data = t.generate_responses(config, window, "eval", fp, record_teacher=False)
     trained = t.distill(config, train_data, heldout_data, warm_start["dir"] if warm_start else None, fp)
 
-    drafters = {Role.CHALLENGER.value: str(DrafterSpec("draft", trained["draft_dir"]))}
-    if warm_start:
-        drafters[Role.CHAMPION.value] = str(DrafterSpec("draft", warm_start["dir"]))
-    if config.bench.generic_draft:
-        generic = t.generic_baseline(config, window, heldout_data, fp)
-        drafters[Role.GENERIC.value] = str(DrafterSpec("draft", generic["draft_dir"]))
-    for layer in config.bench.self_spec_layers:
-        drafters[f"self-spec@{layer}"] = str(DrafterSpec("self_spec", str(layer)))
-    if config.bench.ngram:
-        drafters["ngram"] = str(DrafterSpec("ngram"))
+    generic = t.generic_baseline(config, window, heldout_data, fp) if config.bench.generic_draft else None
+    drafters = measured_drafters(config, trained, warm_start, generic)
     results = t.benchmark(config, window, drafters, fp)
     speeds = t.engine_benchmark(config, window, drafters, fp) if config.serving.engine != "harness" else None
 

@@ -4,6 +4,10 @@ drift apart. The red line and every decision taken on these numbers are in `ops.
 
 from __future__ import annotations
 
+# Draft tokens per round where nothing chose γ yet (a first benchmark, the command line). The nightly then
+# measures each drafter's own γ (`speculative.gamma`), and serving and the monitor use the measured one.
+DEFAULT_GAMMA = 4
+
 
 def expected_tokens_per_round(alpha: float, gamma: int) -> float:
     """Tokens per target forward, bonus included: (1 − α^(γ+1)) / (1 − α) under i.i.d. acceptance."""

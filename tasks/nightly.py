@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prefect import task
 
-from specdistill.pipeline import answers, engine_bench, serve, success
+from specdistill.pipeline import answers, bench, engine_bench, serve, success
 from specdistill.pipeline import nightly as pipeline
 from specdistill.pipeline.config import NightlyConfig, SourceConfig
 from specdistill.pipeline.outputs import (
@@ -77,7 +77,7 @@ def generic_baseline(config: NightlyConfig, window: WindowDict, heldout_data: Ge
 
 @task(name="benchmark", **CACHED)
 def benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str], target_fingerprint: str) -> dict[str, BenchEntry]:
-    return pipeline.benchmark(config, window, drafters)
+    return bench.benchmark(config, window, drafters)
 
 
 @task(name="engine-benchmark", **CACHED)
@@ -88,7 +88,7 @@ def engine_benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[s
 @task(name="gate")
 def gate(config: NightlyConfig, challenger: BenchEntry, champion: BenchEntry | None, baselines: dict[str, BenchEntry],
          speeds: dict[str, BenchEntry] | None = None) -> VerdictDict:
-    return pipeline.gate(config, challenger, champion, baselines, speeds)
+    return bench.gate(config, challenger, champion, baselines, speeds)
 
 
 @task(name="register", retries=2, retry_delay_seconds=5)

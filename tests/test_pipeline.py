@@ -10,6 +10,7 @@ import torch
 
 from specdistill.config import ConfigError
 from specdistill.modeling.vocab import DraftVocab, remap_draft_vocab
+from specdistill.pipeline import bench as bench_stage
 from specdistill.pipeline import nightly as pipeline
 from specdistill.pipeline.config import load_nightly_config, run_root
 from specdistill.pipeline.report import report_table
@@ -45,28 +46,28 @@ def _result(alpha, tau, speedup=1.2, lossless=True):
 def test_demo_gate_holds_the_red_line_and_requires_beating_the_generic_draft():
     cfg = load_nightly_config()
     # the draft gate keeps the first-position bar (the red line); speed is the serving choice's job, not the draft gate's
-    assert pipeline.gate(cfg, _result(0.6, 2.5, speedup=0.8), None, {"generic": _result(0.1, 1.2)})["promote"]
-    low = pipeline.gate(cfg, _result(0.2, 1.5, speedup=1.5), None, {"generic": _result(0.1, 1.2)})
+    assert bench_stage.gate(cfg, _result(0.6, 2.5, speedup=0.8), None, {"generic": _result(0.1, 1.2)})["promote"]
+    low = bench_stage.gate(cfg, _result(0.2, 1.5, speedup=1.5), None, {"generic": _result(0.1, 1.2)})
     assert not low["passed"] and any("acceptance" in f for f in low["failures"])
-    lost = pipeline.gate(cfg, _result(0.6, 2.5), None, {"generic": _result(0.65, 2.6)})
+    lost = bench_stage.gate(cfg, _result(0.6, 2.5), None, {"generic": _result(0.65, 2.6)})
     assert not lost["passed"] and any("generic" in f for f in lost["failures"])
 
 
 def test_gate_promotes_only_a_real_improvement():
     cfg = load_nightly_config(None, ["gate.overrides={}", "gate.must_beat=[]"])
-    assert pipeline.gate(cfg, _result(0.6, 2.5), None)["promote"]  # no champion: a pass promotes
-    better = pipeline.gate(cfg, _result(0.62, 2.6), _result(0.6, 2.5))
+    assert bench_stage.gate(cfg, _result(0.6, 2.5), None)["promote"]  # no champion: a pass promotes
+    better = bench_stage.gate(cfg, _result(0.62, 2.6), _result(0.6, 2.5))
     assert better["passed"] and better["promote"]
-    same = pipeline.gate(cfg, _result(0.6, 2.5), _result(0.6, 2.5))
+    same = bench_stage.gate(cfg, _result(0.6, 2.5), _result(0.6, 2.5))
     assert same["passed"] and not same["promote"] and any("champion stays" in r for r in same["reasons"])
-    noise = pipeline.gate(cfg, _result(0.61, 2.51), _result(0.6, 2.5))  # below the default margin, 0.02
+    noise = bench_stage.gate(cfg, _result(0.61, 2.51), _result(0.6, 2.5))  # below the default margin, 0.02
     assert noise["passed"] and not noise["promote"] and "min_accepted_length_gain 0.020" in noise["reasons"][-1]
     wide = load_nightly_config(None, ["gate.overrides={min_accepted_length_gain: 0.2}", "gate.must_beat=[]"])
-    widened = pipeline.gate(wide, _result(0.62, 2.6), _result(0.6, 2.5))
+    widened = bench_stage.gate(wide, _result(0.62, 2.6), _result(0.6, 2.5))
     assert widened["passed"] and not widened["promote"]
-    low = pipeline.gate(cfg, _result(0.3, 1.9), None)
+    low = bench_stage.gate(cfg, _result(0.3, 1.9), None)
     assert not low["passed"] and not low["promote"]
-    lossy = pipeline.gate(cfg, _result(0.9, 4.0, lossless=False), None)
+    lossy = bench_stage.gate(cfg, _result(0.9, 4.0, lossless=False), None)
     assert not lossy["promote"]
 
 
@@ -446,3 +447,50 @@ def test_registration_records_metrics_and_artifacts_and_a_missing_plot_library_o
     monkeypatch.setattr(BenchResult, "plot", broken)
     with pytest.raises(KeyError):  # anything else is not swallowed
         registration_artifacts(load_nightly_config(), results, verdict, trained, None)
+
+
+def test_the_run_dtype_reaches_every_model_load_and_the_feature_pass(tmp_path, monkeypatch):
+    """dtype=float32 (on a bf16 CPU too, where `auto` is bf16): the target, the champion, the exported
+    early exits and the EAGLE-3 feature pass all run in float32."""
+    from specdistill.distill import train as train_module
+    from specdistill.modeling import models
+    from specdistill.modeling.drafts import init_draft_from_target, save_draft
+    from specdistill.pipeline import engine_bench, serve
+    from tests.conftest import save_tiny_target
+
+    target_dir = save_tiny_target(tmp_path / "target")
+    seen: list = []
+    real = models.load_model
+    monkeypatch.setattr(models, "load_model", lambda ref, **kw: seen.append((str(ref), kw.get("dtype"))) or real(ref, **kw))
+    config = load_nightly_config(None, [f"target={target_dir}", "dtype=float32", "train.kind=eagle3"])
+    info = pipeline.describe_target(config.target, config.dtype)
+    assert info["dtype"] == "float32"
+    loaded = real(target_dir)
+    champion = save_draft(init_draft_from_target(loaded.model, [0, 3]), loaded.tokenizer, tmp_path / "champion")
+    pipeline.align_champion(config, {"name": "d", "version": "1", "dir": str(champion), "tags": {}})
+    engine_bench.llamacpp_spec(config, "self-spec@2", "self_spec:2")
+    decision = {"mode": "self_speculation", "name": "self-spec@2", "spec": "self_spec:2", "gamma": 2, "speedup": 1.2,
+                "reason": "r", "measured": {}, "measured_on": "", "predicted_speedups": {}, "verify_costs": {},
+                "gamma_note": ""}
+    serve.serving_config(decision, info)
+    assert len(seen) >= 4 and all(dtype == "float32" for _, dtype in seen), seen
+
+    captured = {}
+    monkeypatch.setattr(train_module, "distill", lambda dcfg: captured.setdefault("config", dcfg) and {})
+    pipeline.distill_draft(config, {"path": str(tmp_path / "a.jsonl"), "teacher_cache": str(tmp_path / "teacher")},
+                           {"path": str(tmp_path / "h.jsonl")})
+    dcfg = captured["config"]
+    assert dcfg.eagle3.feature_dtype == "float32" and dcfg.device == config.device == "auto"
+
+
+def test_a_device_the_machine_lacks_fails_at_config_load_naming_the_key(monkeypatch):
+    import torch
+
+    from specdistill.config import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="device.*'cuda:1' but torch sees no CUDA device"):
+        load_nightly_config(None, ["device=cuda:1"])
+    with pytest.raises(ConfigError, match="device.*unknown device 'gpu'"):
+        load_nightly_config(None, ["device=gpu"])
+    assert load_nightly_config(None, ["device=cpu"]).device == "cpu"

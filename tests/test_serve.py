@@ -7,6 +7,7 @@ import pytest
 
 from specdistill.ops import registry
 from specdistill.ops.serving import read_serving_config
+from specdistill.pipeline import bench as bench_stage
 from specdistill.pipeline import nightly
 from specdistill.pipeline.config import load_nightly_config
 from specdistill.pipeline.serve import mode_of, serving_candidates, serving_config
@@ -120,8 +121,8 @@ def test_engine_choice_is_off_when_nothing_beats_target_only_there():
 def test_gate_speed_bar_reads_the_engine_speedup():
     config = load_nightly_config(None, ["serving.engine=llamacpp", "gate.overrides.min_speedup=1.0"])
     challenger = {"spec": "draft:/d/c", "speedup": 1.5, "lossless": True, "acceptance_rate": 0.7, "accepted_length": 3.0}
-    assert nightly.gate(config, challenger, None, {})["passed"]
-    verdict = nightly.gate(config, challenger, None, {}, speeds=ENGINE_SPEEDS)
+    assert bench_stage.gate(config, challenger, None, {})["passed"]
+    verdict = bench_stage.gate(config, challenger, None, {}, speeds=ENGINE_SPEEDS)
     assert not verdict["passed"] and any("0.20" in r for r in verdict["reasons"])
 
 

@@ -225,10 +225,12 @@ def test_device_choice_and_a_missing_gpu_fail_clearly(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert pick_device("auto") == torch.device("cpu") and pick_device("cpu") == torch.device("cpu")
-    with pytest.raises(ValueError, match="device=cuda but torch sees no CUDA device"):
+    with pytest.raises(ValueError, match="device 'cuda' but torch sees no CUDA device"):
         pick_device("cuda")
     with pytest.raises(ConfigError, match="device"):
         load_config(None, ["data.path=x.jsonl", "device=tpu"])
+    with pytest.raises(ConfigError, match="device.*'cuda:0' but torch sees no CUDA device"):
+        load_config(None, ["data.path=x.jsonl", "device=cuda:0"])  # at config load, naming the key
 
 
 def test_batches_and_teacher_rows_move_together():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from specdistill.acceptance import DEFAULT_GAMMA
 from specdistill.cli.common import (
     Subcommands,
     add_db,
@@ -25,7 +26,7 @@ def _drafter(args: argparse.Namespace, target):
 
     drafter = make_drafter(target, draft=args.draft, self_spec=args.self_spec, ngram=args.ngram,
                            ngram_min=args.ngram_min, ngram_max=args.ngram_max, tree_width=args.tree_width)
-    if args.tree_width != 1 and not hasattr(drafter, "propose_tree"):
+    if args.tree_width != 1 and (drafter is None or drafter.tree_width != args.tree_width):
         raise ValueError(f"--tree-width {args.tree_width}: only a model drafter drafts a tree (--draft DIR or --self-spec K)")
     return drafter
 
@@ -201,7 +202,7 @@ def _add_drafting(p: argparse.ArgumentParser) -> None:
     how.add_argument("--ngram", action="store_true", help="prompt-lookup drafting from the history")
     p.add_argument("--ngram-min", type=positive_int, default=1)
     p.add_argument("--ngram-max", type=positive_int, default=3)
-    p.add_argument("--gamma", type=positive_int, default=4, help="draft tokens per round")
+    p.add_argument("--gamma", type=positive_int, default=DEFAULT_GAMMA, help="draft tokens per round")
     p.add_argument("--tree-width", type=positive_int, default=1, metavar="W",
                    help="draft model, EAGLE-3 head or early exit, greedy: verify its top W candidates for the first "
                         "draft position as a tree")

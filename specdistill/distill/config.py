@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from specdistill.config import Strict, load_model_config
 
@@ -98,8 +98,15 @@ class DistillConfig(Strict):
     keep_checkpoints: int = Field(2, ge=1)
     seed: int = 0
     threads: int | None = None
-    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: each rank's GPU (LOCAL_RANK) when there is one
+    device: str = "auto"  # auto: each rank's GPU (LOCAL_RANK) when there is one; cpu, cuda or cuda:N
     progress: bool = True
+
+    @field_validator("device")
+    @classmethod
+    def _device_exists(cls, device: str) -> str:
+        from specdistill.modeling.models import check_device  # torch, only when a config is validated
+
+        return check_device(device)
 
     @model_validator(mode="after")
     def _consistent(self):

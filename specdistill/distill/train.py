@@ -36,6 +36,7 @@ from specdistill.distill.config import DistillConfig, save_config
 from specdistill.distill.datagen import DataOrder, read_examples
 from specdistill.distill.eagle3_train import Eagle3Task
 from specdistill.distill.layer_task import DraftWithHead, LayerTask, batch_loss, heldout_acceptance
+from specdistill.modeling.models import check_device
 
 __all__ = ["DraftWithHead", "NonFiniteLossError", "batch_loss", "distill", "heldout_acceptance", "lr_at"]
 
@@ -77,12 +78,13 @@ def apply_freeze(model: torch.nn.Module, patterns: list[str]) -> tuple[int, int]
 
 
 def pick_device(wanted: str) -> torch.device:
-    """`auto`: this rank's GPU (LOCAL_RANK) when CUDA is there, else the CPU; `cuda` without a GPU is an error."""
-    if wanted == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device=cuda but torch sees no CUDA device (a CPU build, or no GPU on this node)")
+    """`auto`: this rank's GPU (LOCAL_RANK) when CUDA is there, else the CPU; `cuda:N`: that GPU; `cuda`
+    without a GPU is an error (`modeling.models.check_device`)."""
+    check_device(wanted)
     if wanted == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    index = wanted.partition(":")[2]
+    device = torch.device("cuda", int(index) if index else int(os.environ.get("LOCAL_RANK", "0")))
     torch.cuda.set_device(device)
     return device
 

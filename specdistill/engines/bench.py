@@ -19,6 +19,7 @@ import statistics
 import sys
 from dataclasses import dataclass
 
+from specdistill.acceptance import DEFAULT_GAMMA
 from specdistill.engines.client import Completion, chat, metrics_url
 from specdistill.engines.prom import Scrape, scrape
 from specdistill.speculative.bench import Prompt
@@ -32,7 +33,7 @@ TARGET_ONLY = "target-only"
 class EngineBenchConfig:
     max_new_tokens: int = 48
     repeats: int = 1
-    gamma: int = 4  # K the speculative endpoints were started with (recorded, not set, here)
+    gamma: int = DEFAULT_GAMMA  # K the speculative endpoints were started with (recorded, not set, here)
     near_tie_tolerance: float = DEFAULT_TOLERANCE
     top_logprobs: int = 5  # alternatives asked for when judging a divergence
     seed: int = 0

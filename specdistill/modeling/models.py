@@ -92,6 +92,24 @@ def resolve_dtype(dtype: str | torch.dtype = "auto") -> torch.dtype:
     return DTYPES[dtype]
 
 
+DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
+
+
+def check_device(device: str) -> str:
+    """A device setting as written (`auto`: the GPU when torch sees one, else the CPU), refused now when it
+    names a GPU this machine does not have, so a config fails at load, not hours into a run."""
+    kind, _, index = device.partition(":")
+    if device == "auto" or device == "cpu":
+        return device
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise ValueError(f"unknown device {device!r}; choose {DEVICE_CHOICES}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} but torch sees no CUDA device (a CPU build, or no GPU on this machine)")
+    if index and int(index) >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r} but torch sees {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype).removeprefix("torch."))
 

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from specdistill.acceptance import DEFAULT_GAMMA
 from specdistill.data.prompts import MAX_PROMPT_TOKENS, usable_prompt
 from specdistill.modeling.models import LoadedModel, load_model
 from specdistill.ops.exporter import refresh_metrics, serve_metrics  # noqa: F401  (the exporter's home)
@@ -90,7 +91,7 @@ class AcceptanceSample:
     source: str = "replay"
     target_fingerprint: str = ""
     draft_version: str = ""
-    gamma: int = 4
+    gamma: int = DEFAULT_GAMMA
     requests: int = 0
     rounds: int = 0
     proposed: int = 0
@@ -137,7 +138,7 @@ def replay_acceptance(
     store,
     *,
     n_prompts: int = 16,
-    gamma: int = 4,
+    gamma: int = DEFAULT_GAMMA,
     max_new_tokens: int = 48,
     target_version: str | None = None,
     draft_version: str | None = None,
@@ -283,7 +284,7 @@ def choose_fallback(
     prompts: Sequence[Prompt],
     *,
     exit_layers: Sequence[int] = (4, 8, 12),
-    gamma: int = 4,
+    gamma: int = DEFAULT_GAMMA,
     max_new_tokens: int = 32,
     min_tokens: int = 64,
     repeats: int = 3,

@@ -7,12 +7,14 @@ from __future__ import annotations
 import hashlib
 import json
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from specdistill import paths
+from specdistill.acceptance import DEFAULT_GAMMA
 from specdistill.config import ConfigError, Strict, load_model_config
 from specdistill.data.prompts import MAX_PROMPT_TOKENS
 from specdistill.ops.policy import CONFIDENCE, DEFAULT_MARGIN, MAX_RELATIVE_DROP, RED_LINE, Role
@@ -83,7 +85,7 @@ class TrainConfig(Strict):
 
 
 class BenchSettings(Strict):
-    gamma: int = Field(4, ge=1)
+    gamma: int = Field(DEFAULT_GAMMA, ge=1)  # the first benchmark's γ; then each drafter's is measured
     # EAGLE-3 heads, greedy: first-position candidates verified as a tree (1: a chain). Serving: SGLang's
     # --speculative-eagle-topk; vLLM and llama.cpp verify a chain
     tree_width: int = Field(4, ge=1)
@@ -143,9 +145,18 @@ class NightlyConfig(Strict):
     bench: BenchSettings = BenchSettings()
     gate: GateSettings = GateSettings()
     serving: ServingSettings = ServingSettings()
+    # the one dtype and device every stage's models run in: answers, features, training, benchmark, exports
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 where the hardware has it (CUDA, AVX-512 BF16, AMX)
+    device: str = "auto"  # auto: the GPU when torch sees one, else the CPU; cpu, cuda or cuda:N (training and features)
     log_db: str | None = None  # default: SQLite under $SPECDISTILL_HOME
     serving_path: str | None = None  # default: $SPECDISTILL_HOME/serving.json
+
+    @field_validator("device")
+    @classmethod
+    def _device_exists(cls, device: str) -> str:
+        from specdistill.modeling.models import check_device
+
+        return check_device(device)
 
     @model_validator(mode="after")
     def _engine_reaches_the_target(self):
@@ -169,7 +180,7 @@ class MonitorConfig(Strict):
     # first-position acceptance this far (relatively) under the champion's own at registration: retrain, keep serving
     max_relative_drop: float = Field(MAX_RELATIVE_DROP, gt=0.0, lt=1.0)
     replay_prompts: int = Field(12, ge=1)
-    gamma: int = Field(4, ge=1)
+    gamma: int | None = Field(None, ge=1)  # None: the γ serving.json names (what is served), else the nightly's bench.gamma
     max_new_tokens: int = Field(32, ge=1)
     min_draft_tokens: int = Field(64, ge=1)  # fewer sampled tokens: no sample, no decision
     live_metrics_url: str | None = None  # a serving engine's /metrics (vLLM or llama.cpp names); else replay
@@ -187,9 +198,20 @@ class MonitorConfig(Strict):
         registered = current_target()
         return registered.ref if registered else "demo"
 
-    @property
+    @cached_property
     def nightly(self) -> NightlyConfig:
+        """The nightly config this monitor run retrains with, read once (YAML and the target registry)."""
         return load_nightly_config(self.nightly_config, [f"target={self.target_ref()}", *self.nightly_overrides])
+
+    def replay_gamma(self) -> int:
+        """The γ the champion is measured and a fallback served at: `gamma`, else what serving.json serves,
+        else the nightly's `bench.gamma`."""
+        if self.gamma is not None:
+            return self.gamma
+        from specdistill.ops.serving import read_serving_config
+
+        served = read_serving_config(self.nightly.serving_path)
+        return served.num_speculative_tokens if served is not None and served.mode != "off" else self.nightly.bench.gamma
 
 
 def load_monitor_config(path: str | Path | None = None, overrides: list[str] | None = None) -> MonitorConfig:

@@ -141,7 +141,7 @@ def sample_acceptance(config: MonitorConfig, champion: Champion, target: TargetV
         from specdistill.ops.monitor import replay_acceptance
 
         sample = replay_acceptance(target["path"], champion["dir"], store, n_prompts=config.replay_prompts,
-                                   gamma=config.gamma, max_new_tokens=config.max_new_tokens,
+                                   gamma=config.replay_gamma(), max_new_tokens=config.max_new_tokens,
                                    target_version=target["fingerprint"], draft_version=champion["version"],
                                    min_draft_tokens=config.min_draft_tokens,
                                    max_prompt_tokens=nightly.window.max_prompt_tokens, dtype=nightly.dtype)
@@ -159,7 +159,7 @@ def measure_fallback(config: MonitorConfig, target: TargetVersionDict) -> Fallba
     with LogStore(nightly.log_db) as store:
         prompts = prompts_from_store(store, loaded.tokenizer, config.replay_prompts,
                                      max_prompt_tokens=nightly.window.max_prompt_tokens)
-    decision = choose_fallback(loaded, prompts, exit_layers=config.fallback_exit_layers, gamma=config.gamma,
+    decision = choose_fallback(loaded, prompts, exit_layers=config.fallback_exit_layers, gamma=config.replay_gamma(),
                                max_new_tokens=config.max_new_tokens, min_tokens=config.fallback_min_tokens,
                                repeats=config.fallback_repeats)
     return decision.to_dict()
@@ -177,9 +177,9 @@ def apply_fallback(config: MonitorConfig, fallback: FallbackChoice, target: Targ
     mode, k = fallback["mode"], fallback.get("exit_layer")
     draft_dir = None
     if mode == "self_speculation":
-        loaded = load_model(target["path"], dtype="float32")  # a weight copy, exported at full precision
+        loaded = load_model(target["path"], dtype=config.nightly.dtype)  # the dtype the fallback was measured in
         draft_dir = str(export_early_exit_draft(loaded, k, early_exit_dir(target["fingerprint"], k)))
-    serving = ServingConfig(mode=mode, draft_dir=draft_dir, exit_layer=k, num_speculative_tokens=config.gamma,
+    serving = ServingConfig(mode=mode, draft_dir=draft_dir, exit_layer=k, num_speculative_tokens=config.replay_gamma(),
                             target_fingerprint=target["fingerprint"], reason=f"monitor fallback: {fallback['reason']}")
     with registry.promotion_lock():
         path = write_serving_config(serving, config.nightly.serving_path)

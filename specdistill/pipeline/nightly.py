@@ -3,8 +3,8 @@
 Each stage takes and returns small, JSON-friendly values (paths, ids, the TypedDicts of
 `pipeline.outputs`), writes its outputs under a content-addressed directory, and resumes from what
 is already there, so a rerun after a failure recomputes nothing that finished. `flows/nightly.py`
-composes them in the order of the README's pipeline diagram; the Markdown report and the registration's record are in
-`pipeline.report`.
+composes them in the order of the README's pipeline diagram; the benchmark and the gate are in
+`pipeline.bench`; the Markdown report and the registration's record are in `pipeline.report`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from specdistill.pipeline.outputs import (
 )
 
 
-def _target_tokenizer(config: NightlyConfig):
+def target_tokenizer(config: NightlyConfig):
     from transformers import AutoTokenizer
 
     from specdistill.modeling.models import resolve_model_dir
@@ -95,14 +95,14 @@ def align_champion(config: NightlyConfig, champion: Champion | None) -> WarmStar
     from specdistill.modeling.models import load_model, resolve_model_dir
     from specdistill.modeling.vocab import DraftVocab
 
-    target_tok = _target_tokenizer(config)
+    target_tok = target_tokenizer(config)
     if is_eagle3_dir(champion["dir"]):  # a head: its draft vocabulary carried over; embeddings are the target's
-        target = load_model(config.target)
+        target = load_model(config.target, dtype=config.dtype)
         out = run_root() / "aligned" / f"{champion['name']}-{champion['version']}-{target.fingerprint}"
         aligned_dir, head, report = align_head(champion["dir"], target.model, target_tok, out)
         return WarmStart(**{**champion, "dir": str(aligned_dir)}, transplanted=head.transplanted, vocab_report=report)
     target_vocab_size = AutoConfig.from_pretrained(resolve_model_dir(config.target)).vocab_size
-    draft = load_model(champion["dir"])
+    draft = load_model(champion["dir"], dtype=config.dtype)
     aligned = align_draft(draft.model, draft.tokenizer, target_tok, DraftVocab.load(champion["dir"]),
                           target_vocab_size=target_vocab_size, copy_model=False)
     report = aligned.report.to_dict()
@@ -139,7 +139,7 @@ def select_window(config: NightlyConfig, now: datetime | None = None) -> Window:
     from specdistill.data.prompts import usable_prompt
 
     w = config.window
-    tokenizer = _target_tokenizer(config)
+    tokenizer = target_tokenizer(config)
     now = now or datetime.now(timezone.utc)
     since = w.since if w.since is not None else (now - timedelta(days=w.days) if w.days is not None else None)
     if since is not None and since.tzinfo is None:
@@ -243,7 +243,8 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | dict, heldo
         teacher = TeacherConfig(mode="cache", cache_dir=train_data["teacher_cache"])
         if kind == "eagle3":  # features beside the teacher cache: every run on this data reuses them
             head_layers = aux_layers_of(warm_start) if warm_start else None  # other layers than the answer pass's: own dir
-            eagle3 = Eagle3Config(steps=tc.eagle3_steps, feature_dir=str(features_dir(train_data["teacher_cache"], head_layers)))
+            eagle3 = Eagle3Config(steps=tc.eagle3_steps, feature_dir=str(features_dir(train_data["teacher_cache"], head_layers)),
+                                  feature_dtype=config.dtype)  # the features in the dtype the answers were computed in
         lr = tc.incremental_lr if warm_start else tc.lr
     result_file = out_dir / "result.json"
     if result_file.is_file():  # finished before: a rerun reuses it
@@ -254,75 +255,9 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | dict, heldo
         optim=OptimConfig(lr=lr, batch_size=tc.batch_size, max_steps=tc.max_steps, max_minutes=tc.max_minutes,
                           warmup_steps=min(20, tc.max_steps // 10), bf16=train_autocast(config)),
         out_dir=str(out_dir), checkpoint_every=max(10, tc.max_steps // 4), eval_every=max(10, tc.max_steps // 4),
-        threads=config.bench.threads,
+        threads=config.bench.threads, device=config.device,
     )
     return distill(dcfg)
-
-
-# --------------------------------------------------------------------------------------------
-# Stage: benchmark
-
-
-def bench_prompts(config: NightlyConfig, window: WindowDict):
-    """The window's eval prompts as the benchmark runs them: chat-templated ids, by slice."""
-    from specdistill.data.prompts import encode_chat
-    from specdistill.speculative.bench import Prompt
-
-    tokenizer = _target_tokenizer(config)
-    return [Prompt(text="", slice=p["slice"], ids=encode_chat(tokenizer, p["messages"])) for p in window["eval"]]
-
-
-def benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str]) -> dict[str, BenchEntry]:
-    """Every drafter on the same held-out prompts, sharing one interleaved target-only run per prompt,
-    then (`serving.choose_gamma`) each at the γ its curve predicts best, confirmed by a second run.
-
-    A drafter spec is what `speculative.drafter_from_spec` reads (`draft:DIR`, `self_spec:K`, `ngram`);
-    results are keyed by the given name.
-    """
-    import torch
-
-    from specdistill.modeling.models import load_model
-    from specdistill.speculative import drafter_from_spec
-    from specdistill.speculative.bench import BenchConfig, run_bench_many
-    from specdistill.speculative.gamma import bench_at_best_gamma
-
-    if config.bench.threads:
-        torch.set_num_threads(config.bench.threads)
-    target = load_model(config.target, dtype=config.dtype)
-    prompts = bench_prompts(config, window)
-    b, s = config.bench, config.serving
-    bcfg = BenchConfig(gamma=b.gamma, max_new_tokens=b.max_new_tokens, repeats=b.repeats)
-    made = {name: drafter_from_spec(target.model, spec, tree_width=_served_tree_width(spec, b.tree_width))
-            for name, spec in drafters.items()}
-    results = run_bench_many(target.model, target.tokenizer, made, prompts, bcfg)
-    if s.choose_gamma:
-        results = bench_at_best_gamma(target.model, target.tokenizer, made, prompts, bcfg, results, range(1, s.max_gamma + 1))
-    return {name: BenchEntry(**result.to_dict(), spec=drafters[name]) for name, result in results.items()}
-
-
-def _served_tree_width(spec: str, width: int) -> int:
-    """The tree width a drafter is measured with: vLLM and SGLang verify trees for EAGLE-3 heads only,
-    so any other draft is measured as the chain it would be served as."""
-    from specdistill.modeling.eagle3_io import is_eagle3_dir
-    from specdistill.speculative.specs import DrafterSpec
-
-    path = DrafterSpec.parse(spec).path
-    return width if path and Path(path).is_dir() and is_eagle3_dir(path) else 1
-
-
-def gate(config: NightlyConfig, challenger: BenchEntry, champion: BenchEntry | None,
-         baselines: dict[str, BenchEntry] | None = None, speeds: dict[str, BenchEntry] | None = None) -> VerdictDict:
-    """The gate's verdict (`ops.policy.evaluate`) under the run's profile, overrides and `must_beat`.
-    With `speeds` (the serving engine's measurements) its speed bar reads the engine's speedups."""
-    from specdistill.ops.policy import Role, evaluate, gate_config
-
-    if speeds:
-        challenger = {**challenger, "speedup": speeds[Role.CHALLENGER]["speedup"]} if Role.CHALLENGER in speeds else challenger
-        if champion is not None and Role.CHAMPION in speeds:
-            champion = {**champion, "speedup": speeds[Role.CHAMPION]["speedup"]}
-    g = config.gate
-    return evaluate(challenger, gate_config(g.profile, **g.overrides), champion=champion,
-                    baselines=baselines, must_beat=g.must_beat).to_dict()
 
 
 # --------------------------------------------------------------------------------------------

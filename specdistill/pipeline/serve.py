@@ -68,7 +68,7 @@ def choose_engine_serving(config: NightlyConfig, speeds: dict[str, BenchEntry], 
 def choose_serving(config: NightlyConfig, window: WindowDict, results: dict[str, BenchEntry],
                    verdict: VerdictDict, speeds: dict[str, BenchEntry] | None = None) -> ServingDecision:
     """`speeds` (from `engine_bench.engine_benchmark`) when the serving engine is not the harness.
-    In the harness each entry was benchmarked at its own best γ already (`nightly.benchmark`), and
+    In the harness each entry was benchmarked at its own best γ already (`pipeline.bench.benchmark`), and
     the winner is served at that γ."""
     if config.serving.engine != "harness":
         if speeds is None:
@@ -125,7 +125,7 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
                              tree_width=tree, **common)
     if mode == "self_speculation":
         k = spec.exit_layer
-        loaded = load_model(target["path"], dtype="float32")  # a weight copy, exported at full precision
+        loaded = load_model(target["path"], dtype=target["dtype"])  # the dtype the mode was measured in
         out = export_early_exit_draft(loaded, k, early_exit_dir(target["fingerprint"], k))
         return ServingConfig(draft_dir=str(out), exit_layer=k, **common)
     if mode == "ngram":

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from specdistill.acceptance import ideal_speedup
+from specdistill.acceptance import DEFAULT_GAMMA, ideal_speedup
 from specdistill.data.prompt_files import PromptFileError, PromptRecord, read_prompt_file
 from specdistill.data.prompts import encode_chat
 from specdistill.modeling.drafts import measure_cost_ratio
@@ -50,7 +50,7 @@ __all__ = ["BenchConfig", "BenchResult", "Prompt", "PromptFileError", "SliceResu
 
 @dataclass
 class BenchConfig:
-    gamma: int = 4
+    gamma: int = DEFAULT_GAMMA
     max_new_tokens: int = 64
     repeats: int = 3
     temperature: float = 0.0  # greedy by default: the lossless check needs it

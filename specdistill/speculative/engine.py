@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import PreTrainedModel
 
+from specdistill.acceptance import DEFAULT_GAMMA
 from specdistill.modeling.attention import decode_attention_for
 from specdistill.modeling.eagle3 import FeatureHooks
 from specdistill.modeling.kv_cache import preallocated_cache
@@ -160,7 +161,7 @@ def generate(
     *,
     max_new_tokens: int,
     drafter: Drafter | None = None,
-    gamma: int = 4,
+    gamma: int = DEFAULT_GAMMA,
     sampling: SamplingConfig | None = None,
     stop_token_ids: Iterable[int] | None = None,
 ) -> GenerationResult:

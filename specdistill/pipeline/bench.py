@@ -1,0 +1,89 @@
+"""The nightly's benchmark and gate stages: which drafters are measured (the drafts by their role,
+the draft-free modes by name), every one on the same held-out prompts at its own best γ, and the
+gate's verdict on the challenger (`ops.policy.evaluate`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specdistill.ops.policy import Role
+from specdistill.pipeline.config import NightlyConfig
+from specdistill.pipeline.nightly import target_tokenizer
+from specdistill.pipeline.outputs import BenchEntry, Trained, VerdictDict, WarmStart, WindowDict
+from specdistill.speculative.specs import DrafterSpec
+
+
+def measured_drafters(config: NightlyConfig, trained: Trained, warm_start: WarmStart | None,
+                      generic: Trained | None) -> dict[str, str]:
+    """The benchmark's entries and their drafter specs: the drafts by their role (the challenger, the
+    champion as warm-started, the generic baseline), the draft-free modes by their own names."""
+    drafters = {Role.CHALLENGER.value: str(DrafterSpec("draft", trained["draft_dir"]))}
+    if warm_start:
+        drafters[Role.CHAMPION.value] = str(DrafterSpec("draft", warm_start["dir"]))
+    if generic:
+        drafters[Role.GENERIC.value] = str(DrafterSpec("draft", generic["draft_dir"]))
+    for layer in config.bench.self_spec_layers:
+        drafters[f"self-spec@{layer}"] = str(DrafterSpec("self_spec", str(layer)))
+    if config.bench.ngram:
+        drafters["ngram"] = str(DrafterSpec("ngram"))
+    return drafters
+
+
+def bench_prompts(config: NightlyConfig, window: WindowDict):
+    """The window's eval prompts as the benchmark runs them: chat-templated ids, by slice."""
+    from specdistill.data.prompts import encode_chat
+    from specdistill.speculative.bench import Prompt
+
+    tokenizer = target_tokenizer(config)
+    return [Prompt(text="", slice=p["slice"], ids=encode_chat(tokenizer, p["messages"])) for p in window["eval"]]
+
+
+def benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str]) -> dict[str, BenchEntry]:
+    """Every drafter on the same held-out prompts, sharing one interleaved target-only run per prompt,
+    then (`serving.choose_gamma`) each at the γ its curve predicts best, confirmed by a second run.
+
+    A drafter spec is what `speculative.drafter_from_spec` reads (`draft:DIR`, `self_spec:K`, `ngram`);
+    results are keyed by the given name.
+    """
+    import torch
+
+    from specdistill.modeling.models import load_model
+    from specdistill.speculative import drafter_from_spec
+    from specdistill.speculative.bench import BenchConfig, run_bench_many
+    from specdistill.speculative.gamma import bench_at_best_gamma
+
+    if config.bench.threads:
+        torch.set_num_threads(config.bench.threads)
+    target = load_model(config.target, dtype=config.dtype)
+    prompts = bench_prompts(config, window)
+    b, s = config.bench, config.serving
+    bcfg = BenchConfig(gamma=b.gamma, max_new_tokens=b.max_new_tokens, repeats=b.repeats)
+    made = {name: drafter_from_spec(target.model, spec, tree_width=_served_tree_width(spec, b.tree_width))
+            for name, spec in drafters.items()}
+    results = run_bench_many(target.model, target.tokenizer, made, prompts, bcfg)
+    if s.choose_gamma:
+        results = bench_at_best_gamma(target.model, target.tokenizer, made, prompts, bcfg, results, range(1, s.max_gamma + 1))
+    return {name: BenchEntry(**result.to_dict(), spec=drafters[name]) for name, result in results.items()}
+
+
+def _served_tree_width(spec: str, width: int) -> int:
+    """The tree width a drafter is measured with: vLLM and SGLang verify trees for EAGLE-3 heads only,
+    so any other draft is measured as the chain it would be served as."""
+    from specdistill.modeling.eagle3_io import is_eagle3_dir
+    path = DrafterSpec.parse(spec).path
+    return width if path and Path(path).is_dir() and is_eagle3_dir(path) else 1
+
+
+def gate(config: NightlyConfig, challenger: BenchEntry, champion: BenchEntry | None,
+         baselines: dict[str, BenchEntry] | None = None, speeds: dict[str, BenchEntry] | None = None) -> VerdictDict:
+    """The gate's verdict (`ops.policy.evaluate`) under the run's profile, overrides and `must_beat`.
+    With `speeds` (the serving engine's measurements) its speed bar reads the engine's speedups."""
+    from specdistill.ops.policy import evaluate, gate_config
+
+    if speeds:
+        challenger = {**challenger, "speedup": speeds[Role.CHALLENGER]["speedup"]} if Role.CHALLENGER in speeds else challenger
+        if champion is not None and Role.CHAMPION in speeds:
+            champion = {**champion, "speedup": speeds[Role.CHAMPION]["speedup"]}
+    g = config.gate
+    return evaluate(challenger, gate_config(g.profile, **g.overrides), champion=champion,
+                    baselines=baselines, must_beat=g.must_beat).to_dict()
