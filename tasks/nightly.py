@@ -33,7 +33,7 @@ CACHED = dict(cache_key_fn=content_key, persist_result=True)
 
 @task(name="load-target")
 def load_target(config: NightlyConfig) -> TargetInfo:
-    return pipeline.describe_target(config.target, config.dtype)
+    return pipeline.describe_target(config.target, config.dtype, config.device)
 
 
 @task(name="ingest-logs", retries=2, retry_delay_seconds=5)

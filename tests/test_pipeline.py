@@ -461,9 +461,10 @@ def test_the_run_dtype_reaches_every_model_load_and_the_feature_pass(tmp_path, m
     target_dir = save_tiny_target(tmp_path / "target")
     seen: list = []
     real = models.load_model
-    monkeypatch.setattr(models, "load_model", lambda ref, **kw: seen.append((str(ref), kw.get("dtype"))) or real(ref, **kw))
+    monkeypatch.setattr(models, "load_model", lambda ref, **kw: seen.append((str(ref), kw.get("dtype"), kw.get("device")))
+                        or real(ref, **kw))
     config = load_nightly_config(None, [f"target={target_dir}", "dtype=float32", "train.kind=eagle3"])
-    info = pipeline.describe_target(config.target, config.dtype)
+    info = pipeline.describe_target(config.target, config.dtype, config.device)
     assert info["dtype"] == "float32"
     loaded = real(target_dir)
     champion = save_draft(init_draft_from_target(loaded.model, [0, 3]), loaded.tokenizer, tmp_path / "champion")
@@ -473,7 +474,9 @@ def test_the_run_dtype_reaches_every_model_load_and_the_feature_pass(tmp_path, m
                 "reason": "r", "measured": {}, "measured_on": "", "predicted_speedups": {}, "verify_costs": {},
                 "gamma_note": ""}
     serve.serving_config(decision, info)
-    assert len(seen) >= 4 and all(dtype == "float32" for _, dtype in seen), seen
+    assert len(seen) >= 4 and all(dtype == "float32" for _, dtype, _ in seen), seen
+    # the run's device reaches the loads that run (the serving export copies weights on the CPU)
+    assert all(device == "auto" for ref, _, device in seen[:3]), seen
 
     captured = {}
     monkeypatch.setattr(train_module, "distill", lambda dcfg: captured.setdefault("config", dcfg) and {})

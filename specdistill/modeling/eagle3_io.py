@@ -145,7 +145,7 @@ def load_eagle3(
     target_fingerprint: str | None = None,
     feature_layers: list[int] | None = None,
 ) -> LoadedEagle3:
-    """The head in `directory`, paired with `target` (its embeddings), in the target's dtype.
+    """The head in `directory`, paired with `target` (its embeddings), in the target's dtype and on its device.
 
     Shape, layers and (when given) the fingerprint and the layer set of the features it will be fed
     (a feature cache's) are checked before any weight is read. With
@@ -181,7 +181,8 @@ def load_eagle3(
         diff = sorted(set(expected.items()) ^ set(found.items()))[:6]
         raise Eagle3ShapeError(f"{weights} does not hold the tensors of its config.json (name, shape): {diff}")
     head.load_state_dict({**tensors, "embed_tokens.weight": head.embed_tokens.weight}, strict=True)
-    head.to(next(target.parameters()).dtype).eval()
+    weights_of_target = next(target.parameters())
+    head.to(device=weights_of_target.device, dtype=weights_of_target.dtype).eval()  # runs as the target does
     return LoadedEagle3(head, tokenizer, directory, meta, bool(reason), reason)
 
 

@@ -110,6 +110,16 @@ def check_device(device: str) -> str:
     return device
 
 
+def resolve_device(device: str | torch.device = "cpu") -> torch.device:
+    """`auto`: the GPU when torch sees one, else the CPU; otherwise the device named (checked first)."""
+    if isinstance(device, torch.device):
+        return device
+    check_device(device)
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype).removeprefix("torch."))
 
@@ -218,6 +228,7 @@ def load_model(
     ref: str | os.PathLike,
     *,
     dtype: str | torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
     trust_remote_code: bool = False,
     target: LoadedModel | None = None,
 ) -> LoadedModel:
@@ -226,9 +237,11 @@ def load_model(
     The fingerprint is taken over the weights as stored (fp32), whatever `dtype` the model runs in:
     a bf16 run and an fp32 run of one target are the same target version. An EAGLE-3 head drafts
     from a target's features and uses its embeddings, so it loads only with `target` (and runs in
-    the target's dtype); it is never read as a plain Llama model.
+    the target's dtype and on its device); it is never read as a plain Llama model. `device`: see
+    `resolve_device` (the pipeline passes its one `device` setting).
     """
     dtype = resolve_dtype(dtype)
+    device = resolve_device(device)
     model_dir = resolve_model_dir(ref)
     from specdistill.modeling.eagle3_io import is_eagle3_dir
 
@@ -247,6 +260,7 @@ def load_model(
     fp = known or cached_fingerprint(model_dir, model, tokenizer)
     if model.dtype != dtype:
         model.to(dtype)
+    model.to(device)
     pack_for_cpu(model)
     return LoadedModel(model, tokenizer, model_dir, fp)
 
@@ -254,7 +268,8 @@ def load_model(
 def pack_for_cpu(model: torch.nn.Module) -> None:
     """bf16 on a CPU with native bf16: linear layers on weights packed once, projections of one input fused
     (`modeling.packed`)."""
-    if next(model.parameters()).dtype == torch.bfloat16 and packing_available():
+    first = next(model.parameters())
+    if first.dtype == torch.bfloat16 and first.device.type == "cpu" and packing_available():
         pack_linears(model)
         fuse_projections(model)
 

@@ -43,8 +43,8 @@ from specdistill.speculative.bench import BenchConfig, Prompt, run_bench_many
 from specdistill.speculative.eagle import aligned_eagle_drafter
 
 
-def _loaded(ref: str | os.PathLike | LoadedModel, dtype: str = "float32") -> LoadedModel:
-    return ref if isinstance(ref, LoadedModel) else load_model(ref, dtype=dtype)
+def _loaded(ref: str | os.PathLike | LoadedModel, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+    return ref if isinstance(ref, LoadedModel) else load_model(ref, dtype=dtype, device=device)
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,6 +146,7 @@ def replay_acceptance(
     max_prompt_tokens: int = MAX_PROMPT_TOKENS,
     on_vocab_mismatch: str = "transplant",
     dtype: str = "float32",
+    device: str = "cpu",
     progress: bool = True,
 ) -> AcceptanceSample:
     """Replay the newest logged prompts through the engine (greedy) with the target and the draft.
@@ -159,9 +160,9 @@ def replay_acceptance(
     if on_vocab_mismatch not in ("transplant", "zero"):
         raise ValueError(f"on_vocab_mismatch must be 'transplant' or 'zero', not {on_vocab_mismatch!r}")
     start = time.perf_counter()
-    target = _loaded(target_ref, dtype)
+    target = _loaded(target_ref, dtype, device)
     head_dir = _eagle3_dir(draft_ref)  # an EAGLE-3 head loads only with its target (below)
-    draft = None if head_dir else _loaded(draft_ref, dtype)
+    draft = None if head_dir else _loaded(draft_ref, dtype, device)
     fp = target_version or target.fingerprint
     version = draft_version or str(draft_ref if not isinstance(draft_ref, LoadedModel) else draft.path)
     sample = AcceptanceSample(False, target_fingerprint=fp, draft_version=version, gamma=gamma)

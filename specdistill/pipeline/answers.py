@@ -33,7 +33,7 @@ def generate_responses(config: NightlyConfig, window: WindowDict, split: str, *,
     from specdistill.modeling.models import load_model
 
     g = config.generation
-    target = load_model(config.target, dtype=config.dtype)  # the harness answers in bf16 where the hardware has it
+    target = load_model(config.target, dtype=config.dtype, device=config.device)  # the harness answers in bf16 where the hardware has it
     prompts = [Prompt(p["id"], p["messages"]) for p in window[split]]
     answer = _answer_in_harness if g.backend == "harness" else _answer_in_engine
     records, source, out_path, cache_dir = answer(config, target, window, split, prompts, record_teacher)

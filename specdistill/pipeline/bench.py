@@ -54,7 +54,7 @@ def benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str
 
     if config.bench.threads:
         torch.set_num_threads(config.bench.threads)
-    target = load_model(config.target, dtype=config.dtype)
+    target = load_model(config.target, dtype=config.dtype, device=config.device)
     prompts = bench_prompts(config, window)
     b, s = config.bench, config.serving
     bcfg = BenchConfig(gamma=b.gamma, max_new_tokens=b.max_new_tokens, repeats=b.repeats)

@@ -147,7 +147,7 @@ class NightlyConfig(Strict):
     serving: ServingSettings = ServingSettings()
     # the one dtype and device every stage's models run in: answers, features, training, benchmark, exports
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 where the hardware has it (CUDA, AVX-512 BF16, AMX)
-    device: str = "auto"  # auto: the GPU when torch sees one, else the CPU; cpu, cuda or cuda:N (training and features)
+    device: str = "auto"  # auto: the GPU when torch sees one, else the CPU; cpu, cuda or cuda:N (every stage's models)
     log_db: str | None = None  # default: SQLite under $SPECDISTILL_HOME
     serving_path: str | None = None  # default: $SPECDISTILL_HOME/serving.json
 

@@ -33,7 +33,7 @@ def llamacpp_spec(config: NightlyConfig, name: str, spec: str) -> str:
     from specdistill.modeling.drafts import export_early_exit_draft
     from specdistill.modeling.models import load_model
 
-    target = load_model(config.target, dtype=config.dtype)  # the run's dtype, as every stage
+    target = load_model(config.target, dtype=config.dtype, device=config.device)  # the run's dtype, as every stage
     return str(DrafterSpec("draft", str(export_early_exit_draft(target, exit_layer))))
 
 

@@ -144,7 +144,7 @@ def sample_acceptance(config: MonitorConfig, champion: Champion, target: TargetV
                                    gamma=config.replay_gamma(), max_new_tokens=config.max_new_tokens,
                                    target_version=target["fingerprint"], draft_version=champion["version"],
                                    min_draft_tokens=config.min_draft_tokens,
-                                   max_prompt_tokens=nightly.window.max_prompt_tokens, dtype=nightly.dtype)
+                                   max_prompt_tokens=nightly.window.max_prompt_tokens, dtype=nightly.dtype, device=nightly.device)
         return sample.to_dict()
 
 
@@ -155,7 +155,7 @@ def measure_fallback(config: MonitorConfig, target: TargetVersionDict) -> Fallba
     from specdistill.ops.monitor import choose_fallback, prompts_from_store
 
     nightly = config.nightly
-    loaded = load_model(target["path"], dtype=nightly.dtype)
+    loaded = load_model(target["path"], dtype=nightly.dtype, device=nightly.device)
     with LogStore(nightly.log_db) as store:
         prompts = prompts_from_store(store, loaded.tokenizer, config.replay_prompts,
                                      max_prompt_tokens=nightly.window.max_prompt_tokens)

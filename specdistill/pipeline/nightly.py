@@ -48,12 +48,12 @@ def target_tokenizer(config: NightlyConfig):
 # Stage: target
 
 
-def describe_target(target_ref: str, dtype: str = "auto") -> TargetInfo:
+def describe_target(target_ref: str, dtype: str = "auto", device: str = "auto") -> TargetInfo:
     """Load the target once (this is where an unloadable target fails the run) and name its version
     and the dtype every stage runs it in (the fingerprint does not depend on the dtype)."""
     from specdistill.modeling.models import dtype_name, load_model
 
-    loaded = load_model(target_ref, dtype=dtype)
+    loaded = load_model(target_ref, dtype=dtype, device=device)
     return TargetInfo(ref=target_ref, path=str(loaded.path), fingerprint=loaded.fingerprint,
                       num_layers=loaded.config.num_hidden_layers, vocab_size=loaded.config.vocab_size,
                       dtype=dtype_name(loaded.model.dtype))
@@ -97,12 +97,12 @@ def align_champion(config: NightlyConfig, champion: Champion | None) -> WarmStar
 
     target_tok = target_tokenizer(config)
     if is_eagle3_dir(champion["dir"]):  # a head: its draft vocabulary carried over; embeddings are the target's
-        target = load_model(config.target, dtype=config.dtype)
+        target = load_model(config.target, dtype=config.dtype, device=config.device)
         out = run_root() / "aligned" / f"{champion['name']}-{champion['version']}-{target.fingerprint}"
         aligned_dir, head, report = align_head(champion["dir"], target.model, target_tok, out)
         return WarmStart(**{**champion, "dir": str(aligned_dir)}, transplanted=head.transplanted, vocab_report=report)
     target_vocab_size = AutoConfig.from_pretrained(resolve_model_dir(config.target)).vocab_size
-    draft = load_model(champion["dir"], dtype=config.dtype)
+    draft = load_model(champion["dir"], dtype=config.dtype, device=config.device)
     aligned = align_draft(draft.model, draft.tokenizer, target_tok, DraftVocab.load(champion["dir"]),
                           target_vocab_size=target_vocab_size, copy_model=False)
     report = aligned.report.to_dict()

@@ -125,7 +125,7 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
                              tree_width=tree, **common)
     if mode == "self_speculation":
         k = spec.exit_layer
-        loaded = load_model(target["path"], dtype=target["dtype"])  # the dtype the mode was measured in
+        loaded = load_model(target["path"], dtype=target["dtype"])  # the dtype the mode was measured in (a copy: on the CPU)
         out = export_early_exit_draft(loaded, k, early_exit_dir(target["fingerprint"], k))
         return ServingConfig(draft_dir=str(out), exit_layer=k, **common)
     if mode == "ngram":

@@ -254,7 +254,8 @@ def make_drafter(
             from specdistill.speculative.eagle import EagleDrafter
 
             return EagleDrafter(load_eagle3(path, target).head, target, name=f"draft:{path.name}", tree_width=tree_width)
-        loaded = load_model(path, dtype=next(target.parameters()).dtype)  # the draft runs in the target's dtype
+        weights = next(target.parameters())
+        loaded = load_model(path, dtype=weights.dtype, device=weights.device)  # the draft runs as the target does
         return ModelDrafter(
             loaded.model, target.config.vocab_size, DraftVocab.load(loaded.path), name=f"draft:{loaded.path.name}",
             tree_width=tree_width,
