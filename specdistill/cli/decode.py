@@ -126,7 +126,9 @@ def _bench_vllm(args: argparse.Namespace, prompts: list, config, threads: int):
         spec = f"ngram:{args.ngram_min},{args.ngram_max}"
     else:
         raise ValueError("--engine vllm measures --draft DIR, --self-spec K or --ngram")
-    name = spec.partition(":")[0]
+    from specdistill.speculative.specs import DrafterSpec
+
+    name = DrafterSpec.parse(spec).kind
     run = bench_vllm(args.target, {name: mode_serving_config(spec, args.gamma, args.target).vllm()}, prompts, config,
                      threads=threads, dtype=args.dtype)
     if name in run.refused:

@@ -16,28 +16,25 @@ from specdistill.pipeline.outputs import BenchEntry
 def mode_serving_config(spec: str, gamma: int, target_ref: str):
     """The serving config `serving.json` would carry for a drafter spec (`draft:DIR`, `self_spec:K`, `ngram...`)."""
     from specdistill.ops.serving import ServingConfig
+    from specdistill.speculative.specs import DrafterSpec
 
-    kind, _, arg = spec.partition(":")
-    if kind == "draft":
+    parsed = DrafterSpec.parse(spec)
+    if parsed.path:
         from specdistill.modeling.eagle3_io import is_eagle3_dir
 
-        return ServingConfig(mode="draft", draft_dir=arg, num_speculative_tokens=gamma,
-                             draft_kind="eagle3" if is_eagle3_dir(arg) else "layers")
-    if kind == "self_spec":
+        return ServingConfig(mode="draft", draft_dir=parsed.path, num_speculative_tokens=gamma,
+                             draft_kind="eagle3" if is_eagle3_dir(parsed.path) else "layers")
+    if parsed.exit_layer is not None:
+        from specdistill.modeling.drafts import export_early_exit_draft
         from specdistill.modeling.models import load_model
-        from specdistill.ops.monitor import export_early_exit_draft
-        from specdistill.pipeline.monitor import fallback_dir
 
-        target = load_model(target_ref, dtype="float32")
-        out = export_early_exit_draft(target, int(arg), fallback_dir(target.fingerprint, int(arg)))
-        return ServingConfig(mode="self_speculation", draft_dir=str(out), exit_layer=int(arg), num_speculative_tokens=gamma)
-    if kind == "ngram":
-        from specdistill.speculative.drafters import NgramDrafter, drafter_from_spec
-
-        ngram = drafter_from_spec(None, spec)
-        assert isinstance(ngram, NgramDrafter)
-        return ServingConfig(mode="ngram", num_speculative_tokens=gamma, prompt_lookup_min=ngram.min_n,
-                             prompt_lookup_max=ngram.max_n)
+        target = load_model(target_ref, dtype="float32")  # a weight copy for vLLM to load
+        out = export_early_exit_draft(target, parsed.exit_layer)
+        return ServingConfig(mode="self_speculation", draft_dir=str(out), exit_layer=parsed.exit_layer,
+                             num_speculative_tokens=gamma)
+    if parsed.ngram_sizes:
+        lo, hi = parsed.ngram_sizes
+        return ServingConfig(mode="ngram", num_speculative_tokens=gamma, prompt_lookup_min=lo, prompt_lookup_max=hi)
     raise ValueError(f"drafter {spec!r} has no vLLM mode (draft:DIR, self_spec:K or ngram)")
 
 
