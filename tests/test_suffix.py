@@ -9,14 +9,20 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specdistill.speculative import SamplingConfig, generate
+from specdistill.speculative import ModelDrafter, SamplingConfig, drafter_from_spec, generate, make_drafter
+from specdistill.speculative.drafters import hybrid_parts
+from specdistill.speculative.eagle import EagleDrafter
+from specdistill.speculative.hybrid import HybridDrafter
 from specdistill.speculative.suffix import SuffixDraft, SuffixDrafter, SuffixIndex, SuffixParams
+from specdistill.speculative.suffix_corpus import CorpusError, CorpusMeta, save_corpus
 from tests.conftest import lively, make_tiny_llama
+from tests.test_eagle_drafter import random_head, tiny_target
 from tests.test_speculative import (
     SAMPLES,
     VOCAB,
     chi_square_pvalue,
     exact_two_token_distribution,
+    noisy_copy,
     sampled_two_token_counts,
     tiny,
 )
@@ -199,3 +205,56 @@ def test_speculative_sampling_with_a_suffix_drafter_matches_target_distribution(
     expected = exact_two_token_distribution(target, prompt, config)
     counts = sampled_two_token_counts(target, drafter, prompt, config, SAMPLES)
     assert chi_square_pvalue(counts, expected) > 1e-3
+
+
+# --------------------------------------------------------------------------------------------
+# The hybrid: suffix where confident, the model elsewhere
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), prompt=st.lists(st.integers(0, 7), min_size=1, max_size=12),
+       gamma=st.integers(1, 6), max_new=st.integers(1, 16), width=st.sampled_from([1, 3]),
+       threshold=st.sampled_from([0.0, 1.0, 2.0, 99.0]), eagle=st.booleans())
+def test_greedy_hybrid_equals_target_only(seed, prompt, gamma, max_new, width, threshold, eagle):
+    """Whichever drafter proposes each round, a model drafter (chain or tree, a draft or an EAGLE-3 head
+    that needs the target's features every round) stays in step and the output is the target's."""
+    target = tiny_target(seed)
+    base = generate(target, prompt, max_new_tokens=max_new, stop_token_ids=[])
+    model = (EagleDrafter(random_head(target, seed), target, tree_width=width) if eagle
+             else ModelDrafter(noisy_copy(target, 0.05, seed), 8, tree_width=width))
+    corpus = _own_answers(target, [prompt[:2], [1, 2]], 12) + [np.random.default_rng(seed).integers(0, 8, 30).tolist()]
+    hybrid = HybridDrafter(model, SuffixDrafter(SuffixIndex(corpus)), threshold)
+    spec = generate(target, prompt, max_new_tokens=max_new, drafter=hybrid, gamma=gamma, stop_token_ids=[])
+    assert spec.output_ids == base.output_ids
+    s = spec.stats
+    assert s.generated_tokens == s.accepted + s.runner_ups_accepted + s.target_forwards
+    if threshold == 99.0:
+        assert hybrid.suffix_rounds == 0
+
+
+def test_hybrid_takes_the_suffix_proposal_where_it_is_confident():
+    target = tiny(4)
+    corpus = _own_answers(target, [[5, 9, 14]], 40)
+    hybrid = HybridDrafter(ModelDrafter(tiny(99, layers=1), VOCAB), SuffixDrafter(SuffixIndex(corpus)), 2.0)
+    stats = generate(target, [5, 9, 14], max_new_tokens=40, drafter=hybrid, gamma=4, stop_token_ids=[]).stats
+    assert hybrid.suffix_rounds > 3 and hybrid.model_rounds >= 1  # the first rounds' matches are short
+    alone = generate(target, [5, 9, 14], max_new_tokens=40, drafter=ModelDrafter(tiny(99, layers=1), VOCAB), gamma=4,
+                     stop_token_ids=[]).stats
+    assert stats.accepted_length > alone.accepted_length
+
+
+def test_specs_name_suffix_and_hybrid_drafters(tmp_path):
+    target = tiny(5, layers=3)
+    corpus = save_corpus(tmp_path / "c.safetensors", [[1, 2, 3]], CorpusMeta(target_fingerprint="fp", tokenizer="t"))
+    drafter = drafter_from_spec(target, f"suffix:{corpus}", tree_width=3, target_fingerprint="fp")
+    assert isinstance(drafter, SuffixDrafter) and drafter.tree_width == 3
+    with pytest.raises(CorpusError, match="not of this target"):
+        drafter_from_spec(target, f"suffix:{corpus}", target_fingerprint="other")
+    assert hybrid_parts("a/b,c.safetensors,1.5") == ("a/b", "c.safetensors", 1.5)
+    assert hybrid_parts("a/b,c.safetensors") == ("a/b", "c.safetensors", None)
+    with pytest.raises(ValueError, match="DIR,CORPUS"):
+        hybrid_parts("only-one")
+    hybrid = make_drafter(target, self_spec=1, suffix=str(corpus), hybrid_threshold=1.5)
+    assert isinstance(hybrid, HybridDrafter) and hybrid.threshold == 1.5
+    with pytest.raises(ValueError, match="choose one"):
+        make_drafter(target, ngram=True, suffix=str(corpus))

@@ -215,16 +215,32 @@ def make_drafter(
     ngram_min: int = 1,
     ngram_max: int = 3,
     tree_width: int = 1,
+    suffix: str | None = None,
+    target_fingerprint: str | None = None,
+    hybrid_threshold: float | None = None,
 ) -> Drafter | None:
     """The drafter a command line asks for: at most one of a draft model reference, an early-exit
     layer, or n-gram lookup; None means target-only decoding. A draft directory's
     draft_vocab.safetensors, when present, switches on the reduced draft vocabulary; a directory
     holding an EAGLE-3 head (by its config's architecture) gives the EAGLE drafter. A model drafter
     (draft, head or early exit) verifies its `tree_width` best first-position candidates as a tree
-    when decoding greedily; n-gram lookup drafts a chain."""
+    when decoding greedily; n-gram lookup drafts a chain.
+
+    `suffix` (a corpus file, checked against `target_fingerprint` when given) alone is the suffix
+    drafter; beside a draft or an early exit it makes the hybrid drafter (`speculative.hybrid`)."""
     chosen = [name for name, on in (("draft", draft), ("self_spec", self_spec is not None), ("ngram", ngram)) if on]
-    if len(chosen) > 1:
-        raise ValueError(f"choose one drafting method, got {' and '.join(chosen)}")
+    if len(chosen) > 1 or (suffix and ngram):
+        raise ValueError(f"choose one drafting method, got {' and '.join(chosen + (['suffix'] if suffix else []))}")
+    if suffix:
+        from specdistill.speculative.suffix_corpus import load_suffix_drafter
+
+        model = make_drafter(target, draft=draft, self_spec=self_spec, tree_width=tree_width) if chosen else None
+        corpus = load_suffix_drafter(suffix, target_fingerprint, tree_width=1 if model is not None else tree_width)
+        if model is None:
+            return corpus
+        from specdistill.speculative.hybrid import HYBRID_THRESHOLD, HybridDrafter
+
+        return HybridDrafter(model, corpus, HYBRID_THRESHOLD if hybrid_threshold is None else hybrid_threshold)
     if self_spec is not None:
         return SelfSpecDrafter(target, self_spec, tree_width=tree_width)
     if ngram:
@@ -246,15 +262,39 @@ def make_drafter(
     return None
 
 
-DRAFTER_SPECS = "draft:DIR, self_spec:K, ngram or ngram:MIN,MAX"
+DRAFTER_SPECS = "draft:DIR, self_spec:K, ngram or ngram:MIN,MAX, suffix:CORPUS, hybrid:DIR,CORPUS[,THRESHOLD]"
 
 
-def drafter_from_spec(target: PreTrainedModel, spec: str, tree_width: int = 1) -> Drafter:
+def hybrid_parts(arg: str) -> tuple[str, str, float | None]:
+    """`DIR,CORPUS[,THRESHOLD]` of a hybrid spec: the draft, the corpus file and the threshold."""
+    parts = arg.split(",")
+    threshold = None
+    if len(parts) >= 3:
+        try:
+            threshold = float(parts[-1])
+            parts = parts[:-1]
+        except ValueError:
+            pass
+    if len(parts) != 2 or not all(parts):
+        raise ValueError(f"hybrid drafter spec needs DIR,CORPUS[,THRESHOLD], got {arg!r}")
+    return parts[0], parts[1], threshold
+
+
+def drafter_from_spec(target: PreTrainedModel, spec: str, tree_width: int = 1,
+                      target_fingerprint: str | None = None) -> Drafter:
     """A drafter from its spec string, as the nightly benchmark and the monitor's fallback name them:
     `draft:DIR` (a draft checkpoint), `self_spec:K` (the target's exit after layer K), `ngram`
-    (prompt lookup over 1..3-grams) or `ngram:MIN,MAX`. `tree_width` applies to model drafters."""
+    (prompt lookup over 1..3-grams) or `ngram:MIN,MAX`, `suffix:CORPUS` (a suffix corpus file) or
+    `hybrid:DIR,CORPUS[,THRESHOLD]`. `tree_width` applies to model and suffix drafters; a corpus is
+    checked against `target_fingerprint` when given."""
     kind, sep, arg = spec.partition(":")
     sizes = [s.strip() for s in arg.split(",")]
+    if kind == "suffix" and arg:
+        return make_drafter(target, suffix=arg, tree_width=tree_width, target_fingerprint=target_fingerprint)
+    if kind == "hybrid" and arg:
+        draft, corpus, threshold = hybrid_parts(arg)
+        return make_drafter(target, draft=draft, suffix=corpus, tree_width=tree_width,
+                            target_fingerprint=target_fingerprint, hybrid_threshold=threshold)
     if kind == "draft" and arg:
         return make_drafter(target, draft=arg, tree_width=tree_width)
     if kind == "self_spec" and arg.isdigit():
