@@ -18,10 +18,12 @@ HYBRID_THRESHOLD = 2.0  # expected accepted suffix tokens; benchmarks/suffix.py 
 
 
 class HybridDrafter:
-    def __init__(self, model, suffix: SuffixDrafter, threshold: float = HYBRID_THRESHOLD, name: str | None = None):
+    def __init__(self, model, suffix: SuffixDrafter, threshold: float = HYBRID_THRESHOLD, name: str | None = None,
+                 model_gamma: int | None = None):
+        """`model_gamma` caps the model's draft (its own best γ) while the suffix drafts up to the round's γ."""
         if threshold < 0:
             raise ValueError(f"hybrid threshold (expected accepted suffix tokens) must be >= 0, got {threshold}")
-        self.inner, self.suffix, self.threshold = model, suffix, threshold
+        self.inner, self.suffix, self.threshold, self.model_gamma = model, suffix, threshold, model_gamma
         self.name = name or f"hybrid:{model.name}+{suffix.name}@{threshold:g}"
         self.model = getattr(model, "model", None)  # the engine routes a draft model's attention by it
         self.tree_width = getattr(model, "tree_width", 1)
@@ -47,12 +49,12 @@ class HybridDrafter:
         d = self._confident(tokens, k)
         if d is not None:
             return torch.tensor(d.tokens, dtype=torch.long), None
-        return self.inner.propose(tokens, k, config, generator)
+        return self.inner.propose(tokens, min(k, self.model_gamma or k), config, generator)
 
     def propose_tree(self, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, list[int]]:
         d = self._confident(tokens, k, self.tree_width - 1)
         if d is None:
-            return self.inner.propose_tree(tokens, k)
+            return self.inner.propose_tree(tokens, min(k, self.model_gamma or k))
         alts = sorted(d.alternatives, key=lambda a: -a[2])[: self.tree_width - 1]
         return (torch.tensor(d.tokens + [t for _, t, _ in alts], dtype=torch.long),
                 list(range(-1, len(d.tokens) - 1)) + [a[0] for a in alts])
