@@ -1,7 +1,8 @@
 """The nightly distillation flow: yesterday's traffic in, a proven better draft out (or nothing changed).
 
     production logs -> ingest -> log store -> window -> vocab alignment -> target responses
-    (+ teacher cache) -> distill -> benchmark vs champion and baselines -> gate -> MLflow register
+    (+ teacher cache) -> distill (+ suffix corpus of the answers) -> benchmark vs champion and baselines
+    -> gate -> MLflow register
     -> promote (the best draft) + serving config (the fastest lossless mode, never a slowdown)
 
 A failure at any step leaves the champion and the serving config as they were: they change only
@@ -52,6 +53,11 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
         drafters[f"self-spec@{layer}"] = f"self_spec:{layer}"
     if config.bench.ngram:
         drafters["ngram"] = "ngram"
+    if config.bench.suffix:  # the target's own train answers as the draft, alone and beside the challenger
+        suffix_corpus = t.suffix_corpus(config, train_data, fp)
+        drafters["suffix"] = f"suffix:{suffix_corpus}"
+        if config.bench.hybrid:
+            drafters["hybrid"] = f"hybrid:{trained['draft_dir']},{suffix_corpus}"
     results = t.benchmark(config, window, drafters, fp)
     speeds = t.engine_benchmark(config, window, drafters, fp) if config.serving.engine != "harness" else None
 

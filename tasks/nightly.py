@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prefect import task
 
-from specdistill.pipeline import answers, engine_bench, serve, success
+from specdistill.pipeline import answers, corpus, engine_bench, serve, success
 from specdistill.pipeline import nightly as pipeline
 from specdistill.pipeline.config import NightlyConfig, SourceConfig
 from specdistill.pipeline.outputs import (
@@ -62,6 +62,11 @@ def align_vocab(config: NightlyConfig, champion: Champion | None) -> WarmStart |
 def generate_responses(config: NightlyConfig, window: WindowDict, split: str, target_fingerprint: str,
                        record_teacher: bool) -> GeneratedData:
     return answers.generate_responses(config, window, split, record_teacher=record_teacher)
+
+
+@task(name="suffix-corpus", **CACHED)
+def suffix_corpus(config: NightlyConfig, train_data: GeneratedData, target_fingerprint: str) -> str:
+    return corpus.nightly_corpus(config, train_data, target_fingerprint)
 
 
 @task(name="distill", **CACHED)

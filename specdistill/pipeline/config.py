@@ -91,6 +91,10 @@ class BenchSettings(Strict):
     repeats: int = Field(1, ge=1)
     self_spec_layers: list[int] = [8]
     ngram: bool = True
+    # the suffix drafter over the window's train answers, and its hybrid with the challenger
+    suffix: bool = True
+    hybrid: bool = True
+    suffix_max_tokens: int | None = Field(10_000_000, ge=1)  # corpus cap: the newest answers that fit
     generic_draft: bool = True  # train the off-the-shelf baseline once (plain CE on human answers)
     threads: int | None = None
 
@@ -171,6 +175,7 @@ class MonitorConfig(Strict):
     fallback_exit_layers: list[int] = [4, 8, 12]
     fallback_min_tokens: int = Field(64, ge=1)
     fallback_repeats: int = Field(1, ge=1)
+    fallback_suffix_corpus: str | None = None  # None: the state directory's current corpus (the nightly's), if any
     replay_share: float = Field(0.25, ge=0.0, lt=1.0)  # of older traffic in the incremental run
 
     def target_ref(self) -> str:

@@ -9,11 +9,42 @@ prompt is looked up in the log store and a record of the eval split refuses the 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
-from specdistill.speculative.suffix_corpus import CorpusError, CorpusMeta, read_corpus_meta, save_corpus
+from specdistill import paths
+from specdistill.speculative.suffix_corpus import CorpusError, CorpusMeta, corpus_is_current, save_corpus
+
+__all__ = ["CORPUS_FILE", "build_corpus", "corpus_is_current", "current_corpus_path", "export_sglang_corpus",
+           "nightly_corpus", "read_answers", "sglang_corpus_path"]
 
 CORPUS_FILE = "suffix_corpus.safetensors"
+CURRENT_CORPUS = "suffix_corpus.safetensors"  # under the state directory: the newest night's, for the monitor
+
+
+def current_corpus_path() -> Path:
+    return paths.home() / CURRENT_CORPUS
+
+
+def nightly_corpus(config, train_data: dict, target_fingerprint: str) -> str:
+    """Stage: the corpus of the window's train answers, beside them (a rerun finds it), its SGLang
+    export beside it, and a copy as the state directory's current corpus (what the monitor reads)."""
+    from transformers import AutoTokenizer
+
+    from specdistill.modeling.models import resolve_model_dir, tokenizer_digest
+
+    out = Path(train_data["path"]).parent / CORPUS_FILE
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(config.target))
+    if not out.is_file():
+        build_corpus([train_data["path"]], out, target_fingerprint=target_fingerprint,
+                     tokenizer=tokenizer_digest(tokenizer), log_db=config.log_db,
+                     max_tokens=config.bench.suffix_max_tokens)
+        export_sglang_corpus(out, tokenizer)
+    current = current_corpus_path()
+    tmp = current.with_name(f".{current.name}.tmp")
+    shutil.copyfile(out, tmp)
+    tmp.replace(current)
+    return str(out)
 
 
 def read_answers(path: str | Path) -> list[dict]:
@@ -71,13 +102,24 @@ def build_corpus(answers: list[str | Path], out_path: str | Path, *, target_fing
     return save_corpus(out_path, sequences, meta)
 
 
-def corpus_is_current(path: str | Path, target_fingerprint: str) -> tuple[bool, str]:
-    """Whether a corpus can draft for this target version (a target update makes it stale, as a draft)."""
-    try:
-        meta = read_corpus_meta(path)
-    except CorpusError as exc:
-        return False, str(exc)
-    if meta.target_fingerprint != target_fingerprint:
-        return False, (f"suffix corpus {path} is stale: built for target {meta.target_fingerprint}, "
-                       f"the target is now {target_fingerprint}")
-    return True, ""
+def sglang_corpus_path(corpus: str | Path) -> Path:
+    """Where a corpus's SGLang export lies: beside it."""
+    corpus = Path(corpus)
+    return corpus.with_name(corpus.stem + ".sglang.jsonl")
+
+
+def export_sglang_corpus(corpus: str | Path, tokenizer) -> Path:
+    """The corpus as SGLang's NGRAM external corpus reads it (`--speculative-ngram-external-corpus-path`):
+    one JSON string per line, each answer's text, which SGLang tokenizes again (without special tokens)."""
+    from specdistill.speculative.suffix_corpus import load_corpus
+
+    sequences, _ = load_corpus(corpus)
+    out = sglang_corpus_path(corpus)
+    tmp = out.with_name(f".{out.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for seq in sequences:
+            text = tokenizer.decode(seq.tolist(), skip_special_tokens=True)
+            if text.strip():
+                f.write(json.dumps(text, ensure_ascii=False) + "\n")
+    tmp.replace(out)
+    return out

@@ -149,9 +149,12 @@ def measure_fallback(config: MonitorConfig, target: TargetVersionDict) -> Fallba
     with LogStore(nightly.log_db) as store:
         prompts = prompts_from_store(store, loaded.tokenizer, config.replay_prompts,
                                      max_prompt_tokens=nightly.window.max_prompt_tokens)
+    from specdistill.pipeline.corpus import current_corpus_path
+
+    corpus = config.fallback_suffix_corpus or (str(current_corpus_path()) if current_corpus_path().is_file() else None)
     decision = choose_fallback(loaded, prompts, exit_layers=config.fallback_exit_layers, gamma=config.gamma,
                                max_new_tokens=config.max_new_tokens, min_tokens=config.fallback_min_tokens,
-                               repeats=config.fallback_repeats)
+                               repeats=config.fallback_repeats, suffix_corpus=corpus)
     return decision.to_dict()
 
 
@@ -167,8 +170,18 @@ def apply_fallback(config: MonitorConfig, fallback: FallbackChoice, target: Targ
     draft_dir = None
     if mode == "self_speculation":
         draft_dir = str(export_early_exit_draft(target["path"], k, fallback_dir(target["fingerprint"], k)))
+    suffix = {}
+    if mode == "suffix":
+        from specdistill.pipeline.corpus import sglang_corpus_path
+        from specdistill.speculative.suffix_corpus import read_corpus_meta
+
+        corpus = fallback["suffix_corpus"]
+        sglang = sglang_corpus_path(corpus)
+        suffix = dict(suffix_corpus=corpus, suffix_corpus_tokens=read_corpus_meta(corpus).tokens,
+                      suffix_corpus_sglang=str(sglang) if sglang.is_file() else None)
     serving = ServingConfig(mode=mode, draft_dir=draft_dir, exit_layer=k, num_speculative_tokens=config.gamma,
-                            target_fingerprint=target["fingerprint"], reason=f"monitor fallback: {fallback['reason']}")
+                            target_fingerprint=target["fingerprint"], reason=f"monitor fallback: {fallback['reason']}",
+                            **suffix)
     with registry.promotion_lock():
         path = write_serving_config(serving, config.nightly.serving_path)
     return AppliedFallback(mode=mode, exit_layer=k, serving_config=str(path))

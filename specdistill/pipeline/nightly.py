@@ -276,7 +276,8 @@ def benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str
     """Every drafter on the same held-out prompts, sharing one interleaved target-only run per prompt,
     then (`serving.choose_gamma`) each at the γ its curve predicts best, confirmed by a second run.
 
-    A drafter spec is what `speculative.drafter_from_spec` reads (`draft:DIR`, `self_spec:K`, `ngram`);
+    A drafter spec is what `speculative.drafter_from_spec` reads (`draft:DIR`, `self_spec:K`, `ngram`,
+    `suffix:CORPUS`, `hybrid:DIR,CORPUS`; a corpus is checked against the target's fingerprint);
     results are keyed by the given name.
     """
     import torch
@@ -292,7 +293,8 @@ def benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str
     prompts = bench_prompts(config, window)
     b, s = config.bench, config.serving
     bcfg = BenchConfig(gamma=b.gamma, max_new_tokens=b.max_new_tokens, repeats=b.repeats)
-    made = {name: drafter_from_spec(target.model, spec, tree_width=_served_tree_width(spec, b.tree_width))
+    made = {name: drafter_from_spec(target.model, spec, tree_width=_served_tree_width(spec, b.tree_width),
+                                    target_fingerprint=target.fingerprint)
             for name, spec in drafters.items()}
     results = run_bench_many(target.model, target.tokenizer, made, prompts, bcfg)
     if s.choose_gamma:
@@ -306,6 +308,9 @@ def _served_tree_width(spec: str, width: int) -> int:
     from specdistill.modeling.eagle3_io import is_eagle3_dir
 
     kind, _, path = spec.partition(":")
+    if kind == "hybrid":  # measured only (no engine serves it): its head verifies the tree the head alone would
+        path = path.split(",")[0]
+        kind = "draft"
     return width if kind == "draft" and Path(path).is_dir() and is_eagle3_dir(path) else 1
 
 

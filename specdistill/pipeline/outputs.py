@@ -231,6 +231,7 @@ class FallbackChoice(TypedDict):
     candidates: list[FallbackCandidateDict]
     margin: float
     generated_tokens: int
+    suffix_corpus: str | None
 
 
 class AppliedFallback(TypedDict):

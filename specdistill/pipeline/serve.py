@@ -18,11 +18,14 @@ from specdistill.pipeline.outputs import BenchEntry, Champion, ServingDecision, 
 from specdistill.speculative.gate import VerdictDict
 
 BASELINES_NEVER_SERVED = ("generic",)  # the off-the-shelf baseline is measured to set a bar, not to be served
+# measured, not served: no serving engine runs our distilled draft with the suffix drafter beside it
+NOT_SERVABLE_KINDS = ("hybrid",)
 
 
 def mode_of(spec: str) -> str:
     kind = spec.partition(":")[0]
-    return {"draft": "draft", "self_spec": "self_speculation", "ngram": "ngram"}[kind]
+    return {"draft": "draft", "self_spec": "self_speculation", "ngram": "ngram", "suffix": "suffix",
+            "hybrid": "hybrid"}[kind]
 
 
 def serving_candidates(results: dict[str, BenchEntry], verdict: VerdictDict) -> dict[str, BenchEntry]:
@@ -30,7 +33,7 @@ def serving_candidates(results: dict[str, BenchEntry], verdict: VerdictDict) -> 
     champion is superseded), the champion otherwise, and every draft-free mode."""
     out = {}
     for name, r in results.items():
-        if name in BASELINES_NEVER_SERVED:
+        if name in BASELINES_NEVER_SERVED or r.get("spec", "").partition(":")[0] in NOT_SERVABLE_KINDS:
             continue
         if name == "challenger" and not verdict["promote"]:
             continue
@@ -148,6 +151,18 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
         k = int(spec.partition(":")[2])
         out = export_early_exit_draft(target["path"], k, fallback_dir(target["fingerprint"], k))
         return ServingConfig(draft_dir=str(out), exit_layer=k, **common)
+    if mode == "suffix":
+        from specdistill.pipeline.corpus import sglang_corpus_path
+        from specdistill.speculative.suffix import SuffixParams
+        from specdistill.speculative.suffix_corpus import read_corpus_meta
+
+        corpus = spec.partition(":")[2]
+        sglang = sglang_corpus_path(corpus)
+        p = SuffixParams()  # the drafter was measured with these
+        return ServingConfig(suffix_corpus=corpus, suffix_corpus_tokens=read_corpus_meta(corpus).tokens,
+                             suffix_corpus_sglang=str(sglang) if sglang.is_file() else None,
+                             suffix_max_tree_depth=p.max_depth, suffix_max_spec_factor=p.max_spec_factor,
+                             suffix_min_token_prob=p.min_token_prob, **common)
     if mode == "ngram":
         ngram = drafter_from_spec(None, spec)
         assert isinstance(ngram, NgramDrafter)

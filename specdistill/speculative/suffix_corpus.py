@@ -124,6 +124,18 @@ def load_corpus(path: str | Path, target_fingerprint: str | None = None,
     return [tokens[int(a) : int(b)] for a, b in zip(offsets[:-1], offsets[1:])], meta
 
 
+def corpus_is_current(path: str | Path, target_fingerprint: str) -> tuple[bool, str]:
+    """Whether a corpus can draft for this target version (a target update makes it stale, as a draft)."""
+    try:
+        meta = read_corpus_meta(path)
+    except CorpusError as exc:
+        return False, str(exc)
+    if meta.target_fingerprint != target_fingerprint:
+        return False, (f"suffix corpus {path} is stale: built for target {meta.target_fingerprint}, "
+                       f"the target is now {target_fingerprint}")
+    return True, ""
+
+
 def load_suffix_drafter(path: str | Path, target_fingerprint: str | None = None, tokenizer: str | None = None,
                         params=None, tree_width: int = 1, max_tokens: int | None = None):
     """A `SuffixDrafter` over a corpus file (checked as `load_corpus` does). An empty corpus gives a
