@@ -1,8 +1,9 @@
 """Suffix drafting from the target's past answers, against n-gram lookup, the distilled head and the hybrid.
 
 The corpus is a nightly run's train answers (`train_generated.jsonl`: the target's own greedy answers
-to the window's train prompts). The held-out sets are prompts of the log store's eval split (never in
-a train window), per source: ShareGPT chat and HumanEval code, answered here by the target (greedy,
+to the window's train prompts). The held-out sets: the run's own eval prompts with the target's answers
+(`eval_generated.jsonl` beside it: "demo"), and more prompts of the log store's eval split (never in a
+train window), per source: ShareGPT chat and HumanEval code, answered here by the target (greedy,
 batched, cached under --out). Three parts:
 
 1. Greedy rounds replayed against the target's held-out answers (no target forward: in greedy
@@ -159,8 +160,11 @@ def main(argv=None) -> int:
     corpus_path = args.answers or answers_file(args.home)
     corpus_records = read_jsonl(corpus_path)
     sequences = [r["response_ids"] for r in corpus_records if r.get("response_ids")]
-    sets = heldout_sets(args.home, target, args.out, {"sharegpt": args.chat, "humaneval": args.code}, args.answer_tokens,
-                        {str(r["id"]) for r in corpus_records})
+    demo_eval = corpus_path.with_name("eval_generated.jsonl")  # the nightly's own held-out prompts and answers
+    demo = read_jsonl(demo_eval) if demo_eval.is_file() else []
+    sets = {"demo": demo} if demo else {}
+    sets.update(heldout_sets(args.home, target, args.out, {"sharegpt": args.chat, "humaneval": args.code},
+                             args.answer_tokens, {str(r["id"]) for r in corpus_records + demo}))
     results: dict = {"corpus": str(corpus_path), "dtype": dtype, "threads": args.threads,
                      "sets": {k: len(v) for k, v in sets.items()}}
     print(f"corpus {corpus_path}: {len(sequences)} answers, {sum(map(len, sequences))} tokens; held-out "
