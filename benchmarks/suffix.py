@@ -21,7 +21,7 @@ batched, cached under --out). Three parts:
 Nothing is written into --home (give it a copy of the demo's state directory: its log store is opened
 read-only in effect, answers are generated under --out).
 
-Measured on a `make demo` of main (1 December, 64ffb45's era; bf16, 2 threads, AMD EPYC with AVX-512 BF16; the machine shared,
+Measured on a `make demo` of main (run 1 December 2026; bf16, 2 threads, AMD EPYC with AVX-512 BF16; the machine shared,
 load average 11-16): corpus 1024 train answers, 88,838 tokens; held-out: the demo's own 10 eval
 prompts ("demo"), 12 more ShareGPT and 2 HumanEval eval prompts (all the HumanEval eval split left);
 answers 96 tokens. `--bench-prompts 0`, replayed greedy rounds (tokens/forward: generated tokens per
