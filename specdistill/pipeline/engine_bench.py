@@ -45,8 +45,11 @@ def engine_benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[s
     s, b = config.serving, config.bench
     prompts = engine_prompts(window)
     bcfg = EngineBenchConfig(max_new_tokens=b.max_new_tokens, repeats=b.repeats, gamma=b.gamma)
-    servable = {name: spec for name, spec in drafters.items() if name not in NEVER_SERVED}
+    servable = {name: spec for name, spec in drafters.items() if name not in NEVER_SERVED
+                and not spec.startswith("hybrid:")}  # no engine runs our draft beside the suffix drafter
     if s.engine == "llamacpp":
+        # llama.cpp's lookup cache is its own file format (docs/serving.md): the suffix drafter is not measured there
+        servable = {name: spec for name, spec in servable.items() if not spec.startswith("suffix:")}
         from specdistill.engines.llamacpp import bench_llamacpp, mode_for_spec, target_gguf
 
         gguf = target_gguf(config.target)
