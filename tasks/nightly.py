@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prefect import task
 
-from specdistill.pipeline import answers, corpus, engine_bench, serve, success
+from specdistill.pipeline import answers, corpus, engine_bench, pool, serve, success
 from specdistill.pipeline import nightly as pipeline
 from specdistill.pipeline.config import NightlyConfig, SourceConfig
 from specdistill.pipeline.outputs import (
@@ -17,6 +17,7 @@ from specdistill.pipeline.outputs import (
     Champion,
     GeneratedData,
     IngestSummary,
+    PooledData,
     Promoted,
     Registered,
     ServingDecision,
@@ -67,6 +68,12 @@ def generate_responses(config: NightlyConfig, window: WindowDict, split: str, ta
 @task(name="suffix-corpus", **CACHED)
 def suffix_corpus(config: NightlyConfig, train_data: GeneratedData, target_fingerprint: str) -> str:
     return corpus.nightly_corpus(config, train_data, target_fingerprint)
+
+
+@task(name="pool-answers", retries=2, retry_delay_seconds=5)
+def pool_answers(config: NightlyConfig, window: WindowDict, train_data: GeneratedData, heldout_data: GeneratedData,
+                 target_fingerprint: str) -> PooledData:
+    return pool.pool_answers(config, window, train_data, heldout_data, target_fingerprint)
 
 
 @task(name="distill", **CACHED)

@@ -82,6 +82,23 @@ class TrainConfig(Strict):
     bf16: bool | None = None
 
 
+class PoolConfig(Strict):
+    """The answer pool (`distill.pool`): each night's answers join their target version's pool and the
+    night trains on it, newest first. `max_tokens` caps the answer tokens trained on (tonight's always in):
+    the demo's head trains ~100k tokens a minute on 2 cores, so 400k is about one epoch of its 3 minutes
+    and its feature rows take ~1.4 GB of memory. `max_gb` caps the pool's disk (the oldest nights leave
+    first). After a target update the new version's pool starts with the old pool's `reanswer_prompts`
+    most recent prompts answered by the new target (`reanswer_from`: the old fingerprint, set by the
+    monitor); the pools of the `keep_versions` most recent target versions are kept."""
+
+    enabled: bool = True
+    max_tokens: int | None = Field(400_000, ge=1)
+    max_gb: float | None = Field(20.0, gt=0.0)
+    keep_versions: int = Field(2, ge=1)
+    reanswer_prompts: int = Field(256, ge=0)
+    reanswer_from: str | None = None
+
+
 class BenchSettings(Strict):
     gamma: int = Field(4, ge=1)
     # EAGLE-3 heads, greedy: first-position candidates verified as a tree (1: a chain). Serving: SGLang's
@@ -140,6 +157,7 @@ class NightlyConfig(Strict):
     window: WindowConfig = WindowConfig()
     generation: GenerationConfig = GenerationConfig()
     train: TrainConfig = TrainConfig()
+    pool: PoolConfig = PoolConfig()
     bench: BenchSettings = BenchSettings()
     gate: GateSettings = GateSettings()
     serving: ServingSettings = ServingSettings()

@@ -24,13 +24,18 @@ from specdistill.pipeline.outputs import (
 
 def incremental_overrides(config: MonitorConfig, change: TargetChange) -> list[str]:
     """The nightly run the monitor starts: traffic since the target update plus a replay share of
-    older traffic; all traffic when nothing has arrived since (the update is then the only news)."""
+    older traffic; all traffic when nothing has arrived since (the update is then the only news).
+    After a target update, the new version's answer pool starts with the old pool's most recent
+    prompts answered by the new target (`pool.reanswer_prompts` of them)."""
     from datetime import datetime
 
     from specdistill.data.logstore import LogStore
 
     overrides = [f"target={change['current']['path']}", *config.nightly_overrides,
                  f"window.replay_share={config.replay_share}"]
+    old = change.get("champion_target") or (change.get("previous") or {}).get("fingerprint")
+    if change.get("drifted") and old and old != change["current"]["fingerprint"]:
+        overrides.append(f"pool.reanswer_from={old}")  # the new version's pool starts from the old one's prompts
     since = change["current"]["registered_at"] if change.get("drifted") else None
     if since:
         with LogStore(config.nightly.log_db) as store:
