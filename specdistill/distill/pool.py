@@ -135,9 +135,7 @@ class AnswerPool:
         pool.save()
         return pool
 
-    @property
-    def fingerprint(self) -> str:
-        return self.manifest["fingerprint"]
+    fingerprint = property(lambda self: self.manifest["fingerprint"])
 
     @property
     def nights(self) -> list[PoolNight]:
@@ -258,13 +256,8 @@ class AnswerPool:
 
         first_meta = _meta(nights[include].teacher_cache, CACHE_META)
         feature_meta = _meta(nights[include].features, FEATURE_META) if nights[include].features else None
-        seen: set[str] = set()
-        picked: list[dict] = []
-        teacher_links: dict[Path, str] = {}
-        feature_links: dict[Path, str] = {}
-        stats = {"duplicates": 0, "held_out": 0, "over_budget": 0}
-        per_night: dict[str, dict] = {}
-        tokens = 0
+        seen, picked, teacher_links, feature_links = set(), [], {}, {}
+        stats, per_night, tokens = {"duplicates": 0, "held_out": 0, "over_budget": 0}, {}, 0
         for night in order:
             meta = _meta(night.teacher_cache, CACHE_META)
             if meta is None or meta.get("fingerprint") != self.fingerprint:
@@ -285,8 +278,7 @@ class AnswerPool:
                          f"set or prompt context: its features are not used (the trainer recomputes them)")
                 else:
                     feature_shard = _index(Path(night.features), skip)
-            counts = {"answers": 0, "tokens": 0}
-            missing = 0
+            counts, missing = {"answers": 0, "tokens": 0}, 0
             for rec in read_done(Path(night.answers)).values():
                 rid = str(rec["id"])
                 if rid in held_ids or prompt_hash(rec) in held_prompts:
@@ -304,9 +296,7 @@ class AnswerPool:
                     continue
                 seen.add(rid)
                 picked.append(rec)
-                tokens += n
-                counts["answers"] += 1
-                counts["tokens"] += n
+                tokens, counts["answers"], counts["tokens"] = tokens + n, counts["answers"] + 1, counts["tokens"] + n
                 teacher_links[teacher_shard[rid]] = f"n{age[night.key]:05d}"
                 if rid in feature_shard:
                     feature_links[feature_shard[rid]] = f"n{age[night.key]:05d}"
