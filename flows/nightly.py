@@ -1,7 +1,8 @@
 """The nightly distillation flow: yesterday's traffic in, a proven better draft out (or nothing changed).
 
     production logs -> ingest -> log store -> window -> vocab alignment -> target responses
-    (+ teacher cache) -> distill -> benchmark vs champion and baselines -> gate -> MLflow register
+    (+ teacher cache) -> answer pool (every night's answers for this target) -> distill (+ suffix corpus of
+    the answers) -> benchmark vs champion and baselines -> gate -> MLflow register
     -> promote (the best draft) + serving config (the fastest lossless mode, never a slowdown)
 
 A failure at any step leaves the champion and the serving config as they were: they change only
@@ -15,6 +16,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from specdistill.pipeline.bench import Role, measured_drafters
 from specdistill.pipeline.config import load_nightly_config
+from specdistill.pipeline.pool import pool_report
 from specdistill.pipeline.report import report_table, write_report
 from tasks import nightly as t
 
@@ -41,16 +43,19 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
     fp = target["fingerprint"]
     train_data = t.generate_responses(config, window, "train", fp, record_teacher=True)
     heldout_data = t.generate_responses(config, window, "eval", fp, record_teacher=False)
-    trained = t.distill(config, train_data, heldout_data, warm_start["dir"] if warm_start else None, fp)
+    pooled = t.pool_answers(config, window, train_data, heldout_data, fp)  # tonight's answers join the pool
+    trained = t.distill(config, pooled, heldout_data, warm_start["dir"] if warm_start else None, fp)
 
     generic = t.generic_baseline(config, window, heldout_data, fp) if config.bench.generic_draft else None
-    drafters = measured_drafters(config, trained, warm_start, generic)
+    # the target's own train answers as a draft, alone and beside the challenger
+    suffix_corpus = t.suffix_corpus(config, train_data, fp) if config.bench.suffix else None
+    drafters = measured_drafters(config, trained, warm_start, generic, suffix_corpus)
     results = t.benchmark(config, window, drafters, fp)
     speeds = t.engine_benchmark(config, window, drafters, fp) if config.serving.engine != "harness" else None
 
     verdict = t.gate(config, results[Role.CHALLENGER], results.get(Role.CHAMPION), results, speeds)
     serving = t.choose_serving(config, window, results, verdict, speeds)
-    report = report_table(results, verdict, serving=serving, target=target, speeds=speeds)
+    report = report_table(results, verdict, serving=serving, target=target, speeds=speeds) + "\n\n" + pool_report(pooled)
     report_path = write_report(report, window)
     registered = t.register(config, target, window, trained, results, verdict,
                             champion["version"] if champion else None, report_path, speeds)
@@ -60,13 +65,13 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
     else:
         t.write_serving(config, target, serving, champion)
 
-    report = report_table(results, verdict, registered, promoted, serving, target, speeds)
+    report = report_table(results, verdict, registered, promoted, serving, target, speeds) + "\n\n" + pool_report(pooled)
     write_report(report, window, report_path)
     create_markdown_artifact(report, key="nightly-benchmark", description="draft vs champion and baselines")
     log.info("\n%s", report)
     t.mark_success(config, "nightly", fp)  # the last step: only a run that got here counts as a success
-    return {"target": target, "window": window["key"], "warm_start": warm_start, "results": results, "verdict": verdict,
-            "registered": registered, "promoted": promoted, "serving": serving, "report": report}
+    return {"target": target, "window": window["key"], "pool": pooled.get("pool"), "warm_start": warm_start,
+            "results": results, "verdict": verdict, "registered": registered, "promoted": promoted, "serving": serving, "report": report}
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ if not decisions:
 decision = decisions[0]
 payload = decision["payload"]
 sample = payload.get("sample") or {}
-if decision["kind"] not in ("keep", "fallback") or sample.get("acceptance_rate") is None:
+if decision["kind"] not in ("keep", "fallback", "retrain") or sample.get("acceptance_rate") is None:
     sys.exit(f"event-check: decision {decision['kind']!r} without an acceptance sample: {sample.get('reason')}")
 client = MlflowClient()
 experiment = client.get_experiment_by_name("specdistill/SmolLM2-135M-Instruct")
@@ -116,7 +116,7 @@ runs = client.search_runs([experiment.experiment_id],
                           f"tags.kind = 'monitor' and tags.target_fingerprint = '{fingerprint}'")
 if not runs or runs[0].info.run_name != f"monitor-{decision['kind']}":
     sys.exit(f"event-check: no MLflow run monitor-{decision['kind']} for target {fingerprint}: {[r.info.run_name for r in runs]}")
-threshold = load_monitor_config("deploy/monitor/tiny.yaml").threshold
+threshold = load_monitor_config("deploy/monitor/tiny.yaml").red_line
 numbers = (f"α {sample['acceptance_rate']:.3f} vs red line {threshold:g}, "
            f"τ {sample['mean_accepted_length']:.2f} on {sample['proposed']} draft tokens")
 extra = ""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prefect import task
 
-from specdistill.pipeline import answers, bench, engine_bench, serve, success
+from specdistill.pipeline import answers, bench, corpus, engine_bench, pool, serve, success
 from specdistill.pipeline import nightly as pipeline
 from specdistill.pipeline.config import NightlyConfig, SourceConfig
 from specdistill.pipeline.outputs import (
@@ -17,6 +17,7 @@ from specdistill.pipeline.outputs import (
     Champion,
     GeneratedData,
     IngestSummary,
+    PooledData,
     Promoted,
     Registered,
     ServingDecision,
@@ -62,6 +63,17 @@ def align_vocab(config: NightlyConfig, champion: Champion | None) -> WarmStart |
 def generate_responses(config: NightlyConfig, window: WindowDict, split: str, target_fingerprint: str,
                        record_teacher: bool) -> GeneratedData:
     return answers.generate_responses(config, window, split, record_teacher=record_teacher)
+
+
+@task(name="suffix-corpus", **CACHED)
+def suffix_corpus(config: NightlyConfig, train_data: GeneratedData, target_fingerprint: str) -> str:
+    return corpus.nightly_corpus(config, train_data, target_fingerprint)
+
+
+@task(name="pool-answers", retries=2, retry_delay_seconds=5)
+def pool_answers(config: NightlyConfig, window: WindowDict, train_data: GeneratedData, heldout_data: GeneratedData,
+                 target_fingerprint: str) -> PooledData:
+    return pool.pool_answers(config, window, train_data, heldout_data, target_fingerprint)
 
 
 @task(name="distill", **CACHED)

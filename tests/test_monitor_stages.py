@@ -48,8 +48,10 @@ def test_incremental_run_takes_traffic_since_the_update_when_there_is_some(tmp_p
     url = _store(tmp_path, [updated - 86400 * 30, updated - 60, updated + 3600, updated + 7200])
     config = MonitorConfig(target="demo", nightly_overrides=[f"log_db={url}"], replay_share=0.3)
     overrides = mc.incremental_overrides(config, _change(drifted=True))
-    assert overrides == ["target=/models/target-v2", f"log_db={url}", "window.replay_share=0.3", f"window.since={UPDATED_AT}"]
+    assert overrides == ["target=/models/target-v2", f"log_db={url}", "window.replay_share=0.3",
+                         "pool.reanswer_from=fp-old", f"window.since={UPDATED_AT}"]
     nightly = load_nightly_config(None, overrides)  # what the monitor hands the nightly flow is a valid run
+    assert nightly.pool.reanswer_from == "fp-old"  # the new version's pool starts from the old pool's prompts
     assert nightly.window.since == datetime(2024, 6, 1, tzinfo=timezone.utc) and nightly.window.replay_share == 0.3
     assert nightly.target == "/models/target-v2"
     # no drift: all traffic, no window start
@@ -61,7 +63,8 @@ def test_incremental_run_takes_all_traffic_when_nothing_arrived_since_the_update
     url = _store(tmp_path, [updated - 86400, updated - 60])
     config = MonitorConfig(target="demo", nightly_overrides=[f"log_db={url}"])
     overrides = mc.incremental_overrides(config, _change(drifted=True))
-    assert overrides == ["target=/models/target-v2", f"log_db={url}", "window.replay_share=0.25"]
+    assert overrides == ["target=/models/target-v2", f"log_db={url}", "window.replay_share=0.25",
+                         "pool.reanswer_from=fp-old"]
 
 
 def test_apply_fallback_writes_the_chosen_mode_into_the_serving_config(tiny_target, tmp_path):

@@ -30,7 +30,7 @@ def test_a_bad_spec_is_refused_naming_the_known_forms(bad):
 
 
 def test_a_new_kind_is_one_registration():
-    register_kind(Kind("lookup", "ngram", "lookup:N", str.isdigit, lambda target, s: NgramDrafter(1, int(s.arg))))
+    register_kind(Kind("lookup", "ngram", "lookup:N", str.isdigit, lambda target, s, fingerprint: NgramDrafter(1, int(s.arg))))
     try:
         spec = DrafterSpec.parse("lookup:5")
         assert spec.mode == "ngram" and drafter_from_spec(None, spec).max_n == 5

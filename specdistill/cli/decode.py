@@ -21,13 +21,21 @@ from specdistill.cli.common import (
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")  # modeling.models.DTYPE_CHOICES, without importing torch to parse
 
 
-def _drafter(args: argparse.Namespace, target):
+def _drafter(args: argparse.Namespace, target, fingerprint: str | None = None):
     from specdistill.speculative import make_drafter
 
     drafter = make_drafter(target, draft=args.draft, self_spec=args.self_spec, ngram=args.ngram,
-                           ngram_min=args.ngram_min, ngram_max=args.ngram_max, tree_width=args.tree_width)
+                           ngram_min=args.ngram_min, ngram_max=args.ngram_max, tree_width=args.tree_width,
+                           suffix=getattr(args, "suffix", None), target_fingerprint=fingerprint,
+                           hybrid_threshold=getattr(args, "hybrid_threshold", None))
     if args.tree_width != 1 and (drafter is None or drafter.tree_width != args.tree_width):
-        raise ValueError(f"--tree-width {args.tree_width}: only a model drafter drafts a tree (--draft DIR or --self-spec K)")
+        raise ValueError(f"--tree-width {args.tree_width}: only a model drafter drafts a tree (--draft DIR or "
+                         "--self-spec K), or a suffix drafter (--suffix CORPUS)")
+    note = getattr(drafter, "note", "") or getattr(getattr(drafter, "suffix", None), "note", "")
+    if note:  # the suffix drafter says when its corpus is empty and it drafts from the request alone
+        import sys
+
+        print(note, file=sys.stderr)
     return drafter
 
 
@@ -52,7 +60,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise ValueError(f"--prompt-ids: expected comma-separated integers, got {args.prompt_ids!r}") from exc
     else:
         prompt = encode_prompt(target.tokenizer, args.prompt) if args.prompt.strip() else []
-    result = generate(target.model, prompt, max_new_tokens=args.max_new_tokens, drafter=_drafter(args, target.model),
+    result = generate(target.model, prompt, max_new_tokens=args.max_new_tokens,
+                      drafter=_drafter(args, target.model, target.fingerprint),
                       gamma=args.gamma, sampling=SamplingConfig(args.temperature, args.top_p, args.seed))
     text = target.tokenizer.decode(result.output_ids, skip_special_tokens=True)
     stats, dtype = result.stats, dtype_name(target.model.dtype)
@@ -104,7 +113,7 @@ def _bench_engine(args: argparse.Namespace):
         return _bench_vllm(args, prompts, config, threads)
     from specdistill.engines.llamacpp import bench_llamacpp, mode_for_spec, target_gguf
 
-    if args.self_spec is not None or not (args.draft or args.ngram):
+    if args.self_spec is not None or args.suffix or not (args.draft or args.ngram):
         raise ValueError("--engine llamacpp measures --draft (a GGUF, or a draft or EAGLE-3 head directory exported to one) "
                          "or --ngram")
     spec = f"draft:{args.draft}" if args.draft else "ngram"
@@ -154,9 +163,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.prompts is not None:  # read before loading the model: a bad file fails at once
         records = read_prompt_file(args.prompts, args.turns or "first")[: args.limit or None]
     target = load_model(args.target, dtype=args.dtype)
-    drafter = _drafter(args, target.model)
+    drafter = _drafter(args, target.model, target.fingerprint)
     if drafter is None:
-        raise ValueError("bench needs a drafting method: --draft DIR, --self-spec K or --ngram")
+        raise ValueError("bench needs a drafting method: --draft DIR, --self-spec K, --ngram or --suffix CORPUS")
     prompts = _bench_prompts(args, target, records)
     config = BenchConfig(gamma=args.gamma, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                          temperature=args.temperature, top_p=args.top_p, seed=args.seed or 0)
@@ -202,6 +211,11 @@ def _add_drafting(p: argparse.ArgumentParser) -> None:
     how.add_argument("--draft", default=None, help="draft model directory (its draft_vocab.safetensors is used if present)")
     how.add_argument("--self-spec", type=positive_int, default=None, metavar="K", help="the target drafts by exiting at layer K")
     how.add_argument("--ngram", action="store_true", help="prompt-lookup drafting from the history")
+    p.add_argument("--suffix", default=None, metavar="CORPUS",
+                   help="suffix drafting from a corpus of the target's past answers (and the request itself); "
+                        "beside --draft or --self-spec: the hybrid of both")
+    p.add_argument("--hybrid-threshold", type=number_in(0.0), default=None, metavar="X",
+                   help="hybrid: take the suffix proposal when its expected accepted tokens reach X")
     p.add_argument("--ngram-min", type=positive_int, default=1)
     p.add_argument("--ngram-max", type=positive_int, default=3)
     p.add_argument("--gamma", type=positive_int, default=DEFAULT_GAMMA, help="draft tokens per round")

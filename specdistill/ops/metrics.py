@@ -30,7 +30,7 @@ __all__ = ["LiveSample", "Scrape", "SpecDecodeMetrics", "acceptance_between", "p
            "sample_live_acceptance", "scrape"]
 
 PREFIX = "specdistill"
-MODES = ("draft", "ngram", "self_speculation", "off")
+MODES = ("draft", "ngram", "suffix", "self_speculation", "off")
 
 
 class SpecDecodeMetrics:

@@ -41,6 +41,8 @@ from specdistill.speculative import (
 )
 from specdistill.speculative.bench import BenchConfig, Prompt, run_bench_many
 from specdistill.speculative.eagle import aligned_eagle_drafter
+from specdistill.speculative.specs import DrafterSpec
+from specdistill.speculative.suffix_corpus import corpus_is_current
 
 
 def _loaded(ref: str | os.PathLike | LoadedModel, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
@@ -253,7 +255,7 @@ class Decision:
 
 @dataclass
 class FallbackCandidate:
-    mode: str  # self_speculation | ngram
+    mode: str  # self_speculation | ngram | suffix
     exit_layer: int | None
     speedup: float
     acceptance_rate: float
@@ -268,13 +270,14 @@ class FallbackCandidate:
 @dataclass
 class FallbackDecision:
     decided: bool  # False: "no decision" (too few tokens measured); serve as before
-    mode: str | None  # self_speculation | ngram | off (None when not decided)
+    mode: str | None  # self_speculation | ngram | suffix | off (None when not decided)
     exit_layer: int | None
     speedup: float | None
     reason: str
     candidates: list[FallbackCandidate] = field(default_factory=list)
     margin: float = DEFAULT_MARGIN
     generated_tokens: int = 0
+    suffix_corpus: str | None = None  # the corpus the suffix candidate drafted from (None: not measured)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -291,12 +294,14 @@ def choose_fallback(
     repeats: int = 3,
     margin: float = DEFAULT_MARGIN,
     ngram: tuple[int, int] = (2, 4),
+    suffix_corpus: str | os.PathLike | None = None,
     progress: bool = True,
 ) -> FallbackDecision:
     """Measure each fallback against target-only decoding on the sampled prompts (interleaved,
     median of repeats, one shared target-only run per prompt) and pick the fastest through the
     no-slowdown guard the nightly uses too (`ops.policy.fastest_mode`): speculation is kept only when
-    it beats target-only by more than `margin`; otherwise the mode is "off"."""
+    it beats target-only by more than `margin`; otherwise the mode is "off". `suffix_corpus` adds the suffix
+    drafter while the corpus is of this target version (after a target update it is stale, as a draft)."""
     if not prompts:
         return FallbackDecision(False, None, None, None, "no decision: no prompts to measure on", margin=margin)
     target = _loaded(target_ref)
@@ -309,7 +314,10 @@ def choose_fallback(
     modes = [("self_speculation", k) for k in layers] + [("ngram", None)]
     specs = {f"self_speculation@{k}": f"self_spec:{k}" for k in layers}
     specs["ngram"] = f"ngram:{ngram[0]},{ngram[1]}"
-    drafters = {name: drafter_from_spec(target.model, spec) for name, spec in specs.items()}
+    current, stale = corpus_is_current(suffix_corpus, target.fingerprint) if suffix_corpus else (False, "")
+    modes, specs = (modes + [("suffix", None)], {**specs, "suffix": f"suffix:{suffix_corpus}"}) if current else (modes, specs)
+    drafters = {name: drafter_from_spec(target.model, spec, target_fingerprint=target.fingerprint)
+                for name, spec in specs.items()}
     results = run_bench_many(target.model, target.tokenizer, drafters, list(prompts), config, progress=progress)
     candidates = []
     for (mode, k), result in zip(modes, results.values()):
@@ -325,7 +333,9 @@ def choose_fallback(
     choice = fastest_mode([Candidate(name, c.mode, c.speedup, c.lossless, gamma, exit_layer=c.exit_layer,
                                      prompt_speedups=c.prompt_speedups)
                            for name, c in zip(specs, candidates)], margin)
+    reason, corpus = choice.reason + (f"; suffix drafter not measured: {stale}" if stale else ""), specs.get("suffix")
+    corpus = corpus and DrafterSpec.parse(corpus).corpus
     if choice.candidate is None:
-        return FallbackDecision(True, "off", None, 1.0, choice.reason, candidates, margin, generated)
+        return FallbackDecision(True, "off", None, 1.0, reason, candidates, margin, generated, corpus)
     best = choice.candidate
-    return FallbackDecision(True, best.mode, best.exit_layer, best.speedup, choice.reason, candidates, margin, generated)
+    return FallbackDecision(True, best.mode, best.exit_layer, best.speedup, reason, candidates, margin, generated, corpus)

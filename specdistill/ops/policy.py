@@ -259,7 +259,7 @@ class Candidate:
     """One speculation mode measured against target-only decoding on the same prompts."""
 
     name: str
-    mode: str  # draft | self_speculation | ngram
+    mode: str  # draft | self_speculation | ngram | suffix
     speedup: float
     lossless: bool | None  # None: sampling run, not decidable from outputs
     gamma: int
@@ -337,11 +337,18 @@ def fastest_mode(candidates: Sequence[Candidate], margin: float = DEFAULT_MARGIN
                          margin, speedups, bounds, confidence)
 
 
+NOT_SERVED_MODES = ("hybrid",)  # measured, never served: no serving engine runs our draft beside the suffix drafter
+
+
 def servable(results: Mapping[str, Any], promote: bool) -> dict[str, Any]:
     """The measured entries that may be served: the challenger only when the gate promotes it (then the
-    old champion is superseded), the champion otherwise, and every draft-free mode; never a baseline."""
+    old champion is superseded), the champion otherwise, and every draft-free mode; never a baseline,
+    never a mode no serving engine runs (`NOT_SERVED_MODES`)."""
+    from specdistill.speculative.specs import DrafterSpec
+
     superseded = Role.CHAMPION if promote else Role.CHALLENGER
-    return {name: r for name, r in results.items() if Role.served(name) and name != superseded}
+    return {name: r for name, r in results.items() if Role.served(name) and name != superseded
+            and not (r.get("spec") and DrafterSpec.parse(r["spec"]).mode in NOT_SERVED_MODES)}
 
 
 def unserved_faster_challenger(results: Mapping[str, Any], verdict: Mapping, served_speedup: float) -> str:

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 
 from specdistill import paths
 
-MODES = ("draft", "ngram", "self_speculation", "off")
+MODES = ("draft", "ngram", "suffix", "self_speculation", "off")
 DRAFT_KINDS = ("layers", "eagle3")  # a plain HF draft checkpoint, or an EAGLE-3 head over the target's features
 SERVING_FILE = "serving.json"
 SERVING_FILE_MODE = 0o644  # it holds no secret, and the serving engine may run as another user
@@ -45,7 +45,7 @@ class ServingConfig(BaseModel):
 
     model_config = ConfigDict(extra="allow", validate_assignment=True)
 
-    mode: Literal["draft", "ngram", "self_speculation", "off"]
+    mode: Literal["draft", "ngram", "suffix", "self_speculation", "off"]
     num_speculative_tokens: StrictInt = 4
     draft_dir: StrictStr | None = None  # draft mode, and self-speculation exported as an early-exit draft
     draft_version: StrictStr | None = None
@@ -54,6 +54,15 @@ class ServingConfig(BaseModel):
     exit_layer: StrictInt | None = None  # self-speculation
     prompt_lookup_min: StrictInt = 2
     prompt_lookup_max: StrictInt = 4
+    # suffix mode: the corpus of the target's past answers (ours, token ids) and its SGLang export (JSONL of
+    # answer texts); SuffixDecoding's knobs under vLLM's names (suffix_decoding_*)
+    suffix_corpus: StrictStr | None = None
+    suffix_corpus_sglang: StrictStr | None = None
+    suffix_corpus_tokens: StrictInt = 0
+    suffix_max_tree_depth: StrictInt = 24
+    suffix_max_spec_factor: float = 1.0
+    suffix_min_token_prob: float = 0.1
+    suffix_max_cached_requests: StrictInt = 10000
     reason: StrictStr = ""
     measured: dict[str, float] = Field(default_factory=dict)  # every mode's measured speedup, same prompts
     measured_on: StrictStr = ""  # engine and dtype the speedups were measured with, e.g. "harness bf16"
@@ -80,6 +89,8 @@ class ServingConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> ServingConfig:
+        if self.mode == "suffix" and not self.suffix_corpus:
+            raise ValueError("serving mode 'suffix' needs its corpus file (suffix_corpus)")
         if self.mode in ("draft", "self_speculation") and not self.draft_dir:
             raise ValueError(f"serving mode {self.mode!r} needs a draft directory")
         if self.draft_kind == "eagle3" and self.mode != "draft":
@@ -104,6 +115,15 @@ class ServingConfig(BaseModel):
             return {"method": "eagle3", "model": self.draft_dir, "num_speculative_tokens": k}
         if self.mode in ("draft", "self_speculation"):
             return {"method": "draft_model", "model": self.draft_dir, "num_speculative_tokens": k}
+        if self.mode == "suffix":  # vLLM's global tree fills from served requests only: our corpus cannot seed it
+            return {
+                "method": "suffix",
+                "num_speculative_tokens": k,
+                "suffix_decoding_max_tree_depth": self.suffix_max_tree_depth,
+                "suffix_decoding_max_spec_factor": self.suffix_max_spec_factor,
+                "suffix_decoding_min_token_prob": self.suffix_min_token_prob,
+                "suffix_decoding_max_cached_requests": self.suffix_max_cached_requests,
+            }
         if self.mode == "ngram":
             return {
                 "method": "ngram",
@@ -127,6 +147,15 @@ class ServingConfig(BaseModel):
                 "--speculative-eagle-topk", str(w),
                 "--speculative-num-draft-tokens", str(k + w),
             ]
+        if self.mode == "suffix":  # SGLang's NGRAM trie over the request, plus our corpus as its external corpus
+            out = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(k),
+                   "--speculative-ngram-max-trie-depth", str(self.suffix_max_tree_depth)]
+            if self.suffix_corpus_sglang:
+                out += ["--speculative-ngram-external-corpus-path", self.suffix_corpus_sglang,
+                        "--speculative-ngram-external-sam-budget", str(k),
+                        # SGLang re-tokenizes the texts and refuses a corpus above this; answers plus separators
+                        "--speculative-ngram-external-corpus-max-tokens", str(max(1, 2 * self.suffix_corpus_tokens))]
+            return out
         if self.mode == "ngram":
             return [
                 "--speculative-algorithm", "NGRAM",
@@ -155,6 +184,8 @@ class ServingConfig(BaseModel):
             lines.append(f"draft           {self.draft_dir} ({'EAGLE-3 head, ' if self.draft_kind == 'eagle3' else ''}{what})")
         if self.exit_layer is not None:
             lines.append(f"exit layer      {self.exit_layer}")
+        if self.suffix_corpus:
+            lines.append(f"suffix corpus   {self.suffix_corpus} ({self.suffix_corpus_tokens} tokens)")
         lines.append(f"target          {self.target_fingerprint}")
         # quoted for a shell: a pasted line never runs a word of a draft path (shlex.join for every engine)
         vllm = shlex.join(["--speculative-config", json.dumps(self.vllm())]) if self.vllm() else "(no speculation)"

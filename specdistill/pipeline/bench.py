@@ -14,9 +14,11 @@ from specdistill.speculative.specs import DrafterSpec
 
 
 def measured_drafters(config: NightlyConfig, trained: Trained, warm_start: WarmStart | None,
-                      generic: Trained | None) -> dict[str, str]:
+                      generic: Trained | None, suffix_corpus: str | None = None) -> dict[str, str]:
     """The benchmark's entries and their drafter specs: the drafts by their role (the challenger, the
-    champion as warm-started, the generic baseline), the draft-free modes by their own names."""
+    champion as warm-started, the generic baseline), the draft-free modes by their own names; with a
+    `suffix_corpus` (the target's own train answers), the suffix drafter alone and (`bench.hybrid`) beside
+    the challenger."""
     drafters = {Role.CHALLENGER.value: str(DrafterSpec("draft", trained["draft_dir"]))}
     if warm_start:
         drafters[Role.CHAMPION.value] = str(DrafterSpec("draft", warm_start["dir"]))
@@ -26,6 +28,10 @@ def measured_drafters(config: NightlyConfig, trained: Trained, warm_start: WarmS
         drafters[f"self-spec@{layer}"] = str(DrafterSpec("self_spec", str(layer)))
     if config.bench.ngram:
         drafters["ngram"] = str(DrafterSpec("ngram"))
+    if suffix_corpus:
+        drafters["suffix"] = str(DrafterSpec("suffix", suffix_corpus))
+        if config.bench.hybrid:
+            drafters["hybrid"] = str(DrafterSpec("hybrid", f"{trained['draft_dir']},{suffix_corpus}"))
     return drafters
 
 
@@ -42,7 +48,8 @@ def benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str
     """Every drafter on the same held-out prompts, sharing one interleaved target-only run per prompt,
     then (`serving.choose_gamma`) each at the γ its curve predicts best, confirmed by a second run.
 
-    A drafter spec is what `speculative.drafter_from_spec` reads (`draft:DIR`, `self_spec:K`, `ngram`);
+    A drafter spec is what `speculative.drafter_from_spec` reads (`draft:DIR`, `self_spec:K`, `ngram`,
+    `suffix:CORPUS`, `hybrid:DIR,CORPUS`; a corpus is checked against the target's fingerprint);
     results are keyed by the given name.
     """
     import torch
@@ -58,7 +65,8 @@ def benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str
     prompts = bench_prompts(config, window)
     b, s = config.bench, config.serving
     bcfg = BenchConfig(gamma=b.gamma, max_new_tokens=b.max_new_tokens, repeats=b.repeats)
-    made = {name: drafter_from_spec(target.model, spec, tree_width=_served_tree_width(spec, b.tree_width))
+    made = {name: drafter_from_spec(target.model, spec, tree_width=_served_tree_width(spec, b.tree_width),
+                                    target_fingerprint=target.fingerprint)
             for name, spec in drafters.items()}
     results = run_bench_many(target.model, target.tokenizer, made, prompts, bcfg)
     if s.choose_gamma:
@@ -68,8 +76,10 @@ def benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str
 
 def _served_tree_width(spec: str, width: int) -> int:
     """The tree width a drafter is measured with: vLLM and SGLang verify trees for EAGLE-3 heads only,
-    so any other draft is measured as the chain it would be served as."""
+    so any other draft is measured as the chain it would be served as (a hybrid's head, measured only,
+    verifies the tree the head alone would)."""
     from specdistill.modeling.eagle3_io import is_eagle3_dir
+
     path = DrafterSpec.parse(spec).path
     return width if path and Path(path).is_dir() and is_eagle3_dir(path) else 1
 

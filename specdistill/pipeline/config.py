@@ -84,6 +84,23 @@ class TrainConfig(Strict):
     bf16: bool | None = None
 
 
+class PoolConfig(Strict):
+    """The answer pool (`distill.pool`): each night's answers join their target version's pool and the
+    night trains on it, newest first. `max_tokens` caps the answer tokens trained on (tonight's always in):
+    the demo's head trains ~100k tokens a minute on 2 cores, so 400k is about one epoch of its 3 minutes
+    and its feature rows take ~1.4 GB of memory. `max_gb` caps the pool's disk (the oldest nights leave
+    first). After a target update the new version's pool starts with the old pool's `reanswer_prompts`
+    most recent prompts answered by the new target (`reanswer_from`: the old fingerprint, set by the
+    monitor); the pools of the `keep_versions` most recent target versions are kept."""
+
+    enabled: bool = True
+    max_tokens: int | None = Field(400_000, ge=1)
+    max_gb: float | None = Field(20.0, gt=0.0)
+    keep_versions: int = Field(2, ge=1)
+    reanswer_prompts: int = Field(256, ge=0)
+    reanswer_from: str | None = None
+
+
 class BenchSettings(Strict):
     gamma: int = Field(DEFAULT_GAMMA, ge=1)  # the first benchmark's γ; then each drafter's is measured
     # EAGLE-3 heads, greedy: first-position candidates verified as a tree (1: a chain). Serving: SGLang's
@@ -93,6 +110,10 @@ class BenchSettings(Strict):
     repeats: int = Field(1, ge=1)
     self_spec_layers: list[int] = [8]
     ngram: bool = True
+    # the suffix drafter over the window's train answers, and its hybrid with the challenger
+    suffix: bool = True
+    hybrid: bool = True
+    suffix_max_tokens: int | None = Field(10_000_000, ge=1)  # corpus cap: the newest answers that fit
     generic_draft: bool = True  # train the off-the-shelf baseline once (plain CE on human answers)
     threads: int | None = None
 
@@ -142,6 +163,7 @@ class NightlyConfig(Strict):
     window: WindowConfig = WindowConfig()
     generation: GenerationConfig = GenerationConfig()
     train: TrainConfig = TrainConfig()
+    pool: PoolConfig = PoolConfig()
     bench: BenchSettings = BenchSettings()
     gate: GateSettings = GateSettings()
     serving: ServingSettings = ServingSettings()
@@ -188,6 +210,7 @@ class MonitorConfig(Strict):
     fallback_exit_layers: list[int] = [4, 8, 12]
     fallback_min_tokens: int = Field(64, ge=1)
     fallback_repeats: int = Field(1, ge=1)
+    fallback_suffix_corpus: str | None = None  # None: the state directory's current corpus (the nightly's), if any
     replay_share: float = Field(0.25, ge=0.0, lt=1.0)  # of older traffic in the incremental run
 
     def target_ref(self) -> str:

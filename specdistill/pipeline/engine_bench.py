@@ -11,9 +11,10 @@ the off-the-shelf baseline is never served, so not measured.
 
 from __future__ import annotations
 
-from specdistill.ops.policy import Role
+from specdistill.ops.policy import NOT_SERVED_MODES, Role
 from specdistill.pipeline.config import NightlyConfig
 from specdistill.pipeline.outputs import BenchEntry, WindowDict
+from specdistill.speculative.specs import DrafterSpec
 
 
 def engine_prompts(window: WindowDict):
@@ -45,8 +46,12 @@ def engine_benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[s
     s, b = config.serving, config.bench
     prompts = engine_prompts(window)
     bcfg = EngineBenchConfig(max_new_tokens=b.max_new_tokens, repeats=b.repeats, gamma=b.gamma)
-    servable = {name: spec for name, spec in drafters.items() if Role.served(name)}
+    # no engine runs our draft beside the suffix drafter (NOT_SERVED_MODES)
+    servable = {name: spec for name, spec in drafters.items()
+                if Role.served(name) and DrafterSpec.parse(spec).mode not in NOT_SERVED_MODES}
     if s.engine == "llamacpp":
+        # llama.cpp's lookup cache is its own file format (docs/serving.md): the suffix drafter is not measured there
+        servable = {name: spec for name, spec in servable.items() if DrafterSpec.parse(spec).kind != "suffix"}
         from specdistill.engines.llamacpp import bench_llamacpp, mode_for_spec, target_gguf
 
         gguf = target_gguf(config.target)

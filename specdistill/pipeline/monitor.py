@@ -23,13 +23,18 @@ from specdistill.pipeline.outputs import (
 
 def incremental_overrides(config: MonitorConfig, change: TargetChange) -> list[str]:
     """The nightly run the monitor starts: traffic since the target update plus a replay share of
-    older traffic; all traffic when nothing has arrived since (the update is then the only news)."""
+    older traffic; all traffic when nothing has arrived since (the update is then the only news).
+    After a target update, the new version's answer pool starts with the old pool's most recent
+    prompts answered by the new target (`pool.reanswer_prompts` of them)."""
     from datetime import datetime
 
     from specdistill.data.logstore import LogStore
 
     overrides = [f"target={change['current']['path']}", *config.nightly_overrides,
                  f"window.replay_share={config.replay_share}"]
+    old = change.get("champion_target") or (change.get("previous") or {}).get("fingerprint")
+    if change.get("drifted") and old and old != change["current"]["fingerprint"]:
+        overrides.append(f"pool.reanswer_from={old}")  # the new version's pool starts from the old one's prompts
     since = change["current"]["registered_at"] if change.get("drifted") else None
     if since:
         with LogStore(config.nightly.log_db) as store:
@@ -159,9 +164,12 @@ def measure_fallback(config: MonitorConfig, target: TargetVersionDict) -> Fallba
     with LogStore(nightly.log_db) as store:
         prompts = prompts_from_store(store, loaded.tokenizer, config.replay_prompts,
                                      max_prompt_tokens=nightly.window.max_prompt_tokens)
+    from specdistill.pipeline.corpus import current_corpus_path
+
+    corpus = config.fallback_suffix_corpus or (str(current_corpus_path()) if current_corpus_path().is_file() else None)
     decision = choose_fallback(loaded, prompts, exit_layers=config.fallback_exit_layers, gamma=config.replay_gamma(),
                                max_new_tokens=config.max_new_tokens, min_tokens=config.fallback_min_tokens,
-                               repeats=config.fallback_repeats)
+                               repeats=config.fallback_repeats, suffix_corpus=corpus)
     return decision.to_dict()
 
 
@@ -179,8 +187,18 @@ def apply_fallback(config: MonitorConfig, fallback: FallbackChoice, target: Targ
     if mode == "self_speculation":
         loaded = load_model(target["path"], dtype=config.nightly.dtype)  # the dtype the fallback was measured in
         draft_dir = str(export_early_exit_draft(loaded, k, early_exit_dir(target["fingerprint"], k)))
+    suffix = {}
+    if mode == "suffix":
+        from specdistill.pipeline.corpus import sglang_corpus_path
+        from specdistill.speculative.suffix_corpus import read_corpus_meta
+
+        corpus = fallback["suffix_corpus"]
+        sglang = sglang_corpus_path(corpus)
+        suffix = dict(suffix_corpus=corpus, suffix_corpus_tokens=read_corpus_meta(corpus).tokens,
+                      suffix_corpus_sglang=str(sglang) if sglang.is_file() else None)
     serving = ServingConfig(mode=mode, draft_dir=draft_dir, exit_layer=k, num_speculative_tokens=config.replay_gamma(),
-                            target_fingerprint=target["fingerprint"], reason=f"monitor fallback: {fallback['reason']}")
+                            target_fingerprint=target["fingerprint"], reason=f"monitor fallback: {fallback['reason']}",
+                            **suffix)
     with registry.promotion_lock():
         path = write_serving_config(serving, config.nightly.serving_path)
     return AppliedFallback(mode=mode, exit_layer=k, serving_config=str(path))

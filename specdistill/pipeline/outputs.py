@@ -80,6 +80,23 @@ class GeneratedData(TypedDict):
     tokens: int
 
 
+class PoolSummary(TypedDict):
+    fingerprint: str  # the target version the pool belongs to
+    nights: dict[str, dict]  # night (window key) -> {"answers", "tokens"} trained on, newest first
+    duplicates: int  # prompts answered on several nights, trained once (the newest answer)
+    held_out: int  # pooled answers left out because their prompt has been evaluated on
+    over_budget: int  # older answers left out by pool.max_tokens
+    skipped: list[str]  # shards or nights not trained on, and why
+    evicted: list[dict]  # nights whose data the disk cap deleted tonight (key, bytes)
+    retired: list[dict]  # other target versions' pools dropped by pool.keep_versions
+    reanswered: int  # the old version's prompts the new target answered into this pool tonight
+    disk_bytes: int
+
+
+class PooledData(GeneratedData, total=False):
+    pool: PoolSummary  # absent when pool.enabled is false: the night's own answers
+
+
 class _TrainedOptional(TypedDict, total=False):
     rank_weight_digests: list[str]  # multi-rank runs only
     kind: str  # "layers" or "eagle3"
@@ -254,6 +271,7 @@ class FallbackChoice(TypedDict):
     candidates: list[FallbackCandidateDict]
     margin: float
     generated_tokens: int
+    suffix_corpus: str | None
 
 
 class AppliedFallback(TypedDict):

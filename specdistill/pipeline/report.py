@@ -24,6 +24,7 @@ from specdistill.pipeline.outputs import (
     VerdictDict,
     WindowDict,
 )
+from specdistill.speculative.specs import DrafterSpec
 
 log = logging.getLogger(__name__)
 
@@ -182,8 +183,9 @@ def train_losses(trained: Trained) -> list[float]:
 
 def registration_artifacts(config: NightlyConfig, results: dict[str, BenchEntry], verdict: VerdictDict, trained: Trained,
                            report_path: str | None, speeds: dict[str, BenchEntry] | None = None) -> list[Path]:
-    """benchmark.json, the run's config, gate.json, the challenger's acceptance plot and the report; with
-    a serving engine's measurements, engine_benchmark.json and the challenger's GGUF as llama.cpp ran it."""
+    """benchmark.json, the run's config, gate.json, the challenger's acceptance plot, the report and the
+    suffix corpus (when measured); with a serving engine's measurements, engine_benchmark.json and the
+    challenger's GGUF as llama.cpp ran it."""
     from specdistill.speculative.bench import BenchResult
 
     artifacts_dir = paths.ensure(Path(trained["draft_dir"]).parent / "artifacts")
@@ -200,6 +202,12 @@ def registration_artifacts(config: NightlyConfig, results: dict[str, BenchEntry]
         artifacts.append(plot)
     if report_path:
         artifacts.append(Path(report_path))
+    suffix = (results.get("suffix") or {}).get("spec", "")
+    if suffix and DrafterSpec.parse(suffix).corpus:  # the suffix drafter's corpus (and its SGLang export), beside the draft
+        from specdistill.pipeline.corpus import sglang_corpus_path
+
+        corpus = Path(DrafterSpec.parse(suffix).corpus)
+        artifacts += [p for p in (corpus, sglang_corpus_path(corpus)) if p.is_file()]
     if speeds:
         (artifacts_dir / "engine_benchmark.json").write_text(json.dumps(speeds, indent=2, default=str))
         artifacts.append(artifacts_dir / "engine_benchmark.json")

@@ -128,6 +128,18 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
         loaded = load_model(target["path"], dtype=target["dtype"])  # the dtype the mode was measured in (a copy: on the CPU)
         out = export_early_exit_draft(loaded, k, early_exit_dir(target["fingerprint"], k))
         return ServingConfig(draft_dir=str(out), exit_layer=k, **common)
+    if mode == "suffix":
+        from specdistill.pipeline.corpus import sglang_corpus_path
+        from specdistill.speculative.suffix import SuffixParams
+        from specdistill.speculative.suffix_corpus import read_corpus_meta
+
+        corpus = DrafterSpec.parse(spec).corpus
+        sglang = sglang_corpus_path(corpus)
+        p = SuffixParams()  # the drafter was measured with these
+        return ServingConfig(suffix_corpus=corpus, suffix_corpus_tokens=read_corpus_meta(corpus).tokens,
+                             suffix_corpus_sglang=str(sglang) if sglang.is_file() else None,
+                             suffix_max_tree_depth=p.max_depth, suffix_max_spec_factor=p.max_spec_factor,
+                             suffix_min_token_prob=p.min_token_prob, **common)
     if mode == "ngram":
         lo, hi = spec.ngram_sizes
         return ServingConfig(prompt_lookup_min=lo, prompt_lookup_max=hi, **common)

@@ -35,7 +35,14 @@ def mode_serving_config(spec: str, gamma: int, target_ref: str):
     if parsed.ngram_sizes:
         lo, hi = parsed.ngram_sizes
         return ServingConfig(mode="ngram", num_speculative_tokens=gamma, prompt_lookup_min=lo, prompt_lookup_max=hi)
-    raise ValueError(f"drafter {spec!r} has no vLLM mode (draft:DIR, self_spec:K or ngram)")
+    if parsed.kind == "suffix":  # vLLM's own suffix trees (our corpus cannot seed them: docs/serving.md)
+        from specdistill.speculative.suffix import SuffixParams
+
+        p = SuffixParams()
+        return ServingConfig(mode="suffix", num_speculative_tokens=gamma, suffix_corpus=parsed.corpus,
+                             suffix_max_tree_depth=p.max_depth, suffix_max_spec_factor=p.max_spec_factor,
+                             suffix_min_token_prob=p.min_token_prob)
+    raise ValueError(f"drafter {spec!r} has no vLLM mode (draft:DIR, self_spec:K, ngram or suffix:CORPUS)")
 
 
 def refused_entry(name: str, spec: str, cause: str, gamma: int, dtype: str) -> BenchEntry:

@@ -231,16 +231,32 @@ def make_drafter(
     ngram_min: int = 1,
     ngram_max: int = 3,
     tree_width: int = 1,
+    suffix: str | None = None,
+    target_fingerprint: str | None = None,
+    hybrid_threshold: float | None = None,
 ) -> Drafter | None:
     """The drafter a command line asks for: at most one of a draft model reference, an early-exit
     layer, or n-gram lookup; None means target-only decoding. A draft directory's
     draft_vocab.safetensors, when present, switches on the reduced draft vocabulary; a directory
     holding an EAGLE-3 head (by its config's architecture) gives the EAGLE drafter. A model drafter
     (draft, head or early exit) verifies its `tree_width` best first-position candidates as a tree
-    when decoding greedily; n-gram lookup drafts a chain."""
+    when decoding greedily; n-gram lookup drafts a chain.
+
+    `suffix` (a corpus file, checked against `target_fingerprint` when given) alone is the suffix
+    drafter; beside a draft or an early exit it makes the hybrid drafter (`speculative.hybrid`)."""
     chosen = [name for name, on in (("draft", draft), ("self_spec", self_spec is not None), ("ngram", ngram)) if on]
-    if len(chosen) > 1:
-        raise ValueError(f"choose one drafting method, got {' and '.join(chosen)}")
+    if len(chosen) > 1 or (suffix and ngram):
+        raise ValueError(f"choose one drafting method, got {' and '.join(chosen + (['suffix'] if suffix else []))}")
+    if suffix:
+        from specdistill.speculative.suffix_corpus import load_suffix_drafter
+
+        model = make_drafter(target, draft=draft, self_spec=self_spec, tree_width=tree_width) if chosen else None
+        corpus = load_suffix_drafter(suffix, target_fingerprint, tree_width=1 if model is not None else tree_width)
+        if model is None:
+            return corpus
+        from specdistill.speculative.hybrid import HYBRID_THRESHOLD, HybridDrafter
+
+        return HybridDrafter(model, corpus, HYBRID_THRESHOLD if hybrid_threshold is None else hybrid_threshold)
     if self_spec is not None:
         return SelfSpecDrafter(target, self_spec, tree_width=tree_width)
     if ngram:
@@ -261,4 +277,3 @@ def make_drafter(
             tree_width=tree_width,
         )
     return None
-

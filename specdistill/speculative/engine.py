@@ -43,8 +43,8 @@ class SpecStats:
     seconds: float = 0.0
     accepted_per_position: list[int] = field(default_factory=list)
     proposed_per_position: list[int] = field(default_factory=list)
-    # tree rounds (an EAGLE-3 head, greedy): first-position runner-ups accepted where the chain's top
-    # candidate was not; in τ, not in α (α stays the chain's acceptance, what a chain-verifying server sees)
+    # tree rounds (greedy): tokens of runner-up branches accepted where the chain (the drafter's first choice)
+    # was not; in τ, not in α (α stays the chain's acceptance, what a chain-verifying server sees)
     runner_ups_accepted: int = 0
 
     @property
@@ -233,21 +233,23 @@ def generate(
                 break
 
             k = min(gamma, budget - generated - 1)
+            draft_ids, draft_probs = tokens[:0], None
             if tree and k > 0:
                 ids, parents = drafter.propose_tree(tokens[:length], k)
-                choice = forward(*tree_inputs(tokens[length - 1], ids, parents, length - 1)).argmax(-1)
-                path, following = greedy_path(choice, ids, parents)
-                keep_cache_rows(cache, length - 1, [0] + [1 + i for i in path])
-                on_chain = bool(path) and path[0] == 0  # nodes 0..k-1 are the chain after the top candidate
-                drafter.rollback(length + (len(path) if on_chain else 0))  # the drafter's cache holds the chain only
-                pass_features(torch.tensor([0] + [1 + i for i in path]))
-                stats.record_round(k, len(path) if on_chain else 0)
-                stats.runner_ups_accepted += 0 if on_chain else len(path)
-                new = torch.cat([ids[path], following.view(1)])
-                continue
-            draft_ids, draft_probs = (
-                drafter.propose(tokens[:length], k, sampling, generator) if drafter is not None and k > 0 else (tokens[:0], None)
-            )
+                if ids.numel():
+                    choice = forward(*tree_inputs(tokens[length - 1], ids, parents, length - 1)).argmax(-1)
+                    path, following = greedy_path(choice, ids, parents)
+                    keep_cache_rows(cache, length - 1, [0] + [1 + i for i in path])
+                    chain = chain_length(parents)  # the leading nodes -1, 0, 1, ...: the chain a server would verify
+                    on_chain = next((i for i, node in enumerate(path) if node != i), len(path))
+                    drafter.rollback(length + on_chain)  # the drafter's cache holds the chain only
+                    pass_features(torch.tensor([0] + [1 + i for i in path]))
+                    stats.record_round(chain, on_chain)
+                    stats.runner_ups_accepted += len(path) - on_chain
+                    new = torch.cat([ids[path], following.view(1)])
+                    continue
+            elif drafter is not None and k > 0:
+                draft_ids, draft_probs = drafter.propose(tokens[:length], k, sampling, generator)
             k = draft_ids.numel()
             if k == 0:
                 new = next_token(forward(tokens[length - 1 : length], 1)[-1], sampling, generator).view(1)
@@ -271,6 +273,11 @@ def generate(
 
 # --------------------------------------------------------------------------------------------
 # Tree verification (greedy): several candidates for the first draft position in one target forward
+
+
+def chain_length(parents: Sequence[int]) -> int:
+    """How many leading nodes form the chain (parents -1, 0, 1, ...); the rest are runner-up branches."""
+    return next((i for i, p in enumerate(parents) if p != i - 1), len(parents))
 
 
 def tree_depths(parents: Sequence[int]) -> list[int]:

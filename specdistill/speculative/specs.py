@@ -1,5 +1,6 @@
 """Drafter specs: the one parser of the strings that name a drafting method (`draft:DIR`, `self_spec:K`,
-`ngram`, `ngram:MIN,MAX`), and the one place a new kind of drafter is added.
+`ngram`, `ngram:MIN,MAX`, `suffix:CORPUS`, `hybrid:DIR,CORPUS[,THRESHOLD]`), and the one place a new kind
+of drafter is added.
 
     spec = DrafterSpec.parse("self_spec:8")      # kind "self_spec", exit_layer 8, serving mode "self_speculation"
     drafter = drafter_from_spec(target, spec.with_(tree_width=4))
@@ -33,7 +34,8 @@ class Kind:
     mode: str  # the serving mode it is written as: draft | self_speculation | ngram | ...
     usage: str  # how its spec is written, for error messages
     check: Callable[[str], bool]  # is this argument (after "kind:", "" when there is none) valid?
-    build: Callable[[PreTrainedModel, DrafterSpec], Drafter]
+    # (target, spec, target fingerprint or None: what a corpus is checked against) -> the drafter
+    build: Callable[[PreTrainedModel, DrafterSpec, str | None], Drafter]
 
 
 KINDS: dict[str, Kind] = {}
@@ -83,8 +85,17 @@ class DrafterSpec:
 
     @property
     def path(self) -> str | None:
-        """A draft's checkpoint or EAGLE-3 head (kind draft)."""
+        """A draft's checkpoint or EAGLE-3 head (kind draft, and the model half of a hybrid)."""
+        if self.kind == "hybrid":
+            return hybrid_parts(self.arg)[0]
         return self.arg if self.kind == "draft" else None
+
+    @property
+    def corpus(self) -> str | None:
+        """A suffix corpus file (kinds suffix and hybrid)."""
+        if self.kind == "hybrid":
+            return hybrid_parts(self.arg)[1]
+        return self.arg if self.kind == "suffix" else None
 
     @property
     def exit_layer(self) -> int | None:
@@ -101,23 +112,56 @@ class DrafterSpec:
         return (lo, hi)
 
 
+def hybrid_parts(arg: str) -> tuple[str, str, float | None]:
+    """`DIR,CORPUS[,THRESHOLD]` of a hybrid spec: the draft, the corpus file and the threshold."""
+    parts = arg.split(",")
+    threshold = None
+    if len(parts) >= 3:
+        try:
+            threshold = float(parts[-1])
+            parts = parts[:-1]
+        except ValueError:
+            pass
+    if len(parts) != 2 or not all(parts):
+        raise DrafterSpecError(f"hybrid drafter spec needs DIR,CORPUS[,THRESHOLD], got {arg!r}")
+    return parts[0], parts[1], threshold
+
+
+def _hybrid_ok(arg: str) -> bool:
+    try:
+        hybrid_parts(arg)
+    except DrafterSpecError:
+        return False
+    return True
+
+
 def _sizes_ok(arg: str) -> bool:
     sizes = [s.strip() for s in arg.split(",")]
     return not arg or (len(sizes) == 2 and all(s.isdigit() for s in sizes))
 
 
 register_kind(Kind("draft", "draft", "draft:DIR", lambda arg: bool(arg),
-                   lambda target, s: make_drafter(target, draft=s.arg, tree_width=s.tree_width)))
+                   lambda target, s, fp: make_drafter(target, draft=s.arg, tree_width=s.tree_width)))
 register_kind(Kind("self_spec", "self_speculation", "self_spec:K", str.isdigit,
-                   lambda target, s: make_drafter(target, self_spec=s.exit_layer, tree_width=s.tree_width)))
+                   lambda target, s, fp: make_drafter(target, self_spec=s.exit_layer, tree_width=s.tree_width)))
 register_kind(Kind("ngram", "ngram", "ngram or ngram:MIN,MAX", _sizes_ok,
-                   lambda target, s: make_drafter(target, ngram=True, ngram_min=s.ngram_sizes[0], ngram_max=s.ngram_sizes[1])))
+                   lambda target, s, fp: make_drafter(target, ngram=True, ngram_min=s.ngram_sizes[0],
+                                                      ngram_max=s.ngram_sizes[1])))
+register_kind(Kind("suffix", "suffix", "suffix:CORPUS", lambda arg: bool(arg),
+                   lambda target, s, fp: make_drafter(target, suffix=s.arg, tree_width=s.tree_width,
+                                                      target_fingerprint=fp)))
+# measured, never served: no serving engine runs our distilled draft with the suffix drafter beside it
+register_kind(Kind("hybrid", "hybrid", "hybrid:DIR,CORPUS[,THRESHOLD]", _hybrid_ok,
+                   lambda target, s, fp: make_drafter(target, draft=s.path, suffix=s.corpus, tree_width=s.tree_width,
+                                                      target_fingerprint=fp, hybrid_threshold=hybrid_parts(s.arg)[2])))
 
 
-def drafter_from_spec(target: PreTrainedModel, spec: str | DrafterSpec, tree_width: int | None = None) -> Drafter:
+def drafter_from_spec(target: PreTrainedModel, spec: str | DrafterSpec, tree_width: int | None = None,
+                      target_fingerprint: str | None = None) -> Drafter:
     """The drafter a spec names, as the nightly benchmark and the monitor's fallback build them.
-    `tree_width` (default: the spec's) applies to model drafters."""
+    `tree_width` (default: the spec's) applies to model and suffix drafters; a corpus is checked against
+    `target_fingerprint` when given."""
     spec = DrafterSpec.parse(spec)
     if tree_width is not None:
         spec = spec.with_(tree_width=tree_width)
-    return KINDS[spec.kind].build(target, spec)
+    return KINDS[spec.kind].build(target, spec, target_fingerprint)

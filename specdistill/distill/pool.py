@@ -1,0 +1,394 @@
+"""The answer pool: every night's target answers for one target version, kept so the draft keeps learning.
+
+The draft is data-limited (+0.075 first-position acceptance per doubling of unique answer tokens in
+`benchmarks/eagle_budget.py`) while one night answers one window. A pool, keyed by the target
+fingerprint, references each night's train answers (the JSONL, its teacher cache and its EAGLE-3
+feature cache stay where the answer stage wrote them) in a manifest, `pool.json`. A night trains on a
+`PoolView`: the pool's answers newest first, duplicate prompts kept once (the newest answer), capped
+by an answer-token budget, the new night's answers always in. A view is an ordinary answers file with
+a teacher cache and a feature cache whose shards are links to the nights' shards, so the trainer reads
+it as it reads one night's data.
+
+Held-out prompts stay held out: every prompt ever evaluated on is recorded (its log id and a hash of
+its prompt tokens) and never enters a view. Disk is bounded: over `max_gb`, the oldest nights leave
+first (their answers, teacher rows and features are deleted). A shard that is truncated, or a cache
+written for another target, is skipped with a warning naming it and never trained on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import warnings
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from specdistill.distill.datagen import read_done
+from specdistill.distill.features import FEATURE_META
+from specdistill.distill.teacher import CACHE_META
+
+POOL_MANIFEST = "pool.json"
+VIEW_DONE = "view.json"
+
+
+class PoolWarning(UserWarning):
+    """A pool shard or night that was skipped (truncated, another target, other settings)."""
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def prompt_hash(record: dict) -> str:
+    """The identity of a prompt across log ids: its rendered token ids (else its messages)."""
+    what = record.get("prompt_ids") or record.get("prompt")
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def shard_keys(path: Path) -> list[str] | None:
+    """The tensor names of an intact safetensors shard, or None when it is truncated or unreadable:
+    the header's last data offset must be exactly where the file ends."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n <= 0 or n > 100_000_000:
+                return None
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        return [k for k in header if k != "__metadata__"] if 8 + n + end == path.stat().st_size else None
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+
+
+def _dir_bytes(path: str | None) -> int:
+    if not path or not Path(path).exists():
+        return 0
+    p = Path(path)
+    return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+@dataclass
+class PoolNight:
+    key: str  # the data window's key
+    answers: str  # the night's train answers (JSONL)
+    teacher_cache: str
+    features: str | None  # its EAGLE-3 feature cache, None when the answer pass recorded none
+    answers_count: int
+    tokens: int  # answer tokens
+    added_at: str
+    evicted_at: str | None = None  # when the disk cap deleted its data
+
+    def disk_bytes(self) -> int:
+        return 0 if self.evicted_at else sum(_dir_bytes(p) for p in (self.answers, self.teacher_cache, self.features))
+
+
+@dataclass
+class PoolView:
+    """What a night trains on: `path` + `teacher_cache` (+ `features`) as the trainer reads one night's data."""
+
+    path: str
+    teacher_cache: str
+    features: str | None
+    answers: int
+    tokens: int
+    nights: dict[str, dict] = field(default_factory=dict)  # night key -> {"answers", "tokens"}, newest first
+    duplicates: int = 0  # prompts answered on several nights, kept once (the newest answer)
+    held_out: int = 0  # answers dropped because their prompt has been evaluated on
+    over_budget: int = 0  # older answers left out by the token budget
+    skipped: list[str] = field(default_factory=list)  # warnings: shards or nights not trained on
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class AnswerPool:
+    """One target version's pool: a directory holding the manifest and the latest view."""
+
+    def __init__(self, directory: str | os.PathLike, manifest: dict):
+        self.dir = Path(directory)
+        self.manifest = manifest
+
+    @classmethod
+    def open(cls, root: str | os.PathLike, fingerprint: str) -> AnswerPool:
+        """The pool of this target under `root`, created empty when it does not exist."""
+        directory = Path(root) / fingerprint
+        path = directory / POOL_MANIFEST
+        if path.is_file():
+            manifest = json.loads(path.read_text())
+            if manifest.get("fingerprint") != fingerprint:
+                raise ValueError(f"{path} is the pool of target {manifest.get('fingerprint')!r}, not {fingerprint!r}")
+            return cls(directory, manifest)
+        directory.mkdir(parents=True, exist_ok=True)
+        pool = cls(directory, {"fingerprint": fingerprint, "created_at": _now(), "updated_at": _now(), "nights": [],
+                               "held_out_ids": [], "held_out_prompts": [], "evictions": []})
+        pool.save()
+        return pool
+
+    fingerprint = property(lambda self: self.manifest["fingerprint"])
+
+    @property
+    def nights(self) -> list[PoolNight]:
+        """Oldest first."""
+        return [PoolNight(**n) for n in self.manifest["nights"]]
+
+    def save(self) -> None:
+        self.manifest["updated_at"] = _now()
+        _write_json(self.dir / POOL_MANIFEST, self.manifest)
+
+    # growing -------------------------------------------------------------------------------
+    def hold_out(self, records: Iterable[dict]) -> int:
+        """Record evaluated prompts (answer records, or {"id", "prompt_ids"}): they never enter a view."""
+        ids, prompts = set(self.manifest["held_out_ids"]), set(self.manifest["held_out_prompts"])
+        before = len(ids)
+        for rec in records:
+            ids.add(str(rec["id"]))
+            prompts.add(prompt_hash(rec))
+        self.manifest["held_out_ids"], self.manifest["held_out_prompts"] = sorted(ids), sorted(prompts)
+        self.save()
+        return len(ids) - before
+
+    def add_night(self, key: str, answers: str | os.PathLike, teacher_cache: str | os.PathLike,
+                  features: str | os.PathLike | None = None, *, before: str | None = None) -> PoolNight:
+        """A night's train answers join the pool (again: its entry is refreshed in place). The newest
+        night is last; `before` inserts it ahead of that night (answers re-made for older prompts)."""
+        meta = Path(teacher_cache) / CACHE_META
+        if not meta.is_file():
+            raise FileNotFoundError(f"no teacher cache at {teacher_cache} ({CACHE_META} missing)")
+        written_for = json.loads(meta.read_text()).get("fingerprint")
+        if written_for != self.fingerprint:
+            raise ValueError(f"teacher cache {teacher_cache} was written for target {written_for!r}; "
+                             f"this pool is target {self.fingerprint!r}'s")
+        records = read_done(Path(answers))
+        has_features = features is not None and (Path(features) / FEATURE_META).is_file()
+        night = PoolNight(key=key, answers=str(answers), teacher_cache=str(teacher_cache),
+                          features=str(features) if has_features else None, answers_count=len(records),
+                          tokens=sum(len(r["response_ids"]) for r in records.values()), added_at=_now())
+        nights = self.manifest["nights"]
+        old = next((i for i, n in enumerate(nights) if n["key"] == key), None)
+        if old is not None:
+            night.added_at = nights[old]["added_at"]
+            nights[old] = asdict(night)
+        else:
+            at = next((i for i, n in enumerate(nights) if n["key"] == before), len(nights))
+            nights.insert(at, asdict(night))
+        self.save()
+        return night
+
+    # bounding ------------------------------------------------------------------------------
+    def disk_bytes(self) -> int:
+        return sum(n.disk_bytes() for n in self.nights)
+
+    def enforce_disk_cap(self, max_gb: float | None, keep: Iterable[str] = ()) -> list[dict]:
+        """Delete the oldest nights' data until the pool fits `max_gb`; nights in `keep` (tonight's) stay.
+        Returns what left: key, bytes and when."""
+        if max_gb is None:
+            return []
+        keep = set(keep)
+        left = []
+        for raw in self.manifest["nights"]:
+            if self.disk_bytes() <= max_gb * 2**30:
+                break
+            night = PoolNight(**raw)
+            if night.evicted_at or night.key in keep:
+                continue
+            size = night.disk_bytes()
+            _delete_night_data(night)
+            raw["evicted_at"] = _now()
+            left.append({"key": night.key, "bytes": size, "at": raw["evicted_at"]})
+        if left:
+            self.manifest["evictions"] += left
+            self.save()
+        return left
+
+    def drop(self) -> int:
+        """Delete every night's data and the pool itself (a retired target version); returns the bytes freed."""
+        size = self.disk_bytes()
+        for night in self.nights:
+            if not night.evicted_at:
+                _delete_night_data(night)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return size
+
+    # reading -------------------------------------------------------------------------------
+    def recent_prompts(self, n: int, exclude: Iterable[str] = ()) -> list[dict]:
+        """The `n` most recent distinct prompts answered here (newest night first), never a held-out one:
+        what a new target version re-answers to start its own pool."""
+        held_ids, held_prompts = set(self.manifest["held_out_ids"]), set(self.manifest["held_out_prompts"])
+        seen, out = set(exclude), []
+        for night in reversed(self.nights):
+            if night.evicted_at:
+                continue
+            for rec in read_done(Path(night.answers)).values():
+                rid = str(rec["id"])
+                if rid in seen or rid in held_ids or prompt_hash(rec) in held_prompts:
+                    continue
+                seen.add(rid)
+                out.append({"id": rid, "prompt": rec["prompt"]})
+                if len(out) >= n:
+                    return out
+        return out
+
+    def view(self, *, include: str, max_tokens: int | None = None) -> PoolView:
+        """The answers a night trains on (see the module docstring), written under the pool as
+        `views/<content hash>` (reused when it exists; older views are removed)."""
+        nights = {n.key: n for n in self.nights}
+        if include not in nights:
+            raise KeyError(f"night {include!r} is not in the pool {self.dir}")
+        order = [nights[include]] + [n for n in reversed(self.nights) if n.key != include and not n.evicted_at]
+        age = {n.key: i for i, n in enumerate(self.nights)}
+        held_ids, held_prompts = set(self.manifest["held_out_ids"]), set(self.manifest["held_out_prompts"])
+        skipped: list[str] = []
+
+        def skip(message: str) -> None:
+            warnings.warn(message, PoolWarning, stacklevel=3)
+            skipped.append(message)
+
+        first_meta = _meta(nights[include].teacher_cache, CACHE_META)
+        feature_meta = _meta(nights[include].features, FEATURE_META) if nights[include].features else None
+        seen, picked, teacher_links, feature_links = set(), [], {}, {}
+        stats, per_night, tokens = {"duplicates": 0, "held_out": 0, "over_budget": 0}, {}, 0
+        for night in order:
+            meta = _meta(night.teacher_cache, CACHE_META)
+            if meta is None or meta.get("fingerprint") != self.fingerprint:
+                skip(f"pool night {night.key}: teacher cache {night.teacher_cache} is "
+                     f"{'missing' if meta is None else 'for target ' + repr(meta.get('fingerprint'))}, "
+                     f"not target {self.fingerprint!r}: not trained on")
+                continue
+            if any(meta.get(k) != first_meta.get(k) for k in ("k", "temperature", "vocab")):
+                skip(f"pool night {night.key}: teacher cache {night.teacher_cache} has other settings "
+                     f"(k/temperature/vocab) than tonight's: not trained on")
+                continue
+            teacher_shard = _index(Path(night.teacher_cache), skip)
+            feature_shard = {}
+            if feature_meta is not None and night.features:
+                fmeta = _meta(night.features, FEATURE_META)
+                if fmeta is None or any(fmeta.get(k) != feature_meta.get(k) for k in ("fingerprint", "layers", "prompt_context")):
+                    skip(f"pool night {night.key}: feature cache {night.features} is for another target, layer "
+                         f"set or prompt context: its features are not used (the trainer recomputes them)")
+                else:
+                    feature_shard = _index(Path(night.features), skip)
+            counts, missing = {"answers": 0, "tokens": 0}, 0
+            for rec in read_done(Path(night.answers)).values():
+                rid = str(rec["id"])
+                if rid in held_ids or prompt_hash(rec) in held_prompts:
+                    stats["held_out"] += 1
+                    continue
+                if rid in seen:
+                    stats["duplicates"] += 1
+                    continue
+                if rid not in teacher_shard:
+                    missing += 1
+                    continue
+                n = len(rec["response_ids"])
+                if night.key != include and max_tokens is not None and tokens + n > max_tokens:
+                    stats["over_budget"] += 1
+                    continue
+                seen.add(rid)
+                picked.append(rec)
+                tokens, counts["answers"], counts["tokens"] = tokens + n, counts["answers"] + 1, counts["tokens"] + n
+                teacher_links[teacher_shard[rid]] = f"n{age[night.key]:05d}"
+                if rid in feature_shard:
+                    feature_links[feature_shard[rid]] = f"n{age[night.key]:05d}"
+            if missing:
+                skip(f"pool night {night.key}: {missing} answers in {night.answers} have no intact teacher "
+                     f"rows: not trained on")
+            if counts["answers"]:
+                per_night[night.key] = counts
+        return self._write_view(picked, tokens, per_night, stats, skipped, first_meta, feature_meta,
+                                teacher_links, feature_links)
+
+    def _write_view(self, picked, tokens, per_night, stats, skipped, teacher_meta, feature_meta,
+                    teacher_links, feature_links) -> PoolView:
+        key = hashlib.sha256(json.dumps([[r["id"] for r in picked], sorted(map(str, teacher_links)),
+                                         sorted(map(str, feature_links))]).encode()).hexdigest()[:12]
+        views = self.dir / "views"
+        out = views / key
+        view = PoolView(path=str(out / "train_generated.jsonl"), teacher_cache=str(out / "teacher_cache"),
+                        features=str(out / "features") if feature_meta is not None else None, answers=len(picked),
+                        tokens=tokens, nights=per_night, skipped=skipped, **stats)
+        if not (out / VIEW_DONE).is_file():
+            shutil.rmtree(out, ignore_errors=True)
+            _link_cache(out / "teacher_cache", CACHE_META, {**teacher_meta, "data": f"pool-{key}"}, teacher_links)
+            if feature_meta is not None:
+                _link_cache(out / "features", FEATURE_META, {**feature_meta, "data": f"pool-{key}"}, feature_links)
+            with open(out / "train_generated.jsonl", "w", encoding="utf-8") as f:
+                for rec in picked:
+                    f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            _write_json(out / VIEW_DONE, view.to_dict())
+        for other in views.iterdir():
+            if other.is_dir() and other.name != key:
+                shutil.rmtree(other, ignore_errors=True)
+        return view
+
+
+def _meta(directory: str | None, name: str) -> dict | None:
+    path = Path(directory) / name if directory else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _index(directory: Path, skip) -> dict[str, Path]:
+    """Example id -> its shard, over the intact shards; a truncated one is skipped with a warning.
+    Shards in name order, so a later one wins as it does in `teacher.load_shards`."""
+    index = {}
+    for shard in sorted(directory.glob("shard-*.safetensors")):
+        keys = shard_keys(shard)
+        if keys is None:
+            skip(f"pool shard {shard} is truncated or unreadable: skipped, its answers are not trained on from it")
+            continue
+        for k in keys:
+            if k.endswith("/input_ids"):
+                index[k[: -len("/input_ids")]] = shard
+    return index
+
+
+def _link_cache(directory: Path, meta_name: str, meta: dict, links: dict[Path, str]) -> None:
+    """A cache directory whose shards are symlinks to the nights' shards, named oldest night first, so
+    that where two nights hold the same example the newest is read last (and wins)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for shard, night in sorted(links.items(), key=lambda kv: (kv[1], kv[0].name)):
+        (directory / f"shard-{night}-{shard.name.removeprefix('shard-')}").symlink_to(shard.resolve())
+    _write_json(directory / meta_name, meta)
+
+
+def _delete_night_data(night: PoolNight) -> None:
+    for path in (night.teacher_cache, night.features):
+        if path:
+            shutil.rmtree(path, ignore_errors=True)
+    Path(night.answers).unlink(missing_ok=True)
+
+
+def pools(root: str | os.PathLike) -> list[AnswerPool]:
+    """Every target version's pool under `root`, most recently updated first."""
+    root = Path(root)
+    found = [AnswerPool(p.parent, json.loads(p.read_text())) for p in root.glob(f"*/{POOL_MANIFEST}")] if root.is_dir() else []
+    return sorted(found, key=lambda p: p.manifest.get("updated_at", ""), reverse=True)
+
+
+def retire_pools(root: str | os.PathLike, keep_versions: int, current: str) -> list[dict]:
+    """Keep the pools of the `keep_versions` most recent target versions (the current one always);
+    drop the others with their data. Returns what was dropped."""
+    kept, dropped = 1, []
+    for pool in pools(root):
+        if pool.fingerprint == current:
+            continue
+        if kept < keep_versions:
+            kept += 1
+            continue
+        dropped.append({"fingerprint": pool.fingerprint, "bytes": pool.drop()})
+    return dropped

@@ -1,0 +1,107 @@
+"""Stage: the night's answers join their target version's answer pool (`distill.pool`), and the night
+trains on the pool's view instead of its window alone.
+
+Before the view is made, the pool's disk cap evicts the oldest nights; after a target update (the
+monitor sets `pool.reanswer_from` to the old fingerprint) the new pool starts with the old pool's most
+recent prompts answered by the new target; pools of retired target versions are dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from specdistill.pipeline.config import NightlyConfig, run_root
+from specdistill.pipeline.outputs import GeneratedData, PooledData, PoolSummary, WindowDict, WindowPrompt
+
+REANSWERED = "reanswer-"  # key prefix of the night made of the old version's prompts
+
+
+def pool_root() -> Path:
+    return run_root() / "pool"
+
+
+def pool_answers(config: NightlyConfig, window: WindowDict, train_data: GeneratedData, heldout_data: GeneratedData,
+                 fingerprint: str) -> PooledData:
+    """The data the night trains on: the pool's view (tonight's answers always in), or, with
+    `pool.enabled` false, tonight's answers as they are. Tonight's eval prompts are recorded as held
+    out first, so no view ever trains on a prompt that was evaluated on."""
+    from specdistill.distill.datagen import read_done
+    from specdistill.distill.pool import AnswerPool, retire_pools
+    from specdistill.pipeline.answers import features_dir
+
+    if not config.pool.enabled:
+        return PooledData(**train_data)
+    if not train_data.get("teacher_cache"):
+        raise ValueError("the answer pool needs the train answers' teacher cache (generate_responses record_teacher)")
+    pc = config.pool
+    pool = AnswerPool.open(pool_root(), fingerprint)
+    pool.hold_out(read_done(Path(heldout_data["path"])).values())
+    pool.add_night(window["key"], train_data["path"], train_data["teacher_cache"],
+                   features_dir(train_data["teacher_cache"]))
+    reanswered = 0
+    if pc.reanswer_from and pc.reanswer_from != fingerprint and pc.reanswer_prompts:
+        reanswered = _reanswer(config, pool, window, pc.reanswer_from)
+    evicted = pool.enforce_disk_cap(pc.max_gb, keep=[window["key"]])
+    view = pool.view(include=window["key"], max_tokens=pc.max_tokens)
+    retired = retire_pools(pool_root(), pc.keep_versions, fingerprint)
+    summary = PoolSummary(fingerprint=fingerprint, nights=view.nights, duplicates=view.duplicates,
+                          held_out=view.held_out, over_budget=view.over_budget, skipped=view.skipped,
+                          evicted=evicted, retired=retired, reanswered=reanswered, disk_bytes=pool.disk_bytes())
+    return PooledData(path=view.path, teacher_cache=view.teacher_cache, answers=view.answers, tokens=view.tokens,
+                      pool=summary)
+
+
+def _reanswer(config: NightlyConfig, pool, window: WindowDict, old_fingerprint: str) -> int:
+    """The old target version's most recent pooled prompts answered by this target (up to
+    `pool.reanswer_prompts`, never tonight's or a held-out one), as a night just before tonight's. Done
+    once per new pool; an answer already written is not generated again (the answer stage resumes)."""
+    from specdistill.distill.pool import POOL_MANIFEST, AnswerPool
+    from specdistill.pipeline.answers import features_dir, generate_responses
+
+    if any(n.key.startswith(REANSWERED) for n in pool.nights):
+        return 0
+    if not (pool_root() / old_fingerprint / POOL_MANIFEST).is_file():
+        return 0  # no pool for the old version (it was never pooled, or retired): tonight's window alone
+    old = AnswerPool.open(pool_root(), old_fingerprint)
+    tonight = {p["id"] for p in window["train"]} | {p["id"] for p in window["eval"]}
+    prompts = old.recent_prompts(config.pool.reanswer_prompts, exclude=tonight)
+    pool.hold_out([])  # the new pool's held-out record starts with the old one's
+    pool.manifest["held_out_ids"] = sorted(set(pool.manifest["held_out_ids"]) | set(old.manifest["held_out_ids"]))
+    pool.manifest["held_out_prompts"] = sorted(set(pool.manifest["held_out_prompts"]) | set(old.manifest["held_out_prompts"]))
+    pool.save()
+    if not prompts:
+        return 0
+    digest = hashlib.sha256(json.dumps([p["id"] for p in prompts]).encode()).hexdigest()[:12]
+    pseudo = WindowDict(train=[WindowPrompt(id=p["id"], messages=p["prompt"], slice="reanswer") for p in prompts],
+                        eval=[], key=f"{REANSWERED}{old_fingerprint}-{digest}", since=None, replayed=len(prompts))
+    data = generate_responses(config, pseudo, "train", record_teacher=True)
+    pool.add_night(pseudo["key"], data["path"], data["teacher_cache"], features_dir(data["teacher_cache"]),
+                   before=window["key"])
+    return data["answers"]
+
+
+def pool_report(pooled: PooledData) -> str:
+    """The report's lines on what the night trained on."""
+    summary = pooled.get("pool")
+    if summary is None:
+        return f"trained on tonight's answers only (pool disabled): {pooled['answers']} answers, {pooled['tokens']} tokens"
+    lines = [f"trained on {pooled['answers']} answers, {pooled['tokens']} answer tokens, from {len(summary['nights'])} "
+             f"night(s) of the answer pool of target `{summary['fingerprint']}` (newest first):"]
+    lines += [f"- `{key}`: {n['answers']} answers, {n['tokens']} tokens" for key, n in summary["nights"].items()]
+    notes = []
+    if summary["duplicates"]:
+        notes.append(f"{summary['duplicates']} prompts answered on several nights trained once (the newest answer)")
+    if summary["over_budget"]:
+        notes.append(f"{summary['over_budget']} older answers over the token budget left out")
+    if summary["held_out"]:
+        notes.append(f"{summary['held_out']} answers to held-out prompts left out")
+    if summary["reanswered"]:
+        notes.append(f"{summary['reanswered']} of the previous target version's prompts re-answered by this target")
+    lines += [f"- {n}" for n in notes]
+    lines.append(f"- pool disk use {summary['disk_bytes'] / 2**30:.2f} GiB")
+    lines += [f"- disk cap: night `{e['key']}` evicted ({e['bytes'] / 2**20:.0f} MiB)" for e in summary["evicted"]]
+    lines += [f"- retired the pool of target `{r['fingerprint']}` ({r['bytes'] / 2**20:.0f} MiB)" for r in summary["retired"]]
+    lines += [f"- skipped: {s}" for s in summary["skipped"]]
+    return "\n".join(lines)
