@@ -65,8 +65,7 @@ def answers_on(device: str, prompts: int, max_new_tokens: int, out: Path, dtype:
     from specdistill.modeling.eagle3 import default_aux_layers
     from specdistill.modeling.models import load_model
 
-    target = load_model("demo", dtype=dtype)
-    target.model.to(device)
+    target = load_model("demo", dtype=dtype, device=device)
     chosen = [Prompt(f"p{i}", turn.messages) for i, turn in enumerate(sharegpt_first_turns(prompts, max_chars=1500))]
     teacher = TeacherCache.create(out / "teacher_cache", fingerprint=target.fingerprint, k=32, temperature=1.0, vocab="full")
     features = FeatureCache.create(out / "features", fingerprint=target.fingerprint,
@@ -91,8 +90,7 @@ def bench_on(device: str, prompts: int, max_new_tokens: int, dtype: str) -> dict
     from specdistill.speculative.bench import BenchConfig, Prompt, run_bench_many
     from specdistill.speculative.gamma import measure_verify_costs
 
-    target = load_model("demo", dtype=dtype)
-    target.model.to(device)
+    target = load_model("demo", dtype=dtype, device=device)
     chosen = [Prompt(turn.text, "chat") for turn in sharegpt_first_turns(prompts, max_chars=1500)]
     results = run_bench_many(target.model, target.tokenizer, {"ngram": NgramDrafter(1, 3),
                                                               "self-spec@8": SelfSpecDrafter(target.model, 8)},
