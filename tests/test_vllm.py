@@ -278,3 +278,44 @@ def test_nightly_answer_stage_through_vllm(vllm_servers, tmp_path, monkeypatch):
     meta = json.loads((Path(train["teacher_cache"]) / CACHE_META).read_text())
     assert meta["k"] == 8 and meta["data"].endswith(f"vllm:{vllm_servers[TARGET_ONLY].config.dtype}")
     assert train["answers"] == len(window["train"]) and train["tokens"] > 0
+
+
+_NUMBA_PROBE = """
+import numpy as np, torch
+from numba import get_num_threads, njit, prange, set_num_threads
+@njit(parallel=True)
+def total(a):
+    s = 0.0
+    for i in prange(a.shape[0]):
+        s += a[i]
+    return s
+before = torch.get_num_threads()
+original = get_num_threads()  # what vLLM's n-gram proposer saves, sets to 1 around a proposal, restores
+set_num_threads(1); total(np.ones(8)); set_num_threads(original)
+print(before, torch.get_num_threads())
+"""
+
+
+def test_ngram_proposer_leaves_the_models_openmp_threads_alone(tmp_path):
+    """What vLLM's n-gram proposer does with numba around each proposal, in vLLM's own environment as the
+    lifecycle sets it (libiomp5 preloaded, the main thread pinned by KMP_AFFINITY as vLLM's worker is):
+    the model's OpenMP thread count stays at `threads`. With numba's OpenMP layer it fell to 1."""
+    import subprocess
+
+    from specdistill.engines.vllm import VllmConfig, bound_cpus, vllm_environment
+    from specdistill.engines.vllm_install import find_vllm
+
+    env = find_vllm()
+    if env is None or env.device != "cpu" or len(bound_cpus(2)) < 2:
+        pytest.skip("needs the vLLM CPU environment (make vllm) and two cores")
+    cpus = ",".join(map(str, bound_cpus(2)))
+    run_env = vllm_environment(env, VllmConfig(model=tmp_path, threads=2))
+    run_env.update(OMP_NUM_THREADS="2", KMP_AFFINITY=f"granularity=fine,explicit,proclist=[{cpus}]")
+    probe = subprocess.run([str(env.python), "-c", _NUMBA_PROBE], env=run_env, capture_output=True, text=True,
+                           timeout=120)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    assert probe.stdout.split()[-2:] == ["2", "2"], probe.stdout
+    del run_env["NUMBA_THREADING_LAYER"]  # the test can fail: without the setting the count drops
+    probe = subprocess.run([str(env.python), "-c", _NUMBA_PROBE], env=run_env, capture_output=True, text=True,
+                           timeout=120)
+    assert probe.stdout.split()[-2:] == ["2", "1"], probe.stdout

@@ -58,11 +58,14 @@ def test_cpu_environment_follows_vllms_cpu_backend(tmp_path):
                            {"LD_PRELOAD": "/x/libgomp.so.1:/y/libfoo.so", "PYTHONPATH": "/repo"})
     assert out["VLLM_TARGET_DEVICE"] == "cpu" and out["VLLM_CPU_KVCACHE_SPACE"] == "3"
     assert out["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, bound_cpus(2)))
+    # numba (the n-gram proposer) on its own thread pool, never the model's OpenMP runtime
+    assert out["NUMBA_THREADING_LAYER"] == "workqueue"
     # one OpenMP runtime (vLLM asserts it): libiomp5 preloaded, libgomp dropped, other preloads kept
     assert out["LD_PRELOAD"] == f"/y/libfoo.so:{env.prefix / 'lib' / 'libiomp5.so'}"
     assert "PYTHONPATH" not in out and out["HF_HUB_OFFLINE"] == "1" and out["VLLM_NO_USAGE_STATS"] == "1"
     gpu = vllm_environment(_env(tmp_path, "exit 0", device="auto"), VllmConfig(model=tmp_path), {})
     assert not any(k.startswith("VLLM_CPU") for k in gpu) and "VLLM_TARGET_DEVICE" not in gpu
+    assert "NUMBA_THREADING_LAYER" not in gpu
 
 
 def test_bound_cpus_stay_within_the_affinity():

@@ -12,6 +12,13 @@ deployment. What vLLM's CPU build needs is set here, from its source (`vllm/envs
   cores of this process's affinity, as llama-server's `-t`;
 - `LD_PRELOAD` of the wheel's `libiomp5.so` (vLLM then binds with KMP_AFFINITY; else it preloads
   torch's libgomp itself), and the soft open-file limit raised to the hard one (one fd per socket);
+- `NUMBA_THREADING_LAYER=workqueue`: vLLM's n-gram proposer sets numba's thread count around each
+  proposal, and numba's default (OpenMP) layer does that with `omp_set_num_threads` in the very
+  libiomp5 the model runs in; numba reads its count from the worker's affinity after KMP_AFFINITY has
+  pinned the main thread to one core, so it "restores" 1 and every later forward of an n-gram server
+  ran on one OpenMP thread while target-only ran on `threads` (on a loaded 2-core machine the one
+  thread was 3-6x faster, which read as an impossible n-gram speedup). With its own thread pool numba
+  leaves the model's threads alone;
 - `--enforce-eager`: vLLM's compiled graphs took 165-228 s to start on a 2-core CPU and their cache
   never reloaded there; eager starts in about a minute.
 A GPU machine's own vLLM (`$SPECDISTILL_VLLM_PYTHON`) gets none of the CPU variables.
@@ -97,6 +104,7 @@ def vllm_environment(env: VllmEnv, config: VllmConfig, base: dict[str, str] | No
         out["VLLM_TARGET_DEVICE"] = "cpu"
         out["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
         out["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, bound_cpus(config.threads)))
+        out["NUMBA_THREADING_LAYER"] = "workqueue"  # never the model's OpenMP runtime (see the module's docstring)
         iomp = env.libiomp5()
         preload = [p for p in out.get("LD_PRELOAD", "").split(":") if p and "libgomp" not in p]
         if iomp is not None and not any("libiomp" in p for p in preload):
