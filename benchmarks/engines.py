@@ -74,6 +74,20 @@ engine bench, `engines.bench.run_engine_bench`, 4 of the prompts, 32 new tokens,
 target-only vLLM server decoded 3-6x slower than a speculative one even where nothing was accepted,
 in every run here, so speedups over vLLM's target-only on this CPU are not to be believed until that
 is explained; and a layer draft whose harness α is far above zero is accepted almost never in vLLM.
+
+Explained 2026-12-01 14:20-14:32 UTC (per-thread CPU of each server's worker during each request, two
+servers alive, load average 3-7): vLLM's n-gram proposer calls numba's `set_num_threads` around each
+proposal, numba's OpenMP layer does that with `omp_set_num_threads` in the libiomp5 the model runs in,
+and the count it restores is 1 (numba sizes itself from the worker's affinity after KMP_AFFINITY has
+pinned the main thread to one core). From its first proposal on, the n-gram server decoded on one
+OpenMP thread and target-only on two; on the loaded 2-core CPU two pinned threads lost every barrier
+to the other jobs (target-only burned 13 CPU-s for 32 tokens in 12 s, n-gram 1.4 CPU-s in 1.1 s, the
+idle server under 0.7 CPU-s: not the idle server's spinning). `engines.vllm` now gives numba its own
+thread pool (NUMBA_THREADING_LAYER=workqueue); both workers then run two threads and n-gram ran at
+0.88x of target-only (6 ShareGPT prompts, 32 tokens, K=4, bf16, interleaved; load average 3.5-6.9).
+The draft_model/eagle3 servers had no numba and ran two threads all along: the layer-8 early exit's
+0.9 tok/s was measured fairly, and its α 0.006 at K=4 is averaged over four positions (the harness's
+0.035 is at γ=1), not yet compared per position.
 """
 
 from __future__ import annotations
