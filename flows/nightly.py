@@ -15,6 +15,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from specdistill.pipeline.bench import Role, measured_drafters
+from specdistill.pipeline.budget import StageClock, run_deadline
 from specdistill.pipeline.config import load_nightly_config
 from specdistill.pipeline.pool import pool_report
 from specdistill.pipeline.report import report_table, write_report
@@ -31,6 +32,7 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
         overrides.append(f"train.max_minutes={budget_minutes}")
     config = load_nightly_config(config_path, overrides)  # a config error fails before any work
     log = get_run_logger()
+    deadline_at, clock = run_deadline(config), StageClock()  # deadline_minutes, shared by the budgeted stages
 
     target = t.load_target(config)
     for source in config.sources:
@@ -41,18 +43,26 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
     warm_start = t.align_vocab(config, champion)
 
     fp = target["fingerprint"]
-    train_data = t.generate_responses(config, window, "train", fp, record_teacher=True)
+    clock.lap("ingest, window, target")
+    train_data = t.generate_responses(config, window, "train", fp, record_teacher=True, deadline_at=deadline_at)
+    if train_data["answers"] < len(window["train"]):
+        clock.cuts.append(f"target answers: {train_data['answers']} of {len(window['train'])} train prompts answered")
+    clock.lap("answers")
     heldout_data = t.generate_responses(config, window, "eval", fp, record_teacher=False)
     pooled = t.pool_answers(config, window, train_data, heldout_data, fp)  # tonight's answers join the pool
-    trained = t.distill(config, pooled, heldout_data, warm_start["dir"] if warm_start else None, fp)
+    trained = t.distill(config, pooled, heldout_data, warm_start["dir"] if warm_start else None, fp, deadline_at)
+    clock.lap("held-out answers, pool, distill")
 
-    generic = t.generic_baseline(config, window, heldout_data, fp) if config.bench.generic_draft else None
+    generic = (t.generic_baseline(config, window, heldout_data, fp, deadline_at) if config.bench.generic_draft else None)
     # the target's own train answers as a draft, alone and beside the challenger
     suffix_corpus = t.suffix_corpus(config, train_data, fp) if config.bench.suffix else None
     drafters = measured_drafters(config, trained, warm_start, generic, suffix_corpus)
-    results = t.benchmark(config, window, drafters, fp)
+    clock.lap("generic baseline, suffix corpus")
+    results = t.benchmark(config, window, drafters, fp, deadline_at)
+    clock.cuts += sorted({f"benchmark: {r['budget_note']}" for r in results.values() if r.get("budget_note")})
     speeds = t.engine_benchmark(config, window, drafters, fp) if config.serving.engine != "harness" else None
 
+    clock.lap("benchmark")
     verdict = t.gate(config, results[Role.CHALLENGER], results.get(Role.CHAMPION), results, speeds)
     serving = t.choose_serving(config, window, results, verdict, speeds)
     report = report_table(results, verdict, serving=serving, target=target, speeds=speeds) + "\n\n" + pool_report(pooled)
@@ -65,7 +75,9 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
     else:
         t.write_serving(config, target, serving, champion)
 
-    report = report_table(results, verdict, registered, promoted, serving, target, speeds) + "\n\n" + pool_report(pooled)
+    clock.lap("gate, register, serving config")
+    report = (report_table(results, verdict, registered, promoted, serving, target, speeds) + "\n\n" + pool_report(pooled)
+              + "\n\n" + clock.report(config))
     write_report(report, window, report_path)
     create_markdown_artifact(report, key="nightly-benchmark", description="draft vs champion and baselines")
     log.info("\n%s", report)

@@ -88,6 +88,16 @@ def cpu_has_native_bf16() -> bool:
     return cpu_info().native_bf16
 
 
+def describe_device(device: str | torch.device = "auto") -> str:
+    """The machine the numbers came from, for reports and `serving.json`: the GPU's name for a CUDA
+    device (`auto` with a GPU), else the CPU (`CpuInfo.describe`)."""
+    name = str(device)
+    if name.startswith("cuda") or (name == "auto" and torch.cuda.is_available()):
+        index = torch.device(name).index if name.startswith("cuda") else None
+        return f"GPU {torch.cuda.get_device_name(index)}, {torch.cuda.device_count()} GPUs, CUDA {torch.version.cuda}"
+    return f"CPU {cpu_info().describe()}"
+
+
 def synchronize(device: torch.device | str) -> None:
     """Wait for the device's queued work (a GPU runs asynchronously): a timed step ends here."""
     device = torch.device(device)

@@ -11,6 +11,8 @@ import json
 
 from specdistill import paths
 
+NOT_CONTENT = ("deadline_at",)
+
 
 def content_key(context, parameters: dict) -> str:
     def plain(value):
@@ -18,6 +20,7 @@ def content_key(context, parameters: dict) -> str:
             return value.model_dump(mode="json")
         return value
 
+    # a deadline decides how much of a stage runs, not what it computes from: a finished stage is reused
     payload = {"task": context.task.name, "home": str(paths.home()),
-               "inputs": {k: plain(v) for k, v in sorted(parameters.items())}}
+               "inputs": {k: plain(v) for k, v in sorted(parameters.items()) if k not in NOT_CONTENT}}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()

@@ -61,8 +61,8 @@ def align_vocab(config: NightlyConfig, champion: Champion | None) -> WarmStart |
 # shard quarantined as corrupt is answered again on the next run instead of hidden by a cached result
 @task(name="generate-responses", retries=1, retry_delay_seconds=5)
 def generate_responses(config: NightlyConfig, window: WindowDict, split: str, target_fingerprint: str,
-                       record_teacher: bool) -> GeneratedData:
-    return answers.generate_responses(config, window, split, record_teacher=record_teacher)
+                       record_teacher: bool, deadline_at: float | None = None) -> GeneratedData:
+    return answers.generate_responses(config, window, split, record_teacher=record_teacher, deadline_at=deadline_at)
 
 
 @task(name="suffix-corpus", **CACHED)
@@ -78,18 +78,20 @@ def pool_answers(config: NightlyConfig, window: WindowDict, train_data: Generate
 
 @task(name="distill", **CACHED)
 def distill(config: NightlyConfig, train_data: GeneratedData, heldout_data: GeneratedData, warm_start: str | None,
-            target_fingerprint: str) -> Trained:
-    return pipeline.distill_draft(config, train_data, heldout_data, warm_start)
+            target_fingerprint: str, deadline_at: float | None = None) -> Trained:
+    return pipeline.distill_draft(config, train_data, heldout_data, warm_start, deadline_at=deadline_at)
 
 
 @task(name="generic-baseline", **CACHED)
-def generic_baseline(config: NightlyConfig, window: WindowDict, heldout_data: GeneratedData, target_fingerprint: str) -> Trained:
-    return pipeline.distill_draft(config, {}, heldout_data, generic=True, window=window)
+def generic_baseline(config: NightlyConfig, window: WindowDict, heldout_data: GeneratedData, target_fingerprint: str,
+                     deadline_at: float | None = None) -> Trained:
+    return pipeline.distill_draft(config, {}, heldout_data, generic=True, window=window, deadline_at=deadline_at)
 
 
 @task(name="benchmark", **CACHED)
-def benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str], target_fingerprint: str) -> dict[str, BenchEntry]:
-    return bench.benchmark(config, window, drafters)
+def benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str], target_fingerprint: str,
+              deadline_at: float | None = None) -> dict[str, BenchEntry]:
+    return bench.benchmark(config, window, drafters, deadline_at)
 
 
 @task(name="engine-benchmark", **CACHED)

@@ -497,3 +497,49 @@ def test_a_device_the_machine_lacks_fails_at_config_load_naming_the_key(monkeypa
     with pytest.raises(ConfigError, match="device.*unknown device 'gpu'"):
         load_nightly_config(None, ["device=gpu"])
     assert load_nightly_config(None, ["device=cpu"]).device == "cpu"
+
+
+def test_stage_deadlines_share_what_the_run_has_left():
+    from specdistill.pipeline.budget import stage_budgets, stage_deadline
+
+    config = load_nightly_config(None, ["generation.max_minutes=8", "train.max_minutes=3", "bench.max_minutes=4"])
+    assert stage_budgets(config) == {"answers": 8, "distill": 3, "generic": 3, "benchmark": 4}
+    now = 1000.0
+    assert stage_deadline(config, "answers", now + 60 * 36, now=now).at == now + 8 * 60  # enough time: its own budget
+    assert stage_deadline(config, "answers", now + 60 * 9, now=now).at == pytest.approx(now + 9 * 60 * 8 / 18)
+    assert stage_deadline(config, "benchmark", now + 60 * 2, now=now).at == pytest.approx(now + 2 * 60)
+    assert stage_deadline(config, "distill", None, now=now).at == now + 3 * 60
+    no_generic = load_nightly_config(None, ["bench.generic_draft=false"])
+    assert "generic" not in stage_budgets(no_generic)
+    with pytest.raises(ValueError, match="not a budgeted stage"):
+        stage_deadline(no_generic, "generic", None)
+
+
+def test_a_training_share_too_small_to_train_stops_the_run(monkeypatch):
+    import time
+
+    calls = []
+    monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg: calls.append(dcfg) or {"draft_dir": "d"})
+    config = load_nightly_config(None, ["train.kind=layers", "train.max_minutes=3"])
+    train, heldout = {"path": "/data/c/train.jsonl", "teacher_cache": "/data/c/tc"}, {"path": "/data/c/eval.jsonl"}
+    with pytest.raises(ValueError, match="too little to train on; the champion and serving.json are unchanged"):
+        pipeline.distill_draft(config, train, heldout, deadline_at=time.time() + 5)
+    assert not calls
+    pipeline.distill_draft(config, train, heldout, deadline_at=time.time() + 60 * 60)
+    assert calls[-1].optim.max_minutes == 3  # the run has time: the stage's own budget
+    pipeline.distill_draft(config, train, heldout, deadline_at=time.time() + 60 * 10)  # 10 of 3+3+4 budgeted minutes
+    assert 2.5 < calls[-1].optim.max_minutes <= 3
+
+
+def test_train_answers_cut_to_nothing_stop_before_training(tiny_target_dir, tmp_path, monkeypatch):
+    from specdistill.pipeline import answers
+
+    monkeypatch.setenv("SPECDISTILL_HOME", str(tmp_path / "home"))
+    url, chat_file, code_file = _store_with_traffic(tmp_path)
+    config = _window_config(tiny_target_dir, url, chat_file, code_file, "generation.max_minutes=0",
+                            "generation.max_new_tokens=4", "train.kind=layers")
+    window = pipeline.select_window(config, now=NOW).to_dict()
+    with pytest.raises(ValueError, match="left no time to answer any of the 10 train prompts"):
+        answers.generate_responses(config, window, "train", record_teacher=True)
+    held = answers.generate_responses(config, window, "eval", record_teacher=False)  # not budgeted
+    assert held["answers"] == len(window["eval"])

@@ -71,6 +71,7 @@ class ServingConfig(BaseModel):
     # an EAGLE-3 head's first-position candidates, verified as a tree (SGLang's --speculative-eagle-topk);
     # vLLM's eagle3 method and llama.cpp verify a chain (width 1)
     tree_width: StrictInt = 1
+    hardware: StrictStr = ""  # the GPU or CPU (model, flags that matter) `measured` came from
     updated_at: float = Field(default_factory=time.time)
 
     def __init__(self, mode: str | None = None, /, **data: Any) -> None:
@@ -198,6 +199,8 @@ class ServingConfig(BaseModel):
         if self.measured:
             speedups = ", ".join(f"{name} {x:.2f}x" for name, x in sorted(self.measured.items(), key=lambda kv: -kv[1]))
             lines.append(f"measured        {speedups}" + (f" ({self.measured_on})" if self.measured_on else ""))
+        if self.hardware:
+            lines.append(f"hardware        {self.hardware}")
         lines.append(f"updated         {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.updated_at))}")
         return "\n".join(lines)
 

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specdistill import paths
+from specdistill.budget import Deadline
+from specdistill.pipeline.budget import stage_deadline
 from specdistill.pipeline.config import NightlyConfig, config_hash, run_root
 from specdistill.pipeline.outputs import GeneratedData, WindowDict
 
@@ -25,9 +27,12 @@ ENGINE_ONLY = {"backend", "url", "engine", "parallel"}  # settings the harness's
 Answered = tuple[dict[str, dict], str, Path, str | None]  # records by id, what answered, answers file, teacher cache
 
 
-def generate_responses(config: NightlyConfig, window: WindowDict, split: str, *, record_teacher: bool) -> GeneratedData:
+def generate_responses(config: NightlyConfig, window: WindowDict, split: str, *, record_teacher: bool,
+                       deadline_at: float | None = None) -> GeneratedData:
     """The target answers the window's `split` prompts, resumably; train answers also record the
-    target's top-k log-probs into the teacher cache in the same pass."""
+    target's top-k log-probs into the teacher cache in the same pass. The train answers stop at their
+    time budget (`generation.max_minutes`, their share of the run's deadline `deadline_at`), keeping
+    what was written; none at all stops the run before it trains on nothing."""
     from specdistill.data.logstore import LogStore
     from specdistill.distill.datagen import Prompt
     from specdistill.modeling.models import load_model
@@ -36,10 +41,17 @@ def generate_responses(config: NightlyConfig, window: WindowDict, split: str, *,
     target = load_model(config.target, dtype=config.dtype, device=config.device)  # the harness answers in bf16 where the hardware has it
     prompts = [Prompt(p["id"], p["messages"]) for p in window[split]]
     answer = _answer_in_harness if g.backend == "harness" else _answer_in_engine
-    records, source, out_path, cache_dir = answer(config, target, window, split, prompts, record_teacher)
+    deadline = stage_deadline(config, "answers", deadline_at) if split == "train" else None
+    records, source, out_path, cache_dir = answer(config, target, window, split, prompts, record_teacher, deadline)
+    if split == "train" and not any(p["id"] in records for p in window[split]):
+        raise ValueError(f"the time budget left no time to answer any of the {len(prompts)} train prompts "
+                         f"(generation.max_minutes={g.max_minutes}, deadline_minutes={config.deadline_minutes}): "
+                         "the run stops before training on nothing; the champion and serving.json are unchanged")
     with LogStore(config.log_db) as store:
         for p in window[split]:
-            rec = records[p["id"]]
+            rec = records.get(p["id"])
+            if rec is None:  # cut by the time budget
+                continue
             store.add_response(int(p["id"]), target.fingerprint, rec["response"], prompt_messages=len(p["messages"]),
                                params={"temperature": 0.0, "max_new_tokens": g.max_new_tokens, "dtype": source},
                                token_ids=rec["response_ids"])
@@ -66,7 +78,7 @@ def _outputs(config: NightlyConfig, window: WindowDict, fingerprint: str, split:
 
 
 def _answer_in_harness(config: NightlyConfig, target: LoadedModel, window: WindowDict, split: str,
-                       prompts: list[Prompt], record_teacher: bool) -> Answered:
+                       prompts: list[Prompt], record_teacher: bool, deadline: Deadline | None = None) -> Answered:
     from specdistill.distill.datagen import generate_answers
     from specdistill.modeling.models import dtype_name
 
@@ -75,7 +87,8 @@ def _answer_in_harness(config: NightlyConfig, target: LoadedModel, window: Windo
     out_path, cache = _outputs(config, window, target.fingerprint, split, dtype, g.teacher_top_k, record_teacher)
     features = _feature_cache(config, target, out_path, cache)
     records = generate_answers(target.model, target.tokenizer, prompts, out_path, batch_size=g.batch_size,
-                               max_new_tokens=g.max_new_tokens, teacher_cache=cache, feature_cache=features)
+                               max_new_tokens=g.max_new_tokens, teacher_cache=cache, feature_cache=features,
+                               deadline=deadline)
     return records, dtype, out_path, str(cache.dir) if cache else None
 
 
@@ -113,7 +126,7 @@ def _feature_cache(config: NightlyConfig, target: LoadedModel, out_path: Path, t
 
 
 def _answer_in_engine(config: NightlyConfig, target: LoadedModel, window: WindowDict, split: str,
-                      prompts: list[Prompt], record_teacher: bool) -> Answered:
+                      prompts: list[Prompt], record_teacher: bool, deadline: Deadline | None = None) -> Answered:
     """Through `generation.url`, or a server started here (stopped after): llama-server on the target's
     GGUF, or vLLM on its HF directory (`generation.engine`).
     The teacher cache's `data` names the engine; its k is what the server gives."""

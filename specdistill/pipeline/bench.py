@@ -4,9 +4,11 @@ gate's verdict on the challenger (`ops.policy.evaluate`)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from specdistill.ops.policy import Role
+from specdistill.pipeline.budget import stage_deadline
 from specdistill.pipeline.config import NightlyConfig
 from specdistill.pipeline.nightly import target_tokenizer
 from specdistill.pipeline.outputs import BenchEntry, Trained, VerdictDict, WarmStart, WindowDict
@@ -44,7 +46,8 @@ def bench_prompts(config: NightlyConfig, window: WindowDict):
     return [Prompt(text="", slice=p["slice"], ids=encode_chat(tokenizer, p["messages"])) for p in window["eval"]]
 
 
-def benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str]) -> dict[str, BenchEntry]:
+def benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str],
+              deadline_at: float | None = None) -> dict[str, BenchEntry]:
     """Every drafter on the same held-out prompts, sharing one interleaved target-only run per prompt,
     then (`serving.choose_gamma`) each at the γ its curve predicts best, confirmed by a second run.
 
@@ -68,8 +71,13 @@ def benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str
     made = {name: drafter_from_spec(target.model, spec, tree_width=_served_tree_width(spec, b.tree_width),
                                     target_fingerprint=target.fingerprint)
             for name, spec in drafters.items()}
-    results = run_bench_many(target.model, target.tokenizer, made, prompts, bcfg)
-    if s.choose_gamma:
+    deadline = stage_deadline(config, "benchmark", deadline_at)  # `bench.max_minutes`, its share of the run's deadline
+    results = run_bench_many(target.model, target.tokenizer, made, prompts, bcfg, deadline=deadline)
+    if s.choose_gamma and deadline.expired():
+        skipped = "time budget reached: each drafter's γ was not searched (measured at the benchmark's γ only)"
+        results = {name: replace(r, budget_note="; ".join(x for x in (r.budget_note, skipped) if x))
+                   for name, r in results.items()}
+    elif s.choose_gamma:
         results = bench_at_best_gamma(target.model, target.tokenizer, made, prompts, bcfg, results, range(1, s.max_gamma + 1))
     return {name: BenchEntry(**result.to_dict(), spec=drafters[name]) for name, result in results.items()}
 

@@ -51,6 +51,9 @@ class GenerationConfig(Strict):
     served (k = `teacher_top_k` or fewer when the server caps it, recorded in the cache)."""
 
     max_new_tokens: int = Field(96, ge=1)
+    # the train answers' wall-clock budget (null: none): answers stop between batches when it is spent,
+    # and training uses what was written (bf16 answers the demo's 1024 in ~6 min; fp32 on AVX2 took ~19)
+    max_minutes: float | None = Field(7.0, ge=0.0)
     batch_size: int = Field(16, ge=1)  # backend openai: answers per teacher shard (what a kill can lose)
     teacher_top_k: int = Field(32, ge=1)
     backend: Literal["harness", "openai"] = "harness"
@@ -116,6 +119,9 @@ class BenchSettings(Strict):
     suffix_max_tokens: int | None = Field(10_000_000, ge=1)  # corpus cap: the newest answers that fit
     generic_draft: bool = True  # train the off-the-shelf baseline once (plain CE on human answers)
     threads: int | None = None
+    # the benchmark's wall-clock budget, γ confirmation included (null: none): past it no new prompt or
+    # repeat starts (at least 2 prompts are measured) and the γ confirmation is skipped; the report says so
+    max_minutes: float | None = Field(4.0, ge=0.0)
 
 
 class GateSettings(Strict):
@@ -170,6 +176,10 @@ class NightlyConfig(Strict):
     # the one dtype and device every stage's models run in: answers, features, training, benchmark, exports
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 where the hardware has it (CUDA, AVX-512 BF16, AMX)
     device: str = "auto"  # auto: the GPU when torch sees one, else the CPU; cpu, cuda or cuda:N (every stage's models)
+    # the whole run's wall-clock deadline (null: none), shared by the budgeted stages (answers, training,
+    # the generic baseline, the benchmark) in proportion to their own budgets: a slow machine does less of
+    # each instead of running past its window (pipeline.budget). The demo's budgets fit 18 minutes.
+    deadline_minutes: float | None = Field(18.0, ge=0.0)
     log_db: str | None = None  # default: SQLite under $SPECDISTILL_HOME
     serving_path: str | None = None  # default: $SPECDISTILL_HOME/serving.json
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from specdistill import paths
 from specdistill.pipeline.answers import features_dir
+from specdistill.pipeline.budget import stage_deadline
 from specdistill.pipeline.config import NightlyConfig, SourceConfig, config_hash, run_root
 from specdistill.pipeline.outputs import (
     BenchEntry,
@@ -51,12 +53,13 @@ def target_tokenizer(config: NightlyConfig):
 def describe_target(target_ref: str, dtype: str = "auto", device: str = "auto") -> TargetInfo:
     """Load the target once (this is where an unloadable target fails the run) and name its version
     and the dtype every stage runs it in (the fingerprint does not depend on the dtype)."""
+    from specdistill.hardware import describe_device
     from specdistill.modeling.models import dtype_name, load_model
 
     loaded = load_model(target_ref, dtype=dtype, device=device)
     return TargetInfo(ref=target_ref, path=str(loaded.path), fingerprint=loaded.fingerprint,
                       num_layers=loaded.config.num_hidden_layers, vocab_size=loaded.config.vocab_size,
-                      dtype=dtype_name(loaded.model.dtype))
+                      dtype=dtype_name(loaded.model.dtype), hardware=describe_device(loaded.model.device))
 
 
 # --------------------------------------------------------------------------------------------
@@ -211,14 +214,20 @@ def train_autocast(config: NightlyConfig) -> bool:
     return resolve_dtype(config.dtype) == torch.bfloat16
 
 
+MIN_TRAIN_MINUTES = 0.25  # a shorter training budget is no useful work
+
+
 def distill_draft(config: NightlyConfig, train_data: GeneratedData | dict, heldout_data: GeneratedData,
-                  warm_start: str | None = None, *, generic: bool = False, window: WindowDict | None = None) -> Trained:
+                  warm_start: str | None = None, *, generic: bool = False, window: WindowDict | None = None,
+                  deadline_at: float | None = None) -> Trained:
     """Distill a draft on the target's own answers (KL on the cached teacher), fresh or warm-started
     from the champion; `generic=True` trains the off-the-shelf baseline instead: plain CE on the
     human-written answers of the same prompts, same size and budget.
 
     The output directory is keyed by the train config, the data and the warm start (the generic
-    baseline: by the window and the train config), so a finished run is found again and reused."""
+    baseline: by the window and the train config), so a finished run is found again and reused.
+    Training stops at `train.max_minutes` or at the stage's share of the run's deadline `deadline_at`,
+    whichever comes first; a share too small to train in stops the run here."""
     from specdistill.distill.config import DataConfig, DistillConfig, Eagle3Config, LossConfig, OptimConfig, TeacherConfig
     from specdistill.distill.train import distill
     from specdistill.modeling.eagle3_io import aux_layers_of, is_eagle3_dir
@@ -249,10 +258,19 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | dict, heldo
     result_file = out_dir / "result.json"
     if result_file.is_file():  # finished before: a rerun reuses it
         return paths.read_json(result_file, "distillation result")
+    minutes = tc.max_minutes
+    now = time.time()
+    left = stage_deadline(config, "generic" if generic else "distill", deadline_at, now=now).minutes(now)
+    if left is not None and left < minutes:
+        if left < MIN_TRAIN_MINUTES:
+            raise ValueError(f"the run's deadline (deadline_minutes={config.deadline_minutes}) leaves {left * 60:.0f} s "
+                             f"to train the {'generic baseline' if generic else 'draft'}: too little to train on; the "
+                             "champion and serving.json are unchanged")
+        minutes = left
     dcfg = DistillConfig(
         target=config.target, kind=kind, eagle3=eagle3, draft=warm_start, layers=tc.layers,
         draft_vocab=None if warm_start else tc.draft_vocab, data=data, loss=loss, teacher=teacher,
-        optim=OptimConfig(lr=lr, batch_size=tc.batch_size, max_steps=tc.max_steps, max_minutes=tc.max_minutes,
+        optim=OptimConfig(lr=lr, batch_size=tc.batch_size, max_steps=tc.max_steps, max_minutes=minutes,
                           warmup_steps=min(20, tc.max_steps // 10), bf16=train_autocast(config)),
         out_dir=str(out_dir), checkpoint_every=max(10, tc.max_steps // 4), eval_every=max(10, tc.max_steps // 4),
         threads=config.bench.threads, device=config.device,

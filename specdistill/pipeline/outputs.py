@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 from specdistill.ops.monitor import FallbackCandidate
 from specdistill.speculative.results import BenchResult, SliceResult
@@ -25,6 +25,7 @@ class TargetInfo(TypedDict):
     num_layers: int
     vocab_size: int
     dtype: str  # what every stage runs the target in (float32 | bfloat16)
+    hardware: NotRequired[str]  # the GPU or CPU (model and the flags that matter) the run measured on
 
 
 class IngestSummary(TypedDict):

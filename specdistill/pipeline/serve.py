@@ -110,7 +110,8 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
     common = dict(mode=decision["mode"], num_speculative_tokens=decision["gamma"], target_fingerprint=target["fingerprint"],
                   reason=f"nightly: {decision['reason']}" + (f"; {decision['gamma_note']}" if decision["gamma_note"] else ""),
                   measured=decision["measured"], measured_on=decision["measured_on"],
-                  engine=decision.get("engine", "harness"), llamacpp_args=decision.get("llamacpp_args", []))
+                  engine=decision.get("engine", "harness"), llamacpp_args=decision.get("llamacpp_args", []),
+                  hardware=target.get("hardware", ""))
     spec, mode = DrafterSpec.parse(decision["spec"]) if decision["spec"] else None, decision["mode"]
     if mode == "draft":
         from specdistill.modeling.eagle3_io import is_eagle3_dir

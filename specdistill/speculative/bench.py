@@ -29,6 +29,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdistill.acceptance import DEFAULT_GAMMA, ideal_speedup
+from specdistill.budget import Deadline
 from specdistill.data.prompt_files import PromptFileError, PromptRecord, read_prompt_file
 from specdistill.data.prompts import encode_chat
 from specdistill.modeling.drafts import measure_cost_ratio
@@ -47,6 +48,8 @@ from specdistill.speculative.results import BenchResult, SliceResult, percentile
 __all__ = ["BenchConfig", "BenchResult", "Prompt", "PromptFileError", "SliceResult", "encode_prompt", "load_prompts",
            "measure_drafter_cost", "percentile", "prompts_from_records", "run_bench", "run_bench_many", "speed_summary"]
 
+
+MIN_PROMPTS = 2  # a benchmark cut by its time budget still measures this many prompts
 
 @dataclass
 class BenchConfig:
@@ -151,9 +154,11 @@ def run_bench_many(
     *,
     progress: bool = True,
     gammas: dict[str, int] | None = None,
+    deadline: Deadline | None = None,
 ) -> dict[str, BenchResult]:
     """Several drafters against one shared target-only run per prompt and repeat; each at its own γ
-    where `gammas` names one (else `config.gamma`).
+    where `gammas` names one (else `config.gamma`). Past `deadline` no new prompt round starts: the
+    results cover the prompts (at least `MIN_PROMPTS`) and whole repeats measured by then.
 
     For each prompt, target-only and every drafter run back to back, in an order that rotates from
     prompt to prompt and repeat to repeat, so no method always runs first (or right after another).
@@ -184,8 +189,15 @@ def run_bench_many(
     # pairs[name][prompt]: the distinct (target-only, speculative) greedy outputs over the repeats
     pairs: dict[str, list[dict]] = {name: [{} for _ in prompts] for name in drafters}
     bar = tqdm(total=config.repeats * len(prompts), desc="bench", unit="prompt", file=sys.stderr, disable=not progress)
+    measured, repeats = len(prompts), config.repeats
     for r in range(config.repeats):
+        if r > 0 and deadline is not None and deadline.expired():
+            repeats = r
+            break
         for i, ids in enumerate(encoded):
+            if r == 0 and i >= MIN_PROMPTS and deadline is not None and deadline.expired():
+                measured = i
+                break
             shift = (r + i) % len(modes)
             outputs = {}
             for mode in modes[shift:] + modes[:shift]:
@@ -198,10 +210,22 @@ def run_bench_many(
                 for name in drafters:
                     pairs[name][i][(tuple(outputs[None]), tuple(outputs[name]))] = None
             bar.update(1)
+        if measured < len(prompts):  # cut in the first repeat: `measured` prompts, one repeat
+            repeats = 1
+            break
     bar.close()
+    note = ""
+    if measured < len(prompts) or repeats < config.repeats:
+        note = f"time budget reached: {measured} of {len(prompts)} prompts, {repeats} of {config.repeats} repeats measured"
+        bar.write(f"bench: {note}", file=sys.stderr)
+        prompts, encoded = prompts[:measured], encoded[:measured]
+        times = {m: [row[:measured] for row in rows[:repeats]] for m, rows in times.items()}
+        first_stats = {name: stats[:measured] for name, stats in first_stats.items()}
+        pairs = {name: seen[:measured] for name, seen in pairs.items()}
+        config = replace(config, repeats=repeats)
     reports = judge_lossless(target, encoded, pairs, config.near_tie_tolerance) if sampling.greedy else {}
-    return {name: _summarize(target, drafter, prompts, replace(config, gamma=gamma_of[name]), sampling, times[None],
-                             times[name], first_stats[name], reports.get(name))
+    return {name: replace(_summarize(target, drafter, prompts, replace(config, gamma=gamma_of[name]), sampling, times[None],
+                                     times[name], first_stats[name], reports.get(name)), budget_note=note)
             for name, drafter in drafters.items()}
 
 

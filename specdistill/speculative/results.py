@@ -69,6 +69,7 @@ class BenchResult:
     gamma_search: dict = field(default_factory=dict)
     tree_width: int = 1  # first-position candidates verified as a tree (EAGLE-3 heads, greedy); 1: a chain
     prompt_speedups: list[float] = field(default_factory=list)  # per prompt, in prompt order (see module docstring)
+    budget_note: str = ""  # what a time budget cut from this measurement (empty: nothing)
 
     @property
     def first_position_acceptance(self) -> float:

@@ -1,0 +1,68 @@
+"""The nightly's time budgets: each budgeted stage's deadline, and the stage times the report shows.
+
+A stage's deadline is its own budget cut to its share of what the run's `deadline_minutes` has left
+(`budget.share`), the share of each stage still to run in proportion to its own budget. Stages without
+a budget of their own (ingest, the held-out answers, features, registration) take their time from
+what is left for the later ones.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from specdistill import hardware
+from specdistill.budget import Deadline, share
+from specdistill.pipeline.config import NightlyConfig
+
+STAGES = ("answers", "distill", "generic", "benchmark")  # the budgeted stages, in the order the flow runs them
+
+
+def stage_budgets(config: NightlyConfig) -> dict[str, float | None]:
+    """Each budgeted stage's own budget in minutes (None: none; a stage the run skips: absent)."""
+    budgets = {"answers": config.generation.max_minutes, "distill": config.train.max_minutes,
+               "generic": config.train.max_minutes if config.bench.generic_draft else None,
+               "benchmark": config.bench.max_minutes}
+    if not config.bench.generic_draft:
+        del budgets["generic"]
+    return budgets
+
+
+def run_deadline(config: NightlyConfig, now: float | None = None) -> float | None:
+    """The run's deadline (seconds since the epoch), fixed when the flow starts; None without one."""
+    return Deadline.after(config.deadline_minutes, now=now).at
+
+
+def stage_deadline(config: NightlyConfig, stage: str, deadline_at: float | None, now: float | None = None) -> Deadline:
+    """`stage`'s deadline given the run's (`run_deadline`)."""
+    budgets = stage_budgets(config)
+    if stage not in budgets:
+        raise ValueError(f"{stage!r} is not a budgeted stage ({', '.join(budgets)})")
+    later = list(budgets)[list(budgets).index(stage):]
+    return share(Deadline(deadline_at), [budgets[s] for s in later], now=now)
+
+
+@dataclass
+class StageClock:
+    """Wall time per stage of one run, and what a budget cut, for the report."""
+
+    started: float = field(default_factory=time.time)
+    seconds: dict[str, float] = field(default_factory=dict)
+    cuts: list[str] = field(default_factory=list)
+    _last: float | None = None
+
+    def lap(self, stage: str) -> None:
+        """The time since the previous lap (or the start) was spent on `stage`."""
+        now = time.time()
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + now - (self._last or self.started)
+        self._last = now
+
+    def report(self, config: NightlyConfig) -> str:
+        """The report's section: each stage's minutes, the machine the run measured on, what was cut."""
+        total = (self._last or time.time()) - self.started
+        rows = " · ".join(f"{stage} {s / 60:.1f}" for stage, s in self.seconds.items())
+        budget = f" of a {config.deadline_minutes:g}-minute deadline" if config.deadline_minutes is not None else ""
+        lines = [f"**stage times** (minutes, {total / 60:.1f} in all{budget}): {rows}",
+                 f"measured on: {hardware.describe_device(config.device)}"]
+        lines += [f"- cut by its time budget: {cut}" for cut in self.cuts]
+        return "\n".join(lines)
