@@ -258,3 +258,14 @@ def test_specs_name_suffix_and_hybrid_drafters(tmp_path):
     assert isinstance(hybrid, HybridDrafter) and hybrid.threshold == 1.5
     with pytest.raises(ValueError, match="choose one"):
         make_drafter(target, ngram=True, suffix=str(corpus))
+
+
+def test_a_hybrids_cost_is_its_models_plus_its_lookups():
+    from specdistill.speculative.bench import measure_drafter_cost
+
+    target = tiny(seed=5)
+    model = ModelDrafter(tiny(seed=6, layers=1), VOCAB)
+    suffix = SuffixDrafter(SuffixIndex([[3, 4, 5, 6]] * 4))
+    hybrid = HybridDrafter(model, suffix)
+    c = measure_drafter_cost(target, hybrid, context=16, repeats=3)  # used to fail: the inner model's cache was full
+    assert c > 0

@@ -105,8 +105,14 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat_template: 
 
 @torch.inference_mode()
 def measure_drafter_cost(target: PreTrainedModel, drafter: Drafter, context: int = 64, repeats: int = 9) -> float:
-    """c for any drafter: a model drafter's decode step (via measure_cost_ratio), or an n-gram
-    lookup's proposal time, each over a target decode step."""
+    """c for any drafter: a model drafter's decode step (via measure_cost_ratio), or an n-gram or
+    suffix lookup's proposal time, each over a target decode step; a hybrid's is its model's plus its
+    lookup's (an upper bound: in a round the suffix drafter covers, the model drafts nothing)."""
+    from specdistill.speculative.hybrid import HybridDrafter
+
+    if isinstance(drafter, HybridDrafter):
+        return (measure_drafter_cost(target, drafter.inner, context, repeats)
+                + measure_drafter_cost(target, drafter.suffix, context, repeats))
     if isinstance(drafter, ModelDrafter):
         return measure_cost_ratio(target, drafter.model, draft_vocab=drafter.vocab, context=context, repeats=repeats)
     if isinstance(drafter, EagleDrafter):  # its proposals need the engine's features: time the head's step
