@@ -97,7 +97,7 @@ def test_nightly_twice_then_forced_gate_failure(prefect_harness, traffic, tmp_pa
 
     champion_before = str(registry.version_by_alias(name, "champion").version)
     third = _run(traffic, "gate.overrides.min_first_position_acceptance=1.01", "bench.generic_draft=false",
-                 "bench.self_spec_layers=[]", "bench.ngram=false")
+                 "bench.self_spec_layers=[]", "bench.ngram=false", "bench.suffix=false")
     assert not third["verdict"]["passed"] and third["promoted"] is None
     assert registry.client().get_model_version(name, third["registered"]["version"]).tags["gate_verdict"] == "fail"
     assert str(registry.version_by_alias(name, "champion").version) == champion_before
