@@ -102,7 +102,8 @@ kind, message = asyncio.run(state())
 if kind != "COMPLETED":
     sys.exit(f"event-check: monitor flow run {run_id} ended {kind}: {message}")
 with LogStore() as store:
-    decisions = store.decisions(target_fingerprint=fingerprint)
+    # the monitor's own decision (a flow that ran to its end also records a pipeline_success row)
+    decisions = [d for d in store.decisions(target_fingerprint=fingerprint) if d["kind"] != "pipeline_success"]
 if not decisions:
     sys.exit(f"event-check: no decision for target {fingerprint} in the log store")
 decision = decisions[0]
