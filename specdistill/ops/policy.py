@@ -285,9 +285,12 @@ class ServingChoice:
 
 def speedup_lower_bound(prompt_speedups: Sequence[float], confidence: float = CONFIDENCE, *,
                         resamples: int = RESAMPLES, seed: int = 0) -> float | None:
-    """A one-sided lower confidence bound of the mean per-prompt speedup: the (1 − confidence) quantile
-    of the means of `resamples` bootstrap resamples of the prompts (seeded: the same numbers give the
-    same bound). None without per-prompt speeds; one prompt bounds nothing beyond itself."""
+    """A one-sided lower confidence bound of the prompts' speedup taken together: the (1 − confidence)
+    quantile, over `resamples` bootstrap resamples of the prompts (seeded: the same numbers give the same
+    bound), of their harmonic mean. The harmonic mean is the reported speedup's own statistic (summed
+    tokens over summed seconds) when every prompt generates the same tokens in the same target-only time,
+    so one prompt that ran 10x slower pulls the bound down as it pulls the speedup, where an arithmetic
+    mean would hide it. None without per-prompt speeds; one prompt bounds nothing beyond itself."""
     xs = [float(x) for x in prompt_speedups]
     if not xs:
         return None
@@ -295,7 +298,7 @@ def speedup_lower_bound(prompt_speedups: Sequence[float], confidence: float = CO
         return xs[0]
     rng = random.Random(seed)
     n = len(xs)
-    means = sorted(statistics.fmean(rng.choices(xs, k=n)) for _ in range(resamples))
+    means = sorted(statistics.harmonic_mean([max(x, 0.0) for x in rng.choices(xs, k=n)]) for _ in range(resamples))
     return means[int((1.0 - confidence) * (resamples - 1))]
 
 
