@@ -285,12 +285,10 @@ class ServingChoice:
 
 def speedup_lower_bound(prompt_speedups: Sequence[float], confidence: float = CONFIDENCE, *,
                         resamples: int = RESAMPLES, seed: int = 0) -> float | None:
-    """A one-sided lower confidence bound of the prompts' speedup taken together: the (1 − confidence)
-    quantile, over `resamples` bootstrap resamples of the prompts (seeded: the same numbers give the same
-    bound), of their harmonic mean. The harmonic mean is the reported speedup's own statistic (summed
-    tokens over summed seconds) when every prompt generates the same tokens in the same target-only time,
-    so one prompt that ran 10x slower pulls the bound down as it pulls the speedup, where an arithmetic
-    mean would hide it. None without per-prompt speeds; one prompt bounds nothing beyond itself."""
+    """A one-sided lower bound of the prompts' speedup taken together: the (1 − confidence) quantile of
+    their harmonic mean over seeded bootstrap resamples. The harmonic mean is the speedup's own statistic
+    (summed tokens over summed seconds) for alike prompts, so one prompt that ran 10x slower pulls the
+    bound down as it pulls the speedup. None without per-prompt speeds; one prompt bounds only itself."""
     xs = [float(x) for x in prompt_speedups]
     if not xs:
         return None
