@@ -57,7 +57,7 @@ def select_prompts(tokenizer, n_train: int, n_heldout: int, max_prompt_tokens: i
 def prepare(args) -> dict:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    target = load_model("demo")
+    target = load_model("demo", dtype="float32")
     tok = target.tokenizer
     split_path = work / "split.json"
     if split_path.is_file():
