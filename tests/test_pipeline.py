@@ -32,6 +32,39 @@ def test_config_errors_name_the_key(override, match):
         load_nightly_config(None, [override])
 
 
+def test_the_train_section_reuses_the_distillation_configs_fields_under_the_same_keys():
+    """`train.*` keys as before; each setting the distillation config has is declared there once
+    (its default and bounds), and the night's DistillConfig carries what the section says."""
+    from specdistill.distill.config import DistillConfig, Eagle3Config, LossConfig, OptimConfig
+    from specdistill.pipeline.config import TrainSection
+
+    reused = {"layers": DistillConfig, "draft_vocab": DistillConfig, "eagle3_steps": Eagle3Config, "lr": OptimConfig,
+              "batch_size": OptimConfig, "max_steps": OptimConfig, "loss": LossConfig}
+    for key, home in reused.items():
+        field = {"eagle3_steps": "steps", "loss": "kind"}.get(key, key)
+        assert TrainSection.model_fields[key].default == home.model_fields[field].default, key
+    assert set(TrainSection.model_fields) == {*reused, "kind", "incremental_lr", "max_minutes", "bf16"}
+    cfg = load_nightly_config(None, ["train.lr=0.002", "train.batch_size=2", "train.max_steps=7", "train.loss=jsd",
+                                     "train.eagle3_steps=3", "train.layers=0,3", "train.draft_vocab=null"])
+    assert (cfg.train.lr, cfg.train.batch_size, cfg.train.max_steps, cfg.train.loss) == (0.002, 2, 7, "jsd")
+    with pytest.raises(ConfigError, match="train.lr"):
+        load_nightly_config(None, ["train.lr=0"])  # the distillation config's bound (lr > 0)
+    with pytest.raises(ConfigError, match="train.loss"):
+        load_nightly_config(None, ["train.loss=ce"])  # the night trains against its cached teacher
+
+
+def test_the_bench_and_gate_sections_build_their_runtime_configs_and_refuse_unknown_thresholds_at_load():
+    cfg = load_nightly_config(None, ["bench.gamma=3", "bench.max_new_tokens=9", "bench.repeats=2",
+                                     "gate.profile=production", "gate.overrides.min_speedup=1.1"])
+    harness, engine = cfg.bench.bench_config(), cfg.bench.engine_bench_config()
+    assert (harness.gamma, harness.max_new_tokens, harness.repeats) == (engine.gamma, engine.max_new_tokens,
+                                                                        engine.repeats) == (3, 9, 2)
+    gate = cfg.gate.gate_config()
+    assert gate.min_speedup == 1.1 and gate.min_accepted_length == 3.0  # the production profile, one override
+    with pytest.raises(ConfigError, match="unknown gate setting.*min_speed"):
+        load_nightly_config(None, ["gate.overrides.min_speed=1"])
+
+
 def test_missing_config_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="nope.yaml"):
         load_nightly_config(tmp_path / "nope.yaml")

@@ -41,11 +41,11 @@ def llamacpp_spec(config: NightlyConfig, name: str, spec: str) -> str:
 def engine_benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str]) -> dict[str, BenchEntry]:
     """Each servable drafter against target-only in `config.serving.engine`, interleaved per prompt.
     Results are keyed by drafter name, with the `spec` the harness benchmark used."""
-    from specdistill.engines.bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
+    from specdistill.engines.bench import TARGET_ONLY, run_engine_bench
 
     s, b = config.serving, config.bench
     prompts = engine_prompts(window)
-    bcfg = EngineBenchConfig(max_new_tokens=b.max_new_tokens, repeats=b.repeats, gamma=b.gamma)
+    bcfg = b.engine_bench_config()
     # no engine runs our draft beside the suffix drafter (NOT_SERVED_MODES)
     servable = {name: spec for name, spec in drafters.items()
                 if Role.served(name) and DrafterSpec.parse(spec).mode not in NOT_SERVED_MODES}
