@@ -85,10 +85,10 @@ def train(args, name: str, data: str, teacher_cache: str, features: str, warm: s
 
 def bench_heads(args, target, heads: dict[str, str], eval_prompts: list[dict]) -> dict:
     """Both heads and target-only on the same held-out prompts, one interleaved run (the nightly's bench)."""
+    from specdistill.data.prompts import Prompt as BenchPrompt
     from specdistill.data.prompts import encode_chat
     from specdistill.speculative import drafter_from_spec
     from specdistill.speculative.bench import BenchConfig, run_bench_many
-    from specdistill.speculative.bench import Prompt as BenchPrompt
 
     prompts = [BenchPrompt(text="", ids=encode_chat(target.tokenizer, p["prompt"])) for p in eval_prompts[: args.bench_prompts]]
     made = {name: drafter_from_spec(target.model, f"draft:{d}", tree_width=4) for name, d in heads.items()}

@@ -10,7 +10,7 @@ import pytest
 
 from specdistill.data.formats import Message
 from specdistill.data.logstore import LogStore
-from specdistill.data.prompts import prompt_messages
+from specdistill.data.prompts import Prompt, prompt_messages
 from specdistill.data.readers import Conversation
 from specdistill.modeling.drafts import export_early_exit_draft, init_draft_from_target, save_draft
 from specdistill.modeling.models import load_model
@@ -26,7 +26,6 @@ from specdistill.ops.monitor import (
 from specdistill.ops.policy import decide
 from specdistill.ops.serving import ServingConfig, write_serving_config
 from specdistill.speculative import ModelDrafter, SelfSpecDrafter, generate
-from specdistill.speculative.bench import Prompt
 from tests.conftest import make_tiny_llama, save_tiny_target
 
 PROMPTS = ["hello world, the quick brown fox", "def add(a, b):", "speculative decoding drafts tokens",

@@ -11,10 +11,10 @@ import time
 
 import pytest
 
+from specdistill.data.prompts import Prompt
 from specdistill.engines.bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
 from specdistill.engines.client import chat, metrics_url
 from specdistill.engines.prom import scrape
-from specdistill.speculative.bench import Prompt
 from tests.test_llamacpp import REPEAT, _memorizing_head
 
 pytestmark = pytest.mark.e2e
@@ -142,7 +142,7 @@ def test_answers_with_logprobs_as_token_ids_from_vllm(vllm_servers, demo_target,
     from specdistill.distill.datagen import Prompt as AnswerPrompt
     from specdistill.distill.datagen import read_done
     from specdistill.distill.teacher import TeacherCache
-    from specdistill.engines.answers import connect, generate_answers_openai
+    from specdistill.pipeline.engine_answers import connect, generate_answers_openai
 
     tok = demo_target.tokenizer
     prompts = [AnswerPrompt("a", [{"role": "user", "content": REPEAT}]),

@@ -69,6 +69,18 @@ def usable_prompt(messages: Iterable[Any], tokenizer, max_prompt_tokens: int = M
 
 
 @dataclass
+class Prompt:
+    """A prompt a benchmark or a replay runs: its text (or raw token ids, used as they are, no template),
+    the slice it reports under, and its chat turns for engines that apply the template themselves.
+    Shared by the harness (`speculative.bench`) and the serving engines (`engines.bench`)."""
+
+    text: str
+    slice: str = "default"
+    ids: list[int] | None = None  # raw token ids: used as they are, no template
+    messages: list[dict] | None = None  # the chat turns, for engines that apply the template themselves
+
+
+@dataclass
 class LoggedPrompt:
     id: str  # the conversation's id in the log store
     messages: list[dict]  # the prompt turns (`usable_prompt`)

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from specdistill.acceptance import DEFAULT_GAMMA
-from specdistill.data.prompts import MAX_PROMPT_TOKENS, usable_prompt
+from specdistill.data.prompts import MAX_PROMPT_TOKENS, Prompt, usable_prompt
 from specdistill.modeling.models import LoadedModel, load_model
 from specdistill.ops.exporter import refresh_metrics, serve_metrics  # noqa: F401  (the exporter's home)
 from specdistill.ops.policy import DEFAULT_MARGIN, RED_LINE, Candidate, fastest_mode
@@ -41,7 +41,7 @@ from specdistill.speculative import (
     drafter_from_spec,
     generate,
 )
-from specdistill.speculative.bench import BenchConfig, Prompt, run_bench_many
+from specdistill.speculative.bench import BenchConfig, run_bench_many
 from specdistill.speculative.eagle import aligned_eagle_drafter
 from specdistill.speculative.specs import DrafterSpec
 from specdistill.speculative.suffix_corpus import corpus_is_current

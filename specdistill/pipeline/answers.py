@@ -133,7 +133,7 @@ def _answer_in_engine(config: NightlyConfig, target: LoadedModel, window: Window
     from contextlib import ExitStack
 
     from specdistill.data.prompts import encode_chat
-    from specdistill.engines.answers import connect, generate_answers_openai
+    from specdistill.pipeline.engine_answers import connect, generate_answers_openai
     g = config.generation
     ctx_per_slot = config.window.max_prompt_tokens + g.max_new_tokens + 1
     with ExitStack() as stack:

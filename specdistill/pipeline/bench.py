@@ -39,8 +39,7 @@ def measured_drafters(config: NightlyConfig, trained: Trained, warm_start: WarmS
 
 def bench_prompts(config: NightlyConfig, window: WindowDict):
     """The window's eval prompts as the benchmark runs them: chat-templated ids, by slice."""
-    from specdistill.data.prompts import encode_chat
-    from specdistill.speculative.bench import Prompt
+    from specdistill.data.prompts import Prompt, encode_chat
 
     tokenizer = target_tokenizer(config)
     return [Prompt(text="", slice=p["slice"], ids=encode_chat(tokenizer, p["messages"])) for p in window["eval"]]
