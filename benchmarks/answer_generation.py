@@ -73,8 +73,8 @@ import torch
 
 import specdistill  # noqa: F401  (offline environment)
 from specdistill.data.datasets import sharegpt_first_turns
-from specdistill.data.prompts import MAX_PROMPT_TOKENS, encode_chat
-from specdistill.distill.datagen import Prompt, generate_answers
+from specdistill.data.prompts import MAX_PROMPT_TOKENS, Prompt, encode_chat
+from specdistill.distill.datagen import generate_answers
 from specdistill.distill.teacher import TeacherCache
 from specdistill.hardware import cpu_has_native_bf16
 from specdistill.modeling.models import demo_gguf_path, load_model, resolve_model_dir
@@ -148,7 +148,7 @@ def main() -> int:
     tok, fingerprint = models["bfloat16"].tokenizer, models["bfloat16"].fingerprint
     turns = sharegpt_first_turns(args.prompts, min_chars=20, max_chars=400, continuations=False, tokenizer=tok,
                                  max_tokens=MAX_PROMPT_TOKENS)
-    prompts = [Prompt(t.id, t.messages) for t in turns]
+    prompts = [Prompt(id=t.id, messages=t.messages) for t in turns]
     print(f"{len(prompts)} prompts, batch {args.batch_size} / {args.parallel} slots, {args.max_new_tokens} new tokens, "
           f"greedy, teacher top-{args.teacher_k}, threads {torch.get_num_threads()}, "
           f"native bf16: {cpu_has_native_bf16()}, load average {os.getloadavg()[0]:.1f}", file=sys.stderr)

@@ -76,8 +76,9 @@ def recover(work: Path, updated_dir: Path, draft_dir: Path, dtype: str, steps: i
             n_code: int, n_chat: int) -> Path:
     """The transplanted champion warm-started on the updated target's answers; returns the new draft's directory."""
     from specdistill.data.datasets import humaneval_prompts, sharegpt_first_turns
+    from specdistill.data.prompts import Prompt
     from specdistill.distill.config import DataConfig, DistillConfig, LossConfig, OptimConfig, TeacherConfig
-    from specdistill.distill.datagen import Prompt, generate_answers
+    from specdistill.distill.datagen import generate_answers
     from specdistill.distill.teacher import TeacherCache
     from specdistill.distill.train import distill
     from specdistill.modeling.drafts import align_draft, save_draft
@@ -91,8 +92,8 @@ def recover(work: Path, updated_dir: Path, draft_dir: Path, dtype: str, steps: i
     target = load_model(updated_dir, dtype=dtype)
     code = humaneval_prompts()[40:40 + n_code]
     chat = sharegpt_first_turns(n_chat, skip=200, tokenizer=target.tokenizer, min_tokens=9, max_tokens=200)
-    train = ([Prompt(f"code-{i}", [{"role": "user", "content": text}]) for i, text in enumerate(code)]
-             + [Prompt(f"chat-{i}", t.messages) for i, t in enumerate(chat)])
+    train = ([Prompt(id=f"code-{i}", messages=[{"role": "user", "content": text}]) for i, text in enumerate(code)]
+             + [Prompt(id=f"chat-{i}", messages=t.messages) for i, t in enumerate(chat)])
     data_dir = work / f"answers-{updated_dir.name}"
     cache = TeacherCache.create(data_dir / "teacher_cache", fingerprint=target.fingerprint, k=32, temperature=1.0,
                                 vocab="full", data=f"drift-bench-{n_code}-{n_chat}-{dtype}")

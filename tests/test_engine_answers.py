@@ -151,9 +151,9 @@ PROMPTS = ["Name three colors.", "Say hi.", "What is 2+2?", "Name a dog breed.",
 
 
 def _prompts(texts):
-    from specdistill.distill.datagen import Prompt
+    from specdistill.data.prompts import Prompt
 
-    return [Prompt(f"q{i}", [{"role": "user", "content": t}]) for i, t in enumerate(texts)]
+    return [Prompt(id=f"q{i}", messages=[{"role": "user", "content": t}]) for i, t in enumerate(texts)]
 
 
 @pytest.fixture(scope="module")

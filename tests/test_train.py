@@ -10,9 +10,10 @@ import torch
 from safetensors.torch import load_file
 
 from specdistill.config import ConfigError
+from specdistill.data.prompts import Prompt
 from specdistill.distill import losses
 from specdistill.distill.config import load_config
-from specdistill.distill.datagen import Prompt, generate_answers, read_examples
+from specdistill.distill.datagen import generate_answers, read_examples
 from specdistill.distill.teacher import TeacherCache, build_cache
 from specdistill.distill.train import NonFiniteLossError, distill
 from specdistill.modeling.vocab import DRAFT_VOCAB_FILE
@@ -34,7 +35,7 @@ def tiny_world(tmp_path_factory, demo_tokenizer):
     tok = demo_tokenizer
     target_dir = save_tiny_target(root / "target", seed=1, tie=False, tokenizer=tok)
     target = load_model(target_dir)
-    prompts = [Prompt(f"p{i}", [{"role": "user", "content": t}]) for i, t in enumerate(PROMPTS)]
+    prompts = [Prompt(id=f"p{i}", messages=[{"role": "user", "content": t}]) for i, t in enumerate(PROMPTS)]
     cache = TeacherCache.create(root / "gen_cache", fingerprint=target.fingerprint, k=16, temperature=1.0,
                                 vocab="full", data="generated")
     generate_answers(target.model, tok, prompts, root / "answers.jsonl", batch_size=4, max_new_tokens=10,

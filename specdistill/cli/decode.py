@@ -85,7 +85,7 @@ def _bench_prompts(args: argparse.Namespace, target, records: list | None) -> li
         where = store.display_url
     if not logged:
         raise ValueError(f"no usable prompt in the {args.from_logs} split of the log store {where}")
-    return [Prompt(p.messages[-1]["content"], p.slice, p.ids) for p in logged]
+    return [Prompt(text=p.messages[-1]["content"], slice=p.slice, ids=p.ids) for p in logged]  # as the harness runs them
 
 
 def _bench_engine(args: argparse.Namespace):

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specdistill.data.prompts import as_messages, encode_chat
-from specdistill.distill.datagen import Prompt, drop_unbacked, read_done, repair_tail
+from specdistill.data.prompts import Prompt, as_messages, encode_chat
+from specdistill.distill.datagen import drop_unbacked, read_done, repair_tail
 from specdistill.distill.teacher import TeacherCache
 from specdistill.engines.client import EngineRequestError, get_json, post_json
 
