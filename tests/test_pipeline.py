@@ -51,6 +51,11 @@ def test_the_train_section_reuses_the_distillation_configs_fields_under_the_same
         load_nightly_config(None, ["train.lr=0"])  # the distillation config's bound (lr > 0)
     with pytest.raises(ConfigError, match="train.loss"):
         load_nightly_config(None, ["train.loss=ce"])  # the night trains against its cached teacher
+    # reusing a field copies it: the distillation config keeps its own, wider, types
+    from specdistill.distill.config import DataConfig
+
+    assert DistillConfig(data=DataConfig(path="x"), draft_vocab="/a/draft").draft_vocab == "/a/draft"
+    assert LossConfig(kind="ce").kind == "ce"
 
 
 def test_the_bench_and_gate_sections_build_their_runtime_configs_and_refuse_unknown_thresholds_at_load():

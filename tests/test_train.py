@@ -34,7 +34,7 @@ def tiny_world(tmp_path_factory, demo_tokenizer):
     root = tmp_path_factory.mktemp("tiny_world")
     tok = demo_tokenizer
     target_dir = save_tiny_target(root / "target", seed=1, tie=False, tokenizer=tok)
-    target = load_model(target_dir)
+    target = load_model(target_dir, dtype="float32")  # the fp32 answers the trainer reads
     prompts = [Prompt(id=f"p{i}", messages=[{"role": "user", "content": t}]) for i, t in enumerate(PROMPTS)]
     cache = TeacherCache.create(root / "gen_cache", fingerprint=target.fingerprint, k=16, temperature=1.0,
                                 vocab="full", data="generated")
@@ -128,7 +128,7 @@ def test_cached_teacher_gives_the_online_loss(tiny_world, tmp_path):
     """Top-k cache with k = the whole vocabulary must reproduce the online teacher exactly."""
     from specdistill.modeling.models import load_model
 
-    target = load_model(tiny_world["target"])
+    target = load_model(tiny_world["target"], dtype="float32")  # as the trainer loads it
     examples = read_examples(tiny_world["answers"], "generated", target.tokenizer, 512)
     cache_dir = tmp_path / "cache"
     build_cache(target.model, examples, cache_dir, fingerprint=target.fingerprint, k=target.config.vocab_size,
@@ -192,7 +192,7 @@ def test_ddp_two_ranks_end_with_identical_weights(tiny_world, tmp_path):
     from specdistill.modeling.models import load_model
 
     trained = load_file(str(Path(result["draft_dir"]) / "model.safetensors"))
-    base = load_model(tiny_world["target"]).model.state_dict()
+    base = load_model(tiny_world["target"], dtype="float32").model.state_dict()
     assert not torch.equal(trained["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"])
 
 
