@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 from specdistill import paths
 from specdistill.acceptance import DEFAULT_GAMMA
@@ -69,7 +70,7 @@ class GenerationConfig(Strict):
         return self
 
 
-def _reused(model: type[Strict], name: str):
+def _reused(model: type[Strict], name: str) -> FieldInfo:
     """A field of the distillation config, reused as it is declared there (default and bounds)."""
     return model.model_fields[name]
 
