@@ -185,6 +185,8 @@ def test_load_model_defaults_to_auto_as_every_config_does(tiny_dir, monkeypatch,
 
     monkeypatch.setenv(FLAGS_ENV, flags)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    # the flags are emulated: no oneDNN packing (an AVX2-only CPU would refuse its bf16 reorder)
+    monkeypatch.setattr("specdistill.modeling.models.packing_available", lambda: False)
     assert resolve_dtype("auto") == want
     assert load_model(tiny_dir).model.dtype == want
     assert load_model(tiny_dir, dtype="float32").model.dtype == torch.float32
