@@ -6,7 +6,7 @@ its top-k teacher (k 32, as the nightly's train answers do; `--teacher-k 0`: ans
 Harness variants go through `distill.datagen.generate_answers`, the function the nightly's `harness`
 backend calls: batches of 16, left padding; fp32 and bf16 as the nightly runs them (decode steps
 through `modeling.attention.decode_attention`), and bf16 through SDPA's CPU flash kernel (the path
-before it). Engine variants go through `engines.answers.generate_answers_openai`, what the nightly's
+before it). Engine variants go through `pipeline.engine_answers.generate_answers_openai`, what the nightly's
 `openai` backend calls: llama-server on loopback, `--parallel 16` slots, the prompts sent as token ids
 to `/v1/completions` with `logprobs=k`; `Q4_1` is the demo target's own GGUF (what llama.cpp serves by
 default), `F16` / `F32` the same (dequantized) weights exported through `engines.gguf_export`.
@@ -73,8 +73,8 @@ import torch
 
 import specdistill  # noqa: F401  (offline environment)
 from specdistill.data.datasets import sharegpt_first_turns
-from specdistill.data.prompts import MAX_PROMPT_TOKENS, encode_chat
-from specdistill.distill.datagen import Prompt, generate_answers
+from specdistill.data.prompts import MAX_PROMPT_TOKENS, Prompt, encode_chat
+from specdistill.distill.datagen import generate_answers
 from specdistill.distill.teacher import TeacherCache
 from specdistill.hardware import cpu_has_native_bf16
 from specdistill.modeling.models import demo_gguf_path, load_model, resolve_model_dir
@@ -148,7 +148,7 @@ def main() -> int:
     tok, fingerprint = models["bfloat16"].tokenizer, models["bfloat16"].fingerprint
     turns = sharegpt_first_turns(args.prompts, min_chars=20, max_chars=400, continuations=False, tokenizer=tok,
                                  max_tokens=MAX_PROMPT_TOKENS)
-    prompts = [Prompt(t.id, t.messages) for t in turns]
+    prompts = [Prompt(id=t.id, messages=t.messages) for t in turns]
     print(f"{len(prompts)} prompts, batch {args.batch_size} / {args.parallel} slots, {args.max_new_tokens} new tokens, "
           f"greedy, teacher top-{args.teacher_k}, threads {torch.get_num_threads()}, "
           f"native bf16: {cpu_has_native_bf16()}, load average {os.getloadavg()[0]:.1f}", file=sys.stderr)
@@ -157,8 +157,8 @@ def main() -> int:
         tmp = Path(tmp_dir)
         engines = {}
         if kinds:
-            from specdistill.engines.answers import connect
             from specdistill.engines.llamacpp import target_server
+            from specdistill.pipeline.engine_answers import connect
 
             for kind, gguf in target_ggufs(kinds, tmp).items():
                 server = stack.enter_context(target_server(
@@ -167,8 +167,8 @@ def main() -> int:
                 k = max(args.teacher_k, 1)
                 engines[f"llama.cpp {kind}"] = (server, connect(server.url, encode_chat(tok, prompts[0].messages), k))
         for dtype in [d for d in args.vllm.split(",") if d]:
-            from specdistill.engines.answers import connect
             from specdistill.engines.vllm_bench import target_server as vllm_target_server
+            from specdistill.pipeline.engine_answers import connect
 
             server = stack.enter_context(vllm_target_server(
                 "demo", parallel=args.parallel, ctx_per_slot=MAX_PROMPT_TOKENS + args.max_new_tokens + 1,
@@ -185,7 +185,7 @@ def main() -> int:
                 cache = TeacherCache.create(out.with_suffix(".teacher"), fingerprint=fingerprint, k=args.teacher_k,
                                             temperature=1.0, vocab="full", data=name)
             if name in engines:
-                from specdistill.engines.answers import generate_answers_openai
+                from specdistill.pipeline.engine_answers import generate_answers_openai
 
                 server, served = engines[name]
                 cpu = (lambda: group_cpu_seconds(server.process.pid)) if name.startswith("vLLM") else (

@@ -42,10 +42,10 @@ import torch
 
 import specdistill  # noqa: F401  (offline environment)
 from specdistill.data.datasets import sharegpt_first_turns
-from specdistill.data.prompts import MAX_PROMPT_TOKENS
+from specdistill.data.prompts import MAX_PROMPT_TOKENS, Prompt
 from specdistill.distill import datagen
 from specdistill.distill.answer_loop import decode_batch, generate_batch
-from specdistill.distill.datagen import Prompt, generate_answers
+from specdistill.distill.datagen import generate_answers
 from specdistill.distill.teacher import TeacherCache
 from specdistill.hardware import cpu_has_native_bf16
 from specdistill.modeling.models import load_model
@@ -84,7 +84,7 @@ def main() -> int:
     tok = models["float32"].tokenizer
     turns = sharegpt_first_turns(args.prompts, min_chars=20, max_chars=400, continuations=False, tokenizer=tok,
                                  max_tokens=MAX_PROMPT_TOKENS)
-    prompts = [Prompt(t.id, t.messages) for t in turns]
+    prompts = [Prompt(id=t.id, messages=t.messages) for t in turns]
     print(f"{len(prompts)} prompts, batch {args.batch_size}, {args.max_new_tokens} new tokens, greedy, "
           f"threads {torch.get_num_threads()}, native bf16: {cpu_has_native_bf16()}", file=sys.stderr)
 

@@ -31,7 +31,8 @@ import torch
 
 import specdistill  # noqa: F401  (offline environment)
 from specdistill.data.datasets import sharegpt_first_turns
-from specdistill.distill.datagen import Prompt, generate_answers, read_done, read_examples
+from specdistill.data.prompts import Prompt
+from specdistill.distill.datagen import generate_answers, read_done, read_examples
 from specdistill.distill.teacher import TeacherCache
 from specdistill.modeling.models import load_model
 from specdistill.modeling.vocab import build_draft_vocab
@@ -57,7 +58,7 @@ def select_prompts(tokenizer, n_train: int, n_heldout: int, max_prompt_tokens: i
 def prepare(args) -> dict:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    target = load_model("demo")
+    target = load_model("demo", dtype="float32")
     tok = target.tokenizer
     split_path = work / "split.json"
     if split_path.is_file():
@@ -75,7 +76,7 @@ def prepare(args) -> dict:
 
     cache = TeacherCache.create(work / "teacher_cache", fingerprint=target.fingerprint, k=args.top_k,
                                 temperature=1.0, vocab="full", data="generated")
-    prompts = [Prompt(p["id"], p["prompt"]) for p in split["heldout"] + split["train"] + extra]
+    prompts = [Prompt(id=p["id"], messages=p["prompt"]) for p in split["heldout"] + split["train"] + extra]
     t0 = time.time()
     answers_path = work / "target_answers.jsonl"
     before = len(read_done(answers_path))

@@ -76,14 +76,15 @@ def recover(work: Path, updated_dir: Path, draft_dir: Path, dtype: str, steps: i
             n_code: int, n_chat: int) -> Path:
     """The transplanted champion warm-started on the updated target's answers; returns the new draft's directory."""
     from specdistill.data.datasets import humaneval_prompts, sharegpt_first_turns
+    from specdistill.data.prompts import Prompt
     from specdistill.distill.config import DataConfig, DistillConfig, LossConfig, OptimConfig, TeacherConfig
-    from specdistill.distill.datagen import Prompt, generate_answers
+    from specdistill.distill.datagen import generate_answers
     from specdistill.distill.teacher import TeacherCache
     from specdistill.distill.train import distill
     from specdistill.modeling.drafts import align_draft, save_draft
     from specdistill.modeling.models import load_model
     from specdistill.modeling.vocab import DraftVocab
-    from specdistill.pipeline.config import TrainConfig
+    from specdistill.pipeline.config import TrainSection
 
     out = work / f"recovered-{updated_dir.name}-{draft_dir.name}-{steps}"
     if (out / "draft" / "config.json").is_file():
@@ -91,14 +92,14 @@ def recover(work: Path, updated_dir: Path, draft_dir: Path, dtype: str, steps: i
     target = load_model(updated_dir, dtype=dtype)
     code = humaneval_prompts()[40:40 + n_code]
     chat = sharegpt_first_turns(n_chat, skip=200, tokenizer=target.tokenizer, min_tokens=9, max_tokens=200)
-    train = ([Prompt(f"code-{i}", [{"role": "user", "content": text}]) for i, text in enumerate(code)]
-             + [Prompt(f"chat-{i}", t.messages) for i, t in enumerate(chat)])
+    train = ([Prompt(id=f"code-{i}", messages=[{"role": "user", "content": text}]) for i, text in enumerate(code)]
+             + [Prompt(id=f"chat-{i}", messages=t.messages) for i, t in enumerate(chat)])
     data_dir = work / f"answers-{updated_dir.name}"
     cache = TeacherCache.create(data_dir / "teacher_cache", fingerprint=target.fingerprint, k=32, temperature=1.0,
                                 vocab="full", data=f"drift-bench-{n_code}-{n_chat}-{dtype}")
     generate_answers(target.model, target.tokenizer, train, data_dir / "train_generated.jsonl", batch_size=8,
                      max_new_tokens=96, teacher_cache=cache)
-    draft = load_model(draft_dir)
+    draft = load_model(draft_dir, dtype="float32")  # its weights are trained further
     aligned = align_draft(draft.model, draft.tokenizer, target.tokenizer, DraftVocab.load(draft_dir),
                           target_vocab_size=target.config.vocab_size, copy_model=False)
     warm = save_draft(aligned.model, target.tokenizer, work / f"aligned-{updated_dir.name}-{draft_dir.name}",
@@ -107,7 +108,7 @@ def recover(work: Path, updated_dir: Path, draft_dir: Path, dtype: str, steps: i
         target=str(updated_dir), draft=str(warm), draft_vocab=None,
         data=DataConfig(path=str(data_dir / "train_generated.jsonl"), kind="generated"),
         loss=LossConfig(kind="fkl"), teacher=TeacherConfig(mode="cache", cache_dir=str(cache.dir)),
-        optim=OptimConfig(lr=TrainConfig().incremental_lr, batch_size=4, max_steps=steps, max_minutes=minutes,
+        optim=OptimConfig(lr=TrainSection().incremental_lr, batch_size=4, max_steps=steps, max_minutes=minutes,
                           warmup_steps=min(20, steps // 10)),
         out_dir=str(out), checkpoint_every=max(10, steps), eval_every=max(10, steps), threads=1))
     return out / "draft"
@@ -148,11 +149,11 @@ def main() -> None:
         make_target_update("demo", updated_dir, steps=steps, lr=lr)
         print(f"target update ({steps} steps, lr {lr:g}) made in {time.time() - t0:.0f} s", file=sys.stderr)
 
-    base32 = load_model("demo")
+    base32 = load_model("demo", dtype="float32")
     chats = heldout_chats(base32.tokenizer, args.heldout)
     loss_before = cached(work / f"heldout-loss-base-{args.heldout}.json",
                          lambda: {"loss": assistant_loss(base32.model, base32.tokenizer, chats)})["loss"]
-    upd32 = load_model(updated_dir)
+    upd32 = load_model(updated_dir, dtype="float32")
     loss_after = assistant_loss(upd32.model, upd32.tokenizer, chats)
     update_losses = json.loads((updated_dir / "specdistill_target_update.json").read_text())["losses"]
     del upd32

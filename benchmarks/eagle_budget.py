@@ -31,7 +31,8 @@ import torch
 
 import specdistill  # noqa: F401  (offline environment)
 from benchmarks.distill_budget import log, run_config, select_prompts, write_jsonl
-from specdistill.distill.datagen import Prompt, generate_answers, read_examples
+from specdistill.data.prompts import Prompt
+from specdistill.distill.datagen import generate_answers, read_examples
 from specdistill.distill.features import FeatureCache, build_feature_cache
 from specdistill.distill.teacher import TeacherCache
 from specdistill.modeling.eagle3 import default_aux_layers
@@ -64,7 +65,7 @@ def prepare(args) -> dict:
         features = FeatureCache.create(work / f"features-ctx{first}", fingerprint=target.fingerprint,
                                        layers=feature_layers(target), data="generated-bf16",
                                        prompt_context=None if first == "all" else int(first))
-        prompts = [Prompt(p["id"], p["prompt"]) for p in split["heldout"] + split["train"]]
+        prompts = [Prompt(id=p["id"], messages=p["prompt"]) for p in split["heldout"] + split["train"]]
         answers = generate_answers(target.model, tok, prompts, work / "target_answers.jsonl", batch_size=args.gen_batch,
                                    max_new_tokens=args.max_new_tokens, teacher_cache=cache, feature_cache=features)
         write_jsonl(train_path, [answers[p["id"]] for p in split["train"]])

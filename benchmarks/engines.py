@@ -108,12 +108,13 @@ from specdistill.data.prompt_files import read_prompt_file
 from specdistill.data.prompts import encode_chat
 from specdistill.engines.build import build_llama_server
 from specdistill.engines.client import chat, metrics_url
-from specdistill.engines.llamacpp import gguf_dtype, mode_for_spec, target_gguf
+from specdistill.engines.llamacpp import gguf_dtype, target_gguf
 from specdistill.engines.prom import scrape
 from specdistill.engines.server import LlamaServer, ServerConfig, ServerMode
 from specdistill.engines.vllm import VllmConfig, VllmServer, start_together
 from specdistill.engines.vllm_bench import served_dtype, target_dir
 from specdistill.modeling.models import load_model, resolve_model_dir
+from specdistill.pipeline.engine_bench import mode_for_spec
 from specdistill.pipeline.vllm_bench import mode_serving_config
 from specdistill.speculative import drafter_from_spec
 from specdistill.speculative.engine import SpecStats, generate

@@ -30,8 +30,9 @@ import torch
 
 import specdistill  # noqa: F401  (offline environment)
 from benchmarks.distill_budget import log, select_prompts, write_jsonl
+from specdistill.data.prompts import Prompt
 from specdistill.distill.config import DataConfig, DistillConfig, Eagle3Config, LossConfig, OptimConfig, TeacherConfig
-from specdistill.distill.datagen import Prompt, generate_answers, read_done, read_examples
+from specdistill.distill.datagen import generate_answers, read_done, read_examples
 from specdistill.distill.features import FeatureCache, build_feature_cache
 from specdistill.distill.pool import AnswerPool
 from specdistill.distill.teacher import TeacherCache
@@ -51,7 +52,7 @@ def answer_night(args, target, night: int, prompts: list[dict]) -> dict:
                                    layers=default_aux_layers(target.config.num_hidden_layers), data=f"night{night}",
                                    prompt_context=0)
     t0 = time.time()
-    records = generate_answers(target.model, target.tokenizer, [Prompt(p["id"], p["prompt"]) for p in prompts],
+    records = generate_answers(target.model, target.tokenizer, [Prompt(id=p["id"], messages=p["prompt"]) for p in prompts],
                                d / "train_generated.jsonl", batch_size=args.gen_batch, max_new_tokens=args.max_new_tokens,
                                teacher_cache=cache, feature_cache=features)
     tokens = sum(len(r["response_ids"]) for r in records.values())
@@ -88,9 +89,8 @@ def bench_heads(args, target, heads: dict[str, str], eval_prompts: list[dict]) -
     from specdistill.data.prompts import encode_chat
     from specdistill.speculative import drafter_from_spec
     from specdistill.speculative.bench import BenchConfig, run_bench_many
-    from specdistill.speculative.bench import Prompt as BenchPrompt
 
-    prompts = [BenchPrompt(text="", ids=encode_chat(target.tokenizer, p["prompt"])) for p in eval_prompts[: args.bench_prompts]]
+    prompts = [Prompt(text="", ids=encode_chat(target.tokenizer, p["prompt"])) for p in eval_prompts[: args.bench_prompts]]
     made = {name: drafter_from_spec(target.model, f"draft:{d}", tree_width=4) for name, d in heads.items()}
     results = run_bench_many(target.model, target.tokenizer, made, prompts,
                              BenchConfig(gamma=4, max_new_tokens=args.bench_tokens, repeats=1), progress=False)
@@ -138,7 +138,7 @@ def main() -> int:
         f"({args.clock} clock) per head")
 
     heldout_path = work / "eval_generated.jsonl"
-    held = generate_answers(target.model, tok, [Prompt(p["id"], p["prompt"]) for p in split["heldout"]],
+    held = generate_answers(target.model, tok, [Prompt(id=p["id"], messages=p["prompt"]) for p in split["heldout"]],
                             work / "eval_answers.jsonl", batch_size=args.gen_batch, max_new_tokens=args.max_new_tokens)
     write_jsonl(heldout_path, [held[p["id"]] for p in split["heldout"]])
     held_features = work / "heldout_features"

@@ -83,8 +83,8 @@ def read_jsonl(path: Path) -> list[dict]:
 def heldout_sets(home: Path, target, out: Path, per_source: dict[str, int], max_new_tokens: int, exclude: set[str]):
     """{slice: [records with prompt_ids, response_ids]}: eval-split prompts per source, answered by the target."""
     from specdistill.data.logstore import LogStore
-    from specdistill.data.prompts import usable_prompt
-    from specdistill.distill.datagen import Prompt, generate_answers
+    from specdistill.data.prompts import Prompt, usable_prompt
+    from specdistill.distill.datagen import generate_answers
 
     sets = {}
     with LogStore(f"sqlite:///{home / 'logs.db'}") as store:
@@ -99,7 +99,7 @@ def heldout_sets(home: Path, target, out: Path, per_source: dict[str, int], max_
                     continue
                 usable = usable_prompt(row.messages, target.tokenizer)
                 if usable is not None:
-                    prompts.append(Prompt(str(row.id), usable[0]))
+                    prompts.append(Prompt(id=str(row.id), messages=usable[0]))
                 if len(prompts) >= n:
                     break
             path = out / f"heldout_{name}.jsonl"

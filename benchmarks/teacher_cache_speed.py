@@ -39,7 +39,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     work = Path(args.work)
-    target = load_model("demo")
+    target = load_model("demo", dtype="float32")  # the draft is made of its weights and trained
     examples = read_examples(str(work / "train_generated.jsonl"), "generated", target.tokenizer, 384, args.examples)
     vocab = DraftVocab.load(work / "vocab8192")
     cache_rows = TeacherCache.open(work / "teacher_cache", fingerprint=target.fingerprint).load_all()

@@ -35,7 +35,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    target = load_model(args.target).model
+    target = load_model(args.target, dtype="float32").model  # fp32 weights; bf16 copies below
     draft = init_draft_from_target(target, [int(x) for x in args.draft_layers.split(",")])
     models = {"target fp32": target, "draft fp32": draft,
               "target bf16": copy.deepcopy(target).to(torch.bfloat16), "draft bf16": copy.deepcopy(draft).to(torch.bfloat16)}

@@ -138,7 +138,7 @@ def demo_tokenizer():
 def demo_target():
     from specdistill.modeling.models import load_model
 
-    return load_model("demo")
+    return load_model("demo", dtype="float32")  # the e2e expectations are exact (fp32)
 
 
 # --------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ def tiny_target(tok):
 def _prompts(n):
     texts = ["Hi.", "What is the capital of France?", "Write a haiku about snow, please.", "2+2?", "Name a dog breed.",
              "Explain recursion in one sentence."]
-    return [Prompt(f"q{i}", [{"role": "user", "content": texts[i % len(texts)] + " " * (i // len(texts))}]) for i in range(n)]
+    return [Prompt(id=f"q{i}", messages=[{"role": "user", "content": texts[i % len(texts)] + " " * (i // len(texts))}]) for i in range(n)]
 
 
 def test_assistant_mask_marks_exactly_the_assistant_turns(tok):

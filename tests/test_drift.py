@@ -26,7 +26,7 @@ def tiny_base(tmp_path):
 
 
 def test_domain_tokens_become_single_tokens_initialized_from_their_pieces(tiny_base):
-    base = load_model(tiny_base)
+    base = load_model(tiny_base, dtype="float32")  # as make_target_update loads it
     pieces = {w: base.tokenizer.encode(w, add_special_tokens=False) for w in WORDS}
     old = base.model.get_input_embeddings().weight.detach().clone()
     ids = add_domain_tokens(base.model, base.tokenizer, WORDS)
@@ -61,7 +61,7 @@ def test_humaneval_file_errors_name_the_line(tmp_path):
 def test_target_update_trains_only_the_top_layers_and_is_a_new_version(tiny_base, tmp_path):
     out = make_target_update(str(tiny_base), tmp_path / "updated", domain_tokens=WORDS, top_layers=2, steps=3,
                              lr=1e-2, max_len=512, examples=8, progress=False)
-    base, new = load_model(tiny_base), load_model(out)
+    base, new = load_model(tiny_base, dtype="float32"), load_model(out, dtype="float32")  # the weights as stored
     assert new.fingerprint != base.fingerprint
     assert new.config.vocab_size == base.config.vocab_size + 2
     assert new.tokenizer.tokenize("x = QuantLib.CalcBlackScholesVega(s)").count("CalcBlackScholesVega") == 1

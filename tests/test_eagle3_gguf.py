@@ -22,11 +22,11 @@ from specdistill.engines.gguf_export import (
     gguf_spec_type,
     permute_rotary,
 )
-from specdistill.engines.llamacpp import mode_for_spec
 from specdistill.modeling.eagle3 import Eagle3Draft, eagle3_config
 from specdistill.modeling.eagle3_io import WEIGHTS_FILE, export_config, head_tensors
 from specdistill.modeling.models import demo_gguf_path
 from specdistill.modeling.vocab import DraftVocab
+from specdistill.pipeline.engine_bench import mode_for_spec
 from tests.conftest import save_tiny_target
 
 # SmolLM2-135M-Instruct, as its GGUF says

@@ -82,7 +82,7 @@ def target_dir(tmp_path):
 
 @pytest.fixture
 def target(target_dir):
-    return load_model(target_dir)
+    return load_model(target_dir, dtype="float32")  # the exact-arithmetic tests
 
 
 @pytest.fixture

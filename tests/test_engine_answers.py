@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from specdistill.config import ConfigError
-from specdistill.engines.answers import base_url, connect, parse_completion, teacher_entry
 from specdistill.engines.client import EngineRequestError
 from specdistill.engines.server import free_port
 from specdistill.pipeline.config import load_nightly_config
+from specdistill.pipeline.engine_answers import base_url, connect, parse_completion, teacher_entry
 
 # llama-server 11434's /v1/completions reply (logprobs=3) for "Name three colors." (4 tokens), bytes dropped
 LLAMACPP_REPLY = {"choices": [{"text": "1. Red\n", "index": 0, "finish_reason": "length", "logprobs": {"content": [
@@ -151,9 +151,9 @@ PROMPTS = ["Name three colors.", "Say hi.", "What is 2+2?", "Name a dog breed.",
 
 
 def _prompts(texts):
-    from specdistill.distill.datagen import Prompt
+    from specdistill.data.prompts import Prompt
 
-    return [Prompt(f"q{i}", [{"role": "user", "content": t}]) for i, t in enumerate(texts)]
+    return [Prompt(id=f"q{i}", messages=[{"role": "user", "content": t}]) for i, t in enumerate(texts)]
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +169,7 @@ def test_answers_and_teacher_rows_from_llama_server(served, demo_tokenizer, tmp_
     from specdistill.data.prompts import encode_chat
     from specdistill.distill.datagen import encode_generated
     from specdistill.distill.teacher import TeacherCache
-    from specdistill.engines.answers import generate_answers_openai
+    from specdistill.pipeline.engine_answers import generate_answers_openai
 
     prompts = _prompts(PROMPTS[:3])
     engine = connect(served.url + "/v1", encode_chat(demo_tokenizer, prompts[0].messages), 16)
@@ -199,7 +199,7 @@ def test_a_failed_request_keeps_what_finished_and_a_rerun_asks_only_the_rest(ser
                                                                               monkeypatch):
     from specdistill.data.prompts import encode_chat
     from specdistill.distill.teacher import TeacherCache
-    from specdistill.engines import answers
+    from specdistill.pipeline import engine_answers as answers
 
     prompts = _prompts(PROMPTS[:4] + ["Repeat this: " + "blue sky " * 200])  # over the slot's 256 tokens
     engine = connect(served.url, encode_chat(demo_tokenizer, prompts[0].messages), 4)

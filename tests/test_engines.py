@@ -91,3 +91,12 @@ def test_export_refuses_a_vocabulary_llama_cpp_would_refuse(tmp_path):
     with pytest.raises(GgufExportError, match="vocabulary-incompatible: draft vocab_size 300 vs target 49152"):
         export_draft_gguf(draft, demo_gguf_path(), tmp_path / "out.gguf")
     assert not (tmp_path / "out.gguf").exists()
+
+
+def test_a_drafter_specs_llama_server_mode_is_read_by_the_one_spec_parser():
+    from specdistill.pipeline.engine_bench import mode_for_spec
+
+    assert mode_for_spec("ngram", None, 5) == ServerMode("ngram-simple", None, 5, ngram_n=3)  # the harness's 1..3-grams
+    assert mode_for_spec("ngram:2,6", None, 4) == ServerMode("ngram-simple", None, 4, ngram_n=6)
+    with pytest.raises(ValueError, match="no llama.cpp mode"):
+        mode_for_spec("suffix:/c.json", None)

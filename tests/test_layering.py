@@ -1,9 +1,12 @@
 """Import policing over the source text (`ast`, nothing is imported or run).
 
-The library is layered; a module may import its own layer and the ones below it, never one above:
+The library's layers form a graph (`MAY_IMPORT`); a module may import its own layer and the layers
+that graph puts under it, nothing else:
 
-    base (specdistill/__init__, config, acceptance, paths, env, hardware, budget) -> data -> modeling -> distill
-    -> speculative -> engines -> ops -> pipeline -> cli
+    base (specdistill/__init__, config, acceptance, paths, env, hardware, budget)
+      <- data <- modeling
+      <- distill | speculative | engines    siblings: none imports another (shared types live below them)
+      <- ops (policy, registry, monitor) <- pipeline <- cli
 
 Imports inside functions count as much as those at the top of a file. The library never imports
 Prefect, `tasks` or `flows`; the one exception is `specdistill/cli`, which imports `flows.*` lazily to
@@ -23,6 +26,17 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 LAYERS = ["base", "data", "modeling", "distill", "speculative", "engines", "ops", "pipeline", "cli"]
+SIBLINGS = ("distill", "speculative", "engines")  # the three things done with models: train, decode, serve
+# the layers each layer may import besides its own: the graph, not a line
+MAY_IMPORT: dict[str, set[str]] = {
+    "base": set(),
+    "data": {"base"},
+    "modeling": {"base", "data"},
+    **{sibling: {"base", "data", "modeling"} for sibling in SIBLINGS},
+    "ops": {"base", "data", "modeling", *SIBLINGS},
+    "pipeline": {"base", "data", "modeling", *SIBLINGS, "ops"},
+    "cli": {"base", "data", "modeling", *SIBLINGS, "ops", "pipeline"},
+}
 BASE_MODULES = {"config", "acceptance", "paths", "env", "hardware", "budget"}
 ORCHESTRATION_MAY_IMPORT = ("specdistill.pipeline", "specdistill.paths")  # for tasks/ and flows/
 MAX_LINES = 400
@@ -101,7 +115,8 @@ def _sources(root: Path, top: str) -> list[Path]:
 
 
 def layering_violations(root: Path) -> list[str]:
-    """Upward imports inside the library, and modules that belong to no layer."""
+    """Imports inside the library that the layer graph does not allow (upward, or across siblings), and
+    modules that belong to no layer."""
     out = []
     for path in _sources(root, "specdistill"):
         own = layer_of(module_name(root, path))
@@ -114,8 +129,9 @@ def layering_violations(root: Path) -> list[str]:
                 continue
             if theirs.startswith("unlayered"):
                 out.append(f"{imp.file}:{imp.line} imports {imp.module}, which belongs to no layer")
-            elif LAYERS.index(theirs) > LAYERS.index(own):
-                out.append(f"{imp.file}:{imp.line} imports {imp.module}: {own} must not import {theirs} (a higher layer)")
+            elif theirs != own and theirs not in MAY_IMPORT[own]:
+                why = "a sibling: move what both need below them" if {own, theirs} <= set(SIBLINGS) else "a higher layer"
+                out.append(f"{imp.file}:{imp.line} imports {imp.module}: {own} must not import {theirs} ({why})")
     return out
 
 
@@ -197,6 +213,42 @@ def test_checker_catches_upward_imports_at_any_depth(tmp_path):
     assert "extras/__init__.py: unlayered:extras" in found
     for clean in ("specdistill/__init__.py", "data/ok.py", "ops/monitor.py"):
         assert clean not in found, found
+
+
+def test_checker_catches_imports_across_sibling_layers(tmp_path):
+    root = _write(tmp_path, {
+        "specdistill/__init__.py": "",
+        "specdistill/data/__init__.py": "",
+        "specdistill/data/results.py": "",
+        "specdistill/distill/__init__.py": "",
+        "specdistill/distill/teacher.py": "from specdistill.data import results\n",
+        "specdistill/speculative/__init__.py": "",
+        "specdistill/speculative/bench.py": "",
+        "specdistill/engines/__init__.py": "",
+        "specdistill/engines/bench.py": "from specdistill.speculative.bench import Prompt\nfrom specdistill.data.results import x\n",
+        "specdistill/engines/answers.py": "def f():\n    from specdistill.distill import teacher\n",
+        "specdistill/ops/__init__.py": "",
+        "specdistill/ops/policy.py": "from specdistill.engines import bench\nfrom specdistill.speculative import bench\n",
+    })
+    found = _report(layering_violations(root))
+    assert "engines/bench.py:1 imports specdistill.speculative.bench: engines must not import speculative (a sibling" in found
+    assert "engines/answers.py:2 imports specdistill.distill.teacher: engines must not import distill (a sibling" in found
+    for clean in ("engines/bench.py:2", "distill/teacher.py", "ops/policy.py"):
+        assert clean not in found, found
+
+
+def test_the_layer_graph_is_acyclic_and_names_every_layer():
+    assert set(MAY_IMPORT) == set(LAYERS) and all(deps <= set(LAYERS) for deps in MAY_IMPORT.values())
+    for layer in LAYERS:  # no layer reaches itself through the graph
+        seen, todo = set(), list(MAY_IMPORT[layer])
+        while todo:
+            nxt = todo.pop()
+            assert nxt != layer, f"{layer} reaches itself"
+            if nxt not in seen:
+                seen.add(nxt)
+                todo += MAY_IMPORT[nxt]
+    for a in SIBLINGS:
+        assert not set(SIBLINGS) & MAY_IMPORT[a]
 
 
 def test_checker_catches_prefect_and_orchestration_shortcuts(tmp_path):

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 
+from specdistill.data.prompts import Prompt
 from specdistill.engines.bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
 from specdistill.engines.client import chat, metrics_url
 from specdistill.engines.gguf_export import export_draft_gguf
 from specdistill.engines.prom import scrape
 from specdistill.engines.server import LlamaServer, ServerConfig, ServerError, ServerMode
-from specdistill.speculative.bench import Prompt
 
 pytestmark = pytest.mark.e2e
 
@@ -99,7 +99,7 @@ def test_exported_eagle3_head_loads_and_drafts(llama_cpp, target_gguf, memorized
     """The exported head pairs with the target GGUF (target layers, hidden size, its tokenizer, the
     reduced draft vocabulary through d2t) and drafts what it learnt: acceptance > 0 and, a memorised
     answer, a good part of the first two draft positions (our engine accepts about half of K=4 here)."""
-    from specdistill.engines.llamacpp import mode_for_spec
+    from specdistill.pipeline.engine_bench import mode_for_spec
 
     mode = mode_for_spec(f"draft:{memorized_head}", target_gguf, 4)
     assert mode.spec_type == "draft-eagle3"

@@ -19,9 +19,9 @@ def tiny_dir(tmp_path):
 
 
 def test_fingerprint_stable_across_loads(tiny_dir):
-    a = load_model(tiny_dir)
-    b = load_model(tiny_dir)
-    assert a.fingerprint == b.fingerprint
+    a = load_model(tiny_dir, dtype="float32")  # the weights as stored: what the fingerprint hashes
+    b = load_model(tiny_dir, dtype="float32")
+    assert a.fingerprint == b.fingerprint == load_model(tiny_dir, dtype="bfloat16").fingerprint
     assert fingerprint(a.model, a.tokenizer) == fingerprint(b.model, b.tokenizer) == a.fingerprint
 
 
@@ -176,3 +176,17 @@ def test_four_megabytes_overwritten_in_the_demo_cache_are_detected(tmp_path):
     _overwrite_keeping_stat(weights, weights.stat().st_size // 3, 4 << 20)
     with pytest.raises(WeightsIntegrityError, match="model.safetensors"):
         check_model_cache(cache)
+
+
+@pytest.mark.parametrize("flags, want", [("avx2 avx512f avx512_bf16", torch.bfloat16), ("avx2 fma", torch.float32)])
+def test_load_model_defaults_to_auto_as_every_config_does(tiny_dir, monkeypatch, flags, want):
+    from specdistill.hardware import FLAGS_ENV
+    from specdistill.modeling.models import resolve_dtype
+
+    monkeypatch.setenv(FLAGS_ENV, flags)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    # the flags are emulated: no oneDNN packing (an AVX2-only CPU would refuse its bf16 reorder)
+    monkeypatch.setattr("specdistill.modeling.models.packing_available", lambda: False)
+    assert resolve_dtype("auto") == want
+    assert load_model(tiny_dir).model.dtype == want
+    assert load_model(tiny_dir, dtype="float32").model.dtype == torch.float32

@@ -10,7 +10,7 @@ import pytest
 
 from specdistill.data.formats import Message
 from specdistill.data.logstore import LogStore
-from specdistill.data.prompts import prompt_messages
+from specdistill.data.prompts import Prompt, prompt_messages
 from specdistill.data.readers import Conversation
 from specdistill.modeling.drafts import export_early_exit_draft, init_draft_from_target, save_draft
 from specdistill.modeling.models import load_model
@@ -26,7 +26,6 @@ from specdistill.ops.monitor import (
 from specdistill.ops.policy import decide
 from specdistill.ops.serving import ServingConfig, write_serving_config
 from specdistill.speculative import ModelDrafter, SelfSpecDrafter, generate
-from specdistill.speculative.bench import Prompt
 from tests.conftest import make_tiny_llama, save_tiny_target
 
 PROMPTS = ["hello world, the quick brown fox", "def add(a, b):", "speculative decoding drafts tokens",
@@ -70,7 +69,7 @@ def test_prompts_from_store_are_the_newest_usable_ones(store, tiny_target):
 
 
 def test_replay_of_a_draft_identical_to_the_target_accepts_everything_and_stores_each_request(store, tiny_target, tmp_path):
-    target = load_model(tiny_target)
+    target = load_model(tiny_target, dtype="float32")
     clone = save_draft(init_draft_from_target(target.model, [0, 1, 2, 3]), target.tokenizer, tmp_path / "clone")
     sample = replay_acceptance(target, str(clone), store, n_prompts=4, gamma=3, max_new_tokens=12,
                                draft_version="v1", min_draft_tokens=10, progress=False)
@@ -86,7 +85,7 @@ def test_replay_of_a_draft_identical_to_the_target_accepts_everything_and_stores
 
 @pytest.mark.e2e
 def test_replay_of_an_unrelated_draft_measures_low_acceptance(store, tiny_target, tmp_path):
-    target = load_model(tiny_target)
+    target = load_model(tiny_target, dtype="float32")
     other = tmp_path / "other"
     make_tiny_llama(vocab_size=target.config.vocab_size, layers=1, seed=7, tie=False).save_pretrained(other)
     target.tokenizer.save_pretrained(other)
@@ -101,9 +100,9 @@ def test_replay_of_an_unrelated_draft_measures_low_acceptance(store, tiny_target
 def test_a_draft_with_the_old_vocabulary_is_measured_through_a_transplant_or_read_as_zero(store, tiny_target, tmp_path):
     from specdistill.ops.drift import add_domain_tokens
 
-    old = load_model(tiny_target)
+    old = load_model(tiny_target, dtype="float32")
     old_draft = save_draft(init_draft_from_target(old.model, [0, 1, 2, 3]), old.tokenizer, tmp_path / "old-draft")
-    new = load_model(tiny_target)
+    new = load_model(tiny_target, dtype="float32")
     add_domain_tokens(new.model, new.tokenizer, ("QuantLib", "CalcBlackScholesVega"))
     sample = replay_acceptance(new, str(old_draft), store, n_prompts=3, gamma=3, max_new_tokens=10,
                                min_draft_tokens=5, progress=False)
@@ -127,7 +126,7 @@ def test_decide_on_first_position_acceptance_of_replayed_and_live_samples():
 
 @pytest.mark.e2e
 def test_choose_fallback_never_decides_on_too_few_tokens_and_guards_against_slowdowns(tiny_target):
-    target = load_model(tiny_target)
+    target = load_model(tiny_target, dtype="float32")
     prompts = [Prompt(p) for p in PROMPTS[:3]]
     none = choose_fallback(target, prompts, exit_layers=(1, 2), max_new_tokens=8, min_tokens=10_000, repeats=1,
                            progress=False)
@@ -147,9 +146,9 @@ def test_choose_fallback_never_decides_on_too_few_tokens_and_guards_against_slow
 
 @pytest.mark.e2e
 def test_exported_early_exit_draft_proposes_what_self_speculation_proposes(tiny_target, tmp_path):
-    target = load_model(tiny_target)
+    target = load_model(tiny_target, dtype="float32")
     out = export_early_exit_draft(target, 2, tmp_path / "early-exit")
-    exported = load_model(out)
+    exported = load_model(out, dtype="float32")
     assert exported.config.num_hidden_layers == 2 and exported.config.vocab_size == target.config.vocab_size
     ids = target.tokenizer("def add(a, b): return")["input_ids"]
     a = generate(target.model, ids, max_new_tokens=16, drafter=ModelDrafter(exported.model, target.config.vocab_size))
@@ -249,7 +248,7 @@ def test_decisions_are_recorded_with_their_numbers(store_url):
 def test_cli_monitor_sample_prints_alpha_and_tau(store, tiny_target, tmp_path, capsys):
     from specdistill.cli import main
 
-    target = load_model(tiny_target)
+    target = load_model(tiny_target, dtype="float32")
     clone = save_draft(init_draft_from_target(target.model, [0, 1, 2, 3]), target.tokenizer, tmp_path / "clone")
     code = main(["monitor", "sample", "--target", str(tiny_target), "--draft", str(clone), "--n", "2",
                  "--max-new-tokens", "8", "--min-draft-tokens", "4", "--db", store.url, "--json"])

@@ -32,6 +32,44 @@ def test_config_errors_name_the_key(override, match):
         load_nightly_config(None, [override])
 
 
+def test_the_train_section_reuses_the_distillation_configs_fields_under_the_same_keys():
+    """`train.*` keys as before; each setting the distillation config has is declared there once
+    (its default and bounds), and the night's DistillConfig carries what the section says."""
+    from specdistill.distill.config import DistillConfig, Eagle3Config, LossConfig, OptimConfig
+    from specdistill.pipeline.config import TrainSection
+
+    reused = {"layers": DistillConfig, "draft_vocab": DistillConfig, "eagle3_steps": Eagle3Config, "lr": OptimConfig,
+              "batch_size": OptimConfig, "max_steps": OptimConfig, "loss": LossConfig}
+    for key, home in reused.items():
+        field = {"eagle3_steps": "steps", "loss": "kind"}.get(key, key)
+        assert TrainSection.model_fields[key].default == home.model_fields[field].default, key
+    assert set(TrainSection.model_fields) == {*reused, "kind", "incremental_lr", "max_minutes", "bf16"}
+    cfg = load_nightly_config(None, ["train.lr=0.002", "train.batch_size=2", "train.max_steps=7", "train.loss=jsd",
+                                     "train.eagle3_steps=3", "train.layers=0,3", "train.draft_vocab=null"])
+    assert (cfg.train.lr, cfg.train.batch_size, cfg.train.max_steps, cfg.train.loss) == (0.002, 2, 7, "jsd")
+    with pytest.raises(ConfigError, match="train.lr"):
+        load_nightly_config(None, ["train.lr=0"])  # the distillation config's bound (lr > 0)
+    with pytest.raises(ConfigError, match="train.loss"):
+        load_nightly_config(None, ["train.loss=ce"])  # the night trains against its cached teacher
+    # reusing a field copies it: the distillation config keeps its own, wider, types
+    from specdistill.distill.config import DataConfig
+
+    assert DistillConfig(data=DataConfig(path="x"), draft_vocab="/a/draft").draft_vocab == "/a/draft"
+    assert LossConfig(kind="ce").kind == "ce"
+
+
+def test_the_bench_and_gate_sections_build_their_runtime_configs_and_refuse_unknown_thresholds_at_load():
+    cfg = load_nightly_config(None, ["bench.gamma=3", "bench.max_new_tokens=9", "bench.repeats=2",
+                                     "gate.profile=production", "gate.overrides.min_speedup=1.1"])
+    harness, engine = cfg.bench.bench_config(), cfg.bench.engine_bench_config()
+    assert (harness.gamma, harness.max_new_tokens, harness.repeats) == (engine.gamma, engine.max_new_tokens,
+                                                                        engine.repeats) == (3, 9, 2)
+    gate = cfg.gate.gate_config()
+    assert gate.min_speedup == 1.1 and gate.min_accepted_length == 3.0  # the production profile, one override
+    with pytest.raises(ConfigError, match="unknown gate setting.*min_speed"):
+        load_nightly_config(None, ["gate.overrides.min_speed=1"])
+
+
 def test_missing_config_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="nope.yaml"):
         load_nightly_config(tmp_path / "nope.yaml")
@@ -449,6 +487,9 @@ def test_registration_records_metrics_and_artifacts_and_a_missing_plot_library_o
         registration_artifacts(load_nightly_config(), results, verdict, trained, None)
 
 
+BF16_CPU = "avx2 fma avx512f avx512bw avx512vl avx512dq avx512_bf16"  # a CPU on which `auto` is bf16
+
+
 def test_the_run_dtype_reaches_every_model_load_and_the_feature_pass(tmp_path, monkeypatch):
     """dtype=float32 (on a bf16 CPU too, where `auto` is bf16): the target, the champion, the exported
     early exits and the EAGLE-3 feature pass all run in float32."""
@@ -458,6 +499,7 @@ def test_the_run_dtype_reaches_every_model_load_and_the_feature_pass(tmp_path, m
     from specdistill.pipeline import engine_bench, serve
     from tests.conftest import save_tiny_target
 
+    monkeypatch.setenv("SPECDISTILL_CPU_FLAGS", BF16_CPU)  # `auto` would be bf16 here
     target_dir = save_tiny_target(tmp_path / "target")
     seen: list = []
     real = models.load_model
@@ -466,7 +508,7 @@ def test_the_run_dtype_reaches_every_model_load_and_the_feature_pass(tmp_path, m
     config = load_nightly_config(None, [f"target={target_dir}", "dtype=float32", "train.kind=eagle3"])
     info = pipeline.describe_target(config.target, config.dtype, config.device)
     assert info["dtype"] == "float32"
-    loaded = real(target_dir)
+    loaded = real(target_dir, dtype="float32")
     champion = save_draft(init_draft_from_target(loaded.model, [0, 3]), loaded.tokenizer, tmp_path / "champion")
     pipeline.align_champion(config, {"name": "d", "version": "1", "dir": str(champion), "tags": {}})
     engine_bench.llamacpp_spec(config, "self-spec@2", "self_spec:2")
@@ -484,6 +526,64 @@ def test_the_run_dtype_reaches_every_model_load_and_the_feature_pass(tmp_path, m
                            {"path": str(tmp_path / "h.jsonl")})
     dcfg = captured["config"]
     assert dcfg.eagle3.feature_dtype == "float32" and dcfg.device == config.device == "auto"
+
+
+def test_a_float32_run_on_a_bf16_cpu_loads_every_model_and_runs_the_feature_pass_in_float32(tiny_target_dir, tmp_path,
+                                                                                            monkeypatch):
+    """The stages as the nightly and the monitor run them, on tiny models: each model that is loaded
+    (target, EAGLE-3 head, drafts, the training's target) and the target in the feature pass is fp32
+    and on the run's device, on a CPU where `auto` (and so a forgotten setting) would be bf16."""
+    import specdistill.distill.features as features
+    import specdistill.ops.monitor as ops_monitor
+    from specdistill.hardware import FLAGS_ENV
+    from specdistill.modeling import models
+    from specdistill.pipeline import monitor as monitor_stage
+    from specdistill.pipeline.answers import generate_responses
+    from specdistill.pipeline.config import MonitorConfig
+
+    monkeypatch.setenv(FLAGS_ENV, BF16_CPU)
+    assert models.resolve_dtype("auto") == torch.bfloat16 or torch.cuda.is_available()
+    loads, passes = [], []
+    real_load, real_build = models.load_model, features.build_feature_cache
+
+    def load(ref, **kw):
+        loaded = real_load(ref, **kw)
+        weights = next(loaded.model.parameters())
+        loads.append((Path(ref).name, weights.dtype, weights.device))
+        return loaded
+
+    def build(target, seqs, directory, **kw):
+        weights = next(target.parameters())
+        passes.append((Path(directory).name, weights.dtype, weights.device))
+        return real_build(target, seqs, directory, **kw)
+
+    monkeypatch.setattr(models, "load_model", load)
+    monkeypatch.setattr(ops_monitor, "load_model", load)
+    monkeypatch.setattr(features, "build_feature_cache", build)
+    url, chat_file, code_file = _store_with_traffic(tmp_path)
+    overrides = ["dtype=float32", "train.kind=eagle3", "train.max_steps=2", "train.draft_vocab=null",
+                 "generation.max_new_tokens=6", "bench.max_new_tokens=4", "bench.self_spec_layers=[2]",
+                 "serving.choose_gamma=false", "bench.gamma=2"]
+    config = _window_config(tiny_target_dir, url, chat_file, code_file, *overrides)
+    device = models.resolve_device(config.device)
+
+    info = pipeline.describe_target(config.target, config.dtype, config.device)
+    window = pipeline.select_window(config, now=NOW).to_dict()
+    train = generate_responses(config, window, "train", record_teacher=True)
+    heldout = generate_responses(config, window, "eval", record_teacher=False)
+    trained = pipeline.distill_draft(config, train, heldout)
+    bench_stage.benchmark(config, window, {"challenger": f"draft:{trained['draft_dir']}", "self-spec@2": "self_spec:2"})
+    monitor = MonitorConfig(target=str(tiny_target_dir), nightly_overrides=[f"log_db={url}", *overrides], gamma=2,
+                            replay_prompts=2, max_new_tokens=4, min_draft_tokens=1, fallback_exit_layers=[2],
+                            fallback_min_tokens=1)
+    target = {"path": info["path"], "fingerprint": info["fingerprint"]}
+    monitor_stage.sample_acceptance(monitor, {"dir": trained["draft_dir"], "version": "1"}, target)
+    monitor_stage.measure_fallback(monitor, target)
+
+    # describe, 2 answer passes, training, benchmark, the monitor's replay (target and head) and fallback
+    assert len(loads) >= 7, loads
+    assert all(dtype == torch.float32 and d.type == device.type for _, dtype, d in loads), loads
+    assert passes == [("features-heldout", torch.float32, passes[0][2])] and passes[0][2].type == device.type
 
 
 def test_a_device_the_machine_lacks_fails_at_config_load_naming_the_key(monkeypatch):

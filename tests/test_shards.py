@@ -8,8 +8,9 @@ import json
 import pytest
 import torch
 
+from specdistill.data.prompts import Prompt
 from specdistill.distill import shards
-from specdistill.distill.datagen import Prompt, generate_answers, read_done
+from specdistill.distill.datagen import generate_answers, read_done
 from specdistill.distill.features import FeatureCache
 from specdistill.distill.shards import CorruptShardError
 from specdistill.distill.teacher import TeacherCache
@@ -89,7 +90,7 @@ def test_a_bad_shard_is_answered_again_on_the_next_run(tmp_path):
     """Resume was keyed on the answers JSONL alone: a bad shard failed every later nightly the same way."""
     tok = train_bpe(120)
     target = make_tiny_llama(vocab_size=len(tok), hidden=32, layers=2, seed=3, tie=False)
-    prompts = [Prompt(f"q{i}", [{"role": "user", "content": text}])
+    prompts = [Prompt(id=f"q{i}", messages=[{"role": "user", "content": text}])
                for i, text in enumerate(["hello world", "def add(a, b):", "the quick brown fox", "import torch"])]
     cache = TeacherCache.create(tmp_path / "c", fingerprint=FP, k=4, temperature=1.0, vocab="full", data="gen")
     out = tmp_path / "train_generated.jsonl"

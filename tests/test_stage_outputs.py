@@ -8,6 +8,7 @@ import typing
 import pytest
 
 from specdistill.data.ingest import IngestResult
+from specdistill.data.results import BenchResult, SliceResult
 from specdistill.ops.metrics import LiveSample
 from specdistill.ops.monitor import AcceptanceSample, FallbackCandidate, FallbackDecision
 from specdistill.ops.policy import GateVerdict, evaluate
@@ -15,7 +16,6 @@ from specdistill.ops.registry import RegisteredDraft
 from specdistill.ops.targets import TargetVersion
 from specdistill.pipeline import outputs
 from specdistill.pipeline.outputs import VerdictDict
-from specdistill.speculative.results import BenchResult, SliceResult
 
 
 def keys(typed_dict) -> set[str]:

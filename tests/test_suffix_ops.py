@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from specdistill.data.prompts import Prompt
 from specdistill.modeling.models import LoadedModel
 from specdistill.ops import monitor as ops_monitor
 from specdistill.ops.serving import ServingConfig, read_serving_config, write_serving_config
 from specdistill.pipeline.corpus import export_sglang_corpus, sglang_corpus_path
 from specdistill.pipeline.serve import serving_candidates, serving_config
-from specdistill.speculative.bench import Prompt
 from specdistill.speculative.suffix_corpus import CorpusMeta, save_corpus
 from tests.conftest import make_tiny_llama
 

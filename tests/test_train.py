@@ -10,9 +10,10 @@ import torch
 from safetensors.torch import load_file
 
 from specdistill.config import ConfigError
+from specdistill.data.prompts import Prompt
 from specdistill.distill import losses
 from specdistill.distill.config import load_config
-from specdistill.distill.datagen import Prompt, generate_answers, read_examples
+from specdistill.distill.datagen import generate_answers, read_examples
 from specdistill.distill.teacher import TeacherCache, build_cache
 from specdistill.distill.train import NonFiniteLossError, distill
 from specdistill.modeling.vocab import DRAFT_VOCAB_FILE
@@ -33,8 +34,8 @@ def tiny_world(tmp_path_factory, demo_tokenizer):
     root = tmp_path_factory.mktemp("tiny_world")
     tok = demo_tokenizer
     target_dir = save_tiny_target(root / "target", seed=1, tie=False, tokenizer=tok)
-    target = load_model(target_dir)
-    prompts = [Prompt(f"p{i}", [{"role": "user", "content": t}]) for i, t in enumerate(PROMPTS)]
+    target = load_model(target_dir, dtype="float32")  # the fp32 answers the trainer reads
+    prompts = [Prompt(id=f"p{i}", messages=[{"role": "user", "content": t}]) for i, t in enumerate(PROMPTS)]
     cache = TeacherCache.create(root / "gen_cache", fingerprint=target.fingerprint, k=16, temperature=1.0,
                                 vocab="full", data="generated")
     generate_answers(target.model, tok, prompts, root / "answers.jsonl", batch_size=4, max_new_tokens=10,
@@ -127,7 +128,7 @@ def test_cached_teacher_gives_the_online_loss(tiny_world, tmp_path):
     """Top-k cache with k = the whole vocabulary must reproduce the online teacher exactly."""
     from specdistill.modeling.models import load_model
 
-    target = load_model(tiny_world["target"])
+    target = load_model(tiny_world["target"], dtype="float32")  # as the trainer loads it
     examples = read_examples(tiny_world["answers"], "generated", target.tokenizer, 512)
     cache_dir = tmp_path / "cache"
     build_cache(target.model, examples, cache_dir, fingerprint=target.fingerprint, k=target.config.vocab_size,
@@ -191,7 +192,7 @@ def test_ddp_two_ranks_end_with_identical_weights(tiny_world, tmp_path):
     from specdistill.modeling.models import load_model
 
     trained = load_file(str(Path(result["draft_dir"]) / "model.safetensors"))
-    base = load_model(tiny_world["target"]).model.state_dict()
+    base = load_model(tiny_world["target"], dtype="float32").model.state_dict()
     assert not torch.equal(trained["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"])
 
 

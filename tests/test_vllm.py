@@ -11,10 +11,10 @@ import time
 
 import pytest
 
+from specdistill.data.prompts import Prompt
 from specdistill.engines.bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
 from specdistill.engines.client import chat, metrics_url
 from specdistill.engines.prom import scrape
-from specdistill.speculative.bench import Prompt
 from tests.test_llamacpp import REPEAT, _memorizing_head
 
 pytestmark = pytest.mark.e2e
@@ -138,15 +138,15 @@ def test_layer_draft_with_reduced_vocabulary_loads_and_drafts_in_vllm(vllm_serve
 
 
 def test_answers_with_logprobs_as_token_ids_from_vllm(vllm_servers, demo_target, tmp_path):
+    from specdistill.data.prompts import Prompt as AnswerPrompt
     from specdistill.data.prompts import encode_chat
-    from specdistill.distill.datagen import Prompt as AnswerPrompt
     from specdistill.distill.datagen import read_done
     from specdistill.distill.teacher import TeacherCache
-    from specdistill.engines.answers import connect, generate_answers_openai
+    from specdistill.pipeline.engine_answers import connect, generate_answers_openai
 
     tok = demo_target.tokenizer
-    prompts = [AnswerPrompt("a", [{"role": "user", "content": REPEAT}]),
-               AnswerPrompt("b", [{"role": "user", "content": "Name three colors."}])]
+    prompts = [AnswerPrompt(id="a", messages=[{"role": "user", "content": REPEAT}]),
+               AnswerPrompt(id="b", messages=[{"role": "user", "content": "Name three colors."}])]
     served = connect(vllm_servers[TARGET_ONLY].url, encode_chat(tok, prompts[0].messages), 5)
     assert served.top_k == 5 and served.model == "target"
     cache = TeacherCache.create(tmp_path / "teacher", fingerprint=demo_target.fingerprint, k=5, temperature=1.0, vocab="full",

@@ -73,7 +73,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _bench_prompts(args: argparse.Namespace, target, records: list | None) -> list:
     """The measured prompts: from a prompt file (every turn with --turns all), or from the log store."""
-    from specdistill.speculative.bench import Prompt, prompts_from_records
+    from specdistill.data.prompts import Prompt
+    from specdistill.speculative.bench import prompts_from_records
 
     if records is not None:
         return prompts_from_records(target.model, target.tokenizer, records, args.max_new_tokens)
@@ -84,15 +85,15 @@ def _bench_prompts(args: argparse.Namespace, target, records: list | None) -> li
         where = store.display_url
     if not logged:
         raise ValueError(f"no usable prompt in the {args.from_logs} split of the log store {where}")
-    return [Prompt(p.messages[-1]["content"], p.slice, p.ids) for p in logged]
+    return [Prompt(text=p.messages[-1]["content"], slice=p.slice, ids=p.ids) for p in logged]  # as the harness runs them
 
 
 def _bench_engine(args: argparse.Namespace):
     """The bench in a serving engine: llama.cpp started here per mode, or running OpenAI-compatible
     servers given by URL (the speculative one and a target-only one)."""
     from specdistill.data.prompt_files import read_prompt_file
+    from specdistill.data.prompts import Prompt
     from specdistill.engines.bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
-    from specdistill.speculative.bench import Prompt
 
     if args.prompts is None or args.turns == "all":
         raise ValueError(f"--engine {args.engine} measures first turns of a --prompts file "
@@ -111,7 +112,8 @@ def _bench_engine(args: argparse.Namespace):
         return results[args.mode_name]
     if args.engine == "vllm":
         return _bench_vllm(args, prompts, config, threads)
-    from specdistill.engines.llamacpp import bench_llamacpp, mode_for_spec, target_gguf
+    from specdistill.engines.llamacpp import bench_llamacpp, target_gguf
+    from specdistill.pipeline.engine_bench import mode_for_spec
 
     if args.self_spec is not None or args.suffix or not (args.draft or args.ngram):
         raise ValueError("--engine llamacpp measures --draft (a GGUF, or a draft or EAGLE-3 head directory exported to one) "

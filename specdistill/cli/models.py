@@ -29,7 +29,7 @@ def cmd_vocab_transplant(args: argparse.Namespace) -> int:
 
     check_out(args)
     target_tok = AutoTokenizer.from_pretrained(resolve_model_dir(args.target))
-    draft = load_model(args.draft)
+    draft = load_model(args.draft, dtype="float32")  # its weights are saved: as stored
     transplant_vocab(draft.model, draft.tokenizer, target_tok)
     out = save_draft(draft.model, target_tok, args.out, meta={"transplanted_from": str(draft.path)}, force=args.force)
     report = check_vocab(target_tok, load_model(out).tokenizer)
@@ -46,7 +46,7 @@ def cmd_draft_init(args: argparse.Namespace) -> int:
     check_out(args)  # before the target loads: a refused OUT costs nothing
     if args.draft_vocab is not None and args.draft_vocab < 1:
         raise SystemExit(f"--draft-vocab {args.draft_vocab}: a draft vocabulary needs at least one token")
-    target = load_model(args.target)
+    target = load_model(args.target, dtype="float32")  # the draft is made of its weights and saved
     draft_vocab = None
     if args.draft_vocab:
         if not args.traffic:

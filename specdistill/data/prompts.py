@@ -69,16 +69,23 @@ def usable_prompt(messages: Iterable[Any], tokenizer, max_prompt_tokens: int = M
 
 
 @dataclass
-class LoggedPrompt:
-    id: str  # the conversation's id in the log store
-    messages: list[dict]  # the prompt turns (`usable_prompt`)
-    ids: list[int]  # their chat-templated token ids
-    slice: str
+class Prompt:
+    """The one prompt type: what a benchmark or a replay runs (the harness, `speculative.bench`, and the
+    serving engines, `engines.bench`), what the target answers (`distill.datagen`, an engine's answer pass),
+    and a prompt drawn from the log store (`prompts_from_logs`). `text` or raw token `ids` (used as they
+    are, no template) for a benchmark; the chat turns for whatever applies the template itself; `id`
+    names it in an answers file or the log store."""
+
+    text: str = ""
+    slice: str = "default"
+    ids: list[int] | None = None  # raw token ids: used as they are, no template
+    messages: list[dict] | None = None  # the chat turns, ending before the answer to generate
+    id: str = ""  # an answers file's record id; a logged prompt: the conversation's id in the log store
 
 
 def prompts_from_logs(store, tokenizer, split: str, n: int, *, seed: int | None = None,
                       max_prompt_tokens: int = MAX_PROMPT_TOKENS, slice_of: Mapping[str, str] | None = None
-                      ) -> list[LoggedPrompt]:
+                      ) -> list[Prompt]:
     """Up to `n` prompts of a log store's `split` ("train" or "eval"), drawn as the nightly window
     draws them (`pipeline.nightly.select_window`): an even share from every source that has
     conversations in the split, each share read from at most max(4·share, share + 16) conversations,
@@ -91,7 +98,7 @@ def prompts_from_logs(store, tokenizer, split: str, n: int, *, seed: int | None 
         raise ValueError(f"n must be >= 1, got {n}")
     sources = [s["source"] for s in store.stats()["by_source"]]
     sources = [s for s in sources if store.count(source=s, split=split)]
-    picked: list[LoggedPrompt] = []
+    picked: list[Prompt] = []
     for i, source in enumerate(sources):
         share = (n - len(picked)) // (len(sources) - i)
         scan = max(4 * share, share + 16)
@@ -104,6 +111,6 @@ def prompts_from_logs(store, tokenizer, split: str, n: int, *, seed: int | None 
                 break
             prompt = usable_prompt(row.messages, tokenizer, max_prompt_tokens)
             if prompt is not None:
-                picked.append(LoggedPrompt(str(row.id), prompt[0], prompt[1], name))
+                picked.append(Prompt(id=str(row.id), messages=prompt[0], ids=prompt[1], slice=name))
                 kept += 1
     return picked

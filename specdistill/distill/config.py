@@ -14,6 +14,9 @@ from pydantic import Field, field_validator, model_validator
 
 from specdistill.config import Strict, load_model_config
 
+DraftKind = Literal["layers", "eagle3"]  # a layer-extracted draft, or an EAGLE-3 head over target features
+Divergence = Literal["fkl", "rkl", "jsd", "tv"]  # the losses against a teacher distribution alone
+
 
 class DataConfig(Strict):
     path: str  # JSONL of target-generated records (prompt_ids + response_ids) or of {"messages": [...]}
@@ -28,7 +31,7 @@ class DataConfig(Strict):
 
 
 class LossConfig(Strict):
-    kind: Literal["fkl", "rkl", "jsd", "tv", "ce", "mix"] = "fkl"
+    kind: Literal[Divergence, "ce", "mix"] = "fkl"
     temperature: float = Field(1.0, gt=0.0)
     beta: float = Field(0.5, gt=0.0, lt=1.0)  # JSD(β)
     alpha: float = Field(0.5, ge=0.0, le=1.0)  # mix: (1-a)·CE + a·T²·KL
@@ -82,7 +85,7 @@ class Eagle3Config(Strict):
 
 class DistillConfig(Strict):
     target: str = "demo"
-    kind: Literal["layers", "eagle3"] = "layers"  # layer-extracted draft, or an EAGLE-3 head over target features
+    kind: DraftKind = "layers"
     draft: str | None = None  # warm start: an existing draft directory (incremental distillation)
     layers: str = "0,1,2,29"  # target layers for a new draft: '0,1,2,29', 'evenly:K', 'first:K'
     draft_vocab: int | str | None = 8192  # N (most frequent answer tokens), a draft dir, or None (full)

@@ -26,19 +26,13 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdistill.budget import Deadline
-from specdistill.data.prompts import as_messages, encode_chat
+from specdistill.data.prompts import Prompt, as_messages, encode_chat
 from specdistill.distill.answer_loop import FeatureRecorder, TopKRecorder, decode_batch
 from specdistill.distill.features import FEATURE_DTYPE, FeatureCache, feature_start
 from specdistill.distill.teacher import TeacherCache, pad_batch
 from specdistill.modeling.attention import decode_attention_for
 
 SORT_CHUNK = 8  # batches sorted by length together: little padding, and a time cut keeps a sample of the prompts
-
-
-@dataclass
-class Prompt:
-    id: str
-    messages: list[dict]  # [{"role", "content"}], ending before the answer to generate
 
 
 @dataclass

@@ -252,7 +252,8 @@ class Eagle3Task:
         for directory, seqs, context, teacher_dir in builds:
             needed = teacher_dir is not None or {str(ex.id) for ex in seqs} - FeatureCache(directory, {}).ids()
             if needed and (not multi or torch.distributed.get_rank() == 0):  # one rank writes, the others wait
-                runner = copy.deepcopy(target.model).to(resolve_dtype(e.feature_dtype))  # features as the target serves
+                dtype = resolve_dtype(e.feature_dtype)  # features as the target serves, on the training device
+                runner = target.model if target.model.dtype == dtype else copy.deepcopy(target.model).to(dtype)
                 build_feature_cache(runner, seqs, directory, fingerprint=target.fingerprint, layers=self.layers,
                                     prompt_context=context,
                                     max_bytes=None if e.feature_max_gb is None else e.feature_max_gb * 1e9,

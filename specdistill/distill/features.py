@@ -213,18 +213,18 @@ def build_feature_cache(
                 bar.update(len(batch))
                 continue
             input_ids, attention = pad_batch([ex.input_ids for ex in batch])
-            hidden = target.model(input_ids=input_ids, attention_mask=attention).last_hidden_state
+            hidden = target.model(input_ids=input_ids.to(target.device), attention_mask=attention.to(target.device)).last_hidden_state
             features = hooks.take()
             entries, rows = {}, {}
             for row, ex in enumerate(batch):
                 start = feature_start(ex.assistant_mask, prompt_context)
                 ids = torch.tensor(ex.input_ids, dtype=torch.int32)
                 entries[str(ex.id)] = {"input_ids": ids, "start": torch.tensor(start, dtype=torch.int64),
-                                       "features": features[row, start : len(ex.input_ids) - 1].to(FEATURE_DTYPE)}
+                                       "features": features[row, start : len(ex.input_ids) - 1].to("cpu", FEATURE_DTYPE)}
                 if teacher is not None:
-                    h = hidden[row, torch.tensor(teacher_positions(ex.assistant_mask), dtype=torch.long)]
+                    h = hidden[row, torch.tensor(teacher_positions(ex.assistant_mask), dtype=torch.long, device=hidden.device)]
                     logits = draft_vocab.logits(h, head) if draft_vocab is not None else h @ head.T
-                    top, idx, res = topk_rows(logits, k, temperature)
+                    top, idx, res = (t.cpu() for t in topk_rows(logits, k, temperature))
                     rows[str(ex.id)] = {"input_ids": ids, "logprobs": top, "indices": idx, "residual": res}
             if teacher is not None:
                 teacher.write_shard(name, rows)

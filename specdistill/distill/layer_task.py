@@ -134,7 +134,7 @@ class LayerTask:
         self.config, self.examples, self.replay, self.heldout, self.device = config, examples, replay, heldout, device
         tok = target.tokenizer
         if config.draft:
-            loaded = load_model(config.draft)
+            loaded = load_model(config.draft, dtype="float32")  # trained: fp32 master weights
             draft = loaded.model
             draft_vocab = DraftVocab.load(config.draft)
             if isinstance(config.draft_vocab, int) and draft_vocab is not None and draft_vocab.size != config.draft_vocab:
@@ -173,7 +173,7 @@ class LayerTask:
 
         self.reference = None
         if config.loss.selective_keep is not None:
-            ref = load_model(config.loss.selective_reference)
+            ref = load_model(config.loss.selective_reference, dtype="float32")  # scored beside the fp32 draft
             self.reference = DraftWithHead(ref.model, DraftVocab.load(config.loss.selective_reference) or draft_vocab).eval()
             self.reference.to(device)
         self.module = DraftWithHead(draft, draft_vocab, target_width).to(device)

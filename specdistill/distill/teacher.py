@@ -205,13 +205,13 @@ def build_cache(
             bar.update(len(batch))
             continue
         input_ids, attention = pad_batch([ex.input_ids for ex in batch])
-        hidden = target.model(input_ids=input_ids, attention_mask=attention).last_hidden_state
+        hidden = target.model(input_ids=input_ids.to(target.device), attention_mask=attention.to(target.device)).last_hidden_state
         entries = {}
         for row, ex in enumerate(batch):
-            pos = torch.tensor(teacher_positions(ex.assistant_mask), dtype=torch.long)
+            pos = torch.tensor(teacher_positions(ex.assistant_mask), dtype=torch.long, device=hidden.device)
             h = hidden[row, pos]
             logits = draft_vocab.logits(h, head) if draft_vocab is not None else h @ head.T
-            top, idx, res = topk_rows(logits, k, temperature)
+            top, idx, res = (t.cpu() for t in topk_rows(logits, k, temperature))  # shards are written from the CPU
             entries[str(ex.id)] = {"input_ids": torch.tensor(ex.input_ids, dtype=torch.int32),
                                    "logprobs": top, "indices": idx, "residual": res}
         cache.write_shard(name, entries)

@@ -108,7 +108,9 @@ def distill(config: DistillConfig) -> dict:
     torch.manual_seed(config.seed)
     random.seed(config.seed)
 
-    target = load_model(config.target)
+    # fp32: the draft is made of the target's weights (or trained against them) with fp32 master weights,
+    # bf16 is autocast (`optim.bf16`); the EAGLE-3 feature pass runs a copy in `eagle3.feature_dtype`
+    target = load_model(config.target, dtype="float32", device=device)
     tok = target.tokenizer
     data = config.data
     examples = read_examples(data.path, data.kind, tok, data.max_len, data.limit)

@@ -20,11 +20,10 @@ import sys
 from dataclasses import dataclass
 
 from specdistill.acceptance import DEFAULT_GAMMA
+from specdistill.data.prompts import Prompt
+from specdistill.data.results import DEFAULT_TOLERANCE, BenchResult, SliceResult, percentile, prompt_speedups, speed_summary
 from specdistill.engines.client import Completion, chat, metrics_url
 from specdistill.engines.prom import Scrape, scrape
-from specdistill.speculative.bench import Prompt
-from specdistill.speculative.lossless import DEFAULT_TOLERANCE
-from specdistill.speculative.results import BenchResult, SliceResult, percentile, prompt_speedups, speed_summary
 
 TARGET_ONLY = "target-only"
 

@@ -12,12 +12,14 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from specdistill import paths
+from specdistill.acceptance import DEFAULT_GAMMA
+from specdistill.data.prompts import Prompt
+from specdistill.data.results import BenchResult
 from specdistill.engines.bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
 from specdistill.engines.build import LlamaCpp, build_llama_server
 from specdistill.engines.gguf_export import export_gguf, gguf_spec_type
 from specdistill.engines.server import LlamaServer, ServerConfig, ServerMode, server_args
 from specdistill.modeling.models import DEMO_REF, demo_gguf_path
-from specdistill.speculative.bench import BenchResult, Prompt
 
 NGRAM_N = 3  # the harness's n-gram drafter looks up to 3-grams; llama.cpp's ngram-simple defaults to 12
 
@@ -66,19 +68,16 @@ def draft_gguf(draft: str | os.PathLike, target: Path) -> Path:
     return out
 
 
-def mode_for_spec(spec: str, target: Path, k: int = 4) -> ServerMode:
-    """The llama-server mode of a drafter spec (`draft:DIR|GGUF` or `ngram`): `draft-eagle3` for an
-    EAGLE-3 head, `draft-simple` for any other draft; self-speculation reaches llama.cpp as its
-    exported early-exit draft, i.e. as `draft:DIR`."""
-    from specdistill.speculative.specs import DrafterSpec
+def draft_mode(draft: str | os.PathLike, target: Path, k: int = DEFAULT_GAMMA) -> ServerMode:
+    """llama-server speculating with a draft (a directory or a GGUF): `draft-eagle3` for an EAGLE-3 head,
+    `draft-simple` for any other draft."""
+    gguf = draft_gguf(draft, target)
+    return ServerMode(gguf_spec_type(gguf), gguf, k)
 
-    parsed = DrafterSpec.parse(spec)
-    if parsed.path:
-        gguf = draft_gguf(parsed.path, target)
-        return ServerMode(gguf_spec_type(gguf), gguf, k)
-    if parsed.ngram_sizes:  # the harness's prompt lookup matches 1..3-grams (`ngram:MIN,MAX`): look up the longest
-        return ServerMode("ngram-simple", None, k, ngram_n=parsed.ngram_sizes[1] if parsed.arg else NGRAM_N)
-    raise ValueError(f"drafter {spec!r} has no llama.cpp mode (draft:DIR or ngram)")
+
+def ngram_mode(max_n: int = NGRAM_N, k: int = DEFAULT_GAMMA) -> ServerMode:
+    """llama-server's `ngram-simple` prompt lookup of up to `max_n`-grams (the harness's drafter's longest)."""
+    return ServerMode("ngram-simple", None, k, ngram_n=max_n)
 
 
 def serve_command(mode: ServerMode, target: Path, threads: int, engine: LlamaCpp | None = None) -> str:

@@ -14,10 +14,11 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdistill.data.prompts import Prompt
+from specdistill.data.results import BenchResult
 from specdistill.engines.bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
 from specdistill.engines.vllm import VllmConfig, VllmServer, VllmStartError, start_together
 from specdistill.engines.vllm_install import VllmEnv, find_vllm, install_vllm
-from specdistill.speculative.bench import BenchResult, Prompt
 
 
 def target_dir(ref: str | os.PathLike) -> Path:

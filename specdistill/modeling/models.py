@@ -227,14 +227,16 @@ def resolve_model_dir(ref: str | os.PathLike) -> Path:
 def load_model(
     ref: str | os.PathLike,
     *,
-    dtype: str | torch.dtype = torch.float32,
+    dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     trust_remote_code: bool = False,
     target: LoadedModel | None = None,
 ) -> LoadedModel:
     """Load a target or draft with its tokenizer (and chat template), in eval mode.
 
-    The fingerprint is taken over the weights as stored (fp32), whatever `dtype` the model runs in:
+    `dtype` defaults to `auto` (`resolve_dtype`), as every config does; a caller that trains or saves
+    the weights it loads asks for `float32`. The fingerprint is taken over the weights as stored
+    (fp32), whatever `dtype` the model runs in:
     a bf16 run and an fp32 run of one target are the same target version. An EAGLE-3 head drafts
     from a target's features and uses its embeddings, so it loads only with `target` (and runs in
     the target's dtype and on its device); it is never read as a plain Llama model. `device`: see

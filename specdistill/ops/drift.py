@@ -261,7 +261,7 @@ def make_target_update(
     out_dir = Path(out_dir) if out_dir else default_update_dir()
     paths.check_output_dir(out_dir, TARGET_OUTPUT, force=force)  # before minutes of fine-tuning
     torch.manual_seed(seed)
-    base = load_model(base_ref)
+    base = load_model(base_ref, dtype="float32")  # fine-tuned and saved: fp32 weights
     model, tokenizer = base.model, base.tokenizer
     vocab_before = model.config.vocab_size
     ids = add_domain_tokens(model, tokenizer, config.domain_tokens)

@@ -28,8 +28,10 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+import torch
+
 from specdistill.acceptance import DEFAULT_GAMMA
-from specdistill.data.prompts import MAX_PROMPT_TOKENS, usable_prompt
+from specdistill.data.prompts import MAX_PROMPT_TOKENS, Prompt, usable_prompt
 from specdistill.modeling.models import LoadedModel, load_model
 from specdistill.ops.exporter import refresh_metrics, serve_metrics  # noqa: F401  (the exporter's home)
 from specdistill.ops.policy import DEFAULT_MARGIN, RED_LINE, Candidate, fastest_mode
@@ -39,13 +41,14 @@ from specdistill.speculative import (
     drafter_from_spec,
     generate,
 )
-from specdistill.speculative.bench import BenchConfig, Prompt, run_bench_many
+from specdistill.speculative.bench import BenchConfig, run_bench_many
 from specdistill.speculative.eagle import aligned_eagle_drafter
 from specdistill.speculative.specs import DrafterSpec
 from specdistill.speculative.suffix_corpus import corpus_is_current
 
 
-def _loaded(ref: str | os.PathLike | LoadedModel, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+def _loaded(ref: str | os.PathLike | LoadedModel, dtype: str | torch.dtype = "auto",
+            device: str | torch.device = "cpu") -> LoadedModel:
     return ref if isinstance(ref, LoadedModel) else load_model(ref, dtype=dtype, device=device)
 
 
@@ -147,7 +150,7 @@ def replay_acceptance(
     min_draft_tokens: int = 100,
     max_prompt_tokens: int = MAX_PROMPT_TOKENS,
     on_vocab_mismatch: str = "transplant",
-    dtype: str = "float32",
+    dtype: str = "auto",
     device: str = "cpu",
     progress: bool = True,
 ) -> AcceptanceSample:
@@ -164,7 +167,8 @@ def replay_acceptance(
     start = time.perf_counter()
     target = _loaded(target_ref, dtype, device)
     head_dir = _eagle3_dir(draft_ref)  # an EAGLE-3 head loads only with its target (below)
-    draft = None if head_dir else _loaded(draft_ref, dtype, device)
+    weights = next(target.model.parameters())  # the draft runs as the target does
+    draft = None if head_dir else _loaded(draft_ref, weights.dtype, weights.device)
     fp = target_version or target.fingerprint
     version = draft_version or str(draft_ref if not isinstance(draft_ref, LoadedModel) else draft.path)
     sample = AcceptanceSample(False, target_fingerprint=fp, draft_version=version, gamma=gamma)

@@ -19,7 +19,7 @@ from specdistill.pipeline.config import NightlyConfig, config_hash, run_root
 from specdistill.pipeline.outputs import GeneratedData, WindowDict
 
 if TYPE_CHECKING:
-    from specdistill.distill.datagen import Prompt
+    from specdistill.data.prompts import Prompt
     from specdistill.distill.teacher import TeacherCache
     from specdistill.modeling.models import LoadedModel
 
@@ -34,12 +34,12 @@ def generate_responses(config: NightlyConfig, window: WindowDict, split: str, *,
     time budget (`generation.max_minutes`, their share of the run's deadline `deadline_at`), keeping
     what was written; none at all stops the run before it trains on nothing."""
     from specdistill.data.logstore import LogStore
-    from specdistill.distill.datagen import Prompt
+    from specdistill.data.prompts import Prompt
     from specdistill.modeling.models import load_model
 
     g = config.generation
     target = load_model(config.target, dtype=config.dtype, device=config.device)  # the harness answers in bf16 where the hardware has it
-    prompts = [Prompt(p["id"], p["messages"]) for p in window[split]]
+    prompts = [Prompt(id=p["id"], messages=p["messages"]) for p in window[split]]
     answer = _answer_in_harness if g.backend == "harness" else _answer_in_engine
     deadline = stage_deadline(config, "answers", deadline_at) if split == "train" else None
     records, source, out_path, cache_dir = answer(config, target, window, split, prompts, record_teacher, deadline)
@@ -133,7 +133,7 @@ def _answer_in_engine(config: NightlyConfig, target: LoadedModel, window: Window
     from contextlib import ExitStack
 
     from specdistill.data.prompts import encode_chat
-    from specdistill.engines.answers import connect, generate_answers_openai
+    from specdistill.pipeline.engine_answers import connect, generate_answers_openai
     g = config.generation
     ctx_per_slot = config.window.max_prompt_tokens + g.max_new_tokens + 1
     with ExitStack() as stack:

@@ -39,8 +39,7 @@ def measured_drafters(config: NightlyConfig, trained: Trained, warm_start: WarmS
 
 def bench_prompts(config: NightlyConfig, window: WindowDict):
     """The window's eval prompts as the benchmark runs them: chat-templated ids, by slice."""
-    from specdistill.data.prompts import encode_chat
-    from specdistill.speculative.bench import Prompt
+    from specdistill.data.prompts import Prompt, encode_chat
 
     tokenizer = target_tokenizer(config)
     return [Prompt(text="", slice=p["slice"], ids=encode_chat(tokenizer, p["messages"])) for p in window["eval"]]
@@ -59,7 +58,7 @@ def benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str
 
     from specdistill.modeling.models import load_model
     from specdistill.speculative import drafter_from_spec
-    from specdistill.speculative.bench import BenchConfig, run_bench_many
+    from specdistill.speculative.bench import run_bench_many
     from specdistill.speculative.gamma import bench_at_best_gamma
 
     if config.bench.threads:
@@ -67,7 +66,7 @@ def benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str
     target = load_model(config.target, dtype=config.dtype, device=config.device)
     prompts = bench_prompts(config, window)
     b, s = config.bench, config.serving
-    bcfg = BenchConfig(gamma=b.gamma, max_new_tokens=b.max_new_tokens, repeats=b.repeats)
+    bcfg = b.bench_config()
     made = {name: drafter_from_spec(target.model, spec, tree_width=_served_tree_width(spec, b.tree_width),
                                     target_fingerprint=target.fingerprint)
             for name, spec in drafters.items()}
@@ -96,12 +95,12 @@ def gate(config: NightlyConfig, challenger: BenchEntry, champion: BenchEntry | N
          baselines: dict[str, BenchEntry] | None = None, speeds: dict[str, BenchEntry] | None = None) -> VerdictDict:
     """The gate's verdict (`ops.policy.evaluate`) under the run's profile, overrides and `must_beat`.
     With `speeds` (the serving engine's measurements) its speed bar reads the engine's speedups."""
-    from specdistill.ops.policy import evaluate, gate_config
+    from specdistill.ops.policy import evaluate
 
     if speeds:
         challenger = {**challenger, "speedup": speeds[Role.CHALLENGER]["speedup"]} if Role.CHALLENGER in speeds else challenger
         if champion is not None and Role.CHAMPION in speeds:
             champion = {**champion, "speedup": speeds[Role.CHAMPION]["speedup"]}
     g = config.gate
-    return evaluate(challenger, gate_config(g.profile, **g.overrides), champion=champion,
+    return evaluate(challenger, g.gate_config(), champion=champion,
                     baselines=baselines, must_beat=g.must_beat).to_dict()

@@ -12,12 +12,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 from specdistill import paths
 from specdistill.acceptance import DEFAULT_GAMMA
 from specdistill.config import ConfigError, Strict, load_model_config
 from specdistill.data.prompts import MAX_PROMPT_TOKENS
-from specdistill.ops.policy import CONFIDENCE, DEFAULT_MARGIN, MAX_RELATIVE_DROP, RED_LINE, Role
+from specdistill.distill.config import DistillConfig, Divergence, DraftKind, Eagle3Config, LossConfig, OptimConfig
+from specdistill.ops.policy import CONFIDENCE, DEFAULT_MARGIN, MAX_RELATIVE_DROP, RED_LINE, GateConfig, Role, gate_config
 
 
 class SourceConfig(Strict):
@@ -68,19 +70,31 @@ class GenerationConfig(Strict):
         return self
 
 
-class TrainConfig(Strict):
+def _reused(model: type[Strict], name: str) -> FieldInfo:
+    """A field of the distillation config, reused as it is declared there (default and bounds)."""
+    return model.model_fields[name]
+
+
+class TrainSection(Strict):
+    """The YAML `train:` section: the distillation config's own settings (`distill.config`: the draft's
+    kind, layers and vocabulary, its loss and optimizer), flat under `train.`. Each is declared once, in
+    `distill.config`, and reused here; the nightly's own defaults (the kind, a time budget, bf16 by the
+    run's dtype) and its own setting (the warm start's learning rate) say why. `pipeline.nightly.distill_draft`
+    builds the night's `DistillConfig` from it."""
+
     # an EAGLE-3 head over the target's features (the better kind per CPU-minute: benchmarks/eagle_budget.py),
     # or a layer-extracted draft
-    kind: Literal["layers", "eagle3"] = "eagle3"
-    layers: str = "0,1,2,29"  # kind layers
-    eagle3_steps: int = Field(2, ge=1)  # kind eagle3: the training-time-test unroll length
-    draft_vocab: int | None = 8192
-    lr: float = 1e-3
-    incremental_lr: float = 3e-4
-    batch_size: int = 4
-    max_steps: int = 1000  # the time budget binds, not the steps (400 steps ended the demo's head at 2.3 of 3 minutes)
-    max_minutes: float = 3.0
-    loss: Literal["fkl", "rkl", "jsd", "tv", "mix"] = "fkl"
+    kind: DraftKind = "eagle3"
+    layers: str = _reused(DistillConfig, "layers")  # kind layers
+    eagle3_steps: int = _reused(Eagle3Config, "steps")  # kind eagle3: the training-time-test unroll length
+    draft_vocab: int | None = _reused(DistillConfig, "draft_vocab")
+    lr: float = _reused(OptimConfig, "lr")
+    incremental_lr: float = Field(3e-4, gt=0.0)  # a warm start from the champion
+    batch_size: int = _reused(OptimConfig, "batch_size")
+    # the time budget binds, not the steps (400 steps ended the demo's head at 2.3 of 3 minutes)
+    max_steps: int = _reused(OptimConfig, "max_steps")
+    max_minutes: float = Field(3.0, ge=0.0)
+    loss: Literal[Divergence, "mix"] = _reused(LossConfig, "kind")  # a divergence against the cached teacher
     # bf16 autocast over fp32 master weights; null: when the run's dtype is bf16. On the 2-core AVX-512-BF16
     # CPU the demo's head trained 1.43x the steps per minute and reached held-out α 0.397 against 0.372 in
     # fp32 after 1.5 minutes on the same data (specdistill distill … optim.bf16=true|false)
@@ -104,7 +118,11 @@ class PoolConfig(Strict):
     reanswer_from: str | None = None
 
 
-class BenchSettings(Strict):
+class BenchSection(Strict):
+    """The YAML `bench:` section: what the benchmark measures and how long; it builds the runtime values
+    of the harness (`bench_config`: `speculative.bench.BenchConfig`) and of a serving engine
+    (`engine_bench_config`: `engines.bench.EngineBenchConfig`), so each setting reaches both the same way."""
+
     gamma: int = Field(DEFAULT_GAMMA, ge=1)  # the first benchmark's γ; then each drafter's is measured
     # EAGLE-3 heads, greedy: first-position candidates verified as a tree (1: a chain). Serving: SGLang's
     # --speculative-eagle-topk; vLLM and llama.cpp verify a chain
@@ -123,21 +141,44 @@ class BenchSettings(Strict):
     # repeat starts (at least 2 prompts are measured) and the γ confirmation is skipped; the report says so
     max_minutes: float | None = Field(4.0, ge=0.0)
 
+    def bench_config(self):
+        """The harness benchmark's runtime config (`speculative.bench.BenchConfig`)."""
+        from specdistill.speculative.bench import BenchConfig
 
-class GateSettings(Strict):
-    """The draft gate (`ops.policy.evaluate`) decides the `champion` alias: lossless, first-position
+        return BenchConfig(gamma=self.gamma, max_new_tokens=self.max_new_tokens, repeats=self.repeats)
+
+    def engine_bench_config(self):
+        """A serving engine's benchmark config (`engines.bench.EngineBenchConfig`): the same tokens and repeats."""
+        from specdistill.engines.bench import EngineBenchConfig
+
+        return EngineBenchConfig(max_new_tokens=self.max_new_tokens, repeats=self.repeats, gamma=self.gamma)
+
+
+class GateSection(Strict):
+    """The YAML `gate:` section: a profile of `ops.policy.GateConfig` (the gate's runtime thresholds, built
+    by `gate_config`), overrides of its fields, and the baselines to beat. The draft gate
+    (`ops.policy.evaluate`) decides the `champion` alias: lossless, first-position
     acceptance at the red line (α at the measured γ is reported beside it), better than the
     champion (τ up by at least `min_accepted_length_gain`, 0.02 unless overridden here) and than
     the `must_beat` baselines. Its speedup bar is off by default: speed on the
-    measuring hardware is the serving choice's job (`ServingSettings`), and a draft slower than
+    measuring hardware is the serving choice's job (`ServingSection`), and a draft slower than
     n-gram on a 2-core CPU can still be the best draft for a GPU."""
 
     profile: Literal["default", "production"] = "default"
     overrides: dict[str, float | bool | None] = {"min_speedup": None}
     must_beat: list[str] = [Role.GENERIC.value]  # baselines whose first-position acceptance the challenger must exceed
 
+    @model_validator(mode="after")
+    def _known_profile_and_thresholds(self):
+        self.gate_config()  # an unknown profile or threshold fails at config load, before any work
+        return self
 
-class ServingSettings(Strict):
+    def gate_config(self) -> GateConfig:
+        """The gate's runtime thresholds: the profile with the overrides applied."""
+        return gate_config(self.profile, **self.overrides)
+
+
+class ServingSection(Strict):
     """What `serving.json` names: the fastest lossless mode measured, only if its gain holds over the
     held-out prompts (`ops.policy.fastest_mode`: the `confidence` lower bound of its per-prompt speedups
     beats target-only decoding by `margin`; the no-slowdown guard the monitor uses too); its γ by
@@ -168,11 +209,11 @@ class NightlyConfig(Strict):
     ]
     window: WindowConfig = WindowConfig()
     generation: GenerationConfig = GenerationConfig()
-    train: TrainConfig = TrainConfig()
+    train: TrainSection = TrainSection()
     pool: PoolConfig = PoolConfig()
-    bench: BenchSettings = BenchSettings()
-    gate: GateSettings = GateSettings()
-    serving: ServingSettings = ServingSettings()
+    bench: BenchSection = BenchSection()
+    gate: GateSection = GateSection()
+    serving: ServingSection = ServingSection()
     # the one dtype and device every stage's models run in: answers, features, training, benchmark, exports
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 where the hardware has it (CUDA, AVX-512 BF16, AMX)
     device: str = "auto"  # auto: the GPU when torch sees one, else the CPU; cpu, cuda or cuda:N (every stage's models)

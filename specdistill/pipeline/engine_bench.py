@@ -11,15 +11,32 @@ the off-the-shelf baseline is never served, so not measured.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from specdistill.acceptance import DEFAULT_GAMMA
 from specdistill.ops.policy import NOT_SERVED_MODES, Role
 from specdistill.pipeline.config import NightlyConfig
 from specdistill.pipeline.outputs import BenchEntry, WindowDict
 from specdistill.speculative.specs import DrafterSpec
 
 
+def mode_for_spec(spec: str | DrafterSpec, target: Path, k: int = DEFAULT_GAMMA):
+    """The llama-server mode of a drafter spec (`draft:DIR|GGUF` or `ngram`): the draft's GGUF mode, or
+    n-gram lookup of the spec's longest n (plain `ngram`: the harness's 1..3-grams); self-speculation
+    reaches llama.cpp as its exported early-exit draft, i.e. as `draft:DIR` (`llamacpp_spec`)."""
+    from specdistill.engines.llamacpp import draft_mode, ngram_mode
+
+    parsed = DrafterSpec.parse(spec)
+    if parsed.path:
+        return draft_mode(parsed.path, target, k)
+    if parsed.ngram_sizes:
+        return ngram_mode(parsed.ngram_sizes[1], k) if parsed.arg else ngram_mode(k=k)
+    raise ValueError(f"drafter {spec!r} has no llama.cpp mode (draft:DIR or ngram)")
+
+
 def engine_prompts(window: WindowDict):
     """The window's eval prompts as an engine is sent them: their chat turns (it applies the template)."""
-    from specdistill.speculative.bench import Prompt
+    from specdistill.data.prompts import Prompt
 
     return [Prompt(text=p["messages"][-1]["content"], slice=p["slice"], messages=p["messages"]) for p in window["eval"]]
 
@@ -41,18 +58,18 @@ def llamacpp_spec(config: NightlyConfig, name: str, spec: str) -> str:
 def engine_benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str]) -> dict[str, BenchEntry]:
     """Each servable drafter against target-only in `config.serving.engine`, interleaved per prompt.
     Results are keyed by drafter name, with the `spec` the harness benchmark used."""
-    from specdistill.engines.bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
+    from specdistill.engines.bench import TARGET_ONLY, run_engine_bench
 
     s, b = config.serving, config.bench
     prompts = engine_prompts(window)
-    bcfg = EngineBenchConfig(max_new_tokens=b.max_new_tokens, repeats=b.repeats, gamma=b.gamma)
+    bcfg = b.engine_bench_config()
     # no engine runs our draft beside the suffix drafter (NOT_SERVED_MODES)
     servable = {name: spec for name, spec in drafters.items()
                 if Role.served(name) and DrafterSpec.parse(spec).mode not in NOT_SERVED_MODES}
     if s.engine == "llamacpp":
         # llama.cpp's lookup cache is its own file format (docs/serving.md): the suffix drafter is not measured there
         servable = {name: spec for name, spec in servable.items() if DrafterSpec.parse(spec).kind != "suffix"}
-        from specdistill.engines.llamacpp import bench_llamacpp, mode_for_spec, target_gguf
+        from specdistill.engines.llamacpp import bench_llamacpp, target_gguf
 
         gguf = target_gguf(config.target)
         modes = {name: mode_for_spec(llamacpp_spec(config, name, spec), gguf, b.gamma) for name, spec in servable.items()}

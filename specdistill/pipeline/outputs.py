@@ -11,8 +11,8 @@ import dataclasses
 import typing
 from typing import Any, NotRequired, TypedDict
 
+from specdistill.data.results import BenchResult, SliceResult
 from specdistill.ops.monitor import FallbackCandidate
-from specdistill.speculative.results import BenchResult, SliceResult
 
 # --------------------------------------------------------------------------------------------
 # nightly

@@ -31,7 +31,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from specdistill.acceptance import DEFAULT_GAMMA, ideal_speedup
 from specdistill.budget import Deadline
 from specdistill.data.prompt_files import PromptFileError, PromptRecord, read_prompt_file
-from specdistill.data.prompts import encode_chat
+from specdistill.data.prompts import Prompt, encode_chat
+from specdistill.data.results import BenchResult, SliceResult, percentile, prompt_speedups, speed_summary
 from specdistill.modeling.drafts import measure_cost_ratio
 from specdistill.modeling.models import dtype_name
 from specdistill.speculative import (
@@ -43,7 +44,6 @@ from specdistill.speculative import (
 )
 from specdistill.speculative.eagle import EagleDrafter
 from specdistill.speculative.lossless import DEFAULT_TOLERANCE, LosslessReport, judge_lossless, model_dtype
-from specdistill.speculative.results import BenchResult, SliceResult, percentile, prompt_speedups, speed_summary
 
 __all__ = ["BenchConfig", "BenchResult", "Prompt", "PromptFileError", "SliceResult", "encode_prompt", "load_prompts",
            "measure_drafter_cost", "percentile", "prompts_from_records", "run_bench", "run_bench_many", "speed_summary"]
@@ -62,14 +62,6 @@ class BenchConfig:
     chat_template: bool = True  # wrap each prompt as one user turn when the tokenizer has a template
     measure_cost: bool = True
     near_tie_tolerance: float = DEFAULT_TOLERANCE  # fp32 logits; reduced-precision greedy runs only
-
-
-@dataclass
-class Prompt:
-    text: str
-    slice: str = "default"
-    ids: list[int] | None = None  # raw token ids: used as they are, no template
-    messages: list[dict] | None = None  # the chat turns, for engines that apply the template themselves
 
 
 def load_prompts(path: str | Path) -> list[Prompt]:

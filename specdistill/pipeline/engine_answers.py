@@ -8,6 +8,9 @@ puts an `id` in every `logprobs.content` item; vLLM names tokens `token_id:N` wh
 `return_tokens_as_token_ids`). Requests run `parallel` at a time over the server's slots. Every
 `batch_size` finished answers become one teacher shard and then their JSONL lines (the harness's order
 and record format), so a killed run resumes where it stopped and never asks for an answer twice.
+
+It is a pipeline stage's module, not an engine's: it joins an engine client (`engines.client`) with the
+distillation's answer file and teacher cache (`distill`), two sibling layers neither of which imports the other.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specdistill.data.prompts import as_messages, encode_chat
-from specdistill.distill.datagen import Prompt, drop_unbacked, read_done, repair_tail
+from specdistill.data.prompts import Prompt, as_messages, encode_chat
+from specdistill.distill.datagen import drop_unbacked, read_done, repair_tail
 from specdistill.distill.teacher import TeacherCache
 from specdistill.engines.client import EngineRequestError, get_json, post_json
 
