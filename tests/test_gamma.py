@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from specdistill.speculative.gamma import best_gamma, extend_acceptance, measure_verify_costs, predict_speedups
@@ -165,6 +167,34 @@ def test_a_lossy_confirmation_never_replaces_the_first_run(monkeypatch):
     first = {"challenger": _result("challenger", 4, 1.07, cost=0.071)}
     out = gamma.bench_at_best_gamma(None, None, {"challenger": object()}, [], BenchConfig(gamma=4), first)
     assert (out["challenger"].gamma, out["challenger"].speedup, out["challenger"].lossless) == (4, 1.07, True)
+
+
+def test_a_confirmation_that_would_not_fit_the_deadline_is_skipped_and_one_cut_short_is_not_taken(monkeypatch):
+    """The demo's benchmark overran its 3.5-minute share by two minutes in the γ confirmation: a run timed from
+    the first would not fit is not started, and one the deadline cut (fewer prompts than the first) is not used."""
+    from specdistill.budget import Deadline
+    from specdistill.speculative import gamma
+    from specdistill.speculative.bench import BenchConfig
+
+    monkeypatch.setattr(gamma, "measure_verify_costs", lambda *a, **k: dict(BF16_COSTS))
+    first = {"challenger": replace(_result("challenger", 4, 1.07, cost=0.071), stats={"seconds": 30.0, "generated_tokens": 400})}
+    assert gamma.confirmation_seconds(first, ["challenger"], repeats=2) == pytest.approx(2 * (30.0 + 400 / 21.0))
+    monkeypatch.setattr(gamma, "run_bench_many", lambda *a, **k: pytest.fail("49 s of confirmation do not fit 20 s"))
+    out = gamma.bench_at_best_gamma(None, None, {"challenger": object()}, [], BenchConfig(gamma=4, repeats=1), first,
+                                    deadline=Deadline.after(20 / 60))
+    assert (out["challenger"].gamma, out["challenger"].speedup) == (4, 1.07)
+    assert "γ confirmation (~0.8 min) did not fit" in out["challenger"].budget_note
+    assert out["challenger"].gamma_search["predicted_best"] != 4  # predicted, shown, not confirmed
+
+    def cut(target, tokenizer, drafters, prompts, config, *, gammas, deadline):
+        assert deadline is not None  # the confirmation runs under the same deadline
+        return {n: replace(_result(n, g, 1.5), budget_note="time budget reached: 2 of 10 prompts") for n, g in gammas.items()}
+
+    monkeypatch.setattr(gamma, "run_bench_many", cut)
+    out = gamma.bench_at_best_gamma(None, None, {"challenger": object()}, [], BenchConfig(gamma=4), first,
+                                    deadline=Deadline.after(10.0))
+    assert (out["challenger"].gamma, out["challenger"].speedup) == (4, 1.07)
+    assert "during the γ confirmation" in out["challenger"].budget_note
 
 
 def test_nothing_runs_again_when_every_drafter_is_at_its_best_gamma(monkeypatch):

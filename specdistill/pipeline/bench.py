@@ -77,7 +77,8 @@ def benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str
         results = {name: replace(r, budget_note="; ".join(x for x in (r.budget_note, skipped) if x))
                    for name, r in results.items()}
     elif s.choose_gamma:
-        results = bench_at_best_gamma(target.model, target.tokenizer, made, prompts, bcfg, results, range(1, s.max_gamma + 1))
+        results = bench_at_best_gamma(target.model, target.tokenizer, made, prompts, bcfg, results, range(1, s.max_gamma + 1),
+                                      deadline=deadline)
     return {name: BenchEntry(**result.to_dict(), spec=drafters[name]) for name, result in results.items()}
 
 

@@ -28,6 +28,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specdistill.acceptance import ideal_speedup
+from specdistill.budget import Deadline
 from specdistill.modeling.attention import decode_attention_for
 from specdistill.modeling.kv_cache import preallocated_cache
 from specdistill.modeling.lean import engine_forward
@@ -150,8 +151,19 @@ def speedup_curve(target: PreTrainedModel, per_position: Sequence[float], cost_r
             "best_gamma": best, "plain_share": plain_share}
 
 
+def confirmation_seconds(results: dict[str, BenchResult], names: Sequence[str], repeats: int) -> float:
+    """What a confirming run of `names` will take, from what the first run measured: each drafter's own
+    rounds plus one shared target-only run per prompt, per repeat."""
+    spec = sum(results[n].stats.get("seconds", 0.0) for n in names)
+    first = results[names[0]] if names else None
+    base = (first.stats.get("generated_tokens", 0) / first.tokens_per_second_target_only
+            if first is not None and first.tokens_per_second_target_only > 0 else 0.0)
+    return repeats * (spec + base)
+
+
 def bench_at_best_gamma(target: PreTrainedModel, tokenizer, drafters: dict, prompts: list, config: BenchConfig,
-                        results: dict[str, BenchResult], gammas: Sequence[int] = GAMMAS) -> dict[str, BenchResult]:
+                        results: dict[str, BenchResult], gammas: Sequence[int] = GAMMAS,
+                        deadline: Deadline | None = None) -> dict[str, BenchResult]:
     """Every drafter at its own best γ, so a table compares drafters at their best rather than at one
     shared γ that suits some and not others (a head trained with a 2-step unroll has ~no acceptance
     at positions 3-4; n-gram gains from longer drafts).
@@ -161,16 +173,23 @@ def bench_at_best_gamma(target: PreTrainedModel, tokenizer, drafters: dict, prom
     interleaved with their own target-only runs. A drafter takes the new γ only when that run measured it
     lossless, and a larger γ only when it is faster by more than `FLAT` (`prefer_smaller_gamma`); its c
     is the first run's (the draft step does not depend on γ). Every result records the curve and the
-    speedups measured at each γ in `gamma_search`."""
+    speedups measured at each γ in `gamma_search`. Past `deadline` (or when the confirming run, timed from
+    the first, would not fit before it) the predicted γ stays unconfirmed and each result says so."""
     measured = measure_verify_costs(target, tuple(range(1, max(gammas) + 2)))
     curves = {name: speedup_curve(target, r.per_position_acceptance, r.cost_ratio or 0.0, gammas,
                                   plain_share=plain_step_share(r.stats), measured=measured) for name, r in results.items()}
     moved = {name: c["best_gamma"] for name, c in curves.items()
              if c["best_gamma"] is not None and c["best_gamma"] != results[name].gamma}
-    confirmed = {}
-    if moved:
+    confirmed, note = {}, ""
+    need = confirmation_seconds(results, list(moved), config.repeats)
+    if moved and deadline is not None and need > deadline.remaining():
+        note = (f"time budget reached: the γ confirmation (~{need / 60:.1f} min) did not fit the "
+                f"{deadline.remaining() / 60:.1f} min left, so each drafter is measured at the benchmark's γ")
+    elif moved:
         confirmed = run_bench_many(target, tokenizer, {name: drafters[name] for name in moved}, prompts,
-                                   replace(config, measure_cost=False), gammas=moved)
+                                   replace(config, measure_cost=False), gammas=moved, deadline=deadline)
+        if any(r.budget_note for r in confirmed.values()):  # cut short: not the same prompts as the first run
+            note, confirmed = "time budget reached during the γ confirmation: measured at the benchmark's γ", {}
     out = {}
     for name, first in results.items():
         again = confirmed.get(name)
@@ -179,7 +198,8 @@ def bench_at_best_gamma(target: PreTrainedModel, tokenizer, drafters: dict, prom
                   "verify_costs": curves[name]["verify_costs"],
                   "measured": {first.gamma: first.speedup, **({again.gamma: again.speedup} if again else {})}}
         ideal = ideal_speedup(best.acceptance_rate, best.gamma, first.cost_ratio) if first.cost_ratio is not None else None
-        out[name] = replace(best, cost_ratio=first.cost_ratio, ideal_speedup=ideal, gamma_search=search)
+        out[name] = replace(best, cost_ratio=first.cost_ratio, ideal_speedup=ideal, gamma_search=search,
+                            budget_note="; ".join(x for x in (first.budget_note, note if name in moved else "") if x))
     return out
 
 
