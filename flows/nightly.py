@@ -59,7 +59,7 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
     drafters = measured_drafters(config, trained, warm_start, generic, suffix_corpus)
     clock.lap("generic baseline, suffix corpus")
     results = t.benchmark(config, window, drafters, fp, deadline_at)
-    clock.cuts += sorted({f"benchmark: {r['budget_note']}" for r in results.values() if r.get("budget_note")})
+    clock.cuts += sorted({f"benchmark: {r.budget_note}" for r in results.values() if r.budget_note})
     speeds = t.engine_benchmark(config, window, drafters, fp) if config.serving.engine != "harness" else None
 
     clock.lap("benchmark")
@@ -70,7 +70,7 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
     registered = t.register(config, target, window, trained, results, verdict,
                             champion["version"] if champion else None, report_path, speeds)
     promoted = None
-    if verdict["promote"]:
+    if verdict.promote:
         promoted = t.promote(config, registered, target, champion["version"] if champion else None, serving)
     else:
         t.write_serving(config, target, serving, champion)

@@ -15,12 +15,14 @@ NOT_CONTENT = ("deadline_at",)
 
 
 def content_key(context, parameters: dict) -> str:
-    def plain(value):
+    def plain(value):  # what json cannot write: configs (pydantic) and stage outputs (dataclasses) by their content
         if hasattr(value, "model_dump"):
             return value.model_dump(mode="json")
-        return value
+        if hasattr(value, "to_dict"):
+            return value.to_dict()
+        return str(value)
 
     # a deadline decides how much of a stage runs, not what it computes from: a finished stage is reused
     payload = {"task": context.task.name, "home": str(paths.home()),
-               "inputs": {k: plain(v) for k, v in sorted(parameters.items()) if k not in NOT_CONTENT}}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+               "inputs": {k: v for k, v in sorted(parameters.items()) if k not in NOT_CONTENT}}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=plain).encode()).hexdigest()

@@ -1,8 +1,10 @@
 """The nightly pipeline's tasks: each wraps one call of `specdistill.pipeline.nightly`.
 
 Retries go on I/O (the log store, the registry); compute stages are cached by content instead, so
-a rerun resumes rather than recomputes. Inputs and outputs are the TypedDicts of
-`specdistill.pipeline.outputs` (plain dicts at runtime: persisted and hashed as JSON).
+a rerun resumes rather than recomputes. Inputs and outputs are the library's own types: the bench
+results (`BenchResult`), the gate's `GateVerdict` and the `ServingDecision` as dataclasses (Prefect
+persists them as it pickles any result; `tasks.common.content_key` hashes them by their `to_dict()`), the
+other stages' values as the TypedDicts of `specdistill.pipeline.outputs`.
 """
 
 from __future__ import annotations
@@ -11,22 +13,21 @@ from prefect import task
 
 from specdistill.pipeline import answers, bench, corpus, engine_bench, pool, serve, success
 from specdistill.pipeline import nightly as pipeline
+from specdistill.pipeline.bench import BenchResult, GateVerdict
 from specdistill.pipeline.config import NightlyConfig, SourceConfig
+from specdistill.pipeline.nightly import RegisteredDraft
 from specdistill.pipeline.outputs import (
-    BenchEntry,
     Champion,
     GeneratedData,
     IngestSummary,
     PooledData,
     Promoted,
-    Registered,
-    ServingDecision,
     TargetInfo,
     Trained,
-    VerdictDict,
     WarmStart,
     WindowDict,
 )
+from specdistill.pipeline.serve import ServingDecision
 from tasks.common import content_key
 
 CACHED = dict(cache_key_fn=content_key, persist_result=True)
@@ -90,36 +91,37 @@ def generic_baseline(config: NightlyConfig, window: WindowDict, heldout_data: Ge
 
 @task(name="benchmark", **CACHED)
 def benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str], target_fingerprint: str,
-              deadline_at: float | None = None) -> dict[str, BenchEntry]:
+              deadline_at: float | None = None) -> dict[str, BenchResult]:
     return bench.benchmark(config, window, drafters, deadline_at)
 
 
 @task(name="engine-benchmark", **CACHED)
-def engine_benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str], target_fingerprint: str) -> dict[str, BenchEntry]:
+def engine_benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str],
+                     target_fingerprint: str) -> dict[str, BenchResult]:
     return engine_bench.engine_benchmark(config, window, drafters)
 
 
 @task(name="gate")
-def gate(config: NightlyConfig, challenger: BenchEntry, champion: BenchEntry | None, baselines: dict[str, BenchEntry],
-         speeds: dict[str, BenchEntry] | None = None) -> VerdictDict:
+def gate(config: NightlyConfig, challenger: BenchResult, champion: BenchResult | None, baselines: dict[str, BenchResult],
+         speeds: dict[str, BenchResult] | None = None) -> GateVerdict:
     return bench.gate(config, challenger, champion, baselines, speeds)
 
 
 @task(name="register", retries=2, retry_delay_seconds=5)
-def register(config: NightlyConfig, target: TargetInfo, window: WindowDict, trained: Trained, results: dict[str, BenchEntry],
-             verdict: VerdictDict, parent: str | None, report_path: str | None,
-             speeds: dict[str, BenchEntry] | None = None) -> Registered:
+def register(config: NightlyConfig, target: TargetInfo, window: WindowDict, trained: Trained, results: dict[str, BenchResult],
+             verdict: GateVerdict, parent: str | None, report_path: str | None,
+             speeds: dict[str, BenchResult] | None = None) -> RegisteredDraft:
     return pipeline.register(config, target, window, trained, results, verdict, parent, report_path, speeds)
 
 
 @task(name="choose-serving-mode")
-def choose_serving(config: NightlyConfig, window: WindowDict, results: dict[str, BenchEntry],
-                   verdict: VerdictDict, speeds: dict[str, BenchEntry] | None = None) -> ServingDecision:
+def choose_serving(config: NightlyConfig, window: WindowDict, results: dict[str, BenchResult],
+                   verdict: GateVerdict, speeds: dict[str, BenchResult] | None = None) -> ServingDecision:
     return serve.choose_serving(config, window, results, verdict, speeds)
 
 
 @task(name="promote-and-write-serving-config", retries=2, retry_delay_seconds=5)
-def promote(config: NightlyConfig, registered: Registered, target: TargetInfo, expected_champion: str | None,
+def promote(config: NightlyConfig, registered: RegisteredDraft, target: TargetInfo, expected_champion: str | None,
             serving: ServingDecision) -> Promoted:
     return pipeline.promote(config, registered, target, expected_champion, serving)
 

@@ -89,6 +89,18 @@ def save_tiny_target(path, *, seed: int = 0, layers: int = 4, tie: bool = True, 
 
 
 
+def bench_result(spec: str = "", speedup: float = 1.0, lossless: bool | None = True, **fields):
+    """A recorded benchmark entry (`BenchResult`) with plausible defaults for what a test leaves out."""
+    from specdistill.data.results import BenchResult
+
+    base = dict(drafter="recorded", gamma=4, max_new_tokens=40, repeats=1, greedy=True,
+                lossless_mismatches=0, acceptance_rate=0.3, accepted_length=1.6, per_position_acceptance=[],
+                request_acceptance_p10=0.0, request_acceptance_p50=0.0, request_acceptance_p90=0.0,
+                tokens_per_second_target_only=21.4, tokens_per_second_speculative=21.4 * speedup, cost_ratio=None,
+                ideal_speedup=None)
+    return BenchResult.from_dict({**base, "spec": spec, "speedup": speedup, "lossless": lossless, **fields})
+
+
 def run_distill_ddp(config_path: Path, out: Path) -> dict:
     """`specdistill distill` on two ranks under torch.distributed.run (one thread each); its result.json."""
     import json

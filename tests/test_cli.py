@@ -83,10 +83,12 @@ def fake_nightly(monkeypatch):
     """flows.nightly.nightly replaced: records its arguments, returns a result shaped like the flow's."""
     calls = []
 
+    from specdistill.ops.registry import RegisteredDraft
+
     def nightly(config_path=None, overrides=None):
         calls.append((config_path, list(overrides)))
         return {"report": "| drafter |\nregistered: `draft` version 3 (alias `challenger`)\nchampion unchanged",
-                "promoted": None, "registered": {"name": "draft", "version": "3"}}
+                "promoted": None, "registered": RegisteredDraft("draft", "3", "run", "models:/draft/3")}
 
     monkeypatch.setitem(sys.modules, "flows.nightly", types.SimpleNamespace(nightly=nightly))
     return calls

@@ -89,22 +89,23 @@ def test_serving_config_for_an_eagle3_head(tmp_path, capsys):
 
 
 def test_nightly_serving_config_knows_a_head_by_its_directory(head_dir, tmp_path):
-    from specdistill.pipeline.serve import serving_config
+    from dataclasses import replace
 
-    decision = {"mode": "draft", "name": "challenger", "spec": f"draft:{head_dir}", "gamma": 3, "speedup": 1.4,
-                "reason": "fastest", "measured": {"challenger": 1.4}, "measured_on": "harness", "predicted_speedups": {},
-                "verify_costs": {}, "gamma_note": ""}
+    from specdistill.pipeline.serve import ServingDecision, serving_config
+
+    decision = ServingDecision(mode="draft", name="challenger", spec=f"draft:{head_dir}", gamma=3, speedup=1.4,
+                               reason="fastest", measured={"challenger": 1.4}, measured_on="harness")
     target = {"ref": "t", "path": "/t", "fingerprint": "fp", "num_layers": 6, "vocab_size": 300, "dtype": "float32"}
     cfg = serving_config(decision, target, registered_version="1", registered_dir=str(head_dir))
     assert cfg.draft_kind == "eagle3" and cfg.vllm()["method"] == "eagle3"
     # measured in llama.cpp: the command line that ran the head's GGUF, as serving.json and `serving show` give it
     args = ["-m", "/t.gguf", "-t", "2", "-md", "/gguf/head.gguf", "--spec-type", "draft-eagle3", "--spec-draft-n-max", "3"]
-    cfg = serving_config({**decision, "engine": "llamacpp", "llamacpp_args": args}, target, "1", str(head_dir))
+    cfg = serving_config(replace(decision, engine="llamacpp", llamacpp_args=args), target, "1", str(head_dir))
     assert cfg.llamacpp()["command"] == ("llama-server -m /t.gguf -t 2 -md /gguf/head.gguf --spec-type draft-eagle3 "
                                          "--spec-draft-n-max 3 --metrics")
     assert cfg.llamacpp()["command"] in cfg.render() and cfg.to_dict()["llamacpp"]["args"] == args
     layers_dir = save_tiny_target(tmp_path / "plain")  # an ordinary HF checkpoint stays draft_model
-    plain = serving_config({**decision, "spec": f"draft:{layers_dir}"}, target)
+    plain = serving_config(replace(decision, spec=f"draft:{layers_dir}"), target)
     assert plain.draft_kind == "layers" and plain.vllm()["method"] == "draft_model"
 
 

@@ -145,16 +145,16 @@ def test_each_drafter_is_benchmarked_again_at_its_predicted_best_gamma(monkeypat
     # the head takes its shorter γ (faster, lossless), keeping the c its first run measured
     head = out["challenger"]
     assert (head.gamma, head.speedup, head.cost_ratio) == (gammas["challenger"], 1.31, 0.071)
-    assert head.gamma_search["measured"] == {4: 1.07, gammas["challenger"]: 1.31}
-    assert head.gamma_search["predicted_best"] == gammas["challenger"]
+    assert head.gamma_search.measured == {4: 1.07, gammas["challenger"]: 1.31}
+    assert head.gamma_search.predicted_best == gammas["challenger"]
     assert head.ideal_speedup is not None
     # n-gram's curve does not move: its γ=4 run stands, with the curve recorded
     assert (out["ngram"].gamma, out["ngram"].speedup) == (4, 1.32)
-    assert out["ngram"].gamma_search["measured"] == {4: 1.32}
-    assert sorted(out["ngram"].gamma_search["predicted_speedups"]) == list(gamma.GAMMAS)
+    assert out["ngram"].gamma_search.measured == {4: 1.32}
+    assert sorted(out["ngram"].gamma_search.predicted_speedups) == list(gamma.GAMMAS)
     # slower when confirmed: the first run stands
     assert (out["self-spec@8"].gamma, out["self-spec@8"].speedup) == (4, 0.44)
-    assert out["self-spec@8"].gamma_search["measured"] == {4: 0.44, 1: 0.40}
+    assert out["self-spec@8"].gamma_search.measured == {4: 0.44, 1: 0.40}
 
 
 def test_a_lossy_confirmation_never_replaces_the_first_run(monkeypatch):
@@ -228,4 +228,4 @@ def test_a_run_that_never_drafted_predicts_no_gain_and_moves_no_gamma(monkeypatc
     first = {"idle-ngram": _result("idle-ngram", 4, 0.98, cost=0.004)}
     out = gamma.bench_at_best_gamma(None, None, {"idle-ngram": object()}, [], BenchConfig(gamma=4), first)
     assert (out["idle-ngram"].gamma, out["idle-ngram"].speedup) == (4, 0.98)
-    assert out["idle-ngram"].gamma_search["predicted_best"] is None
+    assert out["idle-ngram"].gamma_search.predicted_best is None

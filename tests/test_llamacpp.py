@@ -117,6 +117,7 @@ def test_nightly_measures_an_eagle3_head_in_llama_cpp(llama_cpp, memorized_head,
     GGUF goes to MLflow with the version, and serving.json (when the head is served) names it."""
     from specdistill.cli import main
     from specdistill.engines.gguf_export import gguf_spec_type
+    from specdistill.ops.policy import GateVerdict
     from specdistill.ops.serving import write_serving_config
     from specdistill.pipeline.config import load_nightly_config
     from specdistill.pipeline.engine_bench import engine_benchmark
@@ -127,19 +128,19 @@ def test_nightly_measures_an_eagle3_head_in_llama_cpp(llama_cpp, memorized_head,
     window = {"eval": [{"id": "1", "slice": "chat", "messages": [{"role": "user", "content": REPEAT}]}]}
     speeds = engine_benchmark(config, window, {"challenger": f"draft:{memorized_head}"})
     head = speeds["challenger"]
-    args = head["stats"]["llamacpp_args"]
+    args = head.stats["llamacpp_args"]
     assert args[args.index("--spec-type") + 1] == "draft-eagle3" and args[args.index("--spec-draft-n-max") + 1] == "4"
     gguf = args[args.index("-md") + 1]
-    assert gguf_spec_type(gguf) == "draft-eagle3" and head["stats"]["accepted"] > 0
+    assert gguf_spec_type(gguf) == "draft-eagle3" and head.stats["accepted"] > 0
 
-    verdict = {"passed": True, "reasons": [], "failures": [], "checks": [], "beats_champion": True, "promote": True}
+    verdict = GateVerdict(True)
     trained = {"draft_dir": str(memorized_head), "tokens": 1, "train_minutes": 0.1}
     assert str(registration_artifacts(config, speeds, verdict, trained, None, speeds)[-1]) == gguf
 
     decision = choose_serving(config, window, {}, verdict, speeds)
-    assert decision["engine"] == "llamacpp" and decision["measured"] == {"challenger": head["speedup"]}
-    if decision["mode"] == "off":  # a loaded machine can make any mode slower: the guard then says so
-        assert head["speedup"] <= 1.0 or not head["lossless"]
+    assert decision.engine == "llamacpp" and decision.measured == {"challenger": head.speedup}
+    if decision.mode == "off":  # a loaded machine can make any mode slower: the guard then says so
+        assert head.speedup <= 1.0 or not head.lossless
         return
     target = {"ref": "demo", "path": "/t", "fingerprint": "fp", "num_layers": 30, "vocab_size": 49152, "dtype": "Q4_1"}
     path = write_serving_config(serving_config(decision, target, "1", str(memorized_head)), tmp_path / "serving.json")
@@ -257,7 +258,7 @@ def test_nightly_serving_choice_measured_in_llama_cpp(llama_cpp, tmp_path):
     """serving.engine=llamacpp: the servable modes run in llama-server on the window's prompts; the
     choice, serving.json and the report name the engine; the never-served baseline is not measured."""
     from specdistill.modeling.models import demo_gguf_path
-    from specdistill.ops.policy import speedup_lower_bound
+    from specdistill.ops.policy import GateVerdict, speedup_lower_bound
     from specdistill.ops.serving import read_serving_config, write_serving_config
     from specdistill.pipeline.config import load_nightly_config
     from specdistill.pipeline.engine_bench import engine_benchmark
@@ -270,15 +271,15 @@ def test_nightly_serving_choice_measured_in_llama_cpp(llama_cpp, tmp_path):
     speeds = engine_benchmark(config, window, {"ngram": "ngram", "generic": "draft:/never/measured"})
     assert set(speeds) == {"ngram"}
     ngram = speeds["ngram"]
-    assert ngram["engine"] == "llamacpp" and ngram["dtype"] == "Q4_1" and ngram["stats"]["draft_tokens"] > 0
-    args = ngram["stats"]["llamacpp_args"]
+    assert ngram.engine == "llamacpp" and ngram.dtype == "Q4_1" and ngram.stats["draft_tokens"] > 0
+    args = ngram.stats["llamacpp_args"]
     assert args[:2] == ["-m", str(demo_gguf_path())] and args[args.index("--spec-type") + 1] == "ngram-simple"
     assert args[args.index("--spec-ngram-simple-size-n") + 1] == "3"  # the harness's n-gram: up to 3-grams
-    decision = choose_serving(config, window, {}, {"promote": False}, speeds)
-    assert decision["engine"] == "llamacpp" and decision["measured"] == {"ngram": ngram["speedup"]}
-    bound = speedup_lower_bound(ngram.get("prompt_speedups") or [])  # the gain must hold over the prompts too
-    holds = ngram["speedup"] > 1.0 and ngram["lossless"] and (bound is None or bound > 1.0)
-    assert decision["mode"] == ("ngram" if holds else "off")
+    decision = choose_serving(config, window, {}, GateVerdict(False), speeds)
+    assert decision.engine == "llamacpp" and decision.measured == {"ngram": ngram.speedup}
+    bound = speedup_lower_bound(ngram.prompt_speedups)  # the gain must hold over the prompts too
+    holds = ngram.speedup > 1.0 and ngram.lossless and (bound is None or bound > 1.0)
+    assert decision.mode == ("ngram" if holds else "off")
     target = {"ref": "demo", "path": "/t", "fingerprint": "fp", "num_layers": 30, "vocab_size": 49152, "dtype": "Q4_1"}
     path = write_serving_config(serving_config(decision, target), tmp_path / "serving.json")
     written = read_serving_config(path)

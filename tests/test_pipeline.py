@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -10,11 +11,14 @@ import torch
 
 from specdistill.config import ConfigError
 from specdistill.modeling.vocab import DraftVocab, remap_draft_vocab
+from specdistill.ops.policy import Check, GateVerdict
+from specdistill.ops.registry import RegisteredDraft
 from specdistill.pipeline import bench as bench_stage
 from specdistill.pipeline import nightly as pipeline
 from specdistill.pipeline.config import load_nightly_config, run_root
 from specdistill.pipeline.report import report_table
-from tests.conftest import train_bpe
+from specdistill.pipeline.serve import ServingDecision
+from tests.conftest import bench_result, train_bpe
 
 
 def test_config_defaults_and_overrides(tmp_path):
@@ -75,67 +79,67 @@ def test_missing_config_file_is_named(tmp_path):
         load_nightly_config(tmp_path / "nope.yaml")
 
 
-def _result(alpha, tau, speedup=1.2, lossless=True):
-    return {"acceptance_rate": alpha, "accepted_length": tau, "speedup": speedup, "lossless": lossless,
-            "lossless_mismatches": 0 if lossless else 1, "cost_ratio": 0.2, "per_position_acceptance": [alpha], "spec": "x",
-            "gamma": 4, "max_new_tokens": 40, "tokens_per_second_target_only": 37.5}
+def _result(alpha, tau, speedup=1.2, lossless=True, spec="x", **fields):
+    return bench_result(spec, speedup, lossless, acceptance_rate=alpha, accepted_length=tau,
+                        lossless_mismatches=0 if lossless else 1, cost_ratio=0.2, per_position_acceptance=[alpha],
+                        tokens_per_second_target_only=37.5, **fields)
 
 
 def test_demo_gate_holds_the_red_line_and_requires_beating_the_generic_draft():
     cfg = load_nightly_config()
     # the draft gate keeps the first-position bar (the red line); speed is the serving choice's job, not the draft gate's
-    assert bench_stage.gate(cfg, _result(0.6, 2.5, speedup=0.8), None, {"generic": _result(0.1, 1.2)})["promote"]
+    assert bench_stage.gate(cfg, _result(0.6, 2.5, speedup=0.8), None, {"generic": _result(0.1, 1.2)}).promote
     low = bench_stage.gate(cfg, _result(0.2, 1.5, speedup=1.5), None, {"generic": _result(0.1, 1.2)})
-    assert not low["passed"] and any("acceptance" in f for f in low["failures"])
+    assert not low.passed and any("acceptance" in f for f in low.failures)
     lost = bench_stage.gate(cfg, _result(0.6, 2.5), None, {"generic": _result(0.65, 2.6)})
-    assert not lost["passed"] and any("generic" in f for f in lost["failures"])
+    assert not lost.passed and any("generic" in f for f in lost.failures)
 
 
 def test_gate_promotes_only_a_real_improvement():
     cfg = load_nightly_config(None, ["gate.overrides={}", "gate.must_beat=[]"])
-    assert bench_stage.gate(cfg, _result(0.6, 2.5), None)["promote"]  # no champion: a pass promotes
+    assert bench_stage.gate(cfg, _result(0.6, 2.5), None).promote  # no champion: a pass promotes
     better = bench_stage.gate(cfg, _result(0.62, 2.6), _result(0.6, 2.5))
-    assert better["passed"] and better["promote"]
+    assert better.passed and better.promote
     same = bench_stage.gate(cfg, _result(0.6, 2.5), _result(0.6, 2.5))
-    assert same["passed"] and not same["promote"] and any("champion stays" in r for r in same["reasons"])
+    assert same.passed and not same.promote and any("champion stays" in r for r in same.reasons)
     noise = bench_stage.gate(cfg, _result(0.61, 2.51), _result(0.6, 2.5))  # below the default margin, 0.02
-    assert noise["passed"] and not noise["promote"] and "min_accepted_length_gain 0.020" in noise["reasons"][-1]
+    assert noise.passed and not noise.promote and "min_accepted_length_gain 0.020" in noise.reasons[-1]
     wide = load_nightly_config(None, ["gate.overrides={min_accepted_length_gain: 0.2}", "gate.must_beat=[]"])
     widened = bench_stage.gate(wide, _result(0.62, 2.6), _result(0.6, 2.5))
-    assert widened["passed"] and not widened["promote"]
+    assert widened.passed and not widened.promote
     low = bench_stage.gate(cfg, _result(0.3, 1.9), None)
-    assert not low["passed"] and not low["promote"]
+    assert not low.passed and not low.promote
     lossy = bench_stage.gate(cfg, _result(0.9, 4.0, lossless=False), None)
-    assert not lossy["promote"]
+    assert not lossy.promote
 
 
 def test_report_table_lists_every_drafter_and_the_decision():
     results = {"challenger": _result(0.55, 2.4), "ngram": _result(0.1, 1.2, speedup=0.9)}
-    verdict = {"passed": True, "reasons": ["acceptance rate 0.550 >= 0.500"]}
-    text = report_table(results, verdict, {"name": "draft-t", "version": "3"}, {"serving_config": "/s.json"})
+    verdict = GateVerdict(True, [Check("acceptance rate", True, 0.55, 0.5, "acceptance rate 0.550 >= 0.500")])
+    text = report_table(results, verdict, RegisteredDraft("draft-t", "3", "r", "models:/draft-t/3"), {"serving_config": "/s.json"})
     assert "| challenger (x) | 0.550 | 0.550 | 2.40 | 4 | 1.20x" in text  # first-position, then α
-    assert "| d |" in report_table({"d": {**_result(0.5, 2.0), "spec": "draft:/long/path"}})
+    assert "| d |" in report_table({"d": _result(0.5, 2.0, spec="draft:/long/path")})
     assert "| no speculation |" in text and "**gate (champion draft): PASS**" in text
     assert "version 3 (alias `champion`)" in text and "/s.json" in text
-    assert "unchanged" in report_table(results, verdict, {"name": "d", "version": "4"}, None)
+    assert "unchanged" in report_table(results, verdict, RegisteredDraft("d", "4", "r", "models:/d/4"), None)
 
 
 def test_report_says_when_the_best_draft_is_not_what_is_served():
-    results = {"challenger": {**_result(0.6, 2.5, speedup=0.74), "spec": "draft:/c", "dtype": "bfloat16",
-                              "lossless_exact": 7, "lossless_near_ties": 3, "lossless_max_margin": 0.21},
-               "ngram": {**_result(0.32, 1.6, speedup=1.33), "spec": "ngram", "lossless_exact": 10}}
-    verdict = {"passed": True, "promote": True, "reasons": ["acceptance rate 0.600 >= 0.500"]}
-    serving = {"mode": "ngram", "name": "ngram", "spec": "ngram", "gamma": 3, "speedup": 1.36,
-               "reason": "ngram measured fastest at 1.33x (ngram 1.33x, challenger 0.74x)",
-               "measured": {"ngram": 1.33, "challenger": 0.74}, "measured_on": "PyTorch harness, bfloat16",
-               "predicted_speedups": {1: 1.2, 2: 1.3, 3: 1.36}, "verify_costs": {}, "gamma_note": "γ=3 confirmed"}
+    results = {"challenger": _result(0.6, 2.5, speedup=0.74, spec="draft:/c", dtype="bfloat16",
+                                     lossless_exact=7, lossless_near_ties=3, lossless_max_margin=0.21),
+               "ngram": _result(0.32, 1.6, speedup=1.33, spec="ngram", lossless_exact=10)}
+    verdict = GateVerdict(True, [Check("acceptance rate", True, 0.6, 0.5, "acceptance rate 0.600 >= 0.500")])
+    serving = ServingDecision(mode="ngram", name="ngram", spec="ngram", gamma=3, speedup=1.36,
+                              reason="ngram measured fastest at 1.33x (ngram 1.33x, challenger 0.74x)",
+                              measured={"ngram": 1.33, "challenger": 0.74}, measured_on="PyTorch harness, bfloat16",
+                              predicted_speedups={1: 1.2, 2: 1.3, 3: 1.36}, gamma_note="γ=3 confirmed")
     text = report_table(results, verdict, serving=serving)
     assert "| challenger | 0.600 | 0.600 | 2.50 | 4 | 0.74x | 0.200 | yes: 7 exact, 3 near-tie (≤ 0.21) |" in text
     assert "in bfloat16" in text and "**serving: ngram (ngram), γ=3, 1.36x measured" in text
     assert "the challenger draft runs at 0.74x here, so ngram is served instead" in text
-    lossy = report_table({"challenger": {**_result(0.6, 2.5, lossless=False), "lossless_exact": 8}})
+    lossy = report_table({"challenger": _result(0.6, 2.5, lossless=False, lossless_exact=8)})
     assert "NO: 1 real mismatch" in lossy
-    off = report_table(results, verdict, serving={**serving, "mode": "off", "name": None, "reason": "nothing beats it"})
+    off = report_table(results, verdict, serving=replace(serving, mode="off", name=None, reason="nothing beats it"))
     assert "**serving: no speculation** (measured: PyTorch harness, bfloat16): nothing beats it" in off
 
 
@@ -435,7 +439,7 @@ def test_align_champion_transplants_a_champion_of_an_older_vocabulary_once(tiny_
     assert pipeline.align_champion(config, _champion(champion_dir)) == warm
 
 
-def _bench_entry(spec="draft:/d") -> dict:
+def _bench_entry(spec="draft:/d"):
     from specdistill.speculative.bench import BenchResult, SliceResult
 
     result = BenchResult(drafter="d", gamma=2, max_new_tokens=8, repeats=1, greedy=True, lossless=True, lossless_mismatches=0,
@@ -443,7 +447,7 @@ def _bench_entry(spec="draft:/d") -> dict:
                          request_acceptance_p10=0.3, request_acceptance_p50=0.5, request_acceptance_p90=0.7,
                          tokens_per_second_target_only=10.0, tokens_per_second_speculative=12.0, speedup=1.2,
                          cost_ratio=0.1, ideal_speedup=1.5, slices=[SliceResult("chat", 2, 0.5, 2.0, 10.0, 12.0, 1.2)])
-    return {**result.to_dict(), "spec": spec}
+    return replace(result, spec=spec)
 
 
 def test_registration_records_metrics_and_artifacts_and_a_missing_plot_library_only_costs_the_plot(tmp_path, monkeypatch, caplog):
@@ -453,8 +457,8 @@ def test_registration_records_metrics_and_artifacts_and_a_missing_plot_library_o
     draft_dir = tmp_path / "run" / "draft"
     draft_dir.mkdir(parents=True)
     trained = {"draft_dir": str(draft_dir), "tokens": 100, "train_minutes": 0.5}
-    results = {"challenger": _bench_entry(), "self-spec@4": {**_bench_entry("self_spec:4"), "acceptance_rate": 0.3}}
-    verdict = {"passed": True, "reasons": [], "failures": [], "checks": [], "beats_champion": True, "promote": True}
+    results = {"challenger": _bench_entry(), "self-spec@4": replace(_bench_entry("self_spec:4"), acceptance_rate=0.3)}
+    verdict = GateVerdict(True)
     metrics = registration_metrics(results, trained)
     assert metrics["acceptance_pos_1"] == 0.4 and metrics["baseline_self-spec_4_acceptance_rate"] == 0.3
     report = tmp_path / "report.md"
@@ -474,7 +478,7 @@ def test_registration_records_metrics_and_artifacts_and_a_missing_plot_library_o
     assert "without the acceptance plot" in caplog.text and "matplotlib" in caplog.text
 
     # measured in llama.cpp: the engine's numbers and the challenger's GGUF go with the version
-    speeds = {"challenger": {**_bench_entry(), "stats": {"llamacpp_args": ["-m", "/t.gguf", "-md", str(tmp_path / "c.gguf")]}}}
+    speeds = {"challenger": replace(_bench_entry(), stats={"llamacpp_args": ["-m", "/t.gguf", "-md", str(tmp_path / "c.gguf")]})}
     artifacts = registration_artifacts(load_nightly_config(), results, verdict, trained, None, speeds)
     assert [a.name for a in artifacts][-2:] == ["engine_benchmark.json", "c.gguf"]
     assert '"llamacpp_args"' in artifacts[-2].read_text()
@@ -512,9 +516,8 @@ def test_the_run_dtype_reaches_every_model_load_and_the_feature_pass(tmp_path, m
     champion = save_draft(init_draft_from_target(loaded.model, [0, 3]), loaded.tokenizer, tmp_path / "champion")
     pipeline.align_champion(config, {"name": "d", "version": "1", "dir": str(champion), "tags": {}})
     engine_bench.llamacpp_spec(config, "self-spec@2", "self_spec:2")
-    decision = {"mode": "self_speculation", "name": "self-spec@2", "spec": "self_spec:2", "gamma": 2, "speedup": 1.2,
-                "reason": "r", "measured": {}, "measured_on": "", "predicted_speedups": {}, "verify_costs": {},
-                "gamma_note": ""}
+    decision = ServingDecision(mode="self_speculation", name="self-spec@2", spec="self_spec:2", gamma=2, speedup=1.2,
+                               reason="r", measured={}, measured_on="")
     serve.serving_config(decision, info)
     assert len(seen) >= 4 and all(dtype == "float32" for _, dtype, _ in seen), seen
     # the run's device reaches the loads that run (the serving export copies weights on the CPU)

@@ -3,36 +3,46 @@ slowdown, and the `champion` alias still follows the draft gate."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import pytest
 
 from specdistill.ops import registry
+from specdistill.ops.policy import Check, GateVerdict
 from specdistill.ops.serving import read_serving_config
 from specdistill.pipeline import bench as bench_stage
 from specdistill.pipeline import nightly
 from specdistill.pipeline.config import load_nightly_config
-from specdistill.pipeline.serve import mode_of, serving_candidates, serving_config
+from specdistill.pipeline.serve import ServingDecision, mode_of, serving_candidates, serving_config
+from tests.conftest import bench_result
 
 # recorded from a demo run: the distilled draft slows decoding, n-gram speeds it up
 RECORDED = {
-    "challenger": {"spec": "draft:/d/challenger", "speedup": 0.74, "lossless": True},
-    "generic": {"spec": "draft:/d/generic", "speedup": 0.71, "lossless": True},
-    "self-spec@8": {"spec": "self_spec:8", "speedup": 0.93, "lossless": True},
-    "ngram": {"spec": "ngram", "speedup": 1.33, "lossless": True},
+    "challenger": bench_result("draft:/d/challenger", 0.74),
+    "generic": bench_result("draft:/d/generic", 0.71),
+    "self-spec@8": bench_result("self_spec:8", 0.93),
+    "ngram": bench_result("ngram", 1.33),
 }
 TARGET = {"ref": "demo", "path": "/t", "fingerprint": "fp-t", "num_layers": 30, "vocab_size": 64, "dtype": "bfloat16"}
+PROMOTE, KEEP = GateVerdict(True), GateVerdict(False)
 
 
 def decision(mode, name, spec, gamma=3, speedup=1.36):
-    return {"mode": mode, "name": name, "spec": spec, "gamma": gamma, "speedup": speedup, "reason": f"{name} measured fastest",
-            "measured": {k: v["speedup"] for k, v in RECORDED.items()}, "measured_on": "PyTorch harness, bfloat16",
-            "predicted_speedups": {}, "verify_costs": {}, "gamma_note": ""}
+    return ServingDecision(mode=mode, name=name, spec=spec, gamma=gamma, speedup=speedup, reason=f"{name} measured fastest",
+                           measured={k: v.speedup for k, v in RECORDED.items()}, measured_on="PyTorch harness, bfloat16")
 
 
 def test_candidates_follow_the_gate_and_never_include_the_generic_baseline():
-    assert set(serving_candidates(RECORDED, {"promote": True})) == {"challenger", "self-spec@8", "ngram"}
-    with_champion = {**RECORDED, "champion": {"spec": "draft:/d/champion", "speedup": 0.8, "lossless": True}}
-    assert set(serving_candidates(with_champion, {"promote": False})) == {"champion", "self-spec@8", "ngram"}
-    assert [mode_of(r["spec"]) for r in RECORDED.values()] == ["draft", "draft", "self_speculation", "ngram"]
+    assert set(serving_candidates(RECORDED, PROMOTE)) == {"challenger", "self-spec@8", "ngram"}
+    with_champion = {**RECORDED, "champion": bench_result("draft:/d/champion", 0.8)}
+    assert set(serving_candidates(with_champion, KEEP)) == {"champion", "self-spec@8", "ngram"}
+    assert [mode_of(r.spec) for r in RECORDED.values()] == ["draft", "draft", "self_speculation", "ngram"]
+
+
+def test_a_decision_round_trips_through_its_json():
+    d = replace(decision("ngram", "ngram", "ngram"), predicted_speedups={2: 1.3, 3: 1.36})
+    assert ServingDecision.from_dict(json.loads(json.dumps(d.to_dict()))) == d
 
 
 def test_ngram_serving_config_carries_the_measured_sizes_and_speedups():
@@ -45,7 +55,7 @@ def test_ngram_serving_config_carries_the_measured_sizes_and_speedups():
 
 @pytest.mark.parametrize("mode", ["off"])
 def test_off_writes_no_speculation(mode):
-    cfg = serving_config({**decision(mode, None, None), "gamma": 4}, TARGET)
+    cfg = serving_config(replace(decision(mode, None, None), gamma=4), TARGET)
     assert cfg.vllm() is None and cfg.sglang() == []
 
 
@@ -59,8 +69,7 @@ def test_a_passing_draft_becomes_champion_while_ngram_is_served(tmp_path, monkey
     reg = registry.register_draft(draft, target_name="tiny-target", params={}, metrics={"acceptance_rate": 0.6},
                                   curves={}, tags={"target_fingerprint": "fp-t", "parent": ""})
     config = load_nightly_config(None, [f"serving_path={tmp_path / 'serving.json'}", "target_name=tiny-target"])
-    promoted = nightly.promote(config, {"name": reg.name, "version": reg.version, "run_id": reg.run_id,
-                                        "model_uri": reg.model_uri}, TARGET, None, decision("ngram", "ngram", "ngram"))
+    promoted = nightly.promote(config, reg, TARGET, None, decision("ngram", "ngram", "ngram"))
     assert promoted["version"] == reg.version
     assert str(registry.version_by_alias(reg.name, registry.CHAMPION).version) == reg.version
     served = read_serving_config(tmp_path / "serving.json")
@@ -75,9 +84,8 @@ def test_a_passing_draft_becomes_champion_while_ngram_is_served(tmp_path, monkey
 # serving.engine: the choice reads the serving engine's measurements
 
 
-def engine_entry(spec: str, speedup: float, args: list[str], lossless: bool = True) -> dict:
-    return {"spec": spec, "speedup": speedup, "lossless": lossless, "dtype": "Q4_1", "engine": "llamacpp",
-            "stats": {"llamacpp_args": args}}
+def engine_entry(spec: str, speedup: float, args: list[str], lossless: bool = True):
+    return bench_result(spec, speedup, lossless, dtype="Q4_1", engine="llamacpp", stats={"llamacpp_args": args})
 
 
 TARGET_ARGS = ["-m", "/g/t.gguf", "-t", "2"]
@@ -93,10 +101,10 @@ def test_engine_choice_uses_engine_speeds_and_writes_the_llama_cpp_command():
 
     config = load_nightly_config(None, ["serving.engine=llamacpp"])
     # the harness measured the challenger fastest; llama.cpp did not: llama.cpp's numbers decide
-    harness = {"challenger": {"spec": "draft:/d/challenger", "speedup": 1.5, "lossless": True}}
-    chosen = choose_serving(config, {}, harness, {"promote": True}, ENGINE_SPEEDS)
-    assert (chosen["mode"], chosen["name"], chosen["engine"]) == ("ngram", "ngram", "llamacpp")
-    assert chosen["measured"] == {"challenger": 0.20, "ngram": 1.12} and chosen["measured_on"] == "llamacpp, Q4_1, 2 threads"
+    harness = {"challenger": bench_result("draft:/d/challenger", 1.5)}
+    chosen = choose_serving(config, {}, harness, PROMOTE, ENGINE_SPEEDS)
+    assert (chosen.mode, chosen.name, chosen.engine) == ("ngram", "ngram", "llamacpp")
+    assert chosen.measured == {"challenger": 0.20, "ngram": 1.12} and chosen.measured_on == "llamacpp, Q4_1, 2 threads"
     cfg = serving_config(chosen, TARGET)
     out = cfg.to_dict()
     assert out["engine"] == "llamacpp"
@@ -104,7 +112,7 @@ def test_engine_choice_uses_engine_speeds_and_writes_the_llama_cpp_command():
     assert "llama.cpp       llama-server -m /g/t.gguf" in cfg.render()
 
     with pytest.raises(ValueError, match="engine's measurements are missing"):
-        choose_serving(config, {}, harness, {"promote": True}, None)
+        choose_serving(config, {}, harness, PROMOTE, None)
 
 
 def test_engine_choice_is_off_when_nothing_beats_target_only_there():
@@ -112,18 +120,18 @@ def test_engine_choice_is_off_when_nothing_beats_target_only_there():
 
     config = load_nightly_config(None, ["serving.engine=llamacpp"])
     slow = {**ENGINE_SPEEDS, "ngram": engine_entry("ngram", 0.93, [*TARGET_ARGS, "--spec-type", "ngram-simple"])}
-    chosen = choose_serving(config, {}, {}, {"promote": True}, slow)
-    assert chosen["mode"] == "off" and "0.93x" in chosen["reason"]
+    chosen = choose_serving(config, {}, {}, PROMOTE, slow)
+    assert chosen.mode == "off" and "0.93x" in chosen.reason
     cfg = serving_config(chosen, TARGET)
     assert cfg.llamacpp()["args"] == TARGET_ARGS and cfg.vllm() is None  # target-only, as measured
 
 
 def test_gate_speed_bar_reads_the_engine_speedup():
     config = load_nightly_config(None, ["serving.engine=llamacpp", "gate.overrides.min_speedup=1.0"])
-    challenger = {"spec": "draft:/d/c", "speedup": 1.5, "lossless": True, "acceptance_rate": 0.7, "accepted_length": 3.0}
-    assert bench_stage.gate(config, challenger, None, {})["passed"]
+    challenger = bench_result("draft:/d/c", 1.5, acceptance_rate=0.7, accepted_length=3.0, per_position_acceptance=[0.8, 0.7])
+    assert bench_stage.gate(config, challenger, None, {}).passed
     verdict = bench_stage.gate(config, challenger, None, {}, speeds=ENGINE_SPEEDS)
-    assert not verdict["passed"] and any("0.20" in r for r in verdict["reasons"])
+    assert not verdict.passed and any("0.20" in r for r in verdict.reasons)
 
 
 def test_harness_choice_serves_the_winner_at_the_gamma_it_was_benchmarked_at(monkeypatch):
@@ -136,42 +144,39 @@ def test_harness_choice_serves_the_winner_at_the_gamma_it_was_benchmarked_at(mon
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the choice measures nothing"))
     search = {"predicted_speedups": {"1": 1.30, "2": 1.38, "3": 1.33}, "predicted_best": 2,
               "verify_costs": {"2": 1.03, "3": 1.06}, "measured": {"4": 1.07, "2": 1.41}}
-    results = {**RECORDED, "challenger": {**RECORDED["challenger"], "speedup": 1.41, "gamma": 2, "gamma_search": search},
-               "ngram": {**RECORDED["ngram"], "gamma_search": {**search, "predicted_speedups": {"3": 1.35, "4": 1.37},
-                                                             "predicted_best": 4, "measured": {"4": 1.33}}}}
-    results = {name: {"gamma": 4, "dtype": "bfloat16", **r} for name, r in results.items()}
+    # as benchmark.json has them: JSON keys are strings, read back as γ
+    recorded = {**{n: r.to_dict() for n, r in RECORDED.items()},
+                "challenger": {**RECORDED["challenger"].to_dict(), "speedup": 1.41, "gamma": 2, "gamma_search": search},
+                "ngram": {**RECORDED["ngram"].to_dict(), "gamma_search": {**search, "predicted_speedups": {"3": 1.35, "4": 1.37},
+                                                                         "predicted_best": 4, "measured": {"4": 1.33}}}}
+    results = {name: bench_result(**{**r, "dtype": "bfloat16", "cost_ratio": 0.07}) for name, r in recorded.items()}
     config = load_nightly_config()
-    chosen = choose_serving(config, {}, results, {"promote": True})
-    assert (chosen["name"], chosen["gamma"], chosen["speedup"]) == ("challenger", 2, 1.41)
-    assert chosen["gamma_note"] == "γ=2 predicted best (1.38x), confirmed: measured 1.41x at γ=2, 1.07x at γ=4"
-    assert chosen["predicted_speedups"] == search["predicted_speedups"] and chosen["measured_on"].endswith("bfloat16")
+    chosen = choose_serving(config, {}, results, PROMOTE)
+    assert (chosen.name, chosen.gamma, chosen.speedup) == ("challenger", 2, 1.41)
+    assert chosen.gamma_note == "γ=2 predicted best (1.38x), confirmed: measured 1.41x at γ=2, 1.07x at γ=4"
+    assert chosen.predicted_speedups == {1: 1.30, 2: 1.38, 3: 1.33} and chosen.measured_on.endswith("bfloat16")
     assert serving_config(chosen, TARGET).num_speculative_tokens == 2
     # the table shows each drafter's γ and says how it was chosen
-    table = report_table({name: {**_row(), **r} for name, r in results.items()}, serving=chosen)
+    table = report_table(results, serving=chosen)
     assert "- ngram: γ=4 predicted best (1.37x) and measured 1.33x at γ=4" in table
     assert "| challenger | – | 0.300 | 1.60 | 2 | 1.41x |" in table  # no per-position counts recorded: "–"
-    first = report_table({"challenger": {**_row(), **results["challenger"], "per_position_acceptance": [0.48, 0.2]}})
+    first = report_table({"challenger": replace(results["challenger"], per_position_acceptance=[0.48, 0.2])})
     assert "| challenger | 0.480 | 0.300 | 1.60 | 2 | 1.41x |" in first
-
-
-def _row() -> dict:
-    return {"acceptance_rate": 0.3, "accepted_length": 1.6, "cost_ratio": 0.07, "max_new_tokens": 40,
-            "tokens_per_second_target_only": 21.4}
 
 
 def test_a_faster_challenger_that_failed_the_gate_is_named_but_not_served():
     """The demo's case: the head (a tree) beats n-gram on speed but its α is under the red line."""
     from specdistill.pipeline.serve import choose_serving
 
-    results = {name: {"gamma": 2, "dtype": "bfloat16", **r} for name, r in RECORDED.items()}
-    results["challenger"]["speedup"] = 1.35
-    verdict = {"promote": False, "failures": ["acceptance rate 0.295 < 0.500"]}
+    results = {name: replace(r, gamma=2, dtype="bfloat16") for name, r in RECORDED.items()}
+    results["challenger"].speedup = 1.35
+    verdict = GateVerdict(False, [Check("acceptance rate", False, 0.295, 0.5, "acceptance rate 0.295 < 0.500")])
     chosen = choose_serving(load_nightly_config(), {}, results, verdict)
-    assert chosen["name"] == "ngram"
-    assert chosen["reason"].endswith("the challenger measured faster (1.35x) but is not served: it did not pass the "
-                                     "gate (acceptance rate 0.295 < 0.500)")
-    slower = {**results, "challenger": {**results["challenger"], "speedup": 1.2}}
-    assert "challenger" not in choose_serving(load_nightly_config(), {}, slower, verdict)["reason"]
+    assert chosen.name == "ngram"
+    assert chosen.reason.endswith("the challenger measured faster (1.35x) but is not served: it did not pass the "
+                                  "gate (acceptance rate 0.295 < 0.500)")
+    slower = {**results, "challenger": replace(results["challenger"], speedup=1.2)}
+    assert "challenger" not in choose_serving(load_nightly_config(), {}, slower, verdict).reason
 
 
 def test_a_mean_gain_carried_by_a_few_prompts_is_not_written_and_the_report_states_the_bound(monkeypatch):
@@ -182,15 +187,15 @@ def test_a_mean_gain_carried_by_a_few_prompts_is_not_written_and_the_report_stat
 
     few = [3.2, 2.9, 2.6, 0.9, 0.85, 0.8, 0.8, 0.75, 0.7, 0.65, 0.5, 0.3]  # mean 1.33
     steady = [1.1, 1.12, 1.15, 1.09, 1.13, 1.1, 1.14, 1.11, 1.12, 1.13, 1.1, 1.15]
-    results = {**RECORDED, "ngram": {**RECORDED["ngram"], "prompt_speedups": few},
-               "self-spec@8": {**RECORDED["self-spec@8"], "speedup": 1.12, "prompt_speedups": steady}}
-    results = {name: {"gamma": 4, "dtype": "bfloat16", **r} for name, r in results.items()}
+    results = {**RECORDED, "ngram": replace(RECORDED["ngram"], prompt_speedups=few),
+               "self-spec@8": replace(RECORDED["self-spec@8"], speedup=1.12, prompt_speedups=steady)}
+    results = {name: replace(r, dtype="bfloat16") for name, r in results.items()}
     config = load_nightly_config()
-    chosen = choose_serving(config, {}, results, {"promote": False})
-    assert chosen["mode"] == "self_speculation" and chosen["name"] == "self-spec@8"
-    assert 1.05 < chosen["speedup_lower_bound"] < 1.12 and chosen["confidence"] == 0.95
-    assert "ngram 1.33x (≥" in chosen["reason"]  # the unsteady mean is listed with its bound
-    line = report_table({name: {**_row(), **r} for name, r in results.items()}, serving=chosen)
-    assert f"lower bound of {chosen['speedup_lower_bound']:.2f}x at 95% confidence" in line
-    only_few = choose_serving(config, {}, {"ngram": results["ngram"]}, {"promote": False})
-    assert only_few["mode"] == "off" and "no mode's gain holds over the prompts" in only_few["reason"]
+    chosen = choose_serving(config, {}, results, KEEP)
+    assert chosen.mode == "self_speculation" and chosen.name == "self-spec@8"
+    assert 1.05 < chosen.speedup_lower_bound < 1.12 and chosen.confidence == 0.95
+    assert "ngram 1.33x (≥" in chosen.reason  # the unsteady mean is listed with its bound
+    line = report_table(results, serving=chosen)
+    assert f"lower bound of {chosen.speedup_lower_bound:.2f}x at 95% confidence" in line
+    only_few = choose_serving(config, {}, {"ngram": results["ngram"]}, KEEP)
+    assert only_few.mode == "off" and "no mode's gain holds over the prompts" in only_few.reason

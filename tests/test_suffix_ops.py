@@ -11,11 +11,12 @@ import pytest
 from specdistill.data.prompts import Prompt
 from specdistill.modeling.models import LoadedModel
 from specdistill.ops import monitor as ops_monitor
+from specdistill.ops.policy import GateVerdict
 from specdistill.ops.serving import ServingConfig, read_serving_config, write_serving_config
 from specdistill.pipeline.corpus import export_sglang_corpus, sglang_corpus_path
-from specdistill.pipeline.serve import serving_candidates, serving_config
+from specdistill.pipeline.serve import ServingDecision, serving_candidates, serving_config
 from specdistill.speculative.suffix_corpus import CorpusMeta, save_corpus
-from tests.conftest import make_tiny_llama
+from tests.conftest import bench_result, make_tiny_llama
 
 
 def _corpus(tmp_path: Path, fingerprint: str = "fp-now") -> Path:
@@ -53,8 +54,8 @@ def test_sglang_export_is_one_json_string_per_answer(tmp_path):
     assert [json.loads(line) for line in out.read_text().splitlines()] == ["t1 t2 t3 t4", "t5 t6 t7"]
 
 
-def _entry(spec: str, speedup: float) -> dict:
-    return {"spec": spec, "speedup": speedup, "lossless": True, "gamma": 8, "gamma_search": {}, "tree_width": 1}
+def _entry(spec: str, speedup: float):
+    return bench_result(spec, speedup, gamma=8)
 
 
 def test_the_nightly_serves_the_suffix_drafter_and_never_the_hybrid(tmp_path):
@@ -62,10 +63,9 @@ def test_the_nightly_serves_the_suffix_drafter_and_never_the_hybrid(tmp_path):
     export_sglang_corpus(corpus, type("T", (), {"decode": lambda self, ids, skip_special_tokens=True: "x"})())
     results = {"ngram": _entry("ngram", 1.2), "suffix": _entry(f"suffix:{corpus}", 1.5),
                "hybrid": _entry(f"hybrid:/d,{corpus}", 1.9), "generic": _entry("draft:/g", 2.0)}
-    verdict = {"promote": False, "passed": False, "failures": []}
-    assert set(serving_candidates(results, verdict)) == {"ngram", "suffix"}
-    decision = {"mode": "suffix", "name": "suffix", "spec": f"suffix:{corpus}", "gamma": 8, "speedup": 1.5,
-                "reason": "suffix measured fastest", "measured": {}, "measured_on": "harness", "gamma_note": ""}
+    assert set(serving_candidates(results, GateVerdict(False))) == {"ngram", "suffix"}
+    decision = ServingDecision(mode="suffix", name="suffix", spec=f"suffix:{corpus}", gamma=8, speedup=1.5,
+                               reason="suffix measured fastest", measured={}, measured_on="harness")
     cfg = serving_config(decision, {"fingerprint": "fp-now", "path": "/t"})
     assert cfg.mode == "suffix" and cfg.suffix_corpus == str(corpus) and cfg.suffix_corpus_tokens == 7
     assert cfg.suffix_corpus_sglang == str(sglang_corpus_path(corpus))

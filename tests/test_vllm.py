@@ -193,6 +193,7 @@ def test_nightly_serving_choice_measured_in_vllm(vllm_servers, eagle_head, tmp_p
     would carry (the session's servers stand in for the ones the stage starts, checked block by block);
     the choice and serving.json name vLLM, its version and the CPU."""
     from specdistill.engines import vllm_bench
+    from specdistill.ops.policy import GateVerdict
     from specdistill.ops.serving import read_serving_config, write_serving_config
     from specdistill.pipeline.config import load_nightly_config
     from specdistill.pipeline.engine_bench import engine_benchmark
@@ -222,15 +223,15 @@ def test_nightly_serving_choice_measured_in_vllm(vllm_servers, eagle_head, tmp_p
                                                "generic": "draft:/never/measured"})
     assert set(speeds) == {"ngram", "challenger"}
     for name, spec in (("ngram", NGRAM_SPEC), ("challenger", f"draft:{eagle_head}")):
-        assert speeds[name]["engine"] == "vllm" and speeds[name]["stats"]["draft_tokens"] > 0
-        assert speeds[name]["stats"]["vllm_speculative_config"] == _serving_block(spec)
-    decision = choose_serving(config, window, {}, {"promote": True}, speeds)
-    assert decision["engine"] == "vllm" and set(decision["measured"]) == {"ngram", "challenger"}
+        assert speeds[name].engine == "vllm" and speeds[name].stats["draft_tokens"] > 0
+        assert speeds[name].stats["vllm_speculative_config"] == _serving_block(spec)
+    decision = choose_serving(config, window, {}, GateVerdict(True), speeds)
+    assert decision.engine == "vllm" and set(decision.measured) == {"ngram", "challenger"}
     target = {"ref": "demo", "path": "/t", "fingerprint": "fp", "num_layers": 30, "vocab_size": 49152, "dtype": "bf16"}
     written = read_serving_config(write_serving_config(serving_config(decision, target), tmp_path / "serving.json"))
     assert written.engine == "vllm" and "vLLM 0.32.0" in written.measured_on and "cores" in written.measured_on
-    if decision["mode"] != "off":
-        assert written.vllm() == speeds[decision["name"]]["stats"]["vllm_speculative_config"]
+    if decision.mode != "off":
+        assert written.vllm() == speeds[decision.name].stats["vllm_speculative_config"]
 
 
 def test_legacy_draft_layout_is_refused_with_vllms_error(vllm_servers, legacy_draft):

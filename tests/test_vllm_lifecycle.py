@@ -135,6 +135,7 @@ def test_server_that_never_becomes_healthy_is_stopped(tmp_path):
 
 
 def test_serving_choice_skips_a_mode_vllm_refused():
+    from specdistill.ops.policy import GateVerdict
     from specdistill.pipeline.config import load_nightly_config
     from specdistill.pipeline.serve import choose_serving
     from specdistill.pipeline.vllm_bench import refused_entry
@@ -145,13 +146,14 @@ def test_serving_choice_skips_a_mode_vllm_refused():
                      lossless_mismatches=0, acceptance_rate=0.5, accepted_length=2.0, per_position_acceptance=[0.5],
                      request_acceptance_p10=0.0, request_acceptance_p50=0.0, request_acceptance_p90=0.0,
                      tokens_per_second_target_only=10.0, tokens_per_second_speculative=12.0, speedup=1.2,
-                     cost_ratio=None, ideal_speedup=None, stats={"vllm_version": "0.32.0"}, dtype="bfloat16", engine="vllm")
-    speeds = {"ngram": {**ok.to_dict(), "spec": "ngram"},
+                     cost_ratio=None, ideal_speedup=None, stats={"vllm_version": "0.32.0"}, dtype="bfloat16", engine="vllm",
+                     spec="ngram")
+    speeds = {"ngram": ok,
               "challenger": refused_entry("challenger", "draft:/d", "ValueError: no d2t", 4, "bfloat16")}
-    decision = choose_serving(config, {"eval": []}, {}, {"promote": True}, speeds)
-    assert decision["mode"] == "ngram" and decision["measured"] == {"ngram": 1.2}
-    assert "vLLM refused: challenger (ValueError: no d2t)" in decision["reason"]
-    assert "vLLM 0.32.0" in decision["measured_on"] and decision["engine"] == "vllm"
+    decision = choose_serving(config, {"eval": []}, {}, GateVerdict(True), speeds)
+    assert decision.mode == "ngram" and decision.measured == {"ngram": 1.2}
+    assert "vLLM refused: challenger (ValueError: no d2t)" in decision.reason
+    assert "vLLM 0.32.0" in decision.measured_on and decision.engine == "vllm"
 
 
 def test_live_sample_carries_per_position_acceptance():

@@ -7,6 +7,8 @@ import argparse
 import json
 from collections.abc import Callable
 
+from specdistill.data.record import to_dict
+
 Handler = Callable[[argparse.Namespace], int]
 
 
@@ -69,9 +71,9 @@ def add_json(p: argparse.ArgumentParser) -> None:
 
 
 def emit(args: argparse.Namespace, payload: dict, text: str) -> None:
-    """The command's result: `payload` as one JSON object with --json, else `text`."""
+    """The command's result: `payload` as one JSON object with --json (stage outputs by their `to_dict`), else `text`."""
     if getattr(args, "json", False):
-        print(json.dumps(payload, default=str))
+        print(json.dumps(to_dict(payload), default=str))
     else:
         print(text)
 

@@ -11,8 +11,10 @@ bound resamples) is the median over repeats of its speculative over its target-o
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from specdistill.data.record import Record
 
 # The lossless criterion's near-tie tolerance (fp32 logit margin) that results count divergences by: bf16
 # near-ties measured on the demo target were at most 0.29 fp32 logits apart; a token the target does not
@@ -30,7 +32,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 @dataclass
-class SliceResult:
+class SliceResult(Record):
     name: str
     requests: int
     acceptance_rate: float
@@ -41,7 +43,19 @@ class SliceResult:
 
 
 @dataclass
-class BenchResult:
+class GammaSearch(Record):
+    """How a drafter's γ was chosen (`speculative.gamma.bench_at_best_gamma`): the predicted curve over γ,
+    its argmax, the target's verification costs v(k) it was predicted with, and the speedup measured at
+    each γ that ran (the benchmark's, and the predicted best's confirmation run when it differs)."""
+
+    predicted_speedups: dict[int, float]
+    predicted_best: int | None  # None: no drafting round measured, no γ is better than another
+    verify_costs: dict[int, float]
+    measured: dict[int, float]
+
+
+@dataclass
+class BenchResult(Record):
     drafter: str
     gamma: int
     max_new_tokens: int
@@ -70,26 +84,20 @@ class BenchResult:
     lossless_max_margin: float = 0.0  # the largest fp32 logit margin among the near-tie divergences
     lossless_tolerance: float = 0.0  # the near-tie bound (fp32 logits); 0 for the exact criterion
     engine: str = "harness"  # what measured the speeds: harness (this PyTorch engine), llamacpp, openai
-    # `speculative.gamma.bench_at_best_gamma`: the predicted curve and the speedup measured at each γ run
-    gamma_search: dict = field(default_factory=dict)
+    gamma_search: GammaSearch | None = None  # None: measured at the benchmark's γ only
     tree_width: int = 1  # first-position candidates verified as a tree (EAGLE-3 heads, greedy); 1: a chain
     prompt_speedups: list[float] = field(default_factory=list)  # per prompt, in prompt order (see module docstring)
     budget_note: str = ""  # what a time budget cut from this measurement (empty: nothing)
+    spec: str = ""  # the drafter spec a pipeline stage ran (draft:DIR, self_spec:K, ngram, ...; `speculative.specs`)
 
     @property
     def first_position_acceptance(self) -> float:
         """Accepted at draft position 1 / drafting rounds: the red line's quantity (`ops.policy`)."""
         return self.per_position_acceptance[0] if self.per_position_acceptance else 0.0
 
-    def to_dict(self) -> dict:
-        return {**asdict(self), "first_position_acceptance": self.first_position_acceptance}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> BenchResult:
-        """The result back from `to_dict()` (or its JSON); keys that are not fields (a drafter spec) are ignored."""
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        known["slices"] = [SliceResult(**s) for s in known.get("slices", [])]
-        return cls(**known)
+    def extra(self) -> dict:
+        """benchmark.json carries the red line's quantity beside the per-position list it comes from."""
+        return {"first_position_acceptance": self.first_position_acceptance}
 
     def render(self) -> str:
         c = "n/a" if self.cost_ratio is None else f"{self.cost_ratio:.3f}"

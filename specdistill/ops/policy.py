@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
+from specdistill.data.results import BenchResult
+
 RED_LINE = 0.5  # first-position acceptance below this: the draft is not worth serving
 MAX_RELATIVE_DROP = 0.2  # first-position acceptance this far (relatively) under the champion's own at registration: drift
 DEFAULT_MARGIN = 0.05  # a mode must beat target-only by more than this to be served
@@ -257,7 +259,6 @@ def evaluate(result: Any, config: GateConfig | None = None, champion: Any = None
 @dataclass
 class Candidate:
     """One speculation mode measured against target-only decoding on the same prompts."""
-
     name: str
     mode: str  # draft | self_speculation | ngram | suffix
     speedup: float
@@ -341,27 +342,26 @@ def fastest_mode(candidates: Sequence[Candidate], margin: float = DEFAULT_MARGIN
 NOT_SERVED_MODES = ("hybrid",)  # measured, never served: no serving engine runs our draft beside the suffix drafter
 
 
-def servable(results: Mapping[str, Any], promote: bool) -> dict[str, Any]:
+def servable(results: Mapping[str, BenchResult], promote: bool) -> dict[str, BenchResult]:
     """The measured entries that may be served: the challenger only when the gate promotes it (then the
     old champion is superseded), the champion otherwise, and every draft-free mode; never a baseline,
     never a mode no serving engine runs (`NOT_SERVED_MODES`)."""
     from specdistill.speculative.specs import DrafterSpec
-
     superseded = Role.CHAMPION if promote else Role.CHALLENGER
     return {name: r for name, r in results.items() if Role.served(name) and name != superseded
-            and not (r.get("spec") and DrafterSpec.parse(r["spec"]).mode in NOT_SERVED_MODES)}
+            and not (r.spec and DrafterSpec.parse(r.spec).mode in NOT_SERVED_MODES)}
 
 
-def unserved_faster_challenger(results: Mapping[str, Any], verdict: Mapping, served_speedup: float) -> str:
+def unserved_faster_challenger(results: Mapping[str, BenchResult], verdict: GateVerdict, served_speedup: float) -> str:
     """Why a challenger that measured faster than what is served is not served (empty: there is none).
 
     Only a draft that passed the gate is served: its acceptance bar is the red line the monitor holds in
     production, so a draft below it would be taken back at the monitor's next run."""
     r = results.get(Role.CHALLENGER)
-    if r is None or verdict["promote"] or not r.get("lossless") or r["speedup"] <= served_speedup:
+    if r is None or verdict.promote or not r.lossless or r.speedup <= served_speedup:
         return ""
-    why = "; ".join(verdict.get("failures") or []) or "it does not beat the champion"
-    return f"the challenger measured faster ({r['speedup']:.2f}x) but is not served: it did not pass the gate ({why})"
+    why = "; ".join(verdict.failures) or "it does not beat the champion"
+    return f"the challenger measured faster ({r.speedup:.2f}x) but is not served: it did not pass the gate ({why})"
 
 
 # --------------------------------------------------------------------------------------------

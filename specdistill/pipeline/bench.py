@@ -7,11 +7,12 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from specdistill.ops.policy import Role
+from specdistill.data.results import BenchResult
+from specdistill.ops.policy import GateVerdict, Role
 from specdistill.pipeline.budget import stage_deadline
 from specdistill.pipeline.config import NightlyConfig
 from specdistill.pipeline.nightly import target_tokenizer
-from specdistill.pipeline.outputs import BenchEntry, Trained, VerdictDict, WarmStart, WindowDict
+from specdistill.pipeline.outputs import Trained, WarmStart, WindowDict
 from specdistill.speculative.specs import DrafterSpec
 
 
@@ -46,13 +47,13 @@ def bench_prompts(config: NightlyConfig, window: WindowDict):
 
 
 def benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str],
-              deadline_at: float | None = None) -> dict[str, BenchEntry]:
+              deadline_at: float | None = None) -> dict[str, BenchResult]:
     """Every drafter on the same held-out prompts, sharing one interleaved target-only run per prompt,
     then (`serving.choose_gamma`) each at the γ its curve predicts best, confirmed by a second run.
 
     A drafter spec is what `speculative.drafter_from_spec` reads (`draft:DIR`, `self_spec:K`, `ngram`,
     `suffix:CORPUS`, `hybrid:DIR,CORPUS`; a corpus is checked against the target's fingerprint);
-    results are keyed by the given name.
+    results are keyed by the given name and carry the spec they ran (`BenchResult.spec`).
     """
     import torch
 
@@ -79,7 +80,7 @@ def benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str
     elif s.choose_gamma:
         results = bench_at_best_gamma(target.model, target.tokenizer, made, prompts, bcfg, results, range(1, s.max_gamma + 1),
                                       deadline=deadline)
-    return {name: BenchEntry(**result.to_dict(), spec=drafters[name]) for name, result in results.items()}
+    return {name: replace(result, spec=drafters[name]) for name, result in results.items()}
 
 
 def _served_tree_width(spec: str, width: int) -> int:
@@ -92,16 +93,16 @@ def _served_tree_width(spec: str, width: int) -> int:
     return width if path and Path(path).is_dir() and is_eagle3_dir(path) else 1
 
 
-def gate(config: NightlyConfig, challenger: BenchEntry, champion: BenchEntry | None,
-         baselines: dict[str, BenchEntry] | None = None, speeds: dict[str, BenchEntry] | None = None) -> VerdictDict:
+def gate(config: NightlyConfig, challenger: BenchResult, champion: BenchResult | None,
+         baselines: dict[str, BenchResult] | None = None, speeds: dict[str, BenchResult] | None = None) -> GateVerdict:
     """The gate's verdict (`ops.policy.evaluate`) under the run's profile, overrides and `must_beat`.
     With `speeds` (the serving engine's measurements) its speed bar reads the engine's speedups."""
     from specdistill.ops.policy import evaluate
 
     if speeds:
-        challenger = {**challenger, "speedup": speeds[Role.CHALLENGER]["speedup"]} if Role.CHALLENGER in speeds else challenger
+        if Role.CHALLENGER in speeds:
+            challenger = replace(challenger, speedup=speeds[Role.CHALLENGER].speedup)
         if champion is not None and Role.CHAMPION in speeds:
-            champion = {**champion, "speedup": speeds[Role.CHAMPION]["speedup"]}
+            champion = replace(champion, speedup=speeds[Role.CHAMPION].speedup)
     g = config.gate
-    return evaluate(challenger, g.gate_config(), champion=champion,
-                    baselines=baselines, must_beat=g.must_beat).to_dict()
+    return evaluate(challenger, g.gate_config(), champion=champion, baselines=baselines, must_beat=g.must_beat)

@@ -11,12 +11,14 @@ the off-the-shelf baseline is never served, so not measured.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from specdistill.acceptance import DEFAULT_GAMMA
+from specdistill.data.results import BenchResult
 from specdistill.ops.policy import NOT_SERVED_MODES, Role
 from specdistill.pipeline.config import NightlyConfig
-from specdistill.pipeline.outputs import BenchEntry, WindowDict
+from specdistill.pipeline.outputs import WindowDict
 from specdistill.speculative.specs import DrafterSpec
 
 
@@ -55,7 +57,7 @@ def llamacpp_spec(config: NightlyConfig, name: str, spec: str) -> str:
     return str(DrafterSpec("draft", str(export_early_exit_draft(target, exit_layer))))
 
 
-def engine_benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str]) -> dict[str, BenchEntry]:
+def engine_benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str]) -> dict[str, BenchResult]:
     """Each servable drafter against target-only in `config.serving.engine`, interleaved per prompt.
     Results are keyed by drafter name, with the `spec` the harness benchmark used."""
     from specdistill.engines.bench import TARGET_ONLY, run_engine_bench
@@ -74,9 +76,9 @@ def engine_benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[s
         gguf = target_gguf(config.target)
         modes = {name: mode_for_spec(llamacpp_spec(config, name, spec), gguf, b.gamma) for name, spec in servable.items()}
         results = bench_llamacpp(config.target, modes, prompts, bcfg, threads=s.threads)
-        out = {name: BenchEntry(**r.to_dict(), spec=servable[name]) for name, r in results.items()}
+        out = {name: replace(r, spec=servable[name]) for name, r in results.items()}
         for name, mode in modes.items():  # the command line measured (the draft GGUF included): what serving.json names
-            out[name]["stats"]["llamacpp_args"] = ["-m", str(gguf), "-t", str(s.threads), *mode.args()]
+            out[name].stats["llamacpp_args"] = ["-m", str(gguf), "-t", str(s.threads), *mode.args()]
         return out
     if s.engine == "vllm":
         from specdistill.pipeline.vllm_bench import vllm_engine_benchmark
@@ -90,5 +92,5 @@ def engine_benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[s
         if unknown:
             raise ValueError(f"serving.endpoints names modes this run did not benchmark: {unknown} (known: {sorted(drafters)})")
         results = run_engine_bench(dict(s.endpoints), prompts, bcfg, engine="openai", dtype="served")
-        return {name: BenchEntry(**r.to_dict(), spec=drafters[name]) for name, r in results.items()}
+        return {name: replace(r, spec=drafters[name]) for name, r in results.items()}
     raise ValueError(f"serving.engine {s.engine!r} has no separate engine benchmark (the harness benchmark is it)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+from specdistill.data.record import to_dict
 from specdistill.ops.policy import FIRST_POSITION_TAG
 from specdistill.pipeline.config import MonitorConfig
 from specdistill.pipeline.outputs import (
@@ -59,7 +60,7 @@ def record_decision(config: MonitorConfig, outcome: MonitorOutcome) -> RecordedD
     kind = outcome["decision"]
     with LogStore(config.nightly.log_db) as store:
         row = store.add_decision(kind, target["fingerprint"], champion.get("version"),
-                                 json.dumps(outcome, default=str, sort_keys=True))
+                                 json.dumps(to_dict(outcome), default=str, sort_keys=True))
 
     registry.client()
     with mlflow.start_run(experiment_id=registry.experiment_for(config.nightly.target_name),

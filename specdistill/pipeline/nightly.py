@@ -18,24 +18,24 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from specdistill import paths
+from specdistill.data.results import BenchResult
+from specdistill.ops.policy import GateVerdict
+from specdistill.ops.registry import RegisteredDraft
 from specdistill.pipeline.answers import features_dir
 from specdistill.pipeline.budget import stage_deadline
 from specdistill.pipeline.config import NightlyConfig, SourceConfig, config_hash, run_root
 from specdistill.pipeline.outputs import (
-    BenchEntry,
     Champion,
     GeneratedData,
     IngestSummary,
     Promoted,
-    Registered,
-    ServingDecision,
     TargetInfo,
     Trained,
-    VerdictDict,
     WarmStart,
     WindowDict,
     WindowPrompt,
 )
+from specdistill.pipeline.serve import ServingDecision
 
 
 def target_tokenizer(config: NightlyConfig):
@@ -295,8 +295,8 @@ def champion_of(config: NightlyConfig) -> Champion | None:
 
 
 def register(config: NightlyConfig, target: TargetInfo, window: WindowDict, trained: Trained,
-             results: dict[str, BenchEntry], verdict: VerdictDict, parent: str | None, report_path: str | None,
-             speeds: dict[str, BenchEntry] | None = None) -> Registered:
+             results: dict[str, BenchResult], verdict: GateVerdict, parent: str | None, report_path: str | None,
+             speeds: dict[str, BenchResult] | None = None) -> RegisteredDraft:
     """The challenger into the registry with its numbers, curves and artifacts (see `pipeline.report`)."""
     from specdistill.ops import registry
     from specdistill.ops.policy import FIRST_POSITION_TAG, Role, first_position
@@ -309,14 +309,14 @@ def register(config: NightlyConfig, target: TargetInfo, window: WindowDict, trai
         metrics=registration_metrics(results, trained), curves={"train_loss": train_losses(trained)},
         artifacts=registration_artifacts(config, results, verdict, trained, report_path, speeds),
         tags={"target_fingerprint": target["fingerprint"], "data_window": window["key"],
-              "gate_verdict": "pass" if verdict["passed"] else "fail", "parent": parent or "",
+              "gate_verdict": "pass" if verdict.passed else "fail", "parent": parent or "",
               FIRST_POSITION_TAG: f"{first_position(results[Role.CHALLENGER])[0] or 0.0:.4f}"},  # the monitor's drift baseline
         run_name=f"nightly-{window['key']}",
     )
-    return Registered(**asdict(reg))
+    return reg
 
 
-def promote(config: NightlyConfig, registered: Registered, target: TargetInfo, expected_champion: str | None,
+def promote(config: NightlyConfig, registered: RegisteredDraft, target: TargetInfo, expected_champion: str | None,
             serving: ServingDecision) -> Promoted:
     """Alias `champion` and the serving config, together or not at all (see registry.promote). The
     serving config names the mode `serve.choose_serving` picked, which need not be the new draft."""
@@ -324,11 +324,11 @@ def promote(config: NightlyConfig, registered: Registered, target: TargetInfo, e
     from specdistill.ops.serving import serving_path
     from specdistill.pipeline.serve import serving_config
 
-    draft_dir = registry.download_draft(f"models:/{registered['name']}/{registered['version']}")
-    cfg = serving_config(serving, target, registered["version"], str(draft_dir))
-    registry.promote(registered["name"], registered["version"], cfg, expected_champion=expected_champion,
+    draft_dir = registry.download_draft(registered.model_uri)
+    cfg = serving_config(serving, target, registered.version, str(draft_dir))
+    registry.promote(registered.name, registered.version, cfg, expected_champion=expected_champion,
                      serving_path=config.serving_path)
-    return Promoted(version=registered["version"], serving_config=str(config.serving_path or serving_path()))
+    return Promoted(version=registered.version, serving_config=str(config.serving_path or serving_path()))
 
 
 def write_serving(config: NightlyConfig, target: TargetInfo, serving: ServingDecision, champion: Champion | None) -> str:

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, NotRequired, TypedDict
+from typing import NotRequired, TypedDict
 
-from specdistill.data.results import BenchResult, SliceResult
 from specdistill.ops.monitor import FallbackCandidate
 
 # --------------------------------------------------------------------------------------------
@@ -128,62 +127,6 @@ def mirror(cls: type, name: str, **extra: type) -> type:
     the dataclass, and a stage output can never drift from what `to_dict()` produces."""
     hints = typing.get_type_hints(cls)
     return TypedDict(name, {f.name: hints[f.name] for f in dataclasses.fields(cls)} | extra)
-
-
-SliceDict = mirror(SliceResult, "SliceDict")  # `speculative.bench.SliceResult`
-# `speculative.bench.BenchResult.to_dict()` plus the drafter spec it was run with (draft:DIR, self_spec:K, ngram)
-BenchEntry = mirror(BenchResult, "BenchEntry", spec=str, first_position_acceptance=float)
-
-
-class CheckDict(TypedDict):
-    """`ops.policy.Check` as a dict."""
-
-    name: str
-    passed: bool
-    value: Any
-    threshold: Any
-    reason: str
-
-
-class VerdictDict(TypedDict):
-    """`ops.policy.GateVerdict.to_dict()`: what the gate stage hands to registration, promotion and reports."""
-
-    passed: bool
-    reasons: list[str]
-    failures: list[str]
-    checks: list[CheckDict]
-    beats_champion: bool
-    promote: bool
-
-
-class Registered(TypedDict):
-    """`ops.registry.RegisteredDraft` as a dict."""
-
-    name: str
-    version: str
-    run_id: str
-    model_uri: str
-
-
-class ServingDecision(TypedDict):
-    """`pipeline.serve.choose_serving`: the mode written for serving and every number behind it."""
-
-    mode: str  # draft | self_speculation | ngram | off
-    name: str | None  # the measured entry that won (None: off)
-    spec: str | None
-    gamma: int
-    speedup: float  # measured, at `gamma`
-    reason: str
-    measured: dict[str, float]  # every candidate's measured speedup (and the γ confirmation run)
-    measured_on: str  # engine and dtype
-    predicted_speedups: dict[int, float]  # the winner's predicted curve over γ
-    verify_costs: dict[int, float]  # target forward over k tokens ÷ a 1-token step
-    gamma_note: str
-    engine: str  # harness | llamacpp | openai: where the speeds were measured
-    llamacpp_args: list[str]  # llama-server flags of the chosen mode, as measured (engine llamacpp)
-    tree_width: int  # first-position candidates the chosen head was measured with (1: a chain)
-    speedup_lower_bound: float | None  # the served mode's lower confidence bound over the prompts (None: off, or no per-prompt speeds)
-    confidence: float  # its one-sided level
 
 
 class Promoted(TypedDict):

@@ -11,19 +11,13 @@ import time
 from pathlib import Path
 
 from specdistill import paths
-from specdistill.ops.policy import Role, first_position
+from specdistill.data.record import to_dict
+from specdistill.data.results import BenchResult
+from specdistill.ops.policy import GateVerdict, Role, first_position
+from specdistill.ops.registry import RegisteredDraft
 from specdistill.pipeline.config import NightlyConfig, run_root
-from specdistill.pipeline.outputs import (
-    BenchEntry,
-    MonitorOutcome,
-    Promoted,
-    Registered,
-    ServingDecision,
-    TargetInfo,
-    Trained,
-    VerdictDict,
-    WindowDict,
-)
+from specdistill.pipeline.outputs import MonitorOutcome, Promoted, TargetInfo, Trained, WindowDict
+from specdistill.pipeline.serve import ServingDecision
 from specdistill.speculative.specs import DrafterSpec
 
 log = logging.getLogger(__name__)
@@ -32,60 +26,57 @@ log = logging.getLogger(__name__)
 # The nightly's report
 
 
-def lossless_cell(r: BenchEntry) -> str:
+def lossless_cell(r: BenchResult) -> str:
     """The lossless verdict in words: exact matches, near-tie divergences (max fp32 margin), real mismatches."""
-    if r.get("lossless") is None:
+    if r.lossless is None:
         return "n/a (sampling)"
-    exact, ties, bad = r.get("lossless_exact"), r.get("lossless_near_ties") or 0, r.get("lossless_mismatches") or 0
+    exact, ties, bad = r.lossless_exact, r.lossless_near_ties, r.lossless_mismatches
     if bad:
         return f"NO: {bad} real mismatch{'es' if bad > 1 else ''}"
-    if exact is None:  # a result recorded before near-ties were told apart
-        return "yes"
     if ties:
-        return f"yes: {exact} exact, {ties} near-tie (≤ {r.get('lossless_max_margin') or 0:.2f})"
+        return f"yes: {exact} exact, {ties} near-tie (≤ {r.lossless_max_margin:.2f})"
     return f"yes: {exact} exact"
 
 
-def report_table(results: dict[str, BenchEntry], verdict: VerdictDict | None = None, registered: Registered | None = None,
+def report_table(results: dict[str, BenchResult], verdict: GateVerdict | None = None, registered: RegisteredDraft | None = None,
                  promoted: Promoted | None = None, serving: ServingDecision | None = None,
-                 target: TargetInfo | None = None, speeds: dict[str, BenchEntry] | None = None) -> str:
+                 target: TargetInfo | None = None, speeds: dict[str, BenchResult] | None = None) -> str:
     """Markdown: the challenger against the champion and the baselines on the same prompts, the gate
     (which draft is champion) and the serving choice (which mode is fastest here), each with its numbers."""
     lines = ["| drafter | first-position acceptance | acceptance α | accepted length τ | γ | speedup | cost ratio c | lossless |",
              "|---|---:|---:|---:|---:|---:|---:|---|"]
     for name, r in results.items():
-        c = "" if r.get("cost_ratio") is None else f"{r['cost_ratio']:.3f}"
-        spec = r.get("spec", "")
-        label = name if spec.startswith("draft:") or not spec else f"{name} ({spec})"
-        gamma = f"{r['gamma']} (tree {r['tree_width']})" if r.get("tree_width", 1) > 1 else f"{r['gamma']}"
-        first, source = first_position(r)  # "–": no per-position counts (an engine without them)
-        lines.append(f"| {label} | {f'{first:.3f}' if source == 'first-position' else '–'} | {r['acceptance_rate']:.3f} | "
-                     f"{r['accepted_length']:.2f} | {gamma} | {r['speedup']:.2f}x | {c} | {lossless_cell(r)} |")
+        c = "" if r.cost_ratio is None else f"{r.cost_ratio:.3f}"
+        label = name if r.spec.startswith("draft:") or not r.spec else f"{name} ({r.spec})"
+        gamma = f"{r.gamma} (tree {r.tree_width})" if r.tree_width > 1 else f"{r.gamma}"
+        first = f"{r.first_position_acceptance:.3f}" if r.per_position_acceptance else "–"  # –: no per-position counts
+        lines.append(f"| {label} | {first} | {r.acceptance_rate:.3f} | {r.accepted_length:.2f} | {gamma} | "
+                     f"{r.speedup:.2f}x | {c} | {lossless_cell(r)} |")
     lines.append("| no speculation | – | – | 1.00 | – | 1.00x | – | yes |")
-    if any(r.get("tree_width", 1) > 1 for r in results.values()):
+    if any(r.tree_width > 1 for r in results.values()):
         lines += ["", "γ (tree W): a chain of γ drafts after the head's top candidate plus its next W-1 candidates for "
                       "the first position, verified in one target forward (greedy); α is the chain's acceptance, τ "
                       "counts the runner-ups accepted too"]
     any_r = next(iter(results.values()), None)
     if any_r is not None:
-        dtype = any_r.get("dtype") or (target or {}).get("dtype", "")
-        lines += ["", f"measured with the PyTorch harness{' in ' + dtype if dtype else ''}: {any_r['max_new_tokens']} new tokens "
-                      f"a prompt, target-only {any_r['tokens_per_second_target_only']:.1f} tokens/s; speedups are interleaved "
+        dtype = any_r.dtype or (target or {}).get("dtype", "")
+        lines += ["", f"measured with the PyTorch harness{' in ' + dtype if dtype else ''}: {any_r.max_new_tokens} new tokens "
+                      f"a prompt, target-only {any_r.tokens_per_second_target_only:.1f} tokens/s; speedups are interleaved "
                       f"medians against it on the same held-out prompts"]
-    searched = {name: r for name, r in results.items() if r.get("gamma_search")}
+    searched = {name: r for name, r in results.items() if r.gamma_search is not None}
     if searched:
         lines += ["", "γ per drafter, by measurement:", *(f"- {name}: {gamma_note(r)}" for name, r in searched.items())]
     if speeds:
         lines += ["", *engine_table(speeds)]
     if verdict is not None:
-        lines += ["", f"**gate (champion draft): {'PASS' if verdict['passed'] else 'FAIL'}**", ""]
-        lines += [f"- {reason}" for reason in verdict["reasons"]]
+        lines += ["", f"**gate (champion draft): {'PASS' if verdict.passed else 'FAIL'}**", ""]
+        lines += [f"- {reason}" for reason in verdict.reasons]
     if serving is not None:
         lines += ["", _serving_line(serving)]
         lines += _draft_vs_serving(results, verdict, serving)
     if registered is not None:
         alias = Role.CHAMPION if promoted else Role.CHALLENGER
-        lines += ["", f"registered: `{registered['name']}` version {registered['version']} (alias `{alias}`)"]
+        lines += ["", f"registered: `{registered.name}` version {registered.version} (alias `{alias}`)"]
     if promoted:
         lines.append(f"serving config: `{promoted['serving_config']}`")
     elif registered is not None:
@@ -93,57 +84,54 @@ def report_table(results: dict[str, BenchEntry], verdict: VerdictDict | None = N
     return "\n".join(lines)
 
 
-def gamma_note(r: BenchEntry) -> str:
+def gamma_note(r: BenchResult) -> str:
     """How an entry's γ was chosen, in words: the predicted best and what each measured γ ran at."""
-    search = r.get("gamma_search") or {}
-    if not search:
-        return f"γ={r['gamma']} as benchmarked (no γ search)"
-    best = int(search["predicted_best"])
-    predicted = {int(g): x for g, x in search["predicted_speedups"].items()}  # JSON keys are strings
-    runs = ", ".join(f"{x:.2f}x at γ={g}" for g, x in sorted((int(g), x) for g, x in search["measured"].items()))
-    if best == r["gamma"] and len(search["measured"]) == 1:
+    search = r.gamma_search
+    if search is None or search.predicted_best is None:
+        return f"γ={r.gamma} as benchmarked (no γ search)"
+    best, predicted = search.predicted_best, search.predicted_speedups
+    runs = ", ".join(f"{x:.2f}x at γ={g}" for g, x in sorted(search.measured.items()))
+    if best == r.gamma and len(search.measured) == 1:
         return f"γ={best} predicted best ({predicted[best]:.2f}x) and measured {runs}"
-    kept = "confirmed" if best == r["gamma"] else f"not confirmed, γ={r['gamma']} kept"
+    kept = "confirmed" if best == r.gamma else f"not confirmed, γ={r.gamma} kept"
     return f"γ={best} predicted best ({predicted[best]:.2f}x), {kept}: measured {runs}"
 
 
-def engine_table(speeds: dict[str, BenchEntry]) -> list[str]:
+def engine_table(speeds: dict[str, BenchResult]) -> list[str]:
     """The servable modes as the serving engine measured them (the serving choice reads these)."""
     some = next(iter(speeds.values()))
-    lines = [f"speeds in the serving engine: **{some.get('engine', '?')}**, {some['dtype']}, {some['max_new_tokens']} new tokens "
-             f"a prompt, target-only {some['tokens_per_second_target_only']:.1f} tokens/s (wall clock); α from the engine's counters",
+    lines = [f"speeds in the serving engine: **{some.engine}**, {some.dtype}, {some.max_new_tokens} new tokens "
+             f"a prompt, target-only {some.tokens_per_second_target_only:.1f} tokens/s (wall clock); α from the engine's counters",
              "", "| mode | acceptance α | accepted length τ | K | speedup | lossless (engine logprobs) |", "|---|---:|---:|---:|---:|---|"]
     for name, r in speeds.items():
-        lines.append(f"| {name} ({r.get('spec', '')}) | {r['acceptance_rate']:.3f} | {r['accepted_length']:.2f} | {r['gamma']} | "
-                     f"{r['speedup']:.2f}x | {lossless_cell(r)} |")
+        lines.append(f"| {name} ({r.spec}) | {r.acceptance_rate:.3f} | {r.accepted_length:.2f} | {r.gamma} | "
+                     f"{r.speedup:.2f}x | {lossless_cell(r)} |")
     return lines
 
 
 def _serving_line(serving: ServingDecision) -> str:
-    if serving["mode"] == "off":
-        return f"**serving: no speculation** (measured: {serving['measured_on']}): {serving['reason']}"
-    tree = f" (tree {serving['tree_width']})" if serving.get("tree_width", 1) > 1 else ""
-    head = (f"**serving: {serving['mode']} ({serving['name']}), γ={serving['gamma']}{tree}, {serving['speedup']:.2f}x measured "
-            f"({serving['measured_on']})**")
-    curve = serving.get("predicted_speedups") or {}
-    out = f"{head}: {serving['reason']}"
-    if serving.get("speedup_lower_bound") is not None:
+    s = serving
+    if s.mode == "off":
+        return f"**serving: no speculation** (measured: {s.measured_on}): {s.reason}"
+    tree = f" (tree {s.tree_width})" if s.tree_width > 1 else ""
+    out = f"**serving: {s.mode} ({s.name}), γ={s.gamma}{tree}, {s.speedup:.2f}x measured ({s.measured_on})**: {s.reason}"
+    if s.speedup_lower_bound is not None:
         out += (f"\n\nhow sure: the served mode's per-prompt speedups give a lower bound of "
-                f"{serving['speedup_lower_bound']:.2f}x at {serving.get('confidence', 0.95):.0%} confidence (bootstrap over prompts)")
-    if serving.get("gamma_note"):
-        out += f"\n\nγ by measurement: {serving['gamma_note']}"
-    if curve:
-        out += "; predicted by γ: " + ", ".join(f"{g}: {x:.2f}x" for g, x in sorted(curve.items(), key=lambda kv: int(kv[0])))
+                f"{s.speedup_lower_bound:.2f}x at {s.confidence:.0%} confidence (bootstrap over prompts)")
+    if s.gamma_note:
+        out += f"\n\nγ by measurement: {s.gamma_note}"
+    if s.predicted_speedups:
+        out += "; predicted by γ: " + ", ".join(f"{g}: {x:.2f}x" for g, x in sorted(s.predicted_speedups.items()))
     return out
 
 
-def _draft_vs_serving(results: dict[str, BenchEntry], verdict: VerdictDict | None, serving: ServingDecision) -> list[str]:
+def _draft_vs_serving(results: dict[str, BenchResult], verdict: GateVerdict | None, serving: ServingDecision) -> list[str]:
     """Say it plainly when the best draft is not what is served on this hardware."""
-    best = Role.CHALLENGER if verdict and verdict.get("promote") else (Role.CHAMPION if Role.CHAMPION in results else None)
-    if best is None or serving["name"] == best:
+    best = Role.CHALLENGER if verdict and verdict.promote else (Role.CHAMPION if Role.CHAMPION in results else None)
+    if best is None or serving.name == best:
         return []
     r = results[best]
-    return ["", f"the {best} draft runs at {r['speedup']:.2f}x here, so {serving['mode']} is served instead; the "
+    return ["", f"the {best} draft runs at {r.speedup:.2f}x here, so {serving.mode} is served instead; the "
                 f"`champion` alias still names the best draft, for engines where verifying a draft is cheap (GPUs)."]
 
 
@@ -158,20 +146,20 @@ def write_report(text: str, window: WindowDict, path: str | None = None) -> str:
 # What a registration records in MLflow
 
 
-def registration_metrics(results: dict[str, BenchEntry], trained: Trained) -> dict[str, float]:
+def registration_metrics(results: dict[str, BenchResult], trained: Trained) -> dict[str, float]:
     """The challenger's numbers, its per-position acceptance, and each baseline's α and speedup."""
     challenger = results[Role.CHALLENGER]
     metrics = {"first_position_acceptance": first_position(challenger)[0] or 0.0,
-               "acceptance_rate": challenger["acceptance_rate"], "accepted_length": challenger["accepted_length"],
-               "speedup": challenger["speedup"], "cost_ratio": challenger.get("cost_ratio") or 0.0,
+               "acceptance_rate": challenger.acceptance_rate, "accepted_length": challenger.accepted_length,
+               "speedup": challenger.speedup, "cost_ratio": challenger.cost_ratio or 0.0,
                "train_tokens": trained["tokens"], "train_minutes": trained["train_minutes"]}
-    for i, a in enumerate(challenger["per_position_acceptance"]):
+    for i, a in enumerate(challenger.per_position_acceptance):
         metrics[f"acceptance_pos_{i}"] = a
     for name, r in results.items():
         if name != Role.CHALLENGER:
             key = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
-            metrics[f"baseline_{key}_acceptance_rate"] = r["acceptance_rate"]
-            metrics[f"baseline_{key}_speedup"] = r["speedup"]
+            metrics[f"baseline_{key}_acceptance_rate"] = r.acceptance_rate
+            metrics[f"baseline_{key}_speedup"] = r.speedup
     return metrics
 
 
@@ -181,37 +169,35 @@ def train_losses(trained: Trained) -> list[float]:
     return [json.loads(line)["loss"] for line in curve_file.read_text().splitlines()] if curve_file.is_file() else []
 
 
-def registration_artifacts(config: NightlyConfig, results: dict[str, BenchEntry], verdict: VerdictDict, trained: Trained,
-                           report_path: str | None, speeds: dict[str, BenchEntry] | None = None) -> list[Path]:
+def registration_artifacts(config: NightlyConfig, results: dict[str, BenchResult], verdict: GateVerdict, trained: Trained,
+                           report_path: str | None, speeds: dict[str, BenchResult] | None = None) -> list[Path]:
     """benchmark.json, the run's config, gate.json, the challenger's acceptance plot, the report and the
     suffix corpus (when measured); with a serving engine's measurements, engine_benchmark.json and the
     challenger's GGUF as llama.cpp ran it."""
-    from specdistill.speculative.bench import BenchResult
-
     artifacts_dir = paths.ensure(Path(trained["draft_dir"]).parent / "artifacts")
-    (artifacts_dir / "benchmark.json").write_text(json.dumps(results, indent=2, default=str))
+    (artifacts_dir / "benchmark.json").write_text(json.dumps(to_dict(results), indent=2, default=str))
     (artifacts_dir / "nightly_config.json").write_text(config.model_dump_json(indent=2))
-    (artifacts_dir / "gate.json").write_text(json.dumps(verdict, indent=2))
+    (artifacts_dir / "gate.json").write_text(json.dumps(verdict.to_dict(), indent=2, default=str))
     artifacts = [artifacts_dir / "benchmark.json", artifacts_dir / "nightly_config.json", artifacts_dir / "gate.json"]
     plot = artifacts_dir / "acceptance.png"
     try:
-        BenchResult.from_dict(results[Role.CHALLENGER]).plot(plot)
+        results[Role.CHALLENGER].plot(plot)
     except (ImportError, OSError) as exc:  # no matplotlib, or the file cannot be written: register without the plot
         log.warning("registering without the acceptance plot: %s: %s", type(exc).__name__, exc)
     else:
         artifacts.append(plot)
     if report_path:
         artifacts.append(Path(report_path))
-    suffix = (results.get("suffix") or {}).get("spec", "")
+    suffix = results["suffix"].spec if "suffix" in results else ""
     if suffix and DrafterSpec.parse(suffix).corpus:  # the suffix drafter's corpus (and its SGLang export), beside the draft
         from specdistill.pipeline.corpus import sglang_corpus_path
 
         corpus = Path(DrafterSpec.parse(suffix).corpus)
         artifacts += [p for p in (corpus, sglang_corpus_path(corpus)) if p.is_file()]
     if speeds:
-        (artifacts_dir / "engine_benchmark.json").write_text(json.dumps(speeds, indent=2, default=str))
+        (artifacts_dir / "engine_benchmark.json").write_text(json.dumps(to_dict(speeds), indent=2, default=str))
         artifacts.append(artifacts_dir / "engine_benchmark.json")
-        args = (speeds.get(Role.CHALLENGER) or {}).get("stats", {}).get("llamacpp_args", [])
+        args = speeds[Role.CHALLENGER].stats.get("llamacpp_args", []) if Role.CHALLENGER in speeds else []
         if "-md" in args:
             artifacts.append(Path(args[args.index("-md") + 1]))
     return artifacts
@@ -241,8 +227,8 @@ def render_outcome(outcome: MonitorOutcome) -> str:
         lines.append(f"fallback: {fb.get('mode')} — {fb.get('reason')}")
     inc = outcome.get("incremental")
     if inc:
-        reg = inc["registered"]
-        lines.append(f"incremental distillation: version {reg['version']}, gate {'PASS' if inc['verdict']['passed'] else 'FAIL'}"
-                     + (f", promoted; serving {(inc.get('serving') or {}).get('mode', 'draft')}" if inc["promoted"]
+        serving = inc.get("serving")
+        lines.append(f"incremental distillation: version {inc['registered'].version}, gate {'PASS' if inc['verdict'].passed else 'FAIL'}"
+                     + (f", promoted; serving {serving.mode if serving else 'draft'}" if inc["promoted"]
                         else ", not promoted: " + ("fallback stays" if outcome["decision"] == "fallback" else "champion stays")))
     return "\n\n".join(lines)

@@ -14,10 +14,36 @@ this hardware; the report says so.
 
 from __future__ import annotations
 
-from specdistill.ops.policy import Candidate, Role, fastest_mode, servable, unserved_faster_challenger
+from dataclasses import dataclass, field
+
+from specdistill.data.record import Record
+from specdistill.data.results import BenchResult
+from specdistill.ops.policy import CONFIDENCE, Candidate, GateVerdict, Role, fastest_mode, servable, unserved_faster_challenger
 from specdistill.pipeline.config import NightlyConfig
-from specdistill.pipeline.outputs import BenchEntry, Champion, ServingDecision, TargetInfo, VerdictDict, WindowDict
+from specdistill.pipeline.outputs import Champion, TargetInfo, WindowDict
 from specdistill.speculative.specs import DrafterSpec
+
+
+@dataclass
+class ServingDecision(Record):
+    """The mode written for serving and every number behind it (`serving_config` turns it into serving.json)."""
+
+    mode: str  # draft | self_speculation | ngram | suffix | off
+    reason: str
+    measured: dict[str, float]  # every candidate's measured speedup
+    measured_on: str  # engine and dtype
+    gamma: int
+    name: str | None = None  # the measured entry that won (None: off)
+    spec: str | None = None
+    speedup: float = 1.0  # measured, at `gamma`
+    predicted_speedups: dict[int, float] = field(default_factory=dict)  # the winner's predicted curve over γ
+    verify_costs: dict[int, float] = field(default_factory=dict)  # target forward over k tokens ÷ a 1-token step
+    gamma_note: str = ""
+    engine: str = "harness"  # harness | llamacpp | vllm | openai: where the speeds were measured
+    llamacpp_args: list[str] = field(default_factory=list)  # llama-server flags of the chosen mode, as measured
+    tree_width: int = 1  # first-position candidates the chosen head was measured with (1: a chain)
+    speedup_lower_bound: float | None = None  # the served mode's lower confidence bound (None: off, or no per-prompt speeds)
+    confidence: float = CONFIDENCE  # its one-sided level
 
 
 def mode_of(spec: str) -> str:
@@ -25,48 +51,47 @@ def mode_of(spec: str) -> str:
     return DrafterSpec.parse(spec).mode
 
 
-def serving_candidates(results: dict[str, BenchEntry], verdict: VerdictDict) -> dict[str, BenchEntry]:
+def serving_candidates(results: dict[str, BenchResult], verdict: GateVerdict) -> dict[str, BenchResult]:
     """The modes that may be served (`ops.policy.servable`)."""
-    return servable(results, verdict["promote"])
+    return servable(results, verdict.promote)
 
 
-def _candidates(entries: dict[str, BenchEntry], gamma: int | None = None) -> list[Candidate]:
-    return [Candidate(name, mode_of(r["spec"]), r["speedup"], r["lossless"], gamma or r["gamma"],
-                      prompt_speedups=list(r.get("prompt_speedups") or [])) for name, r in entries.items()]
+def _candidates(entries: dict[str, BenchResult], gamma: int | None = None) -> list[Candidate]:
+    return [Candidate(name, mode_of(r.spec), r.speedup, r.lossless, gamma or r.gamma, prompt_speedups=list(r.prompt_speedups))
+            for name, r in entries.items()]
 
 
-def choose_engine_serving(config: NightlyConfig, speeds: dict[str, BenchEntry], verdict: VerdictDict) -> ServingDecision:
+def choose_engine_serving(config: NightlyConfig, speeds: dict[str, BenchResult], verdict: GateVerdict) -> ServingDecision:
     """The fastest lossless mode as measured in the serving engine, through the same no-slowdown guard.
     γ is the benchmark's K (the harness's γ search models the harness's verification cost, not the engine's)."""
     b, s = config.bench, config.serving
-    refused = {name: r["stats"]["vllm_refused"] for name, r in speeds.items() if r["stats"].get("vllm_refused")}
+    refused = {name: r.stats["vllm_refused"] for name, r in speeds.items() if r.stats.get("vllm_refused")}
     candidates = {name: r for name, r in serving_candidates(speeds, verdict).items() if name not in refused}
     choice = fastest_mode(_candidates(candidates, b.gamma), s.margin, confidence=s.confidence)
     some = next(iter(speeds.values()), None)
-    measured_on = f"{s.engine}, {some['dtype'] if some else '?'}" + (f", {s.threads} threads" if s.engine in ("llamacpp", "vllm") else "")
+    measured_on = f"{s.engine}, {some.dtype if some else '?'}" + (f", {s.threads} threads" if s.engine in ("llamacpp", "vllm") else "")
     if s.engine == "vllm" and some is not None:
         from specdistill.hardware import cpu_info
 
-        measured_on += f", vLLM {some['stats'].get('vllm_version', '?')}, {cpu_info().describe()}"
+        measured_on += f", vLLM {some.stats.get('vllm_version', '?')}, {cpu_info().describe()}"
     reason = choice.reason
     if refused:
         reason += "; not served, vLLM refused: " + "; ".join(f"{n} ({why})" for n, why in refused.items())
-    decision = ServingDecision(mode=choice.mode, name=None, spec=None, gamma=b.gamma, speedup=1.0, reason=reason,
-                               measured={name: r["speedup"] for name, r in speeds.items() if name not in refused}, measured_on=measured_on,
-                               predicted_speedups={}, verify_costs={}, gamma_note=f"γ=K={b.gamma} as measured in {s.engine}",
-                               engine=s.engine, llamacpp_args=[], tree_width=1,
+    decision = ServingDecision(mode=choice.mode, gamma=b.gamma, reason=reason, measured_on=measured_on,
+                               measured={name: r.speedup for name, r in speeds.items() if name not in refused},
+                               gamma_note=f"γ=K={b.gamma} as measured in {s.engine}", engine=s.engine,
                                speedup_lower_bound=choice.lower_bound, confidence=choice.confidence)
     if some is not None and s.engine == "llamacpp":  # target-only: the measured command without the mode's flags
-        decision["llamacpp_args"] = list(some["stats"]["llamacpp_args"][:4])
+        decision.llamacpp_args = list(some.stats["llamacpp_args"][:4])
     if choice.candidate is not None:
         r = candidates[choice.candidate.name]
-        decision.update(name=choice.candidate.name, spec=r["spec"], speedup=r["speedup"],
-                        llamacpp_args=list(r["stats"].get("llamacpp_args", [])))
+        decision.name, decision.spec, decision.speedup = choice.candidate.name, r.spec, r.speedup
+        decision.llamacpp_args = list(r.stats.get("llamacpp_args", []))
     return decision
 
 
-def choose_serving(config: NightlyConfig, window: WindowDict, results: dict[str, BenchEntry],
-                   verdict: VerdictDict, speeds: dict[str, BenchEntry] | None = None) -> ServingDecision:
+def choose_serving(config: NightlyConfig, window: WindowDict, results: dict[str, BenchResult],
+                   verdict: GateVerdict, speeds: dict[str, BenchResult] | None = None) -> ServingDecision:
     """`speeds` (from `engine_bench.engine_benchmark`) when the serving engine is not the harness.
     In the harness each entry was benchmarked at its own best γ already (`pipeline.bench.benchmark`), and
     the winner is served at that γ."""
@@ -79,23 +104,21 @@ def choose_serving(config: NightlyConfig, window: WindowDict, results: dict[str,
     candidates = serving_candidates(results, verdict)
     choice = fastest_mode(_candidates(candidates), config.serving.margin, confidence=config.serving.confidence)
     some = next(iter(results.values()), None)
-    measured = {name: r["speedup"] for name, r in results.items()}  # every mode measured, served or not
-    decision = ServingDecision(mode=choice.mode, name=None, spec=None, gamma=config.bench.gamma, speedup=1.0,
-                               reason=choice.reason, measured=measured,
-                               measured_on=f"PyTorch harness, {some['dtype'] if some else '?'}", predicted_speedups={},
-                               verify_costs={}, gamma_note="", engine="harness", llamacpp_args=[], tree_width=1,
+    decision = ServingDecision(mode=choice.mode, gamma=config.bench.gamma, reason=choice.reason,
+                               measured={name: r.speedup for name, r in results.items()},  # every mode measured, served or not
+                               measured_on=f"PyTorch harness, {some.dtype if some else '?'}",
                                speedup_lower_bound=choice.lower_bound, confidence=choice.confidence)
     held_back = unserved_faster_challenger(results, verdict, choice.candidate.speedup if choice.candidate else 1.0)
     if held_back:
-        decision["reason"] += f"; {held_back}"
+        decision.reason += f"; {held_back}"
     if choice.candidate is None:
         return decision
-    name = choice.candidate.name
-    r = candidates[name]
-    search = r.get("gamma_search") or {}
-    decision.update(name=name, spec=r["spec"], speedup=r["speedup"], gamma=r["gamma"], tree_width=r.get("tree_width", 1),
-                    predicted_speedups=search.get("predicted_speedups", {}), verify_costs=search.get("verify_costs", {}),
-                    gamma_note=gamma_note(r))
+    r = candidates[choice.candidate.name]
+    search = r.gamma_search
+    decision.name, decision.spec, decision.speedup, decision.gamma = choice.candidate.name, r.spec, r.speedup, r.gamma
+    decision.tree_width, decision.gamma_note = r.tree_width, gamma_note(r)
+    if search is not None:
+        decision.predicted_speedups, decision.verify_costs = dict(search.predicted_speedups), dict(search.verify_costs)
     return decision
 
 
@@ -107,19 +130,19 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
     from specdistill.modeling.models import load_model
     from specdistill.ops.serving import ServingConfig
 
-    common = dict(mode=decision["mode"], num_speculative_tokens=decision["gamma"], target_fingerprint=target["fingerprint"],
-                  reason=f"nightly: {decision['reason']}" + (f"; {decision['gamma_note']}" if decision["gamma_note"] else ""),
-                  measured=decision["measured"], measured_on=decision["measured_on"],
-                  engine=decision.get("engine", "harness"), llamacpp_args=decision.get("llamacpp_args", []),
+    d = decision
+    common = dict(mode=d.mode, num_speculative_tokens=d.gamma, target_fingerprint=target["fingerprint"],
+                  reason=f"nightly: {d.reason}" + (f"; {d.gamma_note}" if d.gamma_note else ""),
+                  measured=d.measured, measured_on=d.measured_on, engine=d.engine, llamacpp_args=d.llamacpp_args,
                   hardware=target.get("hardware", ""))
-    spec, mode = DrafterSpec.parse(decision["spec"]) if decision["spec"] else None, decision["mode"]
+    spec, mode = DrafterSpec.parse(d.spec) if d.spec else None, d.mode
     if mode == "draft":
         from specdistill.modeling.eagle3_io import is_eagle3_dir
 
         local = spec.path
         kind = "eagle3" if is_eagle3_dir(local) else "layers"  # vLLM method eagle3 / SGLang EAGLE3 for a head
-        tree = decision.get("tree_width", 1) if kind == "eagle3" else 1
-        if decision["name"] == Role.CHALLENGER:  # served from its registered copy once it is registered
+        tree = d.tree_width if kind == "eagle3" else 1
+        if d.name == Role.CHALLENGER:  # served from its registered copy once it is registered
             return ServingConfig(draft_dir=registered_dir or local, draft_version=registered_version, draft_kind=kind,
                                  tree_width=tree, **common)
         return ServingConfig(draft_dir=local, draft_version=champion["version"] if champion else None, draft_kind=kind,

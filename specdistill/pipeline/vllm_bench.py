@@ -9,8 +9,10 @@ served (not lossless, speedup 0) carrying vLLM's own error, so the serving choic
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from specdistill.data.results import BenchResult
 from specdistill.pipeline.config import NightlyConfig
-from specdistill.pipeline.outputs import BenchEntry
 
 
 def mode_serving_config(spec: str, gamma: int, target_ref: str):
@@ -45,20 +47,17 @@ def mode_serving_config(spec: str, gamma: int, target_ref: str):
     raise ValueError(f"drafter {spec!r} has no vLLM mode (draft:DIR, self_spec:K, ngram or suffix:CORPUS)")
 
 
-def refused_entry(name: str, spec: str, cause: str, gamma: int, dtype: str) -> BenchEntry:
+def refused_entry(name: str, spec: str, cause: str, gamma: int, dtype: str) -> BenchResult:
     """A mode vLLM would not start: measured as nothing, never served, vLLM's reason kept."""
-    from specdistill.speculative.bench import BenchResult
-
-    r = BenchResult(drafter=name, gamma=gamma, max_new_tokens=0, repeats=0, greedy=True, lossless=False,
-                    lossless_mismatches=0, acceptance_rate=0.0, accepted_length=1.0, per_position_acceptance=[],
-                    request_acceptance_p10=0.0, request_acceptance_p50=0.0, request_acceptance_p90=0.0,
-                    tokens_per_second_target_only=0.0, tokens_per_second_speculative=0.0, speedup=0.0,
-                    cost_ratio=None, ideal_speedup=None, slices=[], stats={"vllm_refused": cause}, dtype=dtype,
-                    engine="vllm")
-    return BenchEntry(**r.to_dict(), spec=spec)
+    return BenchResult(drafter=name, gamma=gamma, max_new_tokens=0, repeats=0, greedy=True, lossless=False,
+                       lossless_mismatches=0, acceptance_rate=0.0, accepted_length=1.0, per_position_acceptance=[],
+                       request_acceptance_p10=0.0, request_acceptance_p50=0.0, request_acceptance_p90=0.0,
+                       tokens_per_second_target_only=0.0, tokens_per_second_speculative=0.0, speedup=0.0,
+                       cost_ratio=None, ideal_speedup=None, slices=[], stats={"vllm_refused": cause}, dtype=dtype,
+                       engine="vllm", spec=spec)
 
 
-def vllm_engine_benchmark(config: NightlyConfig, prompts, servable: dict[str, str], bcfg) -> dict[str, BenchEntry]:
+def vllm_engine_benchmark(config: NightlyConfig, prompts, servable: dict[str, str], bcfg) -> dict[str, BenchResult]:
     """`engine_bench.engine_benchmark` for serving.engine vllm: results keyed by drafter name."""
     from specdistill.engines.vllm_bench import bench_vllm, served_dtype
 
@@ -66,9 +65,9 @@ def vllm_engine_benchmark(config: NightlyConfig, prompts, servable: dict[str, st
     configs = {name: mode_serving_config(spec, b.gamma, config.target) for name, spec in servable.items()}
     run = bench_vllm(config.target, {name: c.vllm() for name, c in configs.items()}, prompts, bcfg,
                      threads=s.threads, dtype=config.dtype)
-    out = {name: BenchEntry(**r.to_dict(), spec=servable[name]) for name, r in run.results.items()}
+    out = {name: replace(r, spec=servable[name]) for name, r in run.results.items()}
     for name, cause in run.refused.items():
         out[name] = refused_entry(name, servable[name], cause, b.gamma, served_dtype(config.dtype))
     for entry in out.values():
-        entry["stats"]["vllm_version"] = run.version
+        entry.stats["vllm_version"] = run.version
     return out

@@ -29,6 +29,7 @@ from transformers import PreTrainedModel
 
 from specdistill.acceptance import ideal_speedup
 from specdistill.budget import Deadline
+from specdistill.data.results import GammaSearch
 from specdistill.modeling.attention import decode_attention_for
 from specdistill.modeling.kv_cache import preallocated_cache
 from specdistill.modeling.lean import engine_forward
@@ -194,9 +195,9 @@ def bench_at_best_gamma(target: PreTrainedModel, tokenizer, drafters: dict, prom
     for name, first in results.items():
         again = confirmed.get(name)
         best = first if again is None or again.lossless is False else prefer_smaller_gamma(first, again)
-        search = {"predicted_speedups": curves[name]["predicted_speedups"], "predicted_best": curves[name]["best_gamma"],
-                  "verify_costs": curves[name]["verify_costs"],
-                  "measured": {first.gamma: first.speedup, **({again.gamma: again.speedup} if again else {})}}
+        search = GammaSearch(predicted_speedups=curves[name]["predicted_speedups"], predicted_best=curves[name]["best_gamma"],
+                             verify_costs=curves[name]["verify_costs"],
+                             measured={first.gamma: first.speedup, **({again.gamma: again.speedup} if again else {})})
         ideal = ideal_speedup(best.acceptance_rate, best.gamma, first.cost_ratio) if first.cost_ratio is not None else None
         out[name] = replace(best, cost_ratio=first.cost_ratio, ideal_speedup=ideal, gamma_search=search,
                             budget_note="; ".join(x for x in (first.budget_note, note if name in moved else "") if x))
