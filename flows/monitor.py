@@ -40,13 +40,13 @@ def monitor(config_path: str | None = None, overrides: list[str] | None = None,
         log.info("no champion registered yet: nothing to monitor")
         return MonitorOutcome(change=change, decision="no-champion")
 
-    sample = t.sample_acceptance(config, champion, change["current"])
+    sample = t.sample_acceptance(config, champion, change.current)
     decision, why = mc.judge(config, sample, champion)
     outcome = MonitorOutcome(change=change, champion=champion, sample=sample, decision=decision, decision_reason=why)
     if decision == "fallback":
-        fallback = t.choose_fallback(config, change["current"])
+        fallback = t.choose_fallback(config, change.current)
         outcome["fallback"] = fallback
-        outcome["serving"] = t.apply_fallback(config, fallback, change["current"])
+        outcome["serving"] = t.apply_fallback(config, fallback, change.current)
     if decision in ("fallback", "retrain"):
         retrain = nightly(config_path=config.nightly_config, overrides=mc.incremental_overrides(config, change))
         outcome["incremental"] = {k: retrain[k] for k in ("warm_start", "verdict", "registered", "promoted", "serving")}
@@ -55,7 +55,7 @@ def monitor(config_path: str | None = None, overrides: list[str] | None = None,
     create_markdown_artifact(report, key="monitor-decision", description="acceptance and what the monitor did")
     log.info("\n%s", report)
     outcome["report"] = report
-    nt.mark_success(config.nightly, "monitor", change["current"]["fingerprint"])
+    nt.mark_success(config.nightly, "monitor", change.current.fingerprint)
     return outcome
 
 

@@ -6,16 +6,8 @@ from prefect import task
 
 from specdistill.pipeline import monitor as mc
 from specdistill.pipeline.config import MonitorConfig
-from specdistill.pipeline.outputs import (
-    AppliedFallback,
-    Champion,
-    FallbackChoice,
-    MonitorOutcome,
-    RecordedDecision,
-    Sample,
-    TargetChange,
-    TargetVersionDict,
-)
+from specdistill.pipeline.monitor import FallbackDecision, TargetChange, TargetVersion
+from specdistill.pipeline.outputs import AppliedFallback, Champion, MonitorOutcome, RecordedDecision, Sample
 
 
 @task(name="detect-target-change", retries=2, retry_delay_seconds=5)
@@ -24,17 +16,17 @@ def detect_target_change(config: MonitorConfig, champion: Champion | None) -> Ta
 
 
 @task(name="sample-acceptance")
-def sample_acceptance(config: MonitorConfig, champion: Champion, target: TargetVersionDict) -> Sample:
+def sample_acceptance(config: MonitorConfig, champion: Champion, target: TargetVersion) -> Sample:
     return mc.sample_acceptance(config, champion, target)
 
 
 @task(name="choose-fallback")
-def choose_fallback(config: MonitorConfig, target: TargetVersionDict) -> FallbackChoice:
+def choose_fallback(config: MonitorConfig, target: TargetVersion) -> FallbackDecision:
     return mc.measure_fallback(config, target)
 
 
 @task(name="apply-fallback", retries=2, retry_delay_seconds=5)
-def apply_fallback(config: MonitorConfig, fallback: FallbackChoice, target: TargetVersionDict) -> AppliedFallback | None:
+def apply_fallback(config: MonitorConfig, fallback: FallbackDecision, target: TargetVersion) -> AppliedFallback | None:
     return mc.apply_fallback(config, fallback, target)
 
 

@@ -15,11 +15,10 @@ from specdistill.pipeline import answers, bench, corpus, engine_bench, pool, ser
 from specdistill.pipeline import nightly as pipeline
 from specdistill.pipeline.bench import BenchResult, GateVerdict
 from specdistill.pipeline.config import NightlyConfig, SourceConfig
-from specdistill.pipeline.nightly import RegisteredDraft
+from specdistill.pipeline.nightly import IngestResult, RegisteredDraft
 from specdistill.pipeline.outputs import (
     Champion,
     GeneratedData,
-    IngestSummary,
     PooledData,
     Promoted,
     TargetInfo,
@@ -39,7 +38,7 @@ def load_target(config: NightlyConfig) -> TargetInfo:
 
 
 @task(name="ingest-logs", retries=2, retry_delay_seconds=5)
-def ingest_logs(source: SourceConfig, config: NightlyConfig) -> IngestSummary:
+def ingest_logs(source: SourceConfig, config: NightlyConfig) -> IngestResult:
     return pipeline.ingest_source(source, config.log_db)
 
 

@@ -11,7 +11,9 @@ import pytest
 from specdistill.data.logstore import LogStore
 from specdistill.modeling.drafts import early_exit_dir
 from specdistill.modeling.models import load_model
+from specdistill.ops.monitor import FallbackDecision
 from specdistill.ops.serving import read_serving_config
+from specdistill.ops.targets import TargetChange, TargetVersion
 from specdistill.pipeline import monitor as mc
 from specdistill.pipeline.config import MonitorConfig, load_nightly_config
 from tests.conftest import save_tiny_target
@@ -38,9 +40,9 @@ def _store(tmp_path, created: list[float], prompts: list[str] | None = None) -> 
     return url
 
 
-def _change(drifted: bool) -> dict:
-    current = {"fingerprint": "fp-new", "path": "/models/target-v2", "ref": "/models/target-v2", "registered_at": UPDATED_AT}
-    return {"changed": drifted, "drifted": drifted, "champion_target": "fp-old", "current": current, "previous": None}
+def _change(drifted: bool) -> TargetChange:
+    current = TargetVersion("fp-new", "/models/target-v2", "/models/target-v2", UPDATED_AT)
+    return TargetChange(changed=drifted, drifted=drifted, champion_target="fp-old", current=current)
 
 
 def test_incremental_run_takes_traffic_since_the_update_when_there_is_some(tmp_path):
@@ -70,18 +72,18 @@ def test_incremental_run_takes_all_traffic_when_nothing_arrived_since_the_update
 def test_apply_fallback_writes_the_chosen_mode_into_the_serving_config(tiny_target, tmp_path):
     serving_file = tmp_path / "serving.json"
     config = MonitorConfig(target=str(tiny_target), gamma=3, nightly_overrides=[f"serving_path={serving_file}"])
-    target = {"fingerprint": "fp-t", "path": str(tiny_target), "ref": str(tiny_target), "registered_at": UPDATED_AT}
+    target = TargetVersion("fp-t", str(tiny_target), str(tiny_target), UPDATED_AT)
 
-    undecided = {"decided": False, "mode": None, "exit_layer": None, "reason": "no decision: only 3 tokens"}
+    undecided = FallbackDecision(False, None, None, None, "no decision: only 3 tokens")
     assert mc.apply_fallback(config, undecided, target) is None and not serving_file.exists()  # serve as before
 
-    ngram = {"decided": True, "mode": "ngram", "exit_layer": None, "reason": "ngram measured fastest at 1.30x"}
+    ngram = FallbackDecision(True, "ngram", None, 1.3, "ngram measured fastest at 1.30x")
     assert mc.apply_fallback(config, ngram, target) == {"mode": "ngram", "exit_layer": None, "serving_config": str(serving_file)}
     serving = read_serving_config(serving_file)
     assert serving.mode == "ngram" and serving.num_speculative_tokens == 3 and serving.draft_dir is None
     assert serving.target_fingerprint == "fp-t" and serving.reason == "monitor fallback: ngram measured fastest at 1.30x"
 
-    early = {"decided": True, "mode": "self_speculation", "exit_layer": 2, "reason": "self_speculation at exit layer 2"}
+    early = FallbackDecision(True, "self_speculation", 2, 1.2, "self_speculation at exit layer 2")
     applied = mc.apply_fallback(config, early, target)
     serving = read_serving_config(serving_file)
     assert applied["mode"] == serving.mode == "self_speculation" and serving.exit_layer == 2
@@ -105,11 +107,11 @@ def test_the_monitor_replays_the_prompt_window_the_nightly_evaluates_on(tiny_tar
     seen = {}
     monkeypatch.setattr(ops_monitor, "choose_fallback", lambda target, prompts, **kw: seen.update(prompts=prompts) or
                         ops_monitor.FallbackDecision(False, None, None, None, "captured"))
-    mc.measure_fallback(config, {"fingerprint": "fp", "path": str(tiny_target), "ref": "", "registered_at": UPDATED_AT})
+    mc.measure_fallback(config, TargetVersion("fp", str(tiny_target), "", UPDATED_AT))
     assert sorted(p.text for p in seen["prompts"]) == sorted(fits)
     assert all(len(p.ids) <= 24 for p in seen["prompts"])
 
     monkeypatch.setattr(ops_monitor, "replay_acceptance", lambda *a, **kw: seen.update(replay=kw) or ops_monitor.AcceptanceSample(False))
     mc.sample_acceptance(config, {"name": "d", "version": "1", "dir": "/d", "tags": {}},
-                         {"fingerprint": "fp", "path": str(tiny_target), "ref": "", "registered_at": UPDATED_AT})
+                         TargetVersion("fp", str(tiny_target), "", UPDATED_AT))
     assert seen["replay"]["max_prompt_tokens"] == 24

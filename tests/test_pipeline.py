@@ -540,6 +540,7 @@ def test_a_float32_run_on_a_bf16_cpu_loads_every_model_and_runs_the_feature_pass
     import specdistill.ops.monitor as ops_monitor
     from specdistill.hardware import FLAGS_ENV
     from specdistill.modeling import models
+    from specdistill.ops.targets import TargetVersion
     from specdistill.pipeline import monitor as monitor_stage
     from specdistill.pipeline.answers import generate_responses
     from specdistill.pipeline.config import MonitorConfig
@@ -579,7 +580,7 @@ def test_a_float32_run_on_a_bf16_cpu_loads_every_model_and_runs_the_feature_pass
     monitor = MonitorConfig(target=str(tiny_target_dir), nightly_overrides=[f"log_db={url}", *overrides], gamma=2,
                             replay_prompts=2, max_new_tokens=4, min_draft_tokens=1, fallback_exit_layers=[2],
                             fallback_min_tokens=1)
-    target = {"path": info["path"], "fingerprint": info["fingerprint"]}
+    target = TargetVersion(info["fingerprint"], info["path"], info["ref"], "2024-06-01T00:00:00+00:00")
     monitor_stage.sample_acceptance(monitor, {"dir": trained["draft_dir"], "version": "1"}, target)
     monitor_stage.measure_fallback(monitor, target)
 

@@ -5,12 +5,6 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-import pytest
-
-from specdistill.data.ingest import IngestResult
-from specdistill.ops.metrics import LiveSample
-from specdistill.ops.monitor import AcceptanceSample, FallbackCandidate, FallbackDecision
-from specdistill.ops.targets import TargetVersion
 from specdistill.pipeline import outputs
 
 
@@ -20,18 +14,6 @@ def keys(typed_dict) -> set[str]:
 
 def fields(cls) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
-
-
-@pytest.mark.parametrize("typed_dict, cls, extra", [
-    (outputs.IngestSummary, IngestResult, set()),
-    (outputs.TargetVersionDict, TargetVersion, set()),
-    (outputs.ReplaySample, AcceptanceSample, set()),
-    (outputs.LiveSampleDict, LiveSample, {"source", "proposed", "rounds"}),
-    (outputs.FallbackCandidateDict, FallbackCandidate, set()),
-    (outputs.FallbackChoice, FallbackDecision, set()),
-])
-def test_typed_dicts_mirror_the_dataclasses_they_carry(typed_dict, cls, extra):
-    assert keys(typed_dict) == fields(cls) | extra
 
 
 def test_window_and_warm_start_shapes():

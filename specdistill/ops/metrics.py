@@ -24,6 +24,7 @@ from prometheus_client import (
     start_http_server,
 )
 
+from specdistill.data.record import Record
 from specdistill.engines.prom import Scrape, parse_spec_decode_counters, scrape
 
 __all__ = ["LiveSample", "Scrape", "SpecDecodeMetrics", "acceptance_between", "parse_spec_decode_counters",
@@ -148,8 +149,10 @@ VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 
 
 @dataclass
-class LiveSample:
-    """Acceptance between two scrapes, or `ok=False` with the reason there is no sample."""
+class LiveSample(Record):
+    """Acceptance between two scrapes, or `ok=False` with the reason there is no sample. It reads like a
+    replay sample (`ops.monitor.AcceptanceSample`) where the two share a meaning: `proposed` is the Δdraft
+    tokens; `rounds` is None (vLLM's drafts are not the replay's rounds: no counts are recorded from them)."""
 
     ok: bool
     reason: str = ""
@@ -161,6 +164,18 @@ class LiveSample:
     drafts: float = 0.0
     # Δaccepted at draft position i / Δdrafts (vLLM's `..._per_pos` counters; empty where not exported)
     per_position_acceptance: list[float] = field(default_factory=list)
+    source: str = "live"
+
+    @property
+    def proposed(self) -> float:
+        return self.draft_tokens
+
+    @property
+    def rounds(self) -> None:
+        return None
+
+    def extra(self) -> dict:
+        return {"proposed": self.proposed, "rounds": None}
 
 
 def acceptance_between(first: Scrape, second: Scrape, min_draft_tokens: int = 1) -> LiveSample:

@@ -32,6 +32,7 @@ import torch
 
 from specdistill.acceptance import DEFAULT_GAMMA
 from specdistill.data.prompts import MAX_PROMPT_TOKENS, Prompt, usable_prompt
+from specdistill.data.record import Record
 from specdistill.modeling.models import LoadedModel, load_model
 from specdistill.ops.exporter import refresh_metrics, serve_metrics  # noqa: F401  (the exporter's home)
 from specdistill.ops.policy import DEFAULT_MARGIN, RED_LINE, Candidate, fastest_mode
@@ -88,7 +89,7 @@ def _conversation_id(prompt: Prompt) -> int | None:
 
 
 @dataclass
-class AcceptanceSample:
+class AcceptanceSample(Record):
     """The champion's acceptance on replayed traffic, or `ok=False` with the reason there is none."""
 
     ok: bool
@@ -112,9 +113,6 @@ class AcceptanceSample:
     conversation_ids: list[int] = field(default_factory=list)
     sample_ids: list[int] = field(default_factory=list)  # rows in the log store's acceptance_samples
     seconds: float = 0.0
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def aligned_drafter(target: LoadedModel, draft: LoadedModel, name: str = "draft") -> tuple[ModelDrafter, bool, str]:
@@ -258,7 +256,7 @@ class Decision:
 
 
 @dataclass
-class FallbackCandidate:
+class FallbackCandidate(Record):
     mode: str  # self_speculation | ngram | suffix
     exit_layer: int | None
     speedup: float
@@ -272,7 +270,7 @@ class FallbackCandidate:
 
 
 @dataclass
-class FallbackDecision:
+class FallbackDecision(Record):
     decided: bool  # False: "no decision" (too few tokens measured); serve as before
     mode: str | None  # self_speculation | ngram | suffix | off (None when not decided)
     exit_layer: int | None
@@ -282,9 +280,6 @@ class FallbackDecision:
     margin: float = DEFAULT_MARGIN
     generated_tokens: int = 0
     suffix_corpus: str | None = None  # the corpus the suffix candidate drafted from (None: not measured)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def choose_fallback(

@@ -11,24 +11,33 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 from specdistill import paths
+from specdistill.data.record import Record
 
 TARGETS_FILE = "targets.json"
 
 
 @dataclass(frozen=True)
-class TargetVersion:
+class TargetVersion(Record):
     fingerprint: str
     path: str  # the HF directory the weights were read from
     ref: str  # the reference it was registered under (`demo`, a directory, a .gguf file)
     registered_at: str  # ISO 8601, UTC
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+
+@dataclass
+class TargetChange(Record):
+    """What the monitor found: the served target against the last recorded version and the champion's."""
+
+    changed: bool  # the served target's fingerprint differs from the last run's
+    drifted: bool  # changed, or the champion was distilled for another target
+    champion_target: str | None  # the fingerprint the champion was distilled for (its tag)
+    current: TargetVersion
+    previous: TargetVersion | None = None
 
 
 def history_path() -> Path:

@@ -8,18 +8,11 @@ from __future__ import annotations
 import json
 
 from specdistill.data.record import to_dict
+from specdistill.ops.monitor import AcceptanceSample, FallbackDecision
 from specdistill.ops.policy import FIRST_POSITION_TAG
+from specdistill.ops.targets import TargetChange, TargetVersion
 from specdistill.pipeline.config import MonitorConfig
-from specdistill.pipeline.outputs import (
-    AppliedFallback,
-    Champion,
-    FallbackChoice,
-    MonitorOutcome,
-    RecordedDecision,
-    Sample,
-    TargetChange,
-    TargetVersionDict,
-)
+from specdistill.pipeline.outputs import AppliedFallback, Champion, MonitorOutcome, RecordedDecision, Sample
 
 
 def incremental_overrides(config: MonitorConfig, change: TargetChange) -> list[str]:
@@ -31,12 +24,12 @@ def incremental_overrides(config: MonitorConfig, change: TargetChange) -> list[s
 
     from specdistill.data.logstore import LogStore
 
-    overrides = [f"target={change['current']['path']}", *config.nightly_overrides,
+    overrides = [f"target={change.current.path}", *config.nightly_overrides,
                  f"window.replay_share={config.replay_share}"]
-    old = change.get("champion_target") or (change.get("previous") or {}).get("fingerprint")
-    if change.get("drifted") and old and old != change["current"]["fingerprint"]:
+    old = change.champion_target or (change.previous.fingerprint if change.previous else None)
+    if change.drifted and old and old != change.current.fingerprint:
         overrides.append(f"pool.reanswer_from={old}")  # the new version's pool starts from the old one's prompts
-    since = change["current"]["registered_at"] if change.get("drifted") else None
+    since = change.current.registered_at if change.drifted else None
     if since:
         with LogStore(config.nightly.log_db) as store:
             fresh = store.count(since=datetime.fromisoformat(since), split="train")
@@ -54,42 +47,41 @@ def record_decision(config: MonitorConfig, outcome: MonitorOutcome) -> RecordedD
     from specdistill.ops.metrics import SpecDecodeMetrics
     from specdistill.ops.serving import ServingConfigError, read_serving_config
 
-    target = outcome["change"]["current"]
-    sample = outcome.get("sample") or {}
+    target = outcome["change"].current
+    sample = outcome.get("sample")
     champion = outcome.get("champion") or {}
     kind = outcome["decision"]
     with LogStore(config.nightly.log_db) as store:
-        row = store.add_decision(kind, target["fingerprint"], champion.get("version"),
+        row = store.add_decision(kind, target.fingerprint, champion.get("version"),
                                  json.dumps(to_dict(outcome), default=str, sort_keys=True))
 
     registry.client()
     with mlflow.start_run(experiment_id=registry.experiment_for(config.nightly.target_name),
                           run_name=f"monitor-{kind}"):
-        mlflow.set_tags({"kind": "monitor", "decision": kind, "target_fingerprint": target["fingerprint"],
-                         "target_changed": str(outcome["change"]["changed"]),
+        mlflow.set_tags({"kind": "monitor", "decision": kind, "target_fingerprint": target.fingerprint,
+                         "target_changed": str(outcome["change"].changed),
                          "draft_version": str(champion.get("version"))})
-        if sample.get("acceptance_rate") is not None:
-            mlflow.log_metrics({"acceptance_rate": sample["acceptance_rate"],
-                                "accepted_length": sample.get("mean_accepted_length") or 0.0})
-        if sample.get("first_position_acceptance") is not None:
-            mlflow.log_metric("first_position_acceptance", sample["first_position_acceptance"])
-        fallback = outcome.get("fallback") or {}
-        for c in fallback.get("candidates", []):
-            name = c["mode"] + (f"_at_{c['exit_layer']}" if c.get("exit_layer") else "")
-            mlflow.log_metric(f"fallback_{name}_speedup", c["speedup"])
-        mlflow.log_text(json.dumps(outcome, indent=2, default=str), "decision.json")
+        if sample is not None and sample.acceptance_rate is not None:
+            mlflow.log_metrics({"acceptance_rate": sample.acceptance_rate,
+                                "accepted_length": sample.mean_accepted_length or 0.0})
+        if sample is not None and sample.first_position_acceptance is not None:
+            mlflow.log_metric("first_position_acceptance", sample.first_position_acceptance)
+        fallback = outcome.get("fallback")
+        for c in fallback.candidates if fallback else []:
+            name = c.mode + (f"_at_{c.exit_layer}" if c.exit_layer else "")
+            mlflow.log_metric(f"fallback_{name}_speedup", c.speedup)
+        mlflow.log_text(json.dumps(to_dict(outcome), indent=2, default=str), "decision.json")
 
     metrics = SpecDecodeMetrics()
-    if sample.get("ok") and sample.get("rounds") is not None:
-        metrics.record(rounds=int(sample.get("rounds", 0)), proposed=int(sample.get("proposed", 0)),
-                       accepted=int(sample.get("accepted", 0)),
-                       accepted_per_position=[int(x) for x in sample.get("accepted_per_position", [])])
+    if isinstance(sample, AcceptanceSample) and sample.ok:  # a live engine's counters are its own to export
+        metrics.record(rounds=sample.rounds, proposed=sample.proposed, accepted=sample.accepted,
+                       accepted_per_position=list(sample.accepted_per_position))
     try:
         serving = read_serving_config(config.nightly.serving_path)
     except ServingConfigError:  # a bad file does not lose the decision: the gauges just skip it
         serving = None
     if serving is not None:
-        metrics.set_serving(serving.mode, target_fingerprint=target["fingerprint"], draft_version=serving.draft_version)
+        metrics.set_serving(serving.mode, target_fingerprint=target.fingerprint, draft_version=serving.draft_version)
     pushed = metrics.push(job="specdistill-monitor")
     return RecordedDecision(log_store_row=row, pushed=pushed)
 
@@ -123,12 +115,10 @@ def detect_drift(config: MonitorConfig, champion: Champion | None) -> TargetChan
     changed, current, previous = detect_change(config.target_ref())
     trained_for = (champion or {}).get("tags", {}).get("target_fingerprint")
     drifted = changed or (trained_for is not None and trained_for != current.fingerprint)
-    return TargetChange(changed=changed, drifted=drifted, champion_target=trained_for,
-                        current=TargetVersionDict(**current.to_dict()),
-                        previous=TargetVersionDict(**previous.to_dict()) if previous else None)
+    return TargetChange(changed=changed, drifted=drifted, champion_target=trained_for, current=current, previous=previous)
 
 
-def sample_acceptance(config: MonitorConfig, champion: Champion, target: TargetVersionDict) -> Sample:
+def sample_acceptance(config: MonitorConfig, champion: Champion, target: TargetVersion) -> Sample:
     """A live engine's counters when configured, else the newest logged prompts replayed (prompts as
     the nightly defines them, within its `window.max_prompt_tokens`)."""
     from specdistill.data.logstore import LogStore
@@ -141,27 +131,26 @@ def sample_acceptance(config: MonitorConfig, champion: Champion, target: TargetV
             live = sample_live_acceptance(config.live_metrics_url, config.live_interval_s, config.min_draft_tokens)
             if live.ok:  # the engine's per-position counters (vLLM), as counts per position
                 per_position = [round(a * live.drafts) for a in live.per_position_acceptance]
-                store.add_acceptance_sample(target["fingerprint"], champion["version"], len(per_position),
+                store.add_acceptance_sample(target.fingerprint, champion["version"], len(per_position),
                                             int(live.drafts), int(live.draft_tokens), int(live.accepted), per_position)
-            return {**live.__dict__, "source": "live", "proposed": live.draft_tokens, "rounds": None}
+            return live
         from specdistill.ops.monitor import replay_acceptance
 
-        sample = replay_acceptance(target["path"], champion["dir"], store, n_prompts=config.replay_prompts,
-                                   gamma=config.replay_gamma(), max_new_tokens=config.max_new_tokens,
-                                   target_version=target["fingerprint"], draft_version=champion["version"],
-                                   min_draft_tokens=config.min_draft_tokens,
-                                   max_prompt_tokens=nightly.window.max_prompt_tokens, dtype=nightly.dtype, device=nightly.device)
-        return sample.to_dict()
+        return replay_acceptance(target.path, champion["dir"], store, n_prompts=config.replay_prompts,
+                                 gamma=config.replay_gamma(), max_new_tokens=config.max_new_tokens,
+                                 target_version=target.fingerprint, draft_version=champion["version"],
+                                 min_draft_tokens=config.min_draft_tokens,
+                                 max_prompt_tokens=nightly.window.max_prompt_tokens, dtype=nightly.dtype, device=nightly.device)
 
 
-def measure_fallback(config: MonitorConfig, target: TargetVersionDict) -> FallbackChoice:
+def measure_fallback(config: MonitorConfig, target: TargetVersion) -> FallbackDecision:
     """Each fallback timed against target-only decoding on the same replayed prompts (see `ops.monitor.choose_fallback`)."""
     from specdistill.data.logstore import LogStore
     from specdistill.modeling.models import load_model
     from specdistill.ops.monitor import choose_fallback, prompts_from_store
 
     nightly = config.nightly
-    loaded = load_model(target["path"], dtype=nightly.dtype, device=nightly.device)
+    loaded = load_model(target.path, dtype=nightly.dtype, device=nightly.device)
     with LogStore(nightly.log_db) as store:
         prompts = prompts_from_store(store, loaded.tokenizer, config.replay_prompts,
                                      max_prompt_tokens=nightly.window.max_prompt_tokens)
@@ -171,34 +160,34 @@ def measure_fallback(config: MonitorConfig, target: TargetVersionDict) -> Fallba
     decision = choose_fallback(loaded, prompts, exit_layers=config.fallback_exit_layers, gamma=config.replay_gamma(),
                                max_new_tokens=config.max_new_tokens, min_tokens=config.fallback_min_tokens,
                                repeats=config.fallback_repeats, suffix_corpus=corpus)
-    return decision.to_dict()
+    return decision
 
 
-def apply_fallback(config: MonitorConfig, fallback: FallbackChoice, target: TargetVersionDict) -> AppliedFallback | None:
+def apply_fallback(config: MonitorConfig, fallback: FallbackDecision, target: TargetVersion) -> AppliedFallback | None:
     """Switch the serving config to the measured-fastest fallback (under the promotion lock)."""
     from specdistill.modeling.drafts import early_exit_dir, export_early_exit_draft
     from specdistill.modeling.models import load_model
     from specdistill.ops import registry
     from specdistill.ops.serving import ServingConfig, write_serving_config
 
-    if not fallback.get("decided"):
+    if not fallback.decided:
         return None  # no decision on too few tokens: serve as before
-    mode, k = fallback["mode"], fallback.get("exit_layer")
+    mode, k = fallback.mode, fallback.exit_layer
     draft_dir = None
     if mode == "self_speculation":
-        loaded = load_model(target["path"], dtype=config.nightly.dtype)  # the dtype the fallback was measured in
-        draft_dir = str(export_early_exit_draft(loaded, k, early_exit_dir(target["fingerprint"], k)))
+        loaded = load_model(target.path, dtype=config.nightly.dtype)  # the dtype the fallback was measured in
+        draft_dir = str(export_early_exit_draft(loaded, k, early_exit_dir(target.fingerprint, k)))
     suffix = {}
     if mode == "suffix":
         from specdistill.pipeline.corpus import sglang_corpus_path
         from specdistill.speculative.suffix_corpus import read_corpus_meta
 
-        corpus = fallback["suffix_corpus"]
+        corpus = fallback.suffix_corpus
         sglang = sglang_corpus_path(corpus)
         suffix = dict(suffix_corpus=corpus, suffix_corpus_tokens=read_corpus_meta(corpus).tokens,
                       suffix_corpus_sglang=str(sglang) if sglang.is_file() else None)
     serving = ServingConfig(mode=mode, draft_dir=draft_dir, exit_layer=k, num_speculative_tokens=config.replay_gamma(),
-                            target_fingerprint=target["fingerprint"], reason=f"monitor fallback: {fallback['reason']}",
+                            target_fingerprint=target.fingerprint, reason=f"monitor fallback: {fallback.reason}",
                             **suffix)
     with registry.promotion_lock():
         path = write_serving_config(serving, config.nightly.serving_path)

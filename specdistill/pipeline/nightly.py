@@ -18,6 +18,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from specdistill import paths
+from specdistill.data.ingest import IngestResult
 from specdistill.data.results import BenchResult
 from specdistill.ops.policy import GateVerdict
 from specdistill.ops.registry import RegisteredDraft
@@ -27,7 +28,6 @@ from specdistill.pipeline.config import NightlyConfig, SourceConfig, config_hash
 from specdistill.pipeline.outputs import (
     Champion,
     GeneratedData,
-    IngestSummary,
     Promoted,
     TargetInfo,
     Trained,
@@ -73,13 +73,13 @@ def resolve_source_path(source: SourceConfig) -> Path:
     return shipped[source.path]() if source.path in shipped else Path(source.path)
 
 
-def ingest_source(source: SourceConfig, log_db: str | None) -> IngestSummary:
+def ingest_source(source: SourceConfig, log_db: str | None) -> IngestResult:
     from specdistill.data.ingest import ingest
     from specdistill.data.logstore import LogStore
 
     with LogStore(log_db) as store:
         result = ingest(resolve_source_path(source), source.format, store, progress=True)
-        return IngestSummary(**result.to_dict())
+        return result
 
 
 # --------------------------------------------------------------------------------------------

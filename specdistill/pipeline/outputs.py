@@ -7,11 +7,11 @@ mirror a library dataclass's `to_dict()`; tests/test_stage_outputs.py keeps the 
 
 from __future__ import annotations
 
-import dataclasses
-import typing
 from typing import NotRequired, TypedDict
 
-from specdistill.ops.monitor import FallbackCandidate
+from specdistill.ops.metrics import LiveSample
+from specdistill.ops.monitor import AcceptanceSample, FallbackDecision
+from specdistill.ops.targets import TargetChange
 
 # --------------------------------------------------------------------------------------------
 # nightly
@@ -25,24 +25,6 @@ class TargetInfo(TypedDict):
     vocab_size: int
     dtype: str  # what every stage runs the target in (float32 | bfloat16)
     hardware: NotRequired[str]  # the GPU or CPU (model and the flags that matter) the run measured on
-
-
-class IngestSummary(TypedDict):
-    """`data.ingest.IngestResult.to_dict()`."""
-
-    source: str
-    format: str
-    run_id: int | None
-    read: int
-    stored: int
-    duplicates: int
-    quarantined: int
-    start_offset: int
-    end_offset: int
-    truncation: dict | None
-    note: str | None
-    seconds: float
-    conserved: bool
 
 
 class Champion(TypedDict):
@@ -122,13 +104,6 @@ class Trained(_TrainedOptional):
     draft_dir: str
 
 
-def mirror(cls: type, name: str, **extra: type) -> type:
-    """A TypedDict with exactly the fields of dataclass `cls` (plus `extra`): the keys have one home,
-    the dataclass, and a stage output can never drift from what `to_dict()` produces."""
-    hints = typing.get_type_hints(cls)
-    return TypedDict(name, {f.name: hints[f.name] for f in dataclasses.fields(cls)} | extra)
-
-
 class Promoted(TypedDict):
     version: str
     serving_config: str  # the serving config file that now points at the new champion
@@ -138,84 +113,7 @@ class Promoted(TypedDict):
 # monitor
 
 
-class TargetVersionDict(TypedDict):
-    """`ops.targets.TargetVersion.to_dict()`."""
-
-    fingerprint: str
-    path: str
-    ref: str
-    registered_at: str
-
-
-class TargetChange(TypedDict):
-    changed: bool  # the served target's fingerprint differs from the last run's
-    drifted: bool  # changed, or the champion was distilled for another target
-    champion_target: str | None
-    current: TargetVersionDict
-    previous: TargetVersionDict | None
-
-
-class ReplaySample(TypedDict):
-    """`ops.monitor.AcceptanceSample.to_dict()`."""
-
-    ok: bool
-    reason: str
-    source: str
-    target_fingerprint: str
-    draft_version: str
-    gamma: int
-    requests: int
-    rounds: int
-    proposed: int
-    accepted: int
-    generated_tokens: int
-    accepted_per_position: list[int]
-    acceptance_rate: float | None
-    first_position_acceptance: float | None
-    mean_accepted_length: float | None
-    per_position_acceptance: list[float]
-    vocab_mismatch: bool
-    vocab_transplanted: bool
-    conversation_ids: list[int]
-    sample_ids: list[int]
-    seconds: float
-
-
-class LiveSampleDict(TypedDict):
-    """`ops.metrics.LiveSample`'s fields plus the keys a replay sample is read by."""
-
-    ok: bool
-    reason: str
-    acceptance_rate: float | None
-    first_position_acceptance: float | None
-    mean_accepted_length: float | None
-    draft_tokens: float
-    accepted: float
-    drafts: float
-    per_position_acceptance: list[float]  # vLLM's per-position counters, Δ between the scrapes
-    source: str  # "live"
-    proposed: float
-    rounds: None
-
-
-Sample = ReplaySample | LiveSampleDict
-
-
-FallbackCandidateDict = mirror(FallbackCandidate, "FallbackCandidateDict")  # `ops.monitor.FallbackCandidate`
-
-
-class FallbackChoice(TypedDict):
-    """`ops.monitor.FallbackDecision.to_dict()`."""
-
-    decided: bool
-    mode: str | None
-    exit_layer: int | None
-    speedup: float | None
-    reason: str
-    candidates: list[FallbackCandidateDict]
-    margin: float
-    generated_tokens: int
-    suffix_corpus: str | None
+Sample = AcceptanceSample | LiveSample  # the champion's acceptance: replayed here, or a live engine's counters
 
 
 class AppliedFallback(TypedDict):
@@ -232,7 +130,7 @@ class RecordedDecision(TypedDict):
 class _OutcomeOptional(TypedDict, total=False):
     champion: Champion
     sample: Sample
-    fallback: FallbackChoice
+    fallback: FallbackDecision
     serving: AppliedFallback | None
     incremental: dict  # the nightly run's warm_start, verdict, registered, promoted, serving
     decision_reason: str  # the numbers the decision was taken on (`ops.policy.judge_acceptance`)

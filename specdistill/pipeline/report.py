@@ -209,22 +209,22 @@ def registration_artifacts(config: NightlyConfig, results: dict[str, BenchResult
 
 def render_outcome(outcome: MonitorOutcome) -> str:
     """Markdown: the target, the acceptance sample, the decision and what followed from it."""
-    change, sample = outcome["change"], outcome.get("sample") or {}
-    lines = [f"target {change['current']['fingerprint']}" + (
-        f" (changed from {change['previous']['fingerprint']})" if change.get("changed") and change.get("previous") else "")]
-    if sample:
-        if sample.get("ok"):
-            first = sample.get("first_position_acceptance")
+    change, sample = outcome["change"], outcome.get("sample")
+    lines = [f"target {change.current.fingerprint}" + (
+        f" (changed from {change.previous.fingerprint})" if change.changed and change.previous else "")]
+    if sample is not None:
+        if sample.ok:
+            first = sample.first_position_acceptance
             lines.append((f"first-position acceptance {first:.3f}, " if first is not None else "") +
-                         f"acceptance α {sample['acceptance_rate']:.3f}, τ {sample.get('mean_accepted_length') or 0:.2f} "
-                         f"over {sample.get('proposed', sample.get('draft_tokens', 0)):g} draft tokens ({sample.get('source', 'live')})")
+                         f"acceptance α {sample.acceptance_rate:.3f}, τ {sample.mean_accepted_length or 0:.2f} "
+                         f"over {sample.proposed:g} draft tokens ({sample.source})")
         else:
-            lines.append(f"no acceptance sample: {sample.get('reason')}")
+            lines.append(f"no acceptance sample: {sample.reason}")
     why = outcome.get("decision_reason")
     lines.append(f"decision: **{outcome['decision']}**" + (f": {why}" if why else ""))
     fb = outcome.get("fallback")
     if fb:
-        lines.append(f"fallback: {fb.get('mode')} — {fb.get('reason')}")
+        lines.append(f"fallback: {fb.mode} — {fb.reason}")
     inc = outcome.get("incremental")
     if inc:
         serving = inc.get("serving")
