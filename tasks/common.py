@@ -22,7 +22,9 @@ def content_key(context, parameters: dict) -> str:
             return value.to_dict()
         return str(value)
 
-    # a deadline decides how much of a stage runs, not what it computes from: a finished stage is reused
+    # a deadline decides how much of a stage runs, not what it computes from: a finished stage is reused;
+    # the declared output type is part of the key, so a result persisted as another type is never handed back
     payload = {"task": context.task.name, "home": str(paths.home()),
+               "returns": str(getattr(context.task.fn, "__annotations__", {}).get("return", "")),
                "inputs": {k: v for k, v in sorted(parameters.items()) if k not in NOT_CONTENT}}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=plain).encode()).hexdigest()

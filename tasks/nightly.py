@@ -24,7 +24,7 @@ from specdistill.pipeline.outputs import (
     TargetInfo,
     Trained,
     WarmStart,
-    WindowDict,
+    Window,
 )
 from specdistill.pipeline.serve import ServingDecision
 from tasks.common import content_key
@@ -43,8 +43,8 @@ def ingest_logs(source: SourceConfig, config: NightlyConfig) -> IngestResult:
 
 
 @task(name="select-window", retries=2, retry_delay_seconds=5)
-def select_window(config: NightlyConfig) -> WindowDict:
-    return pipeline.select_window(config).to_dict()
+def select_window(config: NightlyConfig) -> Window:
+    return pipeline.select_window(config)
 
 
 @task(name="current-champion", retries=2, retry_delay_seconds=5)
@@ -60,7 +60,7 @@ def align_vocab(config: NightlyConfig, champion: Champion | None) -> WarmStart |
 # not result-cached: the stage resumes itself from its answers file and verified cache shards, so a
 # shard quarantined as corrupt is answered again on the next run instead of hidden by a cached result
 @task(name="generate-responses", retries=1, retry_delay_seconds=5)
-def generate_responses(config: NightlyConfig, window: WindowDict, split: str, target_fingerprint: str,
+def generate_responses(config: NightlyConfig, window: Window, split: str, target_fingerprint: str,
                        record_teacher: bool, deadline_at: float | None = None) -> GeneratedData:
     return answers.generate_responses(config, window, split, record_teacher=record_teacher, deadline_at=deadline_at)
 
@@ -71,7 +71,7 @@ def suffix_corpus(config: NightlyConfig, train_data: GeneratedData, target_finge
 
 
 @task(name="pool-answers", retries=2, retry_delay_seconds=5)
-def pool_answers(config: NightlyConfig, window: WindowDict, train_data: GeneratedData, heldout_data: GeneratedData,
+def pool_answers(config: NightlyConfig, window: Window, train_data: GeneratedData, heldout_data: GeneratedData,
                  target_fingerprint: str) -> PooledData:
     return pool.pool_answers(config, window, train_data, heldout_data, target_fingerprint)
 
@@ -83,19 +83,19 @@ def distill(config: NightlyConfig, train_data: GeneratedData, heldout_data: Gene
 
 
 @task(name="generic-baseline", **CACHED)
-def generic_baseline(config: NightlyConfig, window: WindowDict, heldout_data: GeneratedData, target_fingerprint: str,
+def generic_baseline(config: NightlyConfig, window: Window, heldout_data: GeneratedData, target_fingerprint: str,
                      deadline_at: float | None = None) -> Trained:
     return pipeline.distill_draft(config, {}, heldout_data, generic=True, window=window, deadline_at=deadline_at)
 
 
 @task(name="benchmark", **CACHED)
-def benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str], target_fingerprint: str,
+def benchmark(config: NightlyConfig, window: Window, drafters: dict[str, str], target_fingerprint: str,
               deadline_at: float | None = None) -> dict[str, BenchResult]:
     return bench.benchmark(config, window, drafters, deadline_at)
 
 
 @task(name="engine-benchmark", **CACHED)
-def engine_benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str],
+def engine_benchmark(config: NightlyConfig, window: Window, drafters: dict[str, str],
                      target_fingerprint: str) -> dict[str, BenchResult]:
     return engine_bench.engine_benchmark(config, window, drafters)
 
@@ -107,14 +107,14 @@ def gate(config: NightlyConfig, challenger: BenchResult, champion: BenchResult |
 
 
 @task(name="register", retries=2, retry_delay_seconds=5)
-def register(config: NightlyConfig, target: TargetInfo, window: WindowDict, trained: Trained, results: dict[str, BenchResult],
+def register(config: NightlyConfig, target: TargetInfo, window: Window, trained: Trained, results: dict[str, BenchResult],
              verdict: GateVerdict, parent: str | None, report_path: str | None,
              speeds: dict[str, BenchResult] | None = None) -> RegisteredDraft:
     return pipeline.register(config, target, window, trained, results, verdict, parent, report_path, speeds)
 
 
 @task(name="choose-serving-mode")
-def choose_serving(config: NightlyConfig, window: WindowDict, results: dict[str, BenchResult],
+def choose_serving(config: NightlyConfig, window: Window, results: dict[str, BenchResult],
                    verdict: GateVerdict, speeds: dict[str, BenchResult] | None = None) -> ServingDecision:
     return serve.choose_serving(config, window, results, verdict, speeds)
 

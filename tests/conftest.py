@@ -101,6 +101,15 @@ def bench_result(spec: str = "", speedup: float = 1.0, lossless: bool | None = T
     return BenchResult.from_dict({**base, "spec": spec, "speedup": speedup, "lossless": lossless, **fields})
 
 
+def eval_window(*questions: str):
+    """A night's window whose held-out prompts are these user questions (no train prompts)."""
+    from specdistill.data.prompts import Prompt
+    from specdistill.pipeline.outputs import Window
+
+    evals = [Prompt(id=str(i), slice="chat", messages=[{"role": "user", "content": q}]) for i, q in enumerate(questions, 1)]
+    return Window(train=[], eval=evals, key="eval-window", since=None, replayed=0)
+
+
 def run_distill_ddp(config_path: Path, out: Path) -> dict:
     """`specdistill distill` on two ranks under torch.distributed.run (one thread each); its result.json."""
     import json

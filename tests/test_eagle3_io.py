@@ -15,7 +15,7 @@ from specdistill.modeling.eagle3 import Eagle3Cache, Eagle3ShapeError, init_eagl
 from specdistill.modeling.eagle3_io import aux_layers_of, is_eagle3_dir, load_eagle3, save_eagle3
 from specdistill.modeling.models import ModelLoadError, load_model
 from specdistill.modeling.vocab import DraftVocab
-from tests.conftest import save_tiny_target, train_bpe
+from tests.conftest import eval_window, save_tiny_target, train_bpe
 
 # SpecForge configs/llama3-8B-eagle3.json (sgl-project/SpecForge; the yuhuili/EAGLE3-LLaMA3.1-Instruct-8B
 # layout), plus head_dim / rope_theta from configs/llama3-70B-ealge3.json, target_hidden_size as vLLM's
@@ -240,7 +240,7 @@ def test_llama_cpp_engine_refuses_a_head_for_another_target(head_dir):
     from specdistill.pipeline.engine_bench import engine_benchmark
 
     config = load_nightly_config(None, ["serving.engine=llamacpp"])
-    window = {"eval": [{"id": "1", "slice": "chat", "messages": [{"role": "user", "content": "Hi"}]}]}
+    window = eval_window("Hi")
     with pytest.raises(GgufExportError, match=re.escape(f"EAGLE-3 head {head_dir} does not fit this target: target hidden size 576")):
         engine_benchmark(config, window, {"challenger": f"draft:{head_dir}"})
     assert not list((paths.home() / "engines").rglob("*.gguf*"))

@@ -241,12 +241,12 @@ def test_nightly_answer_stage_through_llama_server_feeds_the_trainer(llama_cpp, 
         "train.max_steps=2", "train.batch_size=2", "bench.threads=1"]
     config = load_nightly_config(None, [*settings, "generation.backend=openai"])
     nightly.ingest_source(config.sources[0], config.log_db)
-    window = nightly.select_window(config).to_dict()
+    window = nightly.select_window(config)
     train = answers.generate_responses(config, window, "train", record_teacher=True)
     heldout = answers.generate_responses(config, window, "eval", record_teacher=False)
     meta = json.loads((Path(train["teacher_cache"]) / CACHE_META).read_text())
     assert meta["k"] == 8 and meta["data"].endswith("llamacpp:Q4_1") and meta["temperature"] == 1.0
-    assert train["answers"] == len(window["train"]) and heldout["teacher_cache"] is None
+    assert train["answers"] == len(window.train) and heldout["teacher_cache"] is None
     assert "llamacpp-Q4_1" in train["path"] and train["tokens"] > 0
     trained = nightly.distill_draft(config, train, heldout)
     assert trained["steps"] == 2 and 0.0 <= trained["curve"][-1]["acceptance"] <= 1.0

@@ -14,6 +14,7 @@ from specdistill.engines.client import chat, metrics_url
 from specdistill.engines.gguf_export import export_draft_gguf
 from specdistill.engines.prom import scrape
 from specdistill.engines.server import LlamaServer, ServerConfig, ServerError, ServerMode
+from tests.conftest import eval_window
 
 pytestmark = pytest.mark.e2e
 
@@ -125,7 +126,7 @@ def test_nightly_measures_an_eagle3_head_in_llama_cpp(llama_cpp, memorized_head,
     from specdistill.pipeline.serve import choose_serving, serving_config
 
     config = load_nightly_config(None, ["serving.engine=llamacpp", "bench.max_new_tokens=24", "serving.margin=0.0"])
-    window = {"eval": [{"id": "1", "slice": "chat", "messages": [{"role": "user", "content": REPEAT}]}]}
+    window = eval_window(REPEAT)
     speeds = engine_benchmark(config, window, {"challenger": f"draft:{memorized_head}"})
     head = speeds["challenger"]
     args = head.stats["llamacpp_args"]
@@ -266,8 +267,7 @@ def test_nightly_serving_choice_measured_in_llama_cpp(llama_cpp, tmp_path):
     from specdistill.pipeline.serve import choose_serving, serving_config
 
     config = load_nightly_config(None, ["serving.engine=llamacpp", "bench.max_new_tokens=32", "serving.margin=0.0"])
-    window = {"eval": [{"id": "1", "slice": "chat", "messages": [{"role": "user", "content": REPEAT}]},
-                       {"id": "2", "slice": "chat", "messages": [{"role": "user", "content": "Name three colors."}]}]}
+    window = eval_window(REPEAT, "Name three colors.")
     speeds = engine_benchmark(config, window, {"ngram": "ngram", "generic": "draft:/never/measured"})
     assert set(speeds) == {"ngram"}
     ngram = speeds["ngram"]

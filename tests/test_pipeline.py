@@ -16,6 +16,7 @@ from specdistill.ops.registry import RegisteredDraft
 from specdistill.pipeline import bench as bench_stage
 from specdistill.pipeline import nightly as pipeline
 from specdistill.pipeline.config import load_nightly_config, run_root
+from specdistill.pipeline.outputs import Window
 from specdistill.pipeline.report import report_table
 from specdistill.pipeline.serve import ServingDecision
 from tests.conftest import bench_result, train_bpe
@@ -236,29 +237,29 @@ def test_select_window_takes_usable_prompts_evenly_from_each_source_and_split(ti
     url, chat_file, code_file = _store_with_traffic(tmp_path)
     config = _window_config(tiny_target_dir, url, chat_file, code_file)
     window = pipeline.select_window(config, now=NOW)
-    assert Counter(p["slice"] for p in window.train) == {"chat": 5, "code": 5}
-    assert Counter(p["slice"] for p in window.eval) == {"chat": 2, "code": 2}
+    assert Counter(p.slice for p in window.train) == {"chat": 5, "code": 5}
+    assert Counter(p.slice for p in window.eval) == {"chat": 2, "code": 2}
     assert window.since is None and window.replayed == 0
     tok = train_bpe(300)
     with LogStore(url) as store:
-        splits = {p["id"]: c.split for p, c in zip(window.train + window.eval,
-                                                    store.by_ids(int(p["id"]) for p in window.train + window.eval))}
-    assert {splits[p["id"]] for p in window.train} == {"train"} and {splits[p["id"]] for p in window.eval} == {"eval"}
+        splits = {p.id: c.split for p, c in zip(window.train + window.eval,
+                                                    store.by_ids(int(p.id) for p in window.train + window.eval))}
+    assert {splits[p.id] for p in window.train} == {"train"} and {splits[p.id] for p in window.eval} == {"eval"}
     for p in window.train + window.eval:
-        assert p["messages"][-1]["role"] == "user" and p["messages"][0]["role"] != "assistant"
-        assert "def add" not in p["messages"][-1]["content"] and len(encode_chat(tok, p["messages"])) <= 64
+        assert p.messages[-1]["role"] == "user" and p.messages[0]["role"] != "assistant"
+        assert "def add" not in p.messages[-1]["content"] and len(encode_chat(tok, p.messages)) <= 64
     everything = pipeline.select_window(_window_config(tiny_target_dir, url, chat_file, code_file, "window.train_prompts=500",
                                                       "window.eval_prompts=500"), now=NOW)
     with LogStore(url) as store:
         usable = {str(c.id) for c in store.window() if c.messages[0].role == "user" and "def add" not in c.messages[0].content}
     assert len(usable) == 40 + 30
-    assert {p["id"] for p in everything.train + everything.eval} == usable  # every usable prompt, and only those
+    assert {p.id for p in everything.train + everything.eval} == usable  # every usable prompt, and only those
     # a source too small for its even share (HumanEval in the demo): the larger source makes up the rest
     with LogStore(url) as store:
         code_train = store.count(source=str(code_file), split="train")
     short = pipeline.select_window(_window_config(tiny_target_dir, url, chat_file, code_file,
                                                   f"window.train_prompts={2 * code_train + 2}"), now=NOW)
-    assert Counter(p["slice"] for p in short.train) == {"code": code_train, "chat": code_train + 2}
+    assert Counter(p.slice for p in short.train) == {"code": code_train, "chat": code_train + 2}
     again = pipeline.select_window(config, now=NOW)
     assert again.key == window.key and again.train == window.train  # deterministic for a store and seed
     other = pipeline.select_window(_window_config(tiny_target_dir, url, chat_file, code_file, "window.seed=1"), now=NOW)
@@ -274,7 +275,7 @@ def test_select_window_replays_older_traffic_and_fails_on_an_empty_window(tiny_t
     since = NOW - timedelta(days=1)
     assert window.since == since.isoformat() and window.replayed == 2 and len(window.train) == 10
     with LogStore(url) as store:
-        arrived = [c.arrived_at for c in store.by_ids(int(p["id"]) for p in window.train)]
+        arrived = [c.arrived_at for c in store.by_ids(int(p.id) for p in window.train)]
     assert sum(a < since for a in arrived) == 2  # the replay share, from before the window
     later = _window_config(tiny_target_dir, url, chat_file, code_file, "window.since=2100-01-01T00:00:00")
     with pytest.raises(ValueError, match="empty data window"):
@@ -339,7 +340,7 @@ def test_the_answer_pass_records_the_heads_features_so_training_needs_no_second_
     url, chat_file, code_file = _store_with_traffic(tmp_path)
     config = _window_config(tiny_target_dir, url, chat_file, code_file, "train.kind=eagle3", "train.max_steps=4",
                             "train.draft_vocab=null", "generation.max_new_tokens=6", "dtype=float32")
-    window = pipeline.select_window(config, now=NOW).to_dict()
+    window = pipeline.select_window(config, now=NOW)
     train = generate_responses(config, window, "train", record_teacher=True)
     heldout = generate_responses(config, window, "eval", record_teacher=False)
     shards = sorted(p.name for p in features_dir(train["teacher_cache"]).glob("shard-*"))
@@ -379,7 +380,7 @@ def test_generic_baseline_dir_depends_on_the_window_and_the_train_config(monkeyp
         conversations = run_root() / "generic" / f"{key}-conversations.jsonl"
         conversations.parent.mkdir(parents=True, exist_ok=True)
         conversations.write_text("")  # written before: the log store is not read again
-        pipeline.distill_draft(config, {}, heldout, generic=True, window={"key": key, "train": []})
+        pipeline.distill_draft(config, {}, heldout, generic=True, window=Window([], [], key, None, 0))
         assert calls[-1].data.kind == "conversations" and calls[-1].loss.kind == "ce"
         return calls[-1].out_dir
 
@@ -572,7 +573,7 @@ def test_a_float32_run_on_a_bf16_cpu_loads_every_model_and_runs_the_feature_pass
     device = models.resolve_device(config.device)
 
     info = pipeline.describe_target(config.target, config.dtype, config.device)
-    window = pipeline.select_window(config, now=NOW).to_dict()
+    window = pipeline.select_window(config, now=NOW)
     train = generate_responses(config, window, "train", record_teacher=True)
     heldout = generate_responses(config, window, "eval", record_teacher=False)
     trained = pipeline.distill_draft(config, train, heldout)
@@ -642,8 +643,8 @@ def test_train_answers_cut_to_nothing_stop_before_training(tiny_target_dir, tmp_
     url, chat_file, code_file = _store_with_traffic(tmp_path)
     config = _window_config(tiny_target_dir, url, chat_file, code_file, "generation.max_minutes=0",
                             "generation.max_new_tokens=4", "train.kind=layers")
-    window = pipeline.select_window(config, now=NOW).to_dict()
+    window = pipeline.select_window(config, now=NOW)
     with pytest.raises(ValueError, match="left no time to answer any of the 10 train prompts"):
         answers.generate_responses(config, window, "train", record_teacher=True)
     held = answers.generate_responses(config, window, "eval", record_teacher=False)  # not budgeted
-    assert held["answers"] == len(window["eval"])
+    assert held["answers"] == len(window.eval)

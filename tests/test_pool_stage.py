@@ -6,17 +6,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from specdistill.data.prompts import Prompt
 from specdistill.distill.pool import AnswerPool
 from specdistill.pipeline import answers
 from specdistill.pipeline.config import load_nightly_config
+from specdistill.pipeline.outputs import Window
 from specdistill.pipeline.pool import pool_answers, pool_report, pool_root
 from tests.test_pool import write_night
 
 
-def _window(key: str, ids: list[str], evals: list[str]) -> dict:
+def _window(key: str, ids: list[str], evals: list[str]) -> Window:
     prompt = [{"role": "user", "content": "hi"}]
-    return {"key": key, "train": [{"id": i, "messages": prompt, "slice": "chat"} for i in ids],
-            "eval": [{"id": i, "messages": prompt, "slice": "chat"} for i in evals], "since": None, "replayed": 0}
+    return Window(train=[Prompt(id=i, messages=prompt, slice="chat") for i in ids],
+                  eval=[Prompt(id=i, messages=prompt, slice="chat") for i in evals], key=key, since=None, replayed=0)
 
 
 def _data(night: dict, evals: list[str]) -> tuple[dict, dict]:
@@ -58,8 +60,8 @@ def test_target_update_starts_a_new_pool_from_the_old_pools_recent_prompts(tmp_p
     asked = {}
 
     def fake_generate(config, window, split, *, record_teacher):  # the new target answers the old prompts
-        asked.update(ids=[p["id"] for p in window["train"]], target=config.target, split=split)
-        made = write_night(tmp_path, window["key"], asked["ids"], fingerprint="fp-new", salt=7)
+        asked.update(ids=[p.id for p in window.train], target=config.target, split=split)
+        made = write_night(tmp_path, window.key, asked["ids"], fingerprint="fp-new", salt=7)
         return {"path": str(made["answers"]), "teacher_cache": str(made["teacher_cache"]), "answers": len(asked["ids"]),
                 "tokens": 3 * len(asked["ids"])}
 

@@ -15,6 +15,7 @@ from specdistill.data.prompts import Prompt
 from specdistill.engines.bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
 from specdistill.engines.client import chat, metrics_url
 from specdistill.engines.prom import scrape
+from tests.conftest import eval_window
 from tests.test_llamacpp import REPEAT, _memorizing_head
 
 pytestmark = pytest.mark.e2e
@@ -218,7 +219,7 @@ def test_nightly_serving_choice_measured_in_vllm(vllm_servers, eagle_head, tmp_p
 
     monkeypatch.setattr(vllm_bench, "VllmServer", Running)
     config = load_nightly_config(None, ["serving.engine=vllm", "bench.max_new_tokens=24", "serving.margin=0.0"])
-    window = {"eval": [{"id": "1", "slice": "chat", "messages": [{"role": "user", "content": REPEAT}]}]}
+    window = eval_window(REPEAT)
     speeds = engine_benchmark(config, window, {"ngram": NGRAM_SPEC, "challenger": f"draft:{eagle_head}",
                                                "generic": "draft:/never/measured"})
     assert set(speeds) == {"ngram", "challenger"}

@@ -20,6 +20,7 @@ from specdistill.engines.vllm import (
     vllm_error,
 )
 from specdistill.engines.vllm_install import LAUNCHER_SOURCE, VllmEnv
+from tests.conftest import eval_window
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -150,7 +151,7 @@ def test_serving_choice_skips_a_mode_vllm_refused():
                      spec="ngram")
     speeds = {"ngram": ok,
               "challenger": refused_entry("challenger", "draft:/d", "ValueError: no d2t", 4, "bfloat16")}
-    decision = choose_serving(config, {"eval": []}, {}, GateVerdict(True), speeds)
+    decision = choose_serving(config, eval_window(), {}, GateVerdict(True), speeds)
     assert decision.mode == "ngram" and decision.measured == {"ngram": 1.2}
     assert "vLLM refused: challenger (ValueError: no d2t)" in decision.reason
     assert "vLLM 0.32.0" in decision.measured_on and decision.engine == "vllm"

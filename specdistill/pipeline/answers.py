@@ -16,7 +16,7 @@ from specdistill import paths
 from specdistill.budget import Deadline
 from specdistill.pipeline.budget import stage_deadline
 from specdistill.pipeline.config import NightlyConfig, config_hash, run_root
-from specdistill.pipeline.outputs import GeneratedData, WindowDict
+from specdistill.pipeline.outputs import GeneratedData, Window
 
 if TYPE_CHECKING:
     from specdistill.data.prompts import Prompt
@@ -27,7 +27,7 @@ ENGINE_ONLY = {"backend", "url", "engine", "parallel"}  # settings the harness's
 Answered = tuple[dict[str, dict], str, Path, str | None]  # records by id, what answered, answers file, teacher cache
 
 
-def generate_responses(config: NightlyConfig, window: WindowDict, split: str, *, record_teacher: bool,
+def generate_responses(config: NightlyConfig, window: Window, split: str, *, record_teacher: bool,
                        deadline_at: float | None = None) -> GeneratedData:
     """The target answers the window's `split` prompts, resumably; train answers also record the
     target's top-k log-probs into the teacher cache in the same pass. The train answers stop at their
@@ -39,27 +39,27 @@ def generate_responses(config: NightlyConfig, window: WindowDict, split: str, *,
 
     g = config.generation
     target = load_model(config.target, dtype=config.dtype, device=config.device)  # the harness answers in bf16 where the hardware has it
-    prompts = [Prompt(id=p["id"], messages=p["messages"]) for p in window[split]]
+    prompts = [Prompt(id=p.id, messages=p.messages) for p in window.split(split)]
     answer = _answer_in_harness if g.backend == "harness" else _answer_in_engine
     deadline = stage_deadline(config, "answers", deadline_at) if split == "train" else None
     records, source, out_path, cache_dir = answer(config, target, window, split, prompts, record_teacher, deadline)
-    if split == "train" and not any(p["id"] in records for p in window[split]):
+    if split == "train" and not any(p.id in records for p in window.split(split)):
         raise ValueError(f"the time budget left no time to answer any of the {len(prompts)} train prompts "
                          f"(generation.max_minutes={g.max_minutes}, deadline_minutes={config.deadline_minutes}): "
                          "the run stops before training on nothing; the champion and serving.json are unchanged")
     with LogStore(config.log_db) as store:
-        for p in window[split]:
-            rec = records.get(p["id"])
+        for p in window.split(split):
+            rec = records.get(p.id)
             if rec is None:  # cut by the time budget
                 continue
-            store.add_response(int(p["id"]), target.fingerprint, rec["response"], prompt_messages=len(p["messages"]),
+            store.add_response(int(p.id), target.fingerprint, rec["response"], prompt_messages=len(p.messages),
                                params={"temperature": 0.0, "max_new_tokens": g.max_new_tokens, "dtype": source},
                                token_ids=rec["response_ids"])
     return GeneratedData(path=str(out_path), teacher_cache=cache_dir, answers=len(records),
                          tokens=sum(len(r["response_ids"]) for r in records.values()))
 
 
-def _outputs(config: NightlyConfig, window: WindowDict, fingerprint: str, split: str, source: str, k: int,
+def _outputs(config: NightlyConfig, window: Window, fingerprint: str, split: str, source: str, k: int,
              record_teacher: bool) -> tuple[Path, TeacherCache | None]:
     """The split's answers file and, for train answers, the teacher cache, keyed by what answered
     (the EAGLE-3 feature cache, when there is one, lies beside the teacher cache: `features_dir`)."""
@@ -69,15 +69,15 @@ def _outputs(config: NightlyConfig, window: WindowDict, fingerprint: str, split:
     # which engine was started is in `source` (the key's tag), so keys of earlier llama.cpp answers hold
     settings = g.model_dump(mode="json", exclude=ENGINE_ONLY if g.backend == "harness" else {"engine"})
     tag = re.sub(r"[^A-Za-z0-9._-]+", "-", source)[:64]
-    out_dir = paths.ensure(run_root() / "data" / f"{window['key']}-{fingerprint}-{config_hash(settings)}-{tag}")
+    out_dir = paths.ensure(run_root() / "data" / f"{window.key}-{fingerprint}-{config_hash(settings)}-{tag}")
     cache = None
     if record_teacher:
         cache = TeacherCache.create(out_dir / "teacher_cache", fingerprint=fingerprint, k=k, temperature=1.0,
-                                    vocab="full", data=f"{window['key']}-{source}")
+                                    vocab="full", data=f"{window.key}-{source}")
     return out_dir / f"{split}_generated.jsonl", cache
 
 
-def _answer_in_harness(config: NightlyConfig, target: LoadedModel, window: WindowDict, split: str,
+def _answer_in_harness(config: NightlyConfig, target: LoadedModel, window: Window, split: str,
                        prompts: list[Prompt], record_teacher: bool, deadline: Deadline | None = None) -> Answered:
     from specdistill.distill.datagen import generate_answers
     from specdistill.modeling.models import dtype_name
@@ -125,7 +125,7 @@ def _feature_cache(config: NightlyConfig, target: LoadedModel, out_path: Path, t
                                data=teacher.meta["data"], prompt_context=Eagle3Config().prompt_context)
 
 
-def _answer_in_engine(config: NightlyConfig, target: LoadedModel, window: WindowDict, split: str,
+def _answer_in_engine(config: NightlyConfig, target: LoadedModel, window: Window, split: str,
                       prompts: list[Prompt], record_teacher: bool, deadline: Deadline | None = None) -> Answered:
     """Through `generation.url`, or a server started here (stopped after): llama-server on the target's
     GGUF, or vLLM on its HF directory (`generation.engine`).

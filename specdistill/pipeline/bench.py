@@ -12,7 +12,7 @@ from specdistill.ops.policy import GateVerdict, Role
 from specdistill.pipeline.budget import stage_deadline
 from specdistill.pipeline.config import NightlyConfig
 from specdistill.pipeline.nightly import target_tokenizer
-from specdistill.pipeline.outputs import Trained, WarmStart, WindowDict
+from specdistill.pipeline.outputs import Trained, WarmStart, Window
 from specdistill.speculative.specs import DrafterSpec
 
 
@@ -38,15 +38,15 @@ def measured_drafters(config: NightlyConfig, trained: Trained, warm_start: WarmS
     return drafters
 
 
-def bench_prompts(config: NightlyConfig, window: WindowDict):
+def bench_prompts(config: NightlyConfig, window: Window):
     """The window's eval prompts as the benchmark runs them: chat-templated ids, by slice."""
     from specdistill.data.prompts import Prompt, encode_chat
 
     tokenizer = target_tokenizer(config)
-    return [Prompt(text="", slice=p["slice"], ids=encode_chat(tokenizer, p["messages"])) for p in window["eval"]]
+    return [Prompt(text="", slice=p.slice, ids=encode_chat(tokenizer, p.messages)) for p in window.eval]
 
 
-def benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str],
+def benchmark(config: NightlyConfig, window: Window, drafters: dict[str, str],
               deadline_at: float | None = None) -> dict[str, BenchResult]:
     """Every drafter on the same held-out prompts, sharing one interleaved target-only run per prompt,
     then (`serving.choose_gamma`) each at the γ its curve predicts best, confirmed by a second run.

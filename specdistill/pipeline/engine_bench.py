@@ -18,7 +18,7 @@ from specdistill.acceptance import DEFAULT_GAMMA
 from specdistill.data.results import BenchResult
 from specdistill.ops.policy import NOT_SERVED_MODES, Role
 from specdistill.pipeline.config import NightlyConfig
-from specdistill.pipeline.outputs import WindowDict
+from specdistill.pipeline.outputs import Window
 from specdistill.speculative.specs import DrafterSpec
 
 
@@ -36,11 +36,11 @@ def mode_for_spec(spec: str | DrafterSpec, target: Path, k: int = DEFAULT_GAMMA)
     raise ValueError(f"drafter {spec!r} has no llama.cpp mode (draft:DIR or ngram)")
 
 
-def engine_prompts(window: WindowDict):
+def engine_prompts(window: Window):
     """The window's eval prompts as an engine is sent them: their chat turns (it applies the template)."""
     from specdistill.data.prompts import Prompt
 
-    return [Prompt(text=p["messages"][-1]["content"], slice=p["slice"], messages=p["messages"]) for p in window["eval"]]
+    return [Prompt(text=p.messages[-1]["content"], slice=p.slice, messages=p.messages) for p in window.eval]
 
 
 def llamacpp_spec(config: NightlyConfig, name: str, spec: str) -> str:
@@ -57,7 +57,7 @@ def llamacpp_spec(config: NightlyConfig, name: str, spec: str) -> str:
     return str(DrafterSpec("draft", str(export_early_exit_draft(target, exit_layer))))
 
 
-def engine_benchmark(config: NightlyConfig, window: WindowDict, drafters: dict[str, str]) -> dict[str, BenchResult]:
+def engine_benchmark(config: NightlyConfig, window: Window, drafters: dict[str, str]) -> dict[str, BenchResult]:
     """Each servable drafter against target-only in `config.serving.engine`, interleaved per prompt.
     Results are keyed by drafter name, with the `spec` the harness benchmark used."""
     from specdistill.engines.bench import TARGET_ONLY, run_engine_bench

@@ -9,16 +9,14 @@ composes them in the order of the README's pipeline diagram; the benchmark and t
 
 from __future__ import annotations
 
-import hashlib
-import json
 import random
 import time
-from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from specdistill import paths
 from specdistill.data.ingest import IngestResult
+from specdistill.data.prompts import Prompt
 from specdistill.data.results import BenchResult
 from specdistill.ops.policy import GateVerdict
 from specdistill.ops.registry import RegisteredDraft
@@ -32,8 +30,8 @@ from specdistill.pipeline.outputs import (
     TargetInfo,
     Trained,
     WarmStart,
-    WindowDict,
-    WindowPrompt,
+    Window,
+    window_key,
 )
 from specdistill.pipeline.serve import ServingDecision
 
@@ -122,18 +120,6 @@ def align_champion(config: NightlyConfig, champion: Champion | None) -> WarmStar
 # Stage: data window
 
 
-@dataclass
-class Window:
-    train: list[WindowPrompt]
-    eval: list[WindowPrompt]
-    key: str  # content hash: the cache key of everything computed from this window
-    since: str | None
-    replayed: int
-
-    def to_dict(self) -> WindowDict:
-        return WindowDict(**asdict(self))
-
-
 def select_window(config: NightlyConfig, now: datetime | None = None) -> Window:
     """Train prompts from the recent window plus a replay share from before it; eval prompts from the
     eval split (never trained on). Deterministic for a given store content and seed. A prompt is what
@@ -149,21 +135,21 @@ def select_window(config: NightlyConfig, now: datetime | None = None) -> Window:
         since = since.replace(tzinfo=timezone.utc)
     slice_of = {str(resolve_source_path(s)): s.slice for s in config.sources}
 
-    def usable(rows, n: int) -> list[WindowPrompt]:
+    def usable(rows, n: int) -> list[Prompt]:
         out = []
         for row in rows:
             prompt = usable_prompt(row.messages, tokenizer, w.max_prompt_tokens)
             if prompt is None:
                 continue
-            out.append(WindowPrompt(id=str(row.id), messages=prompt[0], slice=slice_of.get(row.source, row.source)))
+            out.append(Prompt(id=str(row.id), messages=prompt[0], slice=slice_of.get(row.source, row.source)))
             if len(out) >= n:
                 break
         return out
 
-    def per_source(store: LogStore, n: int, **filters) -> list[WindowPrompt]:
+    def per_source(store: LogStore, n: int, **filters) -> list[Prompt]:
         """An even share of prompts from every source, so code and chat are both represented; smallest
         source first, so what a small one lacks (HumanEval has 157 train prompts) goes to the larger ones."""
-        picked: list[WindowPrompt] = []
+        picked: list[Prompt] = []
         counts = {s: store.count(source=s, **filters) for s in slice_of}
         sources = sorted((s for s in slice_of if counts[s]), key=counts.get)
         for i, source in enumerate(sources):
@@ -184,20 +170,19 @@ def select_window(config: NightlyConfig, now: datetime | None = None) -> Window:
         raise ValueError("empty eval split: no held-out prompts to benchmark on")
     train = recent + replay
     random.Random(w.seed).shuffle(train)
-    key = hashlib.sha256(json.dumps([train, evals, config.target], sort_keys=True).encode()).hexdigest()[:12]
-    return Window(train, evals, key, since.isoformat() if since else None, len(replay))
+    return Window(train, evals, window_key(train, evals, config.target), since.isoformat() if since else None, len(replay))
 
 
 # --------------------------------------------------------------------------------------------
 # Stage: distillation (and the generic baseline draft)
 
 
-def _write_conversations(config: NightlyConfig, window: WindowDict, path: Path) -> Path:
+def _write_conversations(config: NightlyConfig, window: Window, path: Path) -> Path:
     """The window's train conversations with their human-written answers (for the generic baseline)."""
     from specdistill.data.logstore import LogStore
 
     with LogStore(config.log_db) as store:
-        if not store.export_answered((int(p["id"]) for p in window["train"]), path):
+        if not store.export_answered((int(p.id) for p in window.train), path):
             # HumanEval-style traffic logs prompts only: there is nothing human-written to imitate
             raise ValueError("the window's train conversations have no human-written answers for the generic baseline")
     return path
@@ -218,7 +203,7 @@ MIN_TRAIN_MINUTES = 0.25  # a shorter training budget is no useful work
 
 
 def distill_draft(config: NightlyConfig, train_data: GeneratedData | dict, heldout_data: GeneratedData,
-                  warm_start: str | None = None, *, generic: bool = False, window: WindowDict | None = None,
+                  warm_start: str | None = None, *, generic: bool = False, window: Window | None = None,
                   deadline_at: float | None = None) -> Trained:
     """Distill a draft on the target's own answers (KL on the cached teacher), fresh or warm-started
     from the champion; `generic=True` trains the off-the-shelf baseline instead: plain CE on the
@@ -238,8 +223,8 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | dict, heldo
         warm_start = None  # the champion is of the other kind: this kind starts from the target
     eagle3 = Eagle3Config()
     if generic:
-        out_dir = run_root() / "generic" / f"{window['key']}-{config_hash(tc)}"
-        conv_path = paths.ensure(out_dir.parent) / f"{window['key']}-conversations.jsonl"
+        out_dir = run_root() / "generic" / f"{window.key}-{config_hash(tc)}"
+        conv_path = paths.ensure(out_dir.parent) / f"{window.key}-conversations.jsonl"
         if not conv_path.is_file():
             _write_conversations(config, window, conv_path)
         data = DataConfig(path=str(conv_path), kind="conversations", heldout_path=heldout_data["path"])
@@ -294,7 +279,7 @@ def champion_of(config: NightlyConfig) -> Champion | None:
                     tags=dict(mv.tags))
 
 
-def register(config: NightlyConfig, target: TargetInfo, window: WindowDict, trained: Trained,
+def register(config: NightlyConfig, target: TargetInfo, window: Window, trained: Trained,
              results: dict[str, BenchResult], verdict: GateVerdict, parent: str | None, report_path: str | None,
              speeds: dict[str, BenchResult] | None = None) -> RegisteredDraft:
     """The challenger into the registry with its numbers, curves and artifacts (see `pipeline.report`)."""
@@ -308,10 +293,10 @@ def register(config: NightlyConfig, target: TargetInfo, window: WindowDict, trai
                 **config.train.model_dump()},
         metrics=registration_metrics(results, trained), curves={"train_loss": train_losses(trained)},
         artifacts=registration_artifacts(config, results, verdict, trained, report_path, speeds),
-        tags={"target_fingerprint": target["fingerprint"], "data_window": window["key"],
+        tags={"target_fingerprint": target["fingerprint"], "data_window": window.key,
               "gate_verdict": "pass" if verdict.passed else "fail", "parent": parent or "",
               FIRST_POSITION_TAG: f"{first_position(results[Role.CHALLENGER])[0] or 0.0:.4f}"},  # the monitor's drift baseline
-        run_name=f"nightly-{window['key']}",
+        run_name=f"nightly-{window.key}",
     )
     return reg
 

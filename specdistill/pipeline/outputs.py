@@ -1,14 +1,24 @@
-"""What each stage hands to the next: the shapes of the dicts that cross a task boundary.
+"""What each stage hands to the next that has no home in a lower layer: the night's `Window`, and the
+small records still shaped as TypedDicts (the target, the champion, the answers, the training run, the
+monitor's outcome).
 
-They are TypedDicts, so at runtime they stay plain JSON-friendly dicts (Prefect persists them and
-`tasks.common.content_key` hashes them) while the stage signatures say what is inside. Several
-mirror a library dataclass's `to_dict()`; tests/test_stage_outputs.py keeps the two in step.
+Every other stage output is the library's own dataclass, defined once where it is computed and read
+by attribute: `data.results.BenchResult`, `ops.policy.GateVerdict`, `pipeline.serve.ServingDecision`,
+`ops.registry.RegisteredDraft`, `ops.targets.TargetChange`/`TargetVersion`, `ops.monitor.AcceptanceSample`
+and `FallbackDecision`, `ops.metrics.LiveSample`, `data.ingest.IngestResult`. They become JSON (benchmark.json,
+gate.json, the decision record, `--json`) through `data.record.to_dict`, which is also what
+`tasks.common.content_key` hashes; Prefect persists them as it does any result.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+from dataclasses import dataclass
 from typing import NotRequired, TypedDict
 
+from specdistill.data.prompts import Prompt
+from specdistill.data.record import Record
 from specdistill.ops.metrics import LiveSample
 from specdistill.ops.monitor import AcceptanceSample, FallbackDecision
 from specdistill.ops.targets import TargetChange
@@ -41,18 +51,31 @@ class WarmStart(Champion):
     vocab_report: dict
 
 
-class WindowPrompt(TypedDict):
-    id: str  # the conversation's id in the log store
-    messages: list[dict]  # the prompt turns, ending with a user turn
-    slice: str
+@dataclass
+class Window(Record):
+    """The night's prompts: train prompts (recent traffic plus a replay share) and held-out eval prompts,
+    each a logged conversation's prompt turns (`data.prompts.Prompt`: id, messages, slice)."""
 
-
-class WindowDict(TypedDict):
-    train: list[WindowPrompt]
-    eval: list[WindowPrompt]
+    train: list[Prompt]
+    eval: list[Prompt]
     key: str  # content hash: the cache key of everything computed from this window
     since: str | None
     replayed: int
+
+    def split(self, name: str) -> list[Prompt]:
+        """The `train` or `eval` prompts."""
+        if name not in ("train", "eval"):
+            raise ValueError(f"a window's split is train or eval, not {name!r}")
+        return self.train if name == "train" else self.eval
+
+
+def window_key(train: list[Prompt], evals: list[Prompt], target: str) -> str:
+    """The window's content hash, over what identifies its prompts (id, turns, slice)."""
+    def ident(p: Prompt) -> dict:
+        return {"id": p.id, "messages": p.messages, "slice": p.slice}
+
+    payload = [[ident(p) for p in train], [ident(p) for p in evals], target]
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
 
 class GeneratedData(TypedDict):

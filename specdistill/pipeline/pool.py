@@ -12,8 +12,9 @@ import hashlib
 import json
 from pathlib import Path
 
+from specdistill.data.prompts import Prompt
 from specdistill.pipeline.config import NightlyConfig, run_root
-from specdistill.pipeline.outputs import GeneratedData, PooledData, PoolSummary, WindowDict, WindowPrompt
+from specdistill.pipeline.outputs import GeneratedData, PooledData, PoolSummary, Window
 
 REANSWERED = "reanswer-"  # key prefix of the night made of the old version's prompts
 
@@ -22,7 +23,7 @@ def pool_root() -> Path:
     return run_root() / "pool"
 
 
-def pool_answers(config: NightlyConfig, window: WindowDict, train_data: GeneratedData, heldout_data: GeneratedData,
+def pool_answers(config: NightlyConfig, window: Window, train_data: GeneratedData, heldout_data: GeneratedData,
                  fingerprint: str) -> PooledData:
     """The data the night trains on: the pool's view (tonight's answers always in), or, with
     `pool.enabled` false, tonight's answers as they are. Tonight's eval prompts are recorded as held
@@ -38,13 +39,13 @@ def pool_answers(config: NightlyConfig, window: WindowDict, train_data: Generate
     pc = config.pool
     pool = AnswerPool.open(pool_root(), fingerprint)
     pool.hold_out(read_done(Path(heldout_data["path"])).values())
-    pool.add_night(window["key"], train_data["path"], train_data["teacher_cache"],
+    pool.add_night(window.key, train_data["path"], train_data["teacher_cache"],
                    features_dir(train_data["teacher_cache"]))
     reanswered = 0
     if pc.reanswer_from and pc.reanswer_from != fingerprint and pc.reanswer_prompts:
         reanswered = _reanswer(config, pool, window, pc.reanswer_from)
-    evicted = pool.enforce_disk_cap(pc.max_gb, keep=[window["key"]])
-    view = pool.view(include=window["key"], max_tokens=pc.max_tokens)
+    evicted = pool.enforce_disk_cap(pc.max_gb, keep=[window.key])
+    view = pool.view(include=window.key, max_tokens=pc.max_tokens)
     retired = retire_pools(pool_root(), pc.keep_versions, fingerprint)
     summary = PoolSummary(fingerprint=fingerprint, nights=view.nights, duplicates=view.duplicates,
                           held_out=view.held_out, over_budget=view.over_budget, skipped=view.skipped,
@@ -53,7 +54,7 @@ def pool_answers(config: NightlyConfig, window: WindowDict, train_data: Generate
                       pool=summary)
 
 
-def _reanswer(config: NightlyConfig, pool, window: WindowDict, old_fingerprint: str) -> int:
+def _reanswer(config: NightlyConfig, pool, window: Window, old_fingerprint: str) -> int:
     """The old target version's most recent pooled prompts answered by this target (up to
     `pool.reanswer_prompts`, never tonight's or a held-out one), as a night just before tonight's. Done
     once per new pool; an answer already written is not generated again (the answer stage resumes)."""
@@ -65,7 +66,7 @@ def _reanswer(config: NightlyConfig, pool, window: WindowDict, old_fingerprint: 
     if not (pool_root() / old_fingerprint / POOL_MANIFEST).is_file():
         return 0  # no pool for the old version (it was never pooled, or retired): tonight's window alone
     old = AnswerPool.open(pool_root(), old_fingerprint)
-    tonight = {p["id"] for p in window["train"]} | {p["id"] for p in window["eval"]}
+    tonight = {p.id for p in window.train} | {p.id for p in window.eval}
     prompts = old.recent_prompts(config.pool.reanswer_prompts, exclude=tonight)
     pool.hold_out([])  # the new pool's held-out record starts with the old one's
     pool.manifest["held_out_ids"] = sorted(set(pool.manifest["held_out_ids"]) | set(old.manifest["held_out_ids"]))
@@ -74,11 +75,11 @@ def _reanswer(config: NightlyConfig, pool, window: WindowDict, old_fingerprint: 
     if not prompts:
         return 0
     digest = hashlib.sha256(json.dumps([p["id"] for p in prompts]).encode()).hexdigest()[:12]
-    pseudo = WindowDict(train=[WindowPrompt(id=p["id"], messages=p["prompt"], slice="reanswer") for p in prompts],
-                        eval=[], key=f"{REANSWERED}{old_fingerprint}-{digest}", since=None, replayed=len(prompts))
+    pseudo = Window(train=[Prompt(id=p["id"], messages=p["prompt"], slice="reanswer") for p in prompts],
+                    eval=[], key=f"{REANSWERED}{old_fingerprint}-{digest}", since=None, replayed=len(prompts))
     data = generate_responses(config, pseudo, "train", record_teacher=True)
-    pool.add_night(pseudo["key"], data["path"], data["teacher_cache"], features_dir(data["teacher_cache"]),
-                   before=window["key"])
+    pool.add_night(pseudo.key, data["path"], data["teacher_cache"], features_dir(data["teacher_cache"]),
+                   before=window.key)
     return data["answers"]
 
 

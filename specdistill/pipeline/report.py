@@ -16,7 +16,7 @@ from specdistill.data.results import BenchResult
 from specdistill.ops.policy import GateVerdict, Role, first_position
 from specdistill.ops.registry import RegisteredDraft
 from specdistill.pipeline.config import NightlyConfig, run_root
-from specdistill.pipeline.outputs import MonitorOutcome, Promoted, TargetInfo, Trained, WindowDict
+from specdistill.pipeline.outputs import MonitorOutcome, Promoted, TargetInfo, Trained, Window
 from specdistill.pipeline.serve import ServingDecision
 from specdistill.speculative.specs import DrafterSpec
 
@@ -135,9 +135,9 @@ def _draft_vs_serving(results: dict[str, BenchResult], verdict: GateVerdict | No
                 f"`champion` alias still names the best draft, for engines where verifying a draft is cheap (GPUs)."]
 
 
-def write_report(text: str, window: WindowDict, path: str | None = None) -> str:
+def write_report(text: str, window: Window, path: str | None = None) -> str:
     """The human-readable record of what a run measured and decided."""
-    path = Path(path) if path else paths.ensure(run_root() / "reports") / f"{time.strftime('%Y%m%d-%H%M%S')}-{window['key']}.md"
+    path = Path(path) if path else paths.ensure(run_root() / "reports") / f"{time.strftime('%Y%m%d-%H%M%S')}-{window.key}.md"
     path.write_text(text + "\n")
     return str(path)
 

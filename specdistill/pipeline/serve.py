@@ -20,7 +20,7 @@ from specdistill.data.record import Record
 from specdistill.data.results import BenchResult
 from specdistill.ops.policy import CONFIDENCE, Candidate, GateVerdict, Role, fastest_mode, servable, unserved_faster_challenger
 from specdistill.pipeline.config import NightlyConfig
-from specdistill.pipeline.outputs import Champion, TargetInfo, WindowDict
+from specdistill.pipeline.outputs import Champion, TargetInfo, Window
 from specdistill.speculative.specs import DrafterSpec
 
 
@@ -90,7 +90,7 @@ def choose_engine_serving(config: NightlyConfig, speeds: dict[str, BenchResult],
     return decision
 
 
-def choose_serving(config: NightlyConfig, window: WindowDict, results: dict[str, BenchResult],
+def choose_serving(config: NightlyConfig, window: Window, results: dict[str, BenchResult],
                    verdict: GateVerdict, speeds: dict[str, BenchResult] | None = None) -> ServingDecision:
     """`speeds` (from `engine_bench.engine_benchmark`) when the serving engine is not the harness.
     In the harness each entry was benchmarked at its own best γ already (`pipeline.bench.benchmark`), and
