@@ -50,7 +50,7 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
     clock.lap("answers")
     heldout_data = t.generate_responses(config, window, "eval", fp, record_teacher=False)
     pooled = t.pool_answers(config, window, train_data, heldout_data, fp)  # tonight's answers join the pool
-    trained = t.distill(config, pooled, heldout_data, warm_start["dir"] if warm_start else None, fp, deadline_at)
+    trained = t.distill(config, pooled, heldout_data, warm_start.dir if warm_start else None, fp, deadline_at)
     clock.lap("held-out answers, pool, distill")
 
     generic = (t.generic_baseline(config, window, heldout_data, fp, deadline_at) if config.bench.generic_draft else None)
@@ -68,10 +68,10 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
     report = report_table(results, verdict, serving=serving, target=target, speeds=speeds) + "\n\n" + pool_report(pooled)
     report_path = write_report(report, window)
     registered = t.register(config, target, window, trained, results, verdict,
-                            champion["version"] if champion else None, report_path, speeds)
+                            champion.version if champion else None, report_path, speeds)
     promoted = None
     if verdict.promote:
-        promoted = t.promote(config, registered, target, champion["version"] if champion else None, serving)
+        promoted = t.promote(config, registered, target, champion.version if champion else None, serving)
     else:
         t.write_serving(config, target, serving, champion)
 

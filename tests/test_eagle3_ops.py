@@ -155,6 +155,7 @@ def test_nightly_warm_start_carries_a_head_over_a_tokenizer_change_once(head_dir
     from specdistill.modeling.eagle3_io import load_eagle3
     from specdistill.pipeline import nightly
     from specdistill.pipeline.config import load_nightly_config, run_root
+    from specdistill.pipeline.outputs import Champion
     from tests.conftest import make_tiny_llama, train_bpe
 
     new_tok = train_bpe(300)
@@ -162,12 +163,12 @@ def test_nightly_warm_start_carries_a_head_over_a_tokenizer_change_once(head_dir
     new_target = tmp_path / "target-v2"
     make_tiny_llama(vocab_size=len(new_tok), layers=6, seed=1).save_pretrained(new_target)
     new_tok.save_pretrained(new_target)
-    champion = {"name": "draft-tiny", "version": "1", "dir": str(head_dir), "tags": {}}
+    champion = Champion("draft-tiny", "1", str(head_dir))
     config = load_nightly_config(None, [f"target={new_target}"])
     warm = nightly.align_champion(config, champion)
-    assert warm["transplanted"] and warm["dir"].startswith(str(run_root() / "aligned"))
-    assert not warm["vocab_report"]["identical"]
-    head = load_eagle3(warm["dir"], load_model(new_target).model).head  # now a head for the new target, as it is
+    assert warm.transplanted and warm.dir.startswith(str(run_root() / "aligned"))
+    assert not warm.vocab_report["identical"]
+    head = load_eagle3(warm.dir, load_model(new_target).model).head  # now a head for the new target, as it is
     assert new_tok.convert_tokens_to_ids("CalcBlackScholesVega") in head.draft_vocab.token_ids.tolist()
     monkeypatch.setattr(eagle3_io, "save_eagle3", lambda *a, **k: pytest.fail("a carried-over head on disk is reused"))
     assert nightly.align_champion(config, champion) == warm

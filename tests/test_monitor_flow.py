@@ -86,7 +86,7 @@ def test_drift_scenario_detect_fallback_retrain_recover(prefect_harness, demo_ta
 
     # incremental distillation ran on the new target, warm-started through a vocab transplant
     inc = after["incremental"]
-    assert inc["warm_start"]["transplanted"]
+    assert inc["warm_start"].transplanted
     new_version = inc["registered"].version
     mv = registry.client().get_model_version(reg.name, new_version)
     assert mv.tags["parent"] == reg.version and mv.tags["target_fingerprint"] == after["change"].current.fingerprint

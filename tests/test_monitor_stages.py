@@ -16,6 +16,7 @@ from specdistill.ops.serving import read_serving_config
 from specdistill.ops.targets import TargetChange, TargetVersion
 from specdistill.pipeline import monitor as mc
 from specdistill.pipeline.config import MonitorConfig, load_nightly_config
+from specdistill.pipeline.outputs import Champion
 from tests.conftest import save_tiny_target
 
 UPDATED_AT = "2024-06-01T00:00:00+00:00"
@@ -112,6 +113,6 @@ def test_the_monitor_replays_the_prompt_window_the_nightly_evaluates_on(tiny_tar
     assert all(len(p.ids) <= 24 for p in seen["prompts"])
 
     monkeypatch.setattr(ops_monitor, "replay_acceptance", lambda *a, **kw: seen.update(replay=kw) or ops_monitor.AcceptanceSample(False))
-    mc.sample_acceptance(config, {"name": "d", "version": "1", "dir": "/d", "tags": {}},
+    mc.sample_acceptance(config, Champion("d", "1", "/d"),
                          TargetVersion("fp", str(tiny_target), "", UPDATED_AT))
     assert seen["replay"]["max_prompt_tokens"] == 24

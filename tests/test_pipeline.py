@@ -16,7 +16,7 @@ from specdistill.ops.registry import RegisteredDraft
 from specdistill.pipeline import bench as bench_stage
 from specdistill.pipeline import nightly as pipeline
 from specdistill.pipeline.config import load_nightly_config, run_root
-from specdistill.pipeline.outputs import Window
+from specdistill.pipeline.outputs import Champion, Window
 from specdistill.pipeline.report import report_table
 from specdistill.pipeline.serve import ServingDecision
 from tests.conftest import bench_result, train_bpe
@@ -391,7 +391,7 @@ def test_generic_baseline_dir_depends_on_the_window_and_the_train_config(monkeyp
 
 
 def _champion(path, version="1"):
-    return {"name": "draft-tiny", "version": version, "dir": str(path), "tags": {}}
+    return Champion("draft-tiny", version, str(path))
 
 
 def test_align_champion_keeps_a_champion_of_the_same_vocabulary(tiny_target_dir, tmp_path):
@@ -403,7 +403,7 @@ def test_align_champion_keeps_a_champion_of_the_same_vocabulary(tiny_target_dir,
     config = load_nightly_config(None, [f"target={tiny_target_dir}"])
     assert pipeline.align_champion(config, None) is None
     warm = pipeline.align_champion(config, _champion(champion_dir))
-    assert warm["dir"] == str(champion_dir) and not warm["transplanted"] and warm["vocab_report"]["identical"]
+    assert warm.dir == str(champion_dir) and not warm.transplanted and warm.vocab_report["identical"]
     assert not (run_root() / "aligned").exists()
 
 
@@ -427,13 +427,13 @@ def test_align_champion_transplants_a_champion_of_an_older_vocabulary_once(tiny_
 
     config = load_nightly_config(None, [f"target={new_target}"])
     warm = pipeline.align_champion(config, _champion(champion_dir))
-    assert warm["transplanted"] and warm["dir"] != str(champion_dir)
-    assert warm["dir"].startswith(str(run_root() / "aligned"))
-    aligned = load_model(warm["dir"])
+    assert warm.transplanted and warm.dir != str(champion_dir)
+    assert warm.dir.startswith(str(run_root() / "aligned"))
+    aligned = load_model(warm.dir)
     assert aligned.config.vocab_size == len(new_tok)
-    assert AutoTokenizer.from_pretrained(warm["dir"]).get_vocab() == new_tok.get_vocab()
-    assert new_tok.convert_tokens_to_ids("CalcBlackScholesVega") in DraftVocab.load(warm["dir"]).token_ids.tolist()
-    assert load_draft_meta(warm["dir"]) == {"layers": [0, 3], "transplanted_from": str(champion_dir)}
+    assert AutoTokenizer.from_pretrained(warm.dir).get_vocab() == new_tok.get_vocab()
+    assert new_tok.convert_tokens_to_ids("CalcBlackScholesVega") in DraftVocab.load(warm.dir).token_ids.tolist()
+    assert load_draft_meta(warm.dir) == {"layers": [0, 3], "transplanted_from": str(champion_dir)}
     assert load_model(champion_dir).config.vocab_size == len(old.tokenizer)  # the champion itself is untouched
 
     monkeypatch.setattr(drafts, "save_draft", lambda *a, **k: pytest.fail("a transplant already on disk is reused"))
@@ -515,7 +515,7 @@ def test_the_run_dtype_reaches_every_model_load_and_the_feature_pass(tmp_path, m
     assert info["dtype"] == "float32"
     loaded = real(target_dir, dtype="float32")
     champion = save_draft(init_draft_from_target(loaded.model, [0, 3]), loaded.tokenizer, tmp_path / "champion")
-    pipeline.align_champion(config, {"name": "d", "version": "1", "dir": str(champion), "tags": {}})
+    pipeline.align_champion(config, Champion("d", "1", str(champion)))
     engine_bench.llamacpp_spec(config, "self-spec@2", "self_spec:2")
     decision = ServingDecision(mode="self_speculation", name="self-spec@2", spec="self_spec:2", gamma=2, speedup=1.2,
                                reason="r", measured={}, measured_on="")
@@ -582,7 +582,7 @@ def test_a_float32_run_on_a_bf16_cpu_loads_every_model_and_runs_the_feature_pass
                             replay_prompts=2, max_new_tokens=4, min_draft_tokens=1, fallback_exit_layers=[2],
                             fallback_min_tokens=1)
     target = TargetVersion(info["fingerprint"], info["path"], info["ref"], "2024-06-01T00:00:00+00:00")
-    monitor_stage.sample_acceptance(monitor, {"dir": trained["draft_dir"], "version": "1"}, target)
+    monitor_stage.sample_acceptance(monitor, Champion("d", "1", trained["draft_dir"]), target)
     monitor_stage.measure_fallback(monitor, target)
 
     # describe, 2 answer passes, training, benchmark, the monitor's replay (target and head) and fallback

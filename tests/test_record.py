@@ -74,3 +74,4 @@ def test_gate_json_keeps_its_keys():
     out = json.loads(json.dumps(verdict.to_dict()))
     assert set(out) == {"passed", "reasons", "failures", "checks", "beats_champion", "promote"}
     assert out["failures"] == ["lossless: 1 outputs differ"] and out["checks"][0]["name"] == "lossless"
+    assert to_dict({"verdict": verdict}) == {"verdict": verdict.to_dict()}  # nested (a flow's result, --json): its own JSON

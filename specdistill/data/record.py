@@ -20,8 +20,12 @@ T = TypeVar("T")
 
 
 def to_dict(obj: Any) -> Any:
-    """A dataclass (and whatever it nests) as JSON-friendly values; anything else as it is."""
+    """A dataclass (and whatever it nests) as JSON-friendly values; anything else as it is. A dataclass
+    that writes its own JSON (a `to_dict` method of its own, such as the gate's verdict) is asked for it."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        own = getattr(type(obj), "to_dict", None)
+        if callable(own) and own is not Record.to_dict:
+            return own(obj)
         out = {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
         extra = getattr(obj, "extra", None)
         return {**out, **extra()} if callable(extra) else out

@@ -24,7 +24,7 @@ def measured_drafters(config: NightlyConfig, trained: Trained, warm_start: WarmS
     the challenger."""
     drafters = {Role.CHALLENGER.value: str(DrafterSpec("draft", trained["draft_dir"]))}
     if warm_start:
-        drafters[Role.CHAMPION.value] = str(DrafterSpec("draft", warm_start["dir"]))
+        drafters[Role.CHAMPION.value] = str(DrafterSpec("draft", warm_start.dir))
     if generic:
         drafters[Role.GENERIC.value] = str(DrafterSpec("draft", generic["draft_dir"]))
     for layer in config.bench.self_spec_layers:

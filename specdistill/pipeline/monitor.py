@@ -49,10 +49,10 @@ def record_decision(config: MonitorConfig, outcome: MonitorOutcome) -> RecordedD
 
     target = outcome["change"].current
     sample = outcome.get("sample")
-    champion = outcome.get("champion") or {}
+    champion = outcome.get("champion")
     kind = outcome["decision"]
     with LogStore(config.nightly.log_db) as store:
-        row = store.add_decision(kind, target.fingerprint, champion.get("version"),
+        row = store.add_decision(kind, target.fingerprint, champion.version if champion else None,
                                  json.dumps(to_dict(outcome), default=str, sort_keys=True))
 
     registry.client()
@@ -60,7 +60,7 @@ def record_decision(config: MonitorConfig, outcome: MonitorOutcome) -> RecordedD
                           run_name=f"monitor-{kind}"):
         mlflow.set_tags({"kind": "monitor", "decision": kind, "target_fingerprint": target.fingerprint,
                          "target_changed": str(outcome["change"].changed),
-                         "draft_version": str(champion.get("version"))})
+                         "draft_version": str(champion.version if champion else None)})
         if sample is not None and sample.acceptance_rate is not None:
             mlflow.log_metrics({"acceptance_rate": sample.acceptance_rate,
                                 "accepted_length": sample.mean_accepted_length or 0.0})
@@ -88,7 +88,7 @@ def record_decision(config: MonitorConfig, outcome: MonitorOutcome) -> RecordedD
 
 def registered_first_position(champion: Champion | None) -> float | None:
     """The champion's own first-position acceptance when it was registered (its version's tag), if recorded."""
-    value = ((champion or {}).get("tags") or {}).get(FIRST_POSITION_TAG)
+    value = champion.tags.get(FIRST_POSITION_TAG) if champion else None
     try:
         return float(value) if value not in (None, "") else None
     except ValueError:
@@ -113,7 +113,7 @@ def detect_drift(config: MonitorConfig, champion: Champion | None) -> TargetChan
     from specdistill.ops.targets import detect_change
 
     changed, current, previous = detect_change(config.target_ref())
-    trained_for = (champion or {}).get("tags", {}).get("target_fingerprint")
+    trained_for = champion.tags.get("target_fingerprint") if champion else None
     drifted = changed or (trained_for is not None and trained_for != current.fingerprint)
     return TargetChange(changed=changed, drifted=drifted, champion_target=trained_for, current=current, previous=previous)
 
@@ -131,14 +131,14 @@ def sample_acceptance(config: MonitorConfig, champion: Champion, target: TargetV
             live = sample_live_acceptance(config.live_metrics_url, config.live_interval_s, config.min_draft_tokens)
             if live.ok:  # the engine's per-position counters (vLLM), as counts per position
                 per_position = [round(a * live.drafts) for a in live.per_position_acceptance]
-                store.add_acceptance_sample(target.fingerprint, champion["version"], len(per_position),
+                store.add_acceptance_sample(target.fingerprint, champion.version, len(per_position),
                                             int(live.drafts), int(live.draft_tokens), int(live.accepted), per_position)
             return live
         from specdistill.ops.monitor import replay_acceptance
 
-        return replay_acceptance(target.path, champion["dir"], store, n_prompts=config.replay_prompts,
+        return replay_acceptance(target.path, champion.dir, store, n_prompts=config.replay_prompts,
                                  gamma=config.replay_gamma(), max_new_tokens=config.max_new_tokens,
-                                 target_version=target.fingerprint, draft_version=champion["version"],
+                                 target_version=target.fingerprint, draft_version=champion.version,
                                  min_draft_tokens=config.min_draft_tokens,
                                  max_prompt_tokens=nightly.window.max_prompt_tokens, dtype=nightly.dtype, device=nightly.device)
 

@@ -97,23 +97,26 @@ def align_champion(config: NightlyConfig, champion: Champion | None) -> WarmStar
     from specdistill.modeling.vocab import DraftVocab
 
     target_tok = target_tokenizer(config)
-    if is_eagle3_dir(champion["dir"]):  # a head: its draft vocabulary carried over; embeddings are the target's
+    def warm(directory: str, transplanted: bool, report: dict) -> WarmStart:
+        return WarmStart(champion.name, champion.version, directory, dict(champion.tags), transplanted, report)
+
+    if is_eagle3_dir(champion.dir):  # a head: its draft vocabulary carried over; embeddings are the target's
         target = load_model(config.target, dtype=config.dtype, device=config.device)
-        out = run_root() / "aligned" / f"{champion['name']}-{champion['version']}-{target.fingerprint}"
-        aligned_dir, head, report = align_head(champion["dir"], target.model, target_tok, out)
-        return WarmStart(**{**champion, "dir": str(aligned_dir)}, transplanted=head.transplanted, vocab_report=report)
+        out = run_root() / "aligned" / f"{champion.name}-{champion.version}-{target.fingerprint}"
+        aligned_dir, head, report = align_head(champion.dir, target.model, target_tok, out)
+        return warm(str(aligned_dir), head.transplanted, report)
     target_vocab_size = AutoConfig.from_pretrained(resolve_model_dir(config.target)).vocab_size
-    draft = load_model(champion["dir"], dtype=config.dtype, device=config.device)
-    aligned = align_draft(draft.model, draft.tokenizer, target_tok, DraftVocab.load(champion["dir"]),
+    draft = load_model(champion.dir, dtype=config.dtype, device=config.device)
+    aligned = align_draft(draft.model, draft.tokenizer, target_tok, DraftVocab.load(champion.dir),
                           target_vocab_size=target_vocab_size, copy_model=False)
     report = aligned.report.to_dict()
     if not aligned.transplanted:
-        return WarmStart(**champion, transplanted=False, vocab_report=report)
-    out = run_root() / "aligned" / f"{champion['name']}-{champion['version']}-{config_hash(report)}"
+        return warm(champion.dir, False, report)
+    out = run_root() / "aligned" / f"{champion.name}-{champion.version}-{config_hash(report)}"
     if not (out / "config.json").is_file():
         save_draft(aligned.model, target_tok, out, draft_vocab=aligned.draft_vocab,
-                   meta={**load_draft_meta(champion["dir"]), "transplanted_from": champion["dir"]})
-    return WarmStart(**{**champion, "dir": str(out)}, transplanted=True, vocab_report=report)
+                   meta={**load_draft_meta(champion.dir), "transplanted_from": champion.dir})
+    return warm(str(out), True, report)
 
 
 # --------------------------------------------------------------------------------------------

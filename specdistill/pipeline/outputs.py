@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NotRequired, TypedDict
 
 from specdistill.data.prompts import Prompt
@@ -37,18 +37,22 @@ class TargetInfo(TypedDict):
     hardware: NotRequired[str]  # the GPU or CPU (model and the flags that matter) the run measured on
 
 
-class Champion(TypedDict):
+@dataclass
+class Champion(Record):
+    """The registry's current best draft (its `champion` alias)."""
+
     name: str
     version: str
     dir: str  # the local draft directory
-    tags: dict[str, str]
+    tags: dict[str, str] = field(default_factory=dict)  # the version's tags: target_fingerprint, first-position acceptance
 
 
+@dataclass
 class WarmStart(Champion):
     """The champion as a warm start for this target (`dir` is the transplanted copy when `transplanted`)."""
 
-    transplanted: bool
-    vocab_report: dict
+    transplanted: bool = False
+    vocab_report: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -145,7 +145,7 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
         if d.name == Role.CHALLENGER:  # served from its registered copy once it is registered
             return ServingConfig(draft_dir=registered_dir or local, draft_version=registered_version, draft_kind=kind,
                                  tree_width=tree, **common)
-        return ServingConfig(draft_dir=local, draft_version=champion["version"] if champion else None, draft_kind=kind,
+        return ServingConfig(draft_dir=local, draft_version=champion.version if champion else None, draft_kind=kind,
                              tree_width=tree, **common)
     if mode == "self_speculation":
         k = spec.exit_layer
