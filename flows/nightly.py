@@ -42,7 +42,7 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
     champion = t.current_champion(config)
     warm_start = t.align_vocab(config, champion)
 
-    fp = target["fingerprint"]
+    fp = target.fingerprint
     clock.lap("ingest, window, target")
     train_data = t.generate_responses(config, window, "train", fp, record_teacher=True, deadline_at=deadline_at)
     if train_data["answers"] < len(window.train):

@@ -91,11 +91,12 @@ def test_serving_config_for_an_eagle3_head(tmp_path, capsys):
 def test_nightly_serving_config_knows_a_head_by_its_directory(head_dir, tmp_path):
     from dataclasses import replace
 
+    from specdistill.pipeline.outputs import TargetInfo
     from specdistill.pipeline.serve import ServingDecision, serving_config
 
     decision = ServingDecision(mode="draft", name="challenger", spec=f"draft:{head_dir}", gamma=3, speedup=1.4,
                                reason="fastest", measured={"challenger": 1.4}, measured_on="harness")
-    target = {"ref": "t", "path": "/t", "fingerprint": "fp", "num_layers": 6, "vocab_size": 300, "dtype": "float32"}
+    target = TargetInfo("t", "/t", "fp", num_layers=6, vocab_size=300, dtype="float32")
     cfg = serving_config(decision, target, registered_version="1", registered_dir=str(head_dir))
     assert cfg.draft_kind == "eagle3" and cfg.vllm()["method"] == "eagle3"
     # measured in llama.cpp: the command line that ran the head's GGUF, as serving.json and `serving show` give it

@@ -122,6 +122,7 @@ def test_nightly_measures_an_eagle3_head_in_llama_cpp(llama_cpp, memorized_head,
     from specdistill.ops.serving import write_serving_config
     from specdistill.pipeline.config import load_nightly_config
     from specdistill.pipeline.engine_bench import engine_benchmark
+    from specdistill.pipeline.outputs import TargetInfo
     from specdistill.pipeline.report import registration_artifacts
     from specdistill.pipeline.serve import choose_serving, serving_config
 
@@ -143,7 +144,7 @@ def test_nightly_measures_an_eagle3_head_in_llama_cpp(llama_cpp, memorized_head,
     if decision.mode == "off":  # a loaded machine can make any mode slower: the guard then says so
         assert head.speedup <= 1.0 or not head.lossless
         return
-    target = {"ref": "demo", "path": "/t", "fingerprint": "fp", "num_layers": 30, "vocab_size": 49152, "dtype": "Q4_1"}
+    target = TargetInfo("demo", "/t", "fp", num_layers=30, vocab_size=49152, dtype="Q4_1")
     path = write_serving_config(serving_config(decision, target, "1", str(memorized_head)), tmp_path / "serving.json")
     assert main(["serving", "show", "--path", str(path)]) == 0
     shown = capsys.readouterr().out
@@ -263,6 +264,7 @@ def test_nightly_serving_choice_measured_in_llama_cpp(llama_cpp, tmp_path):
     from specdistill.ops.serving import read_serving_config, write_serving_config
     from specdistill.pipeline.config import load_nightly_config
     from specdistill.pipeline.engine_bench import engine_benchmark
+    from specdistill.pipeline.outputs import TargetInfo
     from specdistill.pipeline.report import report_table
     from specdistill.pipeline.serve import choose_serving, serving_config
 
@@ -280,7 +282,7 @@ def test_nightly_serving_choice_measured_in_llama_cpp(llama_cpp, tmp_path):
     bound = speedup_lower_bound(ngram.prompt_speedups)  # the gain must hold over the prompts too
     holds = ngram.speedup > 1.0 and ngram.lossless and (bound is None or bound > 1.0)
     assert decision.mode == ("ngram" if holds else "off")
-    target = {"ref": "demo", "path": "/t", "fingerprint": "fp", "num_layers": 30, "vocab_size": 49152, "dtype": "Q4_1"}
+    target = TargetInfo("demo", "/t", "fp", num_layers=30, vocab_size=49152, dtype="Q4_1")
     path = write_serving_config(serving_config(decision, target), tmp_path / "serving.json")
     written = read_serving_config(path)
     assert written.engine == "llamacpp" and written.measured_on.startswith("llamacpp, Q4_1")

@@ -512,7 +512,7 @@ def test_the_run_dtype_reaches_every_model_load_and_the_feature_pass(tmp_path, m
                         or real(ref, **kw))
     config = load_nightly_config(None, [f"target={target_dir}", "dtype=float32", "train.kind=eagle3"])
     info = pipeline.describe_target(config.target, config.dtype, config.device)
-    assert info["dtype"] == "float32"
+    assert info.dtype == "float32"
     loaded = real(target_dir, dtype="float32")
     champion = save_draft(init_draft_from_target(loaded.model, [0, 3]), loaded.tokenizer, tmp_path / "champion")
     pipeline.align_champion(config, Champion("d", "1", str(champion)))
@@ -581,7 +581,7 @@ def test_a_float32_run_on_a_bf16_cpu_loads_every_model_and_runs_the_feature_pass
     monitor = MonitorConfig(target=str(tiny_target_dir), nightly_overrides=[f"log_db={url}", *overrides], gamma=2,
                             replay_prompts=2, max_new_tokens=4, min_draft_tokens=1, fallback_exit_layers=[2],
                             fallback_min_tokens=1)
-    target = TargetVersion(info["fingerprint"], info["path"], info["ref"], "2024-06-01T00:00:00+00:00")
+    target = TargetVersion(info.fingerprint, info.path, info.ref, "2024-06-01T00:00:00+00:00")
     monitor_stage.sample_acceptance(monitor, Champion("d", "1", trained["draft_dir"]), target)
     monitor_stage.measure_fallback(monitor, target)
 

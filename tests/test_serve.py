@@ -14,6 +14,7 @@ from specdistill.ops.serving import read_serving_config
 from specdistill.pipeline import bench as bench_stage
 from specdistill.pipeline import nightly
 from specdistill.pipeline.config import load_nightly_config
+from specdistill.pipeline.outputs import TargetInfo
 from specdistill.pipeline.serve import ServingDecision, mode_of, serving_candidates, serving_config
 from tests.conftest import bench_result
 
@@ -24,7 +25,7 @@ RECORDED = {
     "self-spec@8": bench_result("self_spec:8", 0.93),
     "ngram": bench_result("ngram", 1.33),
 }
-TARGET = {"ref": "demo", "path": "/t", "fingerprint": "fp-t", "num_layers": 30, "vocab_size": 64, "dtype": "bfloat16"}
+TARGET = TargetInfo("demo", "/t", "fp-t", num_layers=30, vocab_size=64, dtype="bfloat16")
 PROMOTE, KEEP = GateVerdict(True), GateVerdict(False)
 
 

@@ -14,6 +14,7 @@ from specdistill.ops import monitor as ops_monitor
 from specdistill.ops.policy import GateVerdict
 from specdistill.ops.serving import ServingConfig, read_serving_config, write_serving_config
 from specdistill.pipeline.corpus import export_sglang_corpus, sglang_corpus_path
+from specdistill.pipeline.outputs import TargetInfo
 from specdistill.pipeline.serve import ServingDecision, serving_candidates, serving_config
 from specdistill.speculative.suffix_corpus import CorpusMeta, save_corpus
 from tests.conftest import bench_result, make_tiny_llama
@@ -66,7 +67,7 @@ def test_the_nightly_serves_the_suffix_drafter_and_never_the_hybrid(tmp_path):
     assert set(serving_candidates(results, GateVerdict(False))) == {"ngram", "suffix"}
     decision = ServingDecision(mode="suffix", name="suffix", spec=f"suffix:{corpus}", gamma=8, speedup=1.5,
                                reason="suffix measured fastest", measured={}, measured_on="harness")
-    cfg = serving_config(decision, {"fingerprint": "fp-now", "path": "/t"})
+    cfg = serving_config(decision, TargetInfo("demo", "/t", "fp-now", num_layers=2, vocab_size=32, dtype="float32"))
     assert cfg.mode == "suffix" and cfg.suffix_corpus == str(corpus) and cfg.suffix_corpus_tokens == 7
     assert cfg.suffix_corpus_sglang == str(sglang_corpus_path(corpus))
     assert cfg.vllm()["num_speculative_tokens"] == 8

@@ -198,6 +198,7 @@ def test_nightly_serving_choice_measured_in_vllm(vllm_servers, eagle_head, tmp_p
     from specdistill.ops.serving import read_serving_config, write_serving_config
     from specdistill.pipeline.config import load_nightly_config
     from specdistill.pipeline.engine_bench import engine_benchmark
+    from specdistill.pipeline.outputs import TargetInfo
     from specdistill.pipeline.serve import choose_serving, serving_config
 
     by_block = {repr(None): vllm_servers[TARGET_ONLY], repr(_serving_block(NGRAM_SPEC)): vllm_servers["ngram"],
@@ -228,7 +229,7 @@ def test_nightly_serving_choice_measured_in_vllm(vllm_servers, eagle_head, tmp_p
         assert speeds[name].stats["vllm_speculative_config"] == _serving_block(spec)
     decision = choose_serving(config, window, {}, GateVerdict(True), speeds)
     assert decision.engine == "vllm" and set(decision.measured) == {"ngram", "challenger"}
-    target = {"ref": "demo", "path": "/t", "fingerprint": "fp", "num_layers": 30, "vocab_size": 49152, "dtype": "bf16"}
+    target = TargetInfo("demo", "/t", "fp", num_layers=30, vocab_size=49152, dtype="bf16")
     written = read_serving_config(write_serving_config(serving_config(decision, target), tmp_path / "serving.json"))
     assert written.engine == "vllm" and "vLLM 0.32.0" in written.measured_on and "cores" in written.measured_on
     if decision.mode != "off":

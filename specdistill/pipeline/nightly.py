@@ -292,11 +292,11 @@ def register(config: NightlyConfig, target: TargetInfo, window: Window, trained:
 
     reg = registry.register_draft(
         trained["draft_dir"], target_name=config.target_name,
-        params={"layers": trained.get("layers"), "draft_vocab": trained.get("draft_vocab"), "dtype": target["dtype"],
+        params={"layers": trained.get("layers"), "draft_vocab": trained.get("draft_vocab"), "dtype": target.dtype,
                 **config.train.model_dump()},
         metrics=registration_metrics(results, trained), curves={"train_loss": train_losses(trained)},
         artifacts=registration_artifacts(config, results, verdict, trained, report_path, speeds),
-        tags={"target_fingerprint": target["fingerprint"], "data_window": window.key,
+        tags={"target_fingerprint": target.fingerprint, "data_window": window.key,
               "gate_verdict": "pass" if verdict.passed else "fail", "parent": parent or "",
               FIRST_POSITION_TAG: f"{first_position(results[Role.CHALLENGER])[0] or 0.0:.4f}"},  # the monitor's drift baseline
         run_name=f"nightly-{window.key}",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import NotRequired, TypedDict
+from typing import TypedDict
 
 from specdistill.data.prompts import Prompt
 from specdistill.data.record import Record
@@ -27,14 +27,17 @@ from specdistill.ops.targets import TargetChange
 # nightly
 
 
-class TargetInfo(TypedDict):
+@dataclass
+class TargetInfo(Record):
+    """The run's target, loaded once at the start (`pipeline.nightly.describe_target`)."""
+
     ref: str
     path: str
     fingerprint: str
     num_layers: int
     vocab_size: int
     dtype: str  # what every stage runs the target in (float32 | bfloat16)
-    hardware: NotRequired[str]  # the GPU or CPU (model and the flags that matter) the run measured on
+    hardware: str = ""  # the GPU or CPU (model and the flags that matter) the run measured on
 
 
 @dataclass

@@ -59,7 +59,7 @@ def report_table(results: dict[str, BenchResult], verdict: GateVerdict | None = 
                       "counts the runner-ups accepted too"]
     any_r = next(iter(results.values()), None)
     if any_r is not None:
-        dtype = any_r.dtype or (target or {}).get("dtype", "")
+        dtype = any_r.dtype or (target.dtype if target else "")
         lines += ["", f"measured with the PyTorch harness{' in ' + dtype if dtype else ''}: {any_r.max_new_tokens} new tokens "
                       f"a prompt, target-only {any_r.tokens_per_second_target_only:.1f} tokens/s; speedups are interleaved "
                       f"medians against it on the same held-out prompts"]

@@ -131,10 +131,10 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
     from specdistill.ops.serving import ServingConfig
 
     d = decision
-    common = dict(mode=d.mode, num_speculative_tokens=d.gamma, target_fingerprint=target["fingerprint"],
+    common = dict(mode=d.mode, num_speculative_tokens=d.gamma, target_fingerprint=target.fingerprint,
                   reason=f"nightly: {d.reason}" + (f"; {d.gamma_note}" if d.gamma_note else ""),
                   measured=d.measured, measured_on=d.measured_on, engine=d.engine, llamacpp_args=d.llamacpp_args,
-                  hardware=target.get("hardware", ""))
+                  hardware=target.hardware)
     spec, mode = DrafterSpec.parse(d.spec) if d.spec else None, d.mode
     if mode == "draft":
         from specdistill.modeling.eagle3_io import is_eagle3_dir
@@ -149,8 +149,8 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
                              tree_width=tree, **common)
     if mode == "self_speculation":
         k = spec.exit_layer
-        loaded = load_model(target["path"], dtype=target["dtype"])  # the dtype the mode was measured in (a copy: on the CPU)
-        out = export_early_exit_draft(loaded, k, early_exit_dir(target["fingerprint"], k))
+        loaded = load_model(target.path, dtype=target.dtype)  # the dtype the mode was measured in (a copy: on the CPU)
+        out = export_early_exit_draft(loaded, k, early_exit_dir(target.fingerprint, k))
         return ServingConfig(draft_dir=str(out), exit_layer=k, **common)
     if mode == "suffix":
         from specdistill.pipeline.corpus import sglang_corpus_path
