@@ -38,23 +38,22 @@ def monitor(config_path: str | None = None, overrides: list[str] | None = None,
     change = t.detect_target_change(config, champion)
     if champion is None:
         log.info("no champion registered yet: nothing to monitor")
-        return MonitorOutcome(change=change, decision="no-champion")
+        return MonitorOutcome(change, "no-champion")
 
     sample = t.sample_acceptance(config, champion, change.current)
     decision, why = mc.judge(config, sample, champion)
-    outcome = MonitorOutcome(change=change, champion=champion, sample=sample, decision=decision, decision_reason=why)
+    outcome = MonitorOutcome(change, decision, champion=champion, sample=sample, decision_reason=why)
     if decision == "fallback":
-        fallback = t.choose_fallback(config, change.current)
-        outcome["fallback"] = fallback
-        outcome["serving"] = t.apply_fallback(config, fallback, change.current)
+        outcome.fallback = t.choose_fallback(config, change.current)
+        outcome.serving = t.apply_fallback(config, outcome.fallback, change.current)
     if decision in ("fallback", "retrain"):
         retrain = nightly(config_path=config.nightly_config, overrides=mc.incremental_overrides(config, change))
-        outcome["incremental"] = {k: retrain[k] for k in ("warm_start", "verdict", "registered", "promoted", "serving")}
+        outcome.incremental = {k: retrain[k] for k in ("warm_start", "verdict", "registered", "promoted", "serving")}
     t.record_decision(config, outcome)
     report = render_outcome(outcome)
     create_markdown_artifact(report, key="monitor-decision", description="acceptance and what the monitor did")
     log.info("\n%s", report)
-    outcome["report"] = report
+    outcome.report = report
     nt.mark_success(config.nightly, "monitor", change.current.fingerprint)
     return outcome
 

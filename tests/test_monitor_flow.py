@@ -58,8 +58,8 @@ def test_drift_scenario_detect_fallback_retrain_recover(prefect_harness, demo_ta
                                                          draft_version=reg.version), expected_champion=None)
 
     before = monitor(overrides=_monitor_overrides(traffic))
-    assert before["decision"] == "keep" and not before["change"].changed
-    first_before = before["sample"].first_position_acceptance  # the red line's quantity
+    assert before.decision == "keep" and not before.change.changed
+    first_before = before.sample.first_position_acceptance  # the red line's quantity
     assert first_before >= 0.5
 
     # The target is updated and registered (as `specdistill target register` does).
@@ -69,27 +69,27 @@ def test_drift_scenario_detect_fallback_retrain_recover(prefect_harness, demo_ta
     register_target(updated)
 
     after = monitor(overrides=_monitor_overrides(traffic))
-    assert after["change"].drifted and after["sample"].ok
-    first_after = after["sample"].first_position_acceptance
-    assert first_after < 0.5 and after["decision"] == "fallback"
+    assert after.change.drifted and after.sample.ok
+    first_after = after.sample.first_position_acceptance
+    assert first_after < 0.5 and after.decision == "fallback"
     # the serving config switched to the fallback that measured fastest
-    fallback = after["fallback"]
+    fallback = after.fallback
     assert fallback.decided
-    assert after["serving"]["mode"] == fallback.mode
+    assert after.serving.mode == fallback.mode
     speedups = {(c.mode, c.exit_layer): c.speedup for c in fallback.candidates}
     if fallback.mode != "off":
         assert fallback.speedup == max(speedups.values())
     # the drop and the decision are recorded with their numbers
     decisions = LogStore().decisions(kind="fallback")
-    assert decisions and decisions[0]["target_fingerprint"] == after["change"].current.fingerprint
-    assert LogStore().acceptance(after["change"].current.fingerprint, reg.version)["acceptance_rate"] < 0.5
+    assert decisions and decisions[0]["target_fingerprint"] == after.change.current.fingerprint
+    assert LogStore().acceptance(after.change.current.fingerprint, reg.version)["acceptance_rate"] < 0.5
 
     # incremental distillation ran on the new target, warm-started through a vocab transplant
-    inc = after["incremental"]
+    inc = after.incremental
     assert inc["warm_start"].transplanted
     new_version = inc["registered"].version
     mv = registry.client().get_model_version(reg.name, new_version)
-    assert mv.tags["parent"] == reg.version and mv.tags["target_fingerprint"] == after["change"].current.fingerprint
+    assert mv.tags["parent"] == reg.version and mv.tags["target_fingerprint"] == after.change.current.fingerprint
     # promoted only if it passed the gate; then serving is what the retrain measured fastest
     assert bool(inc["promoted"]) == inc["verdict"].promote
     serving = read_serving_config()

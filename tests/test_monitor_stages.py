@@ -16,7 +16,7 @@ from specdistill.ops.serving import read_serving_config
 from specdistill.ops.targets import TargetChange, TargetVersion
 from specdistill.pipeline import monitor as mc
 from specdistill.pipeline.config import MonitorConfig, load_nightly_config
-from specdistill.pipeline.outputs import Champion
+from specdistill.pipeline.outputs import AppliedFallback, Champion
 from tests.conftest import save_tiny_target
 
 UPDATED_AT = "2024-06-01T00:00:00+00:00"
@@ -79,7 +79,7 @@ def test_apply_fallback_writes_the_chosen_mode_into_the_serving_config(tiny_targ
     assert mc.apply_fallback(config, undecided, target) is None and not serving_file.exists()  # serve as before
 
     ngram = FallbackDecision(True, "ngram", None, 1.3, "ngram measured fastest at 1.30x")
-    assert mc.apply_fallback(config, ngram, target) == {"mode": "ngram", "exit_layer": None, "serving_config": str(serving_file)}
+    assert mc.apply_fallback(config, ngram, target) == AppliedFallback("ngram", None, str(serving_file))
     serving = read_serving_config(serving_file)
     assert serving.mode == "ngram" and serving.num_speculative_tokens == 3 and serving.draft_dir is None
     assert serving.target_fingerprint == "fp-t" and serving.reason == "monitor fallback: ngram measured fastest at 1.30x"
@@ -87,7 +87,7 @@ def test_apply_fallback_writes_the_chosen_mode_into_the_serving_config(tiny_targ
     early = FallbackDecision(True, "self_speculation", 2, 1.2, "self_speculation at exit layer 2")
     applied = mc.apply_fallback(config, early, target)
     serving = read_serving_config(serving_file)
-    assert applied["mode"] == serving.mode == "self_speculation" and serving.exit_layer == 2
+    assert applied.mode == serving.mode == "self_speculation" and serving.exit_layer == 2
     assert serving.draft_dir == str(early_exit_dir("fp-t", 2))
     exported = load_model(serving.draft_dir)  # the early exit, exported as a draft a serving engine can load
     assert exported.config.num_hidden_layers == 2 and exported.config.vocab_size == load_model(tiny_target).config.vocab_size

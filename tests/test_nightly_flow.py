@@ -48,7 +48,7 @@ def test_nightly_twice_then_forced_gate_failure(prefect_harness, traffic, tmp_pa
     monkeypatch.setenv("SPECDISTILL_HOME", str(tmp_path / "home"))
     first = _run(traffic)
     name = first["registered"].name
-    assert first["verdict"].passed and first["promoted"]["version"] == "1"
+    assert first["verdict"].passed and first["promoted"].version == "1"
     assert str(registry.version_by_alias(name, "champion").version) == "1"
     serving = read_serving_config()  # the fastest lossless mode measured, never a slowdown
     chosen = first["serving"]

@@ -71,7 +71,7 @@ def test_a_passing_draft_becomes_champion_while_ngram_is_served(tmp_path, monkey
                                   curves={}, tags={"target_fingerprint": "fp-t", "parent": ""})
     config = load_nightly_config(None, [f"serving_path={tmp_path / 'serving.json'}", "target_name=tiny-target"])
     promoted = nightly.promote(config, reg, TARGET, None, decision("ngram", "ngram", "ngram"))
-    assert promoted["version"] == reg.version
+    assert promoted.version == reg.version
     assert str(registry.version_by_alias(reg.name, registry.CHAMPION).version) == reg.version
     served = read_serving_config(tmp_path / "serving.json")
     assert served.mode == "ngram" and served.draft_dir is None and served.measured["ngram"] == 1.33

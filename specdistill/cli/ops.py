@@ -54,7 +54,7 @@ def cmd_monitor_run(args: argparse.Namespace) -> int:
     from flows.monitor import monitor  # the flows are the one place Prefect is imported
 
     outcome = monitor(config_path=args.config, overrides=args.overrides)
-    emit(args, outcome, outcome["report"] if "report" in outcome else f"decision: {outcome['decision']}")
+    emit(args, outcome, outcome.report or f"decision: {outcome.decision}")
     return 0
 
 

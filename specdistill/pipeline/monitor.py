@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 
-from specdistill.data.record import to_dict
 from specdistill.ops.monitor import AcceptanceSample, FallbackDecision
 from specdistill.ops.policy import FIRST_POSITION_TAG
 from specdistill.ops.targets import TargetChange, TargetVersion
@@ -47,30 +46,27 @@ def record_decision(config: MonitorConfig, outcome: MonitorOutcome) -> RecordedD
     from specdistill.ops.metrics import SpecDecodeMetrics
     from specdistill.ops.serving import ServingConfigError, read_serving_config
 
-    target = outcome["change"].current
-    sample = outcome.get("sample")
-    champion = outcome.get("champion")
-    kind = outcome["decision"]
+    target, sample, champion, kind = outcome.change.current, outcome.sample, outcome.champion, outcome.decision
     with LogStore(config.nightly.log_db) as store:
         row = store.add_decision(kind, target.fingerprint, champion.version if champion else None,
-                                 json.dumps(to_dict(outcome), default=str, sort_keys=True))
+                                 json.dumps(outcome.to_dict(), default=str, sort_keys=True))
 
     registry.client()
     with mlflow.start_run(experiment_id=registry.experiment_for(config.nightly.target_name),
                           run_name=f"monitor-{kind}"):
         mlflow.set_tags({"kind": "monitor", "decision": kind, "target_fingerprint": target.fingerprint,
-                         "target_changed": str(outcome["change"].changed),
+                         "target_changed": str(outcome.change.changed),
                          "draft_version": str(champion.version if champion else None)})
         if sample is not None and sample.acceptance_rate is not None:
             mlflow.log_metrics({"acceptance_rate": sample.acceptance_rate,
                                 "accepted_length": sample.mean_accepted_length or 0.0})
         if sample is not None and sample.first_position_acceptance is not None:
             mlflow.log_metric("first_position_acceptance", sample.first_position_acceptance)
-        fallback = outcome.get("fallback")
+        fallback = outcome.fallback
         for c in fallback.candidates if fallback else []:
             name = c.mode + (f"_at_{c.exit_layer}" if c.exit_layer else "")
             mlflow.log_metric(f"fallback_{name}_speedup", c.speedup)
-        mlflow.log_text(json.dumps(to_dict(outcome), indent=2, default=str), "decision.json")
+        mlflow.log_text(json.dumps(outcome.to_dict(), indent=2, default=str), "decision.json")
 
     metrics = SpecDecodeMetrics()
     if isinstance(sample, AcceptanceSample) and sample.ok:  # a live engine's counters are its own to export

@@ -134,7 +134,8 @@ class Trained(_TrainedOptional):
     draft_dir: str
 
 
-class Promoted(TypedDict):
+@dataclass
+class Promoted(Record):
     version: str
     serving_config: str  # the serving config file that now points at the new champion
 
@@ -146,29 +147,29 @@ class Promoted(TypedDict):
 Sample = AcceptanceSample | LiveSample  # the champion's acceptance: replayed here, or a live engine's counters
 
 
-class AppliedFallback(TypedDict):
+@dataclass
+class AppliedFallback(Record):
     mode: str
     exit_layer: int | None
     serving_config: str
 
 
-class RecordedDecision(TypedDict):
+@dataclass
+class RecordedDecision(Record):
     log_store_row: int  # the decisions table's row
     pushed: bool  # the gauges went to a Pushgateway
 
 
-class _OutcomeOptional(TypedDict, total=False):
-    champion: Champion
-    sample: Sample
-    fallback: FallbackDecision
-    serving: AppliedFallback | None
-    incremental: dict  # the nightly run's warm_start, verdict, registered, promoted, serving
-    decision_reason: str  # the numbers the decision was taken on (`ops.policy.judge_acceptance`)
-    report: str
-
-
-class MonitorOutcome(_OutcomeOptional):
+@dataclass
+class MonitorOutcome(Record):
     """What one monitor run saw and did: the record `record_decision` stores and the report renders."""
 
     change: TargetChange
     decision: str  # keep | fallback | retrain | no-sample | no-champion
+    champion: Champion | None = None
+    sample: Sample | None = None
+    decision_reason: str = ""  # the numbers the decision was taken on (`ops.policy.judge_acceptance`)
+    fallback: FallbackDecision | None = None
+    serving: AppliedFallback | None = None
+    incremental: dict | None = None  # the nightly run's warm_start, verdict, registered, promoted, serving
+    report: str = ""

@@ -78,7 +78,7 @@ def report_table(results: dict[str, BenchResult], verdict: GateVerdict | None = 
         alias = Role.CHAMPION if promoted else Role.CHALLENGER
         lines += ["", f"registered: `{registered.name}` version {registered.version} (alias `{alias}`)"]
     if promoted:
-        lines.append(f"serving config: `{promoted['serving_config']}`")
+        lines.append(f"serving config: `{promoted.serving_config}`")
     elif registered is not None:
         lines.append("champion unchanged")
     return "\n".join(lines)
@@ -209,7 +209,7 @@ def registration_artifacts(config: NightlyConfig, results: dict[str, BenchResult
 
 def render_outcome(outcome: MonitorOutcome) -> str:
     """Markdown: the target, the acceptance sample, the decision and what followed from it."""
-    change, sample = outcome["change"], outcome.get("sample")
+    change, sample = outcome.change, outcome.sample
     lines = [f"target {change.current.fingerprint}" + (
         f" (changed from {change.previous.fingerprint})" if change.changed and change.previous else "")]
     if sample is not None:
@@ -220,15 +220,15 @@ def render_outcome(outcome: MonitorOutcome) -> str:
                          f"over {sample.proposed:g} draft tokens ({sample.source})")
         else:
             lines.append(f"no acceptance sample: {sample.reason}")
-    why = outcome.get("decision_reason")
-    lines.append(f"decision: **{outcome['decision']}**" + (f": {why}" if why else ""))
-    fb = outcome.get("fallback")
+    why = outcome.decision_reason
+    lines.append(f"decision: **{outcome.decision}**" + (f": {why}" if why else ""))
+    fb = outcome.fallback
     if fb:
         lines.append(f"fallback: {fb.mode} — {fb.reason}")
-    inc = outcome.get("incremental")
+    inc = outcome.incremental
     if inc:
         serving = inc.get("serving")
         lines.append(f"incremental distillation: version {inc['registered'].version}, gate {'PASS' if inc['verdict'].passed else 'FAIL'}"
                      + (f", promoted; serving {serving.mode if serving else 'draft'}" if inc["promoted"]
-                        else ", not promoted: " + ("fallback stays" if outcome["decision"] == "fallback" else "champion stays")))
+                        else ", not promoted: " + ("fallback stays" if outcome.decision == "fallback" else "champion stays")))
     return "\n\n".join(lines)
