@@ -45,8 +45,8 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
     fp = target.fingerprint
     clock.lap("ingest, window, target")
     train_data = t.generate_responses(config, window, "train", fp, record_teacher=True, deadline_at=deadline_at)
-    if train_data["answers"] < len(window.train):
-        clock.cuts.append(f"target answers: {train_data['answers']} of {len(window.train)} train prompts answered")
+    if train_data.answers < len(window.train):
+        clock.cuts.append(f"target answers: {train_data.answers} of {len(window.train)} train prompts answered")
     clock.lap("answers")
     heldout_data = t.generate_responses(config, window, "eval", fp, record_teacher=False)
     pooled = t.pool_answers(config, window, train_data, heldout_data, fp)  # tonight's answers join the pool
@@ -82,7 +82,7 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
     create_markdown_artifact(report, key="nightly-benchmark", description="draft vs champion and baselines")
     log.info("\n%s", report)
     t.mark_success(config, "nightly", fp)  # the last step: only a run that got here counts as a success
-    return {"target": target, "window": window.key, "pool": pooled.get("pool"), "warm_start": warm_start,
+    return {"target": target, "window": window.key, "pool": pooled.pool, "warm_start": warm_start,
             "results": results, "verdict": verdict, "registered": registered, "promoted": promoted, "serving": serving, "report": report}
 
 

@@ -85,7 +85,7 @@ def distill(config: NightlyConfig, train_data: GeneratedData, heldout_data: Gene
 @task(name="generic-baseline", **CACHED)
 def generic_baseline(config: NightlyConfig, window: Window, heldout_data: GeneratedData, target_fingerprint: str,
                      deadline_at: float | None = None) -> Trained:
-    return pipeline.distill_draft(config, {}, heldout_data, generic=True, window=window, deadline_at=deadline_at)
+    return pipeline.distill_draft(config, None, heldout_data, generic=True, window=window, deadline_at=deadline_at)
 
 
 @task(name="benchmark", **CACHED)

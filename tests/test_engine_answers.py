@@ -244,15 +244,15 @@ def test_nightly_answer_stage_through_llama_server_feeds_the_trainer(llama_cpp, 
     window = nightly.select_window(config)
     train = answers.generate_responses(config, window, "train", record_teacher=True)
     heldout = answers.generate_responses(config, window, "eval", record_teacher=False)
-    meta = json.loads((Path(train["teacher_cache"]) / CACHE_META).read_text())
+    meta = json.loads((Path(train.teacher_cache) / CACHE_META).read_text())
     assert meta["k"] == 8 and meta["data"].endswith("llamacpp:Q4_1") and meta["temperature"] == 1.0
-    assert train["answers"] == len(window.train) and heldout["teacher_cache"] is None
-    assert "llamacpp-Q4_1" in train["path"] and train["tokens"] > 0
+    assert train.answers == len(window.train) and heldout.teacher_cache is None
+    assert "llamacpp-Q4_1" in train.path and train.tokens > 0
     trained = nightly.distill_draft(config, train, heldout)
     assert trained["steps"] == 2 and 0.0 <= trained["curve"][-1]["acceptance"] <= 1.0
     # the harness backend on the same window: other data (its own directory), the same records, prompt for prompt
     harness = answers.generate_responses(load_nightly_config(None, settings), window, "eval", record_teacher=False)
-    assert harness["path"] != heldout["path"]
+    assert harness.path != heldout.path
     read = [{r["id"]: r for r in map(json.loads, Path(d["path"]).read_text().splitlines())} for d in (harness, heldout)]
     assert read[0].keys() == read[1].keys()
     for pid, rec in read[0].items():

@@ -64,7 +64,7 @@ def test_nightly_twice_then_forced_gate_failure(prefect_harness, traffic, tmp_pa
     assert {"challenger", "generic", "self-spec@4", "ngram"} <= set(first["results"])
     assert all(r.lossless for r in first["results"].values())
     assert "| challenger" in first["report"] and "no speculation" in first["report"]
-    assert list(first["pool"]["nights"]) == [first["window"]] and "from 1 night(s)" in first["report"]
+    assert list(first["pool"].nights) == [first["window"]] and "from 1 night(s)" in first["report"]
     stored = LogStore().count()
     # the run's success reaches the exporter (the stale-pipeline alert read 0 whatever the nightly did)
     import time
@@ -82,7 +82,7 @@ def test_nightly_twice_then_forced_gate_failure(prefect_harness, traffic, tmp_pa
     assert "specdistill_pipeline_last_success_timestamp_seconds 1." in generate_latest(metrics.registry).decode()
 
     second = _run(traffic, "window.seed=1")  # another night's window: it trains on both nights' answers
-    assert list(second["pool"]["nights"])[0] == second["window"] and first["window"] in second["pool"]["nights"]
+    assert list(second["pool"].nights)[0] == second["window"] and first["window"] in second["pool"].nights
     assert "from 2 night(s) of the answer pool" in second["report"]
     assert LogStore().count() == stored  # nothing ingested twice
     v2 = second["registered"].version

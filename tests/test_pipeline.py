@@ -16,7 +16,7 @@ from specdistill.ops.registry import RegisteredDraft
 from specdistill.pipeline import bench as bench_stage
 from specdistill.pipeline import nightly as pipeline
 from specdistill.pipeline.config import load_nightly_config, run_root
-from specdistill.pipeline.outputs import Champion, Window
+from specdistill.pipeline.outputs import Champion, GeneratedData, Window
 from specdistill.pipeline.report import report_table
 from specdistill.pipeline.serve import ServingDecision
 from tests.conftest import bench_result, train_bpe
@@ -290,7 +290,7 @@ def test_distill_output_dir_depends_on_the_train_config_data_and_warm_start_only
         return {"draft_dir": f"{dcfg.out_dir}/draft"}
 
     monkeypatch.setattr("specdistill.distill.train.distill", fake_distill)
-    train, heldout = {"path": "/data/a/train.jsonl", "teacher_cache": "/data/a/tc"}, {"path": "/data/a/eval.jsonl"}
+    train, heldout = GeneratedData("/data/a/train.jsonl", "/data/a/tc", 1, 1), GeneratedData("/data/a/eval.jsonl", None, 1, 1)
 
     def out_dir(config, train_data=train, warm=None):
         pipeline.distill_draft(config, train_data, heldout, warm)
@@ -304,7 +304,7 @@ def test_distill_output_dir_depends_on_the_train_config_data_and_warm_start_only
                                            "generation.max_new_tokens=5", "log_db=sqlite:////elsewhere.db"])
     assert out_dir(unrelated) == first
     keys = {first, out_dir(load_nightly_config(None, [*layers, "train.max_steps=7"])),
-            out_dir(base, {**train, "path": "/data/b/train.jsonl"}), out_dir(base, warm="/champion/v1"),
+            out_dir(base, replace(train, path="/data/b/train.jsonl")), out_dir(base, warm="/champion/v1"),
             out_dir(base, warm="/champion/v2")}
     assert len(keys) == 5
     assert calls[-1].optim.lr == base.train.incremental_lr and calls[-1].draft_vocab is None  # a warm start keeps its vocab
@@ -319,7 +319,7 @@ def test_distill_output_dir_depends_on_the_train_config_data_and_warm_start_only
 def test_train_kind_eagle3_trains_a_head_from_features_beside_the_teacher_cache(monkeypatch):
     calls = []
     monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg: calls.append(dcfg) or {})
-    train, heldout = {"path": "/data/a/train.jsonl", "teacher_cache": "/data/a/tc"}, {"path": "/data/a/eval.jsonl"}
+    train, heldout = GeneratedData("/data/a/train.jsonl", "/data/a/tc", 1, 1), GeneratedData("/data/a/eval.jsonl", None, 1, 1)
     config = load_nightly_config(None, ["train.kind=eagle3", "train.eagle3_steps=3"])
     pipeline.distill_draft(config, train, heldout, "/champion/layers-v1")
     dcfg = calls[-1]
@@ -343,11 +343,11 @@ def test_the_answer_pass_records_the_heads_features_so_training_needs_no_second_
     window = pipeline.select_window(config, now=NOW)
     train = generate_responses(config, window, "train", record_teacher=True)
     heldout = generate_responses(config, window, "eval", record_teacher=False)
-    shards = sorted(p.name for p in features_dir(train["teacher_cache"]).glob("shard-*"))
+    shards = sorted(p.name for p in features_dir(train.teacher_cache).glob("shard-*"))
     assert shards and all(name.startswith("shard-gen-") for name in shards)
     result = pipeline.distill_draft(config, train, heldout)
     assert result["steps"] == 4 and built == [("features-heldout", 4)]  # the held-out answers only: whole prompts
-    assert sorted(p.name for p in features_dir(train["teacher_cache"]).glob("shard-*")) == shards
+    assert sorted(p.name for p in features_dir(train.teacher_cache).glob("shard-*")) == shards
 
 
 def test_a_head_reading_other_layers_gets_features_of_its_own(tmp_path):
@@ -364,7 +364,7 @@ def test_a_head_reading_other_layers_gets_features_of_its_own(tmp_path):
 def test_training_autocasts_to_bf16_exactly_when_the_run_is_bf16(monkeypatch):
     calls = []
     monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg: calls.append(dcfg) or {})
-    train, heldout = {"path": "/data/a/train.jsonl", "teacher_cache": "/data/a/tc"}, {"path": "/data/a/eval.jsonl"}
+    train, heldout = GeneratedData("/data/a/train.jsonl", "/data/a/tc", 1, 1), GeneratedData("/data/a/eval.jsonl", None, 1, 1)
     for overrides, want in ((["dtype=bfloat16"], True), (["dtype=float32"], False),
                             (["dtype=bfloat16", "train.bf16=false"], False), (["dtype=float32", "train.bf16=true"], True)):
         pipeline.distill_draft(load_nightly_config(None, overrides), train, heldout)
@@ -374,13 +374,13 @@ def test_training_autocasts_to_bf16_exactly_when_the_run_is_bf16(monkeypatch):
 def test_generic_baseline_dir_depends_on_the_window_and_the_train_config(monkeypatch):
     calls = []
     monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg: calls.append(dcfg) or {})
-    heldout = {"path": "/data/a/eval.jsonl"}
+    heldout = GeneratedData("/data/a/eval.jsonl", None, 1, 1)
 
     def out_dir(config, key):
         conversations = run_root() / "generic" / f"{key}-conversations.jsonl"
         conversations.parent.mkdir(parents=True, exist_ok=True)
         conversations.write_text("")  # written before: the log store is not read again
-        pipeline.distill_draft(config, {}, heldout, generic=True, window=Window([], [], key, None, 0))
+        pipeline.distill_draft(config, None, heldout, generic=True, window=Window([], [], key, None, 0))
         assert calls[-1].data.kind == "conversations" and calls[-1].loss.kind == "ce"
         return calls[-1].out_dir
 
@@ -526,8 +526,8 @@ def test_the_run_dtype_reaches_every_model_load_and_the_feature_pass(tmp_path, m
 
     captured = {}
     monkeypatch.setattr(train_module, "distill", lambda dcfg: captured.setdefault("config", dcfg) and {})
-    pipeline.distill_draft(config, {"path": str(tmp_path / "a.jsonl"), "teacher_cache": str(tmp_path / "teacher")},
-                           {"path": str(tmp_path / "h.jsonl")})
+    pipeline.distill_draft(config, GeneratedData(str(tmp_path / "a.jsonl"), str(tmp_path / "teacher"), 1, 1),
+                           GeneratedData(str(tmp_path / "h.jsonl"), None, 1, 1))
     dcfg = captured["config"]
     assert dcfg.eagle3.feature_dtype == "float32" and dcfg.device == config.device == "auto"
 
@@ -626,7 +626,7 @@ def test_a_training_share_too_small_to_train_stops_the_run(monkeypatch):
     calls = []
     monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg: calls.append(dcfg) or {"draft_dir": "d"})
     config = load_nightly_config(None, ["train.kind=layers", "train.max_minutes=3"])
-    train, heldout = {"path": "/data/c/train.jsonl", "teacher_cache": "/data/c/tc"}, {"path": "/data/c/eval.jsonl"}
+    train, heldout = GeneratedData("/data/c/train.jsonl", "/data/c/tc", 1, 1), GeneratedData("/data/c/eval.jsonl", None, 1, 1)
     with pytest.raises(ValueError, match="too little to train on; the champion and serving.json are unchanged"):
         pipeline.distill_draft(config, train, heldout, deadline_at=time.time() + 5)
     assert not calls
@@ -647,4 +647,4 @@ def test_train_answers_cut_to_nothing_stop_before_training(tiny_target_dir, tmp_
     with pytest.raises(ValueError, match="left no time to answer any of the 10 train prompts"):
         answers.generate_responses(config, window, "train", record_teacher=True)
     held = answers.generate_responses(config, window, "eval", record_teacher=False)  # not budgeted
-    assert held["answers"] == len(window.eval)
+    assert held.answers == len(window.eval)

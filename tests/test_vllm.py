@@ -275,12 +275,12 @@ def test_nightly_answer_stage_through_vllm(vllm_servers, tmp_path, monkeypatch):
         "window.train_prompts=3", "window.eval_prompts=1", "generation.max_new_tokens=8", "generation.parallel=2",
         "generation.teacher_top_k=8", "generation.backend=openai", "generation.engine=vllm"])
     nightly.ingest_source(config.sources[0], config.log_db)
-    window = nightly.select_window(config).to_dict()
+    window = nightly.select_window(config)
     train = answers.generate_responses(config, window, "train", record_teacher=True)
     assert asked and asked[0][0] == "demo" and asked[0][1]["parallel"] == 2 and asked[0][1]["top_k"] == 8
-    meta = json.loads((Path(train["teacher_cache"]) / CACHE_META).read_text())
+    meta = json.loads((Path(train.teacher_cache) / CACHE_META).read_text())
     assert meta["k"] == 8 and meta["data"].endswith(f"vllm:{vllm_servers[TARGET_ONLY].config.dtype}")
-    assert train["answers"] == len(window["train"]) and train["tokens"] > 0
+    assert train.answers == len(window.train) and train.tokens > 0
 
 
 _NUMBA_PROBE = """

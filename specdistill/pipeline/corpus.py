@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from specdistill import paths
+from specdistill.pipeline.outputs import GeneratedData
 from specdistill.speculative.suffix_corpus import CorpusError, CorpusMeta, corpus_is_current, save_corpus
 
 __all__ = ["CORPUS_FILE", "build_corpus", "corpus_is_current", "current_corpus_path", "export_sglang_corpus",
@@ -26,17 +27,17 @@ def current_corpus_path() -> Path:
     return paths.home() / CURRENT_CORPUS
 
 
-def nightly_corpus(config, train_data: dict, target_fingerprint: str) -> str:
+def nightly_corpus(config, train_data: GeneratedData, target_fingerprint: str) -> str:
     """Stage: the corpus of the window's train answers, beside them (a rerun finds it), its SGLang
     export beside it, and a copy as the state directory's current corpus (what the monitor reads)."""
     from transformers import AutoTokenizer
 
     from specdistill.modeling.models import resolve_model_dir, tokenizer_digest
 
-    out = Path(train_data["path"]).parent / CORPUS_FILE
+    out = Path(train_data.path).parent / CORPUS_FILE
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(config.target))
     if not out.is_file():
-        build_corpus([train_data["path"]], out, target_fingerprint=target_fingerprint,
+        build_corpus([train_data.path], out, target_fingerprint=target_fingerprint,
                      tokenizer=tokenizer_digest(tokenizer), log_db=config.log_db,
                      max_tokens=config.bench.suffix_max_tokens)
         export_sglang_corpus(out, tokenizer)

@@ -205,7 +205,7 @@ def train_autocast(config: NightlyConfig) -> bool:
 MIN_TRAIN_MINUTES = 0.25  # a shorter training budget is no useful work
 
 
-def distill_draft(config: NightlyConfig, train_data: GeneratedData | dict, heldout_data: GeneratedData,
+def distill_draft(config: NightlyConfig, train_data: GeneratedData | None, heldout_data: GeneratedData,
                   warm_start: str | None = None, *, generic: bool = False, window: Window | None = None,
                   deadline_at: float | None = None) -> Trained:
     """Distill a draft on the target's own answers (KL on the cached teacher), fresh or warm-started
@@ -230,17 +230,17 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | dict, heldo
         conv_path = paths.ensure(out_dir.parent) / f"{window.key}-conversations.jsonl"
         if not conv_path.is_file():
             _write_conversations(config, window, conv_path)
-        data = DataConfig(path=str(conv_path), kind="conversations", heldout_path=heldout_data["path"])
+        data = DataConfig(path=str(conv_path), kind="conversations", heldout_path=heldout_data.path)
         loss, teacher, lr = LossConfig(kind="ce"), TeacherConfig(mode="none"), tc.lr
     else:
-        key = config_hash({"train": tc.model_dump(), "data": train_data["path"], "warm": warm_start})
+        key = config_hash({"train": tc.model_dump(), "data": train_data.path, "warm": warm_start})
         out_dir = run_root() / "distill" / key
-        data = DataConfig(path=train_data["path"], kind="generated", heldout_path=heldout_data["path"])
+        data = DataConfig(path=train_data.path, kind="generated", heldout_path=heldout_data.path)
         loss = LossConfig(kind=tc.loss, temperature=1.0)
-        teacher = TeacherConfig(mode="cache", cache_dir=train_data["teacher_cache"])
+        teacher = TeacherConfig(mode="cache", cache_dir=train_data.teacher_cache)
         if kind == "eagle3":  # features beside the teacher cache: every run on this data reuses them
             head_layers = aux_layers_of(warm_start) if warm_start else None  # other layers than the answer pass's: own dir
-            eagle3 = Eagle3Config(steps=tc.eagle3_steps, feature_dir=str(features_dir(train_data["teacher_cache"], head_layers)),
+            eagle3 = Eagle3Config(steps=tc.eagle3_steps, feature_dir=str(features_dir(train_data.teacher_cache, head_layers)),
                                   feature_dtype=config.dtype)  # the features in the dtype the answers were computed in
         lr = tc.incremental_lr if warm_start else tc.lr
     result_file = out_dir / "result.json"

@@ -85,14 +85,18 @@ def window_key(train: list[Prompt], evals: list[Prompt], target: str) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
 
-class GeneratedData(TypedDict):
+@dataclass
+class GeneratedData(Record):
+    """The target's answers to a split of the window (`pipeline.answers.generate_responses`), or the pool's view."""
+
     path: str  # JSONL of target-generated records
     teacher_cache: str | None
     answers: int
     tokens: int
 
 
-class PoolSummary(TypedDict):
+@dataclass
+class PoolSummary(Record):
     fingerprint: str  # the target version the pool belongs to
     nights: dict[str, dict]  # night (window key) -> {"answers", "tokens"} trained on, newest first
     duplicates: int  # prompts answered on several nights, trained once (the newest answer)
@@ -105,8 +109,9 @@ class PoolSummary(TypedDict):
     disk_bytes: int
 
 
-class PooledData(GeneratedData, total=False):
-    pool: PoolSummary  # absent when pool.enabled is false: the night's own answers
+@dataclass
+class PooledData(GeneratedData):
+    pool: PoolSummary | None = None  # None when pool.enabled is false: the night's own answers
 
 
 class _TrainedOptional(TypedDict, total=False):

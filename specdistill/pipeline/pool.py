@@ -33,14 +33,13 @@ def pool_answers(config: NightlyConfig, window: Window, train_data: GeneratedDat
     from specdistill.pipeline.answers import features_dir
 
     if not config.pool.enabled:
-        return PooledData(**train_data)
-    if not train_data.get("teacher_cache"):
+        return PooledData(train_data.path, train_data.teacher_cache, train_data.answers, train_data.tokens)
+    if not train_data.teacher_cache:
         raise ValueError("the answer pool needs the train answers' teacher cache (generate_responses record_teacher)")
     pc = config.pool
     pool = AnswerPool.open(pool_root(), fingerprint)
-    pool.hold_out(read_done(Path(heldout_data["path"])).values())
-    pool.add_night(window.key, train_data["path"], train_data["teacher_cache"],
-                   features_dir(train_data["teacher_cache"]))
+    pool.hold_out(read_done(Path(heldout_data.path)).values())
+    pool.add_night(window.key, train_data.path, train_data.teacher_cache, features_dir(train_data.teacher_cache))
     reanswered = 0
     if pc.reanswer_from and pc.reanswer_from != fingerprint and pc.reanswer_prompts:
         reanswered = _reanswer(config, pool, window, pc.reanswer_from)
@@ -78,31 +77,31 @@ def _reanswer(config: NightlyConfig, pool, window: Window, old_fingerprint: str)
     pseudo = Window(train=[Prompt(id=p["id"], messages=p["prompt"], slice="reanswer") for p in prompts],
                     eval=[], key=f"{REANSWERED}{old_fingerprint}-{digest}", since=None, replayed=len(prompts))
     data = generate_responses(config, pseudo, "train", record_teacher=True)
-    pool.add_night(pseudo.key, data["path"], data["teacher_cache"], features_dir(data["teacher_cache"]),
+    pool.add_night(pseudo.key, data.path, data.teacher_cache, features_dir(data.teacher_cache),
                    before=window.key)
-    return data["answers"]
+    return data.answers
 
 
 def pool_report(pooled: PooledData) -> str:
     """The report's lines on what the night trained on."""
-    summary = pooled.get("pool")
-    if summary is None:
-        return f"trained on tonight's answers only (pool disabled): {pooled['answers']} answers, {pooled['tokens']} tokens"
-    lines = [f"trained on {pooled['answers']} answers, {pooled['tokens']} answer tokens, from {len(summary['nights'])} "
-             f"night(s) of the answer pool of target `{summary['fingerprint']}` (newest first):"]
-    lines += [f"- `{key}`: {n['answers']} answers, {n['tokens']} tokens" for key, n in summary["nights"].items()]
+    s = pooled.pool
+    if s is None:
+        return f"trained on tonight's answers only (pool disabled): {pooled.answers} answers, {pooled.tokens} tokens"
+    lines = [f"trained on {pooled.answers} answers, {pooled.tokens} answer tokens, from {len(s.nights)} "
+             f"night(s) of the answer pool of target `{s.fingerprint}` (newest first):"]
+    lines += [f"- `{key}`: {n['answers']} answers, {n['tokens']} tokens" for key, n in s.nights.items()]
     notes = []
-    if summary["duplicates"]:
-        notes.append(f"{summary['duplicates']} prompts answered on several nights trained once (the newest answer)")
-    if summary["over_budget"]:
-        notes.append(f"{summary['over_budget']} older answers over the token budget left out")
-    if summary["held_out"]:
-        notes.append(f"{summary['held_out']} answers to held-out prompts left out")
-    if summary["reanswered"]:
-        notes.append(f"{summary['reanswered']} of the previous target version's prompts re-answered by this target")
+    if s.duplicates:
+        notes.append(f"{s.duplicates} prompts answered on several nights trained once (the newest answer)")
+    if s.over_budget:
+        notes.append(f"{s.over_budget} older answers over the token budget left out")
+    if s.held_out:
+        notes.append(f"{s.held_out} answers to held-out prompts left out")
+    if s.reanswered:
+        notes.append(f"{s.reanswered} of the previous target version's prompts re-answered by this target")
     lines += [f"- {n}" for n in notes]
-    lines.append(f"- pool disk use {summary['disk_bytes'] / 2**30:.2f} GiB")
-    lines += [f"- disk cap: night `{e['key']}` evicted ({e['bytes'] / 2**20:.0f} MiB)" for e in summary["evicted"]]
-    lines += [f"- retired the pool of target `{r['fingerprint']}` ({r['bytes'] / 2**20:.0f} MiB)" for r in summary["retired"]]
-    lines += [f"- skipped: {s}" for s in summary["skipped"]]
+    lines.append(f"- pool disk use {s.disk_bytes / 2**30:.2f} GiB")
+    lines += [f"- disk cap: night `{e['key']}` evicted ({e['bytes'] / 2**20:.0f} MiB)" for e in s.evicted]
+    lines += [f"- retired the pool of target `{r['fingerprint']}` ({r['bytes'] / 2**20:.0f} MiB)" for r in s.retired]
+    lines += [f"- skipped: {x}" for x in s.skipped]
     return "\n".join(lines)
