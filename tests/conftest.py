@@ -101,6 +101,13 @@ def bench_result(spec: str = "", speedup: float = 1.0, lossless: bool | None = T
     return BenchResult.from_dict({**base, "spec": spec, "speedup": speedup, "lossless": lossless, **fields})
 
 
+def trained_result(draft_dir: str = "/d/draft", **fields) -> dict:
+    """A distillation result as `distill.train.distill()` returns it (and writes to result.json)."""
+    return {"steps": 2, "tokens": 100, "train_minutes": 0.5, "clock": "wall", "loss": 1.0, "stop": "max_steps",
+            "trainable_parameters": 10, "frozen_parameters": 20, "curve": [], "kind": "layers", "draft_vocab": None,
+            "layers": [0, 3], "draft_dir": draft_dir, **fields}
+
+
 def eval_window(*questions: str):
     """A night's window whose held-out prompts are these user questions (no train prompts)."""
     from specdistill.data.prompts import Prompt

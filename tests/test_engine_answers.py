@@ -249,7 +249,7 @@ def test_nightly_answer_stage_through_llama_server_feeds_the_trainer(llama_cpp, 
     assert train.answers == len(window.train) and heldout.teacher_cache is None
     assert "llamacpp-Q4_1" in train.path and train.tokens > 0
     trained = nightly.distill_draft(config, train, heldout)
-    assert trained["steps"] == 2 and 0.0 <= trained["curve"][-1]["acceptance"] <= 1.0
+    assert trained.steps == 2 and 0.0 <= trained.curve[-1]["acceptance"] <= 1.0
     # the harness backend on the same window: other data (its own directory), the same records, prompt for prompt
     harness = answers.generate_responses(load_nightly_config(None, settings), window, "eval", record_teacher=False)
     assert harness.path != heldout.path

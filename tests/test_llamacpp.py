@@ -122,9 +122,10 @@ def test_nightly_measures_an_eagle3_head_in_llama_cpp(llama_cpp, memorized_head,
     from specdistill.ops.serving import write_serving_config
     from specdistill.pipeline.config import load_nightly_config
     from specdistill.pipeline.engine_bench import engine_benchmark
-    from specdistill.pipeline.outputs import TargetInfo
+    from specdistill.pipeline.outputs import TargetInfo, Trained
     from specdistill.pipeline.report import registration_artifacts
     from specdistill.pipeline.serve import choose_serving, serving_config
+    from tests.conftest import trained_result
 
     config = load_nightly_config(None, ["serving.engine=llamacpp", "bench.max_new_tokens=24", "serving.margin=0.0"])
     window = eval_window(REPEAT)
@@ -136,7 +137,7 @@ def test_nightly_measures_an_eagle3_head_in_llama_cpp(llama_cpp, memorized_head,
     assert gguf_spec_type(gguf) == "draft-eagle3" and head.stats["accepted"] > 0
 
     verdict = GateVerdict(True)
-    trained = {"draft_dir": str(memorized_head), "tokens": 1, "train_minutes": 0.1}
+    trained = Trained.from_dict(trained_result(str(memorized_head)))
     assert str(registration_artifacts(config, speeds, verdict, trained, None, speeds)[-1]) == gguf
 
     decision = choose_serving(config, window, {}, verdict, speeds)

@@ -1,5 +1,6 @@
 """The nightly pipeline's library stages that need no real target: config, gate decision, report, alignment."""
 
+import json
 import subprocess
 import sys
 from dataclasses import replace
@@ -16,10 +17,10 @@ from specdistill.ops.registry import RegisteredDraft
 from specdistill.pipeline import bench as bench_stage
 from specdistill.pipeline import nightly as pipeline
 from specdistill.pipeline.config import load_nightly_config, run_root
-from specdistill.pipeline.outputs import Champion, GeneratedData, Window
+from specdistill.pipeline.outputs import Champion, GeneratedData, Trained, Window
 from specdistill.pipeline.report import report_table
 from specdistill.pipeline.serve import ServingDecision
-from tests.conftest import bench_result, train_bpe
+from tests.conftest import bench_result, train_bpe, trained_result
 
 
 def test_config_defaults_and_overrides(tmp_path):
@@ -287,7 +288,7 @@ def test_distill_output_dir_depends_on_the_train_config_data_and_warm_start_only
 
     def fake_distill(dcfg):
         calls.append(dcfg)
-        return {"draft_dir": f"{dcfg.out_dir}/draft"}
+        return trained_result(f"{dcfg.out_dir}/draft")
 
     monkeypatch.setattr("specdistill.distill.train.distill", fake_distill)
     train, heldout = GeneratedData("/data/a/train.jsonl", "/data/a/tc", 1, 1), GeneratedData("/data/a/eval.jsonl", None, 1, 1)
@@ -310,15 +311,15 @@ def test_distill_output_dir_depends_on_the_train_config_data_and_warm_start_only
     assert calls[-1].optim.lr == base.train.incremental_lr and calls[-1].draft_vocab is None  # a warm start keeps its vocab
 
     Path(first).mkdir(parents=True)
-    (Path(first) / "result.json").write_text('{"draft_dir": "finished"}')
+    (Path(first) / "result.json").write_text(json.dumps(trained_result("finished")))
     n = len(calls)
-    assert pipeline.distill_draft(base, train, heldout) == {"draft_dir": "finished"} and len(calls) == n  # reused
+    assert pipeline.distill_draft(base, train, heldout).draft_dir == "finished" and len(calls) == n  # reused
     assert Path(first).parent == run_root() / "distill"
 
 
 def test_train_kind_eagle3_trains_a_head_from_features_beside_the_teacher_cache(monkeypatch):
     calls = []
-    monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg: calls.append(dcfg) or {})
+    monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg: calls.append(dcfg) or trained_result())
     train, heldout = GeneratedData("/data/a/train.jsonl", "/data/a/tc", 1, 1), GeneratedData("/data/a/eval.jsonl", None, 1, 1)
     config = load_nightly_config(None, ["train.kind=eagle3", "train.eagle3_steps=3"])
     pipeline.distill_draft(config, train, heldout, "/champion/layers-v1")
@@ -346,7 +347,7 @@ def test_the_answer_pass_records_the_heads_features_so_training_needs_no_second_
     shards = sorted(p.name for p in features_dir(train.teacher_cache).glob("shard-*"))
     assert shards and all(name.startswith("shard-gen-") for name in shards)
     result = pipeline.distill_draft(config, train, heldout)
-    assert result["steps"] == 4 and built == [("features-heldout", 4)]  # the held-out answers only: whole prompts
+    assert result.steps == 4 and built == [("features-heldout", 4)]  # the held-out answers only: whole prompts
     assert sorted(p.name for p in features_dir(train.teacher_cache).glob("shard-*")) == shards
 
 
@@ -363,7 +364,7 @@ def test_a_head_reading_other_layers_gets_features_of_its_own(tmp_path):
 
 def test_training_autocasts_to_bf16_exactly_when_the_run_is_bf16(monkeypatch):
     calls = []
-    monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg: calls.append(dcfg) or {})
+    monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg: calls.append(dcfg) or trained_result())
     train, heldout = GeneratedData("/data/a/train.jsonl", "/data/a/tc", 1, 1), GeneratedData("/data/a/eval.jsonl", None, 1, 1)
     for overrides, want in ((["dtype=bfloat16"], True), (["dtype=float32"], False),
                             (["dtype=bfloat16", "train.bf16=false"], False), (["dtype=float32", "train.bf16=true"], True)):
@@ -373,7 +374,7 @@ def test_training_autocasts_to_bf16_exactly_when_the_run_is_bf16(monkeypatch):
 
 def test_generic_baseline_dir_depends_on_the_window_and_the_train_config(monkeypatch):
     calls = []
-    monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg: calls.append(dcfg) or {})
+    monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg: calls.append(dcfg) or trained_result())
     heldout = GeneratedData("/data/a/eval.jsonl", None, 1, 1)
 
     def out_dir(config, key):
@@ -457,7 +458,7 @@ def test_registration_records_metrics_and_artifacts_and_a_missing_plot_library_o
 
     draft_dir = tmp_path / "run" / "draft"
     draft_dir.mkdir(parents=True)
-    trained = {"draft_dir": str(draft_dir), "tokens": 100, "train_minutes": 0.5}
+    trained = Trained.from_dict(trained_result(str(draft_dir)))
     results = {"challenger": _bench_entry(), "self-spec@4": replace(_bench_entry("self_spec:4"), acceptance_rate=0.3)}
     verdict = GateVerdict(True)
     metrics = registration_metrics(results, trained)
@@ -525,7 +526,7 @@ def test_the_run_dtype_reaches_every_model_load_and_the_feature_pass(tmp_path, m
     assert all(device == "auto" for ref, _, device in seen[:3]), seen
 
     captured = {}
-    monkeypatch.setattr(train_module, "distill", lambda dcfg: captured.setdefault("config", dcfg) and {})
+    monkeypatch.setattr(train_module, "distill", lambda dcfg: captured.setdefault("config", dcfg) and trained_result())
     pipeline.distill_draft(config, GeneratedData(str(tmp_path / "a.jsonl"), str(tmp_path / "teacher"), 1, 1),
                            GeneratedData(str(tmp_path / "h.jsonl"), None, 1, 1))
     dcfg = captured["config"]
@@ -577,12 +578,12 @@ def test_a_float32_run_on_a_bf16_cpu_loads_every_model_and_runs_the_feature_pass
     train = generate_responses(config, window, "train", record_teacher=True)
     heldout = generate_responses(config, window, "eval", record_teacher=False)
     trained = pipeline.distill_draft(config, train, heldout)
-    bench_stage.benchmark(config, window, {"challenger": f"draft:{trained['draft_dir']}", "self-spec@2": "self_spec:2"})
+    bench_stage.benchmark(config, window, {"challenger": f"draft:{trained.draft_dir}", "self-spec@2": "self_spec:2"})
     monitor = MonitorConfig(target=str(tiny_target_dir), nightly_overrides=[f"log_db={url}", *overrides], gamma=2,
                             replay_prompts=2, max_new_tokens=4, min_draft_tokens=1, fallback_exit_layers=[2],
                             fallback_min_tokens=1)
     target = TargetVersion(info.fingerprint, info.path, info.ref, "2024-06-01T00:00:00+00:00")
-    monitor_stage.sample_acceptance(monitor, Champion("d", "1", trained["draft_dir"]), target)
+    monitor_stage.sample_acceptance(monitor, Champion("d", "1", trained.draft_dir), target)
     monitor_stage.measure_fallback(monitor, target)
 
     # describe, 2 answer passes, training, benchmark, the monitor's replay (target and head) and fallback
@@ -624,7 +625,7 @@ def test_a_training_share_too_small_to_train_stops_the_run(monkeypatch):
     import time
 
     calls = []
-    monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg: calls.append(dcfg) or {"draft_dir": "d"})
+    monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg: calls.append(dcfg) or trained_result("d"))
     config = load_nightly_config(None, ["train.kind=layers", "train.max_minutes=3"])
     train, heldout = GeneratedData("/data/c/train.jsonl", "/data/c/tc", 1, 1), GeneratedData("/data/c/eval.jsonl", None, 1, 1)
     with pytest.raises(ValueError, match="too little to train on; the champion and serving.json are unchanged"):

@@ -22,11 +22,11 @@ def measured_drafters(config: NightlyConfig, trained: Trained, warm_start: WarmS
     champion as warm-started, the generic baseline), the draft-free modes by their own names; with a
     `suffix_corpus` (the target's own train answers), the suffix drafter alone and (`bench.hybrid`) beside
     the challenger."""
-    drafters = {Role.CHALLENGER.value: str(DrafterSpec("draft", trained["draft_dir"]))}
+    drafters = {Role.CHALLENGER.value: str(DrafterSpec("draft", trained.draft_dir))}
     if warm_start:
         drafters[Role.CHAMPION.value] = str(DrafterSpec("draft", warm_start.dir))
     if generic:
-        drafters[Role.GENERIC.value] = str(DrafterSpec("draft", generic["draft_dir"]))
+        drafters[Role.GENERIC.value] = str(DrafterSpec("draft", generic.draft_dir))
     for layer in config.bench.self_spec_layers:
         drafters[f"self-spec@{layer}"] = str(DrafterSpec("self_spec", str(layer)))
     if config.bench.ngram:
@@ -34,7 +34,7 @@ def measured_drafters(config: NightlyConfig, trained: Trained, warm_start: WarmS
     if suffix_corpus:
         drafters["suffix"] = str(DrafterSpec("suffix", suffix_corpus))
         if config.bench.hybrid:
-            drafters["hybrid"] = str(DrafterSpec("hybrid", f"{trained['draft_dir']},{suffix_corpus}"))
+            drafters["hybrid"] = str(DrafterSpec("hybrid", f"{trained.draft_dir},{suffix_corpus}"))
     return drafters
 
 

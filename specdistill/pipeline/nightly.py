@@ -245,7 +245,7 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | None, heldo
         lr = tc.incremental_lr if warm_start else tc.lr
     result_file = out_dir / "result.json"
     if result_file.is_file():  # finished before: a rerun reuses it
-        return paths.read_json(result_file, "distillation result")
+        return Trained.from_dict(paths.read_json(result_file, "distillation result"))
     minutes = tc.max_minutes
     now = time.time()
     left = stage_deadline(config, "generic" if generic else "distill", deadline_at, now=now).minutes(now)
@@ -263,7 +263,7 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | None, heldo
         out_dir=str(out_dir), checkpoint_every=max(10, tc.max_steps // 4), eval_every=max(10, tc.max_steps // 4),
         threads=config.bench.threads, device=config.device,
     )
-    return distill(dcfg)
+    return Trained.from_dict(distill(dcfg))
 
 
 # --------------------------------------------------------------------------------------------
@@ -291,8 +291,8 @@ def register(config: NightlyConfig, target: TargetInfo, window: Window, trained:
     from specdistill.pipeline.report import registration_artifacts, registration_metrics, train_losses
 
     reg = registry.register_draft(
-        trained["draft_dir"], target_name=config.target_name,
-        params={"layers": trained.get("layers"), "draft_vocab": trained.get("draft_vocab"), "dtype": target.dtype,
+        trained.draft_dir, target_name=config.target_name,
+        params={"layers": trained.layers, "draft_vocab": trained.draft_vocab, "dtype": target.dtype,
                 **config.train.model_dump()},
         metrics=registration_metrics(results, trained), curves={"train_loss": train_losses(trained)},
         artifacts=registration_artifacts(config, results, verdict, trained, report_path, speeds),

@@ -1,6 +1,6 @@
-"""What each stage hands to the next that has no home in a lower layer: the night's `Window`, and the
-small records still shaped as TypedDicts (the target, the champion, the answers, the training run, the
-monitor's outcome).
+"""What each stage hands to the next that has no home in a lower layer: the night's `Window`, the target,
+the champion, the answers and the pool's view, the training run, the promotion and the monitor's outcome,
+each a dataclass (`data.record.Record`) read by attribute.
 
 Every other stage output is the library's own dataclass, defined once where it is computed and read
 by attribute: `data.results.BenchResult`, `ops.policy.GateVerdict`, `pipeline.serve.ServingDecision`,
@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import TypedDict
 
 from specdistill.data.prompts import Prompt
 from specdistill.data.record import Record
@@ -114,17 +113,10 @@ class PooledData(GeneratedData):
     pool: PoolSummary | None = None  # None when pool.enabled is false: the night's own answers
 
 
-class _TrainedOptional(TypedDict, total=False):
-    rank_weight_digests: list[str]  # multi-rank runs only
-    kind: str  # "layers" or "eagle3"
-    clock: str  # what train_minutes counts: "wall" or "cpu"
-    unroll_steps: int  # eagle3 only
-    feature_disk_bytes: int  # eagle3 only
-    feature_bytes_per_answer_token: float  # eagle3 only
-
-
-class Trained(_TrainedOptional):
-    """`distill.train.distill()`'s result (also its result.json)."""
+@dataclass
+class Trained(Record):
+    """A distillation run as the nightly reads it: `distill.train.distill()`'s result (and its result.json,
+    which stays the trainer's own dict), taken in once by `pipeline.nightly.distill_draft`."""
 
     steps: int
     tokens: int
@@ -134,9 +126,15 @@ class Trained(_TrainedOptional):
     trainable_parameters: int
     frozen_parameters: int
     curve: list[dict]
-    draft_vocab: int | None
-    layers: list[int]
     draft_dir: str
+    draft_vocab: int | None = None
+    layers: list[int] = field(default_factory=list)
+    kind: str = "layers"  # or "eagle3"
+    clock: str = "wall"  # what train_minutes counts: "wall" or "cpu"
+    rank_weight_digests: list[str] | None = None  # multi-rank runs only
+    unroll_steps: int | None = None  # eagle3 only
+    feature_disk_bytes: int | None = None  # eagle3 only
+    feature_bytes_per_answer_token: float | None = None  # eagle3 only
 
 
 @dataclass

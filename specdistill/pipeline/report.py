@@ -152,7 +152,7 @@ def registration_metrics(results: dict[str, BenchResult], trained: Trained) -> d
     metrics = {"first_position_acceptance": first_position(challenger)[0] or 0.0,
                "acceptance_rate": challenger.acceptance_rate, "accepted_length": challenger.accepted_length,
                "speedup": challenger.speedup, "cost_ratio": challenger.cost_ratio or 0.0,
-               "train_tokens": trained["tokens"], "train_minutes": trained["train_minutes"]}
+               "train_tokens": trained.tokens, "train_minutes": trained.train_minutes}
     for i, a in enumerate(challenger.per_position_acceptance):
         metrics[f"acceptance_pos_{i}"] = a
     for name, r in results.items():
@@ -165,7 +165,7 @@ def registration_metrics(results: dict[str, BenchResult], trained: Trained) -> d
 
 def train_losses(trained: Trained) -> list[float]:
     """The training loss curve the trainer logged next to the draft (empty when there is none)."""
-    curve_file = Path(trained["draft_dir"]).parent / "train_log.jsonl"
+    curve_file = Path(trained.draft_dir).parent / "train_log.jsonl"
     return [json.loads(line)["loss"] for line in curve_file.read_text().splitlines()] if curve_file.is_file() else []
 
 
@@ -174,7 +174,7 @@ def registration_artifacts(config: NightlyConfig, results: dict[str, BenchResult
     """benchmark.json, the run's config, gate.json, the challenger's acceptance plot, the report and the
     suffix corpus (when measured); with a serving engine's measurements, engine_benchmark.json and the
     challenger's GGUF as llama.cpp ran it."""
-    artifacts_dir = paths.ensure(Path(trained["draft_dir"]).parent / "artifacts")
+    artifacts_dir = paths.ensure(Path(trained.draft_dir).parent / "artifacts")
     (artifacts_dir / "benchmark.json").write_text(json.dumps(to_dict(results), indent=2, default=str))
     (artifacts_dir / "nightly_config.json").write_text(config.model_dump_json(indent=2))
     (artifacts_dir / "gate.json").write_text(json.dumps(verdict.to_dict(), indent=2, default=str))
