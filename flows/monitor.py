@@ -47,8 +47,7 @@ def monitor(config_path: str | None = None, overrides: list[str] | None = None,
         outcome.fallback = t.choose_fallback(config, change.current)
         outcome.serving = t.apply_fallback(config, outcome.fallback, change.current)
     if decision in ("fallback", "retrain"):
-        retrain = nightly(config_path=config.nightly_config, overrides=mc.incremental_overrides(config, change))
-        outcome.incremental = {k: retrain[k] for k in ("warm_start", "verdict", "registered", "promoted", "serving")}
+        outcome.incremental = nightly(config_path=config.nightly_config, overrides=mc.incremental_overrides(config, change))
     t.record_decision(config, outcome)
     report = render_outcome(outcome)
     create_markdown_artifact(report, key="monitor-decision", description="acceptance and what the monitor did")

@@ -17,6 +17,7 @@ from prefect.artifacts import create_markdown_artifact
 from specdistill.pipeline.bench import Role, measured_drafters
 from specdistill.pipeline.budget import StageClock, run_deadline
 from specdistill.pipeline.config import load_nightly_config
+from specdistill.pipeline.outputs import NightlyRun
 from specdistill.pipeline.pool import pool_report
 from specdistill.pipeline.report import report_table, write_report
 from tasks import nightly as t
@@ -24,7 +25,7 @@ from tasks import nightly as t
 
 @flow(name="nightly-distill", log_prints=True)
 def nightly(config_path: str | None = None, overrides: list[str] | None = None,
-            window_days: float | None = None, budget_minutes: float | None = None) -> dict:
+            window_days: float | None = None, budget_minutes: float | None = None) -> NightlyRun:
     overrides = list(overrides or [])
     if window_days is not None:
         overrides.append(f"window.days={window_days}")
@@ -82,8 +83,7 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
     create_markdown_artifact(report, key="nightly-benchmark", description="draft vs champion and baselines")
     log.info("\n%s", report)
     t.mark_success(config, "nightly", fp)  # the last step: only a run that got here counts as a success
-    return {"target": target, "window": window.key, "pool": pooled.pool, "warm_start": warm_start,
-            "results": results, "verdict": verdict, "registered": registered, "promoted": promoted, "serving": serving, "report": report}
+    return NightlyRun(target, window.key, pooled.pool, warm_start, results, verdict, registered, promoted, serving, report)
 
 
 if __name__ == "__main__":

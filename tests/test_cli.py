@@ -83,12 +83,17 @@ def fake_nightly(monkeypatch):
     """flows.nightly.nightly replaced: records its arguments, returns a result shaped like the flow's."""
     calls = []
 
+    from specdistill.ops.policy import GateVerdict
     from specdistill.ops.registry import RegisteredDraft
+    from specdistill.pipeline.outputs import NightlyRun, TargetInfo
+    from specdistill.pipeline.serve import ServingDecision
 
     def nightly(config_path=None, overrides=None):
         calls.append((config_path, list(overrides)))
-        return {"report": "| drafter |\nregistered: `draft` version 3 (alias `challenger`)\nchampion unchanged",
-                "promoted": None, "registered": RegisteredDraft("draft", "3", "run", "models:/draft/3")}
+        return NightlyRun(TargetInfo("demo", "/t", "fp", 30, 64, "float32"), "w", None, None, {}, GateVerdict(False),
+                          RegisteredDraft("draft", "3", "run", "models:/draft/3"), None,
+                          ServingDecision(mode="off", reason="nothing beats it", measured={}, measured_on="harness", gamma=4),
+                          "| drafter |\nregistered: `draft` version 3 (alias `challenger`)\nchampion unchanged")
 
     monkeypatch.setitem(sys.modules, "flows.nightly", types.SimpleNamespace(nightly=nightly))
     return calls

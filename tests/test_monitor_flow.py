@@ -86,20 +86,20 @@ def test_drift_scenario_detect_fallback_retrain_recover(prefect_harness, demo_ta
 
     # incremental distillation ran on the new target, warm-started through a vocab transplant
     inc = after.incremental
-    assert inc["warm_start"].transplanted
-    new_version = inc["registered"].version
+    assert inc.warm_start.transplanted
+    new_version = inc.registered.version
     mv = registry.client().get_model_version(reg.name, new_version)
     assert mv.tags["parent"] == reg.version and mv.tags["target_fingerprint"] == after.change.current.fingerprint
     # promoted only if it passed the gate; then serving is what the retrain measured fastest
-    assert bool(inc["promoted"]) == inc["verdict"].promote
+    assert bool(inc.promoted) == inc.verdict.promote
     serving = read_serving_config()
-    if inc["promoted"]:
+    if inc.promoted:
         assert str(registry.version_by_alias(reg.name, "champion").version) == new_version
-        assert serving.mode == inc["serving"].mode
+        assert serving.mode == inc.serving.mode
         if serving.mode == "draft":
             assert serving.draft_version == new_version
     else:
         assert str(registry.version_by_alias(reg.name, "champion").version) == reg.version
         assert serving.mode == fallback.mode
     print(json.dumps({"first_position_before": first_before, "first_position_after": first_after,
-                      "fallback": fallback.mode, "promoted": bool(inc["promoted"])}))
+                      "fallback": fallback.mode, "promoted": bool(inc.promoted)}))

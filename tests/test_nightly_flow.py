@@ -47,24 +47,24 @@ def test_nightly_twice_then_forced_gate_failure(prefect_harness, traffic, tmp_pa
 
     monkeypatch.setenv("SPECDISTILL_HOME", str(tmp_path / "home"))
     first = _run(traffic)
-    name = first["registered"].name
-    assert first["verdict"].passed and first["promoted"].version == "1"
+    name = first.registered.name
+    assert first.verdict.passed and first.promoted.version == "1"
     assert str(registry.version_by_alias(name, "champion").version) == "1"
     serving = read_serving_config()  # the fastest lossless mode measured, never a slowdown
-    chosen = first["serving"]
+    chosen = first.serving
     assert serving.mode == chosen.mode and serving.num_speculative_tokens == chosen.gamma
     assert set(serving.measured) >= {"challenger", "generic", "self-spec@4", "ngram"}  # every measured speedup
-    servable = [first["results"][n].speedup for n in ("challenger", "self-spec@4", "ngram")]  # never the generic
+    servable = [first.results[n].speedup for n in ("challenger", "self-spec@4", "ngram")]  # never the generic
     if serving.mode == "off":
         assert all(x <= 1.05 for x in servable)
     else:
         assert chosen.speedup > 1.05 and chosen.speedup >= max(servable) - 1e-9
     if serving.mode == "draft":
         assert serving.draft_version == "1"
-    assert {"challenger", "generic", "self-spec@4", "ngram"} <= set(first["results"])
-    assert all(r.lossless for r in first["results"].values())
-    assert "| challenger" in first["report"] and "no speculation" in first["report"]
-    assert list(first["pool"].nights) == [first["window"]] and "from 1 night(s)" in first["report"]
+    assert {"challenger", "generic", "self-spec@4", "ngram"} <= set(first.results)
+    assert all(r.lossless for r in first.results.values())
+    assert "| challenger" in first.report and "no speculation" in first.report
+    assert list(first.pool.nights) == [first.window] and "from 1 night(s)" in first.report
     stored = LogStore().count()
     # the run's success reaches the exporter (the stale-pipeline alert read 0 whatever the nightly did)
     import time
@@ -82,27 +82,27 @@ def test_nightly_twice_then_forced_gate_failure(prefect_harness, traffic, tmp_pa
     assert "specdistill_pipeline_last_success_timestamp_seconds 1." in generate_latest(metrics.registry).decode()
 
     second = _run(traffic, "window.seed=1")  # another night's window: it trains on both nights' answers
-    assert list(second["pool"].nights)[0] == second["window"] and first["window"] in second["pool"].nights
-    assert "from 2 night(s) of the answer pool" in second["report"]
+    assert list(second.pool.nights)[0] == second.window and first.window in second.pool.nights
+    assert "from 2 night(s) of the answer pool" in second.report
     assert LogStore().count() == stored  # nothing ingested twice
-    v2 = second["registered"].version
+    v2 = second.registered.version
     mv2 = registry.client().get_model_version(name, v2)
     assert v2 == "2" and mv2.tags["parent"] == "1"
-    assert "champion" in second["results"]  # challenger and champion on the same prompts
+    assert "champion" in second.results  # challenger and champion on the same prompts
     # a better τ replaces the champion only by at least the promotion margin (gate.min_accepted_length_gain)
-    gain = second["results"]["challenger"].accepted_length - second["results"]["champion"].accepted_length
+    gain = second.results["challenger"].accepted_length - second.results["champion"].accepted_length
     improved = gain > 0 and gain >= GateConfig().min_accepted_length_gain - 1e-9
     assert str(registry.version_by_alias(name, "champion").version) == ("2" if improved else "1")
-    assert bool(second["promoted"]) == improved
+    assert bool(second.promoted) == improved
 
     champion_before = str(registry.version_by_alias(name, "champion").version)
     third = _run(traffic, "gate.overrides.min_first_position_acceptance=1.01", "bench.generic_draft=false",
                  "bench.self_spec_layers=[]", "bench.ngram=false", "bench.suffix=false")
-    assert not third["verdict"].passed and third["promoted"] is None
-    assert registry.client().get_model_version(name, third["registered"].version).tags["gate_verdict"] == "fail"
+    assert not third.verdict.passed and third.promoted is None
+    assert registry.client().get_model_version(name, third.registered.version).tags["gate_verdict"] == "fail"
     assert str(registry.version_by_alias(name, "champion").version) == champion_before
     # a failed gate never puts the challenger in service: only the champion could be measured
-    assert third["serving"].name in (None, "champion") and read_serving_config().mode in ("draft", "off")
+    assert third.serving.name in (None, "champion") and read_serving_config().mode in ("draft", "off")
 
 
 def test_bad_config_fails_before_any_work(prefect_harness, tmp_path, monkeypatch):

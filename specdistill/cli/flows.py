@@ -30,8 +30,8 @@ def cmd_nightly(args: argparse.Namespace) -> int:
     from flows.nightly import nightly
 
     result = nightly(config_path=args.config, overrides=args.overrides)
-    text = result["report"]  # the table, the gate, the serving choice, the registered version and its alias
-    if not result["promoted"]:  # a promotion names the file in the report already
+    text = result.report  # the table, the gate, the serving choice, the registered version and its alias
+    if not result.promoted:  # a promotion names the file in the report already
         text += f"\nserving config: {config.serving_path or serving_path()}"
     emit(args, result, text)
     return 0

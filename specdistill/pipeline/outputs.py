@@ -1,5 +1,5 @@
 """What each stage hands to the next that has no home in a lower layer: the night's `Window`, the target,
-the champion, the answers and the pool's view, the training run, the promotion and the monitor's outcome,
+the champion, the answers and the pool's view, the training run, the promotion, the nightly run as a whole and the monitor's outcome,
 each a dataclass (`data.record.Record`) read by attribute.
 
 Every other stage output is the library's own dataclass, defined once where it is computed and read
@@ -15,12 +15,19 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from specdistill.data.prompts import Prompt
 from specdistill.data.record import Record
+from specdistill.data.results import BenchResult
 from specdistill.ops.metrics import LiveSample
 from specdistill.ops.monitor import AcceptanceSample, FallbackDecision
+from specdistill.ops.policy import GateVerdict
 from specdistill.ops.targets import TargetChange
+
+if TYPE_CHECKING:  # for annotations only: the registry imports MLflow, and serve imports this module
+    from specdistill.ops.registry import RegisteredDraft
+    from specdistill.pipeline.serve import ServingDecision
 
 # --------------------------------------------------------------------------------------------
 # nightly
@@ -143,6 +150,22 @@ class Promoted(Record):
     serving_config: str  # the serving config file that now points at the new champion
 
 
+@dataclass
+class NightlyRun(Record):
+    """What one nightly run measured and decided: the flow's result (`pipeline run --json` prints its to_dict)."""
+
+    target: TargetInfo
+    window: str  # the window's key
+    pool: PoolSummary | None  # None: pool.enabled false
+    warm_start: WarmStart | None
+    results: dict[str, BenchResult]
+    verdict: GateVerdict
+    registered: RegisteredDraft
+    promoted: Promoted | None  # None: the champion stays
+    serving: ServingDecision
+    report: str
+
+
 # --------------------------------------------------------------------------------------------
 # monitor
 
@@ -174,5 +197,5 @@ class MonitorOutcome(Record):
     decision_reason: str = ""  # the numbers the decision was taken on (`ops.policy.judge_acceptance`)
     fallback: FallbackDecision | None = None
     serving: AppliedFallback | None = None
-    incremental: dict | None = None  # the nightly run's warm_start, verdict, registered, promoted, serving
+    incremental: NightlyRun | None = None  # the incremental nightly run the monitor started
     report: str = ""

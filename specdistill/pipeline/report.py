@@ -229,8 +229,7 @@ def render_outcome(outcome: MonitorOutcome) -> str:
         lines.append(f"fallback: {fb.mode} — {fb.reason}")
     inc = outcome.incremental
     if inc:
-        serving = inc.get("serving")
-        lines.append(f"incremental distillation: version {inc['registered'].version}, gate {'PASS' if inc['verdict'].passed else 'FAIL'}"
-                     + (f", promoted; serving {serving.mode if serving else 'draft'}" if inc["promoted"]
+        lines.append(f"incremental distillation: version {inc.registered.version}, gate {'PASS' if inc.verdict.passed else 'FAIL'}"
+                     + (f", promoted; serving {inc.serving.mode}" if inc.promoted
                         else ", not promoted: " + ("fallback stays" if outcome.decision == "fallback" else "champion stays")))
     return "\n\n".join(lines)
