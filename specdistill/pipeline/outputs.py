@@ -1,11 +1,11 @@
-"""What each stage hands to the next that has no home in a lower layer: the night's `Window`, the target,
-the champion, the answers and the pool's view, the training run, the promotion, the nightly run as a whole and the monitor's outcome,
-each a dataclass (`data.record.Record`) read by attribute.
+"""What each stage hands to the next that has no home in a lower layer: the night's `Window`, the
+target, the champion, the answers and the pool's view, the training run, the promotion, the nightly run
+as a whole and the monitor's outcome, each a dataclass (`data.record.Record`) read by attribute.
 
-Every other stage output is the library's own dataclass, defined once where it is computed and read
-by attribute: `data.results.BenchResult`, `ops.policy.GateVerdict`, `pipeline.serve.ServingDecision`,
+The other stage outputs are the library's own dataclasses, defined once where they are computed:
+`data.results.BenchResult`, `ops.policy.GateVerdict`, `pipeline.serve.ServingDecision`,
 `ops.registry.RegisteredDraft`, `ops.targets.TargetChange`/`TargetVersion`, `ops.monitor.AcceptanceSample`
-and `FallbackDecision`, `ops.metrics.LiveSample`, `data.ingest.IngestResult`. They become JSON (benchmark.json,
+and `FallbackDecision`, `ops.metrics.LiveSample`, `data.ingest.IngestResult`. All become JSON (benchmark.json,
 gate.json, the decision record, `--json`) through `data.record.to_dict`, which is also what
 `tasks.common.content_key` hashes; Prefect persists them as it does any result.
 """
