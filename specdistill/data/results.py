@@ -95,6 +95,21 @@ class BenchResult(Record):
         """Accepted at draft position 1 / drafting rounds: the red line's quantity (`ops.policy`)."""
         return self.per_position_acceptance[0] if self.per_position_acceptance else 0.0
 
+    # What a serving engine recorded in `stats` (the JSON keeps it there), as the serving choice reads it:
+    @property
+    def llamacpp_args(self) -> list[str]:
+        """The llama-server command line this mode was measured with (engine llamacpp; empty elsewhere)."""
+        return list(self.stats.get("llamacpp_args", []))
+
+    @property
+    def refused(self) -> str | None:
+        """Why the engine would not start this mode (vLLM's own error), or None."""
+        return self.stats.get("vllm_refused") or None
+
+    @property
+    def engine_version(self) -> str | None:
+        return self.stats.get("vllm_version")
+
     def extra(self) -> dict:
         """benchmark.json carries the red line's quantity beside the per-position list it comes from."""
         return {"first_position_acceptance": self.first_position_acceptance}

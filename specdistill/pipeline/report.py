@@ -199,7 +199,7 @@ def registration_artifacts(config: NightlyConfig, results: dict[str, BenchResult
     if speeds:
         (artifacts_dir / "engine_benchmark.json").write_text(json.dumps(to_dict(speeds), indent=2, default=str))
         artifacts.append(artifacts_dir / "engine_benchmark.json")
-        args = speeds[Role.CHALLENGER].stats.get("llamacpp_args", []) if Role.CHALLENGER in speeds else []
+        args = speeds[Role.CHALLENGER].llamacpp_args if Role.CHALLENGER in speeds else []
         if "-md" in args:
             artifacts.append(Path(args[args.index("-md") + 1]))
     return artifacts

@@ -65,7 +65,7 @@ def choose_engine_serving(config: NightlyConfig, speeds: dict[str, BenchResult],
     """The fastest lossless mode as measured in the serving engine, through the same no-slowdown guard.
     γ is the benchmark's K (the harness's γ search models the harness's verification cost, not the engine's)."""
     b, s = config.bench, config.serving
-    refused = {name: r.stats["vllm_refused"] for name, r in speeds.items() if r.stats.get("vllm_refused")}
+    refused = {name: r.refused for name, r in speeds.items() if r.refused}
     candidates = {name: r for name, r in serving_candidates(speeds, verdict).items() if name not in refused}
     choice = fastest_mode(_candidates(candidates, b.gamma), s.margin, confidence=s.confidence)
     some = next(iter(speeds.values()), None)
@@ -73,7 +73,7 @@ def choose_engine_serving(config: NightlyConfig, speeds: dict[str, BenchResult],
     if s.engine == "vllm" and some is not None:
         from specdistill.hardware import cpu_info
 
-        measured_on += f", vLLM {some.stats.get('vllm_version', '?')}, {cpu_info().describe()}"
+        measured_on += f", vLLM {some.engine_version or '?'}, {cpu_info().describe()}"
     reason = choice.reason
     if refused:
         reason += "; not served, vLLM refused: " + "; ".join(f"{n} ({why})" for n, why in refused.items())
@@ -82,11 +82,11 @@ def choose_engine_serving(config: NightlyConfig, speeds: dict[str, BenchResult],
                                gamma_note=f"γ=K={b.gamma} as measured in {s.engine}", engine=s.engine,
                                speedup_lower_bound=choice.lower_bound, confidence=choice.confidence)
     if some is not None and s.engine == "llamacpp":  # target-only: the measured command without the mode's flags
-        decision.llamacpp_args = list(some.stats["llamacpp_args"][:4])
+        decision.llamacpp_args = some.llamacpp_args[:4]
     if choice.candidate is not None:
         r = candidates[choice.candidate.name]
         decision.name, decision.spec, decision.speedup = choice.candidate.name, r.spec, r.speedup
-        decision.llamacpp_args = list(r.stats.get("llamacpp_args", []))
+        decision.llamacpp_args = r.llamacpp_args
     return decision
 
 
