@@ -17,7 +17,7 @@ from specdistill.ops.registry import RegisteredDraft
 from specdistill.pipeline import bench as bench_stage
 from specdistill.pipeline import nightly as pipeline
 from specdistill.pipeline.config import load_nightly_config, run_root
-from specdistill.pipeline.outputs import Champion, GeneratedData, Trained, Window
+from specdistill.pipeline.outputs import Champion, GeneratedData, Promoted, Trained, Window
 from specdistill.pipeline.report import report_table
 from specdistill.pipeline.serve import ServingDecision
 from tests.conftest import bench_result, train_bpe, trained_result
@@ -118,7 +118,7 @@ def test_gate_promotes_only_a_real_improvement():
 def test_report_table_lists_every_drafter_and_the_decision():
     results = {"challenger": _result(0.55, 2.4), "ngram": _result(0.1, 1.2, speedup=0.9)}
     verdict = GateVerdict(True, [Check("acceptance rate", True, 0.55, 0.5, "acceptance rate 0.550 >= 0.500")])
-    text = report_table(results, verdict, RegisteredDraft("draft-t", "3", "r", "models:/draft-t/3"), {"serving_config": "/s.json"})
+    text = report_table(results, verdict, RegisteredDraft("draft-t", "3", "r", "models:/draft-t/3"), Promoted("3", "/s.json"))
     assert "| challenger (x) | 0.550 | 0.550 | 2.40 | 4 | 1.20x" in text  # first-position, then α
     assert "| d |" in report_table({"d": _result(0.5, 2.0, spec="draft:/long/path")})
     assert "| no speculation |" in text and "**gate (champion draft): PASS**" in text
