@@ -184,7 +184,7 @@ def test_a_confirmation_that_would_not_fit_the_deadline_is_skipped_and_one_cut_s
                                     deadline=Deadline.after(20 / 60))
     assert (out["challenger"].gamma, out["challenger"].speedup) == (4, 1.07)
     assert "γ confirmation (~0.8 min) did not fit" in out["challenger"].budget_note
-    assert out["challenger"].gamma_search["predicted_best"] != 4  # predicted, shown, not confirmed
+    assert out["challenger"].gamma_search.predicted_best != 4  # predicted, shown, not confirmed
 
     def cut(target, tokenizer, drafters, prompts, config, *, gammas, deadline):
         assert deadline is not None  # the confirmation runs under the same deadline
