@@ -4,7 +4,7 @@ Retries go on I/O (the log store, the registry); compute stages are cached by co
 a rerun resumes rather than recomputes. Inputs and outputs are the library's own types: the bench
 results (`BenchResult`), the gate's `GateVerdict` and the `ServingDecision` as dataclasses (Prefect
 persists them as it pickles any result; `tasks.common.content_key` hashes them by their `to_dict()`), the
-other stages' values as the TypedDicts of `specdistill.pipeline.outputs`.
+other stages' values as the records (dataclasses) of `specdistill.pipeline.outputs`.
 """
 
 from __future__ import annotations

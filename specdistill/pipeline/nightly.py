@@ -1,7 +1,7 @@
 """The nightly pipeline's stages as plain library calls: one function per Prefect task.
 
-Each stage takes and returns small, JSON-friendly values (paths, ids, the TypedDicts of
-`pipeline.outputs`), writes its outputs under a content-addressed directory, and resumes from what
+Each stage takes and returns small, JSON-friendly values (paths, ids, the stage records of
+`pipeline.outputs`, serialized by `data.record`), writes its outputs under a content-addressed directory, and resumes from what
 is already there, so a rerun after a failure recomputes nothing that finished. `flows/nightly.py`
 composes them in the order of the README's pipeline diagram; the benchmark and the gate are in
 `pipeline.bench`; the Markdown report and the registration's record are in `pipeline.report`.
