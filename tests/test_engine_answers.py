@@ -253,7 +253,7 @@ def test_nightly_answer_stage_through_llama_server_feeds_the_trainer(llama_cpp, 
     # the harness backend on the same window: other data (its own directory), the same records, prompt for prompt
     harness = answers.generate_responses(load_nightly_config(None, settings), window, "eval", record_teacher=False)
     assert harness.path != heldout.path
-    read = [{r["id"]: r for r in map(json.loads, Path(d["path"]).read_text().splitlines())} for d in (harness, heldout)]
+    read = [{r["id"]: r for r in map(json.loads, Path(d.path).read_text().splitlines())} for d in (harness, heldout)]
     assert read[0].keys() == read[1].keys()
     for pid, rec in read[0].items():
         assert rec.keys() == read[1][pid].keys() and rec["prompt_ids"] == read[1][pid]["prompt_ids"]
