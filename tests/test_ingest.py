@@ -132,10 +132,16 @@ def test_failure_mid_ingest_leaves_the_store_consistent_and_a_rerun_completes(st
     assert counts(rest) == (70, 70, 0, 0) and store.count() == 100
 
 
-def _ingest_command(url: str, path: Path, batch: int) -> list[str]:
+def _ingest_command(url: str, path: Path, batch: int, barrier: Path | None = None) -> list[str]:
+    """An ingest in its own process. With `barrier`, it touches `barrier.<pid>` once imported and waits for
+    `barrier` itself before reading, so processes started together start ingesting together."""
+    wait = ("" if barrier is None else
+            f"import os, time, pathlib; b = pathlib.Path({str(barrier)!r}); "
+            "pathlib.Path(f'{b}.{os.getpid()}').touch(); t = time.time() + 120; "
+            "exec('while not b.exists() and time.time() < t: time.sleep(0.01)'); ")
     code = (
         "import sys, json; from specdistill.data.ingest import ingest; from specdistill.data.logstore import LogStore; "
-        f"r = ingest({str(path)!r}, 'jsonl', LogStore(sys.argv[1]), batch_size={batch}, progress=False); "
+        f"{wait}r = ingest({str(path)!r}, 'jsonl', LogStore(sys.argv[1]), batch_size={batch}, progress=False); "
         "print(json.dumps(r.to_dict()))"
     )
     return [sys.executable, "-c", code, url]
@@ -173,8 +179,13 @@ def test_concurrent_ingests_of_overlapping_files_store_each_conversation_once(st
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     write_jsonl(a, range(0, 3000))
     write_jsonl(b, range(1500, 4500))
-    procs = [subprocess.Popen(_ingest_command(store_url, p, 50), env=_env(), stdout=subprocess.PIPE, text=True)
+    go = tmp_path / "go"  # both import first, then start together: on a loaded machine one could finish before the other started
+    procs = [subprocess.Popen(_ingest_command(store_url, p, 50, barrier=go), env=_env(), stdout=subprocess.PIPE, text=True)
              for p in (a, b)]
+    deadline = time.time() + 120
+    while len(list(tmp_path.glob("go.*"))) < len(procs) and time.time() < deadline and all(p.poll() is None for p in procs):
+        time.sleep(0.01)
+    go.touch()
     results = []
     for proc in procs:
         out, _ = proc.communicate(timeout=300)
