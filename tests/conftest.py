@@ -148,8 +148,14 @@ def one_thread():
 
 @pytest.fixture(autouse=True)
 def _isolated_home(tmp_path, monkeypatch):
-    """Each test gets its own state directory; only the model cache is shared."""
+    """Each test gets its own state directory, and loads its own models (a spy on `load_model` sees every
+    load); only the model cache on disk is shared."""
+    from specdistill.modeling import models
+
     monkeypatch.setenv("SPECDISTILL_HOME", str(tmp_path / "home"))
+    models._SHARED.clear()
+    yield
+    models._SHARED.clear()
 
 
 @pytest.fixture(scope="session")

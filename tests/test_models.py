@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 import torch
@@ -190,3 +191,24 @@ def test_load_model_defaults_to_auto_as_every_config_does(tiny_dir, monkeypatch,
     assert resolve_dtype("auto") == want
     assert load_model(tiny_dir).model.dtype == want
     assert load_model(tiny_dir, dtype="float32").model.dtype == torch.float32
+
+
+def test_a_shared_target_is_loaded_once_per_process_and_again_when_its_files_change(tmp_path, monkeypatch):
+    """The nightly's stages each ask for the target; it is read once, frozen, and a target updated on disk
+    (new weights, same directory) is read afresh rather than served stale."""
+    from specdistill.modeling import models
+
+    target_dir = save_tiny_target(tmp_path / "target")
+    loads = []
+    real = models.load_model
+    monkeypatch.setattr(models, "load_model", lambda ref, **kw: (loads.append((str(ref), kw)), real(ref, **kw))[1])
+    first = models.shared_model(target_dir, dtype="float32")
+    assert models.shared_model(target_dir, dtype="float32") is first and len(loads) == 1
+    assert not any(p.requires_grad for p in first.model.parameters())
+    other = models.shared_model(target_dir, dtype="bfloat16")  # another dtype is another model
+    assert other is not first and other.model.dtype == torch.bfloat16 and len(loads) == 2
+    weights = next(target_dir.glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # the target updated
+    assert models.shared_model(target_dir, dtype="float32") is not first and len(loads) == 3
+    assert len(models._SHARED) == models.SHARED_MODELS  # the oldest dropped
+    assert models.load_model(target_dir, dtype="float32") is not first  # load_model: always a private copy

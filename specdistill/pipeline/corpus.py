@@ -32,7 +32,8 @@ def nightly_corpus(config, train_data: GeneratedData, target_fingerprint: str) -
     export beside it, and a copy as the state directory's current corpus (what the monitor reads)."""
     from transformers import AutoTokenizer
 
-    from specdistill.modeling.models import resolve_model_dir, tokenizer_digest
+    from specdistill.modeling.fingerprints import tokenizer_digest
+    from specdistill.modeling.models import resolve_model_dir
 
     out = Path(train_data.path).parent / CORPUS_FILE
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(config.target))

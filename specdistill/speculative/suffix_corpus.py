@@ -30,7 +30,7 @@ class CorpusError(ValueError):
 @dataclass
 class CorpusMeta:
     target_fingerprint: str
-    tokenizer: str  # `modeling.models.tokenizer_digest` of the target's tokenizer
+    tokenizer: str  # `modeling.fingerprints.tokenizer_digest` of the target's tokenizer
     split: str = "train"
     sources: list[str] = field(default_factory=list)  # the answers files the sequences were read from
     sequences: int = 0
