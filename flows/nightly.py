@@ -61,7 +61,8 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
     clock.lap("generic baseline, suffix corpus")
     results = t.benchmark(config, window, drafters, fp, deadline_at)
     clock.cuts += sorted({f"benchmark: {r.budget_note}" for r in results.values() if r.budget_note})
-    speeds = t.engine_benchmark(config, window, drafters, fp) if config.serving.engine != "harness" else None
+    speeds = t.engine_benchmark(config, window, drafters, fp, deadline_at) if config.serving.engine != "harness" else None
+    clock.cuts += sorted({f"engine benchmark: {r.budget_note}" for r in (speeds or {}).values() if r.budget_note})
 
     clock.lap("benchmark")
     verdict = t.gate(config, results[Role.CHALLENGER], results.get(Role.CHAMPION), results, speeds)

@@ -1,7 +1,10 @@
 """The nightly pipeline's tasks: each wraps one call of `specdistill.pipeline.nightly`.
 
-Retries go on I/O (the log store, the registry); compute stages are cached by content instead, so
-a rerun resumes rather than recomputes. Inputs and outputs are the library's own types: the bench
+Retries go on I/O (the log store, the registry). What a rerun reuses is decided by one layer per stage:
+the library's content-addressed directories for every stage that writes one (answers, pool, suffix
+corpus, distillation, the generic baseline: a rerun finds them and recomputes nothing that finished),
+Prefect's result cache, keyed by content, only for the two benchmarks, which keep nothing on disk of
+their own. Inputs and outputs are the library's own types: the bench
 results (`BenchResult`), the gate's `GateVerdict` and the `ServingDecision` as dataclasses (Prefect
 persists them as it pickles any result; `tasks.common.content_key` hashes them by their `to_dict()`), the
 other stages' values as the records (dataclasses) of `specdistill.pipeline.outputs`.
@@ -29,7 +32,7 @@ from specdistill.pipeline.outputs import (
 from specdistill.pipeline.serve import ServingDecision
 from tasks.common import content_key
 
-CACHED = dict(cache_key_fn=content_key, persist_result=True)
+CACHED = dict(cache_key_fn=content_key, persist_result=True)  # for stages with no directory of their own
 
 
 @task(name="load-target")
@@ -65,7 +68,7 @@ def generate_responses(config: NightlyConfig, window: Window, split: str, target
     return answers.generate_responses(config, window, split, record_teacher=record_teacher, deadline_at=deadline_at)
 
 
-@task(name="suffix-corpus", **CACHED)
+@task(name="suffix-corpus")
 def suffix_corpus(config: NightlyConfig, train_data: GeneratedData, target_fingerprint: str) -> str:
     return corpus.nightly_corpus(config, train_data, target_fingerprint)
 
@@ -76,13 +79,13 @@ def pool_answers(config: NightlyConfig, window: Window, train_data: GeneratedDat
     return pool.pool_answers(config, window, train_data, heldout_data, target_fingerprint)
 
 
-@task(name="distill", **CACHED)
+@task(name="distill")
 def distill(config: NightlyConfig, train_data: GeneratedData, heldout_data: GeneratedData, warm_start: str | None,
             target_fingerprint: str, deadline_at: float | None = None) -> Trained:
     return pipeline.distill_draft(config, train_data, heldout_data, warm_start, deadline_at=deadline_at)
 
 
-@task(name="generic-baseline", **CACHED)
+@task(name="generic-baseline")
 def generic_baseline(config: NightlyConfig, window: Window, heldout_data: GeneratedData, target_fingerprint: str,
                      deadline_at: float | None = None) -> Trained:
     return pipeline.distill_draft(config, None, heldout_data, generic=True, window=window, deadline_at=deadline_at)
@@ -96,8 +99,8 @@ def benchmark(config: NightlyConfig, window: Window, drafters: dict[str, str], t
 
 @task(name="engine-benchmark", **CACHED)
 def engine_benchmark(config: NightlyConfig, window: Window, drafters: dict[str, str],
-                     target_fingerprint: str) -> dict[str, BenchResult]:
-    return engine_bench.engine_benchmark(config, window, drafters)
+                     target_fingerprint: str, deadline_at: float | None = None) -> dict[str, BenchResult]:
+    return engine_bench.engine_benchmark(config, window, drafters, deadline_at)
 
 
 @task(name="gate")

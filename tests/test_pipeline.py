@@ -521,7 +521,9 @@ def test_the_run_dtype_reaches_every_model_load_and_the_feature_pass(tmp_path, m
     decision = ServingDecision(mode="self_speculation", name="self-spec@2", spec="self_spec:2", gamma=2, speedup=1.2,
                                reason="r", measured={}, measured_on="")
     serve.serving_config(decision, info)
-    assert len(seen) >= 4 and all(dtype == "float32" for _, dtype, _ in seen), seen
+    # the target read once (describe; the early-exit exports reuse it: `models.shared_model`), the champion once
+    assert [Path(ref).name for ref, _, _ in seen] == ["target", "champion"], seen
+    assert all(dtype == "float32" for _, dtype, _ in seen), seen
     # the run's device reaches the loads that run (the serving export copies weights on the CPU)
     assert all(device == "auto" for ref, _, device in seen[:3]), seen
 
@@ -539,7 +541,6 @@ def test_a_float32_run_on_a_bf16_cpu_loads_every_model_and_runs_the_feature_pass
     (target, EAGLE-3 head, drafts, the training's target) and the target in the feature pass is fp32
     and on the run's device, on a CPU where `auto` (and so a forgotten setting) would be bf16."""
     import specdistill.distill.features as features
-    import specdistill.ops.monitor as ops_monitor
     from specdistill.hardware import FLAGS_ENV
     from specdistill.modeling import models
     from specdistill.ops.targets import TargetVersion
@@ -564,7 +565,6 @@ def test_a_float32_run_on_a_bf16_cpu_loads_every_model_and_runs_the_feature_pass
         return real_build(target, seqs, directory, **kw)
 
     monkeypatch.setattr(models, "load_model", load)
-    monkeypatch.setattr(ops_monitor, "load_model", load)
     monkeypatch.setattr(features, "build_feature_cache", build)
     url, chat_file, code_file = _store_with_traffic(tmp_path)
     overrides = ["dtype=float32", "train.kind=eagle3", "train.max_steps=2", "train.draft_vocab=null",
@@ -586,8 +586,9 @@ def test_a_float32_run_on_a_bf16_cpu_loads_every_model_and_runs_the_feature_pass
     monitor_stage.sample_acceptance(monitor, Champion("d", "1", trained.draft_dir), target)
     monitor_stage.measure_fallback(monitor, target)
 
-    # describe, 2 answer passes, training, benchmark, the monitor's replay (target and head) and fallback
-    assert len(loads) >= 7, loads
+    # the target is read twice: once for every stage that decodes with it (describe, both answer passes, the
+    # benchmark, the monitor's replay and fallback share it: `models.shared_model`), once by the trainer
+    assert [name for name, _, _ in loads] == [Path(tiny_target_dir).name] * 2, loads
     assert all(dtype == torch.float32 and d.type == device.type for _, dtype, d in loads), loads
     assert passes == [("features-heldout", torch.float32, passes[0][2])] and passes[0][2].type == device.type
 
@@ -619,6 +620,13 @@ def test_stage_deadlines_share_what_the_run_has_left():
     assert "generic" not in stage_budgets(no_generic)
     with pytest.raises(ValueError, match="not a budgeted stage"):
         stage_deadline(no_generic, "generic", None)
+    # a serving engine's benchmark takes the harness benchmark's budget and its share of the run
+    engine = load_nightly_config(None, ["train.max_minutes=3", "bench.max_minutes=4", "serving.engine=vllm",
+                                        "generation.max_minutes=8"])
+    assert stage_budgets(engine) == {"answers": 8, "distill": 3, "generic": 3, "benchmark": 4, "engine benchmark": 4}
+    assert stage_deadline(engine, "benchmark", now + 60 * 4, now=now).at == pytest.approx(now + 2 * 60)
+    assert stage_deadline(engine, "engine benchmark", now + 60 * 3, now=now).at == pytest.approx(now + 3 * 60)
+    assert "engine benchmark" not in stage_budgets(config)
 
 
 def test_a_training_share_too_small_to_train_stops_the_run(monkeypatch):

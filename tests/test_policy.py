@@ -180,9 +180,9 @@ def test_the_monitor_decides_on_first_position_acceptance_and_its_drop_since_reg
 # the serving choice and its no-slowdown guard
 
 
-def _c(name, mode, speedup, lossless=True, prompts=()):
+def _c(name, mode, speedup, lossless=True, prompts=(), tau=None):
     return Candidate(name, mode, speedup, lossless, 4, draft_dir="/d" if mode != "ngram" else None,
-                     prompt_speedups=list(prompts))
+                     prompt_speedups=list(prompts), accepted_length=tau)
 
 
 def test_the_fastest_lossless_mode_wins_even_over_the_draft():
@@ -233,6 +233,28 @@ def test_one_prompt_many_times_slower_pulls_the_bound_down_with_the_speedup():
     assert bound is not None and bound < statistics.harmonic_mean(stalled) < 0.35
     assert fastest_mode([_c("suffix", "suffix", 1.43, prompts=stalled)]).mode == "off"
     assert speedup_lower_bound(STEADY) > 1.15  # alike prompts: harmonic and arithmetic means agree
+
+
+def test_a_benchmark_cut_to_a_few_prompts_is_not_served_and_the_next_mode_is():
+    """Recorded in a demo on a loaded 2-core machine: the deadline cut the benchmark to two prompts, where
+    n-gram measured 15.78x; a steady mode on ten prompts is served instead, and the reason says why."""
+    cut = _c("ngram", "ngram", 15.78, prompts=[15.2, 16.4], tau=1.7)
+    assert fastest_mode([cut]).mode == "off" and "on only 2 prompts, fewer than the 5" in fastest_mode([cut]).reason
+    steady = _c("suffix", "suffix", 1.2, prompts=STEADY[:10], tau=1.8)
+    choice = fastest_mode([cut, steady])
+    assert choice.mode == "suffix" and "not served: ngram measured 15.78x on only 2 prompts" in choice.reason
+    assert fastest_mode([cut], min_prompts=2).mode == "off"  # still off: 15.78x is implausible at the τ ≈ 1.7 n-gram has in the demo
+
+
+def test_a_speedup_above_what_its_tokens_per_forward_allow_is_not_served():
+    """Speculation yields τ tokens per target forward, and that forward costs at least one decoding step:
+    no mode can run more than τ times faster. Beyond it (with slack for noise) the baseline was disturbed."""
+    implausible = _c("ngram", "ngram", 3.1, prompts=[3.0, 3.2, 3.1, 2.9, 3.3], tau=1.9)
+    choice = fastest_mode([implausible])
+    assert choice.mode == "off" and "implausible" in choice.reason and "τ 1.90" in choice.reason
+    plausible = _c("ngram", "ngram", 2.3, prompts=[2.2, 2.4, 2.3, 2.1, 2.5], tau=1.9)  # within 1.25 τ
+    assert fastest_mode([plausible]).mode == "ngram"
+    assert fastest_mode([_c("ngram", "ngram", 3.1, prompts=[3.0, 3.2, 3.1, 2.9, 3.3])]).mode == "ngram"  # τ unknown
 
 
 def test_the_bound_is_seeded_and_tightens_with_confidence():

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specdistill.acceptance import DEFAULT_GAMMA
+from specdistill.budget import Deadline
 from specdistill.data.prompts import Prompt
 from specdistill.data.results import DEFAULT_TOLERANCE, BenchResult, SliceResult, percentile, prompt_speedups, speed_summary
 from specdistill.engines.client import Completion, chat, metrics_url
@@ -103,9 +104,14 @@ def _delta(before: Scrape, after: Scrape) -> Scrape:
 
 
 def run_engine_bench(endpoints: dict[str, str], prompts: list[Prompt], config: EngineBenchConfig | None = None, *,
-                     engine: str, dtype: str, threads: int = 0, progress: bool = True) -> dict[str, BenchResult]:
+                     engine: str, dtype: str, threads: int = 0, progress: bool = True,
+                     deadline: Deadline | None = None) -> dict[str, BenchResult]:
     """`endpoints[TARGET_ONLY]` is the target-only base URL, every other entry a speculative mode's.
-    Each mode runs every prompt once per repeat, in an order that rotates from prompt to prompt."""
+    Each mode runs every prompt once per repeat, in an order that rotates from prompt to prompt.
+
+    At `deadline` the bench stops after the prompt in hand (every mode has run it, so the comparison stays
+    paired): a first repeat cut short keeps the prompts it finished, a later one is dropped whole; the
+    results' `budget_note` says what was cut."""
     from tqdm import tqdm
 
     config = config or EngineBenchConfig()
@@ -124,8 +130,18 @@ def run_engine_bench(endpoints: dict[str, str], prompts: list[Prompt], config: E
     pairs: dict[str, list[set]] = {m: [set() for _ in prompts] for m in spec_modes}
     bar = tqdm(total=config.repeats * len(prompts), desc=f"bench ({engine})", unit="prompt", file=sys.stderr,
                disable=not progress)
+    kept, repeats, note = len(prompts), config.repeats, ""  # what the deadline left measured
     for r in range(config.repeats):
+        if r and deadline is not None and deadline.expired():
+            repeats, note = r, f"time budget reached: {r} of {config.repeats} repeats"
+            break
         for i, prompt in enumerate(prompts):
+            if i and deadline is not None and deadline.expired():
+                if r == 0:
+                    kept, repeats, note = i, 1, f"time budget reached: {i} of {len(prompts)} prompts"
+                else:
+                    repeats, note = r, f"time budget reached: {r} of {config.repeats} repeats"
+                break
             shift = (r + i) % len(modes)
             texts = {}
             for mode in modes[shift:] + modes[:shift]:
@@ -141,13 +157,19 @@ def run_engine_bench(endpoints: dict[str, str], prompts: list[Prompt], config: E
             for mode in spec_modes:
                 pairs[mode][i].add((texts[TARGET_ONLY], texts[mode]))
             bar.update(1)
+        if note:
+            break
     bar.close()
     counts = {m: _delta(before[m], scrape(metrics_url(endpoints[m]))) for m in spec_modes}
+    prompts = prompts[:kept]
+    times = {m: [row[:kept] for row in rows[:repeats]] for m, rows in times.items()}
+    measured = replace(config, repeats=repeats)
     results = {}
     for mode in spec_modes:
         verdicts = [judge(endpoints[TARGET_ONLY], p, pairs[mode][i], config) for i, p in enumerate(prompts)]
-        results[mode] = _result(mode, prompts, config, times[TARGET_ONLY], times[mode], per_request[mode],
-                                counts[mode], per_prompt_counts[mode], verdicts, engine=engine, dtype=dtype, threads=threads)
+        results[mode] = replace(_result(mode, prompts, measured, times[TARGET_ONLY], times[mode], per_request[mode][:kept],
+                                        counts[mode], per_prompt_counts[mode][:kept], verdicts, engine=engine, dtype=dtype,
+                                        threads=threads), budget_note=note)
     return results
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from specdistill import paths
 from specdistill.acceptance import DEFAULT_GAMMA
+from specdistill.budget import Deadline
 from specdistill.data.prompts import Prompt
 from specdistill.data.results import BenchResult
 from specdistill.engines.bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
@@ -89,7 +90,7 @@ def serve_command(mode: ServerMode, target: Path, threads: int, engine: LlamaCpp
 
 def bench_llamacpp(target_ref: str | os.PathLike, modes: dict[str, ServerMode], prompts: list[Prompt],
                    config: EngineBenchConfig | None = None, *, threads: int = 2, engine: LlamaCpp | None = None,
-                   progress: bool = True) -> dict[str, BenchResult]:
+                   progress: bool = True, deadline: Deadline | None = None) -> dict[str, BenchResult]:
     """Start llama-server once per mode (target-only first, all on loopback; idle servers cost no CPU),
     interleave the modes per prompt, stop them. Results are keyed as `modes` is."""
     if not modes:
@@ -103,7 +104,7 @@ def bench_llamacpp(target_ref: str | os.PathLike, modes: dict[str, ServerMode], 
             server = stack.enter_context(LlamaServer(engine.server, ServerConfig(model=target, mode=mode, threads=threads)))
             endpoints[name] = server.url
         return run_engine_bench(endpoints, prompts, config, engine="llamacpp", dtype=gguf_dtype(target),
-                                threads=threads, progress=progress)
+                                threads=threads, progress=progress, deadline=deadline)
 
 
 def target_server(target_ref: str | os.PathLike, *, parallel: int, ctx_per_slot: int, threads: int = 2,

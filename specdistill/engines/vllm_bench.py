@@ -14,6 +14,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdistill.budget import Deadline
 from specdistill.data.prompts import Prompt
 from specdistill.data.results import BenchResult
 from specdistill.engines.bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
@@ -52,7 +53,8 @@ def _refusal(exc: VllmStartError) -> str:
 
 def bench_vllm(target_ref: str | os.PathLike, modes: dict[str, dict], prompts: list[Prompt],
                config: EngineBenchConfig | None = None, *, threads: int = 2, dtype: str = "auto",
-               env: VllmEnv | None = None, progress: bool = True, startup_timeout_s: float = 600.0) -> VllmBench:
+               env: VllmEnv | None = None, progress: bool = True, startup_timeout_s: float = 600.0,
+               deadline: Deadline | None = None) -> VllmBench:
     """Start vLLM once per mode (target-only first; `modes` maps a name to its speculative config),
     interleave the modes per prompt as the other engines are, stop them all."""
     if not modes:
@@ -82,7 +84,7 @@ def bench_vllm(target_ref: str | os.PathLike, modes: dict[str, dict], prompts: l
         results = {}
         if len(endpoints) > 1:
             results = run_engine_bench(endpoints, prompts, config, engine="vllm", dtype=vdtype, threads=threads,
-                                       progress=progress)
+                                       progress=progress, deadline=deadline)
         for name, r in results.items():
             r.stats.update(vllm_speculative_config=modes[name], vllm_version=env.version,
                            startup_seconds=round(startup[name], 1))

@@ -33,9 +33,9 @@ import torch
 from specdistill.acceptance import DEFAULT_GAMMA
 from specdistill.data.prompts import MAX_PROMPT_TOKENS, Prompt, usable_prompt
 from specdistill.data.record import Record
-from specdistill.modeling.models import LoadedModel, load_model
+from specdistill.modeling.models import LoadedModel, shared_model
 from specdistill.ops.exporter import refresh_metrics, serve_metrics  # noqa: F401  (the exporter's home)
-from specdistill.ops.policy import DEFAULT_MARGIN, RED_LINE, Candidate, fastest_mode
+from specdistill.ops.policy import DEFAULT_MARGIN, MIN_PROMPTS, RED_LINE, Candidate, fastest_mode
 from specdistill.speculative import (
     ModelDrafter,
     SpecStats,
@@ -50,7 +50,7 @@ from specdistill.speculative.suffix_corpus import corpus_is_current
 
 def _loaded(ref: str | os.PathLike | LoadedModel, dtype: str | torch.dtype = "auto",
             device: str | torch.device = "cpu") -> LoadedModel:
-    return ref if isinstance(ref, LoadedModel) else load_model(ref, dtype=dtype, device=device)
+    return ref if isinstance(ref, LoadedModel) else shared_model(ref, dtype=dtype, device=device)
 
 
 # --------------------------------------------------------------------------------------------
@@ -294,6 +294,7 @@ def choose_fallback(
     margin: float = DEFAULT_MARGIN,
     ngram: tuple[int, int] = (2, 4),
     suffix_corpus: str | os.PathLike | None = None,
+    min_prompts: int = MIN_PROMPTS,
     progress: bool = True,
 ) -> FallbackDecision:
     """Measure each fallback against target-only decoding on the sampled prompts (interleaved,
@@ -330,8 +331,8 @@ def choose_fallback(
                                 f"no decision: only {generated} tokens generated (minimum {min_tokens})",
                                 candidates, margin, generated)
     choice = fastest_mode([Candidate(name, c.mode, c.speedup, c.lossless, gamma, exit_layer=c.exit_layer,
-                                     prompt_speedups=c.prompt_speedups)
-                           for name, c in zip(specs, candidates)], margin)
+                                     prompt_speedups=c.prompt_speedups, accepted_length=c.accepted_length)
+                           for name, c in zip(specs, candidates)], margin, min_prompts=min_prompts)
     reason, corpus = choice.reason + (f"; suffix drafter not measured: {stale}" if stale else ""), specs.get("suffix")
     corpus = corpus and DrafterSpec.parse(corpus).corpus
     if choice.candidate is None:

@@ -35,10 +35,10 @@ def generate_responses(config: NightlyConfig, window: Window, split: str, *, rec
     what was written; none at all stops the run before it trains on nothing."""
     from specdistill.data.logstore import LogStore
     from specdistill.data.prompts import Prompt
-    from specdistill.modeling.models import load_model
+    from specdistill.modeling.models import shared_model
 
     g = config.generation
-    target = load_model(config.target, dtype=config.dtype, device=config.device)  # the harness answers in bf16 where the hardware has it
+    target = shared_model(config.target, dtype=config.dtype, device=config.device)  # the harness answers in bf16 where the hardware has it
     prompts = [Prompt(id=p.id, messages=p.messages) for p in window.split(split)]
     answer = _answer_in_harness if g.backend == "harness" else _answer_in_engine
     deadline = stage_deadline(config, "answers", deadline_at) if split == "train" else None

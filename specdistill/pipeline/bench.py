@@ -57,15 +57,29 @@ def benchmark(config: NightlyConfig, window: Window, drafters: dict[str, str],
     """
     import torch
 
-    from specdistill.modeling.models import load_model
+    from specdistill.modeling.models import shared_model
+    from specdistill.speculative.threads import fastest_threads
+
+    if isinstance(config.bench.threads, int):
+        torch.set_num_threads(config.bench.threads)
+    target = shared_model(config.target, dtype=config.dtype, device=config.device)
+    prompts = bench_prompts(config, window)
+    before = torch.get_num_threads()
+    threads = fastest_threads(target.model, prompts[0].ids) if config.bench.threads == "auto" and prompts else None
+    try:
+        results = _bench(config, drafters, target, prompts, deadline_at)
+    finally:
+        if threads:
+            torch.set_num_threads(before)  # the probe's choice is the benchmark's, not the process's
+    probe = {"thread_probe": threads.to_dict()} if threads else {}
+    return {name: replace(result, spec=drafters[name], stats={**result.stats, **probe}) for name, result in results.items()}
+
+
+def _bench(config: NightlyConfig, drafters: dict[str, str], target, prompts, deadline_at: float | None) -> dict[str, BenchResult]:
     from specdistill.speculative import drafter_from_spec
     from specdistill.speculative.bench import run_bench_many
     from specdistill.speculative.gamma import bench_at_best_gamma
 
-    if config.bench.threads:
-        torch.set_num_threads(config.bench.threads)
-    target = load_model(config.target, dtype=config.dtype, device=config.device)
-    prompts = bench_prompts(config, window)
     b, s = config.bench, config.serving
     bcfg = b.bench_config()
     made = {name: drafter_from_spec(target.model, spec, tree_width=_served_tree_width(spec, b.tree_width),
@@ -80,7 +94,7 @@ def benchmark(config: NightlyConfig, window: Window, drafters: dict[str, str],
     elif s.choose_gamma:
         results = bench_at_best_gamma(target.model, target.tokenizer, made, prompts, bcfg, results, range(1, s.max_gamma + 1),
                                       deadline=deadline)
-    return {name: replace(result, spec=drafters[name]) for name, result in results.items()}
+    return results
 
 
 def _served_tree_width(spec: str, width: int) -> int:

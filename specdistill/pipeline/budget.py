@@ -15,16 +15,19 @@ from specdistill import hardware
 from specdistill.budget import Deadline, share
 from specdistill.pipeline.config import NightlyConfig
 
-STAGES = ("answers", "distill", "generic", "benchmark")  # the budgeted stages, in the order the flow runs them
+STAGES = ("answers", "distill", "generic", "benchmark", "engine benchmark")  # the budgeted stages, in the flow's order
 
 
 def stage_budgets(config: NightlyConfig) -> dict[str, float | None]:
     """Each budgeted stage's own budget in minutes (None: none; a stage the run skips: absent)."""
     budgets = {"answers": config.generation.max_minutes, "distill": config.train.max_minutes,
                "generic": config.train.max_minutes if config.bench.generic_draft else None,
-               "benchmark": config.bench.max_minutes}
+               "benchmark": config.bench.max_minutes,
+               "engine benchmark": config.bench.max_minutes if config.serving.engine != "harness" else None}
     if not config.bench.generic_draft:
         del budgets["generic"]
+    if config.serving.engine == "harness":
+        del budgets["engine benchmark"]
     return budgets
 
 

@@ -19,7 +19,16 @@ from specdistill.acceptance import DEFAULT_GAMMA
 from specdistill.config import ConfigError, Strict, load_model_config
 from specdistill.data.prompts import MAX_PROMPT_TOKENS
 from specdistill.distill.config import DistillConfig, Divergence, DraftKind, Eagle3Config, LossConfig, OptimConfig
-from specdistill.ops.policy import CONFIDENCE, DEFAULT_MARGIN, MAX_RELATIVE_DROP, RED_LINE, GateConfig, Role, gate_config
+from specdistill.ops.policy import (
+    CONFIDENCE,
+    DEFAULT_MARGIN,
+    MAX_RELATIVE_DROP,
+    MIN_PROMPTS,
+    RED_LINE,
+    GateConfig,
+    Role,
+    gate_config,
+)
 
 
 class SourceConfig(Strict):
@@ -136,7 +145,9 @@ class BenchSection(Strict):
     hybrid: bool = True
     suffix_max_tokens: int | None = Field(10_000_000, ge=1)  # corpus cap: the newest answers that fit
     generic_draft: bool = True  # train the off-the-shelf baseline once (plain CE on human answers)
-    threads: int | None = None
+    # torch threads for the benchmark: auto probes 1, half and all cores and keeps the fastest (a shared
+    # machine's busy cores stall every thread; `speculative.threads`); null: torch's default
+    threads: int | Literal["auto"] | None = "auto"
     # the benchmark's wall-clock budget, γ confirmation included (null: none): past it no new prompt or
     # repeat starts (at least 2 prompts are measured) and the γ confirmation is skipped; the report says so
     max_minutes: float | None = Field(4.0, ge=0.0)
@@ -191,6 +202,7 @@ class ServingSection(Strict):
 
     margin: float = Field(DEFAULT_MARGIN, ge=0.0)
     confidence: float = Field(CONFIDENCE, gt=0.0, lt=1.0)  # one-sided level of the speedup's lower bound
+    min_prompts: int = Field(MIN_PROMPTS, ge=1)  # fewer per-prompt speeds (a benchmark the deadline cut): not served
     choose_gamma: bool = True  # every drafter at the γ its measured curve predicts best, confirmed by a second run
     max_gamma: int = Field(8, ge=1)
     engine: Literal["harness", "llamacpp", "vllm", "openai"] = "harness"

@@ -51,18 +51,22 @@ def llamacpp_spec(config: NightlyConfig, name: str, spec: str) -> str:
     if exit_layer is None:
         return spec
     from specdistill.modeling.drafts import export_early_exit_draft
-    from specdistill.modeling.models import load_model
+    from specdistill.modeling.models import shared_model
 
-    target = load_model(config.target, dtype=config.dtype, device=config.device)  # the run's dtype, as every stage
+    target = shared_model(config.target, dtype=config.dtype, device=config.device)  # the run's dtype, as every stage
     return str(DrafterSpec("draft", str(export_early_exit_draft(target, exit_layer))))
 
 
-def engine_benchmark(config: NightlyConfig, window: Window, drafters: dict[str, str]) -> dict[str, BenchResult]:
-    """Each servable drafter against target-only in `config.serving.engine`, interleaved per prompt.
-    Results are keyed by drafter name, with the `spec` the harness benchmark used."""
+def engine_benchmark(config: NightlyConfig, window: Window, drafters: dict[str, str],
+                     deadline_at: float | None = None) -> dict[str, BenchResult]:
+    """Each servable drafter against target-only in `config.serving.engine`, interleaved per prompt, until
+    its share of the run's deadline (`bench.max_minutes`, as the harness benchmark; servers' start-up
+    included). Results are keyed by drafter name, with the `spec` the harness benchmark used."""
     from specdistill.engines.bench import TARGET_ONLY, run_engine_bench
+    from specdistill.pipeline.budget import stage_deadline
 
     s, b = config.serving, config.bench
+    deadline = stage_deadline(config, "engine benchmark", deadline_at)
     prompts = engine_prompts(window)
     bcfg = b.engine_bench_config()
     # no engine runs our draft beside the suffix drafter (NOT_SERVED_MODES)
@@ -75,7 +79,7 @@ def engine_benchmark(config: NightlyConfig, window: Window, drafters: dict[str, 
 
         gguf = target_gguf(config.target)
         modes = {name: mode_for_spec(llamacpp_spec(config, name, spec), gguf, b.gamma) for name, spec in servable.items()}
-        results = bench_llamacpp(config.target, modes, prompts, bcfg, threads=s.threads)
+        results = bench_llamacpp(config.target, modes, prompts, bcfg, threads=s.threads, deadline=deadline)
         out = {name: replace(r, spec=servable[name]) for name, r in results.items()}
         for name, mode in modes.items():  # the command line measured (the draft GGUF included): what serving.json names
             out[name].stats["llamacpp_args"] = ["-m", str(gguf), "-t", str(s.threads), *mode.args()]
@@ -83,7 +87,7 @@ def engine_benchmark(config: NightlyConfig, window: Window, drafters: dict[str, 
     if s.engine == "vllm":
         from specdistill.pipeline.vllm_bench import vllm_engine_benchmark
 
-        return vllm_engine_benchmark(config, prompts, servable, bcfg)
+        return vllm_engine_benchmark(config, prompts, servable, bcfg, deadline)
     if s.engine == "openai":
         if TARGET_ONLY not in s.endpoints or len(s.endpoints) < 2:
             raise ValueError(f"serving.engine openai needs serving.endpoints with {TARGET_ONLY!r} and at least one mode "
@@ -91,6 +95,6 @@ def engine_benchmark(config: NightlyConfig, window: Window, drafters: dict[str, 
         unknown = [n for n in s.endpoints if n != TARGET_ONLY and n not in drafters]
         if unknown:
             raise ValueError(f"serving.endpoints names modes this run did not benchmark: {unknown} (known: {sorted(drafters)})")
-        results = run_engine_bench(dict(s.endpoints), prompts, bcfg, engine="openai", dtype="served")
+        results = run_engine_bench(dict(s.endpoints), prompts, bcfg, engine="openai", dtype="served", deadline=deadline)
         return {name: replace(r, spec=drafters[name]) for name, r in results.items()}
     raise ValueError(f"serving.engine {s.engine!r} has no separate engine benchmark (the harness benchmark is it)")

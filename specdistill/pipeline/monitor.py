@@ -142,11 +142,11 @@ def sample_acceptance(config: MonitorConfig, champion: Champion, target: TargetV
 def measure_fallback(config: MonitorConfig, target: TargetVersion) -> FallbackDecision:
     """Each fallback timed against target-only decoding on the same replayed prompts (see `ops.monitor.choose_fallback`)."""
     from specdistill.data.logstore import LogStore
-    from specdistill.modeling.models import load_model
+    from specdistill.modeling.models import shared_model
     from specdistill.ops.monitor import choose_fallback, prompts_from_store
 
     nightly = config.nightly
-    loaded = load_model(target.path, dtype=nightly.dtype, device=nightly.device)
+    loaded = shared_model(target.path, dtype=nightly.dtype, device=nightly.device)
     with LogStore(nightly.log_db) as store:
         prompts = prompts_from_store(store, loaded.tokenizer, config.replay_prompts,
                                      max_prompt_tokens=nightly.window.max_prompt_tokens)
@@ -162,7 +162,7 @@ def measure_fallback(config: MonitorConfig, target: TargetVersion) -> FallbackDe
 def apply_fallback(config: MonitorConfig, fallback: FallbackDecision, target: TargetVersion) -> AppliedFallback | None:
     """Switch the serving config to the measured-fastest fallback (under the promotion lock)."""
     from specdistill.modeling.drafts import early_exit_dir, export_early_exit_draft
-    from specdistill.modeling.models import load_model
+    from specdistill.modeling.models import shared_model
     from specdistill.ops import registry
     from specdistill.ops.serving import ServingConfig, write_serving_config
 
@@ -171,7 +171,7 @@ def apply_fallback(config: MonitorConfig, fallback: FallbackDecision, target: Ta
     mode, k = fallback.mode, fallback.exit_layer
     draft_dir = None
     if mode == "self_speculation":
-        loaded = load_model(target.path, dtype=config.nightly.dtype)  # the dtype the fallback was measured in
+        loaded = shared_model(target.path, dtype=config.nightly.dtype)  # the dtype the fallback was measured in
         draft_dir = str(export_early_exit_draft(loaded, k, early_exit_dir(target.fingerprint, k)))
     suffix = {}
     if mode == "suffix":

@@ -52,9 +52,9 @@ def describe_target(target_ref: str, dtype: str = "auto", device: str = "auto") 
     """Load the target once (this is where an unloadable target fails the run) and name its version
     and the dtype every stage runs it in (the fingerprint does not depend on the dtype)."""
     from specdistill.hardware import describe_device
-    from specdistill.modeling.models import dtype_name, load_model
+    from specdistill.modeling.models import dtype_name, shared_model
 
-    loaded = load_model(target_ref, dtype=dtype, device=device)
+    loaded = shared_model(target_ref, dtype=dtype, device=device)  # the stages after it reuse this load
     return TargetInfo(ref=target_ref, path=str(loaded.path), fingerprint=loaded.fingerprint,
                       num_layers=loaded.config.num_hidden_layers, vocab_size=loaded.config.vocab_size,
                       dtype=dtype_name(loaded.model.dtype), hardware=describe_device(loaded.model.device))
@@ -93,7 +93,7 @@ def align_champion(config: NightlyConfig, champion: Champion | None) -> WarmStar
 
     from specdistill.modeling.drafts import align_draft, load_draft_meta, save_draft
     from specdistill.modeling.eagle3_io import align_head, is_eagle3_dir
-    from specdistill.modeling.models import load_model, resolve_model_dir
+    from specdistill.modeling.models import load_model, resolve_model_dir, shared_model
     from specdistill.modeling.vocab import DraftVocab
 
     target_tok = target_tokenizer(config)
@@ -101,7 +101,7 @@ def align_champion(config: NightlyConfig, champion: Champion | None) -> WarmStar
         return WarmStart(champion.name, champion.version, directory, dict(champion.tags), transplanted, report)
 
     if is_eagle3_dir(champion.dir):  # a head: its draft vocabulary carried over; embeddings are the target's
-        target = load_model(config.target, dtype=config.dtype, device=config.device)
+        target = shared_model(config.target, dtype=config.dtype, device=config.device)
         out = run_root() / "aligned" / f"{champion.name}-{champion.version}-{target.fingerprint}"
         aligned_dir, head, report = align_head(champion.dir, target.model, target_tok, out)
         return warm(str(aligned_dir), head.transplanted, report)
@@ -261,7 +261,7 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | None, heldo
         optim=OptimConfig(lr=lr, batch_size=tc.batch_size, max_steps=tc.max_steps, max_minutes=minutes,
                           warmup_steps=min(20, tc.max_steps // 10), bf16=train_autocast(config)),
         out_dir=str(out_dir), checkpoint_every=max(10, tc.max_steps // 4), eval_every=max(10, tc.max_steps // 4),
-        threads=config.bench.threads, device=config.device,
+        threads=config.bench.threads if isinstance(config.bench.threads, int) else None, device=config.device,
     )
     return Trained.from_dict(distill(dcfg))
 

@@ -19,6 +19,7 @@ from specdistill.pipeline.config import NightlyConfig, run_root
 from specdistill.pipeline.outputs import MonitorOutcome, Promoted, TargetInfo, Trained, Window
 from specdistill.pipeline.serve import ServingDecision
 from specdistill.speculative.specs import DrafterSpec
+from specdistill.speculative.threads import ThreadChoice
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +63,11 @@ def report_table(results: dict[str, BenchResult], verdict: GateVerdict | None = 
     any_r = next(iter(results.values()), None)
     if any_r is not None:
         dtype = any_r.dtype or (target.dtype if target else "")
-        lines += ["", f"measured with the PyTorch harness{' in ' + dtype if dtype else ''}: {any_r.max_new_tokens} new tokens "
-                      f"a prompt, target-only {any_r.tokens_per_second_target_only:.1f} tokens/s; speedups are interleaved "
-                      f"medians against it on the same held-out prompts"]
+        probe = any_r.stats.get("thread_probe")
+        threads = ThreadChoice.from_dict(probe).describe() if probe else (f"{any_r.threads} threads" if any_r.threads else "")
+        lines += ["", f"measured with the PyTorch harness{' in ' + dtype if dtype else ''}{', ' + threads if threads else ''}: "
+                      f"{any_r.max_new_tokens} new tokens a prompt, target-only {any_r.tokens_per_second_target_only:.1f} "
+                      f"tokens/s; speedups are interleaved medians against it on the same held-out prompts"]
     searched = {name: r for name, r in results.items() if r.gamma_search is not None}
     if searched:
         lines += ["", "γ per drafter, by measurement:", *(f"- {name}: {gamma_note(r)}" for name, r in searched.items())]

@@ -57,7 +57,8 @@ def serving_candidates(results: dict[str, BenchResult], verdict: GateVerdict) ->
 
 
 def _candidates(entries: dict[str, BenchResult], gamma: int | None = None) -> list[Candidate]:
-    return [Candidate(name, mode_of(r.spec), r.speedup, r.lossless, gamma or r.gamma, prompt_speedups=list(r.prompt_speedups))
+    return [Candidate(name, mode_of(r.spec), r.speedup, r.lossless, gamma or r.gamma, prompt_speedups=list(r.prompt_speedups),
+                      accepted_length=r.accepted_length or None)
             for name, r in entries.items()]
 
 
@@ -67,7 +68,7 @@ def choose_engine_serving(config: NightlyConfig, speeds: dict[str, BenchResult],
     b, s = config.bench, config.serving
     refused = {name: r.refused for name, r in speeds.items() if r.refused}
     candidates = {name: r for name, r in serving_candidates(speeds, verdict).items() if name not in refused}
-    choice = fastest_mode(_candidates(candidates, b.gamma), s.margin, confidence=s.confidence)
+    choice = fastest_mode(_candidates(candidates, b.gamma), s.margin, confidence=s.confidence, min_prompts=s.min_prompts)
     some = next(iter(speeds.values()), None)
     measured_on = f"{s.engine}, {some.dtype if some else '?'}" + (f", {s.threads} threads" if s.engine in ("llamacpp", "vllm") else "")
     if s.engine == "vllm" and some is not None:
@@ -102,7 +103,8 @@ def choose_serving(config: NightlyConfig, window: Window, results: dict[str, Ben
     from specdistill.pipeline.report import gamma_note
 
     candidates = serving_candidates(results, verdict)
-    choice = fastest_mode(_candidates(candidates), config.serving.margin, confidence=config.serving.confidence)
+    choice = fastest_mode(_candidates(candidates), config.serving.margin, confidence=config.serving.confidence,
+                          min_prompts=config.serving.min_prompts)
     some = next(iter(results.values()), None)
     decision = ServingDecision(mode=choice.mode, gamma=config.bench.gamma, reason=choice.reason,
                                measured={name: r.speedup for name, r in results.items()},  # every mode measured, served or not
@@ -127,7 +129,7 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
     """The serving config for a decision: the draft's directory, or the exported early-exit draft
     for self-speculation, or the n-gram sizes that were measured."""
     from specdistill.modeling.drafts import early_exit_dir, export_early_exit_draft
-    from specdistill.modeling.models import load_model
+    from specdistill.modeling.models import shared_model
     from specdistill.ops.serving import ServingConfig
 
     d = decision
@@ -149,7 +151,7 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
                              tree_width=tree, **common)
     if mode == "self_speculation":
         k = spec.exit_layer
-        loaded = load_model(target.path, dtype=target.dtype)  # the dtype the mode was measured in (a copy: on the CPU)
+        loaded = shared_model(target.path, dtype=target.dtype)  # the dtype the mode was measured in (a copy: on the CPU)
         out = export_early_exit_draft(loaded, k, early_exit_dir(target.fingerprint, k))
         return ServingConfig(draft_dir=str(out), exit_layer=k, **common)
     if mode == "suffix":

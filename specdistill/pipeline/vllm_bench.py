@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from specdistill.budget import Deadline
 from specdistill.data.results import BenchResult
 from specdistill.pipeline.config import NightlyConfig
 
@@ -57,14 +58,15 @@ def refused_entry(name: str, spec: str, cause: str, gamma: int, dtype: str) -> B
                        engine="vllm", spec=spec)
 
 
-def vllm_engine_benchmark(config: NightlyConfig, prompts, servable: dict[str, str], bcfg) -> dict[str, BenchResult]:
+def vllm_engine_benchmark(config: NightlyConfig, prompts, servable: dict[str, str], bcfg,
+                          deadline: Deadline | None = None) -> dict[str, BenchResult]:
     """`engine_bench.engine_benchmark` for serving.engine vllm: results keyed by drafter name."""
     from specdistill.engines.vllm_bench import bench_vllm, served_dtype
 
     s, b = config.serving, config.bench
     configs = {name: mode_serving_config(spec, b.gamma, config.target) for name, spec in servable.items()}
     run = bench_vllm(config.target, {name: c.vllm() for name, c in configs.items()}, prompts, bcfg,
-                     threads=s.threads, dtype=config.dtype)
+                     threads=s.threads, dtype=config.dtype, deadline=deadline)
     out = {name: replace(r, spec=servable[name]) for name, r in run.results.items()}
     for name, cause in run.refused.items():
         out[name] = refused_entry(name, servable[name], cause, b.gamma, served_dtype(config.dtype))

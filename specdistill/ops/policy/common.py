@@ -1,0 +1,50 @@
+"""What the gate, the serving choice and the monitor share: the red line, the roles of drafts, and
+first-position acceptance read from any result (docs/metrics.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Any
+
+RED_LINE = 0.5  # first-position acceptance below this: the draft is not worth serving
+MAX_RELATIVE_DROP = 0.2  # first-position acceptance this far (relatively) under the champion's own at registration: drift
+DEFAULT_MARGIN = 0.05  # a mode must beat target-only by more than this to be served
+CONFIDENCE = 0.95  # one-sided level of the speedup's lower bound
+RESAMPLES = 2000
+FIRST_POSITION_TAG = "first_position_acceptance"  # a registered draft version's own, at registration
+
+
+class Role(StrEnum):
+    """What a draft is to a nightly run; its benchmark entry is keyed by its role (draft-free modes by
+    their own names: `self-spec@8`, `ngram`)."""
+
+    CHALLENGER = "challenger"  # distilled this run
+    CHAMPION = "champion"  # the registry's current best draft (its `champion` alias)
+    GENERIC = "generic"  # the off-the-shelf baseline: measured to set a bar (`must_beat`), never served
+
+    @classmethod
+    def served(cls, name: str) -> bool:
+        """May the entry named `name` be served at all (before the gate has its say)?"""
+        return name != cls.GENERIC
+
+
+def _get(obj: Any, key: str, default: Any = None) -> Any:
+    return obj.get(key, default) if isinstance(obj, Mapping) else getattr(obj, key, default)
+
+
+def first_position(result: Any) -> tuple[float | None, str]:
+    """(first-position acceptance, where it came from) of a bench result, sample or their dicts.
+
+    An explicit `first_position_acceptance` wins, then `per_position_acceptance[0]`; a source that
+    recorded no per-position counts (an engine without them) gives α in its place, said so."""
+    value = _get(result, "first_position_acceptance")
+    if value is not None:
+        return float(value), "first-position"
+    per_position = _get(result, "per_position_acceptance") or []
+    if per_position:
+        return float(per_position[0]), "first-position"
+    alpha = _get(result, "acceptance_rate")
+    return (None, "none") if alpha is None else (float(alpha), "α (no per-position counts)")
+
+
