@@ -223,19 +223,20 @@ def main(argv=None) -> int:
     for name, records in sets.items():
         replayed[name] = {d: replay(dr, records, g, tree) for d, (dr, g, tree) in drafters.items()}
     results["replay"] = replayed
-    print("\n## Greedy rounds replayed against the target's held-out answers\n")
-    print("τ counts drafting rounds only; tokens/forward counts every target step (plain steps too): the speed a "
-          "free draft and a free verification would give\n")
-    print("| drafter | " + " | ".join(f"{s} α | {s} τ | {s} plain | {s} tokens/forward | {s} ms/lookup" for s in sets) + " |")
-    print("|---|" + "---:|" * 5 * len(sets))
-    for d in drafters:
-        print(f"| {d} | " + " | ".join(f"{replayed[s][d]['alpha']:.3f} | {replayed[s][d]['tau']:.2f} | "
-                                      f"{replayed[s][d]['plain_share']:.2f} | {replayed[s][d]['tokens_per_step']:.2f} | "
-                                      f"{replayed[s][d]['lookup_ms']:.3f}" for s in sets) + " |")
-    ix = results["index"]
-    print(f"\nindex: {ix['tokens']} tokens built in {ix['build_s']:.2f} s, {ix['bytes_per_million'] / 1e6:.1f} MB per "
-          f"million tokens; {ix['synthetic_tokens']} tokens in {ix['synthetic_build_s']:.2f} s, "
-          f"{ix['synthetic_bytes_per_million'] / 1e6:.1f} MB per million")
+    if drafters:  # --bench-only: the benchmark alone
+        print("\n## Greedy rounds replayed against the target's held-out answers\n")
+        print("τ counts drafting rounds only; tokens/forward counts every target step (plain steps too): the speed a "
+              "free draft and a free verification would give\n")
+        print("| drafter | " + " | ".join(f"{s} α | {s} τ | {s} plain | {s} tokens/forward | {s} ms/lookup" for s in sets) + " |")
+        print("|---|" + "---:|" * 5 * len(sets))
+        for d in drafters:
+            print(f"| {d} | " + " | ".join(f"{replayed[s][d]['alpha']:.3f} | {replayed[s][d]['tau']:.2f} | "
+                                          f"{replayed[s][d]['plain_share']:.2f} | {replayed[s][d]['tokens_per_step']:.2f} | "
+                                          f"{replayed[s][d]['lookup_ms']:.3f}" for s in sets) + " |")
+        ix = results["index"]
+        print(f"\nindex: {ix['tokens']} tokens built in {ix['build_s']:.2f} s, {ix['bytes_per_million'] / 1e6:.1f} MB per "
+              f"million tokens; {ix['synthetic_tokens']} tokens in {ix['synthetic_build_s']:.2f} s, "
+              f"{ix['synthetic_bytes_per_million'] / 1e6:.1f} MB per million")
 
     # corpus size against acceptance: the newest answers kept, as the cap keeps them
     curve = {}
@@ -245,12 +246,13 @@ def main(argv=None) -> int:
         curve[f"{frac:.4g}"] = {"answers": len(keep), "tokens": sum(map(len, keep)),
                                 **{s: replay(drafter, records, 8) for s, records in sets.items()}}
     results["corpus_curve"] = curve
-    print("\n## Corpus size against acceptance (suffix, γ 8; the newest answers kept)\n")
-    print("| answers | tokens | " + " | ".join(f"{s} α | {s} τ | {s} tokens/forward" for s in sets) + " |")
-    print("|---:|---:|" + "---:|" * 3 * len(sets))
-    for row in curve.values():
-        print(f"| {row['answers']} | {row['tokens']} | " + " | ".join(
-            f"{row[s]['alpha']:.3f} | {row[s]['tau']:.2f} | {row[s]['tokens_per_step']:.2f}" for s in sets) + " |")
+    if curve:
+        print("\n## Corpus size against acceptance (suffix, γ 8; the newest answers kept)\n")
+        print("| answers | tokens | " + " | ".join(f"{s} α | {s} τ | {s} tokens/forward" for s in sets) + " |")
+        print("|---:|---:|" + "---:|" * 3 * len(sets))
+        for row in curve.values():
+            print(f"| {row['answers']} | {row['tokens']} | " + " | ".join(
+                f"{row[s]['alpha']:.3f} | {row[s]['tau']:.2f} | {row[s]['tokens_per_step']:.2f}" for s in sets) + " |")
 
     # 3. the harness benchmark
     if args.bench_prompts:
