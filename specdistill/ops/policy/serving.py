@@ -79,8 +79,8 @@ def _doubt(c: Candidate, bound: float | None, margin: float, confidence: float, 
         return (f"{c.name}'s {c.speedup:.2f}x is implausible: more than {PLAUSIBLE_FACTOR}x its τ {tau:.2f} tokens per "
                 f"target forward, which bounds any speedup, so its target-only baseline ran disturbed (a loaded machine)")
     if bound is not None and bound <= bar:
-        return (f"no mode's gain holds over the prompts: {c.name} measured {c.speedup:.2f}x but its "
-                f"{confidence:.0%} lower bound over {n} prompts is {bound:.2f}x, not above {bar:.2f}x")
+        return (f"{c.name} measured {c.speedup:.2f}x but its {confidence:.0%} lower bound over {n} prompts is "
+                f"{bound:.2f}x, not above {bar:.2f}x")
     return ""
 
 
@@ -104,6 +104,8 @@ def fastest_mode(candidates: Sequence[Candidate], margin: float = DEFAULT_MARGIN
     if best is None:
         fastest = max((c for c in candidates if c.lossless is not False), key=lambda c: c.speedup, default=None)
         why = doubts[fastest.name] if fastest else "no lossless speculation mode was measured"
+        if fastest and bounds[fastest.name] is not None and why.endswith(f"not above {1.0 + margin:.2f}x"):
+            why = "no mode's gain holds over the prompts: " + why
         others = [doubts[c.name] for c in sorted(candidates, key=lambda c: -c.speedup)
                   if c is not fastest and c.lossless is not False and c.speedup > 1.0 + margin]
         why += "".join(f"; {d}" for d in others)
