@@ -56,6 +56,23 @@ bfloat16 --llamacpp ''`, the checkout before and after them run alternately, two
 average 1.0-1.7): 209.0 and 202.1 answer tokens/s before, 241.4 and 234.8 after (1.16x; per
 CPU-second 105.2, 101.8 -> 121.5, 118.3); the 32 answers token-identical to before. At load 3.7-4.1
 neither checkout finished a round in 400 s (two OpenMP threads on a machine with no free core).
+
+All four answer engines in one run, 2026-12-01 19:40-19:44 UTC (the 2-core AMD EPYC with AVX-512 BF16,
+load average 1.2-3.9 from niced tests beside it), 2 threads:
+
+    python benchmarks/answer_generation.py --prompts 32 --rounds 2 --threads 2 --harness float32,bfloat16 \
+        --llamacpp Q4_1 --vllm bfloat16
+
+    variant           tokens/s (median)  tokens/CPU-s            per round  same as bf16  common prefix (share)  same as fp32
+    float32                        85.7          45.0            81.4 90.0      9/32            38.1 (0.43)         32/32
+    bfloat16                      257.7         134.8          265.9 249.5     32/32            89.1 (1.00)          9/32
+    llama.cpp Q4_1                147.9          78.5          134.0 161.8      5/32            22.4 (0.25)          8/32
+    vLLM bfloat16                 104.5          73.4           84.5 124.6     12/32            43.3 (0.49)         10/32
+
+On this CPU the harness in bf16 is the fastest answer engine with the teacher (1.7x llama.cpp Q4_1,
+2.5x vLLM, 3.0x the harness in fp32), and it is what the demo uses (`dtype: auto` is bf16 here). On a
+CPU without native bf16 the harness runs fp32 and llama.cpp's Q4_1 (which needs no bf16) measured
+1.7x the fp32 harness in this run; that choice has not been measured on such a CPU.
 """
 
 from __future__ import annotations
