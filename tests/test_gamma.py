@@ -183,7 +183,7 @@ def test_a_confirmation_that_would_not_fit_the_deadline_is_skipped_and_one_cut_s
     out = gamma.bench_at_best_gamma(None, None, {"challenger": object()}, [], BenchConfig(gamma=4, repeats=1), first,
                                     deadline=Deadline.after(20 / 60))
     assert (out["challenger"].gamma, out["challenger"].speedup) == (4, 1.07)
-    assert "γ confirmation (~0.8 min) did not fit" in out["challenger"].budget_note
+    assert "γ confirmation (~0.8 min for all) did not fit" in out["challenger"].budget_note
     assert out["challenger"].gamma_search.predicted_best != 4  # predicted, shown, not confirmed
 
     def cut(target, tokenizer, drafters, prompts, config, *, gammas, deadline):
@@ -195,6 +195,31 @@ def test_a_confirmation_that_would_not_fit_the_deadline_is_skipped_and_one_cut_s
                                     deadline=Deadline.after(10.0))
     assert (out["challenger"].gamma, out["challenger"].speedup) == (4, 1.07)
     assert "during the γ confirmation" in out["challenger"].budget_note
+
+
+def test_under_a_tight_deadline_the_most_promising_drafters_are_confirmed_and_the_rest_say_so(monkeypatch):
+    """In a fresh demo the confirmation of all six drafters (~2.2 min) did not fit the 0.9 min left, so none
+    was confirmed and the head stayed at γ=4 (1.16x) where γ=2 was predicted at 1.35x. Now the drafters with
+    the largest predicted speedups go first, as many as fit."""
+    from specdistill.budget import Deadline
+    from specdistill.speculative import gamma
+    from specdistill.speculative.bench import BenchConfig
+
+    monkeypatch.setattr(gamma, "measure_verify_costs", lambda *a, **k: dict(BF16_COSTS))
+    first = {"challenger": replace(_result("challenger", 4, 1.07, cost=0.071), stats={"seconds": 30.0, "generated_tokens": 400}),
+             "self-spec@8": replace(_result("self-spec@8", 4, 0.44, cost=0.36), stats={"seconds": 30.0, "generated_tokens": 400})}
+    ran = {}
+
+    def confirm(target, tokenizer, drafters, prompts, config, *, gammas, deadline):
+        ran.update(gammas)
+        return {n: _result(n, g, 1.31) for n, g in gammas.items()}
+
+    monkeypatch.setattr(gamma, "run_bench_many", confirm)
+    # one drafter's confirmation takes 30 + 400/21 ≈ 49 s, both 79 s: 60 s leave time for the head alone
+    out = gamma.bench_at_best_gamma(None, None, {n: object() for n in first}, [], BenchConfig(gamma=4, repeats=1), first,
+                                    deadline=Deadline.after(1.0))
+    assert list(ran) == ["challenger"] and out["challenger"].speedup == 1.31 and out["challenger"].budget_note == ""
+    assert out["self-spec@8"].gamma == 4 and "(confirmed: challenger)" in out["self-spec@8"].budget_note
 
 
 def test_nothing_runs_again_when_every_drafter_is_at_its_best_gamma(monkeypatch):

@@ -174,23 +174,32 @@ def bench_at_best_gamma(target: PreTrainedModel, tokenizer, drafters: dict, prom
     interleaved with their own target-only runs. A drafter takes the new γ only when that run measured it
     lossless, and a larger γ only when it is faster by more than `FLAT` (`prefer_smaller_gamma`); its c
     is the first run's (the draft step does not depend on γ). Every result records the curve and the
-    speedups measured at each γ in `gamma_search`. Past `deadline` (or when the confirming run, timed from
-    the first, would not fit before it) the predicted γ stays unconfirmed and each result says so."""
+    speedups measured at each γ in `gamma_search`. Under `deadline` the confirming run takes the drafters
+    with the largest predicted speedups whose runs, timed from the first, fit before it; the others' (and,
+    when the deadline cuts the run short, every) predicted γ stays unconfirmed and the result says so."""
     measured = measure_verify_costs(target, tuple(range(1, max(gammas) + 2)))
     curves = {name: speedup_curve(target, r.per_position_acceptance, r.cost_ratio or 0.0, gammas,
                                   plain_share=plain_step_share(r.stats), measured=measured) for name, r in results.items()}
     moved = {name: c["best_gamma"] for name, c in curves.items()
              if c["best_gamma"] is not None and c["best_gamma"] != results[name].gamma}
-    confirmed, note = {}, ""
-    need = confirmation_seconds(results, list(moved), config.repeats)
-    if moved and deadline is not None and need > deadline.remaining():
-        note = (f"time budget reached: the γ confirmation (~{need / 60:.1f} min) did not fit the "
-                f"{deadline.remaining() / 60:.1f} min left, so each drafter is measured at the benchmark's γ")
-    elif moved:
-        confirmed = run_bench_many(target, tokenizer, {name: drafters[name] for name in moved}, prompts,
-                                   replace(config, measure_cost=False), gammas=moved, deadline=deadline)
+    confirmed, notes = {}, {}
+    # the most promising first (the largest predicted speedup), as many as the deadline leaves time for
+    fits = []
+    for name in sorted(moved, key=lambda n: -curves[n]["predicted_speedups"][moved[n]]):
+        if deadline is None or confirmation_seconds(results, [*fits, name], config.repeats) <= deadline.remaining():
+            fits.append(name)
+    if len(fits) < len(moved):
+        need = confirmation_seconds(results, list(moved), config.repeats)
+        skipped = (f"time budget reached: the γ confirmation (~{need / 60:.1f} min for all) did not fit the "
+                   f"{deadline.remaining() / 60:.1f} min left, so this drafter is measured at the benchmark's γ"
+                   + (f" (confirmed: {', '.join(fits)})" if fits else ""))
+        notes = {name: skipped for name in moved if name not in fits}
+    if fits:
+        confirmed = run_bench_many(target, tokenizer, {name: drafters[name] for name in fits}, prompts,
+                                   replace(config, measure_cost=False), gammas={n: moved[n] for n in fits}, deadline=deadline)
         if any(r.budget_note for r in confirmed.values()):  # cut short: not the same prompts as the first run
-            note, confirmed = "time budget reached during the γ confirmation: measured at the benchmark's γ", {}
+            cut = "time budget reached during the γ confirmation: measured at the benchmark's γ"
+            notes, confirmed = {**notes, **{name: cut for name in fits}}, {}
     out = {}
     for name, first in results.items():
         again = confirmed.get(name)
@@ -200,7 +209,7 @@ def bench_at_best_gamma(target: PreTrainedModel, tokenizer, drafters: dict, prom
                              measured={first.gamma: first.speedup, **({again.gamma: again.speedup} if again else {})})
         ideal = ideal_speedup(best.acceptance_rate, best.gamma, first.cost_ratio) if first.cost_ratio is not None else None
         out[name] = replace(best, cost_ratio=first.cost_ratio, ideal_speedup=ideal, gamma_search=search,
-                            budget_note="; ".join(x for x in (first.budget_note, note if name in moved else "") if x))
+                            budget_note="; ".join(x for x in (first.budget_note, notes.get(name, "")) if x))
     return out
 
 
