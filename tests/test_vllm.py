@@ -219,7 +219,8 @@ def test_nightly_serving_choice_measured_in_vllm(vllm_servers, eagle_head, tmp_p
             pass
 
     monkeypatch.setattr(vllm_bench, "VllmServer", Running)
-    config = load_nightly_config(None, ["serving.engine=vllm", "bench.max_new_tokens=24", "serving.margin=0.0"])
+    config = load_nightly_config(None, ["serving.engine=vllm", "bench.max_new_tokens=24", "serving.margin=0.0",
+                                        "serving.min_prompts=1"])  # the window's one prompt may decide
     window = eval_window(REPEAT)
     speeds = engine_benchmark(config, window, {"ngram": NGRAM_SPEC, "challenger": f"draft:{eagle_head}",
                                                "generic": "draft:/never/measured"})
