@@ -65,6 +65,14 @@ def _read_cpuinfo() -> tuple[str, frozenset[str]]:
     return model or platform.processor() or platform.machine(), flags
 
 
+def usable_cpus() -> list[int]:
+    """The cores this process may run on (its affinity mask, which containers and taskset narrow)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
 @functools.cache
 def _cpu_info(override: str | None) -> CpuInfo:
     model, flags = _read_cpuinfo()

@@ -86,10 +86,9 @@ def vllm_args(config: VllmConfig, port: int) -> list[str]:
 
 def bound_cpus(threads: int) -> list[int]:
     """The first `threads` cores this process may run on (its affinity), for vLLM's OpenMP threads."""
-    try:
-        allowed = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        allowed = list(range(os.cpu_count() or 1))
+    from specdistill.hardware import usable_cpus
+
+    allowed = usable_cpus()
     return allowed[: max(1, min(threads, len(allowed)))]
 
 

@@ -11,7 +11,6 @@ fastest: on a quiet machine that is every core, on a shared one it is what the m
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -37,11 +36,10 @@ class ThreadChoice(Record):
 
 
 def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask, which containers and taskset narrow)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    """How many cores this process may run on (`hardware.usable_cpus`)."""
+    from specdistill.hardware import usable_cpus
+
+    return len(usable_cpus())
 
 
 def thread_candidates(cores: int) -> list[int]:
