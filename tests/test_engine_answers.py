@@ -134,6 +134,36 @@ def test_connect_names_a_server_that_cannot_answer_for_the_teacher(completion, m
         connect(f"http://127.0.0.1:{free_port()}", PROMPT_IDS, 8, timeout_s=5)
 
 
+class _ExpiresAfter:
+    """A deadline that expires once `n` requests have been let through (asked before each one)."""
+
+    def __init__(self, n: int):
+        self.left = n
+
+    def expired(self) -> bool:
+        self.left -= 1
+        return self.left < 0
+
+
+def test_no_request_is_sent_after_the_deadline_and_what_finished_is_kept(demo_tokenizer, tmp_path):
+    from specdistill.distill.teacher import TeacherCache
+    from specdistill.pipeline.engine_answers import generate_answers_openai
+
+    server = _fake_server((200, LLAMACPP_REPLY))
+    try:
+        engine = connect(f"http://127.0.0.1:{server.server_address[1]}", PROMPT_IDS, 3, timeout_s=5)
+        cache = TeacherCache.create(tmp_path / "tc", fingerprint="f", k=3, temperature=1.0, vocab="full", data="d")
+        prompts = _prompts(PROMPTS)
+        done = generate_answers_openai(engine, demo_tokenizer, prompts, tmp_path / "a.jsonl", parallel=1, batch_size=2,
+                                       max_new_tokens=4, teacher_cache=cache, progress=False, deadline=_ExpiresAfter(3))
+        assert sorted(done) == ["q0", "q1", "q2"] and sorted(cache.load_all()) == sorted(done)
+        again = generate_answers_openai(engine, demo_tokenizer, prompts, tmp_path / "a.jsonl", parallel=2, batch_size=2,
+                                        max_new_tokens=4, teacher_cache=cache, progress=False)
+        assert sorted(again) == ["q0", "q1", "q2", "q3", "q4"]  # the rest, on a rerun without a deadline
+    finally:
+        server.shutdown()
+
+
 def test_generation_backend_config():
     cfg = load_nightly_config(None, ["generation.backend=openai", "generation.url=http://h:8000/v1"])
     assert cfg.generation.backend == "openai" and cfg.generation.parallel == 8

@@ -21,13 +21,14 @@ import sys
 import zlib
 from collections import Counter
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from specdistill.budget import Deadline
 from specdistill.data.prompts import Prompt, as_messages, encode_chat
 from specdistill.distill.datagen import drop_unbacked, read_done, repair_tail
 from specdistill.distill.teacher import TeacherCache
@@ -163,9 +164,11 @@ def generate_answers_openai(
     teacher_cache: TeacherCache | None = None,
     progress: bool = True,
     timeout_s: float = 600.0,
+    deadline: Deadline | None = None,
 ) -> dict[str, dict]:
     """`datagen.generate_answers` through a serving engine: the same JSONL records and teacher rows
-    (greedy; k from the cache's metadata, which `served.top_k` must cover), returns all records."""
+    (greedy; k from the cache's metadata, which `served.top_k` must cover), returns all records.
+    With a `deadline`, no request is sent after it; the requests in flight finish and are kept."""
     k = int(teacher_cache.meta["k"]) if teacher_cache is not None else 1
     if k > served.top_k:
         raise ValueError(f"the teacher cache holds top-{k}, {served.url} gives top-{served.top_k}")
@@ -211,15 +214,25 @@ def generate_answers_openai(
         finished.clear()
 
     finished: list[tuple[Prompt, list[int], EngineAnswer]] = []
+    waiting = iter(todo)
     with open(out_path, "a", encoding="utf-8") as out, ThreadPoolExecutor(max_workers=parallel) as pool:
-        futures = [pool.submit(answer, p) for p in todo]
+        running: set[Future] = set()
         try:
-            for future in as_completed(futures):
-                finished.append(future.result())
+            while True:  # at most `parallel` requests in flight, none sent after the deadline
+                while len(running) < parallel and not (deadline is not None and deadline.expired()):
+                    p = next(waiting, None)
+                    if p is None:
+                        break
+                    running.add(pool.submit(answer, p))
+                if not running:
+                    break
+                done_now, running = wait(running, return_when=FIRST_COMPLETED)
+                for future in done_now:
+                    finished.append(future.result())
                 if len(finished) >= batch_size:
                     flush(finished, out)
         except BaseException:  # a failed request or an interrupt: keep what finished, ask nothing more
-            for future in futures:
+            for future in running:
                 future.cancel()
             flush(finished, out)
             raise
