@@ -91,14 +91,17 @@ import torch
 import specdistill  # noqa: F401  (offline environment)
 from specdistill.data.datasets import sharegpt_first_turns
 from specdistill.data.prompts import MAX_PROMPT_TOKENS, Prompt, encode_chat
-from specdistill.distill.datagen import generate_answers
+from specdistill.distill.config import Eagle3Config
+from specdistill.distill.datagen import encode_generated, generate_answers
+from specdistill.distill.features import FeatureCache, build_feature_cache
 from specdistill.distill.teacher import TeacherCache
 from specdistill.hardware import cpu_has_native_bf16
+from specdistill.modeling.eagle3 import default_aux_layers
 from specdistill.modeling.models import demo_gguf_path, load_model, resolve_model_dir
 from specdistill.speculative.lossless import first_divergence
 
 HARNESS = {"float32": ("float32", True), "bfloat16": ("bfloat16", True), "bfloat16 sdpa": ("bfloat16", False)}
-EXPORTED = {"F16": "f16", "F32": "f32"}  # GGUF types made here from the demo target's dequantized weights
+EXPORTED = {"F16": "f16", "F32": "f32", "Q8_0": "q8_0"}  # GGUF types made here from the demo target's dequantized weights
 
 
 def cpu_seconds(pid: int) -> float:
@@ -154,15 +157,19 @@ def main() -> int:
     ap.add_argument("--llamacpp", default="Q4_1", help="GGUF types llama-server answers from (Q4_1, F16, F32; '' none)")
     ap.add_argument("--parallel", type=int, default=16, help="llama-server slots and concurrent requests")
     ap.add_argument("--vllm", default="", help="dtypes vLLM (make vllm) answers in (auto, bfloat16, float32; '' none)")
+    ap.add_argument("--features", action="store_true",
+                    help="an EAGLE-3 head's features too, as the nightly gets them: recorded while the harness answers; "
+                         "for an engine's answers, the harness's feature pass over them (in the first --harness dtype), timed in")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     harness = [v for v in args.harness.split(",") if v]
-    if "bfloat16" not in harness:
-        raise SystemExit("--harness must include bfloat16: agreement is measured against its answers")
+    if not harness:
+        raise SystemExit("--harness names at least one variant: agreement is measured against its answers")
+    ref = "bfloat16" if "bfloat16" in harness else harness[0]  # what the others' answers are compared with
     kinds = [k for k in args.llamacpp.split(",") if k]
 
     models = {d: load_model("demo", dtype=d) for d in {HARNESS[v][0] for v in harness}}
-    tok, fingerprint = models["bfloat16"].tokenizer, models["bfloat16"].fingerprint
+    tok, fingerprint = models[HARNESS[ref][0]].tokenizer, models[HARNESS[ref][0]].fingerprint
     turns = sharegpt_first_turns(args.prompts, min_chars=20, max_chars=400, continuations=False, tokenizer=tok,
                                  max_tokens=MAX_PROMPT_TOKENS)
     prompts = [Prompt(id=t.id, messages=t.messages) for t in turns]
@@ -195,6 +202,22 @@ def main() -> int:
                                                                       max(args.teacher_k, 1)))
         names = harness + list(engines)
 
+        layers = default_aux_layers(models[HARNESS[ref][0]].model.config.num_hidden_layers)
+
+        def features_for(out: Path, name: str):
+            return FeatureCache.create(out.with_suffix(".features"), fingerprint=fingerprint, layers=layers, data=name,
+                                       prompt_context=Eagle3Config().prompt_context) if args.features else None
+
+        def feature_pass(records: dict, out: Path) -> tuple[float, float]:
+            """The harness's teacher-forced pass over an engine's answers (wall and CPU seconds), as the trainer runs it."""
+            if not args.features:
+                return 0.0, 0.0
+            start, cpu_start = time.perf_counter(), time.process_time()
+            build_feature_cache(models[HARNESS[harness[0]][0]].model, [encode_generated(tok, r) for r in records.values()],
+                                out.with_suffix(".trainer-features"), fingerprint=fingerprint, layers=layers,
+                                prompt_context=Eagle3Config().prompt_context, progress=False)
+            return time.perf_counter() - start, time.process_time() - cpu_start
+
         def run(name: str, out: Path, subset: list[Prompt], batch: int, new_tokens: int) -> tuple[dict, float, float]:
             """One variant over `subset`: its records, wall seconds, CPU seconds (of whichever process computes)."""
             cache = None
@@ -210,11 +233,14 @@ def main() -> int:
                 start, cpu_start = time.perf_counter(), cpu()
                 records = generate_answers_openai(served, tok, subset, out, parallel=args.parallel, batch_size=batch,
                                                   max_new_tokens=new_tokens, teacher_cache=cache, progress=False)
-                return records, time.perf_counter() - start, cpu() - cpu_start
+                seconds, cpu_seconds_ = time.perf_counter() - start, cpu() - cpu_start
+                extra, extra_cpu = feature_pass(records, out)
+                return records, seconds + extra, cpu_seconds_ + extra_cpu
             dtype, decode = HARNESS[name]
             start, cpu_start = time.perf_counter(), time.process_time()
             records = generate_answers(models[dtype].model, tok, subset, out, batch_size=batch, max_new_tokens=new_tokens,
-                                       progress=False, decode_attention=decode, teacher_cache=cache)
+                                       progress=False, decode_attention=decode, teacher_cache=cache,
+                                       feature_cache=features_for(out, name))
             return records, time.perf_counter() - start, time.process_time() - cpu_start
 
         rates: dict[str, list[float]] = {v: [] for v in names}
@@ -246,19 +272,21 @@ def main() -> int:
     n = len(prompts)
     print(f"\nbatched target-answer generation, demo target (SmolLM2-135M), {n} ShareGPT prompts, batch "
           f"{args.batch_size} (harness) / {args.parallel} slots (llama.cpp), {args.max_new_tokens} new tokens, greedy, "
-          f"teacher top-{args.teacher_k}, threads {torch.get_num_threads()}, {args.rounds} interleaved rounds, "
+          f"teacher top-{args.teacher_k}{', EAGLE-3 features' if args.features else ''}, threads {torch.get_num_threads()}, "
+          f"{args.rounds} interleaved rounds, native bf16: {cpu_has_native_bf16()}, "
           f"load average {os.getloadavg()[0]:.1f} (1 min)")
-    print(f"{'variant':<16} {'tokens/s (median)':>18} {'tokens/CPU-s':>13} {'per round':>20} {'same as bf16':>13} "
+    label = {"bfloat16": "bf16", "float32": "fp32"}.get(HARNESS[ref][0], ref)
+    print(f"{'variant':<16} {'tokens/s (median)':>18} {'tokens/CPU-s':>13} {'per round':>20} {'same as ' + label:>13} "
           f"{'common prefix (share)':>22} {'same as fp32':>13}")
     for v in names:
-        same, prefix, share = agreement(v, "bfloat16")
-        fp32 = f"{agreement(v, 'float32')[0]:>6}/{n}" if "float32" in answers else "-"
+        same, prefix, share = agreement(v, ref)
+        fp32 = f"{agreement(v, 'float32')[0]:>6}/{n}" if "float32" in answers and ref != "float32" else "-"
         print(f"{v:<16} {statistics.median(rates[v]):>18.1f} {statistics.median(cpu_rates[v]):>13.1f} "
               f"{' '.join(f'{x:.1f}' for x in rates[v]):>20} {same:>6}/{n:<6} {prefix:>11.1f} ({share:.2f}) {fp32:>13}")
     for v in names:
-        if v != "bfloat16":
-            print(f"{v} / harness bf16 throughput: {ratio(v, 'bfloat16', rates):.2f}x wall, "
-                  f"{ratio(v, 'bfloat16', cpu_rates):.2f}x per CPU-s (median of per-round ratios)")
+        if v != ref:
+            print(f"{v} / harness {label} throughput: {ratio(v, ref, rates):.2f}x wall, "
+                  f"{ratio(v, ref, cpu_rates):.2f}x per CPU-s (median of per-round ratios)")
     return 0
 
 

@@ -32,7 +32,7 @@ from types import SimpleNamespace
 import numpy as np
 
 LLAMA_VOCAB_MAX_SIZE_DIFFERENCE = 128  # SPEC_VOCAB_MAX_SIZE_DIFFERENCE in llama.cpp's common/speculative.cpp
-DTYPES = ("f16", "f32")
+DTYPES = ("f16", "f32", "q8_0")  # q8_0: llama.cpp's 8-bit blocks (32 weights, one fp16 scale), matrices only
 EAGLE3_ARCH = "eagle3"  # MODEL_ARCH.EAGLE3 in llama.cpp's gguf-py (newer than the `gguf` package on PyPI)
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -183,7 +183,8 @@ def _write_gguf(out_path: Path, arch: str, reader, overrides: dict, tensors: dic
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".tmp")
     writer = gguf.GGUFWriter(str(tmp), arch)
-    overrides = {**overrides, "general.file_type": int(gguf.LlamaFileType.MOSTLY_F16 if dtype == "f16" else gguf.LlamaFileType.ALL_F32)}
+    file_type = {"f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}.get(dtype, gguf.LlamaFileType.ALL_F32)
+    overrides = {**overrides, "general.file_type": int(file_type)}
     for name, field in _target_fields(reader).items():
         if name == "general.architecture":
             continue  # the writer adds it
@@ -199,6 +200,9 @@ def _write_gguf(out_path: Path, arch: str, reader, overrides: dict, tensors: dic
             writer.add_tensor(name, value)
         elif value.ndim == 1 or dtype == "f32":
             writer.add_tensor(name, value.astype(np.float32))
+        elif dtype == "q8_0":
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, gguf.quants.quantize(value.astype(np.float32), q8), raw_dtype=q8)
         else:
             writer.add_tensor(name, value.astype(np.float16))
     try:
