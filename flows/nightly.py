@@ -48,6 +48,8 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
     train_data = t.generate_responses(config, window, "train", fp, record_teacher=True, deadline_at=deadline_at)
     if train_data.answers < len(window.train):
         clock.cuts.append(f"target answers: {train_data.answers} of {len(window.train)} train prompts answered")
+    if train_data.engine_choice:
+        clock.notes.append(train_data.engine_choice)
     clock.lap("answers")
     heldout_data = t.generate_responses(config, window, "eval", fp, record_teacher=False)
     pooled = t.pool_answers(config, window, train_data, heldout_data, fp)  # tonight's answers join the pool

@@ -15,6 +15,7 @@ import pytest
 
 from specdistill.cli import build_parser, main
 from specdistill.cli.flows import cmd_demo_target_update, cmd_nightly
+from specdistill.pipeline.config import DEMO_OVERRIDES
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -100,12 +101,14 @@ def fake_nightly(monkeypatch):
 
 
 @pytest.mark.parametrize("argv, overrides", [
-    (["demo"], []),
-    (["demo", "train.max_minutes=2"], ["train.max_minutes=2"]),
-    (["demo", "run", "train.max_minutes=2", "window.days=2"], ["train.max_minutes=2", "window.days=2"]),
+    (["demo"], [*DEMO_OVERRIDES]),
+    (["demo", "train.max_minutes=2"], [*DEMO_OVERRIDES, "train.max_minutes=2"]),
+    (["demo", "run", "train.max_minutes=2", "window.days=2"], [*DEMO_OVERRIDES, "train.max_minutes=2", "window.days=2"]),
+    (["demo", "generation.backend=harness"], [*DEMO_OVERRIDES, "generation.backend=harness"]),  # the user's word last
     (["pipeline", "run", "train.max_minutes=2"], ["train.max_minutes=2"]),
 ])
 def test_demo_and_pipeline_run_are_one_path(fake_nightly, capsys, argv, overrides):
+    """One flow; the demo adds its measured answer engine to the embedded defaults, before the user's overrides."""
     assert build_parser().parse_args(argv).func is cmd_nightly
     assert main(argv) == 0
     assert fake_nightly == [(None, overrides)]

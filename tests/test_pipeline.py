@@ -351,6 +351,21 @@ def test_the_answer_pass_records_the_heads_features_so_training_needs_no_second_
     assert sorted(p.name for p in features_dir(train.teacher_cache).glob("shard-*")) == shards
 
 
+def test_an_automatic_answer_engine_says_what_answered_and_why(tiny_target_dir, tmp_path):
+    from specdistill.pipeline.answers import generate_responses
+
+    url, chat_file, code_file = _store_with_traffic(tmp_path)
+    config = _window_config(tiny_target_dir, url, chat_file, code_file, "generation.backend=auto",
+                            "generation.max_new_tokens=4", "dtype=float32", "train.kind=layers")
+    window = pipeline.select_window(config, now=NOW)
+    train = generate_responses(config, window, "train", record_teacher=True)
+    assert train.answers == len(window.train) and train.answered_by == "float32"
+    assert train.engine_choice.startswith("**answer engine:** harness") and "the target is no GGUF" in train.engine_choice
+    plain = generate_responses(_window_config(tiny_target_dir, url, chat_file, code_file, "generation.max_new_tokens=4",
+                                              "dtype=float32", "train.kind=layers"), window, "train", record_teacher=True)
+    assert plain.path == train.path and plain.engine_choice is None  # the harness chosen: the harness's answers, reused
+
+
 def test_a_head_reading_other_layers_gets_features_of_its_own(tmp_path):
     from specdistill.distill.features import FeatureCache
     from specdistill.pipeline.answers import features_dir

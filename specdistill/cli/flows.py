@@ -24,12 +24,13 @@ from specdistill.cli.common import (
 def cmd_nightly(args: argparse.Namespace) -> int:
     """`pipeline run` and `demo [run]` (which has no --config: the embedded demo defaults)."""
     from specdistill.ops.serving import serving_path
-    from specdistill.pipeline.config import load_nightly_config
+    from specdistill.pipeline.config import DEMO_OVERRIDES, load_nightly_config
 
-    config = load_nightly_config(args.config, args.overrides)  # a bad key fails here, before Prefect is imported
+    overrides = [*DEMO_OVERRIDES, *args.overrides] if getattr(args, "demo", False) else list(args.overrides)
+    config = load_nightly_config(args.config, overrides)  # a bad key fails here, before Prefect is imported
     from flows.nightly import nightly
 
-    result = nightly(config_path=args.config, overrides=args.overrides)
+    result = nightly(config_path=args.config, overrides=overrides)
     text = result.report  # the table, the gate, the serving choice, the registered version and its alias
     if not result.promoted:  # a promotion names the file in the report already
         text += f"\nserving config: {config.serving_path or serving_path()}"
@@ -81,7 +82,7 @@ def register(sub: Subcommands) -> None:
                    "run the main job (the nightly flow) on the embedded defaults; `demo target-update`: a new demo target version",
                    example="demo train.max_minutes=2", description="run the main job (the nightly flow) on the embedded defaults")
     demo.usage = "%(prog)s [-h] [--json] [run] [key=value ...]\n       %(prog)s target-update [-h] [--json] ..."
-    demo.set_defaults(config=None, overrides=[])  # `specdistill demo`, no subcommand: `demo run`
+    demo.set_defaults(config=None, overrides=[], demo=True)  # `specdistill demo`, no subcommand: `demo run`
     demo_sub = demo.add_subparsers(dest="demo_command", action=_RunByDefault,
                                    description="`specdistill demo [key=value ...]`, with no subcommand, is `demo run`")
     p = command(demo_sub, "run", cmd_nightly, "the nightly flow on the embedded defaults (the default subcommand)",

@@ -37,9 +37,15 @@ def generate_responses(config: NightlyConfig, window: Window, split: str, *, rec
     from specdistill.data.prompts import Prompt
     from specdistill.modeling.models import shared_model
 
-    g = config.generation
     target = shared_model(config.target, dtype=config.dtype, device=config.device)  # the harness answers in bf16 where the hardware has it
     prompts = [Prompt(id=p.id, messages=p.messages) for p in window.split(split)]
+    engine = None
+    if config.generation.backend == "auto":  # measured once per target and machine, on the train prompts
+        from specdistill.pipeline.answer_engine import choose_answer_engine
+
+        engine = choose_answer_engine(config, target, [Prompt(id=p.id, messages=p.messages) for p in window.train])
+        config = engine.apply(config)
+    g = config.generation
     answer = _answer_in_harness if g.backend == "harness" else _answer_in_engine
     deadline = stage_deadline(config, "answers", deadline_at) if split == "train" else None
     records, source, out_path, cache_dir = answer(config, target, window, split, prompts, record_teacher, deadline)
@@ -56,7 +62,8 @@ def generate_responses(config: NightlyConfig, window: Window, split: str, *, rec
                                params={"temperature": 0.0, "max_new_tokens": g.max_new_tokens, "dtype": source},
                                token_ids=rec["response_ids"])
     return GeneratedData(path=str(out_path), teacher_cache=cache_dir, answers=len(records),
-                         tokens=sum(len(r["response_ids"]) for r in records.values()))
+                         tokens=sum(len(r["response_ids"]) for r in records.values()), answered_by=source,
+                         engine_choice=engine.summary() if engine is not None else None)
 
 
 def _outputs(config: NightlyConfig, window: Window, fingerprint: str, split: str, source: str, k: int,
@@ -157,5 +164,6 @@ def _answer_in_engine(config: NightlyConfig, target: LoadedModel, window: Window
         source = source or f"openai:{served.model.rstrip('/').rsplit('/', 1)[-1]}"
         out_path, cache = _outputs(config, window, target.fingerprint, split, source, served.top_k, record_teacher)
         records = generate_answers_openai(served, target.tokenizer, prompts, out_path, parallel=g.parallel,
-                                          batch_size=g.batch_size, max_new_tokens=g.max_new_tokens, teacher_cache=cache)
+                                          batch_size=g.batch_size, max_new_tokens=g.max_new_tokens, teacher_cache=cache,
+                                          deadline=deadline)
     return records, source, out_path, str(cache.dir) if cache else None

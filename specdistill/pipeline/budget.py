@@ -52,6 +52,7 @@ class StageClock:
     started: float = field(default_factory=time.time)
     seconds: dict[str, float] = field(default_factory=dict)
     cuts: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # how a stage was run where the run measured it (the answer engine)
     _last: float | None = None
 
     def lap(self, stage: str) -> None:
@@ -66,6 +67,6 @@ class StageClock:
         rows = " · ".join(f"{stage} {s / 60:.1f}" for stage, s in self.seconds.items())
         budget = f" of a {config.deadline_minutes:g}-minute deadline" if config.deadline_minutes is not None else ""
         lines = [f"**stage times** (minutes, {total / 60:.1f} in all{budget}): {rows}",
-                 f"measured on: {hardware.describe_device(config.device)}"]
+                 f"measured on: {hardware.describe_device(config.device)}", *self.notes]
         lines += [f"- cut by its time budget: {cut}" for cut in self.cuts]
         return "\n".join(lines)

@@ -67,7 +67,8 @@ class GenerationConfig(Strict):
     max_minutes: float | None = Field(7.0, ge=0.0)
     batch_size: int = Field(16, ge=1)  # backend openai: answers per teacher shard (what a kill can lose)
     teacher_top_k: int = Field(32, ge=1)
-    backend: Literal["harness", "openai"] = "harness"
+    # auto: the faster of the harness and a built llama.cpp on this machine, measured (pipeline.answer_engine)
+    backend: Literal["harness", "openai", "auto"] = "harness"
     url: str | None = None  # backend openai: the server's base URL; null: start `engine` on the target
     engine: Literal["llamacpp", "vllm"] = "llamacpp"  # backend openai without a url: the server started here
     parallel: int = Field(8, ge=1)  # backend openai: concurrent requests (the started llama-server's slots)
@@ -250,6 +251,11 @@ class NightlyConfig(Strict):
             raise ValueError(f"generation.backend=openai needs generation.url, or a GGUF target to start llama-server "
                              f"on ('demo' or a .gguf file); target is {self.target!r}")
         return self
+
+
+# what `specdistill demo` runs on top of the embedded defaults: it measures which engine answers fastest on
+# this machine (a probe of ~20 s), where the library's default, and every test's, is the harness
+DEMO_OVERRIDES = ("generation.backend=auto",)
 
 
 def load_nightly_config(path: str | Path | None = None, overrides: list[str] | None = None) -> NightlyConfig:

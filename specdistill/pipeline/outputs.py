@@ -99,6 +99,8 @@ class GeneratedData(Record):
     teacher_cache: str | None
     answers: int
     tokens: int
+    answered_by: str = ""  # the harness's dtype, or the engine and its weights (`llamacpp:Q4_1`)
+    engine_choice: str | None = None  # generation.backend auto: the measurement that chose it (a report line)
 
 
 @dataclass

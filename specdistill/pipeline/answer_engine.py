@@ -1,0 +1,186 @@
+"""Stage: which engine answers the night's prompts (`generation.backend: auto`), measured on this machine.
+
+Which engine answers fastest is a fact about the machine, not a setting: on the 2-core AVX-512 BF16 CPU the
+harness answered 257.7 tokens/s in bf16 and 85.7 in fp32, llama.cpp's Q4_1 147.9 (`benchmarks/answer_generation.py`),
+so a CPU without native bf16 may answer faster through llama.cpp. The probe answers the same first train
+prompts (one batch of `PROBE_TOKENS` new tokens each) in every engine at hand, recording the teacher as the
+stage does; for an EAGLE-3 head an engine's answers also cost the harness's teacher-forced feature pass over
+them (the trainer runs it; the harness records features while it answers), so that pass is timed and counted.
+The fastest wins. The measurement is kept per target, machine and candidates, so a resumed run, the held-out
+answers and the next night on the same machine answer with the same engine without measuring again.
+
+Candidates: the harness in the run's dtype (bf16 where the hardware has it: the dtype is the run's, not the
+engine's); llama.cpp's llama-server on the target's GGUF when it is built (`make llama-server`: minutes,
+never started from here) and the target is one it serves. vLLM's CPU build answered slower than both
+(104.5 tokens/s) and takes ~90 s to start, so it is named, not probed.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from specdistill import hardware, paths
+from specdistill.data.record import Record
+from specdistill.pipeline.config import NightlyConfig, config_hash, run_root
+
+if TYPE_CHECKING:
+    from specdistill.data.prompts import Prompt
+    from specdistill.modeling.models import LoadedModel
+
+PROBE_PROMPTS = 16  # one harness batch (generation.batch_size's default)
+PROBE_TOKENS = 32
+HARNESS, LLAMACPP = "harness", "llamacpp"
+
+
+@dataclass
+class EngineSpeed(Record):
+    engine: str  # "harness bfloat16", "llamacpp Q4_1"
+    tokens: int  # answer tokens the probe got
+    answer_s: float
+    features_s: float = 0.0  # an engine's answers: the harness's feature pass over them (EAGLE-3)
+
+    @property
+    def tokens_per_s(self) -> float:
+        seconds = self.answer_s + self.features_s
+        return self.tokens / seconds if seconds > 0 else 0.0
+
+    def extra(self) -> dict:
+        return {"tokens_per_s": round(self.tokens_per_s, 2)}
+
+
+@dataclass
+class AnswerEngine(Record):
+    """What answers (`backend`: harness or openai with `engine`), the speeds it was chosen by, and why."""
+
+    backend: str
+    engine: str | None
+    speeds: list[EngineSpeed] = field(default_factory=list)
+    not_probed: list[str] = field(default_factory=list)  # engines not at hand, and why
+    measured_at: float = 0.0
+
+    def summary(self) -> str:
+        """One line for the report: each engine's answer tokens/s with the teacher, the choice, what was not probed."""
+        chosen = HARNESS if self.backend == HARNESS else self.engine
+        if not self.speeds:
+            return f"**answer engine:** {chosen}, the only one at hand" + "".join(f"; {note}" for note in self.not_probed)
+        speeds = ", ".join(f"{s.engine} {s.tokens_per_s:.1f}" + (f" (features {s.features_s:.1f} s)" if s.features_s else "")
+                           for s in self.speeds)
+        line = f"**answer engine:** {chosen} (answer tokens/s with the teacher, one probe batch: {speeds})"
+        return line + "".join(f"; {note}" for note in self.not_probed)
+
+    def apply(self, config: NightlyConfig) -> NightlyConfig:
+        """The run's config with the chosen engine as its `generation.backend` (and `engine`)."""
+        g = {"backend": self.backend, **({"engine": self.engine} if self.engine else {})}
+        return config.model_copy(update={"generation": config.generation.model_copy(update=g)})
+
+
+def candidates(config: NightlyConfig) -> tuple[list[str], list[str]]:
+    """The engines at hand for this target, and a note for each that is not."""
+    from specdistill.engines import build
+
+    found, missing = [HARNESS], []
+    if not (config.target == "demo" or config.target.endswith(".gguf")):
+        missing.append("llama.cpp not probed: the target is no GGUF (a server at generation.url is set by hand)")
+    elif config.device.startswith("cuda"):
+        missing.append("llama.cpp not probed: the run's device is a GPU")
+    elif build.cached() is None:
+        missing.append("llama.cpp not built (`make llama-server`, ~15 minutes on 2 cores)")
+    else:
+        found.append(LLAMACPP)
+    return found, missing
+
+
+def choose_answer_engine(config: NightlyConfig, target: LoadedModel, prompts: list[Prompt]) -> AnswerEngine:
+    """The engine the night's answers come from: the last measurement for this target, machine and candidates,
+    else a probe of each candidate on the first `PROBE_PROMPTS` prompts."""
+    found, missing = candidates(config)
+    key = config_hash([config.target, target.fingerprint, hardware.describe_device(config.device), config.dtype, config.device,
+                       found, config.train.kind, config.generation.teacher_top_k, config.serving.threads])
+    path = run_root() / "answer-engine" / f"{key}.json"
+    if path.is_file():
+        return AnswerEngine.from_dict(paths.read_json(path, "answer-engine measurement"))
+    if len(found) == 1 or not prompts:
+        choice = AnswerEngine(HARNESS, None, [], missing, time.time())
+    else:
+        speeds = [probe_harness(config, target, prompts[:PROBE_PROMPTS]),
+                  probe_llamacpp(config, target, prompts[:PROBE_PROMPTS])]
+        best = max(speeds, key=lambda s: s.tokens_per_s)
+        choice = AnswerEngine(HARNESS if best is speeds[0] else "openai", None if best is speeds[0] else LLAMACPP,
+                              speeds, missing, time.time())
+    paths.atomic_write_json(path, choice.to_dict())
+    return choice
+
+
+def _caches(config: NightlyConfig, target: LoadedModel, directory: Path, k: int, data: str):
+    from specdistill.distill.config import Eagle3Config
+    from specdistill.distill.features import FeatureCache
+    from specdistill.distill.teacher import TeacherCache
+    from specdistill.modeling.eagle3 import default_aux_layers
+
+    teacher = TeacherCache.create(directory / "teacher", fingerprint=target.fingerprint, k=k, temperature=1.0,
+                                  vocab="full", data=data)
+    if config.train.kind != "eagle3":
+        return teacher, None, None
+    layers = default_aux_layers(target.model.config.num_hidden_layers)
+    features = FeatureCache.create(directory / "features", fingerprint=target.fingerprint, layers=layers, data=data,
+                                   prompt_context=Eagle3Config().prompt_context)
+    return teacher, features, layers
+
+
+def probe_harness(config: NightlyConfig, target: LoadedModel, prompts: list[Prompt]) -> EngineSpeed:
+    """The harness answering one batch as the stage does (teacher, and features for a head), after a warm-up."""
+    from specdistill.distill.datagen import generate_answers
+    from specdistill.modeling.models import dtype_name
+
+    g = config.generation
+    with tempfile.TemporaryDirectory(prefix="answer-probe-") as tmp:
+        generate_answers(target.model, target.tokenizer, prompts[:2], Path(tmp) / "warm.jsonl", batch_size=2,
+                         max_new_tokens=2, progress=False)
+        teacher, features, _ = _caches(config, target, Path(tmp), g.teacher_top_k, "probe")
+        t0 = time.perf_counter()
+        records = generate_answers(target.model, target.tokenizer, prompts, Path(tmp) / "answers.jsonl",
+                                   batch_size=len(prompts), max_new_tokens=PROBE_TOKENS, teacher_cache=teacher,
+                                   feature_cache=features, progress=False)
+        seconds = time.perf_counter() - t0
+    return EngineSpeed(f"harness {dtype_name(target.model.dtype)}", sum(len(r["response_ids"]) for r in records.values()),
+                       seconds)
+
+
+def probe_llamacpp(config: NightlyConfig, target: LoadedModel, prompts: list[Prompt]) -> EngineSpeed:
+    """llama-server answering the same prompts over its slots (started here, not timed: once per night), then,
+    for a head, the harness's feature pass over its answers, batched as the trainer runs it."""
+    from specdistill.data.prompts import encode_chat
+    from specdistill.distill.datagen import encode_generated
+    from specdistill.distill.features import build_feature_cache
+    from specdistill.engines.build import cached
+    from specdistill.engines.llamacpp import gguf_dtype, target_server
+    from specdistill.pipeline.engine_answers import complete_ids, connect, generate_answers_openai
+
+    g = config.generation
+    ctx_per_slot = config.window.max_prompt_tokens + PROBE_TOKENS + 1
+    with target_server(config.target, parallel=g.parallel, ctx_per_slot=ctx_per_slot, threads=config.serving.threads,
+                       engine=cached()) as server, tempfile.TemporaryDirectory(prefix="answer-probe-") as tmp:
+        served = connect(server.url, encode_chat(target.tokenizer, prompts[0].messages), g.teacher_top_k)
+        complete_ids(served.url, encode_chat(target.tokenizer, prompts[0].messages), model=served.model,
+                     max_tokens=2, top_logprobs=served.top_k)  # warm-up
+        teacher, features, layers = _caches(config, target, Path(tmp), served.top_k, "probe")
+        t0 = time.perf_counter()
+        records = generate_answers_openai(served, target.tokenizer, prompts, Path(tmp) / "answers.jsonl",
+                                          parallel=g.parallel, batch_size=len(prompts), max_new_tokens=PROBE_TOKENS,
+                                          teacher_cache=teacher, progress=False)
+        answer_s = time.perf_counter() - t0
+        features_s = 0.0
+        if features is not None:
+            from specdistill.distill.config import Eagle3Config
+
+            examples = [encode_generated(target.tokenizer, r) for r in records.values()]
+            t0 = time.perf_counter()
+            build_feature_cache(target.model, examples, Path(tmp) / "trainer-features", fingerprint=target.fingerprint,
+                                layers=layers, prompt_context=Eagle3Config().prompt_context, progress=False)
+            features_s = time.perf_counter() - t0
+        name = f"llamacpp {gguf_dtype(server.config.model)}"
+    return EngineSpeed(name, sum(len(r["response_ids"]) for r in records.values()), answer_s, features_s)
