@@ -62,6 +62,19 @@ def test_the_faster_engine_answers_and_the_measurement_is_kept_for_the_next_run(
     assert len(probes) == 4 and isinstance(other, AnswerEngine)  # another dtype is another measurement
 
 
+def test_a_failed_llama_cpp_probe_leaves_the_harness_answering_and_says_why(monkeypatch):
+    monkeypatch.setattr(answer_engine, "candidates", lambda config: (["harness", "llamacpp"], []))
+    monkeypatch.setattr(answer_engine, "probe_harness", lambda *a: EngineSpeed("harness float32", 100, 1.0))
+
+    def broken(*a):
+        raise RuntimeError("llama-server exited with 1 before it listened\n(log tail)")
+
+    monkeypatch.setattr(answer_engine, "probe_llamacpp", broken)
+    choice = choose_answer_engine(load_nightly_config(None, ["generation.backend=auto"]), TARGET, _prompts(20))
+    assert choice.backend == "harness" and [s.engine for s in choice.speeds] == ["harness float32"]
+    assert "llama.cpp probe failed (RuntimeError: llama-server exited with 1 before it listened)" in choice.summary()
+
+
 @pytest.mark.e2e
 def test_both_probes_answer_with_the_teacher_and_the_engine_pays_for_the_heads_features(llama_cpp, demo_target,
                                                                                        monkeypatch):

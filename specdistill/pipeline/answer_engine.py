@@ -106,8 +106,11 @@ def choose_answer_engine(config: NightlyConfig, target: LoadedModel, prompts: li
     if len(found) == 1 or not prompts:
         choice = AnswerEngine(HARNESS, None, [], missing, time.time())
     else:
-        speeds = [probe_harness(config, target, prompts[:PROBE_PROMPTS]),
-                  probe_llamacpp(config, target, prompts[:PROBE_PROMPTS])]
+        speeds = [probe_harness(config, target, prompts[:PROBE_PROMPTS])]
+        try:
+            speeds.append(probe_llamacpp(config, target, prompts[:PROBE_PROMPTS]))
+        except Exception as exc:  # noqa: BLE001 (the harness answers; the report says why llama.cpp did not)
+            missing.append(f"llama.cpp probe failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
         best = max(speeds, key=lambda s: s.tokens_per_s)
         choice = AnswerEngine(HARNESS if best is speeds[0] else "openai", None if best is speeds[0] else LLAMACPP,
                               speeds, missing, time.time())
