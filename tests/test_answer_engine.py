@@ -76,15 +76,15 @@ def test_a_failed_llama_cpp_probe_leaves_the_harness_answering_and_says_why(monk
 
 
 @pytest.mark.e2e
-def test_both_probes_answer_with_the_teacher_and_the_engine_pays_for_the_heads_features(llama_cpp, demo_target,
-                                                                                       monkeypatch):
-    monkeypatch.setattr(answer_engine, "PROBE_TOKENS", 4)
+def test_both_probes_answer_with_the_teacher_and_the_engine_pays_for_the_heads_features(llama_cpp, demo_target):
     config = load_nightly_config(None, ["generation.backend=auto", "dtype=float32", "generation.teacher_top_k=8",
+                                        "generation.max_new_tokens=4",
                                         "generation.parallel=2", "train.kind=eagle3"])
     prompts = _prompts(3)
     harness = answer_engine.probe_harness(config, demo_target, prompts)
     llama = answer_engine.probe_llamacpp(config, demo_target, prompts)
     assert harness.engine == "harness float32" and 3 <= harness.tokens <= 12 and harness.features_s == 0.0
     assert llama.engine == "llamacpp Q4_1" and 3 <= llama.tokens <= 12 and llama.features_s > 0.0
-    layers = load_nightly_config(None, ["generation.backend=auto", "generation.teacher_top_k=8", "train.kind=layers"])
+    layers = load_nightly_config(None, ["generation.backend=auto", "generation.teacher_top_k=8", "train.kind=layers",
+                                        "generation.max_new_tokens=4"])
     assert answer_engine.probe_llamacpp(layers, demo_target, prompts).features_s == 0.0  # a layer draft reads none

@@ -3,9 +3,11 @@
 Which engine answers fastest is a fact about the machine, not a setting: on the 2-core AVX-512 BF16 CPU the
 harness answered 257.7 tokens/s in bf16 and 85.7 in fp32, llama.cpp's Q4_1 147.9 (`benchmarks/answer_generation.py`),
 so a CPU without native bf16 may answer faster through llama.cpp. The probe answers the same first train
-prompts (one batch of `PROBE_TOKENS` new tokens each) in every engine at hand, recording the teacher as the
+prompts (one batch, `generation.max_new_tokens` new tokens each, as the stage asks) in every engine at hand, recording the teacher as the
 stage does; for an EAGLE-3 head an engine's answers also cost the harness's teacher-forced feature pass over
 them (the trainer runs it; the harness records features while it answers), so that pass is timed and counted.
+It reads each prompt again, so its share falls as answers grow: the probe answers at the stage's length
+(at 32 tokens instead of 96 the pass took longer than llama.cpp's answers on AVX2 kernels).
 The fastest wins. The measurement is kept per target, machine and candidates, so a resumed run, the held-out
 answers and the next night on the same machine answer with the same engine without measuring again.
 
@@ -31,8 +33,7 @@ if TYPE_CHECKING:
     from specdistill.data.prompts import Prompt
     from specdistill.modeling.models import LoadedModel
 
-PROBE_PROMPTS = 16  # one harness batch (generation.batch_size's default)
-PROBE_TOKENS = 32
+PROBE_PROMPTS = 16  # one harness batch (generation.batch_size's default), at the stage's max_new_tokens
 HARNESS, LLAMACPP = "harness", "llamacpp"
 
 
@@ -146,7 +147,7 @@ def probe_harness(config: NightlyConfig, target: LoadedModel, prompts: list[Prom
         teacher, features, _ = _caches(config, target, Path(tmp), g.teacher_top_k, "probe")
         t0 = time.perf_counter()
         records = generate_answers(target.model, target.tokenizer, prompts, Path(tmp) / "answers.jsonl",
-                                   batch_size=len(prompts), max_new_tokens=PROBE_TOKENS, teacher_cache=teacher,
+                                   batch_size=len(prompts), max_new_tokens=g.max_new_tokens, teacher_cache=teacher,
                                    feature_cache=features, progress=False)
         seconds = time.perf_counter() - t0
     return EngineSpeed(f"harness {dtype_name(target.model.dtype)}", sum(len(r["response_ids"]) for r in records.values()),
@@ -164,7 +165,7 @@ def probe_llamacpp(config: NightlyConfig, target: LoadedModel, prompts: list[Pro
     from specdistill.pipeline.engine_answers import complete_ids, connect, generate_answers_openai
 
     g = config.generation
-    ctx_per_slot = config.window.max_prompt_tokens + PROBE_TOKENS + 1
+    ctx_per_slot = config.window.max_prompt_tokens + g.max_new_tokens + 1
     with target_server(config.target, parallel=g.parallel, ctx_per_slot=ctx_per_slot, threads=config.serving.threads,
                        engine=cached()) as server, tempfile.TemporaryDirectory(prefix="answer-probe-") as tmp:
         served = connect(server.url, encode_chat(target.tokenizer, prompts[0].messages), g.teacher_top_k)
@@ -173,7 +174,7 @@ def probe_llamacpp(config: NightlyConfig, target: LoadedModel, prompts: list[Pro
         teacher, features, layers = _caches(config, target, Path(tmp), served.top_k, "probe")
         t0 = time.perf_counter()
         records = generate_answers_openai(served, target.tokenizer, prompts, Path(tmp) / "answers.jsonl",
-                                          parallel=g.parallel, batch_size=len(prompts), max_new_tokens=PROBE_TOKENS,
+                                          parallel=g.parallel, batch_size=len(prompts), max_new_tokens=g.max_new_tokens,
                                           teacher_cache=teacher, progress=False)
         answer_s = time.perf_counter() - t0
         features_s = 0.0
