@@ -14,6 +14,14 @@ with one core busy, 2 threads 5.8-6.3, 1 thread 19.3-22.5; with both busy, 2 thr
 OpenMP threads on a machine with a core taken wait at every barrier for the thread that has no core;
 the passive policy avoids that and costs the quiet machine 45%. That is why the nightly benchmark
 probes the thread count (`bench.threads: auto`, `speculative.threads`) instead of fixing it.
+
+The script itself, 2026-12-01 23:24 UTC, same machine (`--tokens 32 --rounds 2 --busy 0,1`), tokens/s,
+median (range):
+
+    | busy cores | 2 threads | 1 thread | 2 threads, OMP passive |
+    |---:|---:|---:|---:|
+    | 0 | 35.3 (34.6-35.9) | 28.9 (28.4-29.5) | 20.9 (20.8-20.9) |
+    | 1 | 9.5 (7.4-11.7) | 25.6 (25.5-25.8) | 21.9 (21.2-22.5) |
 """
 
 from __future__ import annotations
