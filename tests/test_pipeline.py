@@ -126,6 +126,21 @@ def test_report_table_lists_every_drafter_and_the_decision():
     assert "unchanged" in report_table(results, verdict, RegisteredDraft("d", "4", "r", "models:/d/4"), None)
 
 
+def test_the_gamma_note_tells_a_confirmation_that_lost_from_one_that_did_not_run():
+    from dataclasses import replace
+
+    from specdistill.data.results import GammaSearch
+    from specdistill.pipeline.report import gamma_note
+
+    curve = {2: 1.3, 4: 1.2, 7: 1.5}
+    ran = replace(_result(0.4, 2.0), gamma=4, gamma_search=GammaSearch(curve, 7, {}, {4: 1.43, 7: 1.42}))
+    assert gamma_note(ran) == "γ=7 predicted best (1.50x), slower when measured, γ=4 kept: measured 1.43x at γ=4, 1.42x at γ=7"
+    cut = replace(ran, gamma_search=GammaSearch(curve, 7, {}, {4: 1.43}))
+    assert gamma_note(cut) == "γ=7 predicted best (1.50x), not measured, γ=4 kept: measured 1.43x at γ=4"
+    won = replace(ran, gamma=7)
+    assert gamma_note(won).startswith("γ=7 predicted best (1.50x), confirmed: ")
+
+
 def test_report_says_when_the_best_draft_is_not_what_is_served():
     results = {"challenger": _result(0.6, 2.5, speedup=0.74, spec="draft:/c", dtype="bfloat16",
                                      lossless_exact=7, lossless_near_ties=3, lossless_max_margin=0.21),

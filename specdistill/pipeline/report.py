@@ -98,7 +98,12 @@ def gamma_note(r: BenchResult) -> str:
     runs = ", ".join(f"{x:.2f}x at γ={g}" for g, x in sorted(search.measured.items()))
     if best == r.gamma and len(search.measured) == 1:
         return f"γ={best} predicted best ({predicted[best]:.2f}x) and measured {runs}"
-    kept = "confirmed" if best == r.gamma else f"not confirmed, γ={r.gamma} kept"
+    if best == r.gamma:
+        kept = "confirmed"
+    elif best in search.measured:  # the confirmation ran and did not beat the benchmark's γ
+        kept = f"slower when measured, γ={r.gamma} kept"
+    else:  # no time was left to measure it
+        kept = f"not measured, γ={r.gamma} kept"
     return f"γ={best} predicted best ({predicted[best]:.2f}x), {kept}: measured {runs}"
 
 
