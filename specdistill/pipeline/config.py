@@ -59,7 +59,9 @@ class GenerationConfig(Strict):
     `url: null`, a server started here for the window and stopped after (`engine`): llama-server on the
     target's GGUF (`demo` or a `.gguf` target), or vLLM on its HF directory (`make vllm`), with
     `serving.threads` threads, as `serving.engine` does. The teacher is then the engine's top-k as
-    served (k = `teacher_top_k` or fewer when the server caps it, recorded in the cache)."""
+    served (k = `teacher_top_k` or fewer when the server caps it, recorded in the cache).
+    `auto`: whichever of the two (llama-server on the target's GGUF, when built) answered a probe batch
+    faster on this machine (`pipeline.answer_engine`)."""
 
     max_new_tokens: int = Field(96, ge=1)
     # the train answers' wall-clock budget (null: none): answers stop between batches when it is spent,
