@@ -119,32 +119,36 @@ def choose_answer_engine(config: NightlyConfig, target: LoadedModel, prompts: li
     return choice
 
 
-def _caches(config: NightlyConfig, target: LoadedModel, directory: Path, k: int, data: str):
-    from specdistill.distill.config import Eagle3Config
-    from specdistill.distill.features import FeatureCache
+def _teacher(target: LoadedModel, directory: Path, k: int):
     from specdistill.distill.teacher import TeacherCache
+
+    return TeacherCache.create(directory, fingerprint=target.fingerprint, k=k, temperature=1.0, vocab="full", data="probe")
+
+
+def _head_features(config: NightlyConfig, target: LoadedModel) -> tuple[list[int], int | None] | None:
+    """The layers and prompt context an EAGLE-3 head's features are read at (as the answer stage records
+    them); None for a layer draft, which reads none."""
+    from specdistill.distill.config import Eagle3Config
     from specdistill.modeling.eagle3 import default_aux_layers
 
-    teacher = TeacherCache.create(directory / "teacher", fingerprint=target.fingerprint, k=k, temperature=1.0,
-                                  vocab="full", data=data)
     if config.train.kind != "eagle3":
-        return teacher, None, None
-    layers = default_aux_layers(target.model.config.num_hidden_layers)
-    features = FeatureCache.create(directory / "features", fingerprint=target.fingerprint, layers=layers, data=data,
-                                   prompt_context=Eagle3Config().prompt_context)
-    return teacher, features, layers
+        return None
+    return default_aux_layers(target.model.config.num_hidden_layers), Eagle3Config().prompt_context
 
 
 def probe_harness(config: NightlyConfig, target: LoadedModel, prompts: list[Prompt]) -> EngineSpeed:
     """The harness answering one batch as the stage does (teacher, and features for a head), after a warm-up."""
     from specdistill.distill.datagen import generate_answers
+    from specdistill.distill.features import FeatureCache
     from specdistill.modeling.models import dtype_name
 
-    g = config.generation
+    g, head = config.generation, _head_features(config, target)
     with tempfile.TemporaryDirectory(prefix="answer-probe-") as tmp:
         generate_answers(target.model, target.tokenizer, prompts[:2], Path(tmp) / "warm.jsonl", batch_size=2,
                          max_new_tokens=2, progress=False)
-        teacher, features, _ = _caches(config, target, Path(tmp), g.teacher_top_k, "probe")
+        teacher = _teacher(target, Path(tmp) / "teacher", g.teacher_top_k)
+        features = None if head is None else FeatureCache.create(
+            Path(tmp) / "features", fingerprint=target.fingerprint, layers=head[0], data="probe", prompt_context=head[1])
         t0 = time.perf_counter()
         records = generate_answers(target.model, target.tokenizer, prompts, Path(tmp) / "answers.jsonl",
                                    batch_size=len(prompts), max_new_tokens=g.max_new_tokens, teacher_cache=teacher,
@@ -164,27 +168,25 @@ def probe_llamacpp(config: NightlyConfig, target: LoadedModel, prompts: list[Pro
     from specdistill.engines.llamacpp import gguf_dtype, target_server
     from specdistill.pipeline.engine_answers import complete_ids, connect, generate_answers_openai
 
-    g = config.generation
+    g, head = config.generation, _head_features(config, target)
     ctx_per_slot = config.window.max_prompt_tokens + g.max_new_tokens + 1
     with target_server(config.target, parallel=g.parallel, ctx_per_slot=ctx_per_slot, threads=config.serving.threads,
                        engine=cached()) as server, tempfile.TemporaryDirectory(prefix="answer-probe-") as tmp:
         served = connect(server.url, encode_chat(target.tokenizer, prompts[0].messages), g.teacher_top_k)
         complete_ids(served.url, encode_chat(target.tokenizer, prompts[0].messages), model=served.model,
                      max_tokens=2, top_logprobs=served.top_k)  # warm-up
-        teacher, features, layers = _caches(config, target, Path(tmp), served.top_k, "probe")
+        teacher = _teacher(target, Path(tmp) / "teacher", served.top_k)
         t0 = time.perf_counter()
         records = generate_answers_openai(served, target.tokenizer, prompts, Path(tmp) / "answers.jsonl",
                                           parallel=g.parallel, batch_size=len(prompts), max_new_tokens=g.max_new_tokens,
                                           teacher_cache=teacher, progress=False)
         answer_s = time.perf_counter() - t0
         features_s = 0.0
-        if features is not None:
-            from specdistill.distill.config import Eagle3Config
-
+        if head is not None:
             examples = [encode_generated(target.tokenizer, r) for r in records.values()]
             t0 = time.perf_counter()
-            build_feature_cache(target.model, examples, Path(tmp) / "trainer-features", fingerprint=target.fingerprint,
-                                layers=layers, prompt_context=Eagle3Config().prompt_context, progress=False)
+            build_feature_cache(target.model, examples, Path(tmp) / "features", fingerprint=target.fingerprint,
+                                layers=head[0], prompt_context=head[1], progress=False)
             features_s = time.perf_counter() - t0
         name = f"llamacpp {gguf_dtype(server.config.model)}"
     return EngineSpeed(name, sum(len(r["response_ids"]) for r in records.values()), answer_s, features_s)
