@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from specdistill.distill.features import FeatureCache
 from specdistill.distill.pool import AnswerPool, PoolWarning, pools, retire_pools, shard_keys
-from specdistill.distill.teacher import TeacherCache, load_shards
+from specdistill.distill.teacher import TeacherCache, check_entry, load_shards
 
 FP = "fp-target-a"
 
@@ -91,22 +91,53 @@ def test_held_out_prompts_never_enter_a_view(tmp_path):
     assert "2" in reopened.manifest["held_out_ids"]
 
 
+def test_a_rerun_of_an_older_night_trains_on_its_own_answers_teacher_rows(tmp_path):
+    """Prompt 3 was answered on both nights, differently (bf16 greedy answers depend on the batch they
+    were decoded in). Rerunning night 1 after night 2 takes night 1's answer, so it must read night
+    1's teacher rows: the trainer refused the view ("teacher cache entry '3' was written for other
+    token ids") when the newest night's shard was always read last."""
+    pool = AnswerPool.open(tmp_path / "pool", FP)
+    add(pool, write_night(tmp_path, "night1", ["1", "2", "3", "4"], salt=0))
+    add(pool, write_night(tmp_path, "night2", ["3", "5", "6"], salt=1))
+    view = pool.view(include="night1")  # a rerun of the older window
+    records = {json.loads(line)["id"]: json.loads(line) for line in Path(view.path).read_text().splitlines()}
+    assert records["3"]["response_ids"] == [10, 11, 12]  # night 1's answer
+    rows = load_shards(Path(view.teacher_cache))
+    for rid, rec in records.items():  # the trainer's check, for every answer in the view
+        check_entry(rows[rid], rid, rec["prompt_ids"] + rec["response_ids"], len(rec["response_ids"]))
+    assert FeatureCache(view.features, {}).load_all()["3"]["input_ids"].tolist() == [6, 7, 10, 11, 12]
+
+
+def test_an_older_answer_never_stands_in_for_a_newer_one_over_the_budget(tmp_path):
+    pool = AnswerPool.open(tmp_path / "pool", FP)
+    add(pool, write_night(tmp_path, "n1", ["1"], answer_len=2))
+    add(pool, write_night(tmp_path, "n2", ["1"], answer_len=9, salt=1))
+    add(pool, write_night(tmp_path, "n3", ["2"], answer_len=2, salt=2))
+    view = pool.view(include="n3", max_tokens=6)  # n2's answer to "1" does not fit; n1's older one would
+    assert view_ids(view) == ["2"] and view.over_budget == 1
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(nights=st.lists(st.lists(st.integers(1, 30), min_size=1, max_size=6, unique=True), min_size=1, max_size=4),
-       held=st.sets(st.integers(1, 30), max_size=8), budget=st.one_of(st.none(), st.integers(0, 40)))
-def test_view_invariants(tmp_path_factory, nights, held, budget):
+       held=st.sets(st.integers(1, 30), max_size=8), budget=st.one_of(st.none(), st.integers(0, 40)),
+       rerun=st.integers(0, 3))
+def test_view_invariants(tmp_path_factory, nights, held, budget, rerun):
     root = tmp_path_factory.mktemp("pool")
     pool = AnswerPool.open(root / "pool", FP)
-    for i, ids in enumerate(nights):
+    for i, ids in enumerate(nights):  # every night answers differently (salt): a prompt's answers differ by night
         add(pool, write_night(root, f"n{i}", [str(x) for x in ids], salt=i))
     pool.hold_out({"id": str(h), "prompt_ids": [-1]} for h in held)
-    tonight = f"n{len(nights) - 1}"
-    view = pool.view(include=tonight, max_tokens=budget)
+    tonight = rerun % len(nights)  # the newest night, or a rerun of an older one
+    view = pool.view(include=f"n{tonight}", max_tokens=budget)
     ids = view_ids(view)
     assert len(ids) == len(set(ids)) and not set(ids) & {str(h) for h in held}
-    assert {str(x) for x in nights[-1]} - {str(h) for h in held} <= set(ids)  # tonight's answers always in
+    assert {str(x) for x in nights[tonight]} - {str(h) for h in held} <= set(ids)  # tonight's answers always in
     if budget is not None:
-        assert view.tokens <= max(budget, view.nights.get(tonight, {"tokens": 0})["tokens"])
+        assert view.tokens <= max(budget, view.nights.get(f"n{tonight}", {"tokens": 0})["tokens"])
+    rows = load_shards(Path(view.teacher_cache))
+    for line in Path(view.path).read_text().splitlines():  # every answer reads its own teacher rows
+        rec = json.loads(line)
+        assert rows[rec["id"]]["input_ids"].tolist() == rec["prompt_ids"] + rec["response_ids"]
 
 
 def test_disk_cap_evicts_the_oldest_nights_first(tmp_path):

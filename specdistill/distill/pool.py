@@ -241,12 +241,17 @@ class AnswerPool:
 
     def view(self, *, include: str, max_tokens: int | None = None) -> PoolView:
         """The answers a night trains on (see the module docstring), written under the pool as
-        `views/<content hash>` (reused when it exists; older views are removed)."""
+        `views/<content hash>` (reused when it exists; older views are removed).
+
+        A prompt answered on several nights is taken from the first night in the view's order
+        (`include`, then newest first), and the view's shards are named so that this night's rows
+        are read last: a rerun of an older night trains on its own answers' teacher rows, not on a
+        newer night's rows for another answer (bf16 greedy answers can differ between nights)."""
         nights = {n.key: n for n in self.nights}
         if include not in nights:
             raise KeyError(f"night {include!r} is not in the pool {self.dir}")
         order = [nights[include]] + [n for n in reversed(self.nights) if n.key != include and not n.evicted_at]
-        age = {n.key: i for i, n in enumerate(self.nights)}
+        read_last = {n.key: len(order) - 1 - i for i, n in enumerate(order)}  # the link names' order: include last
         held_ids, held_prompts = set(self.manifest["held_out_ids"]), set(self.manifest["held_out_prompts"])
         skipped: list[str] = []
 
@@ -293,13 +298,14 @@ class AnswerPool:
                 n = len(rec["response_ids"])
                 if night.key != include and max_tokens is not None and tokens + n > max_tokens:
                     stats["over_budget"] += 1
+                    seen.add(rid)  # its newest answer is left out: no older answer of it stands in
                     continue
                 seen.add(rid)
                 picked.append(rec)
                 tokens, counts["answers"], counts["tokens"] = tokens + n, counts["answers"] + 1, counts["tokens"] + n
-                teacher_links[teacher_shard[rid]] = f"n{age[night.key]:05d}"
+                teacher_links[teacher_shard[rid]] = f"n{read_last[night.key]:05d}"
                 if rid in feature_shard:
-                    feature_links[feature_shard[rid]] = f"n{age[night.key]:05d}"
+                    feature_links[feature_shard[rid]] = f"n{read_last[night.key]:05d}"
             if missing:
                 skip(f"pool night {night.key}: {missing} answers in {night.answers} have no intact teacher "
                      f"rows: not trained on")
@@ -310,8 +316,10 @@ class AnswerPool:
 
     def _write_view(self, picked, tokens, per_night, stats, skipped, teacher_meta, feature_meta,
                     teacher_links, feature_links) -> PoolView:
-        key = hashlib.sha256(json.dumps([[r["id"] for r in picked], sorted(map(str, teacher_links)),
-                                         sorted(map(str, feature_links))]).encode()).hexdigest()[:12]
+        # the links' names (their read order) are part of the key: a view written before they were
+        # ordered by the view's own order is not reused
+        key = hashlib.sha256(json.dumps([[r["id"] for r in picked], sorted(map(str, teacher_links.items())),
+                                         sorted(map(str, feature_links.items()))]).encode()).hexdigest()[:12]
         views = self.dir / "views"
         out = views / key
         view = PoolView(path=str(out / "train_generated.jsonl"), teacher_cache=str(out / "teacher_cache"),
@@ -358,8 +366,9 @@ def _index(directory: Path, skip) -> dict[str, Path]:
 
 
 def _link_cache(directory: Path, meta_name: str, meta: dict, links: dict[Path, str]) -> None:
-    """A cache directory whose shards are symlinks to the nights' shards, named oldest night first, so
-    that where two nights hold the same example the newest is read last (and wins)."""
+    """A cache directory whose shards are symlinks to the nights' shards, named in the view's reverse
+    order, so that where two linked shards hold the same example the night it was taken from is read
+    last (and wins)."""
     directory.mkdir(parents=True, exist_ok=True)
     for shard, night in sorted(links.items(), key=lambda kv: (kv[1], kv[0].name)):
         (directory / f"shard-{night}-{shard.name.removeprefix('shard-')}").symlink_to(shard.resolve())
