@@ -69,7 +69,8 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
     clock.lap("benchmark")
     verdict = t.gate(config, results[Role.CHALLENGER], results.get(Role.CHAMPION), results, speeds)
     serving = t.choose_serving(config, window, results, verdict, speeds)
-    report = report_table(results, verdict, serving=serving, target=target, speeds=speeds) + "\n\n" + pool_report(pooled)
+    trained_on = pool_report(pooled, trained.stale_dropped)
+    report = report_table(results, verdict, serving=serving, target=target, speeds=speeds) + "\n\n" + trained_on
     report_path = write_report(report, window)
     registered = t.register(config, target, window, trained, results, verdict,
                             champion.version if champion else None, report_path, speeds)
@@ -80,7 +81,7 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
         t.write_serving(config, target, serving, champion)
 
     clock.lap("gate, register, serving config")
-    report = (report_table(results, verdict, registered, promoted, serving, target, speeds) + "\n\n" + pool_report(pooled)
+    report = (report_table(results, verdict, registered, promoted, serving, target, speeds) + "\n\n" + trained_on
               + "\n\n" + clock.report(config))
     write_report(report, window, report_path)
     create_markdown_artifact(report, key="nightly-benchmark", description="draft vs champion and baselines")

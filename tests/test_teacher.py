@@ -14,6 +14,7 @@ from specdistill.distill.teacher import (
     build_cache,
     check_entry,
     data_hash,
+    drop_stale,
     pad_batch,
     teacher_positions,
     to_draft_space,
@@ -105,3 +106,20 @@ def test_online_teacher_restricts_to_draft_vocab():
     with torch.no_grad():
         full = target(input_ids=ids, attention_mask=att).logits[pos]
     assert torch.allclose(logits, full[:, vocab.token_ids], atol=1e-5)
+
+
+def test_stale_entries_are_dropped_and_counted_never_fatal(tmp_path, capsys):
+    """An answer re-made on another night (other token ids) whose cached rows are the first answer's:
+    it is not trained on, it is counted, and the others still train. A missing entry is an error."""
+    target = make_tiny_llama()
+    examples = _examples()
+    rows = build_cache(target, examples, tmp_path / "c", fingerprint="a" * 16, k=5, progress=False).load_all()
+    reanswered = Example("e1", examples[1].input_ids[:3] + [4] * (len(examples[1].input_ids) - 3),
+                         examples[1].assistant_mask)
+    kept, stale = drop_stale([examples[0], reanswered, *examples[2:]], rows, tmp_path / "c")
+    assert stale == ["e1"] and [ex.id for ex in kept] == ["e0", "e2", "e3", "e4"]
+    assert "1 of 5 examples dropped" in capsys.readouterr().err
+    with pytest.raises(StaleTeacherCacheError, match="every entry"):
+        drop_stale([reanswered], rows, tmp_path / "c")
+    with pytest.raises(ValueError, match="no entry for example 'x'"):
+        drop_stale([Example("x", [3, 4], [False, True])], rows, tmp_path / "c")

@@ -15,6 +15,7 @@ drafting round actually accepts; τ(γ) from the chain, and from position 1 unde
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,8 +24,8 @@ from torch import nn
 
 from specdistill.acceptance import expected_tokens_per_round
 from specdistill.distill import losses
-from specdistill.distill.features import entry_features, feature_start
-from specdistill.distill.teacher import check_entry, teacher_positions, to_draft_space
+from specdistill.distill.features import StaleFeatureCacheError, entry_features, feature_start
+from specdistill.distill.teacher import check_entry, drop_stale, teacher_positions, to_draft_space
 from specdistill.modeling.eagle3 import Eagle3Draft
 from specdistill.modeling.vocab import DraftVocab
 
@@ -200,6 +201,10 @@ def eagle3_heldout_acceptance(head: Eagle3Draft, examples: list[Eagle3Example], 
             f"tau_chain_{g}": 1.0 + sum(accepted[:g]), "eval_tokens": int(total[0])}
 
 
+def _features_of_other_tokens(entry: dict[str, torch.Tensor] | None, input_ids: list[int]) -> bool:
+    return entry is not None and entry["input_ids"].tolist()[: len(input_ids)] != list(input_ids)
+
+
 class Eagle3Task:
     """The EAGLE-3 kind: a head over the target's features, trained from the feature and teacher
     caches (built in one teacher-forced target pass when absent); what `train.distill` needs of a kind."""
@@ -273,6 +278,15 @@ class Eagle3Task:
             raise ValueError(f"teacher cache {cache_dir} was written for vocabulary {teacher.meta['vocab']}")
         rows, teacher_rows = features.load_all(), teacher.load_all()
         remap = teacher.meta["vocab"] == "full"
+        examples, stale = drop_stale(examples, teacher_rows, cache_dir)
+        other_answer = [ex for ex in examples if _features_of_other_tokens(rows.get(str(ex.id)), ex.input_ids)]
+        if other_answer:  # the same rule as the teacher's rows: dropped and counted, never trained on
+            print(f"feature cache {feature_dir}: {len(other_answer)} examples dropped, their entries were written "
+                  "for other token ids", file=sys.stderr)
+            examples = [ex for ex in examples if ex not in other_answer]
+            if not examples:
+                raise StaleFeatureCacheError(f"feature cache {feature_dir}: every entry was written for other token ids")
+        self.stale_dropped = len(stale) + len(other_answer)
         self.examples = eagle3_examples(examples, rows, teacher_rows, draft_vocab, e.prompt_context, remap, config.loss.top_k)
         held_rows = rows
         if held_dir != feature_dir:
@@ -301,7 +315,7 @@ class Eagle3Task:
 
     def describe(self) -> dict:
         return {"kind": "eagle3", "draft_vocab": self.draft_vocab.size, "layers": self.layers,
-                "unroll_steps": self.module.steps, **self.feature_bytes}
+                "unroll_steps": self.module.steps, "stale_dropped": self.stale_dropped, **self.feature_bytes}
 
     def save(self, out_dir, target, meta: dict):
         """In the layout vLLM and SGLang load (modeling.eagle3_io)."""

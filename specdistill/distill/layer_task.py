@@ -12,7 +12,7 @@ from specdistill.acceptance import expected_tokens_per_round
 from specdistill.distill import losses
 from specdistill.distill.config import DistillConfig
 from specdistill.distill.datagen import Batch, Example, collate
-from specdistill.distill.teacher import OnlineTeacher, TeacherCache, check_entry, teacher_positions, to_draft_space, vocab_key
+from specdistill.distill.teacher import OnlineTeacher, TeacherCache, drop_stale, to_draft_space, vocab_key
 from specdistill.modeling.vocab import DraftVocab, build_draft_vocab
 
 
@@ -132,6 +132,7 @@ class LayerTask:
         from specdistill.modeling.models import load_model
 
         self.config, self.examples, self.replay, self.heldout, self.device = config, examples, replay, heldout, device
+        self.stale_dropped = 0  # examples whose cached teacher rows were written for other token ids
         tok = target.tokenizer
         if config.draft:
             loaded = load_model(config.draft, dtype="float32")  # trained: fp32 master weights
@@ -161,11 +162,9 @@ class LayerTask:
             if cache.meta["vocab"] not in ("full", vocab_key(draft_vocab)):
                 raise ValueError(f"teacher cache {config.teacher.cache_dir} was written for vocabulary {cache.meta['vocab']}")
             self.cache_rows = cache.load_all()
-            for ex in examples + replay:
-                entry = self.cache_rows.get(ex.id)
-                if entry is None:
-                    raise ValueError(f"teacher cache {config.teacher.cache_dir} has no entry for example {ex.id!r}")
-                check_entry(entry, ex.id, ex.input_ids, len(teacher_positions(ex.assistant_mask)))
+            self.examples, stale = drop_stale(examples, self.cache_rows, config.teacher.cache_dir)
+            self.replay, stale_replay = drop_stale(replay, self.cache_rows, config.teacher.cache_dir)
+            self.stale_dropped = len(stale) + len(stale_replay)
             self.remap = cache.meta["vocab"] == "full" and draft_vocab is not None
         target_width = target.config.hidden_size
         if config.teacher.mode == "none":
@@ -201,7 +200,7 @@ class LayerTask:
 
     def describe(self) -> dict:
         return {"kind": "layers", "draft_vocab": self.draft_vocab.size if self.draft_vocab is not None else None,
-                "layers": self.layers}
+                "layers": self.layers, "stale_dropped": self.stale_dropped}
 
     def save(self, out_dir, target, meta: dict):
         from specdistill.modeling.drafts import save_draft

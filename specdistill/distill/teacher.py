@@ -167,16 +167,44 @@ class TeacherCache:
         return shards.load_shards(self.dir)
 
 
+def stale_reason(entry: dict[str, torch.Tensor], ex_id: str, input_ids: Sequence[int], n_rows: int) -> str | None:
+    """Why a cache entry does not describe exactly this sequence (None when it does)."""
+    if entry["input_ids"].tolist()[: len(input_ids)] != list(input_ids):
+        return f"teacher cache entry {ex_id!r} was written for other token ids"
+    if entry["logprobs"].shape[0] < n_rows:
+        return f"teacher cache entry {ex_id!r} has {entry['logprobs'].shape[0]} rows, the example needs {n_rows}"
+    return None
+
+
 def check_entry(entry: dict[str, torch.Tensor], ex_id: str, input_ids: Sequence[int], n_rows: int) -> None:
     """A cache entry must describe exactly this sequence, else it is stale data."""
-    cached = entry["input_ids"].tolist()
-    n = len(input_ids)
-    if cached[:n] != list(input_ids):
-        raise StaleTeacherCacheError(f"teacher cache entry {ex_id!r} was written for other token ids")
-    if entry["logprobs"].shape[0] < n_rows:
-        raise StaleTeacherCacheError(
-            f"teacher cache entry {ex_id!r} has {entry['logprobs'].shape[0]} rows, the example needs {n_rows}"
-        )
+    why = stale_reason(entry, ex_id, input_ids, n_rows)
+    if why:
+        raise StaleTeacherCacheError(why)
+
+
+def drop_stale(examples: Sequence, rows: dict[str, dict[str, torch.Tensor]], source: str | os.PathLike) -> tuple[list, list[str]]:
+    """The examples whose teacher entry describes exactly their tokens, and the ids of the others.
+
+    A stale entry (rows written for another answer to the same prompt: greedy answers in reduced
+    precision can differ between nights at numerical near-ties) is dropped and counted, never
+    trained on and never fatal; one missing entry is an error (the cache does not belong to the data)."""
+    kept, stale = [], []
+    for ex in examples:
+        entry = rows.get(str(ex.id))
+        if entry is None:
+            raise ValueError(f"teacher cache {source} has no entry for example {ex.id!r}")
+        if stale_reason(entry, str(ex.id), ex.input_ids, len(teacher_positions(ex.assistant_mask))):
+            stale.append(str(ex.id))
+        else:
+            kept.append(ex)
+    if stale:
+        print(f"teacher cache {source}: {len(stale)} of {len(examples)} examples dropped, their entries were "
+              f"written for other token ids ({', '.join(stale[:5])}{', ...' if len(stale) > 5 else ''})",
+              file=sys.stderr)
+    if examples and not kept:
+        raise StaleTeacherCacheError(f"teacher cache {source}: every entry was written for other token ids: rebuild it")
+    return kept, stale
 
 
 @torch.inference_mode()

@@ -132,14 +132,14 @@ def distill(config: DistillConfig) -> dict:
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": opt.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=opt.lr, betas=opt.betas)
 
-    order = DataOrder(len(examples), config.seed)
+    order = DataOrder(len(task.examples), config.seed)  # the task drops examples with stale teacher rows
     step, trained_tokens, train_seconds, curve = 0, 0, 0.0, []
     ckpts = checkpoint_dirs(out_dir)
     if ckpts:  # resume
         state = load_checkpoint(ckpts[-1], module, optimizer)
         step, trained_tokens, train_seconds = state["step"], state["tokens"], state["train_seconds"]
         curve = state.get("curve", [])
-        order = DataOrder(len(examples), config.seed, **state["data"])
+        order = DataOrder(len(task.examples), config.seed, **state["data"])
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, out_dir / "config.yaml")

@@ -144,6 +144,7 @@ class Trained(Record):
     unroll_steps: int | None = None  # eagle3 only
     feature_disk_bytes: int | None = None  # eagle3 only
     feature_bytes_per_answer_token: float | None = None  # eagle3 only
+    stale_dropped: int = 0  # answers not trained on: their cached teacher rows were written for other token ids
 
 
 @dataclass

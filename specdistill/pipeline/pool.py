@@ -82,11 +82,15 @@ def _reanswer(config: NightlyConfig, pool, window: Window, old_fingerprint: str)
     return data.answers
 
 
-def pool_report(pooled: PooledData) -> str:
-    """The report's lines on what the night trained on."""
+def pool_report(pooled: PooledData, stale_dropped: int = 0) -> str:
+    """The report's lines on what the night trained on (`stale_dropped`: answers the trainer left out
+    because their cached teacher rows were written for other token ids)."""
+    stale = (f"\n- {stale_dropped} answers not trained on: their cached teacher rows were written for other "
+             "token ids") if stale_dropped else ""
     s = pooled.pool
     if s is None:
-        return f"trained on tonight's answers only (pool disabled): {pooled.answers} answers, {pooled.tokens} tokens"
+        return (f"trained on tonight's answers only (pool disabled): {pooled.answers} answers, {pooled.tokens} tokens"
+                + stale)
     lines = [f"trained on {pooled.answers} answers, {pooled.tokens} answer tokens, from {len(s.nights)} "
              f"night(s) of the answer pool of target `{s.fingerprint}` (newest first):"]
     lines += [f"- `{key}`: {n['answers']} answers, {n['tokens']} tokens" for key, n in s.nights.items()]
@@ -104,4 +108,4 @@ def pool_report(pooled: PooledData) -> str:
     lines += [f"- disk cap: night `{e['key']}` evicted ({e['bytes'] / 2**20:.0f} MiB)" for e in s.evicted]
     lines += [f"- retired the pool of target `{r['fingerprint']}` ({r['bytes'] / 2**20:.0f} MiB)" for r in s.retired]
     lines += [f"- skipped: {x}" for x in s.skipped]
-    return "\n".join(lines)
+    return "\n".join(lines) + stale
