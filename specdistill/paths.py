@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -61,50 +62,165 @@ def create_private_file(path: Path) -> Path:
 # --------------------------------------------------------------------------------------------
 # Output directories: a command never deletes what it did not create
 
-OUTPUT_MARKER = ".specdistill-output.json"  # written into every directory atomic_dir makes
+OUTPUT_MARKER = ".specdistill-output.json"  # written into every output directory: its kind and what it wrote
 
 
 class UnsafeOutputError(ValueError):
     """An output directory that would replace what this command did not write (the message says why)."""
 
 
-def output_kind(directory: Path) -> str | None:
-    """The kind recorded by the command that wrote `directory` (None: not one of our outputs)."""
+def registry_artifacts_dir() -> Path:
+    """Where the local MLflow registry keeps its artifacts (registered drafts): never written by a command."""
+    return home() / "mlartifacts"
+
+
+def registry_copies_dir() -> Path:
+    """Where registered drafts are downloaded to be loaded and served: a copy of a version, never written over."""
+    return home() / "registry"
+
+
+def registry_stores() -> list[tuple[str, Path]]:
+    """The directories that hold registered model versions: the artifact store, its local copies and, when
+    `MLFLOW_TRACKING_URI` is a local file store, that store. A version the gate approved is what is served:
+    no output is ever written inside these."""
+    stores = [("the model registry's artifact store", registry_artifacts_dir()),
+              ("the registered drafts' local copies", registry_copies_dir())]
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if uri.startswith("file:"):
+        stores.append(("the MLflow file store", Path(urllib.parse.urlparse(uri).path)))
+    elif uri and "://" not in uri and not uri.startswith(("sqlite:", "postgresql", "mysql", "databricks")):
+        stores.append(("the MLflow file store", Path(uri)))
+    return [(what, where.absolute().resolve()) for what, where in stores]
+
+
+def output_marker(directory: Path) -> dict | None:
+    """The marker of the command that wrote `directory` (None: not one of our outputs)."""
     try:
         marker = json.loads((Path(directory) / OUTPUT_MARKER).read_text())
     except (OSError, ValueError):
         return None
-    return marker.get("kind") if isinstance(marker, dict) else None
+    return marker if isinstance(marker, dict) else None
+
+
+def output_kind(directory: Path) -> str | None:
+    """The kind recorded by the command that wrote `directory` (None: not one of our outputs)."""
+    marker = output_marker(directory)
+    return marker.get("kind") if marker else None
 
 
 def _is_within(inner: Path, outer: Path) -> bool:
     return inner == outer or outer in inner.parents
 
 
-def check_output_dir(out_dir: Path, kind: str, *, force: bool) -> bool:
-    """Whether `out_dir` may be written as a `kind` output; returns True when one exists there already.
-
-    Refused: the working directory, the state directory or any directory containing either; a file;
-    a non-empty directory that is not a previous `kind` output (our marker file); a previous output
-    without `force`."""
-    out = Path(out_dir).absolute().resolve()
+def check_output_location(out_dir: Path) -> Path:
+    """`out_dir` resolved, if an output may live there at all: not the working directory, the state
+    directory or a directory containing either; nothing inside the registry's stores (`registry_stores`);
+    not a symbolic link, not under a file, not a file."""
+    raw = Path(out_dir).absolute()
+    out = raw.resolve()
     for what, where in (("the working directory", Path.cwd().resolve()), ("the state directory", home())):
         if _is_within(where, out):
             raise UnsafeOutputError(f"output directory {out_dir} is {what} or contains it ({where}): choose a new directory")
-    if not out.exists() and not out.is_symlink():
-        return False
-    if not out.is_dir() or out.is_symlink():
+    for what, where in registry_stores():
+        if _is_within(out, where) or _is_within(where, out):
+            raise UnsafeOutputError(f"output directory {out_dir} is inside {what} ({where}) or contains it: a registered "
+                                    "version is never changed; choose a directory outside it")
+    if raw.is_symlink():
+        raise UnsafeOutputError(f"output {out_dir} is a symbolic link (to {os.readlink(raw)}): choose a new directory")
+    for parent in out.parents:
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                raise UnsafeOutputError(f"output directory {out_dir}: {parent} is not a directory")
+            break
+    if out.exists() and not out.is_dir():
         raise UnsafeOutputError(f"output {out_dir} exists and is not a directory: choose a new directory")
-    if not any(out.iterdir()):
+    return out
+
+
+def check_output_dir(out_dir: Path, kind: str, *, force: bool, resume: bool = False) -> bool:
+    """Whether `out_dir` may be written as a `kind` output; returns True when one exists there already.
+    Every command that writes a directory calls it before any work, so a refusal costs nothing.
+
+    Refused: a location no output may take (`check_output_location`); a non-empty directory that is not
+    a previous `kind` output (our marker file); a previous output without `force`, unless `resume` (a
+    training run continues from its own checkpoints)."""
+    out = check_output_location(out_dir)
+    if not out.exists() or not any(out.iterdir()):
         return False
     found = output_kind(out)
     if found != kind:
         what = "files this command did not write" if found is None else f"a {found} output, not a {kind} one"
         raise UnsafeOutputError(f"output directory {out_dir} holds {what}: nothing was changed; choose a new directory "
                                 "(or remove it yourself)")
-    if not force:
+    if not force and not resume:
         raise UnsafeOutputError(f"output directory {out_dir} holds a previous {kind} output: pass --force to replace it")
     return True
+
+
+def write_marker(directory: Path, kind: str, files: list[str]) -> None:
+    """Mark `directory` as a `kind` output whose own entries are `files` (what `--force` may replace)."""
+    (Path(directory) / OUTPUT_MARKER).write_text(_marker(kind, files))
+
+
+def _marker(kind: str, files: list[str]) -> str:
+    return json.dumps({"kind": kind, "written_at": time.time(), "files": sorted({*files, OUTPUT_MARKER})})
+
+
+def claim_output_dir(out_dir: Path, kind: str, files: list[str]) -> bool:
+    """An output written in place rather than renamed into place (a training run: checkpoints, logs and
+    the result appear as it goes): checked (`check_output_dir`, resuming its own previous output),
+    created with its marker listing `files`, the names it writes. True: a previous `kind` output resumes."""
+    out = Path(out_dir)
+    if check_output_dir(out, kind, force=False, resume=True):
+        return True
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    tmp.chmod(0o755)
+    write_marker(tmp, kind, files)
+    try:
+        os.replace(tmp, out)  # over a missing or an empty directory: the marker arrives with it
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return False
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _carry_over(old: Path, new: Path, kind: str) -> None:
+    """Put what the user added to a previous output (what its marker does not list) into the new one,
+    as hard links (the old directory keeps them until the swap: a kill loses nothing). A marker that
+    lists nothing (an older version wrote it) is taken as listing what the new output writes; what
+    else is there is refused, since it may be a stale file of ours that would change what loads."""
+    marker = output_marker(old) or {}
+    ours = marker.get("files")
+    entries = sorted(p.name for p in old.iterdir())
+    if not isinstance(ours, list):
+        written = {p.name for p in new.iterdir()} | {OUTPUT_MARKER}
+        unknown = [name for name in entries if name not in written]
+        if unknown:
+            raise UnsafeOutputError(f"output directory {old.name}: a previous {kind} output from an older version holds "
+                                    f"{', '.join(unknown)}, which it does not list as its own: nothing was changed; "
+                                    "move them or choose a new directory")
+        return
+    for name in entries:
+        if name in ours:
+            continue
+        src, dst = old / name, new / name
+        if dst.exists() or dst.is_symlink():
+            raise UnsafeOutputError(f"output directory {old}: your {name} has the name of a file this command writes: "
+                                    "nothing was changed; move it or choose a new directory")
+        if src.is_dir() and not src.is_symlink():
+            shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+        elif src.is_symlink():
+            os.symlink(os.readlink(src), dst)
+        else:
+            _link_or_copy(str(src), str(dst))
 
 
 @contextlib.contextmanager
@@ -112,9 +228,10 @@ def atomic_dir(out_dir: Path, kind: str, *, replace: bool = True, force: bool = 
     """Build a directory beside `out_dir`, then rename it into place: after a kill there is either
     the old directory or the complete new one, never half a checkpoint.
 
-    The new directory carries a marker naming `kind`; an existing `out_dir` is replaced only when it
-    is a previous `kind` output and `force` is set (`check_output_dir`), and never when `replace` is
-    False (someone else finished first: theirs is kept). Nothing else is ever deleted."""
+    The new directory carries a marker naming `kind` and the files it wrote; an existing `out_dir` is
+    replaced only when it is a previous `kind` output and `force` is set (`check_output_dir`), and
+    never when `replace` is False (someone else finished first: theirs is kept). Only what the previous
+    output's marker lists is replaced: files a user added beside it are kept."""
     out_dir = Path(out_dir)
     if replace:
         check_output_dir(out_dir, kind, force=force)
@@ -123,12 +240,13 @@ def atomic_dir(out_dir: Path, kind: str, *, replace: bool = True, force: bool = 
     tmp.chmod(0o755)
     try:
         yield tmp
-        (tmp / OUTPUT_MARKER).write_text(json.dumps({"kind": kind, "written_at": time.time()}))
+        (tmp / OUTPUT_MARKER).write_text(_marker(kind, [p.name for p in tmp.iterdir()]))
         if out_dir.exists() and any(out_dir.iterdir()):
             if not replace:  # someone else finished first: theirs is as good as ours
                 shutil.rmtree(tmp)
                 return
             check_output_dir(out_dir, kind, force=force)  # again: it may have appeared meanwhile
+            _carry_over(out_dir, tmp, kind)
             old = Path(tempfile.mkdtemp(prefix=out_dir.name + ".old-", dir=out_dir.parent))
             os.replace(out_dir, old / "previous")  # two renames: the previous output is gone only once ours is in
             os.replace(tmp, out_dir)
