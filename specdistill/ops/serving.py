@@ -243,7 +243,12 @@ def read_serving_config(path: str | Path | None = None) -> ServingConfig | None:
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_bytes())
+        raw = path.read_bytes()
+        if not raw.strip():
+            raise ServingConfigError(f"serving config {path} is empty")
+        data = json.loads(raw)
+    except ServingConfigError:
+        raise
     except (ValueError, UnicodeDecodeError) as exc:
         raise ServingConfigError(f"corrupt serving config {path}: {exc}") from None
     except OSError as exc:
