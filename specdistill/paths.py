@@ -15,6 +15,7 @@ import time
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO, Any
 
 
 def home() -> Path:
@@ -27,23 +28,52 @@ def model_cache_dir() -> Path:
     return Path(override).resolve() if override else home() / "models"
 
 
+# Who may read what under the state directory. Production traffic and the target's answers to it (the
+# log store, the nightly's data, teacher caches, features, corpora, MLflow's store) are the owner's
+# only: files 0600, directories 0700. The state directory itself is 0711: nobody else can list it, but
+# a serving engine running as another user can still open what it must read, and only that:
+# `serving.json` (0644: modes, paths and speedups, no traffic) and the draft directories it names
+# (registered copies under registry/, early-exit drafts under fallback/: weights, 0755/0644).
+# The suffix corpora it names stay private (answer text): an engine that reads them (SGLang's NGRAM
+# external corpus) runs as the owner or is granted access by the operator.
+PRIVATE_FILE_MODE = 0o600  # files holding production traffic or answers: the owner only
+PRIVATE_DIR_MODE = 0o700
+STATE_DIR_MODE = 0o711  # the state directory: not listable by others, traversable to what a serving engine reads
+
+
+def _secure_home(path: Path) -> None:
+    """Before anything is created inside the state directory: create it 0711, or take the group's and
+    others' read and write bits off one created before (an older version made it 0755)."""
+    root = home()
+    if not _is_within(Path(path).absolute().resolve(), root):
+        return
+    try:
+        root.mkdir(mode=STATE_DIR_MODE, parents=True)
+    except FileExistsError:
+        pass
+    mode = root.stat().st_mode & 0o777
+    if mode & 0o066:
+        root.chmod(mode & ~0o066)
+
+
 def ensure(path: Path) -> Path:
+    _secure_home(path)
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
-PRIVATE_FILE_MODE = 0o600  # files holding production traffic or answers to it: the owner only
-PRIVATE_DIR_MODE = 0o700
-
-
 def ensure_private(path: Path) -> Path:
-    """A directory for files that hold traffic (teacher caches, features): created 0700."""
+    """A directory for files that hold traffic (teacher caches, features, the nightly's data): 0700,
+    created so or tightened (one an older version made 0755)."""
     path = Path(path)
+    _secure_home(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         path.mkdir(mode=PRIVATE_DIR_MODE)
     except FileExistsError:
         pass
+    if path.is_dir() and path.stat().st_mode & 0o077:
+        path.chmod(PRIVATE_DIR_MODE)
     return path
 
 
@@ -51,12 +81,25 @@ def create_private_file(path: Path) -> Path:
     """Create `path` empty with mode 0600 unless it exists (a database file before its engine opens it:
     SQLite keeps the mode and gives its journal and WAL files the same)."""
     path = Path(path)
+    _secure_home(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE))
     except FileExistsError:
         pass
     return path
+
+
+def _private_opener(path: str, flags: int) -> int:
+    fd = os.open(path, flags, PRIVATE_FILE_MODE)
+    os.fchmod(fd, PRIVATE_FILE_MODE)  # one that exists (an older version wrote it 0644) is tightened too
+    return fd
+
+
+def open_private(path: str | os.PathLike, mode: str = "w", **kwargs: Any) -> IO:
+    """`open()` for a file that holds traffic or answers (JSONL of conversations or answers, a corpus
+    export): mode 0600, whether it is created now or was there."""
+    return open(path, mode, opener=_private_opener, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -223,6 +266,19 @@ def _carry_over(old: Path, new: Path, kind: str) -> None:
             _link_or_copy(str(src), str(dst))
 
 
+def _readable(directory: Path) -> None:
+    """An output directory (a draft, a target version, a model cache: weights, never traffic) readable
+    by every user: a serving engine may run as another user, and some writers (safetensors) make 0600."""
+    for root, dirs, files in os.walk(directory):
+        for name in dirs:
+            path = Path(root) / name
+            path.chmod(path.stat().st_mode & 0o777 | 0o755)
+        for name in files:
+            path = Path(root) / name
+            if not path.is_symlink():
+                path.chmod(path.stat().st_mode & 0o777 | 0o644)
+
+
 @contextlib.contextmanager
 def atomic_dir(out_dir: Path, kind: str, *, replace: bool = True, force: bool = True) -> Iterator[Path]:
     """Build a directory beside `out_dir`, then rename it into place: after a kill there is either
@@ -240,6 +296,7 @@ def atomic_dir(out_dir: Path, kind: str, *, replace: bool = True, force: bool = 
     tmp.chmod(0o755)
     try:
         yield tmp
+        _readable(tmp)
         (tmp / OUTPUT_MARKER).write_text(_marker(kind, [p.name for p in tmp.iterdir()]))
         if out_dir.exists() and any(out_dir.iterdir()):
             if not replace:  # someone else finished first: theirs is as good as ours

@@ -268,3 +268,37 @@ def test_draft_init_force_keeps_the_notes_a_user_added(tiny_target, tmp_path):
     assert main(["draft", "init", "--layers", "0,1", "--target", str(tiny_target), str(out), "--force"]) == 0
     assert (out / "NOTES.md").read_text() == "why this draft"
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+def test_the_state_directory_is_not_listable_and_what_an_older_version_left_open_is_closed(tmp_path):
+    home = paths.home()
+    paths.ensure(home / "fallback")
+    assert home.stat().st_mode & 0o777 == 0o711  # others can reach serving.json, not list what is there
+    home.chmod(0o755)  # as an older version left it
+    (home / "nightly").mkdir(mode=0o755)
+    (home / "nightly").chmod(0o755)
+    old = home / "nightly" / "answers.jsonl"
+    old.write_text("an answer\n")
+    old.chmod(0o644)
+    assert paths.ensure_private(home / "nightly").stat().st_mode & 0o777 == 0o700
+    assert home.stat().st_mode & 0o777 == 0o711
+    with paths.open_private(old, "a") as f:
+        f.write("another\n")
+    assert old.stat().st_mode & 0o777 == 0o600 and old.read_text() == "an answer\nanother\n"
+    outside = tmp_path / "elsewhere"
+    outside.mkdir(mode=0o755)
+    outside.chmod(0o755)
+    paths.ensure(outside / "x")
+    assert outside.stat().st_mode & 0o777 == 0o755  # only the state directory is ours to close
+
+
+def test_an_output_directory_is_readable_by_a_serving_engine_running_as_another_user(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    with atomic_dir(tmp_path / "draft", "draft") as tmp:
+        save_file({"w": torch.zeros(2)}, str(tmp / "model.safetensors"))  # safetensors writes 0600
+        (tmp / "sub").mkdir(mode=0o700)
+    out = tmp_path / "draft"
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o644
+    assert out.stat().st_mode & 0o777 == 0o755 and (out / "sub").stat().st_mode & 0o777 == 0o755

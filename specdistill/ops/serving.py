@@ -22,7 +22,14 @@ from specdistill import paths
 MODES = ("draft", "ngram", "suffix", "self_speculation", "off")
 DRAFT_KINDS = ("layers", "eagle3")  # a plain HF draft checkpoint, or an EAGLE-3 head over the target's features
 SERVING_FILE = "serving.json"
-SERVING_FILE_MODE = 0o644  # it holds no secret, and the serving engine may run as another user
+# The one exception to "traffic and answers are the owner's only" (see specdistill.paths): what a serving
+# engine must read. This file (0644: modes, paths, speedups, no traffic) and the draft directory it names
+# (`draft_dir`: a registered copy or an early-exit export, weights only, 0755/0644) are readable by a
+# serving engine that runs as another user. The suffix corpora it names (`suffix_corpus`,
+# `suffix_corpus_sglang`) are the target's answers and stay 0600: vLLM never reads them (its suffix
+# tree fills from served requests), and an SGLang that loads the external corpus runs as the owner or
+# is granted access by the operator.
+SERVING_FILE_MODE = 0o644
 DERIVED_KEYS = ("vllm", "sglang", "llamacpp")  # written for the engines, recomputed on read
 
 
