@@ -9,6 +9,9 @@
                                     -> above 0.5 but far under the champion's own at registration (drift):
                                        keep serving it and run the same incremental path.
 
+A serving config that cannot be read stops the run before anything is sampled: it is counted as an
+error and the pipeline's success is not marked (`pipeline.monitor.check_serving_config`).
+
 Runs on a schedule and on the `specdistill.target.updated` event (deploy/prefect.yaml).
 """
 
@@ -34,6 +37,7 @@ def monitor(config_path: str | None = None, overrides: list[str] | None = None,
     if fingerprint:
         log.info("triggered by specdistill.target.updated for target %s", fingerprint)
 
+    t.check_serving_config(config)  # a corrupt serving config fails the run here: an alert, never a success
     champion = nt.current_champion(config.nightly)
     change = t.detect_target_change(config, champion)
     if champion is None:

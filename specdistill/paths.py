@@ -12,8 +12,10 @@ import os
 import shutil
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO, Any
 
 
 def home() -> Path:
@@ -26,23 +28,52 @@ def model_cache_dir() -> Path:
     return Path(override).resolve() if override else home() / "models"
 
 
+# Who may read what under the state directory. Production traffic and the target's answers to it (the
+# log store, the nightly's data, teacher caches, features, corpora, MLflow's store) are the owner's
+# only: files 0600, directories 0700. The state directory itself is 0711: nobody else can list it, but
+# a serving engine running as another user can still open what it must read, and only that:
+# `serving.json` (0644: modes, paths and speedups, no traffic) and the draft directories it names
+# (registered copies under registry/, early-exit drafts under fallback/: weights, 0755/0644).
+# The suffix corpora it names stay private (answer text): an engine that reads them (SGLang's NGRAM
+# external corpus) runs as the owner or is granted access by the operator.
+PRIVATE_FILE_MODE = 0o600  # files holding production traffic or answers: the owner only
+PRIVATE_DIR_MODE = 0o700
+STATE_DIR_MODE = 0o711  # the state directory: not listable by others, traversable to what a serving engine reads
+
+
+def _secure_home(path: Path) -> None:
+    """Before anything is created inside the state directory: create it 0711, or take the group's and
+    others' read and write bits off one created before (an older version made it 0755)."""
+    root = home()
+    if not _is_within(Path(path).absolute().resolve(), root):
+        return
+    try:
+        root.mkdir(mode=STATE_DIR_MODE, parents=True)
+    except FileExistsError:
+        pass
+    mode = root.stat().st_mode & 0o777
+    if mode & 0o066:
+        root.chmod(mode & ~0o066)
+
+
 def ensure(path: Path) -> Path:
+    _secure_home(path)
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
-PRIVATE_FILE_MODE = 0o600  # files holding production traffic or answers to it: the owner only
-PRIVATE_DIR_MODE = 0o700
-
-
 def ensure_private(path: Path) -> Path:
-    """A directory for files that hold traffic (teacher caches, features): created 0700."""
+    """A directory for files that hold traffic (teacher caches, features, the nightly's data): 0700,
+    created so or tightened (one an older version made 0755)."""
     path = Path(path)
+    _secure_home(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         path.mkdir(mode=PRIVATE_DIR_MODE)
     except FileExistsError:
         pass
+    if path.is_dir() and path.stat().st_mode & 0o077:
+        path.chmod(PRIVATE_DIR_MODE)
     return path
 
 
@@ -50,6 +81,7 @@ def create_private_file(path: Path) -> Path:
     """Create `path` empty with mode 0600 unless it exists (a database file before its engine opens it:
     SQLite keeps the mode and gives its journal and WAL files the same)."""
     path = Path(path)
+    _secure_home(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE))
@@ -58,53 +90,193 @@ def create_private_file(path: Path) -> Path:
     return path
 
 
+def _private_opener(path: str, flags: int) -> int:
+    fd = os.open(path, flags, PRIVATE_FILE_MODE)
+    os.fchmod(fd, PRIVATE_FILE_MODE)  # one that exists (an older version wrote it 0644) is tightened too
+    return fd
+
+
+def open_private(path: str | os.PathLike, mode: str = "w", **kwargs: Any) -> IO:
+    """`open()` for a file that holds traffic or answers (JSONL of conversations or answers, a corpus
+    export): mode 0600, whether it is created now or was there."""
+    return open(path, mode, opener=_private_opener, **kwargs)
+
+
 # --------------------------------------------------------------------------------------------
 # Output directories: a command never deletes what it did not create
 
-OUTPUT_MARKER = ".specdistill-output.json"  # written into every directory atomic_dir makes
+OUTPUT_MARKER = ".specdistill-output.json"  # written into every output directory: its kind and what it wrote
 
 
 class UnsafeOutputError(ValueError):
     """An output directory that would replace what this command did not write (the message says why)."""
 
 
-def output_kind(directory: Path) -> str | None:
-    """The kind recorded by the command that wrote `directory` (None: not one of our outputs)."""
+def registry_artifacts_dir() -> Path:
+    """Where the local MLflow registry keeps its artifacts (registered drafts): never written by a command."""
+    return home() / "mlartifacts"
+
+
+def registry_copies_dir() -> Path:
+    """Where registered drafts are downloaded to be loaded and served: a copy of a version, never written over."""
+    return home() / "registry"
+
+
+def registry_stores() -> list[tuple[str, Path]]:
+    """The directories that hold registered model versions: the artifact store, its local copies and, when
+    `MLFLOW_TRACKING_URI` is a local file store, that store. A version the gate approved is what is served:
+    no output is ever written inside these."""
+    stores = [("the model registry's artifact store", registry_artifacts_dir()),
+              ("the registered drafts' local copies", registry_copies_dir())]
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if uri.startswith("file:"):
+        stores.append(("the MLflow file store", Path(urllib.parse.urlparse(uri).path)))
+    elif uri and "://" not in uri and not uri.startswith(("sqlite:", "postgresql", "mysql", "databricks")):
+        stores.append(("the MLflow file store", Path(uri)))
+    return [(what, where.absolute().resolve()) for what, where in stores]
+
+
+def output_marker(directory: Path) -> dict | None:
+    """The marker of the command that wrote `directory` (None: not one of our outputs)."""
     try:
         marker = json.loads((Path(directory) / OUTPUT_MARKER).read_text())
     except (OSError, ValueError):
         return None
-    return marker.get("kind") if isinstance(marker, dict) else None
+    return marker if isinstance(marker, dict) else None
+
+
+def output_kind(directory: Path) -> str | None:
+    """The kind recorded by the command that wrote `directory` (None: not one of our outputs)."""
+    marker = output_marker(directory)
+    return marker.get("kind") if marker else None
 
 
 def _is_within(inner: Path, outer: Path) -> bool:
     return inner == outer or outer in inner.parents
 
 
-def check_output_dir(out_dir: Path, kind: str, *, force: bool) -> bool:
-    """Whether `out_dir` may be written as a `kind` output; returns True when one exists there already.
-
-    Refused: the working directory, the state directory or any directory containing either; a file;
-    a non-empty directory that is not a previous `kind` output (our marker file); a previous output
-    without `force`."""
-    out = Path(out_dir).absolute().resolve()
+def check_output_location(out_dir: Path) -> Path:
+    """`out_dir` resolved, if an output may live there at all: not the working directory, the state
+    directory or a directory containing either; nothing inside the registry's stores (`registry_stores`);
+    not a symbolic link, not under a file, not a file."""
+    raw = Path(out_dir).absolute()
+    out = raw.resolve()
     for what, where in (("the working directory", Path.cwd().resolve()), ("the state directory", home())):
         if _is_within(where, out):
             raise UnsafeOutputError(f"output directory {out_dir} is {what} or contains it ({where}): choose a new directory")
-    if not out.exists() and not out.is_symlink():
-        return False
-    if not out.is_dir() or out.is_symlink():
+    for what, where in registry_stores():
+        if _is_within(out, where) or _is_within(where, out):
+            raise UnsafeOutputError(f"output directory {out_dir} is inside {what} ({where}) or contains it: a registered "
+                                    "version is never changed; choose a directory outside it")
+    if raw.is_symlink():
+        raise UnsafeOutputError(f"output {out_dir} is a symbolic link (to {os.readlink(raw)}): choose a new directory")
+    for parent in out.parents:
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                raise UnsafeOutputError(f"output directory {out_dir}: {parent} is not a directory")
+            break
+    if out.exists() and not out.is_dir():
         raise UnsafeOutputError(f"output {out_dir} exists and is not a directory: choose a new directory")
-    if not any(out.iterdir()):
+    return out
+
+
+def check_output_dir(out_dir: Path, kind: str, *, force: bool, resume: bool = False) -> bool:
+    """Whether `out_dir` may be written as a `kind` output; returns True when one exists there already.
+    Every command that writes a directory calls it before any work, so a refusal costs nothing.
+
+    Refused: a location no output may take (`check_output_location`); a non-empty directory that is not
+    a previous `kind` output (our marker file); a previous output without `force`, unless `resume` (a
+    training run continues from its own checkpoints)."""
+    out = check_output_location(out_dir)
+    if not out.exists() or not any(out.iterdir()):
         return False
     found = output_kind(out)
     if found != kind:
         what = "files this command did not write" if found is None else f"a {found} output, not a {kind} one"
         raise UnsafeOutputError(f"output directory {out_dir} holds {what}: nothing was changed; choose a new directory "
                                 "(or remove it yourself)")
-    if not force:
+    if not force and not resume:
         raise UnsafeOutputError(f"output directory {out_dir} holds a previous {kind} output: pass --force to replace it")
     return True
+
+
+def write_marker(directory: Path, kind: str, files: list[str]) -> None:
+    """Mark `directory` as a `kind` output whose own entries are `files` (what `--force` may replace)."""
+    (Path(directory) / OUTPUT_MARKER).write_text(_marker(kind, files))
+
+
+def _marker(kind: str, files: list[str]) -> str:
+    return json.dumps({"kind": kind, "written_at": time.time(), "files": sorted({*files, OUTPUT_MARKER})})
+
+
+def claim_output_dir(out_dir: Path, kind: str, files: list[str]) -> bool:
+    """An output written in place rather than renamed into place (a training run: checkpoints, logs and
+    the result appear as it goes): checked (`check_output_dir`, resuming its own previous output),
+    created with its marker listing `files`, the names it writes. True: a previous `kind` output resumes."""
+    out = Path(out_dir)
+    if check_output_dir(out, kind, force=False, resume=True):
+        return True
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    tmp.chmod(0o755)
+    write_marker(tmp, kind, files)
+    try:
+        os.replace(tmp, out)  # over a missing or an empty directory: the marker arrives with it
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return False
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _carry_over(old: Path, new: Path, kind: str) -> None:
+    """Put what the user added to a previous output (what its marker does not list) into the new one,
+    as hard links (the old directory keeps them until the swap: a kill loses nothing). A marker that
+    lists nothing (an older version wrote it) is taken as listing what the new output writes; what
+    else is there is refused, since it may be a stale file of ours that would change what loads."""
+    marker = output_marker(old) or {}
+    ours = marker.get("files")
+    entries = sorted(p.name for p in old.iterdir())
+    if not isinstance(ours, list):
+        written = {p.name for p in new.iterdir()} | {OUTPUT_MARKER}
+        unknown = [name for name in entries if name not in written]
+        if unknown:
+            raise UnsafeOutputError(f"output directory {old.name}: a previous {kind} output from an older version holds "
+                                    f"{', '.join(unknown)}, which it does not list as its own: nothing was changed; "
+                                    "move them or choose a new directory")
+        return
+    for name in entries:
+        if name in ours:
+            continue
+        src, dst = old / name, new / name
+        if dst.exists() or dst.is_symlink():
+            raise UnsafeOutputError(f"output directory {old}: your {name} has the name of a file this command writes: "
+                                    "nothing was changed; move it or choose a new directory")
+        if src.is_dir() and not src.is_symlink():
+            shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+        elif src.is_symlink():
+            os.symlink(os.readlink(src), dst)
+        else:
+            _link_or_copy(str(src), str(dst))
+
+
+def _readable(directory: Path) -> None:
+    """An output directory (a draft, a target version, a model cache: weights, never traffic) readable
+    by every user: a serving engine may run as another user, and some writers (safetensors) make 0600."""
+    for root, dirs, files in os.walk(directory):
+        for name in dirs:
+            path = Path(root) / name
+            path.chmod(path.stat().st_mode & 0o777 | 0o755)
+        for name in files:
+            path = Path(root) / name
+            if not path.is_symlink():
+                path.chmod(path.stat().st_mode & 0o777 | 0o644)
 
 
 @contextlib.contextmanager
@@ -112,9 +284,10 @@ def atomic_dir(out_dir: Path, kind: str, *, replace: bool = True, force: bool = 
     """Build a directory beside `out_dir`, then rename it into place: after a kill there is either
     the old directory or the complete new one, never half a checkpoint.
 
-    The new directory carries a marker naming `kind`; an existing `out_dir` is replaced only when it
-    is a previous `kind` output and `force` is set (`check_output_dir`), and never when `replace` is
-    False (someone else finished first: theirs is kept). Nothing else is ever deleted."""
+    The new directory carries a marker naming `kind` and the files it wrote; an existing `out_dir` is
+    replaced only when it is a previous `kind` output and `force` is set (`check_output_dir`), and
+    never when `replace` is False (someone else finished first: theirs is kept). Only what the previous
+    output's marker lists is replaced: files a user added beside it are kept."""
     out_dir = Path(out_dir)
     if replace:
         check_output_dir(out_dir, kind, force=force)
@@ -123,12 +296,14 @@ def atomic_dir(out_dir: Path, kind: str, *, replace: bool = True, force: bool = 
     tmp.chmod(0o755)
     try:
         yield tmp
-        (tmp / OUTPUT_MARKER).write_text(json.dumps({"kind": kind, "written_at": time.time()}))
+        _readable(tmp)
+        (tmp / OUTPUT_MARKER).write_text(_marker(kind, [p.name for p in tmp.iterdir()]))
         if out_dir.exists() and any(out_dir.iterdir()):
             if not replace:  # someone else finished first: theirs is as good as ours
                 shutil.rmtree(tmp)
                 return
             check_output_dir(out_dir, kind, force=force)  # again: it may have appeared meanwhile
+            _carry_over(out_dir, tmp, kind)
             old = Path(tempfile.mkdtemp(prefix=out_dir.name + ".old-", dir=out_dir.parent))
             os.replace(out_dir, old / "previous")  # two renames: the previous output is gone only once ours is in
             os.replace(tmp, out_dir)

@@ -10,6 +10,11 @@ from specdistill.pipeline.monitor import FallbackDecision, TargetChange, TargetV
 from specdistill.pipeline.outputs import AppliedFallback, Champion, MonitorOutcome, RecordedDecision, Sample
 
 
+@task(name="check-serving-config")
+def check_serving_config(config: MonitorConfig) -> None:
+    return mc.check_serving_config(config)
+
+
 @task(name="detect-target-change", retries=2, retry_delay_seconds=5)
 def detect_target_change(config: MonitorConfig, champion: Champion | None) -> TargetChange:
     return mc.detect_drift(config, champion)

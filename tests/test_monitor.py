@@ -263,3 +263,61 @@ def test_cli_monitor_sample_prints_alpha_and_tau(store, tiny_target, tmp_path, c
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert out["ok"] and out["acceptance_rate"] == 1.0 and out["decision"] == "keep" and out["requests"] == 2
+
+
+def _serve_cli(argv, tmp_path, monkeypatch):
+    """`monitor serve ARGV` through the command line, stopped after its first refresh (as Ctrl-C would);
+    the servers it bound are shut down here."""
+    import specdistill.ops.exporter as exporter
+    from specdistill.cli import main
+
+    url = f"sqlite:///{tmp_path / 'serve.db'}"
+    LogStore(url).close()
+    servers = []
+    real_serve = SpecDecodeMetrics.serve
+
+    def serve(self, port, host="127.0.0.1"):
+        servers.append(real_serve(self, port, host))
+        return servers[-1]
+
+    def interrupt(seconds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(SpecDecodeMetrics, "serve", serve)
+    monkeypatch.setattr(exporter.time, "sleep", interrupt)
+    try:
+        return main(["monitor", "serve", "--db", url, "--interval", "1", *argv])
+    finally:
+        for httpd, _ in servers:
+            httpd.shutdown()
+            httpd.server_close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_monitor_serve_says_where_it_serves_only_after_the_bind(tmp_path, monkeypatch, capsys):
+    port = _free_port()
+    assert _serve_cli(["--host", "8.8.8.8", "--port", str(port)], tmp_path, monkeypatch) == 2  # not this machine's
+    err = capsys.readouterr().err
+    assert err.startswith(f"specdistill: error: cannot serve metrics on 8.8.8.8:{port}") and err.count("\n") == 1, err
+    assert "serving metrics on" not in err
+    assert _serve_cli(["--host", "127.0.0.1", "--port", str(port)], tmp_path, monkeypatch) == 0
+    err = capsys.readouterr().err
+    assert f"serving metrics on http://127.0.0.1:{port}/metrics" in err and "warning" not in err
+
+
+def test_monitor_serve_on_every_interface_warns_that_the_metrics_are_public(tmp_path, monkeypatch, capsys):
+    from specdistill.ops.metrics import listens_everywhere
+
+    assert _serve_cli(["--host", "0.0.0.0", "--port", str(_free_port())], tmp_path, monkeypatch) == 0
+    err = capsys.readouterr().err
+    assert "serving metrics on http://0.0.0.0:" in err
+    assert "warning: --host 0.0.0.0 listens on every interface" in err and "public" in err
+    assert [h for h in ("0.0.0.0", "::", "[::]", "", "127.0.0.1", "::1", "localhost", "10.0.0.5") if listens_everywhere(h)] \
+        == ["0.0.0.0", "::", "[::]", ""]

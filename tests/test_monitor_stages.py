@@ -116,3 +116,75 @@ def test_the_monitor_replays_the_prompt_window_the_nightly_evaluates_on(tiny_tar
     mc.sample_acceptance(config, Champion("d", "1", "/d"),
                          TargetVersion("fp", str(tiny_target), "", UPDATED_AT))
     assert seen["replay"]["max_prompt_tokens"] == 24
+
+
+# --------------------------------------------------------------------------------------------
+# a corrupt serving config: an alert, never a success
+
+
+def _pushed(monkeypatch) -> list[float]:
+    """The serving config error count of every push to the (fake) Pushgateway."""
+    import specdistill.ops.metrics as metrics
+
+    counts = []
+    monkeypatch.setenv("SPECDISTILL_PUSHGATEWAY", "http://pushgateway.invalid:9091")
+    monkeypatch.setattr(metrics, "push_to_gateway", lambda gateway, job, registry: counts.append(
+        registry.get_sample_value("specdistill_serving_config_errors_total")))
+    return counts
+
+
+@pytest.mark.parametrize("content", ["", "{}", '{"mode": "suffix", "suffix_corpus": "/c", "suffix_max_tree_depth": -1}'])
+def test_a_corrupt_serving_config_stops_the_monitor_counts_an_error_and_names_the_file(tmp_path, monkeypatch, content):
+    from specdistill.ops.serving import ServingConfigError
+
+    counts = _pushed(monkeypatch)
+    serving = tmp_path / "serving.json"
+    serving.write_text(content)
+    config = MonitorConfig(target="demo", nightly_overrides=[f"serving_path={serving}"])
+    with pytest.raises(ServingConfigError, match="records no success") as err:
+        mc.check_serving_config(config)
+    assert str(serving) in str(err.value) and counts == [1.0]
+    serving.unlink()
+    mc.check_serving_config(config)  # no file: nothing served yet, nothing wrong
+    assert counts == [1.0]
+
+
+def test_a_serving_config_broken_during_the_run_keeps_the_decision_and_fails_the_record(tmp_path, monkeypatch):
+    from specdistill.ops.serving import ServingConfigError
+    from specdistill.pipeline.outputs import MonitorOutcome
+
+    counts = _pushed(monkeypatch)
+    serving = tmp_path / "serving.json"
+    serving.write_text("")
+    url = _store(tmp_path, [datetime(2024, 5, 1, tzinfo=timezone.utc).timestamp()])
+    config = MonitorConfig(target="demo", nightly_overrides=[f"serving_path={serving}", f"log_db={url}"])
+    with pytest.raises(ServingConfigError, match="is empty"):
+        mc.record_decision(config, MonitorOutcome(_change(False), "keep"))
+    with LogStore(url) as store:
+        assert [d["kind"] for d in store.decisions()] == ["keep"]  # the decision is not lost
+        assert store.last_pipeline_success() is None
+    assert counts == [1.0]
+
+
+def test_the_monitor_flow_on_an_empty_serving_config_exits_non_zero_and_marks_no_success(tmp_path, monkeypatch, capsys):
+    """`monitor run` end to end through the command line, with the flow's stages replaced by spies: the
+    check comes first, so nothing is sampled, decided or marked successful."""
+    import logging
+
+    import flows.monitor as flow
+    from specdistill.cli import main
+
+    serving = tmp_path / "serving.json"
+    serving.write_text("")
+    calls = []
+    monkeypatch.setattr(flow, "monitor", flow.monitor.fn)  # the flow's body, without a Prefect server
+    monkeypatch.setattr(flow, "get_run_logger", lambda: logging.getLogger("monitor"))
+    monkeypatch.setattr(flow.t, "check_serving_config", mc.check_serving_config)
+    for name in ("current_champion", "mark_success"):
+        monkeypatch.setattr(flow.nt, name, lambda *a, name=name, **k: calls.append(name))
+    for name in ("detect_target_change", "sample_acceptance", "record_decision"):
+        monkeypatch.setattr(flow.t, name, lambda *a, name=name, **k: calls.append(name))
+    assert main(["monitor", "run", f"nightly_overrides=[serving_path={serving}]"]) == 2
+    err = capsys.readouterr().err
+    assert f"serving config {serving} is empty" in err and err.count("\n") == 1
+    assert calls == []

@@ -141,3 +141,164 @@ def test_target_update_keeps_a_victim_directory_before_any_work(tmp_path, capsys
     assert main(["demo", "target-update", "--out", str(victim), "--force"]) == 2
     assert "files this command did not write" in capsys.readouterr().err
     assert [p.name for p in victim.iterdir()] == ["thesis.tex"]
+
+
+# --------------------------------------------------------------------------------------------
+# the one guard, its places and its markers (issue: outputs that never eat user files)
+
+
+def test_force_replaces_only_what_the_previous_output_wrote_and_keeps_what_the_user_added(tmp_path):
+    out = _write(tmp_path / "d1", text="v1")
+    marker = json.loads((out / paths.OUTPUT_MARKER).read_text())
+    assert marker["kind"] == "draft" and marker["files"] == sorted(["weights", paths.OUTPUT_MARKER])
+    (out / "NOTES.md").write_text("my notes")
+    (out / "plots").mkdir()
+    (out / "plots" / "curve.png").write_text("png")
+    _write(out, force=True, text="v2")
+    assert (out / "weights").read_text() == "v2"
+    assert (out / "NOTES.md").read_text() == "my notes" and (out / "plots" / "curve.png").read_text() == "png"
+    assert "NOTES.md" not in json.loads((out / paths.OUTPUT_MARKER).read_text())["files"]  # still the user's
+    _write(out, force=True, text="v3")  # and again: kept every time
+    assert (out / "NOTES.md").read_text() == "my notes" and (out / "weights").read_text() == "v3"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d1"]
+
+
+def test_a_user_file_named_like_one_the_command_writes_stops_the_replacement(tmp_path):
+    out = tmp_path / "d1"
+    with atomic_dir(out, "draft") as tmp:
+        (tmp / "a").write_text("ours")
+    (out / "b").write_text("the user's")
+    with pytest.raises(UnsafeOutputError, match="your b has the name of a file this command writes"):
+        with atomic_dir(out, "draft", force=True) as tmp:
+            (tmp / "a").write_text("new")
+            (tmp / "b").write_text("new")
+    assert (out / "a").read_text() == "ours" and (out / "b").read_text() == "the user's"
+
+
+def test_an_older_output_without_a_file_list_is_replaced_only_when_it_holds_nothing_else(tmp_path):
+    out = tmp_path / "old"
+    out.mkdir()
+    (out / "weights").write_text("v0")
+    (out / paths.OUTPUT_MARKER).write_text(json.dumps({"kind": "draft"}))  # as the previous version wrote it
+    _write(out, force=True, text="v1")
+    assert (out / "weights").read_text() == "v1"
+    (out / paths.OUTPUT_MARKER).write_text(json.dumps({"kind": "draft"}))
+    (out / "NOTES.md").write_text("mine")
+    with pytest.raises(UnsafeOutputError, match="does not list as its own"):
+        _write(out, force=True, text="v2")
+    assert (out / "NOTES.md").read_text() == "mine" and (out / "weights").read_text() == "v1"
+
+
+def test_the_registry_stores_are_never_an_output(tmp_path, monkeypatch):
+    artifacts = paths.registry_artifacts_dir() / "demo" / "1" / "abc" / "artifacts" / "draft"
+    copies = paths.registry_copies_dir() / "draft-demo" / "3" / "artifacts" / "draft"
+    for out in (artifacts, copies):
+        out.mkdir(parents=True)
+        (out / "model.safetensors").write_text("registered")
+        (out / paths.OUTPUT_MARKER).write_text(json.dumps({"kind": "draft", "files": ["model.safetensors"]}))
+        for where in (out, out / "sub", out.parent):
+            with pytest.raises(UnsafeOutputError, match="inside the (model registry's artifact store|registered drafts' local copies)"):
+                check_output_dir(where, "draft", force=True)
+        assert (out / "model.safetensors").read_text() == "registered"
+    store = tmp_path / "mlruns"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store.as_uri())
+    with pytest.raises(UnsafeOutputError, match="MLflow file store"):
+        check_output_dir(store / "0" / "x", "draft", force=True)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    check_output_dir(store / "0" / "x", "draft", force=True)  # a server's store is the server's
+
+
+def test_a_symlink_a_path_under_a_file_and_a_file_are_refused_before_any_work(tmp_path):
+    (tmp_path / "file.txt").write_text("x")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "to-empty").symlink_to(tmp_path / "empty")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    for out, why in ((tmp_path / "file.txt" / "sub", "file.txt is not a directory"),
+                     (tmp_path / "file.txt" / "a" / "b", "file.txt is not a directory"),
+                     (tmp_path / "to-empty", "is a symbolic link"), (tmp_path / "dangling", "is a symbolic link"),
+                     (tmp_path / "file.txt", "not a directory")):
+        with pytest.raises(UnsafeOutputError, match=why):
+            check_output_dir(out, "draft", force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "empty", "file.txt", "to-empty"]
+    assert not any((tmp_path / "empty").iterdir())
+
+
+def test_an_output_written_in_place_is_claimed_and_resumed_but_never_someone_elses(tmp_path):
+    out = tmp_path / "run"
+    assert paths.claim_output_dir(out, "distill", ["result.json"]) is False
+    assert paths.output_kind(out) == "distill"
+    (out / "result.json").write_text("{}")
+    assert paths.claim_output_dir(out, "distill", ["result.json"]) is True  # its own previous output: resumes
+    victim = _victim(tmp_path / "victim")
+    with pytest.raises(UnsafeOutputError, match="files this command did not write"):
+        paths.claim_output_dir(victim, "distill", ["result.json"])
+    assert [p.name for p in victim.iterdir()] == ["thesis.tex"]
+    with pytest.raises(UnsafeOutputError, match="state directory"):
+        paths.claim_output_dir(paths.home(), "distill", ["result.json"])
+    (tmp_path / "empty").mkdir()
+    assert paths.claim_output_dir(tmp_path / "empty", "distill", []) is False
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "run", "victim"]
+
+
+def test_draft_init_refuses_a_bad_destination_in_one_line_before_the_target_loads(tmp_path, capsys, monkeypatch):
+    from specdistill.cli import main
+
+    monkeypatch.setattr("specdistill.modeling.models.load_model", lambda *a, **k: pytest.fail("refused before loading"))
+    (tmp_path / "file.txt").write_text("x")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "to-empty").symlink_to(tmp_path / "empty")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    registered = paths.registry_artifacts_dir() / "demo" / "1" / "r" / "artifacts" / "draft"
+    registered.mkdir(parents=True)
+    (registered / paths.OUTPUT_MARKER).write_text(json.dumps({"kind": "draft"}))
+    for out, why in ((tmp_path / "file.txt" / "sub", "is not a directory"), (tmp_path / "to-empty", "symbolic link"),
+                     (tmp_path / "dangling", "symbolic link"), (registered, "model registry's artifact store")):
+        assert main(["draft", "init", "--target", "demo", str(out), "--force"]) == 2
+        err = capsys.readouterr().err
+        assert why in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert sorted(p.name for p in registered.iterdir()) == [paths.OUTPUT_MARKER]
+
+
+def test_draft_init_force_keeps_the_notes_a_user_added(tiny_target, tmp_path):
+    from specdistill.cli import main
+
+    out = tmp_path / "d1"
+    assert main(["draft", "init", "--layers", "0,3", "--target", str(tiny_target), str(out)]) == 0
+    (out / "NOTES.md").write_text("why this draft")
+    assert main(["draft", "init", "--layers", "0,1", "--target", str(tiny_target), str(out), "--force"]) == 0
+    assert (out / "NOTES.md").read_text() == "why this draft"
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+def test_the_state_directory_is_not_listable_and_what_an_older_version_left_open_is_closed(tmp_path):
+    home = paths.home()
+    paths.ensure(home / "fallback")
+    assert home.stat().st_mode & 0o777 == 0o711  # others can reach serving.json, not list what is there
+    home.chmod(0o755)  # as an older version left it
+    (home / "nightly").mkdir(mode=0o755)
+    (home / "nightly").chmod(0o755)
+    old = home / "nightly" / "answers.jsonl"
+    old.write_text("an answer\n")
+    old.chmod(0o644)
+    assert paths.ensure_private(home / "nightly").stat().st_mode & 0o777 == 0o700
+    assert home.stat().st_mode & 0o777 == 0o711
+    with paths.open_private(old, "a") as f:
+        f.write("another\n")
+    assert old.stat().st_mode & 0o777 == 0o600 and old.read_text() == "an answer\nanother\n"
+    outside = tmp_path / "elsewhere"
+    outside.mkdir(mode=0o755)
+    outside.chmod(0o755)
+    paths.ensure(outside / "x")
+    assert outside.stat().st_mode & 0o777 == 0o755  # only the state directory is ours to close
+
+
+def test_an_output_directory_is_readable_by_a_serving_engine_running_as_another_user(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    with atomic_dir(tmp_path / "draft", "draft") as tmp:
+        save_file({"w": torch.zeros(2)}, str(tmp / "model.safetensors"))  # safetensors writes 0600
+        (tmp / "sub").mkdir(mode=0o700)
+    out = tmp_path / "draft"
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o644
+    assert out.stat().st_mode & 0o777 == 0o755 and (out / "sub").stat().st_mode & 0o777 == 0o755

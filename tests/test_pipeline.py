@@ -206,7 +206,7 @@ def tiny_target_dir(tmp_path_factory):
 NOW = datetime(2025, 6, 1, tzinfo=timezone.utc)
 
 
-def _store_with_traffic(tmp_path) -> tuple[str, Path, Path]:
+def _store_with_traffic(tmp_path, url: str | None = None) -> tuple[str, Path, Path]:
     """A SQLite log store filled through the ingest API: chat traffic from long ago and from the last
     hour (OpenAI records with `created`), code prompts that arrive now, and conversations that are
     no prompt (too long, or the assistant speaks first)."""
@@ -227,7 +227,7 @@ def _store_with_traffic(tmp_path) -> tuple[str, Path, Path]:
     chat_file, code_file = tmp_path / "chat.jsonl", tmp_path / "code.jsonl"
     chat_file.write_text("".join(json.dumps(r) + "\n" for r in records))
     code_file.write_text("".join(json.dumps({"prompt": f"def f{i}(x): return x + {i}", "response": "ok"}) + "\n" for i in range(30)))
-    url = f"sqlite:///{tmp_path / 'logs.db'}"
+    url = url or f"sqlite:///{tmp_path / 'logs.db'}"
     with LogStore(url, eval_fraction=0.3) as store:
         ingest(chat_file, "openai", store, progress=False)
         ingest(code_file, "jsonl", store, progress=False)
@@ -687,3 +687,66 @@ def test_train_answers_cut_to_nothing_stop_before_training(tiny_target_dir, tmp_
         answers.generate_responses(config, window, "train", record_teacher=True)
     held = answers.generate_responses(config, window, "eval", record_teacher=False)  # not budgeted
     assert held.answers == len(window.eval)
+
+
+def test_a_finished_runs_state_keeps_traffic_and_answers_to_its_owner(tiny_target_dir, tmp_path):
+    """The state of a run (log store, window, the target's answers and teacher cache, the suffix corpus
+    and its SGLang export, the generic baseline's conversations, a trained draft registered in MLflow,
+    its local copy, serving.json), walked: nobody but the owner can read anything under the state
+    directory, except what a serving engine must read (serving.json and the registered draft it names)."""
+    import os
+    import stat
+
+    from specdistill import paths
+    from specdistill.ops import registry
+    from specdistill.ops.serving import ServingConfig, write_serving_config
+    from specdistill.pipeline.answers import generate_responses
+    from specdistill.pipeline.corpus import nightly_corpus
+
+    home = paths.home()
+    url, chat_file, code_file = _store_with_traffic(tmp_path, url=f"sqlite:///{home / 'logs.db'}")
+    config = _window_config(tiny_target_dir, url, chat_file, code_file, "generation.max_new_tokens=6", "dtype=float32",
+                            "train.kind=layers", "train.layers=0,3", "train.draft_vocab=null", "train.max_steps=2",
+                            "bench.threads=1")
+    window = pipeline.select_window(config, now=NOW)
+    train = generate_responses(config, window, "train", record_teacher=True)
+    heldout = generate_responses(config, window, "eval", record_teacher=False)
+    target = pipeline.describe_target(config.target, dtype="float32")
+    nightly_corpus(config, train, target.fingerprint)
+    generic = pipeline.distill_draft(config, None, heldout, generic=True, window=window)
+    trained = pipeline.distill_draft(config, train, heldout)
+    assert generic.steps == trained.steps == 2
+    reg = registry.register_draft(trained.draft_dir, target_name=config.target_name)
+    served_copy = registry.download_draft(reg.model_uri)
+    write_serving_config(ServingConfig("draft", draft_dir=str(served_copy), draft_version=reg.version))
+
+    def mode(path: Path) -> int:
+        return path.stat().st_mode & 0o777
+
+    # the files the review found world-readable, and the directories that hold them
+    named = [*(run_root() / "generic").glob("*-conversations.jsonl"), Path(train.path), Path(heldout.path),
+             Path(train.path).parent / "suffix_corpus.safetensors", Path(train.path).parent / "suffix_corpus.sglang.jsonl",
+             home / "suffix_corpus.safetensors", home / "logs.db", home / "mlflow.db"]
+    assert len(named) == 8 and {p.name for p in named} >= {"train_generated.jsonl", "eval_generated.jsonl"}
+    assert {str(p): oct(mode(p)) for p in named} == {str(p): oct(0o600) for p in named}
+    for directory in (run_root(), run_root() / "generic", Path(train.path).parent, paths.registry_artifacts_dir()):
+        assert mode(directory) == 0o700, directory
+    assert mode(home) == 0o711  # nobody else lists it; a serving engine can still open what serving.json names
+
+    # the walk: a reader who is not the owner reaches only the serving engine's files
+    version_root = paths.registry_copies_dir() / reg.name / reg.version
+    assert version_root in served_copy.parents
+    readable = []
+    for root, dirs, files in os.walk(home):
+        for name in dirs + files:
+            path = Path(root) / name
+            chain = [path, *[p for p in path.parents if home in p.parents]]  # the path and its directories below home
+            others_reach = all(p.lstat().st_mode & (stat.S_IROTH | (stat.S_IXOTH if p.is_dir() else 0)) for p in chain[:1]) \
+                and all(p.stat().st_mode & stat.S_IXOTH for p in chain[1:])
+            if others_reach and not path.is_symlink():
+                readable.append(path)
+    allowed = [p for p in readable if p == home / "serving.json" or p == paths.registry_copies_dir()
+               or version_root == p or version_root in p.parents or p in version_root.parents]
+    assert readable and sorted(set(readable) - set(allowed)) == []
+    assert home / "serving.json" in readable and served_copy / "model.safetensors" in readable
+    assert all((p.stat().st_mode & 0o066) == 0 for p in named)  # no group bits on traffic either

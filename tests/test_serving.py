@@ -151,3 +151,51 @@ def test_pasted_command_lines_are_shell_quoted():
     sglang = shlex.split(lines["SGLang"])
     assert sglang[sglang.index("--speculative-draft-model-path") + 1] == evil
     assert sglang == cfg.sglang()
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("suffix_max_tree_depth", -1, "greater than or equal to 1"),
+    ("suffix_max_tree_depth", 0, "greater than or equal to 1"),
+    ("suffix_min_token_prob", 7.5, "less than or equal to 1"),
+    ("suffix_min_token_prob", -0.1, "greater than or equal to 0"),
+    ("suffix_max_cached_requests", -10, "greater than or equal to 0"),
+    ("suffix_max_spec_factor", -2.0, "greater than or equal to 0"),
+    ("suffix_max_spec_factor", True, "valid number"),
+    ("suffix_corpus_tokens", -5, "greater than or equal to 0"),
+    ("num_speculative_tokens", -3, "greater than or equal to 0"),
+    ("prompt_lookup_max", 0, "greater than or equal to 1"),
+    ("tree_width", 0, "greater than or equal to 1"),
+    ("updated_at", -1.0, "greater than or equal to 0"),
+    ("measured", {"suffix": -1.4}, "measured.suffix"),
+])
+def test_every_field_is_checked_to_its_range_when_read_and_when_written(tmp_path, capsys, key, value, message):
+    from specdistill.cli import main
+    from specdistill.ops.serving import ServingConfigError
+
+    good = ServingConfig(mode="suffix", suffix_corpus="/c.safetensors", suffix_corpus_tokens=10).to_dict()
+    path = tmp_path / "serving.json"
+    path.write_text(json.dumps({**good, key: value}))
+    with pytest.raises(ServingConfigError, match=message) as err:
+        read_serving_config(path)
+    assert key in str(err.value) and str(path) in str(err.value)
+    assert main(["serving", "show", "--path", str(path)]) == 2  # never a --speculative-config with the bad value
+    out, err_text = capsys.readouterr()
+    assert "speculative" not in out and key in err_text and err_text.count("\n") == 1
+    with pytest.raises(ValueError, match=key):
+        ServingConfig(**{**ServingConfig(mode="suffix", suffix_corpus="/c").model_dump(), key: value})
+    written = tmp_path / "written.json"
+    config = ServingConfig.model_construct(**{**ServingConfig(mode="suffix", suffix_corpus="/c").model_dump(), key: value})
+    with pytest.raises(ServingConfigError, match=key):
+        write_serving_config(config, written)  # built without validation: refused at the write too
+    assert not written.exists()
+
+
+def test_nan_and_infinity_are_refused(tmp_path):
+    from specdistill.ops.serving import ServingConfigError
+
+    path = tmp_path / "serving.json"
+    for text in ('{"mode": "suffix", "suffix_corpus": "/c", "suffix_min_token_prob": NaN}',
+                 '{"mode": "ngram", "measured": {"ngram": Infinity}}'):
+        path.write_text(text)
+        with pytest.raises(ServingConfigError, match="finite number"):
+            read_serving_config(path)

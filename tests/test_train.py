@@ -288,3 +288,48 @@ def test_batch_loss_is_the_same_with_the_online_teacher_and_a_full_cache(tmp_pat
     assert cached.item() == pytest.approx(online.item(), rel=1e-5)
     online.backward()
     assert any(p.grad is not None for p in module.parameters())
+
+
+def test_distill_refuses_an_out_dir_it_did_not_write_before_the_target_loads(tmp_path, capsys, monkeypatch):
+    """A user's directory, the state root, the registry's store and a file: one line each, nothing written."""
+    from specdistill import paths
+    from specdistill.cli import main
+
+    monkeypatch.setattr("specdistill.modeling.models.load_model", lambda *a, **k: pytest.fail("refused before loading"))
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "config.yaml").write_text("mine: true\n")
+    (victim / "result.json").write_text('{"mine": true}')
+    (tmp_path / "file.txt").write_text("x")
+    paths.home().mkdir(parents=True)
+    store = paths.registry_artifacts_dir() / "demo" / "1"
+    store.mkdir(parents=True)
+    cases = ((victim, "files this command did not write"), (paths.home(), "state directory"),
+             (store / "run", "model registry's artifact store"), (tmp_path / "file.txt", "not a directory"),
+             (tmp_path / "file.txt" / "sub", "not a directory"))
+    for out, why in cases:
+        assert main(["distill", "data.path=answers.jsonl", f"out_dir={out}"]) == 2
+        err = capsys.readouterr().err
+        assert why in err and err.count("\n") == 1, err
+    assert (victim / "config.yaml").read_text() == "mine: true\n" and (victim / "result.json").read_text() == '{"mine": true}'
+    assert sorted(p.name for p in victim.iterdir()) == ["config.yaml", "result.json"]
+    assert sorted(p.name for p in paths.home().iterdir()) == ["mlartifacts"] and not any(store.iterdir())
+
+
+def test_distill_claims_its_out_dir_and_a_run_an_older_version_started_still_resumes(tmp_path):
+    from specdistill import paths
+    from specdistill.distill.train import DISTILL_OUTPUT, claim_out_dir
+
+    out = tmp_path / "run"
+    assert claim_out_dir(out) is False and paths.output_kind(out) == DISTILL_OUTPUT
+    assert claim_out_dir(out) is True  # its own: a rerun resumes from the checkpoints
+    legacy = tmp_path / "legacy"  # killed under the previous version: checkpoints, no marker
+    (legacy / "checkpoints" / "step-0000003").mkdir(parents=True)
+    (legacy / "checkpoints" / "step-0000003" / "state.json").write_text("{}")
+    (legacy / "train_log.jsonl").write_text("")
+    assert claim_out_dir(legacy) is True and paths.output_kind(legacy) == DISTILL_OUTPUT
+    imitation = tmp_path / "imitation"  # names a run writes, but no checkpoint state: not ours
+    (imitation / "checkpoints").mkdir(parents=True)
+    (imitation / "result.json").write_text("{}")
+    with pytest.raises(paths.UnsafeOutputError, match="files this command did not write"):
+        claim_out_dir(imitation)

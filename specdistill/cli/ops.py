@@ -82,13 +82,20 @@ def cmd_monitor_sample(args: argparse.Namespace) -> int:
 
 def cmd_monitor_serve(args: argparse.Namespace) -> int:
     from specdistill.ops.exporter import serve_metrics
-    from specdistill.ops.metrics import check_listen_address
+    from specdistill.ops.metrics import check_listen_address, listens_everywhere
 
     check_listen_address(args.port, args.host)  # before the log store opens
-    print(f"serving metrics on http://{args.host}:{args.port}/metrics (refresh every {args.interval:g} s)", file=sys.stderr)
+
+    def listening(url: str) -> None:  # only once the port is bound: a bind error is the one line printed
+        print(f"serving metrics on {url} (refresh every {args.interval:g} s)", file=sys.stderr)
+        if listens_everywhere(args.host):
+            print(f"specdistill: warning: --host {args.host} listens on every interface: the metrics (target and draft "
+                  "versions, acceptance, serving mode) are public to every network that reaches this machine; "
+                  "--host 127.0.0.1 keeps them local", file=sys.stderr)
+
     with log_store(args) as store:
         try:
-            serve_metrics(store, args.port, args.host, args.interval, args.serving)
+            serve_metrics(store, args.port, args.host, args.interval, args.serving, on_listening=listening)
         except KeyboardInterrupt:
             pass
     return 0

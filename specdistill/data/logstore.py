@@ -26,6 +26,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from specdistill import paths
 from specdistill.data.logschema import (  # noqa: F401  (the schema and hashes are part of this module's API)
     DEFAULT_EVAL_FRACTION,
     LogStoreError,
@@ -291,7 +292,7 @@ class LogStore(PipelineRecords):
         answered = [row for row in self.by_ids(ids) if any(m.role == "assistant" for m in row.messages)]
         if answered:
             tmp = Path(path).with_suffix(".tmp")
-            with open(tmp, "w", encoding="utf-8") as f:
+            with paths.open_private(tmp, "w", encoding="utf-8") as f:  # production traffic: the owner only
                 for row in answered:
                     messages = [{"role": m.role, "content": m.content} for m in row.messages]
                     f.write(json.dumps({"id": str(row.id), "messages": messages}, ensure_ascii=False) + "\n")

@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from specdistill import paths
 from specdistill.budget import Deadline
 from specdistill.data.prompts import Prompt, as_messages, encode_chat
 from specdistill.distill.answer_loop import FeatureRecorder, TopKRecorder, decode_batch
@@ -138,7 +139,7 @@ def drop_unbacked(out_path: Path, done: dict[str, dict], caches: list) -> dict[s
     print(f"{len(lost)} answers in {out_path} have no verified cache rows: answering them again", file=sys.stderr)
     kept = {i: r for i, r in done.items() if i in have}
     tmp = out_path.with_name(out_path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with paths.open_private(tmp, "w", encoding="utf-8") as f:
         for record in kept.values():
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
         f.flush()
@@ -198,7 +199,7 @@ def generate_answers(
     eos = tokenizer.eos_token_id
     bar = tqdm(total=len(encoded), desc="target answers", unit="prompt", disable=not progress, file=sys.stderr)
     new_tokens = 0
-    with open(out_path, "a", encoding="utf-8") as out:
+    with paths.open_private(out_path, "a", encoding="utf-8") as out:  # answers to production traffic: the owner only
         for start in range(0, len(encoded), batch_size):
             if deadline is not None and deadline.expired():
                 bar.write(f"target answers: time budget reached after {len(done)} of {len(done) + len(encoded) - start} "

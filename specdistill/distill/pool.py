@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from specdistill import paths
 from specdistill.distill.datagen import read_done
 from specdistill.distill.features import FEATURE_META
 from specdistill.distill.teacher import CACHE_META
@@ -330,7 +331,7 @@ class AnswerPool:
             _link_cache(out / "teacher_cache", CACHE_META, {**teacher_meta, "data": f"pool-{key}"}, teacher_links)
             if feature_meta is not None:
                 _link_cache(out / "features", FEATURE_META, {**feature_meta, "data": f"pool-{key}"}, feature_links)
-            with open(out / "train_generated.jsonl", "w", encoding="utf-8") as f:
+            with paths.open_private(out / "train_generated.jsonl", "w", encoding="utf-8") as f:
                 for rec in picked:
                     f.write(json.dumps(rec, ensure_ascii=False) + "\n")
             _write_json(out / VIEW_DONE, view.to_dict())

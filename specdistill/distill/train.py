@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from specdistill import paths
 from specdistill.distill.checkpoints import checkpoint_dirs, load_checkpoint, save_checkpoint
 from specdistill.distill.config import DistillConfig, save_config
 from specdistill.distill.datagen import DataOrder, read_examples
@@ -76,6 +77,23 @@ def apply_freeze(model: torch.nn.Module, patterns: list[str]) -> tuple[int, int]
 # --------------------------------------------------------------------------------------------
 # The run
 
+DISTILL_OUTPUT = "distill"  # the output kind of a training run's directory (paths.claim_output_dir)
+DISTILL_FILES = ["config.yaml", "metrics.jsonl", "train_log.jsonl", "checkpoints", "draft", "result.json",
+                 "features", "features-heldout"]  # what a run writes into its out_dir
+
+
+def claim_out_dir(out_dir: str | os.PathLike) -> bool:
+    """Check `out_dir` before any work and mark it this run's (True: a previous run's, which resumes).
+    Refused: a directory holding anything but a previous training run, the state directory, the
+    registry's stores, a file (`paths.check_output_dir`). A run an older version started (checkpoints
+    with their state, no marker) is taken as ours, so it still resumes."""
+    out = paths.check_output_location(out_dir)
+    if paths.output_marker(out) is None and checkpoint_dirs(out) \
+            and all((c / "state.json").is_file() for c in checkpoint_dirs(out)):
+        paths.write_marker(out, DISTILL_OUTPUT, DISTILL_FILES)
+    return paths.claim_output_dir(out, DISTILL_OUTPUT, DISTILL_FILES)
+
+
 
 def pick_device(wanted: str) -> torch.device:
     """`auto`: this rank's GPU (LOCAL_RANK) when CUDA is there, else the CPU; `cuda:N`: that GPU; `cuda`
@@ -105,6 +123,8 @@ def distill(config: DistillConfig) -> dict:
     if config.threads:
         torch.set_num_threads(config.threads)
     out_dir = Path(config.out_dir)
+    if rank == 0:
+        claim_out_dir(out_dir)  # before the target loads: a refused out_dir costs nothing
     torch.manual_seed(config.seed)
     random.seed(config.seed)
 

@@ -54,7 +54,7 @@ def download_draft(model_uri: str) -> Path:
         mv = c.get_model_version_by_alias(name, alias) if alias else c.get_model_version(name, number)
     except MlflowException as exc:
         raise ValueError(f"{model_uri}: {exc.message}") from exc
-    target = paths.home() / "registry" / name / str(mv.version)
+    target = paths.registry_copies_dir() / name / str(mv.version)
     if not (target / "MLmodel").is_file():
         target.mkdir(parents=True, exist_ok=True)
         mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{mv.version}", dst_path=str(target))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -41,9 +42,11 @@ def refresh_metrics(metrics, store, after_id: int = 0, serving_path: str | Path 
 
 
 def serve_metrics(store, port: int = 9464, host: str = "127.0.0.1", interval_s: float = 15.0,
-                  serving_path: str | Path | None = None, iterations: int | None = None):
+                  serving_path: str | Path | None = None, iterations: int | None = None,
+                  on_listening: Callable[[str], None] | None = None):
     """`specdistill monitor serve`: the metrics of docs/metrics.md on http://host:port/metrics, refreshed
-    from the log store every `interval_s` (forever, or `iterations` times)."""
+    from the log store every `interval_s` (forever, or `iterations` times). `on_listening` is called with
+    the URL once the port is bound (never before: a bind error is the only word about it)."""
     from specdistill.ops.metrics import SpecDecodeMetrics, check_listen_address
 
     if not interval_s >= MIN_REFRESH_S:  # also NaN
@@ -51,6 +54,9 @@ def serve_metrics(store, port: int = 9464, host: str = "127.0.0.1", interval_s: 
     check_listen_address(port, host)
     metrics = SpecDecodeMetrics()
     server = metrics.serve(port, host)
+    if on_listening is not None:
+        bound = server[0].server_port if isinstance(server, tuple) else port  # port 0: the one the system chose
+        on_listening(f"http://{host if ':' not in host else f'[{host}]'}:{bound}/metrics")
     last = 0
     done = 0
     while iterations is None or done < iterations:

@@ -140,6 +140,19 @@ def check_listen_address(port: int, host: str) -> None:
         raise ValueError(f"host {host!r} is not an address this machine can listen on: {exc}") from None
 
 
+def listens_everywhere(host: str) -> bool:
+    """Whether `host` is a wildcard address (0.0.0.0, ::, or empty): every interface, so every network
+    that reaches the machine can read the metrics (target and draft versions, acceptance, serving mode)."""
+    import ipaddress
+
+    if host.strip() in ("", "*"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False
+
+
 # --------------------------------------------------------------------------------------------
 # Live sampling from a serving engine's /metrics page
 

@@ -56,7 +56,7 @@ def experiment_for(target_name: str) -> str:
         return existing.experiment_id
     artifact_location = None
     if tracking_uri().startswith("sqlite:"):
-        artifact_location = (paths.ensure(paths.home() / "mlartifacts") / re.sub(r"\W+", "-", target_name)).as_uri()
+        artifact_location = (paths.ensure_private(paths.registry_artifacts_dir()) / re.sub(r"\W+", "-", target_name)).as_uri()
     try:
         return c.create_experiment(name, artifact_location=artifact_location)
     except MlflowException:  # created concurrently by another run

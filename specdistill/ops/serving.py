@@ -13,17 +13,27 @@ import os
 import shlex
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError, model_validator
 
 from specdistill import paths
 
 MODES = ("draft", "ngram", "suffix", "self_speculation", "off")
 DRAFT_KINDS = ("layers", "eagle3")  # a plain HF draft checkpoint, or an EAGLE-3 head over the target's features
 SERVING_FILE = "serving.json"
-SERVING_FILE_MODE = 0o644  # it holds no secret, and the serving engine may run as another user
+# The one exception to "traffic and answers are the owner's only" (see specdistill.paths): what a serving
+# engine must read. This file (0644: modes, paths, speedups, no traffic) and the draft directory it names
+# (`draft_dir`: a registered copy or an early-exit export, weights only, 0755/0644) are readable by a
+# serving engine that runs as another user. The suffix corpora it names (`suffix_corpus`,
+# `suffix_corpus_sglang`) are the target's answers and stay 0600: vLLM never reads them (its suffix
+# tree fills from served requests), and an SGLang that loads the external corpus runs as the owner or
+# is granted access by the operator.
+SERVING_FILE_MODE = 0o644
 DERIVED_KEYS = ("vllm", "sglang", "llamacpp")  # written for the engines, recomputed on read
+
+
+Speedup = Annotated[StrictFloat, Field(ge=0.0)]  # a measured speedup: finite, never negative
 
 
 class ServingConfigError(ValueError):
@@ -41,38 +51,40 @@ def _problems(exc: ValidationError) -> str:
 
 
 class ServingConfig(BaseModel):
-    """The serving file's schema. Ints are strict (`true` is not 1); unknown keys are kept as extras."""
+    """The serving file's schema. Ints are strict (`true` is not 1), numbers finite, and every field within
+    the range the engines accept (vLLM's `SpeculativeConfig` checks: a suffix tree at least 1 deep, a
+    token probability in [0, 1], no negative counts), at read and at write; unknown keys are kept as extras."""
 
-    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    model_config = ConfigDict(extra="allow", validate_assignment=True, allow_inf_nan=False)
 
     mode: Literal["draft", "ngram", "suffix", "self_speculation", "off"]
-    num_speculative_tokens: StrictInt = 4
+    num_speculative_tokens: StrictInt = Field(4, ge=0)  # at least 1 unless mode off (checked below)
     draft_dir: StrictStr | None = None  # draft mode, and self-speculation exported as an early-exit draft
     draft_version: StrictStr | None = None
     draft_kind: Literal["layers", "eagle3"] = "layers"  # layers (vLLM draft_model, SGLang STANDALONE) or eagle3
     target_fingerprint: StrictStr | None = None
-    exit_layer: StrictInt | None = None  # self-speculation
-    prompt_lookup_min: StrictInt = 2
-    prompt_lookup_max: StrictInt = 4
+    exit_layer: StrictInt | None = Field(None, ge=1)  # self-speculation: the target's layers 0..exit_layer-1
+    prompt_lookup_min: StrictInt = Field(2, ge=1)
+    prompt_lookup_max: StrictInt = Field(4, ge=1)
     # suffix mode: the corpus of the target's past answers (ours, token ids) and its SGLang export (JSONL of
-    # answer texts); SuffixDecoding's knobs under vLLM's names (suffix_decoding_*)
+    # answer texts); SuffixDecoding's knobs under vLLM's names (suffix_decoding_*) and vLLM's ranges
     suffix_corpus: StrictStr | None = None
     suffix_corpus_sglang: StrictStr | None = None
-    suffix_corpus_tokens: StrictInt = 0
-    suffix_max_tree_depth: StrictInt = 24
-    suffix_max_spec_factor: float = 1.0
-    suffix_min_token_prob: float = 0.1
-    suffix_max_cached_requests: StrictInt = 10000
+    suffix_corpus_tokens: StrictInt = Field(0, ge=0)
+    suffix_max_tree_depth: StrictInt = Field(24, ge=1)
+    suffix_max_spec_factor: StrictFloat = Field(1.0, ge=0.0)
+    suffix_min_token_prob: StrictFloat = Field(0.1, ge=0.0, le=1.0)
+    suffix_max_cached_requests: StrictInt = Field(10000, ge=0)  # 0: vLLM keeps no global tree
     reason: StrictStr = ""
-    measured: dict[str, float] = Field(default_factory=dict)  # every mode's measured speedup, same prompts
+    measured: dict[str, Speedup] = Field(default_factory=dict)  # every mode's measured speedup, same prompts
     measured_on: StrictStr = ""  # engine and dtype the speedups were measured with, e.g. "harness bf16"
     engine: StrictStr = "harness"  # harness | llamacpp | openai: where `measured` comes from
     llamacpp_args: list[StrictStr] = Field(default_factory=list)  # llama-server flags of this mode, as measured
     # an EAGLE-3 head's first-position candidates, verified as a tree (SGLang's --speculative-eagle-topk);
     # vLLM's eagle3 method and llama.cpp verify a chain (width 1)
-    tree_width: StrictInt = 1
+    tree_width: StrictInt = Field(1, ge=1)
     hardware: StrictStr = ""  # the GPU or CPU (model, flags that matter) `measured` came from
-    updated_at: float = Field(default_factory=time.time)
+    updated_at: StrictFloat = Field(default_factory=time.time, ge=0.0)
 
     def __init__(self, mode: str | None = None, /, **data: Any) -> None:
         if mode is not None:  # ServingConfig("ngram", ...) as the dataclass allowed
@@ -212,8 +224,12 @@ def serving_path() -> Path:
 
 def write_serving_config(config: ServingConfig, path: str | Path | None = None) -> Path:
     """Replace the serving config atomically: readers see the old file or the new one, never a mix.
-    Mode 0644: the file holds no secret and the serving engine (maybe another user) must read it."""
-    return paths.atomic_write_json(Path(path) if path else serving_path(), config.to_dict(), mode=SERVING_FILE_MODE)
+    Mode 0644: the file holds no secret and the serving engine (maybe another user) must read it.
+    Validated again first (a config changed after it was built, or built without validation, is refused
+    before it reaches the file): a `ServingConfigError` naming the file and the key."""
+    path = Path(path) if path else serving_path()
+    checked = parse_serving_config(config.model_dump(), path)
+    return paths.atomic_write_json(path, checked.to_dict(), mode=SERVING_FILE_MODE)
 
 
 def parse_serving_config(data: Any, where: str | Path = "serving config") -> ServingConfig:
@@ -234,7 +250,12 @@ def read_serving_config(path: str | Path | None = None) -> ServingConfig | None:
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_bytes())
+        raw = path.read_bytes()
+        if not raw.strip():
+            raise ServingConfigError(f"serving config {path} is empty")
+        data = json.loads(raw)
+    except ServingConfigError:
+        raise
     except (ValueError, UnicodeDecodeError) as exc:
         raise ServingConfigError(f"corrupt serving config {path}: {exc}") from None
     except OSError as exc:

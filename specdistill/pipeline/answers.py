@@ -76,7 +76,7 @@ def _outputs(config: NightlyConfig, window: Window, fingerprint: str, split: str
     # which engine was started is in `source` (the key's tag), so keys of earlier llama.cpp answers hold
     settings = g.model_dump(mode="json", exclude=ENGINE_ONLY if g.backend == "harness" else {"engine"})
     tag = re.sub(r"[^A-Za-z0-9._-]+", "-", source)[:64]
-    out_dir = paths.ensure(run_root() / "data" / f"{window.key}-{fingerprint}-{config_hash(settings)}-{tag}")
+    out_dir = paths.ensure_private(run_root() / "data" / f"{window.key}-{fingerprint}-{config_hash(settings)}-{tag}")
     cache = None
     if record_teacher:
         cache = TeacherCache.create(out_dir / "teacher_cache", fingerprint=fingerprint, k=k, temperature=1.0,

@@ -325,4 +325,4 @@ def config_hash(obj: Any) -> str:
 
 def run_root() -> Path:
     """Where the nightly's content-addressed outputs live ($SPECDISTILL_HOME/nightly)."""
-    return paths.ensure(paths.home() / "nightly")
+    return paths.ensure_private(paths.home() / "nightly")  # traffic, answers, corpora: the owner only

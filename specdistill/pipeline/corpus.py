@@ -9,6 +9,7 @@ prompt is looked up in the log store and a record of the eval split refuses the 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -45,6 +46,7 @@ def nightly_corpus(config, train_data: GeneratedData, target_fingerprint: str) -
     current = current_corpus_path()
     tmp = current.with_name(f".{current.name}.tmp")
     shutil.copyfile(out, tmp)
+    os.chmod(tmp, paths.PRIVATE_FILE_MODE)  # answers, as token ids: the owner only
     tmp.replace(current)
     return str(out)
 
@@ -118,7 +120,7 @@ def export_sglang_corpus(corpus: str | Path, tokenizer) -> Path:
     sequences, _ = load_corpus(corpus)
     out = sglang_corpus_path(corpus)
     tmp = out.with_name(f".{out.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with paths.open_private(tmp, "w", encoding="utf-8") as f:  # answer texts: the owner only (see paths)
         for seq in sequences:
             text = tokenizer.decode(seq.tolist(), skip_special_tokens=True)
             if text.strip():

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from specdistill import paths
 from specdistill.budget import Deadline
 from specdistill.data.prompts import Prompt, as_messages, encode_chat
 from specdistill.distill.datagen import drop_unbacked, read_done, repair_tail
@@ -215,7 +216,7 @@ def generate_answers_openai(
 
     finished: list[tuple[Prompt, list[int], EngineAnswer]] = []
     waiting = iter(todo)
-    with open(out_path, "a", encoding="utf-8") as out, ThreadPoolExecutor(max_workers=parallel) as pool:
+    with paths.open_private(out_path, "a", encoding="utf-8") as out, ThreadPoolExecutor(max_workers=parallel) as pool:
         running: set[Future] = set()
         try:
             while True:  # at most `parallel` requests in flight, none sent after the deadline

@@ -74,12 +74,48 @@ def record_decision(config: MonitorConfig, outcome: MonitorOutcome) -> RecordedD
                        accepted_per_position=list(sample.accepted_per_position))
     try:
         serving = read_serving_config(config.nightly.serving_path)
-    except ServingConfigError:  # a bad file does not lose the decision: the gauges just skip it
-        serving = None
+    except ServingConfigError as exc:  # the decision is kept (stored above), the error counted, and the run fails
+        metrics.serving_config_errors.inc()
+        _push(metrics)
+        raise _stop(exc) from None
     if serving is not None:
         metrics.set_serving(serving.mode, target_fingerprint=target.fingerprint, draft_version=serving.draft_version)
     pushed = metrics.push(job="specdistill-monitor")
     return RecordedDecision(log_store_row=row, pushed=pushed)
+
+
+def _push(metrics) -> None:
+    """Push the error count; an unreachable Pushgateway must not hide the error it reports."""
+    import logging
+
+    try:
+        metrics.push(job="specdistill-monitor")
+    except Exception as exc:  # any failure to push: the config error is what the run reports
+        logging.getLogger(__name__).warning("could not push the serving config error to the Pushgateway: %s", exc)
+
+
+def _stop(exc: Exception):
+    from specdistill.ops.serving import ServingConfigError
+
+    return ServingConfigError(f"{exc}; the monitor stops and records no success (fix the file, or remove it "
+                              "to serve without speculation until the nightly writes one)")
+
+
+def check_serving_config(config: MonitorConfig) -> None:
+    """Before the monitor samples anything: the serving config must be readable (or absent: nothing
+    served yet). A corrupt one is an alert, never a success: counted in
+    `specdistill_serving_config_errors_total` (pushed when a Pushgateway is configured) and a
+    `ServingConfigError` naming the file, so the run fails and marks no pipeline success."""
+    from specdistill.ops.metrics import SpecDecodeMetrics
+    from specdistill.ops.serving import ServingConfigError, read_serving_config
+
+    try:
+        read_serving_config(config.nightly.serving_path)
+    except ServingConfigError as exc:
+        metrics = SpecDecodeMetrics()
+        metrics.serving_config_errors.inc()
+        _push(metrics)
+        raise _stop(exc) from None
 
 
 def registered_first_position(champion: Champion | None) -> float | None:

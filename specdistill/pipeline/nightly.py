@@ -227,7 +227,7 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | None, heldo
     eagle3 = Eagle3Config()
     if generic:
         out_dir = run_root() / "generic" / f"{window.key}-{config_hash(tc)}"
-        conv_path = paths.ensure(out_dir.parent) / f"{window.key}-conversations.jsonl"
+        conv_path = paths.ensure_private(out_dir.parent) / f"{window.key}-conversations.jsonl"
         if not conv_path.is_file():
             _write_conversations(config, window, conv_path)
         data = DataConfig(path=str(conv_path), kind="conversations", heldout_path=heldout_data.path)

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from specdistill import paths
+
 CORPUS_FORMAT = "specdistill-suffix-corpus/1"
 
 
@@ -62,6 +64,7 @@ def save_corpus(path: str | Path, sequences: list[list[int]], meta: CorpusMeta) 
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     save_file({"tokens": tokens, "offsets": offsets}, str(tmp),
               metadata={"meta": json.dumps(asdict(meta)), "sha256": _digest(tokens, offsets)})
+    os.chmod(tmp, paths.PRIVATE_FILE_MODE)  # the target's answers to production traffic, as token ids
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
