@@ -119,11 +119,31 @@ def test_report_table_lists_every_drafter_and_the_decision():
     results = {"challenger": _result(0.55, 2.4), "ngram": _result(0.1, 1.2, speedup=0.9)}
     verdict = GateVerdict(True, [Check("acceptance rate", True, 0.55, 0.5, "acceptance rate 0.550 >= 0.500")])
     text = report_table(results, verdict, RegisteredDraft("draft-t", "3", "r", "models:/draft-t/3"), Promoted("3", "/s.json"))
-    assert "| challenger (x) | 0.550 | 0.550 | 2.40 | 4 | 1.20x" in text  # first-position, then α
+    assert "| challenger | 0.550 | 0.550 | 2.40 | 4 | 1.20x" in text  # first-position, then α
+    assert "- challenger: `x`" in text  # the spec, below the table
     assert "| d |" in report_table({"d": _result(0.5, 2.0, spec="draft:/long/path")})
     assert "| no speculation |" in text and "**gate (champion draft): PASS**" in text
     assert "version 3 (alias `champion`)" in text and "/s.json" in text
     assert "unchanged" in report_table(results, verdict, RegisteredDraft("d", "4", "r", "models:/d/4"), None)
+
+
+def test_report_table_names_drafters_short_and_lists_their_paths_below():
+    """The specs carry long corpus and draft paths: in the first column they made the demo's table
+    unreadable in a terminal, so the table names each drafter and the paths follow it."""
+    corpus = "/home/me/.specdistill/runs/nightly/20261201-2008/answers/suffix_corpus.safetensors"
+    head = "/home/me/.specdistill/runs/nightly/20261201-2008/challenger/draft"
+    specs = {"challenger": f"draft:{head}", "ngram": "ngram", "self-spec@8": "self_spec:8",
+             "suffix": f"suffix:{corpus}", "hybrid": f"hybrid:{head},{corpus}"}
+    text = report_table({name: _result(0.4, 1.8, spec=spec) for name, spec in specs.items()})
+    lines = text.splitlines()
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| drafter")]
+    assert [row.split(" | ")[0][2:] for row in rows] == [*specs, "no speculation"]
+    below = lines[lines.index("| no speculation | – | – | 1.00 | – | 1.00x | – | yes |") + 1:]
+    for name, spec in specs.items():
+        assert (f"- {name}: `{spec}`" in below) == (spec != name)  # a spec that is its own name is not repeated
+    assert not any(corpus in row or head in row for row in rows)
+    engine = report_table({}, speeds={"suffix": _result(0.4, 1.8, spec=f"suffix:{corpus}", engine="vllm")})
+    assert "| suffix | 0.400 | 1.80 |" in engine and f"- suffix: `suffix:{corpus}`" in engine.splitlines()
 
 
 def test_the_gamma_note_tells_a_confirmation_that_lost_from_one_that_did_not_run():

@@ -50,12 +50,12 @@ def report_table(results: dict[str, BenchResult], verdict: GateVerdict | None = 
              "|---|---:|---:|---:|---:|---:|---:|---|"]
     for name, r in results.items():
         c = "" if r.cost_ratio is None else f"{r.cost_ratio:.3f}"
-        label = name if r.spec.startswith("draft:") or not r.spec else f"{name} ({r.spec})"
         gamma = f"{r.gamma} (tree {r.tree_width})" if r.tree_width > 1 else f"{r.gamma}"
         first = f"{r.first_position_acceptance:.3f}" if r.per_position_acceptance else "–"  # –: no per-position counts
-        lines.append(f"| {label} | {first} | {r.acceptance_rate:.3f} | {r.accepted_length:.2f} | {gamma} | "
+        lines.append(f"| {name} | {first} | {r.acceptance_rate:.3f} | {r.accepted_length:.2f} | {gamma} | "
                      f"{r.speedup:.2f}x | {c} | {lossless_cell(r)} |")
     lines.append("| no speculation | – | – | 1.00 | – | 1.00x | – | yes |")
+    lines += drafter_specs(results)
     if any(r.tree_width > 1 for r in results.values()):
         lines += ["", "γ (tree W): a chain of γ drafts after the head's top candidate plus its next W-1 candidates for "
                       "the first position, verified in one target forward (greedy); α is the chain's acceptance, τ "
@@ -114,9 +114,16 @@ def engine_table(speeds: dict[str, BenchResult]) -> list[str]:
              f"a prompt, target-only {some.tokens_per_second_target_only:.1f} tokens/s (wall clock); α from the engine's counters",
              "", "| mode | acceptance α | accepted length τ | K | speedup | lossless (engine logprobs) |", "|---|---:|---:|---:|---:|---|"]
     for name, r in speeds.items():
-        lines.append(f"| {name} ({r.spec}) | {r.acceptance_rate:.3f} | {r.accepted_length:.2f} | {r.gamma} | "
+        lines.append(f"| {name} | {r.acceptance_rate:.3f} | {r.accepted_length:.2f} | {r.gamma} | "
                      f"{r.speedup:.2f}x | {lossless_cell(r)} |")
-    return lines
+    return lines + drafter_specs(speeds)
+
+
+def drafter_specs(results: dict[str, BenchResult]) -> list[str]:
+    """What each short name in a table stands for, below it: the specs carry corpus and draft paths,
+    too long for a table's first column in a terminal."""
+    specs = [f"- {name}: `{r.spec}`" for name, r in results.items() if r.spec and r.spec != name]
+    return ["", "drafters:", *specs] if specs else []
 
 
 def _serving_line(serving: ServingDecision) -> str:
