@@ -9,6 +9,7 @@ unless the caller turns it on.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -67,6 +68,11 @@ class LoadedModel:
     @property
     def config(self):
         return self.model.config
+
+    @functools.cached_property
+    def tokenizer_digest(self) -> str:
+        """`tokenizer_digest` of its tokenizer: what a suffix corpus built for this target must carry."""
+        return tokenizer_digest(self.tokenizer)
 
 
 # --------------------------------------------------------------------------------------------
