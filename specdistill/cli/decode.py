@@ -214,7 +214,8 @@ def _add_drafting(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="auto: bf16 on CUDA and on CPUs with native bf16 (AVX-512 BF16, AMX), else fp32; drafts follow the target")
     how = p.add_mutually_exclusive_group()
-    how.add_argument("--draft", default=None, help="draft model directory (its draft_vocab.safetensors is used if present)")
+    how.add_argument("--draft", default=None,
+                     help="draft model directory or models:/NAME@ALIAS (its draft_vocab.safetensors is used if present)")
     how.add_argument("--self-spec", type=positive_int, default=None, metavar="K", help="the target drafts by exiting at layer K")
     how.add_argument("--ngram", action="store_true", help="prompt-lookup drafting from the history")
     p.add_argument("--suffix", default=None, metavar="CORPUS",
