@@ -210,8 +210,11 @@ def check_model_cache(cache_dir: Path) -> None:
         return
     if not is_sealed(record):
         raise WeightsIntegrityError(f"{source} was edited: its record no longer matches its check")
-    if verify_weights(cache_dir, record["weights"]):  # a touch: same content, new stat
-        write_json_atomic(source, sealed(record))
+    if verify_weights(cache_dir, record["weights"]):  # a touch or a copy: same content, new stat
+        try:
+            write_json_atomic(source, sealed(record))
+        except OSError:  # a read-only cache stays usable: the full hash just runs again next time
+            pass
 
 
 @dataclass
