@@ -703,4 +703,3 @@ def test_train_answers_cut_to_nothing_stop_before_training(tiny_target_dir, tmp_
         answers.generate_responses(config, window, "train", record_teacher=True)
     held = answers.generate_responses(config, window, "eval", record_teacher=False)  # not budgeted
     assert held.answers == len(window.eval)
-
