@@ -44,15 +44,18 @@ def test_suffix_mode_gives_vllm_suffix_and_sglang_ngram_with_the_corpus(tmp_path
         ServingConfig(mode="suffix")
 
 
-def test_sglang_export_is_one_json_string_per_answer(tmp_path):
-    class Tok:
-        def decode(self, ids, skip_special_tokens=True):
-            return " ".join(f"t{i}" for i in ids)
+def test_sglang_export_is_one_json_string_per_answer_of_its_own_tokenizer(tmp_path):
+    from specdistill.modeling.fingerprints import tokenizer_digest
+    from specdistill.speculative.suffix_corpus import CorpusError
 
-    corpus = _corpus(tmp_path)
-    out = export_sglang_corpus(corpus, Tok())
+    tok = train_bpe(300)
+    corpus = _corpus(tmp_path, tokenizer=tokenizer_digest(tok))
+    out = export_sglang_corpus(corpus, tok)
     assert out == sglang_corpus_path(corpus)
-    assert [json.loads(line) for line in out.read_text().splitlines()] == ["t1 t2 t3 t4", "t5 t6 t7"]
+    assert [json.loads(line) for line in out.read_text().splitlines()] == [
+        tok.decode(ids, skip_special_tokens=True) for ids in ([1, 2, 3, 4], [5, 6, 7])]
+    with pytest.raises(CorpusError, match="another tokenizer"):  # its ids would decode to other text
+        export_sglang_corpus(corpus, train_bpe(120))
 
 
 def _entry(spec: str, speedup: float):
@@ -60,8 +63,11 @@ def _entry(spec: str, speedup: float):
 
 
 def test_the_nightly_serves_the_suffix_drafter_and_never_the_hybrid(tmp_path):
-    corpus = _corpus(tmp_path)
-    export_sglang_corpus(corpus, type("T", (), {"decode": lambda self, ids, skip_special_tokens=True: "x"})())
+    from specdistill.modeling.fingerprints import tokenizer_digest
+
+    tok = train_bpe(300)
+    corpus = _corpus(tmp_path, tokenizer=tokenizer_digest(tok))
+    export_sglang_corpus(corpus, tok)
     results = {"ngram": _entry("ngram", 1.2), "suffix": _entry(f"suffix:{corpus}", 1.5),
                "hybrid": _entry(f"hybrid:/d,{corpus}", 1.9), "generic": _entry("draft:/g", 2.0)}
     assert set(serving_candidates(results, GateVerdict(False))) == {"ngram", "suffix"}
