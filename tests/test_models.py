@@ -161,59 +161,6 @@ def test_weights_rewritten_with_size_and_mtime_kept_get_a_new_fingerprint(tiny_d
     assert load_model(tiny_dir).fingerprint != first
 
 
-@pytest.mark.e2e
-def test_four_megabytes_overwritten_in_the_demo_cache_are_detected(tmp_path):
-    """The finding: 4 MB zeroed inside the demo cache's model.safetensors, size and mtime kept, gave
-    `generate` exit 0 with output_ids all 0 and the old fingerprint."""
-    import shutil
-
-    from specdistill.modeling.integrity import WeightsIntegrityError
-    from specdistill.modeling.models import check_model_cache
-
-    cache = tmp_path / "demo-cache"
-    shutil.copytree(resolve_model_dir("demo"), cache)
-    check_model_cache(cache)
-    weights = cache / "model.safetensors"
-    _overwrite_keeping_stat(weights, weights.stat().st_size // 3, 4 << 20)
-    with pytest.raises(WeightsIntegrityError, match="model.safetensors"):
-        check_model_cache(cache)
-
-
-@pytest.mark.parametrize("flags, want", [("avx2 avx512f avx512_bf16", torch.bfloat16), ("avx2 fma", torch.float32)])
-def test_load_model_defaults_to_auto_as_every_config_does(tiny_dir, monkeypatch, flags, want):
-    from specdistill.hardware import FLAGS_ENV
-    from specdistill.modeling.models import resolve_dtype
-
-    monkeypatch.setenv(FLAGS_ENV, flags)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    # the flags are emulated: no oneDNN packing (an AVX2-only CPU would refuse its bf16 reorder)
-    monkeypatch.setattr("specdistill.modeling.models.packing_available", lambda: False)
-    assert resolve_dtype("auto") == want
-    assert load_model(tiny_dir).model.dtype == want
-    assert load_model(tiny_dir, dtype="float32").model.dtype == torch.float32
-
-
-def test_a_shared_target_is_loaded_once_per_process_and_again_when_its_files_change(tmp_path, monkeypatch):
-    """The nightly's stages each ask for the target; it is read once, frozen, and a target updated on disk
-    (new weights, same directory) is read afresh rather than served stale."""
-    from specdistill.modeling import models
-
-    target_dir = save_tiny_target(tmp_path / "target")
-    loads = []
-    real = models.load_model
-    monkeypatch.setattr(models, "load_model", lambda ref, **kw: (loads.append((str(ref), kw)), real(ref, **kw))[1])
-    first = models.shared_model(target_dir, dtype="float32")
-    assert models.shared_model(target_dir, dtype="float32") is first and len(loads) == 1
-    assert not any(p.requires_grad for p in first.model.parameters())
-    other = models.shared_model(target_dir, dtype="bfloat16")  # another dtype is another model
-    assert other is not first and other.model.dtype == torch.bfloat16 and len(loads) == 2
-    weights = next(target_dir.glob("*.safetensors"))
-    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # the target updated
-    assert models.shared_model(target_dir, dtype="float32") is not first and len(loads) == 3
-    assert len(models._SHARED) == models.SHARED_MODELS  # the oldest dropped
-    assert models.load_model(target_dir, dtype="float32") is not first  # load_model: always a private copy
-
-
 def _reseal_stat(record_path, weights) -> None:
     """The record told the file's current stat: a write the stat cannot show (below the file system)."""
     from specdistill.modeling.integrity import _stat, sealed
@@ -280,3 +227,56 @@ def test_the_full_check_of_a_target_directory_drops_a_stale_fingerprint(tiny_dir
     assert load_model(tiny_dir).fingerprint == first  # the sampled check missed it: the old identity
     assert verify_model_files(tiny_dir).outcome == "fingerprint dropped"
     assert load_model(tiny_dir).fingerprint != first  # a new target version, as the content says
+
+
+@pytest.mark.e2e
+def test_four_megabytes_overwritten_in_the_demo_cache_are_detected(tmp_path):
+    """The finding: 4 MB zeroed inside the demo cache's model.safetensors, size and mtime kept, gave
+    `generate` exit 0 with output_ids all 0 and the old fingerprint."""
+    import shutil
+
+    from specdistill.modeling.integrity import WeightsIntegrityError
+    from specdistill.modeling.models import check_model_cache
+
+    cache = tmp_path / "demo-cache"
+    shutil.copytree(resolve_model_dir("demo"), cache)
+    check_model_cache(cache)
+    weights = cache / "model.safetensors"
+    _overwrite_keeping_stat(weights, weights.stat().st_size // 3, 4 << 20)
+    with pytest.raises(WeightsIntegrityError, match="model.safetensors"):
+        check_model_cache(cache)
+
+
+@pytest.mark.parametrize("flags, want", [("avx2 avx512f avx512_bf16", torch.bfloat16), ("avx2 fma", torch.float32)])
+def test_load_model_defaults_to_auto_as_every_config_does(tiny_dir, monkeypatch, flags, want):
+    from specdistill.hardware import FLAGS_ENV
+    from specdistill.modeling.models import resolve_dtype
+
+    monkeypatch.setenv(FLAGS_ENV, flags)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    # the flags are emulated: no oneDNN packing (an AVX2-only CPU would refuse its bf16 reorder)
+    monkeypatch.setattr("specdistill.modeling.models.packing_available", lambda: False)
+    assert resolve_dtype("auto") == want
+    assert load_model(tiny_dir).model.dtype == want
+    assert load_model(tiny_dir, dtype="float32").model.dtype == torch.float32
+
+
+def test_a_shared_target_is_loaded_once_per_process_and_again_when_its_files_change(tmp_path, monkeypatch):
+    """The nightly's stages each ask for the target; it is read once, frozen, and a target updated on disk
+    (new weights, same directory) is read afresh rather than served stale."""
+    from specdistill.modeling import models
+
+    target_dir = save_tiny_target(tmp_path / "target")
+    loads = []
+    real = models.load_model
+    monkeypatch.setattr(models, "load_model", lambda ref, **kw: (loads.append((str(ref), kw)), real(ref, **kw))[1])
+    first = models.shared_model(target_dir, dtype="float32")
+    assert models.shared_model(target_dir, dtype="float32") is first and len(loads) == 1
+    assert not any(p.requires_grad for p in first.model.parameters())
+    other = models.shared_model(target_dir, dtype="bfloat16")  # another dtype is another model
+    assert other is not first and other.model.dtype == torch.bfloat16 and len(loads) == 2
+    weights = next(target_dir.glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # the target updated
+    assert models.shared_model(target_dir, dtype="float32") is not first and len(loads) == 3
+    assert len(models._SHARED) == models.SHARED_MODELS  # the oldest dropped
+    assert models.load_model(target_dir, dtype="float32") is not first  # load_model: always a private copy

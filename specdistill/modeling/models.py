@@ -29,7 +29,6 @@ from transformers import (
 )
 
 from specdistill import hardware, paths
-from specdistill.modeling.canary import DegenerateModelError, check_canary  # noqa: F401
 from specdistill.modeling.fingerprints import (  # noqa: F401  (fingerprint: this module's API too)
     FINGERPRINT_FILE,
     SOURCE_FILE,
@@ -312,6 +311,7 @@ def load_model(
     dtype = resolve_dtype(dtype)
     device = resolve_device(device)
     model_dir = resolve_model_dir(ref)
+    from specdistill.modeling.canary import check_canary
     from specdistill.modeling.eagle3_io import is_eagle3_dir
 
     if is_eagle3_dir(model_dir):

@@ -1,4 +1,4 @@
-"""A registered draft (`models:/NAME@ALIAS`) reaches every engine as the local directory the one resolver
+"""Engines get local directories: a registered draft (`models:/NAME@ALIAS`) reaches every engine as the local directory the one resolver
 (`modeling.models.resolve_model_dir`, with the registry's integrity check) gives: vLLM and llama.cpp were
 handed the reference unresolved."""
 
