@@ -83,3 +83,23 @@ def test_llamacpp_mode_gets_the_registered_drafts_directory(registered, monkeypa
     monkeypatch.setattr(llamacpp, "draft_mode", lambda draft, target, k: draft)  # the GGUF export is llama.cpp's test
     assert _local_registered_copy(mode_for_spec(f"draft:models:/{reg.name}@challenger", Path("t.gguf"), 4), reg)
     assert mode_for_spec("draft:/d/draft.gguf", Path("t.gguf"), 4) == "/d/draft.gguf"  # a GGUF draft as it is
+
+
+def test_vllm_is_launched_with_the_registered_drafts_directory_on_its_command_line(registered, tmp_path):
+    """Through the real server start (a stand-in launcher records its command line): the draft vLLM is
+    given is the verified local copy, past the check that refused `models:/...` as 'not an HF directory'."""
+    from specdistill.engines.vllm import VllmStartError
+    from specdistill.engines.vllm_bench import bench_vllm
+    from specdistill.pipeline.vllm_bench import mode_serving_config
+    from tests.test_vllm_lifecycle import _env
+
+    target, reg = registered
+    argv = tmp_path / "argv.log"
+    env = _env(tmp_path, f'echo "$@" >> {argv}; echo "ValueError: stand-in vLLM"; exit 1')
+    mode = mode_serving_config(f"draft:models:/{reg.name}@challenger", 4, str(target)).vllm()
+    with pytest.raises(VllmStartError, match="stand-in vLLM"):  # target-only could not start: nothing measured
+        bench_vllm(target, {"draft": mode}, [], env=env, progress=False)
+    launched = argv.read_text()
+    local = registry.download_draft(reg.model_uri)
+    assert launched.count("--speculative-config") == 1 and json.dumps(str(local)) in launched
+    assert "models:/" not in launched
