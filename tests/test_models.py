@@ -161,6 +161,74 @@ def test_weights_rewritten_with_size_and_mtime_kept_get_a_new_fingerprint(tiny_d
     assert load_model(tiny_dir).fingerprint != first
 
 
+def _reseal_stat(record_path, weights) -> None:
+    """The record told the file's current stat: a write the stat cannot show (below the file system)."""
+    from specdistill.modeling.integrity import _stat, sealed
+
+    record = json.loads(record_path.read_text())
+    record["weights"][weights.name]["stat"] = _stat(weights)
+    record_path.write_text(json.dumps(sealed(record)))
+
+
+@pytest.fixture
+def few_samples(monkeypatch):
+    """A sampling stride of a third of a tiny file: an overwrite between two sampled blocks, as in the
+    finding's 200 KB between the demo cache's blocks."""
+    from specdistill.modeling import integrity
+
+    monkeypatch.setattr(integrity, "SAMPLE_BLOCKS", 4)
+    monkeypatch.setattr(integrity, "SAMPLE_BYTES", 256)
+
+
+def test_an_overwrite_between_sampled_blocks_is_caught_at_the_next_load(fake_gguf, tmp_path, few_samples):
+    """Size and mtime kept, the sampled blocks untouched: the per-load check passed; ctime says it was written."""
+    from specdistill.modeling.integrity import WeightsIntegrityError, sample_digest
+    from specdistill.modeling.models import check_model_cache
+
+    gguf, conversions = fake_gguf
+    cache = convert_gguf(gguf, tmp_path / "cache")
+    weights = cache / "model.safetensors"
+    sampled = sample_digest(weights)
+    _overwrite_keeping_stat(weights, weights.stat().st_size // 6, 2048)
+    assert sample_digest(weights) == sampled  # between the sampled blocks
+    with pytest.raises(WeightsIntegrityError, match="model.safetensors: content differs"):
+        check_model_cache(cache)
+    assert convert_gguf(gguf, cache) == cache and len(conversions) == 2  # rebuilt
+
+
+def test_the_full_check_finds_what_the_sampled_one_cannot(fake_gguf, tmp_path, monkeypatch, few_samples, capsys):
+    from specdistill.modeling import models
+    from specdistill.modeling.models import check_model_cache, verify_model_files
+
+    monkeypatch.setenv("SPECDISTILL_MODEL_CACHE", str(tmp_path / "models"))
+    gguf, conversions = fake_gguf
+    check = verify_model_files(gguf)
+    weights = check.path / "model.safetensors"
+    assert (check.outcome, check.bytes) == ("verified", weights.stat().st_size) and len(conversions) == 1
+    good = weights.read_bytes()
+    _overwrite_keeping_stat(weights, weights.stat().st_size // 6, 2048)
+    _reseal_stat(check.path / models.SOURCE_FILE, weights)
+    check_model_cache(check.path)  # the per-load check cannot see it
+    again = verify_model_files(gguf)
+    assert again.outcome == "rebuilt" and "model.safetensors: content differs" in again.detail
+    assert len(conversions) == 2 and weights.read_bytes() == good
+    assert "rebuilding the model cache" in capsys.readouterr().err
+
+
+def test_the_full_check_of_a_target_directory_drops_a_stale_fingerprint(tiny_dir, few_samples):
+    from specdistill.modeling.models import FINGERPRINT_FILE, verify_model_files
+
+    first = load_model(tiny_dir).fingerprint
+    assert verify_model_files(tiny_dir).outcome == "verified"
+    weights = tiny_dir / "model.safetensors"
+    header = 8 + int.from_bytes(weights.read_bytes()[:8], "little")
+    _overwrite_keeping_stat(weights, header + 64, 256)
+    _reseal_stat(tiny_dir / FINGERPRINT_FILE, weights)
+    assert load_model(tiny_dir).fingerprint == first  # the sampled check missed it: the old identity
+    assert verify_model_files(tiny_dir).outcome == "fingerprint dropped"
+    assert load_model(tiny_dir).fingerprint != first  # a new target version, as the content says
+
+
 @pytest.mark.e2e
 def test_four_megabytes_overwritten_in_the_demo_cache_are_detected(tmp_path):
     """The finding: 4 MB zeroed inside the demo cache's model.safetensors, size and mtime kept, gave

@@ -318,6 +318,22 @@ def test_select_window_replays_older_traffic_and_fails_on_an_empty_window(tiny_t
         pipeline.select_window(later, now=NOW)
 
 
+def test_describe_target_hashes_the_target_in_full_once_per_run(tmp_path, monkeypatch, capsys):
+    """The nightly's first stage checks every byte of the target's weights (a load checks a sample)."""
+    from specdistill.modeling import models
+    from tests.conftest import save_tiny_target
+
+    target_dir = save_tiny_target(tmp_path / "target")
+    models.load_model(target_dir, dtype="float32")  # its fingerprint record: what the full check reads
+    checks = []
+    real = models.verify_model_files
+    monkeypatch.setattr(models, "verify_model_files", lambda ref: checks.append(ref) or real(ref))
+    pipeline.describe_target(str(target_dir), "float32", "cpu")
+    assert checks == [str(target_dir)]
+    size = (target_dir / "model.safetensors").stat().st_size
+    assert f"target weights verified: {size / 1e6:.0f} MB hashed in" in capsys.readouterr().err
+
+
 def test_distill_output_dir_depends_on_the_train_config_data_and_warm_start_only(monkeypatch):
     calls = []
 

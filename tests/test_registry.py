@@ -1,6 +1,9 @@
 """The registry on a local SQLite MLflow: versions, tags, aliases, promotion with the serving config."""
 
+import json
+import os
 import threading
+from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM
@@ -137,3 +140,54 @@ def test_a_promotion_replaces_an_unreadable_serving_file_and_keeps_a_copy(draft_
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     assert registry.tracking_uri() == f"sqlite:///{paths.home() / 'mlflow.db'}"
     assert (paths.home() / "mlflow.db").stat().st_mode & 0o777 == 0o600  # created before MLflow opens it
+
+
+def _artifact_copy(reg) -> Path:
+    """The registered version's checkpoint inside the artifact store (what `draft init --force` overwrote)."""
+    from specdistill import paths
+
+    (weights,) = (paths.home() / "mlartifacts").rglob("model.safetensors")
+    return Path(weights.parent)
+
+
+def test_a_registered_draft_changed_in_the_artifact_store_is_refused_naming_the_version(draft_dir):
+    """A draft overwritten inside the artifact store loaded as if it were the version the gate approved."""
+    from specdistill.modeling.models import resolve_model_dir
+
+    reg = registry.register_draft(draft_dir, target_name="immutable")
+    recorded = registry.client().get_model_version(reg.name, reg.version).tags[registry.FILES_TAG]
+    assert set(json.loads(recorded)) >= {"config.json", "model.safetensors"}
+    stored = _artifact_copy(reg)
+    tok = train_bpe(300)
+    make_tiny_llama(vocab_size=len(tok), layers=6, seed=9).save_pretrained(stored)  # a bigger draft, same names
+    with pytest.raises(registry.RegisteredDraftChanged,
+                       match=rf"models:/{reg.name}/1 \({reg.name} version 1\): \S+/my-draft-v7/config.json differs from the SHA-256"):
+        load_model(f"models:/{reg.name}@challenger")
+    with pytest.raises(registry.RegisteredDraftChanged, match="version 1"):  # the resolver every command uses
+        resolve_model_dir(f"models:/{reg.name}/1")
+
+
+def test_a_changed_or_added_file_in_the_local_copy_is_refused(draft_dir):
+    reg = registry.register_draft(draft_dir, target_name="local-copy")
+    local = registry.download_draft(reg.model_uri)
+    load_model(reg.model_uri)  # a load writes its fingerprint record beside the weights: not a change
+    assert registry.download_draft(reg.model_uri) == local
+    (local / "extra.safetensors").write_bytes(b"x")
+    with pytest.raises(registry.RegisteredDraftChanged, match=r"extra.safetensors was added after registration"):
+        registry.download_draft(reg.model_uri)
+    (local / "extra.safetensors").unlink()
+    config = local / "config.json"
+    stat = config.stat()
+    config.write_text(config.read_text().replace('"num_hidden_layers": 4', '"num_hidden_layers": 2'))
+    os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # mtime put back
+    with pytest.raises(registry.RegisteredDraftChanged, match=r"config.json differs from the SHA-256 recorded"):
+        registry.download_draft(f"models:/{reg.name}@challenger")
+
+
+def test_a_version_registered_before_file_hashes_loads_with_a_warning(draft_dir, caplog):
+    reg = registry.register_draft(draft_dir, target_name="before-hashes")
+    registry.client().delete_model_version_tag(reg.name, reg.version, registry.FILES_TAG)
+    with caplog.at_level("WARNING"):
+        local = registry.download_draft(reg.model_uri)
+    assert (local / "config.json").is_file()
+    assert f"models:/{reg.name}/1" in caplog.text and "unverified" in caplog.text

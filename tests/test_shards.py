@@ -115,10 +115,21 @@ def test_a_bad_shard_is_answered_again_on_the_next_run(tmp_path):
     assert list((tmp_path / "c" / "quarantine").glob("*.reason"))
 
 
-def test_shards_written_before_checksums_still_read(tmp_path):
+def test_a_shard_without_its_checksum_is_quarantined_not_trusted(tmp_path):
+    """A shard whose checksum metadata was removed read as a legacy shard: forged top-k indices trained."""
     from safetensors.torch import save_file
 
     (tmp_path / "teacher_cache.json").write_text(json.dumps({"fingerprint": FP, "k": 8}))
-    save_file({f"e0/{k}": v for k, v in _entries(1)["e0"].items()}, str(tmp_path / "shard-old.safetensors"))
-    assert set(TeacherCache.open(tmp_path, fingerprint=FP).load_all()) == {"e0"}
-    assert shards.verified_keys(tmp_path, "input_ids") == ({"e0"}, [])
+    cache = TeacherCache.open(tmp_path, fingerprint=FP)
+    cache.write_shard("good", _entries(1, seed=1))
+    forged = {f"e0/{k}": v for k, v in _entries(1)["e0"].items()}
+    forged["e0/indices"] = torch.zeros_like(forged["e0/indices"])
+    save_file(forged, str(tmp_path / "shard-stripped.safetensors"))  # as write_shard, without the metadata
+    with pytest.raises(CorruptShardError, match=r"shard-stripped.safetensors is without a checksum"):
+        cache.load_all()
+    assert not (tmp_path / "shard-stripped.safetensors").exists()
+    assert set(cache.load_all()) == {"e0"} and cache.load_all()["e0"]["indices"].any()  # the good shard's row
+    save_file(forged, str(tmp_path / "shard-stripped2.safetensors"))
+    ids, bad = shards.verified_keys(tmp_path, "input_ids")
+    assert ids == {"e0"} and len(bad) == 1 and "shard-stripped2.safetensors: without a checksum" in bad[0]
+    assert len(list((tmp_path / "quarantine").glob("*.reason"))) == 2

@@ -112,3 +112,49 @@ def test_answers_file_errors_name_the_line_and_a_torn_tail_is_skipped(tmp_path):
     path.write_text('{"id": "1", "response_ids": [1, 2]}\n{"id": "2"}\n{"id": "3", "response_ids": [3]}\n')
     with pytest.raises(CorpusError, match=r"train_generated\.jsonl:2: not an answer record"):
         read_answers(path)
+
+
+def _corpus_with_edited_tokenizer(tmp_path):
+    """A tiny target, and a corpus built for its fingerprint whose tokenizer digest was edited afterwards."""
+    from specdistill.modeling.models import load_model
+    from tests.conftest import save_tiny_target
+
+    target_dir = save_tiny_target(tmp_path / "target")
+    target = load_model(target_dir, dtype="float32")
+    good = save_corpus(tmp_path / "good.safetensors", SEQS, _meta(target_fingerprint=target.fingerprint,
+                                                                   tokenizer=target.tokenizer_digest))
+    edited = save_corpus(tmp_path / "edited.safetensors", SEQS, _meta(target_fingerprint=target.fingerprint,
+                                                                       tokenizer="0" * 64))
+    return target_dir, target, good, edited
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_generate_and_bench_suffix_refuse_a_corpus_of_another_tokenizer(tmp_path, capsys, command):
+    """`generate --suffix` and `bench --suffix` checked the target's fingerprint only: an edited tokenizer digest
+    was used as it was."""
+    from specdistill.cli import main
+
+    target_dir, _, good, edited = _corpus_with_edited_tokenizer(tmp_path)
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["hello world"]}) + "\n")
+    where = ["--prompt-ids", "1,2,3"] if command == "generate" else ["--prompts", str(prompts), "--repeats", "1"]
+    argv = [command, "--target", str(target_dir), "--dtype", "float32", "--max-new-tokens", "4", "--threads", "1", *where]
+    assert main([*argv, "--suffix", str(edited)]) == 2
+    err = capsys.readouterr().err
+    assert "edited.safetensors holds token ids of another tokenizer" in err and "Traceback" not in err
+    assert main([*argv, "--suffix", str(good), "--json"]) == 0
+
+
+def test_pipeline_and_monitor_paths_check_the_corpus_tokenizer(tmp_path):
+    """The nightly's benchmark and the monitor build suffix drafters from specs with the target's identity."""
+    from specdistill.speculative import drafter_from_spec
+
+    _, target, good, edited = _corpus_with_edited_tokenizer(tmp_path)
+    key = {"target_fingerprint": target.fingerprint, "target_tokenizer": target.tokenizer_digest}
+    assert drafter_from_spec(target.model, f"suffix:{good}", **key).corpus is not None
+    for spec in (f"suffix:{edited}", f"hybrid:{target.path},{edited}"):
+        with pytest.raises(CorpusError, match="another tokenizer"):
+            drafter_from_spec(target.model, spec, **key)
+    assert corpus_is_current(good, target.fingerprint, target.tokenizer_digest) == (True, "")
+    current, why = corpus_is_current(edited, target.fingerprint, target.tokenizer_digest)
+    assert not current and "another tokenizer" in why

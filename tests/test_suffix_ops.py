@@ -17,12 +17,12 @@ from specdistill.pipeline.corpus import export_sglang_corpus, sglang_corpus_path
 from specdistill.pipeline.outputs import TargetInfo
 from specdistill.pipeline.serve import ServingDecision, serving_candidates, serving_config
 from specdistill.speculative.suffix_corpus import CorpusMeta, save_corpus
-from tests.conftest import bench_result, make_tiny_llama
+from tests.conftest import bench_result, make_tiny_llama, train_bpe
 
 
-def _corpus(tmp_path: Path, fingerprint: str = "fp-now") -> Path:
+def _corpus(tmp_path: Path, fingerprint: str = "fp-now", tokenizer: str = "tok") -> Path:
     return save_corpus(tmp_path / "suffix_corpus.safetensors", [[1, 2, 3, 4], [5, 6, 7]],
-                       CorpusMeta(target_fingerprint=fingerprint, tokenizer="tok"))
+                       CorpusMeta(target_fingerprint=fingerprint, tokenizer=tokenizer))
 
 
 def test_suffix_mode_gives_vllm_suffix_and_sglang_ngram_with_the_corpus(tmp_path):
@@ -44,15 +44,18 @@ def test_suffix_mode_gives_vllm_suffix_and_sglang_ngram_with_the_corpus(tmp_path
         ServingConfig(mode="suffix")
 
 
-def test_sglang_export_is_one_json_string_per_answer(tmp_path):
-    class Tok:
-        def decode(self, ids, skip_special_tokens=True):
-            return " ".join(f"t{i}" for i in ids)
+def test_sglang_export_is_one_json_string_per_answer_of_its_own_tokenizer(tmp_path):
+    from specdistill.modeling.fingerprints import tokenizer_digest
+    from specdistill.speculative.suffix_corpus import CorpusError
 
-    corpus = _corpus(tmp_path)
-    out = export_sglang_corpus(corpus, Tok())
+    tok = train_bpe(300)
+    corpus = _corpus(tmp_path, tokenizer=tokenizer_digest(tok))
+    out = export_sglang_corpus(corpus, tok)
     assert out == sglang_corpus_path(corpus)
-    assert [json.loads(line) for line in out.read_text().splitlines()] == ["t1 t2 t3 t4", "t5 t6 t7"]
+    assert [json.loads(line) for line in out.read_text().splitlines()] == [
+        tok.decode(ids, skip_special_tokens=True) for ids in ([1, 2, 3, 4], [5, 6, 7])]
+    with pytest.raises(CorpusError, match="another tokenizer"):  # its ids would decode to other text
+        export_sglang_corpus(corpus, train_bpe(120))
 
 
 def _entry(spec: str, speedup: float):
@@ -60,8 +63,11 @@ def _entry(spec: str, speedup: float):
 
 
 def test_the_nightly_serves_the_suffix_drafter_and_never_the_hybrid(tmp_path):
-    corpus = _corpus(tmp_path)
-    export_sglang_corpus(corpus, type("T", (), {"decode": lambda self, ids, skip_special_tokens=True: "x"})())
+    from specdistill.modeling.fingerprints import tokenizer_digest
+
+    tok = train_bpe(300)
+    corpus = _corpus(tmp_path, tokenizer=tokenizer_digest(tok))
+    export_sglang_corpus(corpus, tok)
     results = {"ngram": _entry("ngram", 1.2), "suffix": _entry(f"suffix:{corpus}", 1.5),
                "hybrid": _entry(f"hybrid:/d,{corpus}", 1.9), "generic": _entry("draft:/g", 2.0)}
     assert set(serving_candidates(results, GateVerdict(False))) == {"ngram", "suffix"}
@@ -74,7 +80,7 @@ def test_the_nightly_serves_the_suffix_drafter_and_never_the_hybrid(tmp_path):
 
 
 def test_the_monitor_measures_the_suffix_fallback_only_for_the_target_its_corpus_is_of(tmp_path, monkeypatch):
-    target = LoadedModel(make_tiny_llama(vocab_size=32, hidden=16, layers=2, seed=0), None, tmp_path, "fp-now")
+    target = LoadedModel(make_tiny_llama(vocab_size=32, hidden=16, layers=2, seed=0), train_bpe(300), tmp_path, "fp-now")
     seen = {}
 
     def fake_bench(model, tokenizer, drafters, prompts, config, progress=True):
@@ -87,8 +93,9 @@ def test_the_monitor_measures_the_suffix_fallback_only_for_the_target_its_corpus
 
     monkeypatch.setattr(ops_monitor, "run_bench_many", fake_bench)
     prompts = [Prompt("", ids=[1, 2, 3])]
-    current = ops_monitor.choose_fallback(target, prompts, exit_layers=(), suffix_corpus=_corpus(tmp_path),
-                                                   min_tokens=1, progress=False)
+    current = ops_monitor.choose_fallback(target, prompts, exit_layers=(),
+                                          suffix_corpus=_corpus(tmp_path, tokenizer=target.tokenizer_digest),
+                                          min_tokens=1, progress=False)
     assert "suffix" in seen["drafters"] and current.mode == "suffix" and current.suffix_corpus
     stale_dir = tmp_path / "old"
     stale_dir.mkdir()
@@ -96,3 +103,8 @@ def test_the_monitor_measures_the_suffix_fallback_only_for_the_target_its_corpus
                                         min_tokens=1, progress=False)
     assert "suffix" not in seen["drafters"] and stale.mode == "ngram"
     assert "stale" in stale.reason and "fp-old" in stale.reason and stale.suffix_corpus is None
+    other_dir = tmp_path / "other-tokenizer"  # ids of another tokenizer (an edited digest): skipped, and why
+    other_dir.mkdir()
+    other = ops_monitor.choose_fallback(target, prompts, exit_layers=(), suffix_corpus=_corpus(other_dir),
+                                        min_tokens=1, progress=False)
+    assert "suffix" not in seen["drafters"] and other.mode == "ngram" and "another tokenizer" in other.reason

@@ -21,13 +21,15 @@ from specdistill.cli.common import (
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")  # modeling.models.DTYPE_CHOICES, without importing torch to parse
 
 
-def _drafter(args: argparse.Namespace, target, fingerprint: str | None = None):
+def _drafter(args: argparse.Namespace, target, fingerprint: str | None = None, tokenizer: str | None = None):
+    """The drafter the command line names (a suffix corpus is checked against the target's fingerprint and
+    tokenizer digest: the commands pass both)."""
     from specdistill.speculative import make_drafter
 
     drafter = make_drafter(target, draft=args.draft, self_spec=args.self_spec, ngram=args.ngram,
                            ngram_min=args.ngram_min, ngram_max=args.ngram_max, tree_width=args.tree_width,
                            suffix=getattr(args, "suffix", None), target_fingerprint=fingerprint,
-                           hybrid_threshold=getattr(args, "hybrid_threshold", None))
+                           target_tokenizer=tokenizer, hybrid_threshold=getattr(args, "hybrid_threshold", None))
     if args.tree_width != 1 and (drafter is None or drafter.tree_width != args.tree_width):
         raise ValueError(f"--tree-width {args.tree_width}: only a model drafter drafts a tree (--draft DIR or "
                          "--self-spec K), or a suffix drafter (--suffix CORPUS)")
@@ -61,7 +63,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         prompt = encode_prompt(target.tokenizer, args.prompt) if args.prompt.strip() else []
     result = generate(target.model, prompt, max_new_tokens=args.max_new_tokens,
-                      drafter=_drafter(args, target.model, target.fingerprint),
+                      drafter=_drafter(args, target.model, target.fingerprint, target.tokenizer_digest),
                       gamma=args.gamma, sampling=SamplingConfig(args.temperature, args.top_p, args.seed))
     text = target.tokenizer.decode(result.output_ids, skip_special_tokens=True)
     stats, dtype = result.stats, dtype_name(target.model.dtype)
@@ -165,7 +167,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.prompts is not None:  # read before loading the model: a bad file fails at once
         records = read_prompt_file(args.prompts, args.turns or "first")[: args.limit or None]
     target = load_model(args.target, dtype=args.dtype)
-    drafter = _drafter(args, target.model, target.fingerprint)
+    drafter = _drafter(args, target.model, target.fingerprint, target.tokenizer_digest)
     if drafter is None:
         raise ValueError("bench needs a drafting method: --draft DIR, --self-spec K, --ngram or --suffix CORPUS")
     prompts = _bench_prompts(args, target, records)
@@ -210,7 +212,8 @@ def _add_drafting(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="auto: bf16 on CUDA and on CPUs with native bf16 (AVX-512 BF16, AMX), else fp32; drafts follow the target")
     how = p.add_mutually_exclusive_group()
-    how.add_argument("--draft", default=None, help="draft model directory (its draft_vocab.safetensors is used if present)")
+    how.add_argument("--draft", default=None,
+                     help="draft model directory or models:/NAME@ALIAS (its draft_vocab.safetensors is used if present)")
     how.add_argument("--self-spec", type=positive_int, default=None, metavar="K", help="the target drafts by exiting at layer K")
     how.add_argument("--ngram", action="store_true", help="prompt-lookup drafting from the history")
     p.add_argument("--suffix", default=None, metavar="CORPUS",

@@ -4,7 +4,9 @@ A shard carries a SHA-256 over its tensors (names, dtypes, shapes, bytes) in its
 metadata, written with it and verified when it is read. A shard that fails (truncated, scrambled,
 not safetensors) is named, moved into the cache's `quarantine/` directory with the reason beside it,
 and so is missing on the next run, which answers its examples again: nothing is trained on garbage,
-and no run is stuck on the same bad file. Shards written before checksums read as they are.
+and no run is stuck on the same bad file. A shard without a checksum is refused the same way: every
+writer (`write_shard`) records one, so a missing checksum means its metadata was stripped (or it
+predates checksums), and its rows cannot be told from forged ones; answering it again costs one batch.
 """
 
 from __future__ import annotations
@@ -60,7 +62,9 @@ def _problem(path: Path) -> tuple[dict[str, torch.Tensor] | None, str]:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as exc:  # safetensors raises its own error kinds on a truncated or foreign file
         return None, f"unreadable ({type(exc).__name__}: {exc})"
-    if expected is not None and tensors_digest(tensors) != expected:
+    if expected is None:
+        return None, f"without a checksum (no {DIGEST_KEY} in its metadata: stripped, or written before checksums)"
+    if tensors_digest(tensors) != expected:
         return None, "checksum mismatch (its content changed after it was written)"
     return tensors, ""
 

@@ -3,10 +3,19 @@ the HF checkpoint a logged draft carries, and the MLflow client every registry c
 
 Reading a registered draft is part of loading a model (every command takes an MLflow URI where it
 takes a directory), so it lives here; registering and promoting are operations (`ops.registry`).
+
+A registered version is immutable in effect: registration records the SHA-256 of every file of its
+checkpoint in the version's tag `draft_files_sha256` (in the tracking store, apart from the artifact
+store its files live in), and every resolution checks the files it hands out against it, so a draft
+changed after the gate approved it is refused, naming the version and the file. A version registered
+before the tag existed loads with a warning that it is unverified.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -18,6 +27,15 @@ from mlflow.exceptions import MlflowException
 from specdistill import paths
 
 DRAFT_ARTIFACT = "draft"
+FILES_TAG = "draft_files_sha256"  # {relative path: sha256} of the registered checkpoint's files
+# written into a checkpoint directory by a load (a fingerprint record), not part of what was registered
+UNHASHED_FILES = ("specdistill_fingerprint.json", "specdistill_source.json")
+
+log = logging.getLogger(__name__)
+
+
+class RegisteredDraftChanged(ValueError):
+    """A registered draft whose files differ from the hashes recorded when it was registered."""
 
 
 def tracking_uri() -> str:
@@ -61,7 +79,72 @@ def download_draft(model_uri: str) -> Path:
     hf_dir = _draft_dir_in(target)
     if hf_dir is None:
         raise ValueError(f"{model_uri}: the registered model has no '{DRAFT_ARTIFACT}' checkpoint (MLmodel in {target})")
+    verify_registered_files(hf_dir, (mv.tags or {}).get(FILES_TAG), name, str(mv.version))
     return hf_dir
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file() and p.relative_to(directory).as_posix() not in UNHASHED_FILES)
+
+
+_HASHED: dict[tuple, dict[str, str]] = {}  # a directory's hashes per process, keyed by every file's stat
+
+
+def draft_files_sha256(directory: str | Path) -> dict[str, str]:
+    """{relative path: SHA-256} of a checkpoint directory's files: what registration records. Memoized in
+    the process by each file's inode, size, mtime and ctime (a rewrite moves ctime even when mtime is
+    put back), so a nightly's repeated resolutions hash once."""
+    directory = Path(directory)
+    files = _files(directory)
+    key = (str(directory.resolve()), tuple((p.relative_to(directory).as_posix(), st.st_ino, st.st_size, st.st_mtime_ns,
+                                            st.st_ctime_ns) for p in files for st in [p.stat()]))
+    if key not in _HASHED:
+        _HASHED.clear()  # one directory at a time is all a run resolves repeatedly
+        _HASHED[key] = {rel: _file_sha256(directory / rel) for rel, *_ in key[1]}
+    return dict(_HASHED[key])
+
+
+_warned_unverified: set[tuple[str, str]] = set()
+
+
+def verify_registered_files(hf_dir: Path, recorded: str | None, name: str, version: str) -> None:
+    """Refuse a registered draft whose files differ from the hashes recorded at registration (the
+    message names the version and the file); a version without recorded hashes (registered before they
+    were) is loaded with a warning, once per process, that it is unverified."""
+    where = f"models:/{name}/{version}"
+    if recorded is None:
+        if (name, version) not in _warned_unverified:
+            _warned_unverified.add((name, version))
+            log.warning("%s (%s version %s) was registered before file hashes were recorded: loading it unverified "
+                        "(register the draft again to protect it)", where, name, version)
+        return
+    try:
+        want = json.loads(recorded)
+    except ValueError:
+        want = None
+    if not isinstance(want, dict):
+        raise RegisteredDraftChanged(f"{where}: its {FILES_TAG} tag is not the JSON registration wrote: "
+                                     f"the version cannot be verified")
+    have = draft_files_sha256(hf_dir)
+    for rel in sorted(set(want) | set(have)):
+        if rel not in have:
+            problem = "is missing"
+        elif rel not in want:
+            problem = "was added after registration"
+        elif have[rel] != want[rel]:
+            problem = "differs from the SHA-256 recorded at registration"
+        else:
+            continue
+        raise RegisteredDraftChanged(f"{where} ({name} version {version}): {hf_dir / rel} {problem}: "
+                                     "a registered draft is never served changed")
 
 
 def _draft_dir_in(model_dir: Path) -> Path | None:

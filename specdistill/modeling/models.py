@@ -9,6 +9,7 @@ unless the caller turns it on.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -42,6 +43,7 @@ from specdistill.modeling.integrity import (  # noqa: F401  (file_sha256 is part
     is_sealed,
     sealed,
     verify_weights,
+    verify_weights_full,
     weights_record,
     write_json_atomic,
 )
@@ -67,6 +69,11 @@ class LoadedModel:
     @property
     def config(self):
         return self.model.config
+
+    @functools.cached_property
+    def tokenizer_digest(self) -> str:
+        """`tokenizer_digest` of its tokenizer: what a suffix corpus built for this target must carry."""
+        return tokenizer_digest(self.tokenizer)
 
 
 # --------------------------------------------------------------------------------------------
@@ -202,8 +209,59 @@ def check_model_cache(cache_dir: Path) -> None:
         return
     if not is_sealed(record):
         raise WeightsIntegrityError(f"{source} was edited: its record no longer matches its check")
-    if verify_weights(cache_dir, record["weights"]):  # a touch: same content, new stat
-        write_json_atomic(source, sealed(record))
+    if verify_weights(cache_dir, record["weights"]):  # a touch or a copy: same content, new stat
+        try:
+            write_json_atomic(source, sealed(record))
+        except OSError:  # a read-only cache stays usable: the full hash just runs again next time
+            pass
+
+
+@dataclass
+class FullCheck:
+    """What a full check of a model directory's weights found: the bytes hashed, in how long, and what
+    was done (`verified`, `rebuilt`: a derived cache that differed, `fingerprint dropped`: a directory
+    whose weights changed since its fingerprint was recorded, `nothing recorded`)."""
+
+    path: Path
+    bytes: int
+    seconds: float
+    outcome: str
+    detail: str = ""
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
+
+
+def verify_model_files(ref: str | os.PathLike) -> FullCheck:
+    """Hash a model's weights in full against what was recorded when they were written (the per-load
+    check samples them): the nightly's once-per-run check. A GGUF cache that differs is ours and derived,
+    so it is rebuilt from its GGUF; an HF directory whose weights differ from its fingerprint record gets
+    its fingerprint recomputed at load (a changed target is a new target version)."""
+    import time
+
+    model_dir, start = resolve_model_dir(ref), time.perf_counter()
+    source, fp_record = model_dir / SOURCE_FILE, model_dir / FINGERPRINT_FILE
+    record_path = source if source.is_file() else fp_record if fp_record.is_file() else None
+    if record_path is None:
+        return FullCheck(model_dir, 0, 0.0, "nothing recorded")
+    try:
+        record = json.loads(record_path.read_text())
+        if not is_sealed(record) or "weights" not in record:
+            raise WeightsIntegrityError(f"{record_path} was edited: its record no longer matches its check")
+        done = verify_weights_full(model_dir, record["weights"])
+    except (WeightsIntegrityError, OSError, ValueError, TypeError) as exc:
+        if record_path == fp_record:
+            fp_record.unlink(missing_ok=True)
+            return FullCheck(model_dir, 0, time.perf_counter() - start, "fingerprint dropped", str(exc))
+        gguf = demo_gguf_path() if str(ref) == DEMO_REF else Path(ref) if str(ref).endswith(".gguf") else None
+        if gguf is None:
+            raise WeightsIntegrityError(f"{exc} (a model cache: name its .gguf file to rebuild it)") from None
+        print(f"specdistill: {exc}; rebuilding the model cache {model_dir} from {gguf}", file=sys.stderr)
+        shutil.rmtree(model_dir)
+        convert_gguf(gguf, model_dir)
+        return FullCheck(model_dir, 0, time.perf_counter() - start, "rebuilt", str(exc))
+    return FullCheck(model_dir, done, time.perf_counter() - start, "verified")
 
 
 def resolve_model_dir(ref: str | os.PathLike) -> Path:
@@ -247,11 +305,13 @@ def load_model(
     a bf16 run and an fp32 run of one target are the same target version. An EAGLE-3 head drafts
     from a target's features and uses its embeddings, so it loads only with `target` (and runs in
     the target's dtype and on its device); it is never read as a plain Llama model. `device`: see
-    `resolve_device` (the pipeline passes its one `device` setting).
+    `resolve_device` (the pipeline passes its one `device` setting). A model whose logits on a fixed
+    canary prompt are non-finite or flat is refused (`modeling.canary`).
     """
     dtype = resolve_dtype(dtype)
     device = resolve_device(device)
     model_dir = resolve_model_dir(ref)
+    from specdistill.modeling.canary import check_canary
     from specdistill.modeling.eagle3_io import is_eagle3_dir
 
     if is_eagle3_dir(model_dir):
@@ -270,6 +330,7 @@ def load_model(
     if model.dtype != dtype:
         model.to(dtype)
     model.to(device)
+    check_canary(model, tokenizer, model_dir)  # damaged weights are refused before anything is measured
     pack_for_cpu(model)
     return LoadedModel(model, tokenizer, model_dir, fp)
 

@@ -314,9 +314,10 @@ def choose_fallback(
     modes = [("self_speculation", k) for k in layers] + [("ngram", None)]
     specs = {f"self_speculation@{k}": f"self_spec:{k}" for k in layers}
     specs["ngram"] = f"ngram:{ngram[0]},{ngram[1]}"
-    current, stale = corpus_is_current(suffix_corpus, target.fingerprint) if suffix_corpus else (False, "")
+    current, stale = corpus_is_current(suffix_corpus, target.fingerprint, target.tokenizer_digest) if suffix_corpus else (False, "")
     modes, specs = (modes + [("suffix", None)], {**specs, "suffix": f"suffix:{suffix_corpus}"}) if current else (modes, specs)
-    drafters = {name: drafter_from_spec(target.model, spec, target_fingerprint=target.fingerprint)
+    drafters = {name: drafter_from_spec(target.model, spec, target_fingerprint=target.fingerprint,
+                                        target_tokenizer=target.tokenizer_digest)
                 for name, spec in specs.items()}
     results = run_bench_many(target.model, target.tokenizer, drafters, list(prompts), config, progress=progress)
     candidates = []

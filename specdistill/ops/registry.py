@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import logging
 import re
 import shutil
@@ -24,8 +25,11 @@ from mlflow.exceptions import MlflowException
 from specdistill import paths
 from specdistill.modeling.mlflow_refs import (  # noqa: F401
     DRAFT_ARTIFACT,
+    FILES_TAG,
+    RegisteredDraftChanged,
     client,
     download_draft,
+    draft_files_sha256,
     tracking_uri,
 )
 from specdistill.ops.policy import Role
@@ -95,11 +99,13 @@ def register_draft(
     tags: dict[str, str] | None = None,
     run_name: str | None = None,
 ) -> RegisteredDraft:
-    """Log a run with the draft as a model, register it as a new version, and alias it `challenger`."""
+    """Log a run with the draft as a model, register it as a new version, and alias it `challenger`. The
+    version records its files' SHA-256 (`FILES_TAG`), checked whenever it is resolved."""
     c = client()
     name = model_name_for(target_name)
     experiment_id = experiment_for(target_name)
     tags = {**draft_kind_tags(draft_dir), **{k: str(v) for k, v in (tags or {}).items()}}
+    files = json.dumps(draft_files_sha256(draft_dir), sort_keys=True)
     with mlflow.start_run(experiment_id=experiment_id, run_name=run_name) as run:
         if params:
             mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
@@ -122,7 +128,7 @@ def register_draft(
     except MlflowException:
         with contextlib.suppress(MlflowException):  # created concurrently
             c.create_registered_model(name, tags={"target": target_name})
-    version = c.create_model_version(name, source=info.model_uri, run_id=run.info.run_id, tags=tags,
+    version = c.create_model_version(name, source=info.model_uri, run_id=run.info.run_id, tags={**tags, FILES_TAG: files},
                                      model_id=getattr(info, "model_id", None))
     c.set_registered_model_alias(name, CHALLENGER, version.version)
     return RegisteredDraft(name, str(version.version), run.info.run_id, f"models:/{name}/{version.version}")

@@ -83,7 +83,8 @@ def _bench(config: NightlyConfig, drafters: dict[str, str], target, prompts, dea
     b, s = config.bench, config.serving
     bcfg = b.bench_config()
     made = {name: drafter_from_spec(target.model, spec, tree_width=_served_tree_width(spec, b.tree_width),
-                                    target_fingerprint=target.fingerprint)
+                                    target_fingerprint=target.fingerprint,
+                                    target_tokenizer=target.tokenizer_digest)
             for name, spec in drafters.items()}
     deadline = stage_deadline(config, "benchmark", deadline_at)  # `bench.max_minutes`, its share of the run's deadline
     results = run_bench_many(target.model, target.tokenizer, made, prompts, bcfg, deadline=deadline)

@@ -23,14 +23,17 @@ from specdistill.speculative.specs import DrafterSpec
 
 
 def mode_for_spec(spec: str | DrafterSpec, target: Path, k: int = DEFAULT_GAMMA):
-    """The llama-server mode of a drafter spec (`draft:DIR|GGUF` or `ngram`): the draft's GGUF mode, or
+    """The llama-server mode of a drafter spec (`draft:REF|GGUF` or `ngram`): the draft's GGUF mode, or
     n-gram lookup of the spec's longest n (plain `ngram`: the harness's 1..3-grams); self-speculation
-    reaches llama.cpp as its exported early-exit draft, i.e. as `draft:DIR` (`llamacpp_spec`)."""
+    reaches llama.cpp as its exported early-exit draft, i.e. as `draft:DIR` (`llamacpp_spec`). A draft
+    reference other than a GGUF file (`models:/NAME@ALIAS` included) is resolved to its directory first."""
     from specdistill.engines.llamacpp import draft_mode, ngram_mode
+    from specdistill.modeling.models import resolve_model_dir
 
     parsed = DrafterSpec.parse(spec)
     if parsed.path:
-        return draft_mode(parsed.path, target, k)
+        draft = parsed.path if parsed.path.endswith(".gguf") else resolve_model_dir(parsed.path)
+        return draft_mode(draft, target, k)
     if parsed.ngram_sizes:
         return ngram_mode(parsed.ngram_sizes[1], k) if parsed.arg else ngram_mode(k=k)
     raise ValueError(f"drafter {spec!r} has no llama.cpp mode (draft:DIR or ngram)")

@@ -17,16 +17,20 @@ from specdistill.pipeline.config import NightlyConfig
 
 
 def mode_serving_config(spec: str, gamma: int, target_ref: str):
-    """The serving config `serving.json` would carry for a drafter spec (`draft:DIR`, `self_spec:K`, `ngram...`)."""
+    """The serving config `serving.json` would carry for a drafter spec (`draft:REF`, `self_spec:K`, `ngram...`).
+    A draft reference (`models:/NAME@ALIAS` included) is resolved, and a registered one verified, here:
+    vLLM is handed a local HF directory, never a reference it cannot read."""
     from specdistill.ops.serving import ServingConfig
     from specdistill.speculative.specs import DrafterSpec
 
     parsed = DrafterSpec.parse(spec)
     if parsed.path:
         from specdistill.modeling.eagle3_io import is_eagle3_dir
+        from specdistill.modeling.models import resolve_model_dir
 
-        return ServingConfig(mode="draft", draft_dir=parsed.path, num_speculative_tokens=gamma,
-                             draft_kind="eagle3" if is_eagle3_dir(parsed.path) else "layers")
+        draft_dir = resolve_model_dir(parsed.path)
+        return ServingConfig(mode="draft", draft_dir=str(draft_dir), num_speculative_tokens=gamma,
+                             draft_kind="eagle3" if is_eagle3_dir(draft_dir) else "layers")
     if parsed.exit_layer is not None:
         from specdistill.modeling.drafts import export_early_exit_draft
         from specdistill.modeling.models import load_model

@@ -234,6 +234,7 @@ def make_drafter(
     suffix: str | None = None,
     target_fingerprint: str | None = None,
     hybrid_threshold: float | None = None,
+    target_tokenizer: str | None = None,
 ) -> Drafter | None:
     """The drafter a command line asks for: at most one of a draft model reference, an early-exit
     layer, or n-gram lookup; None means target-only decoding. A draft directory's
@@ -242,8 +243,9 @@ def make_drafter(
     (draft, head or early exit) verifies its `tree_width` best first-position candidates as a tree
     when decoding greedily; n-gram lookup drafts a chain.
 
-    `suffix` (a corpus file, checked against `target_fingerprint` when given) alone is the suffix
-    drafter; beside a draft or an early exit it makes the hybrid drafter (`speculative.hybrid`)."""
+    `suffix` (a corpus file, checked against `target_fingerprint` and `target_tokenizer`, the target's
+    `tokenizer_digest`, when given: every command passes both) alone is the suffix drafter; beside a draft
+    or an early exit it makes the hybrid drafter (`speculative.hybrid`)."""
     chosen = [name for name, on in (("draft", draft), ("self_spec", self_spec is not None), ("ngram", ngram)) if on]
     if len(chosen) > 1 or (suffix and ngram):
         raise ValueError(f"choose one drafting method, got {' and '.join(chosen + (['suffix'] if suffix else []))}")
@@ -251,7 +253,8 @@ def make_drafter(
         from specdistill.speculative.suffix_corpus import load_suffix_drafter
 
         model = make_drafter(target, draft=draft, self_spec=self_spec, tree_width=tree_width) if chosen else None
-        corpus = load_suffix_drafter(suffix, target_fingerprint, tree_width=1 if model is not None else tree_width)
+        corpus = load_suffix_drafter(suffix, target_fingerprint, target_tokenizer,
+                                     tree_width=1 if model is not None else tree_width)
         if model is None:
             return corpus
         from specdistill.speculative.hybrid import HYBRID_THRESHOLD, HybridDrafter

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from transformers import PreTrainedModel
 
@@ -34,8 +34,16 @@ class Kind:
     mode: str  # the serving mode it is written as: draft | self_speculation | ngram | ...
     usage: str  # how its spec is written, for error messages
     check: Callable[[str], bool]  # is this argument (after "kind:", "" when there is none) valid?
-    # (target, spec, target fingerprint or None: what a corpus is checked against) -> the drafter
-    build: Callable[[PreTrainedModel, DrafterSpec, str | None], Drafter]
+    # (target, spec, the target's identity: what a corpus is checked against) -> the drafter
+    build: Callable[[PreTrainedModel, DrafterSpec, TargetKey], Drafter]
+
+
+class TargetKey(NamedTuple):
+    """What a suffix corpus must have been built for: the target's fingerprint and its tokenizer's digest
+    (`modeling.fingerprints.tokenizer_digest`); None: not checked (a notebook's own corpus)."""
+
+    fingerprint: str | None = None
+    tokenizer: str | None = None
 
 
 KINDS: dict[str, Kind] = {}
@@ -141,27 +149,29 @@ def _sizes_ok(arg: str) -> bool:
 
 
 register_kind(Kind("draft", "draft", "draft:DIR", lambda arg: bool(arg),
-                   lambda target, s, fp: make_drafter(target, draft=s.arg, tree_width=s.tree_width)))
+                   lambda target, s, key: make_drafter(target, draft=s.arg, tree_width=s.tree_width)))
 register_kind(Kind("self_spec", "self_speculation", "self_spec:K", str.isdigit,
-                   lambda target, s, fp: make_drafter(target, self_spec=s.exit_layer, tree_width=s.tree_width)))
+                   lambda target, s, key: make_drafter(target, self_spec=s.exit_layer, tree_width=s.tree_width)))
 register_kind(Kind("ngram", "ngram", "ngram or ngram:MIN,MAX", _sizes_ok,
-                   lambda target, s, fp: make_drafter(target, ngram=True, ngram_min=s.ngram_sizes[0],
+                   lambda target, s, key: make_drafter(target, ngram=True, ngram_min=s.ngram_sizes[0],
                                                       ngram_max=s.ngram_sizes[1])))
 register_kind(Kind("suffix", "suffix", "suffix:CORPUS", lambda arg: bool(arg),
-                   lambda target, s, fp: make_drafter(target, suffix=s.arg, tree_width=s.tree_width,
-                                                      target_fingerprint=fp)))
+                   lambda target, s, key: make_drafter(target, suffix=s.arg, tree_width=s.tree_width,
+                                                       target_fingerprint=key.fingerprint,
+                                                       target_tokenizer=key.tokenizer)))
 # measured, never served: no serving engine runs our distilled draft with the suffix drafter beside it
 register_kind(Kind("hybrid", "hybrid", "hybrid:DIR,CORPUS[,THRESHOLD]", _hybrid_ok,
-                   lambda target, s, fp: make_drafter(target, draft=s.path, suffix=s.corpus, tree_width=s.tree_width,
-                                                      target_fingerprint=fp, hybrid_threshold=hybrid_parts(s.arg)[2])))
+                   lambda target, s, key: make_drafter(target, draft=s.path, suffix=s.corpus, tree_width=s.tree_width,
+                                                       target_fingerprint=key.fingerprint, target_tokenizer=key.tokenizer,
+                                                       hybrid_threshold=hybrid_parts(s.arg)[2])))
 
 
 def drafter_from_spec(target: PreTrainedModel, spec: str | DrafterSpec, tree_width: int | None = None,
-                      target_fingerprint: str | None = None) -> Drafter:
+                      target_fingerprint: str | None = None, target_tokenizer: str | None = None) -> Drafter:
     """The drafter a spec names, as the nightly benchmark and the monitor's fallback build them.
     `tree_width` (default: the spec's) applies to model and suffix drafters; a corpus is checked against
-    `target_fingerprint` when given."""
+    `target_fingerprint` and `target_tokenizer` (the target's `tokenizer_digest`) when given."""
     spec = DrafterSpec.parse(spec)
     if tree_width is not None:
         spec = spec.with_(tree_width=tree_width)
-    return KINDS[spec.kind].build(target, spec, target_fingerprint)
+    return KINDS[spec.kind].build(target, spec, TargetKey(target_fingerprint, target_tokenizer))

@@ -127,8 +127,9 @@ def load_corpus(path: str | Path, target_fingerprint: str | None = None,
     return [tokens[int(a) : int(b)] for a, b in zip(offsets[:-1], offsets[1:])], meta
 
 
-def corpus_is_current(path: str | Path, target_fingerprint: str) -> tuple[bool, str]:
-    """Whether a corpus can draft for this target version (a target update makes it stale, as a draft)."""
+def corpus_is_current(path: str | Path, target_fingerprint: str, tokenizer: str | None = None) -> tuple[bool, str]:
+    """Whether a corpus can draft for this target version (a target update makes it stale, as a draft)
+    and, when `tokenizer` is given, holds ids of this target's tokenizer."""
     try:
         meta = read_corpus_meta(path)
     except CorpusError as exc:
@@ -136,6 +137,10 @@ def corpus_is_current(path: str | Path, target_fingerprint: str) -> tuple[bool, 
     if meta.target_fingerprint != target_fingerprint:
         return False, (f"suffix corpus {path} is stale: built for target {meta.target_fingerprint}, "
                        f"the target is now {target_fingerprint}")
+    try:
+        check_corpus_target(path, meta, None, tokenizer)
+    except CorpusError as exc:
+        return False, str(exc)
     return True, ""
 
 
