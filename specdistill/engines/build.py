@@ -38,9 +38,14 @@ CMAKE_FLAGS = (
 )
 # `$SPECDISTILL_LLAMA_CPP_ISA`: build for a named instruction set instead of -march=native, so this
 # machine can run llama.cpp as another kind of x86 CPU would (scripts/as_avx2.sh sets `avx2`).
+# `native-noamx` is -march=native without Intel AMX: ggml's cmake ignores GGML_AMX_* under
+# GGML_NATIVE, so the tile instructions are turned off in the compiler (an explicit -mno-* wins
+# over -march=native whatever the order).
 ISA_ENV = "SPECDISTILL_LLAMA_CPP_ISA"
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 ISA_FLAGS = {
     "native": ("-DGGML_NATIVE=ON",),
+    "native-noamx": ("-DGGML_NATIVE=ON", f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"),
     "avx2": ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
              "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX512_VNNI=OFF",
              "-DGGML_AVX_VNNI=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"),
@@ -79,10 +84,12 @@ def isa() -> str:
 def cpu_key() -> str:
     """Machine architecture + a short hash of the CPU's feature flags: one cache entry per kind of CPU
     (a named instruction set: that name, the same binary on any CPU that has it)."""
-    if isa() != "native":
-        return f"{platform.machine()}-{isa()}"
+    name = isa()
+    if not name.startswith("native"):
+        return f"{platform.machine()}-{name}"
     flags = " ".join(sorted(hardware.real_cpu().flags))
-    return f"{platform.machine()}-{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
+    variant = name.removeprefix("native")  # "" or "-noamx"
+    return f"{platform.machine()}-{hashlib.sha256(flags.encode()).hexdigest()[:12]}{variant}"
 
 
 def cache_root() -> Path:
@@ -99,9 +106,10 @@ def cached(version: str = LLAMA_CPP_VERSION) -> LlamaCpp | None:
     """The built engine when the cache holds a complete build (the stamp is written last), else None."""
     root = build_dir(version)
     engine = LlamaCpp(server=root / "bin" / "llama-server", source=root / "src", version=version)
-    if (root / "BUILT").is_file() and os.access(engine.server, os.X_OK):
+    stamp = root / "BUILT"
+    if stamp.is_file() and os.access(engine.server, os.X_OK) and "smoke=" in stamp.read_text():
         return engine
-    return None
+    return None  # a build from before the smoke test may crash on its first request: built again
 
 
 def check_toolchain() -> None:
@@ -152,6 +160,65 @@ def _extract(sdist: Path, into: Path) -> Path:
     return source
 
 
+# Fixes to the pinned source, applied before it is built: (file, text, replacement, why).
+SOURCE_PATCHES = (
+    # GCC 12's <amxtileintrin.h> gives `_tile_loadconfig` an 8-byte operand (`*(const void **)cfg`),
+    # so at -O2 the stores of the tile shapes (bytes 16-63 of the 64-byte config) are dead to the
+    # compiler and dropped: `ldtilecfg` loads zero and stale shapes and faults (#GP, SIGSEGV) on
+    # the first AMX matmul of every -march=native build on an AMX CPU. ldtilecfg gets all 64 bytes.
+    ("ggml/src/ggml-cpu/amx/mmq.cpp", "_tile_loadconfig(&tc);",
+     '__asm__ volatile("ldtilecfg %0" :: "m"(tc));  // all 64 bytes (GCC 12 declares 8)',
+     "amx-ldtilecfg"),
+)
+
+
+def patch_source(source: Path) -> list[str]:
+    """Apply SOURCE_PATCHES that match; returns the names applied (a release without the text has
+    its own fix or no such code)."""
+    applied = []
+    for rel, old, new, name in SOURCE_PATCHES:
+        path = source / rel
+        text = path.read_text() if path.is_file() else ""
+        if old in text:
+            path.write_text(text.replace(old, new))
+            applied.append(name)
+    return applied
+
+
+def smoke_test(server: Path, model: Path, timeout_s: float = 180.0) -> str | None:
+    """None when `server` loads `model` and answers one short completion; else what went wrong (a
+    crash names its signal). A -march=native build can compile and still die on its first matmul on
+    one CPU kind (see SOURCE_PATCHES), so a build is cached only once it has answered."""
+    import json
+    import urllib.request
+
+    from specdistill.engines.server import LlamaServer, ServerConfig, ServerError
+
+    try:
+        with LlamaServer(server, ServerConfig(model=model, threads=max(1, min(2, os.cpu_count() or 1))),
+                         startup_timeout_s=timeout_s) as running:
+            body = json.dumps({"prompt": "Hello", "n_predict": 4}).encode()
+            request = urllib.request.Request(f"{running.url}/completion", data=body,
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                json.loads(response.read())
+            if running.process.poll() is not None:
+                return f"llama-server exited with code {running.process.returncode} after its first answer"
+    except (ServerError, OSError, ValueError) as exc:
+        return str(exc).splitlines()[0]
+    return None
+
+
+def _smoke_model() -> Path | None:
+    """The model the smoke test loads: the demo target's GGUF when its data package is installed."""
+    from specdistill.modeling.models import demo_gguf_path
+
+    try:
+        return demo_gguf_path()
+    except Exception:  # the package is not installed: the build is cached untested, and says so
+        return None
+
+
 _PROGRESS = re.compile(r"^\[\s*(\d+)%\]")
 
 
@@ -177,7 +244,8 @@ def _run(cmd: list[str], step: str, log: Path) -> None:
 
 def build_llama_server(version: str = LLAMA_CPP_VERSION, jobs: int | None = None) -> LlamaCpp:
     """The cached build when present; else download, configure and build the `llama-server` target
-    (minutes), then move it into the cache in one rename so a killed build leaves nothing half-done."""
+    (minutes), smoke-test it, then move it into the cache in one rename so a killed build leaves
+    nothing half-done. A -march=native build that crashes on this CPU is built again without AMX."""
     hit = cached(version)
     if hit:
         return hit
@@ -191,28 +259,51 @@ def build_llama_server(version: str = LLAMA_CPP_VERSION, jobs: int | None = None
     try:
         t0 = time.monotonic()
         source = _extract(fetch_sdist(final.parent / "sdist", version), work)
+        patches = patch_source(source)
         jobs = jobs or max(1, os.cpu_count() or 1)
-        build = work / "build"
-        _run(["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS, *ISA_FLAGS[isa()]], "configure", log)
-        _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)], "build", log)
-        binary = build / "bin" / "llama-server"
-        if not binary.is_file():
-            raise EngineBuildError(f"llama.cpp build finished but produced no {binary}; log: {log}")
+        flavour = isa()
+        binary = _compile(source, work / "build", flavour, jobs, log)
+        model = _smoke_model()
+        smoke = "skipped (no demo GGUF installed)" if model is None else "ok"
+        why = smoke_test(binary, model) if model is not None else None
+        if why and flavour == "native":
+            _say(f"the -march=native build failed its smoke test on this CPU ({why}); building it again "
+                 "without AMX (native-noamx)")
+            shutil.rmtree(work / "build")
+            flavour = "native-noamx"
+            binary = _compile(source, work / "build", flavour, jobs, log)
+            why = smoke_test(binary, model)
+        if why:
+            raise EngineBuildError(f"llama-server built for {flavour} does not run on this CPU: {why}; log: {log}")
         (work / "bin").mkdir()
         shutil.copy2(binary, work / "bin" / "llama-server")
         shutil.move(str(source), work / "src")  # converter + gguf-py of the same release
-        shutil.rmtree(build)
+        shutil.rmtree(work / "build")
         shutil.rmtree(source.parent, ignore_errors=True)
         seconds = time.monotonic() - t0
-        (work / "BUILT").write_text(f"{LLAMA_CPP_PACKAGE}=={version}\ncpu={cpu_key()}\nseconds={seconds:.0f}\n")
+        (work / "BUILT").write_text(f"{LLAMA_CPP_PACKAGE}=={version}\ncpu={cpu_key()}\nisa={flavour}\n"
+                                    f"patches={','.join(patches) or 'none'}\nsmoke={smoke}\nseconds={seconds:.0f}\n")
         if final.exists():
             shutil.rmtree(final)
         os.replace(work, final)
-        print(f"llama.cpp: built llama-server in {seconds:.0f} s -> {final}", file=sys.stderr, flush=True)
+        _say(f"built llama-server ({flavour}) in {seconds:.0f} s -> {final}")
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)  # the log stays beside the cache for the user to read
         raise
     return cached(version)
+
+
+def _compile(source: Path, build: Path, flavour: str, jobs: int, log: Path) -> Path:
+    _run(["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS, *ISA_FLAGS[flavour]], "configure", log)
+    _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)], "build", log)
+    binary = build / "bin" / "llama-server"
+    if not binary.is_file():
+        raise EngineBuildError(f"llama.cpp build finished but produced no {binary}; log: {log}")
+    return binary
+
+
+def _say(message: str) -> None:
+    print(f"llama.cpp: {message}", file=sys.stderr, flush=True)
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ one that was measured.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import tempfile
@@ -82,6 +83,21 @@ def server_args(config: ServerConfig, port: int) -> list[str]:
     if config.mode.spec_type.startswith("draft"):
         args += ["-td", str(config.threads)]
     return [*args, *config.extra_args]
+
+
+def exit_words(code: int) -> str:
+    """How a process ended, in words: a crash names its signal and what to try."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    hint = ""
+    if name in ("SIGSEGV", "SIGILL", "SIGBUS"):
+        hint = (" (a binary built for another CPU, or a native build this CPU cannot run: rebuild it with "
+                "`make llama-server`, or SPECDISTILL_LLAMA_CPP_ISA=native-noamx to build without AMX)")
+    return f"crashed with {name}{hint}"
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -167,7 +183,7 @@ class LlamaServer:
                 hint = ""
                 if "bind" in self.log_tail(40).lower() or "address already in use" in self.log_tail(40).lower():
                     hint = f" (port {self.port} is in use)"
-                raise ServerError(f"llama-server exited with code {code} before it was ready{hint}; "
+                raise ServerError(f"llama-server {exit_words(code)} before it was ready{hint}; "
                                   f"log {self.log_path}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
