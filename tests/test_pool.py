@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specdistill.distill.features import FeatureCache
-from specdistill.distill.pool import AnswerPool, PoolWarning, pools, retire_pools, shard_keys
+from specdistill.distill.pool import AnswerPool, PoolWarning, pools, retire_pools
+from specdistill.distill.shards import intact_keys
 from specdistill.distill.teacher import TeacherCache, check_entry, load_shards
 
 FP = "fp-target-a"
@@ -163,7 +164,7 @@ def test_truncated_shard_is_skipped_with_a_warning_naming_it(tmp_path):
     shard = sorted(old["teacher_cache"].glob("shard-*.safetensors"))[0]  # holds "1" and "2"
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) - 5])
-    assert shard_keys(shard) is None
+    assert intact_keys(shard) is None
     with pytest.warns(PoolWarning, match=str(shard)):
         view = pool.view(include="new")
     assert set(view_ids(view)) == {"3", "4", "5", "6"}

@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import shutil
-import struct
 import warnings
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -29,6 +28,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from specdistill import paths
+from specdistill.distill import shards
 from specdistill.distill.datagen import read_done
 from specdistill.distill.features import FEATURE_META
 from specdistill.distill.teacher import CACHE_META
@@ -55,21 +55,6 @@ def prompt_hash(record: dict) -> str:
     """The identity of a prompt across log ids: its rendered token ids (else its messages)."""
     what = record.get("prompt_ids") or record.get("prompt")
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def shard_keys(path: Path) -> list[str] | None:
-    """The tensor names of an intact safetensors shard, or None when it is truncated or unreadable:
-    the header's last data offset must be exactly where the file ends."""
-    try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n <= 0 or n > 100_000_000:
-                return None
-            header = json.loads(f.read(n))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        return [k for k in header if k != "__metadata__"] if 8 + n + end == path.stat().st_size else None
-    except (OSError, ValueError, KeyError, TypeError, struct.error):
-        return None
 
 
 def _dir_bytes(path: str | None) -> int:
@@ -356,7 +341,7 @@ def _index(directory: Path, skip) -> dict[str, Path]:
     Shards in name order, so a later one wins as it does in `teacher.load_shards`."""
     index = {}
     for shard in sorted(directory.glob("shard-*.safetensors")):
-        keys = shard_keys(shard)
+        keys = shards.intact_keys(shard)
         if keys is None:
             skip(f"pool shard {shard} is truncated or unreadable: skipped, its answers are not trained on from it")
             continue

@@ -12,7 +12,9 @@ predates checksums), and its rows cannot be told from forged ones; answering it 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import struct
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -126,3 +128,18 @@ def header_keys(paths: Iterable[Path]) -> dict[str, Path]:
             continue
         out.update(dict.fromkeys(keys, shard))
     return out
+
+
+def intact_keys(path: Path) -> list[str] | None:
+    """The tensor names of an intact safetensors shard, or None when it is truncated or unreadable:
+    the header's last data offset must be exactly where the file ends."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n <= 0 or n > 100_000_000:
+                return None
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        return [k for k in header if k != "__metadata__"] if 8 + n + end == path.stat().st_size else None
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
