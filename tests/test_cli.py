@@ -295,11 +295,34 @@ def test_monitor_serve_on_a_port_in_use_is_a_clear_error(tmp_path, capsys):
     ("notaurl", "not a database URL: 'notaurl'"),
     ("mysql://u:secret@127.0.0.1/x", "unsupported database 'mysql'"),
     ("postgresql://u:secret@127.0.0.1:1/x", "cannot open log store postgresql://u:***@127.0.0.1:1/x"),
+    ("postgresql+psycopg://127.0.0.1:1/x?password=secret", "postgresql+psycopg://127.0.0.1:1/x?password=***"),
+    ("postgresql+psycopg://127.0.0.1:1/x?user=a&password=secret", "password=***"),
+    ("postgresql://u:secret@127.0.0.1:notaport/x",
+     "not a database URL: 'postgresql://u:***@127.0.0.1:notaport/x': its port is not a number ('notaport')"),
 ])
 def test_database_urls_are_checked_in_one_line(url, message, capsys):
     assert main(["logs", "stats", "--db", url]) == 2
     err = capsys.readouterr().err
     assert message in err and "secret" not in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_read_only_log_store_is_one_line_without_sql_or_traffic(tmp_path, capsys):
+    from specdistill.data.logstore import LogStore
+
+    db = tmp_path / "logs.db"
+    LogStore(f"sqlite:///{db}").close()
+    traffic = tmp_path / "t.jsonl"
+    traffic.write_text(json.dumps({"prompt": "private question", "response": "private answer"}) + "\n")
+    read_only = [f"sqlite:///file:{db}?mode=ro&uri=true"]  # refused to root too
+    if os.geteuid() != 0:
+        db.chmod(0o400)
+        read_only.append(f"sqlite:///{db}")
+    for url in read_only:
+        assert main(["ingest", str(traffic), "--format", "jsonl", "--db", url, "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("specdistill: error: log store sqlite:///") and "readonly database" in err
+        assert len(err.strip().splitlines()) == 1 and "INSERT" not in err and "private" not in err
+    assert not (tmp_path / "file:").exists()  # a SQLite URI is opened by SQLite, never created as a path
 
 
 def test_a_missing_sqlite_file_is_an_error_for_readers_and_created_by_writers(tmp_path, capsys):
