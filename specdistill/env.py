@@ -20,6 +20,11 @@ OFFLINE_ENV: dict[str, str] = {
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "DO_NOT_TRACK": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # A tracking server that stops answering mid-run: a few seconds of retries, not MLflow's minutes
+    # (its defaults: 7 retries, backoff factor 2, 120 s per request). Reachability is checked first.
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
 }
 
 
