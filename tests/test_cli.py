@@ -351,3 +351,23 @@ def test_distill_config_that_is_a_directory_or_binary_is_named(tmp_path, capsys)
     for argv in (["pipeline", "run", "--config", str(tmp_path)], ["monitor", "run", "--config", str(binary)]):
         assert main(argv) == 2
         assert str(tmp_path) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, module, name", [(["monitor", "run"], "flows.monitor", "monitor"),
+                                                (["pipeline", "run"], "flows.nightly", "nightly")])
+def test_a_signal_during_a_flow_is_one_line_and_exit_128_plus_signal(argv, module, name, monkeypatch, capsys):
+    import signal
+    import time
+
+    def flow(**parameters):
+        os.kill(os.getpid(), signal.SIGTERM)  # as `kill PID` or a service manager's stop would
+        time.sleep(5)
+        raise AssertionError("the signal should have stopped the flow")
+
+    monkeypatch.setitem(sys.modules, module, types.SimpleNamespace(**{name: flow}))
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(argv) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"specdistill: the {name} flow stopped by SIGTERM: its flow runs are marked Crashed and nothing is "
+                   "half-written; run the same command again to resume from the finished stages"]
+    assert signal.getsignal(signal.SIGTERM) is before  # the command's handlers are its own, only while the flow runs
