@@ -48,5 +48,11 @@ def test_engine_and_metrics_errors_show_the_url_masked():
     with pytest.raises(EngineRequestError) as caught:
         get_json("http://user:hunter22@127.0.0.1:1/v1/models?api_key=hunter23", timeout_s=2)
     assert "127.0.0.1:1" in str(caught.value) and "hunter2" not in str(caught.value)
+    from specdistill.pipeline.engine_answers import connect
+
+    with pytest.raises(EngineRequestError) as caught:
+        connect("http://bob:hunter25@127.0.0.1:1/v1", [1, 2, 3], 8, timeout_s=2)
+    assert "no OpenAI-compatible server at http://bob:***@127.0.0.1:1" in str(caught.value)
+    assert "hunter25" not in str(caught.value)
     sample = sample_live_acceptance("http://127.0.0.1:1/metrics?token=hunter24", interval_s=0)
     assert not sample.ok and "127.0.0.1:1/metrics?token=***" in sample.reason and "hunter24" not in sample.reason
