@@ -55,16 +55,17 @@ def _die_with_parent() -> None:
 
 
 def _temporary_server_in_own_group() -> None:
-    """Make Prefect's temporary server (started on first use) a process group of its own."""
+    """Start Prefect's temporary server now, from the main thread (the parent-death signal follows
+    the thread that started it), as a process group of its own; Prefect then uses this one."""
     if os.environ.get("PREFECT_API_URL"):
         return
     from prefect.server.api.server import SubprocessASGIServer
-    from prefect.settings import PREFECT_API_URL
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
-    if PREFECT_API_URL.value():  # a real server, from a Prefect profile
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():  # a real server (a profile)
         return
     server = SubprocessASGIServer()  # the one instance Prefect itself uses for the temporary server
-    if server.running or getattr(server, "_own_group", False):
+    if server.running:
         return
     start_uvicorn = server._run_uvicorn_command
     popen = subprocess.Popen
@@ -75,7 +76,10 @@ def _temporary_server_in_own_group() -> None:
             return start_uvicorn()
 
     server._run_uvicorn_command = in_own_group
-    server._own_group = True
+    try:
+        server.start()
+    finally:
+        del server._run_uvicorn_command  # the class's own again
 
 
 @contextlib.contextmanager
@@ -114,9 +118,9 @@ def stop_on_signals() -> Iterator[None]:
 def run_flow(flow: Callable[..., T], **parameters: Any) -> T:
     """Run `flow(**parameters)` in this process, stoppable by SIGTERM/SIGINT (see the module docstring).
     Raises `FlowStopped` after the runs in flight are marked."""
-    if type(flow).__module__.startswith("prefect"):
-        _temporary_server_in_own_group()
-    with stop_on_signals():
+    with stop_on_signals():  # a signal while the server starts stops the command too
+        if type(flow).__module__.startswith("prefect"):
+            _temporary_server_in_own_group()
         return flow(**parameters)
 
 
