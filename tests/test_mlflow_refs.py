@@ -42,6 +42,11 @@ def test_a_tracking_uri_with_a_bad_port_is_named(monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:notaport")
     with pytest.raises(TrackingServerError, match="MLFLOW_TRACKING_URI http://127.0.0.1:notaport: its port is not a number"):
         mlflow_refs.client()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "postgresql://mlflow:hunter22@127.0.0.1:notaport/mlflow")
+    with pytest.raises(TrackingServerError) as caught:
+        mlflow_refs.client()
+    assert str(caught.value).startswith("MLFLOW_TRACKING_URI postgresql://mlflow:***@127.0.0.1:notaport/mlflow: not a "
+                                        "database URL") and "hunter22" not in str(caught.value)
 
 
 def test_mlflow_retries_are_bounded_by_default():

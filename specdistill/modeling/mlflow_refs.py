@@ -42,7 +42,17 @@ def check_reachable(uri: str, within_s: float | None = None) -> None:
     """An `http(s)://` tracking server answers at all (any HTTP status counts), retried for `within_s`
     seconds, once per process and URI: an unreachable one stops the command in seconds with one line
     naming it, instead of MLflow's own minutes of retries and a traceback."""
-    if not uri.startswith(("http://", "https://")) or uri in _reached:
+    if uri in _reached:
+        return
+    if not uri.startswith(("http://", "https://")):
+        if "://" in uri and not uri.startswith(("file:", "sqlite:")):  # a database-backed store: its URL parses
+            import sqlalchemy as sa
+
+            try:
+                sa.make_url(uri)
+            except (sa.exc.ArgumentError, ValueError):
+                raise TrackingServerError(f"MLFLOW_TRACKING_URI {mask_url(uri)}: not a database URL "
+                                          "(is its port a number?)") from None
         return
     import urllib.error
     import urllib.parse
