@@ -1,4 +1,5 @@
-"""The one place where offline mode and telemetry opt-outs are set.
+"""The process environment: the one place where offline mode and telemetry opt-outs are set, and
+how a credential (in a URL, a message or an environment variable) is masked before it is shown.
 
 Imported first by the package, before transformers, huggingface_hub, prefect or mlflow read
 their environment, so no code path ever tries the network for a model hub or telemetry.
@@ -7,6 +8,7 @@ their environment, so no code path ever tries the network for a model hub or tel
 from __future__ import annotations
 
 import os
+import re
 
 OFFLINE_ENV: dict[str, str] = {
     "HF_HUB_OFFLINE": "1",
@@ -18,6 +20,11 @@ OFFLINE_ENV: dict[str, str] = {
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "DO_NOT_TRACK": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # A tracking server that stops answering mid-run: a few seconds of retries, not MLflow's minutes
+    # (its defaults: 7 retries, backoff factor 2, 120 s per request). Reachability is checked first.
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
 }
 
 
@@ -25,3 +32,60 @@ def apply_offline_env() -> None:
     """Set every offline/telemetry variable unless the user already chose a value."""
     for key, value in OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
+
+
+# ----------------------------------------------------------------------------------------------
+# credentials: how a URL or a message that may carry one is shown
+
+MASK = "***"
+# query-string and DSN keys whose value is a credential (`?password=`, `sslpassword=`, `?token=`, ...)
+SECRET_KEYS = ("password", "passwd", "pass", "pwd", "sslpassword", "token", "access_token", "auth_token",
+               "secret", "client_secret", "key", "api_key", "apikey", "access_key", "secret_key", "signature", "sig")
+# environment variables whose value is a credential wherever it appears, besides any whose name says so
+SECRET_ENV = ("PGPASSWORD", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN", "OPENAI_API_KEY", "HF_TOKEN",
+              "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AZURE_STORAGE_ACCESS_KEY")
+URL_ENV = ("SPECDISTILL_LOG_DB", "MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "PREFECT_API_DATABASE_CONNECTION_URL",
+           "PREFECT_API_URL")
+_SECRET_NAME = re.compile(r"(PASSWORD|PASSWD|TOKEN|SECRET|API_KEY|ACCESS_KEY)$")
+_MIN_LITERAL = 4  # a shorter secret is masked where it stands in a URL, not wherever its letters occur
+
+# scheme://user:PASSWORD@host  (the password runs to the last @ before the path, query or a space)
+_USERINFO = re.compile(r"(?P<head>\b[A-Za-z][\w+.-]*://[^\s:/?#@]*):(?P<password>[^\s/?#]*)@")
+# key=VALUE in a query string or a libpq DSN ("host=h password=x"), quoted or not
+_KEY_VALUE = re.compile(r"(?i)(?<![\w.-])(?P<key>" + "|".join(SECRET_KEYS) + r")(?P<eq>\s*=\s*)"
+                        r"(?P<value>'[^']*'|\"[^\"]*\"|[^&\s;,'\")]+)")
+
+
+def _url_passwords(url: str) -> list[str]:
+    from urllib.parse import unquote
+
+    found = [m.group("password") for m in _USERINFO.finditer(url)]
+    found += [m.group("value").strip("'\"") for m in _KEY_VALUE.finditer(url)]
+    return [p for q in found for p in {q, unquote(q)} if p and p != MASK]
+
+
+def environment_secrets() -> list[str]:
+    """The credentials this process's environment holds (secret variables, passwords inside URL
+    variables), longest first: they are masked wherever they appear, not only inside a URL."""
+    values = [v for k, v in os.environ.items() if k in SECRET_ENV or _SECRET_NAME.search(k)]
+    for key in URL_ENV:
+        values += _url_passwords(os.environ.get(key, ""))
+    return sorted({v for v in values if len(v) >= _MIN_LITERAL}, key=len, reverse=True)
+
+
+def mask_secrets(text: str) -> str:
+    """`text` with every credential replaced by ***: a URL's user:password@, a query-string or DSN
+    value under a secret key (password, pwd, token, secret, key, ...), and the value of any secret
+    environment variable. Every URL or error message that may hold one is shown through this."""
+    text = str(text)
+    passwords = [p for p in _url_passwords(text) if len(p) >= _MIN_LITERAL]
+    text = _USERINFO.sub(lambda m: f"{m.group('head')}:{MASK}@", text)
+    text = _KEY_VALUE.sub(lambda m: f"{m.group('key')}{m.group('eq')}{MASK}", text)
+    for secret in sorted(set(passwords + environment_secrets()), key=len, reverse=True):
+        text = text.replace(secret, MASK)
+    return text
+
+
+def mask_url(url: object) -> str:
+    """A URL (database, MLflow, an engine's endpoint) as it may be printed or logged."""
+    return mask_secrets(str(url))

@@ -295,11 +295,34 @@ def test_monitor_serve_on_a_port_in_use_is_a_clear_error(tmp_path, capsys):
     ("notaurl", "not a database URL: 'notaurl'"),
     ("mysql://u:secret@127.0.0.1/x", "unsupported database 'mysql'"),
     ("postgresql://u:secret@127.0.0.1:1/x", "cannot open log store postgresql://u:***@127.0.0.1:1/x"),
+    ("postgresql+psycopg://127.0.0.1:1/x?password=secret", "postgresql+psycopg://127.0.0.1:1/x?password=***"),
+    ("postgresql+psycopg://127.0.0.1:1/x?user=a&password=secret", "password=***"),
+    ("postgresql://u:secret@127.0.0.1:notaport/x",
+     "not a database URL: 'postgresql://u:***@127.0.0.1:notaport/x': its port is not a number ('notaport')"),
 ])
 def test_database_urls_are_checked_in_one_line(url, message, capsys):
     assert main(["logs", "stats", "--db", url]) == 2
     err = capsys.readouterr().err
     assert message in err and "secret" not in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_read_only_log_store_is_one_line_without_sql_or_traffic(tmp_path, capsys):
+    from specdistill.data.logstore import LogStore
+
+    db = tmp_path / "logs.db"
+    LogStore(f"sqlite:///{db}").close()
+    traffic = tmp_path / "t.jsonl"
+    traffic.write_text(json.dumps({"prompt": "private question", "response": "private answer"}) + "\n")
+    read_only = [f"sqlite:///file:{db}?mode=ro&uri=true"]  # refused to root too
+    if os.geteuid() != 0:
+        db.chmod(0o400)
+        read_only.append(f"sqlite:///{db}")
+    for url in read_only:
+        assert main(["ingest", str(traffic), "--format", "jsonl", "--db", url, "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("specdistill: error: log store sqlite:///") and "readonly database" in err
+        assert len(err.strip().splitlines()) == 1 and "INSERT" not in err and "private" not in err
+    assert not (tmp_path / "file:").exists()  # a SQLite URI is opened by SQLite, never created as a path
 
 
 def test_a_missing_sqlite_file_is_an_error_for_readers_and_created_by_writers(tmp_path, capsys):
@@ -328,3 +351,23 @@ def test_distill_config_that_is_a_directory_or_binary_is_named(tmp_path, capsys)
     for argv in (["pipeline", "run", "--config", str(tmp_path)], ["monitor", "run", "--config", str(binary)]):
         assert main(argv) == 2
         assert str(tmp_path) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, module, name", [(["monitor", "run"], "flows.monitor", "monitor"),
+                                                (["pipeline", "run"], "flows.nightly", "nightly")])
+def test_a_signal_during_a_flow_is_one_line_and_exit_128_plus_signal(argv, module, name, monkeypatch, capsys):
+    import signal
+    import time
+
+    def flow(**parameters):
+        os.kill(os.getpid(), signal.SIGTERM)  # as `kill PID` or a service manager's stop would
+        time.sleep(5)
+        raise AssertionError("the signal should have stopped the flow")
+
+    monkeypatch.setitem(sys.modules, module, types.SimpleNamespace(**{name: flow}))
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(argv) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"specdistill: the {name} flow stopped by SIGTERM: its flow runs are marked Crashed and nothing is "
+                   "half-written; run the same command again to resume from the finished stages"]
+    assert signal.getsignal(signal.SIGTERM) is before  # the command's handlers are its own, only while the flow runs

@@ -123,3 +123,61 @@ def test_cached_forward_builds_its_mask_on_the_heads_device(head):
     out = meta(torch.zeros(1, 3, dtype=torch.long, device="meta"), torch.zeros(1, 3, 32, device="meta", dtype=torch.float64),
                torch.arange(3, device="meta")[None], Eagle3Cache())
     assert out.shape == (1, 3, 32) and out.device.type == "meta"
+
+
+# --------------------------------------------------------------------------------------------
+# targets beyond Llama: every architecture transformers ships that the head supports, and one it refuses
+
+def _tiny_config(arch: str):
+    import transformers
+
+    common = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    configs = {
+        "LlamaForCausalLM": lambda: transformers.LlamaConfig(**common),
+        "MistralForCausalLM": lambda: transformers.MistralConfig(**common),
+        "Qwen2ForCausalLM": lambda: transformers.Qwen2Config(**common),
+        "Qwen3ForCausalLM": lambda: transformers.Qwen3Config(**common, head_dim=8),
+        "Gemma2ForCausalLM": lambda: transformers.Gemma2Config(**common, head_dim=8, query_pre_attn_scalar=8),
+        "Phi3ForCausalLM": lambda: transformers.Phi3Config(**common),  # fused qkv_proj and gate_up_proj
+        "GPT2LMHeadModel": lambda: transformers.GPT2Config(vocab_size=300, n_embd=32, n_layer=4, n_head=4,
+                                                          n_positions=256, bos_token_id=1, eos_token_id=2),
+    }
+    config = configs[arch]()
+    config.architectures = [arch]
+    return config
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                  "Gemma2ForCausalLM", "Phi3ForCausalLM", "GPT2LMHeadModel"])
+def test_draft_init_eagle3_works_or_refuses_each_architecture_in_one_line(arch, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from specdistill.cli import main
+    from specdistill.modeling.eagle3 import EAGLE3_TARGET_ARCHITECTURES
+    from specdistill.modeling.models import load_model
+    from specdistill.speculative import generate, make_drafter
+    from tests.conftest import train_bpe
+
+    torch.manual_seed(0)
+    model = lively(AutoModelForCausalLM.from_config(_tiny_config(arch)), seed=1, std=0.3).float()
+    target_dir, out = tmp_path / "target", tmp_path / "head"
+    model.save_pretrained(target_dir)
+    train_bpe(300).save_pretrained(target_dir)
+    code = main(["draft", "init", "--target", str(target_dir), "--kind", "eagle3", str(out)])
+    err = capsys.readouterr().err
+    if arch not in EAGLE3_TARGET_ARCHITECTURES:
+        assert code == 2 and not out.exists()
+        line = err.strip().splitlines()[-1]
+        assert line == (f"specdistill: error: {target_dir}: an EAGLE-3 head cannot be built for architecture {arch} "
+                        f"(supported: {', '.join(EAGLE3_TARGET_ARCHITECTURES)})")
+        assert "Loading weights" not in err  # refused before the target loads
+        return
+    assert code == 0, err
+    target = load_model(target_dir, dtype="float32")
+    drafter = make_drafter(target.model, draft=str(out))
+    assert type(drafter).__name__ == "EagleDrafter"
+    for prompt in ([5, 17, 42, 9], [100, 3, 3, 250, 7, 61]):
+        base = generate(target.model, prompt, max_new_tokens=12, stop_token_ids=[])
+        spec = generate(target.model, prompt, max_new_tokens=12, drafter=drafter, gamma=3, stop_token_ids=[])
+        assert spec.output_ids == base.output_ids and spec.stats.rounds > 0  # lossless, and it did draft

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import signal
@@ -83,6 +84,39 @@ def test_truncated_sharegpt_is_reported_and_completed_when_the_file_grows(store,
     second = ingest(path, "sharegpt", store, batch_size=8, progress=False)
     assert counts(second) == (10, 10, 0, 0) and second.truncation is None
     assert {c.record_id for c in store.window()} == {f"r{i}" for i in range(50)}
+
+
+def test_corrupt_gzip_keeps_what_was_read_and_is_a_named_error(store, tmp_path, capsys):
+    from specdistill.cli import main
+
+    good = gzip.compress(b"".join(good_line(i) for i in range(30)))
+    path = tmp_path / "log.jsonl.gz"
+    path.write_bytes(good + b"garbage!" * 8)  # a second gzip member that is not one
+    result = ingest(path, "jsonl", store, batch_size=7, progress=False)
+    assert counts(result) == (30, 30, 0, 0) and result.conserved
+    assert str(path) in result.corrupt and "corrupt gzip data" in result.corrupt
+    assert result.truncation["location"] == "log.jsonl.gz:31"
+    bad_crc = bytearray(gzip.compress(b"".join(good_line(i, "c") for i in range(20))))
+    bad_crc[-8] ^= 0xFF  # the trailer's CRC: every block inflates, the check at the end fails
+    other = tmp_path / "crc.jsonl.gz"
+    other.write_bytes(bytes(bad_crc))
+    assert main(["ingest", str(other), "--format", "jsonl", "--db", store.url, "--no-progress", "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert json.loads(out)["read"] == 20 and store.count() == 50
+    assert err.startswith(f"specdistill: error: {other}: corrupt gzip data: CRC check failed")
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_gzip_cut_short_is_a_truncation(store, tmp_path):
+    whole = gzip.compress(b"".join(good_line(i, f"{i}-" * 40) for i in range(400)))
+    path = tmp_path / "cut.jsonl.gz"
+    path.write_bytes(whole[: len(whole) // 2])
+    first = ingest(path, "jsonl", store, batch_size=50, progress=False)
+    assert 0 < first.read < 400 and first.conserved and first.corrupt is None
+    assert first.truncation["location"] == f"cut.jsonl.gz:{first.read + 1}"
+    path.write_bytes(whole)
+    second = ingest(path, "jsonl", store, batch_size=50, progress=False)
+    assert second.truncation is None and store.count() == 400
 
 
 def test_rewritten_file_is_read_again_from_the_start(store, tmp_path):

@@ -280,3 +280,21 @@ def test_a_shared_target_is_loaded_once_per_process_and_again_when_its_files_cha
     assert models.shared_model(target_dir, dtype="float32") is not first and len(loads) == 3
     assert len(models._SHARED) == models.SHARED_MODELS  # the oldest dropped
     assert models.load_model(target_dir, dtype="float32") is not first  # load_model: always a private copy
+
+
+@pytest.mark.parametrize("template, says", [
+    ("{{ messages.__class__.__mro__[1].__subclasses__() }}", "blocked by the Jinja sandbox"),
+    ("{% for m in messages %}{{ m['content'] }", "does not render"),
+])
+def test_a_chat_template_that_cannot_run_is_refused_at_load_in_one_line(tmp_path, capsys, template, says):
+    from specdistill.cli import main
+
+    tok = train_bpe(300)
+    tok.chat_template = template
+    target = save_tiny_target(tmp_path / "target", tokenizer=tok)
+    with pytest.raises(ModelLoadError, match=says) as caught:
+        load_model(target)
+    assert str(target) in str(caught.value)
+    assert main(["generate", "--target", str(target), "--prompt", "hi", "--max-new-tokens", "2", "--ngram"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"specdistill: error: {target}") and says in err[-1] and "Traceback" not in "".join(err)

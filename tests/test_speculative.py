@@ -159,6 +159,36 @@ def test_max_new_tokens_and_context_limit_are_exact():
     base = generate(target, near_full, max_new_tokens=50, stop_token_ids=[])
     spec = generate(target, near_full, max_new_tokens=50, drafter=NgramDrafter(), gamma=6, stop_token_ids=[])
     assert len(base.output_ids) == 4 and spec.output_ids == base.output_ids
+    for cut in (base, spec):  # said, never silent: the context, not max_new_tokens, ended the output
+        assert cut.stopped == "context" and cut.stats.context_truncated == 1 and cut.context == ctx
+    assert generate(target, [1, 2, 3], max_new_tokens=5, stop_token_ids=[]).stopped == "max_new_tokens"
+    assert SpecStats.total([base.stats, spec.stats, out.stats]).context_truncated == 2
+
+
+def test_generate_says_when_the_context_cut_the_output(tmp_path, capsys):
+    import json
+
+    from specdistill.cli import main
+    from tests.conftest import save_tiny_target
+
+    target = save_tiny_target(tmp_path / "target")  # a context of 256 positions
+    for name in ("config.json", "generation_config.json"):  # no stop token: only the lengths end the output
+        config = json.loads((target / name).read_text())
+        (target / name).write_text(json.dumps({**config, "eos_token_id": None}))
+    ids = ",".join(str(10 + i % 50) for i in range(252))
+    argv = ["generate", "--target", str(target), "--prompt-ids", ids, "--max-new-tokens", "16", "--ngram"]
+    assert main([*argv, "--json"]) == 0
+    out, err = capsys.readouterr()
+    reply = json.loads(out)
+    assert len(reply["output_ids"]) == 4 and reply["stats"]["stopped"] == "context"
+    assert reply["stats"]["context_truncated"] == 1
+    assert "stopped at 4 of 16 new tokens: the prompt's 252 tokens filled the target's context of 256 tokens" in err
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "stopped: context" in out and "filled the target's context" in err
+    assert main([*argv, "--max-new-tokens", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert "stopped:" in out and "filled the target's context" not in err
 
 
 def test_early_exit_shares_weights_and_matches_intermediate_hidden_state():

@@ -12,6 +12,7 @@ import sys
 
 import specdistill  # noqa: F401  (sets the offline environment before anything else imports)
 from specdistill.cli import data, decode, distill, flows, models, ops
+from specdistill.env import mask_secrets
 
 GROUPS = (models, data, decode, distill, flows, ops)  # in the order `specdistill --help` lists them
 
@@ -29,5 +30,5 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, RuntimeError, FileNotFoundError) as exc:
-        print(f"specdistill: error: {exc}", file=sys.stderr)
+        print(f"specdistill: error: {mask_secrets(str(exc))}", file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from specdistill.cli.common import Subcommands, add_db, command, emit, group, log_store, positive_int
 
@@ -14,6 +15,9 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         result = ingest(args.path, args.format, store, batch_size=args.batch_size, source=args.source,
                         progress=not args.no_progress)
     emit(args, result.to_dict(), result.render())
+    if result.corrupt:  # what was read is stored and counted; the file itself is an error
+        print(f"specdistill: error: {result.corrupt}", file=sys.stderr)
+        return 2
     return 0
 
 

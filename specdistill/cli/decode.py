@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from specdistill.acceptance import DEFAULT_GAMMA
@@ -35,8 +36,6 @@ def _drafter(args: argparse.Namespace, target, fingerprint: str | None = None, t
                          "--self-spec K), or a suffix drafter (--suffix CORPUS)")
     note = getattr(drafter, "note", "") or getattr(getattr(drafter, "suffix", None), "note", "")
     if note:  # the suffix drafter says when its corpus is empty and it drafts from the request alone
-        import sys
-
         print(note, file=sys.stderr)
     return drafter
 
@@ -51,6 +50,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specdistill.modeling.models import dtype_name, load_model
     from specdistill.speculative import SamplingConfig, generate
     from specdistill.speculative.bench import encode_prompt
+    from specdistill.speculative.engine import STOPPED_AT_CONTEXT
 
     _check_drafting(args)
     set_threads(args)
@@ -67,9 +67,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
                       gamma=args.gamma, sampling=SamplingConfig(args.temperature, args.top_p, args.seed))
     text = target.tokenizer.decode(result.output_ids, skip_special_tokens=True)
     stats, dtype = result.stats, dtype_name(target.model.dtype)
-    emit(args, {"output_ids": result.output_ids, "text": text, "dtype": dtype, "stats": stats.to_dict()},
+    if result.stopped == STOPPED_AT_CONTEXT:  # fewer tokens than asked for: say why, never silently
+        print(f"specdistill: the output stopped at {stats.generated_tokens} of {args.max_new_tokens} new tokens: "
+              f"the prompt's {len(prompt)} tokens filled the target's context of {result.context} tokens",
+              file=sys.stderr)
+    emit(args, {"output_ids": result.output_ids, "text": text, "dtype": dtype,
+                "stats": {**stats.to_dict(), "stopped": result.stopped}},
          f"{text}\n\n[{stats.generated_tokens} tokens, {stats.tokens_per_second:.2f} tokens/s in {dtype}, "
-         f"α {stats.acceptance_rate:.3f}, τ {stats.accepted_length:.2f}]")
+         f"α {stats.acceptance_rate:.3f}, τ {stats.accepted_length:.2f}; stopped: {result.stopped.replace('_', ' ')}]")
     return 0
 
 

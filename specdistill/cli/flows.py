@@ -7,6 +7,7 @@ imports `flows.*` only inside the handlers.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from specdistill.cli.common import (
     Subcommands,
@@ -29,8 +30,13 @@ def cmd_nightly(args: argparse.Namespace) -> int:
     overrides = [*DEMO_OVERRIDES, *args.overrides] if getattr(args, "demo", False) else list(args.overrides)
     config = load_nightly_config(args.config, overrides)  # a bad key fails here, before Prefect is imported
     from flows.nightly import nightly
+    from flows.runner import FlowStopped, run_flow, stopped_message
 
-    result = nightly(config_path=args.config, overrides=overrides)
+    try:
+        result = run_flow(nightly, config_path=args.config, overrides=overrides)
+    except FlowStopped as stop:  # SIGTERM/SIGINT: the runs are marked, a rerun resumes
+        print(stopped_message(stop, "the nightly flow"), file=sys.stderr)
+        return stop.exit_code
     text = result.report  # the table, the gate, the serving choice, the registered version and its alias
     if not result.promoted:  # a promotion names the file in the report already
         text += f"\nserving config: {config.serving_path or serving_path()}"

@@ -46,6 +46,8 @@ def cmd_draft_init(args: argparse.Namespace) -> int:
     check_out(args)  # before the target loads: a refused OUT costs nothing
     if args.draft_vocab is not None and args.draft_vocab < 1:
         raise SystemExit(f"--draft-vocab {args.draft_vocab}: a draft vocabulary needs at least one token")
+    if args.kind == "eagle3":  # an architecture the head cannot start from is refused before the target loads
+        _check_eagle3_target(args.target)
     target = load_model(args.target, dtype="float32")  # the draft is made of its weights and saved
     draft_vocab = None
     if args.draft_vocab:
@@ -66,6 +68,16 @@ def cmd_draft_init(args: argparse.Namespace) -> int:
     payload = {"out": str(out), "kind": "layers", "layers": layers, "parameters": num_parameters(draft), **meta}
     emit(args, payload, f"draft with layers {layers} ({payload['parameters'] / 1e6:.1f}M parameters) -> {out}")
     return 0
+
+
+def _check_eagle3_target(ref: str) -> None:
+    from transformers import AutoConfig
+
+    from specdistill.modeling.eagle3 import check_eagle3_target, target_architecture
+    from specdistill.modeling.models import resolve_model_dir
+
+    model_dir = resolve_model_dir(ref)
+    check_eagle3_target(target_architecture(AutoConfig.from_pretrained(model_dir)), where=model_dir)
 
 
 def _init_eagle3(args: argparse.Namespace, target, draft_vocab) -> int:

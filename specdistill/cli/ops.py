@@ -52,8 +52,13 @@ def cmd_monitor_run(args: argparse.Namespace) -> int:
 
     load_monitor_config(args.config, args.overrides)  # a bad file or key fails here, before Prefect starts
     from flows.monitor import monitor  # the flows are the one place Prefect is imported
+    from flows.runner import FlowStopped, run_flow, stopped_message
 
-    outcome = monitor(config_path=args.config, overrides=args.overrides)
+    try:
+        outcome = run_flow(monitor, config_path=args.config, overrides=args.overrides)
+    except FlowStopped as stop:  # SIGTERM/SIGINT: the runs are marked, a rerun resumes
+        print(stopped_message(stop, "the monitor flow"), file=sys.stderr)
+        return stop.exit_code
     emit(args, outcome, outcome.report or f"decision: {outcome.decision}")
     return 0
 

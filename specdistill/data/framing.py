@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import re
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,19 @@ class Truncation:
     offset: int  # where the unfinished tail starts
     tail_bytes: int  # how many bytes it holds
     location: str  # where the unfinished record would be
+    # None: the file just ends early (maybe still being written). Else why the rest cannot be read:
+    # a gzip stream that is corrupt ("corrupt gzip data: CRC check failed"), never a normal state.
+    corrupt: str | None = None
+
+
+COMPRESSED_READ_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error)  # a gzip stream cut short or corrupt
+
+
+def compressed_read_error(exc: BaseException) -> str | None:
+    """Why a gzip stream failed: None when it only ended early (a truncation, as for a plain file)."""
+    if isinstance(exc, EOFError):
+        return None
+    return f"corrupt gzip data: {exc}"
 
 
 class FormatMismatchError(ValueError):

@@ -44,7 +44,8 @@ class IngestResult:
     quarantined: int = 0
     start_offset: int = 0
     end_offset: int = 0
-    truncation: dict | None = None  # {"offset", "tail_bytes", "location"} of an unfinished tail
+    truncation: dict | None = None  # {"offset", "tail_bytes", "location", "corrupt"} of an unfinished tail
+    corrupt: str | None = None  # one line naming the file, when its data is unreadable past a point (a bad .gz)
     note: str | None = None
     seconds: float = 0.0
     conserved: bool = field(init=False, default=True)
@@ -62,7 +63,9 @@ class IngestResult:
             f"{self.duplicates} + quarantined {self.quarantined}  [bytes {self.start_offset}..{self.end_offset}, "
             f"{self.seconds:.1f} s]"
         ]
-        if self.truncation:
+        if self.corrupt:
+            lines.append(self.corrupt)
+        elif self.truncation:
             t = self.truncation
             lines.append(
                 f"truncated: the file ends inside {t['location']} (byte {t['offset']}, {t['tail_bytes']} bytes); "
@@ -165,7 +168,11 @@ def ingest(
         bar.close()
     if reader.truncation is not None:
         t = reader.truncation
-        result.truncation = {"offset": t.offset, "tail_bytes": t.tail_bytes, "location": t.location}
+        result.truncation = {"offset": t.offset, "tail_bytes": t.tail_bytes, "location": t.location,
+                             "corrupt": t.corrupt}
+        if t.corrupt:
+            result.corrupt = (f"{path}: {t.corrupt}; unreadable from {t.location} on (the {reader.records} records "
+                              "before it are counted above; replace the file and ingest it again)")
     store.finish_run(result.run_id, result.truncation and result.truncation["offset"],
                      result.truncation and result.truncation["tail_bytes"])
     result.seconds = time.perf_counter() - began

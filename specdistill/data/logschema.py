@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from specdistill.data.formats import Message
+from specdistill.env import mask_secrets
 from specdistill.paths import create_private_file, ensure, home
 
 DEFAULT_EVAL_FRACTION = 0.05
@@ -191,11 +192,18 @@ class LogStoreError(RuntimeError):
 
 
 def display_url(url: str | sa.URL) -> str:
-    """The URL with its password masked: the only form that goes into logs and reports."""
+    """The URL with every credential masked (user:password@, ?password=..., secrets from the
+    environment): the only form that goes into logs, errors and reports."""
     try:
-        return sa.make_url(url).render_as_string(hide_password=True)
-    except sa.exc.ArgumentError:
-        return str(url) if "@" not in str(url) else "<unparsable URL>"
+        return mask_secrets(sa.make_url(url).render_as_string(hide_password=True))
+    except (sa.exc.ArgumentError, ValueError):  # ValueError: a port that is not a number
+        return mask_secrets(str(url))
+
+
+def _sqlite_file(parsed: sa.URL) -> bool:
+    """A SQLite URL naming a plain file path (not :memory:, not a `file:...?uri=true` URI that SQLite opens itself)."""
+    is_uri = str(parsed.query.get("uri", "")).lower() in ("true", "1")
+    return bool(parsed.database) and parsed.database != ":memory:" and not is_uri
 
 
 def parse_url(url: str | sa.URL, *, create: bool = True) -> sa.URL:
@@ -206,6 +214,9 @@ def parse_url(url: str | sa.URL, *, create: bool = True) -> sa.URL:
     except sa.exc.ArgumentError:
         raise LogStoreError(f"not a database URL: {display_url(url)!r} (expected e.g. sqlite:///path/logs.db or "
                             "postgresql+psycopg://user:password@host/db)") from None
+    except ValueError as exc:  # sqlalchemy parses the port with int()
+        raise LogStoreError(f"not a database URL: {display_url(url)!r}: its port is not a number "
+                            f"({str(exc).rpartition(': ')[2]})") from None
     backend = parsed.get_backend_name()
     if backend not in SUPPORTED_BACKENDS:
         raise LogStoreError(f"log store {display_url(parsed)}: unsupported database {backend!r} "
@@ -214,7 +225,7 @@ def parse_url(url: str | sa.URL, *, create: bool = True) -> sa.URL:
         parsed.get_dialect()
     except (ImportError, sa.exc.NoSuchModuleError) as exc:
         raise LogStoreError(f"log store {display_url(parsed)}: its database driver is not installed ({exc})") from None
-    if backend == "sqlite" and parsed.database and parsed.database != ":memory:":
+    if backend == "sqlite" and _sqlite_file(parsed):
         path = Path(parsed.database)
         if path.is_dir():
             raise LogStoreError(f"log store {display_url(parsed)}: {path} is a directory, not a database file")
@@ -228,7 +239,7 @@ def make_engine(url: str, *, create: bool = True) -> Engine:
     """An engine for a checked URL (`parse_url`). A new SQLite file is created 0600 (it holds traffic)."""
     parsed = parse_url(url, create=create)
     if parsed.get_backend_name() == "sqlite":
-        if parsed.database and parsed.database != ":memory:":
+        if _sqlite_file(parsed):
             create_private_file(Path(parsed.database).resolve())
         engine = sa.create_engine(parsed, connect_args={"timeout": 60})
 
@@ -253,13 +264,24 @@ def make_engine(url: str, *, create: bool = True) -> Engine:
     return sa.create_engine(parsed, pool_pre_ping=True)
 
 
+def database_error(url: str | sa.URL, exc: sa.exc.DBAPIError) -> LogStoreError:
+    """A driver's error as one line naming the store: never the SQL statement or its parameters
+    (which hold traffic), and never a credential."""
+    reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+    return LogStoreError(f"log store {display_url(url)}: {mask_secrets(reason)}")
+
+
 @contextmanager
 def writing(engine: Engine) -> Iterator[Connection]:
-    """A transaction that will write (on SQLite it takes the write lock when it begins)."""
-    with engine.connect() as conn:
-        conn.execution_options(writes=True)
-        with conn.begin():
-            yield conn
+    """A transaction that will write (on SQLite it takes the write lock when it begins). A database
+    that refuses the write (a read-only file, a full disk, a lost server) is a `LogStoreError`."""
+    try:
+        with engine.connect() as conn:
+            conn.execution_options(writes=True)
+            with conn.begin():
+                yield conn
+    except sa.exc.OperationalError as exc:
+        raise database_error(engine.url, exc) from exc
 
 
 def _migrate(engine: Engine, direction: str, revision: str) -> None:

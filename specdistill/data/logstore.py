@@ -54,6 +54,7 @@ from specdistill.data.logschema import (  # noqa: F401  (the schema and hashes a
 )
 from specdistill.data.logstore_records import PipelineRecords, _now
 from specdistill.data.readers import Conversation, Message, Rejected
+from specdistill.env import mask_secrets
 
 # ----------------------------------------------------------------------------------------------
 # the store
@@ -101,8 +102,11 @@ class LogStore(PipelineRecords):
             upgrade(self.engine)
         except sa.exc.DBAPIError as exc:  # unreachable server, bad credentials, a file that is no database
             self.engine.dispose()
-            reason = str(getattr(exc, "orig", exc)).strip().splitlines()[0]
+            reason = mask_secrets(str(getattr(exc, "orig", exc)).strip().splitlines()[0])
             raise LogStoreError(f"cannot open log store {display_url(self.url)}: {reason}") from None
+        except LogStoreError as exc:  # the migrations' write refused (a read-only file)
+            self.engine.dispose()
+            raise LogStoreError(f"cannot open {exc}") from None
 
     def __repr__(self) -> str:
         return f"LogStore({display_url(self.url)!r})"

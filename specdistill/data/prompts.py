@@ -42,6 +42,29 @@ def prompt_messages(messages: Iterable[Any]) -> list[dict] | None:
     return out if out and out[-1]["role"] == "user" else None
 
 
+class ChatTemplateError(ValueError):
+    """A chat template that cannot be applied; the message names where it came from."""
+
+
+def check_chat_template(tokenizer, where: object) -> None:
+    """Render the tokenizer's chat template once on a one-turn conversation, so a template the Jinja
+    sandbox blocks (attribute access to internals, unsafe calls) or one that does not render stops the
+    command before any work, as one line naming `where` (the model's directory), not a traceback."""
+    if not getattr(tokenizer, "chat_template", None):
+        return
+    from jinja2.exceptions import SecurityError, TemplateError
+
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True,
+                                      tokenize=False)
+    except SecurityError as exc:
+        raise ChatTemplateError(f"{where}: its chat template is blocked by the Jinja sandbox "
+                                f"({str(exc).splitlines()[0]}); nothing is run with it") from None
+    except TemplateError as exc:
+        raise ChatTemplateError(f"{where}: its chat template does not render ({type(exc).__name__}: "
+                                f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+
+
 def encode_chat(tokenizer, messages: Iterable[Any]) -> list[int]:
     """The chat-templated prompt, ending with the assistant header the answer follows.
 

@@ -10,7 +10,9 @@ with no newline that does not parse) is not a record yet, because a log that is 
 looks exactly like that. The reader stops before it and sets `reader.truncation` (a `Truncation`
 with the byte offset and the size of the tail) once iteration is over; `reader.end_offset` is where
 an incremental read resumes. Nothing in the tail is silently dropped: it is reported, and read
-again when the file has grown.
+again when the file has grown. A `.gz` whose stream ends early is a truncation too; one whose data
+is corrupt (a bad block, a CRC mismatch) keeps the records read before it and sets
+`truncation.corrupt` to why.
 
 Normalization: see `specdistill.data.formats` (roles, empty turns, conversations that do not start with
 a user turn, over-long records, text a database cannot hold).
@@ -36,11 +38,13 @@ from specdistill.data.formats import (
     looks_like,
 )
 from specdistill.data.framing import (  # noqa: F401  (Truncation, FormatMismatchError, raw_text: this module's API too)
+    COMPRESSED_READ_ERRORS,
     RAW_KEEP_CHARS,
     FormatMismatchError,
     Frame,
     Truncation,
     array_frames,
+    compressed_read_error,
     line_frames,
     open_binary,
     raw_text,
@@ -127,6 +131,20 @@ class RecordReader:
         state: dict = {}
         sniffed: list[tuple[Conversation | Rejected, Any, int]] = []  # held back until one record is valid
         checked = self.start_offset > 0  # a resumed read already passed the format check
+        try:
+            yield from self._framed(name, parse, state, sniffed, checked)
+        except COMPRESSED_READ_ERRORS as exc:
+            # a .gz cut short or corrupt: what was read before the bad block is kept and counted,
+            # the rest is reported as a truncation (with why, when the data is corrupt)
+            for held, _, index in sniffed:
+                yield from self._emit(held, index)
+            where = f"{name}#record={self.index + 1}" if self.fmt == "sharegpt" else f"{name}:{self.index + 1}"
+            self.truncation = Truncation(self.end_offset, 0, where, compressed_read_error(exc))
+            return
+        if self.truncation is None and "truncated" in state:
+            self.truncation = state["truncated"]
+
+    def _framed(self, name: str, parse, state: dict, sniffed: list, checked: bool) -> Iterator[Conversation | Rejected]:
         with open_binary(self.path, self.fmt) as f:
             if self.start_offset:
                 f.seek(self.start_offset)
@@ -158,8 +176,6 @@ class RecordReader:
                 yield from self._emit(record, frame.index)
             if sniffed:
                 self._mismatch(sniffed)
-        if self.truncation is None and "truncated" in state:
-            self.truncation = state["truncated"]
 
     def _emit(self, record: Conversation | Rejected, index: int) -> Iterator[Conversation | Rejected]:
         self.records += 1

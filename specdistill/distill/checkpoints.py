@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -57,10 +58,32 @@ def _untie(state: dict) -> dict:
     return out
 
 
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be loaded safely; the message names the file."""
+
+
+def load_tensors(path: Path) -> dict:
+    """`torch.load(path, weights_only=True)`, with a refusal (a pickle holding more than tensors and
+    plain containers) or a damaged file as one line naming the file, never a traceback."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        boilerplate = ("Weights only load failed", "Please file an issue", "Check the documentation")
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        detail = next((line for line in lines if not line.startswith(boilerplate)), "not a plain tensor file")
+        raise CheckpointError(f"{path}: refused by torch.load(weights_only=True), which loads only tensors and "
+                              f"plain containers ({detail}); remove its checkpoint directory {path.parent} to "
+                              "resume from an earlier one") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path}: not a readable torch file ({first}); remove its checkpoint directory "
+                              f"{path.parent} to resume from an earlier one") from None
+
+
 def load_checkpoint(ckpt: Path, module: torch.nn.Module, optimizer) -> dict:
     module.load_state_dict(load_file(str(ckpt / "model.safetensors")), strict=True)
-    optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
-    rng = torch.load(ckpt / "rng.pt", weights_only=True)
+    optimizer.load_state_dict(load_tensors(ckpt / "optimizer.pt"))
+    rng = load_tensors(ckpt / "rng.pt")
     torch.set_rng_state(rng["torch"])
     state = paths.read_json(ckpt / "state.json", "checkpoint state")
     version, internal, gauss = state["python_rng"]

@@ -13,6 +13,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
+from specdistill.env import mask_url
+
 
 class EngineRequestError(RuntimeError):
     """The server answered with an error or not at all; the message names the URL and the reply."""
@@ -51,6 +53,7 @@ def get_json(url: str, timeout_s: float = 30.0) -> dict:
 
 
 def _reply_json(request: urllib.request.Request, url: str, timeout_s: float) -> dict:
+    url = mask_url(url)  # as it is shown in errors: an endpoint may carry a token
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return json.loads(response.read().decode("utf-8"))

@@ -30,6 +30,31 @@ class Eagle3ShapeError(ValueError):
     """The head and the target it is paired with do not fit (layers, widths, vocabulary)."""
 
 
+# Target architectures a head starts from: decoder layers with q/k/v (or Phi-3's fused qkv_proj),
+# gate/up/down (or Phi-3's fused gate_up_proj) and RMS norms (Gemma's scale by 1 + weight).
+# Llama, Mistral, Qwen2, Qwen3 and Phi-3 are the ones vLLM's EAGLE-3 serves as Llama-style models.
+EAGLE3_TARGET_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                               "Phi3ForCausalLM", "Gemma2ForCausalLM")
+
+
+class UnsupportedTargetError(Eagle3ShapeError):
+    """A target architecture an EAGLE-3 head cannot be built for; the message names it and the supported ones."""
+
+
+def check_eagle3_target(architecture: str | None, where: object = "the target") -> None:
+    """Refuse, in one line and before any work, a target whose architecture the head cannot start from."""
+    if architecture not in EAGLE3_TARGET_ARCHITECTURES:
+        raise UnsupportedTargetError(
+            f"{where}: an EAGLE-3 head cannot be built for architecture {architecture or 'unknown'} "
+            f"(supported: {', '.join(EAGLE3_TARGET_ARCHITECTURES)})")
+
+
+def target_architecture(config) -> str | None:
+    """The architecture a config names (`architectures[0]`), as a checkpoint's config.json records it."""
+    names = getattr(config, "architectures", None) or []
+    return names[0] if names else None
+
+
 def default_aux_layers(num_layers: int) -> list[int]:
     """Low, mid and high feature layers as vLLM and SGLang capture them for an N-layer target."""
     if num_layers < 4:
@@ -50,6 +75,7 @@ def eagle3_config(target_config, draft_vocab_size: int, aux_layers: list[int] | 
         "rope_type": "default",
         "rope_theta": getattr(target_config, "rope_theta", 10000.0),
     }
+    act = getattr(target_config, "hidden_act", None) or getattr(target_config, "hidden_activation", None) or "silu"
     config = LlamaConfig(
         vocab_size=target_config.vocab_size,
         hidden_size=target_config.hidden_size,
@@ -58,7 +84,7 @@ def eagle3_config(target_config, draft_vocab_size: int, aux_layers: list[int] | 
         num_attention_heads=target_config.num_attention_heads,
         num_key_value_heads=target_config.num_key_value_heads,
         head_dim=head_dim,
-        hidden_act=getattr(target_config, "hidden_act", "silu"),
+        hidden_act=act,
         max_position_embeddings=target_config.max_position_embeddings,
         rms_norm_eps=target_config.rms_norm_eps,
         rope_parameters=dict(rope),
@@ -266,27 +292,54 @@ def init_eagle3_from_target(target: PreTrainedModel, draft_vocab: DraftVocab, au
     the identity on the high feature layer; `norm` and `lm_head` are the target's final norm and its
     head rows for the draft vocabulary. Training moves it from there.
     """
+    check_eagle3_target(target_architecture(target.config) or type(target).__name__)
     config = eagle3_config(target.config, draft_vocab.size, aux_layers)
     head = Eagle3Draft(config, target.get_input_embeddings())
     dtype = next(target.parameters()).dtype
     top, first = target.model.layers[-1], target.model.layers[0]
     h = config.hidden_size
     layer = head.midlayer
+    first_qkv, top_qkv = _qkv_weights(first.self_attn, config), _qkv_weights(top.self_attn, config)
     for name in ("q_proj", "k_proj", "v_proj"):
         w = getattr(layer.self_attn, name).weight
-        w[:, :h] = getattr(first.self_attn, name).weight
-        w[:, h:] = getattr(top.self_attn, name).weight
+        w[:, :h] = first_qkv[name]
+        w[:, h:] = top_qkv[name]
     layer.self_attn.o_proj.weight.copy_(top.self_attn.o_proj.weight)
-    layer.input_layernorm.weight.copy_(first.input_layernorm.weight)
-    layer.hidden_norm.weight.copy_(top.input_layernorm.weight)
-    layer.post_attention_layernorm.weight.copy_(top.post_attention_layernorm.weight)
-    layer.mlp.load_state_dict(top.mlp.state_dict())
+    layer.input_layernorm.weight.copy_(_rms_scale(first.input_layernorm))
+    layer.hidden_norm.weight.copy_(_rms_scale(top.input_layernorm))
+    # the norm before the MLP: Gemma-2 names it pre_feedforward_layernorm (its post_attention_layernorm
+    # normalizes the attention output before the residual add)
+    layer.post_attention_layernorm.weight.copy_(
+        _rms_scale(getattr(top, "pre_feedforward_layernorm", None) or top.post_attention_layernorm))
+    layer.mlp.load_state_dict(_mlp_weights(top.mlp))
     head.fc.weight.zero_()
     head.fc.weight[:, 2 * h :] = torch.eye(h)
-    head.norm.weight.copy_(target.model.norm.weight)
+    head.norm.weight.copy_(_rms_scale(target.model.norm))
     head.lm_head.weight.copy_(target.get_output_embeddings().weight.index_select(0, draft_vocab.token_ids))
     head.set_draft_vocab(draft_vocab)
     return head.to(dtype)
+
+
+def _qkv_weights(attn: nn.Module, config: LlamaConfig) -> dict[str, torch.Tensor]:
+    """q/k/v weights of a target attention: separate projections, or Phi-3's fused `qkv_proj` split by rows."""
+    if hasattr(attn, "q_proj"):
+        return {name: getattr(attn, name).weight for name in ("q_proj", "k_proj", "v_proj")}
+    q_rows, kv_rows = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    q, k, v = attn.qkv_proj.weight.split([q_rows, kv_rows, kv_rows], dim=0)
+    return {"q_proj": q, "k_proj": k, "v_proj": v}
+
+
+def _mlp_weights(mlp: nn.Module) -> dict[str, torch.Tensor]:
+    """gate/up/down weights of a target MLP: separate, or Phi-3's fused `gate_up_proj` (gate rows first)."""
+    if hasattr(mlp, "gate_proj"):
+        return {f"{name}.weight": getattr(mlp, name).weight for name in ("gate_proj", "up_proj", "down_proj")}
+    gate, up = mlp.gate_up_proj.weight.chunk(2, dim=0)
+    return {"gate_proj.weight": gate, "up_proj.weight": up, "down_proj.weight": mlp.down_proj.weight}
+
+
+def _rms_scale(norm: nn.Module) -> torch.Tensor:
+    """The multiplier an RMS norm applies, as the head's Llama norm holds it: Gemma's norms scale by 1 + weight."""
+    return norm.weight + 1 if type(norm).__name__.startswith("Gemma") else norm.weight
 
 
 def check_head_fits(head: Eagle3Draft, target: PreTrainedModel) -> None:

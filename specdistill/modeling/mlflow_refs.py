@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import re
+import time
 from pathlib import Path
 
 import mlflow
@@ -25,6 +26,7 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from specdistill import paths
+from specdistill.env import mask_url
 
 DRAFT_ARTIFACT = "draft"
 FILES_TAG = "draft_files_sha256"  # {relative path: sha256} of the registered checkpoint's files
@@ -46,8 +48,63 @@ def tracking_uri() -> str:
     return f"sqlite:///{paths.create_private_file(paths.ensure(paths.home()) / 'mlflow.db')}"
 
 
+class TrackingServerError(RuntimeError):
+    """The MLflow tracking server cannot be reached; the message names its URI (credentials masked)."""
+
+
+REACH_SECONDS = 5.0  # how long an unreachable tracking server is retried before the command stops
+_reached: set[str] = set()
+
+
+def check_reachable(uri: str, within_s: float | None = None) -> None:
+    """An `http(s)://` tracking server answers at all (any HTTP status counts), retried for `within_s`
+    seconds, once per process and URI: an unreachable one stops the command in seconds with one line
+    naming it, instead of MLflow's own minutes of retries and a traceback."""
+    if uri in _reached:
+        return
+    if not uri.startswith(("http://", "https://")):
+        if "://" in uri and not uri.startswith(("file:", "sqlite:")):  # a database-backed store: its URL parses
+            import sqlalchemy as sa
+
+            try:
+                sa.make_url(uri)
+            except (sa.exc.ArgumentError, ValueError):
+                raise TrackingServerError(f"MLFLOW_TRACKING_URI {mask_url(uri)}: not a database URL "
+                                          "(is its port a number?)") from None
+        return
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    within_s = REACH_SECONDS if within_s is None else within_s
+    parts = urllib.parse.urlsplit(uri)
+    try:
+        port = parts.port
+    except ValueError:
+        raise TrackingServerError(f"MLFLOW_TRACKING_URI {mask_url(uri)}: its port is not a number") from None
+    host = parts.hostname or ""
+    netloc = (f"[{host}]" if ":" in host else host) + (f":{port}" if port else "")
+    health = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/") + "/health", "", ""))
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            with urllib.request.urlopen(health, timeout=max(0.5, min(2.0, within_s))):
+                break
+        except urllib.error.HTTPError:  # it answered: reachable (auth, a proxy's 404: MLflow says what)
+            break
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            if time.monotonic() >= deadline:
+                reason = getattr(exc, "reason", exc)
+                raise TrackingServerError(
+                    f"MLflow tracking server {mask_url(uri)} (MLFLOW_TRACKING_URI) is unreachable after "
+                    f"{within_s:.0f} s: {reason}") from None
+            time.sleep(0.5)
+    _reached.add(uri)
+
+
 def client() -> MlflowClient:
     uri = tracking_uri()
+    check_reachable(uri)
     # mlflow.set_*_uri also export MLFLOW_*_URI to the environment; put back what the user had, so
     # the next call (another state directory in the same process) resolves its own store again.
     saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}

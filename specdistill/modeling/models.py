@@ -29,6 +29,7 @@ from transformers import (
 )
 
 from specdistill import hardware, paths
+from specdistill.data.prompts import ChatTemplateError, check_chat_template
 from specdistill.modeling.fingerprints import (  # noqa: F401  (fingerprint: this module's API too)
     FINGERPRINT_FILE,
     SOURCE_FILE,
@@ -325,6 +326,12 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except Exception as exc:
         raise ModelLoadError(f"cannot load checkpoint {model_dir}: {exc}") from exc
+    try:
+        template_file = next((model_dir / n for n in ("chat_template.jinja", "chat_template.json")
+                              if (model_dir / n).is_file()), model_dir / "tokenizer_config.json")
+        check_chat_template(tokenizer, template_file)
+    except ChatTemplateError as exc:
+        raise ModelLoadError(str(exc)) from None
     model.eval()
     fp = known or cached_fingerprint(model_dir, model, tokenizer)
     if model.dtype != dtype:

@@ -26,6 +26,7 @@ from prometheus_client import (
 
 from specdistill.data.record import Record
 from specdistill.engines.prom import Scrape, parse_spec_decode_counters, scrape
+from specdistill.env import mask_url
 
 __all__ = ["LiveSample", "Scrape", "SpecDecodeMetrics", "acceptance_between", "parse_spec_decode_counters",
            "sample_live_acceptance", "scrape"]
@@ -227,7 +228,7 @@ def sample_live_acceptance(url: str, interval_s: float = 30.0, min_draft_tokens:
         time.sleep(interval_s)
         second = scrape(url, prefix=prefix)
     except (urllib.error.URLError, OSError) as exc:
-        return LiveSample(False, f"metrics page unreachable: {url}: {exc}")
+        return LiveSample(False, f"metrics page unreachable: {mask_url(url)}: {exc}")
     except (ValueError, KeyError) as exc:
-        return LiveSample(False, f"{url}: {exc}")
+        return LiveSample(False, f"{mask_url(url)}: {exc}")
     return acceptance_between(first, second, min_draft_tokens)

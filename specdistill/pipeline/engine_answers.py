@@ -34,6 +34,7 @@ from specdistill.data.prompts import Prompt, as_messages, encode_chat
 from specdistill.distill.datagen import drop_unbacked, read_done, repair_tail
 from specdistill.distill.teacher import TeacherCache
 from specdistill.engines.client import EngineRequestError, get_json, post_json
+from specdistill.env import mask_url
 
 TOKEN_ID_PREFIX = "token_id:"  # vLLM's token names under return_tokens_as_token_ids
 
@@ -69,7 +70,7 @@ def _token_id(item: dict, url: str) -> int:
     token = str(item.get("token", ""))
     if token.startswith(TOKEN_ID_PREFIX):
         return int(token[len(TOKEN_ID_PREFIX):])
-    raise EngineRequestError(f"{url}: logprobs name tokens by text ({token!r}), not by id: re-tokenising text "
+    raise EngineRequestError(f"{mask_url(url)}: logprobs name tokens by text ({token!r}), not by id: re-tokenising text "
                              "would misplace the teacher rows (vLLM gives ids with return_tokens_as_token_ids)")
 
 
@@ -79,12 +80,12 @@ def parse_completion(reply: dict, url: str = "server") -> EngineAnswer:
     try:
         choice = reply["choices"][0]
     except (KeyError, IndexError, TypeError) as exc:
-        raise EngineRequestError(f"{url}: unexpected completion reply: {str(reply)[:300]}") from exc
+        raise EngineRequestError(f"{mask_url(url)}: unexpected completion reply: {str(reply)[:300]}") from exc
     logprobs = choice.get("logprobs") or {}
     rows: list[list[tuple[int, float]]] = []
     ids: list[int] = []
     if logprobs.get("content") is None and logprobs.get("tokens") is None:
-        raise EngineRequestError(f"{url}: the server returned no logprobs: it cannot give token ids and a teacher "
+        raise EngineRequestError(f"{mask_url(url)}: the server returned no logprobs: it cannot give token ids and a teacher "
                                  "(it needs /v1/completions with `logprobs`)")
     if logprobs.get("content") is not None:
         for item in logprobs["content"]:
@@ -134,10 +135,10 @@ def connect(url: str, probe_ids: list[int], top_k: int, timeout_s: float = 60.0)
     try:
         models = get_json(base + "/v1/models", timeout_s).get("data") or []
     except EngineRequestError as exc:
-        raise EngineRequestError(f"no OpenAI-compatible server at {base} (is it running, is the URL its base "
+        raise EngineRequestError(f"no OpenAI-compatible server at {mask_url(base)} (is it running, is the URL its base "
                                  f"URL?): {exc}") from exc
     if not models:
-        raise EngineRequestError(f"{base}/v1/models lists no model to ask")
+        raise EngineRequestError(f"{mask_url(base)}/v1/models lists no model to ask")
     model = str(models[0]["id"])
     try:
         probe = complete_ids(base, probe_ids, model=model, max_tokens=1, top_logprobs=top_k, timeout_s=timeout_s)
@@ -172,7 +173,7 @@ def generate_answers_openai(
     With a `deadline`, no request is sent after it; the requests in flight finish and are kept."""
     k = int(teacher_cache.meta["k"]) if teacher_cache is not None else 1
     if k > served.top_k:
-        raise ValueError(f"the teacher cache holds top-{k}, {served.url} gives top-{served.top_k}")
+        raise ValueError(f"the teacher cache holds top-{k}, {mask_url(served.url)} gives top-{served.top_k}")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     repair_tail(out_path)

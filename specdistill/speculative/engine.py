@@ -46,6 +46,8 @@ class SpecStats:
     # tree rounds (greedy): tokens of runner-up branches accepted where the chain (the drafter's first choice)
     # was not; in τ, not in α (α stays the chain's acceptance, what a chain-verifying server sees)
     runner_ups_accepted: int = 0
+    # requests whose output the target's context cut short of max_new_tokens (the prompt left less room)
+    context_truncated: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -94,6 +96,7 @@ class SpecStats:
             accepted=self.accepted + other.accepted,
             target_forwards=self.target_forwards + other.target_forwards,
             runner_ups_accepted=self.runner_ups_accepted + other.runner_ups_accepted,
+            context_truncated=self.context_truncated + other.context_truncated,
             seconds=self.seconds + other.seconds,
             accepted_per_position=add(self.accepted_per_position, other.accepted_per_position),
             proposed_per_position=add(self.proposed_per_position, other.proposed_per_position),
@@ -116,10 +119,17 @@ class SpecStats:
         }
 
 
+STOPPED_AT_STOP_TOKEN, STOPPED_AT_MAX_NEW_TOKENS, STOPPED_AT_CONTEXT = "stop_token", "max_new_tokens", "context"
+
+
 @dataclass
 class GenerationResult:
     output_ids: list[int]  # generated ids only, prompt excluded; ends with the stop token if one was hit
     stats: SpecStats
+    # why the output ended: a stop token, max_new_tokens, or "context" when the target's context was
+    # full first (the prompt left fewer than max_new_tokens positions): the caller must say so
+    stopped: str = STOPPED_AT_MAX_NEW_TOKENS
+    context: int = 0  # the target's context length, tokens
 
 
 def context_length(model: PreTrainedModel) -> int:
@@ -168,7 +178,8 @@ def generate(
     """Generate up to `max_new_tokens` after the prompt; with a drafter, speculatively.
 
     Target-only (drafter None) is the baseline every speedup is measured against. Generation stops
-    after a stop token (kept in the output), at `max_new_tokens`, or when the context is full.
+    after a stop token (kept in the output), at `max_new_tokens`, or when the context is full
+    (`result.stopped` says which; `stats.context_truncated` counts the last).
     """
     sampling = sampling or SamplingConfig()
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
@@ -230,6 +241,8 @@ def generate(
             length += new.numel()
             generated = length - prompt.numel()
             if hit.numel() or generated >= budget:
+                stopped = (STOPPED_AT_STOP_TOKEN if hit.numel() else
+                           STOPPED_AT_MAX_NEW_TOKENS if generated >= max_new_tokens else STOPPED_AT_CONTEXT)
                 break
 
             k = min(gamma, budget - generated - 1)
@@ -268,7 +281,8 @@ def generate(
 
     stats.generated_tokens = length - prompt.numel()
     stats.seconds = time.perf_counter() - start
-    return GenerationResult(tokens[prompt.numel() : length].tolist(), stats)
+    stats.context_truncated = int(stopped == STOPPED_AT_CONTEXT)
+    return GenerationResult(tokens[prompt.numel() : length].tolist(), stats, stopped, context_length(target))
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,58 @@
+"""The process environment: offline defaults, and credentials masked wherever a URL or message is shown."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdistill.data.logschema import display_url
+from specdistill.env import MASK, mask_secrets, mask_url
+
+
+@pytest.mark.parametrize("url, kept", [
+    ("postgresql+psycopg://alice:hunter22@db:5432/logs", "postgresql+psycopg://alice:***@db:5432/logs"),
+    ("postgresql+psycopg://db/logs?password=hunter22", "postgresql+psycopg://db/logs?password=***"),
+    ("postgresql+psycopg://db/logs?user=a&password=hunter22&sslmode=require", "user=a&password=***&sslmode=require"),
+    ("postgresql://db/logs?PWD=hunter22", "PWD=***"),
+    ("http://mlflow:5000/api?token=hunter22&x=1", "token=***&x=1"),
+    ("https://bob:p%40ss%2Fword@mlflow.example/", "https://bob:***@mlflow.example/"),
+    ("host=db port=5432 password=hunter22 dbname=logs", "password=*** dbname=logs"),
+    ("postgresql://u:hunter22@127.0.0.1:notaport/x", "postgresql://u:***@127.0.0.1:notaport/x"),
+])
+def test_every_credential_form_is_masked(url, kept):
+    for shown in (mask_url(url), display_url(url)):
+        assert "hunter22" not in shown and "p%40ss" not in shown and "word@" not in shown
+    assert kept in mask_url(url)
+
+
+def test_plain_urls_and_words_are_left_alone():
+    for text in ("sqlite:////var/lib/specdistill/logs.db", "http://127.0.0.1:8000/metrics",
+                 "loss.temperature=2 cache_key=abc max_tokens=16", "a passage about keys"):
+        assert mask_secrets(text) == text
+
+
+def test_environment_secrets_are_masked_wherever_they_appear(monkeypatch):
+    monkeypatch.setenv("PGPASSWORD", "s3cr3t-from-env")
+    monkeypatch.setenv("SPECDISTILL_LOG_DB", "postgresql+psycopg://app:pw-in-the-url@db/logs")
+    monkeypatch.setenv("MY_SERVICE_API_KEY", "k-123456")
+    message = ("connection to db failed for 'app' with s3cr3t-from-env; the server echoed pw-in-the-url; "
+               "header k-123456")
+    shown = mask_secrets(message)
+    assert "s3cr3t-from-env" not in shown and "pw-in-the-url" not in shown and "k-123456" not in shown
+    assert shown.count(MASK) == 3 and "connection to db failed for 'app'" in shown
+
+
+def test_engine_and_metrics_errors_show_the_url_masked():
+    from specdistill.engines.client import EngineRequestError, get_json
+    from specdistill.ops.metrics import sample_live_acceptance
+
+    with pytest.raises(EngineRequestError) as caught:
+        get_json("http://user:hunter22@127.0.0.1:1/v1/models?api_key=hunter23", timeout_s=2)
+    assert "127.0.0.1:1" in str(caught.value) and "hunter2" not in str(caught.value)
+    from specdistill.pipeline.engine_answers import connect
+
+    with pytest.raises(EngineRequestError) as caught:
+        connect("http://bob:hunter25@127.0.0.1:1/v1", [1, 2, 3], 8, timeout_s=2)
+    assert "no OpenAI-compatible server at http://bob:***@127.0.0.1:1" in str(caught.value)
+    assert "hunter25" not in str(caught.value)
+    sample = sample_live_acceptance("http://127.0.0.1:1/metrics?token=hunter24", interval_s=0)
+    assert not sample.ok and "127.0.0.1:1/metrics?token=***" in sample.reason and "hunter24" not in sample.reason
