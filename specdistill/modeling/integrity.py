@@ -114,3 +114,24 @@ def write_json_atomic(path: Path, data: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
+
+
+def check_weights_record(source: Path) -> None:
+    """A directory's weights against the record `source` written with them: the sampled digest per
+    load, the full hash when a file's stat changed. A record from before content records gets them
+    now. Raises `WeightsIntegrityError` naming the file that differs."""
+    cache_dir = source.parent
+    try:
+        record = json.loads(source.read_text())
+    except (OSError, ValueError):
+        raise WeightsIntegrityError(f"{source} is missing or corrupt: the cache's weights cannot be checked") from None
+    if "weights" not in record and "check" not in record:  # written before content records
+        write_json_atomic(source, sealed({**record, "weights": weights_record(cache_dir)}))
+        return
+    if not is_sealed(record):
+        raise WeightsIntegrityError(f"{source} was edited: its record no longer matches its check")
+    if verify_weights(cache_dir, record["weights"]):  # a touch or a copy: same content, new stat
+        try:
+            write_json_atomic(source, sealed(record))
+        except OSError:  # a read-only cache stays usable: the full hash just runs again next time
+            pass

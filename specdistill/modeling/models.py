@@ -40,13 +40,12 @@ from specdistill.modeling.fingerprints import (  # noqa: F401  (fingerprint: thi
 )
 from specdistill.modeling.integrity import (  # noqa: F401  (file_sha256 is part of this module's API)
     WeightsIntegrityError,
+    check_weights_record,
     file_sha256,
     is_sealed,
     sealed,
-    verify_weights,
     verify_weights_full,
     weights_record,
-    write_json_atomic,
 )
 from specdistill.modeling.packed import fuse_projections, pack_linears, packing_available
 
@@ -197,24 +196,8 @@ def convert_gguf(gguf: Path, out_dir: Path | None = None) -> Path:
 
 
 def check_model_cache(cache_dir: Path) -> None:
-    """A GGUF cache's weights against the record written at conversion (`modeling.integrity`): the
-    sampled digest per load, the full hash when a file's stat changed. A cache from before records
-    gets one now. Raises `WeightsIntegrityError` naming the file that differs."""
-    source = cache_dir / SOURCE_FILE
-    try:
-        record = json.loads(source.read_text())
-    except (OSError, ValueError):
-        raise WeightsIntegrityError(f"{source} is missing or corrupt: the cache's weights cannot be checked") from None
-    if "weights" not in record and "check" not in record:  # written before content records
-        write_json_atomic(source, sealed({**record, "weights": weights_record(cache_dir)}))
-        return
-    if not is_sealed(record):
-        raise WeightsIntegrityError(f"{source} was edited: its record no longer matches its check")
-    if verify_weights(cache_dir, record["weights"]):  # a touch or a copy: same content, new stat
-        try:
-            write_json_atomic(source, sealed(record))
-        except OSError:  # a read-only cache stays usable: the full hash just runs again next time
-            pass
+    """A GGUF cache's weights against the record written at conversion (`integrity.check_weights_record`)."""
+    check_weights_record(cache_dir / SOURCE_FILE)
 
 
 @dataclass
