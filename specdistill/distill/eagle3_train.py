@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specdistill.acceptance import expected_tokens_per_round
+from specdistill.acceptance import DEFAULT_GAMMA, expected_tokens_per_round
 from specdistill.distill import losses
 from specdistill.distill.features import StaleFeatureCacheError, entry_features, feature_start
 from specdistill.distill.teacher import check_entry, drop_stale, teacher_positions, to_draft_space
@@ -172,7 +172,7 @@ class Eagle3Trainee(nn.Module):
 
 
 @torch.no_grad()
-def eagle3_heldout_acceptance(head: Eagle3Draft, examples: list[Eagle3Example], steps: int = 4, gamma: int = 4,
+def eagle3_heldout_acceptance(head: Eagle3Draft, examples: list[Eagle3Example], steps: int = 4, gamma: int = DEFAULT_GAMMA,
                               batch_size: int = 8, device: torch.device | str = "cpu") -> dict:
     """Per draft position: top-1 agreement with the target's continuation, and the chained share accepted."""
     was_training = head.training

@@ -8,7 +8,7 @@ from contextlib import nullcontext
 
 import torch
 
-from specdistill.acceptance import expected_tokens_per_round
+from specdistill.acceptance import DEFAULT_GAMMA, expected_tokens_per_round
 from specdistill.distill import losses
 from specdistill.distill.config import DistillConfig
 from specdistill.distill.datagen import Batch, Example, collate
@@ -37,7 +37,7 @@ class DraftWithHead(torch.nn.Module):
 
 @torch.no_grad()
 def heldout_acceptance(module: DraftWithHead, examples: list[Example], draft_vocab: DraftVocab | None,
-                       batch_size: int = 8, gamma: int = 4, device: torch.device | str = "cpu") -> dict:
+                       batch_size: int = 8, gamma: int = DEFAULT_GAMMA, device: torch.device | str = "cpu") -> dict:
     """Greedy top-1 agreement with the target's own continuation, and τ(γ) under the i.i.d. model."""
     was_training = module.training
     module.eval()
