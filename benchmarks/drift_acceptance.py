@@ -84,7 +84,7 @@ def recover(work: Path, updated_dir: Path, draft_dir: Path, dtype: str, steps: i
     from specdistill.modeling.drafts import align_draft, save_draft
     from specdistill.modeling.models import load_model
     from specdistill.modeling.vocab import DraftVocab
-    from specdistill.pipeline.config import TrainSection
+    from specdistill.pipeline.config import NightlyTrain
 
     out = work / f"recovered-{updated_dir.name}-{draft_dir.name}-{steps}"
     if (out / "draft" / "config.json").is_file():
@@ -108,7 +108,7 @@ def recover(work: Path, updated_dir: Path, draft_dir: Path, dtype: str, steps: i
         target=str(updated_dir), draft=str(warm), draft_vocab=None,
         data=DataConfig(path=str(data_dir / "train_generated.jsonl"), kind="generated"),
         loss=LossConfig(kind="fkl"), teacher=TeacherConfig(mode="cache", cache_dir=str(cache.dir)),
-        optim=OptimConfig(lr=TrainSection().incremental_lr, batch_size=4, max_steps=steps, max_minutes=minutes,
+        optim=OptimConfig(lr=NightlyTrain().incremental_lr, batch_size=4, max_steps=steps, max_minutes=minutes,
                           warmup_steps=min(20, steps // 10)),
         out_dir=str(out), checkpoint_every=max(10, steps), eval_every=max(10, steps), threads=1))
     return out / "draft"

@@ -30,7 +30,7 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
     if window_days is not None:
         overrides.append(f"window.days={window_days}")
     if budget_minutes is not None:
-        overrides.append(f"train.max_minutes={budget_minutes}")
+        overrides.append(f"train.optim.max_minutes={budget_minutes}")
     config = load_nightly_config(config_path, overrides)  # a config error fails before any work
     log = get_run_logger()
     deadline_at, clock = run_deadline(config), StageClock()  # deadline_minutes, shared by the budgeted stages

@@ -54,6 +54,8 @@ def _describe(exc: ValidationError, source: str) -> str:
         key = ".".join(str(p) for p in err["loc"]) or "(top level)"
         if err["type"] == "extra_forbidden":
             lines.append(f"{source}: unknown key '{key}'")
+        elif err["type"] == "value_error":  # a validator's own message, without pydantic's prefix
+            lines.append(f"{source}: {key}: {err['ctx']['error']}")
         else:
             lines.append(f"{source}: {key}: {err['msg']}")
     return "\n".join(lines)

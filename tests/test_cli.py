@@ -102,10 +102,10 @@ def fake_nightly(monkeypatch):
 
 @pytest.mark.parametrize("argv, overrides", [
     (["demo"], [*DEMO_OVERRIDES]),
-    (["demo", "train.max_minutes=2"], [*DEMO_OVERRIDES, "train.max_minutes=2"]),
-    (["demo", "run", "train.max_minutes=2", "window.days=2"], [*DEMO_OVERRIDES, "train.max_minutes=2", "window.days=2"]),
+    (["demo", "train.optim.max_minutes=2"], [*DEMO_OVERRIDES, "train.optim.max_minutes=2"]),
+    (["demo", "run", "train.optim.max_minutes=2", "window.days=2"], [*DEMO_OVERRIDES, "train.optim.max_minutes=2", "window.days=2"]),
     (["demo", "generation.backend=harness"], [*DEMO_OVERRIDES, "generation.backend=harness"]),  # the user's word last
-    (["pipeline", "run", "train.max_minutes=2"], ["train.max_minutes=2"]),
+    (["pipeline", "run", "train.optim.max_minutes=2"], ["train.optim.max_minutes=2"]),
 ])
 def test_demo_and_pipeline_run_are_one_path(fake_nightly, capsys, argv, overrides):
     """One flow; the demo adds its measured answer engine to the embedded defaults, before the user's overrides."""
@@ -117,7 +117,7 @@ def test_demo_and_pipeline_run_are_one_path(fake_nightly, capsys, argv, override
     assert out.rstrip().endswith("serving.json")
 
 
-@pytest.mark.parametrize("argv", [["demo", "--json", "train.max_minutes=2"], ["demo", "train.max_minutes=2", "--json"],
+@pytest.mark.parametrize("argv", [["demo", "--json", "train.optim.max_minutes=2"], ["demo", "train.optim.max_minutes=2", "--json"],
                                   ["demo", "--json"]])
 def test_demo_json_before_or_after_the_overrides(fake_nightly, capsys, argv):
     assert main(argv) == 0

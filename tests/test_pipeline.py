@@ -24,8 +24,8 @@ from tests.conftest import bench_result, train_bpe, trained_result
 
 
 def test_config_defaults_and_overrides(tmp_path):
-    cfg = load_nightly_config(None, ["train.max_minutes=1.5", "bench.self_spec_layers=[4,6]"])
-    assert cfg.train.max_minutes == 1.5 and cfg.bench.self_spec_layers == [4, 6]
+    cfg = load_nightly_config(None, ["train.optim.max_minutes=1.5", "bench.self_spec_layers=[4,6]"])
+    assert cfg.train.optim.max_minutes == 1.5 and cfg.bench.self_spec_layers == [4, 6]
     assert [s.format for s in cfg.sources] == ["sharegpt", "humaneval"]
     f = tmp_path / "n.yaml"
     f.write_text("window: {train_prompts: 5}\n")
@@ -38,30 +38,40 @@ def test_config_errors_name_the_key(override, match):
         load_nightly_config(None, [override])
 
 
-def test_the_train_section_reuses_the_distillation_configs_fields_under_the_same_keys():
-    """`train.*` keys as before; each setting the distillation config has is declared there once
-    (its default and bounds), and the night's DistillConfig carries what the section says."""
-    from specdistill.distill.config import DistillConfig, Eagle3Config, LossConfig, OptimConfig
-    from specdistill.pipeline.config import TrainSection
+def test_the_train_section_is_the_distillation_config_with_the_nightly_defaults():
+    """`train:` is a DistillConfig (the keys of `specdistill distill --config`), no copies; the derived schedule is
+    computed in one place, visible after load; the keys it had before fail naming their new place."""
+    from specdistill.distill.config import DistillConfig, derived_schedule
+    from specdistill.pipeline.config import NightlyTrain
 
-    reused = {"layers": DistillConfig, "draft_vocab": DistillConfig, "eagle3_steps": Eagle3Config, "lr": OptimConfig,
-              "batch_size": OptimConfig, "max_steps": OptimConfig, "loss": LossConfig}
-    for key, home in reused.items():
-        field = {"eagle3_steps": "steps", "loss": "kind"}.get(key, key)
-        assert TrainSection.model_fields[key].default == home.model_fields[field].default, key
-    assert set(TrainSection.model_fields) == {*reused, "kind", "incremental_lr", "max_minutes", "bf16"}
-    cfg = load_nightly_config(None, ["train.lr=0.002", "train.batch_size=2", "train.max_steps=7", "train.loss=jsd",
-                                     "train.eagle3_steps=3", "train.layers=0,3", "train.draft_vocab=null"])
-    assert (cfg.train.lr, cfg.train.batch_size, cfg.train.max_steps, cfg.train.loss) == (0.002, 2, 7, "jsd")
-    with pytest.raises(ConfigError, match="train.lr"):
-        load_nightly_config(None, ["train.lr=0"])  # the distillation config's bound (lr > 0)
-    with pytest.raises(ConfigError, match="train.loss"):
-        load_nightly_config(None, ["train.loss=ce"])  # the night trains against its cached teacher
-    # reusing a field copies it: the distillation config keeps its own, wider, types
+    assert issubclass(NightlyTrain, DistillConfig)
+    assert set(NightlyTrain.model_fields) == {*DistillConfig.model_fields, "incremental_lr"}
+    demo = load_nightly_config().train
+    assert (demo.kind, demo.optim.max_minutes, demo.optim.bf16) == ("eagle3", 3.0, None)
+    assert (demo.optim.warmup_steps, demo.checkpoint_every, demo.eval_every) == (20, 250, 250) == (*derived_schedule(1000), 250)
+    cfg = load_nightly_config(None, ["train.optim.lr=0.002", "train.optim.batch_size=2", "train.optim.max_steps=7",
+                                     "train.loss.kind=jsd", "train.eagle3.steps=3", "train.layers=0,3", "train.draft_vocab=null"])
+    t = cfg.train
+    assert (t.optim.lr, t.optim.batch_size, t.optim.max_steps, t.loss.kind, t.eagle3.steps) == (0.002, 2, 7, "jsd", 3)
+    assert (t.optim.warmup_steps, t.checkpoint_every, t.eval_every) == (0, 10, 10)  # derived from 7 steps
+    with pytest.raises(ConfigError, match="train.optim.lr"):
+        load_nightly_config(None, ["train.optim.lr=0"])  # the distillation config's bound (lr > 0)
+    with pytest.raises(ConfigError, match="eagle3 takes a divergence loss"):
+        load_nightly_config(None, ["train.loss.kind=ce"])  # the head trains against its cached teacher
+    for old, new in [("train.max_steps=6", "train.optim.max_steps"), ("train.lr=0.1", "train.optim.lr"),
+                     ("train.loss=jsd", "train.loss.kind"), ("train.eagle3_steps=3", "train.eagle3.steps"),
+                     ("train.bf16=true", "train.optim.bf16"), ("train.max_minutes=2", "train.optim.max_minutes")]:
+        with pytest.raises(ConfigError, match=f"`{old.split('=')[0]}` is now `{new}`"):
+            load_nightly_config(None, [old])
+    with pytest.raises(ConfigError, match="train.out_dir is set by each run"):
+        load_nightly_config(None, ["train.out_dir=/x"])
+    # the distillation config keeps its own defaults: the nightly's live in its section
     from specdistill.distill.config import DataConfig
 
-    assert DistillConfig(data=DataConfig(path="x"), draft_vocab="/a/draft").draft_vocab == "/a/draft"
-    assert LossConfig(kind="ce").kind == "ce"
+    plain = DistillConfig(data=DataConfig(path="x"), draft_vocab="/a/draft")
+    assert plain.draft_vocab == "/a/draft" and (plain.optim.warmup_steps, plain.checkpoint_every, plain.eval_every) == (20, 100, 50)
+    with pytest.raises(ValueError, match="optim.bf16 is null"):
+        DistillConfig.model_validate({"data": {"path": "x"}, "optim": {"bf16": None}})
 
 
 def test_the_bench_and_gate_sections_build_their_runtime_configs_and_refuse_unknown_thresholds_at_load():
@@ -355,7 +365,7 @@ def test_distill_output_dir_depends_on_the_train_config_data_and_warm_start_only
     unrelated = load_nightly_config(None, [*layers, "bench.gamma=7", "window.train_prompts=3", "gate.must_beat=[]",
                                            "generation.max_new_tokens=5", "log_db=sqlite:////elsewhere.db"])
     assert out_dir(unrelated) == first
-    keys = {first, out_dir(load_nightly_config(None, [*layers, "train.max_steps=7"])),
+    keys = {first, out_dir(load_nightly_config(None, [*layers, "train.optim.max_steps=7"])),
             out_dir(base, replace(train, path="/data/b/train.jsonl")), out_dir(base, warm="/champion/v1"),
             out_dir(base, warm="/champion/v2")}
     assert len(keys) == 5
@@ -372,7 +382,7 @@ def test_train_kind_eagle3_trains_a_head_from_features_beside_the_teacher_cache(
     calls = []
     monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg: calls.append(dcfg) or trained_result())
     train, heldout = GeneratedData("/data/a/train.jsonl", "/data/a/tc", 1, 1), GeneratedData("/data/a/eval.jsonl", None, 1, 1)
-    config = load_nightly_config(None, ["train.kind=eagle3", "train.eagle3_steps=3"])
+    config = load_nightly_config(None, ["train.kind=eagle3", "train.eagle3.steps=3"])
     pipeline.distill_draft(config, train, heldout, "/champion/layers-v1")
     dcfg = calls[-1]
     assert dcfg.kind == "eagle3" and dcfg.eagle3.steps == 3 and dcfg.eagle3.feature_dir == "/data/a/features"
@@ -390,7 +400,7 @@ def test_the_answer_pass_records_the_heads_features_so_training_needs_no_second_
     monkeypatch.setattr(features, "build_feature_cache", lambda target, seqs, directory, **kw: (
         built.append((Path(directory).name, len(seqs))) or real_build(target, seqs, directory, **kw)))
     url, chat_file, code_file = _store_with_traffic(tmp_path)
-    config = _window_config(tiny_target_dir, url, chat_file, code_file, "train.kind=eagle3", "train.max_steps=4",
+    config = _window_config(tiny_target_dir, url, chat_file, code_file, "train.kind=eagle3", "train.optim.max_steps=4",
                             "train.draft_vocab=null", "generation.max_new_tokens=6", "dtype=float32")
     window = pipeline.select_window(config, now=NOW)
     train = generate_responses(config, window, "train", record_teacher=True)
@@ -433,7 +443,7 @@ def test_training_autocasts_to_bf16_exactly_when_the_run_is_bf16(monkeypatch):
     monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg: calls.append(dcfg) or trained_result())
     train, heldout = GeneratedData("/data/a/train.jsonl", "/data/a/tc", 1, 1), GeneratedData("/data/a/eval.jsonl", None, 1, 1)
     for overrides, want in ((["dtype=bfloat16"], True), (["dtype=float32"], False),
-                            (["dtype=bfloat16", "train.bf16=false"], False), (["dtype=float32", "train.bf16=true"], True)):
+                            (["dtype=bfloat16", "train.optim.bf16=false"], False), (["dtype=float32", "train.optim.bf16=true"], True)):
         pipeline.distill_draft(load_nightly_config(None, overrides), train, heldout)
         assert calls[-1].optim.bf16 is want, overrides
 
@@ -454,7 +464,7 @@ def test_generic_baseline_dir_depends_on_the_window_and_the_train_config(monkeyp
     base = load_nightly_config()
     first = out_dir(base, "w1")
     assert out_dir(load_nightly_config(None, ["bench.gamma=7"]), "w1") == first
-    assert len({first, out_dir(base, "w2"), out_dir(load_nightly_config(None, ["train.lr=0.5"]), "w1")}) == 3
+    assert len({first, out_dir(base, "w2"), out_dir(load_nightly_config(None, ["train.optim.lr=0.5"]), "w1")}) == 3
 
 
 def _champion(path, version="1"):
@@ -633,7 +643,7 @@ def test_a_float32_run_on_a_bf16_cpu_loads_every_model_and_runs_the_feature_pass
     monkeypatch.setattr(models, "load_model", load)
     monkeypatch.setattr(features, "build_feature_cache", build)
     url, chat_file, code_file = _store_with_traffic(tmp_path)
-    overrides = ["dtype=float32", "train.kind=eagle3", "train.max_steps=2", "train.draft_vocab=null",
+    overrides = ["dtype=float32", "train.kind=eagle3", "train.optim.max_steps=2", "train.draft_vocab=null",
                  "generation.max_new_tokens=6", "bench.max_new_tokens=4", "bench.self_spec_layers=[2]",
                  "serving.choose_gamma=false", "bench.gamma=2"]
     config = _window_config(tiny_target_dir, url, chat_file, code_file, *overrides)
@@ -675,7 +685,7 @@ def test_a_device_the_machine_lacks_fails_at_config_load_naming_the_key(monkeypa
 def test_stage_deadlines_share_what_the_run_has_left():
     from specdistill.pipeline.budget import stage_budgets, stage_deadline
 
-    config = load_nightly_config(None, ["generation.max_minutes=8", "train.max_minutes=3", "bench.max_minutes=4"])
+    config = load_nightly_config(None, ["generation.max_minutes=8", "train.optim.max_minutes=3", "bench.max_minutes=4"])
     assert stage_budgets(config) == {"answers": 8, "distill": 3, "generic": 3, "benchmark": 4}
     now = 1000.0
     assert stage_deadline(config, "answers", now + 60 * 36, now=now).at == now + 8 * 60  # enough time: its own budget
@@ -687,7 +697,7 @@ def test_stage_deadlines_share_what_the_run_has_left():
     with pytest.raises(ValueError, match="not a budgeted stage"):
         stage_deadline(no_generic, "generic", None)
     # a serving engine's benchmark takes the harness benchmark's budget and its share of the run
-    engine = load_nightly_config(None, ["train.max_minutes=3", "bench.max_minutes=4", "serving.engine=vllm",
+    engine = load_nightly_config(None, ["train.optim.max_minutes=3", "bench.max_minutes=4", "serving.engine=vllm",
                                         "generation.max_minutes=8"])
     assert stage_budgets(engine) == {"answers": 8, "distill": 3, "generic": 3, "benchmark": 4, "engine benchmark": 4}
     assert stage_deadline(engine, "benchmark", now + 60 * 4, now=now).at == pytest.approx(now + 2 * 60)
@@ -700,7 +710,7 @@ def test_a_training_share_too_small_to_train_stops_the_run(monkeypatch):
 
     calls = []
     monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg: calls.append(dcfg) or trained_result("d"))
-    config = load_nightly_config(None, ["train.kind=layers", "train.max_minutes=3"])
+    config = load_nightly_config(None, ["train.kind=layers", "train.optim.max_minutes=3"])
     train, heldout = GeneratedData("/data/c/train.jsonl", "/data/c/tc", 1, 1), GeneratedData("/data/c/eval.jsonl", None, 1, 1)
     with pytest.raises(ValueError, match="too little to train on; the champion and serving.json are unchanged"):
         pipeline.distill_draft(config, train, heldout, deadline_at=time.time() + 5)
@@ -742,7 +752,7 @@ def test_a_finished_runs_state_keeps_traffic_and_answers_to_its_owner(tiny_targe
     home = paths.home()
     url, chat_file, code_file = _store_with_traffic(tmp_path, url=f"sqlite:///{home / 'logs.db'}")
     config = _window_config(tiny_target_dir, url, chat_file, code_file, "generation.max_new_tokens=6", "dtype=float32",
-                            "train.kind=layers", "train.layers=0,3", "train.draft_vocab=null", "train.max_steps=2",
+                            "train.kind=layers", "train.layers=0,3", "train.draft_vocab=null", "train.optim.max_steps=2",
                             "bench.threads=1")
     window = pipeline.select_window(config, now=NOW)
     train = generate_responses(config, window, "train", record_teacher=True)

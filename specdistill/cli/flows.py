@@ -80,19 +80,19 @@ class _RunByDefault(argparse._SubParsersAction):
 def register(sub: Subcommands) -> None:
     pipeline = group(sub, "pipeline", "the nightly flow")
     p = command(pipeline, "run", cmd_nightly, "run the nightly distillation flow once, now",
-                example="pipeline run --config deploy/nightly/nightly.yaml train.max_minutes=2")
+                example="pipeline run --config deploy/nightly/nightly.yaml train.optim.max_minutes=2")
     p.add_argument("--config", default=None, help="nightly YAML config (default: the embedded demo defaults)")
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.max_minutes=2")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.optim.max_minutes=2")
 
     demo = command(sub, "demo", cmd_nightly,
                    "run the main job (the nightly flow) on the embedded defaults; `demo target-update`: a new demo target version",
-                   example="demo train.max_minutes=2", description="run the main job (the nightly flow) on the embedded defaults")
+                   example="demo train.optim.max_minutes=2", description="run the main job (the nightly flow) on the embedded defaults")
     demo.usage = "%(prog)s [-h] [--json] [run] [key=value ...]\n       %(prog)s target-update [-h] [--json] ..."
     demo.set_defaults(config=None, overrides=[], demo=True)  # `specdistill demo`, no subcommand: `demo run`
     demo_sub = demo.add_subparsers(dest="demo_command", action=_RunByDefault,
                                    description="`specdistill demo [key=value ...]`, with no subcommand, is `demo run`")
     p = command(demo_sub, "run", cmd_nightly, "the nightly flow on the embedded defaults (the default subcommand)",
-                example="demo run train.max_minutes=2")
+                example="demo run train.optim.max_minutes=2")
     p.set_defaults(config=None)
     p.add_argument("overrides", nargs="*", help="key=value overrides of the embedded defaults")
     p = command(demo_sub, "target-update", cmd_demo_target_update,

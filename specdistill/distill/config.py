@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import yaml
 from pydantic import Field, field_validator, model_validator
@@ -16,6 +16,13 @@ from specdistill.config import Strict, load_model_config
 
 DraftKind = Literal["layers", "eagle3"]  # a layer-extracted draft, or an EAGLE-3 head over target features
 Divergence = Literal["fkl", "rkl", "jsd", "tv"]  # the losses against a teacher distribution alone
+
+
+def derived_schedule(max_steps: int) -> tuple[int, int]:
+    """The warmup and the checkpoint (and eval) interval a run of `max_steps` gets when the config leaves
+    them null (the nightly's `train:` section does): warmup up to 20 steps but at most a tenth of the run,
+    and four checkpoints a run but at least 10 steps apart. The one place these are derived."""
+    return min(20, max_steps // 10), max(10, max_steps // 4)
 
 
 class DataConfig(Strict):
@@ -51,12 +58,14 @@ class OptimConfig(Strict):
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.95)
-    warmup_steps: int = Field(20, ge=0)
+    warmup_steps: int | None = Field(20, ge=0)  # null: derived from max_steps (`derived_schedule`)
     max_steps: int = Field(1000, ge=1)
     batch_size: int = Field(4, ge=1)  # sequences per rank per micro-step
     grad_accum: int = Field(1, ge=1)
     clip: float | None = Field(1.0, gt=0.0)
-    bf16: bool = False
+    # null: bf16 exactly when the models run in bf16, which only a caller that knows their dtype decides (the
+    # nightly, by its `dtype`: `pipeline.config.NightlyTrain.for_run`); a run itself needs true or false
+    bf16: bool | None = False
     max_tokens: int | None = None  # stop after this many trained (assistant) tokens
     max_minutes: float | None = None  # stop after this much training time (eval excluded)
     clock: Literal["wall", "cpu"] = "wall"  # what max_minutes counts: wall time, or this process's CPU time
@@ -96,8 +105,8 @@ class DistillConfig(Strict):
     teacher: TeacherConfig = TeacherConfig()
     optim: OptimConfig = OptimConfig()
     out_dir: str = "distill-out"
-    checkpoint_every: int = Field(100, ge=1)
-    eval_every: int = Field(50, ge=1)
+    checkpoint_every: int | None = Field(100, ge=1)  # null: derived from optim.max_steps (`derived_schedule`)
+    eval_every: int | None = Field(50, ge=1)  # null: as checkpoint_every
     keep_checkpoints: int = Field(2, ge=1)
     seed: int = 0
     threads: int | None = None
@@ -111,26 +120,51 @@ class DistillConfig(Strict):
 
         return check_device(device)
 
+    # a recipe without its run's inputs (the nightly's `train:` section) skips the checks of those inputs;
+    # the config it makes for a run is checked whole
+    is_recipe: ClassVar[bool] = False
+
     @model_validator(mode="after")
     def _consistent(self):
         if self.teacher.mode == "none" and self.loss.kind != "ce":
             raise ValueError(f"loss.kind={self.loss.kind!r} needs a teacher: set teacher.mode to online or cache")
-        if self.teacher.mode == "cache" and not self.teacher.cache_dir:
-            raise ValueError("teacher.mode=cache needs teacher.cache_dir")
         if self.loss.hidden_weight > 0 and self.teacher.mode != "online":
             raise ValueError("loss.hidden_weight needs teacher.mode=online (the cache holds no hidden states)")
         if self.loss.selective_keep is not None and not self.loss.selective_reference:
             raise ValueError("loss.selective_keep needs loss.selective_reference (a reference draft directory)")
         if self.kind == "eagle3":
-            if self.teacher.mode != "cache" or not self.teacher.cache_dir:
+            if self.teacher.mode != "cache":
                 raise ValueError("kind=eagle3 trains from caches: set teacher.mode=cache and teacher.cache_dir "
                                  "(written in the feature pass when it does not exist yet)")
             if self.loss.kind in ("ce", "mix") or self.loss.hidden_weight > 0 or self.loss.selective_keep is not None:
                 raise ValueError("kind=eagle3 takes a divergence loss (loss.kind fkl, rkl, jsd or tv) and no "
                                  "hidden_weight or selective distillation")
-            if self.data.replay_path:
-                raise ValueError("kind=eagle3 has no replay data yet (data.replay_path)")
+        if not self.is_recipe:
+            self._check_run_inputs()
+        self._derive_schedule()
         return self
+
+    def _check_run_inputs(self) -> None:
+        if self.data is None:
+            raise ValueError("data.path is required")
+        if self.teacher.mode == "cache" and not self.teacher.cache_dir:
+            raise ValueError("teacher.mode=cache needs teacher.cache_dir" + (
+                " (written in the feature pass when it does not exist yet)" if self.kind == "eagle3" else ""))
+        if self.kind == "eagle3" and self.data.replay_path:
+            raise ValueError("kind=eagle3 has no replay data yet (data.replay_path)")
+        if self.optim.bf16 is None:
+            raise ValueError("optim.bf16 is null: set true or false (null is for a caller that resolves it by the "
+                             "models' dtype, as the nightly does)")
+
+    def _derive_schedule(self) -> None:
+        """Null warmup and intervals become `derived_schedule`'s values, visible in the saved config. Written
+        past assignment validation (the values are in range by construction; validating would recurse)."""
+        warmup, interval = derived_schedule(self.optim.max_steps)
+        if self.optim.warmup_steps is None:
+            self.__dict__["optim"] = self.optim.model_copy(update={"warmup_steps": warmup})
+        for name in ("checkpoint_every", "eval_every"):
+            if getattr(self, name) is None:
+                self.__dict__[name] = interval
 
     @property
     def frozen_patterns(self) -> list[str]:

@@ -10,16 +10,15 @@ from dataclasses import fields as dataclass_fields
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal, get_type_hints
+from typing import Any, ClassVar, Literal, get_type_hints
 
 from pydantic import Field, create_model, field_validator, model_validator
-from pydantic.fields import FieldInfo
 
 from specdistill import paths
 from specdistill.acceptance import DEFAULT_GAMMA
 from specdistill.config import ConfigError, Strict, load_model_config
 from specdistill.data.prompts import MAX_PROMPT_TOKENS
-from specdistill.distill.config import DistillConfig, Divergence, DraftKind, Eagle3Config, LossConfig, OptimConfig
+from specdistill.distill.config import DataConfig, DistillConfig, DraftKind, Eagle3Config, LossConfig, OptimConfig, TeacherConfig
 from specdistill.ops.policy import (
     CONFIDENCE,
     DEFAULT_MARGIN,
@@ -83,35 +82,102 @@ class GenerationConfig(Strict):
         return self
 
 
-def _reused(model: type[Strict], name: str) -> FieldInfo:
-    """A field of the distillation config, reused as it is declared there (default and bounds)."""
-    return model.model_fields[name]
+# the flat keys of the `train:` section before it became the distillation config itself
+_MOVED_TRAIN_KEYS = {"lr": "optim.lr", "batch_size": "optim.batch_size", "max_steps": "optim.max_steps",
+                     "max_minutes": "optim.max_minutes", "bf16": "optim.bf16", "eagle3_steps": "eagle3.steps"}
+# what each run sets on its training config (`NightlyTrain.for_run`), and from where
+_SET_PER_RUN = {"target": "`target`", "draft": "the champion (warm start)", "data": "the night's answers",
+                "teacher": "the night's teacher cache", "out_dir": "the run's content-addressed directory",
+                "device": "`device`", "threads": "`bench.threads`"}
+_EAGLE3_SET_PER_RUN = {"feature_dir": "the night's teacher cache", "feature_dtype": "`dtype`"}
 
 
-class TrainSection(Strict):
-    """The YAML `train:` section: the distillation config's own settings (`distill.config`: the draft's
-    kind, layers and vocabulary, its loss and optimizer), flat under `train.`. Each is declared once, in
-    `distill.config`, and reused here; the nightly's own defaults (the kind, a time budget, bf16 by the
-    run's dtype) and its own setting (the warm start's learning rate) say why. `pipeline.nightly.distill_draft`
-    builds the night's `DistillConfig` from it."""
+class NightlyOptim(OptimConfig):
+    """`train.optim` with the nightly's defaults. The time budget binds, not the steps (400 steps ended the demo's
+    head at 2.3 of 3 minutes). bf16 null: when the run's dtype is bf16 (the demo's head trained 1.43x the steps
+    per minute, held-out α 0.397 against 0.372 in fp32, on a 2-core AVX-512-BF16 CPU). Warmup null: derived."""
+
+    warmup_steps: int | None = Field(None, ge=0)
+    max_minutes: float | None = Field(3.0, ge=0.0)
+    bf16: bool | None = None
+
+
+class NightlyTrain(DistillConfig):
+    """The YAML `train:` section: the distillation config itself (`distill.config.DistillConfig`, the keys of
+    `specdistill distill --config`), as a recipe without its run's inputs. The nightly's own defaults (an
+    EAGLE-3 head, a time budget, bf16 by the run's dtype, the schedule derived from the steps) and its one
+    key of its own (`incremental_lr`) say why; each run's inputs are set by `for_run`, nowhere else."""
+
+    is_recipe: ClassVar[bool] = True
 
     # an EAGLE-3 head over the target's features (the better kind per CPU-minute: benchmarks/eagle_budget.py),
     # or a layer-extracted draft
     kind: DraftKind = "eagle3"
-    layers: str = _reused(DistillConfig, "layers")  # kind layers
-    eagle3_steps: int = _reused(Eagle3Config, "steps")  # kind eagle3: the training-time-test unroll length
-    draft_vocab: int | None = _reused(DistillConfig, "draft_vocab")
-    lr: float = _reused(OptimConfig, "lr")
-    incremental_lr: float = Field(3e-4, gt=0.0)  # a warm start from the champion
-    batch_size: int = _reused(OptimConfig, "batch_size")
-    # the time budget binds, not the steps (400 steps ended the demo's head at 2.3 of 3 minutes)
-    max_steps: int = _reused(OptimConfig, "max_steps")
-    max_minutes: float = Field(3.0, ge=0.0)
-    loss: Literal[Divergence, "mix"] = _reused(LossConfig, "kind")  # a divergence against the cached teacher
-    # bf16 autocast over fp32 master weights; null: when the run's dtype is bf16. On the 2-core AVX-512-BF16
-    # CPU the demo's head trained 1.43x the steps per minute and reached held-out α 0.397 against 0.372 in
-    # fp32 after 1.5 minutes on the same data (specdistill distill … optim.bf16=true|false)
-    bf16: bool | None = None
+    data: DataConfig | None = None  # the night's answers (`for_run`)
+    teacher: TeacherConfig = TeacherConfig(mode="cache")  # the night's teacher cache (`for_run`)
+    optim: NightlyOptim = NightlyOptim()
+    checkpoint_every: int | None = Field(None, ge=1)  # null: `distill.config.derived_schedule`
+    eval_every: int | None = Field(None, ge=1)  # null: as checkpoint_every
+    incremental_lr: float = Field(3e-4, gt=0.0)  # optim.lr of a warm start from the champion
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for old, new in _MOVED_TRAIN_KEYS.items():
+                if old in data:
+                    raise ValueError(f"`train.{old}` is now `train.{new}`")
+            if isinstance(data.get("loss"), str):
+                raise ValueError("`train.loss` is now `train.loss.kind`")
+        return data
+
+    @model_validator(mode="after")
+    def _run_inputs_unset(self):
+        for key, source in _SET_PER_RUN.items():
+            if key in self.model_fields_set:
+                raise ValueError(f"train.{key} is set by each run from {source}: leave it out")
+        for key, source in _EAGLE3_SET_PER_RUN.items():
+            if key in self.eagle3.model_fields_set:
+                raise ValueError(f"train.eagle3.{key} is set by each run from {source}: leave it out")
+        return self
+
+    def for_run(self, config: NightlyConfig, *, data: DataConfig, out_dir: str | Path, teacher: TeacherConfig,
+                warm_start: str | None = None, max_minutes: float | None = None, generic: bool = False,
+                feature_dir: str | None = None) -> DistillConfig:
+        """The distillation config of one run: this recipe with the run's inputs (its data, teacher cache and
+        output directory, the warm start, the minutes the deadline leaves, the run's target, device, dtype and
+        threads) and what they imply: a warm start keeps its draft's vocabulary and trains at
+        `incremental_lr`; the generic baseline is a layer draft on plain CE. Validated whole."""
+        optim: dict[str, Any] = {"bf16": train_autocast(config)}
+        if max_minutes is not None:
+            optim["max_minutes"] = max_minutes
+        if warm_start:
+            optim["lr"] = self.incremental_lr
+        update: dict[str, Any] = {
+            "target": config.target, "draft": warm_start, "data": data.model_dump(), "teacher": teacher.model_dump(),
+            "out_dir": str(out_dir), "device": config.device,
+            "threads": config.bench.threads if isinstance(config.bench.threads, int) else None,
+            "optim": {**self.optim.model_dump(), **optim},
+        }
+        if warm_start:
+            update["draft_vocab"] = None
+        if generic:
+            update.update(kind="layers", loss=LossConfig(kind="ce").model_dump(), eagle3=Eagle3Config().model_dump())
+        elif self.kind == "eagle3":
+            update["eagle3"] = {**self.eagle3.model_dump(), "feature_dir": feature_dir, "feature_dtype": config.dtype}
+        raw = {**self.model_dump(exclude={"incremental_lr"}), **update}
+        return DistillConfig.model_validate(raw)
+
+
+def train_autocast(config: NightlyConfig) -> bool:
+    """`train.optim.bf16`, or (null) bf16 autocast exactly when the run's models run in bf16."""
+    if config.train.optim.bf16 is not None:
+        return config.train.optim.bf16
+    import torch
+
+    from specdistill.modeling.models import resolve_dtype
+
+    return resolve_dtype(config.dtype) == torch.bfloat16
 
 
 class PoolConfig(Strict):
@@ -230,7 +296,7 @@ class NightlyConfig(Strict):
     ]
     window: WindowConfig = WindowConfig()
     generation: GenerationConfig = GenerationConfig()
-    train: TrainSection = TrainSection()
+    train: NightlyTrain = NightlyTrain()
     pool: PoolConfig = PoolConfig()
     bench: BenchSection = BenchSection()
     gate: GateSection = GateSection()

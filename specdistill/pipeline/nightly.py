@@ -198,17 +198,6 @@ def _write_conversations(config: NightlyConfig, window: Window, path: Path) -> P
     return path
 
 
-def train_autocast(config: NightlyConfig) -> bool:
-    """`train.bf16`, or (null) bf16 autocast exactly when the run's models run in bf16."""
-    if config.train.bf16 is not None:
-        return config.train.bf16
-    import torch
-
-    from specdistill.modeling.models import resolve_dtype
-
-    return resolve_dtype(config.dtype) == torch.bfloat16
-
-
 MIN_TRAIN_MINUTES = 0.25  # a shorter training budget is no useful work
 
 
@@ -221,9 +210,9 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | None, heldo
 
     The output directory is keyed by the train config, the data and the warm start (the generic
     baseline: by the window and the train config), so a finished run is found again and reused.
-    Training stops at `train.max_minutes` or at the stage's share of the run's deadline `deadline_at`,
+    Training stops at `train.optim.max_minutes` or at the stage's share of the run's deadline `deadline_at`,
     whichever comes first; a share too small to train in stops the run here."""
-    from specdistill.distill.config import DataConfig, DistillConfig, Eagle3Config, LossConfig, OptimConfig, TeacherConfig
+    from specdistill.distill.config import DataConfig, TeacherConfig
     from specdistill.distill.train import distill
     from specdistill.modeling.eagle3_io import aux_layers_of, is_eagle3_dir
 
@@ -231,50 +220,52 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | None, heldo
     kind = "layers" if generic else tc.kind
     if warm_start and is_eagle3_dir(warm_start) != (kind == "eagle3"):
         warm_start = None  # the champion is of the other kind: this kind starts from the target
-    eagle3 = Eagle3Config()
+    feature_dir = None
     if generic:
         out_dir = run_root() / "generic" / f"{window.key}-{config_hash(tc)}"
         conv_path = paths.ensure_private(out_dir.parent) / f"{window.key}-conversations.jsonl"
         if not conv_path.is_file():
             _write_conversations(config, window, conv_path)
         data = DataConfig(path=str(conv_path), kind="conversations", heldout_path=heldout_data.path)
-        loss, teacher, lr = LossConfig(kind="ce"), TeacherConfig(mode="none"), tc.lr
+        teacher = TeacherConfig(mode="none")
     else:
         key = config_hash({"train": tc.model_dump(), "data": train_data.path, "warm": warm_start})
         out_dir = run_root() / "distill" / key
         data = DataConfig(path=train_data.path, kind="generated", heldout_path=heldout_data.path)
-        loss = LossConfig(kind=tc.loss, temperature=1.0)
         teacher = TeacherConfig(mode="cache", cache_dir=train_data.teacher_cache)
         if kind == "eagle3":  # features beside the teacher cache: every run on this data reuses them
             head_layers = aux_layers_of(warm_start) if warm_start else None  # other layers than the answer pass's: own dir
-            eagle3 = Eagle3Config(steps=tc.eagle3_steps, feature_dir=str(features_dir(train_data.teacher_cache, head_layers)),
-                                  feature_dtype=config.dtype)  # the features in the dtype the answers were computed in
-        lr = tc.incremental_lr if warm_start else tc.lr
+            feature_dir = str(features_dir(train_data.teacher_cache, head_layers))
     result_file = out_dir / "result.json"
     if result_file.is_file():  # finished before: a rerun reuses it
         return Trained.from_dict(paths.read_json(result_file, "distillation result"))
-    minutes = tc.max_minutes
+    minutes = tc.optim.max_minutes
     now = time.time()
     left = stage_deadline(config, "generic" if generic else "distill", deadline_at, now=now).minutes(now)
-    if left is not None and left < minutes:
+    if left is not None and (minutes is None or left < minutes):
         if left < MIN_TRAIN_MINUTES:
             raise ValueError(f"the run's deadline (deadline_minutes={config.deadline_minutes}) leaves {left * 60:.0f} s "
                              f"to train the {'generic baseline' if generic else 'draft'}: too little to train on; the "
                              "champion and serving.json are unchanged")
         minutes = left
-    dcfg = DistillConfig(
-        target=config.target, kind=kind, eagle3=eagle3, draft=warm_start, layers=tc.layers,
-        draft_vocab=None if warm_start else tc.draft_vocab, data=data, loss=loss, teacher=teacher,
-        optim=OptimConfig(lr=lr, batch_size=tc.batch_size, max_steps=tc.max_steps, max_minutes=minutes,
-                          warmup_steps=min(20, tc.max_steps // 10), bf16=train_autocast(config)),
-        out_dir=str(out_dir), checkpoint_every=max(10, tc.max_steps // 4), eval_every=max(10, tc.max_steps // 4),
-        threads=config.bench.threads if isinstance(config.bench.threads, int) else None, device=config.device,
-    )
+    dcfg = tc.for_run(config, data=data, out_dir=out_dir, teacher=teacher, warm_start=warm_start, max_minutes=minutes,
+                      generic=generic, feature_dir=feature_dir)
     return Trained.from_dict(distill(dcfg))
 
 
 # --------------------------------------------------------------------------------------------
 # Stage: registry and serving
+
+
+def flat_params(section: dict, prefix: str = "") -> dict:
+    """A nested config as MLflow params: one dotted key per setting (`optim.lr`), as the YAML names it."""
+    flat = {}
+    for key, value in section.items():
+        if isinstance(value, dict):
+            flat.update(flat_params(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def champion_of(config: NightlyConfig) -> Champion | None:
@@ -300,7 +291,7 @@ def register(config: NightlyConfig, target: TargetInfo, window: Window, trained:
     reg = registry.register_draft(
         trained.draft_dir, target_name=config.target_name,
         params={"layers": trained.layers, "draft_vocab": trained.draft_vocab, "dtype": target.dtype,
-                **config.train.model_dump()},
+                **flat_params(config.train.model_dump(exclude_none=True))},
         metrics=registration_metrics(results, trained), curves={"train_loss": train_losses(trained)},
         artifacts=registration_artifacts(config, results, verdict, trained, report_path, speeds),
         tags={"target_fingerprint": target.fingerprint, "data_window": window.key,
