@@ -80,6 +80,14 @@ def test_the_bench_and_gate_sections_build_their_runtime_configs_and_refuse_unkn
     harness, engine = cfg.bench.bench_config(), cfg.bench.engine_bench_config()
     assert (harness.gamma, harness.max_new_tokens, harness.repeats) == (engine.gamma, engine.max_new_tokens,
                                                                         engine.repeats) == (3, 9, 2)
+    # one default per shared setting: the nightly's section, the harness's and an engine's configs agree
+    from specdistill.data.results import BenchSettings
+    from specdistill.engines.bench import EngineBenchConfig
+    from specdistill.speculative.bench import BenchConfig
+
+    shared = BenchSettings().model_dump()
+    for made in (load_nightly_config().bench, BenchConfig(), EngineBenchConfig()):
+        assert made.model_dump(include=set(shared)) == shared == {**shared, "max_new_tokens": 40, "repeats": 1}
     gate = cfg.gate.gate_config()
     assert gate.min_speedup == 1.1 and gate.min_accepted_length == 3.0  # the production profile, one override
     with pytest.raises(ConfigError, match="unknown key 'gate.overrides.min_speed'"):

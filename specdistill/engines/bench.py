@@ -19,24 +19,20 @@ import statistics
 import sys
 from dataclasses import dataclass, replace
 
-from specdistill.acceptance import DEFAULT_GAMMA
 from specdistill.budget import Deadline
 from specdistill.data.prompts import Prompt
-from specdistill.data.results import DEFAULT_TOLERANCE, BenchResult, SliceResult, percentile, prompt_speedups, speed_summary
+from specdistill.data.results import BenchResult, BenchSettings, SliceResult, percentile, prompt_speedups, speed_summary
 from specdistill.engines.client import Completion, chat, metrics_url
 from specdistill.engines.prom import Scrape, scrape
 
 TARGET_ONLY = "target-only"
 
 
-@dataclass
-class EngineBenchConfig:
-    max_new_tokens: int = 48
-    repeats: int = 1
-    gamma: int = DEFAULT_GAMMA  # K the speculative endpoints were started with (recorded, not set, here)
-    near_tie_tolerance: float = DEFAULT_TOLERANCE
+class EngineBenchConfig(BenchSettings):
+    """A serving engine's benchmark: the shared settings (γ: what the endpoints were started with, recorded,
+    not set, here), and how the engine is asked."""
+
     top_logprobs: int = 5  # alternatives asked for when judging a divergence
-    seed: int = 0
     timeout_s: float = 300.0
 
 
@@ -163,7 +159,7 @@ def run_engine_bench(endpoints: dict[str, str], prompts: list[Prompt], config: E
     counts = {m: _delta(before[m], scrape(metrics_url(endpoints[m]))) for m in spec_modes}
     prompts = prompts[:kept]
     times = {m: [row[:kept] for row in rows[:repeats]] for m, rows in times.items()}
-    measured = replace(config, repeats=repeats)
+    measured = config.model_copy(update={"repeats": repeats})
     results = {}
     for mode in spec_modes:
         verdicts = [judge(endpoints[TARGET_ONLY], p, pairs[mode][i], config) for i, p in enumerate(prompts)]

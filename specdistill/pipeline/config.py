@@ -10,14 +10,14 @@ from dataclasses import fields as dataclass_fields
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import Any, ClassVar, Literal, get_type_hints
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_type_hints
 
 from pydantic import Field, create_model, field_validator, model_validator
 
 from specdistill import paths
-from specdistill.acceptance import DEFAULT_GAMMA
 from specdistill.config import ConfigError, Strict, load_model_config
 from specdistill.data.prompts import MAX_PROMPT_TOKENS
+from specdistill.data.results import BenchSettings
 from specdistill.distill.config import DataConfig, DistillConfig, DraftKind, Eagle3Config, LossConfig, OptimConfig, TeacherConfig
 from specdistill.ops.policy import (
     CONFIDENCE,
@@ -29,6 +29,10 @@ from specdistill.ops.policy import (
     Role,
     gate_config,
 )
+
+if TYPE_CHECKING:
+    from specdistill.engines.bench import EngineBenchConfig
+    from specdistill.speculative.bench import BenchConfig
 
 
 class SourceConfig(Strict):
@@ -104,15 +108,12 @@ class NightlyOptim(OptimConfig):
 
 class NightlyTrain(DistillConfig):
     """The YAML `train:` section: the distillation config itself (`distill.config.DistillConfig`, the keys of
-    `specdistill distill --config`), as a recipe without its run's inputs. The nightly's own defaults (an
-    EAGLE-3 head, a time budget, bf16 by the run's dtype, the schedule derived from the steps) and its one
-    key of its own (`incremental_lr`) say why; each run's inputs are set by `for_run`, nowhere else."""
+    `specdistill distill --config`) as a recipe without its run's inputs, with the nightly's defaults and one
+    key of its own (`incremental_lr`); each run's inputs are set by `for_run`, nowhere else."""
 
     is_recipe: ClassVar[bool] = True
 
-    # an EAGLE-3 head over the target's features (the better kind per CPU-minute: benchmarks/eagle_budget.py),
-    # or a layer-extracted draft
-    kind: DraftKind = "eagle3"
+    kind: DraftKind = "eagle3"  # the better kind per CPU-minute (benchmarks/eagle_budget.py)
     data: DataConfig | None = None  # the night's answers (`for_run`)
     teacher: TeacherConfig = TeacherConfig(mode="cache")  # the night's teacher cache (`for_run`)
     optim: NightlyOptim = NightlyOptim()
@@ -197,17 +198,16 @@ class PoolConfig(Strict):
     reanswer_from: str | None = None
 
 
-class BenchSection(Strict):
-    """The YAML `bench:` section: what the benchmark measures and how long; it builds the runtime values
-    of the harness (`bench_config`: `speculative.bench.BenchConfig`) and of a serving engine
-    (`engine_bench_config`: `engines.bench.EngineBenchConfig`), so each setting reaches both the same way."""
+class BenchSection(BenchSettings):
+    """The YAML `bench:` section: the shared benchmark settings (`data.results.BenchSettings`: γ, tokens,
+    repeats, with their one default each), and what the nightly benchmarks and how long. It builds the
+    runtime configs of the harness (`bench_config`) and of a serving engine (`engine_bench_config`) from
+    the same settings, so each reaches both the same way. `gamma` is the first benchmark's; then each
+    drafter's is measured."""
 
-    gamma: int = Field(DEFAULT_GAMMA, ge=1)  # the first benchmark's γ; then each drafter's is measured
     # EAGLE-3 heads, greedy: first-position candidates verified as a tree (1: a chain). Serving: SGLang's
     # --speculative-eagle-topk; vLLM and llama.cpp verify a chain
     tree_width: int = Field(4, ge=1)
-    max_new_tokens: int = Field(40, ge=1)
-    repeats: int = Field(1, ge=1)
     self_spec_layers: list[int] = [8]
     ngram: bool = True
     # the suffix drafter over the window's train answers, and its hybrid with the challenger
@@ -222,17 +222,17 @@ class BenchSection(Strict):
     # repeat starts (at least 2 prompts are measured) and the γ confirmation is skipped; the report says so
     max_minutes: float | None = Field(4.0, ge=0.0)
 
-    def bench_config(self):
+    def bench_config(self) -> BenchConfig:
         """The harness benchmark's runtime config (`speculative.bench.BenchConfig`)."""
-        from specdistill.speculative.bench import BenchConfig
+        from specdistill.speculative.bench import BenchConfig  # torch: only when benchmarking
 
-        return BenchConfig(gamma=self.gamma, max_new_tokens=self.max_new_tokens, repeats=self.repeats)
+        return BenchConfig(**self.model_dump(include=set(BenchSettings.model_fields)))
 
-    def engine_bench_config(self):
-        """A serving engine's benchmark config (`engines.bench.EngineBenchConfig`): the same tokens and repeats."""
-        from specdistill.engines.bench import EngineBenchConfig
+    def engine_bench_config(self) -> EngineBenchConfig:
+        """A serving engine's benchmark config (`engines.bench.EngineBenchConfig`): the same settings."""
+        from specdistill.engines.bench import EngineBenchConfig  # its HTTP client: only when benchmarking
 
-        return EngineBenchConfig(max_new_tokens=self.max_new_tokens, repeats=self.repeats, gamma=self.gamma)
+        return EngineBenchConfig(**self.model_dump(include=set(BenchSettings.model_fields)))
 
 
 def _gate_overrides_model() -> type[Strict]:

@@ -22,17 +22,17 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from specdistill.acceptance import DEFAULT_GAMMA, ideal_speedup
+from specdistill.acceptance import ideal_speedup
 from specdistill.budget import Deadline
 from specdistill.data.prompt_files import PromptFileError, PromptRecord, read_prompt_file
 from specdistill.data.prompts import Prompt, encode_chat
-from specdistill.data.results import BenchResult, SliceResult, percentile, prompt_speedups, speed_summary
+from specdistill.data.results import BenchResult, BenchSettings, SliceResult, percentile, prompt_speedups, speed_summary
 from specdistill.modeling.drafts import measure_cost_ratio
 from specdistill.modeling.models import dtype_name
 from specdistill.speculative import (
@@ -43,7 +43,7 @@ from specdistill.speculative import (
     generate,
 )
 from specdistill.speculative.eagle import EagleDrafter
-from specdistill.speculative.lossless import DEFAULT_TOLERANCE, LosslessReport, judge_lossless, model_dtype
+from specdistill.speculative.lossless import LosslessReport, judge_lossless, model_dtype
 
 __all__ = ["BenchConfig", "BenchResult", "Prompt", "PromptFileError", "SliceResult", "encode_prompt", "load_prompts",
            "measure_drafter_cost", "percentile", "prompts_from_records", "run_bench", "run_bench_many", "speed_summary"]
@@ -51,17 +51,13 @@ __all__ = ["BenchConfig", "BenchResult", "Prompt", "PromptFileError", "SliceResu
 
 MIN_PROMPTS = 2  # a benchmark cut by its time budget still measures this many prompts
 
-@dataclass
-class BenchConfig:
-    gamma: int = DEFAULT_GAMMA
-    max_new_tokens: int = 64
-    repeats: int = 3
+class BenchConfig(BenchSettings):
+    """The harness benchmark: the shared settings, and how this harness samples and measures."""
+
     temperature: float = 0.0  # greedy by default: the lossless check needs it
     top_p: float = 1.0
-    seed: int = 0
     chat_template: bool = True  # wrap each prompt as one user turn when the tokenizer has a template
     measure_cost: bool = True
-    near_tie_tolerance: float = DEFAULT_TOLERANCE  # fp32 logits; reduced-precision greedy runs only
 
 
 def load_prompts(path: str | Path) -> list[Prompt]:
@@ -220,9 +216,9 @@ def run_bench_many(
         times = {m: [row[:measured] for row in rows[:repeats]] for m, rows in times.items()}
         first_stats = {name: stats[:measured] for name, stats in first_stats.items()}
         pairs = {name: seen[:measured] for name, seen in pairs.items()}
-        config = replace(config, repeats=repeats)
+        config = config.model_copy(update={"repeats": repeats})
     reports = judge_lossless(target, encoded, pairs, config.near_tie_tolerance) if sampling.greedy else {}
-    return {name: replace(_summarize(target, drafter, prompts, replace(config, gamma=gamma_of[name]), sampling, times[None],
+    return {name: replace(_summarize(target, drafter, prompts, config.model_copy(update={"gamma": gamma_of[name]}), sampling, times[None],
                                      times[name], first_stats[name], reports.get(name)), budget_note=note)
             for name, drafter in drafters.items()}
 

@@ -196,7 +196,7 @@ def bench_at_best_gamma(target: PreTrainedModel, tokenizer, drafters: dict, prom
         notes = {name: skipped for name in moved if name not in fits}
     if fits:
         confirmed = run_bench_many(target, tokenizer, {name: drafters[name] for name in fits}, prompts,
-                                   replace(config, measure_cost=False), gammas={n: moved[n] for n in fits}, deadline=deadline)
+                                   config.model_copy(update={"measure_cost": False}), gammas={n: moved[n] for n in fits}, deadline=deadline)
         if any(r.budget_note for r in confirmed.values()):  # cut short: not the same prompts as the first run
             cut = "time budget reached during the γ confirmation: measured at the benchmark's γ"
             notes, confirmed = {**notes, **{name: cut for name in fits}}, {}
