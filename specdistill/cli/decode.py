@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from specdistill.acceptance import DEFAULT_GAMMA
+from specdistill.acceptance import DEFAULT_GAMMA, NGRAM_WINDOW
 from specdistill.cli.common import (
     Subcommands,
     add_db,
@@ -226,8 +226,8 @@ def _add_drafting(p: argparse.ArgumentParser) -> None:
                         "beside --draft or --self-spec: the hybrid of both")
     p.add_argument("--hybrid-threshold", type=number_in(0.0), default=None, metavar="X",
                    help="hybrid: take the suffix proposal when its expected accepted tokens reach X")
-    p.add_argument("--ngram-min", type=positive_int, default=1)
-    p.add_argument("--ngram-max", type=positive_int, default=3)
+    p.add_argument("--ngram-min", type=positive_int, default=NGRAM_WINDOW[0])
+    p.add_argument("--ngram-max", type=positive_int, default=NGRAM_WINDOW[1])
     p.add_argument("--gamma", type=positive_int, default=DEFAULT_GAMMA, help="draft tokens per round")
     p.add_argument("--tree-width", type=positive_int, default=1, metavar="W",
                    help="draft model, EAGLE-3 head or early exit, greedy: verify its top W candidates for the first "

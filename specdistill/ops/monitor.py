@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from specdistill.acceptance import DEFAULT_GAMMA
+from specdistill.acceptance import DEFAULT_GAMMA, NGRAM_WINDOW
 from specdistill.data.prompts import MAX_PROMPT_TOKENS, Prompt, usable_prompt
 from specdistill.data.record import Record
 from specdistill.modeling.models import LoadedModel, shared_model
@@ -292,7 +292,7 @@ def choose_fallback(
     min_tokens: int = 64,
     repeats: int = 3,
     margin: float = DEFAULT_MARGIN,
-    ngram: tuple[int, int] = (2, 4),
+    ngram: tuple[int, int] = NGRAM_WINDOW,
     suffix_corpus: str | os.PathLike | None = None,
     min_prompts: int = MIN_PROMPTS,
     progress: bool = True,

@@ -24,7 +24,7 @@ from specdistill.speculative.specs import DrafterSpec
 
 def mode_for_spec(spec: str | DrafterSpec, target: Path, k: int = DEFAULT_GAMMA):
     """The llama-server mode of a drafter spec (`draft:REF|GGUF` or `ngram`): the draft's GGUF mode, or
-    n-gram lookup of the spec's longest n (plain `ngram`: the harness's 1..3-grams); self-speculation
+    n-gram lookup of the spec's longest n (plain `ngram`: `acceptance.NGRAM_WINDOW`); self-speculation
     reaches llama.cpp as its exported early-exit draft, i.e. as `draft:DIR` (`llamacpp_spec`). A draft
     reference other than a GGUF file (`models:/NAME@ALIAS` included) is resolved to its directory first."""
     from specdistill.engines.llamacpp import draft_mode, ngram_mode

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 from transformers import PreTrainedModel
 
+from specdistill.acceptance import NGRAM_WINDOW
 from specdistill.speculative.drafters import Drafter, make_drafter
 
 
@@ -111,11 +112,11 @@ class DrafterSpec:
 
     @property
     def ngram_sizes(self) -> tuple[int, int] | None:
-        """(min n, max n) of prompt lookup; plain `ngram` matches 1..3-grams."""
+        """(min n, max n) of prompt lookup; plain `ngram`: `acceptance.NGRAM_WINDOW`."""
         if self.kind != "ngram":
             return None
         if not self.arg:
-            return (1, 3)
+            return NGRAM_WINDOW
         lo, hi = (int(s) for s in self.arg.split(","))
         return (lo, hi)
 
