@@ -19,8 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, Stric
 
 from specdistill import paths
 from specdistill.acceptance import NGRAM_WINDOW
+from specdistill.speculative.specs import serving_modes
 
-MODES = ("draft", "ngram", "suffix", "self_speculation", "off")
 DRAFT_KINDS = ("layers", "eagle3")  # a plain HF draft checkpoint, or an EAGLE-3 head over the target's features
 SERVING_FILE = "serving.json"
 # The one exception to "traffic and answers are the owner's only" (see specdistill.paths): what a serving
@@ -58,7 +58,7 @@ class ServingConfig(BaseModel):
 
     model_config = ConfigDict(extra="allow", validate_assignment=True, allow_inf_nan=False)
 
-    mode: Literal["draft", "ngram", "suffix", "self_speculation", "off"]
+    mode: StrictStr  # one of `speculative.specs.serving_modes()`: a servable drafter kind's, or off (checked first)
     num_speculative_tokens: StrictInt = Field(4, ge=0)  # at least 1 unless mode off (checked below)
     draft_dir: StrictStr | None = None  # draft mode, and self-speculation exported as an early-exit draft
     draft_version: StrictStr | None = None
@@ -97,8 +97,8 @@ class ServingConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _mode_first(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "mode" in data and data["mode"] not in MODES:
-            raise ValueError(f"serving mode {data['mode']!r} is not one of {MODES}")
+        if isinstance(data, dict) and "mode" in data and data["mode"] not in (modes := serving_modes()):
+            raise ValueError(f"serving mode {data['mode']!r} is not one of {modes}")
         if isinstance(data, dict) and "draft_kind" in data and data["draft_kind"] not in DRAFT_KINDS:
             raise ValueError(f"draft kind {data['draft_kind']!r} is not one of {DRAFT_KINDS}")
         if isinstance(data, dict) and data.get("mode") == "ngram":

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from specdistill.acceptance import DEFAULT_GAMMA
 from specdistill.data.results import BenchResult
-from specdistill.ops.policy import NOT_SERVED_MODES, Role
+from specdistill.ops.policy import Role
 from specdistill.pipeline.config import NightlyConfig
 from specdistill.pipeline.outputs import Window
 from specdistill.speculative.specs import DrafterSpec
@@ -72,9 +72,7 @@ def engine_benchmark(config: NightlyConfig, window: Window, drafters: dict[str, 
     deadline = stage_deadline(config, "engine benchmark", deadline_at)
     prompts = engine_prompts(window)
     bcfg = b.engine_bench_config()
-    # no engine runs our draft beside the suffix drafter (NOT_SERVED_MODES)
-    servable = {name: spec for name, spec in drafters.items()
-                if Role.served(name) and DrafterSpec.parse(spec).mode not in NOT_SERVED_MODES}
+    servable = {name: spec for name, spec in drafters.items() if Role.served(name) and DrafterSpec.parse(spec).served}
     if s.engine == "llamacpp":
         # llama.cpp's lookup cache is its own file format (docs/serving.md): the suffix drafter is not measured there
         servable = {name: spec for name, spec in servable.items() if DrafterSpec.parse(spec).kind != "suffix"}
