@@ -75,7 +75,7 @@ def engine_benchmark(config: NightlyConfig, window: Window, drafters: dict[str, 
     servable = {name: spec for name, spec in drafters.items() if Role.served(name) and DrafterSpec.parse(spec).served}
     if s.engine == "llamacpp":
         # llama.cpp's lookup cache is its own file format (docs/serving.md): the suffix drafter is not measured there
-        servable = {name: spec for name, spec in servable.items() if DrafterSpec.parse(spec).kind != "suffix"}
+        servable = {name: spec for name, spec in servable.items() if DrafterSpec.parse(spec).runs_in_llamacpp}
         from specdistill.engines.llamacpp import bench_llamacpp, target_gguf
 
         gguf = target_gguf(config.target)

@@ -10,8 +10,9 @@ A spec's text is what the nightly's benchmark entries, the monitor's fallback an
 the tree width are not in the text: they are measured settings a spec is run with (`with_`).
 
 A new kind registers a `Kind` in `KINDS` (`register_kind`): how its argument is checked, the serving
-mode it is written as (`SERVING_MODES`, what serving.json and the serving-mode gauge accept), whether an
-engine may serve it, and how its drafter is built.
+mode it is written as (`serving_modes()`, what serving.json and the serving-mode gauge accept), whether an
+engine may serve it (and llama.cpp measure it), the serving.json keys its text decides (from which
+`ops.serving.ServingConfig` writes vLLM's and SGLang's settings), and how its drafter is built.
 
 Self-speculation is `self-spec` everywhere a drafter is named (specs `self-spec:K`, results `self-spec@K`,
 the CLI's `--self-spec K`); `self_spec:K`, the spelling of records written before, is still read. Its
@@ -48,6 +49,10 @@ class Kind:
     # (target, spec, the target's identity: what a corpus is checked against) -> the drafter
     build: Callable[[PreTrainedModel, DrafterSpec, TargetKey], Drafter]
     served: bool = True  # False: measured, never written to serving.json (no engine runs it)
+    # the serving.json keys the spec's text decides (a window, an exit layer, a corpus); a draft directory is
+    # the writer's to give (a registered copy, an exported early-exit draft)
+    serving: Callable[[DrafterSpec], dict[str, Any]] = lambda spec: {}
+    llamacpp: bool = True  # llama-server runs it (its lookup cache is its own format: no suffix corpus)
     aliases: tuple[str, ...] = ()  # older spellings of the name, read from records written before
 
 
@@ -122,6 +127,15 @@ class DrafterSpec:
         return KINDS[self.kind].served
 
     @property
+    def runs_in_llamacpp(self) -> bool:
+        """Can llama-server run it (its lookup cache is its own format, so no suffix corpus)."""
+        return KINDS[self.kind].llamacpp
+
+    def serving_keys(self) -> dict[str, Any]:
+        """Its serving.json keys: the mode and what the spec's text decides (no draft directory)."""
+        return {"mode": self.mode, **KINDS[self.kind].serving(self)}
+
+    @property
     def path(self) -> str | None:
         """A draft's checkpoint or EAGLE-3 head (kind draft, and the model half of a hybrid)."""
         if self.kind == "hybrid":
@@ -178,7 +192,16 @@ def _sizes_ok(arg: str) -> bool:
     return not arg or (len(sizes) == 2 and all(s.isdigit() for s in sizes))
 
 
-def make_drafter(target: PreTrainedModel, **options: Any) -> Drafter | None:
+def _suffix_serving(spec: DrafterSpec) -> dict[str, Any]:
+    """The corpus and the SuffixDecoding knobs the drafter is measured with, under serving.json's names."""
+    from specdistill.speculative.suffix import SuffixParams  # keeps torch off `serving show`
+
+    p = SuffixParams()
+    return {"suffix_corpus": spec.corpus, "suffix_max_tree_depth": p.max_depth,
+            "suffix_max_spec_factor": p.max_spec_factor, "suffix_min_token_prob": p.min_token_prob}
+
+
+def _make_drafter(target: PreTrainedModel, **options: Any) -> Drafter | None:
     """`drafters.make_drafter`, imported when a drafter is first built."""
     from specdistill.speculative.drafters import make_drafter  # keeps torch off `serving show`
 
@@ -187,20 +210,22 @@ def make_drafter(target: PreTrainedModel, **options: Any) -> Drafter | None:
 
 SELF_SPEC = "self-spec"
 register_kind(Kind("draft", "draft", "draft:DIR", lambda arg: bool(arg),
-                   lambda target, s, key: make_drafter(target, draft=s.arg, tree_width=s.tree_width)))
+                   lambda target, s, key: _make_drafter(target, draft=s.arg, tree_width=s.tree_width)))
 register_kind(Kind(SELF_SPEC, "self_speculation", "self-spec:K", str.isdigit,
-                   lambda target, s, key: make_drafter(target, self_spec=s.exit_layer, tree_width=s.tree_width),
-                   aliases=("self_spec",)))
+                   lambda target, s, key: _make_drafter(target, self_spec=s.exit_layer, tree_width=s.tree_width),
+                   serving=lambda s: {"exit_layer": s.exit_layer}, aliases=("self_spec",)))
 register_kind(Kind("ngram", "ngram", "ngram or ngram:MIN,MAX", _sizes_ok,
-                   lambda target, s, key: make_drafter(target, ngram=True, ngram_min=s.ngram_sizes[0],
-                                                      ngram_max=s.ngram_sizes[1])))
+                   lambda target, s, key: _make_drafter(target, ngram=True, ngram_min=s.ngram_sizes[0],
+                                                      ngram_max=s.ngram_sizes[1]),
+                   serving=lambda s: {"prompt_lookup_min": s.ngram_sizes[0], "prompt_lookup_max": s.ngram_sizes[1]}))
 register_kind(Kind("suffix", "suffix", "suffix:CORPUS", lambda arg: bool(arg),
-                   lambda target, s, key: make_drafter(target, suffix=s.arg, tree_width=s.tree_width,
+                   lambda target, s, key: _make_drafter(target, suffix=s.arg, tree_width=s.tree_width,
                                                        target_fingerprint=key.fingerprint,
-                                                       target_tokenizer=key.tokenizer)))
+                                                       target_tokenizer=key.tokenizer),
+                   serving=_suffix_serving, llamacpp=False))
 # measured, never served: no serving engine runs our distilled draft with the suffix drafter beside it
 register_kind(Kind("hybrid", "hybrid", "hybrid:DIR,CORPUS[,THRESHOLD]", _hybrid_ok,
-                   lambda target, s, key: make_drafter(target, draft=s.path, suffix=s.corpus, tree_width=s.tree_width,
+                   lambda target, s, key: _make_drafter(target, draft=s.path, suffix=s.corpus, tree_width=s.tree_width,
                                                        target_fingerprint=key.fingerprint, target_tokenizer=key.tokenizer,
                                                        hybrid_threshold=hybrid_parts(s.arg)[2]),
                    served=False))
