@@ -135,18 +135,17 @@ def _bench_vllm(args: argparse.Namespace, prompts: list, config, threads: int):
     would carry it; a config vLLM refuses is an error carrying vLLM's own message."""
     from specdistill.engines.vllm_bench import bench_vllm
     from specdistill.pipeline.vllm_bench import mode_serving_config
+    from specdistill.speculative.specs import SELF_SPEC, DrafterSpec
 
     if args.draft:
-        spec = f"draft:{args.draft}"
+        spec = DrafterSpec("draft", args.draft)
     elif args.self_spec is not None:
-        spec = f"self_spec:{args.self_spec}"
+        spec = DrafterSpec(SELF_SPEC, str(args.self_spec))
     elif args.ngram:
-        spec = f"ngram:{args.ngram_min},{args.ngram_max}"
+        spec = DrafterSpec("ngram", f"{args.ngram_min},{args.ngram_max}")
     else:
         raise ValueError("--engine vllm measures --draft DIR, --self-spec K or --ngram")
-    from specdistill.speculative.specs import DrafterSpec
-
-    name = DrafterSpec.parse(spec).kind
+    name = spec.kind
     run = bench_vllm(args.target, {name: mode_serving_config(spec, args.gamma, args.target).vllm()}, prompts, config,
                      threads=threads, dtype=args.dtype)
     if name in run.refused:
