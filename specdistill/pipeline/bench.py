@@ -51,7 +51,7 @@ def benchmark(config: NightlyConfig, window: Window, drafters: dict[str, str],
     """Every drafter on the same held-out prompts, sharing one interleaved target-only run per prompt,
     then (`serving.choose_gamma`) each at the γ its curve predicts best, confirmed by a second run.
 
-    A drafter spec is what `speculative.drafter_from_spec` reads (`draft:DIR`, `self_spec:K`, `ngram`,
+    A drafter spec is what `speculative.drafter_from_spec` reads (`draft:DIR`, `self-spec:K`, `ngram`,
     `suffix:CORPUS`, `hybrid:DIR,CORPUS`; a corpus is checked against the target's fingerprint);
     results are keyed by the given name and carry the spec they ran (`BenchResult.spec`).
     """
