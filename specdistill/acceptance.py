@@ -7,6 +7,9 @@ from __future__ import annotations
 # Draft tokens per round where nothing chose γ yet (a first benchmark, the command line). The nightly then
 # measures each drafter's own γ (`speculative.gamma`), and serving and the monitor use the measured one.
 DEFAULT_GAMMA = 4
+# Prompt lookup's n-gram window (min n, max n) where none was chosen: what plain `ngram` measures, so what
+# serving.json names for it (vLLM's prompt_lookup_min/max, SGLang's match window, llama.cpp's ngram_n).
+NGRAM_WINDOW = (1, 3)
 
 
 def expected_tokens_per_round(alpha: float, gamma: int) -> float:

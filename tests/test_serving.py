@@ -31,6 +31,22 @@ def test_ngram_and_off_modes():
     assert "no speculation" in off.render()
 
 
+def test_the_ngram_window_has_one_default_and_only_ngram_mode_carries_it(tmp_path):
+    from specdistill.acceptance import NGRAM_WINDOW
+    from specdistill.speculative.specs import DrafterSpec
+
+    # plain `ngram` measures NGRAM_WINDOW, and serving.json says so when no window is given
+    assert DrafterSpec.parse("ngram").ngram_sizes == NGRAM_WINDOW
+    ngram = ServingConfig(mode="ngram")
+    assert (ngram.prompt_lookup_min, ngram.prompt_lookup_max) == NGRAM_WINDOW
+    assert read_serving_config(write_serving_config(ngram, tmp_path / "ngram.json")) == ngram
+    # a suffix serving.json carries no prompt-lookup window it never measured
+    suffix = ServingConfig(mode="suffix", suffix_corpus="/c.safetensors", suffix_corpus_tokens=10)
+    on_disk = json.loads(write_serving_config(suffix, tmp_path / "suffix.json").read_text())
+    assert not [k for k in on_disk if k.startswith("prompt_lookup")]
+    assert read_serving_config(tmp_path / "suffix.json") == suffix
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"mode": "eagle"}, "not one of"),
     ({"mode": "draft"}, "needs a draft"),

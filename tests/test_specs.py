@@ -5,13 +5,21 @@ from __future__ import annotations
 import pytest
 
 from specdistill.speculative import NgramDrafter, SelfSpecDrafter
-from specdistill.speculative.specs import KINDS, DrafterSpec, DrafterSpecError, Kind, drafter_from_spec, register_kind
+from specdistill.speculative.specs import (
+    KINDS,
+    DrafterSpec,
+    DrafterSpecError,
+    Kind,
+    drafter_from_spec,
+    register_kind,
+    serving_modes,
+)
 from tests.conftest import make_tiny_llama
 
 
 @pytest.mark.parametrize("text, mode, fields", [
     ("draft:/d/challenger", "draft", {"path": "/d/challenger", "exit_layer": None, "ngram_sizes": None}),
-    ("self_spec:8", "self_speculation", {"path": None, "exit_layer": 8, "ngram_sizes": None}),
+    ("self-spec:8", "self_speculation", {"path": None, "exit_layer": 8, "ngram_sizes": None}),
     ("ngram", "ngram", {"ngram_sizes": (1, 3)}),
     ("ngram:2,4", "ngram", {"ngram_sizes": (2, 4)}),
 ])
@@ -23,9 +31,30 @@ def test_a_spec_is_parsed_once_into_typed_fields_and_written_back_as_it_was(text
     assert (run.gamma, run.tree_width, str(run)) == (3, 4, text)  # measured settings, not part of the text
 
 
-@pytest.mark.parametrize("bad", ["draft:", "self_spec:x", "self_spec:", "ngram:2", "ngram:a,b", "medusa:3", ""])
+def test_self_speculation_has_one_spelling_and_records_written_before_still_read():
+    old = DrafterSpec.parse("self_spec:8")  # a spec recorded before (MLflow, serving.json's record, a result)
+    assert old == DrafterSpec.parse("self-spec:8") == DrafterSpec("self_spec", "8")
+    assert (str(old), old.kind, old.exit_layer, old.mode) == ("self-spec:8", "self-spec", 8, "self_speculation")
+
+
+def test_the_serving_modes_are_read_from_the_kinds():
+    from specdistill.ops.serving import ServingConfig
+
+    assert serving_modes() == ("draft", "self_speculation", "ngram", "suffix", "off")  # hybrid is never served
+    assert not DrafterSpec.parse("hybrid:/d,/c.safetensors").served and DrafterSpec.parse("suffix:/c").served
+    register_kind(Kind("lookahead", "lookahead", "lookahead:N", str.isdigit, lambda target, s, key: None))
+    try:
+        assert "lookahead" in serving_modes() and ServingConfig(mode="lookahead").mode == "lookahead"
+    finally:
+        KINDS.pop("lookahead")
+    with pytest.raises(ValueError, match="not one of"):
+        ServingConfig(mode="lookahead")
+
+
+@pytest.mark.parametrize("bad", ["draft:", "self-spec:x", "self_spec:x", "self-spec:", "ngram:2", "ngram:a,b", "medusa:3",
+                                 ""])
 def test_a_bad_spec_is_refused_naming_the_known_forms(bad):
-    with pytest.raises(DrafterSpecError, match="unknown drafter spec .*draft:DIR, self_spec:K, ngram or ngram:MIN,MAX"):
+    with pytest.raises(DrafterSpecError, match="unknown drafter spec .*draft:DIR, self-spec:K, ngram or ngram:MIN,MAX"):
         DrafterSpec.parse(bad)
 
 

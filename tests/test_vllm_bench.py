@@ -103,3 +103,26 @@ def test_vllm_is_launched_with_the_registered_drafts_directory_on_its_command_li
     local = registry.download_draft(reg.model_uri)
     assert launched.count("--speculative-config") == 1 and json.dumps(str(local)) in launched
     assert "models:/" not in launched
+
+
+def test_each_kind_writes_its_own_serving_keys_and_a_new_kind_is_one_registration():
+    """What vLLM is started with comes from the drafter's kind: the measured window, no prompt-lookup keys
+    beside a suffix corpus, and a kind registered once (here a prompt lookup of its own) is written too."""
+    from specdistill.acceptance import NGRAM_WINDOW
+    from specdistill.pipeline.vllm_bench import mode_serving_config
+    from specdistill.speculative import NgramDrafter
+    from specdistill.speculative.specs import KINDS, Kind, register_kind
+
+    ngram = mode_serving_config("ngram:2,5", 3, "unused").vllm()
+    assert ngram == {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5, "num_speculative_tokens": 3}
+    assert mode_serving_config("ngram", 3, "unused").vllm()["prompt_lookup_max"] == NGRAM_WINDOW[1]
+    suffix = mode_serving_config("suffix:/c.safetensors", 3, "unused").to_dict()
+    assert suffix["suffix_corpus"] == "/c.safetensors" and not [k for k in suffix if k.startswith("prompt_lookup")]
+    with pytest.raises(ValueError, match="no serving engine runs a hybrid"):
+        mode_serving_config("hybrid:/d,/c.safetensors", 3, "unused")
+    register_kind(Kind("lookup", "ngram", "lookup:N", str.isdigit, lambda target, s, key: NgramDrafter(1, int(s.arg)),
+                       serving=lambda s: {"prompt_lookup_min": 1, "prompt_lookup_max": int(s.arg)}))
+    try:
+        assert mode_serving_config("lookup:6", 2, "unused").vllm()["prompt_lookup_max"] == 6
+    finally:
+        KINDS.pop("lookup")

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from specdistill.acceptance import DEFAULT_GAMMA
+from specdistill.acceptance import DEFAULT_GAMMA, NGRAM_WINDOW
 from specdistill.cli.common import (
     Subcommands,
     add_db,
@@ -135,18 +135,17 @@ def _bench_vllm(args: argparse.Namespace, prompts: list, config, threads: int):
     would carry it; a config vLLM refuses is an error carrying vLLM's own message."""
     from specdistill.engines.vllm_bench import bench_vllm
     from specdistill.pipeline.vllm_bench import mode_serving_config
+    from specdistill.speculative.specs import SELF_SPEC, DrafterSpec
 
     if args.draft:
-        spec = f"draft:{args.draft}"
+        spec = DrafterSpec("draft", args.draft)
     elif args.self_spec is not None:
-        spec = f"self_spec:{args.self_spec}"
+        spec = DrafterSpec(SELF_SPEC, str(args.self_spec))
     elif args.ngram:
-        spec = f"ngram:{args.ngram_min},{args.ngram_max}"
+        spec = DrafterSpec("ngram", f"{args.ngram_min},{args.ngram_max}")
     else:
         raise ValueError("--engine vllm measures --draft DIR, --self-spec K or --ngram")
-    from specdistill.speculative.specs import DrafterSpec
-
-    name = DrafterSpec.parse(spec).kind
+    name = spec.kind
     run = bench_vllm(args.target, {name: mode_serving_config(spec, args.gamma, args.target).vllm()}, prompts, config,
                      threads=threads, dtype=args.dtype)
     if name in run.refused:
@@ -226,8 +225,8 @@ def _add_drafting(p: argparse.ArgumentParser) -> None:
                         "beside --draft or --self-spec: the hybrid of both")
     p.add_argument("--hybrid-threshold", type=number_in(0.0), default=None, metavar="X",
                    help="hybrid: take the suffix proposal when its expected accepted tokens reach X")
-    p.add_argument("--ngram-min", type=positive_int, default=1)
-    p.add_argument("--ngram-max", type=positive_int, default=3)
+    p.add_argument("--ngram-min", type=positive_int, default=NGRAM_WINDOW[0])
+    p.add_argument("--ngram-max", type=positive_int, default=NGRAM_WINDOW[1])
     p.add_argument("--gamma", type=positive_int, default=DEFAULT_GAMMA, help="draft tokens per round")
     p.add_argument("--tree-width", type=positive_int, default=1, metavar="W",
                    help="draft model, EAGLE-3 head or early exit, greedy: verify its top W candidates for the first "

@@ -12,7 +12,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from specdistill import paths
-from specdistill.acceptance import DEFAULT_GAMMA
+from specdistill.acceptance import DEFAULT_GAMMA, NGRAM_WINDOW
 from specdistill.budget import Deadline
 from specdistill.data.prompts import Prompt
 from specdistill.data.results import BenchResult
@@ -22,7 +22,7 @@ from specdistill.engines.gguf_export import export_gguf, gguf_spec_type
 from specdistill.engines.server import LlamaServer, ServerConfig, ServerMode, server_args
 from specdistill.modeling.models import DEMO_REF, demo_gguf_path
 
-NGRAM_N = 3  # the harness's n-gram drafter looks up to 3-grams; llama.cpp's ngram-simple defaults to 12
+NGRAM_N = NGRAM_WINDOW[1]  # the harness's n-gram drafter's longest n; llama.cpp's ngram-simple defaults to 12
 
 
 def target_gguf(ref: str | os.PathLike) -> Path:

@@ -27,12 +27,12 @@ from prometheus_client import (
 from specdistill.data.record import Record
 from specdistill.engines.prom import Scrape, parse_spec_decode_counters, scrape
 from specdistill.env import mask_url
+from specdistill.speculative.specs import serving_modes
 
 __all__ = ["LiveSample", "Scrape", "SpecDecodeMetrics", "acceptance_between", "parse_spec_decode_counters",
            "sample_live_acceptance", "scrape"]
 
 PREFIX = "specdistill"
-MODES = ("draft", "ngram", "suffix", "self_speculation", "off")
 
 
 class SpecDecodeMetrics:
@@ -96,9 +96,10 @@ class SpecDecodeMetrics:
                 self._set(self.first_position_acceptance, accepted_per_position[0] / rounds)
 
     def set_serving(self, mode: str, *, target_fingerprint: str | None = None, draft_version: str | None = None) -> None:
-        if mode not in MODES:
-            raise ValueError(f"serving mode {mode!r} is not one of {MODES}")
-        for m in MODES:
+        modes = serving_modes()  # one per servable drafter kind, and off
+        if mode not in modes:
+            raise ValueError(f"serving mode {mode!r} is not one of {modes}")
+        for m in modes:
             self.serving_mode.labels(mode=m).set(1 if m == mode else 0)
         if target_fingerprint:
             self.target_version.clear()

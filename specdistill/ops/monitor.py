@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from specdistill.acceptance import DEFAULT_GAMMA
+from specdistill.acceptance import DEFAULT_GAMMA, NGRAM_WINDOW
 from specdistill.data.prompts import MAX_PROMPT_TOKENS, Prompt, usable_prompt
 from specdistill.data.record import Record
 from specdistill.modeling.models import LoadedModel, shared_model
@@ -44,7 +44,7 @@ from specdistill.speculative import (
 )
 from specdistill.speculative.bench import BenchConfig, run_bench_many
 from specdistill.speculative.eagle import aligned_eagle_drafter
-from specdistill.speculative.specs import DrafterSpec
+from specdistill.speculative.specs import SELF_SPEC, DrafterSpec
 from specdistill.speculative.suffix_corpus import corpus_is_current
 
 
@@ -292,7 +292,7 @@ def choose_fallback(
     min_tokens: int = 64,
     repeats: int = 3,
     margin: float = DEFAULT_MARGIN,
-    ngram: tuple[int, int] = (2, 4),
+    ngram: tuple[int, int] = NGRAM_WINDOW,
     suffix_corpus: str | os.PathLike | None = None,
     min_prompts: int = MIN_PROMPTS,
     progress: bool = True,
@@ -311,19 +311,19 @@ def choose_fallback(
         raise ValueError(f"exit layers {bad} outside 1..{n_layers - 1}")
     config = BenchConfig(gamma=gamma, max_new_tokens=max_new_tokens, repeats=repeats, measure_cost=False)
     layers = list(dict.fromkeys(exit_layers))
-    modes = [("self_speculation", k) for k in layers] + [("ngram", None)]
-    specs = {f"self_speculation@{k}": f"self_spec:{k}" for k in layers}
-    specs["ngram"] = f"ngram:{ngram[0]},{ngram[1]}"
+    specs = {f"{SELF_SPEC}@{k}": DrafterSpec(SELF_SPEC, str(k)) for k in layers}
+    specs["ngram"] = DrafterSpec("ngram", f"{ngram[0]},{ngram[1]}")
     current, stale = corpus_is_current(suffix_corpus, target.fingerprint, target.tokenizer_digest) if suffix_corpus else (False, "")
-    modes, specs = (modes + [("suffix", None)], {**specs, "suffix": f"suffix:{suffix_corpus}"}) if current else (modes, specs)
+    if current:
+        specs["suffix"] = DrafterSpec("suffix", str(suffix_corpus))
     drafters = {name: drafter_from_spec(target.model, spec, target_fingerprint=target.fingerprint,
                                         target_tokenizer=target.tokenizer_digest)
                 for name, spec in specs.items()}
     results = run_bench_many(target.model, target.tokenizer, drafters, list(prompts), config, progress=progress)
     candidates = []
-    for (mode, k), result in zip(modes, results.values()):
+    for spec, result in zip(specs.values(), results.values()):
         candidates.append(FallbackCandidate(
-            mode, k, result.speedup, result.acceptance_rate, result.accepted_length,
+            spec.mode, spec.exit_layer, result.speedup, result.acceptance_rate, result.accepted_length,
             result.tokens_per_second_speculative, result.tokens_per_second_target_only,
             int(result.stats["generated_tokens"]), result.lossless, list(result.prompt_speedups)))
     generated = min(c.generated_tokens for c in candidates)
@@ -335,7 +335,7 @@ def choose_fallback(
                                      prompt_speedups=c.prompt_speedups, accepted_length=c.accepted_length)
                            for name, c in zip(specs, candidates)], margin, min_prompts=min_prompts)
     reason, corpus = choice.reason + (f"; suffix drafter not measured: {stale}" if stale else ""), specs.get("suffix")
-    corpus = corpus and DrafterSpec.parse(corpus).corpus
+    corpus = corpus and corpus.corpus
     if choice.candidate is None:
         return FallbackDecision(True, "off", None, 1.0, reason, candidates, margin, generated, corpus)
     best = choice.candidate

@@ -18,8 +18,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError, model_validator
 
 from specdistill import paths
+from specdistill.acceptance import NGRAM_WINDOW
+from specdistill.speculative.specs import serving_modes
 
-MODES = ("draft", "ngram", "suffix", "self_speculation", "off")
 DRAFT_KINDS = ("layers", "eagle3")  # a plain HF draft checkpoint, or an EAGLE-3 head over the target's features
 SERVING_FILE = "serving.json"
 # The one exception to "traffic and answers are the owner's only" (see specdistill.paths): what a serving
@@ -57,15 +58,17 @@ class ServingConfig(BaseModel):
 
     model_config = ConfigDict(extra="allow", validate_assignment=True, allow_inf_nan=False)
 
-    mode: Literal["draft", "ngram", "suffix", "self_speculation", "off"]
+    mode: StrictStr  # one of `speculative.specs.serving_modes()`: a servable drafter kind's, or off (checked first)
     num_speculative_tokens: StrictInt = Field(4, ge=0)  # at least 1 unless mode off (checked below)
     draft_dir: StrictStr | None = None  # draft mode, and self-speculation exported as an early-exit draft
     draft_version: StrictStr | None = None
     draft_kind: Literal["layers", "eagle3"] = "layers"  # layers (vLLM draft_model, SGLang STANDALONE) or eagle3
     target_fingerprint: StrictStr | None = None
     exit_layer: StrictInt | None = Field(None, ge=1)  # self-speculation: the target's layers 0..exit_layer-1
-    prompt_lookup_min: StrictInt = Field(2, ge=1)
-    prompt_lookup_max: StrictInt = Field(4, ge=1)
+    # ngram mode: the window that was measured (unset: `acceptance.NGRAM_WINDOW`, what plain `ngram` measures);
+    # other modes carry none
+    prompt_lookup_min: StrictInt | None = Field(None, ge=1)
+    prompt_lookup_max: StrictInt | None = Field(None, ge=1)
     # suffix mode: the corpus of the target's past answers (ours, token ids) and its SGLang export (JSONL of
     # answer texts); SuffixDecoding's knobs under vLLM's names (suffix_decoding_*) and vLLM's ranges
     suffix_corpus: StrictStr | None = None
@@ -94,10 +97,12 @@ class ServingConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _mode_first(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "mode" in data and data["mode"] not in MODES:
-            raise ValueError(f"serving mode {data['mode']!r} is not one of {MODES}")
+        if isinstance(data, dict) and "mode" in data and data["mode"] not in (modes := serving_modes()):
+            raise ValueError(f"serving mode {data['mode']!r} is not one of {modes}")
         if isinstance(data, dict) and "draft_kind" in data and data["draft_kind"] not in DRAFT_KINDS:
             raise ValueError(f"draft kind {data['draft_kind']!r} is not one of {DRAFT_KINDS}")
+        if isinstance(data, dict) and data.get("mode") == "ngram":
+            data = {"prompt_lookup_min": NGRAM_WINDOW[0], "prompt_lookup_max": NGRAM_WINDOW[1], **data}
         return data
 
     @model_validator(mode="after")
@@ -112,7 +117,8 @@ class ServingConfig(BaseModel):
             raise ValueError("num_speculative_tokens must be at least 1")
         if self.tree_width < 1 or (self.tree_width > 1 and self.draft_kind != "eagle3"):
             raise ValueError(f"tree_width {self.tree_width}: a tree of first-position candidates needs an EAGLE-3 head")
-        if self.prompt_lookup_min < 1 or self.prompt_lookup_max < self.prompt_lookup_min:
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is not None and hi is not None and hi < lo:
             raise ValueError(f"prompt lookup window {self.prompt_lookup_min}..{self.prompt_lookup_max} is empty")
         return self
 
@@ -185,7 +191,8 @@ class ServingConfig(BaseModel):
         return {"args": list(self.llamacpp_args), "command": shlex.join(["llama-server", *self.llamacpp_args, "--metrics"])}
 
     def to_dict(self) -> dict:
-        out = {**self.model_dump(), "vllm": {"speculative_config": self.vllm()}, "sglang": self.sglang()}
+        dumped = {k: v for k, v in self.model_dump().items() if not (k.startswith("prompt_lookup_") and v is None)}
+        out = {**dumped, "vllm": {"speculative_config": self.vllm()}, "sglang": self.sglang()}
         if self.llamacpp() is not None:
             out["llamacpp"] = self.llamacpp()
         return out

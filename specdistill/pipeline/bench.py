@@ -13,7 +13,7 @@ from specdistill.pipeline.budget import stage_deadline
 from specdistill.pipeline.config import NightlyConfig
 from specdistill.pipeline.nightly import target_tokenizer
 from specdistill.pipeline.outputs import Trained, WarmStart, Window
-from specdistill.speculative.specs import DrafterSpec
+from specdistill.speculative.specs import SELF_SPEC, DrafterSpec
 
 
 def measured_drafters(config: NightlyConfig, trained: Trained, warm_start: WarmStart | None,
@@ -28,7 +28,7 @@ def measured_drafters(config: NightlyConfig, trained: Trained, warm_start: WarmS
     if generic:
         drafters[Role.GENERIC.value] = str(DrafterSpec("draft", generic.draft_dir))
     for layer in config.bench.self_spec_layers:
-        drafters[f"self-spec@{layer}"] = str(DrafterSpec("self_spec", str(layer)))
+        drafters[f"self-spec@{layer}"] = str(DrafterSpec(SELF_SPEC, str(layer)))
     if config.bench.ngram:
         drafters["ngram"] = str(DrafterSpec("ngram"))
     if suffix_corpus:
@@ -51,7 +51,7 @@ def benchmark(config: NightlyConfig, window: Window, drafters: dict[str, str],
     """Every drafter on the same held-out prompts, sharing one interleaved target-only run per prompt,
     then (`serving.choose_gamma`) each at the γ its curve predicts best, confirmed by a second run.
 
-    A drafter spec is what `speculative.drafter_from_spec` reads (`draft:DIR`, `self_spec:K`, `ngram`,
+    A drafter spec is what `speculative.drafter_from_spec` reads (`draft:DIR`, `self-spec:K`, `ngram`,
     `suffix:CORPUS`, `hybrid:DIR,CORPUS`; a corpus is checked against the target's fingerprint);
     results are keyed by the given name and carry the spec they ran (`BenchResult.spec`).
     """

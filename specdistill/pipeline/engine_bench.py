@@ -16,7 +16,7 @@ from pathlib import Path
 
 from specdistill.acceptance import DEFAULT_GAMMA
 from specdistill.data.results import BenchResult
-from specdistill.ops.policy import NOT_SERVED_MODES, Role
+from specdistill.ops.policy import Role
 from specdistill.pipeline.config import NightlyConfig
 from specdistill.pipeline.outputs import Window
 from specdistill.speculative.specs import DrafterSpec
@@ -24,7 +24,7 @@ from specdistill.speculative.specs import DrafterSpec
 
 def mode_for_spec(spec: str | DrafterSpec, target: Path, k: int = DEFAULT_GAMMA):
     """The llama-server mode of a drafter spec (`draft:REF|GGUF` or `ngram`): the draft's GGUF mode, or
-    n-gram lookup of the spec's longest n (plain `ngram`: the harness's 1..3-grams); self-speculation
+    n-gram lookup of the spec's longest n (plain `ngram`: `acceptance.NGRAM_WINDOW`); self-speculation
     reaches llama.cpp as its exported early-exit draft, i.e. as `draft:DIR` (`llamacpp_spec`). A draft
     reference other than a GGUF file (`models:/NAME@ALIAS` included) is resolved to its directory first."""
     from specdistill.engines.llamacpp import draft_mode, ngram_mode
@@ -72,12 +72,10 @@ def engine_benchmark(config: NightlyConfig, window: Window, drafters: dict[str, 
     deadline = stage_deadline(config, "engine benchmark", deadline_at)
     prompts = engine_prompts(window)
     bcfg = b.engine_bench_config()
-    # no engine runs our draft beside the suffix drafter (NOT_SERVED_MODES)
-    servable = {name: spec for name, spec in drafters.items()
-                if Role.served(name) and DrafterSpec.parse(spec).mode not in NOT_SERVED_MODES}
+    servable = {name: spec for name, spec in drafters.items() if Role.served(name) and DrafterSpec.parse(spec).served}
     if s.engine == "llamacpp":
         # llama.cpp's lookup cache is its own file format (docs/serving.md): the suffix drafter is not measured there
-        servable = {name: spec for name, spec in servable.items() if DrafterSpec.parse(spec).kind != "suffix"}
+        servable = {name: spec for name, spec in servable.items() if DrafterSpec.parse(spec).runs_in_llamacpp}
         from specdistill.engines.llamacpp import bench_llamacpp, target_gguf
 
         gguf = target_gguf(config.target)

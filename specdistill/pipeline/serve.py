@@ -126,8 +126,9 @@ def choose_serving(config: NightlyConfig, window: Window, results: dict[str, Ben
 
 def serving_config(decision: ServingDecision, target: TargetInfo, registered_version: str | None = None,
                    registered_dir: str | None = None, champion: Champion | None = None):
-    """The serving config for a decision: the draft's directory, or the exported early-exit draft
-    for self-speculation, or the n-gram sizes that were measured."""
+    """The serving config for a decision: its drafter's serving keys (`DrafterSpec.serving_keys`: the n-gram
+    window measured, the exit layer, the corpus), with the draft's directory, or the exported early-exit
+    draft for self-speculation."""
     from specdistill.modeling.drafts import early_exit_dir, export_early_exit_draft
     from specdistill.modeling.models import shared_model
     from specdistill.ops.serving import ServingConfig
@@ -137,8 +138,11 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
                   reason=f"nightly: {d.reason}" + (f"; {d.gamma_note}" if d.gamma_note else ""),
                   measured=d.measured, measured_on=d.measured_on, engine=d.engine, llamacpp_args=d.llamacpp_args,
                   hardware=target.hardware)
-    spec, mode = DrafterSpec.parse(d.spec) if d.spec else None, d.mode
-    if mode == "draft":
+    if d.mode == "off" or not d.spec:
+        return ServingConfig(**common)
+    spec = DrafterSpec.parse(d.spec)
+    common = {**spec.serving_keys(), **common}  # the decision names the mode
+    if spec.path:
         from specdistill.modeling.eagle3_io import is_eagle3_dir
 
         local = spec.path
@@ -149,24 +153,16 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
                                  tree_width=tree, **common)
         return ServingConfig(draft_dir=local, draft_version=champion.version if champion else None, draft_kind=kind,
                              tree_width=tree, **common)
-    if mode == "self_speculation":
+    if spec.exit_layer is not None:
         k = spec.exit_layer
         loaded = shared_model(target.path, dtype=target.dtype)  # the dtype the mode was measured in (a copy: on the CPU)
         out = export_early_exit_draft(loaded, k, early_exit_dir(target.fingerprint, k))
-        return ServingConfig(draft_dir=str(out), exit_layer=k, **common)
-    if mode == "suffix":
+        return ServingConfig(draft_dir=str(out), **common)
+    if spec.corpus:  # and for SGLang, the corpus as answer texts with its size
         from specdistill.pipeline.corpus import sglang_corpus_path
-        from specdistill.speculative.suffix import SuffixParams
         from specdistill.speculative.suffix_corpus import read_corpus_meta
 
-        corpus = DrafterSpec.parse(spec).corpus
-        sglang = sglang_corpus_path(corpus)
-        p = SuffixParams()  # the drafter was measured with these
-        return ServingConfig(suffix_corpus=corpus, suffix_corpus_tokens=read_corpus_meta(corpus).tokens,
-                             suffix_corpus_sglang=str(sglang) if sglang.is_file() else None,
-                             suffix_max_tree_depth=p.max_depth, suffix_max_spec_factor=p.max_spec_factor,
-                             suffix_min_token_prob=p.min_token_prob, **common)
-    if mode == "ngram":
-        lo, hi = spec.ngram_sizes
-        return ServingConfig(prompt_lookup_min=lo, prompt_lookup_max=hi, **common)
+        sglang = sglang_corpus_path(spec.corpus)
+        common.update(suffix_corpus_tokens=read_corpus_meta(spec.corpus).tokens,
+                      suffix_corpus_sglang=str(sglang) if sglang.is_file() else None)
     return ServingConfig(**common)

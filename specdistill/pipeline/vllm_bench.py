@@ -1,8 +1,8 @@
 """Stage (serving.engine vllm): each servable mode measured in a real vLLM, started from the very
 `speculative_config` block `serving.json` would carry for it.
 
-The mode's serving config is built the way `serve.serving_config` builds the one it writes (the
-draft's directory and kind, self-speculation's exported early-exit draft, the measured n-gram sizes),
+The mode's serving config is built as `serve.serving_config` builds the one it writes (the drafter's
+serving keys from its kind, the draft's directory and kind, self-speculation's exported early-exit draft),
 and its `vllm()` block is what vLLM is started with. A mode vLLM refuses gets an entry that cannot be
 served (not lossless, speedup 0) carrying vLLM's own error, so the serving choice skips it and says why.
 """
@@ -14,42 +14,35 @@ from dataclasses import replace
 from specdistill.budget import Deadline
 from specdistill.data.results import BenchResult
 from specdistill.pipeline.config import NightlyConfig
+from specdistill.speculative.specs import DrafterSpec
 
 
-def mode_serving_config(spec: str, gamma: int, target_ref: str):
-    """The serving config `serving.json` would carry for a drafter spec (`draft:REF`, `self_spec:K`, `ngram...`).
-    A draft reference (`models:/NAME@ALIAS` included) is resolved, and a registered one verified, here:
-    vLLM is handed a local HF directory, never a reference it cannot read."""
+def mode_serving_config(spec: str | DrafterSpec, gamma: int, target_ref: str):
+    """The serving config `serving.json` would carry for a drafter spec (`draft:REF`, `self-spec:K`, `ngram...`):
+    its serving keys (`DrafterSpec.serving_keys`), with a draft directory. A draft reference
+    (`models:/NAME@ALIAS` included) is resolved, and a registered one verified, here: vLLM is handed a local
+    HF directory, never a reference it cannot read. A suffix corpus is ours only (vLLM's suffix trees fill
+    from served requests: docs/serving.md)."""
     from specdistill.ops.serving import ServingConfig
-    from specdistill.speculative.specs import DrafterSpec
 
     parsed = DrafterSpec.parse(spec)
+    if not parsed.served:
+        raise ValueError(f"drafter {str(parsed)!r} has no vLLM mode: no serving engine runs a {parsed.kind} drafter")
+    keys = dict(parsed.serving_keys(), num_speculative_tokens=gamma)
     if parsed.path:
         from specdistill.modeling.eagle3_io import is_eagle3_dir
         from specdistill.modeling.models import resolve_model_dir
 
         draft_dir = resolve_model_dir(parsed.path)
-        return ServingConfig(mode="draft", draft_dir=str(draft_dir), num_speculative_tokens=gamma,
-                             draft_kind="eagle3" if is_eagle3_dir(draft_dir) else "layers")
+        return ServingConfig(draft_dir=str(draft_dir), draft_kind="eagle3" if is_eagle3_dir(draft_dir) else "layers",
+                             **keys)
     if parsed.exit_layer is not None:
         from specdistill.modeling.drafts import export_early_exit_draft
         from specdistill.modeling.models import load_model
 
         target = load_model(target_ref, dtype="float32")  # a weight copy for vLLM to load
-        out = export_early_exit_draft(target, parsed.exit_layer)
-        return ServingConfig(mode="self_speculation", draft_dir=str(out), exit_layer=parsed.exit_layer,
-                             num_speculative_tokens=gamma)
-    if parsed.ngram_sizes:
-        lo, hi = parsed.ngram_sizes
-        return ServingConfig(mode="ngram", num_speculative_tokens=gamma, prompt_lookup_min=lo, prompt_lookup_max=hi)
-    if parsed.kind == "suffix":  # vLLM's own suffix trees (our corpus cannot seed them: docs/serving.md)
-        from specdistill.speculative.suffix import SuffixParams
-
-        p = SuffixParams()
-        return ServingConfig(mode="suffix", num_speculative_tokens=gamma, suffix_corpus=parsed.corpus,
-                             suffix_max_tree_depth=p.max_depth, suffix_max_spec_factor=p.max_spec_factor,
-                             suffix_min_token_prob=p.min_token_prob)
-    raise ValueError(f"drafter {spec!r} has no vLLM mode (draft:DIR, self_spec:K, ngram or suffix:CORPUS)")
+        return ServingConfig(draft_dir=str(export_early_exit_draft(target, parsed.exit_layer)), **keys)
+    return ServingConfig(**keys)
 
 
 def refused_entry(name: str, spec: str, cause: str, gamma: int, dtype: str) -> BenchResult:

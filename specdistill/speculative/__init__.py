@@ -5,24 +5,29 @@
     result.output_ids, result.stats.acceptance_rate, result.stats.accepted_length
 """
 
-from specdistill.speculative.drafters import (
-    Drafter,
-    ModelDrafter,
-    NgramDrafter,
-    SelfSpecDrafter,
-    early_exit_model,
-    make_drafter,
-)
-from specdistill.speculative.eagle import EagleDrafter
-from specdistill.speculative.engine import (
-    GenerationResult,
-    SpecStats,
-    context_length,
-    default_stop_ids,
-    generate,
-)
-from specdistill.speculative.sampling import SamplingConfig, probs_from_logits, verify
-from specdistill.speculative.specs import DrafterSpec, drafter_from_spec
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# name -> its module. Loaded on first use (PEP 562), so that the drafter specs (`specs`: kinds, serving
+# modes) are read by `serving show` and the metrics without importing torch.
+_HOMES = {
+    "Drafter": "drafters", "ModelDrafter": "drafters", "NgramDrafter": "drafters", "SelfSpecDrafter": "drafters",
+    "early_exit_model": "drafters", "make_drafter": "drafters",
+    "EagleDrafter": "eagle",
+    "GenerationResult": "engine", "SpecStats": "engine", "context_length": "engine", "default_stop_ids": "engine",
+    "generate": "engine",
+    "SamplingConfig": "sampling", "probs_from_logits": "sampling", "verify": "sampling",
+    "DrafterSpec": "specs", "drafter_from_spec": "specs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+
 
 __all__ = [
     "Drafter",

@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from specdistill.acceptance import NGRAM_WINDOW
 from specdistill.modeling.lean import engine_forward
 from specdistill.modeling.vocab import DraftVocab, VocabAlignmentError
 from specdistill.speculative.sampling import SamplingConfig, draft_token
@@ -199,7 +200,7 @@ class NgramDrafter(Drafter):
     prompt or output, longest n first from `max_n` down to `min_n`, and propose what followed the
     earliest occurrence. Deterministic, so q is one-hot (returned as None)."""
 
-    def __init__(self, min_n: int = 1, max_n: int = 3):
+    def __init__(self, min_n: int = NGRAM_WINDOW[0], max_n: int = NGRAM_WINDOW[1]):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
@@ -228,8 +229,8 @@ def make_drafter(
     draft: str | None = None,
     self_spec: int | None = None,
     ngram: bool = False,
-    ngram_min: int = 1,
-    ngram_max: int = 3,
+    ngram_min: int = NGRAM_WINDOW[0],
+    ngram_max: int = NGRAM_WINDOW[1],
     tree_width: int = 1,
     suffix: str | None = None,
     target_fingerprint: str | None = None,

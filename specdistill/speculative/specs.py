@@ -1,8 +1,8 @@
-"""Drafter specs: the one parser of the strings that name a drafting method (`draft:DIR`, `self_spec:K`,
-`ngram`, `ngram:MIN,MAX`, `suffix:CORPUS`, `hybrid:DIR,CORPUS[,THRESHOLD]`), and the one place a new kind
-of drafter is added.
+"""Drafter specs: the one parser of the strings that name a drafting method (`draft:DIR`, `self-spec:K`,
+`ngram`, `ngram:MIN,MAX`, `suffix:CORPUS`, `hybrid:DIR,CORPUS[,THRESHOLD]`), and the one registry of the
+kinds of drafter (`KINDS`): the serving modes, and which of them may be served, are read from it.
 
-    spec = DrafterSpec.parse("self_spec:8")      # kind "self_spec", exit_layer 8, serving mode "self_speculation"
+    spec = DrafterSpec.parse("self-spec:8")      # kind "self-spec", exit_layer 8, serving mode "self_speculation"
     drafter = drafter_from_spec(target, spec.with_(tree_width=4))
 
 A spec's text is what the nightly's benchmark entries, the monitor's fallback and the reports carry
@@ -10,18 +10,30 @@ A spec's text is what the nightly's benchmark entries, the monitor's fallback an
 the tree width are not in the text: they are measured settings a spec is run with (`with_`).
 
 A new kind registers a `Kind` in `KINDS` (`register_kind`): how its argument is checked, the serving
-mode it is written as, and how its drafter is built.
+mode it is written as (`serving_modes()`, what serving.json and the serving-mode gauge accept), whether an
+engine may serve it (and llama.cpp measure it), the serving.json keys its text decides (from which
+`ops.serving.ServingConfig` writes vLLM's and SGLang's settings), and how its drafter is built.
+
+Self-speculation is `self-spec` everywhere a drafter is named (specs `self-spec:K`, results `self-spec@K`,
+the CLI's `--self-spec K`); `self_spec:K`, the spelling of records written before, is still read. Its
+serving mode keeps the name serving.json and the `specdistill_serving_mode{mode}` gauge have always
+carried, `self_speculation`.
+
+Torch-free at import (drafters are built on first use), so `serving show` and the metrics read the modes fast.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from transformers import PreTrainedModel
+from specdistill.acceptance import NGRAM_WINDOW
 
-from specdistill.speculative.drafters import Drafter, make_drafter
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from specdistill.speculative.drafters import Drafter
 
 
 class DrafterSpecError(ValueError):
@@ -36,6 +48,12 @@ class Kind:
     check: Callable[[str], bool]  # is this argument (after "kind:", "" when there is none) valid?
     # (target, spec, the target's identity: what a corpus is checked against) -> the drafter
     build: Callable[[PreTrainedModel, DrafterSpec, TargetKey], Drafter]
+    served: bool = True  # False: measured, never written to serving.json (no engine runs it)
+    # the serving.json keys the spec's text decides (a window, an exit layer, a corpus); a draft directory is
+    # the writer's to give (a registered copy, an exported early-exit draft)
+    serving: Callable[[DrafterSpec], dict[str, Any]] = lambda spec: {}
+    llamacpp: bool = True  # llama-server runs it (its lookup cache is its own format: no suffix corpus)
+    aliases: tuple[str, ...] = ()  # older spellings of the name, read from records written before
 
 
 class TargetKey(NamedTuple):
@@ -47,13 +65,21 @@ class TargetKey(NamedTuple):
 
 
 KINDS: dict[str, Kind] = {}
+_ALIASES: dict[str, str] = {}
+OFF = "off"  # the serving mode without speculation
 
 
 def register_kind(kind: Kind) -> Kind:
-    if kind.name in KINDS:
-        raise ValueError(f"drafter kind {kind.name!r} is already registered")
+    if kind.name in KINDS or kind.name in _ALIASES or any(a in KINDS or a in _ALIASES for a in kind.aliases):
+        raise ValueError(f"drafter kind {kind.name!r} (or one of its aliases) is already registered")
     KINDS[kind.name] = kind
+    _ALIASES.update(dict.fromkeys(kind.aliases, kind.name))
     return kind
+
+
+def serving_modes() -> tuple[str, ...]:
+    """The modes serving.json may name: each servable kind's, then `off`."""
+    return (*dict.fromkeys(k.mode for k in KINDS.values() if k.served), OFF)
 
 
 def usage() -> str:
@@ -70,11 +96,15 @@ class DrafterSpec:
     gamma: int | None = None
     tree_width: int = 1
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", _ALIASES.get(self.kind, self.kind))  # one spelling inside
+
     @classmethod
     def parse(cls, text: str | DrafterSpec) -> DrafterSpec:
         if isinstance(text, DrafterSpec):
             return text
         kind, sep, arg = str(text).partition(":")
+        kind = _ALIASES.get(kind, kind)
         known = KINDS.get(kind)
         if known is None or (sep and not arg) or not known.check(arg):
             raise DrafterSpecError(f"unknown drafter spec {text!r} ({usage()})")
@@ -92,6 +122,20 @@ class DrafterSpec:
         return KINDS[self.kind].mode
 
     @property
+    def served(self) -> bool:
+        """May a serving engine run it (else it is measured only)."""
+        return KINDS[self.kind].served
+
+    @property
+    def runs_in_llamacpp(self) -> bool:
+        """Can llama-server run it (its lookup cache is its own format, so no suffix corpus)."""
+        return KINDS[self.kind].llamacpp
+
+    def serving_keys(self) -> dict[str, Any]:
+        """Its serving.json keys: the mode and what the spec's text decides (no draft directory)."""
+        return {"mode": self.mode, **KINDS[self.kind].serving(self)}
+
+    @property
     def path(self) -> str | None:
         """A draft's checkpoint or EAGLE-3 head (kind draft, and the model half of a hybrid)."""
         if self.kind == "hybrid":
@@ -107,15 +151,15 @@ class DrafterSpec:
 
     @property
     def exit_layer(self) -> int | None:
-        return int(self.arg) if self.kind == "self_spec" else None
+        return int(self.arg) if self.kind == SELF_SPEC else None
 
     @property
     def ngram_sizes(self) -> tuple[int, int] | None:
-        """(min n, max n) of prompt lookup; plain `ngram` matches 1..3-grams."""
+        """(min n, max n) of prompt lookup; plain `ngram`: `acceptance.NGRAM_WINDOW`."""
         if self.kind != "ngram":
             return None
         if not self.arg:
-            return (1, 3)
+            return NGRAM_WINDOW
         lo, hi = (int(s) for s in self.arg.split(","))
         return (lo, hi)
 
@@ -148,22 +192,43 @@ def _sizes_ok(arg: str) -> bool:
     return not arg or (len(sizes) == 2 and all(s.isdigit() for s in sizes))
 
 
+def _suffix_serving(spec: DrafterSpec) -> dict[str, Any]:
+    """The corpus and the SuffixDecoding knobs the drafter is measured with, under serving.json's names."""
+    from specdistill.speculative.suffix import SuffixParams  # keeps torch off `serving show`
+
+    p = SuffixParams()
+    return {"suffix_corpus": spec.corpus, "suffix_max_tree_depth": p.max_depth,
+            "suffix_max_spec_factor": p.max_spec_factor, "suffix_min_token_prob": p.min_token_prob}
+
+
+def _make_drafter(target: PreTrainedModel, **options: Any) -> Drafter | None:
+    """`drafters.make_drafter`, imported when a drafter is first built."""
+    from specdistill.speculative.drafters import make_drafter  # keeps torch off `serving show`
+
+    return make_drafter(target, **options)
+
+
+SELF_SPEC = "self-spec"
 register_kind(Kind("draft", "draft", "draft:DIR", lambda arg: bool(arg),
-                   lambda target, s, key: make_drafter(target, draft=s.arg, tree_width=s.tree_width)))
-register_kind(Kind("self_spec", "self_speculation", "self_spec:K", str.isdigit,
-                   lambda target, s, key: make_drafter(target, self_spec=s.exit_layer, tree_width=s.tree_width)))
+                   lambda target, s, key: _make_drafter(target, draft=s.arg, tree_width=s.tree_width)))
+register_kind(Kind(SELF_SPEC, "self_speculation", "self-spec:K", str.isdigit,
+                   lambda target, s, key: _make_drafter(target, self_spec=s.exit_layer, tree_width=s.tree_width),
+                   serving=lambda s: {"exit_layer": s.exit_layer}, aliases=("self_spec",)))
 register_kind(Kind("ngram", "ngram", "ngram or ngram:MIN,MAX", _sizes_ok,
-                   lambda target, s, key: make_drafter(target, ngram=True, ngram_min=s.ngram_sizes[0],
-                                                      ngram_max=s.ngram_sizes[1])))
+                   lambda target, s, key: _make_drafter(target, ngram=True, ngram_min=s.ngram_sizes[0],
+                                                      ngram_max=s.ngram_sizes[1]),
+                   serving=lambda s: {"prompt_lookup_min": s.ngram_sizes[0], "prompt_lookup_max": s.ngram_sizes[1]}))
 register_kind(Kind("suffix", "suffix", "suffix:CORPUS", lambda arg: bool(arg),
-                   lambda target, s, key: make_drafter(target, suffix=s.arg, tree_width=s.tree_width,
+                   lambda target, s, key: _make_drafter(target, suffix=s.arg, tree_width=s.tree_width,
                                                        target_fingerprint=key.fingerprint,
-                                                       target_tokenizer=key.tokenizer)))
+                                                       target_tokenizer=key.tokenizer),
+                   serving=_suffix_serving, llamacpp=False))
 # measured, never served: no serving engine runs our distilled draft with the suffix drafter beside it
 register_kind(Kind("hybrid", "hybrid", "hybrid:DIR,CORPUS[,THRESHOLD]", _hybrid_ok,
-                   lambda target, s, key: make_drafter(target, draft=s.path, suffix=s.corpus, tree_width=s.tree_width,
+                   lambda target, s, key: _make_drafter(target, draft=s.path, suffix=s.corpus, tree_width=s.tree_width,
                                                        target_fingerprint=key.fingerprint, target_tokenizer=key.tokenizer,
-                                                       hybrid_threshold=hybrid_parts(s.arg)[2])))
+                                                       hybrid_threshold=hybrid_parts(s.arg)[2]),
+                   served=False))
 
 
 def drafter_from_spec(target: PreTrainedModel, spec: str | DrafterSpec, tree_width: int | None = None,

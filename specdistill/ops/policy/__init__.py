@@ -27,7 +27,6 @@ from specdistill.ops.policy.gate import PROFILES, Check, GateConfig, GateVerdict
 from specdistill.ops.policy.monitor import decide, judge_acceptance
 from specdistill.ops.policy.serving import (
     MIN_PROMPTS,
-    NOT_SERVED_MODES,
     PLAUSIBLE_FACTOR,
     Candidate,
     ServingChoice,
@@ -47,7 +46,6 @@ __all__ = [
     "GateVerdict",
     "MAX_RELATIVE_DROP",
     "MIN_PROMPTS",
-    "NOT_SERVED_MODES",
     "PLAUSIBLE_FACTOR",
     "PROFILES",
     "RED_LINE",

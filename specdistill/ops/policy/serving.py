@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from specdistill.data.results import BenchResult
 from specdistill.ops.policy.common import CONFIDENCE, DEFAULT_MARGIN, RESAMPLES, Role
 from specdistill.ops.policy.gate import GateVerdict
+from specdistill.speculative.specs import DrafterSpec
 
 MIN_PROMPTS = 5  # per-prompt speeds from fewer prompts bound nothing: a benchmark the deadline cut is not served
 PLAUSIBLE_FACTOR = 1.25  # a speedup above this times τ comes from a disturbed baseline, not from speculation
@@ -122,17 +123,13 @@ def fastest_mode(candidates: Sequence[Candidate], margin: float = DEFAULT_MARGIN
                          margin, speedups, bounds, confidence)
 
 
-NOT_SERVED_MODES = ("hybrid",)  # measured, never served: no serving engine runs our draft beside the suffix drafter
-
-
 def servable(results: Mapping[str, BenchResult], promote: bool) -> dict[str, BenchResult]:
     """The measured entries that may be served: the challenger only when the gate promotes it (then the
     old champion is superseded), the champion otherwise, and every draft-free mode; never a baseline,
-    never a mode no serving engine runs (`NOT_SERVED_MODES`)."""
-    from specdistill.speculative.specs import DrafterSpec
+    never a kind no serving engine runs (`Kind.served`: hybrid)."""
     superseded = Role.CHAMPION if promote else Role.CHALLENGER
     return {name: r for name, r in results.items() if Role.served(name) and name != superseded
-            and not (r.spec and DrafterSpec.parse(r.spec).mode in NOT_SERVED_MODES)}
+            and (not r.spec or DrafterSpec.parse(r.spec).served)}
 
 
 def unserved_faster_challenger(results: Mapping[str, BenchResult], verdict: GateVerdict, served_speedup: float) -> str:
