@@ -138,9 +138,9 @@ def _head_features(config: NightlyConfig, target: LoadedModel) -> tuple[list[int
 
 def probe_harness(config: NightlyConfig, target: LoadedModel, prompts: list[Prompt]) -> EngineSpeed:
     """The harness answering one batch as the stage does (teacher, and features for a head), after a warm-up."""
-    from specdistill.distill.datagen import generate_answers
     from specdistill.distill.features import FeatureCache
     from specdistill.modeling.models import dtype_name
+    from specdistill.pipeline.answers.harness import generate_answers
 
     g, head = config.generation, _head_features(config, target)
     with tempfile.TemporaryDirectory(prefix="answer-probe-") as tmp:
@@ -162,11 +162,11 @@ def probe_llamacpp(config: NightlyConfig, target: LoadedModel, prompts: list[Pro
     """llama-server answering the same prompts over its slots (started here, not timed: once per night), then,
     for a head, the harness's feature pass over its answers, batched as the trainer runs it."""
     from specdistill.data.prompts import encode_chat
-    from specdistill.distill.datagen import encode_generated
+    from specdistill.distill.examples import encode_generated
     from specdistill.distill.features import build_feature_cache
     from specdistill.engines.build import cached
     from specdistill.engines.llamacpp import gguf_dtype, target_server
-    from specdistill.pipeline.engine_answers import complete_ids, connect, generate_answers_openai
+    from specdistill.pipeline.answers.engine_client import complete_ids, connect, generate_answers_openai
 
     g, head = config.generation, _head_features(config, target)
     ctx_per_slot = config.window.max_prompt_tokens + g.max_new_tokens + 1

@@ -41,7 +41,7 @@ def generate_responses(config: NightlyConfig, window: Window, split: str, *, rec
     prompts = [Prompt(id=p.id, messages=p.messages) for p in window.split(split)]
     engine = None
     if config.generation.backend == "auto":  # measured once per target and machine, on the train prompts
-        from specdistill.pipeline.answer_engine import choose_answer_engine
+        from specdistill.pipeline.answers.choose_engine import choose_answer_engine
 
         engine = choose_answer_engine(config, target, [Prompt(id=p.id, messages=p.messages) for p in window.train])
         config = engine.apply(config)
@@ -86,8 +86,8 @@ def _outputs(config: NightlyConfig, window: Window, fingerprint: str, split: str
 
 def _answer_in_harness(config: NightlyConfig, target: LoadedModel, window: Window, split: str,
                        prompts: list[Prompt], record_teacher: bool, deadline: Deadline | None = None) -> Answered:
-    from specdistill.distill.datagen import generate_answers
     from specdistill.modeling.models import dtype_name
+    from specdistill.pipeline.answers.harness import generate_answers
 
     g = config.generation
     dtype = dtype_name(target.model.dtype)
@@ -140,7 +140,7 @@ def _answer_in_engine(config: NightlyConfig, target: LoadedModel, window: Window
     from contextlib import ExitStack
 
     from specdistill.data.prompts import encode_chat
-    from specdistill.pipeline.engine_answers import connect, generate_answers_openai
+    from specdistill.pipeline.answers.engine_client import connect, generate_answers_openai
     g = config.generation
     ctx_per_slot = config.window.max_prompt_tokens + g.max_new_tokens + 1
     with ExitStack() as stack:
