@@ -84,35 +84,23 @@ def generate_answers(
             batch = encoded[start : start + batch_size]
             if temperature > 0:
                 torch.manual_seed(seed + zlib.crc32(batch[0][0].id.encode()))
-            recorder = None
-            if teacher_cache is not None:
-                recorder = TopKRecorder(int(teacher_cache.meta["k"]), float(teacher_cache.meta["temperature"]),
-                                         len(batch), max_new_tokens)
-            features = None
-            if feature_cache is not None:
-                features = FeatureRecorder(feature_cache.meta["layers"], context, len(batch), max_new_tokens)
+            recorder = None if teacher_cache is None else TopKRecorder(
+                int(teacher_cache.meta["k"]), float(teacher_cache.meta["temperature"]), len(batch), max_new_tokens)
+            features = None if feature_cache is None else FeatureRecorder(
+                feature_cache.meta["layers"], context, len(batch), max_new_tokens)
             with decode_attention_for(target) if decode_attention else nullcontext():
                 generated = decode_batch(target, [ids for _, ids in batch], max_new_tokens=max_new_tokens, pad=pad,
                                          eos=eos, temperature=temperature, recorder=recorder, features=features)
-            answers = []
-            for row in range(len(batch)):
-                answer = generated[row].tolist()
-                answers.append(answer[: answer.index(eos) + 1] if eos in answer else answer)
+            answers = [a[: a.index(eos) + 1] if eos in a else a for a in generated.tolist()]
+            rows = [(row, p.id, torch.tensor(ids + a, dtype=torch.int32), ids, a) for row, ((p, ids), a) in enumerate(zip(batch, answers))]
             name = f"gen-{zlib.crc32('|'.join(p.id for p, _ in batch).encode()):08x}"
             if recorder is not None:
-                entries = {}
-                for row, ((p, ids), answer) in enumerate(zip(batch, answers)):
-                    entries[p.id] = {"input_ids": torch.tensor(ids + answer, dtype=torch.int32),
-                                     **recorder.rows(row, len(answer))}
-                teacher_cache.write_shard(name, entries)
+                teacher_cache.write_shard(name, {pid: {"input_ids": seq, **recorder.rows(row, len(a))} for row, pid, seq, _, a in rows})
             if features is not None:
-                entries = {}
-                for row, ((p, ids), answer) in enumerate(zip(batch, answers)):
-                    start = feature_start([False] * len(ids) + [True] * len(answer), context)
-                    entries[p.id] = {"input_ids": torch.tensor(ids + answer, dtype=torch.int32),
-                                     "start": torch.tensor(start, dtype=torch.int64),
-                                     "features": features.rows(row, len(answer)).to(FEATURE_DTYPE)}
-                feature_cache.write_shard(name, entries)
+                feature_cache.write_shard(name, {pid: {
+                    "input_ids": seq, "start": torch.tensor(feature_start([False] * len(ids) + [True] * len(a), context),
+                                                             dtype=torch.int64),
+                    "features": features.rows(row, len(a)).to(FEATURE_DTYPE)} for row, pid, seq, ids, a in rows})
             for (p, ids), answer in zip(batch, answers):
                 record = answer_record(p, ids, answer, tokenizer, "eos" if eos in answer else "length", temperature)
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")
