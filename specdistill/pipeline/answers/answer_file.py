@@ -9,6 +9,7 @@ import sys
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
+from typing import IO
 
 from transformers import PreTrainedTokenizerBase
 
@@ -49,10 +50,7 @@ def drop_unbacked(out_path: Path, done: dict[str, dict], caches: list) -> dict[s
     kept = {i: r for i, r in done.items() if i in have}
     tmp = out_path.with_name(out_path.name + ".tmp")
     with paths.open_private(tmp, "w", encoding="utf-8") as f:
-        for record in kept.values():
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+        append_records(f, kept.values())
     os.replace(tmp, out_path)
     return kept
 
@@ -67,6 +65,20 @@ def resume(out_path: Path, prompts: Iterable[Prompt], caches: list) -> tuple[dic
     if repeated:
         raise ValueError(f"duplicate prompt id {repeated[0]!r}")
     return done, todo
+
+
+def append_records(out: IO[str], records: Iterable[dict], done: dict[str, dict] | None = None) -> int:
+    """Write answer lines and sync them to disk (a line on disk is a finished answer), noting each in `done`;
+    returns their answer tokens."""
+    tokens = 0
+    for record in records:
+        out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        tokens += len(record["response_ids"])
+        if done is not None:
+            done[record["id"]] = record
+    out.flush()
+    os.fsync(out.fileno())
+    return tokens
 
 
 def answer_record(p: Prompt, prompt_ids: list[int], answer: list[int], tokenizer: PreTrainedTokenizerBase,

@@ -15,7 +15,6 @@ distillation's teacher cache (`distill`), two sibling layers neither of which im
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import zlib
@@ -33,7 +32,7 @@ from specdistill.data.prompts import Prompt, encode_chat
 from specdistill.distill.teacher import TeacherCache
 from specdistill.engines.client import EngineRequestError, get_json, post_json
 from specdistill.env import mask_url
-from specdistill.pipeline.answers.answer_file import answer_record, resume
+from specdistill.pipeline.answers.answer_file import answer_record, append_records, resume
 
 TOKEN_ID_PREFIX = "token_id:"  # vLLM's token names under return_tokens_as_token_ids
 
@@ -195,13 +194,8 @@ def generate_answers_openai(
         if teacher_cache is not None:
             name = f"engine-{zlib.crc32('|'.join(p.id for p, _, _ in finished).encode()):08x}"
             teacher_cache.write_shard(name, {p.id: teacher_entry(ids, a, k) for p, ids, a in finished})
-        for p, ids, a in finished:
-            record = answer_record(p, ids, a.token_ids, tokenizer, a.finish, 0.0)
-            out.write(json.dumps(record, ensure_ascii=False) + "\n")
-            done[p.id] = record
-            new_tokens += len(a.token_ids)
-        out.flush()
-        os.fsync(out.fileno())
+        new_tokens += append_records(out, [answer_record(p, ids, a.token_ids, tokenizer, a.finish, 0.0)
+                                           for p, ids, a in finished], done)
         bar.update(len(finished))
         bar.set_postfix(tokens=new_tokens)
         finished.clear()

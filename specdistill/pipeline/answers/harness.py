@@ -8,7 +8,6 @@ finished answers, prefills grouped by length), and append-only (`answer_file`).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import zlib
@@ -26,7 +25,7 @@ from specdistill.data.prompts import Prompt, encode_chat
 from specdistill.distill.features import FEATURE_DTYPE, FeatureCache, feature_start
 from specdistill.distill.teacher import TeacherCache
 from specdistill.modeling.attention import decode_attention_for
-from specdistill.pipeline.answers.answer_file import answer_record, resume
+from specdistill.pipeline.answers.answer_file import answer_record, append_records, resume
 from specdistill.pipeline.answers.decode_loop import FeatureRecorder, TopKRecorder, decode_batch
 
 SORT_CHUNK = 8  # batches sorted by length together: little padding, and a time cut keeps a sample of the prompts
@@ -101,13 +100,8 @@ def generate_answers(
                     "input_ids": seq, "start": torch.tensor(feature_start([False] * len(ids) + [True] * len(a), context),
                                                              dtype=torch.int64),
                     "features": features.rows(row, len(a)).to(FEATURE_DTYPE)} for row, pid, seq, ids, a in rows})
-            for (p, ids), answer in zip(batch, answers):
-                record = answer_record(p, ids, answer, tokenizer, "eos" if eos in answer else "length", temperature)
-                out.write(json.dumps(record, ensure_ascii=False) + "\n")
-                done[p.id] = record
-                new_tokens += len(answer)
-            out.flush()
-            os.fsync(out.fileno())
+            new_tokens += append_records(out, [answer_record(p, ids, a, tokenizer, "eos" if eos in a else "length", temperature)
+                                               for (p, ids), a in zip(batch, answers)], done)
             bar.update(len(batch))
             bar.set_postfix(tokens=new_tokens)
     bar.close()
