@@ -1,9 +1,6 @@
-"""Training examples: a conversation or a target answer as ids with the mask of the assistant tokens
-that every loss is restricted to, and the batches and resumable data order a trainer reads them in.
-
-The target's answers themselves are written by `pipeline.answers` (one JSONL line per answer); training
-reads them here (`read_done`, `read_examples`).
-"""
+"""Training examples: a conversation or a target answer (written by `pipeline.answers`) as ids with the
+mask of the assistant tokens that every loss is restricted to; the batches and resumable data order a
+trainer reads them in."""
 
 from __future__ import annotations
 
