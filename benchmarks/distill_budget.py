@@ -32,10 +32,11 @@ import torch
 import specdistill  # noqa: F401  (offline environment)
 from specdistill.data.datasets import sharegpt_first_turns
 from specdistill.data.prompts import Prompt
-from specdistill.distill.datagen import generate_answers, read_done, read_examples
+from specdistill.distill.examples import read_done, read_examples
 from specdistill.distill.teacher import TeacherCache
 from specdistill.modeling.models import load_model
 from specdistill.modeling.vocab import build_draft_vocab
+from specdistill.pipeline.answers.harness import generate_answers
 
 REPO = Path(__file__).resolve().parents[1]
 

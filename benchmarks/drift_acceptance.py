@@ -78,12 +78,12 @@ def recover(work: Path, updated_dir: Path, draft_dir: Path, dtype: str, steps: i
     from specdistill.data.datasets import humaneval_prompts, sharegpt_first_turns
     from specdistill.data.prompts import Prompt
     from specdistill.distill.config import DataConfig, DistillConfig, LossConfig, OptimConfig, TeacherConfig
-    from specdistill.distill.datagen import generate_answers
     from specdistill.distill.teacher import TeacherCache
     from specdistill.distill.train import distill
     from specdistill.modeling.drafts import align_draft, save_draft
     from specdistill.modeling.models import load_model
     from specdistill.modeling.vocab import DraftVocab
+    from specdistill.pipeline.answers.harness import generate_answers
     from specdistill.pipeline.config import NightlyTrain
 
     out = work / f"recovered-{updated_dir.name}-{draft_dir.name}-{steps}"

@@ -32,12 +32,13 @@ import torch
 import specdistill  # noqa: F401  (offline environment)
 from benchmarks.distill_budget import log, run_config, select_prompts, write_jsonl
 from specdistill.data.prompts import Prompt
-from specdistill.distill.datagen import generate_answers, read_examples
+from specdistill.distill.examples import read_examples
 from specdistill.distill.features import FeatureCache, build_feature_cache
 from specdistill.distill.teacher import TeacherCache
 from specdistill.modeling.eagle3 import default_aux_layers
 from specdistill.modeling.models import load_model
 from specdistill.modeling.vocab import DraftVocab, build_draft_vocab
+from specdistill.pipeline.answers.harness import generate_answers
 
 REPO = Path(__file__).resolve().parents[1]
 

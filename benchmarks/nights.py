@@ -32,13 +32,14 @@ import specdistill  # noqa: F401  (offline environment)
 from benchmarks.distill_budget import log, select_prompts, write_jsonl
 from specdistill.data.prompts import Prompt
 from specdistill.distill.config import DataConfig, DistillConfig, Eagle3Config, LossConfig, OptimConfig, TeacherConfig
-from specdistill.distill.datagen import generate_answers, read_done, read_examples
+from specdistill.distill.examples import read_done, read_examples
 from specdistill.distill.features import FeatureCache, build_feature_cache
 from specdistill.distill.pool import AnswerPool
 from specdistill.distill.teacher import TeacherCache
 from specdistill.distill.train import distill
 from specdistill.modeling.eagle3 import default_aux_layers
 from specdistill.modeling.models import load_model, resolve_dtype
+from specdistill.pipeline.answers.harness import generate_answers
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -113,7 +113,7 @@ def heldout_sets(home: Path, target, out: Path, per_source: dict[str, int], max_
     """{slice: [records with prompt_ids, response_ids]}: eval-split prompts per source, answered by the target."""
     from specdistill.data.logstore import LogStore
     from specdistill.data.prompts import Prompt, usable_prompt
-    from specdistill.distill.datagen import generate_answers
+    from specdistill.pipeline.answers.harness import generate_answers
 
     sets = {}
     with LogStore(f"sqlite:///{home / 'logs.db'}") as store:

@@ -19,7 +19,7 @@ import torch
 
 import specdistill  # noqa: F401  (offline environment)
 from specdistill.distill.config import load_config
-from specdistill.distill.datagen import collate, read_examples
+from specdistill.distill.examples import collate, read_examples
 from specdistill.distill.teacher import OnlineTeacher, TeacherCache
 from specdistill.distill.train import DraftWithHead, batch_loss
 from specdistill.modeling.drafts import init_draft_from_target, parse_layers

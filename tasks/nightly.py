@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from prefect import task
 
-from specdistill.pipeline import answers, bench, corpus, engine_bench, pool, serve, success
+from specdistill.pipeline import bench, corpus, engine_bench, pool, serve, success
 from specdistill.pipeline import nightly as pipeline
+from specdistill.pipeline.answers import stage as answer_stage
 from specdistill.pipeline.bench import BenchResult, GateVerdict
 from specdistill.pipeline.config import NightlyConfig, SourceConfig
 from specdistill.pipeline.nightly import IngestResult, RegisteredDraft
@@ -65,7 +66,7 @@ def align_vocab(config: NightlyConfig, champion: Champion | None) -> WarmStart |
 @task(name="generate-responses", retries=1, retry_delay_seconds=5)
 def generate_responses(config: NightlyConfig, window: Window, split: str, target_fingerprint: str,
                        record_teacher: bool, deadline_at: float | None = None) -> GeneratedData:
-    return answers.generate_responses(config, window, split, record_teacher=record_teacher, deadline_at=deadline_at)
+    return answer_stage.generate_responses(config, window, split, record_teacher=record_teacher, deadline_at=deadline_at)
 
 
 @task(name="suffix-corpus")

@@ -11,8 +11,8 @@ import torch
 
 from specdistill.distill import losses
 from specdistill.distill.config import load_config
-from specdistill.distill.datagen import Example
 from specdistill.distill.eagle3_train import Eagle3Batch, eagle3_loss
+from specdistill.distill.examples import Example
 from specdistill.distill.features import (
     FeatureCache,
     FeatureCacheTooLargeError,

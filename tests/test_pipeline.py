@@ -401,7 +401,7 @@ def test_train_kind_eagle3_trains_a_head_from_features_beside_the_teacher_cache(
 def test_the_answer_pass_records_the_heads_features_so_training_needs_no_second_target_pass(tiny_target_dir, tmp_path,
                                                                                              monkeypatch):
     import specdistill.distill.features as features
-    from specdistill.pipeline.answers import features_dir, generate_responses
+    from specdistill.pipeline.answers.stage import features_dir, generate_responses
 
     built = []
     real_build = features.build_feature_cache
@@ -421,7 +421,7 @@ def test_the_answer_pass_records_the_heads_features_so_training_needs_no_second_
 
 
 def test_an_automatic_answer_engine_says_what_answered_and_why(tiny_target_dir, tmp_path):
-    from specdistill.pipeline.answers import generate_responses
+    from specdistill.pipeline.answers.stage import generate_responses
 
     url, chat_file, code_file = _store_with_traffic(tmp_path)
     config = _window_config(tiny_target_dir, url, chat_file, code_file, "generation.backend=auto",
@@ -437,7 +437,7 @@ def test_an_automatic_answer_engine_says_what_answered_and_why(tiny_target_dir, 
 
 def test_a_head_reading_other_layers_gets_features_of_its_own(tmp_path):
     from specdistill.distill.features import FeatureCache
-    from specdistill.pipeline.answers import features_dir
+    from specdistill.pipeline.answers.stage import features_dir
 
     teacher = tmp_path / "data" / "teacher_cache"
     assert features_dir(teacher, [1, 2, 3]) == tmp_path / "data" / "features"  # nothing written yet
@@ -629,7 +629,7 @@ def test_a_float32_run_on_a_bf16_cpu_loads_every_model_and_runs_the_feature_pass
     from specdistill.modeling import models
     from specdistill.ops.targets import TargetVersion
     from specdistill.pipeline import monitor as monitor_stage
-    from specdistill.pipeline.answers import generate_responses
+    from specdistill.pipeline.answers.stage import generate_responses
     from specdistill.pipeline.config import MonitorConfig
 
     monkeypatch.setenv(FLAGS_ENV, BF16_CPU)
@@ -730,7 +730,7 @@ def test_a_training_share_too_small_to_train_stops_the_run(monkeypatch):
 
 
 def test_train_answers_cut_to_nothing_stop_before_training(tiny_target_dir, tmp_path, monkeypatch):
-    from specdistill.pipeline import answers
+    from specdistill.pipeline.answers import stage as answers
 
     monkeypatch.setenv("SPECDISTILL_HOME", str(tmp_path / "home"))
     url, chat_file, code_file = _store_with_traffic(tmp_path)
@@ -754,7 +754,7 @@ def test_a_finished_runs_state_keeps_traffic_and_answers_to_its_owner(tiny_targe
     from specdistill import paths
     from specdistill.ops import registry
     from specdistill.ops.serving import ServingConfig, write_serving_config
-    from specdistill.pipeline.answers import generate_responses
+    from specdistill.pipeline.answers.stage import generate_responses
     from specdistill.pipeline.corpus import nightly_corpus
 
     home = paths.home()

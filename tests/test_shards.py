@@ -10,10 +10,11 @@ import torch
 
 from specdistill.data.prompts import Prompt
 from specdistill.distill import shards
-from specdistill.distill.datagen import generate_answers, read_done
+from specdistill.distill.examples import read_done
 from specdistill.distill.features import FeatureCache
 from specdistill.distill.shards import CorruptShardError
 from specdistill.distill.teacher import TeacherCache
+from specdistill.pipeline.answers.harness import generate_answers
 from tests.conftest import make_tiny_llama, train_bpe
 
 FP = "f" * 16

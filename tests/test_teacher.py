@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdistill.distill import losses
-from specdistill.distill.datagen import Example
+from specdistill.distill.examples import Example
 from specdistill.distill.teacher import (
     OnlineTeacher,
     StaleTeacherCacheError,

@@ -13,10 +13,11 @@ from specdistill.config import ConfigError
 from specdistill.data.prompts import Prompt
 from specdistill.distill import losses
 from specdistill.distill.config import load_config
-from specdistill.distill.datagen import generate_answers, read_examples
+from specdistill.distill.examples import read_examples
 from specdistill.distill.teacher import TeacherCache, build_cache
 from specdistill.distill.train import NonFiniteLossError, distill
 from specdistill.modeling.vocab import DRAFT_VOCAB_FILE
+from specdistill.pipeline.answers.harness import generate_answers
 from tests.conftest import run_distill_ddp, save_tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -254,7 +255,7 @@ def test_device_choice_and_a_missing_gpu_fail_clearly(monkeypatch):
 
 def test_batches_and_teacher_rows_move_together():
     """What the training step moves to the rank's device keeps its shapes and values."""
-    from specdistill.distill.datagen import Example, collate
+    from specdistill.distill.examples import Example, collate
 
     batch = collate([Example("a", [1, 2, 3, 4], [False, False, True, True]), Example("b", [5, 6], [False, True])])
     moved = batch.to(torch.device("cpu"))
@@ -267,7 +268,7 @@ def test_batches_and_teacher_rows_move_together():
 
 def test_batch_loss_is_the_same_with_the_online_teacher_and_a_full_cache(tmp_path):
     """The public one-batch loss (what benchmarks/teacher_cache_speed.py times), on a tiny random target."""
-    from specdistill.distill.datagen import Example, collate
+    from specdistill.distill.examples import Example, collate
     from specdistill.distill.teacher import OnlineTeacher
     from specdistill.distill.train import DraftWithHead, batch_loss
     from specdistill.modeling.drafts import init_draft_from_target

@@ -141,9 +141,9 @@ def test_layer_draft_with_reduced_vocabulary_loads_and_drafts_in_vllm(vllm_serve
 def test_answers_with_logprobs_as_token_ids_from_vllm(vllm_servers, demo_target, tmp_path):
     from specdistill.data.prompts import Prompt as AnswerPrompt
     from specdistill.data.prompts import encode_chat
-    from specdistill.distill.datagen import read_done
+    from specdistill.distill.examples import read_done
     from specdistill.distill.teacher import TeacherCache
-    from specdistill.pipeline.engine_answers import connect, generate_answers_openai
+    from specdistill.pipeline.answers.engine_client import connect, generate_answers_openai
 
     tok = demo_target.tokenizer
     prompts = [AnswerPrompt(id="a", messages=[{"role": "user", "content": REPEAT}]),
@@ -258,7 +258,8 @@ def test_nightly_answer_stage_through_vllm(vllm_servers, tmp_path, monkeypatch):
 
     from specdistill.distill.teacher import CACHE_META
     from specdistill.engines import vllm_bench
-    from specdistill.pipeline import answers, nightly
+    from specdistill.pipeline import nightly
+    from specdistill.pipeline.answers import stage as answers
     from specdistill.pipeline.config import load_nightly_config
 
     asked = []

@@ -1,6 +1,6 @@
 """Target features for EAGLE-3 heads: the inputs of three target decoder layers, recorded offline.
 
-The target's answer pass records them on the way (`datagen.generate_answers(feature_cache=...)`), so
+The target's answer pass records them on the way (`pipeline.answers.harness.generate_answers(feature_cache=...)`), so
 the pass that writes the training data is the only target pass it needs. Answers that came from
 elsewhere get one teacher-forced target pass (about one prefill each, `build_feature_cache`), which
 records through `FeatureHooks` and can also write the top-k teacher rows (`TeacherCache`). Either way

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from specdistill import paths
 from specdistill.distill import shards
-from specdistill.distill.datagen import read_done
+from specdistill.distill.examples import read_done
 from specdistill.distill.features import FEATURE_META
 from specdistill.distill.teacher import CACHE_META
 

@@ -34,8 +34,8 @@ from tqdm import tqdm
 from specdistill import paths
 from specdistill.distill.checkpoints import checkpoint_dirs, load_checkpoint, save_checkpoint
 from specdistill.distill.config import DistillConfig, save_config
-from specdistill.distill.datagen import DataOrder, read_examples
 from specdistill.distill.eagle3_train import Eagle3Task
+from specdistill.distill.examples import DataOrder, read_examples
 from specdistill.distill.layer_task import DraftWithHead, LayerTask, batch_loss, heldout_acceptance
 from specdistill.modeling.models import check_device
 

@@ -127,9 +127,9 @@ def add_domain_tokens(model, tokenizer, domain_tokens: tuple[str, ...]) -> dict[
 
 
 def _encode_batch(tokenizer, chats: list[list[dict]], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, labels): labels are the assistant tokens (`datagen.encode_conversation`'s mask,
+    """(input_ids, labels): labels are the assistant tokens (`examples.encode_conversation`'s mask,
     content and end token) and -100 everywhere else (system and user turns, template headers, padding)."""
-    from specdistill.distill.datagen import encode_conversation
+    from specdistill.distill.examples import encode_conversation
 
     rows = [encode_conversation(tokenizer, chat, max_len) for chat in chats]
     width = max(len(r.input_ids) for r in rows)
@@ -146,7 +146,7 @@ def _encode_batch(tokenizer, chats: list[list[dict]], max_len: int) -> tuple[tor
 def trainable_chats(tokenizer, chats: list[list[dict]], max_len: int, min_answer_tokens: int = 16) -> list[list[dict]]:
     """The chats that keep at least `min_answer_tokens` assistant tokens within `max_len`: a chat
     whose prompt alone fills the window would train nothing."""
-    from specdistill.distill.datagen import encode_conversation
+    from specdistill.distill.examples import encode_conversation
 
     kept = [c for c in chats if sum(encode_conversation(tokenizer, c, max_len).assistant_mask) >= min_answer_tokens]
     if not kept:

@@ -65,7 +65,7 @@ class GenerationConfig(Strict):
     `serving.threads` threads, as `serving.engine` does. The teacher is then the engine's top-k as
     served (k = `teacher_top_k` or fewer when the server caps it, recorded in the cache).
     `auto`: whichever of the two (llama-server on the target's GGUF, when built) answered a probe batch
-    faster on this machine (`pipeline.answer_engine`)."""
+    faster on this machine (`pipeline.answers.choose_engine`)."""
 
     max_new_tokens: int = Field(96, ge=1)
     # the train answers' wall-clock budget (null: none): answers stop between batches when it is spent,
@@ -73,7 +73,7 @@ class GenerationConfig(Strict):
     max_minutes: float | None = Field(7.0, ge=0.0)
     batch_size: int = Field(16, ge=1)  # backend openai: answers per teacher shard (what a kill can lose)
     teacher_top_k: int = Field(32, ge=1)
-    # auto: the faster of the harness and a built llama.cpp on this machine, measured (pipeline.answer_engine)
+    # auto: the faster of the harness and a built llama.cpp on this machine, measured (pipeline.answers.choose_engine)
     backend: Literal["harness", "openai", "auto"] = "harness"
     url: str | None = None  # backend openai: the server's base URL; null: start `engine` on the target
     engine: Literal["llamacpp", "vllm"] = "llamacpp"  # backend openai without a url: the server started here

@@ -52,7 +52,7 @@ def nightly_corpus(config, train_data: GeneratedData, target_fingerprint: str) -
 
 
 def read_answers(path: str | Path) -> list[dict]:
-    """The answers JSONL (`distill.datagen.generate_answers`): every record with `id` and `response_ids`;
+    """The answers JSONL (`pipeline.answers.harness.generate_answers`): every record with `id` and `response_ids`;
     a torn last line (a killed writer) is skipped, any other bad line is an error naming it."""
     path = Path(path)
     records = []

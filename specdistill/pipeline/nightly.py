@@ -20,7 +20,7 @@ from specdistill.data.prompts import Prompt
 from specdistill.data.results import BenchResult
 from specdistill.ops.policy import GateVerdict
 from specdistill.ops.registry import RegisteredDraft
-from specdistill.pipeline.answers import features_dir
+from specdistill.pipeline.answers.stage import features_dir
 from specdistill.pipeline.budget import stage_deadline
 from specdistill.pipeline.config import NightlyConfig, SourceConfig, config_hash, run_root
 from specdistill.pipeline.outputs import (

@@ -93,7 +93,7 @@ def window_key(train: list[Prompt], evals: list[Prompt], target: str) -> str:
 
 @dataclass
 class GeneratedData(Record):
-    """The target's answers to a split of the window (`pipeline.answers.generate_responses`), or the pool's view."""
+    """The target's answers to a split of the window (`pipeline.answers.stage.generate_responses`), or the pool's view."""
 
     path: str  # JSONL of target-generated records
     teacher_cache: str | None

@@ -28,9 +28,9 @@ def pool_answers(config: NightlyConfig, window: Window, train_data: GeneratedDat
     """The data the night trains on: the pool's view (tonight's answers always in), or, with
     `pool.enabled` false, tonight's answers as they are. Tonight's eval prompts are recorded as held
     out first, so no view ever trains on a prompt that was evaluated on."""
-    from specdistill.distill.datagen import read_done
+    from specdistill.distill.examples import read_done
     from specdistill.distill.pool import AnswerPool, retire_pools
-    from specdistill.pipeline.answers import features_dir
+    from specdistill.pipeline.answers.stage import features_dir
 
     if not config.pool.enabled:
         return PooledData(train_data.path, train_data.teacher_cache, train_data.answers, train_data.tokens)
@@ -58,7 +58,7 @@ def _reanswer(config: NightlyConfig, pool, window: Window, old_fingerprint: str)
     `pool.reanswer_prompts`, never tonight's or a held-out one), as a night just before tonight's. Done
     once per new pool; an answer already written is not generated again (the answer stage resumes)."""
     from specdistill.distill.pool import POOL_MANIFEST, AnswerPool
-    from specdistill.pipeline.answers import features_dir, generate_responses
+    from specdistill.pipeline.answers.stage import features_dir, generate_responses
 
     if any(n.key.startswith(REANSWERED) for n in pool.nights):
         return 0

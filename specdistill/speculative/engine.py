@@ -145,10 +145,6 @@ def default_stop_ids(model: PreTrainedModel) -> list[int]:
     return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
 
 
-def _to(x: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    return None if x is None else x.to(device)
-
-
 def _check_request(target: PreTrainedModel, prompt: torch.Tensor, max_new_tokens: int, gamma: int) -> None:
     if prompt.numel() == 0:
         raise ValueError("empty prompt: give at least one token")
@@ -162,6 +158,94 @@ def _check_request(target: PreTrainedModel, prompt: torch.Tensor, max_new_tokens
     ctx = context_length(target)
     if prompt.numel() >= ctx:
         raise ValueError(f"prompt of {prompt.numel()} tokens does not fit the target's context of {ctx} tokens")
+
+
+class TargetSide:
+    """The target's side of one request: its KV cache, a forward that counts itself, and the features of the
+    positions it last saw, which a drafter that drafts from them (EAGLE-3, `feature_layers`) is handed."""
+
+    def __init__(self, target: PreTrainedModel, drafter: Drafter | None, stats: SpecStats, capacity: int):
+        self.target, self.stats = target, stats
+        self.cache = preallocated_cache(target, 1, capacity)  # a step writes its column, nothing is concatenated
+        self.layers = list(drafter.feature_layers) if drafter is not None else []
+        self.lean = supports_lean(target)  # else transformers' forward, the features from hooks on those layers
+        self.hooks = FeatureHooks(target, self.layers) if self.layers and not self.lean else None
+        self.features: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, keep: int, positions: torch.Tensor | None = None,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The target's logits for the last `keep` of `input_ids` [T], appended to the cache."""
+        self.stats.target_forwards += 1
+        if self.lean:
+            logits, features = lean_forward(self.target, input_ids.unsqueeze(0), self.cache, positions=positions,
+                                            mask=mask, keep=keep, capture=self.layers)
+        else:
+            device = self.target.device
+            logits = self.target(input_ids=input_ids.unsqueeze(0).to(device),
+                                 position_ids=None if positions is None else positions.to(device),
+                                 attention_mask=None if mask is None else mask.to(device),
+                                 cache=self.cache, use_cache=True, logits_to_keep=keep).logits
+            features = self.hooks.take() if self.hooks is not None else None
+        if features is not None:
+            self.features = features[0]  # on the target's device: the EAGLE head drafts there too
+        return logits[0].cpu()  # drafting and verification run on the CPU (a no-op there)
+
+    def hand_features(self, drafter: Drafter | None, kept: int | torch.Tensor) -> None:
+        """The last forward's features at the positions kept (the first `kept`, or those indexed) to the drafter."""
+        if self.layers:
+            features, self.features = self.features, None
+            drafter.add_features(features[:kept] if isinstance(kept, int) else features[kept.to(features.device)])
+
+
+def cut_at_stop(new: torch.Tensor, stop: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A round's tokens up to and including the first stop token, as target-only decoding would end, and whether one was hit."""
+    hit = torch.isin(new, stop).nonzero() if stop.numel() else new[:0]
+    return (new[: int(hit[0, 0]) + 1], True) if hit.numel() else (new, False)
+
+
+def target_round(side: TargetSide, drafter: Drafter | None, tokens: torch.Tensor, length: int, k: int,
+                 sampling: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+    """No draft this round (`k` unused): one target step on the pending token; a drafter catches up on it."""
+    new = next_token(side(tokens[length - 1 : length], 1)[-1], sampling, generator).view(1)
+    if drafter is not None:
+        drafter.rollback(length)
+        side.hand_features(drafter, 1)
+    return new
+
+
+def chain_round(side: TargetSide, drafter: Drafter, tokens: torch.Tensor, length: int, k: int,
+                sampling: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+    """Up to `k` drafts verified in one target forward (rejection sampling); the accepted ones and the target's next token."""
+    draft_ids, draft_probs = drafter.propose(tokens[:length], k, sampling, generator) if k > 0 else (tokens[:0], None)
+    k = draft_ids.numel()
+    if k == 0:
+        return target_round(side, drafter, tokens, length, 0, sampling, generator)
+    logits = side(torch.cat([tokens[length - 1 : length], draft_ids]), k + 1)
+    n, following = verify(logits, draft_ids, draft_probs, sampling, generator)
+    if n < k:
+        side.cache.crop(n - k)
+    drafter.rollback(length + n)
+    side.hand_features(drafter, n + 1)  # the pending token and the n accepted drafts; the new token has none yet
+    side.stats.record_round(k, n)
+    return torch.cat([draft_ids[:n], following.view(1)])
+
+
+def tree_round(side: TargetSide, drafter: Drafter, tokens: torch.Tensor, length: int, k: int,
+               sampling: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+    """Greedy: a draft tree (several candidates for the first position) verified in one target forward."""
+    ids, parents = drafter.propose_tree(tokens[:length], k) if k > 0 else (tokens[:0], [])
+    if not ids.numel():
+        return target_round(side, drafter, tokens, length, 0, sampling, generator)
+    choice = side(*tree_inputs(tokens[length - 1], ids, parents, length - 1)).argmax(-1)
+    path, following = greedy_path(choice, ids, parents)
+    keep_cache_rows(side.cache, length - 1, [0] + [1 + i for i in path])
+    chain = chain_length(parents)  # the leading nodes -1, 0, 1, ...: the chain a server would verify
+    on_chain = next((i for i, node in enumerate(path) if node != i), len(path))
+    drafter.rollback(length + on_chain)  # the drafter's cache holds the chain only
+    side.hand_features(drafter, torch.tensor([0] + [1 + i for i in path]))
+    side.stats.record_round(chain, on_chain)
+    side.stats.runner_ups_accepted += len(path) - on_chain
+    return torch.cat([ids[path], following.view(1)])
 
 
 @torch.inference_mode()
@@ -189,95 +273,30 @@ def generate(
     budget = min(max_new_tokens, context_length(target) - prompt.numel())
     stats = SpecStats(requests=1, prompt_tokens=prompt.numel())
     start = time.perf_counter()
-
     tokens = torch.empty(prompt.numel() + budget + gamma + 1, dtype=torch.long)
     tokens[: prompt.numel()] = prompt
     length = prompt.numel()
-    # one preallocated buffer per layer: a step writes its column instead of concatenating the whole cache
-    cache = preallocated_cache(target, 1, prompt.numel() + budget + gamma + (drafter.tree_width if drafter else 1) + 1)
+    side = TargetSide(target, drafter, stats, length + budget + gamma + (drafter.tree_width if drafter else 1) + 1)
     if drafter is not None:
         drafter.reset()
-    # A drafter that drafts from the target's features (EAGLE-3) names the layers whose inputs it
-    # needs; it is handed the features of the positions the target kept after every forward.
-    layers = list(drafter.feature_layers) if drafter is not None else []
-    lean = supports_lean(target)  # else transformers' forward, the features from hooks on those layers
-    hooks = FeatureHooks(target, layers) if layers and not lean else None
-    seen: dict[str, torch.Tensor] = {}
-
-    def forward(input_ids: torch.Tensor, keep: int, positions: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The target's logits for the last `keep` of `input_ids` [T], appended to the cache."""
-        stats.target_forwards += 1
-        if lean:
-            logits, features = lean_forward(target, input_ids.unsqueeze(0), cache, positions=positions, mask=mask,
-                                            keep=keep, capture=layers)
-        else:
-            device = target.device
-            logits = target(input_ids=input_ids.unsqueeze(0).to(device), position_ids=_to(positions, device),
-                            attention_mask=_to(mask, device), cache=cache, use_cache=True, logits_to_keep=keep).logits
-            features = hooks.take() if hooks is not None else None
-        if features is not None:
-            seen["features"] = features[0]  # on the target's device: the EAGLE head drafts there too
-        return logits[0].cpu()  # drafting and verification run on the CPU (a no-op there)
-
-    def pass_features(kept: int | torch.Tensor) -> None:
-        if layers:
-            features = seen.pop("features")
-            drafter.add_features(features[:kept] if isinstance(kept, int) else features[kept.to(features.device)])
-
     # greedy decoding with a drafter that proposes several candidates for the first position verifies them as a tree
-    tree = sampling.greedy and drafter is not None and drafter.tree_width > 1
+    play = (target_round if drafter is None else
+            tree_round if sampling.greedy and drafter.tree_width > 1 else chain_round)
 
     # few-token forwards (decode steps, verifications) attend through matmuls, not SDPA's CPU flash kernel
-    with decode_attention_for(target, drafter.model if drafter is not None else None), hooks or nullcontext():
-        new = next_token(forward(prompt, 1)[-1], sampling, generator).view(1)
-        pass_features(prompt.numel())
+    with decode_attention_for(target, drafter.model if drafter is not None else None), side.hooks or nullcontext():
+        new = next_token(side(prompt, 1)[-1], sampling, generator).view(1)
+        side.hand_features(drafter, prompt.numel())
         while True:
-            # append the round's tokens, cut at the first stop token exactly as target-only decoding would
-            hit = torch.isin(new, stop).nonzero() if stop.numel() else new[:0]
-            if hit.numel():
-                new = new[: int(hit[0, 0]) + 1]
+            new, hit = cut_at_stop(new, stop)
             tokens[length : length + new.numel()] = new
             length += new.numel()
             generated = length - prompt.numel()
-            if hit.numel() or generated >= budget:
-                stopped = (STOPPED_AT_STOP_TOKEN if hit.numel() else
+            if hit or generated >= budget:
+                stopped = (STOPPED_AT_STOP_TOKEN if hit else
                            STOPPED_AT_MAX_NEW_TOKENS if generated >= max_new_tokens else STOPPED_AT_CONTEXT)
                 break
-
-            k = min(gamma, budget - generated - 1)
-            draft_ids, draft_probs = tokens[:0], None
-            if tree and k > 0:
-                ids, parents = drafter.propose_tree(tokens[:length], k)
-                if ids.numel():
-                    choice = forward(*tree_inputs(tokens[length - 1], ids, parents, length - 1)).argmax(-1)
-                    path, following = greedy_path(choice, ids, parents)
-                    keep_cache_rows(cache, length - 1, [0] + [1 + i for i in path])
-                    chain = chain_length(parents)  # the leading nodes -1, 0, 1, ...: the chain a server would verify
-                    on_chain = next((i for i, node in enumerate(path) if node != i), len(path))
-                    drafter.rollback(length + on_chain)  # the drafter's cache holds the chain only
-                    pass_features(torch.tensor([0] + [1 + i for i in path]))
-                    stats.record_round(chain, on_chain)
-                    stats.runner_ups_accepted += len(path) - on_chain
-                    new = torch.cat([ids[path], following.view(1)])
-                    continue
-            elif drafter is not None and k > 0:
-                draft_ids, draft_probs = drafter.propose(tokens[:length], k, sampling, generator)
-            k = draft_ids.numel()
-            if k == 0:
-                new = next_token(forward(tokens[length - 1 : length], 1)[-1], sampling, generator).view(1)
-                if drafter is not None:
-                    drafter.rollback(length)
-                    pass_features(1)
-                continue
-            logits = forward(torch.cat([tokens[length - 1 : length], draft_ids]), k + 1)
-            n, following = verify(logits, draft_ids, draft_probs, sampling, generator)
-            if n < k:
-                cache.crop(n - k)
-            drafter.rollback(length + n)
-            pass_features(n + 1)  # the pending token and the n accepted drafts; the new token has none yet
-            stats.record_round(k, n)
-            new = torch.cat([draft_ids[:n], following.view(1)])
+            new = play(side, drafter, tokens, length, min(gamma, budget - generated - 1), sampling, generator)
 
     stats.generated_tokens = length - prompt.numel()
     stats.seconds = time.perf_counter() - start

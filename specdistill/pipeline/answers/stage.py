@@ -9,19 +9,25 @@ engine and its weights: `llamacpp-Q4_1`, `openai-MODEL`): answers from another e
 from __future__ import annotations
 
 import re
+from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from specdistill import paths
 from specdistill.budget import Deadline
+from specdistill.data.logstore import LogStore
+from specdistill.data.prompts import Prompt, encode_chat
+from specdistill.distill.config import Eagle3Config
+from specdistill.distill.features import FEATURE_META, FeatureCache
+from specdistill.distill.teacher import TeacherCache
+from specdistill.engines import llamacpp, vllm_bench
+from specdistill.modeling.eagle3 import default_aux_layers
+from specdistill.modeling.models import LoadedModel, dtype_name, shared_model
+from specdistill.pipeline.answers.choose_engine import choose_answer_engine
+from specdistill.pipeline.answers.engine_client import connect, generate_answers_openai
+from specdistill.pipeline.answers.harness import generate_answers
 from specdistill.pipeline.budget import stage_deadline
 from specdistill.pipeline.config import NightlyConfig, config_hash, run_root
 from specdistill.pipeline.outputs import GeneratedData, Window
-
-if TYPE_CHECKING:
-    from specdistill.data.prompts import Prompt
-    from specdistill.distill.teacher import TeacherCache
-    from specdistill.modeling.models import LoadedModel
 
 ENGINE_ONLY = {"backend", "url", "engine", "parallel"}  # settings the harness's answers do not depend on
 Answered = tuple[dict[str, dict], str, Path, str | None]  # records by id, what answered, answers file, teacher cache
@@ -33,16 +39,10 @@ def generate_responses(config: NightlyConfig, window: Window, split: str, *, rec
     target's top-k log-probs into the teacher cache in the same pass. The train answers stop at their
     time budget (`generation.max_minutes`, their share of the run's deadline `deadline_at`), keeping
     what was written; none at all stops the run before it trains on nothing."""
-    from specdistill.data.logstore import LogStore
-    from specdistill.data.prompts import Prompt
-    from specdistill.modeling.models import shared_model
-
     target = shared_model(config.target, dtype=config.dtype, device=config.device)  # the harness answers in bf16 where the hardware has it
     prompts = [Prompt(id=p.id, messages=p.messages) for p in window.split(split)]
     engine = None
     if config.generation.backend == "auto":  # measured once per target and machine, on the train prompts
-        from specdistill.pipeline.answer_engine import choose_answer_engine
-
         engine = choose_answer_engine(config, target, [Prompt(id=p.id, messages=p.messages) for p in window.train])
         config = engine.apply(config)
     g = config.generation
@@ -70,8 +70,6 @@ def _outputs(config: NightlyConfig, window: Window, fingerprint: str, split: str
              record_teacher: bool) -> tuple[Path, TeacherCache | None]:
     """The split's answers file and, for train answers, the teacher cache, keyed by what answered
     (the EAGLE-3 feature cache, when there is one, lies beside the teacher cache: `features_dir`)."""
-    from specdistill.distill.teacher import TeacherCache
-
     g = config.generation
     # which engine was started is in `source` (the key's tag), so keys of earlier llama.cpp answers hold
     settings = g.model_dump(mode="json", exclude=ENGINE_ONLY if g.backend == "harness" else {"engine"})
@@ -86,9 +84,6 @@ def _outputs(config: NightlyConfig, window: Window, fingerprint: str, split: str
 
 def _answer_in_harness(config: NightlyConfig, target: LoadedModel, window: Window, split: str,
                        prompts: list[Prompt], record_teacher: bool, deadline: Deadline | None = None) -> Answered:
-    from specdistill.distill.datagen import generate_answers
-    from specdistill.modeling.models import dtype_name
-
     g = config.generation
     dtype = dtype_name(target.model.dtype)
     out_path, cache = _outputs(config, window, target.fingerprint, split, dtype, g.teacher_top_k, record_teacher)
@@ -104,9 +99,6 @@ def features_dir(teacher_cache: str | Path, layers: list[int] | None = None) -> 
     so every run on the same answers reuses them. The answer pass writes `features` (the default
     layers); a head that reads other `layers` (a warm start from an imported head) gets a directory of
     its own, which the trainer fills."""
-
-    from specdistill.distill.features import FEATURE_META
-
     directory = Path(teacher_cache).parent / "features"
     meta = directory / FEATURE_META
     if layers is not None and meta.is_file() and paths.read_json(meta, "feature cache file").get("layers") != list(layers):
@@ -118,10 +110,6 @@ def _feature_cache(config: NightlyConfig, target: LoadedModel, out_path: Path, t
     """The feature cache the answer pass fills for an EAGLE-3 head (at the layers and prompt context the
     trainer reads), so training needs no second target pass over the answers. None for a layer draft,
     and for answers already written without one (a resume of an older run: the trainer's pass fills it)."""
-    from specdistill.distill.config import Eagle3Config
-    from specdistill.distill.features import FEATURE_META, FeatureCache
-    from specdistill.modeling.eagle3 import default_aux_layers
-
     if teacher is None or config.train.kind != "eagle3":
         return None
     directory = features_dir(teacher.dir)
@@ -137,28 +125,20 @@ def _answer_in_engine(config: NightlyConfig, target: LoadedModel, window: Window
     """Through `generation.url`, or a server started here (stopped after): llama-server on the target's
     GGUF, or vLLM on its HF directory (`generation.engine`).
     The teacher cache's `data` names the engine; its k is what the server gives."""
-    from contextlib import ExitStack
-
-    from specdistill.data.prompts import encode_chat
-    from specdistill.pipeline.engine_answers import connect, generate_answers_openai
     g = config.generation
     ctx_per_slot = config.window.max_prompt_tokens + g.max_new_tokens + 1
     with ExitStack() as stack:
         if g.url:
             url, source = g.url, ""
         elif g.engine == "vllm":
-            from specdistill.engines.vllm_bench import target_server
-
-            server = stack.enter_context(target_server(config.target, parallel=g.parallel, ctx_per_slot=ctx_per_slot,
-                                                       top_k=g.teacher_top_k, threads=config.serving.threads,
-                                                       dtype=config.dtype))
+            server = stack.enter_context(vllm_bench.target_server(
+                config.target, parallel=g.parallel, ctx_per_slot=ctx_per_slot, top_k=g.teacher_top_k,
+                threads=config.serving.threads, dtype=config.dtype))
             url, source = server.url, f"vllm:{server.config.dtype}"
         else:
-            from specdistill.engines.llamacpp import gguf_dtype, target_server
-
-            server = stack.enter_context(target_server(config.target, parallel=g.parallel, ctx_per_slot=ctx_per_slot,
-                                                       threads=config.serving.threads))
-            url, source = server.url, f"llamacpp:{gguf_dtype(server.config.model)}"
+            server = stack.enter_context(llamacpp.target_server(
+                config.target, parallel=g.parallel, ctx_per_slot=ctx_per_slot, threads=config.serving.threads))
+            url, source = server.url, f"llamacpp:{llamacpp.gguf_dtype(server.config.model)}"
         probe = prompts[0].messages if prompts else [{"role": "user", "content": "Hi."}]
         served = connect(url, encode_chat(target.tokenizer, probe), g.teacher_top_k)
         source = source or f"openai:{served.model.rstrip('/').rsplit('/', 1)[-1]}"

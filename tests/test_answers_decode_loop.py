@@ -1,4 +1,4 @@
-"""The batched answer loop (`answer_loop.decode_batch`) against transformers' `generate` on tiny random Llamas:
+"""The batched answer loop (`decode_loop.decode_batch`) against transformers' `generate` on tiny random Llamas:
 same greedy tokens and teacher rows in fp32 with mixed prompt lengths (grouped prefills) and rows
 finishing early; the preallocated KV cache it decodes with."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from specdistill.distill.answer_loop import TopKRecorder, decode_batch, generate_batch, prefill_groups
 from specdistill.modeling.attention import decode_attention_for
 from specdistill.modeling.kv_cache import BLOCK, dense_buffers, preallocated_cache, select_rows, write_rows
+from specdistill.pipeline.answers.decode_loop import TopKRecorder, decode_batch, generate_batch, prefill_groups
 from tests.conftest import lively, make_tiny_llama
 
 VOCAB, PAD = 96, 0

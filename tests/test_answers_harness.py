@@ -7,16 +7,11 @@ import json
 import pytest
 import torch
 
-from specdistill.data.prompts import encode_chat
-from specdistill.distill.datagen import (
-    Prompt,
-    encode_conversation,
-    encode_generated,
-    generate_answers,
-    read_done,
-)
+from specdistill.data.prompts import Prompt, encode_chat
+from specdistill.distill.examples import encode_conversation, encode_generated, read_done
 from specdistill.distill.features import FeatureCache, build_feature_cache, entry_features, feature_start
 from specdistill.distill.teacher import TeacherCache
+from specdistill.pipeline.answers.harness import generate_answers
 from tests.conftest import make_tiny_llama
 
 pytestmark = pytest.mark.e2e  # the `tok` fixture converts the real demo target on a fresh machine
@@ -170,11 +165,11 @@ def test_feature_pass_extends_the_answer_pass_cache_with_what_it_lacks(tok, tiny
 
 
 def test_a_time_budget_keeps_the_answers_so_far_and_a_later_run_resumes(tok, tiny_target, tmp_path, monkeypatch):
-    import specdistill.distill.datagen as datagen
     from specdistill.budget import Deadline
+    from specdistill.pipeline.answers import harness
 
     prompts, out = _prompts(12), tmp_path / "answers.jsonl"
-    monkeypatch.setattr(datagen, "SORT_CHUNK", 1)  # sorted by length within each batch only
+    monkeypatch.setattr(harness, "SORT_CHUNK", 1)  # sorted by length within each batch only
     clock = iter([False, False, True])  # two batches of 4 fit into the budget, the third does not start
     budget = Deadline(0.0)
     monkeypatch.setattr(Deadline, "expired", lambda self, now=None: next(clock))

@@ -6,20 +6,18 @@ never as text to re-tokenise: we apply the chat template ourselves (`encode_chat
 and send the prompt as token ids to `/v1/completions`; the answer's ids come with its logprobs (llama.cpp
 puts an `id` in every `logprobs.content` item; vLLM names tokens `token_id:N` when asked with
 `return_tokens_as_token_ids`). Requests run `parallel` at a time over the server's slots. Every
-`batch_size` finished answers become one teacher shard and then their JSONL lines (the harness's order
-and record format), so a killed run resumes where it stopped and never asks for an answer twice.
+`batch_size` finished answers become one teacher shard and then their JSONL lines (`answer_file`, as the
+harness writes them), so a killed run resumes where it stopped and never asks for an answer twice.
 
-It is a pipeline stage's module, not an engine's: it joins an engine client (`engines.client`) with the
-distillation's answer file and teacher cache (`distill`), two sibling layers neither of which imports the other.
+It lives in `pipeline`, not `engines`: it joins the engine's HTTP client (`engines.client`) with the
+distillation's teacher cache (`distill`), two sibling layers neither of which imports the other.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import zlib
-from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -30,11 +28,11 @@ from tqdm import tqdm
 
 from specdistill import paths
 from specdistill.budget import Deadline
-from specdistill.data.prompts import Prompt, as_messages, encode_chat
-from specdistill.distill.datagen import drop_unbacked, read_done, repair_tail
+from specdistill.data.prompts import Prompt, encode_chat
 from specdistill.distill.teacher import TeacherCache
 from specdistill.engines.client import EngineRequestError, get_json, post_json
 from specdistill.env import mask_url
+from specdistill.pipeline.answers.answer_file import answer_record, append_records, resume
 
 TOKEN_ID_PREFIX = "token_id:"  # vLLM's token names under return_tokens_as_token_ids
 
@@ -168,20 +166,14 @@ def generate_answers_openai(
     timeout_s: float = 600.0,
     deadline: Deadline | None = None,
 ) -> dict[str, dict]:
-    """`datagen.generate_answers` through a serving engine: the same JSONL records and teacher rows
+    """`harness.generate_answers` through a serving engine: the same JSONL records and teacher rows
     (greedy; k from the cache's metadata, which `served.top_k` must cover), returns all records.
     With a `deadline`, no request is sent after it; the requests in flight finish and are kept."""
     k = int(teacher_cache.meta["k"]) if teacher_cache is not None else 1
     if k > served.top_k:
         raise ValueError(f"the teacher cache holds top-{k}, {mask_url(served.url)} gives top-{served.top_k}")
     out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    repair_tail(out_path)
-    done = drop_unbacked(out_path, read_done(out_path), [teacher_cache])
-    todo = [p for p in prompts if str(p.id) not in done]
-    repeated = [pid for pid, n in Counter(p.id for p in todo).items() if n > 1]
-    if repeated:
-        raise ValueError(f"duplicate prompt id {repeated[0]!r}")
+    done, todo = resume(out_path, prompts, [teacher_cache])
 
     def answer(p: Prompt) -> tuple[Prompt, list[int], EngineAnswer]:
         ids = encode_chat(tokenizer, p.messages)
@@ -202,15 +194,8 @@ def generate_answers_openai(
         if teacher_cache is not None:
             name = f"engine-{zlib.crc32('|'.join(p.id for p, _, _ in finished).encode()):08x}"
             teacher_cache.write_shard(name, {p.id: teacher_entry(ids, a, k) for p, ids, a in finished})
-        for p, ids, a in finished:
-            record = {"id": p.id, "prompt": as_messages(p.messages), "prompt_ids": ids, "response_ids": a.token_ids,
-                      "response": tokenizer.decode(a.token_ids, skip_special_tokens=True), "finish": a.finish,
-                      "temperature": 0.0}
-            out.write(json.dumps(record, ensure_ascii=False) + "\n")
-            done[p.id] = record
-            new_tokens += len(a.token_ids)
-        out.flush()
-        os.fsync(out.fileno())
+        new_tokens += append_records(out, [answer_record(p, ids, a.token_ids, tokenizer, a.finish, 0.0)
+                                           for p, ids, a in finished], done)
         bar.update(len(finished))
         bar.set_postfix(tokens=new_tokens)
         finished.clear()

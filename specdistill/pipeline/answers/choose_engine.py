@@ -23,15 +23,21 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from specdistill import hardware, paths
+from specdistill.data.prompts import Prompt, encode_chat
 from specdistill.data.record import Record
+from specdistill.distill.config import Eagle3Config
+from specdistill.distill.examples import encode_generated
+from specdistill.distill.features import FeatureCache, build_feature_cache
+from specdistill.distill.teacher import TeacherCache
+from specdistill.engines import build
+from specdistill.engines.llamacpp import gguf_dtype, target_server
+from specdistill.modeling.eagle3 import default_aux_layers
+from specdistill.modeling.models import LoadedModel, dtype_name
+from specdistill.pipeline.answers.engine_client import complete_ids, connect, generate_answers_openai
+from specdistill.pipeline.answers.harness import generate_answers
 from specdistill.pipeline.config import NightlyConfig, config_hash, run_root
-
-if TYPE_CHECKING:
-    from specdistill.data.prompts import Prompt
-    from specdistill.modeling.models import LoadedModel
 
 PROBE_PROMPTS = 16  # one harness batch (generation.batch_size's default), at the stage's max_new_tokens
 HARNESS, LLAMACPP = "harness", "llamacpp"
@@ -81,8 +87,6 @@ class AnswerEngine(Record):
 
 def candidates(config: NightlyConfig) -> tuple[list[str], list[str]]:
     """The engines at hand for this target, and a note for each that is not."""
-    from specdistill.engines import build
-
     found, missing = [HARNESS], []
     if not (config.target == "demo" or config.target.endswith(".gguf")):
         missing.append("llama.cpp not probed: the target is no GGUF (a server at generation.url is set by hand)")
@@ -120,17 +124,12 @@ def choose_answer_engine(config: NightlyConfig, target: LoadedModel, prompts: li
 
 
 def _teacher(target: LoadedModel, directory: Path, k: int):
-    from specdistill.distill.teacher import TeacherCache
-
     return TeacherCache.create(directory, fingerprint=target.fingerprint, k=k, temperature=1.0, vocab="full", data="probe")
 
 
 def _head_features(config: NightlyConfig, target: LoadedModel) -> tuple[list[int], int | None] | None:
     """The layers and prompt context an EAGLE-3 head's features are read at (as the answer stage records
     them); None for a layer draft, which reads none."""
-    from specdistill.distill.config import Eagle3Config
-    from specdistill.modeling.eagle3 import default_aux_layers
-
     if config.train.kind != "eagle3":
         return None
     return default_aux_layers(target.model.config.num_hidden_layers), Eagle3Config().prompt_context
@@ -138,10 +137,6 @@ def _head_features(config: NightlyConfig, target: LoadedModel) -> tuple[list[int
 
 def probe_harness(config: NightlyConfig, target: LoadedModel, prompts: list[Prompt]) -> EngineSpeed:
     """The harness answering one batch as the stage does (teacher, and features for a head), after a warm-up."""
-    from specdistill.distill.datagen import generate_answers
-    from specdistill.distill.features import FeatureCache
-    from specdistill.modeling.models import dtype_name
-
     g, head = config.generation, _head_features(config, target)
     with tempfile.TemporaryDirectory(prefix="answer-probe-") as tmp:
         generate_answers(target.model, target.tokenizer, prompts[:2], Path(tmp) / "warm.jsonl", batch_size=2,
@@ -161,17 +156,10 @@ def probe_harness(config: NightlyConfig, target: LoadedModel, prompts: list[Prom
 def probe_llamacpp(config: NightlyConfig, target: LoadedModel, prompts: list[Prompt]) -> EngineSpeed:
     """llama-server answering the same prompts over its slots (started here, not timed: once per night), then,
     for a head, the harness's feature pass over its answers, batched as the trainer runs it."""
-    from specdistill.data.prompts import encode_chat
-    from specdistill.distill.datagen import encode_generated
-    from specdistill.distill.features import build_feature_cache
-    from specdistill.engines.build import cached
-    from specdistill.engines.llamacpp import gguf_dtype, target_server
-    from specdistill.pipeline.engine_answers import complete_ids, connect, generate_answers_openai
-
     g, head = config.generation, _head_features(config, target)
     ctx_per_slot = config.window.max_prompt_tokens + g.max_new_tokens + 1
     with target_server(config.target, parallel=g.parallel, ctx_per_slot=ctx_per_slot, threads=config.serving.threads,
-                       engine=cached()) as server, tempfile.TemporaryDirectory(prefix="answer-probe-") as tmp:
+                       engine=build.cached()) as server, tempfile.TemporaryDirectory(prefix="answer-probe-") as tmp:
         served = connect(server.url, encode_chat(target.tokenizer, prompts[0].messages), g.teacher_top_k)
         complete_ids(served.url, encode_chat(target.tokenizer, prompts[0].messages), model=served.model,
                      max_tokens=2, top_logprobs=served.top_k)  # warm-up

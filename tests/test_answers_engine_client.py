@@ -18,8 +18,8 @@ import torch
 from specdistill.config import ConfigError
 from specdistill.engines.client import EngineRequestError
 from specdistill.engines.server import free_port
+from specdistill.pipeline.answers.engine_client import base_url, connect, parse_completion, teacher_entry
 from specdistill.pipeline.config import load_nightly_config
-from specdistill.pipeline.engine_answers import base_url, connect, parse_completion, teacher_entry
 
 # llama-server 11434's /v1/completions reply (logprobs=3) for "Name three colors." (4 tokens), bytes dropped
 LLAMACPP_REPLY = {"choices": [{"text": "1. Red\n", "index": 0, "finish_reason": "length", "logprobs": {"content": [
@@ -147,7 +147,7 @@ class _ExpiresAfter:
 
 def test_no_request_is_sent_after_the_deadline_and_what_finished_is_kept(demo_tokenizer, tmp_path):
     from specdistill.distill.teacher import TeacherCache
-    from specdistill.pipeline.engine_answers import generate_answers_openai
+    from specdistill.pipeline.answers.engine_client import generate_answers_openai
 
     server = _fake_server((200, LLAMACPP_REPLY))
     try:
@@ -197,9 +197,9 @@ def served(llama_cpp):
 @pytest.mark.e2e
 def test_answers_and_teacher_rows_from_llama_server(served, demo_tokenizer, tmp_path):
     from specdistill.data.prompts import encode_chat
-    from specdistill.distill.datagen import encode_generated
+    from specdistill.distill.examples import encode_generated
     from specdistill.distill.teacher import TeacherCache
-    from specdistill.pipeline.engine_answers import generate_answers_openai
+    from specdistill.pipeline.answers.engine_client import generate_answers_openai
 
     prompts = _prompts(PROMPTS[:3])
     engine = connect(served.url + "/v1", encode_chat(demo_tokenizer, prompts[0].messages), 16)
@@ -229,7 +229,7 @@ def test_a_failed_request_keeps_what_finished_and_a_rerun_asks_only_the_rest(ser
                                                                               monkeypatch):
     from specdistill.data.prompts import encode_chat
     from specdistill.distill.teacher import TeacherCache
-    from specdistill.pipeline import engine_answers as answers
+    from specdistill.pipeline.answers import engine_client as answers
 
     prompts = _prompts(PROMPTS[:4] + ["Repeat this: " + "blue sky " * 200])  # over the slot's 256 tokens
     engine = connect(served.url, encode_chat(demo_tokenizer, prompts[0].messages), 4)
@@ -259,7 +259,8 @@ def test_nightly_answer_stage_through_llama_server_feeds_the_trainer(llama_cpp, 
     """`generation.backend=openai` with no URL: the stage starts llama-server on the demo GGUF, writes the
     teacher cache (k and engine recorded), and the nightly's distillation trains a layer draft on it."""
     from specdistill.distill.teacher import CACHE_META
-    from specdistill.pipeline import answers, nightly
+    from specdistill.pipeline import nightly
+    from specdistill.pipeline.answers import stage as answers
 
     traffic = tmp_path / "traffic.jsonl"
     traffic.write_text("".join(json.dumps({"prompt": f"{t} ({i})", "response": "ok"}) + "\n"

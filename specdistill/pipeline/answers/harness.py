@@ -1,0 +1,108 @@
+"""The target answers prompts in this process (sequence-level distillation's data).
+
+A draft learns the target's own output distribution far faster from the target's answers than from
+the human-written ones in the logs (DistillSpec). Generation is batched with left padding, greedy
+or sampled, through an own decode loop (`decode_loop.decode_batch`: no cache re-concatenation, no steps for
+finished answers, prefills grouped by length), and append-only (`answer_file`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import zlib
+from collections.abc import Iterable
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from specdistill import paths
+from specdistill.budget import Deadline
+from specdistill.data.prompts import Prompt, encode_chat
+from specdistill.distill.features import FEATURE_DTYPE, FeatureCache, feature_start
+from specdistill.distill.teacher import TeacherCache
+from specdistill.modeling.attention import decode_attention_for
+from specdistill.pipeline.answers.answer_file import answer_record, append_records, resume
+from specdistill.pipeline.answers.decode_loop import FeatureRecorder, TopKRecorder, decode_batch
+
+SORT_CHUNK = 8  # batches sorted by length together: little padding, and a time cut keeps a sample of the prompts
+
+
+@torch.inference_mode()
+def generate_answers(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Iterable[Prompt],
+    out_path: str | os.PathLike,
+    *,
+    batch_size: int = 16,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    seed: int = 0,
+    progress: bool = True,
+    teacher_cache: TeacherCache | None = None,
+    feature_cache: FeatureCache | None = None,
+    decode_attention: bool = True,
+    deadline: Deadline | None = None,
+) -> dict[str, dict]:
+    """Answer every prompt with the target, appending one JSONL record per answer; returns all records.
+
+    With a `deadline`, no batch starts after it: the answers written so far are kept and returned (a
+    later run with more time resumes from them). Prompts are answered in their given order, chunk by
+    chunk (`SORT_CHUNK` batches), sorted by length inside a chunk so a batch pads little while a cut
+    leaves a sample of the prompts rather than the shortest ones. With sampling, each batch is seeded from
+    `seed` and its first id, so a resumed run samples what an uninterrupted one would have.
+    With `teacher_cache`, the target's top-k log-probs at every answer token (temperature 1, full
+    vocabulary) go into it too, so no second target pass is needed for offline distillation; with
+    `feature_cache`, so do the EAGLE-3 feature layers' inputs at the positions the cache stores (its
+    `layers` and `prompt_context`), as seen by the target's decode steps.
+    `decode_attention`: decode steps use `modeling.attention.decode_attention` instead of SDPA's
+    CPU flash kernel (faster for a batch; the same answers up to numerical near-ties).
+    """
+    if teacher_cache is not None and temperature > 0:
+        raise ValueError("record the teacher during greedy generation only; for sampled answers use teacher.build_cache")
+    context = feature_cache.meta["prompt_context"] if feature_cache is not None else None
+    out_path = Path(out_path)
+    done, todo = resume(out_path, prompts, [teacher_cache, feature_cache])
+    encoded = [(p, encode_chat(tokenizer, p.messages)) for p in todo]
+    chunk = SORT_CHUNK * batch_size
+    encoded = [x for begin in range(0, len(encoded), chunk) for x in sorted(encoded[begin:begin + chunk], key=lambda x: len(x[1]))]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id
+    bar = tqdm(total=len(encoded), desc="target answers", unit="prompt", disable=not progress, file=sys.stderr)
+    new_tokens = 0
+    with paths.open_private(out_path, "a", encoding="utf-8") as out:  # answers to production traffic: the owner only
+        for start in range(0, len(encoded), batch_size):
+            if deadline is not None and deadline.expired():
+                bar.write(f"target answers: time budget reached after {len(done)} of {len(done) + len(encoded) - start} "
+                          f"prompts; the answers so far are kept", file=sys.stderr)
+                break
+            batch = encoded[start : start + batch_size]
+            if temperature > 0:
+                torch.manual_seed(seed + zlib.crc32(batch[0][0].id.encode()))
+            recorder = None if teacher_cache is None else TopKRecorder(
+                int(teacher_cache.meta["k"]), float(teacher_cache.meta["temperature"]), len(batch), max_new_tokens)
+            features = None if feature_cache is None else FeatureRecorder(
+                feature_cache.meta["layers"], context, len(batch), max_new_tokens)
+            with decode_attention_for(target) if decode_attention else nullcontext():
+                generated = decode_batch(target, [ids for _, ids in batch], max_new_tokens=max_new_tokens, pad=pad,
+                                         eos=eos, temperature=temperature, recorder=recorder, features=features)
+            answers = [a[: a.index(eos) + 1] if eos in a else a for a in generated.tolist()]
+            rows = [(row, p.id, torch.tensor(ids + a, dtype=torch.int32), ids, a) for row, ((p, ids), a) in enumerate(zip(batch, answers))]
+            name = f"gen-{zlib.crc32('|'.join(p.id for p, _ in batch).encode()):08x}"
+            if recorder is not None:
+                teacher_cache.write_shard(name, {pid: {"input_ids": seq, **recorder.rows(row, len(a))} for row, pid, seq, _, a in rows})
+            if features is not None:
+                feature_cache.write_shard(name, {pid: {
+                    "input_ids": seq, "start": torch.tensor(feature_start([False] * len(ids) + [True] * len(a), context),
+                                                             dtype=torch.int64),
+                    "features": features.rows(row, len(a)).to(FEATURE_DTYPE)} for row, pid, seq, ids, a in rows})
+            new_tokens += append_records(out, [answer_record(p, ids, a, tokenizer, "eos" if eos in a else "length", temperature)
+                                               for (p, ids), a in zip(batch, answers)], done)
+            bar.update(len(batch))
+            bar.set_postfix(tokens=new_tokens)
+    bar.close()
+    return done
