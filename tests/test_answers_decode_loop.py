@@ -85,11 +85,13 @@ def test_preallocated_cache_takes_separate_prefills_and_drops_rows(target):
             target(input_ids=ids[rows], cache=part, use_cache=True)
             write_rows(cache, torch.tensor(rows), 3, part)
         assert cache.get_seq_length() == 3
-        assert torch.allclose(cache.layers[1].keys, whole.layers[1].keys, atol=1e-6)
+        # layer 1's keys come from layer 0's output computed in batches of 3 and of 2+1 rows: fp32 GEMMs of
+        # other shapes round differently (1e-5 on AVX2 kernels); a row written to the wrong place is off by O(1)
+        assert torch.allclose(cache.layers[1].keys, whole.layers[1].keys, atol=1e-4)
         select_rows(cache, torch.tensor([0, 2]))
         assert torch.equal(cache.layers[0].keys, cache.layers[0].key_buffer[:, :, :3])
         assert dense_buffers(cache.layers[0].keys, cache.layers[0].values)[0] is cache.layers[0].key_buffer
-        assert torch.allclose(cache.layers[0].values, whole.layers[0].values[[0, 2]], atol=1e-6)
+        assert torch.allclose(cache.layers[0].values, whole.layers[0].values[[0, 2]], atol=1e-4)
         target(input_ids=ids[[0, 2], :1], cache=cache, use_cache=True)
         assert cache.get_seq_length() == 4
         cache.crop(-2)
