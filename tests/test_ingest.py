@@ -168,15 +168,38 @@ def test_failure_mid_ingest_leaves_the_store_consistent_and_a_rerun_completes(st
 
 def _ingest_command(url: str, path: Path, batch: int, barrier: Path | None = None) -> list[str]:
     """An ingest in its own process. With `barrier`, it touches `barrier.<pid>` once imported and waits for
-    `barrier` itself before reading, so processes started together start ingesting together."""
-    wait = ("" if barrier is None else
-            f"import os, time, pathlib; b = pathlib.Path({str(barrier)!r}); "
-            "pathlib.Path(f'{b}.{os.getpid()}').touch(); t = time.time() + 120; "
-            "exec('while not b.exists() and time.time() < t: time.sleep(0.01)'); ")
+    `barrier` itself before reading; then, after its first stored batch, it touches `barrier.first.<pid>` and
+    waits until every process has stored one. So processes started together really ingest at the same time,
+    however loaded the machine (3,000 lines take a quarter second: without the second wait one could finish
+    before the other began)."""
     code = (
-        "import sys, json; from specdistill.data.ingest import ingest; from specdistill.data.logstore import LogStore; "
-        f"{wait}r = ingest({str(path)!r}, 'jsonl', LogStore(sys.argv[1]), batch_size={batch}, progress=False); "
-        "print(json.dumps(r.to_dict()))"
+        "import sys, json, os, time, pathlib\n"
+        "from specdistill.data.ingest import ingest\n"
+        "from specdistill.data.logstore import LogStore\n"
+    )
+    if barrier is not None:
+        code += (
+            f"b = pathlib.Path({str(barrier)!r})\n"
+            "pathlib.Path(f'{b}.{os.getpid()}').touch()\n"
+            "t = time.time() + 120\n"
+            "while not b.exists() and time.time() < t:\n"
+            "    time.sleep(0.01)\n"
+            "n = len(list(b.parent.glob(b.name + '.[0-9]*')))\n"
+            "add = LogStore.add_batch\n"
+            "def first_batch_together(self, *a, _done=[], **k):\n"
+            "    out = add(self, *a, **k)\n"
+            "    if not _done:\n"
+            "        _done.append(1)\n"
+            "        pathlib.Path(f'{b}.first.{os.getpid()}').touch()\n"
+            "        t = time.time() + 120\n"
+            "        while len(list(b.parent.glob(b.name + '.first.*'))) < n and time.time() < t:\n"
+            "            time.sleep(0.01)\n"
+            "    return out\n"
+            "LogStore.add_batch = first_batch_together\n"
+        )
+    code += (
+        f"r = ingest({str(path)!r}, 'jsonl', LogStore(sys.argv[1]), batch_size={batch}, progress=False)\n"
+        "print(json.dumps(r.to_dict()))\n"
     )
     return [sys.executable, "-c", code, url]
 
