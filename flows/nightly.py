@@ -69,7 +69,7 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
     clock.lap("benchmark")
     verdict = t.gate(config, results[Role.CHALLENGER], results.get(Role.CHAMPION), results, speeds)
     serving = t.choose_serving(config, window, results, verdict, speeds)
-    trained_on = pool_report(pooled, trained.stale_dropped)
+    trained_on = pool_report(pooled, trained.stale_dropped, train_data)
     report = report_table(results, verdict, serving=serving, target=target, speeds=speeds) + "\n\n" + trained_on
     report_path = write_report(report, window)
     registered = t.register(config, target, window, trained, results, verdict,

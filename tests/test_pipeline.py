@@ -414,7 +414,7 @@ def test_the_answer_pass_records_the_heads_features_so_training_needs_no_second_
     train = generate_responses(config, window, "train", record_teacher=True)
     heldout = generate_responses(config, window, "eval", record_teacher=False)
     shards = sorted(p.name for p in features_dir(train.teacher_cache).glob("shard-*"))
-    assert shards and all(name.startswith("shard-gen-") for name in shards)
+    assert shards and all(name.startswith(("shard-gen-", "shard-log-")) for name in shards)  # decoded, or labelled by prefill
     result = pipeline.distill_draft(config, train, heldout)
     assert result.steps == 4 and built == [("features-heldout", 4)]  # the held-out answers only: whole prompts
     assert sorted(p.name for p in features_dir(train.teacher_cache).glob("shard-*")) == shards

@@ -26,7 +26,7 @@ from specdistill.cli.common import (
 def cmd_target_register(args: argparse.Namespace) -> int:
     from specdistill.ops.targets import register_target
 
-    version = register_target(args.path)
+    version = register_target(args.path, served_names=args.served_name or ())
     emitted = False
     if not args.no_event:
         from flows.events import emit_target_updated  # the flows are the one place Prefect is imported
@@ -42,7 +42,8 @@ def cmd_target_history(args: argparse.Namespace) -> int:
     from specdistill.ops.targets import target_history
 
     versions = [v.to_dict() for v in target_history()]
-    lines = [f"{v['registered_at']}  {v['fingerprint']}  {v['path']}" for v in versions] or ["no target registered"]
+    lines = [f"{v['registered_at']}  {v['fingerprint']}  {v['path']}"
+             + (f"  served as {', '.join(v['served_names'])}" if v["served_names"] else "") for v in versions] or ["no target registered"]
     emit(args, {"versions": versions}, "\n".join(lines))
     return 0
 
@@ -126,6 +127,9 @@ def register(sub: Subcommands) -> None:
     p = command(target, "register", cmd_target_register, "record a target (its fingerprint and location) as the current version",
                 example="target register models/target-v2 --no-event")
     p.add_argument("--no-event", action="store_true", help="do not emit the specdistill.target.updated Prefect event")
+    p.add_argument("--served-name", action="append", metavar="NAME",
+                   help="a model name production logs this version's responses under (an OpenAI log's `model`); "
+                        "those responses are its own answers, trained on as they are (repeatable)")
     p.add_argument("path", help="HF directory, .gguf file or 'demo'")
     command(target, "history", cmd_target_history, "every recorded target version, oldest first", example="target history")
 

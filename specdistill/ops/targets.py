@@ -27,6 +27,9 @@ class TargetVersion(Record):
     path: str  # the HF directory the weights were read from
     ref: str  # the reference it was registered under (`demo`, a directory, a .gguf file)
     registered_at: str  # ISO 8601, UTC
+    # the model names production logs this version's responses under (an OpenAI log's `model`): those
+    # responses are its own answers, used as training data as they are (`pipeline.answers.logged`)
+    served_names: tuple[str, ...] = ()
 
 
 @dataclass
@@ -52,7 +55,7 @@ def target_history(path: str | Path | None = None) -> list[TargetVersion]:
         return []
     try:
         data = json.loads(path.read_text())
-        return [TargetVersion(**entry) for entry in data["versions"]]
+        return [TargetVersion(**{**entry, "served_names": tuple(entry.get("served_names", ()))}) for entry in data["versions"]]
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"corrupt target history {path}: {exc}") from exc
 
@@ -75,16 +78,27 @@ def fingerprint_of(ref: str | os.PathLike) -> tuple[str, Path]:
 
 
 def register_target(ref: str | os.PathLike, *, fingerprint: str | None = None, model_dir: str | Path | None = None,
-                    path: str | Path | None = None) -> TargetVersion:
+                    path: str | Path | None = None, served_names: tuple[str, ...] | list[str] = ()) -> TargetVersion:
     """Record `ref` as the current target version (appended even when it equals an older version:
-    a rollback to an earlier target is a change too). Registering the current version again is a no-op."""
+    a rollback to an earlier target is a change too). Registering the current version again is a no-op,
+    except that `served_names` it did not have yet are added to it."""
     if fingerprint is None or model_dir is None:
         fingerprint, model_dir = fingerprint_of(ref)
+    for name in served_names:
+        if not name or not name.strip() or len(name) > 256:
+            raise ValueError(f"a served model name is 1 to 256 characters, not {name!r}")
     path = Path(path) if path else history_path()
     history = target_history(path)
     if history and history[-1].fingerprint == fingerprint and history[-1].path == str(model_dir):
-        return history[-1]
-    version = TargetVersion(fingerprint, str(model_dir), str(ref), datetime.now(timezone.utc).isoformat())
+        last = history[-1]
+        names = tuple(dict.fromkeys([*last.served_names, *served_names]))
+        if names == last.served_names:
+            return last
+        updated = TargetVersion(last.fingerprint, last.path, last.ref, last.registered_at, names)
+        _write_history(history[:-1] + [updated], path)
+        return updated
+    version = TargetVersion(fingerprint, str(model_dir), str(ref), datetime.now(timezone.utc).isoformat(),
+                            tuple(dict.fromkeys(served_names)))
     _write_history(history + [version], path)
     return version
 

@@ -29,6 +29,7 @@ from specdistill.ops.policy import (
     Role,
     gate_config,
 )
+from specdistill.pipeline.answers.config import GenerationConfig
 
 if TYPE_CHECKING:
     from specdistill.engines.bench import EngineBenchConfig
@@ -52,38 +53,6 @@ class WindowConfig(Strict):
     replay_share: float = Field(0.25, ge=0.0, lt=1.0)  # of train prompts drawn from before the window
     max_prompt_tokens: int = Field(MAX_PROMPT_TOKENS, ge=16)  # the monitor replays within the same bound
     seed: int = 0
-
-
-class GenerationConfig(Strict):
-    """How the target answers the window's prompts (greedy) and records its top-k teacher on the way.
-
-    `harness`: this PyTorch harness, `batch_size` prompts per batched forward, in the run's dtype.
-    `openai`: a serving engine through its OpenAI-compatible API, `parallel` requests at a time over its
-    slots: the server at `url` (vLLM, SGLang or llama.cpp; with or without the trailing `/v1`), or, with
-    `url: null`, a server started here for the window and stopped after (`engine`): llama-server on the
-    target's GGUF (`demo` or a `.gguf` target), or vLLM on its HF directory (`make vllm`), with
-    `serving.threads` threads, as `serving.engine` does. The teacher is then the engine's top-k as
-    served (k = `teacher_top_k` or fewer when the server caps it, recorded in the cache).
-    `auto`: whichever of the two (llama-server on the target's GGUF, when built) answered a probe batch
-    faster on this machine (`pipeline.answers.choose_engine`)."""
-
-    max_new_tokens: int = Field(96, ge=1)
-    # the train answers' wall-clock budget (null: none): answers stop between batches when it is spent,
-    # and training uses what was written (bf16 answers the demo's 1024 in ~6 min; fp32 on AVX2 took ~19)
-    max_minutes: float | None = Field(7.0, ge=0.0)
-    batch_size: int = Field(16, ge=1)  # backend openai: answers per teacher shard (what a kill can lose)
-    teacher_top_k: int = Field(32, ge=1)
-    # auto: the faster of the harness and a built llama.cpp on this machine, measured (pipeline.answers.choose_engine)
-    backend: Literal["harness", "openai", "auto"] = "harness"
-    url: str | None = None  # backend openai: the server's base URL; null: start `engine` on the target
-    engine: Literal["llamacpp", "vllm"] = "llamacpp"  # backend openai without a url: the server started here
-    parallel: int = Field(8, ge=1)  # backend openai: concurrent requests (the started llama-server's slots)
-
-    @model_validator(mode="after")
-    def _url_needs_openai(self):
-        if self.url and self.backend != "openai":
-            raise ValueError("generation.url is read by generation.backend=openai only")
-        return self
 
 
 # the flat keys of the `train:` section before it became the distillation config itself

@@ -52,7 +52,8 @@ def nightly_corpus(config, train_data: GeneratedData, target_fingerprint: str) -
 
 
 def read_answers(path: str | Path) -> list[dict]:
-    """The answers JSONL (`pipeline.answers.harness.generate_answers`): every record with `id` and `response_ids`;
+    """The target's answers in an answers JSONL (`pipeline.answers`): every record with `id` and `response_ids`
+    but other models' labelled responses;
     a torn last line (a killed writer) is skipped, any other bad line is an error naming it."""
     path = Path(path)
     records = []
@@ -63,6 +64,8 @@ def read_answers(path: str | Path) -> list[dict]:
             continue
         try:
             rec = json.loads(line)
+            if rec.get("source") == "other":  # another model's logged response, labelled: not the target's text
+                continue
             records.append({"id": str(rec["id"]), "response_ids": [int(t) for t in rec["response_ids"]]})
         except (ValueError, KeyError, TypeError) as exc:
             if n == len(lines):  # the torn tail of an interrupted write

@@ -24,6 +24,7 @@ from specdistill.ops.metrics import LiveSample
 from specdistill.ops.monitor import AcceptanceSample, FallbackDecision
 from specdistill.ops.policy import GateVerdict
 from specdistill.ops.targets import TargetChange
+from specdistill.pipeline.answers.logged import LoggedData
 
 if TYPE_CHECKING:  # for annotations only: the registry imports MLflow, and serve imports this module
     from specdistill.ops.registry import RegisteredDraft
@@ -101,6 +102,7 @@ class GeneratedData(Record):
     tokens: int
     answered_by: str = ""  # the harness's dtype, or the engine and its weights (`llamacpp:Q4_1`)
     engine_choice: str | None = None  # generation.backend auto: the measurement that chose it (a report line)
+    logged: LoggedData | None = None  # train answers: what the logged responses gave (labelled by prefill)
 
 
 @dataclass

@@ -82,11 +82,33 @@ def _reanswer(config: NightlyConfig, pool, window: Window, old_fingerprint: str)
     return data.answers
 
 
-def pool_report(pooled: PooledData, stale_dropped: int = 0) -> str:
+def data_line(tonight: GeneratedData) -> str:
+    """Where tonight's training data came from: decoded answers and the logged responses labelled by prefill."""
+    logged = tonight.logged
+    if logged is None:
+        return f"tonight's data: {tonight.answers} answers decoded by the target, {tonight.tokens} tokens"
+    decoded = tonight.answers - logged.own
+    parts = [f"{decoded} answers decoded by the target ({tonight.tokens - logged.own_tokens - logged.other_tokens} tokens)",
+             f"{logged.own} logged answers of this target used as they are ({logged.own_tokens} tokens)",
+             f"{logged.other} other models' responses labelled by the target ({logged.other_tokens} tokens)"]
+    notes = []
+    if logged.refused:
+        notes.append(f"{logged.refused} claimed by this target refused by the likelihood check (below "
+                     f"{logged.floor:.2f} nats per token) and answered again")
+    if logged.skipped:
+        notes.append("skipped: " + ", ".join(f"{n} {reason}" for reason, n in sorted(logged.skipped.items())))
+    if logged.not_labelled:
+        notes.append(f"{logged.not_labelled} logged responses not labelled for lack of time")
+    return "tonight's data: " + " · ".join(parts) + "".join(f"\n- {n}" for n in notes)
+
+
+def pool_report(pooled: PooledData, stale_dropped: int = 0, tonight: GeneratedData | None = None) -> str:
     """The report's lines on what the night trained on (`stale_dropped`: answers the trainer left out
-    because their cached teacher rows were written for other token ids)."""
+    because their cached teacher rows were written for other token ids), after tonight's data line."""
     stale = (f"\n- {stale_dropped} answers not trained on: their cached teacher rows were written for other "
              "token ids") if stale_dropped else ""
+    if tonight is not None:
+        return data_line(tonight) + "\n\n" + pool_report(pooled, stale_dropped)
     s = pooled.pool
     if s is None:
         return (f"trained on tonight's answers only (pool disabled): {pooled.answers} answers, {pooled.tokens} tokens"

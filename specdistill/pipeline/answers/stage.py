@@ -9,6 +9,7 @@ engine and its weights: `llamacpp-Q4_1`, `openai-MODEL`): answers from another e
 from __future__ import annotations
 
 import re
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from specdistill.budget import Deadline
 from specdistill.data.logstore import LogStore
 from specdistill.data.prompts import Prompt, encode_chat
 from specdistill.distill.config import Eagle3Config
+from specdistill.distill.examples import read_done
 from specdistill.distill.features import FEATURE_META, FeatureCache
 from specdistill.distill.teacher import TeacherCache
 from specdistill.engines import llamacpp, vllm_bench
@@ -25,12 +27,14 @@ from specdistill.modeling.models import LoadedModel, dtype_name, shared_model
 from specdistill.pipeline.answers.choose_engine import choose_answer_engine
 from specdistill.pipeline.answers.engine_client import connect, generate_answers_openai
 from specdistill.pipeline.answers.harness import generate_answers
+from specdistill.pipeline.answers.logged import LoggedData, label_logged
 from specdistill.pipeline.budget import stage_deadline
 from specdistill.pipeline.config import NightlyConfig, config_hash, run_root
 from specdistill.pipeline.outputs import GeneratedData, Window
 
 ENGINE_ONLY = {"backend", "url", "engine", "parallel"}  # settings the harness's answers do not depend on
-Answered = tuple[dict[str, dict], str, Path, str | None]  # records by id, what answered, answers file, teacher cache
+# records by id, what answered, answers file, teacher cache, what the logged responses gave
+Answered = tuple[dict[str, dict], str, Path, str | None, LoggedData | None]
 
 
 def generate_responses(config: NightlyConfig, window: Window, split: str, *, record_teacher: bool,
@@ -48,7 +52,7 @@ def generate_responses(config: NightlyConfig, window: Window, split: str, *, rec
     g = config.generation
     answer = _answer_in_harness if g.backend == "harness" else _answer_in_engine
     deadline = stage_deadline(config, "answers", deadline_at) if split == "train" else None
-    records, source, out_path, cache_dir = answer(config, target, window, split, prompts, record_teacher, deadline)
+    records, source, out_path, cache_dir, logged = answer(config, target, window, split, prompts, record_teacher, deadline)
     if split == "train" and not any(p.id in records for p in window.split(split)):
         raise ValueError(f"the time budget left no time to answer any of the {len(prompts)} train prompts "
                          f"(generation.max_minutes={g.max_minutes}, deadline_minutes={config.deadline_minutes}): "
@@ -56,14 +60,15 @@ def generate_responses(config: NightlyConfig, window: Window, split: str, *, rec
     with LogStore(config.log_db) as store:
         for p in window.split(split):
             rec = records.get(p.id)
-            if rec is None:  # cut by the time budget
+            if rec is None or rec.get("source"):  # cut by the time budget; a logged answer is in the store already
                 continue
             store.add_response(int(p.id), target.fingerprint, rec["response"], prompt_messages=len(p.messages),
                                params={"temperature": 0.0, "max_new_tokens": g.max_new_tokens, "dtype": source},
                                token_ids=rec["response_ids"])
-    return GeneratedData(path=str(out_path), teacher_cache=cache_dir, answers=len(records),
+    answered = sum(1 for p in window.split(split) if p.id in records)  # decoded, or a logged answer of this target
+    return GeneratedData(path=str(out_path), teacher_cache=cache_dir, answers=answered,
                          tokens=sum(len(r["response_ids"]) for r in records.values()), answered_by=source,
-                         engine_choice=engine.summary() if engine is not None else None)
+                         engine_choice=engine.summary() if engine is not None else None, logged=logged)
 
 
 def _outputs(config: NightlyConfig, window: Window, fingerprint: str, split: str, source: str, k: int,
@@ -88,10 +93,11 @@ def _answer_in_harness(config: NightlyConfig, target: LoadedModel, window: Windo
     dtype = dtype_name(target.model.dtype)
     out_path, cache = _outputs(config, window, target.fingerprint, split, dtype, g.teacher_top_k, record_teacher)
     features = _feature_cache(config, target, out_path, cache)
+    logged = _label_logged(config, target, prompts, out_path, cache, features, deadline)
     records = generate_answers(target.model, target.tokenizer, prompts, out_path, batch_size=g.batch_size,
                                max_new_tokens=g.max_new_tokens, teacher_cache=cache, feature_cache=features,
                                deadline=deadline)
-    return records, dtype, out_path, str(cache.dir) if cache else None
+    return records, dtype, out_path, str(cache.dir) if cache else None, logged
 
 
 def features_dir(teacher_cache: str | Path, layers: list[int] | None = None) -> Path:
@@ -143,7 +149,21 @@ def _answer_in_engine(config: NightlyConfig, target: LoadedModel, window: Window
         served = connect(url, encode_chat(target.tokenizer, probe), g.teacher_top_k)
         source = source or f"openai:{served.model.rstrip('/').rsplit('/', 1)[-1]}"
         out_path, cache = _outputs(config, window, target.fingerprint, split, source, served.top_k, record_teacher)
+        logged = _label_logged(config, target, prompts, out_path, cache, None, deadline)
         records = generate_answers_openai(served, target.tokenizer, prompts, out_path, parallel=g.parallel,
                                           batch_size=g.batch_size, max_new_tokens=g.max_new_tokens, teacher_cache=cache,
                                           deadline=deadline)
-    return records, source, out_path, str(cache.dir) if cache else None
+    return records, source, out_path, str(cache.dir) if cache else None, logged
+
+
+def _label_logged(config: NightlyConfig, target: LoadedModel, prompts: list[Prompt], out_path: Path,
+                  teacher: TeacherCache | None, features: FeatureCache | None, deadline: Deadline | None) -> LoggedData | None:
+    """Train answers only: the prompts' logged responses, labelled by prefill first, within
+    `generation.logged.max_share` of the answers' time left; the decoding gets the rest."""
+    if teacher is None:
+        return None
+    now = time.time()
+    share = config.generation.logged.max_share
+    remaining = None if deadline is None or deadline.at is None else deadline.remaining(now)
+    labelling = Deadline(None if remaining is None else now + share * remaining)
+    return label_logged(config, target, prompts, out_path, teacher, features, labelling, read_done(out_path))

@@ -1,0 +1,61 @@
+"""The `generation:` section: how the night's training data is bought. The target answers the window's
+prompts (decode speed, on-policy), and the logged responses are labelled by one target prefill (prefill
+speed): the current target's own, used as they are, and other models', as extra examples."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from specdistill.config import Strict
+
+
+class LoggedConfig(Strict):
+    """`generation.logged`: the window's logged responses as training data (`pipeline.answers.logged`).
+
+    `served_names` maps a model name production logs responses under (an OpenAI log's `model`) to the
+    target that served it (its reference, directory or fingerprint; `specdistill target register PATH
+    --served-name NAME` records the same): the responses of the current target's names are its own
+    answers. `other`: other models' responses (ShareGPT's are ChatGPT's) labelled too, on by measurement
+    (`benchmarks/data_sources.py`). Labelling takes at most `max_share` of the answers' time budget."""
+
+    own: bool = True
+    other: bool = True
+    served_names: dict[str, str] = {}
+    max_share: float = Field(0.5, ge=0.0, le=1.0)
+    max_tokens: int = Field(192, ge=1)  # response tokens labelled per logged response (a longer one is cut)
+    tokens_per_batch: int = Field(4096, ge=64)  # padded tokens per labelling prefill
+
+
+class GenerationConfig(Strict):
+    """How the target answers the window's prompts (greedy) and records its top-k teacher on the way.
+
+    `harness`: this PyTorch harness, `batch_size` prompts per batched forward, in the run's dtype.
+    `openai`: a serving engine through its OpenAI-compatible API, `parallel` requests at a time over its
+    slots: the server at `url` (vLLM, SGLang or llama.cpp; with or without the trailing `/v1`), or, with
+    `url: null`, a server started here for the window and stopped after (`engine`): llama-server on the
+    target's GGUF (`demo` or a `.gguf` target), or vLLM on its HF directory (`make vllm`), with
+    `serving.threads` threads, as `serving.engine` does. The teacher is then the engine's top-k as
+    served (k = `teacher_top_k` or fewer when the server caps it, recorded in the cache).
+    `auto`: whichever of the two (llama-server on the target's GGUF, when built) answered a probe batch
+    faster on this machine (`pipeline.answers.choose_engine`)."""
+
+    max_new_tokens: int = Field(96, ge=1)
+    # the train answers' wall-clock budget (null: none): answers stop between batches when it is spent,
+    # and training uses what was written (bf16 answers the demo's 1024 in ~6 min; fp32 on AVX2 took ~19)
+    max_minutes: float | None = Field(7.0, ge=0.0)
+    batch_size: int = Field(16, ge=1)  # backend openai: answers per teacher shard (what a kill can lose)
+    teacher_top_k: int = Field(32, ge=1)
+    # auto: the faster of the harness and a built llama.cpp on this machine, measured (pipeline.answers.choose_engine)
+    backend: Literal["harness", "openai", "auto"] = "harness"
+    url: str | None = None  # backend openai: the server's base URL; null: start `engine` on the target
+    engine: Literal["llamacpp", "vllm"] = "llamacpp"  # backend openai without a url: the server started here
+    parallel: int = Field(8, ge=1)  # backend openai: concurrent requests (the started llama-server's slots)
+    logged: LoggedConfig = LoggedConfig()
+
+    @model_validator(mode="after")
+    def _url_needs_openai(self):
+        if self.url and self.backend != "openai":
+            raise ValueError("generation.url is read by generation.backend=openai only")
+        return self

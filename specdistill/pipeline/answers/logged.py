@@ -1,0 +1,188 @@
+"""The window's logged responses as training data, labelled at prefill speed (`distill.prefill`).
+
+A train prompt's conversation in the log store carries the response production gave and, in OpenAI
+logs, the model name that served it (`conversations.target_version`). Two kinds are used:
+
+- **own**: served under a name of the current target version (`generation.logged.served_names`, and the
+  names `specdistill target register --served-name` recorded). It *is* the target's answer: one prefill
+  labels it and it stands in for a regenerated answer (same id). Not trusted blindly: a response whose
+  mean log-likelihood under the target is below what the target itself writes (`likelihood_floor`, from
+  its own sampled answers) is refused, counted, and the prompt is answered again.
+- **other**: written by another model (ShareGPT's ChatGPT answers, an older target version), labelled the
+  same way when `generation.logged.other` is on: off-policy text with an on-policy teacher, as an extra
+  example (`<id>~log`) beside the prompt's regenerated answer. Never in the suffix corpus: not the target's text.
+
+A response that is empty, cut mid-character, carries chat-template control tokens or does not fit the
+target's context is skipped with its reason counted; nothing else is lost.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specdistill import paths
+from specdistill.budget import Deadline
+from specdistill.config import ConfigError
+from specdistill.data.logstore import LogStore
+from specdistill.data.prompts import Prompt, encode_chat
+from specdistill.data.record import Record
+from specdistill.distill.examples import Example, encode_conversation
+from specdistill.distill.features import FeatureCache
+from specdistill.distill.prefill import Labelled, label_by_prefill
+from specdistill.distill.teacher import TeacherCache
+from specdistill.modeling.models import LoadedModel
+from specdistill.ops.targets import target_history
+from specdistill.pipeline.answers.answer_file import append_records
+from specdistill.pipeline.answers.harness import generate_answers
+
+OTHER_SUFFIX = "~log"  # the id of another model's labelled response: `<conversation id>~log`
+# the likelihood floor: this quantile of the target's own answers sampled at temperature 1, less a margin
+FLOOR_QUANTILE, FLOOR_MARGIN, FLOOR_PROMPTS = 0.05, 0.5, 16
+
+
+@dataclass
+class LoggedData(Record):
+    """What the logged responses gave tonight (the report's data lines)."""
+
+    own: int = 0  # logged answers of the current target, used as they are
+    own_tokens: int = 0
+    other: int = 0  # other models' responses labelled by the target
+    other_tokens: int = 0
+    refused: int = 0  # claimed by the current target, refused by the likelihood check: answered again
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> count
+    not_labelled: int = 0  # left for lack of time
+    floor: float | None = None  # the likelihood floor (nats per token) own answers were held to
+    minutes: float = 0.0
+
+
+def own_names(served_names: dict[str, str], target_ref: str, fingerprint: str) -> set[str]:
+    """The served model names of this target version: the config's mapping (each name to a target: its
+    reference, directory or fingerprint), plus the names its registrations recorded. A name mapped to a
+    target that is neither this run's nor a registered version is a config error naming the key."""
+    history = target_history()
+    names = {n for v in history if v.fingerprint == fingerprint for n in v.served_names}
+    for name, ref in served_names.items():
+        known = {fingerprint: fingerprint, target_ref: fingerprint}
+        for v in history:
+            known.update({v.fingerprint: v.fingerprint, v.ref: v.fingerprint, v.path: v.fingerprint})
+        if ref not in known:
+            raise ConfigError(f"generation.logged.served_names.{name}: {ref!r} is not a registered target nor this "
+                              f"run's target ({target_ref!r}); `specdistill target register {ref} --served-name {name}` "
+                              "records it")
+        if known[ref] == fingerprint:
+            names.add(name)
+    return names
+
+
+def check_response(tokenizer, prompt: list[dict], text: str | None, context: int, max_tokens: int
+                   ) -> tuple[Example | None, str | None]:
+    """The prompt and response as an example (response cut to `max_tokens`), or the reason to skip it."""
+    if text is None or not text.strip():
+        return None, "empty"
+    if "\ufffd" in text:
+        return None, "cut mid-character"
+    if any(tok and tok in text for tok in tokenizer.all_special_tokens):
+        return None, "control tokens"
+    try:
+        full = encode_conversation(tokenizer, prompt + [{"role": "assistant", "content": text}])
+    except ValueError:
+        return None, "does not render"
+    head = encode_chat(tokenizer, prompt)
+    if len(full.input_ids) > context:
+        return None, "over the context"
+    response = full.input_ids[len(head):][:max_tokens]
+    return Example("", head + response, [False] * len(head) + [True] * len(response)), None
+
+
+def likelihood_floor(target: LoadedModel, prompts: list[Prompt], directory: Path, max_new_tokens: int) -> float:
+    """The lowest mean log-likelihood (nats per token) an answer of the target's own may have: the
+    `FLOOR_QUANTILE` of its answers sampled at temperature 1 to `FLOOR_PROMPTS` of tonight's prompts,
+    less `FLOOR_MARGIN`. Sampled, since production samples; kept per target beside its answers."""
+    path = directory / "likelihood_floor.json"
+    if path.is_file():
+        return float(paths.read_json(path, "likelihood floor")["floor"])
+    tok = target.tokenizer
+    sampled = generate_answers(target.model, tok, prompts[:FLOOR_PROMPTS], directory / "floor_answers.jsonl",
+                               max_new_tokens=max_new_tokens, temperature=1.0, seed=0, progress=False)
+    examples = [Example(pid, r["prompt_ids"] + r["response_ids"], [False] * len(r["prompt_ids"]) + [True] * len(r["response_ids"]))
+                for pid, r in sampled.items() if r["response_ids"]]
+    stats = label_by_prefill(target.model, examples, None, progress=False)
+    values = sorted(s.mean_logprob for s in stats.values())
+    q = values[0] if len(values) < 3 else statistics.quantiles(values, n=100, method="inclusive")[round(FLOOR_QUANTILE * 100) - 1]
+    floor = q - FLOOR_MARGIN
+    paths.atomic_write_json(path, {"floor": floor, "quantile": FLOOR_QUANTILE, "margin": FLOOR_MARGIN, "answers": len(values),
+                                   "mean_logprobs": [round(v, 4) for v in values]})
+    return floor
+
+
+def label_logged(config, target: LoadedModel, prompts: list[Prompt], out_path: Path, teacher: TeacherCache,
+                 features: FeatureCache | None, deadline: Deadline, done: dict[str, dict]) -> LoggedData:
+    """Label the prompts' logged responses into the answers file and its caches (resumable: a response
+    recorded there is not labelled again). Own answers then stand as `done` answers of their prompts."""
+    settings = config.generation.logged
+    result = LoggedData()
+    if not (settings.own or settings.other):
+        return result
+    names = own_names(settings.served_names, config.target, target.fingerprint)
+    with LogStore(config.log_db) as store:
+        conversations = {str(c.id): c for c in store.by_ids([int(p.id) for p in prompts])}
+    context = int(getattr(target.model.config, "max_position_embeddings", None) or 1 << 30)
+    skipped: Counter = Counter()
+    own, other = [], []
+    for p in prompts:
+        conv = conversations[str(p.id)]
+        turns = [{"role": m.role, "content": m.content} for m in conv.messages]
+        text = turns[len(p.messages)]["content"] if len(turns) > len(p.messages) and turns[len(p.messages)]["role"] == "assistant" else None
+        if text is None:
+            continue  # a prompt without a logged answer: answered as always
+        is_own = conv.target_version in names
+        if not (settings.own if is_own else settings.other):
+            continue
+        example, reason = check_response(target.tokenizer, p.messages, text, context, settings.max_tokens)
+        if reason is not None:
+            skipped[reason] += 1
+            continue
+        example.id = p.id if is_own else f"{p.id}{OTHER_SUFFIX}"
+        (own if is_own else other).append((p, example))
+    result.skipped = dict(skipped)
+    if own:
+        result.floor = likelihood_floor(target, [p for p, _ in own], out_path.parent, config.generation.max_new_tokens)
+    todo = [(p, ex) for p, ex in own + other if ex.id not in done]
+    started = time.time()
+    labelled: dict[str, Labelled] = {}
+    if todo:
+        labelled = label_by_prefill(target.model, [ex for _, ex in todo], teacher, features,
+                                    tokens_per_batch=settings.tokens_per_batch, deadline=deadline)
+    records = []
+    for p, ex in todo:
+        stats = labelled.get(ex.id)
+        if stats is None:
+            result.not_labelled += 1
+            continue
+        is_own = ex.id == p.id
+        if is_own and stats.mean_logprob < result.floor:
+            result.refused += 1  # not taken as the target's own: the prompt is answered again
+            continue
+        head = sum(1 for m in ex.assistant_mask if not m)
+        records.append({"id": ex.id, "prompt": p.messages, "prompt_ids": ex.input_ids[:head], "response_ids": ex.input_ids[head:],
+                        "response": target.tokenizer.decode(ex.input_ids[head:], skip_special_tokens=True),
+                        "finish": "logged", "temperature": None, "source": "own" if is_own else "other",
+                        "mean_logprob": round(stats.mean_logprob, 4)})
+    with paths.open_private(out_path, "a", encoding="utf-8") as out:
+        append_records(out, records, done)
+    for rec in done.values():
+        if rec.get("source") == "own":
+            result.own, result.own_tokens = result.own + 1, result.own_tokens + len(rec["response_ids"])
+        elif rec.get("source") == "other":
+            result.other, result.other_tokens = result.other + 1, result.other_tokens + len(rec["response_ids"])
+    result.minutes = (time.time() - started) / 60
+    if result.refused:
+        print(f"logged answers: {result.refused} claimed by this target refused by the likelihood check "
+              f"(below {result.floor:.2f} nats per token): answered again", file=sys.stderr)
+    return result
+
