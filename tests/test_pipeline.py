@@ -168,7 +168,7 @@ def test_the_gamma_note_tells_a_confirmation_that_lost_from_one_that_did_not_run
     from dataclasses import replace
 
     from specdistill.data.results import GammaSearch
-    from specdistill.pipeline.report import gamma_note
+    from specdistill.pipeline.serve import gamma_note
 
     curve = {2: 1.3, 4: 1.2, 7: 1.5}
     ran = replace(_result(0.4, 2.0), gamma=4, gamma_search=GammaSearch(curve, 7, {}, {4: 1.43, 7: 1.42}))

@@ -91,6 +91,24 @@ def choose_engine_serving(config: NightlyConfig, speeds: dict[str, BenchResult],
     return decision
 
 
+def gamma_note(r: BenchResult) -> str:
+    """How an entry's γ was chosen, in words: the predicted best and what each measured γ ran at."""
+    search = r.gamma_search
+    if search is None or search.predicted_best is None:
+        return f"γ={r.gamma} as benchmarked (no γ search)"
+    best, predicted = search.predicted_best, search.predicted_speedups
+    runs = ", ".join(f"{x:.2f}x at γ={g}" for g, x in sorted(search.measured.items()))
+    if best == r.gamma and len(search.measured) == 1:
+        return f"γ={best} predicted best ({predicted[best]:.2f}x) and measured {runs}"
+    if best == r.gamma:
+        kept = "confirmed"
+    elif best in search.measured:  # the confirmation ran and did not beat the benchmark's γ
+        kept = f"slower when measured, γ={r.gamma} kept"
+    else:  # no time was left to measure it
+        kept = f"not measured, γ={r.gamma} kept"
+    return f"γ={best} predicted best ({predicted[best]:.2f}x), {kept}: measured {runs}"
+
+
 def choose_serving(config: NightlyConfig, window: Window, results: dict[str, BenchResult],
                    verdict: GateVerdict, speeds: dict[str, BenchResult] | None = None) -> ServingDecision:
     """`speeds` (from `engine_bench.engine_benchmark`) when the serving engine is not the harness.
@@ -100,8 +118,6 @@ def choose_serving(config: NightlyConfig, window: Window, results: dict[str, Ben
         if speeds is None:
             raise ValueError(f"serving.engine {config.serving.engine}: the engine's measurements are missing")
         return choose_engine_serving(config, speeds, verdict)
-    from specdistill.pipeline.report import gamma_note
-
     candidates = serving_candidates(results, verdict)
     choice = fastest_mode(_candidates(candidates), config.serving.margin, confidence=config.serving.confidence,
                           min_prompts=config.serving.min_prompts)
