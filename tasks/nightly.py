@@ -25,12 +25,12 @@ from specdistill.pipeline.outputs import (
     GeneratedData,
     PooledData,
     Promoted,
+    ServingDecision,
     TargetInfo,
     Trained,
     WarmStart,
     Window,
 )
-from specdistill.pipeline.serve import ServingDecision
 from tasks.common import content_key
 
 CACHED = dict(cache_key_fn=content_key, persist_result=True)  # for stages with no directory of their own

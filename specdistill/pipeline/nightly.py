@@ -27,13 +27,13 @@ from specdistill.pipeline.outputs import (
     Champion,
     GeneratedData,
     Promoted,
+    ServingDecision,
     TargetInfo,
     Trained,
     WarmStart,
     Window,
     window_key,
 )
-from specdistill.pipeline.serve import ServingDecision
 
 
 def target_tokenizer(config: NightlyConfig):

@@ -16,8 +16,8 @@ from specdistill.data.results import BenchResult
 from specdistill.ops.policy import GateVerdict, Role, first_position
 from specdistill.ops.registry import RegisteredDraft
 from specdistill.pipeline.config import NightlyConfig, run_root
-from specdistill.pipeline.outputs import MonitorOutcome, Promoted, TargetInfo, Trained, Window
-from specdistill.pipeline.serve import ServingDecision, gamma_note
+from specdistill.pipeline.outputs import MonitorOutcome, Promoted, ServingDecision, TargetInfo, Trained, Window
+from specdistill.pipeline.serve import gamma_note
 from specdistill.speculative.specs import DrafterSpec
 from specdistill.speculative.threads import ThreadChoice
 

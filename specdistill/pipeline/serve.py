@@ -14,36 +14,11 @@ this hardware; the report says so.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from specdistill.data.record import Record
 from specdistill.data.results import BenchResult
-from specdistill.ops.policy import CONFIDENCE, Candidate, GateVerdict, Role, fastest_mode, servable, unserved_faster_challenger
+from specdistill.ops.policy import Candidate, GateVerdict, Role, fastest_mode, servable, unserved_faster_challenger
 from specdistill.pipeline.config import NightlyConfig
-from specdistill.pipeline.outputs import Champion, TargetInfo, Window
+from specdistill.pipeline.outputs import Champion, ServingDecision, TargetInfo, Window
 from specdistill.speculative.specs import DrafterSpec
-
-
-@dataclass
-class ServingDecision(Record):
-    """The mode written for serving and every number behind it (`serving_config` turns it into serving.json)."""
-
-    mode: str  # draft | self_speculation | ngram | suffix | off
-    reason: str
-    measured: dict[str, float]  # every candidate's measured speedup
-    measured_on: str  # engine and dtype
-    gamma: int
-    name: str | None = None  # the measured entry that won (None: off)
-    spec: str | None = None
-    speedup: float = 1.0  # measured, at `gamma`
-    predicted_speedups: dict[int, float] = field(default_factory=dict)  # the winner's predicted curve over γ
-    verify_costs: dict[int, float] = field(default_factory=dict)  # target forward over k tokens ÷ a 1-token step
-    gamma_note: str = ""
-    engine: str = "harness"  # harness | llamacpp | vllm | openai: where the speeds were measured
-    llamacpp_args: list[str] = field(default_factory=list)  # llama-server flags of the chosen mode, as measured
-    tree_width: int = 1  # first-position candidates the chosen head was measured with (1: a chain)
-    speedup_lower_bound: float | None = None  # the served mode's lower confidence bound (None: off, or no per-prompt speeds)
-    confidence: float = CONFIDENCE  # its one-sided level
 
 
 def mode_of(spec: str) -> str:
