@@ -29,6 +29,8 @@ from specdistill.ops.policy import (
     Role,
     gate_config,
 )
+from specdistill.ops.serving import read_serving_config
+from specdistill.ops.targets import current_target
 
 if TYPE_CHECKING:
     from specdistill.engines.bench import EngineBenchConfig
@@ -176,7 +178,7 @@ def train_autocast(config: NightlyConfig) -> bool:
         return config.train.optim.bf16
     import torch
 
-    from specdistill.modeling.models import resolve_dtype
+    from specdistill.modeling.models import resolve_dtype  # lazy: keeps torch off import
 
     return resolve_dtype(config.dtype) == torch.bfloat16
 
@@ -224,13 +226,13 @@ class BenchSection(BenchSettings):
 
     def bench_config(self) -> BenchConfig:
         """The harness benchmark's runtime config (`speculative.bench.BenchConfig`)."""
-        from specdistill.speculative.bench import BenchConfig  # torch: only when benchmarking
+        from specdistill.speculative.bench import BenchConfig  # lazy: torch, only when benchmarking
 
         return BenchConfig(**self.model_dump(include=set(BenchSettings.model_fields)))
 
     def engine_bench_config(self) -> EngineBenchConfig:
         """A serving engine's benchmark config (`engines.bench.EngineBenchConfig`): the same settings."""
-        from specdistill.engines.bench import EngineBenchConfig  # its HTTP client: only when benchmarking
+        from specdistill.engines.bench import EngineBenchConfig  # lazy: HTTP client, only when benchmarking
 
         return EngineBenchConfig(**self.model_dump(include=set(BenchSettings.model_fields)))
 
@@ -314,7 +316,7 @@ class NightlyConfig(Strict):
     @field_validator("device")
     @classmethod
     def _device_exists(cls, device: str) -> str:
-        from specdistill.modeling.models import check_device
+        from specdistill.modeling.models import check_device  # lazy: keeps torch off import
 
         return check_device(device)
 
@@ -357,8 +359,6 @@ class MonitorConfig(Strict):
     replay_share: float = Field(0.25, ge=0.0, lt=1.0)  # of older traffic in the incremental run
 
     def target_ref(self) -> str:
-        from specdistill.ops.targets import current_target
-
         if self.target:
             return self.target
         registered = current_target()
@@ -374,7 +374,6 @@ class MonitorConfig(Strict):
         else the nightly's `bench.gamma`."""
         if self.gamma is not None:
             return self.gamma
-        from specdistill.ops.serving import read_serving_config
 
         served = read_serving_config(self.nightly.serving_path)
         return served.num_speculative_tokens if served is not None and served.mode != "off" else self.nightly.bench.gamma

@@ -16,6 +16,7 @@ from specdistill.data.results import BenchResult
 from specdistill.ops.policy import GateVerdict, Role, first_position
 from specdistill.ops.registry import RegisteredDraft
 from specdistill.pipeline.config import NightlyConfig, run_root
+from specdistill.pipeline.corpus import sglang_corpus_path
 from specdistill.pipeline.outputs import MonitorOutcome, Promoted, ServingDecision, TargetInfo, Trained, Window
 from specdistill.pipeline.serve import gamma_note
 from specdistill.speculative.specs import DrafterSpec
@@ -189,7 +190,6 @@ def registration_artifacts(config: NightlyConfig, results: dict[str, BenchResult
         artifacts.append(Path(report_path))
     suffix = results["suffix"].spec if "suffix" in results else ""
     if suffix and DrafterSpec.parse(suffix).corpus:  # the suffix drafter's corpus (and its SGLang export), beside the draft
-        from specdistill.pipeline.corpus import sglang_corpus_path
 
         corpus = Path(DrafterSpec.parse(suffix).corpus)
         artifacts += [p for p in (corpus, sglang_corpus_path(corpus)) if p.is_file()]

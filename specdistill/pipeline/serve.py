@@ -15,10 +15,17 @@ this hardware; the report says so.
 from __future__ import annotations
 
 from specdistill.data.results import BenchResult
+from specdistill.hardware import cpu_info
+from specdistill.modeling.drafts import early_exit_dir, export_early_exit_draft
+from specdistill.modeling.eagle3_io import is_eagle3_dir
+from specdistill.modeling.models import shared_model
 from specdistill.ops.policy import Candidate, GateVerdict, Role, fastest_mode, servable, unserved_faster_challenger
+from specdistill.ops.serving import ServingConfig
 from specdistill.pipeline.config import NightlyConfig
+from specdistill.pipeline.corpus import sglang_corpus_path
 from specdistill.pipeline.outputs import Champion, ServingDecision, TargetInfo, Window
 from specdistill.speculative.specs import DrafterSpec
+from specdistill.speculative.suffix_corpus import read_corpus_meta
 
 
 def mode_of(spec: str) -> str:
@@ -47,8 +54,6 @@ def choose_engine_serving(config: NightlyConfig, speeds: dict[str, BenchResult],
     some = next(iter(speeds.values()), None)
     measured_on = f"{s.engine}, {some.dtype if some else '?'}" + (f", {s.threads} threads" if s.engine in ("llamacpp", "vllm") else "")
     if s.engine == "vllm" and some is not None:
-        from specdistill.hardware import cpu_info
-
         measured_on += f", vLLM {some.engine_version or '?'}, {cpu_info().describe()}"
     reason = choice.reason
     if refused:
@@ -120,10 +125,6 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
     """The serving config for a decision: its drafter's serving keys (`DrafterSpec.serving_keys`: the n-gram
     window measured, the exit layer, the corpus), with the draft's directory, or the exported early-exit
     draft for self-speculation."""
-    from specdistill.modeling.drafts import early_exit_dir, export_early_exit_draft
-    from specdistill.modeling.models import shared_model
-    from specdistill.ops.serving import ServingConfig
-
     d = decision
     common = dict(mode=d.mode, num_speculative_tokens=d.gamma, target_fingerprint=target.fingerprint,
                   reason=f"nightly: {d.reason}" + (f"; {d.gamma_note}" if d.gamma_note else ""),
@@ -134,8 +135,6 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
     spec = DrafterSpec.parse(d.spec)
     common = {**spec.serving_keys(), **common}  # the decision names the mode
     if spec.path:
-        from specdistill.modeling.eagle3_io import is_eagle3_dir
-
         local = spec.path
         kind = "eagle3" if is_eagle3_dir(local) else "layers"  # vLLM method eagle3 / SGLang EAGLE3 for a head
         tree = d.tree_width if kind == "eagle3" else 1
@@ -150,8 +149,6 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
         out = export_early_exit_draft(loaded, k, early_exit_dir(target.fingerprint, k))
         return ServingConfig(draft_dir=str(out), **common)
     if spec.corpus:  # and for SGLang, the corpus as answer texts with its size
-        from specdistill.pipeline.corpus import sglang_corpus_path
-        from specdistill.speculative.suffix_corpus import read_corpus_meta
 
         sglang = sglang_corpus_path(spec.corpus)
         common.update(suffix_corpus_tokens=read_corpus_meta(spec.corpus).tokens,

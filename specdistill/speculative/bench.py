@@ -33,7 +33,10 @@ from specdistill.budget import Deadline
 from specdistill.data.prompt_files import PromptFileError, PromptRecord, read_prompt_file
 from specdistill.data.prompts import Prompt, encode_chat
 from specdistill.data.results import BenchResult, BenchSettings, SliceResult, percentile, prompt_speedups, speed_summary
+from specdistill.modeling.attention import decode_attention_for
 from specdistill.modeling.drafts import measure_cost_ratio
+from specdistill.modeling.kv_cache import preallocated_cache
+from specdistill.modeling.lean import engine_forward
 from specdistill.modeling.models import dtype_name
 from specdistill.speculative import (
     Drafter,
@@ -43,6 +46,7 @@ from specdistill.speculative import (
     generate,
 )
 from specdistill.speculative.eagle import EagleDrafter
+from specdistill.speculative.hybrid import HybridDrafter
 from specdistill.speculative.lossless import LosslessReport, judge_lossless, model_dtype
 
 __all__ = ["BenchConfig", "BenchResult", "Prompt", "PromptFileError", "SliceResult", "encode_prompt", "load_prompts",
@@ -96,8 +100,6 @@ def measure_drafter_cost(target: PreTrainedModel, drafter: Drafter, context: int
     """c for any drafter: a model drafter's decode step (via measure_cost_ratio), or an n-gram or
     suffix lookup's proposal time, each over a target decode step; a hybrid's is its model's plus its
     lookup's (an upper bound: in a round the suffix drafter covers, the model drafts nothing)."""
-    from specdistill.speculative.hybrid import HybridDrafter
-
     if isinstance(drafter, HybridDrafter):
         return (measure_drafter_cost(target, drafter.inner, context, repeats)
                 + measure_drafter_cost(target, drafter.suffix, context, repeats))
@@ -105,9 +107,6 @@ def measure_drafter_cost(target: PreTrainedModel, drafter: Drafter, context: int
         return measure_cost_ratio(target, drafter.model, draft_vocab=drafter.vocab, context=context, repeats=repeats)
     if isinstance(drafter, EagleDrafter):  # its proposals need the engine's features: time the head's step
         return measure_cost_ratio(target, drafter.head, context=context, repeats=repeats)
-    from specdistill.modeling.attention import decode_attention_for
-    from specdistill.modeling.kv_cache import preallocated_cache
-    from specdistill.modeling.lean import engine_forward
 
     tokens = torch.randint(0, target.config.vocab_size, (context,))
     cache = preallocated_cache(target, 1, context)

@@ -9,8 +9,9 @@ from __future__ import annotations
 from transformers import PreTrainedModel
 
 from specdistill.acceptance import NGRAM_WINDOW
+from specdistill.modeling import models
 from specdistill.modeling.eagle3_io import is_eagle3_dir, load_eagle3
-from specdistill.modeling.models import load_model, resolve_model_dir
+from specdistill.modeling.models import resolve_model_dir
 from specdistill.modeling.vocab import DraftVocab
 from specdistill.speculative.drafters import Drafter, ModelDrafter, NgramDrafter, SelfSpecDrafter
 from specdistill.speculative.eagle import EagleDrafter
@@ -61,7 +62,7 @@ def make_drafter(
         if is_eagle3_dir(path):  # an EAGLE-3 head, in the target's dtype with the target's embeddings
             return EagleDrafter(load_eagle3(path, target).head, target, name=f"draft:{path.name}", tree_width=tree_width)
         weights = next(target.parameters())
-        loaded = load_model(path, dtype=weights.dtype, device=weights.device)  # the draft runs as the target does
+        loaded = models.load_model(path, dtype=weights.dtype, device=weights.device)  # the draft runs as the target does
         return ModelDrafter(
             loaded.model, target.config.vocab_size, DraftVocab.load(loaded.path), name=f"draft:{loaded.path.name}",
             tree_width=tree_width,
