@@ -49,8 +49,8 @@ def _check_drafting(args: argparse.Namespace) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from specdistill.modeling.models import dtype_name, load_model  # lazy: CLI start-up
     from specdistill.speculative import SamplingConfig, generate  # lazy: CLI start-up
-    from specdistill.speculative.bench import encode_prompt  # lazy: CLI start-up
     from specdistill.speculative.engine import STOPPED_AT_CONTEXT  # lazy: CLI start-up
+    from specdistill.speculative.harness_bench import encode_prompt  # lazy: CLI start-up
 
     _check_drafting(args)
     set_threads(args)
@@ -81,7 +81,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _bench_prompts(args: argparse.Namespace, target, records: list | None) -> list:
     """The measured prompts: from a prompt file (every turn with --turns all), or from the log store."""
     from specdistill.data.prompts import Prompt  # lazy: CLI start-up
-    from specdistill.speculative.bench import prompts_from_records  # lazy: CLI start-up
+    from specdistill.speculative.harness_bench import prompts_from_records  # lazy: CLI start-up
 
     if records is not None:
         return prompts_from_records(target.model, target.tokenizer, records, args.max_new_tokens)
@@ -100,7 +100,7 @@ def _bench_engine(args: argparse.Namespace):
     servers given by URL (the speculative one and a target-only one)."""
     from specdistill.data.prompt_files import read_prompt_file  # lazy: CLI start-up
     from specdistill.data.prompts import Prompt  # lazy: CLI start-up
-    from specdistill.engines.bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench  # lazy: CLI start-up
+    from specdistill.engines.endpoint_bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench  # lazy: CLI start-up
 
     if args.prompts is None or args.turns == "all":
         raise ValueError(f"--engine {args.engine} measures first turns of a --prompts file "
@@ -134,7 +134,7 @@ def _bench_vllm(args: argparse.Namespace, prompts: list, config, threads: int):
     """vLLM started here twice, target-only and with the mode's `speculative_config` as serving.json
     would carry it; a config vLLM refuses is an error carrying vLLM's own message."""
     from specdistill.engines.vllm_bench import bench_vllm  # lazy: CLI start-up
-    from specdistill.pipeline.vllm_bench import mode_serving_config  # lazy: CLI start-up
+    from specdistill.pipeline.vllm_bench_stage import mode_serving_config  # lazy: CLI start-up
     from specdistill.speculative.specs import SELF_SPEC, DrafterSpec  # lazy: CLI start-up
 
     if args.draft:
@@ -156,8 +156,8 @@ def _bench_vllm(args: argparse.Namespace, prompts: list, config, threads: int):
 def cmd_bench(args: argparse.Namespace) -> int:
     from specdistill.data.prompt_files import read_prompt_file  # lazy: CLI start-up
     from specdistill.modeling.models import load_model  # lazy: CLI start-up
-    from specdistill.speculative.bench import BenchConfig, run_bench  # lazy: CLI start-up
     from specdistill.speculative.gamma import plain_step_share, render_curve, speedup_curve  # lazy: CLI start-up
+    from specdistill.speculative.harness_bench import BenchConfig, run_bench  # lazy: CLI start-up
 
     if args.engine != "harness":
         result = _bench_engine(args)

@@ -64,8 +64,8 @@ def cmd_monitor_run(args: argparse.Namespace) -> int:
 
 
 def cmd_monitor_sample(args: argparse.Namespace) -> int:
-    from specdistill.ops.monitor import replay_acceptance  # lazy: CLI start-up
     from specdistill.ops.policy import judge_acceptance  # lazy: CLI start-up
+    from specdistill.ops.replay import replay_acceptance  # lazy: CLI start-up
 
     set_threads(args)
     with log_store(args) as store:
@@ -118,7 +118,7 @@ def cmd_serving_show(args: argparse.Namespace) -> int:
     return 0
 
 
-MIN_REFRESH_S = 0.1  # as ops.monitor.MIN_REFRESH_S (not imported here: the parser loads no library module)
+MIN_REFRESH_S = 0.1  # as ops.exporter.MIN_REFRESH_S (not imported here: the parser loads no library module)
 
 
 def register(sub: Subcommands) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from specdistill.budget import Deadline
 from specdistill.data.prompts import Prompt
 from specdistill.data.results import BenchResult
-from specdistill.engines.bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
+from specdistill.engines.endpoint_bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
 from specdistill.engines.vllm import VllmConfig, VllmServer, VllmStartError, start_together
 from specdistill.engines.vllm_install import VllmEnv, find_vllm, install_vllm
 

@@ -33,8 +33,8 @@ from specdistill.ops.serving import read_serving_config
 from specdistill.ops.targets import current_target
 
 if TYPE_CHECKING:
-    from specdistill.engines.bench import EngineBenchConfig
-    from specdistill.speculative.bench import BenchConfig
+    from specdistill.engines.endpoint_bench import EngineBenchConfig
+    from specdistill.speculative.harness_bench import BenchConfig
 
 
 class SourceConfig(Strict):
@@ -225,14 +225,14 @@ class BenchSection(BenchSettings):
     max_minutes: float | None = Field(4.0, ge=0.0)
 
     def bench_config(self) -> BenchConfig:
-        """The harness benchmark's runtime config (`speculative.bench.BenchConfig`)."""
-        from specdistill.speculative.bench import BenchConfig  # lazy: torch, only when benchmarking
+        """The harness benchmark's runtime config (`speculative.harness_bench.BenchConfig`)."""
+        from specdistill.speculative.harness_bench import BenchConfig  # lazy: torch, only when benchmarking
 
         return BenchConfig(**self.model_dump(include=set(BenchSettings.model_fields)))
 
     def engine_bench_config(self) -> EngineBenchConfig:
-        """A serving engine's benchmark config (`engines.bench.EngineBenchConfig`): the same settings."""
-        from specdistill.engines.bench import EngineBenchConfig  # lazy: HTTP client, only when benchmarking
+        """A serving engine's benchmark config (`engines.endpoint_bench.EngineBenchConfig`): the same settings."""
+        from specdistill.engines.endpoint_bench import EngineBenchConfig  # lazy: HTTP client, only when benchmarking
 
         return EngineBenchConfig(**self.model_dump(include=set(BenchSettings.model_fields)))
 
@@ -308,7 +308,7 @@ class NightlyConfig(Strict):
     device: str = "auto"  # auto: the GPU when torch sees one, else the CPU; cpu, cuda or cuda:N (every stage's models)
     # the whole run's wall-clock deadline (null: none), shared by the budgeted stages (answers, training,
     # the generic baseline, the benchmark) in proportion to their own budgets: a slow machine does less of
-    # each instead of running past its window (pipeline.budget). The demo's budgets fit 18 minutes.
+    # each instead of running past its window (pipeline.stage_budgets). The demo's budgets fit 18 minutes.
     deadline_minutes: float | None = Field(18.0, ge=0.0)
     log_db: str | None = None  # default: SQLite under $SPECDISTILL_HOME
     serving_path: str | None = None  # default: $SPECDISTILL_HOME/serving.json

@@ -18,15 +18,15 @@ from specdistill.acceptance import DEFAULT_GAMMA
 from specdistill.data.prompts import Prompt
 from specdistill.data.results import BenchResult
 from specdistill.engines import llamacpp
-from specdistill.engines.bench import TARGET_ONLY, run_engine_bench
+from specdistill.engines.endpoint_bench import TARGET_ONLY, run_engine_bench
 from specdistill.engines.llamacpp import bench_llamacpp, ngram_mode, target_gguf
 from specdistill.modeling.drafts import export_early_exit_draft
 from specdistill.modeling.models import resolve_model_dir, shared_model
 from specdistill.ops.policy import Role
-from specdistill.pipeline.budget import stage_deadline
 from specdistill.pipeline.config import NightlyConfig
 from specdistill.pipeline.outputs import Window
-from specdistill.pipeline.vllm_bench import vllm_engine_benchmark
+from specdistill.pipeline.stage_budgets import stage_deadline
+from specdistill.pipeline.vllm_bench_stage import vllm_engine_benchmark
 from specdistill.speculative.specs import DrafterSpec
 
 

@@ -4,7 +4,7 @@ Each stage takes and returns small, JSON-friendly values (paths, ids, the stage 
 `pipeline.outputs`, serialized by `data.record`), writes its outputs under a content-addressed directory, and resumes from what
 is already there, so a rerun after a failure recomputes nothing that finished. `flows/nightly.py`
 composes them in the order of the README's pipeline diagram; the benchmark and the gate are in
-`pipeline.bench`; the Markdown report and the registration's record are in `pipeline.report`.
+`pipeline.bench_stage`; the Markdown report and the registration's record are in `pipeline.report`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from specdistill.ops.policy import FIRST_POSITION_TAG, GateVerdict, Role, first_
 from specdistill.ops.registry import RegisteredDraft
 from specdistill.ops.serving import serving_path, write_serving_config
 from specdistill.pipeline.answers.stage import features_dir
-from specdistill.pipeline.budget import stage_deadline
 from specdistill.pipeline.config import NightlyConfig, SourceConfig, config_hash, run_root
 from specdistill.pipeline.outputs import (
     Champion,
@@ -48,6 +47,7 @@ from specdistill.pipeline.outputs import (
 )
 from specdistill.pipeline.report import registration_artifacts, registration_metrics, train_losses
 from specdistill.pipeline.serve import serving_config
+from specdistill.pipeline.stage_budgets import stage_deadline
 
 
 def target_tokenizer(config: NightlyConfig):

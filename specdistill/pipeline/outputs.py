@@ -4,7 +4,7 @@ as a whole and the monitor's outcome, each a dataclass (`data.record.Record`) re
 
 The other stage outputs are the library's own dataclasses, defined once where they are computed:
 `data.results.BenchResult`, `ops.policy.GateVerdict`,
-`ops.registry.RegisteredDraft`, `ops.targets.TargetChange`/`TargetVersion`, `ops.monitor.AcceptanceSample`
+`ops.registry.RegisteredDraft`, `ops.targets.TargetChange`/`TargetVersion`, `ops.replay.AcceptanceSample`
 and `FallbackDecision`, `ops.metrics.LiveSample`, `data.ingest.IngestResult`. All become JSON (benchmark.json,
 gate.json, the decision record, `--json`) through `data.record.to_dict`, which is also what
 `tasks.common.content_key` hashes; Prefect persists them as it does any result.
@@ -21,8 +21,8 @@ from specdistill.data.prompts import Prompt
 from specdistill.data.record import Record
 from specdistill.data.results import BenchResult
 from specdistill.ops.metrics import LiveSample
-from specdistill.ops.monitor import AcceptanceSample, FallbackDecision
 from specdistill.ops.policy import CONFIDENCE, GateVerdict
+from specdistill.ops.replay import AcceptanceSample, FallbackDecision
 from specdistill.ops.targets import TargetChange
 
 if TYPE_CHECKING:  # for annotations only: the registry imports MLflow

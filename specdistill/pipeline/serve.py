@@ -92,7 +92,7 @@ def gamma_note(r: BenchResult) -> str:
 def choose_serving(config: NightlyConfig, window: Window, results: dict[str, BenchResult],
                    verdict: GateVerdict, speeds: dict[str, BenchResult] | None = None) -> ServingDecision:
     """`speeds` (from `engine_bench.engine_benchmark`) when the serving engine is not the harness.
-    In the harness each entry was benchmarked at its own best γ already (`pipeline.bench.benchmark`), and
+    In the harness each entry was benchmarked at its own best γ already (`pipeline.bench_stage.benchmark`), and
     the winner is served at that γ."""
     if config.serving.engine != "harness":
         if speeds is None:

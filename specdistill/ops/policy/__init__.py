@@ -24,7 +24,7 @@ from specdistill.ops.policy.common import (
     first_position,
 )
 from specdistill.ops.policy.gate import PROFILES, Check, GateConfig, GateVerdict, evaluate, gate_config
-from specdistill.ops.policy.monitor import decide, judge_acceptance
+from specdistill.ops.policy.red_line import decide, judge_acceptance
 from specdistill.ops.policy.serving import (
     MIN_PROMPTS,
     PLAUSIBLE_FACTOR,

@@ -12,13 +12,13 @@ from specdistill.data.results import BenchResult
 from specdistill.modeling.eagle3_io import is_eagle3_dir
 from specdistill.modeling.models import shared_model
 from specdistill.ops.policy import GateVerdict, Role, evaluate
-from specdistill.pipeline.budget import stage_deadline
 from specdistill.pipeline.config import NightlyConfig
 from specdistill.pipeline.nightly import target_tokenizer
 from specdistill.pipeline.outputs import Trained, WarmStart, Window
+from specdistill.pipeline.stage_budgets import stage_deadline
 from specdistill.speculative import drafter_from_spec
-from specdistill.speculative.bench import run_bench_many
 from specdistill.speculative.gamma import bench_at_best_gamma
+from specdistill.speculative.harness_bench import run_bench_many
 from specdistill.speculative.specs import SELF_SPEC, DrafterSpec
 from specdistill.speculative.threads import fastest_threads
 

@@ -1,4 +1,4 @@
-"""Monitoring: the champion's acceptance on recent traffic, the keep/fallback decision, and the
+"""The monitor's replays of logged traffic: the champion's acceptance on recent prompts, the keep/fallback decision, and the
 fallback mode that measures fastest.
 
     sample = replay_acceptance("demo", "models:/draft@champion", store, n_prompts=20)
@@ -45,8 +45,8 @@ from specdistill.speculative import (
     drafter_from_spec,
     generate,
 )
-from specdistill.speculative.bench import BenchConfig, run_bench_many
 from specdistill.speculative.eagle import aligned_eagle_drafter
+from specdistill.speculative.harness_bench import BenchConfig, run_bench_many
 from specdistill.speculative.specs import SELF_SPEC, DrafterSpec
 from specdistill.speculative.suffix_corpus import corpus_is_current
 

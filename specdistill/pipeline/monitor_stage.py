@@ -10,10 +10,10 @@ import json
 from specdistill.data.logstore import LogStore
 from specdistill.modeling.drafts import early_exit_dir, export_early_exit_draft
 from specdistill.modeling.models import shared_model
-from specdistill.ops import monitor as ops_monitor
+from specdistill.ops import replay
 from specdistill.ops.metrics import SpecDecodeMetrics, sample_live_acceptance
-from specdistill.ops.monitor import AcceptanceSample, FallbackDecision, prompts_from_store
 from specdistill.ops.policy import FIRST_POSITION_TAG, judge_acceptance
+from specdistill.ops.replay import AcceptanceSample, FallbackDecision, prompts_from_store
 from specdistill.ops.serving import ServingConfig, ServingConfigError, read_serving_config, write_serving_config
 from specdistill.ops.targets import TargetChange, TargetVersion, detect_change
 from specdistill.pipeline.config import MonitorConfig
@@ -157,7 +157,7 @@ def sample_acceptance(config: MonitorConfig, champion: Champion, target: TargetV
                                             int(live.drafts), int(live.draft_tokens), int(live.accepted), per_position)
             return live
 
-        return ops_monitor.replay_acceptance(target.path, champion.dir, store, n_prompts=config.replay_prompts,
+        return replay.replay_acceptance(target.path, champion.dir, store, n_prompts=config.replay_prompts,
                                  gamma=config.replay_gamma(), max_new_tokens=config.max_new_tokens,
                                  target_version=target.fingerprint, draft_version=champion.version,
                                  min_draft_tokens=config.min_draft_tokens,
@@ -165,7 +165,7 @@ def sample_acceptance(config: MonitorConfig, champion: Champion, target: TargetV
 
 
 def measure_fallback(config: MonitorConfig, target: TargetVersion) -> FallbackDecision:
-    """Each fallback timed against target-only decoding on the same replayed prompts (see `ops.monitor.choose_fallback`)."""
+    """Each fallback timed against target-only decoding on the same replayed prompts (see `ops.replay.choose_fallback`)."""
     nightly = config.nightly
     loaded = shared_model(target.path, dtype=nightly.dtype, device=nightly.device)
     with LogStore(nightly.log_db) as store:
@@ -173,7 +173,7 @@ def measure_fallback(config: MonitorConfig, target: TargetVersion) -> FallbackDe
                                      max_prompt_tokens=nightly.window.max_prompt_tokens)
 
     corpus = config.fallback_suffix_corpus or (str(current_corpus_path()) if current_corpus_path().is_file() else None)
-    decision = ops_monitor.choose_fallback(loaded, prompts, exit_layers=config.fallback_exit_layers, gamma=config.replay_gamma(),
+    decision = replay.choose_fallback(loaded, prompts, exit_layers=config.fallback_exit_layers, gamma=config.replay_gamma(),
                                max_new_tokens=config.max_new_tokens, min_tokens=config.fallback_min_tokens,
                                repeats=config.fallback_repeats, suffix_corpus=corpus)
     return decision
