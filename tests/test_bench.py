@@ -446,7 +446,7 @@ def test_bench_command_gates_its_result(tiny_target_dir, tmp_path, capsys):
 
 def test_a_benchmark_past_its_deadline_keeps_what_it_measured():
     from specdistill.budget import Deadline
-    from specdistill.speculative.harness_bench import MIN_PROMPTS
+    from specdistill.speculative.harness_bench import MIN_MEASURED_PROMPTS
 
     target = bf16_target().float()
     prompts = id_prompts(5)
@@ -454,8 +454,8 @@ def test_a_benchmark_past_its_deadline_keeps_what_it_measured():
     results = run_bench_many(target, None, {"ngram": NgramDrafter(1, 3)}, prompts, cfg, progress=False,
                              deadline=Deadline(0.0))  # expired from the start
     r = results["ngram"]
-    assert r.repeats == 1 and sum(s.requests for s in r.slices) == MIN_PROMPTS and len(r.prompt_speedups) == MIN_PROMPTS
-    assert r.lossless is True and r.lossless_exact == MIN_PROMPTS
-    assert r.budget_note == f"time budget reached: {MIN_PROMPTS} of 5 prompts, 1 of 3 repeats measured"
+    assert r.repeats == 1 and sum(s.requests for s in r.slices) == MIN_MEASURED_PROMPTS and len(r.prompt_speedups) == MIN_MEASURED_PROMPTS
+    assert r.lossless is True and r.lossless_exact == MIN_MEASURED_PROMPTS
+    assert r.budget_note == f"time budget reached: {MIN_MEASURED_PROMPTS} of 5 prompts, 1 of 3 repeats measured"
     full = run_bench_many(target, None, {"ngram": NgramDrafter(1, 3)}, prompts, cfg, progress=False, deadline=Deadline(None))
     assert full["ngram"].repeats == 3 and full["ngram"].budget_note == "" and len(full["ngram"].prompt_speedups) == 5

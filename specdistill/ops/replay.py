@@ -38,7 +38,7 @@ from specdistill.modeling.eagle3_io import is_eagle3_dir, read_config
 from specdistill.modeling.models import LoadedModel, resolve_model_dir, shared_model
 from specdistill.modeling.vocab import DraftVocab, check_vocab, vocab_mismatch
 from specdistill.ops.exporter import refresh_metrics, serve_metrics  # noqa: F401  (the exporter's home)
-from specdistill.ops.policy import DEFAULT_MARGIN, MIN_PROMPTS, RED_LINE, Candidate, fastest_mode
+from specdistill.ops.policy import DEFAULT_MARGIN, MIN_SERVED_PROMPTS, RED_LINE, Candidate, fastest_mode
 from specdistill.speculative import (
     ModelDrafter,
     SpecStats,
@@ -287,7 +287,7 @@ def choose_fallback(
     margin: float = DEFAULT_MARGIN,
     ngram: tuple[int, int] = NGRAM_WINDOW,
     suffix_corpus: str | os.PathLike | None = None,
-    min_prompts: int = MIN_PROMPTS,
+    min_prompts: int = MIN_SERVED_PROMPTS,
     progress: bool = True,
 ) -> FallbackDecision:
     """Measure each fallback against target-only decoding on the sampled prompts (interleaved,

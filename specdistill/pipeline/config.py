@@ -23,7 +23,7 @@ from specdistill.ops.policy import (
     CONFIDENCE,
     DEFAULT_MARGIN,
     MAX_RELATIVE_DROP,
-    MIN_PROMPTS,
+    MIN_SERVED_PROMPTS,
     RED_LINE,
     GateConfig,
     Role,
@@ -279,7 +279,7 @@ class ServingSection(Strict):
 
     margin: float = Field(DEFAULT_MARGIN, ge=0.0)
     confidence: float = Field(CONFIDENCE, gt=0.0, lt=1.0)  # one-sided level of the speedup's lower bound
-    min_prompts: int = Field(MIN_PROMPTS, ge=1)  # fewer per-prompt speeds (a benchmark the deadline cut): not served
+    min_prompts: int = Field(MIN_SERVED_PROMPTS, ge=1)  # fewer per-prompt speeds (a benchmark the deadline cut): not served
     choose_gamma: bool = True  # every drafter at the γ its measured curve predicts best, confirmed by a second run
     max_gamma: int = Field(8, ge=1)
     engine: Literal["harness", "llamacpp", "vllm", "openai"] = "harness"
