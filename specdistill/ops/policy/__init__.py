@@ -25,7 +25,7 @@ from specdistill.ops.policy.common import (
 )
 from specdistill.ops.policy.gate import PROFILES, Check, GateConfig, GateVerdict, evaluate, gate_config
 from specdistill.ops.policy.red_line import decide, judge_acceptance
-from specdistill.ops.policy.serving import (
+from specdistill.ops.policy.serving_choice import (
     MIN_SERVED_PROMPTS,
     PLAUSIBLE_FACTOR,
     Candidate,
