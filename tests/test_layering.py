@@ -6,7 +6,7 @@ that graph puts under it, nothing else:
     base (specdistill/__init__, config, acceptance, paths, env, hardware, budget)
       <- data <- modeling
       <- distill | speculative | engines    siblings: none imports another (shared types live below them)
-      <- ops (policy, registry, monitor) <- pipeline <- cli
+      <- ops (policy, registry, replay) <- pipeline <- cli
 
 Imports inside functions count as much as those at the top of a file. Inside each package the modules
 (a subpackage counts as one) import one another without a circle, through imports at the top or inside
