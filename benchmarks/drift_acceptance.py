@@ -34,7 +34,7 @@ import specdistill  # noqa: F401  (offline environment)
 
 def prompts(tokenizer, n_code: int = 5, n_chat: int = 5, max_tokens: int = 200) -> list[tuple[str, list[int]]]:
     from specdistill.data.datasets import humaneval_prompts, sharegpt_first_turns
-    from specdistill.speculative.bench import encode_prompt
+    from specdistill.speculative.harness_bench import encode_prompt
 
     code = humaneval_prompts()[0:40:8][:n_code]
     chat = sharegpt_first_turns(n_chat, tokenizer=tokenizer, min_tokens=9, max_tokens=max_tokens)
@@ -134,7 +134,7 @@ def main() -> None:
     from specdistill.modeling.drafts import init_draft_from_target, parse_layers, save_draft
     from specdistill.modeling.models import dtype_name, load_model, resolve_dtype
     from specdistill.ops.drift import TargetUpdateConfig, assistant_loss, make_target_update
-    from specdistill.ops.monitor import aligned_drafter
+    from specdistill.ops.replay import aligned_drafter
     from specdistill.speculative import ModelDrafter, generate
 
     defaults = TargetUpdateConfig()

@@ -13,7 +13,7 @@ step is faster and a k-token verification costs about one step, against 1.5-2 st
     python benchmarks/engine_vs_hf.py --dtype bfloat16 --prompts 20 --max-new-tokens 32 --repeats 2 --gamma 3
     python benchmarks/engine_vs_hf.py --dtype float32 --prompts 20 --max-new-tokens 32 --repeats 2 --gamma 3
 
-Our methods run through `specdistill.speculative.bench.run_bench_many` (the library's rotating order,
+Our methods run through `specdistill.speculative.harness_bench.run_bench_many` (the library's rotating order,
 shared target-only run, per-repeat medians, lossless check, α, τ and measured c). transformers'
 `generate` cannot run inside that loop, so the hf-* methods run in a second loop of the same shape:
 every hf method and one target-only run of our engine per prompt, in an order that rotates from
@@ -81,7 +81,7 @@ from specdistill.modeling.drafts import init_draft_from_target
 from specdistill.modeling.models import DTYPE_CHOICES, dtype_name, load_model
 from specdistill.modeling.vocab import DraftVocab, build_draft_vocab, token_frequencies
 from specdistill.speculative import ModelDrafter, NgramDrafter, SelfSpecDrafter, default_stop_ids, generate
-from specdistill.speculative.bench import BenchConfig, Prompt, encode_prompt, run_bench_many
+from specdistill.speculative.harness_bench import BenchConfig, Prompt, encode_prompt, run_bench_many
 from specdistill.speculative.lossless import check_lossless, fp32_reference, model_dtype
 
 HF_METHODS = ("hf-base", "hf-assisted", "hf-lookup", "hf-early-exit")

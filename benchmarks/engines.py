@@ -67,7 +67,7 @@ llama.cpp's ngram-simple drafted nothing on these prompts (α 0, τ 1.00): its d
 vLLM 0.32.0 (CPU build, bf16, eager, 2 OpenMP threads), 2026-12-01 13:47-13:50 UTC, load average
 12-14 on the 2-core AVX-512-BF16 CPU (other engineers' jobs): a full `--engines fp32,bf16,vllm` run
 did not get past its first prompt in 17 minutes, so only vLLM's own servers were measured (the
-engine bench, `engines.bench.run_engine_bench`, 4 of the prompts, 32 new tokens, K=4): target-only
+engine bench, `engines.endpoint_bench.run_engine_bench`, 4 of the prompts, 32 new tokens, K=4): target-only
 2.2 tok/s; n-gram (1..3-grams, K=4) α 0.174, τ 1.68, per position 0.22 0.17 0.15 0.15, 4/4 lossless
 (3 exact, 1 near-tie), 18.9 tok/s; the target's early-exit draft at layer 8 as `draft_model`
 α 0.006, τ 1.02, 0.9 tok/s. The n-gram "speedup" (8.6x at τ 1.68) cannot come from acceptance: the
@@ -137,7 +137,7 @@ from specdistill.engines.vllm import VllmConfig, VllmServer, start_together
 from specdistill.engines.vllm_bench import served_dtype, target_dir
 from specdistill.modeling.models import load_model, resolve_model_dir
 from specdistill.pipeline.engine_bench import mode_for_spec
-from specdistill.pipeline.vllm_bench import mode_serving_config
+from specdistill.pipeline.vllm_bench_stage import mode_serving_config
 from specdistill.speculative import drafter_from_spec
 from specdistill.speculative.engine import SpecStats, generate
 

@@ -89,7 +89,7 @@ def bench_heads(args, target, heads: dict[str, str], eval_prompts: list[dict]) -
     """Both heads and target-only on the same held-out prompts, one interleaved run (the nightly's bench)."""
     from specdistill.data.prompts import encode_chat
     from specdistill.speculative import drafter_from_spec
-    from specdistill.speculative.bench import BenchConfig, run_bench_many
+    from specdistill.speculative.harness_bench import BenchConfig, run_bench_many
 
     prompts = [Prompt(text="", ids=encode_chat(target.tokenizer, p["prompt"])) for p in eval_prompts[: args.bench_prompts]]
     made = {name: drafter_from_spec(target.model, f"draft:{d}", tree_width=4) for name, d in heads.items()}

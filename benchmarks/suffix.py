@@ -12,7 +12,7 @@ batched, cached under --out). Three parts:
    lookup and the suffix drafter (chain and tree), and τ against corpus size (the oldest answers
    dropped first, as the cap does).
 2. The corpus index: build time, bytes per million corpus tokens, lookup time per round.
-3. The harness benchmark (`speculative.bench.run_bench_many`: one shared interleaved target-only run
+3. The harness benchmark (`speculative.harness_bench.run_bench_many`: one shared interleaved target-only run
    per prompt, lossless check): n-gram, suffix (chain, tree), the head (tree, as the nightly measures it)
    and the hybrid at several thresholds: α, τ, speedup, c side by side.
 
@@ -206,7 +206,7 @@ def main(argv=None) -> int:
 
     from specdistill.modeling.models import dtype_name, load_model
     from specdistill.speculative import NgramDrafter, drafter_from_spec
-    from specdistill.speculative.bench import BenchConfig, Prompt, run_bench_many
+    from specdistill.speculative.harness_bench import BenchConfig, Prompt, run_bench_many
     from specdistill.speculative.hybrid import HybridDrafter
     from specdistill.speculative.suffix import SuffixDrafter, SuffixIndex, SuffixParams
 

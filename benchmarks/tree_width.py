@@ -4,7 +4,7 @@ The head's top-1 draft for the first position is where most rounds end, and in b
 target forward over a few more tokens costs about one decode step, so verifying the head's
 runner-ups for that position in the same forward (`tree_width` W: the chain after the top candidate
 plus W-1 siblings, each attending to its own branch) buys acceptance for almost nothing. This runs
-the head at every (W, γ) asked for and n-gram lookup at its γ through `speculative.bench.run_bench_many`
+the head at every (W, γ) asked for and n-gram lookup at its γ through `speculative.harness_bench.run_bench_many`
 (one shared target-only run per prompt, rotating order, lossless check), greedy, on held-out prompts:
 a nightly run's `eval_generated.jsonl` (its `prompt_ids`) or any `bench --prompts` file.
 
@@ -41,8 +41,8 @@ import specdistill  # noqa: F401  (offline environment)
 from specdistill.modeling.eagle3_io import load_eagle3
 from specdistill.modeling.models import load_model
 from specdistill.speculative import NgramDrafter
-from specdistill.speculative.bench import BenchConfig, Prompt, load_prompts, run_bench_many
 from specdistill.speculative.eagle import EagleDrafter
+from specdistill.speculative.harness_bench import BenchConfig, Prompt, load_prompts, run_bench_many
 
 
 def held_out(path: Path) -> list[Prompt]:

@@ -10,7 +10,7 @@
                                        keep serving it and run the same incremental path.
 
 A serving config that cannot be read stops the run before anything is sampled: it is counted as an
-error and the pipeline's success is not marked (`pipeline.monitor.check_serving_config`).
+error and the pipeline's success is not marked (`pipeline.monitor_stage.check_serving_config`).
 
 Runs on a schedule and on the `specdistill.target.updated` event (deploy/prefect.yaml).
 """
@@ -21,7 +21,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from flows.nightly import nightly
-from specdistill.pipeline import monitor as mc
+from specdistill.pipeline import monitor_stage as mc
 from specdistill.pipeline.config import load_monitor_config
 from specdistill.pipeline.outputs import MonitorOutcome
 from specdistill.pipeline.report import render_outcome

@@ -88,8 +88,8 @@ def bench_on(device: str, prompts: int, max_new_tokens: int, dtype: str) -> dict
     from specdistill.data.datasets import sharegpt_first_turns
     from specdistill.modeling.models import load_model
     from specdistill.speculative import NgramDrafter, SelfSpecDrafter
-    from specdistill.speculative.bench import BenchConfig, Prompt, run_bench_many
     from specdistill.speculative.gamma import measure_verify_costs
+    from specdistill.speculative.harness_bench import BenchConfig, Prompt, run_bench_many
 
     target = load_model("demo", dtype=dtype, device=device)
     chosen = [Prompt(turn.text, "chat") for turn in sharegpt_first_turns(prompts, max_chars=1500)]

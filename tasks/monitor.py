@@ -1,12 +1,12 @@
-"""The monitoring flow's tasks: each wraps one call of `specdistill.pipeline.monitor`."""
+"""The monitoring flow's tasks: each wraps one call of `specdistill.pipeline.monitor_stage`."""
 
 from __future__ import annotations
 
 from prefect import task
 
-from specdistill.pipeline import monitor as mc
+from specdistill.pipeline import monitor_stage as mc
 from specdistill.pipeline.config import MonitorConfig
-from specdistill.pipeline.monitor import FallbackDecision, TargetChange, TargetVersion
+from specdistill.pipeline.monitor_stage import FallbackDecision, TargetChange, TargetVersion
 from specdistill.pipeline.outputs import AppliedFallback, Champion, MonitorOutcome, RecordedDecision, Sample
 
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from prefect import task
 
-from specdistill.pipeline import bench, corpus, engine_bench, pool, serve, success
+from specdistill.pipeline import bench_stage, corpus, engine_bench, pool_stage, serve, success
 from specdistill.pipeline import nightly as pipeline
 from specdistill.pipeline.answers import stage as answer_stage
-from specdistill.pipeline.bench import BenchResult, GateVerdict
+from specdistill.pipeline.bench_stage import BenchResult, GateVerdict
 from specdistill.pipeline.config import NightlyConfig, SourceConfig
 from specdistill.pipeline.nightly import IngestResult, RegisteredDraft
 from specdistill.pipeline.outputs import (
@@ -25,12 +25,12 @@ from specdistill.pipeline.outputs import (
     GeneratedData,
     PooledData,
     Promoted,
+    ServingDecision,
     TargetInfo,
     Trained,
     WarmStart,
     Window,
 )
-from specdistill.pipeline.serve import ServingDecision
 from tasks.common import content_key
 
 CACHED = dict(cache_key_fn=content_key, persist_result=True)  # for stages with no directory of their own
@@ -77,7 +77,7 @@ def suffix_corpus(config: NightlyConfig, train_data: GeneratedData, target_finge
 @task(name="pool-answers", retries=2, retry_delay_seconds=5)
 def pool_answers(config: NightlyConfig, window: Window, train_data: GeneratedData, heldout_data: GeneratedData,
                  target_fingerprint: str) -> PooledData:
-    return pool.pool_answers(config, window, train_data, heldout_data, target_fingerprint)
+    return pool_stage.pool_answers(config, window, train_data, heldout_data, target_fingerprint)
 
 
 @task(name="distill")
@@ -95,7 +95,7 @@ def generic_baseline(config: NightlyConfig, window: Window, heldout_data: Genera
 @task(name="benchmark", **CACHED)
 def benchmark(config: NightlyConfig, window: Window, drafters: dict[str, str], target_fingerprint: str,
               deadline_at: float | None = None) -> dict[str, BenchResult]:
-    return bench.benchmark(config, window, drafters, deadline_at)
+    return bench_stage.benchmark(config, window, drafters, deadline_at)
 
 
 @task(name="engine-benchmark", **CACHED)
@@ -107,7 +107,7 @@ def engine_benchmark(config: NightlyConfig, window: Window, drafters: dict[str, 
 @task(name="gate")
 def gate(config: NightlyConfig, challenger: BenchResult, champion: BenchResult | None, baselines: dict[str, BenchResult],
          speeds: dict[str, BenchResult] | None = None) -> GateVerdict:
-    return bench.gate(config, challenger, champion, baselines, speeds)
+    return bench_stage.gate(config, challenger, champion, baselines, speeds)
 
 
 @task(name="register", retries=2, retry_delay_seconds=5)

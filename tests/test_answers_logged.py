@@ -24,7 +24,7 @@ from specdistill.pipeline.answers.stage import generate_responses
 from specdistill.pipeline.config import load_nightly_config
 from specdistill.pipeline.corpus import read_answers
 from specdistill.pipeline.outputs import Window
-from specdistill.pipeline.pool import data_line
+from specdistill.pipeline.pool_stage import data_line
 from tests.conftest import lively, make_tiny_llama, train_bpe
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

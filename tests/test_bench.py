@@ -12,7 +12,7 @@ import torch
 from specdistill.acceptance import expected_tokens_per_round, ideal_speedup
 from specdistill.ops.policy import evaluate
 from specdistill.speculative import ModelDrafter, NgramDrafter, SelfSpecDrafter
-from specdistill.speculative.bench import (
+from specdistill.speculative.harness_bench import (
     BenchConfig,
     BenchResult,
     Prompt,
@@ -132,7 +132,7 @@ def test_sampling_bench_has_no_lossless_verdict():
 
 def test_bench_many_shares_one_target_only_run_and_matches_single_runs(monkeypatch):
     """One target-only run per prompt serves every drafter; acceptance is what each drafter gets alone."""
-    import specdistill.speculative.bench as bench
+    import specdistill.speculative.harness_bench as bench
 
     target = lively(5)
     drafters = {"self3": SelfSpecDrafter(target, 3), "ngram": NgramDrafter(2, 3)}
@@ -157,7 +157,7 @@ def test_bench_many_shares_one_target_only_run_and_matches_single_runs(monkeypat
 
 def test_bench_many_runs_each_drafter_at_its_own_gamma(monkeypatch):
     """`gammas` sets a drafter's γ in the shared run; the others keep `config.gamma`."""
-    import specdistill.speculative.bench as bench
+    import specdistill.speculative.harness_bench as bench
 
     target = lively(5)
     drafters = {"self3": SelfSpecDrafter(target, 3), "ngram": NgramDrafter(2, 3)}
@@ -239,7 +239,7 @@ def near_tie_output(target, prompt_ids: list[int], length: int) -> tuple[list[in
 
 
 def test_bf16_bench_passes_a_correct_engine_and_counts_near_ties_apart(monkeypatch):
-    import specdistill.speculative.bench as bench
+    import specdistill.speculative.harness_bench as bench
     import specdistill.speculative.lossless as lossless
 
     target = bf16_target()
@@ -372,7 +372,7 @@ def test_prompts_from_records_asks_each_turn_after_the_targets_own_answers(tiny_
     from specdistill.data.prompts import encode_chat
     from specdistill.modeling.models import load_model
     from specdistill.speculative import generate
-    from specdistill.speculative.bench import prompts_from_records
+    from specdistill.speculative.harness_bench import prompts_from_records
 
     target = load_model(tiny_target_dir)
     records = [PromptRecord(r["turns"], r["category"]) for r in SPEC_BENCH]
@@ -446,7 +446,7 @@ def test_bench_command_gates_its_result(tiny_target_dir, tmp_path, capsys):
 
 def test_a_benchmark_past_its_deadline_keeps_what_it_measured():
     from specdistill.budget import Deadline
-    from specdistill.speculative.bench import MIN_PROMPTS
+    from specdistill.speculative.harness_bench import MIN_MEASURED_PROMPTS
 
     target = bf16_target().float()
     prompts = id_prompts(5)
@@ -454,8 +454,8 @@ def test_a_benchmark_past_its_deadline_keeps_what_it_measured():
     results = run_bench_many(target, None, {"ngram": NgramDrafter(1, 3)}, prompts, cfg, progress=False,
                              deadline=Deadline(0.0))  # expired from the start
     r = results["ngram"]
-    assert r.repeats == 1 and sum(s.requests for s in r.slices) == MIN_PROMPTS and len(r.prompt_speedups) == MIN_PROMPTS
-    assert r.lossless is True and r.lossless_exact == MIN_PROMPTS
-    assert r.budget_note == f"time budget reached: {MIN_PROMPTS} of 5 prompts, 1 of 3 repeats measured"
+    assert r.repeats == 1 and sum(s.requests for s in r.slices) == MIN_MEASURED_PROMPTS and len(r.prompt_speedups) == MIN_MEASURED_PROMPTS
+    assert r.lossless is True and r.lossless_exact == MIN_MEASURED_PROMPTS
+    assert r.budget_note == f"time budget reached: {MIN_MEASURED_PROMPTS} of 5 prompts, 1 of 3 repeats measured"
     full = run_bench_many(target, None, {"ngram": NgramDrafter(1, 3)}, prompts, cfg, progress=False, deadline=Deadline(None))
     assert full["ngram"].repeats == 3 and full["ngram"].budget_note == "" and len(full["ngram"].prompt_speedups) == 5

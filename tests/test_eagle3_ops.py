@@ -17,7 +17,7 @@ from specdistill.modeling.models import load_model
 from specdistill.modeling.vocab import DraftVocab
 from specdistill.ops.serving import ServingConfig, read_serving_config, write_serving_config
 from specdistill.speculative import EagleDrafter, drafter_from_spec, generate, make_drafter
-from specdistill.speculative.bench import measure_drafter_cost
+from specdistill.speculative.harness_bench import measure_drafter_cost
 from tests.conftest import save_tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -132,7 +132,7 @@ def test_registry_tags_download_and_smoke_test(head_dir, target, tmp_path, monke
 def test_monitor_replays_a_head_on_its_target_and_on_an_updated_one(head_dir, target_dir, tmp_path):
     from specdistill.data.logstore import LogStore
     from specdistill.ops.drift import add_domain_tokens
-    from specdistill.ops.monitor import replay_acceptance
+    from specdistill.ops.replay import replay_acceptance
     from tests.test_monitor import fill_store
 
     store = LogStore(f"sqlite:///{tmp_path / 'logs.db'}")

@@ -9,8 +9,8 @@ import stat
 
 import pytest
 
-from specdistill.engines.bench import divergence_margin
 from specdistill.engines.client import Completion, TokenLogprob
+from specdistill.engines.endpoint_bench import divergence_margin
 from specdistill.engines.gguf_export import GgufExportError, export_draft_gguf
 from specdistill.engines.server import LlamaServer, ServerConfig, ServerError, ServerMode, server_args
 from tests.conftest import save_tiny_target
@@ -107,7 +107,7 @@ def test_the_engine_bench_stops_at_its_deadline_after_the_prompt_in_hand(monkeyp
     prompts it started (every mode ran them, so the speedups stay paired) and says what it cut."""
     from specdistill.budget import Deadline
     from specdistill.data.prompts import Prompt
-    from specdistill.engines import bench
+    from specdistill.engines import endpoint_bench
     from specdistill.engines.prom import Scrape
 
     clock = {"now": 0.0}
@@ -119,17 +119,17 @@ def test_the_engine_bench_stops_at_its_deadline_after_the_prompt_in_hand(monkeyp
             asked.append((url, messages[-1]["content"]))
         return Completion("same text", max_tokens, 2.0 if url == "http://target" else 1.0)
 
-    monkeypatch.setattr(bench, "chat", fake_chat)
-    monkeypatch.setattr(bench, "scrape", lambda url: Scrape(len(asked), 4 * len(asked), 2 * len(asked)))
+    monkeypatch.setattr(endpoint_bench, "chat", fake_chat)
+    monkeypatch.setattr(endpoint_bench, "scrape", lambda url: Scrape(len(asked), 4 * len(asked), 2 * len(asked)))
     monkeypatch.setattr(Deadline, "remaining", lambda self, now=None: max(0.0, self.at - clock["now"]))
     prompts = [Prompt(f"question {i}") for i in range(6)]
-    endpoints = {bench.TARGET_ONLY: "http://target", "ngram": "http://ngram"}
-    results = bench.run_engine_bench(endpoints, prompts, bench.EngineBenchConfig(repeats=2), engine="fake", dtype="f",
+    endpoints = {endpoint_bench.TARGET_ONLY: "http://target", "ngram": "http://ngram"}
+    results = endpoint_bench.run_engine_bench(endpoints, prompts, endpoint_bench.EngineBenchConfig(repeats=2), engine="fake", dtype="f",
                                      progress=False, deadline=Deadline(25.0))
     r = results["ngram"]
     # prompt 0 (20 s), prompt 1 started before the deadline (40 s), then the deadline: 2 of 6 prompts, one repeat
     assert len(asked) == 4 and r.budget_note == "time budget reached: 2 of 6 prompts"
     assert len(r.prompt_speedups) == 2 and r.repeats == 1 and r.speedup == pytest.approx(2.0) and r.lossless
-    whole = bench.run_engine_bench(endpoints, prompts, bench.EngineBenchConfig(repeats=2), engine="fake", dtype="f",
+    whole = endpoint_bench.run_engine_bench(endpoints, prompts, endpoint_bench.EngineBenchConfig(repeats=2), engine="fake", dtype="f",
                                    progress=False)  # no deadline: every prompt, every repeat
     assert whole["ngram"].budget_note == "" and len(whole["ngram"].prompt_speedups) == 6 and whole["ngram"].repeats == 2

@@ -110,7 +110,7 @@ BF16_COSTS = {k: 1.0 + 0.03 * (k - 1) for k in range(1, 10)}
 
 
 def _result(name: str, gamma: int, speedup: float, lossless: bool = True, cost: float | None = None):
-    from specdistill.speculative.bench import BenchResult
+    from specdistill.speculative.harness_bench import BenchResult
 
     r = RECORDED[name]
     return BenchResult(drafter=name, gamma=gamma, max_new_tokens=40, repeats=1, greedy=True, lossless=lossless,
@@ -123,7 +123,7 @@ def _result(name: str, gamma: int, speedup: float, lossless: bool = True, cost: 
 
 def test_each_drafter_is_benchmarked_again_at_its_predicted_best_gamma(monkeypatch):
     from specdistill.speculative import gamma
-    from specdistill.speculative.bench import BenchConfig
+    from specdistill.speculative.harness_bench import BenchConfig
 
     monkeypatch.setattr(gamma, "measure_verify_costs", lambda *a, **k: dict(BF16_COSTS))
     first = {name: _result(name, 4, r["speedup"], cost=r["cost"]) for name, r in RECORDED.items()}
@@ -159,7 +159,7 @@ def test_each_drafter_is_benchmarked_again_at_its_predicted_best_gamma(monkeypat
 
 def test_a_lossy_confirmation_never_replaces_the_first_run(monkeypatch):
     from specdistill.speculative import gamma
-    from specdistill.speculative.bench import BenchConfig
+    from specdistill.speculative.harness_bench import BenchConfig
 
     monkeypatch.setattr(gamma, "measure_verify_costs", lambda *a, **k: dict(BF16_COSTS))
     monkeypatch.setattr(gamma, "run_bench_many", lambda t, tok, drafters, p, c, *, gammas, **kw:
@@ -174,7 +174,7 @@ def test_a_confirmation_that_would_not_fit_the_deadline_is_skipped_and_one_cut_s
     the first would not fit is not started, and one the deadline cut (fewer prompts than the first) is not used."""
     from specdistill.budget import Deadline
     from specdistill.speculative import gamma
-    from specdistill.speculative.bench import BenchConfig
+    from specdistill.speculative.harness_bench import BenchConfig
 
     monkeypatch.setattr(gamma, "measure_verify_costs", lambda *a, **k: dict(BF16_COSTS))
     first = {"challenger": replace(_result("challenger", 4, 1.07, cost=0.071), stats={"seconds": 30.0, "generated_tokens": 400})}
@@ -203,7 +203,7 @@ def test_under_a_tight_deadline_the_most_promising_drafters_are_confirmed_and_th
     the largest predicted speedups go first, as many as fit."""
     from specdistill.budget import Deadline
     from specdistill.speculative import gamma
-    from specdistill.speculative.bench import BenchConfig
+    from specdistill.speculative.harness_bench import BenchConfig
 
     monkeypatch.setattr(gamma, "measure_verify_costs", lambda *a, **k: dict(BF16_COSTS))
     first = {"challenger": replace(_result("challenger", 4, 1.07, cost=0.071), stats={"seconds": 30.0, "generated_tokens": 400}),
@@ -224,7 +224,7 @@ def test_under_a_tight_deadline_the_most_promising_drafters_are_confirmed_and_th
 
 def test_nothing_runs_again_when_every_drafter_is_at_its_best_gamma(monkeypatch):
     from specdistill.speculative import gamma
-    from specdistill.speculative.bench import BenchConfig
+    from specdistill.speculative.harness_bench import BenchConfig
 
     monkeypatch.setattr(gamma, "measure_verify_costs", lambda *a, **k: dict(BF16_COSTS))
     monkeypatch.setattr(gamma, "run_bench_many", lambda *a, **k: pytest.fail("no γ moved: no second run"))
@@ -236,8 +236,8 @@ def test_a_run_that_never_drafted_predicts_no_gain_and_moves_no_gamma(monkeypatc
     """`bench --ngram --max-new-tokens 4`: every step a plain step (u = 1.0) failed after the whole
     benchmark ("plain-step share must be in [0, 1)") and lost its result; the nightly calls the same code."""
     from specdistill.speculative import gamma
-    from specdistill.speculative.bench import BenchConfig
     from specdistill.speculative.gamma import plain_step_share, render_curve, speedup_curve
+    from specdistill.speculative.harness_bench import BenchConfig
 
     stats = {"requests": 4, "generated_tokens": 16, "rounds": 0, "target_forwards": 16}
     assert plain_step_share(stats) == 1.0

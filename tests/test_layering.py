@@ -6,9 +6,14 @@ that graph puts under it, nothing else:
     base (specdistill/__init__, config, acceptance, paths, env, hardware, budget)
       <- data <- modeling
       <- distill | speculative | engines    siblings: none imports another (shared types live below them)
-      <- ops (policy, registry, monitor) <- pipeline <- cli
+      <- ops (policy, registry, replay) <- pipeline <- cli
 
-Imports inside functions count as much as those at the top of a file. The library never imports
+Imports inside functions count as much as those at the top of a file. Inside each package the modules
+(a subpackage counts as one) import one another without a circle, through imports at the top or inside
+functions alike: a circle is broken by moving what both need to the lower module, not hidden in a
+function. An import of a library module inside a function says why on its line or the line above,
+`# lazy: <reason>` (CLI start-up, an optional or heavy dependency kept off a light module); every other
+import is at the top of the module. The library never imports
 Prefect, `tasks` or `flows`; the one exception is `specdistill/cli`, which imports `flows.*` lazily to
 run a flow. `tasks/` and `flows/` reach the library only through `specdistill.pipeline*`, plus
 `specdistill.paths` (tasks/common.py keys Prefect's cache by the state directory). Size limits: no
@@ -18,6 +23,7 @@ module in specdistill/ over MAX_LINES lines, at most MAX_TOP_LEVEL modules direc
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +47,7 @@ BASE_MODULES = {"config", "acceptance", "paths", "env", "hardware", "budget"}
 ORCHESTRATION_MAY_IMPORT = ("specdistill.pipeline", "specdistill.paths")  # for tasks/ and flows/
 MAX_LINES = 400
 MAX_TOP_LEVEL = 8  # modules directly in specdistill/, __init__.py not counted
+LAZY_REASON = re.compile(r"#\s*lazy:\s*\S")  # `# lazy: <why>` on a function-level import's line or the line above
 
 
 @dataclass(frozen=True)
@@ -170,6 +177,114 @@ def size_violations(root: Path) -> list[str]:
     return out
 
 
+def _function_level(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """The import statements inside a function (at any depth), in source order."""
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if in_function and isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.append(child)
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(tree, False)
+    return sorted(found, key=lambda n: n.lineno)
+
+
+def function_level_imports(root: Path) -> list[tuple[Import, bool]]:
+    """Every import of a library module inside a function in specdistill/, and whether it says why
+    (`# lazy: ...` on one of its lines or on the line above)."""
+    out = []
+    for path in _sources(root, "specdistill"):
+        text = path.read_text(encoding="utf-8")
+        lines = text.splitlines()
+        tree = ast.parse(text, filename=str(path))
+        modules = {(imp.line, imp.module) for imp in imports_of(root, path)}
+        for node in _function_level(tree):
+            ours = sorted({m for line, m in modules if line == node.lineno and layer_of(m) is not None})
+            if not ours:
+                continue
+            said = any(LAZY_REASON.search(lines[i - 1]) for i in range(max(1, node.lineno - 1), node.end_lineno + 1))
+            out += [(Import(str(path.relative_to(root)), node.lineno, m), said) for m in ours]
+    return out
+
+
+def unexplained_function_level_imports(root: Path) -> list[str]:
+    return [f"{imp.file}:{imp.line} imports {imp.module} inside a function without a reason: move it to the top "
+            "of the module, or say why on its line (`# lazy: CLI start-up`, `# lazy: keeps torch off import`)"
+            for imp, said in function_level_imports(root) if not said]
+
+
+def _child_of(package: str, dotted: str) -> str | None:
+    """The direct child of `package` (module or subpackage) that `dotted` is or lies in; None outside it."""
+    prefix = package + "."
+    if not dotted.startswith(prefix):
+        return None
+    return prefix + dotted[len(prefix):].split(".")[0]
+
+
+def import_cycles(root: Path) -> list[str]:
+    """A circle of imports among the modules of one package (a subpackage is one node of its parent),
+    counting imports at the top, inside functions and under TYPE_CHECKING alike; one circle per
+    strongly connected set, each arrow with the file:line that draws it."""
+    imports = {module_name(root, p): imports_of(root, p) for p in _sources(root, "specdistill")}
+    packages = {m for m, p in ((module_name(root, p), p) for p in _sources(root, "specdistill")) if _is_package(p)}
+    out = []
+    for package in sorted(packages):
+        edges: dict[str, dict[str, Import]] = {}
+        for importer, found in imports.items():
+            a = _child_of(package, importer)
+            if a is None:
+                continue
+            for imp in found:
+                b = _child_of(package, imp.module)
+                if b is not None and b != a:
+                    edges.setdefault(a, {}).setdefault(b, imp)
+        out += [f"{package}: " + " -> ".join(f"{a.rpartition('.')[2]} ({edges[a][b].file}:{edges[a][b].line})"
+                                             for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1].rpartition('.')[2]}"
+                for cycle in _cycles(edges)]
+    return out
+
+
+def _cycles(edges: dict[str, dict[str, Import]]) -> list[list[str]]:
+    """One circle (first node repeated at the end) through each strongly connected set of the graph (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(edges.get(v, {})):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for v in sorted(edges):
+        if v not in index:
+            connect(v)
+    cycles = []
+    for component in components:  # walk inside the set from its first node until a node repeats
+        path, seen = [min(component)], {}
+        while path[-1] not in seen:
+            seen[path[-1]] = len(path) - 1
+            path.append(min(w for w in edges[path[-1]] if w in component))
+        cycles.append(path[seen[path[-1]]:])
+    return cycles
+
+
 def _report(violations: list[str]) -> str:
     return "\n".join(["", *violations])
 
@@ -286,6 +401,53 @@ def test_checker_counts_lines_and_top_level_modules(tmp_path):
     assert f"holds {MAX_TOP_LEVEL + 1} modules directly" in found
 
 
+def test_checker_catches_a_circle_inside_a_package_however_it_is_hidden(tmp_path):
+    root = _write(tmp_path, {
+        "specdistill/__init__.py": "",
+        "specdistill/speculative/__init__.py": "",
+        "specdistill/speculative/drafters.py": "def make():\n    from specdistill.speculative.eagle import E  # lazy: a reason\n",
+        "specdistill/speculative/eagle.py": "from specdistill.speculative import suffix\n",
+        "specdistill/speculative/suffix.py": "from .drafters import Drafter\n",
+        "specdistill/speculative/engine.py": "from specdistill.speculative.drafters import Drafter\n",
+        "specdistill/pipeline/__init__.py": "",
+        "specdistill/pipeline/answers/__init__.py": "",
+        "specdistill/pipeline/answers/stage.py": "from specdistill.pipeline.outputs import X\n",
+        "specdistill/pipeline/outputs.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                          "    from specdistill.pipeline.answers.stage import Y\n",
+        "specdistill/ops/__init__.py": "",
+        "specdistill/ops/monitor.py": "from specdistill.ops.serving import S\n",
+        "specdistill/ops/serving.py": "",
+    })
+    found = _report(import_cycles(root))
+    assert ("specdistill.speculative: drafters (specdistill/speculative/drafters.py:2) -> eagle (specdistill/speculative/eagle.py:1) "
+            "-> suffix (specdistill/speculative/suffix.py:1) -> drafters") in found
+    assert ("specdistill.pipeline: answers (specdistill/pipeline/answers/stage.py:1) -> outputs (specdistill/pipeline/outputs.py:3) "
+            "-> answers") in found
+    for clean in ("engine", "ops"):
+        assert clean not in found, found
+
+
+def test_checker_catches_a_function_level_import_that_does_not_say_why(tmp_path):
+    root = _write(tmp_path, {
+        "specdistill/__init__.py": "",
+        "specdistill/paths.py": "",
+        "specdistill/ops/__init__.py": "",
+        "specdistill/ops/serving.py": "from specdistill import paths\n",
+        "specdistill/ops/quiet.py": "def f():\n    import json\n    from specdistill.ops import serving\n",
+        "specdistill/ops/said.py": "def f():\n    from specdistill.ops import serving  # lazy: keeps torch off import\n",
+        "specdistill/ops/above.py": "def f():\n    # lazy: CLI start-up\n    from specdistill import paths\n",
+        "specdistill/ops/multi.py": "class C:\n    def f(self):\n        from specdistill.ops.serving import (  # lazy: mlflow\n"
+                                    "            a,\n        )\n        from . import serving\n",
+        "specdistill/ops/empty.py": "def f():\n    from specdistill.ops import serving  # lazy:\n",
+    })
+    found = _report(unexplained_function_level_imports(root))
+    assert "ops/quiet.py:3 imports specdistill.ops.serving inside a function without a reason" in found
+    assert "ops/multi.py:6 imports specdistill.ops.serving" in found
+    assert "ops/empty.py:2" in found  # a reason must say something
+    for clean in ("ops/quiet.py:2", "ops/serving.py", "ops/said.py", "ops/above.py", "ops/multi.py:3"):
+        assert clean not in found, found
+
+
 # --------------------------------------------------------------------------------------------
 # The repository
 
@@ -304,5 +466,17 @@ def test_prefect_stays_in_tasks_and_flows_which_use_the_library_through_pipeline
 
 def test_modules_stay_small_and_the_top_level_stays_short():
     violations = size_violations(REPO)
+    if violations:
+        pytest.fail(_report(violations), pytrace=False)
+
+
+def test_no_package_imports_itself_in_a_circle():
+    violations = import_cycles(REPO)
+    if violations:
+        pytest.fail(_report(violations), pytrace=False)
+
+
+def test_imports_inside_functions_say_why():
+    violations = unexplained_function_level_imports(REPO)
     if violations:
         pytest.fail(_report(violations), pytrace=False)

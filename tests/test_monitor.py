@@ -15,7 +15,8 @@ from specdistill.data.readers import Conversation
 from specdistill.modeling.drafts import export_early_exit_draft, init_draft_from_target, save_draft
 from specdistill.modeling.models import load_model
 from specdistill.ops.metrics import LiveSample, SpecDecodeMetrics
-from specdistill.ops.monitor import (
+from specdistill.ops.policy import PLAUSIBLE_FACTOR, decide
+from specdistill.ops.replay import (
     AcceptanceSample,
     Decision,
     choose_fallback,
@@ -23,7 +24,6 @@ from specdistill.ops.monitor import (
     refresh_metrics,
     replay_acceptance,
 )
-from specdistill.ops.policy import PLAUSIBLE_FACTOR, decide
 from specdistill.ops.serving import ServingConfig, write_serving_config
 from specdistill.speculative import ModelDrafter, SelfSpecDrafter, generate
 from tests.conftest import make_tiny_llama, save_tiny_target
@@ -215,7 +215,7 @@ def test_the_exporter_survives_a_bad_and_a_newer_serving_file(store, tmp_path):
 
 
 def test_serve_metrics_refuses_a_zero_interval_before_binding(store):
-    from specdistill.ops.monitor import serve_metrics
+    from specdistill.ops.replay import serve_metrics
 
     for interval in (0, -1, float("nan")):
         with pytest.raises(ValueError, match="refresh interval"):

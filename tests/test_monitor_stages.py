@@ -11,10 +11,10 @@ import pytest
 from specdistill.data.logstore import LogStore
 from specdistill.modeling.drafts import early_exit_dir
 from specdistill.modeling.models import load_model
-from specdistill.ops.monitor import FallbackDecision
+from specdistill.ops.replay import FallbackDecision
 from specdistill.ops.serving import read_serving_config
 from specdistill.ops.targets import TargetChange, TargetVersion
-from specdistill.pipeline import monitor as mc
+from specdistill.pipeline import monitor_stage as mc
 from specdistill.pipeline.config import MonitorConfig, load_nightly_config
 from specdistill.pipeline.outputs import AppliedFallback, Champion
 from tests.conftest import save_tiny_target
@@ -95,7 +95,7 @@ def test_apply_fallback_writes_the_chosen_mode_into_the_serving_config(tiny_targ
 
 def test_the_monitor_replays_the_prompt_window_the_nightly_evaluates_on(tiny_target, tmp_path, monkeypatch):
     from specdistill.data.prompts import encode_chat
-    from specdistill.ops import monitor as ops_monitor
+    from specdistill.ops import replay
 
     prompts = ["short question", "the quick brown fox " * 12, "hello world", "def add(a, b): return a + b " * 6]
     url = _store(tmp_path, [1_700_000_000 + i for i in range(len(prompts))], prompts)
@@ -106,13 +106,13 @@ def test_the_monitor_replays_the_prompt_window_the_nightly_evaluates_on(tiny_tar
     assert 0 < len(fits) < len(prompts)  # the bound really filters
 
     seen = {}
-    monkeypatch.setattr(ops_monitor, "choose_fallback", lambda target, prompts, **kw: seen.update(prompts=prompts) or
-                        ops_monitor.FallbackDecision(False, None, None, None, "captured"))
+    monkeypatch.setattr(replay, "choose_fallback", lambda target, prompts, **kw: seen.update(prompts=prompts) or
+                        replay.FallbackDecision(False, None, None, None, "captured"))
     mc.measure_fallback(config, TargetVersion("fp", str(tiny_target), "", UPDATED_AT))
     assert sorted(p.text for p in seen["prompts"]) == sorted(fits)
     assert all(len(p.ids) <= 24 for p in seen["prompts"])
 
-    monkeypatch.setattr(ops_monitor, "replay_acceptance", lambda *a, **kw: seen.update(replay=kw) or ops_monitor.AcceptanceSample(False))
+    monkeypatch.setattr(replay, "replay_acceptance", lambda *a, **kw: seen.update(replay=kw) or replay.AcceptanceSample(False))
     mc.sample_acceptance(config, Champion("d", "1", "/d"),
                          TargetVersion("fp", str(tiny_target), "", UPDATED_AT))
     assert seen["replay"]["max_prompt_tokens"] == 24

@@ -14,7 +14,7 @@ from specdistill.config import ConfigError
 from specdistill.modeling.vocab import DraftVocab, remap_draft_vocab
 from specdistill.ops.policy import Check, GateVerdict
 from specdistill.ops.registry import RegisteredDraft
-from specdistill.pipeline import bench as bench_stage
+from specdistill.pipeline import bench_stage
 from specdistill.pipeline import nightly as pipeline
 from specdistill.pipeline.config import load_nightly_config, run_root
 from specdistill.pipeline.outputs import Champion, GeneratedData, Promoted, Trained, Window
@@ -82,8 +82,8 @@ def test_the_bench_and_gate_sections_build_their_runtime_configs_and_refuse_unkn
                                                                         engine.repeats) == (3, 9, 2)
     # one default per shared setting: the nightly's section, the harness's and an engine's configs agree
     from specdistill.data.results import BenchSettings
-    from specdistill.engines.bench import EngineBenchConfig
-    from specdistill.speculative.bench import BenchConfig
+    from specdistill.engines.endpoint_bench import EngineBenchConfig
+    from specdistill.speculative.harness_bench import BenchConfig
 
     shared = BenchSettings().model_dump()
     for made in (load_nightly_config().bench, BenchConfig(), EngineBenchConfig()):
@@ -168,7 +168,7 @@ def test_the_gamma_note_tells_a_confirmation_that_lost_from_one_that_did_not_run
     from dataclasses import replace
 
     from specdistill.data.results import GammaSearch
-    from specdistill.pipeline.report import gamma_note
+    from specdistill.pipeline.serve import gamma_note
 
     curve = {2: 1.3, 4: 1.2, 7: 1.5}
     ran = replace(_result(0.4, 2.0), gamma=4, gamma_search=GammaSearch(curve, 7, {}, {4: 1.43, 7: 1.42}))
@@ -526,7 +526,7 @@ def test_align_champion_transplants_a_champion_of_an_older_vocabulary_once(tiny_
 
 
 def _bench_entry(spec="draft:/d"):
-    from specdistill.speculative.bench import BenchResult, SliceResult
+    from specdistill.speculative.harness_bench import BenchResult, SliceResult
 
     result = BenchResult(drafter="d", gamma=2, max_new_tokens=8, repeats=1, greedy=True, lossless=True, lossless_mismatches=0,
                          acceptance_rate=0.5, accepted_length=2.0, per_position_acceptance=[0.6, 0.4],
@@ -538,7 +538,7 @@ def _bench_entry(spec="draft:/d"):
 
 def test_registration_records_metrics_and_artifacts_and_a_missing_plot_library_only_costs_the_plot(tmp_path, monkeypatch, caplog):
     from specdistill.pipeline.report import registration_artifacts, registration_metrics
-    from specdistill.speculative.bench import BenchResult
+    from specdistill.speculative.harness_bench import BenchResult
 
     draft_dir = tmp_path / "run" / "draft"
     draft_dir.mkdir(parents=True)
@@ -628,7 +628,7 @@ def test_a_float32_run_on_a_bf16_cpu_loads_every_model_and_runs_the_feature_pass
     from specdistill.hardware import FLAGS_ENV
     from specdistill.modeling import models
     from specdistill.ops.targets import TargetVersion
-    from specdistill.pipeline import monitor as monitor_stage
+    from specdistill.pipeline import monitor_stage
     from specdistill.pipeline.answers.stage import generate_responses
     from specdistill.pipeline.config import MonitorConfig
 
@@ -691,7 +691,7 @@ def test_a_device_the_machine_lacks_fails_at_config_load_naming_the_key(monkeypa
 
 
 def test_stage_deadlines_share_what_the_run_has_left():
-    from specdistill.pipeline.budget import stage_budgets, stage_deadline
+    from specdistill.pipeline.stage_budgets import stage_budgets, stage_deadline
 
     config = load_nightly_config(None, ["generation.max_minutes=8", "train.optim.max_minutes=3", "bench.max_minutes=4"])
     assert stage_budgets(config) == {"answers": 8, "distill": 3, "generic": 3, "benchmark": 4}

@@ -11,8 +11,7 @@ import pytest
 from specdistill.ops import registry
 from specdistill.ops.policy import Check, GateVerdict
 from specdistill.ops.serving import read_serving_config
-from specdistill.pipeline import bench as bench_stage
-from specdistill.pipeline import nightly
+from specdistill.pipeline import bench_stage, nightly
 from specdistill.pipeline.config import load_nightly_config
 from specdistill.pipeline.outputs import TargetInfo
 from specdistill.pipeline.serve import ServingDecision, mode_of, serving_candidates, serving_config

@@ -261,7 +261,7 @@ def test_specs_name_suffix_and_hybrid_drafters(tmp_path):
 
 
 def test_a_hybrids_cost_is_its_models_plus_its_lookups():
-    from specdistill.speculative.bench import measure_drafter_cost
+    from specdistill.speculative.harness_bench import measure_drafter_cost
 
     target = tiny(seed=5)
     model = ModelDrafter(tiny(seed=6, layers=1), VOCAB)

@@ -10,7 +10,7 @@ import pytest
 
 from specdistill.data.prompts import Prompt
 from specdistill.modeling.models import LoadedModel
-from specdistill.ops import monitor as ops_monitor
+from specdistill.ops import replay
 from specdistill.ops.policy import GateVerdict
 from specdistill.ops.serving import ServingConfig, read_serving_config, write_serving_config
 from specdistill.pipeline.corpus import export_sglang_corpus, sglang_corpus_path
@@ -85,26 +85,26 @@ def test_the_monitor_measures_the_suffix_fallback_only_for_the_target_its_corpus
 
     def fake_bench(model, tokenizer, drafters, prompts, config, progress=True):
         seen["drafters"] = dict(drafters)
-        from specdistill.speculative.bench import BenchResult
+        from specdistill.speculative.harness_bench import BenchResult
 
         return {name: BenchResult(name, 4, 8, 1, True, True, 0, 0.5, 2.0, [0.5], 0, 0, 0, 10.0, 15.0,
                                   1.5 if name == "suffix" else 1.1, None, None, stats={"generated_tokens": 100})
                 for name in drafters}
 
-    monkeypatch.setattr(ops_monitor, "run_bench_many", fake_bench)
+    monkeypatch.setattr(replay, "run_bench_many", fake_bench)
     prompts = [Prompt("", ids=[1, 2, 3])]
-    current = ops_monitor.choose_fallback(target, prompts, exit_layers=(),
+    current = replay.choose_fallback(target, prompts, exit_layers=(),
                                           suffix_corpus=_corpus(tmp_path, tokenizer=target.tokenizer_digest),
                                           min_tokens=1, progress=False)
     assert "suffix" in seen["drafters"] and current.mode == "suffix" and current.suffix_corpus
     stale_dir = tmp_path / "old"
     stale_dir.mkdir()
-    stale = ops_monitor.choose_fallback(target, prompts, exit_layers=(), suffix_corpus=_corpus(stale_dir, "fp-old"),
+    stale = replay.choose_fallback(target, prompts, exit_layers=(), suffix_corpus=_corpus(stale_dir, "fp-old"),
                                         min_tokens=1, progress=False)
     assert "suffix" not in seen["drafters"] and stale.mode == "ngram"
     assert "stale" in stale.reason and "fp-old" in stale.reason and stale.suffix_corpus is None
     other_dir = tmp_path / "other-tokenizer"  # ids of another tokenizer (an edited digest): skipped, and why
     other_dir.mkdir()
-    other = ops_monitor.choose_fallback(target, prompts, exit_layers=(), suffix_corpus=_corpus(other_dir),
+    other = replay.choose_fallback(target, prompts, exit_layers=(), suffix_corpus=_corpus(other_dir),
                                         min_tokens=1, progress=False)
     assert "suffix" not in seen["drafters"] and other.mode == "ngram" and "another tokenizer" in other.reason

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from specdistill.data.prompts import Prompt
-from specdistill.engines.bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
 from specdistill.engines.client import chat, metrics_url
+from specdistill.engines.endpoint_bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
 from specdistill.engines.prom import scrape
 from tests.conftest import eval_window
 from tests.test_llamacpp import REPEAT, _memorizing_head
@@ -26,7 +26,7 @@ K = 4
 
 def _serving_block(spec: str) -> dict:
     """The speculative_config serving.json would carry for a drafter spec."""
-    from specdistill.pipeline.vllm_bench import mode_serving_config
+    from specdistill.pipeline.vllm_bench_stage import mode_serving_config
 
     return mode_serving_config(spec, K, "demo").vllm()
 

@@ -139,8 +139,8 @@ def test_serving_choice_skips_a_mode_vllm_refused():
     from specdistill.ops.policy import GateVerdict
     from specdistill.pipeline.config import load_nightly_config
     from specdistill.pipeline.serve import choose_serving
-    from specdistill.pipeline.vllm_bench import refused_entry
-    from specdistill.speculative.bench import BenchResult
+    from specdistill.pipeline.vllm_bench_stage import refused_entry
+    from specdistill.speculative.harness_bench import BenchResult
 
     config = load_nightly_config(None, ["serving.engine=vllm", "serving.margin=0.0"])
     ok = BenchResult(drafter="ngram", gamma=4, max_new_tokens=8, repeats=1, greedy=True, lossless=True,

@@ -110,6 +110,6 @@ def add_db(p: argparse.ArgumentParser) -> None:
 def log_store(args: argparse.Namespace, *, create: bool = False):
     """The log store named by --db, as a context manager (`with log_store(args) as store:`). Only
     writers (`create=True`) create a missing SQLite file; a reader names it and stops."""
-    from specdistill.data.logstore import LogStore
+    from specdistill.data.logstore import LogStore  # lazy: CLI start-up
 
     return LogStore(args.db, create=create)

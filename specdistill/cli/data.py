@@ -9,7 +9,7 @@ from specdistill.cli.common import Subcommands, add_db, command, emit, group, lo
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
-    from specdistill.data.ingest import ingest
+    from specdistill.data.ingest import ingest  # lazy: CLI start-up
 
     with log_store(args, create=True) as store:
         result = ingest(args.path, args.format, store, batch_size=args.batch_size, source=args.source,

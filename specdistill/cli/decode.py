@@ -25,7 +25,7 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16")  # modeling.models.DTYPE_CHOICES
 def _drafter(args: argparse.Namespace, target, fingerprint: str | None = None, tokenizer: str | None = None):
     """The drafter the command line names (a suffix corpus is checked against the target's fingerprint and
     tokenizer digest: the commands pass both)."""
-    from specdistill.speculative import make_drafter
+    from specdistill.speculative import make_drafter  # lazy: CLI start-up
 
     drafter = make_drafter(target, draft=args.draft, self_spec=args.self_spec, ngram=args.ngram,
                            ngram_min=args.ngram_min, ngram_max=args.ngram_max, tree_width=args.tree_width,
@@ -47,10 +47,10 @@ def _check_drafting(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from specdistill.modeling.models import dtype_name, load_model
-    from specdistill.speculative import SamplingConfig, generate
-    from specdistill.speculative.bench import encode_prompt
-    from specdistill.speculative.engine import STOPPED_AT_CONTEXT
+    from specdistill.modeling.models import dtype_name, load_model  # lazy: CLI start-up
+    from specdistill.speculative import SamplingConfig, generate  # lazy: CLI start-up
+    from specdistill.speculative.engine import STOPPED_AT_CONTEXT  # lazy: CLI start-up
+    from specdistill.speculative.harness_bench import encode_prompt  # lazy: CLI start-up
 
     _check_drafting(args)
     set_threads(args)
@@ -80,12 +80,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _bench_prompts(args: argparse.Namespace, target, records: list | None) -> list:
     """The measured prompts: from a prompt file (every turn with --turns all), or from the log store."""
-    from specdistill.data.prompts import Prompt
-    from specdistill.speculative.bench import prompts_from_records
+    from specdistill.data.prompts import Prompt  # lazy: CLI start-up
+    from specdistill.speculative.harness_bench import prompts_from_records  # lazy: CLI start-up
 
     if records is not None:
         return prompts_from_records(target.model, target.tokenizer, records, args.max_new_tokens)
-    from specdistill.data.prompts import prompts_from_logs
+    from specdistill.data.prompts import prompts_from_logs  # lazy: CLI start-up
 
     with log_store(args) as store:
         logged = prompts_from_logs(store, target.tokenizer, args.from_logs, args.limit or 32, seed=args.log_seed)
@@ -98,9 +98,9 @@ def _bench_prompts(args: argparse.Namespace, target, records: list | None) -> li
 def _bench_engine(args: argparse.Namespace):
     """The bench in a serving engine: llama.cpp started here per mode, or running OpenAI-compatible
     servers given by URL (the speculative one and a target-only one)."""
-    from specdistill.data.prompt_files import read_prompt_file
-    from specdistill.data.prompts import Prompt
-    from specdistill.engines.bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
+    from specdistill.data.prompt_files import read_prompt_file  # lazy: CLI start-up
+    from specdistill.data.prompts import Prompt  # lazy: CLI start-up
+    from specdistill.engines.endpoint_bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench  # lazy: CLI start-up
 
     if args.prompts is None or args.turns == "all":
         raise ValueError(f"--engine {args.engine} measures first turns of a --prompts file "
@@ -119,8 +119,8 @@ def _bench_engine(args: argparse.Namespace):
         return results[args.mode_name]
     if args.engine == "vllm":
         return _bench_vllm(args, prompts, config, threads)
-    from specdistill.engines.llamacpp import bench_llamacpp, target_gguf
-    from specdistill.pipeline.engine_bench import mode_for_spec
+    from specdistill.engines.llamacpp import bench_llamacpp, target_gguf  # lazy: CLI start-up
+    from specdistill.pipeline.engine_bench import mode_for_spec  # lazy: CLI start-up
 
     if args.self_spec is not None or args.suffix or not (args.draft or args.ngram):
         raise ValueError("--engine llamacpp measures --draft (a GGUF, or a draft or EAGLE-3 head directory exported to one) "
@@ -133,9 +133,9 @@ def _bench_engine(args: argparse.Namespace):
 def _bench_vllm(args: argparse.Namespace, prompts: list, config, threads: int):
     """vLLM started here twice, target-only and with the mode's `speculative_config` as serving.json
     would carry it; a config vLLM refuses is an error carrying vLLM's own message."""
-    from specdistill.engines.vllm_bench import bench_vllm
-    from specdistill.pipeline.vllm_bench import mode_serving_config
-    from specdistill.speculative.specs import SELF_SPEC, DrafterSpec
+    from specdistill.engines.vllm_bench import bench_vllm  # lazy: CLI start-up
+    from specdistill.pipeline.vllm_bench_stage import mode_serving_config  # lazy: CLI start-up
+    from specdistill.speculative.specs import SELF_SPEC, DrafterSpec  # lazy: CLI start-up
 
     if args.draft:
         spec = DrafterSpec("draft", args.draft)
@@ -154,10 +154,10 @@ def _bench_vllm(args: argparse.Namespace, prompts: list, config, threads: int):
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from specdistill.data.prompt_files import read_prompt_file
-    from specdistill.modeling.models import load_model
-    from specdistill.speculative.bench import BenchConfig, run_bench
-    from specdistill.speculative.gamma import plain_step_share, render_curve, speedup_curve
+    from specdistill.data.prompt_files import read_prompt_file  # lazy: CLI start-up
+    from specdistill.modeling.models import load_model  # lazy: CLI start-up
+    from specdistill.speculative.gamma import plain_step_share, render_curve, speedup_curve  # lazy: CLI start-up
+    from specdistill.speculative.harness_bench import BenchConfig, run_bench  # lazy: CLI start-up
 
     if args.engine != "harness":
         result = _bench_engine(args)
@@ -197,10 +197,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _emit_bench(args, result, payload: dict, text: str) -> int:
     """Print a bench result (either engine), with the gate's verdict when `--gate` asks for it."""
 
-    from specdistill.ops.policy import evaluate, gate_config
+    from specdistill.ops.policy import evaluate, gate_config  # lazy: CLI start-up
 
     if args.gate:
-        from specdistill import paths
+        from specdistill import paths  # lazy: CLI start-up
 
         champion = paths.read_json(Path(args.champion), "champion bench JSON") if args.champion else None
         verdict = evaluate(result, gate_config(args.gate), champion)

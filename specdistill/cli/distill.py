@@ -9,8 +9,8 @@ from specdistill.cli.common import Subcommands, command, emit
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
-    from specdistill.distill.config import load_config
-    from specdistill.distill.train import distill
+    from specdistill.distill.config import load_config  # lazy: CLI start-up
+    from specdistill.distill.train import distill  # lazy: CLI start-up
 
     config = load_config(args.config, args.overrides)  # fails on unknown keys before any work
     result = distill(config)

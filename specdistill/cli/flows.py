@@ -24,8 +24,8 @@ from specdistill.cli.common import (
 
 def cmd_nightly(args: argparse.Namespace) -> int:
     """`pipeline run` and `demo [run]` (which has no --config: the embedded demo defaults)."""
-    from specdistill.ops.serving import serving_path
-    from specdistill.pipeline.config import DEMO_OVERRIDES, load_nightly_config
+    from specdistill.ops.serving import serving_path  # lazy: CLI start-up
+    from specdistill.pipeline.config import DEMO_OVERRIDES, load_nightly_config  # lazy: CLI start-up
 
     overrides = [*DEMO_OVERRIDES, *args.overrides] if getattr(args, "demo", False) else list(args.overrides)
     config = load_nightly_config(args.config, overrides)  # a bad key fails here, before Prefect is imported
@@ -45,8 +45,8 @@ def cmd_nightly(args: argparse.Namespace) -> int:
 
 
 def cmd_demo_target_update(args: argparse.Namespace) -> int:
-    from specdistill.modeling.models import load_model
-    from specdistill.ops.drift import load_update_meta, make_target_update
+    from specdistill.modeling.models import load_model  # lazy: CLI start-up
+    from specdistill.ops.drift import load_update_meta, make_target_update  # lazy: CLI start-up
 
     set_threads(args)
     out = make_target_update(args.base, args.out, steps=args.steps, lr=args.lr, top_layers=args.top_layers,

@@ -10,8 +10,8 @@ from specdistill.cli.common import Subcommands, add_out, command, emit, group, p
 def cmd_vocab_check(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from specdistill.modeling.models import resolve_model_dir
-    from specdistill.modeling.vocab import check_vocab
+    from specdistill.modeling.models import resolve_model_dir  # lazy: CLI start-up
+    from specdistill.modeling.vocab import check_vocab  # lazy: CLI start-up
 
     target_tok = AutoTokenizer.from_pretrained(resolve_model_dir(args.target))
     draft_tok = AutoTokenizer.from_pretrained(resolve_model_dir(args.draft))
@@ -23,9 +23,9 @@ def cmd_vocab_check(args: argparse.Namespace) -> int:
 def cmd_vocab_transplant(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from specdistill.modeling.drafts import save_draft
-    from specdistill.modeling.models import load_model, resolve_model_dir
-    from specdistill.modeling.vocab import check_vocab, transplant_vocab
+    from specdistill.modeling.drafts import save_draft  # lazy: CLI start-up
+    from specdistill.modeling.models import load_model, resolve_model_dir  # lazy: CLI start-up
+    from specdistill.modeling.vocab import check_vocab, transplant_vocab  # lazy: CLI start-up
 
     check_out(args)
     target_tok = AutoTokenizer.from_pretrained(resolve_model_dir(args.target))
@@ -39,9 +39,9 @@ def cmd_vocab_transplant(args: argparse.Namespace) -> int:
 
 
 def cmd_draft_init(args: argparse.Namespace) -> int:
-    from specdistill.modeling.drafts import init_draft_from_target, parse_layers, save_draft
-    from specdistill.modeling.models import load_model, num_parameters
-    from specdistill.modeling.vocab import DraftVocab, build_draft_vocab, token_frequencies
+    from specdistill.modeling.drafts import init_draft_from_target, parse_layers, save_draft  # lazy: CLI start-up
+    from specdistill.modeling.models import load_model, num_parameters  # lazy: CLI start-up
+    from specdistill.modeling.vocab import DraftVocab, build_draft_vocab, token_frequencies  # lazy: CLI start-up
 
     check_out(args)  # before the target loads: a refused OUT costs nothing
     if args.draft_vocab is not None and args.draft_vocab < 1:
@@ -73,8 +73,8 @@ def cmd_draft_init(args: argparse.Namespace) -> int:
 def _check_eagle3_target(ref: str) -> None:
     from transformers import AutoConfig
 
-    from specdistill.modeling.eagle3 import check_eagle3_target, target_architecture
-    from specdistill.modeling.models import resolve_model_dir
+    from specdistill.modeling.eagle3 import check_eagle3_target, target_architecture  # lazy: CLI start-up
+    from specdistill.modeling.models import resolve_model_dir  # lazy: CLI start-up
 
     model_dir = resolve_model_dir(ref)
     check_eagle3_target(target_architecture(AutoConfig.from_pretrained(model_dir)), where=model_dir)
@@ -82,8 +82,8 @@ def _check_eagle3_target(ref: str) -> None:
 
 def _init_eagle3(args: argparse.Namespace, target, draft_vocab) -> int:
     """An untrained EAGLE-3 head over the target's features (layers low/mid/high unless given)."""
-    from specdistill.modeling.eagle3 import init_eagle3_from_target
-    from specdistill.modeling.eagle3_io import save_eagle3
+    from specdistill.modeling.eagle3 import init_eagle3_from_target  # lazy: CLI start-up
+    from specdistill.modeling.eagle3_io import save_eagle3  # lazy: CLI start-up
 
     layers = None
     if args.layers:
@@ -104,8 +104,8 @@ def _init_eagle3(args: argparse.Namespace, target, draft_vocab) -> int:
 
 def check_out(args: argparse.Namespace) -> None:
     """Refuse OUT before any work when it would replace what `draft` writers did not write."""
-    from specdistill import paths
-    from specdistill.modeling.drafts import DRAFT_OUTPUT
+    from specdistill import paths  # lazy: CLI start-up
+    from specdistill.modeling.drafts import DRAFT_OUTPUT  # lazy: CLI start-up
 
     paths.check_output_dir(args.out, DRAFT_OUTPUT, force=args.force)
 

@@ -24,7 +24,7 @@ from specdistill.cli.common import (
 
 
 def cmd_target_register(args: argparse.Namespace) -> int:
-    from specdistill.ops.targets import register_target
+    from specdistill.ops.targets import register_target  # lazy: CLI start-up
 
     version = register_target(args.path, served_names=args.served_name or ())
     emitted = False
@@ -39,7 +39,7 @@ def cmd_target_register(args: argparse.Namespace) -> int:
 
 
 def cmd_target_history(args: argparse.Namespace) -> int:
-    from specdistill.ops.targets import target_history
+    from specdistill.ops.targets import target_history  # lazy: CLI start-up
 
     versions = [v.to_dict() for v in target_history()]
     lines = [f"{v['registered_at']}  {v['fingerprint']}  {v['path']}"
@@ -49,7 +49,7 @@ def cmd_target_history(args: argparse.Namespace) -> int:
 
 
 def cmd_monitor_run(args: argparse.Namespace) -> int:
-    from specdistill.pipeline.config import load_monitor_config
+    from specdistill.pipeline.config import load_monitor_config  # lazy: CLI start-up
 
     load_monitor_config(args.config, args.overrides)  # a bad file or key fails here, before Prefect starts
     from flows.monitor import monitor  # the flows are the one place Prefect is imported
@@ -65,8 +65,8 @@ def cmd_monitor_run(args: argparse.Namespace) -> int:
 
 
 def cmd_monitor_sample(args: argparse.Namespace) -> int:
-    from specdistill.ops.monitor import replay_acceptance
-    from specdistill.ops.policy import judge_acceptance
+    from specdistill.ops.policy import judge_acceptance  # lazy: CLI start-up
+    from specdistill.ops.replay import replay_acceptance  # lazy: CLI start-up
 
     set_threads(args)
     with log_store(args) as store:
@@ -87,8 +87,8 @@ def cmd_monitor_sample(args: argparse.Namespace) -> int:
 
 
 def cmd_monitor_serve(args: argparse.Namespace) -> int:
-    from specdistill.ops.exporter import serve_metrics
-    from specdistill.ops.metrics import check_listen_address, listens_everywhere
+    from specdistill.ops.exporter import serve_metrics  # lazy: CLI start-up
+    from specdistill.ops.metrics import check_listen_address, listens_everywhere  # lazy: CLI start-up
 
     check_listen_address(args.port, args.host)  # before the log store opens
 
@@ -108,7 +108,7 @@ def cmd_monitor_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_serving_show(args: argparse.Namespace) -> int:
-    from specdistill.ops.serving import read_serving_config, serving_path
+    from specdistill.ops.serving import read_serving_config, serving_path  # lazy: CLI start-up
 
     config = read_serving_config(args.path)
     where = args.path or serving_path()
@@ -119,7 +119,7 @@ def cmd_serving_show(args: argparse.Namespace) -> int:
     return 0
 
 
-MIN_REFRESH_S = 0.1  # as ops.monitor.MIN_REFRESH_S (not imported here: the parser loads no library module)
+MIN_REFRESH_S = 0.1  # as ops.exporter.MIN_REFRESH_S (not imported here: the parser loads no library module)
 
 
 def register(sub: Subcommands) -> None:

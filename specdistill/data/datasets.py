@@ -9,6 +9,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdistill.data.prompts import encode_chat
+from specdistill.data.readers import Conversation, read_records
+
 
 class DataNotFoundError(FileNotFoundError):
     pass
@@ -66,8 +69,6 @@ def sharegpt_first_turns(limit: int | None = None, *, skip: int = 0, scan: int |
     user turn's characters; with a `tokenizer`, `min_tokens`/`max_tokens` on the chat-templated prompt
     (generation prompt included: what the target is fed). `answered`: only turns that have an answer.
     """
-    from specdistill.data.readers import Conversation, read_records
-
     out: list[FirstTurn] = []
     seen: set[str] = set()
     if limit is not None and limit <= 0:
@@ -101,8 +102,6 @@ def sharegpt_first_turns(limit: int | None = None, *, skip: int = 0, scan: int |
 
 
 def _prompt_length(tokenizer, messages: list[dict]) -> int:
-    from specdistill.data.prompts import encode_chat
-
     return len(encode_chat(tokenizer, messages))
 
 

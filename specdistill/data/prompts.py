@@ -93,8 +93,8 @@ def usable_prompt(messages: Iterable[Any], tokenizer, max_prompt_tokens: int = M
 
 @dataclass
 class Prompt:
-    """The one prompt type: what a benchmark or a replay runs (the harness, `speculative.bench`, and the
-    serving engines, `engines.bench`), what the target answers (`pipeline.answers`, an engine's answer pass),
+    """The one prompt type: what a benchmark or a replay runs (the harness, `speculative.harness_bench`, and the
+    serving engines, `engines.endpoint_bench`), what the target answers (`pipeline.answers`, an engine's answer pass),
     and a prompt drawn from the log store (`prompts_from_logs`). `text` or raw token `ids` (used as they
     are, no template) for a benchmark; the chat turns for whatever applies the template itself; `id`
     names it in an answers file or the log store."""

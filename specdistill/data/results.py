@@ -1,6 +1,6 @@
 """What a benchmark run measured (`BenchResult`, per slice `SliceResult`), how its speeds are summed,
-and how it is shown (a text table, a plot). Produced by `speculative.bench` (the PyTorch harness) and
-`engines.bench` (a serving engine), read by the γ search, the policy and the reports.
+and how it is shown (a text table, a plot). Produced by `speculative.harness_bench` (the PyTorch harness) and
+`engines.endpoint_bench` (a serving engine), read by the γ search, the policy and the reports.
 
 Speeds: `times[repeat][prompt] = (generated tokens, seconds)` for target-only and for a mode, from
 the same interleaved rounds. A speedup is the ratio of summed tokens over summed seconds per repeat,
@@ -27,8 +27,8 @@ DEFAULT_TOLERANCE = 0.5
 
 
 class BenchSettings(Strict):
-    """What every benchmark measures, whichever engine runs it (the harness: `speculative.bench.BenchConfig`,
-    a serving engine: `engines.bench.EngineBenchConfig`, the nightly's `bench:` section), with one default
+    """What every benchmark measures, whichever engine runs it (the harness: `speculative.harness_bench.BenchConfig`,
+    a serving engine: `engines.endpoint_bench.EngineBenchConfig`, the nightly's `bench:` section), with one default
     each: 40 new tokens once per prompt keeps the demo's benchmark inside its budget on a 2-core CPU (the
     `bench` command asks for more repeats)."""
 

@@ -116,7 +116,7 @@ class DistillConfig(Strict):
     @field_validator("device")
     @classmethod
     def _device_exists(cls, device: str) -> str:
-        from specdistill.modeling.models import check_device  # torch, only when a config is validated
+        from specdistill.modeling.models import check_device  # lazy: torch, only when validated
 
         return check_device(device)
 

@@ -23,10 +23,15 @@ import torch
 from torch import nn
 
 from specdistill.acceptance import DEFAULT_GAMMA, expected_tokens_per_round
+from specdistill.distill import features as feature_cache
 from specdistill.distill import losses
-from specdistill.distill.features import StaleFeatureCacheError, entry_features, feature_start
-from specdistill.distill.teacher import check_entry, drop_stale, teacher_positions, to_draft_space
-from specdistill.modeling.eagle3 import Eagle3Draft
+from specdistill.distill.features import FeatureCache, StaleFeatureCacheError, entry_features, feature_start
+from specdistill.distill.layer_task import _build_draft_vocab
+from specdistill.distill.teacher import TeacherCache, check_entry, drop_stale, teacher_positions, to_draft_space, vocab_key
+from specdistill.modeling import eagle3_io
+from specdistill.modeling.eagle3 import Eagle3Draft, check_head_fits, default_aux_layers, init_eagle3_from_target
+from specdistill.modeling.eagle3_io import load_eagle3
+from specdistill.modeling.models import resolve_dtype
 from specdistill.modeling.vocab import DraftVocab
 
 
@@ -212,13 +217,6 @@ class Eagle3Task:
     def __init__(self, config, target, examples: list, replay: list, heldout: list, device: torch.device):
         import copy
 
-        from specdistill.distill.features import FeatureCache, build_feature_cache
-        from specdistill.distill.layer_task import _build_draft_vocab
-        from specdistill.distill.teacher import TeacherCache, vocab_key
-        from specdistill.modeling.eagle3 import check_head_fits, default_aux_layers, init_eagle3_from_target
-        from specdistill.modeling.eagle3_io import load_eagle3
-        from specdistill.modeling.models import resolve_dtype
-
         e = config.eagle3
         self.config, self.device = config, device
         if config.draft:
@@ -259,7 +257,7 @@ class Eagle3Task:
             if needed and (not multi or torch.distributed.get_rank() == 0):  # one rank writes, the others wait
                 dtype = resolve_dtype(e.feature_dtype)  # features as the target serves, on the training device
                 runner = target.model if target.model.dtype == dtype else copy.deepcopy(target.model).to(dtype)
-                build_feature_cache(runner, seqs, directory, fingerprint=target.fingerprint, layers=self.layers,
+                feature_cache.build_feature_cache(runner, seqs, directory, fingerprint=target.fingerprint, layers=self.layers,
                                     prompt_context=context,
                                     max_bytes=None if e.feature_max_gb is None else e.feature_max_gb * 1e9,
                                     teacher_dir=teacher_dir, k=e.teacher_top_k,
@@ -319,7 +317,5 @@ class Eagle3Task:
 
     def save(self, out_dir, target, meta: dict):
         """In the layout vLLM and SGLang load (modeling.eagle3_io)."""
-        from specdistill.modeling.eagle3_io import save_eagle3
-
-        return save_eagle3(self.head.eval(), target.tokenizer, out_dir,
+        return eagle3_io.save_eagle3(self.head.eval(), target.tokenizer, out_dir,
                            {"target_fingerprint": target.fingerprint, "layers": self.layers, **meta})

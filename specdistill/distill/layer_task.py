@@ -13,6 +13,8 @@ from specdistill.distill import losses
 from specdistill.distill.config import DistillConfig
 from specdistill.distill.examples import Batch, Example, collate
 from specdistill.distill.teacher import OnlineTeacher, TeacherCache, drop_stale, to_draft_space, vocab_key
+from specdistill.modeling import models
+from specdistill.modeling.drafts import init_draft_from_target, parse_layers, save_draft
 from specdistill.modeling.vocab import DraftVocab, build_draft_vocab
 
 
@@ -128,14 +130,11 @@ class LayerTask:
 
     def __init__(self, config: DistillConfig, target, examples: list[Example], replay: list[Example],
                  heldout: list[Example], device: torch.device):
-        from specdistill.modeling.drafts import init_draft_from_target, parse_layers
-        from specdistill.modeling.models import load_model
-
         self.config, self.examples, self.replay, self.heldout, self.device = config, examples, replay, heldout, device
         self.stale_dropped = 0  # examples whose cached teacher rows were written for other token ids
         tok = target.tokenizer
         if config.draft:
-            loaded = load_model(config.draft, dtype="float32")  # trained: fp32 master weights
+            loaded = models.load_model(config.draft, dtype="float32")  # trained: fp32 master weights
             draft = loaded.model
             draft_vocab = DraftVocab.load(config.draft)
             if isinstance(config.draft_vocab, int) and draft_vocab is not None and draft_vocab.size != config.draft_vocab:
@@ -172,7 +171,7 @@ class LayerTask:
 
         self.reference = None
         if config.loss.selective_keep is not None:
-            ref = load_model(config.loss.selective_reference, dtype="float32")  # scored beside the fp32 draft
+            ref = models.load_model(config.loss.selective_reference, dtype="float32")  # scored beside the fp32 draft
             self.reference = DraftWithHead(ref.model, DraftVocab.load(config.loss.selective_reference) or draft_vocab).eval()
             self.reference.to(device)
         self.module = DraftWithHead(draft, draft_vocab, target_width).to(device)
@@ -203,8 +202,6 @@ class LayerTask:
                 "layers": self.layers, "stale_dropped": self.stale_dropped}
 
     def save(self, out_dir, target, meta: dict):
-        from specdistill.modeling.drafts import save_draft
-
         self.draft.config.specdistill_layers = self.layers
         return save_draft(self.draft.eval(), target.tokenizer, out_dir, draft_vocab=self.draft_vocab,
                           meta={"target_fingerprint": target.fingerprint, "layers": self.layers, **meta})

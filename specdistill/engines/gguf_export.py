@@ -79,7 +79,7 @@ def _read_weights(directory: Path) -> dict[str, np.ndarray]:
     import torch
     from safetensors.torch import load_file
 
-    from specdistill.modeling.vocab import LEGACY_DRAFT_VOCAB_FILE
+    from specdistill.modeling.vocab import LEGACY_DRAFT_VOCAB_FILE  # lazy: keeps torch off import
 
     files = sorted(p for p in directory.glob("*.safetensors") if p.name != LEGACY_DRAFT_VOCAB_FILE)
     if not files:
@@ -242,7 +242,7 @@ def export_draft_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLi
     overrides = {"llama.block_count": n_layers, "llama.feed_forward_length": config["intermediate_size"],
                  "general.name": f"specdistill draft ({n_layers} layers)"}
     size = _write_gguf(out_path, "llama", reader, overrides, out, dtype)
-    from specdistill.modeling.vocab import draft_vocab_path
+    from specdistill.modeling.vocab import draft_vocab_path  # lazy: keeps torch off import
 
     head = "full"
     if draft_vocab_path(draft_dir) is not None:
@@ -254,8 +254,8 @@ def export_draft_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLi
 def _check_eagle3(config: dict, fields: dict, head_dir: Path) -> list[str]:
     """The head against the target GGUF (widths, vocabulary, feature layers, token texts), with the
     same checks and messages as loading it on the target in PyTorch. Returns the target's tokens."""
-    from specdistill.modeling.eagle3 import Eagle3ShapeError
-    from specdistill.modeling.eagle3_io import check_fits
+    from specdistill.modeling.eagle3 import Eagle3ShapeError  # lazy: keeps torch off import
+    from specdistill.modeling.eagle3_io import check_fits  # lazy: keeps torch off import
 
     tokens = fields["tokenizer.ggml.tokens"].contents()
     target = SimpleNamespace(hidden_size=fields["llama.embedding_length"].contents(), vocab_size=len(tokens),
@@ -274,7 +274,7 @@ def export_eagle3_gguf(head_dir: str | os.PathLike, target_gguf: str | os.PathLi
     paired with the target GGUF (its tokenizer and metadata)."""
     import gguf
 
-    from specdistill.modeling.eagle3_io import is_eagle3_dir, read_config
+    from specdistill.modeling.eagle3_io import is_eagle3_dir, read_config  # lazy: keeps torch off import
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: expected one of {DTYPES}")
@@ -325,7 +325,7 @@ def export_eagle3_gguf(head_dir: str | os.PathLike, target_gguf: str | os.PathLi
 def export_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLike, out_path: str | os.PathLike,
                 *, dtype: str = "f16") -> GgufExport:
     """Either kind of draft directory: an EAGLE-3 head (known by its config) or a layer-extracted draft."""
-    from specdistill.modeling.eagle3_io import is_eagle3_dir
+    from specdistill.modeling.eagle3_io import is_eagle3_dir  # lazy: keeps torch off import
 
     export = export_eagle3_gguf if is_eagle3_dir(draft_dir) else export_draft_gguf
     return export(draft_dir, target_gguf, out_path, dtype=dtype)

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from specdistill.engines.server import LOOPBACK, ServerError, free_port, port_in_use
 from specdistill.engines.vllm_install import VllmEnv, find_vllm
+from specdistill.hardware import usable_cpus
 
 SERVED_NAME = "target"  # the model name requests carry
 _HANDED_OUT: set[int] = set()  # ports given to servers of this process
@@ -86,8 +87,6 @@ def vllm_args(config: VllmConfig, port: int) -> list[str]:
 
 def bound_cpus(threads: int) -> list[int]:
     """The first `threads` cores this process may run on (its affinity), for vLLM's OpenMP threads."""
-    from specdistill.hardware import usable_cpus
-
     allowed = usable_cpus()
     return allowed[: max(1, min(threads, len(allowed)))]
 

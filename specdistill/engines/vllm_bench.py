@@ -17,14 +17,14 @@ from pathlib import Path
 from specdistill.budget import Deadline
 from specdistill.data.prompts import Prompt
 from specdistill.data.results import BenchResult
-from specdistill.engines.bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
+from specdistill.engines.endpoint_bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
 from specdistill.engines.vllm import VllmConfig, VllmServer, VllmStartError, start_together
 from specdistill.engines.vllm_install import VllmEnv, find_vllm, install_vllm
 
 
 def target_dir(ref: str | os.PathLike) -> Path:
     """The target as vLLM serves it: an HF directory (`demo` and a `.gguf` become the safetensors cache)."""
-    from specdistill.modeling.models import resolve_model_dir
+    from specdistill.modeling.models import resolve_model_dir  # lazy: keeps transformers off import
 
     return resolve_model_dir(ref)
 
@@ -32,7 +32,7 @@ def target_dir(ref: str | os.PathLike) -> Path:
 def served_dtype(dtype: str = "auto") -> str:
     """vLLM's `--dtype` for the project's dtype rule (`auto`: bf16 where the CPU has native bf16, fp32
     elsewhere), so vLLM runs the dtype the harness runs on the same machine."""
-    from specdistill.modeling.models import dtype_name, resolve_dtype
+    from specdistill.modeling.models import dtype_name, resolve_dtype  # lazy: keeps transformers off import
 
     return dtype_name(resolve_dtype(dtype))
 

@@ -18,7 +18,10 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from specdistill import hardware, paths
+from specdistill.modeling.attention import decode_attention_for
 from specdistill.modeling.eagle3 import Eagle3Cache, Eagle3Draft
+from specdistill.modeling.kv_cache import preallocated_cache
+from specdistill.modeling.lean import engine_forward
 from specdistill.modeling.vocab import (
     DraftVocab,
     VocabAlignmentError,
@@ -208,10 +211,6 @@ def measure_cost_ratio(
     import time
 
     from transformers import DynamicCache
-
-    from specdistill.modeling.attention import decode_attention_for
-    from specdistill.modeling.kv_cache import preallocated_cache
-    from specdistill.modeling.lean import engine_forward
 
     vocab_size = target.config.vocab_size
     ids = torch.randint(0, vocab_size, (1, context))

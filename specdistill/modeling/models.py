@@ -30,6 +30,8 @@ from transformers import (
 
 from specdistill import hardware, paths
 from specdistill.data.prompts import ChatTemplateError, check_chat_template
+from specdistill.modeling.canary import check_canary
+from specdistill.modeling.eagle3_io import WEIGHTS_FILE, is_eagle3_dir, load_eagle3
 from specdistill.modeling.fingerprints import (  # noqa: F401  (fingerprint: this module's API too)
     FINGERPRINT_FILE,
     SOURCE_FILE,
@@ -254,7 +256,7 @@ def resolve_model_dir(ref: str | os.PathLike) -> Path:
     if ref_str == DEMO_REF:
         return convert_gguf(demo_gguf_path())
     if ref_str.startswith("models:/"):
-        from specdistill.modeling.mlflow_refs import download_draft
+        from specdistill.modeling.mlflow_refs import download_draft  # lazy: keeps mlflow off import
 
         return download_draft(ref_str)
     path = Path(ref_str)
@@ -295,8 +297,6 @@ def load_model(
     dtype = resolve_dtype(dtype)
     device = resolve_device(device)
     model_dir = resolve_model_dir(ref)
-    from specdistill.modeling.canary import check_canary
-    from specdistill.modeling.eagle3_io import is_eagle3_dir
 
     if is_eagle3_dir(model_dir):
         return _load_eagle3_head(model_dir, target)
@@ -362,8 +362,6 @@ def pack_for_cpu(model: torch.nn.Module) -> None:
 
 
 def _load_eagle3_head(model_dir: Path, target: LoadedModel | None) -> LoadedModel:
-    from specdistill.modeling.eagle3_io import WEIGHTS_FILE, load_eagle3
-
     if target is None:
         raise ModelLoadError(
             f"{model_dir} is an EAGLE-3 head: it drafts from a target's features with the target's embeddings, "

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from specdistill import paths
+from specdistill.data.datasets import humaneval_path
 
 DEFAULT_DOMAIN_TOKENS = ("QuantLib", "CalcBlackScholesVega", "BlackScholesProcess", "YieldTermStructure")
 UPDATE_META_FILE = "specdistill_target_update.json"
@@ -66,8 +67,6 @@ def domain_examples(domain_tokens: tuple[str, ...], path: str | Path | None = No
                     limit: int | None = None) -> list[list[dict]]:
     """HumanEval problems as chat turns (user: complete this function; assistant: the solution),
     with the domain words woven into the code as an import, comments and a call."""
-    from specdistill.data.datasets import humaneval_path
-
     path = Path(path) if path else humaneval_path()
     if len(domain_tokens) < 2:
         raise ValueError("give at least two domain tokens (a library name and a function name)")
@@ -129,7 +128,7 @@ def add_domain_tokens(model, tokenizer, domain_tokens: tuple[str, ...]) -> dict[
 def _encode_batch(tokenizer, chats: list[list[dict]], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, labels): labels are the assistant tokens (`examples.encode_conversation`'s mask,
     content and end token) and -100 everywhere else (system and user turns, template headers, padding)."""
-    from specdistill.distill.examples import encode_conversation
+    from specdistill.distill.examples import encode_conversation  # lazy: keeps transformers off import
 
     rows = [encode_conversation(tokenizer, chat, max_len) for chat in chats]
     width = max(len(r.input_ids) for r in rows)
@@ -146,7 +145,7 @@ def _encode_batch(tokenizer, chats: list[list[dict]], max_len: int) -> tuple[tor
 def trainable_chats(tokenizer, chats: list[list[dict]], max_len: int, min_answer_tokens: int = 16) -> list[list[dict]]:
     """The chats that keep at least `min_answer_tokens` assistant tokens within `max_len`: a chat
     whose prompt alone fills the window would train nothing."""
-    from specdistill.distill.examples import encode_conversation
+    from specdistill.distill.examples import encode_conversation  # lazy: keeps transformers off import
 
     kept = [c for c in chats if sum(encode_conversation(tokenizer, c, max_len).assistant_mask) >= min_answer_tokens]
     if not kept:
@@ -254,7 +253,7 @@ def make_target_update(
 ) -> Path:
     """Write a new target version (HF directory: safetensors + tokenizer) made from `base_ref`. An
     existing `out_dir` is replaced only when it is a previous target update and `force` is set."""
-    from specdistill.modeling.models import load_model
+    from specdistill.modeling.models import load_model  # lazy: keeps transformers off import
 
     lr = TargetUpdateConfig.lr if lr is None else lr
     config = TargetUpdateConfig(tuple(domain_tokens), top_layers, steps, lr, batch_size, max_len, seed, examples)

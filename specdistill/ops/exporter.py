@@ -10,6 +10,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from specdistill.ops.metrics import SpecDecodeMetrics, check_listen_address
+from specdistill.ops.serving import ServingConfigError, read_serving_config
+
 log = logging.getLogger(__name__)
 
 MIN_REFRESH_S = 0.1  # the exporter's shortest refresh interval
@@ -20,8 +23,6 @@ def refresh_metrics(metrics, store, after_id: int = 0, serving_path: str | Path 
     pipeline's last success; returns the newest sample id seen (pass it back next time, so nothing
     is counted twice). An unreadable serving config keeps the last good gauges, counts an error in
     `specdistill_serving_config_errors_total` and says why on stderr."""
-    from specdistill.ops.serving import ServingConfigError, read_serving_config
-
     for row in store.acceptance_samples_after(after_id):
         metrics.record(rounds=row["num_drafts"], proposed=row["num_draft_tokens"],
                        accepted=row["num_accepted_tokens"], accepted_per_position=row["accepted_per_position"])
@@ -47,8 +48,6 @@ def serve_metrics(store, port: int = 9464, host: str = "127.0.0.1", interval_s: 
     """`specdistill monitor serve`: the metrics of docs/metrics.md on http://host:port/metrics, refreshed
     from the log store every `interval_s` (forever, or `iterations` times). `on_listening` is called with
     the URL once the port is bound (never before: a bind error is the only word about it)."""
-    from specdistill.ops.metrics import SpecDecodeMetrics, check_listen_address
-
     if not interval_s >= MIN_REFRESH_S:  # also NaN
         raise ValueError(f"refresh interval {interval_s!r} s: at least {MIN_REFRESH_S:g} s (0 would spin a CPU)")
     check_listen_address(port, host)

@@ -166,7 +166,7 @@ VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 @dataclass
 class LiveSample(Record):
     """Acceptance between two scrapes, or `ok=False` with the reason there is no sample. It reads like a
-    replay sample (`ops.monitor.AcceptanceSample`) where the two share a meaning: `proposed` is the Δdraft
+    replay sample (`ops.replay.AcceptanceSample`) where the two share a meaning: `proposed` is the Δdraft
     tokens; `rounds` is None (vLLM's drafts are not the replay's rounds: no counts are recorded from them)."""
 
     ok: bool

@@ -18,7 +18,7 @@ class DraftModel(PythonModel):
     def load_context(self, context):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from specdistill.modeling.eagle3_io import is_eagle3_dir
+        from specdistill.modeling.eagle3_io import is_eagle3_dir  # lazy: keeps torch off import
 
         path = context.artifacts["draft"]
         self.tokenizer = AutoTokenizer.from_pretrained(path)
@@ -37,7 +37,7 @@ class DraftModel(PythonModel):
         for prompt in prompts:
             ids = self.tokenizer(prompt, return_tensors="pt")
             if self.drafter is not None:
-                from specdistill.speculative import generate
+                from specdistill.speculative import generate  # lazy: keeps torch off import
 
                 new = generate(self.target, ids["input_ids"][0], max_new_tokens=max_new_tokens, drafter=self.drafter).output_ids
             else:
@@ -52,10 +52,10 @@ def _target_and_head(path: str):
     import os
     from pathlib import Path
 
-    from specdistill.modeling.drafts import load_draft_meta
-    from specdistill.modeling.eagle3_io import load_eagle3
-    from specdistill.modeling.models import load_model
-    from specdistill.speculative.eagle import EagleDrafter
+    from specdistill.modeling.drafts import load_draft_meta  # lazy: keeps torch off import
+    from specdistill.modeling.eagle3_io import load_eagle3  # lazy: keeps torch off import
+    from specdistill.modeling.models import load_model  # lazy: keeps torch off import
+    from specdistill.speculative.eagle import EagleDrafter  # lazy: keeps torch off import
 
     target_ref = os.environ.get(EAGLE3_TARGET_ENV) or load_draft_meta(path).get("target")
     if not target_ref or (target_ref != "demo" and not Path(target_ref).exists()):

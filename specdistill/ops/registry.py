@@ -78,7 +78,7 @@ class RegisteredDraft:
 def draft_kind_tags(draft_dir: str | Path) -> dict[str, str]:
     """Lineage tags every version carries: which kind of draft, and for an EAGLE-3 head the target
     layers it reads (a head is only valid on a target whose features it was trained on)."""
-    from specdistill.modeling.eagle3_io import is_eagle3_dir, read_config
+    from specdistill.modeling.eagle3_io import is_eagle3_dir, read_config  # lazy: keeps torch off import
 
     if not is_eagle3_dir(draft_dir):
         return {"draft_kind": "layers"}

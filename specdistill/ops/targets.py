@@ -71,7 +71,7 @@ def _write_history(versions: list[TargetVersion], path: Path) -> None:
 
 def fingerprint_of(ref: str | os.PathLike) -> tuple[str, Path]:
     """(fingerprint, HF directory) of a model reference; cached beside the weights after the first time."""
-    from specdistill.modeling.models import load_model
+    from specdistill.modeling.models import load_model  # lazy: keeps torch off import
 
     loaded = load_model(ref)
     return loaded.fingerprint, loaded.path

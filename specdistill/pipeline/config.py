@@ -23,17 +23,19 @@ from specdistill.ops.policy import (
     CONFIDENCE,
     DEFAULT_MARGIN,
     MAX_RELATIVE_DROP,
-    MIN_PROMPTS,
+    MIN_SERVED_PROMPTS,
     RED_LINE,
     GateConfig,
     Role,
     gate_config,
 )
+from specdistill.ops.serving import read_serving_config
+from specdistill.ops.targets import current_target
 from specdistill.pipeline.answers.config import GenerationConfig
 
 if TYPE_CHECKING:
-    from specdistill.engines.bench import EngineBenchConfig
-    from specdistill.speculative.bench import BenchConfig
+    from specdistill.engines.endpoint_bench import EngineBenchConfig
+    from specdistill.speculative.harness_bench import BenchConfig
 
 
 class SourceConfig(Strict):
@@ -145,7 +147,7 @@ def train_autocast(config: NightlyConfig) -> bool:
         return config.train.optim.bf16
     import torch
 
-    from specdistill.modeling.models import resolve_dtype
+    from specdistill.modeling.models import resolve_dtype  # lazy: keeps torch off import
 
     return resolve_dtype(config.dtype) == torch.bfloat16
 
@@ -192,14 +194,14 @@ class BenchSection(BenchSettings):
     max_minutes: float | None = Field(4.0, ge=0.0)
 
     def bench_config(self) -> BenchConfig:
-        """The harness benchmark's runtime config (`speculative.bench.BenchConfig`)."""
-        from specdistill.speculative.bench import BenchConfig  # torch: only when benchmarking
+        """The harness benchmark's runtime config (`speculative.harness_bench.BenchConfig`)."""
+        from specdistill.speculative.harness_bench import BenchConfig  # lazy: torch, only when benchmarking
 
         return BenchConfig(**self.model_dump(include=set(BenchSettings.model_fields)))
 
     def engine_bench_config(self) -> EngineBenchConfig:
-        """A serving engine's benchmark config (`engines.bench.EngineBenchConfig`): the same settings."""
-        from specdistill.engines.bench import EngineBenchConfig  # its HTTP client: only when benchmarking
+        """A serving engine's benchmark config (`engines.endpoint_bench.EngineBenchConfig`): the same settings."""
+        from specdistill.engines.endpoint_bench import EngineBenchConfig  # lazy: HTTP client, only when benchmarking
 
         return EngineBenchConfig(**self.model_dump(include=set(BenchSettings.model_fields)))
 
@@ -246,7 +248,7 @@ class ServingSection(Strict):
 
     margin: float = Field(DEFAULT_MARGIN, ge=0.0)
     confidence: float = Field(CONFIDENCE, gt=0.0, lt=1.0)  # one-sided level of the speedup's lower bound
-    min_prompts: int = Field(MIN_PROMPTS, ge=1)  # fewer per-prompt speeds (a benchmark the deadline cut): not served
+    min_prompts: int = Field(MIN_SERVED_PROMPTS, ge=1)  # fewer per-prompt speeds (a benchmark the deadline cut): not served
     choose_gamma: bool = True  # every drafter at the γ its measured curve predicts best, confirmed by a second run
     max_gamma: int = Field(8, ge=1)
     engine: Literal["harness", "llamacpp", "vllm", "openai"] = "harness"
@@ -275,7 +277,7 @@ class NightlyConfig(Strict):
     device: str = "auto"  # auto: the GPU when torch sees one, else the CPU; cpu, cuda or cuda:N (every stage's models)
     # the whole run's wall-clock deadline (null: none), shared by the budgeted stages (answers, training,
     # the generic baseline, the benchmark) in proportion to their own budgets: a slow machine does less of
-    # each instead of running past its window (pipeline.budget). The demo's budgets fit 18 minutes.
+    # each instead of running past its window (pipeline.stage_budgets). The demo's budgets fit 18 minutes.
     deadline_minutes: float | None = Field(18.0, ge=0.0)
     log_db: str | None = None  # default: SQLite under $SPECDISTILL_HOME
     serving_path: str | None = None  # default: $SPECDISTILL_HOME/serving.json
@@ -283,7 +285,7 @@ class NightlyConfig(Strict):
     @field_validator("device")
     @classmethod
     def _device_exists(cls, device: str) -> str:
-        from specdistill.modeling.models import check_device
+        from specdistill.modeling.models import check_device  # lazy: keeps torch off import
 
         return check_device(device)
 
@@ -326,8 +328,6 @@ class MonitorConfig(Strict):
     replay_share: float = Field(0.25, ge=0.0, lt=1.0)  # of older traffic in the incremental run
 
     def target_ref(self) -> str:
-        from specdistill.ops.targets import current_target
-
         if self.target:
             return self.target
         registered = current_target()
@@ -343,7 +343,6 @@ class MonitorConfig(Strict):
         else the nightly's `bench.gamma`."""
         if self.gamma is not None:
             return self.gamma
-        from specdistill.ops.serving import read_serving_config
 
         served = read_serving_config(self.nightly.serving_path)
         return served.num_speculative_tokens if served is not None and served.mode != "off" else self.nightly.bench.gamma

@@ -14,8 +14,11 @@ import shutil
 from pathlib import Path
 
 from specdistill import paths
+from specdistill.data.logstore import LogStore
+from specdistill.modeling.fingerprints import tokenizer_digest
+from specdistill.modeling.models import resolve_model_dir
 from specdistill.pipeline.outputs import GeneratedData
-from specdistill.speculative.suffix_corpus import CorpusError, CorpusMeta, corpus_is_current, save_corpus
+from specdistill.speculative.suffix_corpus import CorpusError, CorpusMeta, corpus_is_current, load_corpus, save_corpus
 
 __all__ = ["CORPUS_FILE", "build_corpus", "corpus_is_current", "current_corpus_path", "export_sglang_corpus",
            "nightly_corpus", "read_answers", "sglang_corpus_path"]
@@ -32,9 +35,6 @@ def nightly_corpus(config, train_data: GeneratedData, target_fingerprint: str) -
     """Stage: the corpus of the window's train answers, beside them (a rerun finds it), its SGLang
     export beside it, and a copy as the state directory's current corpus (what the monitor reads)."""
     from transformers import AutoTokenizer
-
-    from specdistill.modeling.fingerprints import tokenizer_digest
-    from specdistill.modeling.models import resolve_model_dir
 
     out = Path(train_data.path).parent / CORPUS_FILE
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(config.target))
@@ -78,8 +78,6 @@ def build_corpus(answers: list[str | Path], out_path: str | Path, *, target_fing
                  log_db: str | None = None, max_tokens: int | None = None) -> Path:
     """The corpus file from answers files of the train split (newest last; `max_tokens` keeps the
     newest answers that fit). Every record's prompt must be a train prompt of the log store."""
-    from specdistill.data.logstore import LogStore
-
     sequences: list[list[int]] = []
     with LogStore(log_db) as store:
         for path in answers:
@@ -119,9 +117,6 @@ def export_sglang_corpus(corpus: str | Path, tokenizer) -> Path:
     """The corpus as SGLang's NGRAM external corpus reads it (`--speculative-ngram-external-corpus-path`):
     one JSON string per line, each answer's text, which SGLang tokenizes again (without special tokens).
     The ids are decoded with `tokenizer`, so the corpus must hold ids of that tokenizer (checked)."""
-    from specdistill.modeling.fingerprints import tokenizer_digest
-    from specdistill.speculative.suffix_corpus import load_corpus
-
     sequences, _ = load_corpus(corpus, tokenizer=tokenizer_digest(tokenizer))
     out = sglang_corpus_path(corpus)
     tmp = out.with_name(f".{out.name}.tmp")

@@ -15,10 +15,18 @@ from dataclasses import replace
 from pathlib import Path
 
 from specdistill.acceptance import DEFAULT_GAMMA
+from specdistill.data.prompts import Prompt
 from specdistill.data.results import BenchResult
+from specdistill.engines import llamacpp
+from specdistill.engines.endpoint_bench import TARGET_ONLY, run_engine_bench
+from specdistill.engines.llamacpp import bench_llamacpp, ngram_mode, target_gguf
+from specdistill.modeling.drafts import export_early_exit_draft
+from specdistill.modeling.models import resolve_model_dir, shared_model
 from specdistill.ops.policy import Role
 from specdistill.pipeline.config import NightlyConfig
 from specdistill.pipeline.outputs import Window
+from specdistill.pipeline.stage_budgets import stage_deadline
+from specdistill.pipeline.vllm_bench_stage import vllm_engine_benchmark
 from specdistill.speculative.specs import DrafterSpec
 
 
@@ -27,13 +35,10 @@ def mode_for_spec(spec: str | DrafterSpec, target: Path, k: int = DEFAULT_GAMMA)
     n-gram lookup of the spec's longest n (plain `ngram`: `acceptance.NGRAM_WINDOW`); self-speculation
     reaches llama.cpp as its exported early-exit draft, i.e. as `draft:DIR` (`llamacpp_spec`). A draft
     reference other than a GGUF file (`models:/NAME@ALIAS` included) is resolved to its directory first."""
-    from specdistill.engines.llamacpp import draft_mode, ngram_mode
-    from specdistill.modeling.models import resolve_model_dir
-
     parsed = DrafterSpec.parse(spec)
     if parsed.path:
         draft = parsed.path if parsed.path.endswith(".gguf") else resolve_model_dir(parsed.path)
-        return draft_mode(draft, target, k)
+        return llamacpp.draft_mode(draft, target, k)
     if parsed.ngram_sizes:
         return ngram_mode(parsed.ngram_sizes[1], k) if parsed.arg else ngram_mode(k=k)
     raise ValueError(f"drafter {spec!r} has no llama.cpp mode (draft:DIR or ngram)")
@@ -41,20 +46,14 @@ def mode_for_spec(spec: str | DrafterSpec, target: Path, k: int = DEFAULT_GAMMA)
 
 def engine_prompts(window: Window):
     """The window's eval prompts as an engine is sent them: their chat turns (it applies the template)."""
-    from specdistill.data.prompts import Prompt
-
     return [Prompt(text=p.messages[-1]["content"], slice=p.slice, messages=p.messages) for p in window.eval]
 
 
 def llamacpp_spec(config: NightlyConfig, name: str, spec: str) -> str:
     """A drafter spec llama.cpp can run: self-speculation becomes its exported early-exit draft."""
-    from specdistill.speculative.specs import DrafterSpec
-
     exit_layer = DrafterSpec.parse(spec).exit_layer
     if exit_layer is None:
         return spec
-    from specdistill.modeling.drafts import export_early_exit_draft
-    from specdistill.modeling.models import shared_model
 
     target = shared_model(config.target, dtype=config.dtype, device=config.device)  # the run's dtype, as every stage
     return str(DrafterSpec("draft", str(export_early_exit_draft(target, exit_layer))))
@@ -65,9 +64,6 @@ def engine_benchmark(config: NightlyConfig, window: Window, drafters: dict[str, 
     """Each servable drafter against target-only in `config.serving.engine`, interleaved per prompt, until
     its share of the run's deadline (`bench.max_minutes`, as the harness benchmark; servers' start-up
     included). Results are keyed by drafter name, with the `spec` the harness benchmark used."""
-    from specdistill.engines.bench import TARGET_ONLY, run_engine_bench
-    from specdistill.pipeline.budget import stage_deadline
-
     s, b = config.serving, config.bench
     deadline = stage_deadline(config, "engine benchmark", deadline_at)
     prompts = engine_prompts(window)
@@ -76,7 +72,6 @@ def engine_benchmark(config: NightlyConfig, window: Window, drafters: dict[str, 
     if s.engine == "llamacpp":
         # llama.cpp's lookup cache is its own file format (docs/serving.md): the suffix drafter is not measured there
         servable = {name: spec for name, spec in servable.items() if DrafterSpec.parse(spec).runs_in_llamacpp}
-        from specdistill.engines.llamacpp import bench_llamacpp, target_gguf
 
         gguf = target_gguf(config.target)
         modes = {name: mode_for_spec(llamacpp_spec(config, name, spec), gguf, b.gamma) for name, spec in servable.items()}
@@ -86,8 +81,6 @@ def engine_benchmark(config: NightlyConfig, window: Window, drafters: dict[str, 
             out[name].stats["llamacpp_args"] = ["-m", str(gguf), "-t", str(s.threads), *mode.args()]
         return out
     if s.engine == "vllm":
-        from specdistill.pipeline.vllm_bench import vllm_engine_benchmark
-
         return vllm_engine_benchmark(config, prompts, servable, bcfg, deadline)
     if s.engine == "openai":
         if TARGET_ONLY not in s.endpoints or len(s.endpoints) < 2:

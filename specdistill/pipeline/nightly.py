@@ -4,7 +4,7 @@ Each stage takes and returns small, JSON-friendly values (paths, ids, the stage 
 `pipeline.outputs`, serialized by `data.record`), writes its outputs under a content-addressed directory, and resumes from what
 is already there, so a rerun after a failure recomputes nothing that finished. `flows/nightly.py`
 composes them in the order of the README's pipeline diagram; the benchmark and the gate are in
-`pipeline.bench`; the Markdown report and the registration's record are in `pipeline.report`.
+`pipeline.bench_stage`; the Markdown report and the registration's record are in `pipeline.report`.
 """
 
 from __future__ import annotations
@@ -15,31 +15,43 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from specdistill import paths
-from specdistill.data.ingest import IngestResult
-from specdistill.data.prompts import Prompt
+from specdistill.data.datasets import humaneval_path, sharegpt_path
+from specdistill.data.ingest import IngestResult, ingest
+from specdistill.data.logstore import LogStore
+from specdistill.data.prompts import Prompt, usable_prompt
 from specdistill.data.results import BenchResult
-from specdistill.ops.policy import GateVerdict
+from specdistill.distill import train as distill_train
+from specdistill.distill.config import DataConfig, TeacherConfig
+from specdistill.hardware import describe_device
+from specdistill.modeling import drafts, models
+from specdistill.modeling.drafts import align_draft, load_draft_meta
+from specdistill.modeling.eagle3_io import align_head, aux_layers_of, is_eagle3_dir
+from specdistill.modeling.models import dtype_name, resolve_model_dir, shared_model
+from specdistill.modeling.vocab import DraftVocab
+from specdistill.ops import registry
+from specdistill.ops.policy import FIRST_POSITION_TAG, GateVerdict, Role, first_position
 from specdistill.ops.registry import RegisteredDraft
+from specdistill.ops.serving import serving_path, write_serving_config
 from specdistill.pipeline.answers.stage import features_dir
-from specdistill.pipeline.budget import stage_deadline
 from specdistill.pipeline.config import NightlyConfig, SourceConfig, config_hash, run_root
 from specdistill.pipeline.outputs import (
     Champion,
     GeneratedData,
     Promoted,
+    ServingDecision,
     TargetInfo,
     Trained,
     WarmStart,
     Window,
     window_key,
 )
-from specdistill.pipeline.serve import ServingDecision
+from specdistill.pipeline.report import registration_artifacts, registration_metrics, train_losses
+from specdistill.pipeline.serve import serving_config
+from specdistill.pipeline.stage_budgets import stage_deadline
 
 
 def target_tokenizer(config: NightlyConfig):
     from transformers import AutoTokenizer
-
-    from specdistill.modeling.models import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(resolve_model_dir(config.target))
 
@@ -55,10 +67,7 @@ def describe_target(target_ref: str, dtype: str = "auto", device: str = "auto") 
     canary logits are non-finite or flat (`modeling.canary`)."""
     import sys
 
-    from specdistill.hardware import describe_device
-    from specdistill.modeling.models import dtype_name, shared_model, verify_model_files
-
-    check = verify_model_files(target_ref)
+    check = models.verify_model_files(target_ref)
     print(f"specdistill: target weights {check.outcome}: {check.bytes / 1e6:.0f} MB hashed in {check.seconds:.2f} s"
           + (f" ({check.detail})" if check.detail else ""), file=sys.stderr)
     loaded = shared_model(target_ref, dtype=dtype, device=device)  # the stages after it reuse this load
@@ -72,16 +81,11 @@ def describe_target(target_ref: str, dtype: str = "auto", device: str = "auto") 
 
 
 def resolve_source_path(source: SourceConfig) -> Path:
-    from specdistill.data.datasets import humaneval_path, sharegpt_path
-
     shipped = {"sharegpt": sharegpt_path, "humaneval": humaneval_path}
     return shipped[source.path]() if source.path in shipped else Path(source.path)
 
 
 def ingest_source(source: SourceConfig, log_db: str | None) -> IngestResult:
-    from specdistill.data.ingest import ingest
-    from specdistill.data.logstore import LogStore
-
     with LogStore(log_db) as store:
         result = ingest(resolve_source_path(source), source.format, store, progress=True)
         return result
@@ -98,11 +102,6 @@ def align_champion(config: NightlyConfig, champion: Champion | None) -> WarmStar
         return None
     from transformers import AutoConfig
 
-    from specdistill.modeling.drafts import align_draft, load_draft_meta, save_draft
-    from specdistill.modeling.eagle3_io import align_head, is_eagle3_dir
-    from specdistill.modeling.models import load_model, resolve_model_dir, shared_model
-    from specdistill.modeling.vocab import DraftVocab
-
     target_tok = target_tokenizer(config)
     def warm(directory: str, transplanted: bool, report: dict) -> WarmStart:
         return WarmStart(champion.name, champion.version, directory, dict(champion.tags), transplanted, report)
@@ -113,7 +112,7 @@ def align_champion(config: NightlyConfig, champion: Champion | None) -> WarmStar
         aligned_dir, head, report = align_head(champion.dir, target.model, target_tok, out)
         return warm(str(aligned_dir), head.transplanted, report)
     target_vocab_size = AutoConfig.from_pretrained(resolve_model_dir(config.target)).vocab_size
-    draft = load_model(champion.dir, dtype=config.dtype, device=config.device)
+    draft = models.load_model(champion.dir, dtype=config.dtype, device=config.device)
     aligned = align_draft(draft.model, draft.tokenizer, target_tok, DraftVocab.load(champion.dir),
                           target_vocab_size=target_vocab_size, copy_model=False)
     report = aligned.report.to_dict()
@@ -121,7 +120,7 @@ def align_champion(config: NightlyConfig, champion: Champion | None) -> WarmStar
         return warm(champion.dir, False, report)
     out = run_root() / "aligned" / f"{champion.name}-{champion.version}-{config_hash(report)}"
     if not (out / "config.json").is_file():
-        save_draft(aligned.model, target_tok, out, draft_vocab=aligned.draft_vocab,
+        drafts.save_draft(aligned.model, target_tok, out, draft_vocab=aligned.draft_vocab,
                    meta={**load_draft_meta(champion.dir), "transplanted_from": champion.dir})
     return warm(str(out), True, report)
 
@@ -134,9 +133,6 @@ def select_window(config: NightlyConfig, now: datetime | None = None) -> Window:
     """Train prompts from the recent window plus a replay share from before it; eval prompts from the
     eval split (never trained on). Deterministic for a given store content and seed. A prompt is what
     `data.prompts.usable_prompt` keeps (the monitor replays by the same definition)."""
-    from specdistill.data.logstore import LogStore
-    from specdistill.data.prompts import usable_prompt
-
     w = config.window
     tokenizer = target_tokenizer(config)
     now = now or datetime.now(timezone.utc)
@@ -189,8 +185,6 @@ def select_window(config: NightlyConfig, now: datetime | None = None) -> Window:
 
 def _write_conversations(config: NightlyConfig, window: Window, path: Path) -> Path:
     """The window's train conversations with their human-written answers (for the generic baseline)."""
-    from specdistill.data.logstore import LogStore
-
     with LogStore(config.log_db) as store:
         if not store.export_answered((int(p.id) for p in window.train), path):
             # HumanEval-style traffic logs prompts only: there is nothing human-written to imitate
@@ -212,10 +206,6 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | None, heldo
     baseline: by the window and the train config), so a finished run is found again and reused.
     Training stops at `train.optim.max_minutes` or at the stage's share of the run's deadline `deadline_at`,
     whichever comes first; a share too small to train in stops the run here."""
-    from specdistill.distill.config import DataConfig, TeacherConfig
-    from specdistill.distill.train import distill
-    from specdistill.modeling.eagle3_io import aux_layers_of, is_eagle3_dir
-
     tc = config.train
     kind = "layers" if generic else tc.kind
     if warm_start and is_eagle3_dir(warm_start) != (kind == "eagle3"):
@@ -250,7 +240,7 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | None, heldo
         minutes = left
     dcfg = tc.for_run(config, data=data, out_dir=out_dir, teacher=teacher, warm_start=warm_start, max_minutes=minutes,
                       generic=generic, feature_dir=feature_dir)
-    return Trained.from_dict(distill(dcfg))
+    return Trained.from_dict(distill_train.distill(dcfg))
 
 
 # --------------------------------------------------------------------------------------------
@@ -270,8 +260,6 @@ def flat_params(section: dict, prefix: str = "") -> dict:
 
 def champion_of(config: NightlyConfig) -> Champion | None:
     """The current champion (version, local draft directory, parent chain) or None."""
-    from specdistill.ops import registry
-
     name = registry.model_name_for(config.target_name)
     mv = registry.version_by_alias(name, registry.CHAMPION)
     if mv is None:
@@ -284,10 +272,6 @@ def register(config: NightlyConfig, target: TargetInfo, window: Window, trained:
              results: dict[str, BenchResult], verdict: GateVerdict, parent: str | None, report_path: str | None,
              speeds: dict[str, BenchResult] | None = None) -> RegisteredDraft:
     """The challenger into the registry with its numbers, curves and artifacts (see `pipeline.report`)."""
-    from specdistill.ops import registry
-    from specdistill.ops.policy import FIRST_POSITION_TAG, Role, first_position
-    from specdistill.pipeline.report import registration_artifacts, registration_metrics, train_losses
-
     reg = registry.register_draft(
         trained.draft_dir, target_name=config.target_name,
         params={"layers": trained.layers, "draft_vocab": trained.draft_vocab, "dtype": target.dtype,
@@ -306,10 +290,6 @@ def promote(config: NightlyConfig, registered: RegisteredDraft, target: TargetIn
             serving: ServingDecision) -> Promoted:
     """Alias `champion` and the serving config, together or not at all (see registry.promote). The
     serving config names the mode `serve.choose_serving` picked, which need not be the new draft."""
-    from specdistill.ops import registry
-    from specdistill.ops.serving import serving_path
-    from specdistill.pipeline.serve import serving_config
-
     draft_dir = registry.download_draft(registered.model_uri)
     cfg = serving_config(serving, target, registered.version, str(draft_dir))
     registry.promote(registered.name, registered.version, cfg, expected_champion=expected_champion,
@@ -320,10 +300,6 @@ def promote(config: NightlyConfig, registered: RegisteredDraft, target: TargetIn
 def write_serving(config: NightlyConfig, target: TargetInfo, serving: ServingDecision, champion: Champion | None) -> str:
     """Without a promotion: the serving config for the fastest mode measured this run, written under
     the promotion lock (a concurrent promotion is never half overwritten)."""
-    from specdistill.ops import registry
-    from specdistill.ops.serving import write_serving_config
-    from specdistill.pipeline.serve import serving_config
-
     cfg = serving_config(serving, target, champion=champion)
     with registry.promotion_lock():
         return str(write_serving_config(cfg, config.serving_path))

@@ -1,10 +1,10 @@
 """What each stage hands to the next that has no home in a lower layer: the night's `Window`, the
-target, the champion, the answers and the pool's view, the training run, the promotion, the nightly run
+target, the champion, the answers and the pool's view, the training run, the serving decision, the promotion, the nightly run
 as a whole and the monitor's outcome, each a dataclass (`data.record.Record`) read by attribute.
 
 The other stage outputs are the library's own dataclasses, defined once where they are computed:
-`data.results.BenchResult`, `ops.policy.GateVerdict`, `pipeline.serve.ServingDecision`,
-`ops.registry.RegisteredDraft`, `ops.targets.TargetChange`/`TargetVersion`, `ops.monitor.AcceptanceSample`
+`data.results.BenchResult`, `ops.policy.GateVerdict`,
+`ops.registry.RegisteredDraft`, `ops.targets.TargetChange`/`TargetVersion`, `ops.replay.AcceptanceSample`
 and `FallbackDecision`, `ops.metrics.LiveSample`, `data.ingest.IngestResult`. All become JSON (benchmark.json,
 gate.json, the decision record, `--json`) through `data.record.to_dict`, which is also what
 `tasks.common.content_key` hashes; Prefect persists them as it does any result.
@@ -21,14 +21,35 @@ from specdistill.data.prompts import Prompt
 from specdistill.data.record import Record
 from specdistill.data.results import BenchResult
 from specdistill.ops.metrics import LiveSample
-from specdistill.ops.monitor import AcceptanceSample, FallbackDecision
-from specdistill.ops.policy import GateVerdict
+from specdistill.ops.policy import CONFIDENCE, GateVerdict
+from specdistill.ops.replay import AcceptanceSample, FallbackDecision
 from specdistill.ops.targets import TargetChange
 from specdistill.pipeline.answers.logged import LoggedData
 
-if TYPE_CHECKING:  # for annotations only: the registry imports MLflow, and serve imports this module
+if TYPE_CHECKING:  # for annotations only: the registry imports MLflow
     from specdistill.ops.registry import RegisteredDraft
-    from specdistill.pipeline.serve import ServingDecision
+
+@dataclass
+class ServingDecision(Record):
+    """The mode written for serving and every number behind it (`serving_config` turns it into serving.json)."""
+
+    mode: str  # draft | self_speculation | ngram | suffix | off
+    reason: str
+    measured: dict[str, float]  # every candidate's measured speedup
+    measured_on: str  # engine and dtype
+    gamma: int
+    name: str | None = None  # the measured entry that won (None: off)
+    spec: str | None = None
+    speedup: float = 1.0  # measured, at `gamma`
+    predicted_speedups: dict[int, float] = field(default_factory=dict)  # the winner's predicted curve over γ
+    verify_costs: dict[int, float] = field(default_factory=dict)  # target forward over k tokens ÷ a 1-token step
+    gamma_note: str = ""
+    engine: str = "harness"  # harness | llamacpp | vllm | openai: where the speeds were measured
+    llamacpp_args: list[str] = field(default_factory=list)  # llama-server flags of the chosen mode, as measured
+    tree_width: int = 1  # first-position candidates the chosen head was measured with (1: a chain)
+    speedup_lower_bound: float | None = None  # the served mode's lower confidence bound (None: off, or no per-prompt speeds)
+    confidence: float = CONFIDENCE  # its one-sided level
+
 
 # --------------------------------------------------------------------------------------------
 # nightly

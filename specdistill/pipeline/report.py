@@ -16,8 +16,9 @@ from specdistill.data.results import BenchResult
 from specdistill.ops.policy import GateVerdict, Role, first_position
 from specdistill.ops.registry import RegisteredDraft
 from specdistill.pipeline.config import NightlyConfig, run_root
-from specdistill.pipeline.outputs import MonitorOutcome, Promoted, TargetInfo, Trained, Window
-from specdistill.pipeline.serve import ServingDecision
+from specdistill.pipeline.corpus import sglang_corpus_path
+from specdistill.pipeline.outputs import MonitorOutcome, Promoted, ServingDecision, TargetInfo, Trained, Window
+from specdistill.pipeline.serve import gamma_note
 from specdistill.speculative.specs import DrafterSpec
 from specdistill.speculative.threads import ThreadChoice
 
@@ -87,24 +88,6 @@ def report_table(results: dict[str, BenchResult], verdict: GateVerdict | None = 
     elif registered is not None:
         lines.append("champion unchanged")
     return "\n".join(lines)
-
-
-def gamma_note(r: BenchResult) -> str:
-    """How an entry's γ was chosen, in words: the predicted best and what each measured γ ran at."""
-    search = r.gamma_search
-    if search is None or search.predicted_best is None:
-        return f"γ={r.gamma} as benchmarked (no γ search)"
-    best, predicted = search.predicted_best, search.predicted_speedups
-    runs = ", ".join(f"{x:.2f}x at γ={g}" for g, x in sorted(search.measured.items()))
-    if best == r.gamma and len(search.measured) == 1:
-        return f"γ={best} predicted best ({predicted[best]:.2f}x) and measured {runs}"
-    if best == r.gamma:
-        kept = "confirmed"
-    elif best in search.measured:  # the confirmation ran and did not beat the benchmark's γ
-        kept = f"slower when measured, γ={r.gamma} kept"
-    else:  # no time was left to measure it
-        kept = f"not measured, γ={r.gamma} kept"
-    return f"γ={best} predicted best ({predicted[best]:.2f}x), {kept}: measured {runs}"
 
 
 def engine_table(speeds: dict[str, BenchResult]) -> list[str]:
@@ -207,7 +190,6 @@ def registration_artifacts(config: NightlyConfig, results: dict[str, BenchResult
         artifacts.append(Path(report_path))
     suffix = results["suffix"].spec if "suffix" in results else ""
     if suffix and DrafterSpec.parse(suffix).corpus:  # the suffix drafter's corpus (and its SGLang export), beside the draft
-        from specdistill.pipeline.corpus import sglang_corpus_path
 
         corpus = Path(DrafterSpec.parse(suffix).corpus)
         artifacts += [p for p in (corpus, sglang_corpus_path(corpus)) if p.is_file()]

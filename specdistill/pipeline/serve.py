@@ -14,36 +14,18 @@ this hardware; the report says so.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from specdistill.data.record import Record
 from specdistill.data.results import BenchResult
-from specdistill.ops.policy import CONFIDENCE, Candidate, GateVerdict, Role, fastest_mode, servable, unserved_faster_challenger
+from specdistill.hardware import cpu_info
+from specdistill.modeling.drafts import early_exit_dir, export_early_exit_draft
+from specdistill.modeling.eagle3_io import is_eagle3_dir
+from specdistill.modeling.models import shared_model
+from specdistill.ops.policy import Candidate, GateVerdict, Role, fastest_mode, servable, unserved_faster_challenger
+from specdistill.ops.serving import ServingConfig
 from specdistill.pipeline.config import NightlyConfig
-from specdistill.pipeline.outputs import Champion, TargetInfo, Window
+from specdistill.pipeline.corpus import sglang_corpus_path
+from specdistill.pipeline.outputs import Champion, ServingDecision, TargetInfo, Window
 from specdistill.speculative.specs import DrafterSpec
-
-
-@dataclass
-class ServingDecision(Record):
-    """The mode written for serving and every number behind it (`serving_config` turns it into serving.json)."""
-
-    mode: str  # draft | self_speculation | ngram | suffix | off
-    reason: str
-    measured: dict[str, float]  # every candidate's measured speedup
-    measured_on: str  # engine and dtype
-    gamma: int
-    name: str | None = None  # the measured entry that won (None: off)
-    spec: str | None = None
-    speedup: float = 1.0  # measured, at `gamma`
-    predicted_speedups: dict[int, float] = field(default_factory=dict)  # the winner's predicted curve over γ
-    verify_costs: dict[int, float] = field(default_factory=dict)  # target forward over k tokens ÷ a 1-token step
-    gamma_note: str = ""
-    engine: str = "harness"  # harness | llamacpp | vllm | openai: where the speeds were measured
-    llamacpp_args: list[str] = field(default_factory=list)  # llama-server flags of the chosen mode, as measured
-    tree_width: int = 1  # first-position candidates the chosen head was measured with (1: a chain)
-    speedup_lower_bound: float | None = None  # the served mode's lower confidence bound (None: off, or no per-prompt speeds)
-    confidence: float = CONFIDENCE  # its one-sided level
+from specdistill.speculative.suffix_corpus import read_corpus_meta
 
 
 def mode_of(spec: str) -> str:
@@ -72,8 +54,6 @@ def choose_engine_serving(config: NightlyConfig, speeds: dict[str, BenchResult],
     some = next(iter(speeds.values()), None)
     measured_on = f"{s.engine}, {some.dtype if some else '?'}" + (f", {s.threads} threads" if s.engine in ("llamacpp", "vllm") else "")
     if s.engine == "vllm" and some is not None:
-        from specdistill.hardware import cpu_info
-
         measured_on += f", vLLM {some.engine_version or '?'}, {cpu_info().describe()}"
     reason = choice.reason
     if refused:
@@ -91,17 +71,33 @@ def choose_engine_serving(config: NightlyConfig, speeds: dict[str, BenchResult],
     return decision
 
 
+def gamma_note(r: BenchResult) -> str:
+    """How an entry's γ was chosen, in words: the predicted best and what each measured γ ran at."""
+    search = r.gamma_search
+    if search is None or search.predicted_best is None:
+        return f"γ={r.gamma} as benchmarked (no γ search)"
+    best, predicted = search.predicted_best, search.predicted_speedups
+    runs = ", ".join(f"{x:.2f}x at γ={g}" for g, x in sorted(search.measured.items()))
+    if best == r.gamma and len(search.measured) == 1:
+        return f"γ={best} predicted best ({predicted[best]:.2f}x) and measured {runs}"
+    if best == r.gamma:
+        kept = "confirmed"
+    elif best in search.measured:  # the confirmation ran and did not beat the benchmark's γ
+        kept = f"slower when measured, γ={r.gamma} kept"
+    else:  # no time was left to measure it
+        kept = f"not measured, γ={r.gamma} kept"
+    return f"γ={best} predicted best ({predicted[best]:.2f}x), {kept}: measured {runs}"
+
+
 def choose_serving(config: NightlyConfig, window: Window, results: dict[str, BenchResult],
                    verdict: GateVerdict, speeds: dict[str, BenchResult] | None = None) -> ServingDecision:
     """`speeds` (from `engine_bench.engine_benchmark`) when the serving engine is not the harness.
-    In the harness each entry was benchmarked at its own best γ already (`pipeline.bench.benchmark`), and
+    In the harness each entry was benchmarked at its own best γ already (`pipeline.bench_stage.benchmark`), and
     the winner is served at that γ."""
     if config.serving.engine != "harness":
         if speeds is None:
             raise ValueError(f"serving.engine {config.serving.engine}: the engine's measurements are missing")
         return choose_engine_serving(config, speeds, verdict)
-    from specdistill.pipeline.report import gamma_note
-
     candidates = serving_candidates(results, verdict)
     choice = fastest_mode(_candidates(candidates), config.serving.margin, confidence=config.serving.confidence,
                           min_prompts=config.serving.min_prompts)
@@ -129,10 +125,6 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
     """The serving config for a decision: its drafter's serving keys (`DrafterSpec.serving_keys`: the n-gram
     window measured, the exit layer, the corpus), with the draft's directory, or the exported early-exit
     draft for self-speculation."""
-    from specdistill.modeling.drafts import early_exit_dir, export_early_exit_draft
-    from specdistill.modeling.models import shared_model
-    from specdistill.ops.serving import ServingConfig
-
     d = decision
     common = dict(mode=d.mode, num_speculative_tokens=d.gamma, target_fingerprint=target.fingerprint,
                   reason=f"nightly: {d.reason}" + (f"; {d.gamma_note}" if d.gamma_note else ""),
@@ -143,8 +135,6 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
     spec = DrafterSpec.parse(d.spec)
     common = {**spec.serving_keys(), **common}  # the decision names the mode
     if spec.path:
-        from specdistill.modeling.eagle3_io import is_eagle3_dir
-
         local = spec.path
         kind = "eagle3" if is_eagle3_dir(local) else "layers"  # vLLM method eagle3 / SGLang EAGLE3 for a head
         tree = d.tree_width if kind == "eagle3" else 1
@@ -159,8 +149,6 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
         out = export_early_exit_draft(loaded, k, early_exit_dir(target.fingerprint, k))
         return ServingConfig(draft_dir=str(out), **common)
     if spec.corpus:  # and for SGLang, the corpus as answer texts with its size
-        from specdistill.pipeline.corpus import sglang_corpus_path
-        from specdistill.speculative.suffix_corpus import read_corpus_meta
 
         sglang = sglang_corpus_path(spec.corpus)
         common.update(suffix_corpus_tokens=read_corpus_meta(spec.corpus).tokens,

@@ -14,7 +14,7 @@ from typing import Any
 # modes) are read by `serving show` and the metrics without importing torch.
 _HOMES = {
     "Drafter": "drafters", "ModelDrafter": "drafters", "NgramDrafter": "drafters", "SelfSpecDrafter": "drafters",
-    "early_exit_model": "drafters", "make_drafter": "drafters",
+    "early_exit_model": "drafters", "make_drafter": "factory",
     "EagleDrafter": "eagle",
     "GenerationResult": "engine", "SpecStats": "engine", "context_length": "engine", "default_stop_ids": "engine",
     "generate": "engine",

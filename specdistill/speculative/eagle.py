@@ -16,6 +16,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specdistill.modeling.eagle3 import Eagle3Cache, Eagle3Draft, check_head_fits
+from specdistill.modeling.eagle3_io import load_eagle3
 from specdistill.modeling.models import pack_for_cpu
 from specdistill.speculative.drafters import Drafter
 from specdistill.speculative.sampling import SamplingConfig, draft_token
@@ -123,8 +124,6 @@ class EagleDrafter(Drafter):
 def aligned_eagle_drafter(target: PreTrainedModel, target_tokenizer, head_dir, name: str = "draft") -> tuple[EagleDrafter, bool, str]:
     """(drafter, transplanted, why) for a head directory: its embeddings are always the target's, so
     a tokenizer change only carries its draft vocabulary (d2t/t2d, lm_head rows) over by token string."""
-    from specdistill.modeling.eagle3_io import load_eagle3
-
     loaded = load_eagle3(head_dir, target, target_tokenizer=target_tokenizer)
     label = f"{name} (transplanted)" if loaded.transplanted else name
     return EagleDrafter(loaded.head, target, name=label), loaded.transplanted, loaded.reason

@@ -33,7 +33,7 @@ from specdistill.data.results import GammaSearch
 from specdistill.modeling.attention import decode_attention_for
 from specdistill.modeling.kv_cache import preallocated_cache
 from specdistill.modeling.lean import engine_forward
-from specdistill.speculative.bench import BenchConfig, BenchResult, run_bench_many
+from specdistill.speculative.harness_bench import BenchConfig, BenchResult, run_bench_many
 
 GAMMAS = range(1, 9)
 FLAT = 0.02  # speedups within this (relative) of each other are a flat curve: the smaller γ is kept

@@ -194,7 +194,7 @@ def _sizes_ok(arg: str) -> bool:
 
 def _suffix_serving(spec: DrafterSpec) -> dict[str, Any]:
     """The corpus and the SuffixDecoding knobs the drafter is measured with, under serving.json's names."""
-    from specdistill.speculative.suffix import SuffixParams  # keeps torch off `serving show`
+    from specdistill.speculative.suffix import SuffixParams  # lazy: keeps torch off `serving show`
 
     p = SuffixParams()
     return {"suffix_corpus": spec.corpus, "suffix_max_tree_depth": p.max_depth,
@@ -202,8 +202,8 @@ def _suffix_serving(spec: DrafterSpec) -> dict[str, Any]:
 
 
 def _make_drafter(target: PreTrainedModel, **options: Any) -> Drafter | None:
-    """`drafters.make_drafter`, imported when a drafter is first built."""
-    from specdistill.speculative.drafters import make_drafter  # keeps torch off `serving show`
+    """`factory.make_drafter`, imported when a drafter is first built."""
+    from specdistill.speculative.factory import make_drafter  # lazy: keeps torch off `serving show`
 
     return make_drafter(target, **options)
 

@@ -150,7 +150,7 @@ def load_suffix_drafter(path: str | Path, target_fingerprint: str | None = None,
     drafter over the request's own context alone, with a warning and `drafter.note` saying so."""
     import logging
 
-    from specdistill.speculative.suffix import SuffixDrafter, SuffixIndex
+    from specdistill.speculative.suffix import SuffixDrafter, SuffixIndex  # lazy: keeps torch off import
 
     path = Path(path)
     sequences, meta = load_corpus(path, target_fingerprint, tokenizer)

@@ -37,7 +37,7 @@ class ThreadChoice(Record):
 
 def usable_cores() -> int:
     """How many cores this process may run on (`hardware.usable_cpus`)."""
-    from specdistill.hardware import usable_cpus
+    from specdistill.hardware import usable_cpus  # lazy: keeps torch off import
 
     return len(usable_cpus())
 
@@ -54,7 +54,7 @@ def fastest_threads(model: torch.nn.Module, prompt_ids: Sequence[int], candidate
     threads only feed the device, so nothing is probed."""
     import torch
 
-    from specdistill.speculative.engine import generate
+    from specdistill.speculative.engine import generate  # lazy: keeps torch off import
 
     if next(model.parameters()).device.type != "cpu":
         return ThreadChoice(torch.get_num_threads())

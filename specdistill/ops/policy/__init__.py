@@ -24,9 +24,9 @@ from specdistill.ops.policy.common import (
     first_position,
 )
 from specdistill.ops.policy.gate import PROFILES, Check, GateConfig, GateVerdict, evaluate, gate_config
-from specdistill.ops.policy.monitor import decide, judge_acceptance
-from specdistill.ops.policy.serving import (
-    MIN_PROMPTS,
+from specdistill.ops.policy.red_line import decide, judge_acceptance
+from specdistill.ops.policy.serving_choice import (
+    MIN_SERVED_PROMPTS,
     PLAUSIBLE_FACTOR,
     Candidate,
     ServingChoice,
@@ -45,7 +45,7 @@ __all__ = [
     "GateConfig",
     "GateVerdict",
     "MAX_RELATIVE_DROP",
-    "MIN_PROMPTS",
+    "MIN_SERVED_PROMPTS",
     "PLAUSIBLE_FACTOR",
     "PROFILES",
     "RED_LINE",

@@ -13,6 +13,10 @@ import json
 from pathlib import Path
 
 from specdistill.data.prompts import Prompt
+from specdistill.distill.examples import read_done
+from specdistill.distill.pool import POOL_MANIFEST, AnswerPool, retire_pools
+from specdistill.pipeline.answers import stage as answer_stage
+from specdistill.pipeline.answers.stage import features_dir
 from specdistill.pipeline.config import NightlyConfig, run_root
 from specdistill.pipeline.outputs import GeneratedData, PooledData, PoolSummary, Window
 
@@ -28,10 +32,6 @@ def pool_answers(config: NightlyConfig, window: Window, train_data: GeneratedDat
     """The data the night trains on: the pool's view (tonight's answers always in), or, with
     `pool.enabled` false, tonight's answers as they are. Tonight's eval prompts are recorded as held
     out first, so no view ever trains on a prompt that was evaluated on."""
-    from specdistill.distill.examples import read_done
-    from specdistill.distill.pool import AnswerPool, retire_pools
-    from specdistill.pipeline.answers.stage import features_dir
-
     if not config.pool.enabled:
         return PooledData(train_data.path, train_data.teacher_cache, train_data.answers, train_data.tokens)
     if not train_data.teacher_cache:
@@ -57,9 +57,6 @@ def _reanswer(config: NightlyConfig, pool, window: Window, old_fingerprint: str)
     """The old target version's most recent pooled prompts answered by this target (up to
     `pool.reanswer_prompts`, never tonight's or a held-out one), as a night just before tonight's. Done
     once per new pool; an answer already written is not generated again (the answer stage resumes)."""
-    from specdistill.distill.pool import POOL_MANIFEST, AnswerPool
-    from specdistill.pipeline.answers.stage import features_dir, generate_responses
-
     if any(n.key.startswith(REANSWERED) for n in pool.nights):
         return 0
     if not (pool_root() / old_fingerprint / POOL_MANIFEST).is_file():
@@ -76,7 +73,7 @@ def _reanswer(config: NightlyConfig, pool, window: Window, old_fingerprint: str)
     digest = hashlib.sha256(json.dumps([p["id"] for p in prompts]).encode()).hexdigest()[:12]
     pseudo = Window(train=[Prompt(id=p["id"], messages=p["prompt"], slice="reanswer") for p in prompts],
                     eval=[], key=f"{REANSWERED}{old_fingerprint}-{digest}", since=None, replayed=len(prompts))
-    data = generate_responses(config, pseudo, "train", record_teacher=True)
+    data = answer_stage.generate_responses(config, pseudo, "train", record_teacher=True)
     pool.add_night(pseudo.key, data.path, data.teacher_cache, features_dir(data.teacher_cache),
                    before=window.key)
     return data.answers

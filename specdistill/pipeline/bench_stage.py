@@ -7,13 +7,20 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from specdistill.data.prompts import Prompt, encode_chat
 from specdistill.data.results import BenchResult
-from specdistill.ops.policy import GateVerdict, Role
-from specdistill.pipeline.budget import stage_deadline
+from specdistill.modeling.eagle3_io import is_eagle3_dir
+from specdistill.modeling.models import shared_model
+from specdistill.ops.policy import GateVerdict, Role, evaluate
 from specdistill.pipeline.config import NightlyConfig
 from specdistill.pipeline.nightly import target_tokenizer
 from specdistill.pipeline.outputs import Trained, WarmStart, Window
+from specdistill.pipeline.stage_budgets import stage_deadline
+from specdistill.speculative import drafter_from_spec
+from specdistill.speculative.gamma import bench_at_best_gamma
+from specdistill.speculative.harness_bench import run_bench_many
 from specdistill.speculative.specs import SELF_SPEC, DrafterSpec
+from specdistill.speculative.threads import fastest_threads
 
 
 def measured_drafters(config: NightlyConfig, trained: Trained, warm_start: WarmStart | None,
@@ -40,8 +47,6 @@ def measured_drafters(config: NightlyConfig, trained: Trained, warm_start: WarmS
 
 def bench_prompts(config: NightlyConfig, window: Window):
     """The window's eval prompts as the benchmark runs them: chat-templated ids, by slice."""
-    from specdistill.data.prompts import Prompt, encode_chat
-
     tokenizer = target_tokenizer(config)
     return [Prompt(text="", slice=p.slice, ids=encode_chat(tokenizer, p.messages)) for p in window.eval]
 
@@ -56,9 +61,6 @@ def benchmark(config: NightlyConfig, window: Window, drafters: dict[str, str],
     results are keyed by the given name and carry the spec they ran (`BenchResult.spec`).
     """
     import torch
-
-    from specdistill.modeling.models import shared_model
-    from specdistill.speculative.threads import fastest_threads
 
     if isinstance(config.bench.threads, int):
         torch.set_num_threads(config.bench.threads)
@@ -76,10 +78,6 @@ def benchmark(config: NightlyConfig, window: Window, drafters: dict[str, str],
 
 
 def _bench(config: NightlyConfig, drafters: dict[str, str], target, prompts, deadline_at: float | None) -> dict[str, BenchResult]:
-    from specdistill.speculative import drafter_from_spec
-    from specdistill.speculative.bench import run_bench_many
-    from specdistill.speculative.gamma import bench_at_best_gamma
-
     b, s = config.bench, config.serving
     bcfg = b.bench_config()
     made = {name: drafter_from_spec(target.model, spec, tree_width=_served_tree_width(spec, b.tree_width),
@@ -102,8 +100,6 @@ def _served_tree_width(spec: str, width: int) -> int:
     """The tree width a drafter is measured with: vLLM and SGLang verify trees for EAGLE-3 heads only,
     so any other draft is measured as the chain it would be served as (a hybrid's head, measured only,
     verifies the tree the head alone would)."""
-    from specdistill.modeling.eagle3_io import is_eagle3_dir
-
     path = DrafterSpec.parse(spec).path
     return width if path and Path(path).is_dir() and is_eagle3_dir(path) else 1
 
@@ -112,8 +108,6 @@ def gate(config: NightlyConfig, challenger: BenchResult, champion: BenchResult |
          baselines: dict[str, BenchResult] | None = None, speeds: dict[str, BenchResult] | None = None) -> GateVerdict:
     """The gate's verdict (`ops.policy.evaluate`) under the run's profile, overrides and `must_beat`.
     With `speeds` (the serving engine's measurements) its speed bar reads the engine's speedups."""
-    from specdistill.ops.policy import evaluate
-
     if speeds:
         if Role.CHALLENGER in speeds:
             challenger = replace(challenger, speedup=speeds[Role.CHALLENGER].speedup)

@@ -14,7 +14,7 @@ from specdistill.ops.policy.common import CONFIDENCE, DEFAULT_MARGIN, RESAMPLES,
 from specdistill.ops.policy.gate import GateVerdict
 from specdistill.speculative.specs import DrafterSpec
 
-MIN_PROMPTS = 5  # per-prompt speeds from fewer prompts bound nothing: a benchmark the deadline cut is not served
+MIN_SERVED_PROMPTS = 5  # per-prompt speeds from fewer prompts bound nothing: a benchmark the deadline cut is not served
 PLAUSIBLE_FACTOR = 1.25  # a speedup above this times τ comes from a disturbed baseline, not from speculation
 
 
@@ -86,7 +86,7 @@ def _doubt(c: Candidate, bound: float | None, margin: float, confidence: float, 
 
 
 def fastest_mode(candidates: Sequence[Candidate], margin: float = DEFAULT_MARGIN, *,
-                 confidence: float = CONFIDENCE, min_prompts: int = MIN_PROMPTS, seed: int = 0) -> ServingChoice:
+                 confidence: float = CONFIDENCE, min_prompts: int = MIN_SERVED_PROMPTS, seed: int = 0) -> ServingChoice:
     """The fastest lossless candidate whose gain holds over the prompts: its measured speedup and the
     lower bound of its per-prompt speedups both above 1 + margin, on at least `min_prompts` prompts, and
     plausible (no more than `PLAUSIBLE_FACTOR` times its τ, the tokens one target forward yields). A

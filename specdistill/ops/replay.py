@@ -1,4 +1,4 @@
-"""Monitoring: the champion's acceptance on recent traffic, the keep/fallback decision, and the
+"""The monitor's replays of logged traffic: the champion's acceptance on recent prompts, the keep/fallback decision, and the
 fallback mode that measures fastest.
 
     sample = replay_acceptance("demo", "models:/draft@champion", store, n_prompts=20)
@@ -33,17 +33,20 @@ import torch
 from specdistill.acceptance import DEFAULT_GAMMA, NGRAM_WINDOW
 from specdistill.data.prompts import MAX_PROMPT_TOKENS, Prompt, usable_prompt
 from specdistill.data.record import Record
-from specdistill.modeling.models import LoadedModel, shared_model
+from specdistill.modeling.drafts import align_draft
+from specdistill.modeling.eagle3_io import is_eagle3_dir, read_config
+from specdistill.modeling.models import LoadedModel, resolve_model_dir, shared_model
+from specdistill.modeling.vocab import DraftVocab, check_vocab, vocab_mismatch
 from specdistill.ops.exporter import refresh_metrics, serve_metrics  # noqa: F401  (the exporter's home)
-from specdistill.ops.policy import DEFAULT_MARGIN, MIN_PROMPTS, RED_LINE, Candidate, fastest_mode
+from specdistill.ops.policy import DEFAULT_MARGIN, MIN_SERVED_PROMPTS, RED_LINE, Candidate, fastest_mode
 from specdistill.speculative import (
     ModelDrafter,
     SpecStats,
     drafter_from_spec,
     generate,
 )
-from specdistill.speculative.bench import BenchConfig, run_bench_many
 from specdistill.speculative.eagle import aligned_eagle_drafter
+from specdistill.speculative.harness_bench import BenchConfig, run_bench_many
 from specdistill.speculative.specs import SELF_SPEC, DrafterSpec
 from specdistill.speculative.suffix_corpus import corpus_is_current
 
@@ -117,9 +120,6 @@ class AcceptanceSample(Record):
 
 def aligned_drafter(target: LoadedModel, draft: LoadedModel, name: str = "draft") -> tuple[ModelDrafter, bool, str]:
     """(drafter, transplanted, why): the draft as it is, or a copy re-embedded over the target's vocabulary."""
-    from specdistill.modeling.drafts import align_draft
-    from specdistill.modeling.vocab import DraftVocab
-
     aligned = align_draft(draft.model, draft.tokenizer, target.tokenizer, DraftVocab.load(draft.path),
                           target_vocab_size=target.config.vocab_size)
     label = f"{name} (transplanted)" if aligned.transplanted else name
@@ -128,9 +128,6 @@ def aligned_drafter(target: LoadedModel, draft: LoadedModel, name: str = "draft"
 
 def _eagle3_dir(ref) -> Path | None:
     """The directory of an EAGLE-3 head (which loads only with its target), else None."""
-    from specdistill.modeling.eagle3_io import is_eagle3_dir
-    from specdistill.modeling.models import resolve_model_dir
-
     path = None if isinstance(ref, LoadedModel) else resolve_model_dir(ref)
     return path if path is not None and is_eagle3_dir(path) else None
 
@@ -172,12 +169,8 @@ def replay_acceptance(
     sample = AcceptanceSample(False, target_fingerprint=fp, draft_version=version, gamma=gamma)
 
     if on_vocab_mismatch == "zero":
-        from specdistill.modeling.vocab import check_vocab, vocab_mismatch
-
         if head_dir:
             from transformers import AutoTokenizer
-
-            from specdistill.modeling.eagle3_io import read_config
 
             draft_tok, draft_vocab_size = AutoTokenizer.from_pretrained(head_dir), read_config(head_dir)["vocab_size"]
         else:
@@ -294,7 +287,7 @@ def choose_fallback(
     margin: float = DEFAULT_MARGIN,
     ngram: tuple[int, int] = NGRAM_WINDOW,
     suffix_corpus: str | os.PathLike | None = None,
-    min_prompts: int = MIN_PROMPTS,
+    min_prompts: int = MIN_SERVED_PROMPTS,
     progress: bool = True,
 ) -> FallbackDecision:
     """Measure each fallback against target-only decoding on the sampled prompts (interleaved,

@@ -33,7 +33,10 @@ from specdistill.budget import Deadline
 from specdistill.data.prompt_files import PromptFileError, PromptRecord, read_prompt_file
 from specdistill.data.prompts import Prompt, encode_chat
 from specdistill.data.results import BenchResult, BenchSettings, SliceResult, percentile, prompt_speedups, speed_summary
+from specdistill.modeling.attention import decode_attention_for
 from specdistill.modeling.drafts import measure_cost_ratio
+from specdistill.modeling.kv_cache import preallocated_cache
+from specdistill.modeling.lean import engine_forward
 from specdistill.modeling.models import dtype_name
 from specdistill.speculative import (
     Drafter,
@@ -43,13 +46,14 @@ from specdistill.speculative import (
     generate,
 )
 from specdistill.speculative.eagle import EagleDrafter
+from specdistill.speculative.hybrid import HybridDrafter
 from specdistill.speculative.lossless import LosslessReport, judge_lossless, model_dtype
 
 __all__ = ["BenchConfig", "BenchResult", "Prompt", "PromptFileError", "SliceResult", "encode_prompt", "load_prompts",
            "measure_drafter_cost", "percentile", "prompts_from_records", "run_bench", "run_bench_many", "speed_summary"]
 
 
-MIN_PROMPTS = 2  # a benchmark cut by its time budget still measures this many prompts
+MIN_MEASURED_PROMPTS = 2  # a benchmark cut by its time budget still measures this many prompts
 
 class BenchConfig(BenchSettings):
     """The harness benchmark: the shared settings, and how this harness samples and measures."""
@@ -96,8 +100,6 @@ def measure_drafter_cost(target: PreTrainedModel, drafter: Drafter, context: int
     """c for any drafter: a model drafter's decode step (via measure_cost_ratio), or an n-gram or
     suffix lookup's proposal time, each over a target decode step; a hybrid's is its model's plus its
     lookup's (an upper bound: in a round the suffix drafter covers, the model drafts nothing)."""
-    from specdistill.speculative.hybrid import HybridDrafter
-
     if isinstance(drafter, HybridDrafter):
         return (measure_drafter_cost(target, drafter.inner, context, repeats)
                 + measure_drafter_cost(target, drafter.suffix, context, repeats))
@@ -105,9 +107,6 @@ def measure_drafter_cost(target: PreTrainedModel, drafter: Drafter, context: int
         return measure_cost_ratio(target, drafter.model, draft_vocab=drafter.vocab, context=context, repeats=repeats)
     if isinstance(drafter, EagleDrafter):  # its proposals need the engine's features: time the head's step
         return measure_cost_ratio(target, drafter.head, context=context, repeats=repeats)
-    from specdistill.modeling.attention import decode_attention_for
-    from specdistill.modeling.kv_cache import preallocated_cache
-    from specdistill.modeling.lean import engine_forward
 
     tokens = torch.randint(0, target.config.vocab_size, (context,))
     cache = preallocated_cache(target, 1, context)
@@ -152,7 +151,7 @@ def run_bench_many(
 ) -> dict[str, BenchResult]:
     """Several drafters against one shared target-only run per prompt and repeat; each at its own γ
     where `gammas` names one (else `config.gamma`). Past `deadline` no new prompt round starts: the
-    results cover the prompts (at least `MIN_PROMPTS`) and whole repeats measured by then.
+    results cover the prompts (at least `MIN_MEASURED_PROMPTS`) and whole repeats measured by then.
 
     For each prompt, target-only and every drafter run back to back, in an order that rotates from
     prompt to prompt and repeat to repeat, so no method always runs first (or right after another).
@@ -189,7 +188,7 @@ def run_bench_many(
             repeats = r
             break
         for i, ids in enumerate(encoded):
-            if r == 0 and i >= MIN_PROMPTS and deadline is not None and deadline.expired():
+            if r == 0 and i >= MIN_MEASURED_PROMPTS and deadline is not None and deadline.expired():
                 measured = i
                 break
             shift = (r + i) % len(modes)

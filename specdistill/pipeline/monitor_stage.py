@@ -7,11 +7,19 @@ from __future__ import annotations
 
 import json
 
-from specdistill.ops.monitor import AcceptanceSample, FallbackDecision
-from specdistill.ops.policy import FIRST_POSITION_TAG
-from specdistill.ops.targets import TargetChange, TargetVersion
+from specdistill.data.logstore import LogStore
+from specdistill.modeling.drafts import early_exit_dir, export_early_exit_draft
+from specdistill.modeling.models import shared_model
+from specdistill.ops import replay
+from specdistill.ops.metrics import SpecDecodeMetrics, sample_live_acceptance
+from specdistill.ops.policy import FIRST_POSITION_TAG, judge_acceptance
+from specdistill.ops.replay import AcceptanceSample, FallbackDecision, prompts_from_store
+from specdistill.ops.serving import ServingConfig, ServingConfigError, read_serving_config, write_serving_config
+from specdistill.ops.targets import TargetChange, TargetVersion, detect_change
 from specdistill.pipeline.config import MonitorConfig
+from specdistill.pipeline.corpus import current_corpus_path, sglang_corpus_path
 from specdistill.pipeline.outputs import AppliedFallback, Champion, MonitorOutcome, RecordedDecision, Sample
+from specdistill.speculative.suffix_corpus import read_corpus_meta
 
 
 def incremental_overrides(config: MonitorConfig, change: TargetChange) -> list[str]:
@@ -20,8 +28,6 @@ def incremental_overrides(config: MonitorConfig, change: TargetChange) -> list[s
     After a target update, the new version's answer pool starts with the old pool's most recent
     prompts answered by the new target (`pool.reanswer_prompts` of them)."""
     from datetime import datetime
-
-    from specdistill.data.logstore import LogStore
 
     overrides = [f"target={change.current.path}", *config.nightly_overrides,
                  f"window.replay_share={config.replay_share}"]
@@ -41,10 +47,7 @@ def record_decision(config: MonitorConfig, outcome: MonitorOutcome) -> RecordedD
     """Every decision with its numbers: a log store row, an MLflow run, and Prometheus gauges."""
     import mlflow
 
-    from specdistill.data.logstore import LogStore
-    from specdistill.ops import registry
-    from specdistill.ops.metrics import SpecDecodeMetrics
-    from specdistill.ops.serving import ServingConfigError, read_serving_config
+    from specdistill.ops import registry  # lazy: keeps mlflow off import
 
     target, sample, champion, kind = outcome.change.current, outcome.sample, outcome.champion, outcome.decision
     with LogStore(config.nightly.log_db) as store:
@@ -95,8 +98,6 @@ def _push(metrics) -> None:
 
 
 def _stop(exc: Exception):
-    from specdistill.ops.serving import ServingConfigError
-
     return ServingConfigError(f"{exc}; the monitor stops and records no success (fix the file, or remove it "
                               "to serve without speculation until the nightly writes one)")
 
@@ -106,9 +107,6 @@ def check_serving_config(config: MonitorConfig) -> None:
     served yet). A corrupt one is an alert, never a success: counted in
     `specdistill_serving_config_errors_total` (pushed when a Pushgateway is configured) and a
     `ServingConfigError` naming the file, so the run fails and marks no pipeline success."""
-    from specdistill.ops.metrics import SpecDecodeMetrics
-    from specdistill.ops.serving import ServingConfigError, read_serving_config
-
     try:
         read_serving_config(config.nightly.serving_path)
     except ServingConfigError as exc:
@@ -130,8 +128,6 @@ def registered_first_position(champion: Champion | None) -> float | None:
 def judge(config: MonitorConfig, sample: Sample, champion: Champion | None = None) -> tuple[str, str]:
     """(decision, why): keep, fallback, retrain or no-sample (`ops.policy.judge_acceptance`): the sampled
     first-position acceptance against the red line, and against the champion's own at registration."""
-    from specdistill.ops.policy import judge_acceptance
-
     return judge_acceptance(sample, config.red_line, registered=registered_first_position(champion),
                             max_relative_drop=config.max_relative_drop)
 
@@ -142,8 +138,6 @@ def decide(config: MonitorConfig, sample: Sample, champion: Champion | None = No
 
 def detect_drift(config: MonitorConfig, champion: Champion | None) -> TargetChange:
     """Has the served target changed since the last run, or since the champion was distilled for it?"""
-    from specdistill.ops.targets import detect_change
-
     changed, current, previous = detect_change(config.target_ref())
     trained_for = champion.tags.get("target_fingerprint") if champion else None
     drifted = changed or (trained_for is not None and trained_for != current.fingerprint)
@@ -153,22 +147,17 @@ def detect_drift(config: MonitorConfig, champion: Champion | None) -> TargetChan
 def sample_acceptance(config: MonitorConfig, champion: Champion, target: TargetVersion) -> Sample:
     """A live engine's counters when configured, else the newest logged prompts replayed (prompts as
     the nightly defines them, within its `window.max_prompt_tokens`)."""
-    from specdistill.data.logstore import LogStore
-
     nightly = config.nightly
     with LogStore(nightly.log_db) as store:
         if config.live_metrics_url:
-            from specdistill.ops.metrics import sample_live_acceptance
-
             live = sample_live_acceptance(config.live_metrics_url, config.live_interval_s, config.min_draft_tokens)
             if live.ok:  # the engine's per-position counters (vLLM), as counts per position
                 per_position = [round(a * live.drafts) for a in live.per_position_acceptance]
                 store.add_acceptance_sample(target.fingerprint, champion.version, len(per_position),
                                             int(live.drafts), int(live.draft_tokens), int(live.accepted), per_position)
             return live
-        from specdistill.ops.monitor import replay_acceptance
 
-        return replay_acceptance(target.path, champion.dir, store, n_prompts=config.replay_prompts,
+        return replay.replay_acceptance(target.path, champion.dir, store, n_prompts=config.replay_prompts,
                                  gamma=config.replay_gamma(), max_new_tokens=config.max_new_tokens,
                                  target_version=target.fingerprint, draft_version=champion.version,
                                  min_draft_tokens=config.min_draft_tokens,
@@ -176,20 +165,15 @@ def sample_acceptance(config: MonitorConfig, champion: Champion, target: TargetV
 
 
 def measure_fallback(config: MonitorConfig, target: TargetVersion) -> FallbackDecision:
-    """Each fallback timed against target-only decoding on the same replayed prompts (see `ops.monitor.choose_fallback`)."""
-    from specdistill.data.logstore import LogStore
-    from specdistill.modeling.models import shared_model
-    from specdistill.ops.monitor import choose_fallback, prompts_from_store
-
+    """Each fallback timed against target-only decoding on the same replayed prompts (see `ops.replay.choose_fallback`)."""
     nightly = config.nightly
     loaded = shared_model(target.path, dtype=nightly.dtype, device=nightly.device)
     with LogStore(nightly.log_db) as store:
         prompts = prompts_from_store(store, loaded.tokenizer, config.replay_prompts,
                                      max_prompt_tokens=nightly.window.max_prompt_tokens)
-    from specdistill.pipeline.corpus import current_corpus_path
 
     corpus = config.fallback_suffix_corpus or (str(current_corpus_path()) if current_corpus_path().is_file() else None)
-    decision = choose_fallback(loaded, prompts, exit_layers=config.fallback_exit_layers, gamma=config.replay_gamma(),
+    decision = replay.choose_fallback(loaded, prompts, exit_layers=config.fallback_exit_layers, gamma=config.replay_gamma(),
                                max_new_tokens=config.max_new_tokens, min_tokens=config.fallback_min_tokens,
                                repeats=config.fallback_repeats, suffix_corpus=corpus)
     return decision
@@ -197,10 +181,7 @@ def measure_fallback(config: MonitorConfig, target: TargetVersion) -> FallbackDe
 
 def apply_fallback(config: MonitorConfig, fallback: FallbackDecision, target: TargetVersion) -> AppliedFallback | None:
     """Switch the serving config to the measured-fastest fallback (under the promotion lock)."""
-    from specdistill.modeling.drafts import early_exit_dir, export_early_exit_draft
-    from specdistill.modeling.models import shared_model
-    from specdistill.ops import registry
-    from specdistill.ops.serving import ServingConfig, write_serving_config
+    from specdistill.ops import registry  # lazy: keeps mlflow off import
 
     if not fallback.decided:
         return None  # no decision on too few tokens: serve as before
@@ -211,9 +192,6 @@ def apply_fallback(config: MonitorConfig, fallback: FallbackDecision, target: Ta
         draft_dir = str(export_early_exit_draft(loaded, k, early_exit_dir(target.fingerprint, k)))
     suffix = {}
     if mode == "suffix":
-        from specdistill.pipeline.corpus import sglang_corpus_path
-        from specdistill.speculative.suffix_corpus import read_corpus_meta
-
         corpus = fallback.suffix_corpus
         sglang = sglang_corpus_path(corpus)
         suffix = dict(suffix_corpus=corpus, suffix_corpus_tokens=read_corpus_meta(corpus).tokens,

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from specdistill.budget import Deadline
 from specdistill.data.results import BenchResult
+from specdistill.ops.serving import ServingConfig
 from specdistill.pipeline.config import NightlyConfig
 from specdistill.speculative.specs import DrafterSpec
 
@@ -23,22 +24,20 @@ def mode_serving_config(spec: str | DrafterSpec, gamma: int, target_ref: str):
     (`models:/NAME@ALIAS` included) is resolved, and a registered one verified, here: vLLM is handed a local
     HF directory, never a reference it cannot read. A suffix corpus is ours only (vLLM's suffix trees fill
     from served requests: docs/serving.md)."""
-    from specdistill.ops.serving import ServingConfig
-
     parsed = DrafterSpec.parse(spec)
     if not parsed.served:
         raise ValueError(f"drafter {str(parsed)!r} has no vLLM mode: no serving engine runs a {parsed.kind} drafter")
     keys = dict(parsed.serving_keys(), num_speculative_tokens=gamma)
     if parsed.path:
-        from specdistill.modeling.eagle3_io import is_eagle3_dir
-        from specdistill.modeling.models import resolve_model_dir
+        from specdistill.modeling.eagle3_io import is_eagle3_dir  # lazy: keeps torch off import
+        from specdistill.modeling.models import resolve_model_dir  # lazy: keeps torch off import
 
         draft_dir = resolve_model_dir(parsed.path)
         return ServingConfig(draft_dir=str(draft_dir), draft_kind="eagle3" if is_eagle3_dir(draft_dir) else "layers",
                              **keys)
     if parsed.exit_layer is not None:
-        from specdistill.modeling.drafts import export_early_exit_draft
-        from specdistill.modeling.models import load_model
+        from specdistill.modeling.drafts import export_early_exit_draft  # lazy: keeps torch off import
+        from specdistill.modeling.models import load_model  # lazy: keeps torch off import
 
         target = load_model(target_ref, dtype="float32")  # a weight copy for vLLM to load
         return ServingConfig(draft_dir=str(export_early_exit_draft(target, parsed.exit_layer)), **keys)
@@ -58,7 +57,7 @@ def refused_entry(name: str, spec: str, cause: str, gamma: int, dtype: str) -> B
 def vllm_engine_benchmark(config: NightlyConfig, prompts, servable: dict[str, str], bcfg,
                           deadline: Deadline | None = None) -> dict[str, BenchResult]:
     """`engine_bench.engine_benchmark` for serving.engine vllm: results keyed by drafter name."""
-    from specdistill.engines.vllm_bench import bench_vllm, served_dtype
+    from specdistill.engines.vllm_bench import bench_vllm, served_dtype  # lazy: keeps torch off import
 
     s, b = config.serving, config.bench
     configs = {name: mode_serving_config(spec, b.gamma, config.target) for name, spec in servable.items()}
