@@ -31,7 +31,7 @@ from specdistill.ops.policy import (
 )
 from specdistill.ops.serving import read_serving_config
 from specdistill.ops.targets import current_target
-from specdistill.pipeline.answers.config import GenerationConfig
+from specdistill.pipeline.generation_config import GenerationConfig
 
 if TYPE_CHECKING:
     from specdistill.engines.endpoint_bench import EngineBenchConfig

@@ -24,7 +24,6 @@ from specdistill.ops.metrics import LiveSample
 from specdistill.ops.policy import CONFIDENCE, GateVerdict
 from specdistill.ops.replay import AcceptanceSample, FallbackDecision
 from specdistill.ops.targets import TargetChange
-from specdistill.pipeline.answers.logged import LoggedData
 
 if TYPE_CHECKING:  # for annotations only: the registry imports MLflow
     from specdistill.ops.registry import RegisteredDraft
@@ -111,6 +110,21 @@ def window_key(train: list[Prompt], evals: list[Prompt], target: str) -> str:
 
     payload = [[ident(p) for p in train], [ident(p) for p in evals], target]
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
+
+
+@dataclass
+class LoggedData(Record):
+    """What the logged responses gave tonight (`pipeline.answers.logged`; the report's data line)."""
+
+    own: int = 0  # logged answers of the current target, used as they are
+    own_tokens: int = 0
+    other: int = 0  # other models' responses labelled by the target
+    other_tokens: int = 0
+    refused: int = 0  # claimed by the current target, refused by the likelihood check: answered again
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> count
+    not_labelled: int = 0  # left for lack of time
+    floor: float | None = None  # the likelihood floor (nats per token) own answers were held to
+    minutes: float = 0.0
 
 
 @dataclass

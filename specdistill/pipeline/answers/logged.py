@@ -22,7 +22,6 @@ import statistics
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdistill import paths
@@ -30,7 +29,6 @@ from specdistill.budget import Deadline
 from specdistill.config import ConfigError
 from specdistill.data.logstore import LogStore
 from specdistill.data.prompts import Prompt, encode_chat
-from specdistill.data.record import Record
 from specdistill.distill.examples import Example, encode_conversation
 from specdistill.distill.features import FeatureCache
 from specdistill.distill.prefill import Labelled, label_by_prefill
@@ -39,25 +37,11 @@ from specdistill.modeling.models import LoadedModel
 from specdistill.ops.targets import target_history
 from specdistill.pipeline.answers.answer_file import append_records
 from specdistill.pipeline.answers.harness import generate_answers
+from specdistill.pipeline.outputs import LoggedData
 
 OTHER_SUFFIX = "~log"  # the id of another model's labelled response: `<conversation id>~log`
 # the likelihood floor: this quantile of the target's own answers sampled at temperature 1, less a margin
 FLOOR_QUANTILE, FLOOR_MARGIN, FLOOR_PROMPTS = 0.05, 0.5, 16
-
-
-@dataclass
-class LoggedData(Record):
-    """What the logged responses gave tonight (the report's data lines)."""
-
-    own: int = 0  # logged answers of the current target, used as they are
-    own_tokens: int = 0
-    other: int = 0  # other models' responses labelled by the target
-    other_tokens: int = 0
-    refused: int = 0  # claimed by the current target, refused by the likelihood check: answered again
-    skipped: dict[str, int] = field(default_factory=dict)  # reason -> count
-    not_labelled: int = 0  # left for lack of time
-    floor: float | None = None  # the likelihood floor (nats per token) own answers were held to
-    minutes: float = 0.0
 
 
 def own_names(served_names: dict[str, str], target_ref: str, fingerprint: str) -> set[str]:

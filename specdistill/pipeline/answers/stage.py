@@ -27,9 +27,9 @@ from specdistill.modeling.models import LoadedModel, dtype_name, shared_model
 from specdistill.pipeline.answers.choose_engine import choose_answer_engine
 from specdistill.pipeline.answers.engine_client import connect, generate_answers_openai
 from specdistill.pipeline.answers.harness import generate_answers
-from specdistill.pipeline.answers.logged import LoggedData, label_logged
+from specdistill.pipeline.answers.logged import label_logged
 from specdistill.pipeline.config import NightlyConfig, config_hash, run_root
-from specdistill.pipeline.outputs import GeneratedData, Window
+from specdistill.pipeline.outputs import GeneratedData, LoggedData, Window
 from specdistill.pipeline.stage_budgets import stage_deadline
 
 ENGINE_ONLY = {"backend", "url", "engine", "parallel"}  # settings the harness's answers do not depend on
