@@ -112,9 +112,8 @@ def batch_loss(config: DistillConfig, logits, hidden, batch: Batch, *, teacher=N
                                              keep_fraction=lc.selective_keep, kind="fkl" if lc.kind == "mix" else lc.kind,
                                              temperature=lc.temperature, beta=lc.beta)
     elif lc.kind == "mix":
-        ce = losses.cross_entropy(logits, labels, label_mask)
-        kl = losses.distill_loss(logits, teacher_signal, None, kind="fkl", temperature=lc.temperature)
-        loss = (1 - lc.alpha) * ce + lc.alpha * kl
+        loss = losses.mixed_loss(logits, teacher_signal, labels, None, alpha=lc.alpha, temperature=lc.temperature,
+                                 label_mask=label_mask)
     else:
         loss = losses.distill_loss(logits, teacher_signal, None, kind=lc.kind, temperature=lc.temperature, beta=lc.beta)
     if lc.hidden_weight > 0:
