@@ -172,7 +172,7 @@ class Eagle3Trainee(nn.Module):
 
 
 @torch.no_grad()
-def eagle3_heldout_acceptance(head: Eagle3Draft, examples: list[Eagle3Example], steps: int = 4, gamma: int = DEFAULT_GAMMA,
+def eagle3_heldout_acceptance(head: Eagle3Draft, examples: list[Eagle3Example], steps: int, gamma: int = DEFAULT_GAMMA,
                               batch_size: int = 8, device: torch.device | str = "cpu") -> dict:
     """Per draft position: top-1 agreement with the target's continuation, and the chained share accepted."""
     was_training = head.training

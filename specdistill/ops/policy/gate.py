@@ -10,7 +10,7 @@ from typing import Any
 from specdistill.ops.policy.common import RED_LINE, first_position
 
 
-@dataclass
+@dataclass(frozen=True)
 class GateConfig:
     """Defaults are the bar for "worth serving on this hardware": lossless, first-position acceptance
     at the red line, speedup ≥ 1.0, τ no worse than the champion's beyond a tolerance. The production
@@ -26,7 +26,7 @@ class GateConfig:
     min_accepted_length_gain: float = 0.02  # promotion: challenger τ must exceed the champion's by at least this
 
 
-# every gate default lives here: a profile is a GateConfig, and a config only overrides its fields
+# every gate default lives here: a profile is a (frozen, shared) GateConfig, and a config only overrides its fields
 PROFILES: dict[str, GateConfig] = {
     "default": GateConfig(),
     # the nightly's draft gate: a draft slower than n-gram on a 2-core CPU can still be the best draft for
