@@ -17,14 +17,15 @@ from specdistill.modeling.models import load_model
 from specdistill.ops.metrics import LiveSample, SpecDecodeMetrics
 from specdistill.ops.monitor import (
     AcceptanceSample,
-    Decision,
+    FallbackDecision,
     choose_fallback,
     prompts_from_store,
     refresh_metrics,
     replay_acceptance,
 )
-from specdistill.ops.policy import PLAUSIBLE_FACTOR, decide
+from specdistill.ops.policy import PLAUSIBLE_FACTOR, Decision, decide
 from specdistill.ops.serving import ServingConfig, write_serving_config
+from specdistill.ops.targets import TargetChange, TargetVersion
 from specdistill.speculative import ModelDrafter, SelfSpecDrafter, generate
 from tests.conftest import make_tiny_llama, save_tiny_target
 
@@ -237,14 +238,20 @@ def test_pipeline_success_recorded_in_the_store_reaches_the_exporter(store):
 def test_decisions_are_recorded_with_their_numbers(store_url):
     s = LogStore(store_url)
     try:
-        d = Decision("fallback", "fp-new", "3", acceptance={"acceptance_rate": 0.21}, fallback={"mode": "ngram"},
-                     reason="acceptance 0.21 < 0.5")
-        first = s.add_decision(d.kind, d.target_fingerprint, d.draft_version, d.to_json())
+        # the monitor flow's record (`pipeline.monitor.record_decision`): its outcome as JSON
+        from specdistill.pipeline.outputs import MonitorOutcome
+
+        current = TargetVersion("fp-new", "/t", "demo", "2024-05-01T00:00:00+00:00")
+        d = MonitorOutcome(TargetChange(True, True, "fp-old", current), Decision.FALLBACK,
+                           sample=AcceptanceSample(True, acceptance_rate=0.21),
+                           fallback=FallbackDecision(True, "ngram", None, 1.2, "ngram measured fastest"),
+                           decision_reason="acceptance 0.21 < 0.5")
+        first = s.add_decision(d.decision, current.fingerprint, "3", d.to_json())
         s.add_decision("keep", "fp-old", "3", json.dumps({"acceptance_rate": 0.8}))
         got = s.decisions()
         assert [r["kind"] for r in got] == ["keep", "fallback"]  # newest first
-        assert got[1]["id"] == first and got[1]["payload"]["fallback"] == {"mode": "ngram"}
-        assert got[1]["payload"]["acceptance"]["acceptance_rate"] == 0.21
+        assert got[1]["id"] == first and got[1]["payload"]["fallback"]["mode"] == "ngram"
+        assert got[1]["payload"]["sample"]["acceptance_rate"] == 0.21
         assert [r["kind"] for r in s.decisions(target_fingerprint="fp-new")] == ["fallback"]
         assert s.decisions(kind="keep")[0]["payload"] == {"acceptance_rate": 0.8}
         with pytest.raises(ValueError, match="not JSON"):

@@ -189,6 +189,11 @@ class LiveSample(Record):
     def rounds(self) -> None:
         return None
 
+    @property
+    def gamma(self) -> None:
+        """The engine's γ is its own, not in its counters."""
+        return None
+
     def extra(self) -> dict:
         return {"proposed": self.proposed, "rounds": None}
 

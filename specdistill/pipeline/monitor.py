@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from specdistill.ops.monitor import AcceptanceSample, FallbackDecision
-from specdistill.ops.policy import FIRST_POSITION_TAG
+from specdistill.ops.policy import FIRST_POSITION_TAG, Decision
 from specdistill.ops.targets import TargetChange, TargetVersion
 from specdistill.pipeline.config import MonitorConfig
 from specdistill.pipeline.outputs import AppliedFallback, Champion, MonitorOutcome, RecordedDecision, Sample
@@ -48,8 +48,7 @@ def record_decision(config: MonitorConfig, outcome: MonitorOutcome) -> RecordedD
 
     target, sample, champion, kind = outcome.change.current, outcome.sample, outcome.champion, outcome.decision
     with LogStore(config.nightly.log_db) as store:
-        row = store.add_decision(kind, target.fingerprint, champion.version if champion else None,
-                                 json.dumps(outcome.to_dict(), default=str, sort_keys=True))
+        row = store.add_decision(kind, target.fingerprint, champion.version if champion else None, outcome.to_json())
 
     registry.client()
     with mlflow.start_run(experiment_id=registry.experiment_for(config.nightly.target_name),
@@ -127,7 +126,7 @@ def registered_first_position(champion: Champion | None) -> float | None:
         return None
 
 
-def judge(config: MonitorConfig, sample: Sample, champion: Champion | None = None) -> tuple[str, str]:
+def judge(config: MonitorConfig, sample: Sample, champion: Champion | None = None) -> tuple[Decision, str]:
     """(decision, why): keep, fallback, retrain or no-sample (`ops.policy.judge_acceptance`): the sampled
     first-position acceptance against the red line, and against the champion's own at registration."""
     from specdistill.ops.policy import judge_acceptance
@@ -136,7 +135,7 @@ def judge(config: MonitorConfig, sample: Sample, champion: Champion | None = Non
                             max_relative_drop=config.max_relative_drop)
 
 
-def decide(config: MonitorConfig, sample: Sample, champion: Champion | None = None) -> str:
+def decide(config: MonitorConfig, sample: Sample, champion: Champion | None = None) -> Decision:
     return judge(config, sample, champion)[0]
 
 

@@ -22,7 +22,7 @@ from specdistill.data.record import Record
 from specdistill.data.results import BenchResult
 from specdistill.ops.metrics import LiveSample
 from specdistill.ops.monitor import AcceptanceSample, FallbackDecision
-from specdistill.ops.policy import GateVerdict
+from specdistill.ops.policy import Decision, GateVerdict
 from specdistill.ops.targets import TargetChange
 
 if TYPE_CHECKING:  # for annotations only: the registry imports MLflow, and serve imports this module
@@ -194,7 +194,7 @@ class MonitorOutcome(Record):
     """What one monitor run saw and did: the record `record_decision` stores and the report renders."""
 
     change: TargetChange
-    decision: str  # keep | fallback | retrain | no-sample | no-champion
+    decision: Decision
     champion: Champion | None = None
     sample: Sample | None = None
     decision_reason: str = ""  # the numbers the decision was taken on (`ops.policy.judge_acceptance`)
@@ -202,3 +202,7 @@ class MonitorOutcome(Record):
     serving: AppliedFallback | None = None
     incremental: NightlyRun | None = None  # the incremental nightly run the monitor started
     report: str = ""
+
+    def to_json(self) -> str:
+        """The log store's record of this decision (its decisions table's payload)."""
+        return json.dumps(self.to_dict(), default=str, sort_keys=True)
