@@ -1,9 +1,9 @@
 """What each stage hands to the next that has no home in a lower layer: the night's `Window`, the
-target, the champion, the answers and the pool's view, the training run, the promotion, the nightly run
+target, the champion, the answers and the pool's view, the promotion, the nightly run
 as a whole and the monitor's outcome, each a dataclass (`data.record.Record`) read by attribute.
 
 The other stage outputs are the library's own dataclasses, defined once where they are computed:
-`data.results.BenchResult`, `ops.policy.GateVerdict`, `pipeline.serve.ServingDecision`,
+`data.results.BenchResult`, `distill.trained.Trained` (the training run), `ops.policy.GateVerdict`, `pipeline.serve.ServingDecision`,
 `ops.registry.RegisteredDraft`, `ops.targets.TargetChange`/`TargetVersion`, `ops.monitor.AcceptanceSample`
 and `FallbackDecision`, `ops.metrics.LiveSample`, `data.ingest.IngestResult`. All become JSON (benchmark.json,
 gate.json, the decision record, `--json`) through `data.record.to_dict`, which is also what
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from specdistill.data.prompts import Prompt
 from specdistill.data.record import Record
 from specdistill.data.results import BenchResult
+from specdistill.distill.trained import Trained  # noqa: F401  (the training run, as stages hand it on)
 from specdistill.ops.metrics import LiveSample
 from specdistill.ops.monitor import AcceptanceSample, FallbackDecision
 from specdistill.ops.policy import Decision, GateVerdict
@@ -120,31 +121,6 @@ class PoolSummary(Record):
 @dataclass
 class PooledData(GeneratedData):
     pool: PoolSummary | None = None  # None when pool.enabled is false: the night's own answers
-
-
-@dataclass
-class Trained(Record):
-    """A distillation run as the nightly reads it: `distill.train.distill()`'s result (and its result.json,
-    which stays the trainer's own dict), taken in once by `pipeline.nightly.distill_draft`."""
-
-    steps: int
-    tokens: int
-    train_minutes: float
-    loss: float | None
-    stop: str
-    trainable_parameters: int
-    frozen_parameters: int
-    curve: list[dict]
-    draft_dir: str
-    draft_vocab: int | None = None
-    layers: list[int] = field(default_factory=list)
-    kind: str = "layers"  # or "eagle3"
-    clock: str = "wall"  # what train_minutes counts: "wall" or "cpu"
-    rank_weight_digests: list[str] | None = None  # multi-rank runs only
-    unroll_steps: int | None = None  # eagle3 only
-    feature_disk_bytes: int | None = None  # eagle3 only
-    feature_bytes_per_answer_token: float | None = None  # eagle3 only
-    stale_dropped: int = 0  # answers not trained on: their cached teacher rows were written for other token ids
 
 
 @dataclass
