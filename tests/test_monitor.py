@@ -8,6 +8,7 @@ import urllib.request
 
 import pytest
 
+from specdistill.acceptance import DraftCounts
 from specdistill.data.formats import Message
 from specdistill.data.logstore import LogStore
 from specdistill.data.prompts import Prompt, prompt_messages
@@ -169,14 +170,12 @@ def test_exported_early_exit_draft_proposes_what_self_speculation_proposes(tiny_
 
 
 def test_metrics_page_counts_each_stored_sample_once_and_shows_the_serving_mode(store, tmp_path):
-    store.add_acceptance_sample("fp", "v1", 2, num_drafts=5, num_draft_tokens=10, num_accepted_tokens=6,
-                                accepted_per_position=[4, 2])
+    store.add_acceptance_sample("fp", "v1", 2, DraftCounts(5, 10, 6, [4, 2]))
     metrics = SpecDecodeMetrics()
     write_serving_config(ServingConfig("ngram", target_fingerprint="fp", reason="fallback"))
     last = refresh_metrics(metrics, store)
     assert refresh_metrics(metrics, store, last) == last  # nothing new: nothing counted twice
-    store.add_acceptance_sample("fp", "v1", 2, num_drafts=5, num_draft_tokens=10, num_accepted_tokens=2,
-                                accepted_per_position=[2, 0])
+    store.add_acceptance_sample("fp", "v1", 2, DraftCounts(5, 10, 2, [2, 0]))
     refresh_metrics(metrics, store, last)
     server, thread = metrics.serve(0)
     try:

@@ -22,10 +22,9 @@ def refresh_metrics(metrics, store, after_id: int = 0, serving_path: str | Path 
     `specdistill_serving_config_errors_total` and says why on stderr."""
     from specdistill.ops.serving import ServingConfigError, read_serving_config
 
-    for row in store.acceptance_samples_after(after_id):
-        metrics.record(rounds=row["num_drafts"], proposed=row["num_draft_tokens"],
-                       accepted=row["num_accepted_tokens"], accepted_per_position=row["accepted_per_position"])
-        after_id = row["id"]
+    for sample_id, counts in store.acceptance_samples_after(after_id):
+        metrics.record(counts)
+        after_id = sample_id
     try:
         serving = read_serving_config(serving_path)
     except ServingConfigError as exc:

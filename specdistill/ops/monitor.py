@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from specdistill.acceptance import DEFAULT_GAMMA, NGRAM_WINDOW
+from specdistill.acceptance import DEFAULT_GAMMA, NGRAM_WINDOW, DraftCounts
 from specdistill.data.prompts import MAX_PROMPT_TOKENS, Prompt, usable_prompt
 from specdistill.data.record import Record
 from specdistill.modeling.models import LoadedModel, shared_model
@@ -111,6 +111,10 @@ class AcceptanceSample(Record):
     conversation_ids: list[int] = field(default_factory=list)
     sample_ids: list[int] = field(default_factory=list)  # rows in the log store's acceptance_samples
     seconds: float = 0.0
+
+    def counts(self) -> DraftCounts:
+        """Its raw counts, per position over the replay's γ (what the metrics exporter adds up)."""
+        return DraftCounts(self.rounds, self.proposed, self.accepted, list(self.accepted_per_position))
 
 
 def aligned_drafter(target: LoadedModel, draft: LoadedModel, name: str = "draft") -> tuple[ModelDrafter, bool, str]:
@@ -201,10 +205,8 @@ def replay_acceptance(
     for prompt in tqdm(prompts, desc="replay", unit="prompt", file=sys.stderr, disable=not progress):
         stats = generate(target.model, prompt.ids, max_new_tokens=max_new_tokens, drafter=drafter, gamma=gamma).stats
         per_request.append(stats)
-        positions = (stats.accepted_per_position + [0] * gamma)[:gamma]
         cid = _conversation_id(prompt)
-        sample.sample_ids.append(store.add_acceptance_sample(
-            fp, version, gamma, stats.rounds, stats.proposed, stats.accepted, positions, conversation_id=cid))
+        sample.sample_ids.append(store.add_acceptance_sample(fp, version, gamma, stats.counts(gamma), conversation_id=cid))
         if cid is not None:
             sample.conversation_ids.append(cid)
     total = SpecStats.total(per_request)

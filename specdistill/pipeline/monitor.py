@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+from specdistill.acceptance import DraftCounts
 from specdistill.ops.monitor import AcceptanceSample, FallbackDecision
 from specdistill.ops.policy import FIRST_POSITION_TAG, Decision
 from specdistill.ops.targets import TargetChange, TargetVersion
@@ -69,8 +70,7 @@ def record_decision(config: MonitorConfig, outcome: MonitorOutcome) -> RecordedD
 
     metrics = SpecDecodeMetrics()
     if isinstance(sample, AcceptanceSample) and sample.ok:  # a live engine's counters are its own to export
-        metrics.record(rounds=sample.rounds, proposed=sample.proposed, accepted=sample.accepted,
-                       accepted_per_position=list(sample.accepted_per_position))
+        metrics.record(sample.counts())
     try:
         serving = read_serving_config(config.nightly.serving_path)
     except ServingConfigError as exc:  # the decision is kept (stored above), the error counted, and the run fails
@@ -162,8 +162,8 @@ def sample_acceptance(config: MonitorConfig, champion: Champion, target: TargetV
             live = sample_live_acceptance(config.live_metrics_url, config.live_interval_s, config.min_draft_tokens)
             if live.ok:  # the engine's per-position counters (vLLM), as counts per position
                 per_position = [round(a * live.drafts) for a in live.per_position_acceptance]
-                store.add_acceptance_sample(target.fingerprint, champion.version, len(per_position),
-                                            int(live.drafts), int(live.draft_tokens), int(live.accepted), per_position)
+                store.add_acceptance_sample(target.fingerprint, champion.version, len(per_position), DraftCounts(
+                    int(live.drafts), int(live.draft_tokens), int(live.accepted), per_position))
             return live
         from specdistill.ops.monitor import replay_acceptance
 
