@@ -9,7 +9,7 @@ acceptance and how the result is saved; the loop, schedule, budget and checkpoin
 Every `checkpoint_every` steps the draft, optimizer, RNG state and data position are
 saved, so a killed run resumes on the same loss curve. Every `eval_every` steps the held-out
 acceptance estimate is logged: greedy top-1 agreement with the target's own continuation, and the
-expected accepted length τ at γ=4 that it implies.
+expected accepted length τ at the default γ (`acceptance.DEFAULT_GAMMA`) that it implies.
 
 Runs unchanged under `torchrun --nproc_per_node N` (DDP: NCCL with each rank on its own GPU,
 `LOCAL_RANK`; gloo on CPU): each rank takes its slice of every global batch and gradients are
