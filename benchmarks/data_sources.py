@@ -210,7 +210,7 @@ def train(work: Path, name: str, directory: Path, heldout: Path, args) -> dict:
         update={"max_steps": args.train_steps, "max_minutes": None})})
     log(f"train {name}: {directory}")
     t0 = time.time()
-    result = distill(dcfg)
+    result = distill(dcfg).result_json()  # as result.json holds it
     result["wall_minutes"] = (time.time() - t0) / 60
     (out / "result.json").write_text(json.dumps(result, indent=1, default=str))
     return result

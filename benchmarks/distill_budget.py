@@ -146,7 +146,7 @@ def run_config(work: Path, name: str, overrides: list[str]) -> dict:
         return json.loads(done.read_text())
     log(f"run {name}: {' '.join(overrides)}")
     cfg = load_config(None, [f"out_dir={out}", "progress=false", *overrides])
-    return distill(cfg)
+    return distill(cfg).result_json()  # as result.json holds it
 
 
 def cost_ratio(target, layers: str, vocab) -> float:

@@ -37,6 +37,7 @@ from specdistill.distill.features import FeatureCache, build_feature_cache
 from specdistill.distill.pool import AnswerPool
 from specdistill.distill.teacher import TeacherCache
 from specdistill.distill.train import distill
+from specdistill.distill.trained import Trained
 from specdistill.modeling.eagle3 import default_aux_layers
 from specdistill.modeling.models import load_model, resolve_dtype
 from specdistill.pipeline.answers.harness import generate_answers
@@ -63,7 +64,7 @@ def answer_night(args, target, night: int, prompts: list[dict]) -> dict:
 
 
 def train(args, name: str, data: str, teacher_cache: str, features: str, warm: str | None, heldout: str,
-          heldout_features: str) -> dict:
+          heldout_features: str) -> Trained:
     """One nightly distillation run (the pipeline's settings: fkl, batch 4, 2 unroll steps, bf16 autocast)."""
     out = Path(args.work) / "runs" / name
     if (out / "result.json").is_file():
@@ -79,8 +80,8 @@ def train(args, name: str, data: str, teacher_cache: str, features: str, warm: s
         out_dir=str(out), checkpoint_every=per_eval, eval_every=per_eval, threads=args.threads, progress=False)
     t0 = time.time()
     result = distill(cfg)
-    final = result["curve"][-1]
-    log(f"{name}: {result['steps']} steps, {result['tokens']} tokens trained, acceptance {final['acceptance']:.3f} "
+    final = result.curve[-1]
+    log(f"{name}: {result.steps} steps, {result.tokens} tokens trained, acceptance {final['acceptance']:.3f} "
         f"τ(4) chain {final.get('tau_chain_4', float('nan')):.2f} ({time.time() - t0:.0f} s)")
     return result
 
@@ -161,13 +162,13 @@ def main() -> int:
         runs["pool"] = runs["single"] if night == 1 else train(
             args, f"pool-night{night}", view.path, view.teacher_cache, view.features, heads["pool"], str(heldout_path),
             str(held_features))
-        heads = {arm: r["draft_dir"] for arm, r in runs.items()}
+        heads = {arm: r.draft_dir for arm, r in runs.items()}
         row = {"night": night, "pool_answers": view.answers, "pool_tokens": view.tokens, "pool_nights": len(view.nights),
                "night_tokens": data["tokens"], "pool_disk_gb": pool.disk_bytes() / 2**30}
         for arm, r in runs.items():
-            final = r["curve"][-1]
+            final = r.curve[-1]
             row[arm] = {"acceptance": final["acceptance"], "tau_chain_4": final.get("tau_chain_4"),
-                        "steps": r["steps"], "tokens_trained": r["tokens"]}
+                        "steps": r.steps, "tokens_trained": r.tokens}
         if args.bench_prompts:
             bench_cache = work / "runs" / f"bench-night{night}.json"
             if not bench_cache.is_file():

@@ -42,15 +42,15 @@ def monitor(config_path: str | None = None, overrides: list[str] | None = None,
     change = t.detect_target_change(config, champion)
     if champion is None:
         log.info("no champion registered yet: nothing to monitor")
-        return MonitorOutcome(change, "no-champion")
+        return MonitorOutcome(change, mc.Decision.NO_CHAMPION)
 
     sample = t.sample_acceptance(config, champion, change.current)
     decision, why = mc.judge(config, sample, champion)
     outcome = MonitorOutcome(change, decision, champion=champion, sample=sample, decision_reason=why)
-    if decision == "fallback":
+    if decision == mc.Decision.FALLBACK:
         outcome.fallback = t.choose_fallback(config, change.current)
         outcome.serving = t.apply_fallback(config, outcome.fallback, change.current)
-    if decision in ("fallback", "retrain"):
+    if decision in (mc.Decision.FALLBACK, mc.Decision.RETRAIN):
         outcome.incremental = nightly(config_path=config.nightly_config, overrides=mc.incremental_overrides(config, change))
     t.record_decision(config, outcome)
     report = render_outcome(outcome)

@@ -325,7 +325,7 @@ def test_a_result_saved_before_the_criterion_still_loads_and_gates():
     result = BenchResult.from_dict(old)
     assert result.dtype == "float32" and result.lossless_criterion is None
     assert "lossless                          FAIL (2 outputs differ)" in result.render()
-    assert "2 outputs differ from target-only" in evaluate(old).checks[0].reason
+    assert "2 outputs differ from target-only" in evaluate(result).checks[0].reason
 
 
 def test_slice_table_stays_aligned_for_long_names():

@@ -163,22 +163,22 @@ def test_eagle3_distill_improves_heldout_agreement_and_saves_the_head(eagle_worl
 
     result = distill(_eagle_config(eagle_world, tmp_path / "run", "optim.max_steps=80", "eval_every=40",
                                    "checkpoint_every=40"))
-    curve = result["curve"]
-    assert result["kind"] == "eagle3" and result["steps"] == 80 and result["feature_bytes_per_answer_token"] > 0
+    curve = result.curve
+    assert result.kind == "eagle3" and result.steps == 80 and result.feature_bytes_per_answer_token > 0
     assert len(curve[-1]["acceptance_per_position"]) == 3
     # it fits the answers it trains on well past where it started, at every draft position
     assert curve[-1]["acceptance"] > curve[0]["acceptance"] + 0.2
     assert curve[-1]["acceptance_per_position"][2] > curve[0]["acceptance_per_position"][2]
     assert curve[-1]["accepted_per_position"][1] <= curve[-1]["acceptance_per_position"][1] + 1e-9
     assert 1.0 <= curve[-1]["tau_chain_3"] <= 4.0
-    head_dir = Path(result["draft_dir"])
+    head_dir = Path(result.draft_dir)
     config = json.loads((head_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 200
     tensors = load_file(str(head_dir / "model.safetensors"))
     assert "fc.weight" in tensors and "lm_head.weight" in tensors and not any(k.startswith("embed") for k in tensors)
     # warm start from the saved head begins where the run ended
     again = distill(_eagle_config(eagle_world, tmp_path / "warm", f"draft={head_dir}", "optim.max_steps=1"))
-    assert again["curve"][0]["acceptance"] == pytest.approx(curve[-1]["acceptance"])
+    assert again.curve[0]["acceptance"] == pytest.approx(curve[-1]["acceptance"])
 
 
 def test_eagle3_resume_after_a_kill_reproduces_the_loss_curve(eagle_world, tmp_path):
@@ -238,11 +238,11 @@ def test_answer_only_features_evaluated_with_the_whole_prompt(eagle_world, tmp_p
                                         f"eagle3.feature_dir={tmp_path / 'f0'}"))
     # the default stores answer positions only; held-out goes to its own whole-prompt cache, as served
     assert (tmp_path / "f0-heldout").is_dir() and not (tmp_path / "fall-heldout").exists()
-    assert answer_only["feature_bytes_per_answer_token"] < whole["feature_bytes_per_answer_token"]
-    assert answer_only["curve"][0] == {**whole["curve"][0], "minutes": answer_only["curve"][0]["minutes"]}
+    assert answer_only.feature_bytes_per_answer_token < whole.feature_bytes_per_answer_token
+    assert answer_only.curve[0] == {**whole.curve[0], "minutes": answer_only.curve[0]["minutes"]}
     named = distill(_eagle_config(eagle_world, tmp_path / "named", "optim.max_steps=1", f"eagle3.feature_dir={tmp_path / 'f0'}",
                                   f"eagle3.heldout_feature_dir={tmp_path / 'fall'}"))
-    assert named["curve"][0] == {**whole["curve"][0], "minutes": named["curve"][0]["minutes"]}
+    assert named.curve[0] == {**whole.curve[0], "minutes": named.curve[0]["minutes"]}
     with pytest.raises(StaleFeatureCacheError, match="prompt_context=0.*prompt_context=2"):
         distill(_eagle_config(eagle_world, tmp_path / "x", "optim.max_steps=1", "eagle3.prompt_context=2",
                               f"eagle3.feature_dir={tmp_path / 'f0'}"))

@@ -9,6 +9,7 @@ import sqlalchemy as sa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specdistill.acceptance import DraftCounts
 from specdistill.data.logstore import (
     LogStore,
     Watermark,
@@ -144,18 +145,15 @@ def test_target_responses_link_prompt_and_fingerprint(store):
 
 
 def test_acceptance_samples_give_the_design_definitions(store):
-    store.add_acceptance_sample("fp", "draft-1", gamma=4, num_drafts=10, num_draft_tokens=40,
-                                num_accepted_tokens=20, accepted_per_position=[8, 6, 4, 2])
-    store.add_acceptance_sample("fp", "draft-1", gamma=4, num_drafts=10, num_draft_tokens=40,
-                                num_accepted_tokens=10, accepted_per_position=[5, 3, 1, 1])
+    store.add_acceptance_sample("fp", "draft-1", 4, DraftCounts(10, 40, 20, [8, 6, 4, 2]))
+    store.add_acceptance_sample("fp", "draft-1", 4, DraftCounts(10, 40, 10, [5, 3, 1, 1]))
     got = store.acceptance("fp", "draft-1")
     assert got["samples"] == 2
     assert got["acceptance_rate"] == pytest.approx(30 / 80)
     assert got["mean_accepted_length"] == pytest.approx(1 + 30 / 20)
     assert store.acceptance("fp", "other")["acceptance_rate"] is None
     with pytest.raises(ValueError):
-        store.add_acceptance_sample("fp", "d", gamma=2, num_drafts=1, num_draft_tokens=2,
-                                    num_accepted_tokens=3, accepted_per_position=[1, 1])
+        store.add_acceptance_sample("fp", "d", 2, DraftCounts(1, 2, 3, [1, 1]))
 
 
 def test_watermark_never_moves_back(store):

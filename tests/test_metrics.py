@@ -11,6 +11,7 @@ from prometheus_client import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
+from specdistill.acceptance import DraftCounts
 from specdistill.ops.metrics import (
     LiveSample,
     Scrape,
@@ -37,8 +38,8 @@ def values(registry) -> dict[tuple, float]:
 
 def test_record_uses_vllm_style_names_and_design_definitions():
     m = SpecDecodeMetrics()
-    m.record(rounds=10, proposed=40, accepted=25, accepted_per_position=[9, 7, 5, 4])
-    m.record(rounds=5, proposed=20, accepted=5, accepted_per_position=[3, 1, 1, 0])
+    m.record(DraftCounts(10, 40, 25, [9, 7, 5, 4]))
+    m.record(DraftCounts(5, 20, 5, [3, 1, 1, 0]))
     v = values(m.registry)
     assert v[("specdistill_spec_decode_num_drafts_total", ())] == 15
     assert v[("specdistill_spec_decode_num_draft_tokens_total", ())] == 60
@@ -47,7 +48,7 @@ def test_record_uses_vllm_style_names_and_design_definitions():
     assert v[("specdistill_acceptance_rate", ())] == pytest.approx(5 / 20)  # the last sample
     assert v[("specdistill_mean_accepted_length", ())] == pytest.approx(1 + 5 / 5)
     with pytest.raises(ValueError, match="inconsistent"):
-        m.record(rounds=1, proposed=2, accepted=3, accepted_per_position=[])
+        m.record(DraftCounts(1, 2, 3, []))
 
 
 def test_gauges_have_no_value_before_the_first_sample():
@@ -57,10 +58,10 @@ def test_gauges_have_no_value_before_the_first_sample():
     assert "specdistill_acceptance_rate" not in names and "specdistill_mean_accepted_length" not in names
     assert "specdistill_pipeline_last_success_timestamp_seconds" not in names
     assert ("specdistill_serving_config_errors_total", ()) in values(m.registry)  # a counter: 0 is the truth
-    m.record(rounds=0, proposed=0, accepted=0, accepted_per_position=[])  # nothing proposed: still no value
+    m.record(DraftCounts(0, 0, 0, []))  # nothing proposed: still no value
     assert "specdistill_acceptance_rate" not in {name for name, _ in values(m.registry)}
-    m.record(rounds=2, proposed=4, accepted=1, accepted_per_position=[1])
-    m.record(rounds=2, proposed=4, accepted=3, accepted_per_position=[2, 1])
+    m.record(DraftCounts(2, 4, 1, [1]))
+    m.record(DraftCounts(2, 4, 3, [2, 1]))
     assert values(m.registry)[("specdistill_acceptance_rate", ())] == 0.75
 
 
@@ -79,7 +80,7 @@ def test_serving_mode_and_versions_are_exclusive():
 
 def test_serve_exposes_metrics_on_loopback():
     m = SpecDecodeMetrics()
-    m.record(rounds=2, proposed=8, accepted=6, accepted_per_position=[2, 2, 1, 1])
+    m.record(DraftCounts(2, 8, 6, [2, 2, 1, 1]))
     port = free_port()
     server, thread = m.serve(port)
     try:

@@ -8,6 +8,7 @@ import urllib.request
 
 import pytest
 
+from specdistill.acceptance import DraftCounts
 from specdistill.data.formats import Message
 from specdistill.data.logstore import LogStore
 from specdistill.data.prompts import Prompt, prompt_messages
@@ -15,16 +16,17 @@ from specdistill.data.readers import Conversation
 from specdistill.modeling.drafts import export_early_exit_draft, init_draft_from_target, save_draft
 from specdistill.modeling.models import load_model
 from specdistill.ops.metrics import LiveSample, SpecDecodeMetrics
-from specdistill.ops.policy import PLAUSIBLE_FACTOR, decide
+from specdistill.ops.policy import PLAUSIBLE_FACTOR, Decision, decide
 from specdistill.ops.replay import (
     AcceptanceSample,
-    Decision,
+    FallbackDecision,
     choose_fallback,
     prompts_from_store,
     refresh_metrics,
     replay_acceptance,
 )
 from specdistill.ops.serving import ServingConfig, write_serving_config
+from specdistill.ops.targets import TargetChange, TargetVersion
 from specdistill.speculative import ModelDrafter, SelfSpecDrafter, generate
 from tests.conftest import make_tiny_llama, save_tiny_target
 
@@ -168,14 +170,12 @@ def test_exported_early_exit_draft_proposes_what_self_speculation_proposes(tiny_
 
 
 def test_metrics_page_counts_each_stored_sample_once_and_shows_the_serving_mode(store, tmp_path):
-    store.add_acceptance_sample("fp", "v1", 2, num_drafts=5, num_draft_tokens=10, num_accepted_tokens=6,
-                                accepted_per_position=[4, 2])
+    store.add_acceptance_sample("fp", "v1", 2, DraftCounts(5, 10, 6, [4, 2]))
     metrics = SpecDecodeMetrics()
     write_serving_config(ServingConfig("ngram", target_fingerprint="fp", reason="fallback"))
     last = refresh_metrics(metrics, store)
     assert refresh_metrics(metrics, store, last) == last  # nothing new: nothing counted twice
-    store.add_acceptance_sample("fp", "v1", 2, num_drafts=5, num_draft_tokens=10, num_accepted_tokens=2,
-                                accepted_per_position=[2, 0])
+    store.add_acceptance_sample("fp", "v1", 2, DraftCounts(5, 10, 2, [2, 0]))
     refresh_metrics(metrics, store, last)
     server, thread = metrics.serve(0)
     try:
@@ -237,14 +237,20 @@ def test_pipeline_success_recorded_in_the_store_reaches_the_exporter(store):
 def test_decisions_are_recorded_with_their_numbers(store_url):
     s = LogStore(store_url)
     try:
-        d = Decision("fallback", "fp-new", "3", acceptance={"acceptance_rate": 0.21}, fallback={"mode": "ngram"},
-                     reason="acceptance 0.21 < 0.5")
-        first = s.add_decision(d.kind, d.target_fingerprint, d.draft_version, d.to_json())
+        # the monitor flow's record (`pipeline.monitor_stage.record_decision`): its outcome as JSON
+        from specdistill.pipeline.outputs import MonitorOutcome
+
+        current = TargetVersion("fp-new", "/t", "demo", "2024-05-01T00:00:00+00:00")
+        d = MonitorOutcome(TargetChange(True, True, "fp-old", current), Decision.FALLBACK,
+                           sample=AcceptanceSample(True, acceptance_rate=0.21),
+                           fallback=FallbackDecision(True, "ngram", None, 1.2, "ngram measured fastest"),
+                           decision_reason="acceptance 0.21 < 0.5")
+        first = s.add_decision(d.decision, current.fingerprint, "3", d.to_json())
         s.add_decision("keep", "fp-old", "3", json.dumps({"acceptance_rate": 0.8}))
         got = s.decisions()
         assert [r["kind"] for r in got] == ["keep", "fallback"]  # newest first
-        assert got[1]["id"] == first and got[1]["payload"]["fallback"] == {"mode": "ngram"}
-        assert got[1]["payload"]["acceptance"]["acceptance_rate"] == 0.21
+        assert got[1]["id"] == first and got[1]["payload"]["fallback"]["mode"] == "ngram"
+        assert got[1]["payload"]["sample"]["acceptance_rate"] == 0.21
         assert [r["kind"] for r in s.decisions(target_fingerprint="fp-new")] == ["fallback"]
         assert s.decisions(kind="keep")[0]["payload"] == {"acceptance_rate": 0.8}
         with pytest.raises(ValueError, match="not JSON"):

@@ -11,6 +11,7 @@ import pytest
 from specdistill.data.logstore import LogStore
 from specdistill.modeling.drafts import early_exit_dir
 from specdistill.modeling.models import load_model
+from specdistill.ops.policy import Decision
 from specdistill.ops.replay import FallbackDecision
 from specdistill.ops.serving import read_serving_config
 from specdistill.ops.targets import TargetChange, TargetVersion
@@ -159,7 +160,7 @@ def test_a_serving_config_broken_during_the_run_keeps_the_decision_and_fails_the
     url = _store(tmp_path, [datetime(2024, 5, 1, tzinfo=timezone.utc).timestamp()])
     config = MonitorConfig(target="demo", nightly_overrides=[f"serving_path={serving}", f"log_db={url}"])
     with pytest.raises(ServingConfigError, match="is empty"):
-        mc.record_decision(config, MonitorOutcome(_change(False), "keep"))
+        mc.record_decision(config, MonitorOutcome(_change(False), Decision.KEEP))
     with LogStore(url) as store:
         assert [d["kind"] for d in store.decisions()] == ["keep"]  # the decision is not lost
         assert store.last_pipeline_success() is None

@@ -8,6 +8,7 @@ import statistics
 
 import pytest
 
+from specdistill.data.results import BenchResult
 from specdistill.ops.policy import (
     Candidate,
     GateConfig,
@@ -17,13 +18,18 @@ from specdistill.ops.policy import (
     judge_acceptance,
     speedup_lower_bound,
 )
+from specdistill.ops.replay import AcceptanceSample
 
 
 def result(lossless=True, alpha=0.6, tau=2.5, speedup=1.2, first=None, gamma=4, **extra):
-    """A bench result's dict; its first-position acceptance is `first` (default: α, a one-token-like draft)."""
+    """A bench result; its first-position acceptance is `first` (default: α, a one-token-like draft)."""
     first = alpha if first is None else first
-    return {"lossless": lossless, "acceptance_rate": alpha, "accepted_length": tau, "speedup": speedup, "gamma": gamma,
-            "per_position_acceptance": [first] + [alpha] * (gamma - 1), **extra}
+    fields = dict(drafter="d", gamma=gamma, max_new_tokens=16, repeats=1, greedy=True, lossless=lossless,
+                  lossless_mismatches=0, acceptance_rate=alpha, accepted_length=tau,
+                  per_position_acceptance=[first] + [alpha] * (gamma - 1), request_acceptance_p10=alpha,
+                  request_acceptance_p50=alpha, request_acceptance_p90=alpha, tokens_per_second_target_only=10.0,
+                  tokens_per_second_speculative=10.0 * speedup, speedup=speedup, cost_ratio=None, ideal_speedup=None)
+    return BenchResult(**{**fields, **extra})
 
 
 def test_default_gate_passes_a_good_draft_and_lists_reasons():
@@ -73,8 +79,11 @@ def test_thresholds_can_be_switched_off_and_verdict_serializes():
 
 
 def test_bad_input_errors():
-    with pytest.raises(ValueError, match="lacks \\['speedup'\\]"):
-        evaluate({"lossless": True, "acceptance_rate": 0.5, "accepted_length": 2})
+    incomplete = {k: v for k, v in result().to_dict().items() if k != "speedup"}  # a benchmark JSON without it
+    with pytest.raises(ValueError, match="lacks the field 'speedup'"):
+        evaluate(BenchResult.from_dict(incomplete))
+    with pytest.raises(ValueError, match="challenger: expected a BenchResult"):
+        evaluate(result().to_dict())  # JSON is read into the record at the edge, not by the gate
     with pytest.raises(ValueError, match="unknown gate profile"):
         gate_config("staging")
     with pytest.raises(ValueError, match="unknown gate setting"):
@@ -154,7 +163,7 @@ def test_the_reverse_a_draft_with_alpha_above_0_5_but_under_the_line_at_position
 
 
 def test_without_per_position_counts_alpha_stands_in_and_says_so():
-    r = {"lossless": True, "acceptance_rate": 0.55, "accepted_length": 2.0, "speedup": 1.2}
+    r = result(alpha=0.55, tau=2.0, speedup=1.2, per_position_acceptance=[])
     check = next(c for c in evaluate(r).checks if c.name == "first-position acceptance")
     assert check.passed and check.value == 0.55 and "no per-position counts" in check.reason
 
@@ -168,7 +177,7 @@ def test_without_per_position_counts_alpha_stands_in_and_says_so():
     ({"ok": False, "reason": "only 3 draft tokens"}, None, "no-sample"),
 ])
 def test_the_monitor_decides_on_first_position_acceptance_and_its_drop_since_registration(sample, registered, expected):
-    decision, why = judge_acceptance(sample, registered=registered)
+    decision, why = judge_acceptance(AcceptanceSample(**sample), registered=registered)
     assert decision == expected, why
     if expected == "retrain":
         assert "33% under the champion's 0.900 at registration" in why

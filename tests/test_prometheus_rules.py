@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
+from specdistill.acceptance import DraftCounts
 from specdistill.ops.metrics import SpecDecodeMetrics
 
 PROM_DIR = Path(__file__).resolve().parents[1] / "deploy" / "prometheus"
@@ -32,7 +33,7 @@ def test_promtool_rule_unit_tests():
 
 def test_rules_only_reference_metrics_we_export():
     m = SpecDecodeMetrics()
-    m.record(rounds=1, proposed=1, accepted=1, accepted_per_position=[1])
+    m.record(DraftCounts(1, 1, 1, [1]))
     m.mark_pipeline_success()
     exported = set(re.findall(r"^(specdistill_\w+?)(?:\{| )", generate_latest(m.registry).decode(), re.M))
     referenced = set(re.findall(r"\b(specdistill_\w+)", (PROM_DIR / "rules.yml").read_text()))

@@ -75,7 +75,7 @@ def test_distill_trains_saves_config_and_improves_heldout_agreement(tiny_world, 
     out = tmp_path / "run"
     result = distill(_config(tiny_world, out, "optim.max_steps=60", "eval_every=20", "checkpoint_every=20",
                              "optim.lr=1e-2", "optim.warmup_steps=5"))
-    curve = result["curve"]
+    curve = result.curve
     assert curve[0]["step"] == 0 and curve[-1]["step"] == 60
     # evaluated on the answers it trains on: it must fit them well past where it started
     assert curve[-1]["acceptance"] > max(0.6, curve[0]["acceptance"] + 0.2)
@@ -85,7 +85,7 @@ def test_distill_trains_saves_config_and_improves_heldout_agreement(tiny_world, 
     ckpt = sorted((out / "checkpoints").iterdir())[-1]
     assert (ckpt / "config.yaml").is_file() and (ckpt / "model.safetensors").is_file()
     assert load_config(ckpt / "config.yaml").optim.max_steps == 60
-    assert (Path(result["draft_dir"]) / "config.json").is_file()
+    assert (Path(result.draft_dir) / "config.json").is_file()
 
 
 @pytest.mark.e2e
@@ -95,7 +95,7 @@ def test_resume_after_interruption_reproduces_the_loss_curve(tiny_world, tmp_pat
     cut = tmp_path / "cut"
     # Stop after step 4 (a kill after a step): the last checkpoint is step 3, so the resume redoes step 4.
     first = distill(_config(tiny_world, cut, "optim.max_tokens=1"))
-    assert first["steps"] == 1
+    assert first.steps == 1
     distill(_config(tiny_world, cut, "optim.max_tokens=" + str(_log(full)[3]["tokens"])))
     distill(_config(tiny_world, cut))
     want = {r["step"]: r["loss"] for r in _log(full)}
@@ -138,16 +138,16 @@ def test_cached_teacher_gives_the_online_loss(tiny_world, tmp_path):
     cached = distill(_config(tiny_world, tmp_path / "cached", "optim.max_steps=1", "teacher.mode=cache",
                              f"teacher.cache_dir={cache_dir}"))
     assert _log(tmp_path / "cached")[0]["loss"] == pytest.approx(_log(tmp_path / "online")[0]["loss"], rel=1e-4)
-    assert online["steps"] == cached["steps"] == 1
+    assert online.steps == cached.steps == 1
 
 
 @pytest.mark.e2e
 def test_generation_time_cache_and_reduced_vocab_train(tiny_world, tmp_path):
     result = distill(_config(tiny_world, tmp_path / "r", "draft_vocab=64", "teacher.mode=cache",
                              f"teacher.cache_dir={tiny_world['gen_cache']}", "optim.max_steps=3"))
-    assert result["draft_vocab"] == 64 and result["steps"] == 3
-    assert (Path(result["draft_dir"]) / DRAFT_VOCAB_FILE).is_file()
-    assert 0.0 <= result["curve"][-1]["acceptance"] <= 1.0
+    assert result.draft_vocab == 64 and result.steps == 3
+    assert (Path(result.draft_dir) / DRAFT_VOCAB_FILE).is_file()
+    assert 0.0 <= result.curve[-1]["acceptance"] <= 1.0
 
 
 @pytest.mark.e2e
@@ -182,15 +182,15 @@ def test_a_stale_teacher_entry_is_dropped_and_counted_not_fatal(tiny_world, tmp_
                                                      f"eagle3.feature_dir={tmp_path / 'features'}"]
     result = distill(_config(tiny_world, tmp_path / "r", *extra, f"data.path={answers}", "teacher.mode=cache",
                              f"teacher.cache_dir={tiny_world['gen_cache']}", "optim.max_steps=2"))
-    assert result["stale_dropped"] == 1 and result["steps"] == 2
+    assert result.stale_dropped == 1 and result.steps == 2
 
 
 @pytest.mark.e2e
 def test_warm_start_with_replay(tiny_world, tmp_path):
     first = distill(_config(tiny_world, tmp_path / "a", "optim.max_steps=2"))
-    second = distill(_config(tiny_world, tmp_path / "b", f"draft={first['draft_dir']}", "optim.max_steps=2",
+    second = distill(_config(tiny_world, tmp_path / "b", f"draft={first.draft_dir}", "optim.max_steps=2",
                              f"data.replay_path={tiny_world['answers']}", "data.replay_share=0.5"))
-    assert second["curve"][0]["acceptance"] == pytest.approx(first["curve"][-1]["acceptance"])
+    assert second.curve[0]["acceptance"] == pytest.approx(first.curve[-1]["acceptance"])
 
 
 @pytest.mark.e2e
@@ -219,13 +219,13 @@ def test_ddp_two_ranks_end_with_identical_weights(tiny_world, tmp_path):
 def test_online_topk_hidden_and_selective_paths_train(tiny_world, tmp_path):
     ref = distill(_config(tiny_world, tmp_path / "ref", "optim.max_steps=2"))
     for extra in (["loss.top_k=8", "loss.hidden_weight=0.5", "loss.kind=jsd"],
-                  ["loss.selective_keep=0.5", f"loss.selective_reference={ref['draft_dir']}"],
+                  ["loss.selective_keep=0.5", f"loss.selective_reference={ref.draft_dir}"],
                   ["loss.kind=mix", "loss.alpha=0.3", "loss.temperature=2.0"],
                   ["loss.kind=ce", "teacher.mode=none", "optim.bf16=true"],
                   ["teacher.mode=cache", f"teacher.cache_dir={tiny_world['gen_cache']}", "loss.top_k=4", "draft_vocab=64"]):
         result = distill(_config(tiny_world, tmp_path / "_".join(e.split("=")[0] for e in extra), "optim.max_steps=2", *extra))
         log = _log(tmp_path / "_".join(e.split("=")[0] for e in extra))
-        assert result["steps"] == 2 and all(r["loss"] > 0 for r in log), extra
+        assert result.steps == 2 and all(r["loss"] > 0 for r in log), extra
 
 
 def test_cli_distill_rejects_unknown_key_before_any_work(tmp_path, capsys):

@@ -201,8 +201,9 @@ def _emit_bench(args, result, payload: dict, text: str) -> int:
 
     if args.gate:
         from specdistill import paths  # lazy: CLI start-up
+        from specdistill.data.results import BenchResult  # lazy: CLI start-up
 
-        champion = paths.read_json(Path(args.champion), "champion bench JSON") if args.champion else None
+        champion = BenchResult.from_dict(paths.read_json(Path(args.champion), "champion bench JSON")) if args.champion else None
         verdict = evaluate(result, gate_config(args.gate), champion)
         payload["gate"] = verdict.to_dict()
         text += "\n\n" + verdict.render()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from specdistill.acceptance import DEFAULT_GAMMA
 from specdistill.cli.common import Subcommands, command, emit
 
 
@@ -16,11 +17,11 @@ def cmd_distill(args: argparse.Namespace) -> int:
     result = distill(config)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 reports
         return 0
-    last = result["curve"][-1] if result["curve"] else {}
-    text = (f"{result['steps']} steps, {result['tokens']} tokens, {result['train_minutes']:.1f} min, loss {result['loss']:.4f}"
-            + (f", held-out acceptance {last['acceptance']:.3f}, tau(4) {last['tau']:.2f}" if "acceptance" in last else "")
-            + f" -> {result.get('draft_dir')}")
-    emit(args, result, text)
+    last = result.curve[-1] if result.curve else {}
+    text = (f"{result.steps} steps, {result.tokens} tokens, {result.train_minutes:.1f} min, loss {result.loss:.4f}"
+            + (f", held-out acceptance {last['acceptance']:.3f}, tau({DEFAULT_GAMMA}) {last['tau']:.2f}" if "acceptance" in last else "")
+            + f" -> {result.draft_dir}")
+    emit(args, result.result_json(), text)
     return 0
 
 

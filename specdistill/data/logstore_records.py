@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from datetime import datetime, timezone
 
 import sqlalchemy as sa
 
+from specdistill.acceptance import DraftCounts
 from specdistill.data.logschema import acceptance_samples, decisions, responses, writing
 
 PIPELINE_SUCCESS = "pipeline_success"  # the decision kind a flow records when it ran to its end
@@ -69,21 +70,18 @@ class PipelineRecords:
         target_fingerprint: str,
         draft_version: str,
         gamma: int,
-        num_drafts: int,
-        num_draft_tokens: int,
-        num_accepted_tokens: int,
-        accepted_per_position: Sequence[int],
+        counts: DraftCounts,
         conversation_id: int | None = None,
         measured_at: datetime | None = None,
     ) -> int:
-        if num_accepted_tokens > num_draft_tokens or len(accepted_per_position) != gamma:
+        if counts.accepted > counts.draft_tokens or len(counts.accepted_per_position) != gamma:
             raise ValueError("accepted tokens exceed drafted tokens, or per-position counts do not have gamma entries")
         with writing(self.engine) as conn:
             return conn.execute(acceptance_samples.insert().returning(acceptance_samples.c.id), dict(
                 measured_at=measured_at or _now(), target_fingerprint=target_fingerprint,
-                draft_version=draft_version, conversation_id=conversation_id, gamma=gamma, num_drafts=num_drafts,
-                num_draft_tokens=num_draft_tokens, num_accepted_tokens=num_accepted_tokens,
-                accepted_per_position=json.dumps(list(accepted_per_position)))).scalar_one()
+                draft_version=draft_version, conversation_id=conversation_id, gamma=gamma, num_drafts=counts.drafts,
+                num_draft_tokens=counts.draft_tokens, num_accepted_tokens=counts.accepted,
+                accepted_per_position=json.dumps(list(counts.accepted_per_position)))).scalar_one()
 
     def acceptance(self, target_fingerprint: str, draft_version: str, since: datetime | None = None) -> dict:
         """Acceptance rate and mean accepted length over the samples (the design's definitions)."""
@@ -101,13 +99,14 @@ class PipelineRecords:
             "mean_accepted_length": 1 + accepted / drafts if drafts else None,
         }
 
-    def acceptance_samples_after(self, after_id: int = 0, limit: int = 10_000) -> list[dict]:
-        """Samples with id > after_id, oldest first (what a metrics exporter has not counted yet)."""
+    def acceptance_samples_after(self, after_id: int = 0, limit: int = 10_000) -> list[tuple[int, DraftCounts]]:
+        """(id, counts) of the samples with id > after_id, oldest first (what a metrics exporter has not counted yet)."""
         a = acceptance_samples.c
         query = sa.select(acceptance_samples).where(a.id > after_id).order_by(a.id).limit(limit)
         with self.engine.connect() as conn:
             rows = conn.execute(query).mappings().all()
-        return [{**r, "accepted_per_position": json.loads(r["accepted_per_position"])} for r in rows]
+        return [(r["id"], DraftCounts(r["num_drafts"], r["num_draft_tokens"], r["num_accepted_tokens"],
+                                      json.loads(r["accepted_per_position"]))) for r in rows]
 
     # -- monitor decisions -------------------------------------------------------------------
 

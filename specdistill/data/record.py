@@ -12,6 +12,7 @@ ignored, and a missing required field is an error that names the class and the f
 from __future__ import annotations
 
 import dataclasses
+import enum
 import types
 import typing
 from typing import Any, TypeVar
@@ -65,6 +66,8 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
         return _convert(options[0], value, where)
     if dataclasses.is_dataclass(hint):
         return from_dict(hint, value)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return hint(value)
     if origin is list and args:
         return [_convert(args[0], v, where) for v in value]
     if origin is dict and len(args) == 2:

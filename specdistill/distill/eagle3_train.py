@@ -28,6 +28,7 @@ from specdistill.distill import losses
 from specdistill.distill.features import FeatureCache, StaleFeatureCacheError, entry_features, feature_start
 from specdistill.distill.layer_task import _build_draft_vocab
 from specdistill.distill.teacher import TeacherCache, check_entry, drop_stale, teacher_positions, to_draft_space, vocab_key
+from specdistill.distill.trained import HeldoutAcceptance, TaskDescription
 from specdistill.modeling import eagle3_io
 from specdistill.modeling.eagle3 import Eagle3Draft, check_head_fits, default_aux_layers, init_eagle3_from_target
 from specdistill.modeling.eagle3_io import load_eagle3
@@ -177,8 +178,8 @@ class Eagle3Trainee(nn.Module):
 
 
 @torch.no_grad()
-def eagle3_heldout_acceptance(head: Eagle3Draft, examples: list[Eagle3Example], steps: int = 4, gamma: int = DEFAULT_GAMMA,
-                              batch_size: int = 8, device: torch.device | str = "cpu") -> dict:
+def eagle3_heldout_acceptance(head: Eagle3Draft, examples: list[Eagle3Example], steps: int, gamma: int = DEFAULT_GAMMA,
+                              batch_size: int = 8, device: torch.device | str = "cpu") -> HeldoutAcceptance:
     """Per draft position: top-1 agreement with the target's continuation, and the chained share accepted."""
     was_training = head.training
     head.eval()
@@ -201,9 +202,8 @@ def eagle3_heldout_acceptance(head: Eagle3Draft, examples: list[Eagle3Example], 
     per_position = (agree / total.clamp_min(1)).tolist()
     accepted = (chain / total.clamp_min(1)).tolist()
     g = min(gamma, steps)
-    return {"acceptance": per_position[0], "tau": expected_tokens_per_round(per_position[0], gamma),
-            "acceptance_per_position": per_position, "accepted_per_position": accepted,
-            f"tau_chain_{g}": 1.0 + sum(accepted[:g]), "eval_tokens": int(total[0])}
+    return HeldoutAcceptance(per_position[0], expected_tokens_per_round(per_position[0], gamma), int(total[0]),
+                             per_position, accepted, g, 1.0 + sum(accepted[:g]))
 
 
 def _features_of_other_tokens(entry: dict[str, torch.Tensor] | None, input_ids: list[int]) -> bool:
@@ -292,8 +292,7 @@ class Eagle3Task:
             held_rows, held_context = other.load_all(), other.meta["prompt_context"]
         self.heldout = eagle3_examples(heldout, held_rows, None, draft_vocab, held_context, remap)
         answer_tokens = sum(sum(ex.assistant_mask[1:]) for ex in every)
-        self.feature_bytes = {"feature_disk_bytes": features.disk_bytes(),
-                              "feature_bytes_per_answer_token": features.disk_bytes() / max(1, answer_tokens)}
+        self.feature_bytes = (features.disk_bytes(), features.disk_bytes() / max(1, answer_tokens))  # on disk, per answer token
         self.module = Eagle3Trainee(head, e.steps).to(device)
 
     def micro_loss(self, model, indices: list[int], step: int, micro: int, autocast=None):
@@ -306,14 +305,14 @@ class Eagle3Task:
                            temperature=self.config.loss.temperature)
         return loss, batch.tokens, batch.ids
 
-    def evaluate(self) -> dict:
+    def evaluate(self) -> HeldoutAcceptance | None:
         if not self.heldout:
-            return {}
+            return None
         return eagle3_heldout_acceptance(self.head, self.heldout, steps=self.config.eagle3.eval_steps, device=self.device)
 
-    def describe(self) -> dict:
-        return {"kind": "eagle3", "draft_vocab": self.draft_vocab.size, "layers": self.layers,
-                "unroll_steps": self.module.steps, "stale_dropped": self.stale_dropped, **self.feature_bytes}
+    def describe(self) -> TaskDescription:
+        return TaskDescription("eagle3", self.draft_vocab.size, self.layers, self.stale_dropped, self.module.steps,
+                               *self.feature_bytes)
 
     def save(self, out_dir, target, meta: dict):
         """In the layout vLLM and SGLang load (modeling.eagle3_io)."""

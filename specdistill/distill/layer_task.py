@@ -13,6 +13,7 @@ from specdistill.distill import losses
 from specdistill.distill.config import DistillConfig
 from specdistill.distill.examples import Batch, Example, collate
 from specdistill.distill.teacher import OnlineTeacher, TeacherCache, drop_stale, to_draft_space, vocab_key
+from specdistill.distill.trained import HeldoutAcceptance, TaskDescription
 from specdistill.modeling import models
 from specdistill.modeling.drafts import init_draft_from_target, parse_layers, save_draft
 from specdistill.modeling.vocab import DraftVocab, build_draft_vocab
@@ -39,7 +40,7 @@ class DraftWithHead(torch.nn.Module):
 
 @torch.no_grad()
 def heldout_acceptance(module: DraftWithHead, examples: list[Example], draft_vocab: DraftVocab | None,
-                       batch_size: int = 8, gamma: int = DEFAULT_GAMMA, device: torch.device | str = "cpu") -> dict:
+                       batch_size: int = 8, gamma: int = DEFAULT_GAMMA, device: torch.device | str = "cpu") -> HeldoutAcceptance:
     """Greedy top-1 agreement with the target's own continuation, and τ(γ) under the i.i.d. model."""
     was_training = module.training
     module.eval()
@@ -54,7 +55,7 @@ def heldout_acceptance(module: DraftWithHead, examples: list[Example], draft_voc
         total += batch.labels.numel()
     module.train(was_training)
     alpha = agree / max(total, 1)
-    return {"acceptance": alpha, "tau": expected_tokens_per_round(alpha, gamma), "eval_tokens": total}
+    return HeldoutAcceptance(alpha, expected_tokens_per_round(alpha, gamma), total)
 
 
 def _build_draft_vocab(config: DistillConfig, examples: list[Example], tokenizer, target_vocab: int) -> DraftVocab | None:
@@ -114,9 +115,8 @@ def batch_loss(config: DistillConfig, logits, hidden, batch: Batch, *, teacher=N
                                              keep_fraction=lc.selective_keep, kind="fkl" if lc.kind == "mix" else lc.kind,
                                              temperature=lc.temperature, beta=lc.beta)
     elif lc.kind == "mix":
-        ce = losses.cross_entropy(logits, labels, label_mask)
-        kl = losses.distill_loss(logits, teacher_signal, None, kind="fkl", temperature=lc.temperature)
-        loss = (1 - lc.alpha) * ce + lc.alpha * kl
+        loss = losses.mixed_loss(logits, teacher_signal, labels, None, alpha=lc.alpha, temperature=lc.temperature,
+                                 label_mask=label_mask)
     else:
         loss = losses.distill_loss(logits, teacher_signal, None, kind=lc.kind, temperature=lc.temperature, beta=lc.beta)
     if lc.hidden_weight > 0:
@@ -194,12 +194,12 @@ class LayerTask:
                           module=self.module, reference=self.reference)
         return loss, int(batch.positions.sum()), batch.ids
 
-    def evaluate(self) -> dict:
-        return heldout_acceptance(self.module, self.heldout, self.draft_vocab, device=self.device) if self.heldout else {}
+    def evaluate(self) -> HeldoutAcceptance | None:
+        return heldout_acceptance(self.module, self.heldout, self.draft_vocab, device=self.device) if self.heldout else None
 
-    def describe(self) -> dict:
-        return {"kind": "layers", "draft_vocab": self.draft_vocab.size if self.draft_vocab is not None else None,
-                "layers": self.layers, "stale_dropped": self.stale_dropped}
+    def describe(self) -> TaskDescription:
+        return TaskDescription("layers", self.draft_vocab.size if self.draft_vocab is not None else None, self.layers,
+                               self.stale_dropped)
 
     def save(self, out_dir, target, meta: dict):
         self.draft.config.specdistill_layers = self.layers

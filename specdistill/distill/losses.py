@@ -202,11 +202,13 @@ def mixed_loss(
     *,
     alpha: float = 0.5,
     temperature: float = 1.0,
+    label_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(1−a)·CE + a·T²·KL(p_T ‖ q_T): hard labels anchor the draft, soft labels carry the target's shape."""
+    """(1−a)·CE + a·T²·KL(p_T ‖ q_T): hard labels anchor the draft, soft labels carry the target's shape.
+    `label_mask` (default: `mask`) masks the CE term alone: labels a reduced draft vocabulary cannot say."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"mix alpha must be in [0, 1], got {alpha}")
-    ce = cross_entropy(student_logits, labels, mask)
+    ce = cross_entropy(student_logits, labels, mask if label_mask is None else label_mask)
     kl = distill_loss(student_logits, teacher, mask, kind="fkl", temperature=temperature)
     return (1 - alpha) * ce + alpha * kl
 

@@ -9,7 +9,7 @@ acceptance and how the result is saved; the loop, schedule, budget and checkpoin
 Every `checkpoint_every` steps the draft, optimizer, RNG state and data position are
 saved, so a killed run resumes on the same loss curve. Every `eval_every` steps the held-out
 acceptance estimate is logged: greedy top-1 agreement with the target's own continuation, and the
-expected accepted length τ at γ=4 that it implies.
+expected accepted length τ at the default γ (`acceptance.DEFAULT_GAMMA`) that it implies.
 
 Runs unchanged under `torchrun --nproc_per_node N` (DDP: NCCL with each rank on its own GPU,
 `LOCAL_RANK`; gloo on CPU): each rank takes its slice of every global batch and gradients are
@@ -25,6 +25,7 @@ import random
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -37,9 +38,10 @@ from specdistill.distill.config import DistillConfig, save_config
 from specdistill.distill.eagle3_train import Eagle3Task
 from specdistill.distill.examples import DataOrder, read_examples
 from specdistill.distill.layer_task import DraftWithHead, LayerTask, batch_loss, heldout_acceptance
+from specdistill.distill.trained import HeldoutAcceptance, Trained
 from specdistill.modeling import models
 from specdistill.modeling.fingerprints import weights_digest
-from specdistill.modeling.models import check_device
+from specdistill.modeling.models import LoadedModel, check_device
 
 __all__ = ["DraftWithHead", "NonFiniteLossError", "batch_loss", "distill", "heldout_acceptance", "lr_at"]
 
@@ -116,7 +118,41 @@ def _dist_info(device: torch.device) -> tuple[int, int]:
     return (dist.get_rank(), world) if world > 1 else (0, 1)
 
 
-def distill(config: DistillConfig) -> dict:
+@dataclass
+class Run:
+    """What the training loop works with: the task (draft kind), its module (and DDP wrapper), the
+    optimizer over its trainable parameters, and where this rank stands among the ranks."""
+
+    config: DistillConfig
+    task: LayerTask | Eagle3Task
+    model: torch.nn.Module  # the task's module, or its DDP wrapper
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    rank: int
+    world: int
+    out_dir: Path
+    evaluates: bool  # held-out examples were given (`data.heldout_path`): the curve is measured
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.task.module
+
+
+@dataclass
+class Progress:
+    """Where training stands: what a checkpoint saves and a resume restores."""
+
+    order: DataOrder
+    step: int = 0
+    tokens: int = 0
+    seconds: float = 0.0  # training time so far, by `optim.clock`
+    curve: list[dict] = field(default_factory=list)  # metrics.jsonl's points
+    loss: float = float("nan")  # the last step's
+    stop: str = "max_steps"  # why training ended: max_steps, max_tokens or max_minutes
+
+
+def distill(config: DistillConfig) -> Trained:
     """Train a draft as the config says; returns the final metrics and where the draft was written."""
     device = pick_device(config.device)
     rank, world = _dist_info(device)
@@ -128,6 +164,24 @@ def distill(config: DistillConfig) -> dict:
     torch.manual_seed(config.seed)
     random.seed(config.seed)
 
+    target, task, evaluates = load_task(config, device)
+    trainable, frozen = apply_freeze(task.draft, config.frozen_patterns)
+    run = make_run(config, task, device, rank, world, out_dir, evaluates)
+    progress = resume(run)
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_config(config, out_dir / "config.yaml")
+    if progress.step == 0 and evaluates:
+        evaluate(run, progress)
+    train(run, progress)
+    if evaluates and (not progress.curve or progress.curve[-1]["step"] != progress.step):
+        evaluate(run, progress)
+    return finish(run, progress, target, trainable, frozen)
+
+
+def load_task(config: DistillConfig, device: torch.device) -> tuple[LoadedModel, LayerTask | Eagle3Task, bool]:
+    """The target, the draft kind's task over the training, replay and held-out examples, and whether
+    there are held-out examples to evaluate on."""
     # fp32: the draft is made of the target's weights (or trained against them) with fp32 master weights,
     # bf16 is autocast (`optim.bf16`); the EAGLE-3 feature pass runs a copy in `eagle3.feature_dtype`
     target = models.load_model(config.target, dtype="float32", device=device)
@@ -138,8 +192,12 @@ def distill(config: DistillConfig) -> dict:
     heldout = (read_examples(data.heldout_path, "generated", tok, data.max_len, data.heldout_limit)
                if data.heldout_path else [])
     kind = Eagle3Task if config.kind == "eagle3" else LayerTask
-    task = kind(config, target, examples, replay, heldout, device)
-    trainable, frozen = apply_freeze(task.draft, config.frozen_patterns)
+    return target, kind(config, target, examples, replay, heldout, device), bool(heldout)
+
+
+def make_run(config: DistillConfig, task, device: torch.device, rank: int, world: int, out_dir: Path,
+             evaluates: bool) -> Run:
+    """The module (DDP-wrapped on several ranks) and AdamW over its trainable parameters, no decay on vectors."""
     module = task.module
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
@@ -151,106 +209,120 @@ def distill(config: DistillConfig) -> dict:
     opt = config.optim
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": opt.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=opt.lr, betas=opt.betas)
+    return Run(config, task, model, params, optimizer, device, rank, world, out_dir, evaluates)
 
-    order = DataOrder(len(task.examples), config.seed)  # the task drops examples with stale teacher rows
-    step, trained_tokens, train_seconds, curve = 0, 0, 0.0, []
-    ckpts = checkpoint_dirs(out_dir)
-    if ckpts:  # resume
-        state = load_checkpoint(ckpts[-1], module, optimizer)
-        step, trained_tokens, train_seconds = state["step"], state["tokens"], state["train_seconds"]
-        curve = state.get("curve", [])
-        order = DataOrder(len(task.examples), config.seed, **state["data"])
-    if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_config(config, out_dir / "config.yaml")
 
-    def evaluate() -> dict:
-        point = {"step": step, "tokens": trained_tokens, "minutes": train_seconds / 60, **task.evaluate()}
-        curve.append(point)
-        if rank == 0:
-            with open(out_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(point) + "\n")
-        return point
+def resume(run: Run) -> Progress:
+    """A fresh start, or the last checkpoint's state (weights, optimizer, RNG, data position, curve)."""
+    order = DataOrder(len(run.task.examples), run.config.seed)  # the task drops examples with stale teacher rows
+    ckpts = checkpoint_dirs(run.out_dir)
+    if not ckpts:
+        return Progress(order)
+    state = load_checkpoint(ckpts[-1], run.module, run.optimizer)
+    return Progress(DataOrder(len(run.task.examples), run.config.seed, **state["data"]), state["step"], state["tokens"],
+                    state["train_seconds"], state.get("curve", []))
 
-    if step == 0 and heldout:
-        evaluate()
-    per_rank = opt.batch_size
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if opt.bf16 else nullcontext()
+
+def evaluate(run: Run, progress: Progress) -> HeldoutAcceptance | None:
+    """The held-out acceptance now, as a point of the curve (metrics.jsonl); None: the task kept no held-out example."""
+    heldout = run.task.evaluate()
+    point = {"step": progress.step, "tokens": progress.tokens, "minutes": progress.seconds / 60,
+             **(heldout.to_dict() if heldout else {})}
+    progress.curve.append(point)
+    if run.rank == 0:
+        with open(run.out_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(point) + "\n")
+    return heldout
+
+
+def train(run: Run, progress: Progress) -> None:
+    """Steps until a budget (steps, tokens, minutes) runs out: log each, evaluate and checkpoint on schedule."""
+    config, opt = run.config, run.config.optim
+    autocast = torch.autocast(run.device.type, dtype=torch.bfloat16) if opt.bf16 else nullcontext()
     clock = time.process_time if opt.clock == "cpu" else time.perf_counter
-    bar = tqdm(total=opt.max_steps, initial=step, desc="distill", unit="step", file=sys.stderr,
-               disable=not config.progress or rank != 0)
-    last_loss = float("nan")
-    stop_reason = "max_steps"
-    while step < opt.max_steps:
-        if opt.max_tokens is not None and trained_tokens >= opt.max_tokens:
-            stop_reason = "max_tokens"
+    bar = tqdm(total=opt.max_steps, initial=progress.step, desc="distill", unit="step", file=sys.stderr,
+               disable=not config.progress or run.rank != 0)
+    while progress.step < opt.max_steps:
+        if opt.max_tokens is not None and progress.tokens >= opt.max_tokens:
+            progress.stop = "max_tokens"
             break
-        if opt.max_minutes is not None and train_seconds >= 60 * opt.max_minutes:
-            stop_reason = "max_minutes"
+        if opt.max_minutes is not None and progress.seconds >= 60 * opt.max_minutes:
+            progress.stop = "max_minutes"
             break
         t0 = clock()
-        for g in optimizer.param_groups:
-            g["lr"] = lr_at(step, opt, train_seconds)
-        step_tokens = 0
-        step_loss = 0.0
-        for micro in range(opt.grad_accum):
-            global_idx = order.take(per_rank * world)
-            sync = nullcontext() if (world == 1 or micro == opt.grad_accum - 1) else model.no_sync()
-            with sync:
-                loss, tokens, ids = task.micro_loss(model, global_idx[rank::world], step, micro, autocast)
-                if not torch.isfinite(loss):
-                    raise NonFiniteLossError(
-                        f"loss is {loss.item()} at step {step} (micro-batch {micro}, examples {ids}); "
-                        f"stopped, the last good checkpoint is kept in {out_dir / 'checkpoints'}")
-                (loss / opt.grad_accum).backward()
-            step_tokens += tokens
-            step_loss += loss.item() / opt.grad_accum
-        if opt.clip:
-            torch.nn.utils.clip_grad_norm_(params, opt.clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        if world > 1:
-            counted = torch.tensor([step_tokens], dtype=torch.long, device=device)
-            dist.all_reduce(counted)
-            step_tokens = int(counted)
-        trained_tokens += step_tokens
+        step_loss, step_tokens = train_step(run, progress, autocast)
         elapsed = clock() - t0
-        train_seconds += elapsed
-        last_loss = step_loss
-        if rank == 0:
-            with open(out_dir / "train_log.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, "loss": step_loss, "lr": optimizer.param_groups[0]["lr"],
-                                    "tokens": trained_tokens, "seconds": train_seconds}) + "\n")
+        progress.seconds += elapsed
+        progress.loss = step_loss
+        if run.rank == 0:
+            with open(run.out_dir / "train_log.jsonl", "a") as f:
+                f.write(json.dumps({"step": progress.step, "loss": step_loss, "lr": run.optimizer.param_groups[0]["lr"],
+                                    "tokens": progress.tokens, "seconds": progress.seconds}) + "\n")
         bar.update(1)
         bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{step_tokens / max(elapsed, 1e-9):.0f}")
-        if heldout and step % config.eval_every == 0:
-            point = evaluate()
-            bar.write(f"step {step}: tokens {trained_tokens} acceptance {point['acceptance']:.3f} tau {point['tau']:.2f}")
-        if step % config.checkpoint_every == 0 and rank == 0:
-            save_checkpoint(out_dir, step, module, optimizer, order,
-                            {"tokens": trained_tokens, "train_seconds": train_seconds, "curve": curve, "loss": step_loss},
-                            config)
-        if world > 1 and step % config.checkpoint_every == 0:
+        if run.evaluates and progress.step % config.eval_every == 0:
+            point = evaluate(run, progress)
+            if point:
+                bar.write(f"step {progress.step}: tokens {progress.tokens} acceptance {point.acceptance:.3f} tau {point.tau:.2f}")
+        if progress.step % config.checkpoint_every == 0 and run.rank == 0:
+            save_checkpoint(run.out_dir, progress.step, run.module, run.optimizer, progress.order,
+                            {"tokens": progress.tokens, "train_seconds": progress.seconds, "curve": progress.curve,
+                             "loss": step_loss}, config)
+        if run.world > 1 and progress.step % config.checkpoint_every == 0:
             dist.barrier()
     bar.close()
-    if heldout and (not curve or curve[-1]["step"] != step):
-        evaluate()
 
-    result = {"steps": step, "tokens": trained_tokens, "train_minutes": train_seconds / 60, "clock": opt.clock,
-              "loss": last_loss, "stop": stop_reason, "trainable_parameters": trainable, "frozen_parameters": frozen,
-              "curve": curve, **task.describe()}
-    if world > 1:  # every rank must end with the same weights; say so in the result, fail loudly if not
 
-        digests = [None] * world
-        dist.all_gather_object(digests, weights_digest(module))
-        result["rank_weight_digests"] = digests
+def train_step(run: Run, progress: Progress, autocast) -> tuple[float, int]:
+    """One optimizer step over `grad_accum` micro-batches (this rank's slice of each global batch):
+    (its loss, the tokens all ranks trained on). Advances the step and the token count."""
+    opt, rank, world = run.config.optim, run.rank, run.world
+    for g in run.optimizer.param_groups:
+        g["lr"] = lr_at(progress.step, opt, progress.seconds)
+    step_tokens = 0
+    step_loss = 0.0
+    for micro in range(opt.grad_accum):
+        global_idx = progress.order.take(opt.batch_size * world)
+        sync = nullcontext() if (world == 1 or micro == opt.grad_accum - 1) else run.model.no_sync()
+        with sync:
+            loss, tokens, ids = run.task.micro_loss(run.model, global_idx[rank::world], progress.step, micro, autocast)
+            if not torch.isfinite(loss):
+                raise NonFiniteLossError(
+                    f"loss is {loss.item()} at step {progress.step} (micro-batch {micro}, examples {ids}); "
+                    f"stopped, the last good checkpoint is kept in {run.out_dir / 'checkpoints'}")
+            (loss / opt.grad_accum).backward()
+        step_tokens += tokens
+        step_loss += loss.item() / opt.grad_accum
+    if opt.clip:
+        torch.nn.utils.clip_grad_norm_(run.params, opt.clip)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    progress.step += 1
+    if world > 1:
+        counted = torch.tensor([step_tokens], dtype=torch.long, device=run.device)
+        dist.all_reduce(counted)
+        step_tokens = int(counted)
+    progress.tokens += step_tokens
+    return step_loss, step_tokens
+
+
+def finish(run: Run, progress: Progress, target: LoadedModel, trainable: int, frozen: int) -> Trained:
+    """The run's result: checked identical across ranks, and on rank 0 the draft saved with it and result.json."""
+    task = run.task.describe()
+    result = Trained(progress.step, progress.tokens, progress.seconds / 60, progress.loss, progress.stop, trainable, frozen,
+                     progress.curve, draft_vocab=task.draft_vocab, layers=task.layers, kind=task.kind,
+                     clock=run.config.optim.clock, unroll_steps=task.unroll_steps, feature_disk_bytes=task.feature_disk_bytes,
+                     feature_bytes_per_answer_token=task.feature_bytes_per_answer_token, stale_dropped=task.stale_dropped)
+    if run.world > 1:  # every rank must end with the same weights; say so in the result, fail loudly if not
+        digests = [None] * run.world
+        dist.all_gather_object(digests, weights_digest(run.module))
+        result = replace(result, rank_weight_digests=digests)
         if len(set(digests)) != 1:
             raise RuntimeError(f"DDP ranks ended with different weights: {digests}")
-    if rank == 0:
-        meta = {"config": config.model_dump(mode="json"), **{k: v for k, v in result.items() if k != "curve"}}
-        result["draft_dir"] = str(task.save(out_dir / "draft", target, meta))
-        (out_dir / "result.json").write_text(json.dumps(result, indent=2, default=str))
-    if world > 1:
+    if run.rank == 0:
+        meta = {"config": run.config.model_dump(mode="json"), **result.result_json(curve=False)}
+        result = replace(result, draft_dir=str(run.task.save(run.out_dir / "draft", target, meta)))
+        (run.out_dir / "result.json").write_text(json.dumps(result.result_json(), indent=2, default=str))
+    if run.world > 1:
         dist.barrier()
     return result

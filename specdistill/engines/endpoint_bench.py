@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from specdistill.budget import Deadline
 from specdistill.data.prompts import Prompt
@@ -34,14 +34,6 @@ class EngineBenchConfig(BenchSettings):
 
     top_logprobs: int = 5  # alternatives asked for when judging a divergence
     timeout_s: float = 300.0
-
-
-@dataclass
-class Judgement:
-    exact: int = 0
-    near_ties: int = 0
-    mismatches: int = 0
-    max_margin: float = 0.0
 
 
 def _messages(prompt: Prompt) -> list[dict]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shlex
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from specdistill.data.results import BenchResult
 from specdistill.engines.build import LlamaCpp, build_llama_server
 from specdistill.engines.endpoint_bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
 from specdistill.engines.gguf_export import export_gguf, gguf_spec_type
-from specdistill.engines.server import LlamaServer, ServerConfig, ServerMode, server_args
+from specdistill.engines.server import LlamaServer, ServerConfig, ServerMode
 from specdistill.modeling.models import DEMO_REF, demo_gguf_path
 
 NGRAM_N = NGRAM_WINDOW[1]  # the harness's n-gram drafter's longest n; llama.cpp's ngram-simple defaults to 12
@@ -79,13 +78,6 @@ def draft_mode(draft: str | os.PathLike, target: Path, k: int = DEFAULT_GAMMA) -
 def ngram_mode(max_n: int = NGRAM_N, k: int = DEFAULT_GAMMA) -> ServerMode:
     """llama-server's `ngram-simple` prompt lookup of up to `max_n`-grams (the harness's drafter's longest)."""
     return ServerMode("ngram-simple", None, k, ngram_n=max_n)
-
-
-def serve_command(mode: ServerMode, target: Path, threads: int, engine: LlamaCpp | None = None) -> str:
-    """The llama-server command line for a mode, as `serving.json` records it (port left to the user)."""
-    binary = str(engine.server) if engine else "llama-server"
-    args = server_args(ServerConfig(model=target, mode=mode, threads=threads), 8080)
-    return shlex.join([binary, *args])
 
 
 def bench_llamacpp(target_ref: str | os.PathLike, modes: dict[str, ServerMode], prompts: list[Prompt],

@@ -91,15 +91,6 @@ def init_draft_from_target(target: PreTrainedModel, layers: list[int]) -> PreTra
     return draft
 
 
-def check_compatible(target: PreTrainedModel, draft: PreTrainedModel) -> None:
-    """Refuse a draft the target cannot verify, naming what differs."""
-    t, d = target.config, draft.config
-    if t.vocab_size != d.vocab_size:
-        raise VocabAlignmentError(
-            f"vocabulary size differs: target {t.vocab_size}, draft {d.vocab_size} (run a vocab transplant)"
-        )
-
-
 def check_layer_compatible(target: PreTrainedModel, draft: PreTrainedModel) -> None:
     """Layers can move between models only with the same width and head layout."""
     t, d = target.config, draft.config

@@ -23,10 +23,9 @@ def refresh_metrics(metrics, store, after_id: int = 0, serving_path: str | Path 
     pipeline's last success; returns the newest sample id seen (pass it back next time, so nothing
     is counted twice). An unreadable serving config keeps the last good gauges, counts an error in
     `specdistill_serving_config_errors_total` and says why on stderr."""
-    for row in store.acceptance_samples_after(after_id):
-        metrics.record(rounds=row["num_drafts"], proposed=row["num_draft_tokens"],
-                       accepted=row["num_accepted_tokens"], accepted_per_position=row["accepted_per_position"])
-        after_id = row["id"]
+    for sample_id, counts in store.acceptance_samples_after(after_id):
+        metrics.record(counts)
+        after_id = sample_id
     try:
         serving = read_serving_config(serving_path)
     except ServingConfigError as exc:

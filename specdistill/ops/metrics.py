@@ -24,6 +24,7 @@ from prometheus_client import (
     start_http_server,
 )
 
+from specdistill.acceptance import DraftCounts
 from specdistill.data.record import Record
 from specdistill.engines.prom import Scrape, parse_spec_decode_counters, scrape
 from specdistill.env import mask_url
@@ -79,21 +80,22 @@ class SpecDecodeMetrics:
             self._shown.add(id(gauge))
         gauge.set(value)
 
-    def record(self, *, rounds: int, proposed: int, accepted: int, accepted_per_position: list[int]) -> None:
+    def record(self, counts: DraftCounts) -> None:
         """Add one sample's raw counts, and set the gauges to that sample's α and τ."""
-        if accepted > proposed or min(rounds, proposed, accepted) < 0:
-            raise ValueError(f"inconsistent counts: rounds={rounds} proposed={proposed} accepted={accepted}")
-        self.num_drafts.inc(rounds)
-        self.num_draft_tokens.inc(proposed)
-        self.num_accepted_tokens.inc(accepted)
-        for position, count in enumerate(accepted_per_position):
+        c = counts
+        if c.accepted > c.draft_tokens or min(c.drafts, c.draft_tokens, c.accepted) < 0:
+            raise ValueError(f"inconsistent counts: rounds={c.drafts} proposed={c.draft_tokens} accepted={c.accepted}")
+        self.num_drafts.inc(c.drafts)
+        self.num_draft_tokens.inc(c.draft_tokens)
+        self.num_accepted_tokens.inc(c.accepted)
+        for position, count in enumerate(c.accepted_per_position):
             self.accepted_per_pos.labels(position=str(position)).inc(count)
-        if proposed:
-            self._set(self.acceptance_rate, accepted / proposed)
-        if rounds:
-            self._set(self.mean_accepted_length, 1 + accepted / rounds)
-            if accepted_per_position:
-                self._set(self.first_position_acceptance, accepted_per_position[0] / rounds)
+        if c.acceptance_rate is not None:
+            self._set(self.acceptance_rate, c.acceptance_rate)
+        if c.accepted_length is not None:
+            self._set(self.mean_accepted_length, c.accepted_length)
+        if c.first_position_acceptance is not None:
+            self._set(self.first_position_acceptance, c.first_position_acceptance)
 
     def set_serving(self, mode: str, *, target_fingerprint: str | None = None, draft_version: str | None = None) -> None:
         modes = serving_modes()  # one per servable drafter kind, and off
@@ -187,6 +189,11 @@ class LiveSample(Record):
 
     @property
     def rounds(self) -> None:
+        return None
+
+    @property
+    def gamma(self) -> None:
+        """The engine's γ is its own, not in its counters."""
         return None
 
     def extra(self) -> dict:

@@ -141,12 +141,6 @@ def version_by_alias(name: str, alias: str):
         return None
 
 
-def set_version_tags(name: str, version: str, tags: dict[str, str]) -> None:
-    c = client()
-    for k, v in tags.items():
-        c.set_model_version_tag(name, version, k, str(v))
-
-
 @contextlib.contextmanager
 def promotion_lock(timeout_s: float = 600.0) -> Iterator[None]:
     """One promotion at a time on this state directory (a flow-level concurrency limit covers several hosts)."""

@@ -2,7 +2,7 @@
 fallback mode that measures fastest.
 
     sample = replay_acceptance("demo", "models:/draft@champion", store, n_prompts=20)
-    policy.decide(sample)                # "keep" | "fallback" | "retrain" | "no-sample"
+    policy.decide(sample)                # Decision.KEEP | FALLBACK | RETRAIN | NO_SAMPLE
     choice = choose_fallback("demo", prompts_from_store(store, tokenizer, 8))
     drafts.export_early_exit_draft(target, choice.exit_layer)   # self-speculation, served as a draft
 
@@ -19,18 +19,16 @@ says `vocab_mismatch: true`. Pass `on_vocab_mismatch="zero"` to get the strict r
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from specdistill.acceptance import DEFAULT_GAMMA, NGRAM_WINDOW
+from specdistill.acceptance import DEFAULT_GAMMA, NGRAM_WINDOW, DraftCounts
 from specdistill.data.prompts import MAX_PROMPT_TOKENS, Prompt, usable_prompt
 from specdistill.data.record import Record
 from specdistill.modeling.drafts import align_draft
@@ -38,7 +36,7 @@ from specdistill.modeling.eagle3_io import is_eagle3_dir, read_config
 from specdistill.modeling.models import LoadedModel, resolve_model_dir, shared_model
 from specdistill.modeling.vocab import DraftVocab, check_vocab, vocab_mismatch
 from specdistill.ops.exporter import refresh_metrics, serve_metrics  # noqa: F401  (the exporter's home)
-from specdistill.ops.policy import DEFAULT_MARGIN, MIN_SERVED_PROMPTS, RED_LINE, Candidate, fastest_mode
+from specdistill.ops.policy import DEFAULT_MARGIN, MIN_SERVED_PROMPTS, Candidate, fastest_mode
 from specdistill.speculative import (
     ModelDrafter,
     SpecStats,
@@ -116,6 +114,10 @@ class AcceptanceSample(Record):
     conversation_ids: list[int] = field(default_factory=list)
     sample_ids: list[int] = field(default_factory=list)  # rows in the log store's acceptance_samples
     seconds: float = 0.0
+
+    def counts(self) -> DraftCounts:
+        """Its raw counts, per position over the replay's γ (what the metrics exporter adds up)."""
+        return DraftCounts(self.rounds, self.proposed, self.accepted, list(self.accepted_per_position))
 
 
 def aligned_drafter(target: LoadedModel, draft: LoadedModel, name: str = "draft") -> tuple[ModelDrafter, bool, str]:
@@ -196,10 +198,8 @@ def replay_acceptance(
     for prompt in tqdm(prompts, desc="replay", unit="prompt", file=sys.stderr, disable=not progress):
         stats = generate(target.model, prompt.ids, max_new_tokens=max_new_tokens, drafter=drafter, gamma=gamma).stats
         per_request.append(stats)
-        positions = (stats.accepted_per_position + [0] * gamma)[:gamma]
         cid = _conversation_id(prompt)
-        sample.sample_ids.append(store.add_acceptance_sample(
-            fp, version, gamma, stats.rounds, stats.proposed, stats.accepted, positions, conversation_id=cid))
+        sample.sample_ids.append(store.add_acceptance_sample(fp, version, gamma, stats.counts(gamma), conversation_id=cid))
         if cid is not None:
             sample.conversation_ids.append(cid)
     total = SpecStats.total(per_request)
@@ -217,31 +217,6 @@ def replay_acceptance(
     sample.mean_accepted_length = total.accepted_length
     sample.reason = f"vocabulary mismatch, measured through a transplanted copy: {why}" if transplanted else ""
     return sample
-
-
-# --------------------------------------------------------------------------------------------
-# Decision (taken by `ops.policy.judge_acceptance`)
-
-
-@dataclass
-class Decision:
-    """What the monitor decided and every number it decided on: the record for the log store
-    (`LogStore.add_decision(d.kind, d.target_fingerprint, d.draft_version, d.to_json())`), MLflow and reports."""
-
-    kind: str  # keep | fallback | no-sample | recovered | ...
-    target_fingerprint: str
-    draft_version: str | None = None
-    acceptance: dict | None = None  # AcceptanceSample.to_dict() or a live sample's fields
-    fallback: dict | None = None  # FallbackDecision.to_dict()
-    threshold: float = RED_LINE  # on first-position acceptance (ops.policy)
-    reason: str = ""
-    decided_at: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat())
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), default=str, sort_keys=True)
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError, model_validator
 
 from specdistill import paths
-from specdistill.acceptance import NGRAM_WINDOW
+from specdistill.acceptance import DEFAULT_GAMMA, NGRAM_WINDOW
 from specdistill.speculative.specs import serving_modes
 
 DRAFT_KINDS = ("layers", "eagle3")  # a plain HF draft checkpoint, or an EAGLE-3 head over the target's features
@@ -59,7 +59,7 @@ class ServingConfig(BaseModel):
     model_config = ConfigDict(extra="allow", validate_assignment=True, allow_inf_nan=False)
 
     mode: StrictStr  # one of `speculative.specs.serving_modes()`: a servable drafter kind's, or off (checked first)
-    num_speculative_tokens: StrictInt = Field(4, ge=0)  # at least 1 unless mode off (checked below)
+    num_speculative_tokens: StrictInt = Field(DEFAULT_GAMMA, ge=0)  # at least 1 unless mode off (checked below)
     draft_dir: StrictStr | None = None  # draft mode, and self-speculation exported as an early-exit draft
     draft_version: StrictStr | None = None
     draft_kind: Literal["layers", "eagle3"] = "layers"  # layers (vLLM draft_model, SGLang STANDALONE) or eagle3

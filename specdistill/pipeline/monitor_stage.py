@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 
+from specdistill.acceptance import DraftCounts
 from specdistill.data.logstore import LogStore
 from specdistill.modeling.drafts import early_exit_dir, export_early_exit_draft
 from specdistill.modeling.models import shared_model
 from specdistill.ops import replay
 from specdistill.ops.metrics import SpecDecodeMetrics, sample_live_acceptance
-from specdistill.ops.policy import FIRST_POSITION_TAG, judge_acceptance
+from specdistill.ops.policy import FIRST_POSITION_TAG, Decision, judge_acceptance
 from specdistill.ops.replay import AcceptanceSample, FallbackDecision, prompts_from_store
 from specdistill.ops.serving import ServingConfig, ServingConfigError, read_serving_config, write_serving_config
 from specdistill.ops.targets import TargetChange, TargetVersion, detect_change
@@ -51,8 +52,7 @@ def record_decision(config: MonitorConfig, outcome: MonitorOutcome) -> RecordedD
 
     target, sample, champion, kind = outcome.change.current, outcome.sample, outcome.champion, outcome.decision
     with LogStore(config.nightly.log_db) as store:
-        row = store.add_decision(kind, target.fingerprint, champion.version if champion else None,
-                                 json.dumps(outcome.to_dict(), default=str, sort_keys=True))
+        row = store.add_decision(kind, target.fingerprint, champion.version if champion else None, outcome.to_json())
 
     registry.client()
     with mlflow.start_run(experiment_id=registry.experiment_for(config.nightly.target_name),
@@ -73,8 +73,7 @@ def record_decision(config: MonitorConfig, outcome: MonitorOutcome) -> RecordedD
 
     metrics = SpecDecodeMetrics()
     if isinstance(sample, AcceptanceSample) and sample.ok:  # a live engine's counters are its own to export
-        metrics.record(rounds=sample.rounds, proposed=sample.proposed, accepted=sample.accepted,
-                       accepted_per_position=list(sample.accepted_per_position))
+        metrics.record(sample.counts())
     try:
         serving = read_serving_config(config.nightly.serving_path)
     except ServingConfigError as exc:  # the decision is kept (stored above), the error counted, and the run fails
@@ -125,14 +124,14 @@ def registered_first_position(champion: Champion | None) -> float | None:
         return None
 
 
-def judge(config: MonitorConfig, sample: Sample, champion: Champion | None = None) -> tuple[str, str]:
+def judge(config: MonitorConfig, sample: Sample, champion: Champion | None = None) -> tuple[Decision, str]:
     """(decision, why): keep, fallback, retrain or no-sample (`ops.policy.judge_acceptance`): the sampled
     first-position acceptance against the red line, and against the champion's own at registration."""
     return judge_acceptance(sample, config.red_line, registered=registered_first_position(champion),
                             max_relative_drop=config.max_relative_drop)
 
 
-def decide(config: MonitorConfig, sample: Sample, champion: Champion | None = None) -> str:
+def decide(config: MonitorConfig, sample: Sample, champion: Champion | None = None) -> Decision:
     return judge(config, sample, champion)[0]
 
 
@@ -153,8 +152,8 @@ def sample_acceptance(config: MonitorConfig, champion: Champion, target: TargetV
             live = sample_live_acceptance(config.live_metrics_url, config.live_interval_s, config.min_draft_tokens)
             if live.ok:  # the engine's per-position counters (vLLM), as counts per position
                 per_position = [round(a * live.drafts) for a in live.per_position_acceptance]
-                store.add_acceptance_sample(target.fingerprint, champion.version, len(per_position),
-                                            int(live.drafts), int(live.draft_tokens), int(live.accepted), per_position)
+                store.add_acceptance_sample(target.fingerprint, champion.version, len(per_position), DraftCounts(
+                    int(live.drafts), int(live.draft_tokens), int(live.accepted), per_position))
             return live
 
         return replay.replay_acceptance(target.path, champion.dir, store, n_prompts=config.replay_prompts,

@@ -240,7 +240,7 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | None, heldo
         minutes = left
     dcfg = tc.for_run(config, data=data, out_dir=out_dir, teacher=teacher, warm_start=warm_start, max_minutes=minutes,
                       generic=generic, feature_dir=feature_dir)
-    return Trained.from_dict(distill_train.distill(dcfg))
+    return distill_train.distill(dcfg)
 
 
 # --------------------------------------------------------------------------------------------

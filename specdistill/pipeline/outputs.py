@@ -1,9 +1,9 @@
 """What each stage hands to the next that has no home in a lower layer: the night's `Window`, the
-target, the champion, the answers and the pool's view, the training run, the serving decision, the promotion, the nightly run
+target, the champion, the answers and the pool's view, the serving decision, the promotion, the nightly run
 as a whole and the monitor's outcome, each a dataclass (`data.record.Record`) read by attribute.
 
 The other stage outputs are the library's own dataclasses, defined once where they are computed:
-`data.results.BenchResult`, `ops.policy.GateVerdict`,
+`data.results.BenchResult`, `distill.trained.Trained` (the training run), `ops.policy.GateVerdict`,
 `ops.registry.RegisteredDraft`, `ops.targets.TargetChange`/`TargetVersion`, `ops.replay.AcceptanceSample`
 and `FallbackDecision`, `ops.metrics.LiveSample`, `data.ingest.IngestResult`. All become JSON (benchmark.json,
 gate.json, the decision record, `--json`) through `data.record.to_dict`, which is also what
@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING
 from specdistill.data.prompts import Prompt
 from specdistill.data.record import Record
 from specdistill.data.results import BenchResult
+from specdistill.distill.trained import Trained  # noqa: F401  (the training run, as stages hand it on)
 from specdistill.ops.metrics import LiveSample
-from specdistill.ops.policy import CONFIDENCE, GateVerdict
+from specdistill.ops.policy import CONFIDENCE, Decision, GateVerdict
 from specdistill.ops.replay import AcceptanceSample, FallbackDecision
 from specdistill.ops.targets import TargetChange
 
@@ -160,31 +161,6 @@ class PooledData(GeneratedData):
 
 
 @dataclass
-class Trained(Record):
-    """A distillation run as the nightly reads it: `distill.train.distill()`'s result (and its result.json,
-    which stays the trainer's own dict), taken in once by `pipeline.nightly.distill_draft`."""
-
-    steps: int
-    tokens: int
-    train_minutes: float
-    loss: float | None
-    stop: str
-    trainable_parameters: int
-    frozen_parameters: int
-    curve: list[dict]
-    draft_dir: str
-    draft_vocab: int | None = None
-    layers: list[int] = field(default_factory=list)
-    kind: str = "layers"  # or "eagle3"
-    clock: str = "wall"  # what train_minutes counts: "wall" or "cpu"
-    rank_weight_digests: list[str] | None = None  # multi-rank runs only
-    unroll_steps: int | None = None  # eagle3 only
-    feature_disk_bytes: int | None = None  # eagle3 only
-    feature_bytes_per_answer_token: float | None = None  # eagle3 only
-    stale_dropped: int = 0  # answers not trained on: their cached teacher rows were written for other token ids
-
-
-@dataclass
 class Promoted(Record):
     version: str
     serving_config: str  # the serving config file that now points at the new champion
@@ -231,7 +207,7 @@ class MonitorOutcome(Record):
     """What one monitor run saw and did: the record `record_decision` stores and the report renders."""
 
     change: TargetChange
-    decision: str  # keep | fallback | retrain | no-sample | no-champion
+    decision: Decision
     champion: Champion | None = None
     sample: Sample | None = None
     decision_reason: str = ""  # the numbers the decision was taken on (`ops.policy.judge_acceptance`)
@@ -239,3 +215,7 @@ class MonitorOutcome(Record):
     serving: AppliedFallback | None = None
     incremental: NightlyRun | None = None  # the incremental nightly run the monitor started
     report: str = ""
+
+    def to_json(self) -> str:
+        """The log store's record of this decision (its decisions table's payload)."""
+        return json.dumps(self.to_dict(), default=str, sort_keys=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 from specdistill import paths
 from specdistill.data.record import to_dict
 from specdistill.data.results import BenchResult
-from specdistill.ops.policy import GateVerdict, Role, first_position
+from specdistill.ops.policy import Decision, GateVerdict, Role, first_position
 from specdistill.ops.registry import RegisteredDraft
 from specdistill.pipeline.config import NightlyConfig, run_root
 from specdistill.pipeline.corpus import sglang_corpus_path
@@ -228,5 +228,5 @@ def render_outcome(outcome: MonitorOutcome) -> str:
     if inc:
         lines.append(f"incremental distillation: version {inc.registered.version}, gate {'PASS' if inc.verdict.passed else 'FAIL'}"
                      + (f", promoted; serving {inc.serving.mode}" if inc.promoted
-                        else ", not promoted: " + ("fallback stays" if outcome.decision == "fallback" else "champion stays")))
+                        else ", not promoted: " + ("fallback stays" if outcome.decision == Decision.FALLBACK else "champion stays")))
     return "\n\n".join(lines)

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from specdistill.acceptance import DEFAULT_GAMMA
+from specdistill.acceptance import DEFAULT_GAMMA, DraftCounts
 from specdistill.modeling.attention import decode_attention_for
 from specdistill.modeling.eagle3 import FeatureHooks
 from specdistill.modeling.kv_cache import preallocated_cache
@@ -67,6 +67,10 @@ class SpecStats:
     @property
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def counts(self, gamma: int) -> DraftCounts:
+        """The raw counts, accepted per position over exactly `gamma` positions (the log store's sample)."""
+        return DraftCounts(self.rounds, self.proposed, self.accepted, (self.accepted_per_position + [0] * gamma)[:gamma])
 
     def record_round(self, proposed: int, accepted: int) -> None:
         self.rounds += 1

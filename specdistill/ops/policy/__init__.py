@@ -21,10 +21,11 @@ from specdistill.ops.policy.common import (
     RED_LINE,
     RESAMPLES,
     Role,
+    Sample,
     first_position,
 )
 from specdistill.ops.policy.gate import PROFILES, Check, GateConfig, GateVerdict, evaluate, gate_config
-from specdistill.ops.policy.red_line import decide, judge_acceptance
+from specdistill.ops.policy.red_line import Decision, decide, judge_acceptance
 from specdistill.ops.policy.serving_choice import (
     MIN_SERVED_PROMPTS,
     PLAUSIBLE_FACTOR,
@@ -41,6 +42,7 @@ __all__ = [
     "Candidate",
     "Check",
     "DEFAULT_MARGIN",
+    "Decision",
     "FIRST_POSITION_TAG",
     "GateConfig",
     "GateVerdict",
@@ -51,6 +53,7 @@ __all__ = [
     "RED_LINE",
     "RESAMPLES",
     "Role",
+    "Sample",
     "ServingChoice",
     "decide",
     "evaluate",

@@ -1,11 +1,13 @@
 """What the gate, the serving choice and the monitor share: the red line, the roles of drafts, and
-first-position acceptance read from any result (docs/metrics.md)."""
+first-position acceptance read from a bench result or a sample of the champion's acceptance
+(docs/metrics.md)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from enum import StrEnum
-from typing import Any
+from typing import Protocol
+
+from specdistill.data.results import BenchResult
 
 RED_LINE = 0.5  # first-position acceptance below this: the draft is not worth serving
 MAX_RELATIVE_DROP = 0.2  # first-position acceptance this far (relatively) under the champion's own at registration: drift
@@ -29,22 +31,31 @@ class Role(StrEnum):
         return name != cls.GENERIC
 
 
-def _get(obj: Any, key: str, default: Any = None) -> Any:
-    return obj.get(key, default) if isinstance(obj, Mapping) else getattr(obj, key, default)
+class Sample(Protocol):
+    """What the monitor's decision reads of a sample of the champion's acceptance: a replay's
+    `ops.replay.AcceptanceSample` or a live engine's `ops.metrics.LiveSample` (whose γ is the engine's,
+    unknown here: None)."""
+
+    ok: bool
+    reason: str
+    acceptance_rate: float | None
+    first_position_acceptance: float | None  # None: no per-position counts
+    per_position_acceptance: list[float]
+
+    @property
+    def gamma(self) -> int | None: ...
 
 
-def first_position(result: Any) -> tuple[float | None, str]:
-    """(first-position acceptance, where it came from) of a bench result, sample or their dicts.
+def first_position(result: BenchResult | Sample) -> tuple[float | None, str]:
+    """(first-position acceptance, where it came from) of a bench result or a sample.
 
-    An explicit `first_position_acceptance` wins, then `per_position_acceptance[0]`; a source that
-    recorded no per-position counts (an engine without them) gives α in its place, said so."""
-    value = _get(result, "first_position_acceptance")
+    A sample's own `first_position_acceptance` wins, then `per_position_acceptance[0]`; a source that
+    recorded no per-position counts (an engine without them) gives α in its place, said so. (A bench
+    result's `first_position_acceptance` is derived from its per-position list, 0.0 without one: not read.)"""
+    value = None if isinstance(result, BenchResult) else result.first_position_acceptance
     if value is not None:
         return float(value), "first-position"
-    per_position = _get(result, "per_position_acceptance") or []
-    if per_position:
-        return float(per_position[0]), "first-position"
-    alpha = _get(result, "acceptance_rate")
+    if result.per_position_acceptance:
+        return float(result.per_position_acceptance[0]), "first-position"
+    alpha = result.acceptance_rate
     return (None, "none") if alpha is None else (float(alpha), "α (no per-position counts)")
-
-

@@ -7,10 +7,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from specdistill.data.results import BenchResult
 from specdistill.ops.policy.common import RED_LINE, first_position
 
 
-@dataclass
+@dataclass(frozen=True)
 class GateConfig:
     """Defaults are the bar for "worth serving on this hardware": lossless, first-position acceptance
     at the red line, speedup ≥ 1.0, τ no worse than the champion's beyond a tolerance. The production
@@ -26,7 +27,7 @@ class GateConfig:
     min_accepted_length_gain: float = 0.02  # promotion: challenger τ must exceed the champion's by at least this
 
 
-# every gate default lives here: a profile is a GateConfig, and a config only overrides its fields
+# every gate default lives here: a profile is a (frozen, shared) GateConfig, and a config only overrides its fields
 PROFILES: dict[str, GateConfig] = {
     "default": GateConfig(),
     # the nightly's draft gate: a draft slower than n-gram on a 2-core CPU can still be the best draft for
@@ -109,28 +110,24 @@ class GateVerdict:
         return "\n".join(lines)
 
 
-REQUIRED_KEYS = ("lossless", "acceptance_rate", "accepted_length", "speedup")
+def _checked(result: Any, what: str) -> BenchResult:
+    """`result` itself, refused with its role named when it is not a bench result (JSON is read into one
+    at the edge: `BenchResult.from_dict`)."""
+    if not isinstance(result, BenchResult):
+        raise ValueError(f"{what}: expected a BenchResult (its JSON read with BenchResult.from_dict), "
+                         f"got {type(result).__name__}")
+    return result
 
 
-def _as_mapping(result: Any, what: str) -> Mapping:
-    data = result.to_dict() if hasattr(result, "to_dict") else result
-    if not isinstance(data, Mapping):
-        raise ValueError(f"{what}: expected a benchmark result or its JSON object, got {type(result).__name__}")
-    missing = [k for k in REQUIRED_KEYS if k not in data]
-    if missing:
-        raise ValueError(f"{what}: benchmark result lacks {missing}")
-    return data
-
-
-def _lossless_reason(r: Mapping) -> str:
+def _lossless_reason(r: BenchResult) -> str:
     """Why the lossless check holds or not, by the criterion the benchmark used (bench.py's docstring)."""
-    lossless, mismatches = r["lossless"], r.get("lossless_mismatches", "?")
-    if r.get("lossless_criterion") == "near-tie":  # reduced precision: judged against the fp32 target
-        dtype, tol = r.get("dtype", "reduced precision"), r.get("lossless_tolerance", "?")
+    lossless, mismatches = r.lossless, r.lossless_mismatches
+    if r.lossless_criterion == "near-tie":  # reduced precision: judged against the fp32 target
+        dtype, tol = r.dtype, r.lossless_tolerance
         if lossless is True:
-            return (f"no real mismatch in {dtype} ({r.get('lossless_exact', '?')} identical to target-only, "
-                    f"{r.get('lossless_near_ties', '?')} parting only at fp32 near-ties, max margin "
-                    f"{float(r.get('lossless_max_margin', 0.0)):.3f} <= {tol})")
+            return (f"no real mismatch in {dtype} ({r.lossless_exact} identical to target-only, "
+                    f"{r.lossless_near_ties} parting only at fp32 near-ties, max margin "
+                    f"{float(r.lossless_max_margin):.3f} <= {tol})")
         if lossless is False:
             return (f"{mismatches} outputs with a token the fp32 target trails by more than {tol} logits "
                     f"(real mismatches, {dtype})")
@@ -139,9 +136,9 @@ def _lossless_reason(r: Mapping) -> str:
             None: "no lossless check in this result (sampling run)"}.get(lossless, f"lossless={lossless!r}")
 
 
-def evaluate(result: Any, config: GateConfig | None = None, champion: Any = None, *,
-             baselines: Mapping[str, Any] | None = None, must_beat: Sequence[str] = ()) -> GateVerdict:
-    """Judge a benchmark result (BenchResult or its dict); `champion` is the current champion's result.
+def evaluate(result: BenchResult, config: GateConfig | None = None, champion: BenchResult | None = None, *,
+             baselines: Mapping[str, BenchResult] | None = None, must_beat: Sequence[str] = ()) -> GateVerdict:
+    """Judge a benchmark result; `champion` is the current champion's result.
 
     `must_beat` names baselines (keys of `baselines`, results on the same prompts) whose first-position
     acceptance the challenger must exceed; a named baseline that was not run this time sets no bar.
@@ -149,12 +146,12 @@ def evaluate(result: Any, config: GateConfig | None = None, champion: Any = None
     config = config or GateConfig()
     if config.min_accepted_length_gain < 0:
         raise ValueError(f"min_accepted_length_gain must be >= 0, got {config.min_accepted_length_gain}")
-    r = _as_mapping(result, "challenger")
+    r = _checked(result, "challenger")
     checks: list[Check] = []
 
     if config.require_lossless:
-        ok = r["lossless"] is True
-        checks.append(Check("lossless", ok, r["lossless"], True, f"lossless: {_lossless_reason(r)}"))
+        ok = r.lossless is True
+        checks.append(Check("lossless", ok, r.lossless, True, f"lossless: {_lossless_reason(r)}"))
 
     def at_least(name: str, value: float, threshold: float | None, fmt: str, note: str = "") -> None:
         if threshold is not None:
@@ -163,21 +160,20 @@ def evaluate(result: Any, config: GateConfig | None = None, champion: Any = None
                                 f"{name} {value:{fmt}} {'>=' if ok else '<'} {threshold:{fmt}}{note}"))
 
     first, source = first_position(r)
-    alpha_note = f" (α {float(r['acceptance_rate']):.3f} at γ={r.get('gamma', '?')})"
+    alpha_note = f" (α {float(r.acceptance_rate):.3f} at γ={r.gamma})"
     if source != "first-position":
         alpha_note = f" ({source})"
     at_least("first-position acceptance", first if first is not None else 0.0, config.min_first_position_acceptance,
              ".3f", alpha_note)
-    at_least("acceptance rate", float(r["acceptance_rate"]), config.min_acceptance_rate, ".3f")
-    at_least("accepted length", float(r["accepted_length"]), config.min_accepted_length, ".2f")
-    at_least("speedup", float(r["speedup"]), config.min_speedup, ".2f")
+    at_least("acceptance rate", float(r.acceptance_rate), config.min_acceptance_rate, ".3f")
+    at_least("accepted length", float(r.accepted_length), config.min_accepted_length, ".2f")
+    at_least("speedup", float(r.speedup), config.min_speedup, ".2f")
 
     champion_tau = None
     if champion is not None:
-        c = _as_mapping(champion, "champion")
-        champion_tau = float(c["accepted_length"])
+        champion_tau = float(_checked(champion, "champion").accepted_length)
         floor = champion_tau - config.max_accepted_length_drop
-        value = float(r["accepted_length"])
+        value = float(r.accepted_length)
         ok = value >= floor
         checks.append(Check("accepted length vs champion", ok, value, floor,
                             f"accepted length {value:.2f} vs champion {champion_tau:.2f} "
@@ -187,11 +183,11 @@ def evaluate(result: Any, config: GateConfig | None = None, champion: Any = None
         if name not in (baselines or {}):
             continue
         mine = first or 0.0
-        theirs = first_position(_as_mapping(baselines[name], f"baseline {name!r}"))[0] or 0.0
+        theirs = first_position(_checked(baselines[name], f"baseline {name!r}"))[0] or 0.0
         ok = mine > theirs
         checks.append(Check(f"beats {name}", ok, mine, theirs,
                             f"first-position acceptance {mine:.3f} {'>' if ok else '<='} {name} {theirs:.3f}"))
 
     return GateVerdict(all(c.passed for c in checks), checks, champion_accepted_length=champion_tau,
-                       accepted_length=float(r["accepted_length"]),
+                       accepted_length=float(r.accepted_length),
                        min_accepted_length_gain=config.min_accepted_length_gain)
