@@ -23,7 +23,7 @@ def test_a_dataclass_input_keys_by_its_content():
     assert a == content_key(ctx, {"train_data": GeneratedData("/a.jsonl", "/tc", 3, 30), "deadline_at": 2.0})  # not content
     assert a != content_key(ctx, {"train_data": GeneratedData("/b.jsonl", "/tc", 3, 30), "deadline_at": 1.0})
     as_json = {"path": "/a.jsonl", "teacher_cache": "/tc", "answers": 3, "tokens": 30, "answered_by": "",
-               "engine_choice": None}
+               "engine_choice": None, "logged": None}
     assert a == content_key(ctx, {"train_data": as_json, "deadline_at": 1.0})  # the record and its JSON are the same content
 
 
