@@ -95,6 +95,11 @@ class Eagle3Batch:
     def tokens(self) -> int:
         return int((self.rows[0] >= 0).sum())
 
+    def trained(self, j: int) -> torch.Tensor:
+        """[B, T]: the entries step j learns at (an answer token whose target argmax is a draft token)."""
+        sel = self.rows[j] >= 0
+        return sel & self.keep[self.rows[j].clamp_min(0)] if bool(sel.any()) else sel
+
     def to(self, device) -> Eagle3Batch:
         return Eagle3Batch(self.ids, self.next_ids.to(device), self.features.to(device), self.valid.to(device),
                            [r.to(device) for r in self.rows], [x.to(device) for x in self.labels],
@@ -134,24 +139,27 @@ def collate_eagle3(examples: list[Eagle3Example], steps: int) -> Eagle3Batch:
 
 
 def eagle3_loss(step_logits: list[torch.Tensor], batch: Eagle3Batch, *, decay: float = 0.8, kind: str = "fkl",
-                temperature: float = 1.0) -> torch.Tensor:
+                temperature: float = 1.0, fused: bool = True) -> torch.Tensor:
     """Σ_j decay^j · mean divergence of step j over its trained rows, over Σ_j decay^j of the steps with rows.
 
     A row is trained when the step's target token is an answer token and the target's argmax is in
-    the draft vocabulary."""
+    the draft vocabulary (`Eagle3Batch.trained`). Step logits are [B, T, V], or [rows, V] for the
+    trained rows only (`Eagle3Draft.unroll(keep=...)`, which skips the lm_head everywhere else). Forward
+    KL runs fused (`losses.topk_forward_kl`) unless `fused=False`."""
     total = weight = 0.0
     for j, logits in enumerate(step_logits):
-        rows = batch.rows[j]
-        sel = rows >= 0
-        if bool(sel.any()):
-            sel = sel & batch.keep[rows.clamp_min(0)]
+        sel = batch.trained(j)
         if not bool(sel.any()):
             continue
-        picked = rows[sel]
+        picked = batch.rows[j][sel]
         top = batch.teacher
         teacher = losses.TopKTeacher(top.logprobs[picked], top.indices[picked], top.residual[picked],
                                      None if top.valid is None else top.valid[picked])
-        per_row = losses.per_token_divergence(logits[sel], teacher, kind=kind, temperature=temperature)
+        rows = logits[sel] if logits.dim() == 3 else logits
+        if fused and kind == "fkl":
+            per_row = losses.topk_forward_kl(rows, teacher, temperature)
+        else:
+            per_row = losses.per_token_divergence(rows, teacher, kind=kind, temperature=temperature)
         scale = temperature**2 if kind != "tv" else 1.0
         total = total + decay**j * scale * per_row.mean()
         weight += decay**j
@@ -167,8 +175,9 @@ class Eagle3Trainee(nn.Module):
         super().__init__()
         self.head, self.steps = head, steps
 
-    def forward(self, next_ids: torch.Tensor, features: torch.Tensor, valid: torch.Tensor) -> list[torch.Tensor]:
-        return self.head.unroll(next_ids, features, self.steps, valid)
+    def forward(self, next_ids: torch.Tensor, features: torch.Tensor, valid: torch.Tensor,
+                keep: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        return self.head.unroll(next_ids, features, self.steps, valid, keep)
 
 
 @torch.no_grad()
@@ -302,8 +311,9 @@ class Eagle3Task:
         from contextlib import nullcontext
 
         batch = collate_eagle3([self.examples[i] for i in indices], self.module.steps).to(self.device)
+        keep = [batch.trained(j) for j in range(self.module.steps)]  # logits of the trained rows only
         with autocast or nullcontext():
-            outs = model(batch.next_ids, batch.features, batch.valid)
+            outs = model(batch.next_ids, batch.features, batch.valid, keep)
         loss = eagle3_loss(outs, batch, decay=self.config.eagle3.decay, kind=self.config.loss.kind,
                            temperature=self.config.loss.temperature)
         return loss, batch.tokens, batch.ids

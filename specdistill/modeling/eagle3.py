@@ -240,15 +240,16 @@ class Eagle3Draft(nn.Module):
             out, _ = decode_attention(None, q, keys, values, mask[None, None])  # [1, T, heads, head_dim]
         return self.midlayer.finish(hidden, attn.o_proj(out.reshape(1, t, -1)))
 
-    def unroll(self, next_ids: torch.Tensor, features: torch.Tensor, steps: int, valid: torch.Tensor) -> list[torch.Tensor]:
+    def unroll(self, next_ids: torch.Tensor, features: torch.Tensor, steps: int, valid: torch.Tensor,
+               keep: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Training-time test over a batch: `features` [B, T, 3·H_target] are the target's at
         positions t, `next_ids` [B, T] the tokens t+1, `valid` [B, T] marks real positions.
 
         Step j (0-based) at position t drafts token t+2+j, as the j-th draft of a round that started
         after position t: it reads token t+1+j and the previous step's output at t, and attends to
         step 0's entries at positions <= t plus its own and earlier steps' entries at t (the entries
-        a drafting KV cache would hold). Returns one logits tensor [B, T, draft_vocab] per step.
-        """
+        a drafting KV cache would hold). Returns one logits tensor [B, T, draft_vocab] per step, or
+        with `keep` (per step [B, T] bool) [kept, draft_vocab] for the kept entries only."""
         b, t = next_ids.shape
         positions = torch.arange(t, device=next_ids.device).expand(b, t)
         hidden = self.project(features)
@@ -279,7 +280,7 @@ class Eagle3Draft(nn.Module):
                 o = weights[..., :t] @ values0
                 o = o + sum(weights[..., t + i, None] * dv for i, dv in enumerate(diag_values))
             hidden = layer.finish(hidden, attn.out(o))
-            out.append(self.logits(hidden))
+            out.append(self.logits(hidden if keep is None else hidden[keep[j]]))
         return out
 
 

@@ -1,0 +1,208 @@
+"""EAGLE-3 head training throughput: each change of the profile measured against the code before it.
+
+    python benchmarks/train_throughput.py --data DIR [--work DIR] [--repeats 5] [--steps 6] [--quality-steps 150]
+    scripts/as_avx2.sh .venv/bin/python benchmarks/train_throughput.py --data DIR   # as an AVX2-only CPU (fp32)
+
+DIR holds a night's training data as the answer pass writes it: train_generated.jsonl, teacher_cache/
+and features/ (the demo's: .specdistill/nightly/data/<key>/); it is only read (its feature shards are
+linked into --work). The head is the demo's: the demo target's three feature layers, an 8k draft
+vocabulary, `eagle3.steps=2`, 4 sequences a step, bf16 autocast where the CPU has native bf16 (fp32
+elsewhere, as `optim.bf16` resolves it).
+
+Variants, cumulative, each timed over the same batches in one process, interleaved (variant A's
+repeat, then B's, ...), median over --repeats, since the machine may be shared:
+  before          the head as it trained before: logits at every entry, the loss through autograd
+  trained rows    lm_head (and norm, loss) over the trained entries only (`unroll(keep=...)`)
+  fused loss      forward KL over the teacher's top-k with its gradient in closed form (`losses.topk_forward_kl`)
+  fused AdamW     one fused optimizer kernel (`torch.optim.AdamW(fused=True)`)
+Then --quality-steps of training for `before` and the last cached variant from the same start, same
+batches and learning-rate schedule: the loss and the held-out acceptance at equal tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import random
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import specdistill  # noqa: F401  (offline environment)
+from specdistill import hardware
+from specdistill.distill.config import load_config
+from specdistill.distill.eagle3_train import Eagle3Task, Eagle3Trainee, collate_eagle3, eagle3_heldout_acceptance, eagle3_loss
+from specdistill.distill.examples import read_examples
+from specdistill.distill.features import FeatureCache, build_feature_cache
+from specdistill.distill.train import apply_freeze, lr_at
+from specdistill.modeling.models import load_model, resolve_dtype
+
+VARIANTS = {  # name: (logits of trained rows only, fused loss, fused AdamW, online features)
+    "before": (False, False, False, False),
+    "trained rows": (True, False, False, False),
+    "fused loss": (True, True, False, False),
+    "fused AdamW": (True, True, True, False),
+}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def link_data(data: Path, work: Path) -> Path:
+    """--work/data: the night's files, its feature shards linked (never written)."""
+    out = work / "data"
+    (out / "features").mkdir(parents=True, exist_ok=True)
+    for f in (data / "features").iterdir():
+        target = out / "features" / f.name
+        if not target.exists():
+            if f.suffix == ".json":
+                shutil.copy(f, target)
+            else:
+                target.symlink_to(f.resolve())
+    for name in ("train_generated.jsonl", "eval_generated.jsonl", "teacher_cache"):
+        if (data / name).exists() and not (out / name).exists():
+            (out / name).symlink_to((data / name).resolve())
+    return out
+
+
+def make_task(args, data: Path) -> tuple:
+    dtype = resolve_dtype("auto")
+    heldout = data / "eval_generated.jsonl"
+    config = load_config(None, [
+        "target=demo", "kind=eagle3", f"data.path={data / 'train_generated.jsonl'}", "teacher.mode=cache",
+        f"teacher.cache_dir={data / 'teacher_cache'}", f"eagle3.feature_dir={data / 'features'}",
+        f"eagle3.heldout_feature_dir={data / 'features-heldout'}", f"optim.bf16={dtype == torch.bfloat16}",
+        f"out_dir={args.work / 'out'}", "progress=false",
+        *([f"data.heldout_path={heldout}", "data.heldout_limit=40"] if heldout.is_file() else [])])
+    target = load_model("demo", dtype="float32", device="cpu")
+    tok = target.tokenizer
+    examples = read_examples(config.data.path, "generated", tok, config.data.max_len)
+    held = read_examples(str(heldout), "generated", tok, config.data.max_len, 40) if heldout.is_file() else []
+    if held and not (data / "features-heldout" / "feature_cache.json").is_file():  # whole prompt, as served
+        runner = copy.deepcopy(target.model).to(dtype)
+        build_feature_cache(runner, held, data / "features-heldout", fingerprint=target.fingerprint,
+                            layers=json.loads((data / "features" / "feature_cache.json").read_text())["layers"],
+                            prompt_context=None, progress=False)
+    task = Eagle3Task(config, target, examples, [], held, torch.device("cpu"))
+    return config, target, task, dtype
+
+
+class Run:
+    """One variant's head, optimizer and step."""
+
+    def __init__(self, name: str, task, config, online=None):
+        self.name, self.task, self.config = name, task, config
+        self.rows_only, self.fused_loss, fused_opt, self.online = VARIANTS[name]
+        self.head = copy.deepcopy(task.head)
+        self.head.embed_tokens = task.head.embed_tokens  # frozen, shared
+        self.module = Eagle3Trainee(self.head, config.eagle3.steps)
+        apply_freeze(self.head, config.frozen_patterns)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        o = config.optim
+        self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, fused=fused_opt)
+        self.features = online
+        self.step_no, self.tokens, self.losses = 0, 0, []
+
+    def step(self, indices: list[int]) -> int:
+        o, steps = self.config.optim, self.module.steps
+        for g in self.opt.param_groups:
+            g["lr"] = lr_at(self.step_no, o)
+        chosen = [self.task.examples[i] for i in indices]
+        batch = collate_eagle3(chosen, steps)
+        if self.online:
+            batch.features = self.features(chosen)
+        keep = [batch.trained(j) for j in range(steps)] if self.rows_only else None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(o.bf16)):
+            outs = self.module(batch.next_ids, batch.features, batch.valid, keep)
+        loss = eagle3_loss(outs, batch, decay=self.config.eagle3.decay, fused=self.fused_loss)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, o.clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step_no += 1
+        self.tokens += batch.tokens
+        self.losses.append(float(loss.detach()))
+        return batch.tokens
+
+
+def throughput(runs: list[Run], order: list[list[int]], repeats: int, steps: int) -> dict[str, float]:
+    """Tokens/s per variant: median over interleaved repeats of `steps` steps each (after 2 warm-up steps)."""
+    for run in runs:
+        for indices in order[:2]:
+            run.step(indices)
+    rates: dict[str, list[float]] = {run.name: [] for run in runs}
+    for r in range(repeats):
+        batches = order[2 + r * steps : 2 + (r + 1) * steps]
+        for run in (runs if r % 2 == 0 else runs[::-1]):
+            t0 = time.perf_counter()
+            tokens = sum(run.step(indices) for indices in batches)
+            rates[run.name].append(tokens / (time.perf_counter() - t0))
+    return {name: statistics.median(v) for name, v in rates.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", required=True, type=Path)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/train-throughput"))
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=6, help="steps per timed repeat")
+    ap.add_argument("--quality-steps", type=int, default=150)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.work.mkdir(parents=True, exist_ok=True)
+    data = link_data(args.data, args.work)
+    config, target, task, dtype = make_task(args, data)
+    info = hardware.cpu_info()
+    cpu = ("AVX2 flags (as_avx2)" if info.emulated else "native bf16 (AMX)" if info.native_bf16 else "no native bf16")
+    dtype_name = "bf16" if config.optim.bf16 else "fp32"
+    names = args.variants.split(",")
+    online = None
+    rng = random.Random(0)
+    order = [rng.sample(range(len(task.examples)), config.optim.batch_size) for _ in range(2 + args.repeats * args.steps)]
+    torch.manual_seed(0)
+    rates = throughput([Run(name, task, config, online) for name in names], order, args.repeats, args.steps)
+    disk = FeatureCache.open(data / "features", fingerprint=target.fingerprint, layers=task.layers).disk_bytes()
+    print(f"\n{info.describe()}")
+    print(f"EAGLE-3 head training, demo target, {len(task.examples)} answers, {torch.get_num_threads()} threads, "
+          f"median of {args.repeats} interleaved repeats x {args.steps} steps")
+    print(f"| CPU | dtype | variant | tokens/s | vs before | vs previous | feature disk |")
+    print("|---|---|---|---|---|---|---|")
+    previous = None
+    for name in names:
+        rate = rates[name]
+        base = rates.get("before", rate)
+        print(f"| {cpu} | {dtype_name} | {name} | {rate:.0f} | {rate / base:.2f}x | "
+              f"{rate / (previous or rate):.2f}x | {'0 (online)' if VARIANTS[name][3] else f'{disk / 1e6:.0f} MB'} |")
+        previous = rate
+    result = {"cpu": cpu, "dtype": dtype_name, "threads": torch.get_num_threads(), "tokens_per_s": rates,
+              "feature_disk_bytes": disk}
+    if args.quality_steps and "before" in names:
+        after = [n for n in names if not VARIANTS[n][3]][-1]
+        rng = random.Random(1)
+        qorder = [rng.sample(range(len(task.examples)), config.optim.batch_size) for _ in range(args.quality_steps)]
+        config.optim.max_steps = args.quality_steps
+        print(f"\n{args.quality_steps} steps from the same start, same batches (equal tokens): before vs {after}")
+        print("| variant | tokens | mean loss, last 20 steps | held-out acceptance pos 1 | chained τ(4) |")
+        print("|---|---|---|---|---|")
+        torch.manual_seed(0)
+        for run in (Run("before", task, config, None), Run(after, task, config, None)):
+            for indices in qorder:
+                run.step(indices)
+            acc = eagle3_heldout_acceptance(run.head, task.heldout, steps=config.eagle3.eval_steps) if task.heldout else {}
+            print(f"| {run.name} | {run.tokens} | {statistics.mean(run.losses[-20:]):.4f} | "
+                  f"{acc.get('acceptance', float('nan')):.3f} | {acc.get('tau_chain_4', float('nan')):.2f} |")
+            result[f"quality_{run.name}"] = {"tokens": run.tokens, "loss": statistics.mean(run.losses[-20:]), **acc}
+    (args.work / "results.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
