@@ -15,6 +15,8 @@ repeat, then B's, ...), median over --repeats, since the machine may be shared:
   trained rows    lm_head (and norm, loss) over the trained entries only (`unroll(keep=...)`)
   fused loss      forward KL over the teacher's top-k with its gradient in closed form (`losses.topk_forward_kl`)
   fused AdamW     one fused optimizer kernel (`torch.optim.AdamW(fused=True)`)
+  matmul attention  step 0's attention by matmuls as the later steps', not SDPA's CPU kernel
+  online          as `matmul attention`, the features from the target's pass inside each step (`eagle3.features: online`)
 Then --quality-steps of training for `before` and the last cached variant from the same start, same
 batches and learning-rate schedule: the loss and the held-out acceptance at equal tokens.
 """
@@ -38,15 +40,17 @@ from specdistill import hardware
 from specdistill.distill.config import load_config
 from specdistill.distill.eagle3_train import Eagle3Task, Eagle3Trainee, collate_eagle3, eagle3_heldout_acceptance, eagle3_loss
 from specdistill.distill.examples import read_examples
-from specdistill.distill.features import FeatureCache, build_feature_cache
+from specdistill.distill.features import FeatureCache, OnlineFeatures, build_feature_cache
 from specdistill.distill.train import apply_freeze, lr_at
 from specdistill.modeling.models import load_model, resolve_dtype
 
-VARIANTS = {  # name: (logits of trained rows only, fused loss, fused AdamW, online features)
-    "before": (False, False, False, False),
-    "trained rows": (True, False, False, False),
-    "fused loss": (True, True, False, False),
-    "fused AdamW": (True, True, True, False),
+VARIANTS = {  # name: (logits of trained rows only, fused loss, fused AdamW, matmul attention, online features)
+    "before": (False, False, False, False, False),
+    "trained rows": (True, False, False, False, False),
+    "fused loss": (True, True, False, False, False),
+    "fused AdamW": (True, True, True, False, False),
+    "matmul attention": (True, True, True, True, False),
+    "online": (True, True, True, True, True),
 }
 
 
@@ -96,10 +100,11 @@ def make_task(args, data: Path) -> tuple:
 class Run:
     """One variant's head, optimizer and step."""
 
-    def __init__(self, name: str, task, config, online=None):
+    def __init__(self, name: str, task, config, online: OnlineFeatures | None):
         self.name, self.task, self.config = name, task, config
-        self.rows_only, self.fused_loss, fused_opt, self.online = VARIANTS[name]
+        self.rows_only, self.fused_loss, fused_opt, matmul, self.online = VARIANTS[name]
         self.head = copy.deepcopy(task.head)
+        self.head.unroll_sdpa = not matmul
         self.head.embed_tokens = task.head.embed_tokens  # frozen, shared
         self.module = Eagle3Trainee(self.head, config.eagle3.steps)
         apply_freeze(self.head, config.frozen_patterns)
@@ -166,6 +171,8 @@ def main() -> None:
     dtype_name = "bf16" if config.optim.bf16 else "fp32"
     names = args.variants.split(",")
     online = None
+    if "online" in names:
+        online = OnlineFeatures(target.model, task.layers, resolve_dtype(config.eagle3.feature_dtype))
     rng = random.Random(0)
     order = [rng.sample(range(len(task.examples)), config.optim.batch_size) for _ in range(2 + args.repeats * args.steps)]
     torch.manual_seed(0)
@@ -174,19 +181,19 @@ def main() -> None:
     print(f"\n{info.describe()}")
     print(f"EAGLE-3 head training, demo target, {len(task.examples)} answers, {torch.get_num_threads()} threads, "
           f"median of {args.repeats} interleaved repeats x {args.steps} steps")
-    print(f"| CPU | dtype | variant | tokens/s | vs before | vs previous | feature disk |")
+    print("| CPU | dtype | variant | tokens/s | vs before | vs previous | feature disk |")
     print("|---|---|---|---|---|---|---|")
     previous = None
     for name in names:
         rate = rates[name]
         base = rates.get("before", rate)
         print(f"| {cpu} | {dtype_name} | {name} | {rate:.0f} | {rate / base:.2f}x | "
-              f"{rate / (previous or rate):.2f}x | {'0 (online)' if VARIANTS[name][3] else f'{disk / 1e6:.0f} MB'} |")
+              f"{rate / (previous or rate):.2f}x | {'0 (online)' if VARIANTS[name][4] else f'{disk / 1e6:.0f} MB'} |")
         previous = rate
     result = {"cpu": cpu, "dtype": dtype_name, "threads": torch.get_num_threads(), "tokens_per_s": rates,
               "feature_disk_bytes": disk}
     if args.quality_steps and "before" in names:
-        after = [n for n in names if not VARIANTS[n][3]][-1]
+        after = [n for n in names if not VARIANTS[n][4]][-1]
         rng = random.Random(1)
         qorder = [rng.sample(range(len(task.examples)), config.optim.batch_size) for _ in range(args.quality_steps)]
         config.optim.max_steps = args.quality_steps

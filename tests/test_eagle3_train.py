@@ -284,7 +284,7 @@ def test_unroll_on_trained_rows_only_gives_the_same_loss_and_gradients(target):
     torch.manual_seed(1)
     head = init_eagle3_from_target(target, DraftVocab(torch.arange(64), 64), [1, 3, 4]).float()
     examples = []
-    for i, ex in enumerate(_examples(n=3)):
+    for ex in _examples(n=3):
         n = len(ex.input_ids) - 1
         row_of = torch.full((len(ex.input_ids),), -1, dtype=torch.long)
         answer = [t for t in range(1, len(ex.input_ids)) if ex.assistant_mask[t]]
@@ -304,3 +304,32 @@ def test_unroll_on_trained_rows_only_gives_the_same_loss_and_gradients(target):
     assert grads[1][1].keys() == grads[0][1].keys() and "lm_head.weight" in grads[0][1]
     for name, g in grads[0][1].items():
         torch.testing.assert_close(grads[1][1][name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_online_features_train_as_the_cache_does(eagle_world, tmp_path):
+    """`eagle3.features: online` (the target's feature pass in each batch, nothing on disk) gives the cached
+    run's losses and held-out acceptance, fp32; a fresh teacher cache is still written, features are not."""
+    common = ("optim.max_steps=3", "eagle3.feature_dtype=float32", f"teacher.cache_dir={tmp_path / 'teacher'}")
+    cached = distill(_eagle_config(eagle_world, tmp_path / "cached", *common, f"eagle3.feature_dir={tmp_path / 'f'}"))
+    online = distill(_eagle_config(eagle_world, tmp_path / "online", *common, f"eagle3.feature_dir={tmp_path / 'g'}",
+                                   "eagle3.features=online", f"teacher.cache_dir={tmp_path / 'teacher-online'}"))
+    assert cached["features"] == "cache" and cached["feature_disk_bytes"] > 0
+    assert online["features"] == "online" and online["feature_disk_bytes"] == 0
+    assert not (tmp_path / "g").exists() and not (tmp_path / "g-heldout").exists()
+    assert (tmp_path / "teacher-online" / "teacher_cache.json").is_file()
+    want = [r["loss"] for r in _log(tmp_path / "cached")]
+    got = [r["loss"] for r in _log(tmp_path / "online")]
+    assert got == pytest.approx(want, rel=1e-5)
+    for a, b in zip(online["curve"], cached["curve"]):
+        assert a["acceptance_per_position"] == pytest.approx(b["acceptance_per_position"])
+
+
+def test_auto_features_go_online_over_the_disk_budget(eagle_world, tmp_path):
+    small = distill(_eagle_config(eagle_world, tmp_path / "small", "optim.max_steps=1", "eagle3.features=auto",
+                                  f"eagle3.feature_dir={tmp_path / 'f'}", "eagle3.feature_max_gb=1e-6"))
+    assert small["features"] == "online" and not (tmp_path / "f").exists()
+    assert "over eagle3.feature_max_gb=1e-06" in small["features_reason"]
+    roomy = distill(_eagle_config(eagle_world, tmp_path / "roomy", "optim.max_steps=1", "eagle3.features=auto",
+                                  f"eagle3.feature_dir={tmp_path / 'f'}", "eagle3.feature_max_gb=1"))
+    assert roomy["features"] == "cache" and (tmp_path / "f").is_dir() and "within" in roomy["features_reason"]
+    assert roomy["feature_disk_bytes"] > 1e-6 * 1e9  # the cache the small budget would have refused
