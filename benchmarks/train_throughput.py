@@ -113,27 +113,85 @@ class Run:
         self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, fused=fused_opt)
         self.features = online
         self.step_no, self.tokens, self.losses = 0, 0, []
+        self.clock: dict[str, float] | None = None  # seconds per section of the step, when profiling
+
+    def _tick(self, section: str, since: float) -> float:
+        now = time.perf_counter()
+        if self.clock is not None:
+            self.clock[section] = self.clock.get(section, 0.0) + now - since
+        return now
 
     def step(self, indices: list[int]) -> int:
         o, steps = self.config.optim, self.module.steps
         for g in self.opt.param_groups:
             g["lr"] = lr_at(self.step_no, o)
+        t = time.perf_counter()
         chosen = [self.task.examples[i] for i in indices]
         batch = collate_eagle3(chosen, steps)
+        keep = [batch.trained(j) for j in range(steps)] if self.rows_only else None
+        t = self._tick("collate (Python)", t)
         if self.online:
             batch.features = self.features(chosen)
-        keep = [batch.trained(j) for j in range(steps)] if self.rows_only else None
+            t = self._tick("online feature pass", t)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(o.bf16)):
             outs = self.module(batch.next_ids, batch.features, batch.valid, keep)
+        t = self._tick("forward", t)
         loss = eagle3_loss(outs, batch, decay=self.config.eagle3.decay, fused=self.fused_loss)
+        t = self._tick("loss forward", t)
         loss.backward()
+        t = self._tick("backward", t)
         torch.nn.utils.clip_grad_norm_(self.params, o.clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        self._tick("clip + AdamW", t)
         self.step_no += 1
         self.tokens += batch.tokens
         self.losses.append(float(loss.detach()))
         return batch.tokens
+
+
+BACKWARD_PARTS = (  # autograd node name fragments -> part of the step
+    ("loss over the top-k", ("LogSoftmax", "Logsumexp", "Gather", "Scatter", "Index", "TopKForwardKL", "Div", "Exp",
+                             "Where", "Sub")),
+    ("attention core", ("ScaledDotProduct", "Softmax", "Bmm", "MaskedFill", "Stack", "Sum")),
+    ("linear layers (mm)", ("MmBackward", "TBackward", "Addmm")),
+    ("autocast casts", ("ToCopy",)),
+)
+
+
+def profile(run: Run, order: list[list[int]]) -> list[tuple[str, float]]:
+    """Seconds per step: timed sections, the forward split by module hooks (norm + lm_head, the attention
+    between v_proj and o_proj) and the backward split by autograd node."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    run.clock = {}
+    marks: dict[str, float] = {}
+    attn = run.head.midlayer.self_attn
+
+    def mark(key):
+        return lambda *a: marks.__setitem__(key, time.perf_counter())
+
+    def add(name, start_key):
+        return lambda *a: run.clock.__setitem__(name, run.clock.get(name, 0.0) + time.perf_counter() - marks[start_key])
+
+    hooks = [run.head.norm.register_forward_pre_hook(mark("norm")),
+             run.head.lm_head.register_forward_hook(add("  forward: norm + lm_head", "norm")),
+             attn.v_proj.register_forward_hook(mark("v")),
+             attn.o_proj.register_forward_pre_hook(add("  forward: rope + attention core", "v"))]
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for indices in order:
+            run.step(indices)
+    for h in hooks:
+        h.remove()
+    nodes = [e for e in prof.key_averages() if e.key.startswith("autograd::engine::evaluate_function")]
+    for name, fragments in BACKWARD_PARTS:
+        picked = [e for e in nodes if any(f in e.key for f in fragments)]
+        run.clock["  backward: " + name] = sum(e.cpu_time_total for e in picked) / 1e6
+        nodes = [e for e in nodes if e not in picked]
+    run.clock["  backward: other (norms, rope, MLP activations)"] = sum(e.cpu_time_total for e in nodes) / 1e6
+    clock, run.clock = run.clock, None
+    return [(k, v / len(order)) for k, v in clock.items()]
 
 
 def throughput(runs: list[Run], order: list[list[int]], repeats: int, steps: int) -> dict[str, float]:
@@ -160,6 +218,7 @@ def main() -> None:
     ap.add_argument("--quality-steps", type=int, default=150)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--profile-steps", type=int, default=10, help="profiled steps of before and of the last variant")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -192,6 +251,29 @@ def main() -> None:
         previous = rate
     result = {"cpu": cpu, "dtype": dtype_name, "threads": torch.get_num_threads(), "tokens_per_s": rates,
               "feature_disk_bytes": disk}
+    if args.profile_steps:
+        shown = [names[0]] + [n for n in names[1:] if not VARIANTS[n][4]][-1:] + [n for n in names if VARIANTS[n][4]]
+        porder = [rng.sample(range(len(task.examples)), config.optim.batch_size) for _ in range(args.profile_steps + 2)]
+        parts = {}
+        for name in shown:
+            run = Run(name, task, config, online)
+            for indices in porder[:2]:
+                run.step(indices)
+            parts[name] = dict(profile(run, porder[2:]))
+        keys = list(dict.fromkeys(k for p in parts.values() for k in p))
+        sections = [k for k in keys if not k.startswith("  ")]
+        keys = [x for k in sections for x in [k] + [sub for sub in keys if sub.startswith(f"  {k.split()[0]}:")]]
+        print(f"\nOne step, ms (share of the step; indented rows split the section above them), {args.profile_steps} steps")
+        print("| part | " + " | ".join(shown) + " |")
+        print("|---|" + "---|" * len(shown))
+        for k in keys:
+            cells = []
+            for name in shown:
+                total = sum(v for key, v in parts[name].items() if not key.startswith("  "))
+                v = parts[name].get(k)
+                cells.append("" if v is None else f"{v * 1e3:.1f} ({v / total:.0%})")
+            print(f"| {k} | " + " | ".join(cells) + " |")
+        result["profile_ms"] = {n: {k: v * 1e3 for k, v in p.items()} for n, p in parts.items()}
     if args.quality_steps and "before" in names:
         after = [n for n in names if not VARIANTS[n][4]][-1]
         rng = random.Random(1)
