@@ -237,6 +237,7 @@ def build_feature_cache(
     same target, layers and prompt context (the answer pass's) gets just the examples it lacks."""
     directory = None if directory is None else Path(directory)  # None: the teacher rows only (`features: online`)
     existing = extend and directory is not None and (directory / FEATURE_META).is_file()
+    cache = None
     if existing:
         if teacher_dir is not None:
             raise ValueError("extend a feature cache without a teacher: its examples' teacher rows exist already")
@@ -245,7 +246,6 @@ def build_feature_cache(
         examples = [ex for ex in examples if str(ex.id) not in have]
     check_budget(examples, target.config.hidden_size, prompt_context, None if directory is None else max_bytes, len(layers))
     data = data_hash(examples)
-    cache = None
     if not existing and directory is not None:
         cache = FeatureCache.create(directory, fingerprint=fingerprint, layers=layers, data=data, prompt_context=prompt_context)
     teacher = None
