@@ -246,3 +246,90 @@ def test_answer_only_features_evaluated_with_the_whole_prompt(eagle_world, tmp_p
     with pytest.raises(StaleFeatureCacheError, match="prompt_context=0.*prompt_context=2"):
         distill(_eagle_config(eagle_world, tmp_path / "x", "optim.max_steps=1", "eagle3.prompt_context=2",
                               f"eagle3.feature_dir={tmp_path / 'f0'}"))
+
+
+def test_fused_topk_forward_kl_matches_the_autograd_loss_and_its_gradient():
+    """The fused forward KL (values and gradient) is `per_token_divergence(kind='fkl')`: with invalid
+    entries, an empty residual, a temperature, and in bf16 against the same loss on the same bf16 logits."""
+    torch.manual_seed(0)
+    n, v, k = 6, 50, 7
+    logp, idx = torch.log_softmax(torch.randn(n, v, dtype=torch.float64), -1).topk(k, -1)
+    valid = torch.rand(n, k) > 0.2
+    valid[:, 0] = True
+    idx = torch.where(valid, idx, idx[:, :1])  # padding repeats a valid index, as to_draft_space writes it
+    logp = logp.masked_fill(~valid, float("-inf"))
+    residual = 1 - logp.exp().sum(-1)
+    residual[0] = 0.0
+    teacher = losses.TopKTeacher(logp.float(), idx, residual.float(), valid)
+    for temperature, dtype in ((1.0, torch.float32), (2.0, torch.float32), (1.0, torch.bfloat16)):
+        logits = (3 * torch.randn(n, v)).to(dtype)
+        a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+        want = losses.per_token_divergence(a, teacher, kind="fkl", temperature=temperature)
+        got = losses.topk_forward_kl(b, teacher, temperature)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        weights = torch.rand(n)
+        (want * weights).sum().backward()
+        (got * weights).sum().backward()
+        assert b.grad.dtype == dtype
+        torch.testing.assert_close(b.grad.float(), a.grad.float(), rtol=1e-4, atol=1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_unroll_on_trained_rows_only_gives_the_same_loss_and_gradients(target):
+    """lm_head over the trained rows only and the fused loss: the loss and every gradient of the full
+    unroll with the autograd loss."""
+    from specdistill.distill.eagle3_train import Eagle3Example, collate_eagle3
+    from specdistill.modeling.eagle3 import init_eagle3_from_target
+    from specdistill.modeling.vocab import DraftVocab
+
+    torch.manual_seed(1)
+    head = init_eagle3_from_target(target, DraftVocab(torch.arange(64), 64), [1, 3, 4]).float()
+    examples = []
+    for ex in _examples(n=3):
+        n = len(ex.input_ids) - 1
+        row_of = torch.full((len(ex.input_ids),), -1, dtype=torch.long)
+        answer = [t for t in range(1, len(ex.input_ids)) if ex.assistant_mask[t]]
+        row_of[torch.tensor(answer)] = torch.arange(len(answer))
+        logp, idx = torch.log_softmax(torch.randn(len(answer), 64), -1).topk(5, -1)
+        keep = torch.rand(len(answer)) > 0.3
+        examples.append(Eagle3Example(ex.id, torch.tensor(ex.input_ids), 0, torch.randn(n, 96), row_of,
+                                      losses.TopKTeacher(logp, idx, 1 - logp.exp().sum(-1)), keep))
+    batch = collate_eagle3(examples, 3)
+    grads = []
+    for keep, fused in ((None, False), ([batch.trained(j) for j in range(3)], True)):
+        head.zero_grad()
+        loss = eagle3_loss(head.unroll(batch.next_ids, batch.features, 3, batch.valid, keep), batch, fused=fused)
+        loss.backward()
+        grads.append((loss.detach(), {k: p.grad.clone() for k, p in head.named_parameters() if p.grad is not None}))
+    torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-5, atol=1e-6)
+    assert grads[1][1].keys() == grads[0][1].keys() and "lm_head.weight" in grads[0][1]
+    for name, g in grads[0][1].items():
+        torch.testing.assert_close(grads[1][1][name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_online_features_train_as_the_cache_does(eagle_world, tmp_path):
+    """`eagle3.features: online` (the target's feature pass in each batch, nothing on disk) gives the cached
+    run's losses and held-out acceptance, fp32; a fresh teacher cache is still written, features are not."""
+    common = ("optim.max_steps=3", "eagle3.feature_dtype=float32", f"teacher.cache_dir={tmp_path / 'teacher'}")
+    cached = distill(_eagle_config(eagle_world, tmp_path / "cached", *common, f"eagle3.feature_dir={tmp_path / 'f'}"))
+    online = distill(_eagle_config(eagle_world, tmp_path / "online", *common, f"eagle3.feature_dir={tmp_path / 'g'}",
+                                   "eagle3.features=online", f"teacher.cache_dir={tmp_path / 'teacher-online'}"))
+    assert cached["features"] == "cache" and cached["feature_disk_bytes"] > 0
+    assert online["features"] == "online" and online["feature_disk_bytes"] == 0
+    assert not (tmp_path / "g").exists() and not (tmp_path / "g-heldout").exists()
+    assert (tmp_path / "teacher-online" / "teacher_cache.json").is_file()
+    want = [r["loss"] for r in _log(tmp_path / "cached")]
+    got = [r["loss"] for r in _log(tmp_path / "online")]
+    assert got == pytest.approx(want, rel=1e-5)
+    for a, b in zip(online["curve"], cached["curve"]):
+        assert a["acceptance_per_position"] == pytest.approx(b["acceptance_per_position"])
+
+
+def test_auto_features_go_online_over_the_disk_budget(eagle_world, tmp_path):
+    small = distill(_eagle_config(eagle_world, tmp_path / "small", "optim.max_steps=1", "eagle3.features=auto",
+                                  f"eagle3.feature_dir={tmp_path / 'f'}", "eagle3.feature_max_gb=1e-6"))
+    assert small["features"] == "online" and not (tmp_path / "f").exists()
+    assert "over eagle3.feature_max_gb=1e-06" in small["features_reason"]
+    roomy = distill(_eagle_config(eagle_world, tmp_path / "roomy", "optim.max_steps=1", "eagle3.features=auto",
+                                  f"eagle3.feature_dir={tmp_path / 'f'}", "eagle3.feature_max_gb=1"))
+    assert roomy["features"] == "cache" and (tmp_path / "f").is_dir() and "within" in roomy["features_reason"]
+    assert roomy["feature_disk_bytes"] > 1e-6 * 1e9  # the cache the small budget would have refused

@@ -88,6 +88,9 @@ class Eagle3Config(Strict):
     # when prompt_context is not None), or this cache
     heldout_feature_dir: str | None = None
     feature_max_gb: float | None = Field(20.0, gt=0.0)  # refuse a feature cache larger than this, before the run
+    # cache: the features on disk (written by the answer pass or one target pass); online: the target's feature
+    # pass inside each training batch, no feature cache; auto: online when the cache would exceed feature_max_gb
+    features: Literal["cache", "online", "auto"] = "cache"
     feature_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # the target's dtype in the feature pass
     teacher_top_k: int = Field(32, ge=1)  # k of a teacher cache written in the same pass
 

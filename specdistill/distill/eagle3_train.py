@@ -25,7 +25,14 @@ from torch import nn
 from specdistill.acceptance import DEFAULT_GAMMA, expected_tokens_per_round
 from specdistill.distill import features as feature_cache
 from specdistill.distill import losses
-from specdistill.distill.features import FeatureCache, StaleFeatureCacheError, entry_features, feature_start
+from specdistill.distill.features import (
+    FeatureCache,
+    OnlineFeatures,
+    StaleFeatureCacheError,
+    choose_features,
+    entry_features,
+    feature_start,
+)
 from specdistill.distill.layer_task import _build_draft_vocab
 from specdistill.distill.teacher import TeacherCache, check_entry, drop_stale, teacher_positions, to_draft_space, vocab_key
 from specdistill.distill.trained import HeldoutAcceptance, TaskDescription
@@ -43,24 +50,25 @@ class Eagle3Example:
     id: str
     ids: torch.Tensor  # [L] token ids
     start: int  # first stored feature position
-    features: torch.Tensor  # [L-1-start, 3·H] bf16
+    features: torch.Tensor | None  # [L-1-start, 3·H] bf16; None: computed in the batch (`features: online`)
     row_of: torch.Tensor  # [L] teacher row predicting token u, -1 where u is not an answer token
     teacher: losses.TopKTeacher  # [rows, k] in draft space
     keep: torch.Tensor  # [rows] the target's argmax is a draft-vocabulary token
 
     @property
     def entries(self) -> int:
-        return self.features.shape[0]
+        return self.ids.numel() - 1 - self.start
 
 
-def eagle3_examples(examples: list, feature_rows: dict, teacher_rows: dict | None, draft_vocab: DraftVocab,
+def eagle3_examples(examples: list, feature_rows: dict | None, teacher_rows: dict | None, draft_vocab: DraftVocab,
                     prompt_context: int | None, remap: bool, top_k: int | None = None) -> list[Eagle3Example]:
-    """Join examples with their cache entries (checked: a stale entry fails naming the example)."""
+    """Join examples with their cache entries (checked: a stale entry fails naming the example); without
+    feature rows (`features: online`) the examples carry none."""
     out = []
     for ex in examples:
         start = feature_start(ex.assistant_mask, prompt_context)
-        entry = feature_rows.get(str(ex.id))
-        features = entry_features(entry, str(ex.id), ex.input_ids, start)
+        features = None if feature_rows is None else \
+            entry_features(feature_rows.get(str(ex.id)), str(ex.id), ex.input_ids, start)
         answer_rows = teacher_positions(ex.assistant_mask)
         row_of = torch.full((len(ex.input_ids),), -1, dtype=torch.long)
         row_of[torch.tensor(answer_rows, dtype=torch.long) + 1] = torch.arange(len(answer_rows))
@@ -90,7 +98,7 @@ def eagle3_examples(examples: list, feature_rows: dict, teacher_rows: dict | Non
 class Eagle3Batch:
     ids: list[str]
     next_ids: torch.Tensor  # [B, T] token t+1 of entry t
-    features: torch.Tensor  # [B, T, 3·H]
+    features: torch.Tensor | None  # [B, T, 3·H]; None until the online feature pass fills it
     valid: torch.Tensor  # [B, T]
     rows: list[torch.Tensor]  # per step: [B, T] index into the batch's teacher rows, -1 for none
     labels: list[torch.Tensor]  # per step: [B, T] the token the step predicts (target ids), -1 past the end
@@ -101,8 +109,14 @@ class Eagle3Batch:
     def tokens(self) -> int:
         return int((self.rows[0] >= 0).sum())
 
+    def trained(self, j: int) -> torch.Tensor:
+        """[B, T]: the entries step j learns at (an answer token whose target argmax is a draft token)."""
+        sel = self.rows[j] >= 0
+        return sel & self.keep[self.rows[j].clamp_min(0)] if bool(sel.any()) else sel
+
     def to(self, device) -> Eagle3Batch:
-        return Eagle3Batch(self.ids, self.next_ids.to(device), self.features.to(device), self.valid.to(device),
+        return Eagle3Batch(self.ids, self.next_ids.to(device), None if self.features is None else self.features.to(device),
+                           self.valid.to(device),
                            [r.to(device) for r in self.rows], [x.to(device) for x in self.labels],
                            None if self.teacher is None else self.teacher.to(device),
                            None if self.keep is None else self.keep.to(device))
@@ -110,9 +124,9 @@ class Eagle3Batch:
 
 def collate_eagle3(examples: list[Eagle3Example], steps: int) -> Eagle3Batch:
     b, t = len(examples), max(ex.entries for ex in examples)
-    width = examples[0].features.shape[-1]
+    cached = examples[0].features is not None
     next_ids = torch.zeros(b, t, dtype=torch.long)
-    features = torch.zeros(b, t, width, dtype=examples[0].features.dtype)
+    features = torch.zeros(b, t, examples[0].features.shape[-1], dtype=examples[0].features.dtype) if cached else None
     valid = torch.zeros(b, t, dtype=torch.bool)
     rows = [torch.full((b, t), -1, dtype=torch.long) for _ in range(steps)]
     labels = [torch.full((b, t), -1, dtype=torch.long) for _ in range(steps)]
@@ -120,7 +134,8 @@ def collate_eagle3(examples: list[Eagle3Example], steps: int) -> Eagle3Batch:
     for i, ex in enumerate(examples):
         n, s = ex.entries, ex.start
         next_ids[i, :n] = ex.ids[s + 1 : s + 1 + n]
-        features[i, :n] = ex.features
+        if cached:
+            features[i, :n] = ex.features
         valid[i, :n] = True
         row_ext = torch.cat([ex.row_of, torch.full((steps + 2,), -1, dtype=torch.long)])
         ids_ext = torch.cat([ex.ids, torch.full((steps + 2,), -1, dtype=torch.long)])
@@ -140,24 +155,27 @@ def collate_eagle3(examples: list[Eagle3Example], steps: int) -> Eagle3Batch:
 
 
 def eagle3_loss(step_logits: list[torch.Tensor], batch: Eagle3Batch, *, decay: float = 0.8, kind: str = "fkl",
-                temperature: float = 1.0) -> torch.Tensor:
+                temperature: float = 1.0, fused: bool = True) -> torch.Tensor:
     """Σ_j decay^j · mean divergence of step j over its trained rows, over Σ_j decay^j of the steps with rows.
 
     A row is trained when the step's target token is an answer token and the target's argmax is in
-    the draft vocabulary."""
+    the draft vocabulary (`Eagle3Batch.trained`). Step logits are [B, T, V], or [rows, V] for the
+    trained rows only (`Eagle3Draft.unroll(keep=...)`, which skips the lm_head everywhere else). Forward
+    KL runs fused (`losses.topk_forward_kl`) unless `fused=False`."""
     total = weight = 0.0
     for j, logits in enumerate(step_logits):
-        rows = batch.rows[j]
-        sel = rows >= 0
-        if bool(sel.any()):
-            sel = sel & batch.keep[rows.clamp_min(0)]
+        sel = batch.trained(j)
         if not bool(sel.any()):
             continue
-        picked = rows[sel]
+        picked = batch.rows[j][sel]
         top = batch.teacher
         teacher = losses.TopKTeacher(top.logprobs[picked], top.indices[picked], top.residual[picked],
                                      None if top.valid is None else top.valid[picked])
-        per_row = losses.per_token_divergence(logits[sel], teacher, kind=kind, temperature=temperature)
+        rows = logits[sel] if logits.dim() == 3 else logits
+        if fused and kind == "fkl":
+            per_row = losses.topk_forward_kl(rows, teacher, temperature)
+        else:
+            per_row = losses.per_token_divergence(rows, teacher, kind=kind, temperature=temperature)
         scale = temperature**2 if kind != "tv" else 1.0
         total = total + decay**j * scale * per_row.mean()
         weight += decay**j
@@ -173,8 +191,9 @@ class Eagle3Trainee(nn.Module):
         super().__init__()
         self.head, self.steps = head, steps
 
-    def forward(self, next_ids: torch.Tensor, features: torch.Tensor, valid: torch.Tensor) -> list[torch.Tensor]:
-        return self.head.unroll(next_ids, features, self.steps, valid)
+    def forward(self, next_ids: torch.Tensor, features: torch.Tensor, valid: torch.Tensor,
+                keep: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        return self.head.unroll(next_ids, features, self.steps, valid, keep)
 
 
 @torch.no_grad()
@@ -248,12 +267,16 @@ class Eagle3Task:
         elif e.prompt_context is not None and heldout:
             held_dir, held_context = feature_dir.with_name(feature_dir.name + "-heldout"), None
         every = list({str(ex.id): ex for ex in examples + (heldout if held_dir == feature_dir else [])}.values())
-        builds = [(feature_dir, every, e.prompt_context, cache_dir if fresh_teacher else None)]
-        if held_dir != feature_dir and not e.heldout_feature_dir:
+        self.features, self.features_reason = choose_features(e.features, every, target.config.hidden_size,
+                                                              e.prompt_context, e.feature_max_gb, len(self.layers))
+        online = self.features == "online"  # no feature cache: the target's pass runs in each batch (micro_loss)
+        builds = [(None if online else feature_dir, every, e.prompt_context, cache_dir if fresh_teacher else None)]
+        if held_dir != feature_dir and not e.heldout_feature_dir and not online:
             builds.append((held_dir, heldout, None, None))
         multi = torch.distributed.is_available() and torch.distributed.is_initialized()
         for directory, seqs, context, teacher_dir in builds:
-            needed = teacher_dir is not None or {str(ex.id) for ex in seqs} - FeatureCache(directory, {}).ids()
+            needed = teacher_dir is not None or (directory is not None
+                                                 and {str(ex.id) for ex in seqs} - FeatureCache(directory, {}).ids())
             if needed and (not multi or torch.distributed.get_rank() == 0):  # one rank writes, the others wait
                 dtype = resolve_dtype(e.feature_dtype)  # features as the target serves, on the training device
                 runner = target.model if target.model.dtype == dtype else copy.deepcopy(target.model).to(dtype)
@@ -266,18 +289,19 @@ class Eagle3Task:
                 del runner
             if multi:
                 torch.distributed.barrier()
-        features = FeatureCache.open(feature_dir, fingerprint=target.fingerprint, layers=self.layers,
-                                     prompt_context=e.prompt_context)
+        features = None if online else FeatureCache.open(feature_dir, fingerprint=target.fingerprint,
+                                                         layers=self.layers, prompt_context=e.prompt_context)
         teacher = TeacherCache.open(cache_dir, fingerprint=target.fingerprint)
         if teacher.meta["temperature"] != config.loss.temperature:
             raise ValueError(f"teacher cache {cache_dir} holds temperature {teacher.meta['temperature']}, "
                              f"loss.temperature is {config.loss.temperature}")
         if teacher.meta["vocab"] not in ("full", vocab_key(draft_vocab)):
             raise ValueError(f"teacher cache {cache_dir} was written for vocabulary {teacher.meta['vocab']}")
-        rows, teacher_rows = features.load_all(), teacher.load_all()
+        rows, teacher_rows = (None if online else features.load_all()), teacher.load_all()
         remap = teacher.meta["vocab"] == "full"
         examples, stale = drop_stale(examples, teacher_rows, cache_dir)
-        other_answer = [ex for ex in examples if _features_of_other_tokens(rows.get(str(ex.id)), ex.input_ids)]
+        other_answer = [ex for ex in examples if rows is not None
+                        and _features_of_other_tokens(rows.get(str(ex.id)), ex.input_ids)]
         if other_answer:  # the same rule as the teacher's rows: dropped and counted, never trained on
             print(f"feature cache {feature_dir}: {len(other_answer)} examples dropped, their entries were written "
                   "for other token ids", file=sys.stderr)
@@ -287,20 +311,33 @@ class Eagle3Task:
         self.stale_dropped = len(stale) + len(other_answer)
         self.examples = eagle3_examples(examples, rows, teacher_rows, draft_vocab, e.prompt_context, remap, config.loss.top_k)
         held_rows = rows
-        if held_dir != feature_dir:
+        self.online = OnlineFeatures(target.model, self.layers, resolve_dtype(e.feature_dtype)) if online else None
+        if online:  # held-out: whole prompt as served, features computed once and kept in memory
+            held_context = None
+        elif held_dir != feature_dir:
             other = FeatureCache.open(held_dir, fingerprint=target.fingerprint, layers=self.layers, prompt_context=held_context)
             held_rows, held_context = other.load_all(), other.meta["prompt_context"]
         self.heldout = eagle3_examples(heldout, held_rows, None, draft_vocab, held_context, remap)
+        for begin in range(0, len(self.heldout) if online else 0, 8):
+            chunk = self.heldout[begin : begin + 8]
+            for ex, f in zip(chunk, self.online(chunk)):
+                ex.features = f[: ex.entries].clone()
         answer_tokens = sum(sum(ex.assistant_mask[1:]) for ex in every)
-        self.feature_bytes = (features.disk_bytes(), features.disk_bytes() / max(1, answer_tokens))  # on disk, per answer token
+        disk = 0 if online else features.disk_bytes()
+        self.feature_bytes = (disk, disk / max(1, answer_tokens))  # on disk, per answer token
         self.module = Eagle3Trainee(head, e.steps).to(device)
 
     def micro_loss(self, model, indices: list[int], step: int, micro: int, autocast=None):
         from contextlib import nullcontext
 
-        batch = collate_eagle3([self.examples[i] for i in indices], self.module.steps).to(self.device)
+        chosen = [self.examples[i] for i in indices]
+        batch = collate_eagle3(chosen, self.module.steps)
+        if batch.features is None:
+            batch.features = self.online(chosen)
+        batch = batch.to(self.device)
+        keep = [batch.trained(j) for j in range(self.module.steps)]  # logits of the trained rows only
         with autocast or nullcontext():
-            outs = model(batch.next_ids, batch.features, batch.valid)
+            outs = model(batch.next_ids, batch.features, batch.valid, keep)
         loss = eagle3_loss(outs, batch, decay=self.config.eagle3.decay, kind=self.config.loss.kind,
                            temperature=self.config.loss.temperature)
         return loss, batch.tokens, batch.ids
@@ -312,7 +349,7 @@ class Eagle3Task:
 
     def describe(self) -> TaskDescription:
         return TaskDescription("eagle3", self.draft_vocab.size, self.layers, self.stale_dropped, self.module.steps,
-                               *self.feature_bytes)
+                               *self.feature_bytes, features=self.features, features_reason=self.features_reason)
 
     def save(self, out_dir, target, meta: dict):
         """In the layout vLLM and SGLang load (modeling.eagle3_io)."""

@@ -18,6 +18,7 @@ entry stores its token ids so a cache for other data is refused per example.
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import zlib
@@ -83,6 +84,19 @@ def check_budget(examples: Sequence, hidden_size: int, prompt_context: int | Non
             f"{hidden_size} x bf16) for {len(examples)} sequences, over the budget of {max_bytes / 1e9:.3f} GB: "
             f"raise the budget, store less prompt context, or train on fewer sequences")
     return positions, size
+
+
+def choose_features(setting: str, examples: Sequence, hidden_size: int, prompt_context: int | None,
+                    max_gb: float | None, n_layers: int = 3) -> tuple[str, str]:
+    """`eagle3.features` resolved to cache or online, and why in one line. `auto`: online exactly when the
+    cache these examples need would exceed `eagle3.feature_max_gb` (the budget that refuses a cache)."""
+    if setting != "auto":
+        return setting, f"eagle3.features={setting}"
+    positions, size = check_budget(examples, hidden_size, prompt_context, None, n_layers)
+    over = max_gb is not None and size > max_gb * 1e9
+    return ("online" if over else "cache",
+            f"auto: a feature cache of {size / 1e9:.3f} GB ({positions} positions) is "
+            f"{'over' if over else 'within'} eagle3.feature_max_gb={max_gb}")
 
 
 class FeatureCache:
@@ -164,6 +178,41 @@ def entry_features(entry: dict[str, torch.Tensor] | None, ex_id: str, input_ids:
     return entry["features"][:rows]
 
 
+class _Done(Exception):
+    """Raised in the last feature layer's pre-hook: the layers above it are not needed."""
+
+
+class OnlineFeatures:
+    """`eagle3.features: online`: the target's feature pass inside each training batch, nothing on disk.
+
+    Called with the batch's examples (`Eagle3Example`: ids and first stored position), it returns their
+    features [B, T, 3·H] laid out as `collate_eagle3` lays out cached ones, in the cache's dtype (bf16),
+    from the same right-padded forward a cache build runs; the target stops at the last feature layer."""
+
+    def __init__(self, target: PreTrainedModel, layers: list[int], dtype: torch.dtype):
+        self.target = target if target.dtype == dtype else copy.deepcopy(target).to(dtype)
+        self.target.eval().requires_grad_(False)
+        self.hooks = FeatureHooks(self.target, layers)
+        self.target.model.layers[max(layers)].register_forward_pre_hook(self._stop)
+
+    @staticmethod
+    def _stop(module, args):
+        raise _Done
+
+    @torch.no_grad()  # not inference mode: the features enter the head's autograd graph as inputs
+    def __call__(self, examples: Sequence) -> torch.Tensor:
+        input_ids, attention = pad_batch([ex.ids.tolist() for ex in examples])
+        try:
+            self.target.model(input_ids=input_ids.to(self.target.device), attention_mask=attention.to(self.target.device))
+        except _Done:
+            pass
+        features = self.hooks.take()
+        out = torch.zeros(len(examples), max(ex.entries for ex in examples), features.shape[-1], dtype=FEATURE_DTYPE)
+        for row, ex in enumerate(examples):
+            out[row, : ex.entries] = features[row, ex.start : ex.start + ex.entries].to("cpu", FEATURE_DTYPE)
+        return out
+
+
 @torch.inference_mode()
 def build_feature_cache(
     target: PreTrainedModel,
@@ -181,22 +230,23 @@ def build_feature_cache(
     batch_size: int = 8,
     progress: bool = True,
     extend: bool = False,
-) -> FeatureCache:
+) -> FeatureCache | None:
     """Run the target once over the examples and store the feature layers' inputs (bf16); with
     `teacher_dir`, the same forward also writes the top-k teacher rows there. Resumable per shard;
     the disk budget is checked before the first forward. With `extend`, an existing cache of the
     same target, layers and prompt context (the answer pass's) gets just the examples it lacks."""
-    directory = Path(directory)
-    existing = extend and (directory / FEATURE_META).is_file()
+    directory = None if directory is None else Path(directory)  # None: the teacher rows only (`features: online`)
+    existing = extend and directory is not None and (directory / FEATURE_META).is_file()
+    cache = None
     if existing:
         if teacher_dir is not None:
             raise ValueError("extend a feature cache without a teacher: its examples' teacher rows exist already")
         cache = FeatureCache.open(directory, fingerprint=fingerprint, layers=layers, prompt_context=prompt_context)
         have = cache.ids()
         examples = [ex for ex in examples if str(ex.id) not in have]
-    check_budget(examples, target.config.hidden_size, prompt_context, max_bytes, len(layers))
+    check_budget(examples, target.config.hidden_size, prompt_context, None if directory is None else max_bytes, len(layers))
     data = data_hash(examples)
-    if not existing:
+    if not existing and directory is not None:
         cache = FeatureCache.create(directory, fingerprint=fingerprint, layers=layers, data=data, prompt_context=prompt_context)
     teacher = None
     if teacher_dir is not None:
@@ -209,7 +259,7 @@ def build_feature_cache(
             batch = examples[begin : begin + batch_size]
             # extending: named by content, since the examples still missing shift on a resume
             name = f"x{zlib.crc32('|'.join(str(ex.id) for ex in batch).encode()):08x}" if existing else f"{begin:07d}"
-            if cache.has_shard(name) and (teacher is None or teacher.has_shard(name)):
+            if (cache is None or cache.has_shard(name)) and (teacher is None or teacher.has_shard(name)):
                 bar.update(len(batch))
                 continue
             input_ids, attention = pad_batch([ex.input_ids for ex in batch])
@@ -228,7 +278,8 @@ def build_feature_cache(
                     rows[str(ex.id)] = {"input_ids": ids, "logprobs": top, "indices": idx, "residual": res}
             if teacher is not None:
                 teacher.write_shard(name, rows)
-            cache.write_shard(name, entries)
+            if cache is not None:
+                cache.write_shard(name, entries)
             bar.update(len(batch))
     bar.close()
     return cache

@@ -208,7 +208,8 @@ def make_run(config: DistillConfig, task, device: torch.device, rank: int, world
     no_decay = [p for p in params if p.dim() < 2]
     opt = config.optim
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": opt.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=opt.lr, betas=opt.betas)
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=opt.lr, betas=opt.betas,
+                                  fused=device.type in ("cpu", "cuda"))  # one kernel over all parameters, not ~10 passes
     return Run(config, task, model, params, optimizer, device, rank, world, out_dir, evaluates)
 
 

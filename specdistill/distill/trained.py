@@ -45,6 +45,8 @@ class TaskDescription:
     unroll_steps: int | None = None  # eagle3
     feature_disk_bytes: int | None = None  # eagle3
     feature_bytes_per_answer_token: float | None = None  # eagle3
+    features: str | None = None  # eagle3: cache | online (`eagle3.features`)
+    features_reason: str | None = None  # eagle3: why (auto: the disk budget)
 
     def to_dict(self) -> dict:
         if self.kind != "eagle3":
@@ -53,7 +55,8 @@ class TaskDescription:
         return {"kind": self.kind, "draft_vocab": self.draft_vocab, "layers": self.layers,
                 "unroll_steps": self.unroll_steps, "stale_dropped": self.stale_dropped,
                 "feature_disk_bytes": self.feature_disk_bytes,
-                "feature_bytes_per_answer_token": self.feature_bytes_per_answer_token}
+                "feature_bytes_per_answer_token": self.feature_bytes_per_answer_token,
+                "features": self.features, "features_reason": self.features_reason}
 
 
 @dataclass(frozen=True)

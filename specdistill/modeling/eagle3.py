@@ -176,6 +176,8 @@ class Eagle3Layer(nn.Module):
 class Eagle3Draft(nn.Module):
     """The head. `forward` drafts with a KV cache; `unroll` is the training-time-test pass."""
 
+    unroll_sdpa = False  # step 0 of `unroll` by SDPA, as before the profile (benchmarks/train_throughput.py)
+
     def __init__(self, config: LlamaConfig, embed_tokens: nn.Embedding):
         super().__init__()
         if embed_tokens.weight.shape != (config.vocab_size, config.hidden_size):
@@ -240,15 +242,16 @@ class Eagle3Draft(nn.Module):
             out, _ = decode_attention(None, q, keys, values, mask[None, None])  # [1, T, heads, head_dim]
         return self.midlayer.finish(hidden, attn.o_proj(out.reshape(1, t, -1)))
 
-    def unroll(self, next_ids: torch.Tensor, features: torch.Tensor, steps: int, valid: torch.Tensor) -> list[torch.Tensor]:
+    def unroll(self, next_ids: torch.Tensor, features: torch.Tensor, steps: int, valid: torch.Tensor,
+               keep: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Training-time test over a batch: `features` [B, T, 3·H_target] are the target's at
         positions t, `next_ids` [B, T] the tokens t+1, `valid` [B, T] marks real positions.
 
         Step j (0-based) at position t drafts token t+2+j, as the j-th draft of a round that started
         after position t: it reads token t+1+j and the previous step's output at t, and attends to
         step 0's entries at positions <= t plus its own and earlier steps' entries at t (the entries
-        a drafting KV cache would hold). Returns one logits tensor [B, T, draft_vocab] per step.
-        """
+        a drafting KV cache would hold). Returns one logits tensor [B, T, draft_vocab] per step, or
+        with `keep` (per step [B, T] bool) [kept, draft_vocab] for the kept entries only."""
         b, t = next_ids.shape
         positions = torch.arange(t, device=next_ids.device).expand(b, t)
         hidden = self.project(features)
@@ -268,18 +271,19 @@ class Eagle3Draft(nn.Module):
             k, v = attn.expand(k), attn.expand(v)
             if j == 0:
                 keys0, values0 = k, v
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
             else:
                 diag_keys.append(k)
                 diag_values.append(v)
-                scores = (q @ keys0.transpose(-1, -2)) * scale
-                scores = scores.masked_fill(~key_mask, float("-inf"))
-                diag = torch.stack([(q * dk).sum(-1) for dk in diag_keys], dim=-1) * scale  # [B, h, T, j]
-                weights = torch.softmax(torch.cat([scores, diag], dim=-1), dim=-1)
+            if j == 0 and self.unroll_sdpa:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
+            else:  # matmuls: SDPA's CPU kernel is ~3x slower here in bf16, forward and backward
+                scores = ((q @ keys0.transpose(-1, -2)) * scale).masked_fill(~key_mask, float("-inf"))
+                diag = [torch.stack([(q * dk).sum(-1) for dk in diag_keys], dim=-1) * scale] if j else []  # [B, h, T, j]
+                weights = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1)
                 o = weights[..., :t] @ values0
                 o = o + sum(weights[..., t + i, None] * dv for i, dv in enumerate(diag_values))
             hidden = layer.finish(hidden, attn.out(o))
-            out.append(self.logits(hidden))
+            out.append(self.logits(hidden if keep is None else hidden[keep[j]]))
         return out
 
 
@@ -357,11 +361,8 @@ def check_head_fits(head: Eagle3Draft, target: PreTrainedModel) -> None:
 
 
 class FeatureHooks:
-    """Captures the inputs of the target's feature layers during its forward passes.
-
-    Forward pre-hooks on just those decoder layers (no `output_hidden_states` over all 30): after
-    each target forward, `take()` returns the concatenated features [B, T, 3·H].
-    """
+    """Captures the inputs of the target's feature layers during its forward passes: forward pre-hooks on
+    just those decoder layers (no `output_hidden_states` over all 30); `take()` returns them concatenated [B, T, 3·H]."""
 
     def __init__(self, target: PreTrainedModel, layers: list[int]):
         self.layers = list(layers)
