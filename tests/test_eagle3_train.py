@@ -310,9 +310,9 @@ def test_online_features_train_as_the_cache_does(eagle_world, tmp_path):
     """`eagle3.features: online` (the target's feature pass in each batch, nothing on disk) gives the cached
     run's losses and held-out acceptance, fp32; a fresh teacher cache is still written, features are not."""
     common = ("optim.max_steps=3", "eagle3.feature_dtype=float32", f"teacher.cache_dir={tmp_path / 'teacher'}")
-    cached = distill(_eagle_config(eagle_world, tmp_path / "cached", *common, f"eagle3.feature_dir={tmp_path / 'f'}"))
+    cached = distill(_eagle_config(eagle_world, tmp_path / "cached", *common, f"eagle3.feature_dir={tmp_path / 'f'}")).result_json()
     online = distill(_eagle_config(eagle_world, tmp_path / "online", *common, f"eagle3.feature_dir={tmp_path / 'g'}",
-                                   "eagle3.features=online", f"teacher.cache_dir={tmp_path / 'teacher-online'}"))
+                                   "eagle3.features=online", f"teacher.cache_dir={tmp_path / 'teacher-online'}")).result_json()
     assert cached["features"] == "cache" and cached["feature_disk_bytes"] > 0
     assert online["features"] == "online" and online["feature_disk_bytes"] == 0
     assert not (tmp_path / "g").exists() and not (tmp_path / "g-heldout").exists()
@@ -326,10 +326,10 @@ def test_online_features_train_as_the_cache_does(eagle_world, tmp_path):
 
 def test_auto_features_go_online_over_the_disk_budget(eagle_world, tmp_path):
     small = distill(_eagle_config(eagle_world, tmp_path / "small", "optim.max_steps=1", "eagle3.features=auto",
-                                  f"eagle3.feature_dir={tmp_path / 'f'}", "eagle3.feature_max_gb=1e-6"))
+                                  f"eagle3.feature_dir={tmp_path / 'f'}", "eagle3.feature_max_gb=1e-6")).result_json()
     assert small["features"] == "online" and not (tmp_path / "f").exists()
     assert "over eagle3.feature_max_gb=1e-06" in small["features_reason"]
     roomy = distill(_eagle_config(eagle_world, tmp_path / "roomy", "optim.max_steps=1", "eagle3.features=auto",
-                                  f"eagle3.feature_dir={tmp_path / 'f'}", "eagle3.feature_max_gb=1"))
+                                  f"eagle3.feature_dir={tmp_path / 'f'}", "eagle3.feature_max_gb=1")).result_json()
     assert roomy["features"] == "cache" and (tmp_path / "f").is_dir() and "within" in roomy["features_reason"]
     assert roomy["feature_disk_bytes"] > 1e-6 * 1e9  # the cache the small budget would have refused

@@ -83,10 +83,13 @@ class Trained(Record):
     feature_disk_bytes: int | None = None  # eagle3 only
     feature_bytes_per_answer_token: float | None = None  # eagle3 only
     stale_dropped: int = 0  # answers not trained on: their cached teacher rows were written for other token ids
+    features: str | None = None  # eagle3 only: cache | online
+    features_reason: str | None = None  # eagle3 only: why (auto: the disk budget)
 
     def task(self) -> TaskDescription:
         return TaskDescription(self.kind, self.draft_vocab, self.layers, self.stale_dropped, self.unroll_steps,
-                               self.feature_disk_bytes, self.feature_bytes_per_answer_token)
+                               self.feature_disk_bytes, self.feature_bytes_per_answer_token, self.features,
+                               self.features_reason)
 
     def result_json(self, *, curve: bool = True) -> dict:
         """result.json (and, without the curve, the draft's meta): the run's numbers, the task's keys, then
