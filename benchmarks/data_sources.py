@@ -191,7 +191,7 @@ def view(work: Path, name: str, parts: list[tuple[Path, list[dict]]]) -> Path:
             if not (directory / sub / meta).is_file():
                 (directory / sub / meta).write_text((source / sub / meta).read_text())
             for shard in (source / sub).glob("shard-*.safetensors"):
-                link = directory / sub / f"{source.name}-{shard.name}"
+                link = directory / sub / f"shard-{source.name}-{shard.name.removeprefix('shard-')}"  # the caches read shard-*
                 if not link.exists():
                     os.symlink(shard.resolve(), link)
     (directory / "train_generated.jsonl").write_text("\n".join(lines) + "\n")

@@ -47,10 +47,10 @@ class SourceConfig(Strict):
 class WindowConfig(Strict):
     days: float | None = None  # traffic that arrived in the last N days (None: all of it)
     since: datetime | None = None  # or since this moment (the monitor: since the target update)
-    # the head is data-limited (+0.075 position-1 acceptance per doubling of unique answer tokens; on the
-    # demo's 512 answers, 44.6k tokens, it stopped improving after ~1.7 of its 3 minutes, at 3.9 epochs)
-    # and bf16 answers are cheap (512 with teacher and features in 2:53): 1024 keep the demo under 20 minutes
-    train_prompts: int = Field(1024, ge=1)
+    # the head is data-limited (+0.075 position-1 acceptance per doubling of unique answer tokens). The window's
+    # logged responses are labelled at prefill speed and its prompts decoded until the answers' time budget is
+    # spent, so more prompts than the budget decodes leave a sample of them decoded and all of them labelled
+    train_prompts: int = Field(2048, ge=1)
     eval_prompts: int = Field(10, ge=1)
     replay_share: float = Field(0.25, ge=0.0, lt=1.0)  # of train prompts drawn from before the window
     max_prompt_tokens: int = Field(MAX_PROMPT_TOKENS, ge=16)  # the monitor replays within the same bound

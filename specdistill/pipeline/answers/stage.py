@@ -32,6 +32,8 @@ from specdistill.pipeline.config import NightlyConfig, config_hash, run_root
 from specdistill.pipeline.outputs import GeneratedData, LoggedData, Window
 from specdistill.pipeline.stage_budgets import stage_deadline
 
+# generation.batch_size null: by the run's dtype, as measured on each CPU kind (benchmarks/answer_batch.py)
+ANSWER_BATCH = {"bfloat16": 64, "float32": 32}
 ENGINE_ONLY = {"backend", "url", "engine", "parallel"}  # settings the harness's answers do not depend on
 # records by id, what answered, answers file, teacher cache, what the logged responses gave
 Answered = tuple[dict[str, dict], str, Path, str | None, LoggedData | None]
@@ -71,6 +73,11 @@ def generate_responses(config: NightlyConfig, window: Window, split: str, *, rec
                          engine_choice=engine.summary() if engine is not None else None, logged=logged)
 
 
+def answer_batch(config: NightlyConfig, target: LoadedModel) -> int:
+    """`generation.batch_size`, or the measured best for the run's dtype."""
+    return config.generation.batch_size or ANSWER_BATCH.get(dtype_name(target.model.dtype), 16)
+
+
 def _outputs(config: NightlyConfig, window: Window, fingerprint: str, split: str, source: str, k: int,
              record_teacher: bool) -> tuple[Path, TeacherCache | None]:
     """The split's answers file and, for train answers, the teacher cache, keyed by what answered
@@ -94,7 +101,7 @@ def _answer_in_harness(config: NightlyConfig, target: LoadedModel, window: Windo
     out_path, cache = _outputs(config, window, target.fingerprint, split, dtype, g.teacher_top_k, record_teacher)
     features = _feature_cache(config, target, out_path, cache)
     logged = _label_logged(config, target, prompts, out_path, cache, features, deadline)
-    records = generate_answers(target.model, target.tokenizer, prompts, out_path, batch_size=g.batch_size,
+    records = generate_answers(target.model, target.tokenizer, prompts, out_path, batch_size=answer_batch(config, target),
                                max_new_tokens=g.max_new_tokens, teacher_cache=cache, feature_cache=features,
                                deadline=deadline)
     return records, dtype, out_path, str(cache.dir) if cache else None, logged
@@ -151,7 +158,7 @@ def _answer_in_engine(config: NightlyConfig, target: LoadedModel, window: Window
         out_path, cache = _outputs(config, window, target.fingerprint, split, source, served.top_k, record_teacher)
         logged = _label_logged(config, target, prompts, out_path, cache, None, deadline)
         records = generate_answers_openai(served, target.tokenizer, prompts, out_path, parallel=g.parallel,
-                                          batch_size=g.batch_size, max_new_tokens=g.max_new_tokens, teacher_cache=cache,
+                                          batch_size=answer_batch(config, target), max_new_tokens=g.max_new_tokens, teacher_cache=cache,
                                           deadline=deadline)
     return records, source, out_path, str(cache.dir) if cache else None, logged
 
