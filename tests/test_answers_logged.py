@@ -97,7 +97,8 @@ def _traffic(tmp_path: Path, target_dir: Path) -> tuple[str, Window, dict[str, s
 def _config(target_dir, url, *overrides):
     return load_nightly_config(None, [f"target={target_dir}", f"log_db={url}", "dtype=float32", "train.kind=eagle3",
                                       "generation.max_new_tokens=8", "generation.max_minutes=null",
-                                      f"generation.logged.served_names.tiny-v1={target_dir}", *overrides])
+                                      f"generation.logged.served_names.tiny-v1={target_dir}", "generation.logged.other=true",
+                                      *overrides])
 
 
 def test_own_logged_answers_are_not_decoded_again_and_the_report_counts_every_kind(target_dir, tmp_path, monkeypatch):

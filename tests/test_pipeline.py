@@ -47,7 +47,7 @@ def test_the_train_section_is_the_distillation_config_with_the_nightly_defaults(
     assert issubclass(NightlyTrain, DistillConfig)
     assert set(NightlyTrain.model_fields) == {*DistillConfig.model_fields, "incremental_lr"}
     demo = load_nightly_config().train
-    assert (demo.kind, demo.optim.max_minutes, demo.optim.bf16) == ("eagle3", 3.0, None)
+    assert (demo.kind, demo.optim.max_minutes, demo.optim.bf16) == ("eagle3", 4.5, None)
     assert (demo.optim.warmup_steps, demo.checkpoint_every, demo.eval_every) == (20, 250, 250) == (*derived_schedule(1000), 250)
     cfg = load_nightly_config(None, ["train.optim.lr=0.002", "train.optim.batch_size=2", "train.optim.max_steps=7",
                                      "train.loss.kind=jsd", "train.eagle3.steps=3", "train.layers=0,3", "train.draft_vocab=null"])
@@ -693,8 +693,10 @@ def test_a_device_the_machine_lacks_fails_at_config_load_naming_the_key(monkeypa
 def test_stage_deadlines_share_what_the_run_has_left():
     from specdistill.pipeline.stage_budgets import stage_budgets, stage_deadline
 
-    config = load_nightly_config(None, ["generation.max_minutes=8", "train.optim.max_minutes=3", "bench.max_minutes=4"])
+    config = load_nightly_config(None, ["generation.max_minutes=8", "train.optim.max_minutes=3", "bench.max_minutes=4",
+                                        "bench.generic_minutes=null"])  # null: the baseline gets the draft's minutes
     assert stage_budgets(config) == {"answers": 8, "distill": 3, "generic": 3, "benchmark": 4}
+    assert stage_budgets(load_nightly_config(None, ["train.optim.max_minutes=3"]))["generic"] == 2.0  # its own, by default
     now = 1000.0
     assert stage_deadline(config, "answers", now + 60 * 36, now=now).at == now + 8 * 60  # enough time: its own budget
     assert stage_deadline(config, "answers", now + 60 * 9, now=now).at == pytest.approx(now + 9 * 60 * 8 / 18)
@@ -706,7 +708,7 @@ def test_stage_deadlines_share_what_the_run_has_left():
         stage_deadline(no_generic, "generic", None)
     # a serving engine's benchmark takes the harness benchmark's budget and its share of the run
     engine = load_nightly_config(None, ["train.optim.max_minutes=3", "bench.max_minutes=4", "serving.engine=vllm",
-                                        "generation.max_minutes=8"])
+                                        "generation.max_minutes=8", "bench.generic_minutes=null"])
     assert stage_budgets(engine) == {"answers": 8, "distill": 3, "generic": 3, "benchmark": 4, "engine benchmark": 4}
     assert stage_deadline(engine, "benchmark", now + 60 * 4, now=now).at == pytest.approx(now + 2 * 60)
     assert stage_deadline(engine, "engine benchmark", now + 60 * 3, now=now).at == pytest.approx(now + 3 * 60)

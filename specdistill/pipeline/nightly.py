@@ -200,7 +200,7 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | None, heldo
                   deadline_at: float | None = None) -> Trained:
     """Distill a draft on the target's own answers (KL on the cached teacher), fresh or warm-started
     from the champion; `generic=True` trains the off-the-shelf baseline instead: plain CE on the
-    human-written answers of the same prompts, same size and budget.
+    human-written answers of the same prompts, same size, for `bench.generic_minutes`.
 
     The output directory is keyed by the train config, the data and the warm start (the generic
     baseline: by the window and the train config), so a finished run is found again and reused.
@@ -229,7 +229,7 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | None, heldo
     result_file = out_dir / "result.json"
     if result_file.is_file():  # finished before: a rerun reuses it
         return Trained.from_dict(paths.read_json(result_file, "distillation result"))
-    minutes = tc.optim.max_minutes
+    minutes = config.bench.generic_minutes if generic and config.bench.generic_minutes is not None else tc.optim.max_minutes
     now = time.time()
     left = stage_deadline(config, "generic" if generic else "distill", deadline_at, now=now).minutes(now)
     if left is not None and (minutes is None or left < minutes):

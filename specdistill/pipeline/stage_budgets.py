@@ -21,7 +21,8 @@ STAGES = ("answers", "distill", "generic", "benchmark", "engine benchmark")  # t
 def stage_budgets(config: NightlyConfig) -> dict[str, float | None]:
     """Each budgeted stage's own budget in minutes (None: none; a stage the run skips: absent)."""
     budgets = {"answers": config.generation.max_minutes, "distill": config.train.optim.max_minutes,
-               "generic": config.train.optim.max_minutes if config.bench.generic_draft else None,
+               "generic": (config.bench.generic_minutes if config.bench.generic_minutes is not None
+                           else config.train.optim.max_minutes) if config.bench.generic_draft else None,
                "benchmark": config.bench.max_minutes,
                "engine benchmark": config.bench.max_minutes if config.serving.engine != "harness" else None}
     if not config.bench.generic_draft:
