@@ -74,6 +74,9 @@ class NightlyOptim(OptimConfig):
     per minute, held-out α 0.397 against 0.372 in fp32, on a 2-core AVX-512-BF16 CPU). Warmup null: derived."""
 
     warmup_steps: int | None = Field(None, ge=0)
+    # the minutes bind on a 2-core CPU: after the faster step the demo's head ran its 1000 steps in 2.0 of its
+    # 4.5 minutes and was still rising (0.443, 0.463 held-out first-position acceptance at steps 750, 1000)
+    max_steps: int = Field(2400, ge=1)
     max_minutes: float | None = Field(4.5, ge=0.0)
     bf16: bool | None = None
 
