@@ -452,31 +452,14 @@ def test_checker_catches_a_function_level_import_that_does_not_say_why(tmp_path)
 # The repository
 
 
-def test_library_layers_import_only_downward():
-    violations = layering_violations(REPO)
-    if violations:
-        pytest.fail(_report(violations), pytrace=False)
-
-
-def test_prefect_stays_in_tasks_and_flows_which_use_the_library_through_pipeline():
-    violations = orchestration_violations(REPO)
-    if violations:
-        pytest.fail(_report(violations), pytrace=False)
-
-
-def test_modules_stay_small_and_the_top_level_stays_short():
-    violations = size_violations(REPO)
-    if violations:
-        pytest.fail(_report(violations), pytrace=False)
-
-
-def test_no_package_imports_itself_in_a_circle():
-    violations = import_cycles(REPO)
-    if violations:
-        pytest.fail(_report(violations), pytrace=False)
-
-
-def test_imports_inside_functions_say_why():
-    violations = unexplained_function_level_imports(REPO)
+@pytest.mark.parametrize("check", [
+    layering_violations,  # library layers import only downward
+    orchestration_violations,  # Prefect stays in tasks/ and flows/, which use the library through pipeline
+    size_violations,  # modules stay small and the top level stays short
+    import_cycles,  # no package imports itself in a circle
+    unexplained_function_level_imports,  # imports inside functions say why
+], ids=lambda check: check.__name__)
+def test_the_repository_keeps_the_house_rules(check):
+    violations = check(REPO)
     if violations:
         pytest.fail(_report(violations), pytrace=False)
