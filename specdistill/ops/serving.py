@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, Stric
 
 from specdistill import paths
 from specdistill.acceptance import DEFAULT_GAMMA, NGRAM_WINDOW
-from specdistill.speculative.specs import serving_modes
+from specdistill.speculative.specs import served_kind, serving_modes
 
 DRAFT_KINDS = ("layers", "eagle3")  # a plain HF draft checkpoint, or an EAGLE-3 head over the target's features
 SERVING_FILE = "serving.json"
@@ -128,61 +128,14 @@ class ServingConfig(BaseModel):
         return dict(self.__pydantic_extra__ or {})
 
     def vllm(self) -> dict | None:
-        """vLLM's `--speculative-config` (None: serve without speculation)."""
-        k = self.num_speculative_tokens
-        if self.draft_kind == "eagle3":
-            return {"method": "eagle3", "model": self.draft_dir, "num_speculative_tokens": k}
-        if self.mode in ("draft", "self_speculation"):
-            return {"method": "draft_model", "model": self.draft_dir, "num_speculative_tokens": k}
-        if self.mode == "suffix":  # vLLM's global tree fills from served requests only: our corpus cannot seed it
-            return {
-                "method": "suffix",
-                "num_speculative_tokens": k,
-                "suffix_decoding_max_tree_depth": self.suffix_max_tree_depth,
-                "suffix_decoding_max_spec_factor": self.suffix_max_spec_factor,
-                "suffix_decoding_min_token_prob": self.suffix_min_token_prob,
-                "suffix_decoding_max_cached_requests": self.suffix_max_cached_requests,
-            }
-        if self.mode == "ngram":
-            return {
-                "method": "ngram",
-                "prompt_lookup_min": self.prompt_lookup_min,
-                "prompt_lookup_max": self.prompt_lookup_max,
-                "num_speculative_tokens": k,
-            }
-        return None
+        """vLLM's `--speculative-config` (None: serve without speculation): its mode's kind writes it."""
+        kind = served_kind(self.mode)
+        return kind.vllm(self) if kind else None
 
     def sglang(self) -> list[str]:
-        """SGLang `launch_server` flags (empty: serve without speculation)."""
-        k = self.num_speculative_tokens
-        if self.mode in ("draft", "self_speculation"):
-            # k draft steps; with a tree the head's top `tree_width` per step, of which the best
-            # k + tree_width - 1 nodes (our engine's tree size) are verified with the pending token
-            w = self.tree_width
-            return [
-                "--speculative-algorithm", "EAGLE3" if self.draft_kind == "eagle3" else "STANDALONE",
-                "--speculative-draft-model-path", str(self.draft_dir),
-                "--speculative-num-steps", str(k),
-                "--speculative-eagle-topk", str(w),
-                "--speculative-num-draft-tokens", str(k + w),
-            ]
-        if self.mode == "suffix":  # SGLang's NGRAM trie over the request, plus our corpus as its external corpus
-            out = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(k),
-                   "--speculative-ngram-max-trie-depth", str(self.suffix_max_tree_depth)]
-            if self.suffix_corpus_sglang:
-                out += ["--speculative-ngram-external-corpus-path", self.suffix_corpus_sglang,
-                        "--speculative-ngram-external-sam-budget", str(k),
-                        # SGLang re-tokenizes the texts and refuses a corpus above this; answers plus separators
-                        "--speculative-ngram-external-corpus-max-tokens", str(max(1, 2 * self.suffix_corpus_tokens))]
-            return out
-        if self.mode == "ngram":
-            return [
-                "--speculative-algorithm", "NGRAM",
-                "--speculative-num-draft-tokens", str(k),
-                "--speculative-ngram-min-match-window-size", str(self.prompt_lookup_min),
-                "--speculative-ngram-max-match-window-size", str(self.prompt_lookup_max),
-            ]
-        return []
+        """SGLang `launch_server` flags (empty: serve without speculation): its mode's kind writes them."""
+        kind = served_kind(self.mode)
+        return kind.sglang(self) if kind else []
 
     def llamacpp(self) -> dict | None:
         """llama-server's flags and a command line for this mode (None: not measured in llama.cpp)."""

@@ -11,8 +11,11 @@ the tree width are not in the text: they are measured settings a spec is run wit
 
 A new kind registers a `Kind` in `KINDS` (`register_kind`): how its argument is checked, the serving
 mode it is written as (`serving_modes()`, what serving.json and the serving-mode gauge accept), whether an
-engine may serve it (and llama.cpp measure it), the serving.json keys its text decides (from which
-`ops.serving.ServingConfig` writes vLLM's and SGLang's settings), and how its drafter is built.
+engine may serve it (and llama.cpp measure it), the serving.json keys its text decides, the vLLM and SGLang
+settings `ops.serving.ServingConfig` writes for its mode, and how its drafter is built.
+
+Specs travel as `DrafterSpec` objects; their text is written only where it leaves the program (JSON records,
+cache keys, reports: `to_dict`) and parsed where it comes in (the CLI, configs, records read back).
 
 Self-speculation is `self-spec` everywhere a drafter is named (specs `self-spec:K`, results `self-spec@K`,
 the CLI's `--self-spec K`); `self_spec:K`, the spelling of records written before, is still read. Its
@@ -53,6 +56,10 @@ class Kind:
     # the writer's to give (a registered copy, an exported early-exit draft)
     serving: Callable[[DrafterSpec], dict[str, Any]] = lambda spec: {}
     llamacpp: bool = True  # llama-server runs it (its lookup cache is its own format: no suffix corpus)
+    # its mode's settings from a serving config (`ops.serving.ServingConfig`): vLLM's `speculative_config`
+    # (None: no speculation) and SGLang's `launch_server` flags
+    vllm: Callable[[Any], dict[str, Any] | None] = lambda config: None
+    sglang: Callable[[Any], list[str]] = lambda config: []
     aliases: tuple[str, ...] = ()  # older spellings of the name, read from records written before
 
 
@@ -80,6 +87,11 @@ def register_kind(kind: Kind) -> Kind:
 def serving_modes() -> tuple[str, ...]:
     """The modes serving.json may name: each servable kind's, then `off`."""
     return (*dict.fromkeys(k.mode for k in KINDS.values() if k.served), OFF)
+
+
+def served_kind(mode: str) -> Kind | None:
+    """The servable kind a serving mode names (None: `off`, or a mode no kind is served as)."""
+    return next((k for k in KINDS.values() if k.served and k.mode == mode), None)
 
 
 def usage() -> str:
@@ -112,6 +124,10 @@ class DrafterSpec:
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.arg}" if self.arg else self.kind
+
+    def to_dict(self) -> str:
+        """Its JSON is its text (`data.record.to_dict`, and so cache keys); `parse` reads it back."""
+        return str(self)
 
     def with_(self, **changes: Any) -> DrafterSpec:
         return replace(self, **changes)
@@ -201,6 +217,56 @@ def _suffix_serving(spec: DrafterSpec) -> dict[str, Any]:
             "suffix_max_spec_factor": p.max_spec_factor, "suffix_min_token_prob": p.min_token_prob}
 
 
+# A servable mode's engine settings from its serving config `c` (`ops.serving.ServingConfig.vllm()`, `.sglang()`)
+
+def _model_vllm(c: Any) -> dict[str, Any]:
+    """A draft model in vLLM: a layers checkpoint (a draft, self-speculation's early-exit export) or an EAGLE-3 head."""
+    return {"method": "eagle3" if c.draft_kind == "eagle3" else "draft_model", "model": c.draft_dir,
+            "num_speculative_tokens": c.num_speculative_tokens}
+
+
+def _model_sglang(c: Any) -> list[str]:
+    """k draft steps; with a tree the head's top `tree_width` per step, of which the best k + tree_width - 1
+    nodes (our engine's tree size) are verified with the pending token."""
+    k, w = c.num_speculative_tokens, c.tree_width
+    return ["--speculative-algorithm", "EAGLE3" if c.draft_kind == "eagle3" else "STANDALONE",
+            "--speculative-draft-model-path", str(c.draft_dir), "--speculative-num-steps", str(k),
+            "--speculative-eagle-topk", str(w), "--speculative-num-draft-tokens", str(k + w)]
+
+
+def _ngram_vllm(c: Any) -> dict[str, Any]:
+    return {"method": "ngram", "prompt_lookup_min": c.prompt_lookup_min, "prompt_lookup_max": c.prompt_lookup_max,
+            "num_speculative_tokens": c.num_speculative_tokens}
+
+
+def _ngram_sglang(c: Any) -> list[str]:
+    return ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(c.num_speculative_tokens),
+            "--speculative-ngram-min-match-window-size", str(c.prompt_lookup_min),
+            "--speculative-ngram-max-match-window-size", str(c.prompt_lookup_max)]
+
+
+def _suffix_vllm(c: Any) -> dict[str, Any]:
+    """vLLM's global tree fills from served requests only: our corpus cannot seed it."""
+    return {"method": "suffix", "num_speculative_tokens": c.num_speculative_tokens,
+            "suffix_decoding_max_tree_depth": c.suffix_max_tree_depth,
+            "suffix_decoding_max_spec_factor": c.suffix_max_spec_factor,
+            "suffix_decoding_min_token_prob": c.suffix_min_token_prob,
+            "suffix_decoding_max_cached_requests": c.suffix_max_cached_requests}
+
+
+def _suffix_sglang(c: Any) -> list[str]:
+    """SGLang's NGRAM trie over the request, plus our corpus as its external corpus."""
+    k = c.num_speculative_tokens
+    out = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(k),
+           "--speculative-ngram-max-trie-depth", str(c.suffix_max_tree_depth)]
+    if c.suffix_corpus_sglang:
+        out += ["--speculative-ngram-external-corpus-path", c.suffix_corpus_sglang,
+                "--speculative-ngram-external-sam-budget", str(k),
+                # SGLang re-tokenizes the texts and refuses a corpus above this; answers plus separators
+                "--speculative-ngram-external-corpus-max-tokens", str(max(1, 2 * c.suffix_corpus_tokens))]
+    return out
+
+
 def _make_drafter(target: PreTrainedModel, **options: Any) -> Drafter | None:
     """`factory.make_drafter`, imported when a drafter is first built."""
     from specdistill.speculative.factory import make_drafter  # lazy: keeps torch off `serving show`
@@ -210,19 +276,22 @@ def _make_drafter(target: PreTrainedModel, **options: Any) -> Drafter | None:
 
 SELF_SPEC = "self-spec"
 register_kind(Kind("draft", "draft", "draft:DIR", lambda arg: bool(arg),
-                   lambda target, s, key: _make_drafter(target, draft=s.arg, tree_width=s.tree_width)))
+                   lambda target, s, key: _make_drafter(target, draft=s.arg, tree_width=s.tree_width),
+                   vllm=_model_vllm, sglang=_model_sglang))
 register_kind(Kind(SELF_SPEC, "self_speculation", "self-spec:K", str.isdigit,
                    lambda target, s, key: _make_drafter(target, self_spec=s.exit_layer, tree_width=s.tree_width),
-                   serving=lambda s: {"exit_layer": s.exit_layer}, aliases=("self_spec",)))
+                   serving=lambda s: {"exit_layer": s.exit_layer}, vllm=_model_vllm, sglang=_model_sglang,
+                   aliases=("self_spec",)))
 register_kind(Kind("ngram", "ngram", "ngram or ngram:MIN,MAX", _sizes_ok,
                    lambda target, s, key: _make_drafter(target, ngram=True, ngram_min=s.ngram_sizes[0],
                                                       ngram_max=s.ngram_sizes[1]),
-                   serving=lambda s: {"prompt_lookup_min": s.ngram_sizes[0], "prompt_lookup_max": s.ngram_sizes[1]}))
+                   serving=lambda s: {"prompt_lookup_min": s.ngram_sizes[0], "prompt_lookup_max": s.ngram_sizes[1]},
+                   vllm=_ngram_vllm, sglang=_ngram_sglang))
 register_kind(Kind("suffix", "suffix", "suffix:CORPUS", lambda arg: bool(arg),
                    lambda target, s, key: _make_drafter(target, suffix=s.arg, tree_width=s.tree_width,
                                                        target_fingerprint=key.fingerprint,
                                                        target_tokenizer=key.tokenizer),
-                   serving=_suffix_serving, llamacpp=False))
+                   serving=_suffix_serving, llamacpp=False, vllm=_suffix_vllm, sglang=_suffix_sglang))
 # measured, never served: no serving engine runs our distilled draft with the suffix drafter beside it
 register_kind(Kind("hybrid", "hybrid", "hybrid:DIR,CORPUS[,THRESHOLD]", _hybrid_ok,
                    lambda target, s, key: _make_drafter(target, draft=s.path, suffix=s.corpus, tree_width=s.tree_width,
