@@ -138,7 +138,7 @@ from specdistill.engines.vllm_bench import served_dtype, target_dir
 from specdistill.modeling.models import load_model, resolve_model_dir
 from specdistill.pipeline.engine_bench import mode_for_spec
 from specdistill.pipeline.vllm_bench_stage import mode_serving_config
-from specdistill.speculative import drafter_from_spec
+from specdistill.speculative import DrafterSpec, drafter_from_spec
 from specdistill.speculative.engine import SpecStats, generate
 
 SERVERS = ("llamacpp", "vllm")  # engines measured through their OpenAI-compatible servers
@@ -193,15 +193,15 @@ def main() -> None:
         urls = {}  # (engine kind, mode) -> base URL
         if "llamacpp" in engines.values():
             engine = build_llama_server()
-            llama_modes = {"target-only": ServerMode(), "draft": mode_for_spec(f"draft:{args.draft}", gguf, args.gamma),
-                           "ngram": mode_for_spec("ngram", gguf, args.gamma)}
+            llama_modes = {"target-only": ServerMode(), "draft": mode_for_spec(DrafterSpec("draft", args.draft), gguf, args.gamma),
+                           "ngram": mode_for_spec(DrafterSpec("ngram"), gguf, args.gamma)}
             for m, mode in llama_modes.items():
                 server = LlamaServer(engine.server, ServerConfig(model=gguf, mode=mode, threads=args.threads))
                 urls[("llamacpp", m)] = stack.enter_context(server).url
         if "vllm" in engines.values():  # each mode from the speculative_config serving.json would carry
             blocks = {"target-only": None,
-                      "draft": mode_serving_config(f"draft:{args.draft}", args.gamma, args.target).vllm(),
-                      "ngram": mode_serving_config("ngram", args.gamma, args.target).vllm()}
+                      "draft": mode_serving_config(DrafterSpec("draft", args.draft), args.gamma, args.target).vllm(),
+                      "ngram": mode_serving_config(DrafterSpec("ngram"), args.gamma, args.target).vllm()}
             servers = {m: VllmServer(VllmConfig(model=target_dir(args.target), speculative_config=b, threads=args.threads,
                                                 dtype=served_dtype(), name=m)) for m, b in blocks.items()}
             for server in servers.values():

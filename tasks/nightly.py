@@ -17,7 +17,7 @@ from prefect import task
 from specdistill.pipeline import bench_stage, corpus, engine_bench, pool_stage, serve, success
 from specdistill.pipeline import nightly as pipeline
 from specdistill.pipeline.answers import stage as answer_stage
-from specdistill.pipeline.bench_stage import BenchResult, GateVerdict
+from specdistill.pipeline.bench_stage import BenchResult, DrafterSpec, GateVerdict
 from specdistill.pipeline.config import NightlyConfig, SourceConfig
 from specdistill.pipeline.nightly import IngestResult, RegisteredDraft
 from specdistill.pipeline.outputs import (
@@ -93,13 +93,13 @@ def generic_baseline(config: NightlyConfig, window: Window, heldout_data: Genera
 
 
 @task(name="benchmark", **CACHED)
-def benchmark(config: NightlyConfig, window: Window, drafters: dict[str, str], target_fingerprint: str,
+def benchmark(config: NightlyConfig, window: Window, drafters: dict[str, DrafterSpec], target_fingerprint: str,
               deadline_at: float | None = None) -> dict[str, BenchResult]:
     return bench_stage.benchmark(config, window, drafters, deadline_at)
 
 
 @task(name="engine-benchmark", **CACHED)
-def engine_benchmark(config: NightlyConfig, window: Window, drafters: dict[str, str],
+def engine_benchmark(config: NightlyConfig, window: Window, drafters: dict[str, DrafterSpec],
                      target_fingerprint: str, deadline_at: float | None = None) -> dict[str, BenchResult]:
     return engine_bench.engine_benchmark(config, window, drafters, deadline_at)
 

@@ -15,6 +15,7 @@ from specdistill.modeling.eagle3 import Eagle3Cache, Eagle3ShapeError, init_eagl
 from specdistill.modeling.eagle3_io import aux_layers_of, is_eagle3_dir, load_eagle3, save_eagle3
 from specdistill.modeling.models import ModelLoadError, load_model
 from specdistill.modeling.vocab import DraftVocab
+from specdistill.speculative.specs import DrafterSpec
 from tests.conftest import eval_window, save_tiny_target, train_bpe
 
 # SpecForge configs/llama3-8B-eagle3.json (sgl-project/SpecForge; the yuhuili/EAGLE3-LLaMA3.1-Instruct-8B
@@ -242,6 +243,6 @@ def test_llama_cpp_engine_refuses_a_head_for_another_target(head_dir):
     config = load_nightly_config(None, ["serving.engine=llamacpp"])
     window = eval_window("Hi")
     with pytest.raises(GgufExportError, match=re.escape(f"EAGLE-3 head {head_dir} does not fit this target: target hidden size 576")):
-        engine_benchmark(config, window, {"challenger": f"draft:{head_dir}"})
+        engine_benchmark(config, window, {"challenger": DrafterSpec("draft", str(head_dir))})
     assert not list((paths.home() / "engines").rglob("*.gguf*"))
     assert not (paths.home() / "serving.json").exists()

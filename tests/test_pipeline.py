@@ -20,6 +20,7 @@ from specdistill.pipeline.config import load_nightly_config, run_root
 from specdistill.pipeline.outputs import Champion, GeneratedData, Promoted, Trained, Window
 from specdistill.pipeline.report import report_table
 from specdistill.pipeline.serve import ServingDecision
+from specdistill.speculative.specs import DrafterSpec
 from tests.conftest import bench_result, train_bpe, trained_result
 
 
@@ -601,7 +602,7 @@ def test_the_run_dtype_reaches_every_model_load_and_the_feature_pass(tmp_path, m
     loaded = real(target_dir, dtype="float32")
     champion = save_draft(init_draft_from_target(loaded.model, [0, 3]), loaded.tokenizer, tmp_path / "champion")
     pipeline.align_champion(config, Champion("d", "1", str(champion)))
-    engine_bench.llamacpp_spec(config, "self-spec@2", "self_spec:2")
+    engine_bench.llamacpp_spec(config, DrafterSpec.parse("self_spec:2"))
     decision = ServingDecision(mode="self_speculation", name="self-spec@2", spec="self_spec:2", gamma=2, speedup=1.2,
                                reason="r", measured={}, measured_on="")
     serve.serving_config(decision, info)
@@ -662,7 +663,8 @@ def test_a_float32_run_on_a_bf16_cpu_loads_every_model_and_runs_the_feature_pass
     train = generate_responses(config, window, "train", record_teacher=True)
     heldout = generate_responses(config, window, "eval", record_teacher=False)
     trained = pipeline.distill_draft(config, train, heldout)
-    bench_stage.benchmark(config, window, {"challenger": f"draft:{trained.draft_dir}", "self-spec@2": "self_spec:2"})
+    bench_stage.benchmark(config, window, {"challenger": DrafterSpec("draft", trained.draft_dir),
+                                         "self-spec@2": DrafterSpec.parse("self_spec:2")})
     monitor = MonitorConfig(target=str(tiny_target_dir), nightly_overrides=[f"log_db={url}", *overrides], gamma=2,
                             replay_prompts=2, max_new_tokens=4, min_draft_tokens=1, fallback_exit_layers=[2],
                             fallback_min_tokens=1)

@@ -15,6 +15,7 @@ from specdistill.data.prompts import Prompt
 from specdistill.engines.client import chat, metrics_url
 from specdistill.engines.endpoint_bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
 from specdistill.engines.prom import scrape
+from specdistill.speculative.specs import DrafterSpec
 from tests.conftest import eval_window
 from tests.test_llamacpp import REPEAT, _memorizing_head
 
@@ -28,7 +29,7 @@ def _serving_block(spec: str) -> dict:
     """The speculative_config serving.json would carry for a drafter spec."""
     from specdistill.pipeline.vllm_bench_stage import mode_serving_config
 
-    return mode_serving_config(spec, K, "demo").vllm()
+    return mode_serving_config(DrafterSpec.parse(spec), K, "demo").vllm()
 
 
 @pytest.fixture(scope="session")
@@ -222,8 +223,8 @@ def test_nightly_serving_choice_measured_in_vllm(vllm_servers, eagle_head, tmp_p
     config = load_nightly_config(None, ["serving.engine=vllm", "bench.max_new_tokens=24", "serving.margin=0.0",
                                         "serving.min_prompts=1"])  # the window's one prompt may decide
     window = eval_window(REPEAT)
-    speeds = engine_benchmark(config, window, {"ngram": NGRAM_SPEC, "challenger": f"draft:{eagle_head}",
-                                               "generic": "draft:/never/measured"})
+    drafters = {"ngram": NGRAM_SPEC, "challenger": f"draft:{eagle_head}", "generic": "draft:/never/measured"}
+    speeds = engine_benchmark(config, window, {name: DrafterSpec.parse(s) for name, s in drafters.items()})
     assert set(speeds) == {"ngram", "challenger"}
     for name, spec in (("ngram", NGRAM_SPEC), ("challenger", f"draft:{eagle_head}")):
         assert speeds[name].engine == "vllm" and speeds[name].stats["draft_tokens"] > 0

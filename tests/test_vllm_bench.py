@@ -12,6 +12,7 @@ import pytest
 from specdistill import paths
 from specdistill.modeling.drafts import save_draft
 from specdistill.ops import registry
+from specdistill.speculative.specs import DrafterSpec
 from tests.conftest import bench_result, make_tiny_llama, save_tiny_target, train_bpe
 
 
@@ -81,8 +82,8 @@ def test_llamacpp_mode_gets_the_registered_drafts_directory(registered, monkeypa
 
     _, reg = registered
     monkeypatch.setattr(llamacpp, "draft_mode", lambda draft, target, k: draft)  # the GGUF export is llama.cpp's test
-    assert _local_registered_copy(mode_for_spec(f"draft:models:/{reg.name}@challenger", Path("t.gguf"), 4), reg)
-    assert mode_for_spec("draft:/d/draft.gguf", Path("t.gguf"), 4) == "/d/draft.gguf"  # a GGUF draft as it is
+    assert _local_registered_copy(mode_for_spec(DrafterSpec.parse(f"draft:models:/{reg.name}@challenger"), Path("t.gguf"), 4), reg)
+    assert mode_for_spec(DrafterSpec.parse("draft:/d/draft.gguf"), Path("t.gguf"), 4) == "/d/draft.gguf"  # a GGUF draft as it is
 
 
 def test_vllm_is_launched_with_the_registered_drafts_directory_on_its_command_line(registered, tmp_path):
@@ -96,7 +97,7 @@ def test_vllm_is_launched_with_the_registered_drafts_directory_on_its_command_li
     target, reg = registered
     argv = tmp_path / "argv.log"
     env = _env(tmp_path, f'echo "$@" >> {argv}; echo "ValueError: stand-in vLLM"; exit 1')
-    mode = mode_serving_config(f"draft:models:/{reg.name}@challenger", 4, str(target)).vllm()
+    mode = mode_serving_config(DrafterSpec.parse(f"draft:models:/{reg.name}@challenger"), 4, str(target)).vllm()
     with pytest.raises(VllmStartError, match="stand-in vLLM"):  # target-only could not start: nothing measured
         bench_vllm(target, {"draft": mode}, [], env=env, progress=False)
     launched = argv.read_text()
@@ -113,16 +114,16 @@ def test_each_kind_writes_its_own_serving_keys_and_a_new_kind_is_one_registratio
     from specdistill.speculative import NgramDrafter
     from specdistill.speculative.specs import KINDS, Kind, register_kind
 
-    ngram = mode_serving_config("ngram:2,5", 3, "unused").vllm()
+    ngram = mode_serving_config(DrafterSpec.parse("ngram:2,5"), 3, "unused").vllm()
     assert ngram == {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5, "num_speculative_tokens": 3}
-    assert mode_serving_config("ngram", 3, "unused").vllm()["prompt_lookup_max"] == NGRAM_WINDOW[1]
-    suffix = mode_serving_config("suffix:/c.safetensors", 3, "unused").to_dict()
+    assert mode_serving_config(DrafterSpec.parse("ngram"), 3, "unused").vllm()["prompt_lookup_max"] == NGRAM_WINDOW[1]
+    suffix = mode_serving_config(DrafterSpec.parse("suffix:/c.safetensors"), 3, "unused").to_dict()
     assert suffix["suffix_corpus"] == "/c.safetensors" and not [k for k in suffix if k.startswith("prompt_lookup")]
     with pytest.raises(ValueError, match="no serving engine runs a hybrid"):
-        mode_serving_config("hybrid:/d,/c.safetensors", 3, "unused")
+        mode_serving_config(DrafterSpec.parse("hybrid:/d,/c.safetensors"), 3, "unused")
     register_kind(Kind("lookup", "ngram", "lookup:N", str.isdigit, lambda target, s, key: NgramDrafter(1, int(s.arg)),
                        serving=lambda s: {"prompt_lookup_min": 1, "prompt_lookup_max": int(s.arg)}))
     try:
-        assert mode_serving_config("lookup:6", 2, "unused").vllm()["prompt_lookup_max"] == 6
+        assert mode_serving_config(DrafterSpec.parse("lookup:6"), 2, "unused").vllm()["prompt_lookup_max"] == 6
     finally:
         KINDS.pop("lookup")

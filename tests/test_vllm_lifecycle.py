@@ -140,6 +140,7 @@ def test_serving_choice_skips_a_mode_vllm_refused():
     from specdistill.pipeline.config import load_nightly_config
     from specdistill.pipeline.serve import choose_serving
     from specdistill.pipeline.vllm_bench_stage import refused_entry
+    from specdistill.speculative.specs import DrafterSpec
     from specdistill.speculative.harness_bench import BenchResult
 
     config = load_nightly_config(None, ["serving.engine=vllm", "serving.margin=0.0"])
@@ -150,7 +151,7 @@ def test_serving_choice_skips_a_mode_vllm_refused():
                      cost_ratio=None, ideal_speedup=None, stats={"vllm_version": "0.32.0"}, dtype="bfloat16", engine="vllm",
                      spec="ngram")
     speeds = {"ngram": ok,
-              "challenger": refused_entry("challenger", "draft:/d", "ValueError: no d2t", 4, "bfloat16")}
+              "challenger": refused_entry("challenger", DrafterSpec("draft", "/d"), "ValueError: no d2t", 4, "bfloat16")}
     decision = choose_serving(config, eval_window(), {}, GateVerdict(True), speeds)
     assert decision.mode == "ngram" and decision.measured == {"ngram": 1.2}
     assert "vLLM refused: challenger (ValueError: no d2t)" in decision.reason

@@ -121,11 +121,12 @@ def _bench_engine(args: argparse.Namespace):
         return _bench_vllm(args, prompts, config, threads)
     from specdistill.engines.llamacpp import bench_llamacpp, target_gguf  # lazy: CLI start-up
     from specdistill.pipeline.engine_bench import mode_for_spec  # lazy: CLI start-up
+    from specdistill.speculative.specs import DrafterSpec  # lazy: CLI start-up
 
     if args.self_spec is not None or args.suffix or not (args.draft or args.ngram):
         raise ValueError("--engine llamacpp measures --draft (a GGUF, or a draft or EAGLE-3 head directory exported to one) "
                          "or --ngram")
-    spec = f"draft:{args.draft}" if args.draft else "ngram"
+    spec = DrafterSpec("draft", args.draft) if args.draft else DrafterSpec("ngram")
     mode = mode_for_spec(spec, target_gguf(args.target), args.gamma)
     return bench_llamacpp(args.target, {mode.name: mode}, prompts, config, threads=threads)[mode.name]
 

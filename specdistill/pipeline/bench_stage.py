@@ -24,24 +24,24 @@ from specdistill.speculative.threads import fastest_threads
 
 
 def measured_drafters(config: NightlyConfig, trained: Trained, warm_start: WarmStart | None,
-                      generic: Trained | None, suffix_corpus: str | None = None) -> dict[str, str]:
+                      generic: Trained | None, suffix_corpus: str | None = None) -> dict[str, DrafterSpec]:
     """The benchmark's entries and their drafter specs: the drafts by their role (the challenger, the
     champion as warm-started, the generic baseline), the draft-free modes by their own names; with a
     `suffix_corpus` (the target's own train answers), the suffix drafter alone and (`bench.hybrid`) beside
     the challenger."""
-    drafters = {Role.CHALLENGER.value: str(DrafterSpec("draft", trained.draft_dir))}
+    drafters = {Role.CHALLENGER.value: DrafterSpec("draft", trained.draft_dir)}
     if warm_start:
-        drafters[Role.CHAMPION.value] = str(DrafterSpec("draft", warm_start.dir))
+        drafters[Role.CHAMPION.value] = DrafterSpec("draft", warm_start.dir)
     if generic:
-        drafters[Role.GENERIC.value] = str(DrafterSpec("draft", generic.draft_dir))
+        drafters[Role.GENERIC.value] = DrafterSpec("draft", generic.draft_dir)
     for layer in config.bench.self_spec_layers:
-        drafters[f"self-spec@{layer}"] = str(DrafterSpec(SELF_SPEC, str(layer)))
+        drafters[f"self-spec@{layer}"] = DrafterSpec(SELF_SPEC, str(layer))
     if config.bench.ngram:
-        drafters["ngram"] = str(DrafterSpec("ngram"))
+        drafters["ngram"] = DrafterSpec("ngram")
     if suffix_corpus:
-        drafters["suffix"] = str(DrafterSpec("suffix", suffix_corpus))
+        drafters["suffix"] = DrafterSpec("suffix", suffix_corpus)
         if config.bench.hybrid:
-            drafters["hybrid"] = str(DrafterSpec("hybrid", f"{trained.draft_dir},{suffix_corpus}"))
+            drafters["hybrid"] = DrafterSpec("hybrid", f"{trained.draft_dir},{suffix_corpus}")
     return drafters
 
 
@@ -51,14 +51,13 @@ def bench_prompts(config: NightlyConfig, window: Window):
     return [Prompt(text="", slice=p.slice, ids=encode_chat(tokenizer, p.messages)) for p in window.eval]
 
 
-def benchmark(config: NightlyConfig, window: Window, drafters: dict[str, str],
+def benchmark(config: NightlyConfig, window: Window, drafters: dict[str, DrafterSpec],
               deadline_at: float | None = None) -> dict[str, BenchResult]:
     """Every drafter on the same held-out prompts, sharing one interleaved target-only run per prompt,
     then (`serving.choose_gamma`) each at the γ its curve predicts best, confirmed by a second run.
 
-    A drafter spec is what `speculative.drafter_from_spec` reads (`draft:DIR`, `self-spec:K`, `ngram`,
-    `suffix:CORPUS`, `hybrid:DIR,CORPUS`; a corpus is checked against the target's fingerprint);
-    results are keyed by the given name and carry the spec they ran (`BenchResult.spec`).
+    Each drafter is built by `speculative.drafter_from_spec` (a corpus is checked against the target's
+    fingerprint); results are keyed by the given name and carry the spec they ran as text (`BenchResult.spec`).
     """
     import torch
 
@@ -74,10 +73,10 @@ def benchmark(config: NightlyConfig, window: Window, drafters: dict[str, str],
         if threads:
             torch.set_num_threads(before)  # the probe's choice is the benchmark's, not the process's
     probe = {"thread_probe": threads.to_dict()} if threads else {}
-    return {name: replace(result, spec=drafters[name], stats={**result.stats, **probe}) for name, result in results.items()}
+    return {name: replace(result, spec=str(drafters[name]), stats={**result.stats, **probe}) for name, result in results.items()}
 
 
-def _bench(config: NightlyConfig, drafters: dict[str, str], target, prompts, deadline_at: float | None) -> dict[str, BenchResult]:
+def _bench(config: NightlyConfig, drafters: dict[str, DrafterSpec], target, prompts, deadline_at: float | None) -> dict[str, BenchResult]:
     b, s = config.bench, config.serving
     bcfg = b.bench_config()
     made = {name: drafter_from_spec(target.model, spec, tree_width=_served_tree_width(spec, b.tree_width),
@@ -96,11 +95,11 @@ def _bench(config: NightlyConfig, drafters: dict[str, str], target, prompts, dea
     return results
 
 
-def _served_tree_width(spec: str, width: int) -> int:
+def _served_tree_width(spec: DrafterSpec, width: int) -> int:
     """The tree width a drafter is measured with: vLLM and SGLang verify trees for EAGLE-3 heads only,
     so any other draft is measured as the chain it would be served as (a hybrid's head, measured only,
     verifies the tree the head alone would)."""
-    path = DrafterSpec.parse(spec).path
+    path = spec.path
     return width if path and Path(path).is_dir() and is_eagle3_dir(path) else 1
 
 

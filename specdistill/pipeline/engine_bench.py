@@ -30,18 +30,17 @@ from specdistill.pipeline.vllm_bench_stage import vllm_engine_benchmark
 from specdistill.speculative.specs import DrafterSpec
 
 
-def mode_for_spec(spec: str | DrafterSpec, target: Path, k: int = DEFAULT_GAMMA):
+def mode_for_spec(spec: DrafterSpec, target: Path, k: int = DEFAULT_GAMMA):
     """The llama-server mode of a drafter spec (`draft:REF|GGUF` or `ngram`): the draft's GGUF mode, or
     n-gram lookup of the spec's longest n (plain `ngram`: `acceptance.NGRAM_WINDOW`); self-speculation
     reaches llama.cpp as its exported early-exit draft, i.e. as `draft:DIR` (`llamacpp_spec`). A draft
     reference other than a GGUF file (`models:/NAME@ALIAS` included) is resolved to its directory first."""
-    parsed = DrafterSpec.parse(spec)
-    if parsed.path:
-        draft = parsed.path if parsed.path.endswith(".gguf") else resolve_model_dir(parsed.path)
+    if spec.path:
+        draft = spec.path if spec.path.endswith(".gguf") else resolve_model_dir(spec.path)
         return llamacpp.draft_mode(draft, target, k)
-    if parsed.ngram_sizes:
-        return ngram_mode(parsed.ngram_sizes[1], k) if parsed.arg else ngram_mode(k=k)
-    raise ValueError(f"drafter {spec!r} has no llama.cpp mode (draft:DIR or ngram)")
+    if spec.ngram_sizes:
+        return ngram_mode(spec.ngram_sizes[1], k) if spec.arg else ngram_mode(k=k)
+    raise ValueError(f"drafter {str(spec)!r} has no llama.cpp mode (draft:DIR or ngram)")
 
 
 def engine_prompts(window: Window):
@@ -49,17 +48,15 @@ def engine_prompts(window: Window):
     return [Prompt(text=p.messages[-1]["content"], slice=p.slice, messages=p.messages) for p in window.eval]
 
 
-def llamacpp_spec(config: NightlyConfig, name: str, spec: str) -> str:
+def llamacpp_spec(config: NightlyConfig, spec: DrafterSpec) -> DrafterSpec:
     """A drafter spec llama.cpp can run: self-speculation becomes its exported early-exit draft."""
-    exit_layer = DrafterSpec.parse(spec).exit_layer
-    if exit_layer is None:
+    if spec.exit_layer is None:
         return spec
-
     target = shared_model(config.target, dtype=config.dtype, device=config.device)  # the run's dtype, as every stage
-    return str(DrafterSpec("draft", str(export_early_exit_draft(target, exit_layer))))
+    return DrafterSpec("draft", str(export_early_exit_draft(target, spec.exit_layer)))
 
 
-def engine_benchmark(config: NightlyConfig, window: Window, drafters: dict[str, str],
+def engine_benchmark(config: NightlyConfig, window: Window, drafters: dict[str, DrafterSpec],
                      deadline_at: float | None = None) -> dict[str, BenchResult]:
     """Each servable drafter against target-only in `config.serving.engine`, interleaved per prompt, until
     its share of the run's deadline (`bench.max_minutes`, as the harness benchmark; servers' start-up
@@ -68,15 +65,14 @@ def engine_benchmark(config: NightlyConfig, window: Window, drafters: dict[str, 
     deadline = stage_deadline(config, "engine benchmark", deadline_at)
     prompts = engine_prompts(window)
     bcfg = b.engine_bench_config()
-    servable = {name: spec for name, spec in drafters.items() if Role.served(name) and DrafterSpec.parse(spec).served}
+    servable = {name: spec for name, spec in drafters.items() if Role.served(name) and spec.served}
     if s.engine == "llamacpp":
         # llama.cpp's lookup cache is its own file format (docs/serving.md): the suffix drafter is not measured there
-        servable = {name: spec for name, spec in servable.items() if DrafterSpec.parse(spec).runs_in_llamacpp}
-
+        servable = {name: spec for name, spec in servable.items() if spec.runs_in_llamacpp}
         gguf = target_gguf(config.target)
-        modes = {name: mode_for_spec(llamacpp_spec(config, name, spec), gguf, b.gamma) for name, spec in servable.items()}
+        modes = {name: mode_for_spec(llamacpp_spec(config, spec), gguf, b.gamma) for name, spec in servable.items()}
         results = bench_llamacpp(config.target, modes, prompts, bcfg, threads=s.threads, deadline=deadline)
-        out = {name: replace(r, spec=servable[name]) for name, r in results.items()}
+        out = {name: replace(r, spec=str(servable[name])) for name, r in results.items()}
         for name, mode in modes.items():  # the command line measured (the draft GGUF included): what serving.json names
             out[name].stats["llamacpp_args"] = ["-m", str(gguf), "-t", str(s.threads), *mode.args()]
         return out
@@ -90,5 +86,5 @@ def engine_benchmark(config: NightlyConfig, window: Window, drafters: dict[str, 
         if unknown:
             raise ValueError(f"serving.endpoints names modes this run did not benchmark: {unknown} (known: {sorted(drafters)})")
         results = run_engine_bench(dict(s.endpoints), prompts, bcfg, engine="openai", dtype="served", deadline=deadline)
-        return {name: replace(r, spec=drafters[name]) for name, r in results.items()}
+        return {name: replace(r, spec=str(drafters[name])) for name, r in results.items()}
     raise ValueError(f"serving.engine {s.engine!r} has no separate engine benchmark (the harness benchmark is it)")
