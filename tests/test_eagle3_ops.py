@@ -16,7 +16,7 @@ from specdistill.modeling.eagle3_io import is_eagle3_dir, save_eagle3
 from specdistill.modeling.models import load_model
 from specdistill.modeling.vocab import DraftVocab
 from specdistill.ops.serving import ServingConfig, read_serving_config, write_serving_config
-from specdistill.speculative import EagleDrafter, drafter_from_spec, generate, make_drafter
+from specdistill.speculative import DrafterSpec, EagleDrafter, drafter_from_spec, generate, make_drafter
 from specdistill.speculative.harness_bench import measure_drafter_cost
 from tests.conftest import save_tiny_target
 
@@ -94,7 +94,7 @@ def test_nightly_serving_config_knows_a_head_by_its_directory(head_dir, tmp_path
     from specdistill.pipeline.outputs import TargetInfo
     from specdistill.pipeline.serve import ServingDecision, serving_config
 
-    decision = ServingDecision(mode="draft", name="challenger", spec=f"draft:{head_dir}", gamma=3, speedup=1.4,
+    decision = ServingDecision(mode="draft", name="challenger", spec=DrafterSpec("draft", str(head_dir)), gamma=3, speedup=1.4,
                                reason="fastest", measured={"challenger": 1.4}, measured_on="harness")
     target = TargetInfo("t", "/t", "fp", num_layers=6, vocab_size=300, dtype="float32")
     cfg = serving_config(decision, target, registered_version="1", registered_dir=str(head_dir))
@@ -106,7 +106,7 @@ def test_nightly_serving_config_knows_a_head_by_its_directory(head_dir, tmp_path
                                          "--spec-draft-n-max 3 --metrics")
     assert cfg.llamacpp()["command"] in cfg.render() and cfg.to_dict()["llamacpp"]["args"] == args
     layers_dir = save_tiny_target(tmp_path / "plain")  # an ordinary HF checkpoint stays draft_model
-    plain = serving_config(replace(decision, spec=f"draft:{layers_dir}"), target)
+    plain = serving_config(replace(decision, spec=DrafterSpec("draft", str(layers_dir))), target)
     assert plain.draft_kind == "layers" and plain.vllm()["method"] == "draft_model"
 
 

@@ -185,7 +185,7 @@ def test_report_says_when_the_best_draft_is_not_what_is_served():
                                      lossless_exact=7, lossless_near_ties=3, lossless_max_margin=0.21),
                "ngram": _result(0.32, 1.6, speedup=1.33, spec="ngram", lossless_exact=10)}
     verdict = GateVerdict(True, [Check("acceptance rate", True, 0.6, 0.5, "acceptance rate 0.600 >= 0.500")])
-    serving = ServingDecision(mode="ngram", name="ngram", spec="ngram", gamma=3, speedup=1.36,
+    serving = ServingDecision(mode="ngram", name="ngram", spec=DrafterSpec("ngram"), gamma=3, speedup=1.36,
                               reason="ngram measured fastest at 1.33x (ngram 1.33x, challenger 0.74x)",
                               measured={"ngram": 1.33, "challenger": 0.74}, measured_on="PyTorch harness, bfloat16",
                               predicted_speedups={1: 1.2, 2: 1.3, 3: 1.36}, gamma_note="γ=3 confirmed")
@@ -603,7 +603,7 @@ def test_the_run_dtype_reaches_every_model_load_and_the_feature_pass(tmp_path, m
     champion = save_draft(init_draft_from_target(loaded.model, [0, 3]), loaded.tokenizer, tmp_path / "champion")
     pipeline.align_champion(config, Champion("d", "1", str(champion)))
     engine_bench.llamacpp_spec(config, DrafterSpec.parse("self_spec:2"))
-    decision = ServingDecision(mode="self_speculation", name="self-spec@2", spec="self_spec:2", gamma=2, speedup=1.2,
+    decision = ServingDecision(mode="self_speculation", name="self-spec@2", spec=DrafterSpec.parse("self_spec:2"), gamma=2, speedup=1.2,
                                reason="r", measured={}, measured_on="")
     serve.serving_config(decision, info)
     # the target read once (describe; the early-exit exports reuse it: `models.shared_model`), the champion once

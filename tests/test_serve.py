@@ -14,7 +14,8 @@ from specdistill.ops.serving import read_serving_config
 from specdistill.pipeline import bench_stage, nightly
 from specdistill.pipeline.config import load_nightly_config
 from specdistill.pipeline.outputs import TargetInfo
-from specdistill.pipeline.serve import ServingDecision, mode_of, serving_candidates, serving_config
+from specdistill.pipeline.serve import ServingDecision, serving_candidates, serving_config
+from specdistill.speculative.specs import DrafterSpec
 from tests.conftest import bench_result
 
 # recorded from a demo run: the distilled draft slows decoding, n-gram speeds it up
@@ -29,7 +30,7 @@ PROMOTE, KEEP = GateVerdict(True), GateVerdict(False)
 
 
 def decision(mode, name, spec, gamma=3, speedup=1.36):
-    return ServingDecision(mode=mode, name=name, spec=spec, gamma=gamma, speedup=speedup, reason=f"{name} measured fastest",
+    return ServingDecision(mode=mode, name=name, spec=spec and DrafterSpec.parse(spec), gamma=gamma, speedup=speedup, reason=f"{name} measured fastest",
                            measured={k: v.speedup for k, v in RECORDED.items()}, measured_on="PyTorch harness, bfloat16")
 
 
@@ -37,7 +38,7 @@ def test_candidates_follow_the_gate_and_never_include_the_generic_baseline():
     assert set(serving_candidates(RECORDED, PROMOTE)) == {"challenger", "self-spec@8", "ngram"}
     with_champion = {**RECORDED, "champion": bench_result("draft:/d/champion", 0.8)}
     assert set(serving_candidates(with_champion, KEEP)) == {"champion", "self-spec@8", "ngram"}
-    assert [mode_of(r.spec) for r in RECORDED.values()] == ["draft", "draft", "self_speculation", "ngram"]
+    assert [DrafterSpec.parse(r.spec).mode for r in RECORDED.values()] == ["draft", "draft", "self_speculation", "ngram"]
 
 
 def test_a_decision_round_trips_through_its_json():

@@ -16,6 +16,7 @@ from specdistill.ops.serving import ServingConfig, read_serving_config, write_se
 from specdistill.pipeline.corpus import export_sglang_corpus, sglang_corpus_path
 from specdistill.pipeline.outputs import TargetInfo
 from specdistill.pipeline.serve import ServingDecision, serving_candidates, serving_config
+from specdistill.speculative.specs import DrafterSpec
 from specdistill.speculative.suffix_corpus import CorpusMeta, save_corpus
 from tests.conftest import bench_result, make_tiny_llama, train_bpe
 
@@ -71,7 +72,7 @@ def test_the_nightly_serves_the_suffix_drafter_and_never_the_hybrid(tmp_path):
     results = {"ngram": _entry("ngram", 1.2), "suffix": _entry(f"suffix:{corpus}", 1.5),
                "hybrid": _entry(f"hybrid:/d,{corpus}", 1.9), "generic": _entry("draft:/g", 2.0)}
     assert set(serving_candidates(results, GateVerdict(False))) == {"ngram", "suffix"}
-    decision = ServingDecision(mode="suffix", name="suffix", spec=f"suffix:{corpus}", gamma=8, speedup=1.5,
+    decision = ServingDecision(mode="suffix", name="suffix", spec=DrafterSpec("suffix", str(corpus)), gamma=8, speedup=1.5,
                                reason="suffix measured fastest", measured={}, measured_on="harness")
     cfg = serving_config(decision, TargetInfo("demo", "/t", "fp-now", num_layers=2, vocab_size=32, dtype="float32"))
     assert cfg.mode == "suffix" and cfg.suffix_corpus == str(corpus) and cfg.suffix_corpus_tokens == 7

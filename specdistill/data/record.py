@@ -3,7 +3,8 @@ attribute, and turned into JSON (benchmark.json, gate.json, reports, MLflow arti
 these two functions, not by a hand-written mirror of its fields.
 
 `to_dict` is `dataclasses.asdict` plus what a class adds to its JSON (`Record.extra`: derived numbers a
-reader of the file wants, such as a bench result's first-position acceptance). `from_dict` rebuilds a
+reader of the file wants, such as a bench result's first-position acceptance), or a class's own `to_dict`
+(a drafter spec's is its text, which its `parse` reads back). `from_dict` rebuilds a
 dataclass from that JSON by its type hints: nested dataclasses, lists and dicts of them, and dict keys
 that JSON turned into strings (`dict[int, float]`); keys that are not fields (the derived ones) are
 ignored, and a missing required field is an error that names the class and the field.
@@ -41,6 +42,8 @@ def from_dict(cls: type[T], data: Any) -> T:
     """`cls` (a dataclass) back from `to_dict(obj)` or its JSON."""
     if isinstance(data, cls):
         return data
+    if isinstance(data, str) and callable(getattr(cls, "parse", None)):
+        return cls.parse(data)  # a dataclass whose JSON is its text (`speculative.specs.DrafterSpec`)
     if not isinstance(data, dict):
         raise ValueError(f"{cls.__name__}: expected a JSON object, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)

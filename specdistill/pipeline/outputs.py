@@ -25,6 +25,7 @@ from specdistill.ops.metrics import LiveSample
 from specdistill.ops.policy import CONFIDENCE, Decision, GateVerdict
 from specdistill.ops.replay import AcceptanceSample, FallbackDecision
 from specdistill.ops.targets import TargetChange
+from specdistill.speculative.specs import DrafterSpec
 
 if TYPE_CHECKING:  # for annotations only: the registry imports MLflow
     from specdistill.ops.registry import RegisteredDraft
@@ -39,7 +40,7 @@ class ServingDecision(Record):
     measured_on: str  # engine and dtype
     gamma: int
     name: str | None = None  # the measured entry that won (None: off)
-    spec: str | None = None
+    spec: DrafterSpec | None = None  # its JSON is the spec's text
     speedup: float = 1.0  # measured, at `gamma`
     predicted_speedups: dict[int, float] = field(default_factory=dict)  # the winner's predicted curve over γ
     verify_costs: dict[int, float] = field(default_factory=dict)  # target forward over k tokens ÷ a 1-token step

@@ -28,20 +28,22 @@ from specdistill.speculative.specs import DrafterSpec
 from specdistill.speculative.suffix_corpus import read_corpus_meta
 
 
-def mode_of(spec: str) -> str:
-    """The serving mode a drafter spec is written as (`speculative.specs.DrafterSpec.mode`)."""
-    return DrafterSpec.parse(spec).mode
-
-
 def serving_candidates(results: dict[str, BenchResult], verdict: GateVerdict) -> dict[str, BenchResult]:
     """The modes that may be served (`ops.policy.servable`)."""
     return servable(results, verdict.promote)
 
 
 def _candidates(entries: dict[str, BenchResult], gamma: int | None = None) -> list[Candidate]:
-    return [Candidate(name, mode_of(r.spec), r.speedup, r.lossless, gamma or r.gamma, prompt_speedups=list(r.prompt_speedups),
+    return [Candidate(name, DrafterSpec.parse(r.spec).mode, r.speedup, r.lossless, gamma or r.gamma, prompt_speedups=list(r.prompt_speedups),
                       accepted_length=r.accepted_length or None)
             for name, r in entries.items()]
+
+
+def _served(decision: ServingDecision, entries: dict[str, BenchResult], name: str) -> BenchResult:
+    """The winning entry, written into the decision: its name, its drafter (its record's text, parsed), its speedup."""
+    r = entries[name]
+    decision.name, decision.spec, decision.speedup = name, DrafterSpec.parse(r.spec), r.speedup
+    return r
 
 
 def choose_engine_serving(config: NightlyConfig, speeds: dict[str, BenchResult], verdict: GateVerdict) -> ServingDecision:
@@ -65,8 +67,7 @@ def choose_engine_serving(config: NightlyConfig, speeds: dict[str, BenchResult],
     if some is not None and s.engine == "llamacpp":  # target-only: the measured command without the mode's flags
         decision.llamacpp_args = some.llamacpp_args[:4]
     if choice.candidate is not None:
-        r = candidates[choice.candidate.name]
-        decision.name, decision.spec, decision.speedup = choice.candidate.name, r.spec, r.speedup
+        r = _served(decision, candidates, choice.candidate.name)
         decision.llamacpp_args = r.llamacpp_args
     return decision
 
@@ -111,10 +112,9 @@ def choose_serving(config: NightlyConfig, window: Window, results: dict[str, Ben
         decision.reason += f"; {held_back}"
     if choice.candidate is None:
         return decision
-    r = candidates[choice.candidate.name]
+    r = _served(decision, candidates, choice.candidate.name)
     search = r.gamma_search
-    decision.name, decision.spec, decision.speedup, decision.gamma = choice.candidate.name, r.spec, r.speedup, r.gamma
-    decision.tree_width, decision.gamma_note = r.tree_width, gamma_note(r)
+    decision.gamma, decision.tree_width, decision.gamma_note = r.gamma, r.tree_width, gamma_note(r)
     if search is not None:
         decision.predicted_speedups, decision.verify_costs = dict(search.predicted_speedups), dict(search.verify_costs)
     return decision
@@ -130,9 +130,9 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
                   reason=f"nightly: {d.reason}" + (f"; {d.gamma_note}" if d.gamma_note else ""),
                   measured=d.measured, measured_on=d.measured_on, engine=d.engine, llamacpp_args=d.llamacpp_args,
                   hardware=target.hardware)
-    if d.mode == "off" or not d.spec:
+    spec = d.spec
+    if d.mode == "off" or spec is None:
         return ServingConfig(**common)
-    spec = DrafterSpec.parse(d.spec)
     common = {**spec.serving_keys(), **common}  # the decision names the mode
     if spec.path:
         local = spec.path
