@@ -30,7 +30,8 @@ PROMOTE, KEEP = GateVerdict(True), GateVerdict(False)
 
 
 def decision(mode, name, spec, gamma=3, speedup=1.36):
-    return ServingDecision(mode=mode, name=name, spec=spec and DrafterSpec.parse(spec), gamma=gamma, speedup=speedup, reason=f"{name} measured fastest",
+    return ServingDecision(mode=mode, name=name, spec=spec and DrafterSpec.parse(spec), gamma=gamma, speedup=speedup,
+                           reason=f"{name} measured fastest",
                            measured={k: v.speedup for k, v in RECORDED.items()}, measured_on="PyTorch harness, bfloat16")
 
 

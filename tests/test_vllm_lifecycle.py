@@ -140,8 +140,8 @@ def test_serving_choice_skips_a_mode_vllm_refused():
     from specdistill.pipeline.config import load_nightly_config
     from specdistill.pipeline.serve import choose_serving
     from specdistill.pipeline.vllm_bench_stage import refused_entry
-    from specdistill.speculative.specs import DrafterSpec
     from specdistill.speculative.harness_bench import BenchResult
+    from specdistill.speculative.specs import DrafterSpec
 
     config = load_nightly_config(None, ["serving.engine=vllm", "serving.margin=0.0"])
     ok = BenchResult(drafter="ngram", gamma=4, max_new_tokens=8, repeats=1, greedy=True, lossless=True,

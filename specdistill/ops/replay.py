@@ -45,7 +45,7 @@ from specdistill.speculative import (
 )
 from specdistill.speculative.eagle import aligned_eagle_drafter
 from specdistill.speculative.harness_bench import BenchConfig, run_bench_many
-from specdistill.speculative.specs import SELF_SPEC, DrafterSpec
+from specdistill.speculative.specs import OFF, SELF_SPEC, DrafterSpec
 from specdistill.speculative.suffix_corpus import corpus_is_current
 
 
@@ -248,6 +248,15 @@ class FallbackDecision(Record):
     margin: float = DEFAULT_MARGIN
     generated_tokens: int = 0
     suffix_corpus: str | None = None  # the corpus the suffix candidate drafted from (None: not measured)
+
+    @property
+    def spec(self) -> DrafterSpec | None:
+        """The chosen fallback's drafter, one of those `choose_fallback` measures (None: off, or no decision)."""
+        if not self.decided or self.mode in (None, OFF):
+            return None
+        if self.exit_layer is not None:
+            return DrafterSpec(SELF_SPEC, str(self.exit_layer))
+        return DrafterSpec("suffix", self.suffix_corpus) if self.mode == "suffix" else DrafterSpec("ngram")
 
 
 def choose_fallback(

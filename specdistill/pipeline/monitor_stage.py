@@ -9,7 +9,6 @@ import json
 
 from specdistill.acceptance import DraftCounts
 from specdistill.data.logstore import LogStore
-from specdistill.modeling.drafts import early_exit_dir, export_early_exit_draft
 from specdistill.modeling.models import shared_model
 from specdistill.ops import replay
 from specdistill.ops.metrics import SpecDecodeMetrics, sample_live_acceptance
@@ -18,9 +17,9 @@ from specdistill.ops.replay import AcceptanceSample, FallbackDecision, prompts_f
 from specdistill.ops.serving import ServingConfig, ServingConfigError, read_serving_config, write_serving_config
 from specdistill.ops.targets import TargetChange, TargetVersion, detect_change
 from specdistill.pipeline.config import MonitorConfig
-from specdistill.pipeline.corpus import current_corpus_path, sglang_corpus_path
+from specdistill.pipeline.corpus import current_corpus_path
 from specdistill.pipeline.outputs import AppliedFallback, Champion, MonitorOutcome, RecordedDecision, Sample
-from specdistill.speculative.suffix_corpus import read_corpus_meta
+from specdistill.pipeline.serve import draft_free_fields
 
 
 def incremental_overrides(config: MonitorConfig, change: TargetChange) -> list[str]:
@@ -184,20 +183,10 @@ def apply_fallback(config: MonitorConfig, fallback: FallbackDecision, target: Ta
 
     if not fallback.decided:
         return None  # no decision on too few tokens: serve as before
-    mode, k = fallback.mode, fallback.exit_layer
-    draft_dir = None
-    if mode == "self_speculation":
-        loaded = shared_model(target.path, dtype=config.nightly.dtype)  # the dtype the fallback was measured in
-        draft_dir = str(export_early_exit_draft(loaded, k, early_exit_dir(target.fingerprint, k)))
-    suffix = {}
-    if mode == "suffix":
-        corpus = fallback.suffix_corpus
-        sglang = sglang_corpus_path(corpus)
-        suffix = dict(suffix_corpus=corpus, suffix_corpus_tokens=read_corpus_meta(corpus).tokens,
-                      suffix_corpus_sglang=str(sglang) if sglang.is_file() else None)
-    serving = ServingConfig(mode=mode, draft_dir=draft_dir, exit_layer=k, num_speculative_tokens=config.replay_gamma(),
-                            target_fingerprint=target.fingerprint, reason=f"monitor fallback: {fallback.reason}",
-                            **suffix)
+    spec = fallback.spec
+    fields = draft_free_fields(spec, target.fingerprint, target.path, config.nightly.dtype) if spec else {"mode": "off"}
+    serving = ServingConfig(**fields, num_speculative_tokens=config.replay_gamma(), target_fingerprint=target.fingerprint,
+                            reason=f"monitor fallback: {fallback.reason}")
     with registry.promotion_lock():
         path = write_serving_config(serving, config.nightly.serving_path)
-    return AppliedFallback(mode=mode, exit_layer=k, serving_config=str(path))
+    return AppliedFallback(mode=fallback.mode, exit_layer=fallback.exit_layer, serving_config=str(path))

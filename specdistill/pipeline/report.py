@@ -188,11 +188,10 @@ def registration_artifacts(config: NightlyConfig, results: dict[str, BenchResult
         artifacts.append(plot)
     if report_path:
         artifacts.append(Path(report_path))
-    suffix = results["suffix"].spec if "suffix" in results else ""
-    if suffix and DrafterSpec.parse(suffix).corpus:  # the suffix drafter's corpus (and its SGLang export), beside the draft
-
-        corpus = Path(DrafterSpec.parse(suffix).corpus)
-        artifacts += [p for p in (corpus, sglang_corpus_path(corpus)) if p.is_file()]
+    suffix = results["suffix"].spec if "suffix" in results else ""  # the record's text
+    corpus = suffix and DrafterSpec.parse(suffix).corpus
+    if corpus:  # the suffix drafter's corpus (and its SGLang export), beside the draft
+        artifacts += [p for p in (Path(corpus), sglang_corpus_path(corpus)) if p.is_file()]
     if speeds:
         (artifacts_dir / "engine_benchmark.json").write_text(json.dumps(to_dict(speeds), indent=2, default=str))
         artifacts.append(artifacts_dir / "engine_benchmark.json")

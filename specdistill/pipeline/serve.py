@@ -14,6 +14,8 @@ this hardware; the report says so.
 
 from __future__ import annotations
 
+from typing import Any
+
 from specdistill.data.results import BenchResult
 from specdistill.hardware import cpu_info
 from specdistill.modeling.drafts import early_exit_dir, export_early_exit_draft
@@ -34,8 +36,8 @@ def serving_candidates(results: dict[str, BenchResult], verdict: GateVerdict) ->
 
 
 def _candidates(entries: dict[str, BenchResult], gamma: int | None = None) -> list[Candidate]:
-    return [Candidate(name, DrafterSpec.parse(r.spec).mode, r.speedup, r.lossless, gamma or r.gamma, prompt_speedups=list(r.prompt_speedups),
-                      accepted_length=r.accepted_length or None)
+    return [Candidate(name, DrafterSpec.parse(r.spec).mode, r.speedup, r.lossless, gamma or r.gamma,
+                      prompt_speedups=list(r.prompt_speedups), accepted_length=r.accepted_length or None)
             for name, r in entries.items()]
 
 
@@ -121,7 +123,7 @@ def choose_serving(config: NightlyConfig, window: Window, results: dict[str, Ben
 
 
 def serving_config(decision: ServingDecision, target: TargetInfo, registered_version: str | None = None,
-                   registered_dir: str | None = None, champion: Champion | None = None):
+                   registered_dir: str | None = None, champion: Champion | None = None) -> ServingConfig:
     """The serving config for a decision: its drafter's serving keys (`DrafterSpec.serving_keys`: the n-gram
     window measured, the exit layer, the corpus), with the draft's directory, or the exported early-exit
     draft for self-speculation."""
@@ -133,24 +135,28 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
     spec = d.spec
     if d.mode == "off" or spec is None:
         return ServingConfig(**common)
-    common = {**spec.serving_keys(), **common}  # the decision names the mode
-    if spec.path:
-        local = spec.path
-        kind = "eagle3" if is_eagle3_dir(local) else "layers"  # vLLM method eagle3 / SGLang EAGLE3 for a head
-        tree = d.tree_width if kind == "eagle3" else 1
-        if d.name == Role.CHALLENGER:  # served from its registered copy once it is registered
-            return ServingConfig(draft_dir=registered_dir or local, draft_version=registered_version, draft_kind=kind,
-                                 tree_width=tree, **common)
-        return ServingConfig(draft_dir=local, draft_version=champion.version if champion else None, draft_kind=kind,
+    if not spec.path:
+        return ServingConfig(**{**draft_free_fields(spec, target.fingerprint, target.path, target.dtype), **common})
+    local = spec.path
+    kind = "eagle3" if is_eagle3_dir(local) else "layers"  # vLLM method eagle3 / SGLang EAGLE3 for a head
+    tree = d.tree_width if kind == "eagle3" else 1
+    if d.name == Role.CHALLENGER:  # served from its registered copy once it is registered
+        return ServingConfig(draft_dir=registered_dir or local, draft_version=registered_version, draft_kind=kind,
                              tree_width=tree, **common)
-    if spec.exit_layer is not None:
-        k = spec.exit_layer
-        loaded = shared_model(target.path, dtype=target.dtype)  # the dtype the mode was measured in (a copy: on the CPU)
-        out = export_early_exit_draft(loaded, k, early_exit_dir(target.fingerprint, k))
-        return ServingConfig(draft_dir=str(out), **common)
-    if spec.corpus:  # and for SGLang, the corpus as answer texts with its size
+    return ServingConfig(draft_dir=local, draft_version=champion.version if champion else None, draft_kind=kind,
+                         tree_width=tree, **common)
 
+
+def draft_free_fields(spec: DrafterSpec, fingerprint: str, target_path: str, dtype: str) -> dict[str, Any]:
+    """The serving.json fields of a drafter without a draft of its own (the nightly's winner, the monitor's
+    fallback): its serving keys, self-speculation's early-exit draft exported from the target in the dtype it
+    was measured in (a copy: on the CPU), and for SGLang a suffix corpus's size and its export as answer texts."""
+    fields = spec.serving_keys()
+    if spec.exit_layer is not None:
+        loaded = shared_model(target_path, dtype=dtype)
+        fields["draft_dir"] = str(export_early_exit_draft(loaded, spec.exit_layer, early_exit_dir(fingerprint, spec.exit_layer)))
+    if spec.corpus:
         sglang = sglang_corpus_path(spec.corpus)
-        common.update(suffix_corpus_tokens=read_corpus_meta(spec.corpus).tokens,
+        fields.update(suffix_corpus_tokens=read_corpus_meta(spec.corpus).tokens,
                       suffix_corpus_sglang=str(sglang) if sglang.is_file() else None)
-    return ServingConfig(**common)
+    return fields
