@@ -128,14 +128,12 @@ class ServingConfig(BaseModel):
         return dict(self.__pydantic_extra__ or {})
 
     def vllm(self) -> dict | None:
-        """vLLM's `--speculative-config` (None: serve without speculation): its mode's kind writes it."""
-        kind = served_kind(self.mode)
-        return kind.vllm(self) if kind else None
+        """vLLM's `--speculative-config` (None: serve without speculation), as its mode's kind writes it."""
+        return kind.vllm(self) if (kind := served_kind(self.mode)) else None
 
     def sglang(self) -> list[str]:
-        """SGLang `launch_server` flags (empty: serve without speculation): its mode's kind writes them."""
-        kind = served_kind(self.mode)
-        return kind.sglang(self) if kind else []
+        """SGLang `launch_server` flags (empty: serve without speculation), as its mode's kind writes them."""
+        return kind.sglang(self) if (kind := served_kind(self.mode)) else []
 
     def llamacpp(self) -> dict | None:
         """llama-server's flags and a command line for this mode (None: not measured in llama.cpp)."""

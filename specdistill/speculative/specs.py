@@ -14,8 +14,8 @@ mode it is written as (`serving_modes()`, what serving.json and the serving-mode
 engine may serve it (and llama.cpp measure it), the serving.json keys its text decides, the vLLM and SGLang
 settings `ops.serving.ServingConfig` writes for its mode, and how its drafter is built.
 
-Specs travel as `DrafterSpec` objects; their text is written only where it leaves the program (JSON records,
-cache keys, reports: `to_dict`) and parsed where it comes in (the CLI, configs, records read back).
+Specs travel as `DrafterSpec`s: parsed where text comes in (the CLI, configs, records read back), written as
+text only where they leave (JSON records, cache keys, reports: `to_dict`).
 
 Self-speculation is `self-spec` everywhere a drafter is named (specs `self-spec:K`, results `self-spec@K`,
 the CLI's `--self-spec K`); `self_spec:K`, the spelling of records written before, is still read. Its
@@ -56,8 +56,7 @@ class Kind:
     # the writer's to give (a registered copy, an exported early-exit draft)
     serving: Callable[[DrafterSpec], dict[str, Any]] = lambda spec: {}
     llamacpp: bool = True  # llama-server runs it (its lookup cache is its own format: no suffix corpus)
-    # its mode's settings from a serving config (`ops.serving.ServingConfig`): vLLM's `speculative_config`
-    # (None: no speculation) and SGLang's `launch_server` flags
+    # its mode's vLLM `speculative_config` and SGLang flags, from a serving config (`ops.serving.ServingConfig`)
     vllm: Callable[[Any], dict[str, Any] | None] = lambda config: None
     sglang: Callable[[Any], list[str]] = lambda config: []
     aliases: tuple[str, ...] = ()  # older spellings of the name, read from records written before
@@ -217,17 +216,17 @@ def _suffix_serving(spec: DrafterSpec) -> dict[str, Any]:
             "suffix_max_spec_factor": p.max_spec_factor, "suffix_min_token_prob": p.min_token_prob}
 
 
-# A servable mode's engine settings from its serving config `c` (`ops.serving.ServingConfig.vllm()`, `.sglang()`)
+# A served mode's engine settings, from its serving config `c` (`ops.serving.ServingConfig.vllm()`, `.sglang()`):
+# a draft model is a layers checkpoint (a draft, self-speculation's early-exit export) or an EAGLE-3 head
 
 def _model_vllm(c: Any) -> dict[str, Any]:
-    """A draft model in vLLM: a layers checkpoint (a draft, self-speculation's early-exit export) or an EAGLE-3 head."""
     return {"method": "eagle3" if c.draft_kind == "eagle3" else "draft_model", "model": c.draft_dir,
             "num_speculative_tokens": c.num_speculative_tokens}
 
 
 def _model_sglang(c: Any) -> list[str]:
-    """k draft steps; with a tree the head's top `tree_width` per step, of which the best k + tree_width - 1
-    nodes (our engine's tree size) are verified with the pending token."""
+    # k draft steps; with a tree the head's top `tree_width` per step, of which the best k + tree_width - 1
+    # nodes (our engine's tree size) are verified with the pending token
     k, w = c.num_speculative_tokens, c.tree_width
     return ["--speculative-algorithm", "EAGLE3" if c.draft_kind == "eagle3" else "STANDALONE",
             "--speculative-draft-model-path", str(c.draft_dir), "--speculative-num-steps", str(k),
@@ -246,24 +245,22 @@ def _ngram_sglang(c: Any) -> list[str]:
 
 
 def _suffix_vllm(c: Any) -> dict[str, Any]:
-    """vLLM's global tree fills from served requests only: our corpus cannot seed it."""
+    # vLLM's global tree fills from served requests only: our corpus cannot seed it
     return {"method": "suffix", "num_speculative_tokens": c.num_speculative_tokens,
-            "suffix_decoding_max_tree_depth": c.suffix_max_tree_depth,
-            "suffix_decoding_max_spec_factor": c.suffix_max_spec_factor,
+            "suffix_decoding_max_tree_depth": c.suffix_max_tree_depth, "suffix_decoding_max_spec_factor": c.suffix_max_spec_factor,
             "suffix_decoding_min_token_prob": c.suffix_min_token_prob,
             "suffix_decoding_max_cached_requests": c.suffix_max_cached_requests}
 
 
 def _suffix_sglang(c: Any) -> list[str]:
-    """SGLang's NGRAM trie over the request, plus our corpus as its external corpus."""
+    # SGLang's NGRAM trie over the request, plus our corpus as its external corpus; SGLang re-tokenizes the
+    # texts and refuses a corpus above its max tokens (answers plus separators)
     k = c.num_speculative_tokens
     out = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(k),
            "--speculative-ngram-max-trie-depth", str(c.suffix_max_tree_depth)]
     if c.suffix_corpus_sglang:
-        out += ["--speculative-ngram-external-corpus-path", c.suffix_corpus_sglang,
-                "--speculative-ngram-external-sam-budget", str(k),
-                # SGLang re-tokenizes the texts and refuses a corpus above this; answers plus separators
-                "--speculative-ngram-external-corpus-max-tokens", str(max(1, 2 * c.suffix_corpus_tokens))]
+        out += ["--speculative-ngram-external-corpus-path", c.suffix_corpus_sglang, "--speculative-ngram-external-sam-budget",
+                str(k), "--speculative-ngram-external-corpus-max-tokens", str(max(1, 2 * c.suffix_corpus_tokens))]
     return out
 
 
