@@ -107,10 +107,9 @@ class ServingConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> ServingConfig:
-        if self.mode == "suffix" and not self.suffix_corpus:
-            raise ValueError("serving mode 'suffix' needs its corpus file (suffix_corpus)")
-        if self.mode in ("draft", "self_speculation") and not self.draft_dir:
-            raise ValueError(f"serving mode {self.mode!r} needs a draft directory")
+        kind = served_kind(self.mode)
+        if kind and kind.needs and not getattr(self, kind.needs[0]):
+            raise ValueError(f"serving mode {self.mode!r} needs {kind.needs[1]}")
         if self.draft_kind == "eagle3" and self.mode != "draft":
             raise ValueError(f"an EAGLE-3 head is served in draft mode, not {self.mode!r}")
         if self.mode != "off" and self.num_speculative_tokens < 1:

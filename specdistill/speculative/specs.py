@@ -59,6 +59,7 @@ class Kind:
     # its mode's vLLM `speculative_config` and SGLang flags, from a serving config (`ops.serving.ServingConfig`)
     vllm: Callable[[Any], dict[str, Any] | None] = lambda config: None
     sglang: Callable[[Any], list[str]] = lambda config: []
+    needs: tuple[str, str] = ()  # the serving config key its mode cannot be served without, and its name for errors
     aliases: tuple[str, ...] = ()  # older spellings of the name, read from records written before
 
 
@@ -272,13 +273,12 @@ def _make_drafter(target: PreTrainedModel, **options: Any) -> Drafter | None:
 
 
 SELF_SPEC = "self-spec"
+_MODEL = dict(vllm=_model_vllm, sglang=_model_sglang, needs=("draft_dir", "a draft directory"))  # a draft model served
 register_kind(Kind("draft", "draft", "draft:DIR", lambda arg: bool(arg),
-                   lambda target, s, key: _make_drafter(target, draft=s.arg, tree_width=s.tree_width),
-                   vllm=_model_vllm, sglang=_model_sglang))
+                   lambda target, s, key: _make_drafter(target, draft=s.arg, tree_width=s.tree_width), **_MODEL))
 register_kind(Kind(SELF_SPEC, "self_speculation", "self-spec:K", str.isdigit,
                    lambda target, s, key: _make_drafter(target, self_spec=s.exit_layer, tree_width=s.tree_width),
-                   serving=lambda s: {"exit_layer": s.exit_layer}, vllm=_model_vllm, sglang=_model_sglang,
-                   aliases=("self_spec",)))
+                   serving=lambda s: {"exit_layer": s.exit_layer}, aliases=("self_spec",), **_MODEL))
 register_kind(Kind("ngram", "ngram", "ngram or ngram:MIN,MAX", _sizes_ok,
                    lambda target, s, key: _make_drafter(target, ngram=True, ngram_min=s.ngram_sizes[0],
                                                       ngram_max=s.ngram_sizes[1]),
@@ -288,7 +288,8 @@ register_kind(Kind("suffix", "suffix", "suffix:CORPUS", lambda arg: bool(arg),
                    lambda target, s, key: _make_drafter(target, suffix=s.arg, tree_width=s.tree_width,
                                                        target_fingerprint=key.fingerprint,
                                                        target_tokenizer=key.tokenizer),
-                   serving=_suffix_serving, llamacpp=False, vllm=_suffix_vllm, sglang=_suffix_sglang))
+                   serving=_suffix_serving, llamacpp=False, vllm=_suffix_vllm, sglang=_suffix_sglang,
+                   needs=("suffix_corpus", "its corpus file (suffix_corpus)")))
 # measured, never served: no serving engine runs our distilled draft with the suffix drafter beside it
 register_kind(Kind("hybrid", "hybrid", "hybrid:DIR,CORPUS[,THRESHOLD]", _hybrid_ok,
                    lambda target, s, key: _make_drafter(target, draft=s.path, suffix=s.corpus, tree_width=s.tree_width,
