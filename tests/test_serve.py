@@ -45,6 +45,7 @@ def test_candidates_follow_the_gate_and_never_include_the_generic_baseline():
 def test_a_decision_round_trips_through_its_json():
     d = replace(decision("ngram", "ngram", "ngram"), predicted_speedups={2: 1.3, 3: 1.36})
     assert ServingDecision.from_dict(json.loads(json.dumps(d.to_dict()))) == d
+    assert d.to_dict()["spec"] == "ngram"  # a spec is written as its text
 
 
 def test_ngram_serving_config_carries_the_measured_sizes_and_speedups():

@@ -22,6 +22,23 @@ def test_draft_mode_gives_vllm_and_sglang_settings(tmp_path):
     assert read_serving_config(path) == cfg
 
 
+def test_a_new_kind_brings_its_engine_settings_and_what_its_mode_needs():
+    """A kind registered once is written for vLLM and SGLang and checked, with no edit to ServingConfig."""
+    from specdistill.speculative.specs import KINDS, Kind, register_kind, serving_modes
+
+    register_kind(Kind("mtp", "mtp", "mtp", lambda arg: not arg, lambda target, s, key: None,
+                       vllm=lambda c: {"method": "mtp", "num_speculative_tokens": c.num_speculative_tokens},
+                       sglang=lambda c: ["--speculative-algorithm", "EAGLE"], needs=("draft_dir", "a draft directory")))
+    try:
+        assert "mtp" in serving_modes()
+        cfg = ServingConfig(mode="mtp", draft_dir="/d", num_speculative_tokens=2)
+        assert cfg.vllm() == {"method": "mtp", "num_speculative_tokens": 2} and cfg.sglang() == ["--speculative-algorithm", "EAGLE"]
+        with pytest.raises(ValueError, match="serving mode 'mtp' needs a draft directory"):
+            ServingConfig(mode="mtp")
+    finally:
+        KINDS.pop("mtp")
+
+
 def test_ngram_and_off_modes():
     ngram = ServingConfig(mode="ngram", prompt_lookup_min=1, prompt_lookup_max=3, num_speculative_tokens=4)
     assert ngram.vllm() == {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3, "num_speculative_tokens": 4}
