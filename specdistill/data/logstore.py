@@ -198,10 +198,6 @@ class LogStore(PipelineRecords):
                   for k in ("format", "byte_offset", "record_index", "fingerprint", "updated_at")})
         conn.execute(stmt)
 
-    def reset_watermark(self, source: str) -> None:
-        with writing(self.engine) as conn:
-            conn.execute(watermarks.delete().where(watermarks.c.source == source))
-
     def finish_run(self, run_id: int, truncated_at: int | None = None, truncated_bytes: int | None = None) -> dict:
         with writing(self.engine) as conn:
             conn.execute(ingest_runs.update().where(ingest_runs.c.id == run_id).values(

@@ -220,9 +220,3 @@ def read_records(path: str | Path, fmt: str, **options: Any) -> RecordReader:
     """Stream `path` as Conversation / Rejected records; `.truncation` is set after iteration."""
     return RecordReader(path, fmt, **options)
 
-
-def read_conversations(path: str | Path, fmt: str, **options: Any) -> Iterator[Conversation]:
-    """Only the valid conversations (for training data); use read_records to see the rejects."""
-    for record in read_records(path, fmt, **options):
-        if isinstance(record, Conversation):
-            yield record

@@ -97,7 +97,6 @@ class TeacherCache:
         self.dir = Path(directory)
         self.meta = meta
         self._index: dict[str, Path] | None = None
-        self._shard_cache: tuple[Path, dict] | None = None
 
     # writing -------------------------------------------------------------------------------
     @classmethod
