@@ -202,11 +202,8 @@ def check_output_dir(out_dir: Path, kind: str, *, force: bool, resume: bool = Fa
 
 def write_marker(directory: Path, kind: str, files: list[str]) -> None:
     """Mark `directory` as a `kind` output whose own entries are `files` (what `--force` may replace)."""
-    (Path(directory) / OUTPUT_MARKER).write_text(_marker(kind, files))
-
-
-def _marker(kind: str, files: list[str]) -> str:
-    return json.dumps({"kind": kind, "written_at": time.time(), "files": sorted({*files, OUTPUT_MARKER})})
+    marker = {"kind": kind, "written_at": time.time(), "files": sorted({*files, OUTPUT_MARKER})}
+    (Path(directory) / OUTPUT_MARKER).write_text(json.dumps(marker))
 
 
 def claim_output_dir(out_dir: Path, kind: str, files: list[str]) -> bool:
@@ -297,7 +294,7 @@ def atomic_dir(out_dir: Path, kind: str, *, replace: bool = True, force: bool = 
     try:
         yield tmp
         _readable(tmp)
-        (tmp / OUTPUT_MARKER).write_text(_marker(kind, [p.name for p in tmp.iterdir()]))
+        write_marker(tmp, kind, [p.name for p in tmp.iterdir()])
         if out_dir.exists() and any(out_dir.iterdir()):
             if not replace:  # someone else finished first: theirs is as good as ours
                 shutil.rmtree(tmp)

@@ -14,7 +14,6 @@ the tokens x[t] with m[t] true and t ≥ 1, in order (row i is p(· | x[:t_i])).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 from collections.abc import Iterable, Sequence
@@ -48,11 +47,7 @@ def read_cache_meta(meta_path: Path) -> dict:
 
 def write_cache_meta(directory: Path, name: str, meta: dict) -> None:
     """Create a cache directory (0700: it holds answers to production traffic) with its key file."""
-    paths.ensure_private(directory)
-    tmp = directory / (name + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=2))
-    os.chmod(tmp, paths.PRIVATE_FILE_MODE)
-    os.replace(tmp, directory / name)
+    paths.atomic_write_json(paths.ensure_private(directory) / name, meta)
 
 
 def vocab_key(draft_vocab: DraftVocab | None) -> str:
