@@ -264,12 +264,7 @@ class LogStore(PipelineRecords):
         with self.engine.connect() as conn:
             ids = conn.execute(sa.select(conversations.c.id).where(*self._where(**filters))
                                .order_by(conversations.c.id)).scalars().all()
-            chosen = sorted(random.Random(seed).sample(ids, min(n, len(ids))))
-            rows = []
-            for start in range(0, len(chosen), 500):
-                part = chosen[start : start + 500]
-                rows += conn.execute(sa.select(conversations).where(conversations.c.id.in_(part))).mappings().all()
-        return sorted((_stored(r) for r in rows), key=lambda s: s.id)
+        return self.by_ids(sorted(random.Random(seed).sample(ids, min(n, len(ids)))))
 
     def by_ids(self, ids: Iterable[int]) -> list[StoredConversation]:
         """Conversations by id, in the order asked (a window chosen earlier, read again)."""
