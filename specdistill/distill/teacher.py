@@ -136,6 +136,18 @@ class TeacherCache:
                 )
         return cls(directory, meta)
 
+    @classmethod
+    def for_training(cls, directory, *, fingerprint: str, temperature: float, draft_vocab: DraftVocab | None) -> TeacherCache:
+        """The cache a training run reads: this target's, written at the loss's temperature, over the full
+        vocabulary or this draft vocabulary."""
+        cache = cls.open(directory, fingerprint=fingerprint)
+        if cache.meta["temperature"] != temperature:
+            raise ValueError(f"teacher cache {directory} holds temperature {cache.meta['temperature']}, "
+                             f"loss.temperature is {temperature}")
+        if cache.meta["vocab"] not in ("full", vocab_key(draft_vocab)):
+            raise ValueError(f"teacher cache {directory} was written for vocabulary {cache.meta['vocab']}")
+        return cache
+
     def _build_index(self) -> dict[str, Path]:
         keys = shards.header_keys(sorted(self.dir.glob(shards.SHARD_GLOB)))
         return {key[: -len("/input_ids")]: shard for key, shard in keys.items() if key.endswith("/input_ids")}
