@@ -47,10 +47,8 @@ def _secure_home(path: Path) -> None:
     root = home()
     if not _is_within(Path(path).absolute().resolve(), root):
         return
-    try:
+    with contextlib.suppress(FileExistsError):
         root.mkdir(mode=STATE_DIR_MODE, parents=True)
-    except FileExistsError:
-        pass
     mode = root.stat().st_mode & 0o777
     if mode & 0o066:
         root.chmod(mode & ~0o066)
@@ -68,10 +66,8 @@ def ensure_private(path: Path) -> Path:
     path = Path(path)
     _secure_home(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    with contextlib.suppress(FileExistsError):
         path.mkdir(mode=PRIVATE_DIR_MODE)
-    except FileExistsError:
-        pass
     if path.is_dir() and path.stat().st_mode & 0o077:
         path.chmod(PRIVATE_DIR_MODE)
     return path
@@ -83,10 +79,8 @@ def create_private_file(path: Path) -> Path:
     path = Path(path)
     _secure_home(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    with contextlib.suppress(FileExistsError):
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE))
-    except FileExistsError:
-        pass
     return path
 
 

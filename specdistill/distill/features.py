@@ -18,6 +18,7 @@ entry stores its token ids so a cache for other data is refused per example.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
@@ -168,10 +169,8 @@ class OnlineFeatures:
     @torch.no_grad()  # not inference mode: the features enter the head's autograd graph as inputs
     def __call__(self, examples: Sequence) -> torch.Tensor:
         input_ids, attention = pad_batch([ex.ids.tolist() for ex in examples])
-        try:
+        with contextlib.suppress(_Done):
             self.target.model(input_ids=input_ids.to(self.target.device), attention_mask=attention.to(self.target.device))
-        except _Done:
-            pass
         features = self.hooks.take()
         out = torch.zeros(len(examples), max(ex.entries for ex in examples), features.shape[-1], dtype=FEATURE_DTYPE)
         for row, ex in enumerate(examples):
