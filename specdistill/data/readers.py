@@ -53,6 +53,8 @@ from specdistill.data.framing import (  # noqa: F401  (Truncation, FormatMismatc
 FORMATS = ("sharegpt", "openai", "jsonl", "humaneval")
 SNIFF_RECORDS = 20
 DEFAULT_MAX_RECORD_BYTES = 4 << 20
+
+
 @dataclass
 class Conversation:
     messages: list[Message]

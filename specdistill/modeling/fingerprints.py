@@ -29,7 +29,6 @@ FINGERPRINT_FILE = "specdistill_fingerprint.json"
 SOURCE_FILE = "specdistill_source.json"  # a GGUF cache's source and the content record of its weights
 
 
-
 def tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
     """Hash of what decides tokenization: the vocabulary, special tokens and chat template."""
     h = hashlib.sha256()

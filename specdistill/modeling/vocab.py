@@ -32,6 +32,7 @@ def draft_vocab_path(directory: str | Path) -> Path | None:
             return Path(directory) / name
     return None
 
+
 # Strings that show segmentation differences a user cares about: code, finance, chat scaffolding.
 PROBE_STRINGS = [
     "Hello, how can I help you today?",

@@ -102,6 +102,7 @@ def align_champion(config: NightlyConfig, champion: Champion | None) -> WarmStar
     from transformers import AutoConfig
 
     target_tok = target_tokenizer(config)
+
     def warm(directory: str, transplanted: bool, report: dict) -> WarmStart:
         return WarmStart(champion.name, champion.version, directory, dict(champion.tags), transplanted, report)
 
