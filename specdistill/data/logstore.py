@@ -35,6 +35,7 @@ from specdistill.data.logschema import (  # noqa: F401  (the schema and hashes a
     acceptance_samples,
     content_hash,
     conversations,
+    database_error,
     decisions,
     default_url,
     display_url,
@@ -54,7 +55,6 @@ from specdistill.data.logschema import (  # noqa: F401  (the schema and hashes a
 )
 from specdistill.data.logstore_records import PipelineRecords, _now
 from specdistill.data.readers import Conversation, Message, Rejected
-from specdistill.env import mask_secrets
 
 # ----------------------------------------------------------------------------------------------
 # the store
@@ -102,8 +102,7 @@ class LogStore(PipelineRecords):
             upgrade(self.engine)
         except sa.exc.DBAPIError as exc:  # unreachable server, bad credentials, a file that is no database
             self.engine.dispose()
-            reason = mask_secrets(str(getattr(exc, "orig", exc)).strip().splitlines()[0])
-            raise LogStoreError(f"cannot open log store {display_url(self.url)}: {reason}") from None
+            raise LogStoreError(f"cannot open {database_error(self.url, exc)}") from None
         except LogStoreError as exc:  # the migrations' write refused (a read-only file)
             self.engine.dispose()
             raise LogStoreError(f"cannot open {exc}") from None
