@@ -47,10 +47,8 @@ def _secure_home(path: Path) -> None:
     root = home()
     if not _is_within(Path(path).absolute().resolve(), root):
         return
-    try:
+    with contextlib.suppress(FileExistsError):
         root.mkdir(mode=STATE_DIR_MODE, parents=True)
-    except FileExistsError:
-        pass
     mode = root.stat().st_mode & 0o777
     if mode & 0o066:
         root.chmod(mode & ~0o066)
@@ -68,10 +66,8 @@ def ensure_private(path: Path) -> Path:
     path = Path(path)
     _secure_home(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    with contextlib.suppress(FileExistsError):
         path.mkdir(mode=PRIVATE_DIR_MODE)
-    except FileExistsError:
-        pass
     if path.is_dir() and path.stat().st_mode & 0o077:
         path.chmod(PRIVATE_DIR_MODE)
     return path
@@ -83,10 +79,8 @@ def create_private_file(path: Path) -> Path:
     path = Path(path)
     _secure_home(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    with contextlib.suppress(FileExistsError):
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE))
-    except FileExistsError:
-        pass
     return path
 
 
@@ -202,11 +196,8 @@ def check_output_dir(out_dir: Path, kind: str, *, force: bool, resume: bool = Fa
 
 def write_marker(directory: Path, kind: str, files: list[str]) -> None:
     """Mark `directory` as a `kind` output whose own entries are `files` (what `--force` may replace)."""
-    (Path(directory) / OUTPUT_MARKER).write_text(_marker(kind, files))
-
-
-def _marker(kind: str, files: list[str]) -> str:
-    return json.dumps({"kind": kind, "written_at": time.time(), "files": sorted({*files, OUTPUT_MARKER})})
+    marker = {"kind": kind, "written_at": time.time(), "files": sorted({*files, OUTPUT_MARKER})}
+    (Path(directory) / OUTPUT_MARKER).write_text(json.dumps(marker))
 
 
 def claim_output_dir(out_dir: Path, kind: str, files: list[str]) -> bool:
@@ -297,7 +288,7 @@ def atomic_dir(out_dir: Path, kind: str, *, replace: bool = True, force: bool = 
     try:
         yield tmp
         _readable(tmp)
-        (tmp / OUTPUT_MARKER).write_text(_marker(kind, [p.name for p in tmp.iterdir()]))
+        write_marker(tmp, kind, [p.name for p in tmp.iterdir()])
         if out_dir.exists() and any(out_dir.iterdir()):
             if not replace:  # someone else finished first: theirs is as good as ours
                 shutil.rmtree(tmp)

@@ -54,7 +54,9 @@ def command(parent: Subcommands, name: str, handler: Handler, help: str, example
     # argparse %-formats a help string (not a description): a literal % ("below 50%") is written %%
     p = parent.add_parser(name, help=help.replace("%", "%%"), description=description or help,
                           epilog=f"example: specdistill {example}")
-    add_json(p)
+    # SUPPRESS rather than False: a nested subcommand's default never undoes a --json given before
+    # it (`specdistill demo --json key=value`). Read it through emit().
+    p.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print exactly one JSON object on stdout")
     p.set_defaults(func=handler)
     return p
 
@@ -62,12 +64,6 @@ def command(parent: Subcommands, name: str, handler: Handler, help: str, example
 def group(parent: Subcommands, name: str, help: str) -> Subcommands:
     """A command made of subcommands (`specdistill NAME SUBCOMMAND ...`)."""
     return parent.add_parser(name, help=help.replace("%", "%%"), description=help).add_subparsers(dest=f"{name}_command", required=True)
-
-
-def add_json(p: argparse.ArgumentParser) -> None:
-    # SUPPRESS rather than False: a nested subcommand's default never undoes a --json given before
-    # it (`specdistill demo --json key=value`). Read it through emit().
-    p.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print exactly one JSON object on stdout")
 
 
 def emit(args: argparse.Namespace, payload: dict, text: str) -> None:

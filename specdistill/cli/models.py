@@ -44,8 +44,6 @@ def cmd_draft_init(args: argparse.Namespace) -> int:
     from specdistill.modeling.vocab import DraftVocab, build_draft_vocab, token_frequencies  # lazy: CLI start-up
 
     check_out(args)  # before the target loads: a refused OUT costs nothing
-    if args.draft_vocab is not None and args.draft_vocab < 1:
-        raise SystemExit(f"--draft-vocab {args.draft_vocab}: a draft vocabulary needs at least one token")
     if args.kind == "eagle3":  # an architecture the head cannot start from is refused before the target loads
         _check_eagle3_target(args.target)
     target = load_model(args.target, dtype="float32")  # the draft is made of its weights and saved

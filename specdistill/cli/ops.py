@@ -4,6 +4,7 @@ being served, the draft's acceptance on it, and what the serving engine is told 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from specdistill.acceptance import DEFAULT_GAMMA
@@ -100,10 +101,8 @@ def cmd_monitor_serve(args: argparse.Namespace) -> int:
                   "--host 127.0.0.1 keeps them local", file=sys.stderr)
 
     with log_store(args) as store:
-        try:
+        with contextlib.suppress(KeyboardInterrupt):
             serve_metrics(store, args.port, args.host, args.interval, args.serving, on_listening=listening)
-        except KeyboardInterrupt:
-            pass
     return 0
 
 

@@ -91,7 +91,7 @@ def sharegpt_first_turns(limit: int | None = None, *, skip: int = 0, scan: int |
             continue
         prompt = msgs[: first_user + 1]
         if tokenizer is not None:
-            length = _prompt_length(tokenizer, prompt)
+            length = len(encode_chat(tokenizer, prompt))
             if length < min_tokens or (max_tokens is not None and length > max_tokens):
                 continue
         seen.add(key)
@@ -99,10 +99,6 @@ def sharegpt_first_turns(limit: int | None = None, *, skip: int = 0, scan: int |
         if limit is not None and len(out) >= limit:
             break
     return out
-
-
-def _prompt_length(tokenizer, messages: list[dict]) -> int:
-    return len(encode_chat(tokenizer, messages))
 
 
 def humaneval_prompts() -> list[str]:

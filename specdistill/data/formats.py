@@ -44,19 +44,14 @@ ROLE_MAP = {
 }
 
 
-
-
 @dataclass(frozen=True)
 class Message:
     role: str  # "system" | "user" | "assistant"
     content: str
 
 
-
-
 class InvalidRecord(ValueError):
     """A record that parses but breaks a rule; the message is the quarantine reason."""
-
 
 
 # ----------------------------------------------------------------------------------------------

@@ -308,10 +308,8 @@ def downgrade(engine: Engine, revision: str) -> None:
 
 
 def schema_revision(engine: Engine) -> str | None:
-    from alembic.runtime.migration import MigrationContext
-
     with engine.connect() as conn:
-        return MigrationContext.configure(conn).get_current_revision()
+        return _revision(conn)
 
 
 def _revision(conn: Connection) -> str | None:

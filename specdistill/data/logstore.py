@@ -35,6 +35,7 @@ from specdistill.data.logschema import (  # noqa: F401  (the schema and hashes a
     acceptance_samples,
     content_hash,
     conversations,
+    database_error,
     decisions,
     default_url,
     display_url,
@@ -54,7 +55,6 @@ from specdistill.data.logschema import (  # noqa: F401  (the schema and hashes a
 )
 from specdistill.data.logstore_records import PipelineRecords, _now
 from specdistill.data.readers import Conversation, Message, Rejected
-from specdistill.env import mask_secrets
 
 # ----------------------------------------------------------------------------------------------
 # the store
@@ -102,8 +102,7 @@ class LogStore(PipelineRecords):
             upgrade(self.engine)
         except sa.exc.DBAPIError as exc:  # unreachable server, bad credentials, a file that is no database
             self.engine.dispose()
-            reason = mask_secrets(str(getattr(exc, "orig", exc)).strip().splitlines()[0])
-            raise LogStoreError(f"cannot open log store {display_url(self.url)}: {reason}") from None
+            raise LogStoreError(f"cannot open {database_error(self.url, exc)}") from None
         except LogStoreError as exc:  # the migrations' write refused (a read-only file)
             self.engine.dispose()
             raise LogStoreError(f"cannot open {exc}") from None
@@ -198,10 +197,6 @@ class LogStore(PipelineRecords):
                   for k in ("format", "byte_offset", "record_index", "fingerprint", "updated_at")})
         conn.execute(stmt)
 
-    def reset_watermark(self, source: str) -> None:
-        with writing(self.engine) as conn:
-            conn.execute(watermarks.delete().where(watermarks.c.source == source))
-
     def finish_run(self, run_id: int, truncated_at: int | None = None, truncated_bytes: int | None = None) -> dict:
         with writing(self.engine) as conn:
             conn.execute(ingest_runs.update().where(ingest_runs.c.id == run_id).values(
@@ -268,12 +263,7 @@ class LogStore(PipelineRecords):
         with self.engine.connect() as conn:
             ids = conn.execute(sa.select(conversations.c.id).where(*self._where(**filters))
                                .order_by(conversations.c.id)).scalars().all()
-            chosen = sorted(random.Random(seed).sample(ids, min(n, len(ids))))
-            rows = []
-            for start in range(0, len(chosen), 500):
-                part = chosen[start : start + 500]
-                rows += conn.execute(sa.select(conversations).where(conversations.c.id.in_(part))).mappings().all()
-        return sorted((_stored(r) for r in rows), key=lambda s: s.id)
+        return self.by_ids(sorted(random.Random(seed).sample(ids, min(n, len(ids)))))
 
     def by_ids(self, ids: Iterable[int]) -> list[StoredConversation]:
         """Conversations by id, in the order asked (a window chosen earlier, read again)."""

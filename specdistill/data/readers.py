@@ -53,6 +53,8 @@ from specdistill.data.framing import (  # noqa: F401  (Truncation, FormatMismatc
 FORMATS = ("sharegpt", "openai", "jsonl", "humaneval")
 SNIFF_RECORDS = 20
 DEFAULT_MAX_RECORD_BYTES = 4 << 20
+
+
 @dataclass
 class Conversation:
     messages: list[Message]
@@ -220,9 +222,3 @@ def read_records(path: str | Path, fmt: str, **options: Any) -> RecordReader:
     """Stream `path` as Conversation / Rejected records; `.truncation` is set after iteration."""
     return RecordReader(path, fmt, **options)
 
-
-def read_conversations(path: str | Path, fmt: str, **options: Any) -> Iterator[Conversation]:
-    """Only the valid conversations (for training data); use read_records to see the rejects."""
-    for record in read_records(path, fmt, **options):
-        if isinstance(record, Conversation):
-            yield record

@@ -34,7 +34,7 @@ from specdistill.distill.features import (
     feature_start,
 )
 from specdistill.distill.layer_task import _build_draft_vocab
-from specdistill.distill.teacher import TeacherCache, check_entry, drop_stale, teacher_positions, to_draft_space, vocab_key
+from specdistill.distill.teacher import TeacherCache, check_entry, drop_stale, teacher_positions, to_draft_space
 from specdistill.distill.trained import HeldoutAcceptance, TaskDescription
 from specdistill.modeling import eagle3_io
 from specdistill.modeling.eagle3 import Eagle3Draft, check_head_fits, default_aux_layers, init_eagle3_from_target
@@ -291,12 +291,8 @@ class Eagle3Task:
                 torch.distributed.barrier()
         features = None if online else FeatureCache.open(feature_dir, fingerprint=target.fingerprint,
                                                          layers=self.layers, prompt_context=e.prompt_context)
-        teacher = TeacherCache.open(cache_dir, fingerprint=target.fingerprint)
-        if teacher.meta["temperature"] != config.loss.temperature:
-            raise ValueError(f"teacher cache {cache_dir} holds temperature {teacher.meta['temperature']}, "
-                             f"loss.temperature is {config.loss.temperature}")
-        if teacher.meta["vocab"] not in ("full", vocab_key(draft_vocab)):
-            raise ValueError(f"teacher cache {cache_dir} was written for vocabulary {teacher.meta['vocab']}")
+        teacher = TeacherCache.for_training(cache_dir, fingerprint=target.fingerprint,
+                                            temperature=config.loss.temperature, draft_vocab=draft_vocab)
         rows, teacher_rows = (None if online else features.load_all()), teacher.load_all()
         remap = teacher.meta["vocab"] == "full"
         examples, stale = drop_stale(examples, teacher_rows, cache_dir)

@@ -18,6 +18,7 @@ entry stores its token ids so a cache for other data is refused per example.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
@@ -29,16 +30,14 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from specdistill.distill import shards
 from specdistill.distill.teacher import (
+    ShardCache,
     TeacherCache,
     data_hash,
     pad_batch,
-    read_cache_meta,
     teacher_positions,
     topk_rows,
     vocab_key,
-    write_cache_meta,
 )
 from specdistill.modeling.eagle3 import FeatureHooks
 from specdistill.modeling.vocab import DraftVocab
@@ -99,66 +98,34 @@ def choose_features(setting: str, examples: Sequence, hidden_size: int, prompt_c
             f"{'over' if over else 'within'} eagle3.feature_max_gb={max_gb}")
 
 
-class FeatureCache:
-    """A directory of safetensors shards: per sequence its token ids, first stored position and features."""
+class FeatureCache(ShardCache):
+    """Shards of per sequence its token ids, first stored position and features."""
 
-    def __init__(self, directory: str | os.PathLike, meta: dict):
-        self.dir = Path(directory)
-        self.meta = meta
+    META = FEATURE_META
+    WHAT = "feature cache"
+    Stale = StaleFeatureCacheError
 
     @classmethod
     def create(cls, directory, *, fingerprint: str, layers: list[int], data: str, prompt_context: int | None) -> FeatureCache:
         """Open for writing; an existing cache must carry the same key (then writing resumes)."""
-        directory = Path(directory)
-        meta = {"fingerprint": fingerprint, "layers": list(layers), "data": data, "prompt_context": prompt_context,
-                "dtype": "bfloat16"}
-        if (directory / FEATURE_META).is_file():
-            return cls.open(directory, **{k: v for k, v in meta.items() if k != "dtype"})
-        write_cache_meta(directory, FEATURE_META, meta)
-        return cls(directory, meta)
+        key = {"fingerprint": fingerprint, "layers": list(layers), "data": data, "prompt_context": prompt_context}
+        return cls._create(directory, {**key, "dtype": "bfloat16"}, key)
 
     @classmethod
     def open(cls, directory, *, fingerprint: str, layers: list[int], data: str | None = None,
              prompt_context: int | None | str = "any") -> FeatureCache:
         """Open for reading, refusing a cache written for another target, layer set, data or context."""
-        directory = Path(directory)
-        meta_path = directory / FEATURE_META
-        if not meta_path.is_file():
-            raise FileNotFoundError(f"no feature cache at {directory} ({FEATURE_META} missing)")
-        meta = read_cache_meta(meta_path)
         wanted = {"fingerprint": fingerprint, "layers": list(layers), "data": data}
         if prompt_context != "any":
             wanted["prompt_context"] = prompt_context
-        for key, value in wanted.items():
-            if value is not None and meta.get(key) != value:
-                raise StaleFeatureCacheError(
-                    f"feature cache {directory} was written for {key}={meta.get(key)!r}, "
-                    f"this run needs {key}={value!r}: rebuild it")
-        return cls(directory, meta)
+        return cls._open(directory, wanted)
 
     def write_shard(self, name: str, entries: dict[str, dict[str, torch.Tensor]]) -> Path:
         """One shard, written atomically: after a kill a shard is either complete or absent."""
-        tensors = {f"{ex_id}/{key}": t for ex_id, rows in entries.items() for key, t in rows.items()}
-        return shards.write_shard(self.dir / f"shard-{name}.safetensors", tensors)
-
-    def has_shard(self, name: str) -> bool:
-        return (self.dir / f"shard-{name}.safetensors").is_file()
-
-    def ids(self) -> set[str]:
-        """Ids in the shards' headers (cheap; a shard with an unreadable header is quarantined)."""
-        keys = shards.header_keys(sorted(self.dir.glob(shards.SHARD_GLOB)))
-        return {key[: -len("/input_ids")] for key in keys if key.endswith("/input_ids")}
-
-    def verified_ids(self) -> tuple[set[str], list[str]]:
-        """Ids whose features are in a shard that passes its checksum; bad shards are quarantined (and listed)."""
-        return shards.verified_keys(self.dir, "input_ids")
+        return self._write(name, {f"{ex_id}/{key}": t for ex_id, rows in entries.items() for key, t in rows.items()})
 
     def disk_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.dir.glob("shard-*.safetensors"))
-
-    def load_all(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Every entry, each shard verified (a bad one is quarantined and named)."""
-        return shards.load_shards(self.dir)
 
 
 def entry_features(entry: dict[str, torch.Tensor] | None, ex_id: str, input_ids: Sequence[int], start: int) -> torch.Tensor:
@@ -202,10 +169,8 @@ class OnlineFeatures:
     @torch.no_grad()  # not inference mode: the features enter the head's autograd graph as inputs
     def __call__(self, examples: Sequence) -> torch.Tensor:
         input_ids, attention = pad_batch([ex.ids.tolist() for ex in examples])
-        try:
+        with contextlib.suppress(_Done):
             self.target.model(input_ids=input_ids.to(self.target.device), attention_mask=attention.to(self.target.device))
-        except _Done:
-            pass
         features = self.hooks.take()
         out = torch.zeros(len(examples), max(ex.entries for ex in examples), features.shape[-1], dtype=FEATURE_DTYPE)
         for row, ex in enumerate(examples):

@@ -12,7 +12,7 @@ from specdistill.acceptance import DEFAULT_GAMMA, expected_tokens_per_round
 from specdistill.distill import losses
 from specdistill.distill.config import DistillConfig
 from specdistill.distill.examples import Batch, Example, collate
-from specdistill.distill.teacher import OnlineTeacher, TeacherCache, drop_stale, to_draft_space, vocab_key
+from specdistill.distill.teacher import OnlineTeacher, TeacherCache, drop_stale, to_draft_space
 from specdistill.distill.trained import HeldoutAcceptance, TaskDescription
 from specdistill.modeling import models
 from specdistill.modeling.drafts import init_draft_from_target, parse_layers, save_draft
@@ -154,12 +154,8 @@ class LayerTask:
             target.model.to(device)
             self.teacher = OnlineTeacher(target.model, draft_vocab, with_hidden=config.loss.hidden_weight > 0)
         elif config.teacher.mode == "cache":
-            cache = TeacherCache.open(config.teacher.cache_dir, fingerprint=target.fingerprint)
-            if cache.meta["temperature"] != config.loss.temperature:
-                raise ValueError(f"teacher cache {config.teacher.cache_dir} holds temperature {cache.meta['temperature']}, "
-                                 f"loss.temperature is {config.loss.temperature}")
-            if cache.meta["vocab"] not in ("full", vocab_key(draft_vocab)):
-                raise ValueError(f"teacher cache {config.teacher.cache_dir} was written for vocabulary {cache.meta['vocab']}")
+            cache = TeacherCache.for_training(config.teacher.cache_dir, fingerprint=target.fingerprint,
+                                              temperature=config.loss.temperature, draft_vocab=draft_vocab)
             self.cache_rows = cache.load_all()
             self.examples, stale = drop_stale(examples, self.cache_rows, config.teacher.cache_dir)
             self.replay, stale_replay = drop_stale(replay, self.cache_rows, config.teacher.cache_dir)

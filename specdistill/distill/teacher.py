@@ -14,9 +14,9 @@ the tokens x[t] with m[t] true and t ≥ 1, in order (row i is p(· | x[:t_i])).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
+import typing
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -48,11 +48,7 @@ def read_cache_meta(meta_path: Path) -> dict:
 
 def write_cache_meta(directory: Path, name: str, meta: dict) -> None:
     """Create a cache directory (0700: it holds answers to production traffic) with its key file."""
-    paths.ensure_private(directory)
-    tmp = directory / (name + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=2))
-    os.chmod(tmp, paths.PRIVATE_FILE_MODE)
-    os.replace(tmp, directory / name)
+    paths.atomic_write_json(paths.ensure_private(directory) / name, meta)
 
 
 def vocab_key(draft_vocab: DraftVocab | None) -> str:
@@ -90,25 +86,79 @@ def topk_rows(logits: torch.Tensor, k: int, temperature: float) -> tuple[torch.T
 # Offline cache
 
 
-class TeacherCache:
-    """A directory of safetensors shards of top-k teacher rows, keyed by target fingerprint."""
+class ShardCache:
+    """A directory of checksummed safetensors shards (`distill.shards`), one entry per example id, under
+    a JSON key file (`META`) naming what they were written for: writing resumes only into a cache of
+    the same key, and a reader asking for another value of a key is refused (`Stale`), naming it."""
+
+    META: typing.ClassVar[str]
+    WHAT: typing.ClassVar[str]  # what messages call it
+    Stale: typing.ClassVar[type[ValueError]]
 
     def __init__(self, directory: str | os.PathLike, meta: dict):
         self.dir = Path(directory)
         self.meta = meta
-        self._index: dict[str, Path] | None = None
-        self._shard_cache: tuple[Path, dict] | None = None
+
+    @classmethod
+    def _create(cls, directory, meta: dict, key: dict) -> typing.Self:
+        """Open for writing under `meta`; an existing cache must carry `key` (then writing resumes)."""
+        if (Path(directory) / cls.META).is_file():
+            return cls._open(directory, key)
+        write_cache_meta(Path(directory), cls.META, meta)
+        return cls(directory, meta)
+
+    @classmethod
+    def _open(cls, directory, wanted: dict) -> typing.Self:
+        """Open for reading, refusing a cache written for another value of a key in `wanted` (None: any)."""
+        directory = Path(directory)
+        meta_path = directory / cls.META
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"no {cls.WHAT} at {directory} ({cls.META} missing)")
+        meta = read_cache_meta(meta_path)
+        for key, value in wanted.items():
+            if value is not None and meta.get(key) != value:
+                raise cls.Stale(f"{cls.WHAT} {directory} was written for {key}={meta.get(key)!r}, "
+                                f"this run needs {key}={value!r}: rebuild it")
+        return cls(directory, meta)
+
+    def _write(self, name: str, tensors: dict[str, torch.Tensor]) -> Path:
+        """One shard, written atomically: after a kill a shard is either complete or absent."""
+        return shards.write_shard(self.dir / f"shard-{name}.safetensors", tensors)
+
+    def has_shard(self, name: str) -> bool:
+        return (self.dir / f"shard-{name}.safetensors").is_file()
+
+    def ids(self) -> set[str]:
+        """Ids in the shards' headers (cheap; a shard with an unreadable header is quarantined)."""
+        keys = shards.header_keys(sorted(self.dir.glob(shards.SHARD_GLOB)))
+        return {key[: -len("/input_ids")] for key in keys if key.endswith("/input_ids")}
+
+    def __len__(self) -> int:
+        return len(self.ids())
+
+    def verified_ids(self) -> tuple[set[str], list[str]]:
+        """Ids whose entries are in a shard that passes its checksum; bad shards are quarantined (and listed)."""
+        return shards.verified_keys(self.dir, "input_ids")
+
+    def load_all(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Every entry in memory (teacher rows: a few MB per thousand answers at k=32), so epochs read no disk.
+        Every shard is verified; a bad one is quarantined and named (`shards.CorruptShardError`)."""
+        return shards.load_shards(self.dir)
+
+
+class TeacherCache(ShardCache):
+    """Shards of top-k teacher rows, keyed by target fingerprint, k, temperature, vocabulary and data."""
+
+    META = CACHE_META
+    WHAT = "teacher cache"
+    Stale = StaleTeacherCacheError
 
     # writing -------------------------------------------------------------------------------
     @classmethod
     def create(cls, directory, *, fingerprint: str, k: int, temperature: float, vocab: str, data: str = "") -> TeacherCache:
         """Open for writing; an existing cache must carry the same key (then writing resumes)."""
-        directory = Path(directory)
         meta = {"fingerprint": fingerprint, "k": k, "temperature": temperature, "vocab": vocab, "data": data}
-        if (directory / CACHE_META).is_file():
-            return cls.open(directory, **meta)
-        write_cache_meta(directory, CACHE_META, meta)
-        return cls(directory, meta)
+        return cls._create(directory, meta, meta)
 
     def write_shard(self, name: str, entries: dict[str, dict[str, torch.Tensor]]) -> Path:
         """One shard, written atomically: after a kill a shard is either complete or absent."""
@@ -116,55 +166,27 @@ class TeacherCache:
         for ex_id, rows in entries.items():
             for key in ("input_ids", "logprobs", "indices", "residual"):
                 tensors[f"{ex_id}/{key}"] = rows[key].contiguous()
-        path = shards.write_shard(self.dir / f"shard-{name}.safetensors", tensors)
-        self._index = None
-        return path
-
-    def has_shard(self, name: str) -> bool:
-        return (self.dir / f"shard-{name}.safetensors").is_file()
+        return self._write(name, tensors)
 
     # reading -------------------------------------------------------------------------------
     @classmethod
     def open(cls, directory, *, fingerprint: str, k: int | None = None, temperature: float | None = None,
              vocab: str | None = None, data: str | None = None) -> TeacherCache:
         """Open for reading, refusing a cache whose key differs from what the caller trains with."""
-        directory = Path(directory)
-        meta_path = directory / CACHE_META
-        if not meta_path.is_file():
-            raise FileNotFoundError(f"no teacher cache at {directory} ({CACHE_META} missing)")
-        meta = read_cache_meta(meta_path)
-        wanted = {"fingerprint": fingerprint, "k": k, "temperature": temperature, "vocab": vocab, "data": data}
-        for key, value in wanted.items():
-            if value is not None and meta.get(key) != value:
-                raise StaleTeacherCacheError(
-                    f"teacher cache {directory} was written for {key}={meta.get(key)!r}, "
-                    f"this run needs {key}={value!r}: rebuild it"
-                )
-        return cls(directory, meta)
+        return cls._open(directory, {"fingerprint": fingerprint, "k": k, "temperature": temperature, "vocab": vocab,
+                                     "data": data})
 
-    def _build_index(self) -> dict[str, Path]:
-        keys = shards.header_keys(sorted(self.dir.glob(shards.SHARD_GLOB)))
-        return {key[: -len("/input_ids")]: shard for key, shard in keys.items() if key.endswith("/input_ids")}
-
-    def verified_ids(self) -> tuple[set[str], list[str]]:
-        """Ids whose rows are in a shard that passes its checksum; bad shards are quarantined (and listed)."""
-        self._index = None
-        return shards.verified_keys(self.dir, "input_ids")
-
-    def __contains__(self, ex_id: str) -> bool:
-        if self._index is None:
-            self._index = self._build_index()
-        return str(ex_id) in self._index
-
-    def __len__(self) -> int:
-        if self._index is None:
-            self._index = self._build_index()
-        return len(self._index)
-
-    def load_all(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Every entry in memory (a few MB per thousand answers at k=32): epochs then read no disk.
-        Every shard is verified; a bad one is quarantined and named (`shards.CorruptShardError`)."""
-        return shards.load_shards(self.dir)
+    @classmethod
+    def for_training(cls, directory, *, fingerprint: str, temperature: float, draft_vocab: DraftVocab | None) -> TeacherCache:
+        """The cache a training run reads: this target's, written at the loss's temperature, over the full
+        vocabulary or this draft vocabulary."""
+        cache = cls.open(directory, fingerprint=fingerprint)
+        if cache.meta["temperature"] != temperature:
+            raise ValueError(f"teacher cache {directory} holds temperature {cache.meta['temperature']}, "
+                             f"loss.temperature is {temperature}")
+        if cache.meta["vocab"] not in ("full", vocab_key(draft_vocab)):
+            raise ValueError(f"teacher cache {directory} was written for vocabulary {cache.meta['vocab']}")
+        return cache
 
 
 def stale_reason(entry: dict[str, torch.Tensor], ex_id: str, input_ids: Sequence[int], n_rows: int) -> str | None:

@@ -98,7 +98,6 @@ def claim_out_dir(out_dir: str | os.PathLike) -> bool:
     return paths.claim_output_dir(out, DISTILL_OUTPUT, DISTILL_FILES)
 
 
-
 def pick_device(wanted: str) -> torch.device:
     """`auto`: this rank's GPU (LOCAL_RANK) when CUDA is there, else the CPU; `cuda:N`: that GPU; `cuda`
     without a GPU is an error (`modeling.models.check_device`)."""

@@ -69,10 +69,6 @@ class LlamaCpp:
     def converter(self) -> Path:
         return self.source / "convert_hf_to_gguf.py"
 
-    @property
-    def gguf_py(self) -> Path:
-        return self.source / "gguf-py"
-
 
 def isa() -> str:
     """The instruction set llama.cpp is built for: `native` (this CPU, the default) or `$SPECDISTILL_LLAMA_CPP_ISA`."""

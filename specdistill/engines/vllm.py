@@ -26,6 +26,7 @@ A GPU machine's own vLLM (`$SPECDISTILL_VLLM_PYTHON`) gets none of the CPU varia
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -250,10 +251,8 @@ class VllmServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
-        try:  # stragglers of the group (the engine core outliving its parent)
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # stragglers of the group (the engine core outliving its parent)
             os.killpg(self.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
         self.process = None
 
     def __enter__(self) -> VllmServer:

@@ -97,10 +97,6 @@ def env_dir(version: str = VLLM_VERSION) -> Path:
     return cache_root() / "vllm" / f"{version}-py{sys.version_info.major}{sys.version_info.minor}"
 
 
-def _site_packages(prefix: Path) -> Path:
-    return prefix / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
-
-
 def user_env() -> VllmEnv | None:
     """The vLLM named by `$SPECDISTILL_VLLM_PYTHON` (a user's install, e.g. the CUDA build), else None."""
     python = os.environ.get("SPECDISTILL_VLLM_PYTHON")

@@ -24,7 +24,6 @@ from specdistill.modeling.kv_cache import preallocated_cache
 from specdistill.modeling.lean import engine_forward
 from specdistill.modeling.vocab import (
     DraftVocab,
-    VocabAlignmentError,
     VocabReport,
     check_vocab,
     remap_draft_vocab,
@@ -89,15 +88,6 @@ def init_draft_from_target(target: PreTrainedModel, layers: list[int]) -> PreTra
         draft.tie_weights()
     draft.eval()
     return draft
-
-
-def check_layer_compatible(target: PreTrainedModel, draft: PreTrainedModel) -> None:
-    """Layers can move between models only with the same width and head layout."""
-    t, d = target.config, draft.config
-    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"):
-        tv, dv = getattr(t, key, None), getattr(d, key, None)
-        if tv != dv:
-            raise VocabAlignmentError(f"{key} differs: target {tv}, draft {dv}")
 
 
 @dataclass

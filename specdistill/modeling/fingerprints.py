@@ -8,6 +8,7 @@ weights as stored, whatever dtype a run loads them in, and remembered beside the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -26,7 +27,6 @@ from specdistill.modeling.integrity import (
 
 FINGERPRINT_FILE = "specdistill_fingerprint.json"
 SOURCE_FILE = "specdistill_source.json"  # a GGUF cache's source and the content record of its weights
-
 
 
 def tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -81,10 +81,8 @@ def saved_fingerprint(model_dir: Path) -> str | None:
         if not is_sealed(saved) or saved.get("signature") != json.loads(json.dumps(_dir_signature(model_dir))):
             return None
         if verify_weights(model_dir, saved["weights"]):
-            try:
+            with contextlib.suppress(OSError):
                 write_json_atomic(record_path, sealed(saved))
-            except OSError:
-                pass
         return saved["fingerprint"]
     except (OSError, ValueError, KeyError, TypeError, WeightsIntegrityError):
         return None
@@ -98,8 +96,6 @@ def cached_fingerprint(model_dir: Path, model: torch.nn.Module, tokenizer: PreTr
     sig = _dir_signature(model_dir)
     record = model_dir / FINGERPRINT_FILE
     fp = fingerprint(model, tokenizer)
-    try:
+    with contextlib.suppress(OSError):  # a read-only model directory still gets a fingerprint, just not cached
         write_json_atomic(record, sealed({"signature": sig, "weights": weights_record(model_dir), "fingerprint": fp}))
-    except OSError:  # a read-only model directory still gets a fingerprint, just not cached
-        pass
     return fp

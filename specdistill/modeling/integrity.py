@@ -12,6 +12,7 @@ write below the file system) is caught when it touches a sampled block, and in f
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -131,7 +132,5 @@ def check_weights_record(source: Path) -> None:
     if not is_sealed(record):
         raise WeightsIntegrityError(f"{source} was edited: its record no longer matches its check")
     if verify_weights(cache_dir, record["weights"]):  # a touch or a copy: same content, new stat
-        try:
+        with contextlib.suppress(OSError):  # a read-only cache stays usable: the full hash just runs again next time
             write_json_atomic(source, sealed(record))
-        except OSError:  # a read-only cache stays usable: the full hash just runs again next time
-            pass

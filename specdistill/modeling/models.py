@@ -214,10 +214,6 @@ class FullCheck:
     outcome: str
     detail: str = ""
 
-    @property
-    def mb_per_s(self) -> float:
-        return self.bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
-
 
 def verify_model_files(ref: str | os.PathLike) -> FullCheck:
     """Hash a model's weights in full against what was recorded when they were written (the per-load

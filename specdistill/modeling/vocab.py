@@ -32,6 +32,7 @@ def draft_vocab_path(directory: str | Path) -> Path | None:
             return Path(directory) / name
     return None
 
+
 # Strings that show segmentation differences a user cares about: code, finance, chat scaffolding.
 PROBE_STRINGS = [
     "Hello, how can I help you today?",
@@ -91,10 +92,8 @@ class VocabReport:
             f"only in target       {self.only_in_target}",
             f"only in draft        {self.only_in_draft}",
         ]
-        for tok, tid, did in self.id_mismatch_examples[:5]:
-            lines.append(f"  id differs: {tok!r} target {tid} draft {did}")
-        for tok in self.only_in_target_examples[:5]:
-            lines.append(f"  target-only token: {tok!r}")
+        lines += [f"  id differs: {tok!r} target {tid} draft {did}" for tok, tid, did in self.id_mismatch_examples[:5]]
+        lines += [f"  target-only token: {tok!r}" for tok in self.only_in_target_examples[:5]]
         lines.append("special tokens       " + ("identical" if not self.special_tokens_differ else "DIFFER"))
         for name in self.special_tokens_differ:
             t, d = self.special_tokens[name]
@@ -103,8 +102,7 @@ class VocabReport:
         if self.chat_template_diff:
             lines.append("  " + self.chat_template_diff)
         lines.append(f"segment differently  {len(self.segmentation_differences)} probe strings")
-        for diff in self.segmentation_differences[:6]:
-            lines.append(f"  {diff['text']!r}: target {diff['target']} | draft {diff['draft']}")
+        lines += [f"  {d['text']!r}: target {d['target']} | draft {d['draft']}" for d in self.segmentation_differences[:6]]
         lines.append("verdict              " + ("IDENTICAL" if self.identical else "NOT ALIGNED"))
         return "\n".join(lines)
 

@@ -160,11 +160,6 @@ def listens_everywhere(host: str) -> bool:
 # --------------------------------------------------------------------------------------------
 # Live sampling from a serving engine's /metrics page
 
-VLLM_DRAFTS = "vllm:spec_decode_num_drafts_total"
-VLLM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
-VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
-
-
 @dataclass
 class LiveSample(Record):
     """Acceptance between two scrapes, or `ok=False` with the reason there is no sample. It reads like a

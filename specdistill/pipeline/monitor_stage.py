@@ -171,10 +171,9 @@ def measure_fallback(config: MonitorConfig, target: TargetVersion) -> FallbackDe
                                      max_prompt_tokens=nightly.window.max_prompt_tokens)
 
     corpus = config.fallback_suffix_corpus or (str(current_corpus_path()) if current_corpus_path().is_file() else None)
-    decision = replay.choose_fallback(loaded, prompts, exit_layers=config.fallback_exit_layers, gamma=config.replay_gamma(),
-                               max_new_tokens=config.max_new_tokens, min_tokens=config.fallback_min_tokens,
-                               repeats=config.fallback_repeats, suffix_corpus=corpus)
-    return decision
+    return replay.choose_fallback(loaded, prompts, exit_layers=config.fallback_exit_layers, gamma=config.replay_gamma(),
+                                  max_new_tokens=config.max_new_tokens, min_tokens=config.fallback_min_tokens,
+                                  repeats=config.fallback_repeats, suffix_corpus=corpus)
 
 
 def apply_fallback(config: MonitorConfig, fallback: FallbackDecision, target: TargetVersion) -> AppliedFallback | None:

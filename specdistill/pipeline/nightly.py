@@ -87,8 +87,7 @@ def resolve_source_path(source: SourceConfig) -> Path:
 
 def ingest_source(source: SourceConfig, log_db: str | None) -> IngestResult:
     with LogStore(log_db) as store:
-        result = ingest(resolve_source_path(source), source.format, store, progress=True)
-        return result
+        return ingest(resolve_source_path(source), source.format, store, progress=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -103,6 +102,7 @@ def align_champion(config: NightlyConfig, champion: Champion | None) -> WarmStar
     from transformers import AutoConfig
 
     target_tok = target_tokenizer(config)
+
     def warm(directory: str, transplanted: bool, report: dict) -> WarmStart:
         return WarmStart(champion.name, champion.version, directory, dict(champion.tags), transplanted, report)
 
@@ -272,7 +272,7 @@ def register(config: NightlyConfig, target: TargetInfo, window: Window, trained:
              results: dict[str, BenchResult], verdict: GateVerdict, parent: str | None, report_path: str | None,
              speeds: dict[str, BenchResult] | None = None) -> RegisteredDraft:
     """The challenger into the registry with its numbers, curves and artifacts (see `pipeline.report`)."""
-    reg = registry.register_draft(
+    return registry.register_draft(
         trained.draft_dir, target_name=config.target_name,
         params={"layers": trained.layers, "draft_vocab": trained.draft_vocab, "dtype": target.dtype,
                 **flat_params(config.train.model_dump(exclude_none=True))},
@@ -283,7 +283,6 @@ def register(config: NightlyConfig, target: TargetInfo, window: Window, trained:
               FIRST_POSITION_TAG: f"{first_position(results[Role.CHALLENGER])[0] or 0.0:.4f}"},  # the monitor's drift baseline
         run_name=f"nightly-{window.key}",
     )
-    return reg
 
 
 def promote(config: NightlyConfig, registered: RegisteredDraft, target: TargetInfo, expected_champion: str | None,

@@ -30,6 +30,7 @@ from specdistill.speculative.specs import DrafterSpec
 if TYPE_CHECKING:  # for annotations only: the registry imports MLflow
     from specdistill.ops.registry import RegisteredDraft
 
+
 @dataclass
 class ServingDecision(Record):
     """The mode written for serving and every number behind it (`serving_config` turns it into serving.json)."""

@@ -15,8 +15,6 @@ from specdistill import hardware
 from specdistill.budget import Deadline, share
 from specdistill.pipeline.config import NightlyConfig
 
-STAGES = ("answers", "distill", "generic", "benchmark", "engine benchmark")  # the budgeted stages, in the flow's order
-
 
 def stage_budgets(config: NightlyConfig) -> dict[str, float | None]:
     """Each budgeted stage's own budget in minutes (None: none; a stage the run skips: absent)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 from transformers import PreTrainedModel
@@ -91,20 +91,11 @@ class SpecStats:
         def add(a: list[int], b: list[int]) -> list[int]:
             return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(width)]
 
-        return SpecStats(
-            requests=self.requests + other.requests,
-            prompt_tokens=self.prompt_tokens + other.prompt_tokens,
-            generated_tokens=self.generated_tokens + other.generated_tokens,
-            rounds=self.rounds + other.rounds,
-            proposed=self.proposed + other.proposed,
-            accepted=self.accepted + other.accepted,
-            target_forwards=self.target_forwards + other.target_forwards,
-            runner_ups_accepted=self.runner_ups_accepted + other.runner_ups_accepted,
-            context_truncated=self.context_truncated + other.context_truncated,
-            seconds=self.seconds + other.seconds,
-            accepted_per_position=add(self.accepted_per_position, other.accepted_per_position),
-            proposed_per_position=add(self.proposed_per_position, other.proposed_per_position),
-        )
+        # every counter adds up (a new one too, without an edit here); the per-position lists add position-wise
+        sums = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)
+                if not f.name.endswith("_per_position")}
+        return SpecStats(**sums, accepted_per_position=add(self.accepted_per_position, other.accepted_per_position),
+                         proposed_per_position=add(self.proposed_per_position, other.proposed_per_position))
 
     @classmethod
     def total(cls, stats: Iterable[SpecStats]) -> SpecStats:

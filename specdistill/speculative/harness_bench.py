@@ -55,6 +55,7 @@ __all__ = ["BenchConfig", "BenchResult", "Prompt", "PromptFileError", "SliceResu
 
 MIN_MEASURED_PROMPTS = 2  # a benchmark cut by its time budget still measures this many prompts
 
+
 class BenchConfig(BenchSettings):
     """The harness benchmark: the shared settings, and how this harness samples and measures."""
 

@@ -153,12 +153,11 @@ def load_suffix_drafter(path: str | Path, target_fingerprint: str | None = None,
     from specdistill.speculative.suffix import SuffixDrafter, SuffixIndex  # lazy: keeps torch off import
 
     path = Path(path)
-    sequences, meta = load_corpus(path, target_fingerprint, tokenizer)
+    sequences, _ = load_corpus(path, target_fingerprint, tokenizer)
     index = SuffixIndex(sequences, max_tokens=max_tokens)
     drafter = SuffixDrafter(index, params, tree_width=tree_width, name=f"suffix:{path.name}")
     drafter.note = ""
     if drafter.corpus is None:
         drafter.note = f"suffix corpus {path} is empty: drafting from the request's own context only"
         logging.getLogger(__name__).warning(drafter.note)
-    drafter.corpus_meta = meta
     return drafter
