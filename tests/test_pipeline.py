@@ -447,14 +447,20 @@ def test_a_head_reading_other_layers_gets_features_of_its_own(tmp_path):
     assert features_dir(teacher, [1, 2, 3]) == tmp_path / "data" / "features-layers-1-2-3"
 
 
-def test_training_autocasts_to_bf16_exactly_when_the_run_is_bf16(monkeypatch):
-    calls = []
+@pytest.mark.parametrize("pays", [True, False])
+def test_training_autocasts_to_bf16_when_the_run_is_bf16_and_the_cpu_measures_it_faster(monkeypatch, pays):
+    from specdistill.distill import autocast
+
+    calls, probes = [], []
     monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg: calls.append(dcfg) or trained_result())
+    monkeypatch.setattr(autocast, "measure_autocast", lambda: probes.append(1) or autocast.AutocastProbe(
+        pays, 10.0, 5.0 if pays else 20.0, "cpu", "torch", 1))
     train, heldout = GeneratedData("/data/a/train.jsonl", "/data/a/tc", 1, 1), GeneratedData("/data/a/eval.jsonl", None, 1, 1)
-    for overrides, want in ((["dtype=bfloat16"], True), (["dtype=float32"], False),
+    for overrides, want in ((["dtype=bfloat16"], pays), (["dtype=float32"], False), (["dtype=bfloat16"], pays),
                             (["dtype=bfloat16", "train.optim.bf16=false"], False), (["dtype=float32", "train.optim.bf16=true"], True)):
         pipeline.distill_draft(load_nightly_config(None, overrides), train, heldout)
         assert calls[-1].optim.bf16 is want, overrides
+    assert len(probes) == 1  # measured once, then read from the state directory
 
 
 def test_generic_baseline_dir_depends_on_the_window_and_the_train_config(monkeypatch):

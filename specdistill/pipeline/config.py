@@ -70,8 +70,9 @@ _EAGLE3_SET_PER_RUN = {"feature_dir": "the night's teacher cache", "feature_dtyp
 class NightlyOptim(OptimConfig):
     """`train.optim` with the nightly's defaults. The time budget binds, not the steps: the demo's head was still
     rising at the end of 3 minutes on 1,216 answers (0.381, 0.426, 0.435 held-out first-position acceptance at
-    steps 500, 750, 840), so it gets 4.5 of the run's 18. bf16 null: when the run's dtype is bf16 (the demo's head trained 1.43x the steps
-    per minute, held-out α 0.397 against 0.372 in fp32, on a 2-core AVX-512-BF16 CPU). Warmup null: derived."""
+    steps 500, 750, 840), so it gets 4.5 of the run's 18. bf16 null: autocast when the run's dtype is bf16 and the CPU
+    measures it faster (`train_autocast`): once 1.43x the steps per minute on a native-bf16 CPU, 0.71x on a Xeon
+    with AVX-512 BF16 and no AMX. Warmup null: derived."""
 
     warmup_steps: int | None = Field(None, ge=0)
     # the minutes bind on a 2-core CPU: after the faster step the demo's head ran its 1000 steps in 2.0 of its
@@ -146,14 +147,22 @@ class NightlyTrain(DistillConfig):
 
 
 def train_autocast(config: NightlyConfig) -> bool:
-    """`train.optim.bf16`, or (null) bf16 autocast exactly when the run's models run in bf16."""
+    """`train.optim.bf16`, or (null) bf16 autocast when the run's models run in bf16 and, on a CPU, when a
+    training step measures faster under it there (`distill.autocast`: once per CPU, cached in the state
+    directory; without AMX a native-bf16 Xeon trains the head faster in fp32)."""
     if config.train.optim.bf16 is not None:
         return config.train.optim.bf16
     import torch
 
-    from specdistill.modeling.models import resolve_dtype  # lazy: keeps torch off import
+    from specdistill.modeling.models import resolve_device, resolve_dtype  # lazy: keeps torch off import
 
-    return resolve_dtype(config.dtype) == torch.bfloat16
+    if resolve_dtype(config.dtype) != torch.bfloat16:
+        return False
+    if resolve_device(config.device).type != "cpu":
+        return True
+    from specdistill.distill.autocast import probe_autocast  # lazy: keeps torch off import
+
+    return probe_autocast(run_root() / "autocast").autocast
 
 
 class PoolConfig(Strict):
