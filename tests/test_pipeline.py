@@ -49,7 +49,7 @@ def test_the_train_section_is_the_distillation_config_with_the_nightly_defaults(
     assert set(NightlyTrain.model_fields) == {*DistillConfig.model_fields, "incremental_lr"}
     demo = load_nightly_config().train
     assert (demo.kind, demo.optim.max_minutes, demo.optim.bf16) == ("eagle3", 4.5, None)
-    assert (demo.optim.warmup_steps, demo.checkpoint_every, demo.eval_every) == (20, 600, 600) == (*derived_schedule(2400), 600)
+    assert (demo.optim.warmup_steps, demo.checkpoint_every, demo.eval_every) == (20, 1000, 1000) == (*derived_schedule(4000), 1000)
     cfg = load_nightly_config(None, ["train.optim.lr=0.002", "train.optim.batch_size=2", "train.optim.max_steps=7",
                                      "train.loss.kind=jsd", "train.eagle3.steps=3", "train.layers=0,3", "train.draft_vocab=null"])
     t = cfg.train
