@@ -32,7 +32,7 @@ from specdistill.pipeline.config import NightlyConfig, config_hash, run_root
 from specdistill.pipeline.outputs import GeneratedData, LoggedData, Window
 from specdistill.pipeline.stage_budgets import stage_deadline
 
-# generation.batch_size null: by the run's dtype, as measured on each CPU kind (benchmarks/answer_batch.py)
+# generation.batch_size null: by the run's dtype, as measured on each CPU kind (benchmarks/README.md, "The answer stage's batch")
 ANSWER_BATCH = {"bfloat16": 64, "float32": 32}
 ENGINE_ONLY = {"backend", "url", "engine", "parallel"}  # settings the harness's answers do not depend on
 # records by id, what answered, answers file, teacher cache, what the logged responses gave
