@@ -814,3 +814,26 @@ def test_a_finished_runs_state_keeps_traffic_and_answers_to_its_owner(tiny_targe
     assert readable and sorted(set(readable) - set(allowed)) == []
     assert home / "serving.json" in readable and served_copy / "model.safetensors" in readable
     assert all((p.stat().st_mode & 0o066) == 0 for p in named)  # no group bits on traffic either
+
+
+def test_a_head_is_first_measured_no_deeper_than_the_positions_it_was_trained_to_draft(tmp_path):
+    import json
+
+    from specdistill.modeling.eagle3 import EAGLE3_ARCHITECTURE
+    from specdistill.modeling.eagle3_io import META_FILE
+    from specdistill.pipeline.bench_stage import first_gamma
+    from specdistill.speculative.specs import DrafterSpec
+
+    head, layer_draft = tmp_path / "head", tmp_path / "layers"
+    for d, arch in ((head, EAGLE3_ARCHITECTURE), (layer_draft, "LlamaForCausalLM")):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"architectures": [arch]}))
+        (d / META_FILE).write_text(json.dumps({"kind": "eagle3", "unroll_steps": 1}))
+    assert first_gamma(DrafterSpec.parse(f"draft:{head}"), 4) == 1  # a 1-step head: its 2nd position is untrained
+    (head / META_FILE).write_text(json.dumps({"kind": "eagle3", "unroll_steps": 3}))
+    assert first_gamma(DrafterSpec.parse(f"draft:{head}"), 4) == 3
+    assert first_gamma(DrafterSpec.parse(f"draft:{head}"), 2) == 2
+    (head / META_FILE).write_text(json.dumps({"kind": "eagle3"}))  # a head from before the key: the benchmark's γ
+    assert first_gamma(DrafterSpec.parse(f"draft:{head}"), 4) == 4
+    assert first_gamma(DrafterSpec.parse(f"draft:{layer_draft}"), 4) == 4  # a layer draft drafts every position
+    assert first_gamma(DrafterSpec.parse("ngram"), 4) == 4

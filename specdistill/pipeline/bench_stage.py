@@ -7,9 +7,10 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from specdistill import paths
 from specdistill.data.prompts import Prompt, encode_chat
 from specdistill.data.results import BenchResult
-from specdistill.modeling.eagle3_io import is_eagle3_dir
+from specdistill.modeling.eagle3_io import META_FILE, is_eagle3_dir
 from specdistill.modeling.models import shared_model
 from specdistill.ops.policy import GateVerdict, Role, evaluate
 from specdistill.pipeline.config import NightlyConfig
@@ -84,7 +85,8 @@ def _bench(config: NightlyConfig, drafters: dict[str, DrafterSpec], target, prom
                                     target_tokenizer=target.tokenizer_digest)
             for name, spec in drafters.items()}
     deadline = stage_deadline(config, "benchmark", deadline_at)  # `bench.max_minutes`, its share of the run's deadline
-    results = run_bench_many(target.model, target.tokenizer, made, prompts, bcfg, deadline=deadline)
+    gammas = {name: first_gamma(spec, bcfg.gamma) for name, spec in drafters.items()}
+    results = run_bench_many(target.model, target.tokenizer, made, prompts, bcfg, gammas=gammas, deadline=deadline)
     if s.choose_gamma and deadline.expired():
         skipped = "time budget reached: each drafter's γ was not searched (measured at the benchmark's γ only)"
         results = {name: replace(r, budget_note="; ".join(x for x in (r.budget_note, skipped) if x))
@@ -93,6 +95,17 @@ def _bench(config: NightlyConfig, drafters: dict[str, DrafterSpec], target, prom
         results = bench_at_best_gamma(target.model, target.tokenizer, made, prompts, bcfg, results, range(1, s.max_gamma + 1),
                                       deadline=deadline)
     return results
+
+
+def first_gamma(spec: DrafterSpec, gamma: int) -> int:
+    """The γ a drafter is first measured at: the benchmark's, but for an EAGLE-3 head no deeper than the
+    draft positions it was trained to propose (`unroll_steps` in its meta: a 1-step head's 2nd position is
+    untrained). Where the budget skips the γ search, this γ is the one served."""
+    path = Path(spec.path) if spec.kind == "draft" and spec.path else None
+    if path is None or not path.is_dir() or not is_eagle3_dir(path) or not (path / META_FILE).is_file():
+        return gamma
+    steps = paths.read_json(path / META_FILE, "draft meta").get("unroll_steps")
+    return min(gamma, steps) if isinstance(steps, int) and steps >= 1 else gamma
 
 
 def _served_tree_width(spec: DrafterSpec, width: int) -> int:
