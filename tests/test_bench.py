@@ -457,5 +457,9 @@ def test_a_benchmark_past_its_deadline_keeps_what_it_measured():
     assert r.repeats == 1 and sum(s.requests for s in r.slices) == MIN_MEASURED_PROMPTS and len(r.prompt_speedups) == MIN_MEASURED_PROMPTS
     assert r.lossless is True and r.lossless_exact == MIN_MEASURED_PROMPTS
     assert r.budget_note == f"time budget reached: {MIN_MEASURED_PROMPTS} of 5 prompts, 1 of 3 repeats measured"
+    # a decision needs more prompts: they are measured however late it is
+    needed = run_bench_many(target, None, {"ngram": NgramDrafter(1, 3)}, prompts, cfg, progress=False,
+                            deadline=Deadline(0.0), min_prompts=4)["ngram"]
+    assert len(needed.prompt_speedups) == 4 and needed.budget_note.startswith("time budget reached: 4 of 5 prompts")
     full = run_bench_many(target, None, {"ngram": NgramDrafter(1, 3)}, prompts, cfg, progress=False, deadline=Deadline(None))
     assert full["ngram"].repeats == 3 and full["ngram"].budget_note == "" and len(full["ngram"].prompt_speedups) == 5

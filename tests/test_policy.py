@@ -10,6 +10,7 @@ import pytest
 
 from specdistill.data.results import BenchResult
 from specdistill.ops.policy import (
+    MIN_SERVED_PROMPTS,
     Candidate,
     GateConfig,
     evaluate,
@@ -52,6 +53,17 @@ def test_each_default_threshold_can_fail_alone(kwargs, failing):
     verdict = evaluate(result(**kwargs))
     assert not verdict.passed
     assert len(verdict.failures) == 1 and failing in verdict.failures[0]
+
+
+def test_a_verdict_needs_the_held_out_prompts_a_decision_reads():
+    """A benchmark its budget cut to 4 prompts passed a head at 0.557 whose held-out curve read 0.476."""
+    few = evaluate(result(prompt_speedups=[1.3] * (MIN_SERVED_PROMPTS - 1)))
+    assert not few.passed and few.failures == [f"measured on 4 held-out prompts < {MIN_SERVED_PROMPTS}: too few to "
+                                               "judge (more held-out prompts, or a longer benchmark budget)"]
+    assert evaluate(result(prompt_speedups=[1.3] * MIN_SERVED_PROMPTS)).passed
+    assert evaluate(result(prompt_speedups=[1.3] * 3), gate_config(min_prompts=3)).passed
+    assert evaluate(result(prompt_speedups=[1.3]), gate_config(min_prompts=None)).passed
+    assert evaluate(result()).passed  # a result that records no per-prompt numbers is not judged on its count
 
 
 def test_production_profile_needs_tau_3_and_speedup_1_5():

@@ -86,7 +86,10 @@ def _bench(config: NightlyConfig, drafters: dict[str, DrafterSpec], target, prom
             for name, spec in drafters.items()}
     deadline = stage_deadline(config, "benchmark", deadline_at)  # `bench.max_minutes`, its share of the run's deadline
     gammas = {name: first_gamma(spec, bcfg.gamma) for name, spec in drafters.items()}
-    results = run_bench_many(target.model, target.tokenizer, made, prompts, bcfg, gammas=gammas, deadline=deadline)
+    # however late the run, the prompts the gate and the serving choice need are measured (past the deadline)
+    needed = max(s.min_prompts, config.gate.gate_config().min_prompts or 0)
+    results = run_bench_many(target.model, target.tokenizer, made, prompts, bcfg, gammas=gammas, deadline=deadline,
+                             min_prompts=needed)
     if s.choose_gamma and deadline.expired():
         skipped = "time budget reached: each drafter's γ was not searched (measured at the benchmark's γ only)"
         results = {name: replace(r, budget_note="; ".join(x for x in (r.budget_note, skipped) if x))

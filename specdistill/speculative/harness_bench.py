@@ -53,7 +53,7 @@ __all__ = ["BenchConfig", "BenchResult", "Prompt", "PromptFileError", "SliceResu
            "measure_drafter_cost", "percentile", "prompts_from_records", "run_bench", "run_bench_many", "speed_summary"]
 
 
-MIN_MEASURED_PROMPTS = 2  # a benchmark cut by its time budget still measures this many prompts
+MIN_MEASURED_PROMPTS = 2  # a benchmark cut by its time budget still measures this many prompts (`min_prompts`)
 
 
 class BenchConfig(BenchSettings):
@@ -149,10 +149,12 @@ def run_bench_many(
     progress: bool = True,
     gammas: dict[str, int] | None = None,
     deadline: Deadline | None = None,
+    min_prompts: int = MIN_MEASURED_PROMPTS,
 ) -> dict[str, BenchResult]:
     """Several drafters against one shared target-only run per prompt and repeat; each at its own γ
     where `gammas` names one (else `config.gamma`). Past `deadline` no new prompt round starts: the
-    results cover the prompts (at least `MIN_MEASURED_PROMPTS`) and whole repeats measured by then.
+    results cover the prompts (at least `min_prompts`: what a decision on them needs) and whole repeats
+    measured by then.
 
     For each prompt, target-only and every drafter run back to back, in an order that rotates from
     prompt to prompt and repeat to repeat, so no method always runs first (or right after another).
@@ -189,7 +191,7 @@ def run_bench_many(
             repeats = r
             break
         for i, ids in enumerate(encoded):
-            if r == 0 and i >= MIN_MEASURED_PROMPTS and deadline is not None and deadline.expired():
+            if r == 0 and i >= min_prompts and deadline is not None and deadline.expired():
                 measured = i
                 break
             shift = (r + i) % len(modes)

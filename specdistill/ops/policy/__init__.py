@@ -18,6 +18,7 @@ from specdistill.ops.policy.common import (
     DEFAULT_MARGIN,
     FIRST_POSITION_TAG,
     MAX_RELATIVE_DROP,
+    MIN_SERVED_PROMPTS,
     RED_LINE,
     RESAMPLES,
     Role,
@@ -27,7 +28,6 @@ from specdistill.ops.policy.common import (
 from specdistill.ops.policy.gate import PROFILES, Check, GateConfig, GateVerdict, evaluate, gate_config
 from specdistill.ops.policy.red_line import Decision, decide, judge_acceptance
 from specdistill.ops.policy.serving_choice import (
-    MIN_SERVED_PROMPTS,
     PLAUSIBLE_FACTOR,
     Candidate,
     ServingChoice,

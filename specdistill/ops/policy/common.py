@@ -14,6 +14,9 @@ MAX_RELATIVE_DROP = 0.2  # first-position acceptance this far (relatively) under
 DEFAULT_MARGIN = 0.05  # a mode must beat target-only by more than this to be served
 CONFIDENCE = 0.95  # one-sided level of the speedup's lower bound
 RESAMPLES = 2000
+# held-out prompts a decision reads: per-prompt numbers from fewer (a benchmark its time budget cut) are the
+# mean of a few, not a measurement; the gate and the serving choice both want at least this many
+MIN_SERVED_PROMPTS = 5
 FIRST_POSITION_TAG = "first_position_acceptance"  # a registered draft version's own, at registration
 
 

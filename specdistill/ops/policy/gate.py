@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from specdistill.data.results import BenchResult
-from specdistill.ops.policy.common import RED_LINE, first_position
+from specdistill.ops.policy.common import MIN_SERVED_PROMPTS, RED_LINE, first_position
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,9 @@ class GateConfig:
     min_accepted_length: float | None = None
     max_accepted_length_drop: float = 0.05  # challenger τ may trail the champion's by at most this (absolute)
     min_accepted_length_gain: float = 0.02  # promotion: challenger τ must exceed the champion's by at least this
+    # held-out prompts the challenger was measured on: a verdict from fewer (a benchmark its time budget cut to
+    # 4 prompts passed a head at 0.557 whose held-out curve read 0.476) is the mean of a few, not a proof
+    min_prompts: int | None = MIN_SERVED_PROMPTS
 
 
 # every gate default lives here: a profile is a (frozen, shared) GateConfig, and a config only overrides its fields
@@ -158,6 +161,13 @@ def evaluate(result: BenchResult, config: GateConfig | None = None, champion: Be
             ok = value >= threshold
             checks.append(Check(name, ok, value, threshold,
                                 f"{name} {value:{fmt}} {'>=' if ok else '<'} {threshold:{fmt}}{note}"))
+
+    measured = len(r.prompt_speedups)  # 0: a result that does not record its prompts (no check)
+    if config.min_prompts is not None and measured:
+        ok = measured >= config.min_prompts
+        checks.append(Check("held-out prompts", ok, measured, config.min_prompts,
+                            f"measured on {measured} held-out prompts {'>=' if ok else '<'} {config.min_prompts}"
+                            + ("" if ok else ": too few to judge (more held-out prompts, or a longer benchmark budget)")))
 
     first, source = first_position(r)
     alpha_note = f" (α {float(r.acceptance_rate):.3f} at γ={r.gamma})"

@@ -10,11 +10,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from specdistill.data.results import BenchResult
-from specdistill.ops.policy.common import CONFIDENCE, DEFAULT_MARGIN, RESAMPLES, Role
+from specdistill.ops.policy.common import CONFIDENCE, DEFAULT_MARGIN, MIN_SERVED_PROMPTS, RESAMPLES, Role
 from specdistill.ops.policy.gate import GateVerdict
 from specdistill.speculative.specs import DrafterSpec
 
-MIN_SERVED_PROMPTS = 5  # per-prompt speeds from fewer prompts bound nothing: a benchmark the deadline cut is not served
 PLAUSIBLE_FACTOR = 1.25  # a speedup above this times τ comes from a disturbed baseline, not from speculation
 
 
