@@ -704,7 +704,7 @@ def test_stage_deadlines_share_what_the_run_has_left():
     config = load_nightly_config(None, ["generation.max_minutes=8", "train.optim.max_minutes=3", "bench.max_minutes=4",
                                         "bench.generic_minutes=null"])  # null: the baseline gets the draft's minutes
     assert stage_budgets(config) == {"answers": 8, "distill": 3, "generic": 3, "benchmark": 4}
-    assert stage_budgets(load_nightly_config(None, ["train.optim.max_minutes=3"]))["generic"] == 2.0  # its own, by default
+    assert stage_budgets(load_nightly_config(None, ["train.optim.max_minutes=3"]))["generic"] == 1.0  # its own, by default
     now = 1000.0
     assert stage_deadline(config, "answers", now + 60 * 36, now=now).at == now + 8 * 60  # enough time: its own budget
     assert stage_deadline(config, "answers", now + 60 * 9, now=now).at == pytest.approx(now + 9 * 60 * 8 / 18)
