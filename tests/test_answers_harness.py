@@ -173,6 +173,7 @@ def test_a_time_budget_keeps_the_answers_so_far_and_a_later_run_resumes(tok, tin
     clock = iter([False, False, True])  # two batches of 4 fit into the budget, the third does not start
     budget = Deadline(0.0)
     monkeypatch.setattr(Deadline, "expired", lambda self, now=None: next(clock))
+    monkeypatch.setattr(Deadline, "remaining", lambda self, now=None: 1e9)  # a batch always fits while it lasts
     cut = generate_answers(tiny_target, tok, prompts, out, batch_size=4, max_new_tokens=3, progress=False, deadline=budget)
     assert set(cut) == {p.id for p in prompts[:8]}  # the first prompts in the given order, not the shortest
     assert len(read_done(out)) == 8
@@ -180,3 +181,17 @@ def test_a_time_budget_keeps_the_answers_so_far_and_a_later_run_resumes(tok, tin
     full = generate_answers(tiny_target, tok, prompts, out, batch_size=4, max_new_tokens=3, progress=False, deadline=budget)
     assert set(full) == {p.id for p in prompts} and [full[p.id] for p in prompts[:8]] == [cut[p.id] for p in prompts[:8]]
     assert Deadline(None).expired() is False
+
+
+def test_no_batch_starts_that_would_end_past_the_deadline(tok, tiny_target, tmp_path, monkeypatch):
+    """A batch of 128 answers takes ~40 s on 2 cores: starting one a second before the deadline overran it."""
+    from specdistill.budget import Deadline
+    from specdistill.pipeline.answers import harness
+
+    ticks = iter(range(0, 1000, 5))  # every batch takes 5 s by this clock
+    monkeypatch.setattr(harness.time, "monotonic", lambda: next(ticks))
+    for left, answered in ((4.0, 4), (6.0, 12)):  # 4 s left after a 5 s batch: the next one does not start
+        monkeypatch.setattr(Deadline, "remaining", lambda self, now=None, left=left: left)
+        done = generate_answers(tiny_target, tok, _prompts(12), tmp_path / f"{left}.jsonl", batch_size=4,
+                                max_new_tokens=3, progress=False, deadline=Deadline(1e12))
+        assert len(done) == answered

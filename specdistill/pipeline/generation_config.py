@@ -49,8 +49,8 @@ class GenerationConfig(Strict):
     # and training uses what was written (bf16 answers the demo's 1024 in ~6 min; fp32 on AVX2 took ~19)
     max_minutes: float | None = Field(7.0, ge=0.0)
     # prompts per batched forward (backend openai: answers per teacher shard, what a kill can lose); null: by the
-    # run's dtype, measured (benchmarks/README.md): 64 in bf16 (AMX: 1.5-1.6x batch 16), 128 in bf16 with AMX
-    # (1.13x batch 64), 32 in fp32 (as AVX2: 1.3x batch 16; 64 fell back to 1.05x)
+    # run's dtype, measured (benchmarks/README.md): 64 in bf16 (AMX: 1.5-1.6x batch 16), 32 in fp32
+    # (as AVX2: 1.3x batch 16; 64 fell back to 1.05x)
     batch_size: int | None = Field(None, ge=1)
     teacher_top_k: int = Field(32, ge=1)
     # auto: the faster of the harness and a built llama.cpp on this machine, measured (pipeline.answers.choose_engine)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import zlib
 from collections.abc import Iterable
 from contextlib import nullcontext
@@ -50,8 +51,9 @@ def generate_answers(
 ) -> dict[str, dict]:
     """Answer every prompt with the target, appending one JSONL record per answer; returns all records.
 
-    With a `deadline`, no batch starts after it: the answers written so far are kept and returned (a
-    later run with more time resumes from them). Prompts are answered in their given order, chunk by
+    With a `deadline`, no batch starts that the previous batch's time says would end past it: the
+    answers written so far are kept and returned (a later run with more time resumes from them), and
+    the stage ends inside its budget instead of a batch after it. Prompts are answered in their given order, chunk by
     chunk (`SORT_CHUNK` batches), sorted by length inside a chunk so a batch pads little while a cut
     leaves a sample of the prompts rather than the shortest ones. With sampling, each batch is seeded from
     `seed` and its first id, so a resumed run samples what an uninterrupted one would have.
@@ -73,14 +75,14 @@ def generate_answers(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = tokenizer.eos_token_id
     bar = tqdm(total=len(encoded), desc="target answers", unit="prompt", disable=not progress, file=sys.stderr)
-    new_tokens = 0
+    new_tokens, last = 0, 0.0  # `last`: the previous batch's seconds, what the next one is expected to take
     with paths.open_private(out_path, "a", encoding="utf-8") as out:  # answers to production traffic: the owner only
         for start in range(0, len(encoded), batch_size):
-            if deadline is not None and deadline.expired():
+            if deadline is not None and (deadline.expired() or deadline.remaining() < last):
                 bar.write(f"target answers: time budget reached after {len(done)} of {len(done) + len(encoded) - start} "
                           f"prompts; the answers so far are kept", file=sys.stderr)
                 break
-            batch = encoded[start : start + batch_size]
+            batch, began = encoded[start : start + batch_size], time.monotonic()
             if temperature > 0:
                 torch.manual_seed(seed + zlib.crc32(batch[0][0].id.encode()))
             recorder = None if teacher_cache is None else TopKRecorder(
@@ -104,5 +106,6 @@ def generate_answers(
                                                for (p, ids), a in zip(batch, answers)], done)
             bar.update(len(batch))
             bar.set_postfix(tokens=new_tokens)
+            last = time.monotonic() - began
     bar.close()
     return done

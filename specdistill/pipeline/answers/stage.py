@@ -13,7 +13,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from specdistill import hardware, paths
+from specdistill import paths
 from specdistill.budget import Deadline
 from specdistill.data.logstore import LogStore
 from specdistill.data.prompts import Prompt, encode_chat
@@ -34,7 +34,6 @@ from specdistill.pipeline.stage_budgets import stage_deadline
 
 # generation.batch_size null: by the run's dtype, as measured on each CPU kind (benchmarks/README.md, "The answer stage's batch")
 ANSWER_BATCH = {"bfloat16": 64, "float32": 32}
-ANSWER_BATCH_AMX = 128  # bf16 on a CPU with AMX: 1.13x batch 64 (256: 1.06x), benchmarks/README.md
 ENGINE_ONLY = {"backend", "url", "engine", "parallel"}  # settings the harness's answers do not depend on
 # records by id, what answered, answers file, teacher cache, what the logged responses gave
 Answered = tuple[dict[str, dict], str, Path, str | None, LoggedData | None]
@@ -75,13 +74,8 @@ def generate_responses(config: NightlyConfig, window: Window, split: str, *, rec
 
 
 def answer_batch(config: NightlyConfig, target: LoadedModel) -> int:
-    """`generation.batch_size`, or the measured best for the run's dtype (and, in bf16 on a CPU, for AMX)."""
-    if config.generation.batch_size:
-        return config.generation.batch_size
-    dtype = dtype_name(target.model.dtype)
-    if dtype == "bfloat16" and target.model.device.type == "cpu" and "amx_bf16" in hardware.cpu_info().flags:
-        return ANSWER_BATCH_AMX
-    return ANSWER_BATCH.get(dtype, 16)
+    """`generation.batch_size`, or the measured best for the run's dtype."""
+    return config.generation.batch_size or ANSWER_BATCH.get(dtype_name(target.model.dtype), 16)
 
 
 def _outputs(config: NightlyConfig, window: Window, fingerprint: str, split: str, source: str, k: int,
