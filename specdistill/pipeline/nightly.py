@@ -9,6 +9,7 @@ composes them in the order of the README's pipeline diagram; the benchmark and t
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from datetime import datetime, timedelta, timezone
@@ -129,6 +130,17 @@ def align_champion(config: NightlyConfig, champion: Champion | None) -> WarmStar
 # Stage: data window
 
 
+def interleave_slices(prompts: list[Prompt]) -> list[Prompt]:
+    """One prompt of each slice in turn (each slice in its own order), so a benchmark its time budget cuts
+    still measures every slice: cut to its first 5 prompts, slice by slice, it measured code alone, where the
+    head drafts best (first-position 0.586 there; 0.478 teacher-forced over all 10)."""
+    by_slice: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        by_slice.setdefault(p.slice, []).append(p)
+    rows = itertools.zip_longest(*by_slice.values())
+    return [p for row in rows for p in row if p is not None]
+
+
 def select_window(config: NightlyConfig, now: datetime | None = None) -> Window:
     """Train prompts from the recent window plus a replay share from before it; eval prompts from the
     eval split (never trained on). Deterministic for a given store content and seed. A prompt is what
@@ -168,7 +180,7 @@ def select_window(config: NightlyConfig, now: datetime | None = None) -> Window:
         n_replay = int(round(w.train_prompts * w.replay_share)) if since is not None else 0
         recent = per_source(store, w.train_prompts - n_replay, split="train", since=since)
         replay = per_source(store, n_replay, split="train", until=since) if n_replay else []
-        evals = per_source(store, w.eval_prompts, split="eval")
+        evals = interleave_slices(per_source(store, w.eval_prompts, split="eval"))
     if not recent:
         raise ValueError(f"empty data window: no usable train prompts since {since or 'the beginning'} "
                          f"in the log store ({', '.join(slice_of) or 'no sources'})")
