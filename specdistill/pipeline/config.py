@@ -208,8 +208,8 @@ class BenchSection(BenchSettings):
     # machine's busy cores stall every thread; `speculative.threads`); null: torch's default
     threads: int | Literal["auto"] | None = "auto"
     # the benchmark's wall-clock budget, γ confirmation included (null: none): past it no new prompt or
-    # repeat starts (the prompts a decision needs, `serving.min_prompts`, are measured) and the γ confirmation
-    # is skipped; the report says so
+    # repeat starts (the prompts a decision needs, `serving.min_prompts` and the gate's `min_prompts`, are
+    # measured) and the γ confirmation is skipped; the report says so
     max_minutes: float | None = Field(4.0, ge=0.0)
 
     def bench_config(self) -> BenchConfig:

@@ -53,9 +53,9 @@ def generate_answers(
 
     With a `deadline`, no batch starts that the previous batch's time says would end past it: the
     answers written so far are kept and returned (a later run with more time resumes from them), and
-    the stage ends inside its budget instead of a batch after it. Prompts are answered in their given order, chunk by
-    chunk (`SORT_CHUNK` batches), sorted by length inside a chunk so a batch pads little while a cut
-    leaves a sample of the prompts rather than the shortest ones. With sampling, each batch is seeded from
+    the stage ends inside its budget instead of a batch after it. Prompts are answered in their given
+    order, chunk by chunk (`SORT_CHUNK` batches), sorted by length inside a chunk so a batch pads
+    little while a cut leaves a sample of the prompts rather than the shortest ones. With sampling, each batch is seeded from
     `seed` and its first id, so a resumed run samples what an uninterrupted one would have.
     With `teacher_cache`, the target's top-k log-probs at every answer token (temperature 1, full
     vocabulary) go into it too, so no second target pass is needed for offline distillation; with
