@@ -56,7 +56,7 @@ def heldout_prompts(tok, args) -> list[dict]:
         return json.loads(path.read_text())
     files = [Path(args.answers) / "train_generated.jsonl"]
     for d in args.exclude_dir:
-        files += sorted(Path(d).rglob("*.jsonl"))
+        files += sorted(Path(d).rglob("*_generated.jsonl"))  # the answer files, not the suffix corpus
     seen = seen_prompts([f for f in files if f.is_file()])
     turns = sharegpt_first_turns(scan=args.scan, tokenizer=tok, max_tokens=args.max_prompt_tokens)
     pool = [{"id": f"recipe-{t.id}", "prompt": t.messages} for t in turns

@@ -16,6 +16,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from specdistill.pipeline.bench_stage import Role, measured_drafters
 from specdistill.pipeline.config import load_nightly_config
+from specdistill.pipeline.nightly import started_from
 from specdistill.pipeline.outputs import NightlyRun
 from specdistill.pipeline.pool_stage import pool_report
 from specdistill.pipeline.report import report_table, write_report
@@ -40,10 +41,11 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
         t.ingest_logs(source, config)
     window = t.select_window(config)
 
-    champion = t.current_champion(config)
-    warm_start = t.align_vocab(config, champion)
-
     fp = target.fingerprint
+    champion = t.current_champion(config)
+    # with no champion, training goes on from the newest draft registered for this target version
+    warm_start = t.align_vocab(config, champion or t.previous_draft(config, fp))
+
     clock.lap("ingest, window, target")
     train_data = t.generate_responses(config, window, "train", fp, record_teacher=True, deadline_at=deadline_at)
     if train_data.answers < len(window.train):
@@ -59,7 +61,7 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
     generic = (t.generic_baseline(config, window, heldout_data, fp, deadline_at) if config.bench.generic_draft else None)
     # the target's own train answers as a draft, alone and beside the challenger
     suffix_corpus = t.suffix_corpus(config, train_data, fp) if config.bench.suffix else None
-    drafters = measured_drafters(config, trained, warm_start, generic, suffix_corpus)
+    drafters = measured_drafters(config, trained, warm_start if champion else None, generic, suffix_corpus)
     clock.lap("generic baseline, suffix corpus")
     results = t.benchmark(config, window, drafters, fp, deadline_at)
     clock.cuts += sorted({f"benchmark: {r.budget_note}" for r in results.values() if r.budget_note})
@@ -69,7 +71,7 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
     clock.lap("benchmark")
     verdict = t.gate(config, results[Role.CHALLENGER], results.get(Role.CHAMPION), results, speeds)
     serving = t.choose_serving(config, window, results, verdict, speeds)
-    trained_on = pool_report(pooled, trained.stale_dropped, train_data)
+    trained_on = pool_report(pooled, trained.stale_dropped, train_data) + "\n\n" + started_from(warm_start, champion)
     report = report_table(results, verdict, serving=serving, target=target, speeds=speeds) + "\n\n" + trained_on
     report_path = write_report(report, window)
     registered = t.register(config, target, window, trained, results, verdict,

@@ -56,6 +56,11 @@ def current_champion(config: NightlyConfig) -> Champion | None:
     return pipeline.champion_of(config)
 
 
+@task(name="previous-draft", retries=2, retry_delay_seconds=5)
+def previous_draft(config: NightlyConfig, target_fingerprint: str) -> Champion | None:
+    return pipeline.previous_draft(config, target_fingerprint)
+
+
 @task(name="align-vocab")
 def align_vocab(config: NightlyConfig, champion: Champion | None) -> WarmStart | None:
     return pipeline.align_champion(config, champion)

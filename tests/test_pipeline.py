@@ -165,6 +165,24 @@ def test_report_table_names_drafters_short_and_lists_their_paths_below():
     assert "| suffix | 0.400 | 1.80 |" in engine and f"- suffix: `suffix:{corpus}`" in engine.splitlines()
 
 
+def test_the_report_tells_each_slice_s_first_position_acceptance_apart():
+    from dataclasses import replace
+
+    from specdistill.data.results import SliceResult
+
+    def sliced(code: float, chat: float | None):
+        return [SliceResult("code", 5, 0.5, 2.0, 10.0, 12.0, 1.2, code), SliceResult("chat", 5, 0.4, 1.8, 10.0, 11.0, 1.1, chat)]
+
+    results = {"challenger": replace(_result(0.49, 1.7), slices=sliced(0.561, 0.424)),
+               "ngram": replace(_result(0.3, 1.5), slices=sliced(0.3, None))}  # a slice without per-position counts
+    lines = report_table(results).splitlines()
+    at = lines.index("first-position acceptance by slice:")
+    assert lines[at + 2:at + 6] == ["| slice | prompts | challenger |", "|---|---:|---:|",
+                                    "| code | 5 | 0.561 |", "| chat | 5 | 0.424 |"]
+    one_slice = {"challenger": replace(_result(0.49, 1.7), slices=sliced(0.561, 0.424)[:1])}
+    assert "by slice" not in report_table(one_slice)  # the table's own row says it
+
+
 def test_the_gamma_note_tells_a_confirmation_that_lost_from_one_that_did_not_run():
     from dataclasses import replace
 

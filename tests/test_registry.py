@@ -12,6 +12,7 @@ from specdistill.modeling.drafts import save_draft
 from specdistill.modeling.models import load_model
 from specdistill.ops import registry
 from specdistill.ops.serving import ServingConfig, read_serving_config
+from specdistill.pipeline.outputs import WarmStart
 from tests.conftest import make_tiny_llama, train_bpe
 
 
@@ -191,3 +192,22 @@ def test_a_version_registered_before_file_hashes_loads_with_a_warning(draft_dir,
         local = registry.download_draft(reg.model_uri)
     assert (local / "config.json").is_file()
     assert f"models:/{reg.name}/1" in caplog.text and "unverified" in caplog.text
+
+
+def test_with_no_champion_training_restarts_from_the_newest_draft_of_this_target_version_and_kind(draft_dir):
+    from specdistill.pipeline import nightly
+    from specdistill.pipeline.config import load_nightly_config
+
+    layers = load_nightly_config(None, ["target_name=restart", "train.kind=layers"])
+    assert nightly.previous_draft(layers, "fp-a") is None  # nothing registered yet
+    first = registry.register_draft(draft_dir, target_name="restart", tags={"target_fingerprint": "fp-a", "gate_verdict": "fail"})
+    newest = registry.register_draft(draft_dir, target_name="restart", tags={"target_fingerprint": "fp-a", "gate_verdict": "fail"})
+    registry.register_draft(draft_dir, target_name="restart", tags={"target_fingerprint": "fp-b"})  # another target version
+    previous = nightly.previous_draft(layers, "fp-a")
+    assert first.version == "1" and previous.version == newest.version == "2"
+    assert (Path(previous.dir) / "config.json").is_file() and previous.tags["gate_verdict"] == "fail"
+    assert nightly.previous_draft(layers, "fp-c") is None  # a new target version starts from its weights
+    assert nightly.previous_draft(load_nightly_config(None, ["target_name=restart", "train.kind=eagle3"]), "fp-a") is None
+    line = nightly.started_from(WarmStart(previous.name, previous.version, previous.dir, previous.tags), None)
+    assert "version 2" in line and "gate fail" in line and "no champion" in line
+    assert "target's weights" in nightly.started_from(None, None)

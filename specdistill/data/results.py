@@ -57,6 +57,7 @@ class SliceResult(Record):
     tokens_per_second_target_only: float
     tokens_per_second_speculative: float
     speedup: float
+    first_position_acceptance: float | None = None  # None: the drafter counts no per-position acceptance
 
 
 @dataclass

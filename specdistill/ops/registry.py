@@ -141,6 +141,17 @@ def version_by_alias(name: str, alias: str):
         return None
 
 
+def newest_version(name: str, **tags: str):
+    """The newest version of `name` whose tags include all of `tags` (None when there is none). Filtered
+    here, not in MLflow's filter string, which cannot match a tag whose value is empty."""
+    try:
+        versions = client().search_model_versions(f"name = '{name}'")
+    except MlflowException:
+        return None
+    matching = [v for v in versions if all(v.tags.get(k) == value for k, value in tags.items())]
+    return max(matching, key=lambda v: int(v.version), default=None)
+
+
 @contextlib.contextmanager
 def promotion_lock(timeout_s: float = 600.0) -> Iterator[None]:
     """One promotion at a time on this state directory (a flow-level concurrency limit covers several hosts)."""

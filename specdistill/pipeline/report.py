@@ -56,7 +56,7 @@ def report_table(results: dict[str, BenchResult], verdict: GateVerdict | None = 
         lines.append(f"| {name} | {first} | {r.acceptance_rate:.3f} | {r.accepted_length:.2f} | {gamma} | "
                      f"{r.speedup:.2f}x | {c} | {lossless_cell(r)} |")
     lines.append("| no speculation | – | – | 1.00 | – | 1.00x | – | yes |")
-    lines += drafter_specs(results)
+    lines += drafter_specs(results) + first_position_by_slice(results)
     if any(r.tree_width > 1 for r in results.values()):
         lines += ["", "γ (tree W): a chain of γ drafts after the head's top candidate plus its next W-1 candidates for "
                       "the first position, verified in one target forward (greedy); α is the chain's acceptance, τ "
@@ -107,6 +107,21 @@ def drafter_specs(results: dict[str, BenchResult]) -> list[str]:
     too long for a table's first column in a terminal."""
     specs = [f"- {name}: `{r.spec}`" for name, r in results.items() if r.spec and r.spec != name]
     return ["", "drafters:", *specs] if specs else []
+
+
+def first_position_by_slice(results: dict[str, BenchResult]) -> list[str]:
+    """The drafts' first-position acceptance per slice of the held-out prompts, where there are several:
+    one mean hides that a head drafts code well and chat badly."""
+    names = [n for n, r in results.items() if len(r.slices) > 1 and all(s.first_position_acceptance is not None for s in r.slices)]
+    if not names:
+        return []
+    slices = {s.name: s.requests for s in results[names[0]].slices}
+    lines = ["", "first-position acceptance by slice:", "", f"| slice | prompts | {' | '.join(names)} |",
+             "|---|---:|" + "---:|" * len(names)]
+    for name, prompts in slices.items():
+        cells = [next((f"{s.first_position_acceptance:.3f}" for s in results[n].slices if s.name == name), "–") for n in names]
+        lines.append(f"| {name} | {prompts} | {' | '.join(cells)} |")
+    return lines
 
 
 def _serving_line(serving: ServingDecision) -> str:

@@ -237,7 +237,8 @@ def _summarize(target, drafter: Drafter, prompts: list[Prompt], config: BenchCon
         idx = [i for i, p in enumerate(prompts) if p.slice == name]
         st = SpecStats.total(first_stats[i] for i in idx)
         b, s, x = summary(idx)
-        slices.append(SliceResult(name, len(idx), st.acceptance_rate, st.accepted_length, b, s, x))
+        first = st.per_position_acceptance[0] if st.accepted_per_position else None
+        slices.append(SliceResult(name, len(idx), st.acceptance_rate, st.accepted_length, b, s, x, first))
     per_request = [s.acceptance_rate for s in first_stats if s.proposed]
     cost = measure_drafter_cost(target, drafter) if config.measure_cost else None
     ideal = ideal_speedup(total.acceptance_rate, config.gamma, cost) if cost is not None else None
