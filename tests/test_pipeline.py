@@ -743,6 +743,15 @@ def test_stage_deadlines_share_what_the_run_has_left():
     assert "engine benchmark" not in stage_budgets(config)
 
 
+def test_the_budgeted_stages_leave_the_closing_stages_their_minutes_inside_the_run_s_deadline():
+    from specdistill.pipeline.stage_budgets import CLOSING_MINUTES, run_deadline
+
+    now = 1000.0
+    assert run_deadline(load_nightly_config(None, ["deadline_minutes=18"]), now=now) == now + 60 * (18 - CLOSING_MINUTES)
+    assert run_deadline(load_nightly_config(None, ["deadline_minutes=0.1"]), now=now) == now  # never before the start
+    assert run_deadline(load_nightly_config(None, ["deadline_minutes=null"]), now=now) is None
+
+
 def test_a_training_share_too_small_to_train_stops_the_run(monkeypatch):
     import time
 
