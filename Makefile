@@ -55,7 +55,7 @@ test: $(STAMP) llama-server vllm
 	@$(PY) -m specdistill.hardware
 	$(VENV)/bin/ruff check .
 	scripts/ensure_promtool.sh
-	SPECDISTILL_REQUIRE_LLAMA_SERVER=1 SPECDISTILL_REQUIRE_VLLM=1 scripts/with_postgres.sh $(PY) -m pytest -q -p no:cacheprovider
+	SPECDISTILL_REQUIRE_LLAMA_SERVER=1 SPECDISTILL_REQUIRE_VLLM=1 scripts/with_postgres.sh $(PY) -m pytest -q -p no:cacheprovider --durations=25
 
 test-fast: $(STAMP)
 	@$(PY) -m specdistill.hardware
