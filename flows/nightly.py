@@ -43,8 +43,12 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
 
     fp = target.fingerprint
     champion = t.current_champion(config)
-    # with no champion, training goes on from the newest draft registered for this target version
-    warm_start = t.align_vocab(config, champion or t.previous_draft(config, fp))
+    # training goes on from the champion, or from the newest draft of the kind being trained registered
+    # for this target version when there is none or it is of the other kind
+    start = t.training_start(config, fp, champion)
+    warm_start = t.align_vocab(config, start)
+    same = start is not None and champion is not None and start.version == champion.version
+    champion_draft = warm_start if same else t.align_vocab(config, champion) if champion else None  # measured beside
 
     clock.lap("ingest, window, target")
     train_data = t.generate_responses(config, window, "train", fp, record_teacher=True, deadline_at=deadline_at)
@@ -61,7 +65,7 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
     generic = (t.generic_baseline(config, window, heldout_data, fp, deadline_at) if config.bench.generic_draft else None)
     # the target's own train answers as a draft, alone and beside the challenger
     suffix_corpus = t.suffix_corpus(config, train_data, fp) if config.bench.suffix else None
-    drafters = measured_drafters(config, trained, warm_start if champion else None, generic, suffix_corpus)
+    drafters = measured_drafters(config, trained, champion_draft, generic, suffix_corpus)
     clock.lap("generic baseline, suffix corpus")
     results = t.benchmark(config, window, drafters, fp, deadline_at)
     clock.cuts += sorted({f"benchmark: {r.budget_note}" for r in results.values() if r.budget_note})

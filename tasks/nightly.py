@@ -56,9 +56,9 @@ def current_champion(config: NightlyConfig) -> Champion | None:
     return pipeline.champion_of(config)
 
 
-@task(name="previous-draft", retries=2, retry_delay_seconds=5)
-def previous_draft(config: NightlyConfig, target_fingerprint: str) -> Champion | None:
-    return pipeline.previous_draft(config, target_fingerprint)
+@task(name="training-start", retries=2, retry_delay_seconds=5)
+def training_start(config: NightlyConfig, target_fingerprint: str, champion: Champion | None) -> Champion | None:
+    return pipeline.training_start(config, target_fingerprint, champion)
 
 
 @task(name="align-vocab")

@@ -194,20 +194,32 @@ def test_a_version_registered_before_file_hashes_loads_with_a_warning(draft_dir,
     assert f"models:/{reg.name}/1" in caplog.text and "unverified" in caplog.text
 
 
-def test_with_no_champion_training_restarts_from_the_newest_draft_of_this_target_version_and_kind(draft_dir):
+def test_with_no_champion_of_its_kind_training_restarts_from_the_newest_draft_of_this_target_version_and_kind(draft_dir):
     from specdistill.pipeline import nightly
     from specdistill.pipeline.config import load_nightly_config
 
     layers = load_nightly_config(None, ["target_name=restart", "train.kind=layers"])
-    assert nightly.previous_draft(layers, "fp-a") is None  # nothing registered yet
+    heads = load_nightly_config(None, ["target_name=restart", "train.kind=eagle3"])
+    assert nightly.training_start(layers, "fp-a", None) is None  # nothing registered yet
     first = registry.register_draft(draft_dir, target_name="restart", tags={"target_fingerprint": "fp-a", "gate_verdict": "fail"})
     newest = registry.register_draft(draft_dir, target_name="restart", tags={"target_fingerprint": "fp-a", "gate_verdict": "fail"})
     registry.register_draft(draft_dir, target_name="restart", tags={"target_fingerprint": "fp-b"})  # another target version
-    previous = nightly.previous_draft(layers, "fp-a")
+    previous = nightly.training_start(layers, "fp-a", None)
     assert first.version == "1" and previous.version == newest.version == "2"
     assert (Path(previous.dir) / "config.json").is_file() and previous.tags["gate_verdict"] == "fail"
-    assert nightly.previous_draft(layers, "fp-c") is None  # a new target version starts from its weights
-    assert nightly.previous_draft(load_nightly_config(None, ["target_name=restart", "train.kind=eagle3"]), "fp-a") is None
+    assert nightly.training_start(layers, "fp-c", None) is None  # a new target version starts from its weights
+    assert nightly.training_start(heads, "fp-a", None) is None  # no head registered
     line = nightly.started_from(WarmStart(previous.name, previous.version, previous.dir, previous.tags), None)
     assert "version 2" in line and "gate fail" in line and "no champion" in line
     assert "target's weights" in nightly.started_from(None, None)
+
+    # a champion of the kind being trained is where training starts; one of the other kind is not
+    champion = nightly._registered(previous.name, registry.newest_version(previous.name, target_fingerprint="fp-b"))
+    assert nightly.draft_kind(champion) == "layers"
+    assert nightly.training_start(layers, "fp-a", champion) == champion
+    assert "from the champion, version 3" in nightly.started_from(WarmStart(**vars(champion)), champion)
+    assert nightly.training_start(heads, "fp-a", champion) is None  # a head does not start from a layer draft
+    line = nightly.started_from(None, champion)
+    assert "target's weights" in line and "the champion, version 3, is a layers draft" in line
+    line = nightly.started_from(WarmStart(previous.name, previous.version, previous.dir, previous.tags), champion)
+    assert "version 2, the newest draft of this kind" in line and "is a layers draft" in line

@@ -276,14 +276,22 @@ def champion_of(config: NightlyConfig) -> Champion | None:
     return _registered(name, registry.version_by_alias(name, registry.CHAMPION))
 
 
-def previous_draft(config: NightlyConfig, target_fingerprint: str) -> Champion | None:
-    """With no champion, where tonight's training starts: the newest draft of the kind being trained that
-    was registered for this very target version, gate passed or not. Without it every failed gate sent the
-    next night back to the target's weights, so nights did not compound (DESIGN: night 2 on two nights'
-    answers from scratch, 0.450 against 0.445). It is a starting point only, never measured as a champion."""
+def training_start(config: NightlyConfig, target_fingerprint: str, champion: Champion | None) -> Champion | None:
+    """Where tonight's training starts: the champion when it is a draft of the kind being trained, else
+    the newest draft of that kind registered for this very target version, gate passed or not. Without
+    the second, every failed gate sent the next night back to the target's weights, so nights did not
+    compound (DESIGN: night 2 on two nights' answers from scratch, 0.450 against 0.445), and so did a
+    champion of the other kind. It is a starting point only, never measured as a champion."""
+    if champion is not None and draft_kind(champion) == config.train.kind:
+        return champion
     name = registry.model_name_for(config.target_name)
     return _registered(name, registry.newest_version(name, target_fingerprint=target_fingerprint,
                                                      draft_kind=config.train.kind))
+
+
+def draft_kind(draft: Champion) -> str:
+    """`layers` or `eagle3`: the version's tag, or its files for a version registered without one."""
+    return draft.tags.get("draft_kind") or ("eagle3" if is_eagle3_dir(draft.dir) else "layers")
 
 
 def _registered(name: str, mv) -> Champion | None:
@@ -295,13 +303,15 @@ def _registered(name: str, mv) -> Champion | None:
 
 def started_from(warm_start: WarmStart | None, champion: Champion | None) -> str:
     """The report's line on where the draft's training started."""
-    if warm_start is None:
-        return "training started from the target's weights (no draft of this kind registered for this target)"
-    if champion is not None:
+    if warm_start is not None and champion is not None and warm_start.version == champion.version:
         return f"training started from the champion, version {warm_start.version}"
+    why = (f"the champion, version {champion.version}, is a {draft_kind(champion)} draft" if champion is not None
+           else "there is no champion")
+    if warm_start is None:
+        return f"training started from the target's weights (no draft of this kind registered for this target; {why})"
     verdict = warm_start.tags.get("gate_verdict", "unknown")
-    return (f"training started from version {warm_start.version}, the newest draft registered for this target "
-            f"(gate {verdict}; there is no champion)")
+    return (f"training started from version {warm_start.version}, the newest draft of this kind registered for "
+            f"this target (gate {verdict}; {why})")
 
 
 def register(config: NightlyConfig, target: TargetInfo, window: Window, trained: Trained,
