@@ -291,7 +291,7 @@ def training_start(config: NightlyConfig, target_fingerprint: str, champion: Cha
 
 def draft_kind(draft: Champion) -> str:
     """`layers` or `eagle3`: the version's tag, or its files for a version registered without one."""
-    return draft.tags.get("draft_kind") or ("eagle3" if is_eagle3_dir(draft.dir) else "layers")
+    return draft.tags.get("draft_kind") or registry.draft_kind_tags(draft.dir)["draft_kind"]
 
 
 def _registered(name: str, mv) -> Champion | None:
