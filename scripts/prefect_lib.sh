@@ -71,7 +71,8 @@ run = run_deployment(
                 "overrides": ["sources=[{path: humaneval, format: humaneval, slice: code}]",
                               "window.train_prompts=6", "window.eval_prompts=2",
                               "gate.overrides.min_prompts=2",  # its two prompts may decide: a champion for the monitor
-                              "bench.generic_draft=false"]},
+                              "bench.generic_draft=false",
+                              "serving.choose_gamma=false"]},  # no γ search: this checks the deployment, not the bench
 )
 print(run.id)
 EOF
