@@ -70,10 +70,13 @@ class Frame:
     reason: str | None = None  # rejected before parsing (too long, bytes after the array)
 
 
-def open_binary(path: Path, fmt: str) -> BinaryIO:
+def is_gzip(path: Path) -> bool:
     with open(path, "rb") as f:
-        magic = f.read(2)
-    if magic == b"\x1f\x8b":
+        return f.read(2) == b"\x1f\x8b"
+
+
+def open_binary(path: Path) -> BinaryIO:
+    if is_gzip(path):
         return gzip.open(path, "rb")  # type: ignore[return-value]
     return open(path, "rb")
 

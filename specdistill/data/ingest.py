@@ -21,6 +21,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from specdistill.data.framing import is_gzip
 from specdistill.data.logstore import LogStore, Watermark
 from specdistill.data.readers import (
     DEFAULT_MAX_CHARS,
@@ -102,15 +103,10 @@ def _resume_point(store: LogStore, path: Path, source: str, fmt: str) -> tuple[i
         return 0, 0, None
     if wm.format != fmt:
         raise ValueError(f"{path} was ingested as {wm.format!r}, not {fmt!r}; pass --format {wm.format}")
-    compressed = _is_gzip(path)
+    compressed = is_gzip(path)
     if (not compressed and path.stat().st_size < wm.offset) or file_fingerprint(path, wm.offset) != wm.fingerprint:
         return 0, 0, "the file changed since the last ingest (rewritten or shrunk): read again from the start"
     return wm.offset, wm.index, None
-
-
-def _is_gzip(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(2) == b"\x1f\x8b"
 
 
 def ingest(
@@ -135,7 +131,7 @@ def ingest(
                           max_record_bytes=max_record_bytes, max_chars=max_chars)
     result = IngestResult(source=source, format=fmt, run_id=None, start_offset=start, end_offset=start, note=note)
     began = time.perf_counter()
-    total = None if _is_gzip(path) else max(path.stat().st_size - start, 0)
+    total = None if is_gzip(path) else max(path.stat().st_size - start, 0)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"ingest {path.name}", disable=not progress,
                file=sys.stderr, mininterval=0.5)
     batch: list[Conversation | Rejected] = []

@@ -27,7 +27,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from specdistill import paths
-from specdistill.data.logschema import (  # noqa: F401  (the schema and hashes are part of this module's API)
+from specdistill.data.logschema import (
     DEFAULT_EVAL_FRACTION,
     LogStoreError,
     UTCDateTime,
@@ -36,18 +36,13 @@ from specdistill.data.logschema import (  # noqa: F401  (the schema and hashes a
     content_hash,
     conversations,
     database_error,
-    decisions,
     default_url,
     display_url,
-    downgrade,
     ingest_runs,
     make_engine,
-    metadata,
-    parse_url,
     prompt_hash,
     quarantine,
     responses,
-    schema_revision,
     split_of,
     upgrade,
     watermarks,
@@ -55,9 +50,6 @@ from specdistill.data.logschema import (  # noqa: F401  (the schema and hashes a
 )
 from specdistill.data.logstore_records import PipelineRecords, _now
 from specdistill.data.readers import Conversation, Message, Rejected
-
-# ----------------------------------------------------------------------------------------------
-# the store
 
 
 @dataclass

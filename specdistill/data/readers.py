@@ -117,24 +117,45 @@ class RecordReader:
         self.end_offset = start_offset
         self.index = start_index
         self.records = 0
-        self._iter: Iterator[Conversation | Rejected] | None = None
 
-    def __iter__(self) -> RecordReader:
-        return self
-
-    def __next__(self) -> Conversation | Rejected:
-        if self._iter is None:
-            self._iter = self._records()
-        return next(self._iter)
-
-    def _records(self) -> Iterator[Conversation | Rejected]:
+    def __iter__(self) -> Iterator[Conversation | Rejected]:
         name = self.path.name
         parse = PARSERS[self.fmt]
         state: dict = {}
         sniffed: list[tuple[Conversation | Rejected, Any, int]] = []  # held back until one record is valid
         checked = self.start_offset > 0  # a resumed read already passed the format check
         try:
-            yield from self._framed(name, parse, state, sniffed, checked)
+            with open_binary(self.path) as f:
+                if self.start_offset:
+                    f.seek(self.start_offset)
+                framer = array_frames if self.fmt == "sharegpt" else line_frames
+                for frame in framer(f, name, self.start_offset, self.start_index, self.max_record_bytes, state):
+                    if frame is state.get("unterminated"):
+                        record, obj = self._decode(frame, parse)
+                        if isinstance(record, Rejected):  # an unfinished last line: a tail, not a record
+                            self.truncation = Truncation(frame.offset, frame.end_offset - frame.offset, frame.location)
+                            break
+                    elif self.fmt != "sharegpt" and not frame.data.strip():
+                        if not sniffed:  # blank lines are not records
+                            self.end_offset, self.index = frame.end_offset, frame.index
+                        continue
+                    else:
+                        record, obj = self._decode(frame, parse)
+                    if not checked:
+                        sniffed.append((record, obj, frame.index))
+                        if isinstance(record, Conversation):
+                            checked = True
+                        elif len(sniffed) >= SNIFF_RECORDS:
+                            self._mismatch(sniffed)
+                        else:
+                            continue
+                        for held, _, index in sniffed:
+                            yield from self._emit(held, index)
+                        sniffed.clear()
+                        continue
+                    yield from self._emit(record, frame.index)
+                if sniffed:
+                    self._mismatch(sniffed)
         except COMPRESSED_READ_ERRORS as exc:
             # a .gz cut short or corrupt: what was read before the bad block is kept and counted,
             # the rest is reported as a truncation (with why, when the data is corrupt)
@@ -145,39 +166,6 @@ class RecordReader:
             return
         if self.truncation is None and "truncated" in state:
             self.truncation = state["truncated"]
-
-    def _framed(self, name: str, parse, state: dict, sniffed: list, checked: bool) -> Iterator[Conversation | Rejected]:
-        with open_binary(self.path, self.fmt) as f:
-            if self.start_offset:
-                f.seek(self.start_offset)
-            framer = array_frames if self.fmt == "sharegpt" else line_frames
-            for frame in framer(f, name, self.start_offset, self.start_index, self.max_record_bytes, state):
-                if frame is state.get("unterminated"):
-                    record, obj = self._decode(frame, parse)
-                    if isinstance(record, Rejected):  # an unfinished last line: a tail, not a record
-                        self.truncation = Truncation(frame.offset, frame.end_offset - frame.offset, frame.location)
-                        break
-                elif self.fmt != "sharegpt" and not frame.data.strip():
-                    if not sniffed:  # blank lines are not records
-                        self.end_offset, self.index = frame.end_offset, frame.index
-                    continue
-                else:
-                    record, obj = self._decode(frame, parse)
-                if not checked:
-                    sniffed.append((record, obj, frame.index))
-                    if isinstance(record, Conversation):
-                        checked = True
-                    elif len(sniffed) >= SNIFF_RECORDS:
-                        self._mismatch(sniffed)
-                    else:
-                        continue
-                    for held, _, index in sniffed:
-                        yield from self._emit(held, index)
-                    sniffed.clear()
-                    continue
-                yield from self._emit(record, frame.index)
-            if sniffed:
-                self._mismatch(sniffed)
 
     def _emit(self, record: Conversation | Rejected, index: int) -> Iterator[Conversation | Rejected]:
         self.records += 1
