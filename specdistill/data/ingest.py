@@ -21,13 +21,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from specdistill.data.framing import is_gzip
 from specdistill.data.logstore import LogStore, Watermark
 from specdistill.data.readers import (
     DEFAULT_MAX_CHARS,
     DEFAULT_MAX_RECORD_BYTES,
     Conversation,
     Rejected,
+    is_gzip,
     read_records,
 )
 

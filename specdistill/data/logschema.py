@@ -150,10 +150,6 @@ decisions = sa.Table(
 )
 
 
-# ----------------------------------------------------------------------------------------------
-# hashing and split
-
-
 def content_hash(messages: Sequence[Message]) -> str:
     """SHA-256 over each turn's role and length-prefixed UTF-8 content: equal iff the messages are."""
     digest = hashlib.sha256()
@@ -172,10 +168,6 @@ def prompt_hash(messages: Sequence[Message]) -> str:
 
 def split_of(prompt_digest: str, eval_fraction: float = DEFAULT_EVAL_FRACTION) -> str:
     return "eval" if int(prompt_digest[:8], 16) < eval_fraction * 0x1_0000_0000 else "train"
-
-
-# ----------------------------------------------------------------------------------------------
-# engine and migrations
 
 
 def default_url() -> str:
