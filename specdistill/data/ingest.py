@@ -162,15 +162,13 @@ def ingest(
             flush(reader.end_offset)
     finally:
         bar.close()
-    if reader.truncation is not None:
-        t = reader.truncation
-        result.truncation = {"offset": t.offset, "tail_bytes": t.tail_bytes, "location": t.location,
-                             "corrupt": t.corrupt}
+    t = reader.truncation
+    if t is not None:
+        result.truncation = asdict(t)
         if t.corrupt:
             result.corrupt = (f"{path}: {t.corrupt}; unreadable from {t.location} on (the {reader.records} records "
                               "before it are counted above; replace the file and ingest it again)")
-    store.finish_run(result.run_id, result.truncation and result.truncation["offset"],
-                     result.truncation and result.truncation["tail_bytes"])
+    store.finish_run(result.run_id, t and t.offset, t and t.tail_bytes)
     result.seconds = time.perf_counter() - began
     result.__post_init__()
     if not result.conserved:  # a bug, never bad input: bad input is quarantined and counted
