@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -36,7 +37,6 @@ from specdistill.data.logschema import (
     content_hash,
     conversations,
     database_error,
-    default_url,
     display_url,
     ingest_runs,
     make_engine,
@@ -87,7 +87,7 @@ class LogStore(PipelineRecords):
     def __init__(self, url: str | None = None, eval_fraction: float = DEFAULT_EVAL_FRACTION, *,
                  create: bool = True) -> None:
         """`create=False` (read commands): a SQLite file that does not exist is an error, not a new store."""
-        self.url = url or default_url()
+        self.url = url or os.environ.get("SPECDISTILL_LOG_DB") or f"sqlite:///{paths.ensure(paths.home()) / 'logs.db'}"
         self.eval_fraction = eval_fraction
         self.engine = make_engine(self.url, create=create)
         try:
