@@ -52,7 +52,6 @@ class FirstTurn:
 
     @property
     def text(self) -> str:
-        """The first user turn."""
         return self.messages[-1]["content"]
 
 

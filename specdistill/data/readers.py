@@ -60,13 +60,6 @@ class Truncation:
 COMPRESSED_READ_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error)  # a gzip stream cut short or corrupt
 
 
-def compressed_read_error(exc: BaseException) -> str | None:
-    """Why a gzip stream failed: None when it only ended early (a truncation, as for a plain file)."""
-    if isinstance(exc, EOFError):
-        return None
-    return f"corrupt gzip data: {exc}"
-
-
 class FormatMismatchError(ValueError):
     pass
 
@@ -348,7 +341,8 @@ class RecordReader:
             for held, _, index in sniffed:
                 yield from self._emit(held, index)
             where = f"{name}#record={self.index + 1}" if self.fmt == "sharegpt" else f"{name}:{self.index + 1}"
-            self.truncation = Truncation(self.end_offset, 0, where, compressed_read_error(exc))
+            why = None if isinstance(exc, EOFError) else f"corrupt gzip data: {exc}"  # EOFError: it only ended early
+            self.truncation = Truncation(self.end_offset, 0, where, why)
             return
         if self.truncation is None and "truncated" in state:
             self.truncation = state["truncated"]
