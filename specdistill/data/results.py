@@ -1,6 +1,5 @@
 """What a benchmark run measured (`BenchResult`, per slice `SliceResult`), how its speeds are summed,
-and how it is shown (a text table, a plot). Produced by `speculative.harness_bench` (the PyTorch harness) and
-`engines.endpoint_bench` (a serving engine), read by the γ search, the policy and the reports.
+and how it is shown (a text table, a plot), whichever engine measured it (the PyTorch harness or a serving engine).
 
 Speeds: `times[repeat][prompt] = (generated tokens, seconds)` for target-only and for a mode, from
 the same interleaved rounds. A speedup is the ratio of summed tokens over summed seconds per repeat,
