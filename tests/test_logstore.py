@@ -10,15 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdistill.acceptance import DraftCounts
+from specdistill.data.logschema import downgrade, metadata, schema_revision
 from specdistill.data.logstore import (
     LogStore,
     Watermark,
     content_hash,
     display_url,
-    downgrade,
-    metadata,
     prompt_hash,
-    schema_revision,
     split_of,
     upgrade,
 )

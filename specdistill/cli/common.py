@@ -12,18 +12,15 @@ from specdistill.data.record import to_dict
 Handler = Callable[[argparse.Namespace], int]
 
 
-def at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= `low`, checked while parsing (before any model loads)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-        return value
-    parse.__name__ = f"integer >= {low}"
-    return parse
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1, checked while parsing (before any model loads)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def number_in(low: float, high: float = float("inf"), *, low_open: bool = False) -> Callable[[str], float]:
@@ -38,12 +35,10 @@ def number_in(low: float, high: float = float("inf"), *, low_open: bool = False)
             bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]"
             raise argparse.ArgumentTypeError(f"must be in {bounds}, got {text}")
         return value
-    parse.__name__ = "number"
     return parse
 
 
-positive_int = at_least(1)
-port_number = at_least(1)  # the upper bound is checked with the host (ops.metrics.check_listen_address)
+port_number = positive_int  # the upper bound is checked with the host (ops.metrics.check_listen_address)
 Subcommands = argparse._SubParsersAction  # what add_subparsers() returns
 
 

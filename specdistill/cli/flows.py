@@ -93,7 +93,6 @@ def register(sub: Subcommands) -> None:
                                    description="`specdistill demo [key=value ...]`, with no subcommand, is `demo run`")
     p = command(demo_sub, "run", cmd_nightly, "the nightly flow on the embedded defaults (the default subcommand)",
                 example="demo run train.optim.max_minutes=2")
-    p.set_defaults(config=None)
     p.add_argument("overrides", nargs="*", help="key=value overrides of the embedded defaults")
     p = command(demo_sub, "target-update", cmd_demo_target_update,
                 "a new target version from the demo target: domain tokens + top layers fine-tuned on code",

@@ -39,13 +39,17 @@ def cmd_vocab_transplant(args: argparse.Namespace) -> int:
 
 
 def cmd_draft_init(args: argparse.Namespace) -> int:
+    from transformers import AutoConfig
+
     from specdistill.modeling.drafts import init_draft_from_target, parse_layers, save_draft  # lazy: CLI start-up
-    from specdistill.modeling.models import load_model, num_parameters  # lazy: CLI start-up
+    from specdistill.modeling.eagle3 import check_eagle3_target, target_architecture  # lazy: CLI start-up
+    from specdistill.modeling.models import load_model, num_parameters, resolve_model_dir  # lazy: CLI start-up
     from specdistill.modeling.vocab import DraftVocab, build_draft_vocab, token_frequencies  # lazy: CLI start-up
 
     check_out(args)  # before the target loads: a refused OUT costs nothing
     if args.kind == "eagle3":  # an architecture the head cannot start from is refused before the target loads
-        _check_eagle3_target(args.target)
+        model_dir = resolve_model_dir(args.target)
+        check_eagle3_target(target_architecture(AutoConfig.from_pretrained(model_dir)), where=model_dir)
     target = load_model(args.target, dtype="float32")  # the draft is made of its weights and saved
     draft_vocab = None
     if args.draft_vocab:
@@ -66,16 +70,6 @@ def cmd_draft_init(args: argparse.Namespace) -> int:
     payload = {"out": str(out), "kind": "layers", "layers": layers, "parameters": num_parameters(draft), **meta}
     emit(args, payload, f"draft with layers {layers} ({payload['parameters'] / 1e6:.1f}M parameters) -> {out}")
     return 0
-
-
-def _check_eagle3_target(ref: str) -> None:
-    from transformers import AutoConfig
-
-    from specdistill.modeling.eagle3 import check_eagle3_target, target_architecture  # lazy: CLI start-up
-    from specdistill.modeling.models import resolve_model_dir  # lazy: CLI start-up
-
-    model_dir = resolve_model_dir(ref)
-    check_eagle3_target(target_architecture(AutoConfig.from_pretrained(model_dir)), where=model_dir)
 
 
 def _init_eagle3(args: argparse.Namespace, target, draft_vocab) -> int:

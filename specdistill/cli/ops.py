@@ -12,7 +12,6 @@ from specdistill.cli.common import (
     Subcommands,
     add_db,
     add_threads,
-    at_least,
     command,
     emit,
     group,
@@ -145,7 +144,7 @@ def register(sub: Subcommands) -> None:
     p.add_argument("--n", type=positive_int, default=16, help="prompts to replay")
     p.add_argument("--gamma", type=positive_int, default=DEFAULT_GAMMA)
     p.add_argument("--max-new-tokens", type=positive_int, default=48)
-    p.add_argument("--min-draft-tokens", type=at_least(1), default=100, help="fewer proposed tokens: no sample")
+    p.add_argument("--min-draft-tokens", type=positive_int, default=100, help="fewer proposed tokens: no sample")
     p.add_argument("--threshold", type=number_in(0.0, 1.0), default=None, help="first-position acceptance under which: fallback (0.5)")
     add_db(p)
     add_threads(p)

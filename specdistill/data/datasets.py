@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdistill.data.prompts import encode_chat
+from specdistill.data.prompts import encode_chat, prompt_messages
 from specdistill.data.readers import Conversation, read_records
 
 
@@ -52,7 +52,6 @@ class FirstTurn:
 
     @property
     def text(self) -> str:
-        """The first user turn."""
         return self.messages[-1]["content"]
 
 
@@ -78,18 +77,14 @@ def sharegpt_first_turns(limit: int | None = None, *, skip: int = 0, scan: int |
             break
         if n < skip or not isinstance(record, Conversation) or (record.notes and not continuations):
             continue  # notes: what normalization repaired, i.e. dropped leading answers (formats, rule 4)
-        msgs = [{"role": m.role, "content": m.content} for m in record.messages]
-        first_user = next((i for i, m in enumerate(msgs) if m["role"] == "user"), None)
-        if first_user is None:
-            continue
-        answer = msgs[first_user + 1]["content"] if first_user + 1 < len(msgs) else None
-        text = msgs[first_user]["content"]
+        prompt = prompt_messages(record.messages)  # never None: normalization rejects a chat with no user turn
+        answer = record.messages[len(prompt)].content if len(prompt) < len(record.messages) else None
+        text = prompt[-1]["content"]
         if (answered and answer is None) or len(text) < min_chars or (max_chars is not None and len(text) > max_chars):
             continue
         key = text.strip()
         if key in seen:
             continue
-        prompt = msgs[: first_user + 1]
         if tokenizer is not None:
             length = len(encode_chat(tokenizer, prompt))
             if length < min_tokens or (max_tokens is not None and length > max_tokens):

@@ -54,10 +54,6 @@ class InvalidRecord(ValueError):
     """A record that parses but breaks a rule; the message is the quarantine reason."""
 
 
-# ----------------------------------------------------------------------------------------------
-# normalization
-
-
 def _content_text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content

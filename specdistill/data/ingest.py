@@ -27,6 +27,7 @@ from specdistill.data.readers import (
     DEFAULT_MAX_RECORD_BYTES,
     Conversation,
     Rejected,
+    is_gzip,
     read_records,
 )
 
@@ -102,15 +103,10 @@ def _resume_point(store: LogStore, path: Path, source: str, fmt: str) -> tuple[i
         return 0, 0, None
     if wm.format != fmt:
         raise ValueError(f"{path} was ingested as {wm.format!r}, not {fmt!r}; pass --format {wm.format}")
-    compressed = _is_gzip(path)
+    compressed = is_gzip(path)
     if (not compressed and path.stat().st_size < wm.offset) or file_fingerprint(path, wm.offset) != wm.fingerprint:
         return 0, 0, "the file changed since the last ingest (rewritten or shrunk): read again from the start"
     return wm.offset, wm.index, None
-
-
-def _is_gzip(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(2) == b"\x1f\x8b"
 
 
 def ingest(
@@ -135,7 +131,7 @@ def ingest(
                           max_record_bytes=max_record_bytes, max_chars=max_chars)
     result = IngestResult(source=source, format=fmt, run_id=None, start_offset=start, end_offset=start, note=note)
     began = time.perf_counter()
-    total = None if _is_gzip(path) else max(path.stat().st_size - start, 0)
+    total = None if is_gzip(path) else max(path.stat().st_size - start, 0)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"ingest {path.name}", disable=not progress,
                file=sys.stderr, mininterval=0.5)
     batch: list[Conversation | Rejected] = []
@@ -166,15 +162,13 @@ def ingest(
             flush(reader.end_offset)
     finally:
         bar.close()
-    if reader.truncation is not None:
-        t = reader.truncation
-        result.truncation = {"offset": t.offset, "tail_bytes": t.tail_bytes, "location": t.location,
-                             "corrupt": t.corrupt}
+    t = reader.truncation
+    if t is not None:
+        result.truncation = asdict(t)
         if t.corrupt:
             result.corrupt = (f"{path}: {t.corrupt}; unreadable from {t.location} on (the {reader.records} records "
                               "before it are counted above; replace the file and ingest it again)")
-    store.finish_run(result.run_id, result.truncation and result.truncation["offset"],
-                     result.truncation and result.truncation["tail_bytes"])
+    store.finish_run(result.run_id, t and t.offset, t and t.tail_bytes)
     result.seconds = time.perf_counter() - began
     result.__post_init__()
     if not result.conserved:  # a bug, never bad input: bad input is quarantined and counted

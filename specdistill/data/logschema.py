@@ -8,7 +8,6 @@ compares the two); change both together, with a new migration.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timezone
@@ -19,7 +18,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from specdistill.data.formats import Message
 from specdistill.env import mask_secrets
-from specdistill.paths import create_private_file, ensure, home
+from specdistill.paths import create_private_file
 
 DEFAULT_EVAL_FRACTION = 0.05
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
@@ -150,10 +149,6 @@ decisions = sa.Table(
 )
 
 
-# ----------------------------------------------------------------------------------------------
-# hashing and split
-
-
 def content_hash(messages: Sequence[Message]) -> str:
     """SHA-256 over each turn's role and length-prefixed UTF-8 content: equal iff the messages are."""
     digest = hashlib.sha256()
@@ -172,15 +167,6 @@ def prompt_hash(messages: Sequence[Message]) -> str:
 
 def split_of(prompt_digest: str, eval_fraction: float = DEFAULT_EVAL_FRACTION) -> str:
     return "eval" if int(prompt_digest[:8], 16) < eval_fraction * 0x1_0000_0000 else "train"
-
-
-# ----------------------------------------------------------------------------------------------
-# engine and migrations
-
-
-def default_url() -> str:
-    url = os.environ.get("SPECDISTILL_LOG_DB")
-    return url if url else f"sqlite:///{ensure(home()) / 'logs.db'}"
 
 
 SUPPORTED_BACKENDS = ("sqlite", "postgresql")

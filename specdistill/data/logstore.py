@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from specdistill import paths
-from specdistill.data.logschema import (  # noqa: F401  (the schema and hashes are part of this module's API)
+from specdistill.data.logschema import (
     DEFAULT_EVAL_FRACTION,
     LogStoreError,
     UTCDateTime,
@@ -36,18 +37,12 @@ from specdistill.data.logschema import (  # noqa: F401  (the schema and hashes a
     content_hash,
     conversations,
     database_error,
-    decisions,
-    default_url,
     display_url,
-    downgrade,
     ingest_runs,
     make_engine,
-    metadata,
-    parse_url,
     prompt_hash,
     quarantine,
     responses,
-    schema_revision,
     split_of,
     upgrade,
     watermarks,
@@ -55,9 +50,6 @@ from specdistill.data.logschema import (  # noqa: F401  (the schema and hashes a
 )
 from specdistill.data.logstore_records import PipelineRecords, _now
 from specdistill.data.readers import Conversation, Message, Rejected
-
-# ----------------------------------------------------------------------------------------------
-# the store
 
 
 @dataclass
@@ -95,7 +87,7 @@ class LogStore(PipelineRecords):
     def __init__(self, url: str | None = None, eval_fraction: float = DEFAULT_EVAL_FRACTION, *,
                  create: bool = True) -> None:
         """`create=False` (read commands): a SQLite file that does not exist is an error, not a new store."""
-        self.url = url or default_url()
+        self.url = url or os.environ.get("SPECDISTILL_LOG_DB") or f"sqlite:///{paths.ensure(paths.home()) / 'logs.db'}"
         self.eval_fraction = eval_fraction
         self.engine = make_engine(self.url, create=create)
         try:

@@ -28,8 +28,6 @@ class PromptRecord:
 
 
 def read_prompt_file(path: str | Path, turns: str = "first") -> list[PromptRecord]:
-    if turns not in ("first", "all"):
-        raise PromptFileError(f"turns must be 'first' or 'all', not {turns!r}")
     path = Path(path)
     if path.is_dir():
         raise PromptFileError(f"prompts file {path} is a directory")

@@ -2,11 +2,6 @@
 
 One definition for every stage that replays traffic: the nightly window (train and eval prompts),
 target-answer generation, the benchmark, the monitor's replay and the CLI.
-
-    messages = prompt_messages(conversation.messages)    # None: nothing to replay
-    ids = encode_chat(tokenizer, messages)                # chat template + assistant header
-    usable_prompt(conversation.messages, tokenizer, 384)  # both, or None when too long
-    prompts_from_logs(store, tokenizer, "eval", 32, seed=0)  # a split's prompts, as the nightly draws them
 """
 
 from __future__ import annotations
@@ -93,11 +88,8 @@ def usable_prompt(messages: Iterable[Any], tokenizer, max_prompt_tokens: int = M
 
 @dataclass
 class Prompt:
-    """The one prompt type: what a benchmark or a replay runs (the harness, `speculative.harness_bench`, and the
-    serving engines, `engines.endpoint_bench`), what the target answers (`pipeline.answers`, an engine's answer pass),
-    and a prompt drawn from the log store (`prompts_from_logs`). `text` or raw token `ids` (used as they
-    are, no template) for a benchmark; the chat turns for whatever applies the template itself; `id`
-    names it in an answers file or the log store."""
+    """The one prompt type of benchmarks, replays and answer generation: `text` or raw `ids` for a
+    benchmark, the chat turns for whatever applies the template itself."""
 
     text: str = ""
     slice: str = "default"

@@ -2,8 +2,9 @@
 
 `read_records(path, fmt)` yields, in file order, one `Conversation` or one `Rejected` per record and
 never loads a whole file: the shipped ShareGPT file (125 MB, cut off mid-record) is scanned element
-by element. A record is a JSONL line or an element of the ShareGPT JSON array. Locations are
-1-based: `name.jsonl:5` is line 5, `name.json#record=17` is the 17th array element.
+by element (brackets and strings framed, nothing parsed until an element closes). A record is a
+JSONL line or an element of the ShareGPT JSON array. Locations are 1-based: `name.jsonl:5` is
+line 5, `name.json#record=17` is the 17th array element.
 
 Truncation: an unfinished last record (a JSON array element that never closes, or a last JSONL line
 with no newline that does not parse) is not a record yet, because a log that is still being written
@@ -14,8 +15,7 @@ again when the file has grown. A `.gz` whose stream ends early is a truncation t
 is corrupt (a bad block, a CRC mismatch) keeps the records read before it and sets
 `truncation.corrupt` to why.
 
-Normalization: see `specdistill.data.formats` (roles, empty turns, conversations that do not start with
-a user turn, over-long records, text a database cannot hold).
+Normalization: see `specdistill.data.formats`.
 
 Format checks: if none of the first `SNIFF_RECORDS` records of a file is valid for `--format`, the
 file is in another (or an unknown) format: `FormatMismatchError` names the file, the first offending
@@ -24,11 +24,14 @@ line or record, its reason, and the format the file looks like when one matches.
 
 from __future__ import annotations
 
+import gzip
 import json
+import re
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from specdistill.data.formats import (
     DEFAULT_MAX_CHARS,
@@ -37,22 +40,202 @@ from specdistill.data.formats import (
     Message,
     looks_like,
 )
-from specdistill.data.framing import (  # noqa: F401  (Truncation, FormatMismatchError, raw_text: this module's API too)
-    COMPRESSED_READ_ERRORS,
-    RAW_KEEP_CHARS,
-    FormatMismatchError,
-    Frame,
-    Truncation,
-    array_frames,
-    compressed_read_error,
-    line_frames,
-    open_binary,
-    raw_text,
-)
 
+RAW_KEEP_CHARS = 2000
 FORMATS = ("sharegpt", "openai", "jsonl", "humaneval")
 SNIFF_RECORDS = 20
 DEFAULT_MAX_RECORD_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class Truncation:
+    offset: int  # where the unfinished tail starts
+    tail_bytes: int  # how many bytes it holds
+    location: str  # where the unfinished record would be
+    # None: the file just ends early (maybe still being written). Else why the rest cannot be read:
+    # a gzip stream that is corrupt ("corrupt gzip data: CRC check failed"), never a normal state.
+    corrupt: str | None = None
+
+
+COMPRESSED_READ_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error)  # a gzip stream cut short or corrupt
+
+
+class FormatMismatchError(ValueError):
+    pass
+
+
+def raw_text(data: bytes | str, limit: int = RAW_KEEP_CHARS) -> str:
+    """Record text safe for any database: cut, invalid bytes and NULs escaped."""
+    if isinstance(data, bytes):
+        total = len(data)
+        text = data[: limit * 4].decode("utf-8", errors="backslashreplace")
+    else:
+        total = len(data.encode("utf-8", errors="surrogatepass"))
+        text = data
+    text = text.encode("utf-8", errors="backslashreplace").decode("utf-8")
+    text = text.replace("\x00", "\\x00")
+    if len(text) > limit:
+        text = text[:limit] + f"...[{total} bytes in all]"
+    return text
+
+
+@dataclass
+class Frame:
+    data: bytes
+    location: str
+    offset: int
+    end_offset: int
+    index: int  # line number (JSONL) or element number (ShareGPT), 1-based
+    reason: str | None = None  # rejected before parsing (too long, bytes after the array)
+
+
+def is_gzip(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(2) == b"\x1f\x8b"
+
+
+def open_binary(path: Path) -> BinaryIO:
+    if is_gzip(path):
+        return gzip.open(path, "rb")  # type: ignore[return-value]
+    return open(path, "rb")
+
+
+def line_frames(f: BinaryIO, name: str, start: int, start_index: int, max_bytes: int, state: dict) -> Iterator[Frame]:
+    """JSONL lines; a line over max_bytes is framed but not kept whole."""
+    offset = start
+    lineno = start_index
+    while True:
+        line = f.readline(max_bytes + 1)
+        if not line:
+            return
+        lineno += 1
+        too_long = False
+        size = len(line)
+        if not line.endswith(b"\n") and size > max_bytes:
+            too_long = True
+            while True:  # consume the rest of the over-long line without keeping it
+                more = f.readline(1 << 20)
+                size += len(more)
+                if not more or more.endswith(b"\n"):
+                    break
+        reason = f"too long: {size} bytes (limit {max_bytes})" if too_long else None
+        frame = Frame(line, f"{name}:{lineno}", offset, offset + size, lineno, reason)
+        if not too_long and not line.endswith(b"\n"):
+            state["unterminated"] = frame  # last line without newline: maybe still being written
+        yield frame
+        offset += size
+
+
+_STRUCT = re.compile(rb'["{}\[\]]')
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_SPACE = re.compile(rb"[ \t\r\n]*")
+_SEPARATOR = re.compile(rb"[,\]\n]")
+
+
+class _Incomplete(Exception):
+    pass
+
+
+def _element_end(buf: bytes, pos: int) -> int:
+    """End of the JSON value starting at buf[pos] ('{' or '['); _Incomplete if it runs past buf."""
+    closers: list[int] = []
+    i = pos
+    while True:
+        m = _STRUCT.search(buf, i)
+        if m is None:
+            raise _Incomplete
+        c = buf[m.start()]
+        if c == 0x22:  # '"'
+            s = _STRING.match(buf, m.start())
+            if s is None:
+                raise _Incomplete
+            i = s.end()
+            continue
+        i = m.end()
+        if c in (0x7B, 0x5B):  # '{' '['
+            closers.append(c + 2)  # '}' '['+2 = ']'
+        elif closers.pop() != c or not closers:
+            return i  # closed, or a mismatched bracket: the element ends here and fails to parse
+
+
+def array_frames(f: BinaryIO, name: str, start: int, start_index: int, max_bytes: int, state: dict) -> Iterator[Frame]:
+    """Elements of a top-level JSON array, streamed; sets state['truncated'] for an unfinished tail."""
+    chunk = 1 << 22
+    buf = f.read(chunk)
+    base = start  # file offset of buf[0]
+    pos = 0
+    eof = not buf
+    index = start_index
+    expect_open = start == 0
+
+    def need_more() -> bool:
+        nonlocal buf, base, pos, eof
+        if eof:
+            return False
+        more = f.read(max(chunk, len(buf) - pos))
+        if not more:
+            eof = True
+            return False
+        buf = buf[pos:] + more
+        base += pos
+        pos = 0
+        return True
+
+    while True:
+        m = _SPACE.match(buf, pos)
+        pos = m.end()
+        if pos >= len(buf):
+            if need_more():
+                continue
+            if expect_open or not state.get("closed"):
+                if expect_open:
+                    raise FormatMismatchError(f"{name}: empty file, expected a JSON array")
+                state["truncated"] = Truncation(base + pos, 0, f"{name}#record={index + 1}")
+            return
+        c = buf[pos : pos + 1]
+        if expect_open:
+            if c != b"[":
+                line = buf[pos : pos + 200].split(b"\n", 1)[0]
+                raise FormatMismatchError(
+                    f"{name}: line 1 is {raw_text(line, 80)!r}: a ShareGPT file is one JSON array, starting with '['"
+                )
+            expect_open = False
+            pos += 1
+            continue
+        if c == b",":
+            pos += 1
+            continue
+        if c == b"]":
+            state["closed"] = True
+            pos += 1
+            rest = buf[pos:] + (b"" if eof else f.read(max_bytes))
+            size = len(rest)
+            while more := f.read(1 << 20):  # count, but do not keep, whatever else follows
+                size += len(more)
+            if rest.strip():
+                yield Frame(rest[:max_bytes], f"{name}#after-array", base + pos, base + pos + size, index,
+                             "bytes after the closing ']'")
+            return
+        index += 1
+        location = f"{name}#record={index}"
+        if c in (b"{", b"["):
+            while True:
+                try:
+                    end = _element_end(buf, pos)
+                    break
+                except _Incomplete:
+                    if not need_more():
+                        state["truncated"] = Truncation(base + pos, len(buf) - pos, location)
+                        return
+        else:  # a scalar or stray bytes: up to the next separator
+            sep = _SEPARATOR.search(buf, pos)
+            while sep is None and need_more():
+                sep = _SEPARATOR.search(buf, pos)
+            end = sep.start() if sep else len(buf)
+        data = buf[pos:end]
+        reason = f"too long: {len(data)} bytes (limit {max_bytes})" if len(data) > max_bytes else None
+        yield Frame(data, location, base + pos, base + end, index, reason)
+        pos = end
 
 
 @dataclass
@@ -76,10 +259,6 @@ class Rejected:
     raw: str  # the record as text, cut to RAW_KEEP_CHARS, NULs and bad bytes escaped
     offset: int = 0
     end_offset: int = 0
-
-
-# ----------------------------------------------------------------------------------------------
-# the reader
 
 
 class RecordReader:
@@ -117,67 +296,56 @@ class RecordReader:
         self.end_offset = start_offset
         self.index = start_index
         self.records = 0
-        self._iter: Iterator[Conversation | Rejected] | None = None
 
-    def __iter__(self) -> RecordReader:
-        return self
-
-    def __next__(self) -> Conversation | Rejected:
-        if self._iter is None:
-            self._iter = self._records()
-        return next(self._iter)
-
-    def _records(self) -> Iterator[Conversation | Rejected]:
+    def __iter__(self) -> Iterator[Conversation | Rejected]:
         name = self.path.name
         parse = PARSERS[self.fmt]
         state: dict = {}
         sniffed: list[tuple[Conversation | Rejected, Any, int]] = []  # held back until one record is valid
         checked = self.start_offset > 0  # a resumed read already passed the format check
         try:
-            yield from self._framed(name, parse, state, sniffed, checked)
+            with open_binary(self.path) as f:
+                if self.start_offset:
+                    f.seek(self.start_offset)
+                framer = array_frames if self.fmt == "sharegpt" else line_frames
+                for frame in framer(f, name, self.start_offset, self.start_index, self.max_record_bytes, state):
+                    if frame is state.get("unterminated"):
+                        record, obj = self._decode(frame, parse)
+                        if isinstance(record, Rejected):  # an unfinished last line: a tail, not a record
+                            self.truncation = Truncation(frame.offset, frame.end_offset - frame.offset, frame.location)
+                            break
+                    elif self.fmt != "sharegpt" and not frame.data.strip():
+                        if not sniffed:  # blank lines are not records
+                            self.end_offset, self.index = frame.end_offset, frame.index
+                        continue
+                    else:
+                        record, obj = self._decode(frame, parse)
+                    if not checked:
+                        sniffed.append((record, obj, frame.index))
+                        if isinstance(record, Conversation):
+                            checked = True
+                        elif len(sniffed) >= SNIFF_RECORDS:
+                            self._mismatch(sniffed)
+                        else:
+                            continue
+                        for held, _, index in sniffed:
+                            yield from self._emit(held, index)
+                        sniffed.clear()
+                        continue
+                    yield from self._emit(record, frame.index)
+                if sniffed:
+                    self._mismatch(sniffed)
         except COMPRESSED_READ_ERRORS as exc:
             # a .gz cut short or corrupt: what was read before the bad block is kept and counted,
             # the rest is reported as a truncation (with why, when the data is corrupt)
             for held, _, index in sniffed:
                 yield from self._emit(held, index)
             where = f"{name}#record={self.index + 1}" if self.fmt == "sharegpt" else f"{name}:{self.index + 1}"
-            self.truncation = Truncation(self.end_offset, 0, where, compressed_read_error(exc))
+            why = None if isinstance(exc, EOFError) else f"corrupt gzip data: {exc}"  # EOFError: it only ended early
+            self.truncation = Truncation(self.end_offset, 0, where, why)
             return
         if self.truncation is None and "truncated" in state:
             self.truncation = state["truncated"]
-
-    def _framed(self, name: str, parse, state: dict, sniffed: list, checked: bool) -> Iterator[Conversation | Rejected]:
-        with open_binary(self.path, self.fmt) as f:
-            if self.start_offset:
-                f.seek(self.start_offset)
-            framer = array_frames if self.fmt == "sharegpt" else line_frames
-            for frame in framer(f, name, self.start_offset, self.start_index, self.max_record_bytes, state):
-                if frame is state.get("unterminated"):
-                    record, obj = self._decode(frame, parse)
-                    if isinstance(record, Rejected):  # an unfinished last line: a tail, not a record
-                        self.truncation = Truncation(frame.offset, frame.end_offset - frame.offset, frame.location)
-                        break
-                elif self.fmt != "sharegpt" and not frame.data.strip():
-                    if not sniffed:  # blank lines are not records
-                        self.end_offset, self.index = frame.end_offset, frame.index
-                    continue
-                else:
-                    record, obj = self._decode(frame, parse)
-                if not checked:
-                    sniffed.append((record, obj, frame.index))
-                    if isinstance(record, Conversation):
-                        checked = True
-                    elif len(sniffed) >= SNIFF_RECORDS:
-                        self._mismatch(sniffed)
-                    else:
-                        continue
-                    for held, _, index in sniffed:
-                        yield from self._emit(held, index)
-                    sniffed.clear()
-                    continue
-                yield from self._emit(record, frame.index)
-            if sniffed:
-                self._mismatch(sniffed)
 
     def _emit(self, record: Conversation | Rejected, index: int) -> Iterator[Conversation | Rejected]:
         self.records += 1

@@ -22,8 +22,7 @@ T = TypeVar("T")
 
 
 def to_dict(obj: Any) -> Any:
-    """A dataclass (and whatever it nests) as JSON-friendly values; anything else as it is. A dataclass
-    that writes its own JSON (a `to_dict` method of its own, such as the gate's verdict) is asked for it."""
+    """A dataclass (and whatever it nests) as JSON-friendly values; anything else as it is."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         own = getattr(type(obj), "to_dict", None)
         if callable(own) and own is not Record.to_dict:

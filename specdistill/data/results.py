@@ -1,6 +1,5 @@
 """What a benchmark run measured (`BenchResult`, per slice `SliceResult`), how its speeds are summed,
-and how it is shown (a text table, a plot). Produced by `speculative.harness_bench` (the PyTorch harness) and
-`engines.endpoint_bench` (a serving engine), read by the γ search, the policy and the reports.
+and how it is shown (a text table, a plot), whichever engine measured it (the PyTorch harness or a serving engine).
 
 Speeds: `times[repeat][prompt] = (generated tokens, seconds)` for target-only and for a mode, from
 the same interleaved rounds. A speedup is the ratio of summed tokens over summed seconds per repeat,
@@ -27,10 +26,8 @@ DEFAULT_TOLERANCE = 0.5
 
 
 class BenchSettings(Strict):
-    """What every benchmark measures, whichever engine runs it (the harness: `speculative.harness_bench.BenchConfig`,
-    a serving engine: `engines.endpoint_bench.EngineBenchConfig`, the nightly's `bench:` section), with one default
-    each: 40 new tokens once per prompt keeps the demo's benchmark inside its budget on a 2-core CPU (the
-    `bench` command asks for more repeats)."""
+    """What every benchmark measures, whichever engine runs it. 40 new tokens once per prompt keeps the
+    demo's benchmark inside its budget on a 2-core CPU (the `bench` command asks for more repeats)."""
 
     gamma: int = Field(DEFAULT_GAMMA, ge=1)  # draft tokens per round (an engine's: recorded, it was started with it)
     max_new_tokens: int = Field(40, ge=1)
@@ -207,9 +204,8 @@ def _tps(records: list[tuple[int, float]]) -> float:
 
 
 def speed_summary(base_times: list, spec_times: list, indices: list[int]) -> tuple[float, float, float]:
-    """Target-only tokens/s, speculative tokens/s and speedup over `indices` (prompts): per repeat the
-    ratio of summed tokens over summed seconds, then the median over repeats.
-    `*_times[repeat][prompt] = (generated tokens, seconds)`, both modes from the same interleaved rounds."""
+    """Target-only tokens/s, speculative tokens/s and speedup over `indices` (prompts), as the module
+    docstring defines them."""
     repeats = range(len(base_times))
     base = [_tps([base_times[r][i] for i in indices]) for r in repeats]
     spec = [_tps([spec_times[r][i] for i in indices]) for r in repeats]
