@@ -27,8 +27,6 @@ class EagleDrafter(Drafter):
 
     def __init__(self, head: Eagle3Draft, target: PreTrainedModel, name: str = "eagle3", tree_width: int = 1):
         check_head_fits(head, target)
-        if tree_width < 1:
-            raise ValueError(f"tree_width (candidates for the first draft position) must be >= 1, got {tree_width}")
         pack_for_cpu(head)  # however it was loaded: a bf16 head's step on unpacked weights cost ~1.6x
         self.head = head
         self.name = name

@@ -234,7 +234,8 @@ def tree_round(side: TargetSide, drafter: Drafter, tokens: torch.Tensor, length:
     choice = side(*tree_inputs(tokens[length - 1], ids, parents, length - 1)).argmax(-1)
     path, following = greedy_path(choice, ids, parents)
     keep_cache_rows(side.cache, length - 1, [0] + [1 + i for i in path])
-    chain = chain_length(parents)  # the leading nodes -1, 0, 1, ...: the chain a server would verify
+    # the leading nodes (parents -1, 0, 1, ...) are the chain a server would verify; the rest are runner-ups
+    chain = next((i for i, p in enumerate(parents) if p != i - 1), len(parents))
     on_chain = next((i for i, node in enumerate(path) if node != i), len(path))
     drafter.rollback(length + on_chain)  # the drafter's cache holds the chain only
     side.hand_features(drafter, torch.tensor([0] + [1 + i for i in path]))
@@ -301,11 +302,6 @@ def generate(
 
 # --------------------------------------------------------------------------------------------
 # Tree verification (greedy): several candidates for the first draft position in one target forward
-
-
-def chain_length(parents: Sequence[int]) -> int:
-    """How many leading nodes form the chain (parents -1, 0, 1, ...); the rest are runner-up branches."""
-    return next((i for i, p in enumerate(parents) if p != i - 1), len(parents))
 
 
 def tree_depths(parents: Sequence[int]) -> list[int]:

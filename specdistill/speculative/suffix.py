@@ -265,8 +265,6 @@ class SuffixDrafter(Drafter):
 
     def __init__(self, corpus: SuffixIndex | None, params: SuffixParams | None = None, *, tree_width: int = 1,
                  name: str = "suffix"):
-        if tree_width < 1:
-            raise ValueError(f"tree_width must be >= 1, got {tree_width}")
         self.corpus = corpus if corpus is not None and corpus.sa.size else None
         self.params = params or SuffixParams()
         self.tree_width = tree_width
@@ -302,6 +300,3 @@ class SuffixDrafter(Drafter):
         alts = sorted(d.alternatives, key=lambda a: -a[2])[: width - 1] if d.tokens else []
         ids = d.tokens + [t for _, t, _ in alts]
         return torch.tensor(ids, dtype=torch.long), list(range(-1, len(d.tokens) - 1)) + [a[0] for a in alts]
-
-    def rollback(self, valid_len: int) -> None:
-        pass  # the request index only ever holds accepted tokens
