@@ -17,7 +17,7 @@ from transformers import DynamicCache, PreTrainedModel
 from specdistill.acceptance import NGRAM_WINDOW
 from specdistill.modeling.lean import engine_forward
 from specdistill.modeling.vocab import DraftVocab, VocabAlignmentError
-from specdistill.speculative.sampling import SamplingConfig, draft_token
+from specdistill.speculative.sampling import SamplingConfig, pick_token
 
 
 class Drafter(Protocol):
@@ -126,7 +126,7 @@ class ModelDrafter(Drafter):
                 top = logits.topk(min(width, logits.numel())).indices
                 d, q, runner_ups = top[0], None, self._full_ids(top[1:])
             else:
-                d, q = draft_token(logits, config, generator)
+                d, q = pick_token(logits, config, generator)
             qs.append(q)
             ids.append(self._full_ids(d))
             x = ids[-1].view(1, 1)

@@ -19,7 +19,7 @@ from specdistill.modeling.eagle3 import Eagle3Cache, Eagle3Draft, check_head_fit
 from specdistill.modeling.eagle3_io import load_eagle3
 from specdistill.modeling.models import pack_for_cpu
 from specdistill.speculative.drafters import Drafter
-from specdistill.speculative.sampling import SamplingConfig, draft_token
+from specdistill.speculative.sampling import SamplingConfig, pick_token
 
 
 class EagleDrafter(Drafter):
@@ -89,7 +89,7 @@ class EagleDrafter(Drafter):
             return torch.stack(self._chain(d + self.d2t[d], self.last_hidden, position, k)), None
         hidden, ids, qs = self.last_hidden, [], []
         for i in range(k):
-            d, q = draft_token(self._logits(hidden), config, generator)
+            d, q = pick_token(self._logits(hidden), config, generator)
             qs.append(q)
             ids.append(d + self.d2t[d])
             if i < k - 1:

@@ -8,6 +8,7 @@ appends the target's own next token (its correction, or the bonus token when all
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
@@ -22,7 +23,7 @@ from specdistill.modeling.eagle3 import FeatureHooks
 from specdistill.modeling.kv_cache import preallocated_cache
 from specdistill.modeling.lean import lean_forward, supports_lean
 from specdistill.speculative.drafters import Drafter
-from specdistill.speculative.sampling import SamplingConfig, next_token, verify
+from specdistill.speculative.sampling import SamplingConfig, pick_token, verify
 
 
 @dataclass
@@ -99,10 +100,7 @@ class SpecStats:
 
     @classmethod
     def total(cls, stats: Iterable[SpecStats]) -> SpecStats:
-        out = cls()
-        for s in stats:
-            out = out.merge(s)
-        return out
+        return functools.reduce(cls.merge, stats, cls())
 
     def to_dict(self) -> dict:
         return {
@@ -201,7 +199,7 @@ def cut_at_stop(new: torch.Tensor, stop: torch.Tensor) -> tuple[torch.Tensor, bo
 def target_round(side: TargetSide, drafter: Drafter | None, tokens: torch.Tensor, length: int, k: int,
                  sampling: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
     """No draft this round (`k` unused): one target step on the pending token; a drafter catches up on it."""
-    new = next_token(side(tokens[length - 1 : length], 1)[-1], sampling, generator).view(1)
+    new = pick_token(side(tokens[length - 1 : length], 1)[-1], sampling, generator)[0].view(1)
     if drafter is not None:
         drafter.rollback(length)
         side.hand_features(drafter, 1)
@@ -281,7 +279,7 @@ def generate(
 
     # few-token forwards (decode steps, verifications) attend through matmuls, not SDPA's CPU flash kernel
     with decode_attention_for(target, drafter.model if drafter is not None else None), side.hooks or nullcontext():
-        new = next_token(side(prompt, 1)[-1], sampling, generator).view(1)
+        new = pick_token(side(prompt, 1)[-1], sampling, generator)[0].view(1)
         side.hand_features(drafter, prompt.numel())
         while True:
             new, hit = cut_at_stop(new, stop)

@@ -59,22 +59,15 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
-def draft_token(
+def pick_token(
     logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A drafter's choice from one row of logits, with the distribution q it was drawn from
-    (None when greedy: q is then one-hot and verification needs no probabilities)."""
+    """A token from one row of logits (a drafter's or the target's), with the distribution q it was
+    drawn from (None when greedy: q is then one-hot and verification needs no probabilities)."""
     if config.greedy:
         return logits.argmax(), None
     q = probs_from_logits(logits, config)
     return sample(q, generator), q
-
-
-def next_token(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
-    """Target-only decoding's choice from one row of logits."""
-    if config.greedy:
-        return logits.argmax(-1)
-    return sample(probs_from_logits(logits, config), generator)
 
 
 def verify(

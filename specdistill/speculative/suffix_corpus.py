@@ -129,12 +129,9 @@ def corpus_is_current(path: str | Path, target_fingerprint: str, tokenizer: str 
     and, when `tokenizer` is given, holds ids of this target's tokenizer."""
     try:
         meta = read_corpus_meta(path)
-    except CorpusError as exc:
-        return False, str(exc)
-    if meta.target_fingerprint != target_fingerprint:
-        return False, (f"suffix corpus {path} is stale: built for target {meta.target_fingerprint}, "
-                       f"the target is now {target_fingerprint}")
-    try:
+        if meta.target_fingerprint != target_fingerprint:
+            return False, (f"suffix corpus {path} is stale: built for target {meta.target_fingerprint}, "
+                           f"the target is now {target_fingerprint}")
         check_corpus_target(path, meta, None, tokenizer)
     except CorpusError as exc:
         return False, str(exc)
