@@ -37,7 +37,6 @@ class EagleDrafter(Drafter):
         self.reset()
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The head's draft-vocabulary logits at the last position, in fp32 on the CPU."""
         return self.head.logits(hidden)[0, -1].float().cpu()
 
     def reset(self) -> None:
@@ -52,7 +51,6 @@ class EagleDrafter(Drafter):
         return self.committed + (0 if self.pending is None else self.pending.shape[0])
 
     def add_features(self, features: torch.Tensor) -> None:
-        """The target's features [T, 3·H] for the next T positions it has verified (kept ones only)."""
         features = features.to(self.head.fc.weight.dtype)
         self.pending = features if self.pending is None else torch.cat([self.pending, features])
 

@@ -9,6 +9,7 @@ appends the target's own next token (its correction, or the bonus token when all
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
@@ -87,10 +88,8 @@ class SpecStats:
             self.accepted_per_position[i] += 1
 
     def merge(self, other: SpecStats) -> SpecStats:
-        width = max(len(self.proposed_per_position), len(other.proposed_per_position))
-
         def add(a: list[int], b: list[int]) -> list[int]:
-            return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(width)]
+            return [x + y for x, y in itertools.zip_longest(a, b, fillvalue=0)]
 
         # every counter adds up (a new one too, without an edit here); the per-position lists add position-wise
         sums = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)
