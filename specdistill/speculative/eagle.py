@@ -82,9 +82,6 @@ class EagleDrafter(Drafter):
     def propose(self, tokens: torch.Tensor, k: int, config: SamplingConfig, generator: torch.Generator | None):
         self._commit(tokens)
         position = tokens.numel() - 1
-        if config.greedy:
-            d = self._logits(self.last_hidden).argmax()
-            return torch.stack(self._chain(d + self.d2t[d], self.last_hidden, position, k)), None
         hidden, ids, qs = self.last_hidden, [], []
         for i in range(k):
             d, q = pick_token(self._logits(hidden), config, generator)
@@ -92,6 +89,8 @@ class EagleDrafter(Drafter):
             ids.append(d + self.d2t[d])
             if i < k - 1:
                 hidden = self.head(ids[-1].view(1, 1), hidden, torch.tensor([[position + i]]), self.cache)
+        if config.greedy:
+            return torch.stack(ids), None
         return torch.stack(ids), self.vocab.to_full(torch.stack(qs))  # zero outside the draft vocabulary: still lossless
 
     def propose_tree(self, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, list[int]]:

@@ -51,8 +51,6 @@ MIN_MEASURED_PROMPTS = 2  # a benchmark cut by its time budget still measures th
 
 
 class BenchConfig(BenchSettings):
-    """The harness benchmark: the shared settings, and how this harness samples and measures."""
-
     temperature: float = 0.0  # greedy by default: the lossless check needs it
     top_p: float = 1.0
     chat_template: bool = True  # wrap each prompt as one user turn when the tokenizer has a template
@@ -84,7 +82,6 @@ def prompts_from_records(target: PreTrainedModel, tokenizer: PreTrainedTokenizer
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat_template: bool = True) -> list[int]:
-    """A one-line prompt as one user turn (`data.prompts.encode_chat`), or as plain text."""
     if chat_template:
         return encode_chat(tokenizer, [{"role": "user", "content": text}])
     return list(tokenizer(text)["input_ids"])

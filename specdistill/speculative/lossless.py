@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
@@ -57,9 +57,6 @@ class LosslessReport:
     @property
     def outputs(self) -> int:
         return self.exact + self.near_ties + self.mismatches
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "passed": self.passed}
 
     def count(self, divergences: list[Divergence]) -> None:
         """One output, or one prompt's outputs over the repeats, counted by its worst divergence."""

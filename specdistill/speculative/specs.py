@@ -154,7 +154,6 @@ class DrafterSpec:
 
     @property
     def corpus(self) -> str | None:
-        """A suffix corpus file (kinds suffix and hybrid)."""
         if self.kind == "hybrid":
             return hybrid_parts(self.arg)[1]
         return self.arg if self.kind == "suffix" else None

@@ -170,17 +170,6 @@ class SuffixIndex:
                 raise ValueError("corpus token ids must be >= 0")
             if arr.size:
                 self.sequences.append(arr.astype(np.int32))
-        self._build()
-
-    @property
-    def num_tokens(self) -> int:
-        return int(sum(s.size for s in self.sequences))
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.seq.nbytes + self.sa.nbytes)
-
-    def _build(self) -> None:
         parts = [np.array([SEP], dtype=np.int32)]
         for s in self.sequences:
             parts += [s, np.array([SEP], dtype=np.int32)]
@@ -201,6 +190,14 @@ class SuffixIndex:
         valid = np.flatnonzero((seq[:-1] >= 0) & (seq[1:] >= 0))  # a token with a continuation
         self.seq = seq
         self.sa = valid[np.argsort(rank[valid], kind="stable")].astype(np.int32)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(s.size for s in self.sequences))
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.seq.nbytes + self.sa.nbytes)
 
     def matches(self, context: Sequence[int], longest: int, cap: int | None) -> list:
         """(count, ends getter) for the context's last 1..`longest` tokens, while they occur."""

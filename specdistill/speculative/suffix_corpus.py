@@ -94,7 +94,6 @@ def read_corpus_meta(path: str | Path) -> CorpusMeta:
 
 def check_corpus_target(path: str | Path, meta: CorpusMeta, target_fingerprint: str | None,
                         tokenizer: str | None = None) -> None:
-    """A corpus belongs to one target version and tokenizer, as a draft does."""
     if target_fingerprint is not None and meta.target_fingerprint != target_fingerprint:
         raise CorpusError(f"suffix corpus {path} was built from the answers of target {meta.target_fingerprint}, "
                           f"not of this target ({target_fingerprint}): rebuild it from this target's answers")
