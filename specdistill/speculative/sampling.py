@@ -54,9 +54,7 @@ def probs_from_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Ten
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token id per row of `probs` (a 0-d tensor for a 1-d input)."""
-    if probs.dim() == 1:
-        return torch.multinomial(probs, 1, generator=generator)[0]
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 def pick_token(
