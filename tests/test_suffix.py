@@ -133,17 +133,6 @@ def test_tree_adds_runner_up_continuations_within_the_budget():
     assert ids.tolist() == [4, 5, 9] and parents == [-1, 0, -1]
 
 
-def test_eviction_keeps_the_newest_answers_within_the_cap():
-    seqs = [[i] * 10 for i in range(10)]
-    index = SuffixIndex(seqs, max_tokens=35)
-    assert [int(s[0]) for s in index.sequences] == [7, 8, 9] and index.num_tokens == 30
-    index.extend([[42] * 10])
-    assert [int(s[0]) for s in index.sequences] == [8, 9, 42]
-    assert index.nbytes <= 8 * (index.num_tokens + len(index.sequences) + 1)  # 8 bytes per token, int32
-    assert SuffixDrafter(index).draft(torch.tensor([7, 7]), 4).tokens == [7]  # the request itself; 7s were evicted
-    assert SuffixDrafter(index).draft(torch.tensor([42, 42]), 4).source == "corpus"
-
-
 def test_large_occurrence_sets_are_counted_on_a_sample():
     rng = np.random.default_rng(0)
     corpus = [[5, int(t)] for t in rng.choice([1, 2], size=20_000, p=[0.7, 0.3])]

@@ -29,22 +29,4 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
 
 
-__all__ = [
-    "Drafter",
-    "DrafterSpec",
-    "EagleDrafter",
-    "GenerationResult",
-    "ModelDrafter",
-    "NgramDrafter",
-    "SamplingConfig",
-    "SelfSpecDrafter",
-    "SpecStats",
-    "context_length",
-    "default_stop_ids",
-    "drafter_from_spec",
-    "early_exit_model",
-    "generate",
-    "make_drafter",
-    "probs_from_logits",
-    "verify",
-]
+__all__ = sorted(_HOMES)

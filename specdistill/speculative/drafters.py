@@ -17,12 +17,13 @@ from transformers import DynamicCache, PreTrainedModel
 from specdistill.acceptance import NGRAM_WINDOW
 from specdistill.modeling.lean import engine_forward
 from specdistill.modeling.vocab import DraftVocab, VocabAlignmentError
-from specdistill.speculative.sampling import SamplingConfig, draft_token
+from specdistill.speculative.sampling import SamplingConfig, pick_token
 
 
 class Drafter(Protocol):
     """Everything the engine asks of a drafter. A drafter class subclasses this to get the defaults: a
-    chain drafter (`tree_width` 1) that needs no target features and has no model of its own.
+    chain drafter (`tree_width` 1) that needs no target features, has no model of its own and no state
+    to reset or roll back.
 
     - `tree_width` > 1: when decoding greedily the engine verifies `propose_tree`'s tree instead of a chain;
     - `feature_layers` (the EAGLE drafter): the target layers whose inputs it drafts from; the engine
@@ -68,13 +69,10 @@ class ModelDrafter(Drafter):
         name: str = "draft",
         tree_width: int = 1,
     ):
-        if tree_width < 1:
-            raise ValueError(f"tree_width (candidates for the first draft position) must be >= 1, got {tree_width}")
         self.model = model
         self.name = name
         self.tree_width = tree_width
         self.vocab = draft_vocab
-        self.target_vocab_size = target_vocab_size
         embed_rows = model.get_input_embeddings().weight.shape[0]
         if draft_vocab is None:
             if model.config.vocab_size != target_vocab_size:
@@ -128,7 +126,7 @@ class ModelDrafter(Drafter):
                 top = logits.topk(min(width, logits.numel())).indices
                 d, q, runner_ups = top[0], None, self._full_ids(top[1:])
             else:
-                d, q = draft_token(logits, config, generator)
+                d, q = pick_token(logits, config, generator)
             qs.append(q)
             ids.append(self._full_ids(d))
             x = ids[-1].view(1, 1)
@@ -206,9 +204,6 @@ class NgramDrafter(Drafter):
         self.min_n, self.max_n = min_n, max_n
         self.name = f"ngram[{min_n},{max_n}]"
 
-    def reset(self) -> None:
-        pass
-
     def propose(self, tokens, k, config, generator):
         length = tokens.numel()
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
@@ -218,6 +213,3 @@ class NgramDrafter(Drafter):
                 start = int(hits[0, 0]) + n
                 return tokens[start : start + k], None
         return tokens[:0], None
-
-    def rollback(self, valid_len: int) -> None:
-        pass

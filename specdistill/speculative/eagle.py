@@ -19,7 +19,7 @@ from specdistill.modeling.eagle3 import Eagle3Cache, Eagle3Draft, check_head_fit
 from specdistill.modeling.eagle3_io import load_eagle3
 from specdistill.modeling.models import pack_for_cpu
 from specdistill.speculative.drafters import Drafter
-from specdistill.speculative.sampling import SamplingConfig, draft_token
+from specdistill.speculative.sampling import SamplingConfig, pick_token
 
 
 class EagleDrafter(Drafter):
@@ -27,8 +27,6 @@ class EagleDrafter(Drafter):
 
     def __init__(self, head: Eagle3Draft, target: PreTrainedModel, name: str = "eagle3", tree_width: int = 1):
         check_head_fits(head, target)
-        if tree_width < 1:
-            raise ValueError(f"tree_width (candidates for the first draft position) must be >= 1, got {tree_width}")
         pack_for_cpu(head)  # however it was loaded: a bf16 head's step on unpacked weights cost ~1.6x
         self.head = head
         self.name = name
@@ -39,7 +37,6 @@ class EagleDrafter(Drafter):
         self.reset()
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The head's draft-vocabulary logits at the last position, in fp32 on the CPU."""
         return self.head.logits(hidden)[0, -1].float().cpu()
 
     def reset(self) -> None:
@@ -54,7 +51,6 @@ class EagleDrafter(Drafter):
         return self.committed + (0 if self.pending is None else self.pending.shape[0])
 
     def add_features(self, features: torch.Tensor) -> None:
-        """The target's features [T, 3·H] for the next T positions it has verified (kept ones only)."""
         features = features.to(self.head.fc.weight.dtype)
         self.pending = features if self.pending is None else torch.cat([self.pending, features])
 
@@ -86,16 +82,15 @@ class EagleDrafter(Drafter):
     def propose(self, tokens: torch.Tensor, k: int, config: SamplingConfig, generator: torch.Generator | None):
         self._commit(tokens)
         position = tokens.numel() - 1
-        if config.greedy:
-            d = self._logits(self.last_hidden).argmax()
-            return torch.stack(self._chain(d + self.d2t[d], self.last_hidden, position, k)), None
         hidden, ids, qs = self.last_hidden, [], []
         for i in range(k):
-            d, q = draft_token(self._logits(hidden), config, generator)
+            d, q = pick_token(self._logits(hidden), config, generator)
             qs.append(q)
             ids.append(d + self.d2t[d])
             if i < k - 1:
                 hidden = self.head(ids[-1].view(1, 1), hidden, torch.tensor([[position + i]]), self.cache)
+        if config.greedy:
+            return torch.stack(ids), None
         return torch.stack(ids), self.vocab.to_full(torch.stack(qs))  # zero outside the draft vocabulary: still lossless
 
     def propose_tree(self, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, list[int]]:

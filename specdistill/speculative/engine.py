@@ -8,6 +8,8 @@ appends the target's own next token (its correction, or the bonus token when all
 
 from __future__ import annotations
 
+import functools
+import itertools
 import time
 from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
@@ -22,7 +24,7 @@ from specdistill.modeling.eagle3 import FeatureHooks
 from specdistill.modeling.kv_cache import preallocated_cache
 from specdistill.modeling.lean import lean_forward, supports_lean
 from specdistill.speculative.drafters import Drafter
-from specdistill.speculative.sampling import SamplingConfig, next_token, verify
+from specdistill.speculative.sampling import SamplingConfig, pick_token, verify
 
 
 @dataclass
@@ -86,10 +88,8 @@ class SpecStats:
             self.accepted_per_position[i] += 1
 
     def merge(self, other: SpecStats) -> SpecStats:
-        width = max(len(self.proposed_per_position), len(other.proposed_per_position))
-
         def add(a: list[int], b: list[int]) -> list[int]:
-            return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(width)]
+            return [x + y for x, y in itertools.zip_longest(a, b, fillvalue=0)]
 
         # every counter adds up (a new one too, without an edit here); the per-position lists add position-wise
         sums = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)
@@ -99,10 +99,7 @@ class SpecStats:
 
     @classmethod
     def total(cls, stats: Iterable[SpecStats]) -> SpecStats:
-        out = cls()
-        for s in stats:
-            out = out.merge(s)
-        return out
+        return functools.reduce(cls.merge, stats, cls())
 
     def to_dict(self) -> dict:
         return {
@@ -201,7 +198,7 @@ def cut_at_stop(new: torch.Tensor, stop: torch.Tensor) -> tuple[torch.Tensor, bo
 def target_round(side: TargetSide, drafter: Drafter | None, tokens: torch.Tensor, length: int, k: int,
                  sampling: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
     """No draft this round (`k` unused): one target step on the pending token; a drafter catches up on it."""
-    new = next_token(side(tokens[length - 1 : length], 1)[-1], sampling, generator).view(1)
+    new = pick_token(side(tokens[length - 1 : length], 1)[-1], sampling, generator)[0].view(1)
     if drafter is not None:
         drafter.rollback(length)
         side.hand_features(drafter, 1)
@@ -234,7 +231,8 @@ def tree_round(side: TargetSide, drafter: Drafter, tokens: torch.Tensor, length:
     choice = side(*tree_inputs(tokens[length - 1], ids, parents, length - 1)).argmax(-1)
     path, following = greedy_path(choice, ids, parents)
     keep_cache_rows(side.cache, length - 1, [0] + [1 + i for i in path])
-    chain = chain_length(parents)  # the leading nodes -1, 0, 1, ...: the chain a server would verify
+    # the leading nodes (parents -1, 0, 1, ...) are the chain a server would verify; the rest are runner-ups
+    chain = next((i for i, p in enumerate(parents) if p != i - 1), len(parents))
     on_chain = next((i for i, node in enumerate(path) if node != i), len(path))
     drafter.rollback(length + on_chain)  # the drafter's cache holds the chain only
     side.hand_features(drafter, torch.tensor([0] + [1 + i for i in path]))
@@ -280,7 +278,7 @@ def generate(
 
     # few-token forwards (decode steps, verifications) attend through matmuls, not SDPA's CPU flash kernel
     with decode_attention_for(target, drafter.model if drafter is not None else None), side.hooks or nullcontext():
-        new = next_token(side(prompt, 1)[-1], sampling, generator).view(1)
+        new = pick_token(side(prompt, 1)[-1], sampling, generator)[0].view(1)
         side.hand_features(drafter, prompt.numel())
         while True:
             new, hit = cut_at_stop(new, stop)
@@ -301,11 +299,6 @@ def generate(
 
 # --------------------------------------------------------------------------------------------
 # Tree verification (greedy): several candidates for the first draft position in one target forward
-
-
-def chain_length(parents: Sequence[int]) -> int:
-    """How many leading nodes form the chain (parents -1, 0, 1, ...); the rest are runner-up branches."""
-    return next((i for i, p in enumerate(parents) if p != i - 1), len(parents))
 
 
 def tree_depths(parents: Sequence[int]) -> list[int]:

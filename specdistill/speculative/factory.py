@@ -1,8 +1,4 @@
-"""`make_drafter`: the drafter a command line asks for, built from the drafter modules below it.
-
-It sits above `drafters`, `eagle`, `suffix_corpus` and `hybrid` (each of which imports `drafters` for the
-`Drafter` protocol), so that none of them has to import it back.
-"""
+"""`make_drafter`: the drafter a command line asks for; above the drafter modules, so none imports it back."""
 
 from __future__ import annotations
 
@@ -33,16 +29,9 @@ def make_drafter(
     hybrid_threshold: float | None = None,
     target_tokenizer: str | None = None,
 ) -> Drafter | None:
-    """The drafter a command line asks for: at most one of a draft model reference, an early-exit
-    layer, or n-gram lookup; None means target-only decoding. A draft directory's
-    draft_vocab.safetensors, when present, switches on the reduced draft vocabulary; a directory
-    holding an EAGLE-3 head (by its config's architecture) gives the EAGLE drafter. A model drafter
-    (draft, head or early exit) verifies its `tree_width` best first-position candidates as a tree
-    when decoding greedily; n-gram lookup drafts a chain.
-
-    `suffix` (a corpus file, checked against `target_fingerprint` and `target_tokenizer`, the target's
-    `tokenizer_digest`, when given: every command passes both) alone is the suffix drafter; beside a draft
-    or an early exit it makes the hybrid drafter (`speculative.hybrid`)."""
+    """At most one of a draft model or EAGLE-3 head, an early-exit layer, or n-gram lookup (None:
+    target-only decoding). `suffix` (a corpus file, checked against `target_fingerprint` and
+    `target_tokenizer` when given) alone is the suffix drafter; beside a model it makes the hybrid."""
     chosen = [name for name, on in (("draft", draft), ("self_spec", self_spec is not None), ("ngram", ngram)) if on]
     if len(chosen) > 1 or (suffix and ngram):
         raise ValueError(f"choose one drafting method, got {' and '.join(chosen + (['suffix'] if suffix else []))}")

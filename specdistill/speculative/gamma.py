@@ -70,9 +70,7 @@ def measure_forward_seconds(target: PreTrainedModel, ks: Sequence[int] = tuple(r
 
 def measure_verify_costs(target: PreTrainedModel, ks: Sequence[int] = tuple(range(1, 10)), *,
                          context: int = 128, repeats: int = 7) -> dict[int, float]:
-    """v(k): the cost of one target forward over k tokens ÷ a 1-token decode step."""
-    if 1 not in ks:
-        raise ValueError("verify costs are relative to a 1-token step: include k=1")
+    """v(k): the cost of one target forward over k tokens ÷ a 1-token decode step (`ks` includes 1)."""
     seconds = measure_forward_seconds(target, ks, context=context, repeats=repeats)
     return {k: t / seconds[1] for k, t in seconds.items()}
 
@@ -169,14 +167,10 @@ def bench_at_best_gamma(target: PreTrainedModel, tokenizer, drafters: dict, prom
     shared γ that suits some and not others (a head trained with a 2-step unroll has ~no acceptance
     at positions 3-4; n-gram gains from longer drafts).
 
-    From `results` (all measured at `config.gamma`) each drafter's curve is predicted with one shared
-    measurement of the target's verify costs; the drafters whose best γ differs run once more, together,
-    interleaved with their own target-only runs. A drafter takes the new γ only when that run measured it
-    lossless, and a larger γ only when it is faster by more than `FLAT` (`prefer_smaller_gamma`); its c
-    is the first run's (the draft step does not depend on γ). Every result records the curve and the
-    speedups measured at each γ in `gamma_search`. Under `deadline` the confirming run takes the drafters
-    with the largest predicted speedups whose runs, timed from the first, fit before it; the others' (and,
-    when the deadline cuts the run short, every) predicted γ stays unconfirmed and the result says so."""
+    The drafters whose predicted best γ differs from `results`' run once more, together. A drafter takes
+    the new γ only when that run measured it lossless (and `prefer_smaller_gamma`); its c is the first
+    run's (the draft step does not depend on γ). Under `deadline` the confirming run takes the most
+    promising drafters that fit; the others' predicted γ stays unconfirmed and the result says so."""
     measured = measure_verify_costs(target, tuple(range(1, max(gammas) + 2)))
     curves = {name: speedup_curve(target, r.per_position_acceptance, r.cost_ratio or 0.0, gammas,
                                   plain_share=plain_step_share(r.stats), measured=measured) for name, r in results.items()}

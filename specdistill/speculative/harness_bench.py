@@ -7,14 +7,8 @@ prompts and `max_new_tokens`), the speedup, the measured cost ratio c and the id
 α and c predict, overall and per slice (chat, code, ...). The target runs in whatever dtype it was
 loaded in (the result names it), and the drafts in the same dtype.
 
-Greedy runs double as the lossless check (docs/metrics.md, "Losslessness in reduced precision"). In
-fp32 (or wider) it is exact equality of speculative and target-only output. In bf16 a k-token
-verification and a 1-token step round differently, so the two may part at a numerical near-tie of
-the target without either being wrong: each output that differs is re-scored by an fp32 copy of the
-target (made only when some output differs; `speculative.lossless`) and counts as a near-tie
-divergence when every token from the divergence on is within `near_tie_tolerance` fp32 logits of
-the target's top token, else as a real mismatch. `lossless` means no real mismatch; a prompt counts
-once, by the worst of its output pairs over the repeats.
+Greedy runs double as the lossless check (`speculative.lossless`: exact in fp32, near-ties within
+`near_tie_tolerance` fp32 logits in bf16); a prompt counts once, by the worst of its output pairs.
 """
 
 from __future__ import annotations
@@ -57,8 +51,6 @@ MIN_MEASURED_PROMPTS = 2  # a benchmark cut by its time budget still measures th
 
 
 class BenchConfig(BenchSettings):
-    """The harness benchmark: the shared settings, and how this harness samples and measures."""
-
     temperature: float = 0.0  # greedy by default: the lossless check needs it
     top_p: float = 1.0
     chat_template: bool = True  # wrap each prompt as one user turn when the tokenizer has a template
@@ -90,7 +82,6 @@ def prompts_from_records(target: PreTrainedModel, tokenizer: PreTrainedTokenizer
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat_template: bool = True) -> list[int]:
-    """A one-line prompt as one user turn (`data.prompts.encode_chat`), or as plain text."""
     if chat_template:
         return encode_chat(tokenizer, [{"role": "user", "content": text}])
     return list(tokenizer(text)["input_ids"])
@@ -227,16 +218,13 @@ def run_bench_many(
 
 def _summarize(target, drafter: Drafter, prompts: list[Prompt], config: BenchConfig, sampling: SamplingConfig,
                base_times: list, spec_times: list, first_stats: list[SpecStats], report: LosslessReport | None) -> BenchResult:
-    def summary(indices: list[int]) -> tuple[float, float, float]:
-        return speed_summary(base_times, spec_times, indices)
-
     total = SpecStats.total(first_stats)
-    base_tps, spec_tps, speedup = summary(list(range(len(prompts))))
+    base_tps, spec_tps, speedup = speed_summary(base_times, spec_times, list(range(len(prompts))))
     slices = []
     for name in dict.fromkeys(p.slice for p in prompts):
         idx = [i for i, p in enumerate(prompts) if p.slice == name]
         st = SpecStats.total(first_stats[i] for i in idx)
-        b, s, x = summary(idx)
+        b, s, x = speed_summary(base_times, spec_times, idx)
         first = st.per_position_acceptance[0] if st.accepted_per_position else None
         slices.append(SliceResult(name, len(idx), st.acceptance_rate, st.accepted_length, b, s, x, first))
     per_request = [s.acceptance_rate for s in first_stats if s.proposed]

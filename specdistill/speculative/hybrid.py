@@ -55,9 +55,7 @@ class HybridDrafter(Drafter):
         d = self._confident(tokens, k, self.tree_width - 1)
         if d is None:
             return self.inner.propose_tree(tokens, min(k, self.model_gamma or k))
-        alts = sorted(d.alternatives, key=lambda a: -a[2])[: self.tree_width - 1]
-        return (torch.tensor(d.tokens + [t for _, t, _ in alts], dtype=torch.long),
-                list(range(-1, len(d.tokens) - 1)) + [a[0] for a in alts])
+        return self.suffix.tree(d, self.tree_width)
 
     def rollback(self, valid_len: int) -> None:
         self.inner.rollback(valid_len)

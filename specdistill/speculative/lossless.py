@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
@@ -58,8 +58,17 @@ class LosslessReport:
     def outputs(self) -> int:
         return self.exact + self.near_ties + self.mismatches
 
-    def to_dict(self) -> dict:
-        return {**asdict(self), "passed": self.passed}
+    def count(self, divergences: list[Divergence]) -> None:
+        """One output, or one prompt's outputs over the repeats, counted by its worst divergence."""
+        self.divergences += divergences
+        ties = [d.margin for d in divergences if d.margin <= self.tolerance]
+        self.max_near_tie_margin = max([self.max_near_tie_margin, *ties])
+        if len(ties) < len(divergences):
+            self.mismatches += 1
+        elif ties:
+            self.near_ties += 1
+        else:
+            self.exact += 1
 
     def render(self) -> str:
         verdict = "PASS" if self.passed else "FAIL"
@@ -95,35 +104,30 @@ def check_lossless(
     exact: bool,
     tolerance: float = DEFAULT_TOLERANCE,
 ) -> LosslessReport:
-    """Classify each greedy speculative output against target-only output of the same prompt.
-
-    `exact=True` (fp32 runs) is token equality. Otherwise `reference` is the target in fp32, used
-    only for outputs that differ.
-    """
+    """Classify each greedy speculative output against target-only output of the same prompt: by token
+    equality when `exact` (fp32 runs), else by `reference`, the target in fp32."""
     report = LosslessReport("exact" if exact else "near-tie", 0.0 if exact else tolerance)
     for i, (prompt, base, spec) in enumerate(zip(prompts, target_only, speculative, strict=True)):
-        at = first_divergence(base, spec)
-        if at is None:
-            report.exact += 1
-            continue
-        base_tok = base[at] if at < len(base) else None
-        spec_tok = spec[at] if at < len(spec) else None
-        if exact or reference is None or at >= min(len(base), len(spec)):
-            # fp32; or one output is a prefix of the other, so one side stopped where the other went
-            # on (a stop token or the budget handled differently): no near-tie explains that
-            report.mismatches += 1
-            report.divergences.append(Divergence(i, at, float("inf"), at, base_tok, spec_tok))
-            continue
-        margins = support_margins(reference, [*prompt, *spec[:at]], spec[at:])
-        worst = int(margins.argmax())
-        margin = float(margins[worst])
-        report.divergences.append(Divergence(i, at, margin, at + worst, base_tok, spec_tok))
-        if margin <= tolerance:
-            report.near_ties += 1
-            report.max_near_tie_margin = max(report.max_near_tie_margin, margin)
-        else:
-            report.mismatches += 1
+        one = divergence(reference, i, prompt, base, spec, exact)
+        report.count([one] if one is not None else [])
     return report
+
+
+def divergence(reference: PreTrainedModel | None, i: int, prompt: Sequence[int], base: Sequence[int],
+               spec: Sequence[int], exact: bool) -> Divergence | None:
+    """Where prompt i's speculative output leaves target-only output, and its fp32 margin from there on."""
+    at = first_divergence(base, spec)
+    if at is None:
+        return None
+    base_tok = base[at] if at < len(base) else None
+    spec_tok = spec[at] if at < len(spec) else None
+    if exact or reference is None or at >= min(len(base), len(spec)):
+        # fp32; or one output is a prefix of the other, so one side stopped where the other went
+        # on (a stop token or the budget handled differently): no near-tie explains that
+        return Divergence(i, at, float("inf"), at, base_tok, spec_tok)
+    margins = support_margins(reference, [*prompt, *spec[:at]], spec[at:])
+    worst = int(margins.argmax())
+    return Divergence(i, at, float(margins[worst]), at + worst, base_tok, spec_tok)
 
 
 def model_dtype(model: PreTrainedModel) -> torch.dtype:
@@ -140,33 +144,20 @@ def judge_lossless(target: PreTrainedModel, prompts: Sequence[Sequence[int]],
                    pairs: Mapping[str, Sequence[Iterable[tuple[Sequence[int], Sequence[int]]]]],
                    tolerance: float = DEFAULT_TOLERANCE) -> dict[str, LosslessReport]:
     """The benchmark's verdict: one report per drafter, counting prompts, from `pairs[drafter][prompt]`,
-    the distinct (target-only, speculative) greedy outputs of that prompt over the repeats.
-
-    A prompt is a real mismatch if any of its pairs is one, else a near-tie if any is one, else
-    exact. A target in fp32 or wider is judged by exact equality; in reduced precision the fp32
-    reference (`fp32_reference`) is made at the first output that differs, once for all drafters."""
+    the distinct (target-only, speculative) greedy outputs of that prompt over the repeats. In reduced
+    precision the fp32 reference is made at the first output that differs, once for all drafters."""
     exact = torch.finfo(model_dtype(target)).bits >= 32
     reference = None
     reports = {}
     for name, per_prompt in pairs.items():
         report = LosslessReport("exact" if exact else "near-tie", 0.0 if exact else tolerance)
         for i, seen in enumerate(per_prompt):
-            near_tie = mismatch = False
+            found = []
             for base, spec in seen:
-                if first_divergence(base, spec) is None:
-                    continue
-                if not exact and reference is None:
+                if not exact and reference is None and first_divergence(base, spec) is not None:
                     reference = fp32_reference(target)
-                one = check_lossless(reference, [prompts[i]], [base], [spec], exact=exact, tolerance=tolerance)
-                for d in one.divergences:
-                    d.prompt_index = i
-                report.divergences += one.divergences
-                mismatch |= one.mismatches > 0
-                if one.near_ties:
-                    near_tie = True
-                    report.max_near_tie_margin = max(report.max_near_tie_margin, one.max_near_tie_margin)
-            report.mismatches += mismatch
-            report.near_ties += near_tie and not mismatch
-            report.exact += not (near_tie or mismatch)
+                one = divergence(reference, i, prompts[i], base, spec, exact)
+                found += [one] if one is not None else []
+            report.count(found)
         reports[name] = report
     return reports

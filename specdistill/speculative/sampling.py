@@ -54,27 +54,18 @@ def probs_from_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Ten
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token id per row of `probs` (a 0-d tensor for a 1-d input)."""
-    if probs.dim() == 1:
-        return torch.multinomial(probs, 1, generator=generator)[0]
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def draft_token(
+def pick_token(
     logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A drafter's choice from one row of logits, with the distribution q it was drawn from
-    (None when greedy: q is then one-hot and verification needs no probabilities)."""
+    """A token from one row of logits (a drafter's or the target's), with the distribution q it was
+    drawn from (None when greedy: q is then one-hot and verification needs no probabilities)."""
     if config.greedy:
         return logits.argmax(), None
     q = probs_from_logits(logits, config)
     return sample(q, generator), q
-
-
-def next_token(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
-    """Target-only decoding's choice from one row of logits."""
-    if config.greedy:
-        return logits.argmax(-1)
-    return sample(probs_from_logits(logits, config), generator)
 
 
 def verify(

@@ -9,10 +9,7 @@ A spec's text is what the nightly's benchmark entries, the monitor's fallback an
 (it is part of cache keys and of `serving.json`'s record), so `str(DrafterSpec.parse(s)) == s`. γ and
 the tree width are not in the text: they are measured settings a spec is run with (`with_`).
 
-A new kind registers a `Kind` in `KINDS` (`register_kind`): how its argument is checked, the serving
-mode it is written as (`serving_modes()`, what serving.json and the serving-mode gauge accept), whether an
-engine may serve it (and llama.cpp measure it), the serving.json keys its text decides, the vLLM and SGLang
-settings `ops.serving.ServingConfig` writes for its mode, and how its drafter is built.
+A new kind registers a `Kind` in `KINDS` (`register_kind`); nothing else lists the kinds.
 
 Specs travel as `DrafterSpec`s: parsed where text comes in (the CLI, configs, records read back), written as
 text only where they leave (JSON records, cache keys, reports: `to_dict`).
@@ -134,17 +131,14 @@ class DrafterSpec:
 
     @property
     def mode(self) -> str:
-        """The serving mode this drafter is written as."""
         return KINDS[self.kind].mode
 
     @property
     def served(self) -> bool:
-        """May a serving engine run it (else it is measured only)."""
         return KINDS[self.kind].served
 
     @property
     def runs_in_llamacpp(self) -> bool:
-        """Can llama-server run it (its lookup cache is its own format, so no suffix corpus)."""
         return KINDS[self.kind].llamacpp
 
     def serving_keys(self) -> dict[str, Any]:
@@ -160,7 +154,6 @@ class DrafterSpec:
 
     @property
     def corpus(self) -> str | None:
-        """A suffix corpus file (kinds suffix and hybrid)."""
         if self.kind == "hybrid":
             return hybrid_parts(self.arg)[1]
         return self.arg if self.kind == "suffix" else None
@@ -197,10 +190,9 @@ def hybrid_parts(arg: str) -> tuple[str, str, float | None]:
 
 def _hybrid_ok(arg: str) -> bool:
     try:
-        hybrid_parts(arg)
+        return bool(hybrid_parts(arg))
     except DrafterSpecError:
         return False
-    return True
 
 
 def _sizes_ok(arg: str) -> bool:
@@ -266,7 +258,6 @@ def _suffix_sglang(c: Any) -> list[str]:
 
 
 def _make_drafter(target: PreTrainedModel, **options: Any) -> Drafter | None:
-    """`factory.make_drafter`, imported when a drafter is first built."""
     from specdistill.speculative.factory import make_drafter  # lazy: keeps torch off `serving show`
 
     return make_drafter(target, **options)

@@ -13,12 +13,12 @@ ties among lengths. The proposal is deterministic, so q is one-hot and both gree
 decoding stay lossless under the engine's rejection rule. With `tree_width` > 1 (greedy) the runner-up
 continuations along the chain are verified as a tree in the same target forward.
 
-The corpus index is a suffix array of the reversed corpus (sorted to `depth` tokens by prefix
+The corpus index is a suffix array of the reversed corpus (sorted to `INDEX_DEPTH` tokens by prefix
 doubling): the occurrences of the context's last m tokens form one contiguous range for each m,
 each inside the previous one, so matching every length costs a binary search per length. Memory is
-8 bytes per corpus token (the tokens and the array, int32); `max_tokens` caps it, evicting the oldest
-answers first. Occurrence sets larger than `max_occurrences` are counted on an evenly strided sample
-of their range (bounded time per round; the array orders the sample by left context).
+8 bytes per corpus token (the tokens and the array, int32). Occurrence sets larger than
+`max_occurrences` are counted on an evenly strided sample of their range (bounded time per round;
+the array orders the sample by left context).
 """
 
 from __future__ import annotations
@@ -159,43 +159,17 @@ def best_draft(seq: np.ndarray, matches: Sequence, k: int, params: SuffixParams,
 
 
 class SuffixIndex:
-    """The corpus side: past answers (token id sequences, oldest first) in a reversed suffix array.
+    """The corpus side: past answers (token id sequences) in a reversed suffix array, built in about a
+    second per million tokens."""
 
-    `max_tokens` bounds memory: the newest sequences that fit are kept, the oldest evicted. `extend`
-    adds answers (evicting as needed) and rebuilds the array: about a second per million tokens."""
-
-    def __init__(self, sequences: Sequence[Sequence[int]] = (), max_tokens: int | None = None,
-                 depth: int = INDEX_DEPTH):
-        if max_tokens is not None and max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        self.max_tokens, self.depth = max_tokens, depth
+    def __init__(self, sequences: Sequence[Sequence[int]] = ()):
         self.sequences: list[np.ndarray] = []
-        self.extend(sequences)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(sum(s.size for s in self.sequences))
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.seq.nbytes + self.sa.nbytes)
-
-    def extend(self, sequences: Sequence[Sequence[int]]) -> None:
         for s in sequences:
             arr = np.asarray(s, dtype=np.int64)
             if arr.size and int(arr.min()) < 0:
                 raise ValueError("corpus token ids must be >= 0")
             if arr.size:
                 self.sequences.append(arr.astype(np.int32))
-        if self.max_tokens is not None:
-            total, keep = 0, len(self.sequences)
-            while keep > 0 and total + self.sequences[keep - 1].size <= self.max_tokens:
-                keep -= 1
-                total += self.sequences[keep].size
-            del self.sequences[:keep]
-        self._build()
-
-    def _build(self) -> None:
         parts = [np.array([SEP], dtype=np.int32)]
         for s in self.sequences:
             parts += [s, np.array([SEP], dtype=np.int32)]
@@ -203,7 +177,7 @@ class SuffixIndex:
         n = seq.size
         rank = np.unique(seq, return_inverse=True)[1].astype(np.int64)  # dense: every rank < n
         h = 1
-        while h < self.depth and n > 1:  # prefix doubling on the backward strings seq[e], seq[e-1], ...
+        while h < INDEX_DEPTH and n > 1:  # prefix doubling on the backward strings seq[e], seq[e-1], ...
             before = np.zeros(n, dtype=np.int64)  # rank + 1 of the string h tokens back (0: before the start)
             before[h:] = rank[:-h] + 1
             key = (rank + 1) * (n + 1) + before  # the pair as one int64 (ranks < n + 1)
@@ -217,12 +191,20 @@ class SuffixIndex:
         self.seq = seq
         self.sa = valid[np.argsort(rank[valid], kind="stable")].astype(np.int32)
 
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(s.size for s in self.sequences))
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.seq.nbytes + self.sa.nbytes)
+
     def matches(self, context: Sequence[int], longest: int, cap: int | None) -> list:
         """(count, ends getter) for the context's last 1..`longest` tokens, while they occur."""
         out = []
         lo, hi = 0, self.sa.size
         seq, sa = self.seq, self.sa
-        for m in range(1, min(longest, len(context), self.depth) + 1):
+        for m in range(1, min(longest, len(context), INDEX_DEPTH) + 1):
             t = int(context[-m])
             if hi - lo <= 2048:
                 column = seq[sa[lo:hi].astype(np.int64) - (m - 1)]
@@ -280,18 +262,14 @@ class SuffixDrafter(Drafter):
 
     def __init__(self, corpus: SuffixIndex | None, params: SuffixParams | None = None, *, tree_width: int = 1,
                  name: str = "suffix"):
-        if tree_width < 1:
-            raise ValueError(f"tree_width must be >= 1, got {tree_width}")
         self.corpus = corpus if corpus is not None and corpus.sa.size else None
         self.params = params or SuffixParams()
         self.tree_width = tree_width
         self.name = name
         self.request = RequestIndex()
-        self.last = SuffixDraft()
 
     def reset(self) -> None:
         self.request = RequestIndex()
-        self.last = SuffixDraft()
 
     def draft(self, tokens: torch.Tensor | Sequence[int], k: int, alternatives: int = 0) -> SuffixDraft:
         """The best draft of up to k tokens after `tokens` (the accepted sequence so far)."""
@@ -305,18 +283,17 @@ class SuffixDrafter(Drafter):
                                 alternatives, "corpus")
             if theirs.score > mine.score:
                 mine = theirs
-        self.last = mine
         return mine
 
     def propose(self, tokens, k, config, generator):
         return torch.tensor(self.draft(tokens, k).tokens, dtype=torch.long), None
 
     def propose_tree(self, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, list[int]]:
-        """The chain (parents -1, 0, 1, ...) then up to `tree_width - 1` runner-up tokens, best first."""
-        d = self.draft(tokens, k, alternatives=self.tree_width - 1)
-        alts = sorted(d.alternatives, key=lambda a: -a[2])[: self.tree_width - 1] if d.tokens else []
+        return self.tree(self.draft(tokens, k, alternatives=self.tree_width - 1), self.tree_width)
+
+    @staticmethod
+    def tree(d: SuffixDraft, width: int) -> tuple[torch.Tensor, list[int]]:
+        """A draft's chain (parents -1, 0, 1, ...) then up to `width - 1` runner-up tokens, best first."""
+        alts = sorted(d.alternatives, key=lambda a: -a[2])[: width - 1] if d.tokens else []
         ids = d.tokens + [t for _, t, _ in alts]
         return torch.tensor(ids, dtype=torch.long), list(range(-1, len(d.tokens) - 1)) + [a[0] for a in alts]
-
-    def rollback(self, valid_len: int) -> None:
-        pass  # the request index only ever holds accepted tokens

@@ -94,7 +94,6 @@ def read_corpus_meta(path: str | Path) -> CorpusMeta:
 
 def check_corpus_target(path: str | Path, meta: CorpusMeta, target_fingerprint: str | None,
                         tokenizer: str | None = None) -> None:
-    """A corpus belongs to one target version and tokenizer, as a draft does."""
     if target_fingerprint is not None and meta.target_fingerprint != target_fingerprint:
         raise CorpusError(f"suffix corpus {path} was built from the answers of target {meta.target_fingerprint}, "
                           f"not of this target ({target_fingerprint}): rebuild it from this target's answers")
@@ -106,20 +105,17 @@ def check_corpus_target(path: str | Path, meta: CorpusMeta, target_fingerprint: 
 def load_corpus(path: str | Path, target_fingerprint: str | None = None,
                 tokenizer: str | None = None) -> tuple[list[np.ndarray], CorpusMeta]:
     """The sequences and metadata, checked: checksum, format, and (when given) target and tokenizer."""
-    from safetensors.numpy import load_file
+    from safetensors import safe_open
 
     path = Path(path)
     meta = read_corpus_meta(path)
     check_corpus_target(path, meta, target_fingerprint, tokenizer)
     try:
-        arrays = load_file(str(path))
-        tokens, offsets = arrays["tokens"], arrays["offsets"]
+        with safe_open(str(path), framework="numpy") as f:
+            tokens, offsets = f.get_tensor("tokens"), f.get_tensor("offsets")
+            expected = (f.metadata() or {}).get("sha256")
     except Exception as exc:  # noqa: BLE001
         raise CorpusError(f"suffix corpus {path} is truncated or corrupt ({exc})") from exc
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="numpy") as f:
-        expected = (f.metadata() or {}).get("sha256")
     if expected != _digest(tokens, offsets):
         raise CorpusError(f"suffix corpus {path} fails its checksum (sha256 {expected} recorded): the file is corrupt")
     if offsets.size != meta.sequences + 1 or (offsets.size and int(offsets[-1]) != tokens.size):
@@ -132,12 +128,9 @@ def corpus_is_current(path: str | Path, target_fingerprint: str, tokenizer: str 
     and, when `tokenizer` is given, holds ids of this target's tokenizer."""
     try:
         meta = read_corpus_meta(path)
-    except CorpusError as exc:
-        return False, str(exc)
-    if meta.target_fingerprint != target_fingerprint:
-        return False, (f"suffix corpus {path} is stale: built for target {meta.target_fingerprint}, "
-                       f"the target is now {target_fingerprint}")
-    try:
+        if meta.target_fingerprint != target_fingerprint:
+            return False, (f"suffix corpus {path} is stale: built for target {meta.target_fingerprint}, "
+                           f"the target is now {target_fingerprint}")
         check_corpus_target(path, meta, None, tokenizer)
     except CorpusError as exc:
         return False, str(exc)
@@ -145,7 +138,7 @@ def corpus_is_current(path: str | Path, target_fingerprint: str, tokenizer: str 
 
 
 def load_suffix_drafter(path: str | Path, target_fingerprint: str | None = None, tokenizer: str | None = None,
-                        params=None, tree_width: int = 1, max_tokens: int | None = None):
+                        tree_width: int = 1):
     """A `SuffixDrafter` over a corpus file (checked as `load_corpus` does). An empty corpus gives a
     drafter over the request's own context alone, with a warning and `drafter.note` saying so."""
     import logging
@@ -154,8 +147,7 @@ def load_suffix_drafter(path: str | Path, target_fingerprint: str | None = None,
 
     path = Path(path)
     sequences, _ = load_corpus(path, target_fingerprint, tokenizer)
-    index = SuffixIndex(sequences, max_tokens=max_tokens)
-    drafter = SuffixDrafter(index, params, tree_width=tree_width, name=f"suffix:{path.name}")
+    drafter = SuffixDrafter(SuffixIndex(sequences), tree_width=tree_width, name=f"suffix:{path.name}")
     drafter.note = ""
     if drafter.corpus is None:
         drafter.note = f"suffix corpus {path} is empty: drafting from the request's own context only"

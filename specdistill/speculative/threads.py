@@ -36,7 +36,6 @@ class ThreadChoice(Record):
 
 
 def usable_cores() -> int:
-    """How many cores this process may run on (`hardware.usable_cpus`)."""
     from specdistill.hardware import usable_cpus  # lazy: keeps torch off import
 
     return len(usable_cpus())
