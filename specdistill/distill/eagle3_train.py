@@ -35,7 +35,7 @@ from specdistill.distill.features import (
 )
 from specdistill.distill.layer_task import _build_draft_vocab
 from specdistill.distill.teacher import TeacherCache, check_entry, drop_stale, teacher_positions, to_draft_space
-from specdistill.distill.trained import HeldoutAcceptance, TaskDescription
+from specdistill.distill.trained import HeldoutAcceptance
 from specdistill.modeling import eagle3_io
 from specdistill.modeling.eagle3 import Eagle3Draft, check_head_fits, default_aux_layers, init_eagle3_from_target
 from specdistill.modeling.eagle3_io import load_eagle3
@@ -343,9 +343,13 @@ class Eagle3Task:
             return None
         return eagle3_heldout_acceptance(self.head, self.heldout, steps=self.config.eagle3.eval_steps, device=self.device)
 
-    def describe(self) -> TaskDescription:
-        return TaskDescription("eagle3", self.draft_vocab.size, self.layers, self.stale_dropped, self.module.steps,
-                               *self.feature_bytes, features=self.features, features_reason=self.features_reason)
+    def describe(self) -> dict:
+        disk, per_token = self.feature_bytes
+        return {"kind": "eagle3", "draft_vocab": self.draft_vocab.size, "layers": self.layers,
+                "stale_dropped": self.stale_dropped, "unroll_steps": self.module.steps, "feature_disk_bytes": disk,
+                "feature_bytes_per_answer_token": per_token, "features": self.features,
+                "features_reason": self.features_reason}
+
 
     def save(self, out_dir, target, meta: dict):
         """In the layout vLLM and SGLang load (modeling.eagle3_io)."""

@@ -13,7 +13,7 @@ from specdistill.distill import losses
 from specdistill.distill.config import DistillConfig
 from specdistill.distill.examples import Batch, Example, collate
 from specdistill.distill.teacher import OnlineTeacher, TeacherCache, drop_stale, to_draft_space
-from specdistill.distill.trained import HeldoutAcceptance, TaskDescription
+from specdistill.distill.trained import HeldoutAcceptance
 from specdistill.modeling import models
 from specdistill.modeling.drafts import init_draft_from_target, parse_layers, save_draft
 from specdistill.modeling.vocab import DraftVocab, build_draft_vocab
@@ -193,9 +193,10 @@ class LayerTask:
     def evaluate(self) -> HeldoutAcceptance | None:
         return heldout_acceptance(self.module, self.heldout, self.draft_vocab, device=self.device) if self.heldout else None
 
-    def describe(self) -> TaskDescription:
-        return TaskDescription("layers", self.draft_vocab.size if self.draft_vocab is not None else None, self.layers,
-                               self.stale_dropped)
+    def describe(self) -> dict:
+        """`Trained`'s fields that say what this kind trained."""
+        return {"kind": "layers", "draft_vocab": self.draft_vocab.size if self.draft_vocab is not None else None,
+                "layers": self.layers, "stale_dropped": self.stale_dropped}
 
     def save(self, out_dir, target, meta: dict):
         self.draft.config.specdistill_layers = self.layers

@@ -308,12 +308,8 @@ def train_step(run: Run, progress: Progress, autocast) -> tuple[float, int]:
 
 def finish(run: Run, progress: Progress, target: LoadedModel, trainable: int, frozen: int) -> Trained:
     """The run's result: checked identical across ranks, and on rank 0 the draft saved with it and result.json."""
-    task = run.task.describe()
     result = Trained(progress.step, progress.tokens, progress.seconds / 60, progress.loss, progress.stop, trainable, frozen,
-                     progress.curve, draft_vocab=task.draft_vocab, layers=task.layers, kind=task.kind,
-                     clock=run.config.optim.clock, unroll_steps=task.unroll_steps, feature_disk_bytes=task.feature_disk_bytes,
-                     feature_bytes_per_answer_token=task.feature_bytes_per_answer_token, stale_dropped=task.stale_dropped,
-                     features=task.features, features_reason=task.features_reason)
+                     progress.curve, clock=run.config.optim.clock, **run.task.describe())
     if run.world > 1:  # every rank must end with the same weights; say so in the result, fail loudly if not
         digests = [None] * run.world
         dist.all_gather_object(digests, weights_digest(run.module))
