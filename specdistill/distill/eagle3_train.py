@@ -34,7 +34,7 @@ from specdistill.distill.features import (
     feature_start,
 )
 from specdistill.distill.layer_task import _build_draft_vocab
-from specdistill.distill.teacher import TeacherCache, check_entry, drop_stale, teacher_positions, to_draft_space
+from specdistill.distill.teacher import TeacherCache, drop_stale, teacher_positions, to_draft_space
 from specdistill.distill.trained import HeldoutAcceptance
 from specdistill.modeling import eagle3_io
 from specdistill.modeling.eagle3 import Eagle3Draft, check_head_fits, default_aux_layers, init_eagle3_from_target
@@ -72,12 +72,8 @@ def eagle3_examples(examples: list, feature_rows: dict | None, teacher_rows: dic
         answer_rows = teacher_positions(ex.assistant_mask)
         row_of = torch.full((len(ex.input_ids),), -1, dtype=torch.long)
         row_of[torch.tensor(answer_rows, dtype=torch.long) + 1] = torch.arange(len(answer_rows))
-        if teacher_rows is not None:
-            t = teacher_rows.get(str(ex.id))
-            if t is None:
-                raise ValueError(f"teacher cache has no entry for example {ex.id!r}")
-            check_entry(t, str(ex.id), ex.input_ids, len(answer_rows))
-            n = len(answer_rows)
+        if teacher_rows is not None:  # drop_stale kept only the examples whose entry describes them
+            t, n = teacher_rows[str(ex.id)], len(answer_rows)
             top = losses.TopKTeacher(t["logprobs"][:n].float(), t["indices"][:n].long(), t["residual"][:n].float())
             if top_k and top_k < top.logprobs.shape[-1]:
                 dropped = top.logprobs[:, top_k:].exp().sum(-1)
@@ -167,10 +163,7 @@ def eagle3_loss(step_logits: list[torch.Tensor], batch: Eagle3Batch, *, decay: f
         sel = batch.trained(j)
         if not bool(sel.any()):
             continue
-        picked = batch.rows[j][sel]
-        top = batch.teacher
-        teacher = losses.TopKTeacher(top.logprobs[picked], top.indices[picked], top.residual[picked],
-                                     None if top.valid is None else top.valid[picked])
+        teacher = batch.teacher.select(batch.rows[j][sel])
         rows = logits[sel] if logits.dim() == 3 else logits
         if fused and kind == "fkl":
             per_row = losses.topk_forward_kl(rows, teacher, temperature)
@@ -223,10 +216,6 @@ def eagle3_heldout_acceptance(head: Eagle3Draft, examples: list[Eagle3Example], 
     g = min(gamma, steps)
     return HeldoutAcceptance(per_position[0], expected_tokens_per_round(per_position[0], gamma), int(total[0]),
                              per_position, accepted, g, 1.0 + sum(accepted[:g]))
-
-
-def _features_of_other_tokens(entry: dict[str, torch.Tensor] | None, input_ids: list[int]) -> bool:
-    return entry is not None and entry["input_ids"].tolist()[: len(input_ids)] != list(input_ids)
 
 
 class Eagle3Task:
@@ -296,8 +285,8 @@ class Eagle3Task:
         rows, teacher_rows = (None if online else features.load_all()), teacher.load_all()
         remap = teacher.meta["vocab"] == "full"
         examples, stale = drop_stale(examples, teacher_rows, cache_dir)
-        other_answer = [ex for ex in examples if rows is not None
-                        and _features_of_other_tokens(rows.get(str(ex.id)), ex.input_ids)]
+        other_answer = [ex for ex in examples if rows is not None and str(ex.id) in rows
+                        and rows[str(ex.id)]["input_ids"].tolist()[: len(ex.input_ids)] != ex.input_ids]
         if other_answer:  # the same rule as the teacher's rows: dropped and counted, never trained on
             print(f"feature cache {feature_dir}: {len(other_answer)} examples dropped, their entries were written "
                   "for other token ids", file=sys.stderr)
@@ -349,7 +338,6 @@ class Eagle3Task:
                 "stale_dropped": self.stale_dropped, "unroll_steps": self.module.steps, "feature_disk_bytes": disk,
                 "feature_bytes_per_answer_token": per_token, "features": self.features,
                 "features_reason": self.features_reason}
-
 
     def save(self, out_dir, target, meta: dict):
         """In the layout vLLM and SGLang load (modeling.eagle3_io)."""

@@ -120,10 +120,6 @@ class FeatureCache(ShardCache):
             wanted["prompt_context"] = prompt_context
         return cls._open(directory, wanted)
 
-    def write_shard(self, name: str, entries: dict[str, dict[str, torch.Tensor]]) -> Path:
-        """One shard, written atomically: after a kill a shard is either complete or absent."""
-        return self._write(name, {f"{ex_id}/{key}": t for ex_id, rows in entries.items() for key, t in rows.items()})
-
     def disk_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.dir.glob("shard-*.safetensors"))
 

@@ -45,23 +45,24 @@ class TopKTeacher:
         return TopKTeacher(self.logprobs.to(device), self.indices.to(device), self.residual.to(device),
                            None if self.valid is None else self.valid.to(device))
 
-    def bucket_logprobs(self) -> torch.Tensor:
-        """k + 1 bucket log-probs: the k tokens, then the residual."""
-        res = self.residual.clamp_min(0).unsqueeze(-1).to(self.logprobs.dtype)
-        return torch.cat([self.logprobs, torch.log(res)], dim=-1)
-
     def select(self, mask: torch.Tensor) -> TopKTeacher:
         valid = None if self.valid is None else self.valid[mask]
         return TopKTeacher(self.logprobs[mask], self.indices[mask], self.residual[mask], valid)
 
 
-def topk_teacher_from_logits(logits: torch.Tensor, k: int, temperature: float = 1.0) -> TopKTeacher:
-    """Keep the k largest teacher probabilities per position and the mass of the rest."""
-    logp = F.log_softmax(_upcast(logits) / temperature, dim=-1)
-    k = min(k, logp.shape[-1])
-    top, idx = logp.topk(k, dim=-1)
+def topk_rows(logits: torch.Tensor, k: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The k largest log-probs per position at `temperature`, their ids (int32) and the mass of the rest."""
+    logits = _upcast(logits)
+    logp = F.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)  # x / 1 == x: one pass fewer
+    top, idx = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    # the mass of the other tokens summed directly (1 - Σ top loses it to rounding at ~1e-7)
     residual = torch.logsumexp(logp.scatter(-1, idx, float("-inf")), dim=-1).exp()
-    return TopKTeacher(top, idx, residual)
+    return top, idx.to(torch.int32), residual
+
+
+def topk_teacher_from_logits(logits: torch.Tensor, k: int, temperature: float = 1.0) -> TopKTeacher:
+    top, idx, residual = topk_rows(logits, k, temperature)
+    return TopKTeacher(top, idx.long(), residual)
 
 
 def student_bucket_logprobs(
@@ -135,40 +136,23 @@ def _xlogy_diff(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     return (p * diff).sum(-1)
 
 
-def forward_kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
-    """KL(p ‖ q): mode-covering; the draft spreads mass over everything the target might say."""
-    return _xlogy_diff(logp, logq)
-
-
-def reverse_kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
-    """KL(q ‖ p): mode-seeking; the draft concentrates on the target's main mode."""
-    return _xlogy_diff(logq, logp)
-
-
-def generalized_jsd(logp: torch.Tensor, logq: torch.Tensor, beta: float = 0.5) -> torch.Tensor:
-    """β·KL(p ‖ m) + (1−β)·KL(q ‖ m), m = β·p + (1−β)·q (GKD's generalized JSD)."""
-    if not 0.0 < beta < 1.0:
-        raise ValueError(f"JSD beta must be in (0, 1), got {beta}")
-    # Floored copies for the mixture only: an entry empty on both sides must not give -inf - -inf.
-    lp, lq = logp.clamp_min(-1e4), logq.clamp_min(-1e4)
-    logm = torch.logsumexp(torch.stack([lp + math.log(beta), lq + math.log(1 - beta)]), dim=0)
-    return beta * _xlogy_diff(logp, logm) + (1 - beta) * _xlogy_diff(logq, logm)
-
-
-def total_variation(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
-    """1 − Σ min(p, q): exactly the rejection probability of one speculative draft token."""
-    return 1.0 - torch.minimum(logp.exp(), logq.exp()).sum(-1)
-
-
 def divergence(kind: str, logp: torch.Tensor, logq: torch.Tensor, beta: float = 0.5) -> torch.Tensor:
+    """fkl is mode-covering (the draft spreads mass over all the target might say), rkl mode-seeking;
+    jsd is GKD's generalized JSD(β); tv, 1 − Σ min(p, q), is exactly the rejection probability of one
+    speculative draft token."""
     if kind == "fkl":
-        return forward_kl(logp, logq)
+        return _xlogy_diff(logp, logq)
     if kind == "rkl":
-        return reverse_kl(logp, logq)
+        return _xlogy_diff(logq, logp)
     if kind == "jsd":
-        return generalized_jsd(logp, logq, beta)
+        if not 0.0 < beta < 1.0:
+            raise ValueError(f"JSD beta must be in (0, 1), got {beta}")
+        # Floored copies for the mixture only: an entry empty on both sides must not give -inf - -inf.
+        lp, lq = logp.clamp_min(-1e4), logq.clamp_min(-1e4)
+        logm = torch.logsumexp(torch.stack([lp + math.log(beta), lq + math.log(1 - beta)]), dim=0)
+        return beta * _xlogy_diff(logp, logm) + (1 - beta) * _xlogy_diff(logq, logm)
     if kind == "tv":
-        return total_variation(logp, logq)
+        return 1.0 - torch.minimum(logp.exp(), logq.exp()).sum(-1)
     raise ValueError(f"unknown divergence {kind!r}: expected one of {DIVERGENCES}")
 
 
@@ -198,7 +182,8 @@ def per_token_divergence(
     written at); full teacher logits are scaled here.
     """
     if isinstance(teacher, TopKTeacher):
-        logp = teacher.bucket_logprobs()
+        res = teacher.residual.clamp_min(0).unsqueeze(-1).to(teacher.logprobs.dtype)  # k + 1 buckets
+        logp = torch.cat([teacher.logprobs, torch.log(res)], dim=-1)
         logq = student_bucket_logprobs(student_logits, teacher.indices, temperature, teacher.valid)
     else:
         if teacher.shape[-1] != student_logits.shape[-1]:

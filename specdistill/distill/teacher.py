@@ -21,13 +21,12 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from specdistill import paths
 from specdistill.distill import shards
-from specdistill.distill.losses import TopKTeacher
+from specdistill.distill.losses import TopKTeacher, topk_rows
 from specdistill.distill.shards import load_shards  # noqa: F401  (part of this module's API)
 from specdistill.modeling.vocab import DraftVocab
 
@@ -36,19 +35,6 @@ CACHE_META = "teacher_cache.json"
 
 class StaleTeacherCacheError(ValueError):
     """A cache written for another target, data, k, temperature or vocabulary."""
-
-
-def read_cache_meta(meta_path: Path) -> dict:
-    """A cache directory's JSON key file; a corrupt one is an error naming it."""
-    meta = paths.read_json(meta_path, "cache file")
-    if not isinstance(meta, dict):
-        raise ValueError(f"corrupt cache file {meta_path}: expected a JSON object")
-    return meta
-
-
-def write_cache_meta(directory: Path, name: str, meta: dict) -> None:
-    """Create a cache directory (0700: it holds answers to production traffic) with its key file."""
-    paths.atomic_write_json(paths.ensure_private(directory) / name, meta)
 
 
 def vocab_key(draft_vocab: DraftVocab | None) -> str:
@@ -73,15 +59,6 @@ def teacher_positions(assistant_mask: Sequence[bool]) -> list[int]:
     return [t - 1 for t in range(1, len(assistant_mask)) if assistant_mask[t]]
 
 
-def topk_rows(logits: torch.Tensor, k: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    logits = logits.float()
-    logp = F.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)  # x / 1 == x: one pass fewer
-    top, idx = logp.topk(min(k, logp.shape[-1]), dim=-1)
-    # the mass of the other tokens summed directly (1 - Σ top loses it to rounding at ~1e-7)
-    residual = torch.logsumexp(logp.scatter(-1, idx, float("-inf")), dim=-1).exp()
-    return top, idx.to(torch.int32), residual
-
-
 # --------------------------------------------------------------------------------------------
 # Offline cache
 
@@ -104,7 +81,8 @@ class ShardCache:
         """Open for writing under `meta`; an existing cache must carry `key` (then writing resumes)."""
         if (Path(directory) / cls.META).is_file():
             return cls._open(directory, key)
-        write_cache_meta(Path(directory), cls.META, meta)
+        # 0700: the cache holds answers to production traffic
+        paths.atomic_write_json(paths.ensure_private(Path(directory)) / cls.META, meta)
         return cls(directory, meta)
 
     @classmethod
@@ -114,15 +92,18 @@ class ShardCache:
         meta_path = directory / cls.META
         if not meta_path.is_file():
             raise FileNotFoundError(f"no {cls.WHAT} at {directory} ({cls.META} missing)")
-        meta = read_cache_meta(meta_path)
+        meta = paths.read_json(meta_path, "cache file")
+        if not isinstance(meta, dict):
+            raise ValueError(f"corrupt cache file {meta_path}: expected a JSON object")
         for key, value in wanted.items():
             if value is not None and meta.get(key) != value:
                 raise cls.Stale(f"{cls.WHAT} {directory} was written for {key}={meta.get(key)!r}, "
                                 f"this run needs {key}={value!r}: rebuild it")
         return cls(directory, meta)
 
-    def _write(self, name: str, tensors: dict[str, torch.Tensor]) -> Path:
-        """One shard, written atomically: after a kill a shard is either complete or absent."""
+    def write_shard(self, name: str, entries: dict[str, dict[str, torch.Tensor]]) -> Path:
+        """One shard of entries by example id, written atomically: after a kill it is complete or absent."""
+        tensors = {f"{ex_id}/{key}": t for ex_id, rows in entries.items() for key, t in rows.items()}
         return shards.write_shard(self.dir / f"shard-{name}.safetensors", tensors)
 
     def has_shard(self, name: str) -> bool:
@@ -153,22 +134,12 @@ class TeacherCache(ShardCache):
     WHAT = "teacher cache"
     Stale = StaleTeacherCacheError
 
-    # writing -------------------------------------------------------------------------------
     @classmethod
     def create(cls, directory, *, fingerprint: str, k: int, temperature: float, vocab: str, data: str = "") -> TeacherCache:
         """Open for writing; an existing cache must carry the same key (then writing resumes)."""
         meta = {"fingerprint": fingerprint, "k": k, "temperature": temperature, "vocab": vocab, "data": data}
         return cls._create(directory, meta, meta)
 
-    def write_shard(self, name: str, entries: dict[str, dict[str, torch.Tensor]]) -> Path:
-        """One shard, written atomically: after a kill a shard is either complete or absent."""
-        tensors = {}
-        for ex_id, rows in entries.items():
-            for key in ("input_ids", "logprobs", "indices", "residual"):
-                tensors[f"{ex_id}/{key}"] = rows[key].contiguous()
-        return self._write(name, tensors)
-
-    # reading -------------------------------------------------------------------------------
     @classmethod
     def open(cls, directory, *, fingerprint: str, k: int | None = None, temperature: float | None = None,
              vocab: str | None = None, data: str | None = None) -> TeacherCache:
