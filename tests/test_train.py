@@ -14,7 +14,8 @@ from specdistill.data.prompts import Prompt
 from specdistill.distill import losses
 from specdistill.distill.config import load_config
 from specdistill.distill.examples import read_examples
-from specdistill.distill.teacher import TeacherCache, build_cache
+from specdistill.distill.features import build_cache
+from specdistill.distill.teacher import TeacherCache
 from specdistill.distill.train import NonFiniteLossError, distill
 from specdistill.modeling.vocab import DRAFT_VOCAB_FILE
 from specdistill.pipeline.answers.harness import generate_answers

@@ -30,13 +30,13 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
+from specdistill.distill.losses import topk_rows
 from specdistill.distill.teacher import (
     ShardCache,
     TeacherCache,
     data_hash,
     pad_batch,
     teacher_positions,
-    topk_rows,
     vocab_key,
 )
 from specdistill.modeling.eagle3 import FeatureHooks
@@ -214,8 +214,9 @@ def build_feature_cache(
         teacher = TeacherCache.create(teacher_dir, fingerprint=fingerprint, k=k, temperature=temperature,
                                       vocab=vocab_key(draft_vocab), data=data)
     head = target.get_output_embeddings().weight
-    bar = tqdm(total=len(examples), desc="target features", unit="seq", disable=not progress, file=sys.stderr)
-    with FeatureHooks(target, layers) as hooks:
+    bar = tqdm(total=len(examples), desc="target features" if layers else "teacher cache", unit="seq",
+               disable=not progress, file=sys.stderr)
+    with FeatureHooks(target, layers) if cache is not None else contextlib.nullcontext() as hooks:
         for begin in range(0, len(examples), batch_size):
             batch = examples[begin : begin + batch_size]
             # extending: named by content, since the examples still missing shift on a resume
@@ -225,17 +226,18 @@ def build_feature_cache(
                 continue
             input_ids, attention = pad_batch([ex.input_ids for ex in batch])
             hidden = target.model(input_ids=input_ids.to(target.device), attention_mask=attention.to(target.device)).last_hidden_state
-            features = hooks.take()
+            features = hooks.take() if cache is not None else None
             entries, rows = {}, {}
             for row, ex in enumerate(batch):
-                start = feature_start(ex.assistant_mask, prompt_context)
                 ids = torch.tensor(ex.input_ids, dtype=torch.int32)
-                entries[str(ex.id)] = {"input_ids": ids, "start": torch.tensor(start, dtype=torch.int64),
-                                       "features": features[row, start : len(ex.input_ids) - 1].to("cpu", FEATURE_DTYPE)}
+                if features is not None:
+                    start = feature_start(ex.assistant_mask, prompt_context)
+                    entries[str(ex.id)] = {"input_ids": ids, "start": torch.tensor(start, dtype=torch.int64),
+                                           "features": features[row, start : len(ex.input_ids) - 1].to("cpu", FEATURE_DTYPE)}
                 if teacher is not None:
                     h = hidden[row, torch.tensor(teacher_positions(ex.assistant_mask), dtype=torch.long, device=hidden.device)]
                     logits = draft_vocab.logits(h, head) if draft_vocab is not None else h @ head.T
-                    top, idx, res = (t.cpu() for t in topk_rows(logits, k, temperature))
+                    top, idx, res = (t.cpu() for t in topk_rows(logits, k, temperature))  # shards are written from the CPU
                     rows[str(ex.id)] = {"input_ids": ids, "logprobs": top, "indices": idx, "residual": res}
             if teacher is not None:
                 teacher.write_shard(name, rows)
@@ -244,3 +246,13 @@ def build_feature_cache(
             bar.update(len(batch))
     bar.close()
     return cache
+
+
+def build_cache(target: PreTrainedModel, examples: Sequence, directory: str | os.PathLike, *, fingerprint: str,
+                k: int = 32, temperature: float = 1.0, draft_vocab: DraftVocab | None = None, batch_size: int = 8,
+                progress: bool = True) -> TeacherCache:
+    """The teacher rows alone: run the target once over the examples and store its top-k rows (in the
+    draft's vocabulary space when a reduced vocabulary is given, so the cached residual is exact there)."""
+    build_feature_cache(target, examples, None, fingerprint=fingerprint, layers=[], teacher_dir=directory, k=k,
+                        temperature=temperature, draft_vocab=draft_vocab, batch_size=batch_size, progress=progress)
+    return TeacherCache.open(directory, fingerprint=fingerprint)

@@ -21,12 +21,11 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from specdistill import paths
 from specdistill.distill import shards
-from specdistill.distill.losses import TopKTeacher, topk_rows
+from specdistill.distill.losses import TopKTeacher
 from specdistill.distill.shards import load_shards  # noqa: F401  (part of this module's API)
 from specdistill.modeling.vocab import DraftVocab
 
@@ -198,47 +197,6 @@ def drop_stale(examples: Sequence, rows: dict[str, dict[str, torch.Tensor]], sou
     if examples and not kept:
         raise StaleTeacherCacheError(f"teacher cache {source}: every entry was written for other token ids: rebuild it")
     return kept, stale
-
-
-@torch.inference_mode()
-def build_cache(
-    target: PreTrainedModel,
-    examples: Sequence,
-    directory: str | os.PathLike,
-    *,
-    fingerprint: str,
-    k: int = 32,
-    temperature: float = 1.0,
-    draft_vocab: DraftVocab | None = None,
-    batch_size: int = 8,
-    progress: bool = True,
-) -> TeacherCache:
-    """Run the target once over the examples and store its top-k rows (in the draft's vocabulary
-    space when a reduced vocabulary is given, so the cached residual is exact there). Resumable."""
-    cache = TeacherCache.create(directory, fingerprint=fingerprint, k=k, temperature=temperature,
-                                vocab=vocab_key(draft_vocab), data=data_hash(examples))
-    head = target.get_output_embeddings().weight
-    bar = tqdm(total=len(examples), desc="teacher cache", unit="seq", disable=not progress, file=sys.stderr)
-    for start in range(0, len(examples), batch_size):
-        name = f"{start:07d}"
-        batch = examples[start : start + batch_size]
-        if cache.has_shard(name):
-            bar.update(len(batch))
-            continue
-        input_ids, attention = pad_batch([ex.input_ids for ex in batch])
-        hidden = target.model(input_ids=input_ids.to(target.device), attention_mask=attention.to(target.device)).last_hidden_state
-        entries = {}
-        for row, ex in enumerate(batch):
-            pos = torch.tensor(teacher_positions(ex.assistant_mask), dtype=torch.long, device=hidden.device)
-            h = hidden[row, pos]
-            logits = draft_vocab.logits(h, head) if draft_vocab is not None else h @ head.T
-            top, idx, res = (t.cpu() for t in topk_rows(logits, k, temperature))  # shards are written from the CPU
-            entries[str(ex.id)] = {"input_ids": torch.tensor(ex.input_ids, dtype=torch.int32),
-                                   "logprobs": top, "indices": idx, "residual": res}
-        cache.write_shard(name, entries)
-        bar.update(len(batch))
-    bar.close()
-    return cache
 
 
 def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
