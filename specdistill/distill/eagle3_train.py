@@ -15,6 +15,7 @@ drafting round actually accepts; τ(γ) from the chain, and from position 1 unde
 
 from __future__ import annotations
 
+import copy
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,8 +224,6 @@ class Eagle3Task:
     caches (built in one teacher-forced target pass when absent); what `train.distill` needs of a kind."""
 
     def __init__(self, config, target, examples: list, replay: list, heldout: list, device: torch.device):
-        import copy
-
         e = config.eagle3
         self.config, self.device = config, device
         if config.draft:
@@ -312,16 +311,14 @@ class Eagle3Task:
         self.feature_bytes = (disk, disk / max(1, answer_tokens))  # on disk, per answer token
         self.module = Eagle3Trainee(head, e.steps).to(device)
 
-    def micro_loss(self, model, indices: list[int], step: int, micro: int, autocast=None):
-        from contextlib import nullcontext
-
+    def micro_loss(self, model, indices: list[int], step: int, micro: int, autocast):
         chosen = [self.examples[i] for i in indices]
         batch = collate_eagle3(chosen, self.module.steps)
         if batch.features is None:
             batch.features = self.online(chosen)
         batch = batch.to(self.device)
         keep = [batch.trained(j) for j in range(self.module.steps)]  # logits of the trained rows only
-        with autocast or nullcontext():
+        with autocast:
             outs = model(batch.next_ids, batch.features, batch.valid, keep)
         loss = eagle3_loss(outs, batch, decay=self.config.eagle3.decay, kind=self.config.loss.kind,
                            temperature=self.config.loss.temperature)

@@ -62,10 +62,6 @@ def feature_start(assistant_mask: Sequence[bool], prompt_context: int | None) ->
     return max(0, first_answer - 1 - prompt_context)
 
 
-def stored_positions(example, prompt_context: int | None) -> int:
-    return max(0, len(example.input_ids) - 1 - feature_start(example.assistant_mask, prompt_context))
-
-
 def bytes_per_token(hidden_size: int, n_layers: int = 3) -> int:
     """Disk bytes of one position's features: n_layers · hidden · 2 (bf16)."""
     return n_layers * hidden_size * torch.finfo(FEATURE_DTYPE).bits // 8
@@ -74,7 +70,7 @@ def bytes_per_token(hidden_size: int, n_layers: int = 3) -> int:
 def check_budget(examples: Sequence, hidden_size: int, prompt_context: int | None, max_bytes: float | None,
                  n_layers: int = 3) -> tuple[int, int]:
     """(positions, bytes) the cache will hold; fails before any work when over `max_bytes`."""
-    positions = sum(stored_positions(ex, prompt_context) for ex in examples)
+    positions = sum(max(0, len(ex.input_ids) - 1 - feature_start(ex.assistant_mask, prompt_context)) for ex in examples)
     size = positions * bytes_per_token(hidden_size, n_layers)
     if max_bytes is not None and size > max_bytes:
         per = bytes_per_token(hidden_size, n_layers)

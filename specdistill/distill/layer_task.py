@@ -3,8 +3,8 @@ its held-out acceptance and how a trained one is saved. `train.distill` drives i
 
 from __future__ import annotations
 
+import random
 from collections import Counter
-from contextlib import nullcontext
 
 import torch
 
@@ -172,10 +172,8 @@ class LayerTask:
             self.reference.to(device)
         self.module = DraftWithHead(draft, draft_vocab, target_width).to(device)
 
-    def micro_loss(self, model, indices: list[int], step: int, micro: int, autocast=nullcontext()):
+    def micro_loss(self, model, indices: list[int], step: int, micro: int, autocast):
         """(loss, trained tokens, example ids) of one micro-batch; `model` is the module or its DDP wrapper."""
-        import random
-
         config = self.config
         mine = [self.examples[i] for i in indices]
         if self.replay and config.data.replay_share > 0:  # seeded per step: a resumed run replays the same records

@@ -94,9 +94,6 @@ class PoolView:
     over_budget: int = 0  # older answers left out by the token budget
     skipped: list[str] = field(default_factory=list)  # warnings: shards or nights not trained on
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 class AnswerPool:
     """One target version's pool: a directory holding the manifest and the latest view."""
@@ -297,11 +294,6 @@ class AnswerPool:
                      f"rows: not trained on")
             if counts["answers"]:
                 per_night[night.key] = counts
-        return self._write_view(picked, tokens, per_night, stats, skipped, first_meta, feature_meta,
-                                teacher_links, feature_links)
-
-    def _write_view(self, picked, tokens, per_night, stats, skipped, teacher_meta, feature_meta,
-                    teacher_links, feature_links) -> PoolView:
         # the links' names (their read order) are part of the key: a view written before they were
         # ordered by the view's own order is not reused
         key = hashlib.sha256(json.dumps([[r["id"] for r in picked], sorted(map(str, teacher_links.items())),
@@ -313,13 +305,13 @@ class AnswerPool:
                         tokens=tokens, nights=per_night, skipped=skipped, **stats)
         if not (out / VIEW_DONE).is_file():
             shutil.rmtree(out, ignore_errors=True)
-            _link_cache(out / "teacher_cache", CACHE_META, {**teacher_meta, "data": f"pool-{key}"}, teacher_links)
+            _link_cache(out / "teacher_cache", CACHE_META, {**first_meta, "data": f"pool-{key}"}, teacher_links)
             if feature_meta is not None:
                 _link_cache(out / "features", FEATURE_META, {**feature_meta, "data": f"pool-{key}"}, feature_links)
             with paths.open_private(out / "train_generated.jsonl", "w", encoding="utf-8") as f:
                 for rec in picked:
                     f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-            _write_json(out / VIEW_DONE, view.to_dict())
+            _write_json(out / VIEW_DONE, asdict(view))
         for other in views.iterdir():
             if other.is_dir() and other.name != key:
                 shutil.rmtree(other, ignore_errors=True)

@@ -110,13 +110,6 @@ def pick_device(wanted: str) -> torch.device:
     return device
 
 
-def _dist_info(device: torch.device) -> tuple[int, int]:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return (dist.get_rank(), world) if world > 1 else (0, 1)
-
-
 @dataclass
 class Run:
     """What the training loop works with: the task (draft kind), its module (and DDP wrapper), the
@@ -154,7 +147,10 @@ class Progress:
 def distill(config: DistillConfig) -> Trained:
     """Train a draft as the config says; returns the final metrics and where the draft was written."""
     device = pick_device(config.device)
-    rank, world = _dist_info(device)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank = dist.get_rank() if world > 1 else 0
     if config.threads:
         torch.set_num_threads(config.threads)
     out_dir = Path(config.out_dir)
