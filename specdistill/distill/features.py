@@ -103,14 +103,12 @@ class FeatureCache(ShardCache):
 
     @classmethod
     def create(cls, directory, *, fingerprint: str, layers: list[int], data: str, prompt_context: int | None) -> FeatureCache:
-        """Open for writing; an existing cache must carry the same key (then writing resumes)."""
         key = {"fingerprint": fingerprint, "layers": list(layers), "data": data, "prompt_context": prompt_context}
         return cls._create(directory, {**key, "dtype": "bfloat16"}, key)
 
     @classmethod
     def open(cls, directory, *, fingerprint: str, layers: list[int], data: str | None = None,
              prompt_context: int | None | str = "any") -> FeatureCache:
-        """Open for reading, refusing a cache written for another target, layer set, data or context."""
         wanted = {"fingerprint": fingerprint, "layers": list(layers), "data": data}
         if prompt_context != "any":
             wanted["prompt_context"] = prompt_context

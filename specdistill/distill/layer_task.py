@@ -192,7 +192,6 @@ class LayerTask:
         return heldout_acceptance(self.module, self.heldout, self.draft_vocab, device=self.device) if self.heldout else None
 
     def describe(self) -> dict:
-        """`Trained`'s fields that say what this kind trained."""
         return {"kind": "layers", "draft_vocab": self.draft_vocab.size if self.draft_vocab is not None else None,
                 "layers": self.layers, "stale_dropped": self.stale_dropped}
 

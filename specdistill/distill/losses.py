@@ -65,26 +65,6 @@ def topk_teacher_from_logits(logits: torch.Tensor, k: int, temperature: float = 
     return TopKTeacher(top, idx.long(), residual)
 
 
-def student_bucket_logprobs(
-    student_logits: torch.Tensor, indices: torch.Tensor, temperature: float = 1.0, valid: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The student's log-probs on the teacher's k tokens plus one residual bucket (k + 1 entries).
-
-    Invalid entries (padding that repeats a valid index) get -inf on both sides: they add nothing.
-    """
-    indices = indices.long()
-    logq = F.log_softmax(_upcast(student_logits) / temperature, dim=-1)
-    top = logq.gather(-1, indices)
-    if valid is not None:
-        top = top.masked_fill(~valid, float("-inf"))
-    # log(1 - Σ q_top) computed stably as log(Σ q_rest) via logsumexp over the non-selected entries.
-    # The selected entries are replaced by -1e4 rather than -inf: when k covers the whole
-    # vocabulary the bucket is then exactly empty (exp(-1e4) = 0) and its gradient is 0, not NaN.
-    rest = logq.scatter(-1, indices, -1e4)
-    residual = torch.logsumexp(rest, dim=-1, keepdim=True)
-    return torch.cat([top, residual], dim=-1)
-
-
 class _TopKForwardKL(torch.autograd.Function):
     """KL(p ‖ q) over the k + 1 buckets of a top-k teacher, with the gradient written out: one pass
     over the vocabulary each way instead of autograd's chain of log_softmax, gather, scatter and
@@ -95,7 +75,7 @@ class _TopKForwardKL(torch.autograd.Function):
         z = _upcast(logits) / temperature if temperature != 1.0 else _upcast(logits)
         logq = z - torch.logsumexp(z, dim=-1, keepdim=True)
         top = logq.gather(-1, indices)
-        logq_rest = torch.logsumexp(logq.scatter(-1, indices, -1e4), dim=-1)  # as student_bucket_logprobs
+        logq_rest = torch.logsumexp(logq.scatter(-1, indices, -1e4), dim=-1)  # as per_token_divergence
         p = logp.exp().masked_fill(~valid, 0.0)
         p_rest = residual.clamp_min(0).to(p.dtype)
         kl = (p * torch.where(p > 0, logp - top, 0.0)).sum(-1)
@@ -182,9 +162,20 @@ def per_token_divergence(
     written at); full teacher logits are scaled here.
     """
     if isinstance(teacher, TopKTeacher):
-        res = teacher.residual.clamp_min(0).unsqueeze(-1).to(teacher.logprobs.dtype)  # k + 1 buckets
+        # k + 1 buckets: the k tokens, then the residual. Invalid entries (padding that repeats a valid
+        # index) get -inf on both sides: they add nothing.
+        res = teacher.residual.clamp_min(0).unsqueeze(-1).to(teacher.logprobs.dtype)
         logp = torch.cat([teacher.logprobs, torch.log(res)], dim=-1)
-        logq = student_bucket_logprobs(student_logits, teacher.indices, temperature, teacher.valid)
+        indices = teacher.indices.long()
+        logq = F.log_softmax(_upcast(student_logits) / temperature, dim=-1)
+        top = logq.gather(-1, indices)
+        if teacher.valid is not None:
+            top = top.masked_fill(~teacher.valid, float("-inf"))
+        # log(1 - Σ q_top) computed stably as log(Σ q_rest) via logsumexp over the non-selected entries.
+        # The selected entries are replaced by -1e4 rather than -inf: when k covers the whole
+        # vocabulary the bucket is then exactly empty (exp(-1e4) = 0) and its gradient is 0, not NaN.
+        rest = torch.logsumexp(logq.scatter(-1, indices, -1e4), dim=-1, keepdim=True)
+        logq = torch.cat([top, rest], dim=-1)
     else:
         if teacher.shape[-1] != student_logits.shape[-1]:
             raise ValueError(
@@ -231,8 +222,6 @@ def mixed_loss(
 ) -> torch.Tensor:
     """(1−a)·CE + a·T²·KL(p_T ‖ q_T): hard labels anchor the draft, soft labels carry the target's shape.
     `label_mask` (default: `mask`) masks the CE term alone: labels a reduced draft vocabulary cannot say."""
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"mix alpha must be in [0, 1], got {alpha}")
     ce = cross_entropy(student_logits, labels, mask if label_mask is None else label_mask)
     kl = distill_loss(student_logits, teacher, mask, kind="fkl", temperature=temperature)
     return (1 - alpha) * ce + alpha * kl
@@ -259,7 +248,6 @@ def hidden_cosine_loss(
     mask: torch.Tensor | None = None,
     projection: HiddenProjection | None = None,
 ) -> torch.Tensor:
-    """1 − cos(proj(h_draft), h_target) averaged over assistant positions."""
     h = projection(draft_hidden) if projection is not None else draft_hidden
     if h.shape[-1] != target_hidden.shape[-1]:
         raise ValueError(
@@ -284,8 +272,6 @@ def selective_mask(
     AdaSPEC's point: tokens that even a well-trained reference draft cannot fit are capacity the
     small draft should not spend; the ones where the draft lags the reference most are learnable.
     """
-    if not 0.0 < keep_fraction <= 1.0:
-        raise ValueError(f"selective keep fraction must be in (0, 1], got {keep_fraction}")
     mask = mask.bool()
     n = int(mask.sum())
     keep = max(1, math.ceil(keep_fraction * n)) if n else 0

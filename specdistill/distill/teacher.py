@@ -44,7 +44,6 @@ def vocab_key(draft_vocab: DraftVocab | None) -> str:
 
 
 def data_hash(examples: Iterable) -> str:
-    """Identity of a training set: every example's id, token ids and assistant mask."""
     h = hashlib.sha256()
     for ex in examples:
         h.update(str(ex.id).encode())
@@ -101,7 +100,6 @@ class ShardCache:
         return cls(directory, meta)
 
     def write_shard(self, name: str, entries: dict[str, dict[str, torch.Tensor]]) -> Path:
-        """One shard of entries by example id, written atomically: after a kill it is complete or absent."""
         tensors = {f"{ex_id}/{key}": t for ex_id, rows in entries.items() for key, t in rows.items()}
         return shards.write_shard(self.dir / f"shard-{name}.safetensors", tensors)
 
@@ -135,14 +133,12 @@ class TeacherCache(ShardCache):
 
     @classmethod
     def create(cls, directory, *, fingerprint: str, k: int, temperature: float, vocab: str, data: str = "") -> TeacherCache:
-        """Open for writing; an existing cache must carry the same key (then writing resumes)."""
         meta = {"fingerprint": fingerprint, "k": k, "temperature": temperature, "vocab": vocab, "data": data}
         return cls._create(directory, meta, meta)
 
     @classmethod
     def open(cls, directory, *, fingerprint: str, k: int | None = None, temperature: float | None = None,
              vocab: str | None = None, data: str | None = None) -> TeacherCache:
-        """Open for reading, refusing a cache whose key differs from what the caller trains with."""
         return cls._open(directory, {"fingerprint": fingerprint, "k": k, "temperature": temperature, "vocab": vocab,
                                      "data": data})
 
@@ -169,7 +165,6 @@ def stale_reason(entry: dict[str, torch.Tensor], ex_id: str, input_ids: Sequence
 
 
 def check_entry(entry: dict[str, torch.Tensor], ex_id: str, input_ids: Sequence[int], n_rows: int) -> None:
-    """A cache entry must describe exactly this sequence, else it is stale data."""
     why = stale_reason(entry, ex_id, input_ids, n_rows)
     if why:
         raise StaleTeacherCacheError(why)

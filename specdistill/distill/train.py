@@ -64,7 +64,6 @@ def lr_at(step: int, cfg, train_seconds: float = 0.0) -> float:
 
 
 def apply_freeze(model: torch.nn.Module, patterns: list[str]) -> tuple[int, int]:
-    """Freeze parameters whose name contains any pattern; returns (trainable, frozen) counts."""
     trainable = frozen = 0
     for name, p in model.named_parameters():
         keep_frozen = any(pat in name for pat in patterns)
@@ -145,7 +144,6 @@ class Progress:
 
 
 def distill(config: DistillConfig) -> Trained:
-    """Train a draft as the config says; returns the final metrics and where the draft was written."""
     device = pick_device(config.device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
