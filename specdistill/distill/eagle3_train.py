@@ -1,16 +1,13 @@
 """Training an EAGLE-3 head: batches from the feature and teacher caches, the unrolled loss, held-out acceptance.
 
-Entry t of a sequence pairs the target's features at t with token t+1; step j of the training-time
-test at entry t predicts token u = t+2+j, and its teacher is the target's distribution at u-1 (the
-cached top-k row of token u). The loss is forward KL to that distribution restricted to the draft
-vocabulary (`teacher.to_draft_space`: renormalized over the kept tokens, the rest of the top-k
-dropped, the residual mass kept as one bucket), weighted 0.8^j over steps; rows whose target argmax
-lies outside the draft vocabulary are masked (no draft parameter can agree there).
+Entry t pairs the target's features at t with token t+1; unroll step j at entry t predicts token
+u = t+2+j against the cached top-k row of u, in draft space (`teacher.to_draft_space`: renormalized over
+the kept tokens, the residual one bucket), weighted 0.8^j; rows whose target argmax is outside the draft
+vocabulary are masked (no draft parameter can agree there).
 
-Held-out acceptance: greedy top-1 agreement of step j with the target's greedy continuation (the
-held-out answers), per draft position j+1, and the chained share (positions 1..i all agree) that a
-drafting round actually accepts; τ(γ) from the chain, and from position 1 under the i.i.d. model
-(the number the layer drafts report).
+Held-out acceptance: per draft position j+1, greedy agreement with the target's continuation, and the
+chained share (positions 1..i all agree) a drafting round accepts; τ(γ) from the chain, and from
+position 1 under the i.i.d. model (the number the layer drafts report).
 """
 
 from __future__ import annotations

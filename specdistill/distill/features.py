@@ -1,19 +1,15 @@
-"""Target features for EAGLE-3 heads: the inputs of three target decoder layers, recorded offline.
+"""Target features for EAGLE-3 heads: the inputs of three target decoder layers, stored in bf16 shards.
 
-The target's answer pass records them on the way (`pipeline.answers.harness.generate_answers(feature_cache=...)`), so
-the pass that writes the training data is the only target pass it needs. Answers that came from
-elsewhere get one teacher-forced target pass (about one prefill each, `build_feature_cache`), which
-records through `FeatureHooks` and can also write the top-k teacher rows (`TeacherCache`). Either way
-the concatenated inputs of the head's feature layers are stored in bf16 safetensors shards.
+The answer pass records them on the way (`pipeline.answers.harness.generate_answers(feature_cache=...)`),
+so it is the only target pass the training data needs. Answers from elsewhere get one teacher-forced pass
+(about one prefill each, `build_feature_cache`), which can also write the top-k teacher rows.
 
-Stored positions: for a sequence of length L whose first answer token sits at p, positions
-start..L-2 with start = p-1-prompt_context (clamped at 0; `prompt_context=None` keeps the whole
-prompt). Position t pairs with token t+1 in the head's input, so L-1 has no use. Prompt context
-lets the head's attention see the prompt as it does when drafting.
+Stored positions: for a sequence of length L whose first answer token sits at p, start..L-2 with
+start = p-1-prompt_context (clamped at 0; None keeps the whole prompt), so the head's attention sees the
+prompt as when drafting. Position t pairs with token t+1, so L-1 has no use.
 
-A cache directory records the target fingerprint, the layer ids, the data hash, the prompt context
-and the dtype; opening it for another target or layer set fails naming the mismatch, and every
-entry stores its token ids so a cache for other data is refused per example.
+A cache records the target fingerprint, layer ids, data hash, prompt context and dtype; opening it for
+another target or layer set fails naming the mismatch, and each entry's token ids refuse other data.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
-"""Distillation losses between a target (teacher) and a draft (student).
+"""Distillation losses between a target (teacher) and a draft (student): per predicted position, then
+averaged over the assistant positions only (`mask`), so a prompt or a system turn never pulls the draft.
+The teacher is full logits (online) or a `TopKTeacher`: k log-probs, their ids and the residual mass of
+every other token, one extra bucket on both sides.
 
-Every loss is computed per predicted position and then averaged over the assistant positions only
-(`mask`), so a prompt or a system turn never pulls the draft. Logits are divided by the temperature
-before the softmax. The teacher may be given as full logits (online teacher) or as a top-k cache
-(`TopKTeacher`: k log-probs, their indices and the residual mass of every other token, which is
-treated as one extra bucket on both sides).
+Why total variation: under speculative sampling a draft token is accepted with probability Σ min(p, q) =
+1 − TV(p, q), so TV *is* the objective; forward KL, its smooth upper bound (Pinsker), remains the default.
 
-Why total variation: with greedy-free speculative sampling the acceptance rate of one draft token is
-exactly Σ min(p, q) = 1 − TV(p, q), so TV is the loss that *is* the objective; KL is its smooth
-upper-bounding surrogate (Pinsker), which is why forward KL remains the default.
-
-Reduced draft vocabulary: the draft can only propose its N kept tokens, so the teacher is
-renormalized over those N tokens (`restrict_teacher_logits`). The teacher's mass outside is lost
-acceptance that no draft parameter can change; keeping it as a residual bucket would make forward
-KL infinite (the draft puts zero mass there) and add only a constant to TV.
+A reduced draft vocabulary renormalizes the teacher over its N kept tokens (`restrict_teacher_logits`):
+the mass outside is acceptance no draft parameter can change, and as a residual bucket it would make
+forward KL infinite (the draft puts zero mass there) and add only a constant to TV.
 """
 
 from __future__ import annotations

@@ -2,17 +2,14 @@
 
 The draft is data-limited (+0.075 first-position acceptance per doubling of unique answer tokens in
 `benchmarks/eagle_budget.py`) while one night answers one window. A pool, keyed by the target
-fingerprint, references each night's train answers (the JSONL, its teacher cache and its EAGLE-3
-feature cache stay where the answer stage wrote them) in a manifest, `pool.json`. A night trains on a
-`PoolView`: the pool's answers newest first, duplicate prompts kept once (the newest answer), capped
-by an answer-token budget, the new night's answers always in. A view is an ordinary answers file with
-a teacher cache and a feature cache whose shards are links to the nights' shards, so the trainer reads
-it as it reads one night's data.
+fingerprint, lists each night's train answers, teacher cache and EAGLE-3 feature cache (left where the
+answer stage wrote them) in `pool.json`. A night trains on a `PoolView`: the pool's answers newest
+first, a duplicate prompt once (its newest answer), capped by an answer-token budget, the new night's
+always in; an ordinary answers file whose caches' shards link to the nights' shards.
 
-Held-out prompts stay held out: every prompt ever evaluated on is recorded (its log id and a hash of
-its prompt tokens) and never enters a view. Disk is bounded: over `max_gb`, the oldest nights leave
-first (their answers, teacher rows and features are deleted). A shard that is truncated, or a cache
-written for another target, is skipped with a warning naming it and never trained on.
+Every prompt ever evaluated on (its log id and a hash of its prompt tokens) never enters a view. Over
+`max_gb`, the oldest nights' data is deleted first. A truncated shard, or a cache for another target, is
+skipped with a warning naming it.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Safetensors shards of the offline teacher and the EAGLE-3 features, with a checksum each.
 
-A shard carries a SHA-256 over its tensors (names, dtypes, shapes, bytes) in its safetensors
-metadata, written with it and verified when it is read. A shard that fails (truncated, scrambled,
-not safetensors) is named, moved into the cache's `quarantine/` directory with the reason beside it,
-and so is missing on the next run, which answers its examples again: nothing is trained on garbage,
-and no run is stuck on the same bad file. A shard without a checksum is refused the same way: every
-writer (`write_shard`) records one, so a missing checksum means its metadata was stripped (or it
-predates checksums), and its rows cannot be told from forged ones; answering it again costs one batch.
+A shard carries a SHA-256 over its tensors (names, dtypes, shapes, bytes) in its metadata, verified when
+read. A shard that fails (truncated, scrambled, not safetensors) is named and moved into `quarantine/`
+with the reason beside it; the next run answers its examples again: nothing is trained on garbage and no
+run is stuck on the same file. A shard without a checksum is refused alike: every writer records one, so
+its metadata was stripped (or predates checksums) and its rows cannot be told from forged ones.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """The teacher signal: the target's distribution at every assistant position.
 
-Online, the target runs inside the training step (exact, but a 30-layer forward per batch). Offline,
-the target's top-k log-probs, their token ids and the residual mass are written once into
-safetensors shards and reused across epochs and runs. A cache directory records the target
-fingerprint, k, the temperature and the vocabulary it was written for, and every entry stores the
-token ids of its sequence: a cache from another target, or for other data, is refused rather than
-silently trained on.
+Online, the target runs inside the training step (exact, but a 30-layer forward per batch). Offline, its
+top-k log-probs, their ids and the residual mass are written once into shards, reused across epochs and
+runs; a cache records the target fingerprint, k, temperature and vocabulary, and each entry its token ids,
+so a cache from another target or for other data is refused, never silently trained on.
 
-Positions: for an example with ids x and assistant mask m, the teacher rows are the predictions of
-the tokens x[t] with m[t] true and t ≥ 1, in order (row i is p(· | x[:t_i])).
+Row i of an example (ids x, assistant mask m) is p(· | x[:t_i]), for the t ≥ 1 with m[t] true, in order.
 """
 
 from __future__ import annotations

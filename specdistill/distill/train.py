@@ -1,19 +1,16 @@
 """Distillation training loop, nanoGPT style: the math in plain sight, no framework in between.
 
-AdamW, linear warmup then cosine decay, gradient accumulation, clipping, optional bf16 autocast,
-frozen parameters by name (the draft shares the target's embeddings and head, which stay frozen by
-default). The draft kind (`layer_task.LayerTask`: target layers + head; `eagle3_train.Eagle3Task`:
-an EAGLE-3 head over the target's features) supplies the module, the micro-batch loss, the held-out
-acceptance and how the result is saved; the loop, schedule, budget and checkpoints are shared.
+AdamW, linear warmup then cosine decay, gradient accumulation, clipping, optional bf16 autocast, frozen
+parameters by name (the target's embeddings and head, shared by the draft, by default). The draft kind
+(`layer_task.LayerTask`, `eagle3_train.Eagle3Task`) supplies the module, the micro-batch loss, the
+held-out acceptance and how the result is saved; loop, schedule, budgets and checkpoints are shared.
 
-Every `checkpoint_every` steps the draft, optimizer, RNG state and data position are
-saved, so a killed run resumes on the same loss curve. Every `eval_every` steps the held-out
-acceptance estimate is logged: greedy top-1 agreement with the target's own continuation, and the
-expected accepted length τ at the default γ (`acceptance.DEFAULT_GAMMA`) that it implies.
+Checkpoints every `checkpoint_every` steps (draft, optimizer, RNG, data position): a killed run resumes
+on the same loss curve. Every `eval_every` steps: held-out greedy agreement with the target's own
+continuation and the τ at `acceptance.DEFAULT_GAMMA` it implies.
 
-Runs unchanged under `torchrun --nproc_per_node N` (DDP: NCCL with each rank on its own GPU,
-`LOCAL_RANK`; gloo on CPU): each rank takes its slice of every global batch and gradients are
-averaged, so all ranks hold identical weights.
+Runs unchanged under `torchrun --nproc_per_node N` (DDP: NCCL, one GPU per `LOCAL_RANK`; gloo on CPU):
+each rank takes its slice of every global batch, so all ranks hold identical weights.
 """
 
 from __future__ import annotations
