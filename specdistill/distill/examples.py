@@ -84,10 +84,6 @@ def read_done(path: Path) -> dict[str, dict]:
     return done
 
 
-# --------------------------------------------------------------------------------------------
-# Training batches
-
-
 def read_examples(path: str, kind: str, tokenizer: PreTrainedTokenizerBase, max_len: int,
                   limit: int | None = None) -> list[Example]:
     """JSONL records into training examples; a bad line fails naming the file and line."""

@@ -100,10 +100,6 @@ def topk_forward_kl(student_logits: torch.Tensor, teacher: TopKTeacher, temperat
     return _TopKForwardKL.apply(student_logits, logp, teacher.indices.long(), valid, teacher.residual.float(), temperature)
 
 
-# --------------------------------------------------------------------------------------------
-# Divergences between two distributions given as log-probs over the same last dimension.
-
-
 def _xlogy_diff(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     """Σ p (log p − log q), with 0·log 0 = 0 and no NaN where both are -inf."""
     p = logp.exp()
@@ -112,9 +108,9 @@ def _xlogy_diff(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
 
 
 def divergence(kind: str, logp: torch.Tensor, logq: torch.Tensor, beta: float = 0.5) -> torch.Tensor:
-    """fkl is mode-covering (the draft spreads mass over all the target might say), rkl mode-seeking;
-    jsd is GKD's generalized JSD(β); tv, 1 − Σ min(p, q), is exactly the rejection probability of one
-    speculative draft token."""
+    """Between p and q as log-probs over the last dimension. fkl is mode-covering (the draft spreads mass
+    over all the target might say), rkl mode-seeking, jsd GKD's generalized JSD(β); tv, 1 − Σ min(p, q),
+    is exactly the rejection probability of one speculative draft token."""
     if kind == "fkl":
         return _xlogy_diff(logp, logq)
     if kind == "rkl":
@@ -129,10 +125,6 @@ def divergence(kind: str, logp: torch.Tensor, logq: torch.Tensor, beta: float = 
     if kind == "tv":
         return 1.0 - torch.minimum(logp.exp(), logq.exp()).sum(-1)
     raise ValueError(f"unknown divergence {kind!r}: expected one of {DIVERGENCES}")
-
-
-# --------------------------------------------------------------------------------------------
-# Per-position losses and masking
 
 
 def masked_mean(per_token: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -222,10 +214,6 @@ def mixed_loss(
     return (1 - alpha) * ce + alpha * kl
 
 
-# --------------------------------------------------------------------------------------------
-# Hidden-state alignment
-
-
 class HiddenProjection(torch.nn.Module):
     """Maps draft hidden states into the target's width (identity when they already match); learned."""
 
@@ -250,10 +238,6 @@ def hidden_cosine_loss(
         )
     cos = F.cosine_similarity(_upcast(h), _upcast(target_hidden), dim=-1, eps=1e-8)
     return masked_mean(1.0 - cos, mask)
-
-
-# --------------------------------------------------------------------------------------------
-# Selective distillation (AdaSPEC)
 
 
 def selective_mask(
@@ -302,10 +286,6 @@ def selective_distill_loss(
     )
     scale = temperature**2 if kind != "tv" else 1.0
     return scale * masked_mean(per_token, chosen)
-
-
-# --------------------------------------------------------------------------------------------
-# Reduced draft vocabulary
 
 
 def restrict_teacher_logits(teacher_logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

@@ -54,10 +54,6 @@ def teacher_positions(assistant_mask: Sequence[bool]) -> list[int]:
     return [t - 1 for t in range(1, len(assistant_mask)) if assistant_mask[t]]
 
 
-# --------------------------------------------------------------------------------------------
-# Offline cache
-
-
 class ShardCache:
     """A directory of checksummed safetensors shards (`distill.shards`), one entry per example id, under
     a JSON key file (`META`) naming what they were written for: writing resumes only into a cache of
@@ -217,10 +213,6 @@ def to_draft_space(teacher: TopKTeacher, draft_vocab: DraftVocab) -> TopKTeacher
     fallback = mapped.masked_fill(~valid, 0).max(dim=-1, keepdim=True).values  # any valid id, for padding
     indices = torch.where(valid, mapped, fallback.expand_as(mapped))
     return TopKTeacher(logprobs - norm.log().unsqueeze(-1), indices, teacher.residual / norm, valid)
-
-
-# --------------------------------------------------------------------------------------------
-# Online teacher
 
 
 class OnlineTeacher:

@@ -74,9 +74,6 @@ def apply_freeze(model: torch.nn.Module, patterns: list[str]) -> tuple[int, int]
     return trainable, frozen
 
 
-# --------------------------------------------------------------------------------------------
-# The run
-
 DISTILL_OUTPUT = "distill"  # the output kind of a training run's directory (paths.claim_output_dir)
 DISTILL_FILES = ["config.yaml", "metrics.jsonl", "train_log.jsonl", "checkpoints", "draft", "result.json",
                  "features", "features-heldout"]  # what a run writes into its out_dir
