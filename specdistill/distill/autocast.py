@@ -48,11 +48,6 @@ class AutocastProbe:
                 f"under bf16 autocast ({self.speedup:.2f}x) on {self.cpu}")
 
 
-def _head_sized(hidden: int, intermediate: int, vocab: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(3 * hidden, hidden, bias=False), nn.Linear(hidden, intermediate, bias=False),
-                         nn.SiLU(), nn.Linear(intermediate, hidden, bias=False), nn.Linear(hidden, vocab, bias=False))
-
-
 def _step_ms(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, autocast: bool) -> float:
     start = time.perf_counter()
     with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else nullcontext():
@@ -67,7 +62,8 @@ def measure_autocast(hidden: int = 576, intermediate: int = 1536, vocab: int = 8
                      repeats: int = 3) -> AutocastProbe:
     """fp32 against bf16 autocast on one head-sized training step, interleaved; the faster by `MIN_GAIN` wins."""
     generator = torch.Generator().manual_seed(0)
-    model = _head_sized(hidden, intermediate, vocab)
+    model = nn.Sequential(nn.Linear(3 * hidden, hidden, bias=False), nn.Linear(hidden, intermediate, bias=False),
+                          nn.SiLU(), nn.Linear(intermediate, hidden, bias=False), nn.Linear(hidden, vocab, bias=False))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     x = torch.randn(rows, 3 * hidden, generator=generator)
     times: dict[bool, list[float]] = {False: [], True: []}

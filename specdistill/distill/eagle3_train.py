@@ -73,9 +73,7 @@ def eagle3_examples(examples: list, feature_rows: dict | None, teacher_rows: dic
         if teacher_rows is not None:  # drop_stale kept only the examples whose entry describes them
             t, n = teacher_rows[str(ex.id)], len(answer_rows)
             top = losses.TopKTeacher(t["logprobs"][:n].float(), t["indices"][:n].long(), t["residual"][:n].float())
-            if top_k and top_k < top.logprobs.shape[-1]:
-                dropped = top.logprobs[:, top_k:].exp().sum(-1)
-                top = losses.TopKTeacher(top.logprobs[:, :top_k], top.indices[:, :top_k], top.residual + dropped)
+            top = top.truncated(top_k)
             if remap:
                 top = to_draft_space(top, draft_vocab)
                 keep = top.valid[:, 0]  # the cache's rows are sorted: column 0 is the target's argmax

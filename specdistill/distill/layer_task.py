@@ -93,15 +93,9 @@ def batch_loss(config: DistillConfig, logits, hidden, batch: Batch, *, teacher=N
 
     target_hidden = None
     if cache_rows is not None:
-        parts = [cache_rows[ex_id] for ex_id in batch.ids]
-        top = losses.TopKTeacher(
-            torch.cat([p["logprobs"][:n] for p, n in zip(parts, batch.rows_per_example)]),
-            torch.cat([p["indices"][:n] for p, n in zip(parts, batch.rows_per_example)]).long(),
-            torch.cat([p["residual"][:n] for p, n in zip(parts, batch.rows_per_example)]),
-        )
-        if lc.top_k and lc.top_k < top.logprobs.shape[-1]:  # a smaller k than cached: the rest joins the bucket
-            dropped = top.logprobs[:, lc.top_k:].exp().sum(-1)
-            top = losses.TopKTeacher(top.logprobs[:, : lc.top_k], top.indices[:, : lc.top_k], top.residual + dropped)
+        parts = [(cache_rows[ex_id], n) for ex_id, n in zip(batch.ids, batch.rows_per_example)]
+        logprobs, indices, residual = (torch.cat([p[key][:n] for p, n in parts]) for key in ("logprobs", "indices", "residual"))
+        top = losses.TopKTeacher(logprobs, indices.long(), residual).truncated(lc.top_k)
         teacher_signal = (to_draft_space(top, draft_vocab) if remap else top).to(logits.device)
     else:
         teacher_logits, target_hidden = teacher(batch.input_ids, batch.attention, batch.positions)

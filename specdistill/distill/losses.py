@@ -44,6 +44,13 @@ class TopKTeacher:
         valid = None if self.valid is None else self.valid[mask]
         return TopKTeacher(self.logprobs[mask], self.indices[mask], self.residual[mask], valid)
 
+    def truncated(self, k: int | None) -> TopKTeacher:
+        """At most k entries (a smaller k than cached): the others' mass joins the residual bucket."""
+        if not k or k >= self.logprobs.shape[-1]:
+            return self
+        dropped = self.logprobs[:, k:].exp().sum(-1)
+        return TopKTeacher(self.logprobs[:, :k], self.indices[:, :k], self.residual + dropped)
+
 
 def topk_rows(logits: torch.Tensor, k: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The k largest log-probs per position at `temperature`, their ids (int32) and the mass of the rest."""
