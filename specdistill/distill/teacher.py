@@ -23,7 +23,6 @@ from transformers import PreTrainedModel
 from specdistill import paths
 from specdistill.distill import shards
 from specdistill.distill.losses import TopKTeacher
-from specdistill.distill.shards import load_shards  # noqa: F401  (part of this module's API)
 from specdistill.modeling.vocab import DraftVocab
 
 CACHE_META = "teacher_cache.json"

@@ -34,13 +34,11 @@ from specdistill.distill.checkpoints import checkpoint_dirs, load_checkpoint, sa
 from specdistill.distill.config import DistillConfig, save_config
 from specdistill.distill.eagle3_train import Eagle3Task
 from specdistill.distill.examples import DataOrder, read_examples
-from specdistill.distill.layer_task import DraftWithHead, LayerTask, batch_loss, heldout_acceptance
+from specdistill.distill.layer_task import LayerTask
 from specdistill.distill.trained import HeldoutAcceptance, Trained
 from specdistill.modeling import models
 from specdistill.modeling.fingerprints import weights_digest
 from specdistill.modeling.models import LoadedModel, check_device
-
-__all__ = ["DraftWithHead", "NonFiniteLossError", "batch_loss", "distill", "heldout_acceptance", "lr_at"]
 
 
 class NonFiniteLossError(RuntimeError):
