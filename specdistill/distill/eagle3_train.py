@@ -148,12 +148,9 @@ def collate_eagle3(examples: list[Eagle3Example], steps: int) -> Eagle3Batch:
 
 def eagle3_loss(step_logits: list[torch.Tensor], batch: Eagle3Batch, *, decay: float = 0.8, kind: str = "fkl",
                 temperature: float = 1.0, fused: bool = True) -> torch.Tensor:
-    """Σ_j decay^j · mean divergence of step j over its trained rows, over Σ_j decay^j of the steps with rows.
-
-    A row is trained when the step's target token is an answer token and the target's argmax is in
-    the draft vocabulary (`Eagle3Batch.trained`). Step logits are [B, T, V], or [rows, V] for the
-    trained rows only (`Eagle3Draft.unroll(keep=...)`, which skips the lm_head everywhere else). Forward
-    KL runs fused (`losses.topk_forward_kl`) unless `fused=False`."""
+    """Σ_j decay^j · mean divergence of step j over its trained rows (`Eagle3Batch.trained`), over Σ_j decay^j
+    of the steps with rows. Step logits are [B, T, V], or [rows, V] for the trained rows only
+    (`Eagle3Draft.unroll(keep=...)` skips the lm_head elsewhere). Forward KL runs fused unless `fused=False`."""
     total = weight = 0.0
     for j, logits in enumerate(step_logits):
         sel = batch.trained(j)

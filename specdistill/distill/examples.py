@@ -28,10 +28,8 @@ class Example:
 def encode_conversation(tokenizer: PreTrainedTokenizerBase, messages: Sequence, max_len: int | None = None) -> Example:
     """Chat-template a whole conversation and mark every assistant turn (its content and end token).
 
-    Each assistant turn is located by rendering the conversation up to its header and up to its
-    end: the template is applied to prefixes, so the marked tokens are exactly the ones the
-    assistant produced, whatever the template adds around them.
-    """
+    Each turn is located by rendering the conversation up to its header and up to its end, so the marked
+    tokens are exactly the assistant's, whatever the template adds around them."""
     msgs = as_messages(messages)
     eos = tokenizer.eos_token_id
     ids: list[int] = []

@@ -138,9 +138,8 @@ class _Done(Exception):
 class OnlineFeatures:
     """`eagle3.features: online`: the target's feature pass inside each training batch, nothing on disk.
 
-    Called with the batch's examples (`Eagle3Example`: ids and first stored position), it returns their
-    features [B, T, 3·H] laid out as `collate_eagle3` lays out cached ones, in the cache's dtype (bf16),
-    from the same right-padded forward a cache build runs; the target stops at the last feature layer."""
+    Returns the batch's (`Eagle3Example`s) features [B, T, 3·H] as `collate_eagle3` lays out cached ones,
+    in bf16, from the forward a cache build runs; the target stops at the last feature layer."""
 
     def __init__(self, target: PreTrainedModel, layers: list[int], dtype: torch.dtype):
         self.target = target if target.dtype == dtype else copy.deepcopy(target).to(dtype)

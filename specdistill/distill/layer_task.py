@@ -76,11 +76,9 @@ def _build_draft_vocab(config: DistillConfig, examples: list[Example], tokenizer
 def batch_loss(config: DistillConfig, logits, hidden, batch: Batch, *, teacher=None, cache_rows: dict | None = None,
                remap: bool = False, draft_vocab: DraftVocab | None = None, module: DraftWithHead | None = None,
                reference: DraftWithHead | None = None) -> torch.Tensor:
-    """The training loss of one batch, as `distill` computes it, from the draft's `logits, hidden = module(...)`.
-
-    The teacher is either `teacher` (an OnlineTeacher) or `cache_rows` (TeacherCache.load_all(); `remap` when
-    the cache holds full-vocabulary rows for a reduced `draft_vocab`); `module` supplies the hidden-state
-    projection when loss.hidden_weight > 0, `reference` the reference model of selective (AdaSpec) distillation."""
+    """The training loss of one batch from the draft's `logits, hidden = module(...)`, against `teacher` (an
+    OnlineTeacher) or `cache_rows` (`remap`: full-vocabulary rows for a reduced `draft_vocab`); `module`
+    projects hidden states (loss.hidden_weight), `reference` is selective (AdaSpec) distillation's."""
     lc = config.loss
     labels = batch.labels
     label_mask = None

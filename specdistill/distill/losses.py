@@ -150,11 +150,8 @@ def per_token_divergence(
     temperature: float = 1.0,
     beta: float = 0.5,
 ) -> torch.Tensor:
-    """Divergence at every position, against full teacher logits or a top-k teacher with residual bucket.
-
-    A `TopKTeacher` is taken as already at `temperature` (the cache records the temperature it was
-    written at); full teacher logits are scaled here.
-    """
+    """Divergence at every position, against full teacher logits (scaled here by `temperature`) or a
+    `TopKTeacher` (already at it: the cache records the temperature it was written at)."""
     if isinstance(teacher, TopKTeacher):
         # k + 1 buckets: the k tokens, then the residual. Invalid entries (padding that repeats a valid
         # index) get -inf on both sides: they add nothing.
@@ -253,11 +250,8 @@ def selective_mask(
     mask: torch.Tensor,
     keep_fraction: float,
 ) -> torch.Tensor:
-    """Keep the top `keep_fraction` of assistant tokens by KL(p‖q_draft) − KL(p‖q_ref).
-
-    AdaSPEC's point: tokens that even a well-trained reference draft cannot fit are capacity the
-    small draft should not spend; the ones where the draft lags the reference most are learnable.
-    """
+    """Keep the top `keep_fraction` of assistant tokens by KL(p‖q_draft) − KL(p‖q_ref) (AdaSPEC): tokens
+    even a well-trained reference cannot fit are capacity the small draft should not spend."""
     mask = mask.bool()
     n = int(mask.sum())
     keep = max(1, math.ceil(keep_fraction * n)) if n else 0

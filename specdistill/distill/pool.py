@@ -126,7 +126,6 @@ class AnswerPool:
         self.manifest["updated_at"] = _now()
         _write_json(self.dir / POOL_MANIFEST, self.manifest)
 
-    # growing -------------------------------------------------------------------------------
     def hold_out(self, records: Iterable[dict]) -> int:
         """Record evaluated prompts (answer records, or {"id", "prompt_ids"}): they never enter a view."""
         ids, prompts = set(self.manifest["held_out_ids"]), set(self.manifest["held_out_prompts"])
@@ -165,7 +164,6 @@ class AnswerPool:
         self.save()
         return night
 
-    # bounding ------------------------------------------------------------------------------
     def disk_bytes(self) -> int:
         return sum(n.disk_bytes() for n in self.nights)
 
@@ -200,7 +198,6 @@ class AnswerPool:
         shutil.rmtree(self.dir, ignore_errors=True)
         return size
 
-    # reading -------------------------------------------------------------------------------
     def recent_prompts(self, n: int, exclude: Iterable[str] = ()) -> list[dict]:
         """The `n` most recent distinct prompts answered here (newest night first), never a held-out one:
         what a new target version re-answers to start its own pool."""

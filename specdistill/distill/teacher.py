@@ -163,11 +163,9 @@ def check_entry(entry: dict[str, torch.Tensor], ex_id: str, input_ids: Sequence[
 
 
 def drop_stale(examples: Sequence, rows: dict[str, dict[str, torch.Tensor]], source: str | os.PathLike) -> tuple[list, list[str]]:
-    """The examples whose teacher entry describes exactly their tokens, and the ids of the others.
-
-    A stale entry (rows written for another answer to the same prompt: greedy answers in reduced
-    precision can differ between nights at numerical near-ties) is dropped and counted, never
-    trained on and never fatal; one missing entry is an error (the cache does not belong to the data)."""
+    """The examples whose teacher entry describes exactly their tokens, and the ids of the others: a stale
+    entry (another answer to the same prompt: reduced-precision greedy answers can differ between nights at
+    near-ties) is dropped and counted, never fatal; a missing one is an error (the cache is other data's)."""
     kept, stale = [], []
     for ex in examples:
         entry = rows.get(str(ex.id))
@@ -198,12 +196,9 @@ def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Ten
 
 
 def to_draft_space(teacher: TopKTeacher, draft_vocab: DraftVocab) -> TopKTeacher:
-    """A full-vocabulary top-k teacher seen by a reduced-vocabulary draft.
-
-    Top-k entries outside the kept tokens are dropped (marked invalid); the rest, and the residual
-    bucket, are renormalized. The residual then also holds the out-of-vocabulary mass below the
-    top k, a small overestimate (the top-k entries usually hold > 95% of the mass).
-    """
+    """A full-vocabulary top-k teacher seen by a reduced-vocabulary draft: entries outside the kept tokens
+    are marked invalid, the rest and the residual renormalized. The residual then also holds the
+    out-of-vocabulary mass below the top k, a small overestimate (the top k usually hold > 95%)."""
     mapped = draft_vocab.to_draft_ids(teacher.indices)
     valid = mapped >= 0
     logprobs = teacher.logprobs.masked_fill(~valid, float("-inf"))
