@@ -60,7 +60,7 @@ class Eagle3Example:
 
 def eagle3_examples(examples: list, feature_rows: dict | None, teacher_rows: dict | None, draft_vocab: DraftVocab,
                     prompt_context: int | None, remap: bool, top_k: int | None = None) -> list[Eagle3Example]:
-    """Join examples with their cache entries (checked: a stale entry fails naming the example); without
+    """Join examples with their cache entries (a stale feature entry fails naming the example); without
     feature rows (`features: online`) the examples carry none."""
     out = []
     for ex in examples:

@@ -124,7 +124,6 @@ class LayerTask:
                  heldout: list[Example], device: torch.device):
         self.config, self.examples, self.replay, self.heldout, self.device = config, examples, replay, heldout, device
         self.stale_dropped = 0  # examples whose cached teacher rows were written for other token ids
-        tok = target.tokenizer
         if config.draft:
             loaded = models.load_model(config.draft, dtype="float32")  # trained: fp32 master weights
             draft = loaded.model
@@ -136,7 +135,7 @@ class LayerTask:
         else:
             layers = parse_layers(config.layers, target.config.num_hidden_layers)
             draft = init_draft_from_target(target.model, layers)
-            draft_vocab = _build_draft_vocab(config, examples, tok, target.config.vocab_size)
+            draft_vocab = _build_draft_vocab(config, examples, target.tokenizer, target.config.vocab_size)
         draft.train()
         self.draft, self.draft_vocab, self.layers = draft, draft_vocab, layers
 
@@ -153,7 +152,6 @@ class LayerTask:
             self.replay, stale_replay = drop_stale(replay, self.cache_rows, config.teacher.cache_dir)
             self.stale_dropped = len(stale) + len(stale_replay)
             self.remap = cache.meta["vocab"] == "full" and draft_vocab is not None
-        target_width = target.config.hidden_size
         if config.teacher.mode == "none":
             target.model = None  # hard labels only: free the target, it is not needed during training
 
@@ -162,7 +160,7 @@ class LayerTask:
             ref = models.load_model(config.loss.selective_reference, dtype="float32")  # scored beside the fp32 draft
             self.reference = DraftWithHead(ref.model, DraftVocab.load(config.loss.selective_reference) or draft_vocab).eval()
             self.reference.to(device)
-        self.module = DraftWithHead(draft, draft_vocab, target_width).to(device)
+        self.module = DraftWithHead(draft, draft_vocab, target.config.hidden_size).to(device)
 
     def micro_loss(self, model, indices: list[int], step: int, micro: int, autocast):
         """(loss, trained tokens, example ids) of one micro-batch; `model` is the module or its DDP wrapper."""
@@ -176,7 +174,7 @@ class LayerTask:
         with autocast:
             logits, hidden = model(batch.input_ids, batch.attention, batch.positions)
         loss = batch_loss(config, logits, hidden, batch, teacher=self.teacher, cache_rows=self.cache_rows,
-                          remap=self.remap if self.cache_rows else False, draft_vocab=self.draft_vocab,
+                          remap=self.remap, draft_vocab=self.draft_vocab,
                           module=self.module, reference=self.reference)
         return loss, int(batch.positions.sum()), batch.ids
 
