@@ -67,9 +67,9 @@ def check_budget(examples: Sequence, hidden_size: int, prompt_context: int | Non
                  n_layers: int = 3) -> tuple[int, int]:
     """(positions, bytes) the cache will hold; fails before any work when over `max_bytes`."""
     positions = sum(max(0, len(ex.input_ids) - 1 - feature_start(ex.assistant_mask, prompt_context)) for ex in examples)
-    size = positions * bytes_per_token(hidden_size, n_layers)
+    per = bytes_per_token(hidden_size, n_layers)
+    size = positions * per
     if max_bytes is not None and size > max_bytes:
-        per = bytes_per_token(hidden_size, n_layers)
         raise FeatureCacheTooLargeError(
             f"feature cache needs {size / 1e9:.3f} GB ({positions} positions x {per} bytes: {n_layers} layers x "
             f"{hidden_size} x bf16) for {len(examples)} sequences, over the budget of {max_bytes / 1e9:.3f} GB: "
