@@ -213,9 +213,7 @@ class OnlineTeacher:
     """The target's forward pass inside the training step; returns logits at the requested positions."""
 
     def __init__(self, target: PreTrainedModel, draft_vocab: DraftVocab | None = None, with_hidden: bool = False):
-        self.target = target.eval()
-        for p in self.target.parameters():
-            p.requires_grad_(False)
+        self.target = target.eval().requires_grad_(False)
         self.draft_vocab = draft_vocab
         self.with_hidden = with_hidden
 

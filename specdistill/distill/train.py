@@ -59,14 +59,10 @@ def lr_at(step: int, cfg, train_seconds: float = 0.0) -> float:
 
 
 def apply_freeze(model: torch.nn.Module, patterns: list[str]) -> tuple[int, int]:
-    trainable = frozen = 0
     for name, p in model.named_parameters():
-        keep_frozen = any(pat in name for pat in patterns)
-        p.requires_grad_(not keep_frozen)
-        if keep_frozen:
-            frozen += p.numel()
-        else:
-            trainable += p.numel()
+        p.requires_grad_(not any(pat in name for pat in patterns))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     if trainable == 0:
         raise ValueError(f"freeze patterns {patterns} freeze every parameter")
     return trainable, frozen
