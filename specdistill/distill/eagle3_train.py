@@ -1,9 +1,9 @@
 """Training an EAGLE-3 head: batches from the feature and teacher caches, the unrolled loss, held-out acceptance.
 
 Entry t pairs the target's features at t with token t+1; unroll step j at entry t predicts token
-u = t+2+j against the cached top-k row of u, in draft space (`teacher.to_draft_space`: renormalized over
-the kept tokens, the residual one bucket), weighted 0.8^j; rows whose target argmax is outside the draft
-vocabulary are masked (no draft parameter can agree there).
+u = t+2+j, by forward KL to the cached top-k row of u in draft space (`teacher.to_draft_space`:
+renormalized over the kept tokens, the residual one bucket), weighted 0.8^j; rows whose target argmax
+is outside the draft vocabulary are masked (no draft parameter can agree there).
 
 Held-out acceptance: per draft position j+1, greedy agreement with the target's continuation, and the
 chained share (positions 1..i all agree) a drafting round accepts; τ(γ) from the chain, and from
