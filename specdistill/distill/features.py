@@ -66,7 +66,8 @@ def bytes_per_token(hidden_size: int, n_layers: int = 3) -> int:
 def check_budget(examples: Sequence, hidden_size: int, prompt_context: int | None, max_bytes: float | None,
                  n_layers: int = 3) -> tuple[int, int]:
     """(positions, bytes) the cache will hold; fails before any work when over `max_bytes`."""
-    positions = sum(max(0, len(ex.input_ids) - 1 - feature_start(ex.assistant_mask, prompt_context)) for ex in examples)
+    positions = sum(max(0, len(ex.input_ids) - 1 - feature_start(ex.assistant_mask, prompt_context))
+                    for ex in examples)
     per = bytes_per_token(hidden_size, n_layers)
     size = positions * per
     if max_bytes is not None and size > max_bytes:

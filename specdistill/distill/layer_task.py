@@ -92,7 +92,8 @@ def batch_loss(config: DistillConfig, logits, hidden, batch: Batch, *, teacher=N
     target_hidden = None
     if cache_rows is not None:
         parts = [(cache_rows[ex_id], n) for ex_id, n in zip(batch.ids, batch.rows_per_example)]
-        logprobs, indices, residual = (torch.cat([p[key][:n] for p, n in parts]) for key in ("logprobs", "indices", "residual"))
+        logprobs, indices, residual = (torch.cat([p[key][:n] for p, n in parts])
+                                       for key in ("logprobs", "indices", "residual"))
         top = losses.TopKTeacher(logprobs, indices.long(), residual).truncated(lc.top_k)
         teacher_signal = (to_draft_space(top, draft_vocab) if remap else top).to(logits.device)
     else:
