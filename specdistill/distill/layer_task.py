@@ -153,6 +153,7 @@ class LayerTask:
             self.replay, stale_replay = drop_stale(replay, self.cache_rows, config.teacher.cache_dir)
             self.stale_dropped = len(stale) + len(stale_replay)
             self.remap = cache.meta["vocab"] == "full" and draft_vocab is not None
+        target_width = target.config.hidden_size  # read before a teacher-less run frees the target's model
         if config.teacher.mode == "none":
             target.model = None  # hard labels only: free the target, it is not needed during training
 
@@ -161,7 +162,7 @@ class LayerTask:
             ref = models.load_model(config.loss.selective_reference, dtype="float32")  # scored beside the fp32 draft
             self.reference = DraftWithHead(ref.model, DraftVocab.load(config.loss.selective_reference) or draft_vocab).eval()
             self.reference.to(device)
-        self.module = DraftWithHead(draft, draft_vocab, target.config.hidden_size).to(device)
+        self.module = DraftWithHead(draft, draft_vocab, target_width).to(device)
 
     def micro_loss(self, model, indices: list[int], step: int, micro: int, autocast):
         """(loss, trained tokens, example ids) of one micro-batch; `model` is the module or its DDP wrapper."""
