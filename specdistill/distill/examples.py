@@ -51,8 +51,7 @@ def encode_conversation(tokenizer: PreTrainedTokenizerBase, messages: Sequence, 
         ids = head + answer
     if not ids:
         raise ValueError("conversation has no assistant turn to learn from")
-    if max_len is not None:
-        ids, mask = ids[:max_len], mask[:max_len]
+    ids, mask = ids[:max_len], mask[:max_len]  # [:None] keeps all
     return Example("", ids, mask)
 
 
@@ -62,8 +61,7 @@ def encode_generated(tokenizer: PreTrainedTokenizerBase, record: dict, max_len: 
     answer = list(record["response_ids"])
     ids = list(head) + answer
     mask = [False] * len(head) + [True] * len(answer)
-    if max_len is not None:
-        ids, mask = ids[:max_len], mask[:max_len]
+    ids, mask = ids[:max_len], mask[:max_len]
     return Example(str(record["id"]), ids, mask)
 
 
