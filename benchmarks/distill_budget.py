@@ -210,7 +210,7 @@ def train_all(args, state) -> list[dict]:
     # temperature: the recorded cache is at T=1; T=2 needs one teacher-forced target pass over the answers
     t2_dir = work / "teacher_cache_T2"
     if not args.only or "T2" in args.only:
-        from specdistill.distill.teacher import build_cache
+        from specdistill.distill.features import build_cache
 
         log("teacher cache at T=2 (one target pass over the training answers)")
         build_cache(target.model, read_examples(str(gen_train), "generated", tok, args.max_len), t2_dir,

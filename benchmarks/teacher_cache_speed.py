@@ -20,8 +20,8 @@ import torch
 import specdistill  # noqa: F401  (offline environment)
 from specdistill.distill.config import load_config
 from specdistill.distill.examples import collate, read_examples
+from specdistill.distill.layer_task import DraftWithHead, batch_loss
 from specdistill.distill.teacher import OnlineTeacher, TeacherCache
-from specdistill.distill.train import DraftWithHead, batch_loss
 from specdistill.modeling.drafts import init_draft_from_target, parse_layers
 from specdistill.modeling.models import load_model
 from specdistill.modeling.vocab import DraftVocab

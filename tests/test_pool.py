@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from specdistill.distill.features import FeatureCache
 from specdistill.distill.pool import AnswerPool, PoolWarning, pools, retire_pools
-from specdistill.distill.shards import intact_keys
-from specdistill.distill.teacher import TeacherCache, check_entry, load_shards
+from specdistill.distill.shards import intact_keys, load_shards
+from specdistill.distill.teacher import TeacherCache, check_entry
 
 FP = "fp-target-a"
 

@@ -7,11 +7,11 @@ import torch
 
 from specdistill.distill import losses
 from specdistill.distill.examples import Example
+from specdistill.distill.features import build_cache
 from specdistill.distill.teacher import (
     OnlineTeacher,
     StaleTeacherCacheError,
     TeacherCache,
-    build_cache,
     check_entry,
     data_hash,
     drop_stale,

@@ -14,7 +14,8 @@ from specdistill.data.prompts import Prompt
 from specdistill.distill import losses
 from specdistill.distill.config import load_config
 from specdistill.distill.examples import read_examples
-from specdistill.distill.teacher import TeacherCache, build_cache
+from specdistill.distill.features import build_cache
+from specdistill.distill.teacher import TeacherCache
 from specdistill.distill.train import NonFiniteLossError, distill
 from specdistill.modeling.vocab import DRAFT_VOCAB_FILE
 from specdistill.pipeline.answers.harness import generate_answers
@@ -269,8 +270,8 @@ def test_batches_and_teacher_rows_move_together():
 def test_batch_loss_is_the_same_with_the_online_teacher_and_a_full_cache(tmp_path):
     """The public one-batch loss (what benchmarks/teacher_cache_speed.py times), on a tiny random target."""
     from specdistill.distill.examples import Example, collate
+    from specdistill.distill.layer_task import DraftWithHead, batch_loss
     from specdistill.distill.teacher import OnlineTeacher
-    from specdistill.distill.train import DraftWithHead, batch_loss
     from specdistill.modeling.drafts import init_draft_from_target
     from tests.conftest import make_tiny_llama
 

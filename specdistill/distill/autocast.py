@@ -1,13 +1,11 @@
 """Does bf16 autocast pay for training on this CPU? Measured once per CPU, not assumed from its flags.
 
-A CPU with native bf16 runs bf16 matmuls in hardware, but how fast differs by kind. On a 2-core
-native-bf16 CPU the nightly's head once trained 1.43x the steps per minute under autocast (the reason
-it became the default); on a 2-core Intel Xeon with AVX-512 BF16 and no AMX the same 600 steps of the
-demo's head took 4.69 minutes under autocast and 3.34 in fp32, at the same held-out acceptance
-(benchmarks/head_recipe.py). So `optim.bf16: null` asks this probe: one training step of a head-sized
-network (fc over three feature layers, an MLP, an 8k-token lm_head, 256 rows; forward, backward,
-AdamW) in fp32 and under autocast, interleaved, median of the repeats. Autocast when it is at least
-5% faster. The answer is cached per CPU and torch version (`probe_autocast(cache=...)`).
+On a 2-core native-bf16 CPU the nightly's head trained 1.43x the steps per minute under autocast (why it
+became the default); on a 2-core Xeon with AVX-512 BF16 and no AMX, 600 steps of the demo's head took 4.69
+minutes under autocast and 3.34 in fp32, at the same held-out acceptance (benchmarks/head_recipe.py). So
+`optim.bf16: null` asks this probe: one training step of a head-sized network (fc over three feature
+layers, an MLP, an 8k-token lm_head, 256 rows; forward, backward, AdamW) in fp32 and under autocast,
+interleaved, median of the repeats; autocast when 5% faster. Cached per CPU and torch version.
 """
 
 from __future__ import annotations
@@ -50,11 +48,6 @@ class AutocastProbe:
                 f"under bf16 autocast ({self.speedup:.2f}x) on {self.cpu}")
 
 
-def _head_sized(hidden: int, intermediate: int, vocab: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(3 * hidden, hidden, bias=False), nn.Linear(hidden, intermediate, bias=False),
-                         nn.SiLU(), nn.Linear(intermediate, hidden, bias=False), nn.Linear(hidden, vocab, bias=False))
-
-
 def _step_ms(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, autocast: bool) -> float:
     start = time.perf_counter()
     with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else nullcontext():
@@ -69,7 +62,8 @@ def measure_autocast(hidden: int = 576, intermediate: int = 1536, vocab: int = 8
                      repeats: int = 3) -> AutocastProbe:
     """fp32 against bf16 autocast on one head-sized training step, interleaved; the faster by `MIN_GAIN` wins."""
     generator = torch.Generator().manual_seed(0)
-    model = _head_sized(hidden, intermediate, vocab)
+    model = nn.Sequential(nn.Linear(3 * hidden, hidden, bias=False), nn.Linear(hidden, intermediate, bias=False),
+                          nn.SiLU(), nn.Linear(intermediate, hidden, bias=False), nn.Linear(hidden, vocab, bias=False))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     x = torch.randn(rows, 3 * hidden, generator=generator)
     times: dict[bool, list[float]] = {False: [], True: []}

@@ -35,7 +35,7 @@ def save_checkpoint(out_dir: Path, step: int, module: torch.nn.Module, optimizer
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     state = {k: v.detach().contiguous().clone() for k, v in module.state_dict().items()}
-    save_file(_untie(state), str(tmp / "model.safetensors"))
+    save_file(state, str(tmp / "model.safetensors"))  # cloned: tied weights no longer share storage
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step, "data": order.state(), "python_rng": random.getstate(),
@@ -46,16 +46,6 @@ def save_checkpoint(out_dir: Path, step: int, module: torch.nn.Module, optimizer
     for old in checkpoint_dirs(out_dir)[: -config.keep_checkpoints]:
         shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def _untie(state: dict) -> dict:
-    """safetensors refuses shared storage: tied tensors are stored once each as separate copies."""
-    seen, out = set(), {}
-    for k, v in state.items():
-        ptr = v.data_ptr()
-        out[k] = v.clone() if ptr in seen else v
-        seen.add(ptr)
-    return out
 
 
 class CheckpointError(ValueError):

@@ -181,7 +181,6 @@ class DistillConfig(Strict):
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> DistillConfig:
-    """The distillation config (see load_model_config)."""
     return load_model_config(DistillConfig, path, overrides)
 
 

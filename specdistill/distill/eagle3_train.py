@@ -1,20 +1,18 @@
 """Training an EAGLE-3 head: batches from the feature and teacher caches, the unrolled loss, held-out acceptance.
 
-Entry t of a sequence pairs the target's features at t with token t+1; step j of the training-time
-test at entry t predicts token u = t+2+j, and its teacher is the target's distribution at u-1 (the
-cached top-k row of token u). The loss is forward KL to that distribution restricted to the draft
-vocabulary (`teacher.to_draft_space`: renormalized over the kept tokens, the rest of the top-k
-dropped, the residual mass kept as one bucket), weighted 0.8^j over steps; rows whose target argmax
-lies outside the draft vocabulary are masked (no draft parameter can agree there).
+Entry t pairs the target's features at t with token t+1; unroll step j at entry t predicts token
+u = t+2+j, by forward KL to the cached top-k row of u in draft space (`teacher.to_draft_space`:
+renormalized over the kept tokens, the residual one bucket), weighted 0.8^j; rows whose target argmax
+is outside the draft vocabulary are masked (no draft parameter can agree there).
 
-Held-out acceptance: greedy top-1 agreement of step j with the target's greedy continuation (the
-held-out answers), per draft position j+1, and the chained share (positions 1..i all agree) that a
-drafting round actually accepts; τ(γ) from the chain, and from position 1 under the i.i.d. model
-(the number the layer drafts report).
+Held-out acceptance: per draft position j+1, greedy agreement with the target's continuation, and the
+chained share (positions 1..i all agree) a drafting round accepts; τ(γ) from the chain, and from
+position 1 under the i.i.d. model (the number the layer drafts report).
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +32,8 @@ from specdistill.distill.features import (
     feature_start,
 )
 from specdistill.distill.layer_task import _build_draft_vocab
-from specdistill.distill.teacher import TeacherCache, check_entry, drop_stale, teacher_positions, to_draft_space
-from specdistill.distill.trained import HeldoutAcceptance, TaskDescription
+from specdistill.distill.teacher import TeacherCache, drop_stale, teacher_positions, to_draft_space
+from specdistill.distill.trained import HeldoutAcceptance
 from specdistill.modeling import eagle3_io
 from specdistill.modeling.eagle3 import Eagle3Draft, check_head_fits, default_aux_layers, init_eagle3_from_target
 from specdistill.modeling.eagle3_io import load_eagle3
@@ -62,7 +60,7 @@ class Eagle3Example:
 
 def eagle3_examples(examples: list, feature_rows: dict | None, teacher_rows: dict | None, draft_vocab: DraftVocab,
                     prompt_context: int | None, remap: bool, top_k: int | None = None) -> list[Eagle3Example]:
-    """Join examples with their cache entries (checked: a stale entry fails naming the example); without
+    """Join examples with their cache entries (a stale feature entry fails naming the example); without
     feature rows (`features: online`) the examples carry none."""
     out = []
     for ex in examples:
@@ -72,16 +70,10 @@ def eagle3_examples(examples: list, feature_rows: dict | None, teacher_rows: dic
         answer_rows = teacher_positions(ex.assistant_mask)
         row_of = torch.full((len(ex.input_ids),), -1, dtype=torch.long)
         row_of[torch.tensor(answer_rows, dtype=torch.long) + 1] = torch.arange(len(answer_rows))
-        if teacher_rows is not None:
-            t = teacher_rows.get(str(ex.id))
-            if t is None:
-                raise ValueError(f"teacher cache has no entry for example {ex.id!r}")
-            check_entry(t, str(ex.id), ex.input_ids, len(answer_rows))
-            n = len(answer_rows)
+        if teacher_rows is not None:  # drop_stale kept only the examples whose entry describes them
+            t, n = teacher_rows[str(ex.id)], len(answer_rows)
             top = losses.TopKTeacher(t["logprobs"][:n].float(), t["indices"][:n].long(), t["residual"][:n].float())
-            if top_k and top_k < top.logprobs.shape[-1]:
-                dropped = top.logprobs[:, top_k:].exp().sum(-1)
-                top = losses.TopKTeacher(top.logprobs[:, :top_k], top.indices[:, :top_k], top.residual + dropped)
+            top = top.truncated(top_k)
             if remap:
                 top = to_draft_space(top, draft_vocab)
                 keep = top.valid[:, 0]  # the cache's rows are sorted: column 0 is the target's argmax
@@ -156,21 +148,15 @@ def collate_eagle3(examples: list[Eagle3Example], steps: int) -> Eagle3Batch:
 
 def eagle3_loss(step_logits: list[torch.Tensor], batch: Eagle3Batch, *, decay: float = 0.8, kind: str = "fkl",
                 temperature: float = 1.0, fused: bool = True) -> torch.Tensor:
-    """Σ_j decay^j · mean divergence of step j over its trained rows, over Σ_j decay^j of the steps with rows.
-
-    A row is trained when the step's target token is an answer token and the target's argmax is in
-    the draft vocabulary (`Eagle3Batch.trained`). Step logits are [B, T, V], or [rows, V] for the
-    trained rows only (`Eagle3Draft.unroll(keep=...)`, which skips the lm_head everywhere else). Forward
-    KL runs fused (`losses.topk_forward_kl`) unless `fused=False`."""
+    """Σ_j decay^j · mean divergence of step j over its trained rows (`Eagle3Batch.trained`), over Σ_j decay^j
+    of the steps with rows. Step logits are [B, T, V], or [rows, V] for the trained rows only
+    (`Eagle3Draft.unroll(keep=...)` skips the lm_head elsewhere). Forward KL runs fused unless `fused=False`."""
     total = weight = 0.0
     for j, logits in enumerate(step_logits):
         sel = batch.trained(j)
         if not bool(sel.any()):
             continue
-        picked = batch.rows[j][sel]
-        top = batch.teacher
-        teacher = losses.TopKTeacher(top.logprobs[picked], top.indices[picked], top.residual[picked],
-                                     None if top.valid is None else top.valid[picked])
+        teacher = batch.teacher.select(batch.rows[j][sel])
         rows = logits[sel] if logits.dim() == 3 else logits
         if fused and kind == "fkl":
             per_row = losses.topk_forward_kl(rows, teacher, temperature)
@@ -225,17 +211,11 @@ def eagle3_heldout_acceptance(head: Eagle3Draft, examples: list[Eagle3Example], 
                              per_position, accepted, g, 1.0 + sum(accepted[:g]))
 
 
-def _features_of_other_tokens(entry: dict[str, torch.Tensor] | None, input_ids: list[int]) -> bool:
-    return entry is not None and entry["input_ids"].tolist()[: len(input_ids)] != list(input_ids)
-
-
 class Eagle3Task:
     """The EAGLE-3 kind: a head over the target's features, trained from the feature and teacher
     caches (built in one teacher-forced target pass when absent); what `train.distill` needs of a kind."""
 
     def __init__(self, config, target, examples: list, replay: list, heldout: list, device: torch.device):
-        import copy
-
         e = config.eagle3
         self.config, self.device = config, device
         if config.draft:
@@ -296,8 +276,8 @@ class Eagle3Task:
         rows, teacher_rows = (None if online else features.load_all()), teacher.load_all()
         remap = teacher.meta["vocab"] == "full"
         examples, stale = drop_stale(examples, teacher_rows, cache_dir)
-        other_answer = [ex for ex in examples if rows is not None
-                        and _features_of_other_tokens(rows.get(str(ex.id)), ex.input_ids)]
+        other_answer = [ex for ex in examples if rows is not None and str(ex.id) in rows
+                        and rows[str(ex.id)]["input_ids"].tolist()[: len(ex.input_ids)] != ex.input_ids]
         if other_answer:  # the same rule as the teacher's rows: dropped and counted, never trained on
             print(f"feature cache {feature_dir}: {len(other_answer)} examples dropped, their entries were written "
                   "for other token ids", file=sys.stderr)
@@ -323,16 +303,14 @@ class Eagle3Task:
         self.feature_bytes = (disk, disk / max(1, answer_tokens))  # on disk, per answer token
         self.module = Eagle3Trainee(head, e.steps).to(device)
 
-    def micro_loss(self, model, indices: list[int], step: int, micro: int, autocast=None):
-        from contextlib import nullcontext
-
+    def micro_loss(self, model, indices: list[int], step: int, micro: int, autocast):
         chosen = [self.examples[i] for i in indices]
         batch = collate_eagle3(chosen, self.module.steps)
         if batch.features is None:
             batch.features = self.online(chosen)
         batch = batch.to(self.device)
         keep = [batch.trained(j) for j in range(self.module.steps)]  # logits of the trained rows only
-        with autocast or nullcontext():
+        with autocast:
             outs = model(batch.next_ids, batch.features, batch.valid, keep)
         loss = eagle3_loss(outs, batch, decay=self.config.eagle3.decay, kind=self.config.loss.kind,
                            temperature=self.config.loss.temperature)
@@ -343,9 +321,12 @@ class Eagle3Task:
             return None
         return eagle3_heldout_acceptance(self.head, self.heldout, steps=self.config.eagle3.eval_steps, device=self.device)
 
-    def describe(self) -> TaskDescription:
-        return TaskDescription("eagle3", self.draft_vocab.size, self.layers, self.stale_dropped, self.module.steps,
-                               *self.feature_bytes, features=self.features, features_reason=self.features_reason)
+    def describe(self) -> dict:
+        disk, per_token = self.feature_bytes
+        return {"kind": "eagle3", "draft_vocab": self.draft_vocab.size, "layers": self.layers,
+                "stale_dropped": self.stale_dropped, "unroll_steps": self.module.steps, "feature_disk_bytes": disk,
+                "feature_bytes_per_answer_token": per_token, "features": self.features,
+                "features_reason": self.features_reason}
 
     def save(self, out_dir, target, meta: dict):
         """In the layout vLLM and SGLang load (modeling.eagle3_io)."""

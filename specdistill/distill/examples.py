@@ -28,10 +28,8 @@ class Example:
 def encode_conversation(tokenizer: PreTrainedTokenizerBase, messages: Sequence, max_len: int | None = None) -> Example:
     """Chat-template a whole conversation and mark every assistant turn (its content and end token).
 
-    Each assistant turn is located by rendering the conversation up to its header and up to its
-    end: the template is applied to prefixes, so the marked tokens are exactly the ones the
-    assistant produced, whatever the template adds around them.
-    """
+    Each turn is located by rendering the conversation up to its header and up to its end, so the marked
+    tokens are exactly the assistant's, whatever the template adds around them."""
     msgs = as_messages(messages)
     eos = tokenizer.eos_token_id
     ids: list[int] = []
@@ -53,8 +51,7 @@ def encode_conversation(tokenizer: PreTrainedTokenizerBase, messages: Sequence, 
         ids = head + answer
     if not ids:
         raise ValueError("conversation has no assistant turn to learn from")
-    if max_len is not None:
-        ids, mask = ids[:max_len], mask[:max_len]
+    ids, mask = ids[:max_len], mask[:max_len]  # [:None] keeps all
     return Example("", ids, mask)
 
 
@@ -64,8 +61,7 @@ def encode_generated(tokenizer: PreTrainedTokenizerBase, record: dict, max_len: 
     answer = list(record["response_ids"])
     ids = list(head) + answer
     mask = [False] * len(head) + [True] * len(answer)
-    if max_len is not None:
-        ids, mask = ids[:max_len], mask[:max_len]
+    ids, mask = ids[:max_len], mask[:max_len]
     return Example(str(record["id"]), ids, mask)
 
 
@@ -82,10 +78,6 @@ def read_done(path: Path) -> dict[str, dict]:
                 continue
             done[str(rec["id"])] = rec
     return done
-
-
-# --------------------------------------------------------------------------------------------
-# Training batches
 
 
 def read_examples(path: str, kind: str, tokenizer: PreTrainedTokenizerBase, max_len: int,

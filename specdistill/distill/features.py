@@ -1,19 +1,15 @@
-"""Target features for EAGLE-3 heads: the inputs of three target decoder layers, recorded offline.
+"""Target features for EAGLE-3 heads: the inputs of three target decoder layers, stored in bf16 shards.
 
-The target's answer pass records them on the way (`pipeline.answers.harness.generate_answers(feature_cache=...)`), so
-the pass that writes the training data is the only target pass it needs. Answers that came from
-elsewhere get one teacher-forced target pass (about one prefill each, `build_feature_cache`), which
-records through `FeatureHooks` and can also write the top-k teacher rows (`TeacherCache`). Either way
-the concatenated inputs of the head's feature layers are stored in bf16 safetensors shards.
+The answer pass records them on the way (`pipeline.answers.harness.generate_answers(feature_cache=...)`),
+so it is the only target pass the training data needs. Answers from elsewhere get one teacher-forced pass
+(about one prefill each, `build_feature_cache`), which can also write the top-k teacher rows.
 
-Stored positions: for a sequence of length L whose first answer token sits at p, positions
-start..L-2 with start = p-1-prompt_context (clamped at 0; `prompt_context=None` keeps the whole
-prompt). Position t pairs with token t+1 in the head's input, so L-1 has no use. Prompt context
-lets the head's attention see the prompt as it does when drafting.
+Stored positions: for a sequence of length L whose first answer token sits at p, start..L-2 with
+start = p-1-prompt_context (clamped at 0; None keeps the whole prompt), so the head's attention sees the
+prompt as when drafting. Position t pairs with token t+1, so L-1 has no use.
 
-A cache directory records the target fingerprint, the layer ids, the data hash, the prompt context
-and the dtype; opening it for another target or layer set fails naming the mismatch, and every
-entry stores its token ids so a cache for other data is refused per example.
+A cache records the target fingerprint, layer ids, data hash, prompt context and dtype; opening it for
+another target or layer set fails naming the mismatch, and each entry's token ids refuse other data.
 """
 
 from __future__ import annotations
@@ -30,13 +26,13 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
+from specdistill.distill.losses import topk_rows
 from specdistill.distill.teacher import (
     ShardCache,
     TeacherCache,
     data_hash,
     pad_batch,
     teacher_positions,
-    topk_rows,
     vocab_key,
 )
 from specdistill.modeling.eagle3 import FeatureHooks
@@ -62,10 +58,6 @@ def feature_start(assistant_mask: Sequence[bool], prompt_context: int | None) ->
     return max(0, first_answer - 1 - prompt_context)
 
 
-def stored_positions(example, prompt_context: int | None) -> int:
-    return max(0, len(example.input_ids) - 1 - feature_start(example.assistant_mask, prompt_context))
-
-
 def bytes_per_token(hidden_size: int, n_layers: int = 3) -> int:
     """Disk bytes of one position's features: n_layers · hidden · 2 (bf16)."""
     return n_layers * hidden_size * torch.finfo(FEATURE_DTYPE).bits // 8
@@ -74,10 +66,11 @@ def bytes_per_token(hidden_size: int, n_layers: int = 3) -> int:
 def check_budget(examples: Sequence, hidden_size: int, prompt_context: int | None, max_bytes: float | None,
                  n_layers: int = 3) -> tuple[int, int]:
     """(positions, bytes) the cache will hold; fails before any work when over `max_bytes`."""
-    positions = sum(stored_positions(ex, prompt_context) for ex in examples)
-    size = positions * bytes_per_token(hidden_size, n_layers)
+    positions = sum(max(0, len(ex.input_ids) - 1 - feature_start(ex.assistant_mask, prompt_context))
+                    for ex in examples)
+    per = bytes_per_token(hidden_size, n_layers)
+    size = positions * per
     if max_bytes is not None and size > max_bytes:
-        per = bytes_per_token(hidden_size, n_layers)
         raise FeatureCacheTooLargeError(
             f"feature cache needs {size / 1e9:.3f} GB ({positions} positions x {per} bytes: {n_layers} layers x "
             f"{hidden_size} x bf16) for {len(examples)} sequences, over the budget of {max_bytes / 1e9:.3f} GB: "
@@ -107,22 +100,16 @@ class FeatureCache(ShardCache):
 
     @classmethod
     def create(cls, directory, *, fingerprint: str, layers: list[int], data: str, prompt_context: int | None) -> FeatureCache:
-        """Open for writing; an existing cache must carry the same key (then writing resumes)."""
         key = {"fingerprint": fingerprint, "layers": list(layers), "data": data, "prompt_context": prompt_context}
         return cls._create(directory, {**key, "dtype": "bfloat16"}, key)
 
     @classmethod
     def open(cls, directory, *, fingerprint: str, layers: list[int], data: str | None = None,
              prompt_context: int | None | str = "any") -> FeatureCache:
-        """Open for reading, refusing a cache written for another target, layer set, data or context."""
         wanted = {"fingerprint": fingerprint, "layers": list(layers), "data": data}
         if prompt_context != "any":
             wanted["prompt_context"] = prompt_context
         return cls._open(directory, wanted)
-
-    def write_shard(self, name: str, entries: dict[str, dict[str, torch.Tensor]]) -> Path:
-        """One shard, written atomically: after a kill a shard is either complete or absent."""
-        return self._write(name, {f"{ex_id}/{key}": t for ex_id, rows in entries.items() for key, t in rows.items()})
 
     def disk_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.dir.glob("shard-*.safetensors"))
@@ -152,9 +139,8 @@ class _Done(Exception):
 class OnlineFeatures:
     """`eagle3.features: online`: the target's feature pass inside each training batch, nothing on disk.
 
-    Called with the batch's examples (`Eagle3Example`: ids and first stored position), it returns their
-    features [B, T, 3·H] laid out as `collate_eagle3` lays out cached ones, in the cache's dtype (bf16),
-    from the same right-padded forward a cache build runs; the target stops at the last feature layer."""
+    Returns the batch's (`Eagle3Example`s) features [B, T, 3·H] as `collate_eagle3` lays out cached ones,
+    in bf16, from the forward a cache build runs; the target stops at the last feature layer."""
 
     def __init__(self, target: PreTrainedModel, layers: list[int], dtype: torch.dtype):
         self.target = target if target.dtype == dtype else copy.deepcopy(target).to(dtype)
@@ -218,8 +204,9 @@ def build_feature_cache(
         teacher = TeacherCache.create(teacher_dir, fingerprint=fingerprint, k=k, temperature=temperature,
                                       vocab=vocab_key(draft_vocab), data=data)
     head = target.get_output_embeddings().weight
-    bar = tqdm(total=len(examples), desc="target features", unit="seq", disable=not progress, file=sys.stderr)
-    with FeatureHooks(target, layers) as hooks:
+    bar = tqdm(total=len(examples), desc="target features" if layers else "teacher cache", unit="seq",
+               disable=not progress, file=sys.stderr)
+    with FeatureHooks(target, layers) if cache is not None else contextlib.nullcontext() as hooks:
         for begin in range(0, len(examples), batch_size):
             batch = examples[begin : begin + batch_size]
             # extending: named by content, since the examples still missing shift on a resume
@@ -229,17 +216,18 @@ def build_feature_cache(
                 continue
             input_ids, attention = pad_batch([ex.input_ids for ex in batch])
             hidden = target.model(input_ids=input_ids.to(target.device), attention_mask=attention.to(target.device)).last_hidden_state
-            features = hooks.take()
+            features = hooks.take() if cache is not None else None
             entries, rows = {}, {}
             for row, ex in enumerate(batch):
-                start = feature_start(ex.assistant_mask, prompt_context)
                 ids = torch.tensor(ex.input_ids, dtype=torch.int32)
-                entries[str(ex.id)] = {"input_ids": ids, "start": torch.tensor(start, dtype=torch.int64),
-                                       "features": features[row, start : len(ex.input_ids) - 1].to("cpu", FEATURE_DTYPE)}
+                if features is not None:
+                    start = feature_start(ex.assistant_mask, prompt_context)
+                    entries[str(ex.id)] = {"input_ids": ids, "start": torch.tensor(start, dtype=torch.int64),
+                                           "features": features[row, start : len(ex.input_ids) - 1].to("cpu", FEATURE_DTYPE)}
                 if teacher is not None:
                     h = hidden[row, torch.tensor(teacher_positions(ex.assistant_mask), dtype=torch.long, device=hidden.device)]
                     logits = draft_vocab.logits(h, head) if draft_vocab is not None else h @ head.T
-                    top, idx, res = (t.cpu() for t in topk_rows(logits, k, temperature))
+                    top, idx, res = (t.cpu() for t in topk_rows(logits, k, temperature))  # shards are written from the CPU
                     rows[str(ex.id)] = {"input_ids": ids, "logprobs": top, "indices": idx, "residual": res}
             if teacher is not None:
                 teacher.write_shard(name, rows)
@@ -248,3 +236,13 @@ def build_feature_cache(
             bar.update(len(batch))
     bar.close()
     return cache
+
+
+def build_cache(target: PreTrainedModel, examples: Sequence, directory: str | os.PathLike, *, fingerprint: str,
+                k: int = 32, temperature: float = 1.0, draft_vocab: DraftVocab | None = None, batch_size: int = 8,
+                progress: bool = True) -> TeacherCache:
+    """The teacher rows alone: run the target once over the examples and store its top-k rows (in the
+    draft's vocabulary space when a reduced vocabulary is given, so the cached residual is exact there)."""
+    build_feature_cache(target, examples, None, fingerprint=fingerprint, layers=[], teacher_dir=directory, k=k,
+                        temperature=temperature, draft_vocab=draft_vocab, batch_size=batch_size, progress=progress)
+    return TeacherCache.open(directory, fingerprint=fingerprint)

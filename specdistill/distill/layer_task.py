@@ -3,8 +3,8 @@ its held-out acceptance and how a trained one is saved. `train.distill` drives i
 
 from __future__ import annotations
 
+import random
 from collections import Counter
-from contextlib import nullcontext
 
 import torch
 
@@ -13,7 +13,7 @@ from specdistill.distill import losses
 from specdistill.distill.config import DistillConfig
 from specdistill.distill.examples import Batch, Example, collate
 from specdistill.distill.teacher import OnlineTeacher, TeacherCache, drop_stale, to_draft_space
-from specdistill.distill.trained import HeldoutAcceptance, TaskDescription
+from specdistill.distill.trained import HeldoutAcceptance
 from specdistill.modeling import models
 from specdistill.modeling.drafts import init_draft_from_target, parse_layers, save_draft
 from specdistill.modeling.vocab import DraftVocab, build_draft_vocab
@@ -76,11 +76,9 @@ def _build_draft_vocab(config: DistillConfig, examples: list[Example], tokenizer
 def batch_loss(config: DistillConfig, logits, hidden, batch: Batch, *, teacher=None, cache_rows: dict | None = None,
                remap: bool = False, draft_vocab: DraftVocab | None = None, module: DraftWithHead | None = None,
                reference: DraftWithHead | None = None) -> torch.Tensor:
-    """The training loss of one batch, as `distill` computes it, from the draft's `logits, hidden = module(...)`.
-
-    The teacher is either `teacher` (an OnlineTeacher) or `cache_rows` (TeacherCache.load_all(); `remap` when
-    the cache holds full-vocabulary rows for a reduced `draft_vocab`); `module` supplies the hidden-state
-    projection when loss.hidden_weight > 0, `reference` the reference model of selective (AdaSpec) distillation."""
+    """The training loss of one batch from the draft's `logits, hidden = module(...)`, against `teacher` (an
+    OnlineTeacher) or `cache_rows` (`remap`: full-vocabulary rows for a reduced `draft_vocab`); `module`
+    projects hidden states (loss.hidden_weight), `reference` is selective (AdaSpec) distillation's."""
     lc = config.loss
     labels = batch.labels
     label_mask = None
@@ -93,15 +91,10 @@ def batch_loss(config: DistillConfig, logits, hidden, batch: Batch, *, teacher=N
 
     target_hidden = None
     if cache_rows is not None:
-        parts = [cache_rows[ex_id] for ex_id in batch.ids]
-        top = losses.TopKTeacher(
-            torch.cat([p["logprobs"][:n] for p, n in zip(parts, batch.rows_per_example)]),
-            torch.cat([p["indices"][:n] for p, n in zip(parts, batch.rows_per_example)]).long(),
-            torch.cat([p["residual"][:n] for p, n in zip(parts, batch.rows_per_example)]),
-        )
-        if lc.top_k and lc.top_k < top.logprobs.shape[-1]:  # a smaller k than cached: the rest joins the bucket
-            dropped = top.logprobs[:, lc.top_k:].exp().sum(-1)
-            top = losses.TopKTeacher(top.logprobs[:, : lc.top_k], top.indices[:, : lc.top_k], top.residual + dropped)
+        parts = [(cache_rows[ex_id], n) for ex_id, n in zip(batch.ids, batch.rows_per_example)]
+        logprobs, indices, residual = (torch.cat([p[key][:n] for p, n in parts])
+                                       for key in ("logprobs", "indices", "residual"))
+        top = losses.TopKTeacher(logprobs, indices.long(), residual).truncated(lc.top_k)
         teacher_signal = (to_draft_space(top, draft_vocab) if remap else top).to(logits.device)
     else:
         teacher_logits, target_hidden = teacher(batch.input_ids, batch.attention, batch.positions)
@@ -132,7 +125,6 @@ class LayerTask:
                  heldout: list[Example], device: torch.device):
         self.config, self.examples, self.replay, self.heldout, self.device = config, examples, replay, heldout, device
         self.stale_dropped = 0  # examples whose cached teacher rows were written for other token ids
-        tok = target.tokenizer
         if config.draft:
             loaded = models.load_model(config.draft, dtype="float32")  # trained: fp32 master weights
             draft = loaded.model
@@ -144,7 +136,7 @@ class LayerTask:
         else:
             layers = parse_layers(config.layers, target.config.num_hidden_layers)
             draft = init_draft_from_target(target.model, layers)
-            draft_vocab = _build_draft_vocab(config, examples, tok, target.config.vocab_size)
+            draft_vocab = _build_draft_vocab(config, examples, target.tokenizer, target.config.vocab_size)
         draft.train()
         self.draft, self.draft_vocab, self.layers = draft, draft_vocab, layers
 
@@ -161,7 +153,7 @@ class LayerTask:
             self.replay, stale_replay = drop_stale(replay, self.cache_rows, config.teacher.cache_dir)
             self.stale_dropped = len(stale) + len(stale_replay)
             self.remap = cache.meta["vocab"] == "full" and draft_vocab is not None
-        target_width = target.config.hidden_size
+        target_width = target.config.hidden_size  # read before a teacher-less run frees the target's model
         if config.teacher.mode == "none":
             target.model = None  # hard labels only: free the target, it is not needed during training
 
@@ -172,10 +164,8 @@ class LayerTask:
             self.reference.to(device)
         self.module = DraftWithHead(draft, draft_vocab, target_width).to(device)
 
-    def micro_loss(self, model, indices: list[int], step: int, micro: int, autocast=nullcontext()):
+    def micro_loss(self, model, indices: list[int], step: int, micro: int, autocast):
         """(loss, trained tokens, example ids) of one micro-batch; `model` is the module or its DDP wrapper."""
-        import random
-
         config = self.config
         mine = [self.examples[i] for i in indices]
         if self.replay and config.data.replay_share > 0:  # seeded per step: a resumed run replays the same records
@@ -186,16 +176,16 @@ class LayerTask:
         with autocast:
             logits, hidden = model(batch.input_ids, batch.attention, batch.positions)
         loss = batch_loss(config, logits, hidden, batch, teacher=self.teacher, cache_rows=self.cache_rows,
-                          remap=self.remap if self.cache_rows else False, draft_vocab=self.draft_vocab,
+                          remap=self.remap, draft_vocab=self.draft_vocab,
                           module=self.module, reference=self.reference)
         return loss, int(batch.positions.sum()), batch.ids
 
     def evaluate(self) -> HeldoutAcceptance | None:
         return heldout_acceptance(self.module, self.heldout, self.draft_vocab, device=self.device) if self.heldout else None
 
-    def describe(self) -> TaskDescription:
-        return TaskDescription("layers", self.draft_vocab.size if self.draft_vocab is not None else None, self.layers,
-                               self.stale_dropped)
+    def describe(self) -> dict:
+        return {"kind": "layers", "draft_vocab": self.draft_vocab.size if self.draft_vocab is not None else None,
+                "layers": self.layers, "stale_dropped": self.stale_dropped}
 
     def save(self, out_dir, target, meta: dict):
         self.draft.config.specdistill_layers = self.layers

@@ -1,19 +1,14 @@
-"""Distillation losses between a target (teacher) and a draft (student).
+"""Distillation losses between a target (teacher) and a draft (student): per predicted position, then
+averaged over the assistant positions only (`mask`), so a prompt or a system turn never pulls the draft.
+The teacher is full logits (online) or a `TopKTeacher`: k log-probs, their ids and the residual mass of
+every other token, one extra bucket on both sides.
 
-Every loss is computed per predicted position and then averaged over the assistant positions only
-(`mask`), so a prompt or a system turn never pulls the draft. Logits are divided by the temperature
-before the softmax. The teacher may be given as full logits (online teacher) or as a top-k cache
-(`TopKTeacher`: k log-probs, their indices and the residual mass of every other token, which is
-treated as one extra bucket on both sides).
+Why total variation: under speculative sampling a draft token is accepted with probability Σ min(p, q) =
+1 − TV(p, q), so TV *is* the objective; forward KL, its smooth upper bound (Pinsker), remains the default.
 
-Why total variation: with greedy-free speculative sampling the acceptance rate of one draft token is
-exactly Σ min(p, q) = 1 − TV(p, q), so TV is the loss that *is* the objective; KL is its smooth
-upper-bounding surrogate (Pinsker), which is why forward KL remains the default.
-
-Reduced draft vocabulary: the draft can only propose its N kept tokens, so the teacher is
-renormalized over those N tokens (`restrict_teacher_logits`). The teacher's mass outside is lost
-acceptance that no draft parameter can change; keeping it as a residual bucket would make forward
-KL infinite (the draft puts zero mass there) and add only a constant to TV.
+A reduced draft vocabulary renormalizes the teacher over its N kept tokens (`restrict_teacher_logits`):
+the mass outside is acceptance no draft parameter can change, and as a residual bucket it would make
+forward KL infinite (the draft puts zero mass there) and add only a constant to TV.
 """
 
 from __future__ import annotations
@@ -45,43 +40,31 @@ class TopKTeacher:
         return TopKTeacher(self.logprobs.to(device), self.indices.to(device), self.residual.to(device),
                            None if self.valid is None else self.valid.to(device))
 
-    def bucket_logprobs(self) -> torch.Tensor:
-        """k + 1 bucket log-probs: the k tokens, then the residual."""
-        res = self.residual.clamp_min(0).unsqueeze(-1).to(self.logprobs.dtype)
-        return torch.cat([self.logprobs, torch.log(res)], dim=-1)
-
     def select(self, mask: torch.Tensor) -> TopKTeacher:
         valid = None if self.valid is None else self.valid[mask]
         return TopKTeacher(self.logprobs[mask], self.indices[mask], self.residual[mask], valid)
 
+    def truncated(self, k: int | None) -> TopKTeacher:
+        """At most k entries (a smaller k than cached): the others' mass joins the residual bucket."""
+        if not k or k >= self.logprobs.shape[-1]:
+            return self
+        dropped = self.logprobs[:, k:].exp().sum(-1)
+        return TopKTeacher(self.logprobs[:, :k], self.indices[:, :k], self.residual + dropped)
+
+
+def topk_rows(logits: torch.Tensor, k: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The k largest log-probs per position at `temperature`, their ids (int32) and the mass of the rest."""
+    logits = _upcast(logits)
+    logp = F.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)  # x / 1 == x: one pass fewer
+    top, idx = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    # the mass of the other tokens summed directly (1 - Σ top loses it to rounding at ~1e-7)
+    residual = torch.logsumexp(logp.scatter(-1, idx, float("-inf")), dim=-1).exp()
+    return top, idx.to(torch.int32), residual
+
 
 def topk_teacher_from_logits(logits: torch.Tensor, k: int, temperature: float = 1.0) -> TopKTeacher:
-    """Keep the k largest teacher probabilities per position and the mass of the rest."""
-    logp = F.log_softmax(_upcast(logits) / temperature, dim=-1)
-    k = min(k, logp.shape[-1])
-    top, idx = logp.topk(k, dim=-1)
-    residual = torch.logsumexp(logp.scatter(-1, idx, float("-inf")), dim=-1).exp()
-    return TopKTeacher(top, idx, residual)
-
-
-def student_bucket_logprobs(
-    student_logits: torch.Tensor, indices: torch.Tensor, temperature: float = 1.0, valid: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The student's log-probs on the teacher's k tokens plus one residual bucket (k + 1 entries).
-
-    Invalid entries (padding that repeats a valid index) get -inf on both sides: they add nothing.
-    """
-    indices = indices.long()
-    logq = F.log_softmax(_upcast(student_logits) / temperature, dim=-1)
-    top = logq.gather(-1, indices)
-    if valid is not None:
-        top = top.masked_fill(~valid, float("-inf"))
-    # log(1 - Σ q_top) computed stably as log(Σ q_rest) via logsumexp over the non-selected entries.
-    # The selected entries are replaced by -1e4 rather than -inf: when k covers the whole
-    # vocabulary the bucket is then exactly empty (exp(-1e4) = 0) and its gradient is 0, not NaN.
-    rest = logq.scatter(-1, indices, -1e4)
-    residual = torch.logsumexp(rest, dim=-1, keepdim=True)
-    return torch.cat([top, residual], dim=-1)
+    top, idx, residual = topk_rows(logits, k, temperature)
+    return TopKTeacher(top, idx.long(), residual)
 
 
 class _TopKForwardKL(torch.autograd.Function):
@@ -94,7 +77,7 @@ class _TopKForwardKL(torch.autograd.Function):
         z = _upcast(logits) / temperature if temperature != 1.0 else _upcast(logits)
         logq = z - torch.logsumexp(z, dim=-1, keepdim=True)
         top = logq.gather(-1, indices)
-        logq_rest = torch.logsumexp(logq.scatter(-1, indices, -1e4), dim=-1)  # as student_bucket_logprobs
+        logq_rest = torch.logsumexp(logq.scatter(-1, indices, -1e4), dim=-1)  # as per_token_divergence
         p = logp.exp().masked_fill(~valid, 0.0)
         p_rest = residual.clamp_min(0).to(p.dtype)
         kl = (p * torch.where(p > 0, logp - top, 0.0)).sum(-1)
@@ -124,10 +107,6 @@ def topk_forward_kl(student_logits: torch.Tensor, teacher: TopKTeacher, temperat
     return _TopKForwardKL.apply(student_logits, logp, teacher.indices.long(), valid, teacher.residual.float(), temperature)
 
 
-# --------------------------------------------------------------------------------------------
-# Divergences between two distributions given as log-probs over the same last dimension.
-
-
 def _xlogy_diff(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     """Σ p (log p − log q), with 0·log 0 = 0 and no NaN where both are -inf."""
     p = logp.exp()
@@ -135,45 +114,24 @@ def _xlogy_diff(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     return (p * diff).sum(-1)
 
 
-def forward_kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
-    """KL(p ‖ q): mode-covering; the draft spreads mass over everything the target might say."""
-    return _xlogy_diff(logp, logq)
-
-
-def reverse_kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
-    """KL(q ‖ p): mode-seeking; the draft concentrates on the target's main mode."""
-    return _xlogy_diff(logq, logp)
-
-
-def generalized_jsd(logp: torch.Tensor, logq: torch.Tensor, beta: float = 0.5) -> torch.Tensor:
-    """β·KL(p ‖ m) + (1−β)·KL(q ‖ m), m = β·p + (1−β)·q (GKD's generalized JSD)."""
-    if not 0.0 < beta < 1.0:
-        raise ValueError(f"JSD beta must be in (0, 1), got {beta}")
-    # Floored copies for the mixture only: an entry empty on both sides must not give -inf - -inf.
-    lp, lq = logp.clamp_min(-1e4), logq.clamp_min(-1e4)
-    logm = torch.logsumexp(torch.stack([lp + math.log(beta), lq + math.log(1 - beta)]), dim=0)
-    return beta * _xlogy_diff(logp, logm) + (1 - beta) * _xlogy_diff(logq, logm)
-
-
-def total_variation(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
-    """1 − Σ min(p, q): exactly the rejection probability of one speculative draft token."""
-    return 1.0 - torch.minimum(logp.exp(), logq.exp()).sum(-1)
-
-
 def divergence(kind: str, logp: torch.Tensor, logq: torch.Tensor, beta: float = 0.5) -> torch.Tensor:
+    """Between p and q as log-probs over the last dimension. fkl is mode-covering (the draft spreads mass
+    over all the target might say), rkl mode-seeking, jsd GKD's generalized JSD(β); tv, 1 − Σ min(p, q),
+    is exactly the rejection probability of one speculative draft token."""
     if kind == "fkl":
-        return forward_kl(logp, logq)
+        return _xlogy_diff(logp, logq)
     if kind == "rkl":
-        return reverse_kl(logp, logq)
+        return _xlogy_diff(logq, logp)
     if kind == "jsd":
-        return generalized_jsd(logp, logq, beta)
+        if not 0.0 < beta < 1.0:
+            raise ValueError(f"JSD beta must be in (0, 1), got {beta}")
+        # Floored copies for the mixture only: an entry empty on both sides must not give -inf - -inf.
+        lp, lq = logp.clamp_min(-1e4), logq.clamp_min(-1e4)
+        logm = torch.logsumexp(torch.stack([lp + math.log(beta), lq + math.log(1 - beta)]), dim=0)
+        return beta * _xlogy_diff(logp, logm) + (1 - beta) * _xlogy_diff(logq, logm)
     if kind == "tv":
-        return total_variation(logp, logq)
+        return 1.0 - torch.minimum(logp.exp(), logq.exp()).sum(-1)
     raise ValueError(f"unknown divergence {kind!r}: expected one of {DIVERGENCES}")
-
-
-# --------------------------------------------------------------------------------------------
-# Per-position losses and masking
 
 
 def masked_mean(per_token: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -192,14 +150,23 @@ def per_token_divergence(
     temperature: float = 1.0,
     beta: float = 0.5,
 ) -> torch.Tensor:
-    """Divergence at every position, against full teacher logits or a top-k teacher with residual bucket.
-
-    A `TopKTeacher` is taken as already at `temperature` (the cache records the temperature it was
-    written at); full teacher logits are scaled here.
-    """
+    """Divergence at every position, against full teacher logits (scaled here by `temperature`) or a
+    `TopKTeacher` (already at it: the cache records the temperature it was written at)."""
     if isinstance(teacher, TopKTeacher):
-        logp = teacher.bucket_logprobs()
-        logq = student_bucket_logprobs(student_logits, teacher.indices, temperature, teacher.valid)
+        # k + 1 buckets: the k tokens, then the residual. Invalid entries (padding that repeats a valid
+        # index) get -inf on both sides: they add nothing.
+        res = teacher.residual.clamp_min(0).unsqueeze(-1).to(teacher.logprobs.dtype)
+        logp = torch.cat([teacher.logprobs, torch.log(res)], dim=-1)
+        indices = teacher.indices.long()
+        logq = F.log_softmax(_upcast(student_logits) / temperature, dim=-1)
+        top = logq.gather(-1, indices)
+        if teacher.valid is not None:
+            top = top.masked_fill(~teacher.valid, float("-inf"))
+        # log(1 - Σ q_top) computed stably as log(Σ q_rest) via logsumexp over the non-selected entries.
+        # The selected entries are replaced by -1e4 rather than -inf: when k covers the whole
+        # vocabulary the bucket is then exactly empty (exp(-1e4) = 0) and its gradient is 0, not NaN.
+        rest = torch.logsumexp(logq.scatter(-1, indices, -1e4), dim=-1, keepdim=True)
+        logq = torch.cat([top, rest], dim=-1)
     else:
         if teacher.shape[-1] != student_logits.shape[-1]:
             raise ValueError(
@@ -246,15 +213,9 @@ def mixed_loss(
 ) -> torch.Tensor:
     """(1−a)·CE + a·T²·KL(p_T ‖ q_T): hard labels anchor the draft, soft labels carry the target's shape.
     `label_mask` (default: `mask`) masks the CE term alone: labels a reduced draft vocabulary cannot say."""
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"mix alpha must be in [0, 1], got {alpha}")
     ce = cross_entropy(student_logits, labels, mask if label_mask is None else label_mask)
     kl = distill_loss(student_logits, teacher, mask, kind="fkl", temperature=temperature)
     return (1 - alpha) * ce + alpha * kl
-
-
-# --------------------------------------------------------------------------------------------
-# Hidden-state alignment
 
 
 class HiddenProjection(torch.nn.Module):
@@ -274,7 +235,6 @@ def hidden_cosine_loss(
     mask: torch.Tensor | None = None,
     projection: HiddenProjection | None = None,
 ) -> torch.Tensor:
-    """1 − cos(proj(h_draft), h_target) averaged over assistant positions."""
     h = projection(draft_hidden) if projection is not None else draft_hidden
     if h.shape[-1] != target_hidden.shape[-1]:
         raise ValueError(
@@ -284,23 +244,14 @@ def hidden_cosine_loss(
     return masked_mean(1.0 - cos, mask)
 
 
-# --------------------------------------------------------------------------------------------
-# Selective distillation (AdaSPEC)
-
-
 def selective_mask(
     draft_per_token: torch.Tensor,
     reference_per_token: torch.Tensor,
     mask: torch.Tensor,
     keep_fraction: float,
 ) -> torch.Tensor:
-    """Keep the top `keep_fraction` of assistant tokens by KL(p‖q_draft) − KL(p‖q_ref).
-
-    AdaSPEC's point: tokens that even a well-trained reference draft cannot fit are capacity the
-    small draft should not spend; the ones where the draft lags the reference most are learnable.
-    """
-    if not 0.0 < keep_fraction <= 1.0:
-        raise ValueError(f"selective keep fraction must be in (0, 1], got {keep_fraction}")
+    """Keep the top `keep_fraction` of assistant tokens by KL(p‖q_draft) − KL(p‖q_ref) (AdaSPEC): tokens
+    even a well-trained reference cannot fit are capacity the small draft should not spend."""
     mask = mask.bool()
     n = int(mask.sum())
     keep = max(1, math.ceil(keep_fraction * n)) if n else 0
@@ -336,10 +287,6 @@ def selective_distill_loss(
     )
     scale = temperature**2 if kind != "tv" else 1.0
     return scale * masked_mean(per_token, chosen)
-
-
-# --------------------------------------------------------------------------------------------
-# Reduced draft vocabulary
 
 
 def restrict_teacher_logits(teacher_logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

@@ -2,17 +2,14 @@
 
 The draft is data-limited (+0.075 first-position acceptance per doubling of unique answer tokens in
 `benchmarks/eagle_budget.py`) while one night answers one window. A pool, keyed by the target
-fingerprint, references each night's train answers (the JSONL, its teacher cache and its EAGLE-3
-feature cache stay where the answer stage wrote them) in a manifest, `pool.json`. A night trains on a
-`PoolView`: the pool's answers newest first, duplicate prompts kept once (the newest answer), capped
-by an answer-token budget, the new night's answers always in. A view is an ordinary answers file with
-a teacher cache and a feature cache whose shards are links to the nights' shards, so the trainer reads
-it as it reads one night's data.
+fingerprint, lists each night's train answers, teacher cache and EAGLE-3 feature cache (left where the
+answer stage wrote them) in `pool.json`. A night trains on a `PoolView`: the pool's answers newest
+first, a duplicate prompt once (its newest answer), capped by an answer-token budget, the new night's
+always in; an ordinary answers file whose caches' shards link to the nights' shards.
 
-Held-out prompts stay held out: every prompt ever evaluated on is recorded (its log id and a hash of
-its prompt tokens) and never enters a view. Disk is bounded: over `max_gb`, the oldest nights leave
-first (their answers, teacher rows and features are deleted). A shard that is truncated, or a cache
-written for another target, is skipped with a warning naming it and never trained on.
+Every prompt ever evaluated on (its log id and a hash of its prompt tokens) never enters a view. Over
+`max_gb`, the oldest nights' data is deleted first. A truncated shard, or a cache for another target, is
+skipped with a warning naming it.
 """
 
 from __future__ import annotations
@@ -94,9 +91,6 @@ class PoolView:
     over_budget: int = 0  # older answers left out by the token budget
     skipped: list[str] = field(default_factory=list)  # warnings: shards or nights not trained on
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 class AnswerPool:
     """One target version's pool: a directory holding the manifest and the latest view."""
@@ -132,7 +126,6 @@ class AnswerPool:
         self.manifest["updated_at"] = _now()
         _write_json(self.dir / POOL_MANIFEST, self.manifest)
 
-    # growing -------------------------------------------------------------------------------
     def hold_out(self, records: Iterable[dict]) -> int:
         """Record evaluated prompts (answer records, or {"id", "prompt_ids"}): they never enter a view."""
         ids, prompts = set(self.manifest["held_out_ids"]), set(self.manifest["held_out_prompts"])
@@ -171,7 +164,6 @@ class AnswerPool:
         self.save()
         return night
 
-    # bounding ------------------------------------------------------------------------------
     def disk_bytes(self) -> int:
         return sum(n.disk_bytes() for n in self.nights)
 
@@ -206,7 +198,6 @@ class AnswerPool:
         shutil.rmtree(self.dir, ignore_errors=True)
         return size
 
-    # reading -------------------------------------------------------------------------------
     def recent_prompts(self, n: int, exclude: Iterable[str] = ()) -> list[dict]:
         """The `n` most recent distinct prompts answered here (newest night first), never a held-out one:
         what a new target version re-answers to start its own pool."""
@@ -297,11 +288,6 @@ class AnswerPool:
                      f"rows: not trained on")
             if counts["answers"]:
                 per_night[night.key] = counts
-        return self._write_view(picked, tokens, per_night, stats, skipped, first_meta, feature_meta,
-                                teacher_links, feature_links)
-
-    def _write_view(self, picked, tokens, per_night, stats, skipped, teacher_meta, feature_meta,
-                    teacher_links, feature_links) -> PoolView:
         # the links' names (their read order) are part of the key: a view written before they were
         # ordered by the view's own order is not reused
         key = hashlib.sha256(json.dumps([[r["id"] for r in picked], sorted(map(str, teacher_links.items())),
@@ -313,13 +299,13 @@ class AnswerPool:
                         tokens=tokens, nights=per_night, skipped=skipped, **stats)
         if not (out / VIEW_DONE).is_file():
             shutil.rmtree(out, ignore_errors=True)
-            _link_cache(out / "teacher_cache", CACHE_META, {**teacher_meta, "data": f"pool-{key}"}, teacher_links)
+            _link_cache(out / "teacher_cache", CACHE_META, {**first_meta, "data": f"pool-{key}"}, teacher_links)
             if feature_meta is not None:
                 _link_cache(out / "features", FEATURE_META, {**feature_meta, "data": f"pool-{key}"}, feature_links)
             with paths.open_private(out / "train_generated.jsonl", "w", encoding="utf-8") as f:
                 for rec in picked:
                     f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-            _write_json(out / VIEW_DONE, view.to_dict())
+            _write_json(out / VIEW_DONE, asdict(view))
         for other in views.iterdir():
             if other.is_dir() and other.name != key:
                 shutil.rmtree(other, ignore_errors=True)

@@ -1,12 +1,10 @@
 """Label existing text with the target in one prefill: its top-k teacher rows, the EAGLE-3 head's
 features and each response's mean log-likelihood, for text the target did not just decode.
 
-A forward over existing text costs a fraction of decoding it (on the demo target in bf16, 8×512
-tokens with the top-32 and three feature layers run at 1.8-2.5k tokens/s against 290-350 for batched
-greedy decoding), so logged responses are the cheapest training data there is: the current target's
-own logged answers (used as they are) and other models' responses (off-policy text, on-policy teacher).
-The shards written are the answer pass's (`pipeline.answers.harness`), so the trainer and the pool
-read labelled and decoded examples alike.
+A prefill costs a fraction of decoding (demo target, bf16, 8×512 tokens with the top-32 and three
+feature layers: 1.8-2.5k tokens/s against 290-350 for batched greedy decoding), so logged responses are
+the cheapest training data: the target's own logged answers and other models' responses (off-policy text,
+on-policy teacher). The shards are the answer pass's, so trainer and pool read both alike.
 """
 
 from __future__ import annotations

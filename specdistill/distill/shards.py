@@ -1,12 +1,10 @@
 """Safetensors shards of the offline teacher and the EAGLE-3 features, with a checksum each.
 
-A shard carries a SHA-256 over its tensors (names, dtypes, shapes, bytes) in its safetensors
-metadata, written with it and verified when it is read. A shard that fails (truncated, scrambled,
-not safetensors) is named, moved into the cache's `quarantine/` directory with the reason beside it,
-and so is missing on the next run, which answers its examples again: nothing is trained on garbage,
-and no run is stuck on the same bad file. A shard without a checksum is refused the same way: every
-writer (`write_shard`) records one, so a missing checksum means its metadata was stripped (or it
-predates checksums), and its rows cannot be told from forged ones; answering it again costs one batch.
+A shard carries a SHA-256 over its tensors (names, dtypes, shapes, bytes) in its metadata, verified when
+read. A shard that fails (truncated, scrambled, not safetensors) is named and moved into `quarantine/`
+with the reason beside it; the next run answers its examples again: nothing is trained on garbage and no
+run is stuck on the same file. A shard without a checksum is refused alike: every writer records one, so
+its metadata was stripped (or predates checksums) and its rows cannot be told from forged ones.
 """
 
 from __future__ import annotations
@@ -82,16 +80,6 @@ def quarantine(path: Path, reason: str) -> Path:
     return moved
 
 
-def read_shard(path: Path) -> dict[str, torch.Tensor]:
-    """A shard's tensors, verified. A bad shard is quarantined and raises `CorruptShardError`."""
-    tensors, reason = _problem(Path(path))
-    if tensors is None:
-        moved = quarantine(path, reason)
-        raise CorruptShardError(f"cache shard {path} is {reason}: moved to {moved}; the next run answers its "
-                                "examples again", Path(path))
-    return tensors
-
-
 def verified_keys(directory: Path, suffix: str) -> tuple[set[str], list[str]]:
     """Example ids (keys `ID/<suffix>`) of the good shards in `directory`, and a line per shard that
     was bad and is now quarantined (reads every shard: a resume's check)."""
@@ -107,10 +95,15 @@ def verified_keys(directory: Path, suffix: str) -> tuple[set[str], list[str]]:
 
 
 def load_shards(directory: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """A sharded cache's entries by example id: shard keys are `EXAMPLE_ID/FIELD`; every shard verified."""
+    """A sharded cache's entries by example id: shard keys are `EXAMPLE_ID/FIELD`; every shard verified,
+    a bad one quarantined (`CorruptShardError`)."""
     out: dict[str, dict[str, torch.Tensor]] = {}
     for shard in sorted(Path(directory).glob(SHARD_GLOB)):
-        for key, tensor in read_shard(shard).items():
+        tensors, reason = _problem(shard)
+        if tensors is None:
+            raise CorruptShardError(f"cache shard {shard} is {reason}: moved to {quarantine(shard, reason)}; the next "
+                                    "run answers its examples again", shard)
+        for key, tensor in tensors.items():
             ex_id, field = key.rsplit("/", 1)
             out.setdefault(ex_id, {})[field] = tensor
     return out

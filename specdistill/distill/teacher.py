@@ -1,14 +1,11 @@
 """The teacher signal: the target's distribution at every assistant position.
 
-Online, the target runs inside the training step (exact, but a 30-layer forward per batch). Offline,
-the target's top-k log-probs, their token ids and the residual mass are written once into
-safetensors shards and reused across epochs and runs. A cache directory records the target
-fingerprint, k, the temperature and the vocabulary it was written for, and every entry stores the
-token ids of its sequence: a cache from another target, or for other data, is refused rather than
-silently trained on.
+Online, the target runs inside the training step (exact, but a 30-layer forward per batch). Offline, its
+top-k log-probs, their ids and the residual mass are written once into shards, reused across epochs and
+runs; a cache records the target fingerprint, k, temperature and vocabulary, and each entry its token ids,
+so a cache from another target or for other data is refused, never silently trained on.
 
-Positions: for an example with ids x and assistant mask m, the teacher rows are the predictions of
-the tokens x[t] with m[t] true and t ≥ 1, in order (row i is p(· | x[:t_i])).
+Row i of an example (ids x, assistant mask m) is p(· | x[:t_i]), for the t ≥ 1 with m[t] true, in order.
 """
 
 from __future__ import annotations
@@ -21,14 +18,11 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from specdistill import paths
 from specdistill.distill import shards
 from specdistill.distill.losses import TopKTeacher
-from specdistill.distill.shards import load_shards  # noqa: F401  (part of this module's API)
 from specdistill.modeling.vocab import DraftVocab
 
 CACHE_META = "teacher_cache.json"
@@ -36,19 +30,6 @@ CACHE_META = "teacher_cache.json"
 
 class StaleTeacherCacheError(ValueError):
     """A cache written for another target, data, k, temperature or vocabulary."""
-
-
-def read_cache_meta(meta_path: Path) -> dict:
-    """A cache directory's JSON key file; a corrupt one is an error naming it."""
-    meta = paths.read_json(meta_path, "cache file")
-    if not isinstance(meta, dict):
-        raise ValueError(f"corrupt cache file {meta_path}: expected a JSON object")
-    return meta
-
-
-def write_cache_meta(directory: Path, name: str, meta: dict) -> None:
-    """Create a cache directory (0700: it holds answers to production traffic) with its key file."""
-    paths.atomic_write_json(paths.ensure_private(directory) / name, meta)
 
 
 def vocab_key(draft_vocab: DraftVocab | None) -> str:
@@ -59,7 +40,6 @@ def vocab_key(draft_vocab: DraftVocab | None) -> str:
 
 
 def data_hash(examples: Iterable) -> str:
-    """Identity of a training set: every example's id, token ids and assistant mask."""
     h = hashlib.sha256()
     for ex in examples:
         h.update(str(ex.id).encode())
@@ -71,19 +51,6 @@ def data_hash(examples: Iterable) -> str:
 def teacher_positions(assistant_mask: Sequence[bool]) -> list[int]:
     """Logit positions whose next token is an assistant token."""
     return [t - 1 for t in range(1, len(assistant_mask)) if assistant_mask[t]]
-
-
-def topk_rows(logits: torch.Tensor, k: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    logits = logits.float()
-    logp = F.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)  # x / 1 == x: one pass fewer
-    top, idx = logp.topk(min(k, logp.shape[-1]), dim=-1)
-    # the mass of the other tokens summed directly (1 - Σ top loses it to rounding at ~1e-7)
-    residual = torch.logsumexp(logp.scatter(-1, idx, float("-inf")), dim=-1).exp()
-    return top, idx.to(torch.int32), residual
-
-
-# --------------------------------------------------------------------------------------------
-# Offline cache
 
 
 class ShardCache:
@@ -104,7 +71,8 @@ class ShardCache:
         """Open for writing under `meta`; an existing cache must carry `key` (then writing resumes)."""
         if (Path(directory) / cls.META).is_file():
             return cls._open(directory, key)
-        write_cache_meta(Path(directory), cls.META, meta)
+        # 0700: the cache holds answers to production traffic
+        paths.atomic_write_json(paths.ensure_private(Path(directory)) / cls.META, meta)
         return cls(directory, meta)
 
     @classmethod
@@ -114,15 +82,17 @@ class ShardCache:
         meta_path = directory / cls.META
         if not meta_path.is_file():
             raise FileNotFoundError(f"no {cls.WHAT} at {directory} ({cls.META} missing)")
-        meta = read_cache_meta(meta_path)
+        meta = paths.read_json(meta_path, "cache file")
+        if not isinstance(meta, dict):
+            raise ValueError(f"corrupt cache file {meta_path}: expected a JSON object")
         for key, value in wanted.items():
             if value is not None and meta.get(key) != value:
                 raise cls.Stale(f"{cls.WHAT} {directory} was written for {key}={meta.get(key)!r}, "
                                 f"this run needs {key}={value!r}: rebuild it")
         return cls(directory, meta)
 
-    def _write(self, name: str, tensors: dict[str, torch.Tensor]) -> Path:
-        """One shard, written atomically: after a kill a shard is either complete or absent."""
+    def write_shard(self, name: str, entries: dict[str, dict[str, torch.Tensor]]) -> Path:
+        tensors = {f"{ex_id}/{key}": t for ex_id, rows in entries.items() for key, t in rows.items()}
         return shards.write_shard(self.dir / f"shard-{name}.safetensors", tensors)
 
     def has_shard(self, name: str) -> bool:
@@ -153,26 +123,14 @@ class TeacherCache(ShardCache):
     WHAT = "teacher cache"
     Stale = StaleTeacherCacheError
 
-    # writing -------------------------------------------------------------------------------
     @classmethod
     def create(cls, directory, *, fingerprint: str, k: int, temperature: float, vocab: str, data: str = "") -> TeacherCache:
-        """Open for writing; an existing cache must carry the same key (then writing resumes)."""
         meta = {"fingerprint": fingerprint, "k": k, "temperature": temperature, "vocab": vocab, "data": data}
         return cls._create(directory, meta, meta)
 
-    def write_shard(self, name: str, entries: dict[str, dict[str, torch.Tensor]]) -> Path:
-        """One shard, written atomically: after a kill a shard is either complete or absent."""
-        tensors = {}
-        for ex_id, rows in entries.items():
-            for key in ("input_ids", "logprobs", "indices", "residual"):
-                tensors[f"{ex_id}/{key}"] = rows[key].contiguous()
-        return self._write(name, tensors)
-
-    # reading -------------------------------------------------------------------------------
     @classmethod
     def open(cls, directory, *, fingerprint: str, k: int | None = None, temperature: float | None = None,
              vocab: str | None = None, data: str | None = None) -> TeacherCache:
-        """Open for reading, refusing a cache whose key differs from what the caller trains with."""
         return cls._open(directory, {"fingerprint": fingerprint, "k": k, "temperature": temperature, "vocab": vocab,
                                      "data": data})
 
@@ -199,18 +157,15 @@ def stale_reason(entry: dict[str, torch.Tensor], ex_id: str, input_ids: Sequence
 
 
 def check_entry(entry: dict[str, torch.Tensor], ex_id: str, input_ids: Sequence[int], n_rows: int) -> None:
-    """A cache entry must describe exactly this sequence, else it is stale data."""
     why = stale_reason(entry, ex_id, input_ids, n_rows)
     if why:
         raise StaleTeacherCacheError(why)
 
 
 def drop_stale(examples: Sequence, rows: dict[str, dict[str, torch.Tensor]], source: str | os.PathLike) -> tuple[list, list[str]]:
-    """The examples whose teacher entry describes exactly their tokens, and the ids of the others.
-
-    A stale entry (rows written for another answer to the same prompt: greedy answers in reduced
-    precision can differ between nights at numerical near-ties) is dropped and counted, never
-    trained on and never fatal; one missing entry is an error (the cache does not belong to the data)."""
+    """The examples whose teacher entry describes exactly their tokens, and the ids of the others: a stale
+    entry (another answer to the same prompt: reduced-precision greedy answers can differ between nights at
+    near-ties) is dropped and counted, never fatal; a missing one is an error (the cache is other data's)."""
     kept, stale = [], []
     for ex in examples:
         entry = rows.get(str(ex.id))
@@ -229,47 +184,6 @@ def drop_stale(examples: Sequence, rows: dict[str, dict[str, torch.Tensor]], sou
     return kept, stale
 
 
-@torch.inference_mode()
-def build_cache(
-    target: PreTrainedModel,
-    examples: Sequence,
-    directory: str | os.PathLike,
-    *,
-    fingerprint: str,
-    k: int = 32,
-    temperature: float = 1.0,
-    draft_vocab: DraftVocab | None = None,
-    batch_size: int = 8,
-    progress: bool = True,
-) -> TeacherCache:
-    """Run the target once over the examples and store its top-k rows (in the draft's vocabulary
-    space when a reduced vocabulary is given, so the cached residual is exact there). Resumable."""
-    cache = TeacherCache.create(directory, fingerprint=fingerprint, k=k, temperature=temperature,
-                                vocab=vocab_key(draft_vocab), data=data_hash(examples))
-    head = target.get_output_embeddings().weight
-    bar = tqdm(total=len(examples), desc="teacher cache", unit="seq", disable=not progress, file=sys.stderr)
-    for start in range(0, len(examples), batch_size):
-        name = f"{start:07d}"
-        batch = examples[start : start + batch_size]
-        if cache.has_shard(name):
-            bar.update(len(batch))
-            continue
-        input_ids, attention = pad_batch([ex.input_ids for ex in batch])
-        hidden = target.model(input_ids=input_ids.to(target.device), attention_mask=attention.to(target.device)).last_hidden_state
-        entries = {}
-        for row, ex in enumerate(batch):
-            pos = torch.tensor(teacher_positions(ex.assistant_mask), dtype=torch.long, device=hidden.device)
-            h = hidden[row, pos]
-            logits = draft_vocab.logits(h, head) if draft_vocab is not None else h @ head.T
-            top, idx, res = (t.cpu() for t in topk_rows(logits, k, temperature))  # shards are written from the CPU
-            entries[str(ex.id)] = {"input_ids": torch.tensor(ex.input_ids, dtype=torch.int32),
-                                   "logprobs": top, "indices": idx, "residual": res}
-        cache.write_shard(name, entries)
-        bar.update(len(batch))
-    bar.close()
-    return cache
-
-
 def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Right padding for training/teacher forwards (causal: padding after a sequence never affects it)."""
     width = max(len(s) for s in seqs)
@@ -282,12 +196,9 @@ def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Ten
 
 
 def to_draft_space(teacher: TopKTeacher, draft_vocab: DraftVocab) -> TopKTeacher:
-    """A full-vocabulary top-k teacher seen by a reduced-vocabulary draft.
-
-    Top-k entries outside the kept tokens are dropped (marked invalid); the rest, and the residual
-    bucket, are renormalized. The residual then also holds the out-of-vocabulary mass below the
-    top k, a small overestimate (the top-k entries usually hold > 95% of the mass).
-    """
+    """A full-vocabulary top-k teacher seen by a reduced-vocabulary draft: entries outside the kept tokens
+    are marked invalid, the rest and the residual renormalized. The residual then also holds the
+    out-of-vocabulary mass below the top k, a small overestimate (the top k usually hold > 95%)."""
     mapped = draft_vocab.to_draft_ids(teacher.indices)
     valid = mapped >= 0
     logprobs = teacher.logprobs.masked_fill(~valid, float("-inf"))
@@ -298,17 +209,11 @@ def to_draft_space(teacher: TopKTeacher, draft_vocab: DraftVocab) -> TopKTeacher
     return TopKTeacher(logprobs - norm.log().unsqueeze(-1), indices, teacher.residual / norm, valid)
 
 
-# --------------------------------------------------------------------------------------------
-# Online teacher
-
-
 class OnlineTeacher:
     """The target's forward pass inside the training step; returns logits at the requested positions."""
 
     def __init__(self, target: PreTrainedModel, draft_vocab: DraftVocab | None = None, with_hidden: bool = False):
-        self.target = target.eval()
-        for p in self.target.parameters():
-            p.requires_grad_(False)
+        self.target = target.eval().requires_grad_(False)
         self.draft_vocab = draft_vocab
         self.with_hidden = with_hidden
 

@@ -1,19 +1,16 @@
 """Distillation training loop, nanoGPT style: the math in plain sight, no framework in between.
 
-AdamW, linear warmup then cosine decay, gradient accumulation, clipping, optional bf16 autocast,
-frozen parameters by name (the draft shares the target's embeddings and head, which stay frozen by
-default). The draft kind (`layer_task.LayerTask`: target layers + head; `eagle3_train.Eagle3Task`:
-an EAGLE-3 head over the target's features) supplies the module, the micro-batch loss, the held-out
-acceptance and how the result is saved; the loop, schedule, budget and checkpoints are shared.
+AdamW, linear warmup then cosine decay, gradient accumulation, clipping, optional bf16 autocast, frozen
+parameters by name (the target's embeddings and head, shared by the draft, by default). The draft kind
+(`layer_task.LayerTask`, `eagle3_train.Eagle3Task`) supplies the module, the micro-batch loss, the
+held-out acceptance and how the result is saved; loop, schedule, budgets and checkpoints are shared.
 
-Every `checkpoint_every` steps the draft, optimizer, RNG state and data position are
-saved, so a killed run resumes on the same loss curve. Every `eval_every` steps the held-out
-acceptance estimate is logged: greedy top-1 agreement with the target's own continuation, and the
-expected accepted length τ at the default γ (`acceptance.DEFAULT_GAMMA`) that it implies.
+Checkpoints every `checkpoint_every` steps (draft, optimizer, RNG, data position): a killed run resumes
+on the same loss curve. Every `eval_every` steps: held-out greedy agreement with the target's own
+continuation and the τ at `acceptance.DEFAULT_GAMMA` it implies.
 
-Runs unchanged under `torchrun --nproc_per_node N` (DDP: NCCL with each rank on its own GPU,
-`LOCAL_RANK`; gloo on CPU): each rank takes its slice of every global batch and gradients are
-averaged, so all ranks hold identical weights.
+Runs unchanged under `torchrun --nproc_per_node N` (DDP: NCCL, one GPU per `LOCAL_RANK`; gloo on CPU):
+each rank takes its slice of every global batch, so all ranks hold identical weights.
 """
 
 from __future__ import annotations
@@ -37,13 +34,11 @@ from specdistill.distill.checkpoints import checkpoint_dirs, load_checkpoint, sa
 from specdistill.distill.config import DistillConfig, save_config
 from specdistill.distill.eagle3_train import Eagle3Task
 from specdistill.distill.examples import DataOrder, read_examples
-from specdistill.distill.layer_task import DraftWithHead, LayerTask, batch_loss, heldout_acceptance
+from specdistill.distill.layer_task import LayerTask
 from specdistill.distill.trained import HeldoutAcceptance, Trained
 from specdistill.modeling import models
 from specdistill.modeling.fingerprints import weights_digest
 from specdistill.modeling.models import LoadedModel, check_device
-
-__all__ = ["DraftWithHead", "NonFiniteLossError", "batch_loss", "distill", "heldout_acceptance", "lr_at"]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -64,22 +59,14 @@ def lr_at(step: int, cfg, train_seconds: float = 0.0) -> float:
 
 
 def apply_freeze(model: torch.nn.Module, patterns: list[str]) -> tuple[int, int]:
-    """Freeze parameters whose name contains any pattern; returns (trainable, frozen) counts."""
-    trainable = frozen = 0
     for name, p in model.named_parameters():
-        keep_frozen = any(pat in name for pat in patterns)
-        p.requires_grad_(not keep_frozen)
-        if keep_frozen:
-            frozen += p.numel()
-        else:
-            trainable += p.numel()
+        p.requires_grad_(not any(pat in name for pat in patterns))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     if trainable == 0:
         raise ValueError(f"freeze patterns {patterns} freeze every parameter")
     return trainable, frozen
 
-
-# --------------------------------------------------------------------------------------------
-# The run
 
 DISTILL_OUTPUT = "distill"  # the output kind of a training run's directory (paths.claim_output_dir)
 DISTILL_FILES = ["config.yaml", "metrics.jsonl", "train_log.jsonl", "checkpoints", "draft", "result.json",
@@ -108,13 +95,6 @@ def pick_device(wanted: str) -> torch.device:
     device = torch.device("cuda", int(index) if index else int(os.environ.get("LOCAL_RANK", "0")))
     torch.cuda.set_device(device)
     return device
-
-
-def _dist_info(device: torch.device) -> tuple[int, int]:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return (dist.get_rank(), world) if world > 1 else (0, 1)
 
 
 @dataclass
@@ -152,9 +132,11 @@ class Progress:
 
 
 def distill(config: DistillConfig) -> Trained:
-    """Train a draft as the config says; returns the final metrics and where the draft was written."""
     device = pick_device(config.device)
-    rank, world = _dist_info(device)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank = dist.get_rank() if world > 1 else 0
     if config.threads:
         torch.set_num_threads(config.threads)
     out_dir = Path(config.out_dir)
@@ -308,12 +290,8 @@ def train_step(run: Run, progress: Progress, autocast) -> tuple[float, int]:
 
 def finish(run: Run, progress: Progress, target: LoadedModel, trainable: int, frozen: int) -> Trained:
     """The run's result: checked identical across ranks, and on rank 0 the draft saved with it and result.json."""
-    task = run.task.describe()
     result = Trained(progress.step, progress.tokens, progress.seconds / 60, progress.loss, progress.stop, trainable, frozen,
-                     progress.curve, draft_vocab=task.draft_vocab, layers=task.layers, kind=task.kind,
-                     clock=run.config.optim.clock, unroll_steps=task.unroll_steps, feature_disk_bytes=task.feature_disk_bytes,
-                     feature_bytes_per_answer_token=task.feature_bytes_per_answer_token, stale_dropped=task.stale_dropped,
-                     features=task.features, features_reason=task.features_reason)
+                     progress.curve, clock=run.config.optim.clock, **run.task.describe())
     if run.world > 1:  # every rank must end with the same weights; say so in the result, fail loudly if not
         digests = [None] * run.world
         dist.all_gather_object(digests, weights_digest(run.module))

@@ -1,6 +1,6 @@
 """What a training run reports: a draft kind's held-out acceptance (`HeldoutAcceptance`, a point of the
-run's curve), what the kind says of the draft it trained (`TaskDescription`), and the run's result
-(`Trained`: what `train.distill` returns and writes to result.json, and what the nightly reads back).
+run's curve) and the run's result (`Trained`: what `train.distill` returns and writes to result.json,
+and what the nightly reads back).
 
 Each writes the JSON the trainer always wrote (metrics.jsonl, result.json, the draft's meta), keys in
 that order and absent ones left out."""
@@ -35,31 +35,6 @@ class HeldoutAcceptance:
 
 
 @dataclass(frozen=True)
-class TaskDescription:
-    """What a draft kind says of the draft it trained (result.json's and the draft meta's task keys)."""
-
-    kind: str  # layers | eagle3
-    draft_vocab: int | None  # the reduced vocabulary's size; None: the target's
-    layers: list[int] | None  # the target layers the draft was built from (eagle3: whose features it reads)
-    stale_dropped: int  # examples not trained on: their cached teacher rows were written for other token ids
-    unroll_steps: int | None = None  # eagle3
-    feature_disk_bytes: int | None = None  # eagle3
-    feature_bytes_per_answer_token: float | None = None  # eagle3
-    features: str | None = None  # eagle3: cache | online (`eagle3.features`)
-    features_reason: str | None = None  # eagle3: why (auto: the disk budget)
-
-    def to_dict(self) -> dict:
-        if self.kind != "eagle3":
-            return {"kind": self.kind, "draft_vocab": self.draft_vocab, "layers": self.layers,
-                    "stale_dropped": self.stale_dropped}
-        return {"kind": self.kind, "draft_vocab": self.draft_vocab, "layers": self.layers,
-                "unroll_steps": self.unroll_steps, "stale_dropped": self.stale_dropped,
-                "feature_disk_bytes": self.feature_disk_bytes,
-                "feature_bytes_per_answer_token": self.feature_bytes_per_answer_token,
-                "features": self.features, "features_reason": self.features_reason}
-
-
-@dataclass(frozen=True)
 class Trained(Record):
     """A distillation run: `train.distill()`'s result, written to result.json (`result_json`) and taken
     in by the nightly (`pipeline.nightly.distill_draft`, from the run or from the file of a run that
@@ -86,18 +61,20 @@ class Trained(Record):
     features: str | None = None  # eagle3 only: cache | online
     features_reason: str | None = None  # eagle3 only: why (auto: the disk budget)
 
-    def task(self) -> TaskDescription:
-        return TaskDescription(self.kind, self.draft_vocab, self.layers, self.stale_dropped, self.unroll_steps,
-                               self.feature_disk_bytes, self.feature_bytes_per_answer_token, self.features,
-                               self.features_reason)
-
     def result_json(self, *, curve: bool = True) -> dict:
         """result.json (and, without the curve, the draft's meta): the run's numbers, the task's keys, then
         the ranks' digests and the draft's directory where there are any."""
         out = {"steps": self.steps, "tokens": self.tokens, "train_minutes": self.train_minutes, "clock": self.clock,
                "loss": self.loss, "stop": self.stop, "trainable_parameters": self.trainable_parameters,
                "frozen_parameters": self.frozen_parameters, **({"curve": self.curve} if curve else {}),
-               **self.task().to_dict()}
+               "kind": self.kind, "draft_vocab": self.draft_vocab, "layers": self.layers}
+        if self.kind != "eagle3":
+            out["stale_dropped"] = self.stale_dropped
+        else:
+            out |= {"unroll_steps": self.unroll_steps, "stale_dropped": self.stale_dropped,
+                    "feature_disk_bytes": self.feature_disk_bytes,
+                    "feature_bytes_per_answer_token": self.feature_bytes_per_answer_token,
+                    "features": self.features, "features_reason": self.features_reason}
         if self.rank_weight_digests is not None:
             out["rank_weight_digests"] = self.rank_weight_digests
         if self.draft_dir is not None:

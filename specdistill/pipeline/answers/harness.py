@@ -65,7 +65,7 @@ def generate_answers(
     CPU flash kernel (faster for a batch; the same answers up to numerical near-ties).
     """
     if teacher_cache is not None and temperature > 0:
-        raise ValueError("record the teacher during greedy generation only; for sampled answers use teacher.build_cache")
+        raise ValueError("record the teacher during greedy generation only; for sampled answers use features.build_cache")
     context = feature_cache.meta["prompt_context"] if feature_cache is not None else None
     out_path = Path(out_path)
     done, todo = resume(out_path, prompts, [teacher_cache, feature_cache])
