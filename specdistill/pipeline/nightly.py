@@ -48,7 +48,7 @@ from specdistill.pipeline.outputs import (
 )
 from specdistill.pipeline.report import registration_artifacts, registration_metrics, train_losses
 from specdistill.pipeline.serve import serving_config
-from specdistill.pipeline.stage_budgets import stage_deadline
+from specdistill.pipeline.stage_budgets import stage_budgets, stage_deadline
 
 
 def target_tokenizer(config: NightlyConfig):
@@ -195,15 +195,6 @@ def select_window(config: NightlyConfig, now: datetime | None = None) -> Window:
 # Stage: distillation (and the generic baseline draft)
 
 
-def _write_conversations(config: NightlyConfig, window: Window, path: Path) -> Path:
-    """The window's train conversations with their human-written answers (for the generic baseline)."""
-    with LogStore(config.log_db) as store:
-        if not store.export_answered((int(p.id) for p in window.train), path):
-            # HumanEval-style traffic logs prompts only: there is nothing human-written to imitate
-            raise ValueError("the window's train conversations have no human-written answers for the generic baseline")
-    return path
-
-
 MIN_TRAIN_MINUTES = 0.25  # a shorter training budget is no useful work
 
 
@@ -226,8 +217,12 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | None, heldo
     if generic:
         out_dir = run_root() / "generic" / f"{window.key}-{config_hash(tc)}"
         conv_path = paths.ensure_private(out_dir.parent) / f"{window.key}-conversations.jsonl"
-        if not conv_path.is_file():
-            _write_conversations(config, window, conv_path)
+        if not conv_path.is_file():  # the train conversations with their human-written answers
+            with LogStore(config.log_db) as store:
+                if not store.export_answered((int(p.id) for p in window.train), conv_path):
+                    # HumanEval-style traffic logs prompts only: there is nothing human-written to imitate
+                    raise ValueError("the window's train conversations have no human-written answers for the generic "
+                                     "baseline")
         data = DataConfig(path=str(conv_path), kind="conversations", heldout_path=heldout_data.path)
         teacher = TeacherConfig(mode="none")
     else:
@@ -241,9 +236,9 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | None, heldo
     result_file = out_dir / "result.json"
     if result_file.is_file():  # finished before: a rerun reuses it
         return Trained.from_dict(paths.read_json(result_file, "distillation result"))
-    minutes = config.bench.generic_minutes if generic and config.bench.generic_minutes is not None else tc.optim.max_minutes
-    now = time.time()
-    left = stage_deadline(config, "generic" if generic else "distill", deadline_at, now=now).minutes(now)
+    stage, now = "generic" if generic else "distill", time.time()
+    left = stage_deadline(config, stage, deadline_at, now=now).minutes(now)
+    minutes = stage_budgets(config)[stage]
     if left is not None and (minutes is None or left < minutes):
         if left < MIN_TRAIN_MINUTES:
             raise ValueError(f"the run's deadline (deadline_minutes={config.deadline_minutes}) leaves {left * 60:.0f} s "

@@ -48,32 +48,6 @@ def _served(decision: ServingDecision, entries: dict[str, BenchResult], name: st
     return r
 
 
-def choose_engine_serving(config: NightlyConfig, speeds: dict[str, BenchResult], verdict: GateVerdict) -> ServingDecision:
-    """The fastest lossless mode as measured in the serving engine, through the same no-slowdown guard.
-    γ is the benchmark's K (the harness's γ search models the harness's verification cost, not the engine's)."""
-    b, s = config.bench, config.serving
-    refused = {name: r.refused for name, r in speeds.items() if r.refused}
-    candidates = {name: r for name, r in serving_candidates(speeds, verdict).items() if name not in refused}
-    choice = fastest_mode(_candidates(candidates, b.gamma), s.margin, confidence=s.confidence, min_prompts=s.min_prompts)
-    some = next(iter(speeds.values()), None)
-    measured_on = f"{s.engine}, {some.dtype if some else '?'}" + (f", {s.threads} threads" if s.engine in ("llamacpp", "vllm") else "")
-    if s.engine == "vllm" and some is not None:
-        measured_on += f", vLLM {some.engine_version or '?'}, {cpu_info().describe()}"
-    reason = choice.reason
-    if refused:
-        reason += "; not served, vLLM refused: " + "; ".join(f"{n} ({why})" for n, why in refused.items())
-    decision = ServingDecision(mode=choice.mode, gamma=b.gamma, reason=reason, measured_on=measured_on,
-                               measured={name: r.speedup for name, r in speeds.items() if name not in refused},
-                               gamma_note=f"γ=K={b.gamma} as measured in {s.engine}", engine=s.engine,
-                               speedup_lower_bound=choice.lower_bound, confidence=choice.confidence)
-    if some is not None and s.engine == "llamacpp":  # target-only: the measured command without the mode's flags
-        decision.llamacpp_args = some.llamacpp_args[:4]
-    if choice.candidate is not None:
-        r = _served(decision, candidates, choice.candidate.name)
-        decision.llamacpp_args = r.llamacpp_args
-    return decision
-
-
 def gamma_note(r: BenchResult) -> str:
     """How an entry's γ was chosen, in words: the predicted best and what each measured γ ran at."""
     search = r.gamma_search
@@ -94,21 +68,36 @@ def gamma_note(r: BenchResult) -> str:
 
 def choose_serving(config: NightlyConfig, window: Window, results: dict[str, BenchResult],
                    verdict: GateVerdict, speeds: dict[str, BenchResult] | None = None) -> ServingDecision:
-    """`speeds` (from `engine_bench.engine_benchmark`) when the serving engine is not the harness.
-    In the harness each entry was benchmarked at its own best γ already (`pipeline.bench_stage.benchmark`), and
-    the winner is served at that γ."""
-    if config.serving.engine != "harness":
-        if speeds is None:
-            raise ValueError(f"serving.engine {config.serving.engine}: the engine's measurements are missing")
-        return choose_engine_serving(config, speeds, verdict)
-    candidates = serving_candidates(results, verdict)
-    choice = fastest_mode(_candidates(candidates), config.serving.margin, confidence=config.serving.confidence,
-                          min_prompts=config.serving.min_prompts)
-    some = next(iter(results.values()), None)
-    decision = ServingDecision(mode=choice.mode, gamma=config.bench.gamma, reason=choice.reason,
-                               measured={name: r.speedup for name, r in results.items()},  # every mode measured, served or not
-                               measured_on=f"PyTorch harness, {some.dtype if some else '?'}",
+    """`speeds` (from `engine_bench.engine_benchmark`) when the serving engine is not the harness: there γ is the
+    benchmark's K (the harness's γ search models the harness's verification cost, not the engine's). In the
+    harness each entry was benchmarked at its own best γ already (`pipeline.bench_stage.benchmark`), and the
+    winner is served at that γ."""
+    b, s = config.bench, config.serving
+    in_engine = s.engine != "harness"
+    if in_engine and speeds is None:
+        raise ValueError(f"serving.engine {s.engine}: the engine's measurements are missing")
+    entries = speeds if in_engine else results
+    refused = {name: r.refused for name, r in entries.items() if r.refused}
+    candidates = {name: r for name, r in serving_candidates(entries, verdict).items() if name not in refused}
+    choice = fastest_mode(_candidates(candidates, b.gamma if in_engine else None), s.margin, confidence=s.confidence,
+                          min_prompts=s.min_prompts)
+    some = next(iter(entries.values()), None)
+    dtype = some.dtype if some else "?"
+    decision = ServingDecision(mode=choice.mode, gamma=b.gamma, reason=choice.reason, measured_on=f"PyTorch harness, {dtype}",
+                               measured={name: r.speedup for name, r in entries.items() if name not in refused},
                                speedup_lower_bound=choice.lower_bound, confidence=choice.confidence)
+    if in_engine:
+        decision.engine, decision.gamma_note = s.engine, f"γ=K={b.gamma} as measured in {s.engine}"
+        decision.measured_on = f"{s.engine}, {dtype}" + (f", {s.threads} threads" if s.engine in ("llamacpp", "vllm") else "")
+        if s.engine == "vllm" and some is not None:
+            decision.measured_on += f", vLLM {some.engine_version or '?'}, {cpu_info().describe()}"
+        if refused:
+            decision.reason += "; not served, vLLM refused: " + "; ".join(f"{n} ({why})" for n, why in refused.items())
+        if some is not None and s.engine == "llamacpp":  # target-only: the measured command without the mode's flags
+            decision.llamacpp_args = some.llamacpp_args[:4]
+        if choice.candidate is not None:
+            decision.llamacpp_args = _served(decision, candidates, choice.candidate.name).llamacpp_args
+        return decision
     held_back = unserved_faster_challenger(results, verdict, choice.candidate.speedup if choice.candidate else 1.0)
     if held_back:
         decision.reason += f"; {held_back}"

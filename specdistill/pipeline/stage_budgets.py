@@ -18,15 +18,13 @@ from specdistill.pipeline.config import NightlyConfig
 
 def stage_budgets(config: NightlyConfig) -> dict[str, float | None]:
     """Each budgeted stage's own budget in minutes (None: none; a stage the run skips: absent)."""
-    budgets = {"answers": config.generation.max_minutes, "distill": config.train.optim.max_minutes,
-               "generic": (config.bench.generic_minutes if config.bench.generic_minutes is not None
-                           else config.train.optim.max_minutes) if config.bench.generic_draft else None,
-               "benchmark": config.bench.max_minutes,
-               "engine benchmark": config.bench.max_minutes if config.serving.engine != "harness" else None}
-    if not config.bench.generic_draft:
-        del budgets["generic"]
-    if config.serving.engine == "harness":
-        del budgets["engine benchmark"]
+    b, train_minutes = config.bench, config.train.optim.max_minutes
+    budgets = {"answers": config.generation.max_minutes, "distill": train_minutes}
+    if b.generic_draft:
+        budgets["generic"] = b.generic_minutes if b.generic_minutes is not None else train_minutes
+    budgets["benchmark"] = b.max_minutes
+    if config.serving.engine != "harness":
+        budgets["engine benchmark"] = b.max_minutes
     return budgets
 
 
