@@ -1,10 +1,8 @@
 """The nightly pipeline's stages as plain library calls: one function per Prefect task.
 
-Each stage takes and returns small, JSON-friendly values (paths, ids, the stage records of
-`pipeline.outputs`, serialized by `data.record`), writes its outputs under a content-addressed directory, and resumes from what
-is already there, so a rerun after a failure recomputes nothing that finished. `flows/nightly.py`
-composes them in the order of the README's pipeline diagram; the benchmark and the gate are in
-`pipeline.bench_stage`; the Markdown report and the registration's record are in `pipeline.report`.
+Each stage takes and returns small, JSON-friendly values (the records of `pipeline.outputs`), writes its
+outputs under a content-addressed directory, and resumes from what is already there, so a rerun after a
+failure recomputes nothing that finished.
 """
 
 from __future__ import annotations
@@ -57,10 +55,6 @@ def target_tokenizer(config: NightlyConfig):
     return AutoTokenizer.from_pretrained(resolve_model_dir(config.target))
 
 
-# --------------------------------------------------------------------------------------------
-# Stage: target
-
-
 def describe_target(target_ref: str, dtype: str = "auto", device: str = "auto") -> TargetInfo:
     """Load the target once (this is where an unloadable target fails the run) and name its version
     and the dtype every stage runs it in (the fingerprint does not depend on the dtype). Its weights are
@@ -77,10 +71,6 @@ def describe_target(target_ref: str, dtype: str = "auto", device: str = "auto") 
                       dtype=dtype_name(loaded.model.dtype), hardware=describe_device(loaded.model.device))
 
 
-# --------------------------------------------------------------------------------------------
-# Stage: ingest
-
-
 def resolve_source_path(source: SourceConfig) -> Path:
     shipped = {"sharegpt": sharegpt_path, "humaneval": humaneval_path}
     return shipped[source.path]() if source.path in shipped else Path(source.path)
@@ -89,10 +79,6 @@ def resolve_source_path(source: SourceConfig) -> Path:
 def ingest_source(source: SourceConfig, log_db: str | None) -> IngestResult:
     with LogStore(log_db) as store:
         return ingest(resolve_source_path(source), source.format, store, progress=True)
-
-
-# --------------------------------------------------------------------------------------------
-# Stage: vocabulary alignment
 
 
 def align_champion(config: NightlyConfig, champion: Champion | None) -> WarmStart | None:
@@ -124,10 +110,6 @@ def align_champion(config: NightlyConfig, champion: Champion | None) -> WarmStar
         drafts.save_draft(aligned.model, target_tok, out, draft_vocab=aligned.draft_vocab,
                    meta={**load_draft_meta(champion.dir), "transplanted_from": champion.dir})
     return warm(str(out), True, report)
-
-
-# --------------------------------------------------------------------------------------------
-# Stage: data window
 
 
 def interleave_slices(prompts: list[Prompt]) -> list[Prompt]:
@@ -191,10 +173,6 @@ def select_window(config: NightlyConfig, now: datetime | None = None) -> Window:
     return Window(train, evals, window_key(train, evals, config.target), since.isoformat() if since else None, len(replay))
 
 
-# --------------------------------------------------------------------------------------------
-# Stage: distillation (and the generic baseline draft)
-
-
 MIN_TRAIN_MINUTES = 0.25  # a shorter training budget is no useful work
 
 
@@ -250,10 +228,6 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | None, heldo
     return distill_train.distill(dcfg)
 
 
-# --------------------------------------------------------------------------------------------
-# Stage: registry and serving
-
-
 def flat_params(section: dict, prefix: str = "") -> dict:
     """A nested config as MLflow params: one dotted key per setting (`optim.lr`), as the YAML names it."""
     flat = {}
@@ -266,7 +240,6 @@ def flat_params(section: dict, prefix: str = "") -> dict:
 
 
 def champion_of(config: NightlyConfig) -> Champion | None:
-    """The current champion (version, local draft directory, parent chain) or None."""
     name = registry.model_name_for(config.target_name)
     return _registered(name, registry.version_by_alias(name, registry.CHAMPION))
 

@@ -82,9 +82,6 @@ def parse_completion(reply: dict, url: str = "server") -> EngineAnswer:
     logprobs = choice.get("logprobs") or {}
     rows: list[list[tuple[int, float]]] = []
     ids: list[int] = []
-    if logprobs.get("content") is None and logprobs.get("tokens") is None:
-        raise EngineRequestError(f"{mask_url(url)}: the server returned no logprobs: it cannot give token ids and a teacher "
-                                 "(it needs /v1/completions with `logprobs`)")
     if logprobs.get("content") is not None:
         for item in logprobs["content"]:
             ids.append(_token_id(item, url))
@@ -93,6 +90,9 @@ def parse_completion(reply: dict, url: str = "server") -> EngineAnswer:
         for token, top in zip(logprobs["tokens"], logprobs.get("top_logprobs") or [{}] * len(logprobs["tokens"])):
             ids.append(_token_id({"token": token}, url))
             rows.append([(_token_id({"token": t}, url), float(lp)) for t, lp in (top or {}).items()])
+    else:
+        raise EngineRequestError(f"{mask_url(url)}: the server returned no logprobs: it cannot give token ids and a teacher "
+                                 "(it needs /v1/completions with `logprobs`)")
     rows = [sorted(r, key=lambda x: -x[1]) for r in rows]
     finish = "eos" if choice.get("finish_reason") == "stop" else "length"
     return EngineAnswer(ids, [[i for i, _ in r] for r in rows], [[lp for _, lp in r] for r in rows], finish)
