@@ -48,11 +48,6 @@ def mode_for_spec(spec: DrafterSpec, target: Path, k: int = DEFAULT_GAMMA):
     raise ValueError(f"drafter {str(spec)!r} has no llama.cpp mode (draft:DIR or ngram)")
 
 
-def engine_prompts(window: Window):
-    """The window's eval prompts as an engine is sent them: their chat turns (it applies the template)."""
-    return [Prompt(text=p.messages[-1]["content"], slice=p.slice, messages=p.messages) for p in window.eval]
-
-
 def llamacpp_spec(config: NightlyConfig, spec: DrafterSpec) -> DrafterSpec:
     """A drafter spec llama.cpp can run: self-speculation becomes its exported early-exit draft."""
     if spec.exit_layer is None:
@@ -68,7 +63,8 @@ def engine_benchmark(config: NightlyConfig, window: Window, drafters: dict[str, 
     included). Results are keyed by drafter name, with the `spec` the harness benchmark used."""
     s, b = config.serving, config.bench
     deadline = stage_deadline(config, "engine benchmark", deadline_at)
-    prompts = engine_prompts(window)
+    # the eval prompts' chat turns: the engine applies the template
+    prompts = [Prompt(text=p.messages[-1]["content"], slice=p.slice, messages=p.messages) for p in window.eval]
     bcfg = b.engine_bench_config()
     servable = {name: spec for name, spec in drafters.items() if Role.served(name) and spec.served}
     if s.engine == "llamacpp":
