@@ -1,15 +1,10 @@
 """Which mode the serving engine runs after a nightly run.
 
-Every mode measured on the held-out prompts (the promoted challenger or the current champion,
-self-speculation, n-gram) goes through the one no-slowdown guard (`ops.policy.fastest_mode`, which
-the monitor's fallback uses too): the fastest lossless mode, only if its gain holds over the prompts
-(a lower confidence bound of its per-prompt speedups beats target-only decoding by the margin), else
-no speculation. Every mode arrives at its own γ, chosen by measurement in the
-benchmark stage (`speculative.gamma.bench_at_best_gamma`: predicted from its per-position
-acceptance, its cost ratio and the target's measured verification costs, kept only if a second
-measured run confirms it), so modes are compared at their best and the winner is served at it. The `champion`
-alias is not decided here: it names the best draft (the gate), even when another mode is faster on
-this hardware; the report says so.
+Every mode measured on the held-out prompts goes through the one no-slowdown guard
+(`ops.policy.fastest_mode`, which the monitor's fallback uses too). Every mode arrives at its own γ,
+chosen by measurement in the benchmark stage (`speculative.gamma.bench_at_best_gamma`), so modes are
+compared at their best and the winner is served at it. The `champion` alias is not decided here: it
+names the best draft (the gate), even when another mode is faster on this hardware; the report says so.
 """
 
 from __future__ import annotations

@@ -5,9 +5,7 @@ The teacher cache is keyed by token positions, so answers must come back as the 
 never as text to re-tokenise: we apply the chat template ourselves (`encode_chat`, as the harness does)
 and send the prompt as token ids to `/v1/completions`; the answer's ids come with its logprobs (llama.cpp
 puts an `id` in every `logprobs.content` item; vLLM names tokens `token_id:N` when asked with
-`return_tokens_as_token_ids`). Requests run `parallel` at a time over the server's slots. Every
-`batch_size` finished answers become one teacher shard and then their JSONL lines (`answer_file`, as the
-harness writes them), so a killed run resumes where it stopped and never asks for an answer twice.
+`return_tokens_as_token_ids`).
 
 It lives in `pipeline`, not `engines`: it joins the engine's HTTP client (`engines.client`) with the
 distillation's teacher cache (`distill`), two sibling layers neither of which imports the other.
