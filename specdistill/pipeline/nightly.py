@@ -270,7 +270,6 @@ def _registered(name: str, mv) -> Champion | None:
 
 
 def started_from(warm_start: WarmStart | None, champion: Champion | None) -> str:
-    """The report's line on where the draft's training started."""
     if warm_start is not None and champion is not None and warm_start.version == champion.version:
         return f"training started from the champion, version {warm_start.version}"
     why = (f"the champion, version {champion.version}, is a {draft_kind(champion)} draft" if champion is not None

@@ -177,7 +177,6 @@ def registration_metrics(results: dict[str, BenchResult], trained: Trained) -> d
 
 
 def train_losses(trained: Trained) -> list[float]:
-    """The training loss curve the trainer logged next to the draft (empty when there is none)."""
     curve_file = Path(trained.draft_dir).parent / "train_log.jsonl"
     return [json.loads(line)["loss"] for line in curve_file.read_text().splitlines()] if curve_file.is_file() else []
 

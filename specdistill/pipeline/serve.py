@@ -26,7 +26,6 @@ from specdistill.speculative.suffix_corpus import read_corpus_meta
 
 
 def serving_candidates(results: dict[str, BenchResult], verdict: GateVerdict) -> dict[str, BenchResult]:
-    """The modes that may be served (`ops.policy.servable`)."""
     return servable(results, verdict.promote)
 
 

@@ -42,7 +42,6 @@ def run_deadline(config: NightlyConfig, now: float | None = None) -> float | Non
 
 
 def stage_deadline(config: NightlyConfig, stage: str, deadline_at: float | None, now: float | None = None) -> Deadline:
-    """`stage`'s deadline given the run's (`run_deadline`)."""
     budgets = stage_budgets(config)
     if stage not in budgets:
         raise ValueError(f"{stage!r} is not a budgeted stage ({', '.join(budgets)})")
@@ -67,7 +66,6 @@ class StageClock:
         self._last = now
 
     def report(self, config: NightlyConfig) -> str:
-        """The report's section: each stage's minutes, the machine the run measured on, what was cut."""
         total = (self._last or time.time()) - self.started
         rows = " · ".join(f"{stage} {s / 60:.1f}" for stage, s in self.seconds.items())
         budget = f" of a {config.deadline_minutes:g}-minute deadline" if config.deadline_minutes is not None else ""
