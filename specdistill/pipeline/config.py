@@ -126,19 +126,16 @@ class NightlyTrain(DistillConfig):
         output directory, the warm start, the minutes the deadline leaves, the run's target, device, dtype and
         threads) and what they imply: a warm start keeps its draft's vocabulary and trains at
         `incremental_lr`; the generic baseline is a layer draft on plain CE. Validated whole."""
-        optim: dict[str, Any] = {"bf16": train_autocast(config)}
-        if max_minutes is not None:
-            optim["max_minutes"] = max_minutes
-        if warm_start:
-            optim["lr"] = self.incremental_lr
         update: dict[str, Any] = {
             "target": config.target, "draft": warm_start, "data": data.model_dump(), "teacher": teacher.model_dump(),
             "out_dir": str(out_dir), "device": config.device,
             "threads": config.bench.threads if isinstance(config.bench.threads, int) else None,
-            "optim": {**self.optim.model_dump(), **optim},
+            "optim": {**self.optim.model_dump(), "bf16": train_autocast(config)},
         }
+        if max_minutes is not None:
+            update["optim"]["max_minutes"] = max_minutes
         if warm_start:
-            update["draft_vocab"] = None
+            update["optim"]["lr"], update["draft_vocab"] = self.incremental_lr, None
         if generic:
             update.update(kind="layers", loss=LossConfig(kind="ce").model_dump(), eagle3=Eagle3Config().model_dump())
         elif self.kind == "eagle3":
