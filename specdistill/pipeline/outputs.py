@@ -101,10 +101,8 @@ class Window(Record):
 
 def window_key(train: list[Prompt], evals: list[Prompt], target: str) -> str:
     """The window's content hash, over what identifies its prompts (id, turns, slice)."""
-    def ident(p: Prompt) -> dict:
-        return {"id": p.id, "messages": p.messages, "slice": p.slice}
-
-    payload = [[ident(p) for p in train], [ident(p) for p in evals], target]
+    payload = [[{"id": p.id, "messages": p.messages, "slice": p.slice} for p in split]
+               for split in (train, evals)] + [target]
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
 

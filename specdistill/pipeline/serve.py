@@ -120,14 +120,13 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
         return ServingConfig(**common)
     if not spec.path:
         return ServingConfig(**{**draft_free_fields(spec, target.fingerprint, target.path, target.dtype), **common})
-    local = spec.path
-    kind = "eagle3" if is_eagle3_dir(local) else "layers"  # vLLM method eagle3 / SGLang EAGLE3 for a head
-    tree = d.tree_width if kind == "eagle3" else 1
+    kind = "eagle3" if is_eagle3_dir(spec.path) else "layers"  # vLLM method eagle3 / SGLang EAGLE3 for a head
     if d.name == Role.CHALLENGER:  # served from its registered copy once it is registered
-        return ServingConfig(draft_dir=registered_dir or local, draft_version=registered_version, draft_kind=kind,
-                             tree_width=tree, **common)
-    return ServingConfig(draft_dir=local, draft_version=champion.version if champion else None, draft_kind=kind,
-                         tree_width=tree, **common)
+        draft_dir, version = registered_dir or spec.path, registered_version
+    else:
+        draft_dir, version = spec.path, champion.version if champion else None
+    return ServingConfig(draft_dir=draft_dir, draft_version=version, draft_kind=kind,
+                         tree_width=d.tree_width if kind == "eagle3" else 1, **common)
 
 
 def draft_free_fields(spec: DrafterSpec, fingerprint: str, target_path: str, dtype: str) -> dict[str, Any]:

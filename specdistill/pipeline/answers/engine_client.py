@@ -216,11 +216,9 @@ def generate_answers_openai(
                     finished.append(future.result())
                 if len(finished) >= batch_size:
                     flush(finished, out)
-        except BaseException:  # a failed request or an interrupt: keep what finished, ask nothing more
+        finally:  # after a failed request or an interrupt too: keep what finished, ask nothing more
             for future in running:
                 future.cancel()
             flush(finished, out)
-            raise
-        flush(finished, out)
     bar.close()
     return done
