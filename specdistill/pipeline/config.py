@@ -111,12 +111,10 @@ class NightlyTrain(DistillConfig):
 
     @model_validator(mode="after")
     def _run_inputs_unset(self):
-        for key, source in _SET_PER_RUN.items():
-            if key in self.model_fields_set:
-                raise ValueError(f"train.{key} is set by each run from {source}: leave it out")
-        for key, source in _EAGLE3_SET_PER_RUN.items():
-            if key in self.eagle3.model_fields_set:
-                raise ValueError(f"train.eagle3.{key} is set by each run from {source}: leave it out")
+        for prefix, section, keys in (("", self, _SET_PER_RUN), ("eagle3.", self.eagle3, _EAGLE3_SET_PER_RUN)):
+            for key, source in keys.items():
+                if key in section.model_fields_set:
+                    raise ValueError(f"train.{prefix}{key} is set by each run from {source}: leave it out")
         return self
 
     def for_run(self, config: NightlyConfig, *, data: DataConfig, out_dir: str | Path, teacher: TeacherConfig,
