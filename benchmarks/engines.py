@@ -136,8 +136,7 @@ from specdistill.engines.server import LlamaServer, ServerConfig, ServerMode
 from specdistill.engines.vllm import VllmConfig, VllmServer, start_together
 from specdistill.engines.vllm_bench import served_dtype, target_dir
 from specdistill.modeling.models import load_model, resolve_model_dir
-from specdistill.pipeline.engine_bench import mode_for_spec
-from specdistill.pipeline.vllm_bench_stage import mode_serving_config
+from specdistill.pipeline.engine_bench import mode_for_spec, mode_serving_config
 from specdistill.speculative import DrafterSpec, drafter_from_spec
 from specdistill.speculative.engine import SpecStats, generate
 

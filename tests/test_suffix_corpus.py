@@ -9,10 +9,11 @@ import torch
 
 from specdistill.data.logstore import LogStore
 from specdistill.data.readers import Conversation, Message
-from specdistill.pipeline.corpus import build_corpus, corpus_is_current, read_answers
+from specdistill.pipeline.corpus import build_corpus, read_answers
 from specdistill.speculative.suffix_corpus import (
     CorpusError,
     CorpusMeta,
+    corpus_is_current,
     load_corpus,
     load_suffix_drafter,
     read_corpus_meta,

@@ -27,7 +27,7 @@ K = 4
 
 def _serving_block(spec: str) -> dict:
     """The speculative_config serving.json would carry for a drafter spec."""
-    from specdistill.pipeline.vllm_bench_stage import mode_serving_config
+    from specdistill.pipeline.engine_bench import mode_serving_config
 
     return mode_serving_config(DrafterSpec.parse(spec), K, "demo").vllm()
 

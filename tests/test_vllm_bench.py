@@ -91,7 +91,7 @@ def test_vllm_is_launched_with_the_registered_drafts_directory_on_its_command_li
     given is the verified local copy, past the check that refused `models:/...` as 'not an HF directory'."""
     from specdistill.engines.vllm import VllmStartError
     from specdistill.engines.vllm_bench import bench_vllm
-    from specdistill.pipeline.vllm_bench_stage import mode_serving_config
+    from specdistill.pipeline.engine_bench import mode_serving_config
     from tests.test_vllm_lifecycle import _env
 
     target, reg = registered
@@ -110,7 +110,7 @@ def test_each_kind_writes_its_own_serving_keys_and_a_new_kind_is_one_registratio
     """What vLLM is started with comes from the drafter's kind: the measured window, no prompt-lookup keys
     beside a suffix corpus, and a kind registered once (here a prompt lookup of its own) is written too."""
     from specdistill.acceptance import NGRAM_WINDOW
-    from specdistill.pipeline.vllm_bench_stage import mode_serving_config
+    from specdistill.pipeline.engine_bench import mode_serving_config
     from specdistill.speculative import NgramDrafter
     from specdistill.speculative.specs import KINDS, Kind, register_kind
 

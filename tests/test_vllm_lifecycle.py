@@ -138,8 +138,8 @@ def test_server_that_never_becomes_healthy_is_stopped(tmp_path):
 def test_serving_choice_skips_a_mode_vllm_refused():
     from specdistill.ops.policy import GateVerdict
     from specdistill.pipeline.config import load_nightly_config
+    from specdistill.pipeline.engine_bench import refused_entry
     from specdistill.pipeline.serve import choose_serving
-    from specdistill.pipeline.vllm_bench_stage import refused_entry
     from specdistill.speculative.harness_bench import BenchResult
     from specdistill.speculative.specs import DrafterSpec
 

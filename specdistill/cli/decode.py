@@ -135,7 +135,7 @@ def _bench_vllm(args: argparse.Namespace, prompts: list, config, threads: int):
     """vLLM started here twice, target-only and with the mode's `speculative_config` as serving.json
     would carry it; a config vLLM refuses is an error carrying vLLM's own message."""
     from specdistill.engines.vllm_bench import bench_vllm  # lazy: CLI start-up
-    from specdistill.pipeline.vllm_bench_stage import mode_serving_config  # lazy: CLI start-up
+    from specdistill.pipeline.engine_bench import mode_serving_config  # lazy: CLI start-up
     from specdistill.speculative.specs import SELF_SPEC, DrafterSpec  # lazy: CLI start-up
 
     if args.draft:

@@ -46,12 +46,6 @@ def measured_drafters(config: NightlyConfig, trained: Trained, warm_start: WarmS
     return drafters
 
 
-def bench_prompts(config: NightlyConfig, window: Window):
-    """The window's eval prompts as the benchmark runs them: chat-templated ids, by slice."""
-    tokenizer = target_tokenizer(config)
-    return [Prompt(text="", slice=p.slice, ids=encode_chat(tokenizer, p.messages)) for p in window.eval]
-
-
 def benchmark(config: NightlyConfig, window: Window, drafters: dict[str, DrafterSpec],
               deadline_at: float | None = None) -> dict[str, BenchResult]:
     """Every drafter on the same held-out prompts, sharing one interleaved target-only run per prompt,
@@ -65,7 +59,8 @@ def benchmark(config: NightlyConfig, window: Window, drafters: dict[str, Drafter
     if isinstance(config.bench.threads, int):
         torch.set_num_threads(config.bench.threads)
     target = shared_model(config.target, dtype=config.dtype, device=config.device)
-    prompts = bench_prompts(config, window)
+    tokenizer = target_tokenizer(config)
+    prompts = [Prompt(text="", slice=p.slice, ids=encode_chat(tokenizer, p.messages)) for p in window.eval]
     before = torch.get_num_threads()
     threads = fastest_threads(target.model, prompts[0].ids) if config.bench.threads == "auto" and prompts else None
     try:

@@ -111,12 +111,10 @@ class NightlyTrain(DistillConfig):
 
     @model_validator(mode="after")
     def _run_inputs_unset(self):
-        for key, source in _SET_PER_RUN.items():
-            if key in self.model_fields_set:
-                raise ValueError(f"train.{key} is set by each run from {source}: leave it out")
-        for key, source in _EAGLE3_SET_PER_RUN.items():
-            if key in self.eagle3.model_fields_set:
-                raise ValueError(f"train.eagle3.{key} is set by each run from {source}: leave it out")
+        for prefix, section, keys in (("", self, _SET_PER_RUN), ("eagle3.", self.eagle3, _EAGLE3_SET_PER_RUN)):
+            for key, source in keys.items():
+                if key in section.model_fields_set:
+                    raise ValueError(f"train.{prefix}{key} is set by each run from {source}: leave it out")
         return self
 
     def for_run(self, config: NightlyConfig, *, data: DataConfig, out_dir: str | Path, teacher: TeacherConfig,
@@ -126,19 +124,16 @@ class NightlyTrain(DistillConfig):
         output directory, the warm start, the minutes the deadline leaves, the run's target, device, dtype and
         threads) and what they imply: a warm start keeps its draft's vocabulary and trains at
         `incremental_lr`; the generic baseline is a layer draft on plain CE. Validated whole."""
-        optim: dict[str, Any] = {"bf16": train_autocast(config)}
-        if max_minutes is not None:
-            optim["max_minutes"] = max_minutes
-        if warm_start:
-            optim["lr"] = self.incremental_lr
         update: dict[str, Any] = {
             "target": config.target, "draft": warm_start, "data": data.model_dump(), "teacher": teacher.model_dump(),
             "out_dir": str(out_dir), "device": config.device,
             "threads": config.bench.threads if isinstance(config.bench.threads, int) else None,
-            "optim": {**self.optim.model_dump(), **optim},
+            "optim": {**self.optim.model_dump(), "bf16": train_autocast(config)},
         }
+        if max_minutes is not None:
+            update["optim"]["max_minutes"] = max_minutes
         if warm_start:
-            update["draft_vocab"] = None
+            update["optim"]["lr"], update["draft_vocab"] = self.incremental_lr, None
         if generic:
             update.update(kind="layers", loss=LossConfig(kind="ce").model_dump(), eagle3=Eagle3Config().model_dump())
         elif self.kind == "eagle3":
@@ -185,10 +180,8 @@ class PoolConfig(Strict):
 
 class BenchSection(BenchSettings):
     """The YAML `bench:` section: the shared benchmark settings (`data.results.BenchSettings`: γ, tokens,
-    repeats, with their one default each), and what the nightly benchmarks and how long. It builds the
-    runtime configs of the harness (`bench_config`) and of a serving engine (`engine_bench_config`) from
-    the same settings, so each reaches both the same way. `gamma` is the first benchmark's; then each
-    drafter's is measured."""
+    repeats, with their one default each, for the harness and a serving engine alike), and what the nightly
+    benchmarks and how long. `gamma` is the first benchmark's; then each drafter's is measured."""
 
     # EAGLE-3 heads, greedy: first-position candidates verified as a tree (1: a chain). Serving: SGLang's
     # --speculative-eagle-topk; vLLM and llama.cpp verify a chain
@@ -213,27 +206,21 @@ class BenchSection(BenchSettings):
     max_minutes: float | None = Field(4.0, ge=0.0)
 
     def bench_config(self) -> BenchConfig:
-        """The harness benchmark's runtime config (`speculative.harness_bench.BenchConfig`)."""
         from specdistill.speculative.harness_bench import BenchConfig  # lazy: torch, only when benchmarking
 
         return BenchConfig(**self.model_dump(include=set(BenchSettings.model_fields)))
 
     def engine_bench_config(self) -> EngineBenchConfig:
-        """A serving engine's benchmark config (`engines.endpoint_bench.EngineBenchConfig`): the same settings."""
         from specdistill.engines.endpoint_bench import EngineBenchConfig  # lazy: HTTP client, only when benchmarking
 
         return EngineBenchConfig(**self.model_dump(include=set(BenchSettings.model_fields)))
 
 
-def _gate_overrides_model() -> type[Strict]:
-    """Every `GateConfig` field as an optional key of the same type: the model checks an override's name
-    and type at load, the profile (`ops.policy.PROFILES`) holds every default."""
-    hints = get_type_hints(GateConfig)
-    keys: dict[str, Any] = {f.name: (hints[f.name], None) for f in dataclass_fields(GateConfig)}
-    return create_model("GateOverrides", __base__=Strict, **keys)
-
-
-GateOverrides = _gate_overrides_model()
+# every `GateConfig` field as an optional key of the same type: the model checks an override's name and type
+# at load, the profile (`ops.policy.PROFILES`) holds every default
+_GATE_HINTS = get_type_hints(GateConfig)
+GateOverrides = create_model("GateOverrides", __base__=Strict,
+                             **{f.name: (_GATE_HINTS[f.name], None) for f in dataclass_fields(GateConfig)})
 
 
 class GateSection(Strict):
@@ -250,7 +237,6 @@ class GateSection(Strict):
     must_beat: list[str] = [Role.GENERIC.value]  # baselines whose first-position acceptance the challenger must exceed
 
     def gate_config(self) -> GateConfig:
-        """The gate's runtime thresholds: the profile with the overrides given applied."""
         return gate_config(self.profile, **self.overrides.model_dump(exclude_unset=True))
 
 
@@ -354,12 +340,10 @@ class MonitorConfig(Strict):
 
     @cached_property
     def nightly(self) -> NightlyConfig:
-        """The nightly config this monitor run retrains with, read once (YAML and the target registry)."""
         return load_nightly_config(self.nightly_config, [f"target={self.target_ref()}", *self.nightly_overrides])
 
     def replay_gamma(self) -> int:
-        """The γ the champion is measured and a fallback served at: `gamma`, else what serving.json serves,
-        else the nightly's `bench.gamma`."""
+        """`gamma`, else what serving.json serves, else the nightly's `bench.gamma`."""
         if self.gamma is not None:
             return self.gamma
 
@@ -383,5 +367,4 @@ def config_hash(obj: Any) -> str:
 
 
 def run_root() -> Path:
-    """Where the nightly's content-addressed outputs live ($SPECDISTILL_HOME/nightly)."""
     return paths.ensure_private(paths.home() / "nightly")  # traffic, answers, corpora: the owner only

@@ -18,17 +18,14 @@ from specdistill.data.logstore import LogStore
 from specdistill.modeling.fingerprints import tokenizer_digest
 from specdistill.modeling.models import resolve_model_dir
 from specdistill.pipeline.outputs import GeneratedData
-from specdistill.speculative.suffix_corpus import CorpusError, CorpusMeta, corpus_is_current, load_corpus, save_corpus
+from specdistill.speculative.suffix_corpus import CorpusError, CorpusMeta, load_corpus, save_corpus
 
-__all__ = ["CORPUS_FILE", "build_corpus", "corpus_is_current", "current_corpus_path", "export_sglang_corpus",
-           "nightly_corpus", "read_answers", "sglang_corpus_path"]
-
-CORPUS_FILE = "suffix_corpus.safetensors"
-CURRENT_CORPUS = "suffix_corpus.safetensors"  # under the state directory: the newest night's, for the monitor
+CORPUS_FILE = "suffix_corpus.safetensors"  # beside the answers; under the state directory, the newest night's
 
 
 def current_corpus_path() -> Path:
-    return paths.home() / CURRENT_CORPUS
+    """The newest night's corpus, what the monitor reads."""
+    return paths.home() / CORPUS_FILE
 
 
 def nightly_corpus(config, train_data: GeneratedData, target_fingerprint: str) -> str:
@@ -108,7 +105,6 @@ def build_corpus(answers: list[str | Path], out_path: str | Path, *, target_fing
 
 
 def sglang_corpus_path(corpus: str | Path) -> Path:
-    """Where a corpus's SGLang export lies: beside it."""
     corpus = Path(corpus)
     return corpus.with_name(corpus.stem + ".sglang.jsonl")
 

@@ -6,7 +6,10 @@ draft, measured exactly); speed is a property of the engine that serves, so the 
 the serving choice read these numbers when an engine is configured. llama.cpp gets each mode as
 llama-server does it: a draft (or self-speculation's early-exit draft) exported to GGUF with
 `draft-simple`, an EAGLE-3 head exported to GGUF with `draft-eagle3`, n-gram lookup as `ngram-simple`;
-the off-the-shelf baseline is never served, so not measured.
+the off-the-shelf baseline is never served, so not measured. vLLM gets each mode from the very
+`speculative_config` block `serving.json` would carry for it (`mode_serving_config`); a mode vLLM refuses gets
+an entry that cannot be served (not lossless, speedup 0) carrying vLLM's own error, so the serving choice
+skips it and says why.
 """
 
 from __future__ import annotations
@@ -20,13 +23,15 @@ from specdistill.data.results import BenchResult
 from specdistill.engines import llamacpp
 from specdistill.engines.endpoint_bench import TARGET_ONLY, run_engine_bench
 from specdistill.engines.llamacpp import bench_llamacpp, ngram_mode, target_gguf
+from specdistill.engines.vllm_bench import bench_vllm, served_dtype
 from specdistill.modeling.drafts import export_early_exit_draft
-from specdistill.modeling.models import resolve_model_dir, shared_model
+from specdistill.modeling.eagle3_io import is_eagle3_dir
+from specdistill.modeling.models import load_model, resolve_model_dir, shared_model
 from specdistill.ops.policy import Role
+from specdistill.ops.serving import ServingConfig
 from specdistill.pipeline.config import NightlyConfig
 from specdistill.pipeline.outputs import Window
 from specdistill.pipeline.stage_budgets import stage_deadline
-from specdistill.pipeline.vllm_bench_stage import vllm_engine_benchmark
 from specdistill.speculative.specs import DrafterSpec
 
 
@@ -41,11 +46,6 @@ def mode_for_spec(spec: DrafterSpec, target: Path, k: int = DEFAULT_GAMMA):
     if spec.ngram_sizes:
         return ngram_mode(spec.ngram_sizes[1], k) if spec.arg else ngram_mode(k=k)
     raise ValueError(f"drafter {str(spec)!r} has no llama.cpp mode (draft:DIR or ngram)")
-
-
-def engine_prompts(window: Window):
-    """The window's eval prompts as an engine is sent them: their chat turns (it applies the template)."""
-    return [Prompt(text=p.messages[-1]["content"], slice=p.slice, messages=p.messages) for p in window.eval]
 
 
 def llamacpp_spec(config: NightlyConfig, spec: DrafterSpec) -> DrafterSpec:
@@ -63,7 +63,8 @@ def engine_benchmark(config: NightlyConfig, window: Window, drafters: dict[str, 
     included). Results are keyed by drafter name, with the `spec` the harness benchmark used."""
     s, b = config.serving, config.bench
     deadline = stage_deadline(config, "engine benchmark", deadline_at)
-    prompts = engine_prompts(window)
+    # the eval prompts' chat turns: the engine applies the template
+    prompts = [Prompt(text=p.messages[-1]["content"], slice=p.slice, messages=p.messages) for p in window.eval]
     bcfg = b.engine_bench_config()
     servable = {name: spec for name, spec in drafters.items() if Role.served(name) and spec.served}
     if s.engine == "llamacpp":
@@ -77,7 +78,15 @@ def engine_benchmark(config: NightlyConfig, window: Window, drafters: dict[str, 
             out[name].stats["llamacpp_args"] = ["-m", str(gguf), "-t", str(s.threads), *mode.args()]
         return out
     if s.engine == "vllm":
-        return vllm_engine_benchmark(config, prompts, servable, bcfg, deadline)
+        configs = {name: mode_serving_config(spec, b.gamma, config.target) for name, spec in servable.items()}
+        run = bench_vllm(config.target, {name: c.vllm() for name, c in configs.items()}, prompts, bcfg,
+                         threads=s.threads, dtype=config.dtype, deadline=deadline)
+        out = {name: replace(r, spec=str(servable[name])) for name, r in run.results.items()}
+        for name, cause in run.refused.items():
+            out[name] = refused_entry(name, servable[name], cause, b.gamma, served_dtype(config.dtype))
+        for entry in out.values():
+            entry.stats["vllm_version"] = run.version
+        return out
     if s.engine == "openai":
         if TARGET_ONLY not in s.endpoints or len(s.endpoints) < 2:
             raise ValueError(f"serving.engine openai needs serving.endpoints with {TARGET_ONLY!r} and at least one mode "
@@ -88,3 +97,32 @@ def engine_benchmark(config: NightlyConfig, window: Window, drafters: dict[str, 
         results = run_engine_bench(dict(s.endpoints), prompts, bcfg, engine="openai", dtype="served", deadline=deadline)
         return {name: replace(r, spec=str(drafters[name])) for name, r in results.items()}
     raise ValueError(f"serving.engine {s.engine!r} has no separate engine benchmark (the harness benchmark is it)")
+
+
+def mode_serving_config(spec: DrafterSpec, gamma: int, target_ref: str) -> ServingConfig:
+    """The serving config `serving.json` would carry for a drafter spec (`draft:REF`, `self-spec:K`, `ngram...`):
+    its serving keys (`DrafterSpec.serving_keys`), with a draft directory. A draft reference
+    (`models:/NAME@ALIAS` included) is resolved, and a registered one verified, here: vLLM is handed a local
+    HF directory, never a reference it cannot read. A suffix corpus is ours only (vLLM's suffix trees fill
+    from served requests: docs/serving.md)."""
+    if not spec.served:
+        raise ValueError(f"drafter {str(spec)!r} has no vLLM mode: no serving engine runs a {spec.kind} drafter")
+    keys = dict(spec.serving_keys(), num_speculative_tokens=gamma)
+    if spec.path:
+        draft_dir = resolve_model_dir(spec.path)
+        return ServingConfig(draft_dir=str(draft_dir), draft_kind="eagle3" if is_eagle3_dir(draft_dir) else "layers",
+                             **keys)
+    if spec.exit_layer is not None:
+        target = load_model(target_ref, dtype="float32")  # a weight copy for vLLM to load
+        return ServingConfig(draft_dir=str(export_early_exit_draft(target, spec.exit_layer)), **keys)
+    return ServingConfig(**keys)
+
+
+def refused_entry(name: str, spec: DrafterSpec, cause: str, gamma: int, dtype: str) -> BenchResult:
+    """A mode vLLM would not start: measured as nothing, never served, vLLM's reason kept."""
+    return BenchResult(drafter=name, gamma=gamma, max_new_tokens=0, repeats=0, greedy=True, lossless=False,
+                       lossless_mismatches=0, acceptance_rate=0.0, accepted_length=1.0, per_position_acceptance=[],
+                       request_acceptance_p10=0.0, request_acceptance_p50=0.0, request_acceptance_p90=0.0,
+                       tokens_per_second_target_only=0.0, tokens_per_second_speculative=0.0, speedup=0.0,
+                       cost_ratio=None, ideal_speedup=None, slices=[], stats={"vllm_refused": cause}, dtype=dtype,
+                       engine="vllm", spec=str(spec))

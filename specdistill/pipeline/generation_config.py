@@ -53,7 +53,6 @@ class GenerationConfig(Strict):
     # (as AVX2: 1.3x batch 16; 64 fell back to 1.05x)
     batch_size: int | None = Field(None, ge=1)
     teacher_top_k: int = Field(32, ge=1)
-    # auto: the faster of the harness and a built llama.cpp on this machine, measured (pipeline.answers.choose_engine)
     backend: Literal["harness", "openai", "auto"] = "harness"
     url: str | None = None  # backend openai: the server's base URL; null: start `engine` on the target
     engine: Literal["llamacpp", "vllm"] = "llamacpp"  # backend openai without a url: the server started here

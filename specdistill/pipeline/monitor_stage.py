@@ -6,6 +6,7 @@ words is `pipeline.report.render_outcome`."""
 from __future__ import annotations
 
 import json
+import logging
 
 from specdistill.acceptance import DraftCounts
 from specdistill.data.logstore import LogStore
@@ -73,65 +74,45 @@ def record_decision(config: MonitorConfig, outcome: MonitorOutcome) -> RecordedD
     metrics = SpecDecodeMetrics()
     if isinstance(sample, AcceptanceSample) and sample.ok:  # a live engine's counters are its own to export
         metrics.record(sample.counts())
-    try:
-        serving = read_serving_config(config.nightly.serving_path)
-    except ServingConfigError as exc:  # the decision is kept (stored above), the error counted, and the run fails
-        metrics.serving_config_errors.inc()
-        _push(metrics)
-        raise _stop(exc) from None
+    serving = _read_serving(config, metrics)  # a bad file: the decision is kept (stored above), and the run fails
     if serving is not None:
         metrics.set_serving(serving.mode, target_fingerprint=target.fingerprint, draft_version=serving.draft_version)
     pushed = metrics.push(job="specdistill-monitor")
     return RecordedDecision(log_store_row=row, pushed=pushed)
 
 
-def _push(metrics) -> None:
-    """Push the error count; an unreachable Pushgateway must not hide the error it reports."""
-    import logging
-
-    try:
-        metrics.push(job="specdistill-monitor")
-    except Exception as exc:  # any failure to push: the config error is what the run reports
-        logging.getLogger(__name__).warning("could not push the serving config error to the Pushgateway: %s", exc)
-
-
-def _stop(exc: Exception):
-    return ServingConfigError(f"{exc}; the monitor stops and records no success (fix the file, or remove it "
-                              "to serve without speculation until the nightly writes one)")
-
-
 def check_serving_config(config: MonitorConfig) -> None:
     """Before the monitor samples anything: the serving config must be readable (or absent: nothing
-    served yet). A corrupt one is an alert, never a success: counted in
-    `specdistill_serving_config_errors_total` (pushed when a Pushgateway is configured) and a
-    `ServingConfigError` naming the file, so the run fails and marks no pipeline success."""
+    served yet). A corrupt one is an alert, never a success (`_read_serving`)."""
+    _read_serving(config, SpecDecodeMetrics())
+
+
+def _read_serving(config: MonitorConfig, metrics: SpecDecodeMetrics) -> ServingConfig | None:
+    """The serving config; a corrupt one is counted in `specdistill_serving_config_errors_total` (pushed when a
+    Pushgateway is configured) and raised as a `ServingConfigError` naming the file, so the run fails and marks
+    no pipeline success."""
     try:
-        read_serving_config(config.nightly.serving_path)
+        return read_serving_config(config.nightly.serving_path)
     except ServingConfigError as exc:
-        metrics = SpecDecodeMetrics()
         metrics.serving_config_errors.inc()
-        _push(metrics)
-        raise _stop(exc) from None
-
-
-def registered_first_position(champion: Champion | None) -> float | None:
-    """The champion's own first-position acceptance when it was registered (its version's tag), if recorded."""
-    value = champion.tags.get(FIRST_POSITION_TAG) if champion else None
-    try:
-        return float(value) if value not in (None, "") else None
-    except ValueError:
-        return None
+        try:
+            metrics.push(job="specdistill-monitor")
+        except Exception as push_error:  # an unreachable Pushgateway must not hide the error it reports
+            logging.getLogger(__name__).warning("could not push the serving config error to the Pushgateway: %s",
+                                                push_error)
+        raise ServingConfigError(f"{exc}; the monitor stops and records no success (fix the file, or remove it "
+                                 "to serve without speculation until the nightly writes one)") from None
 
 
 def judge(config: MonitorConfig, sample: Sample, champion: Champion | None = None) -> tuple[Decision, str]:
     """(decision, why): keep, fallback, retrain or no-sample (`ops.policy.judge_acceptance`): the sampled
-    first-position acceptance against the red line, and against the champion's own at registration."""
-    return judge_acceptance(sample, config.red_line, registered=registered_first_position(champion),
-                            max_relative_drop=config.max_relative_drop)
-
-
-def decide(config: MonitorConfig, sample: Sample, champion: Champion | None = None) -> Decision:
-    return judge(config, sample, champion)[0]
+    first-position acceptance against the red line, and against the champion's own at registration (its tag)."""
+    value = champion.tags.get(FIRST_POSITION_TAG) if champion else None
+    try:
+        registered = float(value) if value not in (None, "") else None
+    except ValueError:
+        registered = None
+    return judge_acceptance(sample, config.red_line, registered=registered, max_relative_drop=config.max_relative_drop)
 
 
 def detect_drift(config: MonitorConfig, champion: Champion | None) -> TargetChange:

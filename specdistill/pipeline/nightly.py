@@ -1,10 +1,8 @@
 """The nightly pipeline's stages as plain library calls: one function per Prefect task.
 
-Each stage takes and returns small, JSON-friendly values (paths, ids, the stage records of
-`pipeline.outputs`, serialized by `data.record`), writes its outputs under a content-addressed directory, and resumes from what
-is already there, so a rerun after a failure recomputes nothing that finished. `flows/nightly.py`
-composes them in the order of the README's pipeline diagram; the benchmark and the gate are in
-`pipeline.bench_stage`; the Markdown report and the registration's record are in `pipeline.report`.
+Each stage takes and returns small, JSON-friendly values (the records of `pipeline.outputs`), writes its
+outputs under a content-addressed directory, and resumes from what is already there, so a rerun after a
+failure recomputes nothing that finished.
 """
 
 from __future__ import annotations
@@ -48,17 +46,13 @@ from specdistill.pipeline.outputs import (
 )
 from specdistill.pipeline.report import registration_artifacts, registration_metrics, train_losses
 from specdistill.pipeline.serve import serving_config
-from specdistill.pipeline.stage_budgets import stage_deadline
+from specdistill.pipeline.stage_budgets import stage_budgets, stage_deadline
 
 
 def target_tokenizer(config: NightlyConfig):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(resolve_model_dir(config.target))
-
-
-# --------------------------------------------------------------------------------------------
-# Stage: target
 
 
 def describe_target(target_ref: str, dtype: str = "auto", device: str = "auto") -> TargetInfo:
@@ -77,10 +71,6 @@ def describe_target(target_ref: str, dtype: str = "auto", device: str = "auto") 
                       dtype=dtype_name(loaded.model.dtype), hardware=describe_device(loaded.model.device))
 
 
-# --------------------------------------------------------------------------------------------
-# Stage: ingest
-
-
 def resolve_source_path(source: SourceConfig) -> Path:
     shipped = {"sharegpt": sharegpt_path, "humaneval": humaneval_path}
     return shipped[source.path]() if source.path in shipped else Path(source.path)
@@ -89,10 +79,6 @@ def resolve_source_path(source: SourceConfig) -> Path:
 def ingest_source(source: SourceConfig, log_db: str | None) -> IngestResult:
     with LogStore(log_db) as store:
         return ingest(resolve_source_path(source), source.format, store, progress=True)
-
-
-# --------------------------------------------------------------------------------------------
-# Stage: vocabulary alignment
 
 
 def align_champion(config: NightlyConfig, champion: Champion | None) -> WarmStart | None:
@@ -124,10 +110,6 @@ def align_champion(config: NightlyConfig, champion: Champion | None) -> WarmStar
         drafts.save_draft(aligned.model, target_tok, out, draft_vocab=aligned.draft_vocab,
                    meta={**load_draft_meta(champion.dir), "transplanted_from": champion.dir})
     return warm(str(out), True, report)
-
-
-# --------------------------------------------------------------------------------------------
-# Stage: data window
 
 
 def interleave_slices(prompts: list[Prompt]) -> list[Prompt]:
@@ -191,19 +173,6 @@ def select_window(config: NightlyConfig, now: datetime | None = None) -> Window:
     return Window(train, evals, window_key(train, evals, config.target), since.isoformat() if since else None, len(replay))
 
 
-# --------------------------------------------------------------------------------------------
-# Stage: distillation (and the generic baseline draft)
-
-
-def _write_conversations(config: NightlyConfig, window: Window, path: Path) -> Path:
-    """The window's train conversations with their human-written answers (for the generic baseline)."""
-    with LogStore(config.log_db) as store:
-        if not store.export_answered((int(p.id) for p in window.train), path):
-            # HumanEval-style traffic logs prompts only: there is nothing human-written to imitate
-            raise ValueError("the window's train conversations have no human-written answers for the generic baseline")
-    return path
-
-
 MIN_TRAIN_MINUTES = 0.25  # a shorter training budget is no useful work
 
 
@@ -226,8 +195,12 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | None, heldo
     if generic:
         out_dir = run_root() / "generic" / f"{window.key}-{config_hash(tc)}"
         conv_path = paths.ensure_private(out_dir.parent) / f"{window.key}-conversations.jsonl"
-        if not conv_path.is_file():
-            _write_conversations(config, window, conv_path)
+        if not conv_path.is_file():  # the train conversations with their human-written answers
+            with LogStore(config.log_db) as store:
+                if not store.export_answered((int(p.id) for p in window.train), conv_path):
+                    # HumanEval-style traffic logs prompts only: there is nothing human-written to imitate
+                    raise ValueError("the window's train conversations have no human-written answers for the generic "
+                                     "baseline")
         data = DataConfig(path=str(conv_path), kind="conversations", heldout_path=heldout_data.path)
         teacher = TeacherConfig(mode="none")
     else:
@@ -241,9 +214,9 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | None, heldo
     result_file = out_dir / "result.json"
     if result_file.is_file():  # finished before: a rerun reuses it
         return Trained.from_dict(paths.read_json(result_file, "distillation result"))
-    minutes = config.bench.generic_minutes if generic and config.bench.generic_minutes is not None else tc.optim.max_minutes
-    now = time.time()
-    left = stage_deadline(config, "generic" if generic else "distill", deadline_at, now=now).minutes(now)
+    stage, now = "generic" if generic else "distill", time.time()
+    left = stage_deadline(config, stage, deadline_at, now=now).minutes(now)
+    minutes = stage_budgets(config)[stage]
     if left is not None and (minutes is None or left < minutes):
         if left < MIN_TRAIN_MINUTES:
             raise ValueError(f"the run's deadline (deadline_minutes={config.deadline_minutes}) leaves {left * 60:.0f} s "
@@ -253,10 +226,6 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | None, heldo
     dcfg = tc.for_run(config, data=data, out_dir=out_dir, teacher=teacher, warm_start=warm_start, max_minutes=minutes,
                       generic=generic, feature_dir=feature_dir)
     return distill_train.distill(dcfg)
-
-
-# --------------------------------------------------------------------------------------------
-# Stage: registry and serving
 
 
 def flat_params(section: dict, prefix: str = "") -> dict:
@@ -271,7 +240,6 @@ def flat_params(section: dict, prefix: str = "") -> dict:
 
 
 def champion_of(config: NightlyConfig) -> Champion | None:
-    """The current champion (version, local draft directory, parent chain) or None."""
     name = registry.model_name_for(config.target_name)
     return _registered(name, registry.version_by_alias(name, registry.CHAMPION))
 
@@ -302,7 +270,6 @@ def _registered(name: str, mv) -> Champion | None:
 
 
 def started_from(warm_start: WarmStart | None, champion: Champion | None) -> str:
-    """The report's line on where the draft's training started."""
     if warm_start is not None and champion is not None and warm_start.version == champion.version:
         return f"training started from the champion, version {warm_start.version}"
     why = (f"the champion, version {champion.version}, is a {draft_kind(champion)} draft" if champion is not None

@@ -1,13 +1,7 @@
-"""What each stage hands to the next that has no home in a lower layer: the night's `Window`, the
-target, the champion, the answers and the pool's view, the serving decision, the promotion, the nightly run
-as a whole and the monitor's outcome, each a dataclass (`data.record.Record`) read by attribute.
-
-The other stage outputs are the library's own dataclasses, defined once where they are computed:
-`data.results.BenchResult`, `distill.trained.Trained` (the training run), `ops.policy.GateVerdict`,
-`ops.registry.RegisteredDraft`, `ops.targets.TargetChange`/`TargetVersion`, `ops.replay.AcceptanceSample`
-and `FallbackDecision`, `ops.metrics.LiveSample`, `data.ingest.IngestResult`. All become JSON (benchmark.json,
-gate.json, the decision record, `--json`) through `data.record.to_dict`, which is also what
-`tasks.common.content_key` hashes; Prefect persists them as it does any result.
+"""What each stage hands to the next that has no home in a lower layer, each a dataclass
+(`data.record.Record`); the other stage outputs are the library's own dataclasses, defined once where they
+are computed. All become JSON (benchmark.json, gate.json, the decision record, `--json`) through
+`data.record.to_dict`, which is also what `tasks.common.content_key` hashes.
 """
 
 from __future__ import annotations
@@ -100,7 +94,6 @@ class Window(Record):
     replayed: int
 
     def split(self, name: str) -> list[Prompt]:
-        """The `train` or `eval` prompts."""
         if name not in ("train", "eval"):
             raise ValueError(f"a window's split is train or eval, not {name!r}")
         return self.train if name == "train" else self.eval
@@ -108,10 +101,8 @@ class Window(Record):
 
 def window_key(train: list[Prompt], evals: list[Prompt], target: str) -> str:
     """The window's content hash, over what identifies its prompts (id, turns, slice)."""
-    def ident(p: Prompt) -> dict:
-        return {"id": p.id, "messages": p.messages, "slice": p.slice}
-
-    payload = [[ident(p) for p in train], [ident(p) for p in evals], target]
+    payload = [[{"id": p.id, "messages": p.messages, "slice": p.slice} for p in split]
+               for split in (train, evals)] + [target]
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -218,6 +209,5 @@ class MonitorOutcome(Record):
     incremental: NightlyRun | None = None  # the incremental nightly run the monitor started
     report: str = ""
 
-    def to_json(self) -> str:
-        """The log store's record of this decision (its decisions table's payload)."""
+    def to_json(self) -> str:  # the log store's decisions table's payload
         return json.dumps(self.to_dict(), default=str, sort_keys=True)

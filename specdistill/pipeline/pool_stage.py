@@ -104,25 +104,22 @@ def pool_report(pooled: PooledData, stale_dropped: int = 0, tonight: GeneratedDa
     because their cached teacher rows were written for other token ids), after tonight's data line."""
     stale = (f"\n- {stale_dropped} answers not trained on: their cached teacher rows were written for other "
              "token ids") if stale_dropped else ""
-    if tonight is not None:
-        return data_line(tonight) + "\n\n" + pool_report(pooled, stale_dropped)
+    head = data_line(tonight) + "\n\n" if tonight is not None else ""
     s = pooled.pool
     if s is None:
-        return (f"trained on tonight's answers only (pool disabled): {pooled.answers} answers, {pooled.tokens} tokens"
+        return (f"{head}trained on tonight's answers only (pool disabled): {pooled.answers} answers, {pooled.tokens} tokens"
                 + stale)
-    lines = [f"trained on {pooled.answers} answers, {pooled.tokens} answer tokens, from {len(s.nights)} "
+    lines = [f"{head}trained on {pooled.answers} answers, {pooled.tokens} answer tokens, from {len(s.nights)} "
              f"night(s) of the answer pool of target `{s.fingerprint}` (newest first):"]
     lines += [f"- `{key}`: {n['answers']} answers, {n['tokens']} tokens" for key, n in s.nights.items()]
-    notes = []
     if s.duplicates:
-        notes.append(f"{s.duplicates} prompts answered on several nights trained once (the newest answer)")
+        lines.append(f"- {s.duplicates} prompts answered on several nights trained once (the newest answer)")
     if s.over_budget:
-        notes.append(f"{s.over_budget} older answers over the token budget left out")
+        lines.append(f"- {s.over_budget} older answers over the token budget left out")
     if s.held_out:
-        notes.append(f"{s.held_out} answers to held-out prompts left out")
+        lines.append(f"- {s.held_out} answers to held-out prompts left out")
     if s.reanswered:
-        notes.append(f"{s.reanswered} of the previous target version's prompts re-answered by this target")
-    lines += [f"- {n}" for n in notes]
+        lines.append(f"- {s.reanswered} of the previous target version's prompts re-answered by this target")
     lines.append(f"- pool disk use {s.disk_bytes / 2**30:.2f} GiB")
     lines += [f"- disk cap: night `{e['key']}` evicted ({e['bytes'] / 2**20:.0f} MiB)" for e in s.evicted]
     lines += [f"- retired the pool of target `{r['fingerprint']}` ({r['bytes'] / 2**20:.0f} MiB)" for r in s.retired]

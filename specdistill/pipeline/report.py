@@ -151,7 +151,6 @@ def _draft_vs_serving(results: dict[str, BenchResult], verdict: GateVerdict | No
 
 
 def write_report(text: str, window: Window, path: str | None = None) -> str:
-    """The human-readable record of what a run measured and decided."""
     path = Path(path) if path else paths.ensure(run_root() / "reports") / f"{time.strftime('%Y%m%d-%H%M%S')}-{window.key}.md"
     path.write_text(text + "\n")
     return str(path)
@@ -162,7 +161,6 @@ def write_report(text: str, window: Window, path: str | None = None) -> str:
 
 
 def registration_metrics(results: dict[str, BenchResult], trained: Trained) -> dict[str, float]:
-    """The challenger's numbers, its per-position acceptance, and each baseline's α and speedup."""
     challenger = results[Role.CHALLENGER]
     metrics = {"first_position_acceptance": first_position(challenger)[0] or 0.0,
                "acceptance_rate": challenger.acceptance_rate, "accepted_length": challenger.accepted_length,
@@ -179,7 +177,6 @@ def registration_metrics(results: dict[str, BenchResult], trained: Trained) -> d
 
 
 def train_losses(trained: Trained) -> list[float]:
-    """The training loss curve the trainer logged next to the draft (empty when there is none)."""
     curve_file = Path(trained.draft_dir).parent / "train_log.jsonl"
     return [json.loads(line)["loss"] for line in curve_file.read_text().splitlines()] if curve_file.is_file() else []
 
@@ -221,7 +218,6 @@ def registration_artifacts(config: NightlyConfig, results: dict[str, BenchResult
 
 
 def render_outcome(outcome: MonitorOutcome) -> str:
-    """Markdown: the target, the acceptance sample, the decision and what followed from it."""
     change, sample = outcome.change, outcome.sample
     lines = [f"target {change.current.fingerprint}" + (
         f" (changed from {change.previous.fingerprint})" if change.changed and change.previous else "")]

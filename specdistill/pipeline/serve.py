@@ -1,15 +1,10 @@
 """Which mode the serving engine runs after a nightly run.
 
-Every mode measured on the held-out prompts (the promoted challenger or the current champion,
-self-speculation, n-gram) goes through the one no-slowdown guard (`ops.policy.fastest_mode`, which
-the monitor's fallback uses too): the fastest lossless mode, only if its gain holds over the prompts
-(a lower confidence bound of its per-prompt speedups beats target-only decoding by the margin), else
-no speculation. Every mode arrives at its own γ, chosen by measurement in the
-benchmark stage (`speculative.gamma.bench_at_best_gamma`: predicted from its per-position
-acceptance, its cost ratio and the target's measured verification costs, kept only if a second
-measured run confirms it), so modes are compared at their best and the winner is served at it. The `champion`
-alias is not decided here: it names the best draft (the gate), even when another mode is faster on
-this hardware; the report says so.
+Every mode measured on the held-out prompts goes through the one no-slowdown guard
+(`ops.policy.fastest_mode`, which the monitor's fallback uses too). Every mode arrives at its own γ,
+chosen by measurement in the benchmark stage (`speculative.gamma.bench_at_best_gamma`), so modes are
+compared at their best and the winner is served at it. The `champion` alias is not decided here: it
+names the best draft (the gate), even when another mode is faster on this hardware; the report says so.
 """
 
 from __future__ import annotations
@@ -31,7 +26,6 @@ from specdistill.speculative.suffix_corpus import read_corpus_meta
 
 
 def serving_candidates(results: dict[str, BenchResult], verdict: GateVerdict) -> dict[str, BenchResult]:
-    """The modes that may be served (`ops.policy.servable`)."""
     return servable(results, verdict.promote)
 
 
@@ -46,32 +40,6 @@ def _served(decision: ServingDecision, entries: dict[str, BenchResult], name: st
     r = entries[name]
     decision.name, decision.spec, decision.speedup = name, DrafterSpec.parse(r.spec), r.speedup
     return r
-
-
-def choose_engine_serving(config: NightlyConfig, speeds: dict[str, BenchResult], verdict: GateVerdict) -> ServingDecision:
-    """The fastest lossless mode as measured in the serving engine, through the same no-slowdown guard.
-    γ is the benchmark's K (the harness's γ search models the harness's verification cost, not the engine's)."""
-    b, s = config.bench, config.serving
-    refused = {name: r.refused for name, r in speeds.items() if r.refused}
-    candidates = {name: r for name, r in serving_candidates(speeds, verdict).items() if name not in refused}
-    choice = fastest_mode(_candidates(candidates, b.gamma), s.margin, confidence=s.confidence, min_prompts=s.min_prompts)
-    some = next(iter(speeds.values()), None)
-    measured_on = f"{s.engine}, {some.dtype if some else '?'}" + (f", {s.threads} threads" if s.engine in ("llamacpp", "vllm") else "")
-    if s.engine == "vllm" and some is not None:
-        measured_on += f", vLLM {some.engine_version or '?'}, {cpu_info().describe()}"
-    reason = choice.reason
-    if refused:
-        reason += "; not served, vLLM refused: " + "; ".join(f"{n} ({why})" for n, why in refused.items())
-    decision = ServingDecision(mode=choice.mode, gamma=b.gamma, reason=reason, measured_on=measured_on,
-                               measured={name: r.speedup for name, r in speeds.items() if name not in refused},
-                               gamma_note=f"γ=K={b.gamma} as measured in {s.engine}", engine=s.engine,
-                               speedup_lower_bound=choice.lower_bound, confidence=choice.confidence)
-    if some is not None and s.engine == "llamacpp":  # target-only: the measured command without the mode's flags
-        decision.llamacpp_args = some.llamacpp_args[:4]
-    if choice.candidate is not None:
-        r = _served(decision, candidates, choice.candidate.name)
-        decision.llamacpp_args = r.llamacpp_args
-    return decision
 
 
 def gamma_note(r: BenchResult) -> str:
@@ -94,21 +62,36 @@ def gamma_note(r: BenchResult) -> str:
 
 def choose_serving(config: NightlyConfig, window: Window, results: dict[str, BenchResult],
                    verdict: GateVerdict, speeds: dict[str, BenchResult] | None = None) -> ServingDecision:
-    """`speeds` (from `engine_bench.engine_benchmark`) when the serving engine is not the harness.
-    In the harness each entry was benchmarked at its own best γ already (`pipeline.bench_stage.benchmark`), and
-    the winner is served at that γ."""
-    if config.serving.engine != "harness":
-        if speeds is None:
-            raise ValueError(f"serving.engine {config.serving.engine}: the engine's measurements are missing")
-        return choose_engine_serving(config, speeds, verdict)
-    candidates = serving_candidates(results, verdict)
-    choice = fastest_mode(_candidates(candidates), config.serving.margin, confidence=config.serving.confidence,
-                          min_prompts=config.serving.min_prompts)
-    some = next(iter(results.values()), None)
-    decision = ServingDecision(mode=choice.mode, gamma=config.bench.gamma, reason=choice.reason,
-                               measured={name: r.speedup for name, r in results.items()},  # every mode measured, served or not
-                               measured_on=f"PyTorch harness, {some.dtype if some else '?'}",
+    """`speeds` (from `engine_bench.engine_benchmark`) when the serving engine is not the harness: there γ is the
+    benchmark's K (the harness's γ search models the harness's verification cost, not the engine's). In the
+    harness each entry was benchmarked at its own best γ already (`pipeline.bench_stage.benchmark`), and the
+    winner is served at that γ."""
+    b, s = config.bench, config.serving
+    in_engine = s.engine != "harness"
+    if in_engine and speeds is None:
+        raise ValueError(f"serving.engine {s.engine}: the engine's measurements are missing")
+    entries = speeds if in_engine else results
+    refused = {name: r.refused for name, r in entries.items() if r.refused}
+    candidates = {name: r for name, r in serving_candidates(entries, verdict).items() if name not in refused}
+    choice = fastest_mode(_candidates(candidates, b.gamma if in_engine else None), s.margin, confidence=s.confidence,
+                          min_prompts=s.min_prompts)
+    some = next(iter(entries.values()), None)
+    dtype = some.dtype if some else "?"
+    decision = ServingDecision(mode=choice.mode, gamma=b.gamma, reason=choice.reason, measured_on=f"PyTorch harness, {dtype}",
+                               measured={name: r.speedup for name, r in entries.items() if name not in refused},
                                speedup_lower_bound=choice.lower_bound, confidence=choice.confidence)
+    if in_engine:
+        decision.engine, decision.gamma_note = s.engine, f"γ=K={b.gamma} as measured in {s.engine}"
+        decision.measured_on = f"{s.engine}, {dtype}" + (f", {s.threads} threads" if s.engine in ("llamacpp", "vllm") else "")
+        if s.engine == "vllm" and some is not None:
+            decision.measured_on += f", vLLM {some.engine_version or '?'}, {cpu_info().describe()}"
+        if refused:
+            decision.reason += "; not served, vLLM refused: " + "; ".join(f"{n} ({why})" for n, why in refused.items())
+        if some is not None and s.engine == "llamacpp":  # target-only: the measured command without the mode's flags
+            decision.llamacpp_args = some.llamacpp_args[:4]
+        if choice.candidate is not None:
+            decision.llamacpp_args = _served(decision, candidates, choice.candidate.name).llamacpp_args
+        return decision
     held_back = unserved_faster_challenger(results, verdict, choice.candidate.speedup if choice.candidate else 1.0)
     if held_back:
         decision.reason += f"; {held_back}"
@@ -137,14 +120,13 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
         return ServingConfig(**common)
     if not spec.path:
         return ServingConfig(**{**draft_free_fields(spec, target.fingerprint, target.path, target.dtype), **common})
-    local = spec.path
-    kind = "eagle3" if is_eagle3_dir(local) else "layers"  # vLLM method eagle3 / SGLang EAGLE3 for a head
-    tree = d.tree_width if kind == "eagle3" else 1
+    kind = "eagle3" if is_eagle3_dir(spec.path) else "layers"  # vLLM method eagle3 / SGLang EAGLE3 for a head
     if d.name == Role.CHALLENGER:  # served from its registered copy once it is registered
-        return ServingConfig(draft_dir=registered_dir or local, draft_version=registered_version, draft_kind=kind,
-                             tree_width=tree, **common)
-    return ServingConfig(draft_dir=local, draft_version=champion.version if champion else None, draft_kind=kind,
-                         tree_width=tree, **common)
+        draft_dir, version = registered_dir or spec.path, registered_version
+    else:
+        draft_dir, version = spec.path, champion.version if champion else None
+    return ServingConfig(draft_dir=draft_dir, draft_version=version, draft_kind=kind,
+                         tree_width=d.tree_width if kind == "eagle3" else 1, **common)
 
 
 def draft_free_fields(spec: DrafterSpec, fingerprint: str, target_path: str, dtype: str) -> dict[str, Any]:

@@ -18,15 +18,13 @@ from specdistill.pipeline.config import NightlyConfig
 
 def stage_budgets(config: NightlyConfig) -> dict[str, float | None]:
     """Each budgeted stage's own budget in minutes (None: none; a stage the run skips: absent)."""
-    budgets = {"answers": config.generation.max_minutes, "distill": config.train.optim.max_minutes,
-               "generic": (config.bench.generic_minutes if config.bench.generic_minutes is not None
-                           else config.train.optim.max_minutes) if config.bench.generic_draft else None,
-               "benchmark": config.bench.max_minutes,
-               "engine benchmark": config.bench.max_minutes if config.serving.engine != "harness" else None}
-    if not config.bench.generic_draft:
-        del budgets["generic"]
-    if config.serving.engine == "harness":
-        del budgets["engine benchmark"]
+    b, train_minutes = config.bench, config.train.optim.max_minutes
+    budgets = {"answers": config.generation.max_minutes, "distill": train_minutes}
+    if b.generic_draft:
+        budgets["generic"] = b.generic_minutes if b.generic_minutes is not None else train_minutes
+    budgets["benchmark"] = b.max_minutes
+    if config.serving.engine != "harness":
+        budgets["engine benchmark"] = b.max_minutes
     return budgets
 
 
@@ -44,7 +42,6 @@ def run_deadline(config: NightlyConfig, now: float | None = None) -> float | Non
 
 
 def stage_deadline(config: NightlyConfig, stage: str, deadline_at: float | None, now: float | None = None) -> Deadline:
-    """`stage`'s deadline given the run's (`run_deadline`)."""
     budgets = stage_budgets(config)
     if stage not in budgets:
         raise ValueError(f"{stage!r} is not a budgeted stage ({', '.join(budgets)})")
@@ -69,7 +66,6 @@ class StageClock:
         self._last = now
 
     def report(self, config: NightlyConfig) -> str:
-        """The report's section: each stage's minutes, the machine the run measured on, what was cut."""
         total = (self._last or time.time()) - self.started
         rows = " · ".join(f"{stage} {s / 60:.1f}" for stage, s in self.seconds.items())
         budget = f" of a {config.deadline_minutes:g}-minute deadline" if config.deadline_minutes is not None else ""

@@ -12,7 +12,6 @@ from specdistill.ops.metrics import SpecDecodeMetrics
 
 def mark_pipeline_success(log_db: str | None, flow: str, target_fingerprint: str = "",
                           when: float | None = None) -> float:
-    """Record that `flow` (nightly, monitor) succeeded at `when` (now); returns the Unix time recorded."""
     from datetime import datetime, timezone
 
     when = time.time() if when is None else when

@@ -18,18 +18,6 @@ from specdistill.data.prompts import Prompt, as_messages
 from specdistill.distill.examples import read_done
 
 
-def repair_tail(path: Path) -> None:
-    """Cut a partial last line so appends start on a fresh line."""
-    if not path.exists() or path.stat().st_size == 0:
-        return
-    with open(path, "rb+") as f:
-        data = f.read()
-        if data.endswith(b"\n"):
-            return
-        cut = data.rfind(b"\n") + 1
-        f.truncate(cut)
-
-
 def drop_unbacked(out_path: Path, done: dict[str, dict], caches: list) -> dict[str, dict]:
     """Resume is keyed on the answers file and on the caches it feeds: an answer whose teacher (or
     feature) rows are gone, because their shard failed its checksum and was quarantined, is taken out
@@ -58,7 +46,11 @@ def drop_unbacked(out_path: Path, done: dict[str, dict], caches: list) -> dict[s
 def resume(out_path: Path, prompts: Iterable[Prompt], caches: list) -> tuple[dict[str, dict], list[Prompt]]:
     """The answers that stand in `out_path` (backed by `caches`) and the prompts still to answer, in order."""
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    repair_tail(out_path)
+    if out_path.exists() and out_path.stat().st_size:  # a partial last line is cut, so appends start on a fresh line
+        with open(out_path, "rb+") as f:
+            data = f.read()
+            if not data.endswith(b"\n"):
+                f.truncate(data.rfind(b"\n") + 1)
     done = drop_unbacked(out_path, read_done(out_path), caches)
     todo = [p for p in prompts if str(p.id) not in done]
     repeated = [pid for pid, n in Counter(p.id for p in todo).items() if n > 1]
@@ -83,6 +75,5 @@ def append_records(out: IO[str], records: Iterable[dict], done: dict[str, dict] 
 
 def answer_record(p: Prompt, prompt_ids: list[int], answer: list[int], tokenizer: PreTrainedTokenizerBase,
                   finish: str, temperature: float) -> dict:
-    """One line of the answers file: the prompt as rendered, the exact answer ids, and their text."""
     return {"id": p.id, "prompt": as_messages(p.messages), "prompt_ids": prompt_ids, "response_ids": answer,
             "response": tokenizer.decode(answer, skip_special_tokens=True), "finish": finish, "temperature": temperature}

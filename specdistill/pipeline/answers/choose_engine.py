@@ -72,15 +72,14 @@ class AnswerEngine(Record):
     def summary(self) -> str:
         """One line for the report: each engine's answer tokens/s with the teacher, the choice, what was not probed."""
         chosen = HARNESS if self.backend == HARNESS else self.engine
+        notes = "".join(f"; {note}" for note in self.not_probed)
         if not self.speeds:
-            return f"**answer engine:** {chosen}, the only one at hand" + "".join(f"; {note}" for note in self.not_probed)
+            return f"**answer engine:** {chosen}, the only one at hand{notes}"
         speeds = ", ".join(f"{s.engine} {s.tokens_per_s:.1f}" + (f" (features {s.features_s:.1f} s)" if s.features_s else "")
                            for s in self.speeds)
-        line = f"**answer engine:** {chosen} (answer tokens/s with the teacher, one probe batch: {speeds})"
-        return line + "".join(f"; {note}" for note in self.not_probed)
+        return f"**answer engine:** {chosen} (answer tokens/s with the teacher, one probe batch: {speeds}){notes}"
 
     def apply(self, config: NightlyConfig) -> NightlyConfig:
-        """The run's config with the chosen engine as its `generation.backend` (and `engine`)."""
         g = {"backend": self.backend, **({"engine": self.engine} if self.engine else {})}
         return config.model_copy(update={"generation": config.generation.model_copy(update=g)})
 

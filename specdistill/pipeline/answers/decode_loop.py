@@ -52,7 +52,6 @@ class FeatureRecorder:
         self.steps = steps
 
     def record_prompt(self, row: int, features: torch.Tensor) -> None:
-        """`features` `[prompt length, F]` of batch row `row`'s prompt."""
         keep = features.shape[0] if self.prompt_context is None else min(features.shape[0], self.prompt_context + 1)
         self.prompt[row] = features[features.shape[0] - keep:].cpu().clone()
 
@@ -111,14 +110,9 @@ def decode_batch(target: PreTrainedModel, prompts: Sequence[Sequence[int]], *, m
                  features: FeatureRecorder | None = None) -> torch.Tensor:
     """Answers to a batch of prompts, `[rows, max_new_tokens]`, each row padded with `pad` after its EOS.
 
-    `model.generate`'s loop without its waste: rows are left-padded (every answer starts at the same
-    column, positions count from each row's first real token) but prefilled in groups of similar
-    length (`prefill_groups`), the KV cache is written in place (`modeling.kv_cache`), and a row
-    that produced EOS leaves the batch with its cache rows, so no step is spent on a finished
-    answer. Rows never see each other, so greedy answers are `generate`'s (argmax over fp32 logits,
-    ties to the lowest id) up to float rounding of the differently grouped matmuls. Sampling draws
-    as `generate` does (softmax of logits / temperature, one multinomial over the rows still going).
-    With `features`, the feature layers' inputs of the prompts and fed-back answer tokens go into it.
+    Rows never see each other, so greedy answers are `generate`'s (argmax over fp32 logits, ties to the
+    lowest id) up to float rounding of the differently grouped matmuls. Sampling draws as `generate` does
+    (softmax of logits / temperature, one multinomial over the rows still going).
     """
     rows, width = len(prompts), max(len(ids) for ids in prompts)
     device = target.device  # the whole loop runs there; recorders keep what they record on the CPU
@@ -185,7 +179,6 @@ def _prefill(target: PreTrainedModel, prompts: Sequence[Sequence[int]], pad: int
 
 
 class _RecordScores(LogitsProcessor):
-    """`generate`'s hook into a `TopKRecorder`: every step's scores of all rows."""
 
     def __init__(self, recorder: TopKRecorder):
         self.recorder, self.step = recorder, 0

@@ -5,9 +5,7 @@ The teacher cache is keyed by token positions, so answers must come back as the 
 never as text to re-tokenise: we apply the chat template ourselves (`encode_chat`, as the harness does)
 and send the prompt as token ids to `/v1/completions`; the answer's ids come with its logprobs (llama.cpp
 puts an `id` in every `logprobs.content` item; vLLM names tokens `token_id:N` when asked with
-`return_tokens_as_token_ids`). Requests run `parallel` at a time over the server's slots. Every
-`batch_size` finished answers become one teacher shard and then their JSONL lines (`answer_file`, as the
-harness writes them), so a killed run resumes where it stopped and never asks for an answer twice.
+`return_tokens_as_token_ids`).
 
 It lives in `pipeline`, not `engines`: it joins the engine's HTTP client (`engines.client`) with the
 distillation's teacher cache (`distill`), two sibling layers neither of which imports the other.
@@ -82,9 +80,6 @@ def parse_completion(reply: dict, url: str = "server") -> EngineAnswer:
     logprobs = choice.get("logprobs") or {}
     rows: list[list[tuple[int, float]]] = []
     ids: list[int] = []
-    if logprobs.get("content") is None and logprobs.get("tokens") is None:
-        raise EngineRequestError(f"{mask_url(url)}: the server returned no logprobs: it cannot give token ids and a teacher "
-                                 "(it needs /v1/completions with `logprobs`)")
     if logprobs.get("content") is not None:
         for item in logprobs["content"]:
             ids.append(_token_id(item, url))
@@ -93,6 +88,9 @@ def parse_completion(reply: dict, url: str = "server") -> EngineAnswer:
         for token, top in zip(logprobs["tokens"], logprobs.get("top_logprobs") or [{}] * len(logprobs["tokens"])):
             ids.append(_token_id({"token": token}, url))
             rows.append([(_token_id({"token": t}, url), float(lp)) for t, lp in (top or {}).items()])
+    else:
+        raise EngineRequestError(f"{mask_url(url)}: the server returned no logprobs: it cannot give token ids and a teacher "
+                                 "(it needs /v1/completions with `logprobs`)")
     rows = [sorted(r, key=lambda x: -x[1]) for r in rows]
     finish = "eos" if choice.get("finish_reason") == "stop" else "length"
     return EngineAnswer(ids, [[i for i, _ in r] for r in rows], [[lp for _, lp in r] for r in rows], finish)
@@ -218,11 +216,9 @@ def generate_answers_openai(
                     finished.append(future.result())
                 if len(finished) >= batch_size:
                     flush(finished, out)
-        except BaseException:  # a failed request or an interrupt: keep what finished, ask nothing more
+        finally:  # after a failed request or an interrupt too: keep what finished, ask nothing more
             for future in running:
                 future.cancel()
             flush(finished, out)
-            raise
-        flush(finished, out)
     bar.close()
     return done

@@ -52,16 +52,11 @@ def generate_answers(
     """Answer every prompt with the target, appending one JSONL record per answer; returns all records.
 
     With a `deadline`, no batch starts that the previous batch's time says would end past it: the
-    answers written so far are kept and returned (a later run with more time resumes from them), and
-    the stage ends inside its budget instead of a batch after it. Prompts are answered in their given
-    order, chunk by chunk (`SORT_CHUNK` batches), sorted by length inside a chunk so a batch pads
-    little while a cut leaves a sample of the prompts rather than the shortest ones. With sampling, each batch is seeded from
-    `seed` and its first id, so a resumed run samples what an uninterrupted one would have.
-    With `teacher_cache`, the target's top-k log-probs at every answer token (temperature 1, full
-    vocabulary) go into it too, so no second target pass is needed for offline distillation; with
-    `feature_cache`, so do the EAGLE-3 feature layers' inputs at the positions the cache stores (its
-    `layers` and `prompt_context`), as seen by the target's decode steps.
-    `decode_attention`: decode steps use `modeling.attention.decode_attention` instead of SDPA's
+    answers written so far are kept (a later run with more time resumes from them). With sampling, each
+    batch is seeded from `seed` and its first id, so a resumed run samples what an uninterrupted one would
+    have. `teacher_cache` and `feature_cache` get the target's top-k log-probs at every answer token and the
+    EAGLE-3 feature layers' inputs (at the cache's `layers` and `prompt_context`), so no second target pass
+    is needed. `decode_attention`: decode steps use `modeling.attention.decode_attention` instead of SDPA's
     CPU flash kernel (faster for a batch; the same answers up to numerical near-ties).
     """
     if teacher_cache is not None and temperature > 0:

@@ -119,9 +119,8 @@ def label_logged(config, target: LoadedModel, prompts: list[Prompt], out_path: P
     skipped: Counter = Counter()
     own, other = [], []
     for p in prompts:
-        conv = conversations[str(p.id)]
-        turns = [{"role": m.role, "content": m.content} for m in conv.messages]
-        text = turns[len(p.messages)]["content"] if len(turns) > len(p.messages) and turns[len(p.messages)]["role"] == "assistant" else None
+        conv, n = conversations[str(p.id)], len(p.messages)
+        text = conv.messages[n].content if len(conv.messages) > n and conv.messages[n].role == "assistant" else None
         if text is None:
             continue  # a prompt without a logged answer: answered as always
         is_own = conv.target_version in names

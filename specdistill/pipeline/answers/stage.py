@@ -52,9 +52,8 @@ def generate_responses(config: NightlyConfig, window: Window, split: str, *, rec
         engine = choose_answer_engine(config, target, [Prompt(id=p.id, messages=p.messages) for p in window.train])
         config = engine.apply(config)
     g = config.generation
-    answer = _answer_in_harness if g.backend == "harness" else _answer_in_engine
     deadline = stage_deadline(config, "answers", deadline_at) if split == "train" else None
-    records, source, out_path, cache_dir, logged = answer(config, target, window, split, prompts, record_teacher, deadline)
+    records, source, out_path, cache_dir, logged = _answer(config, target, window, split, prompts, record_teacher, deadline)
     if split == "train" and not any(p.id in records for p in window.split(split)):
         raise ValueError(f"the time budget left no time to answer any of the {len(prompts)} train prompts "
                          f"(generation.max_minutes={g.max_minutes}, deadline_minutes={config.deadline_minutes}): "
@@ -74,7 +73,6 @@ def generate_responses(config: NightlyConfig, window: Window, split: str, *, rec
 
 
 def answer_batch(config: NightlyConfig, target: LoadedModel) -> int:
-    """`generation.batch_size`, or the measured best for the run's dtype."""
     return config.generation.batch_size or ANSWER_BATCH.get(dtype_name(target.model.dtype), 16)
 
 
@@ -92,19 +90,6 @@ def _outputs(config: NightlyConfig, window: Window, fingerprint: str, split: str
         cache = TeacherCache.create(out_dir / "teacher_cache", fingerprint=fingerprint, k=k, temperature=1.0,
                                     vocab="full", data=f"{window.key}-{source}")
     return out_dir / f"{split}_generated.jsonl", cache
-
-
-def _answer_in_harness(config: NightlyConfig, target: LoadedModel, window: Window, split: str,
-                       prompts: list[Prompt], record_teacher: bool, deadline: Deadline | None = None) -> Answered:
-    g = config.generation
-    dtype = dtype_name(target.model.dtype)
-    out_path, cache = _outputs(config, window, target.fingerprint, split, dtype, g.teacher_top_k, record_teacher)
-    features = _feature_cache(config, target, out_path, cache)
-    logged = _label_logged(config, target, prompts, out_path, cache, features, deadline)
-    records = generate_answers(target.model, target.tokenizer, prompts, out_path, batch_size=answer_batch(config, target),
-                               max_new_tokens=g.max_new_tokens, teacher_cache=cache, feature_cache=features,
-                               deadline=deadline)
-    return records, dtype, out_path, str(cache.dir) if cache else None, logged
 
 
 def features_dir(teacher_cache: str | Path, layers: list[int] | None = None) -> Path:
@@ -133,33 +118,41 @@ def _feature_cache(config: NightlyConfig, target: LoadedModel, out_path: Path, t
                                data=teacher.meta["data"], prompt_context=Eagle3Config().prompt_context)
 
 
-def _answer_in_engine(config: NightlyConfig, target: LoadedModel, window: Window, split: str,
-                      prompts: list[Prompt], record_teacher: bool, deadline: Deadline | None = None) -> Answered:
-    """Through `generation.url`, or a server started here (stopped after): llama-server on the target's
-    GGUF, or vLLM on its HF directory (`generation.engine`).
-    The teacher cache's `data` names the engine; its k is what the server gives."""
+def _answer(config: NightlyConfig, target: LoadedModel, window: Window, split: str, prompts: list[Prompt],
+            record_teacher: bool, deadline: Deadline | None) -> Answered:
+    """In the harness, or through `generation.url` or a server started here (stopped after): llama-server on
+    the target's GGUF, or vLLM on its HF directory (`generation.engine`). The teacher cache's `data` names
+    what answered; through an engine its k is what the server gives."""
     g = config.generation
     ctx_per_slot = config.window.max_prompt_tokens + g.max_new_tokens + 1
     with ExitStack() as stack:
-        if g.url:
-            url, source = g.url, ""
-        elif g.engine == "vllm":
-            server = stack.enter_context(vllm_bench.target_server(
-                config.target, parallel=g.parallel, ctx_per_slot=ctx_per_slot, top_k=g.teacher_top_k,
-                threads=config.serving.threads, dtype=config.dtype))
-            url, source = server.url, f"vllm:{server.config.dtype}"
+        served = None
+        if g.backend == "harness":
+            source, k = dtype_name(target.model.dtype), g.teacher_top_k
         else:
-            server = stack.enter_context(llamacpp.target_server(
-                config.target, parallel=g.parallel, ctx_per_slot=ctx_per_slot, threads=config.serving.threads))
-            url, source = server.url, f"llamacpp:{llamacpp.gguf_dtype(server.config.model)}"
-        probe = prompts[0].messages if prompts else [{"role": "user", "content": "Hi."}]
-        served = connect(url, encode_chat(target.tokenizer, probe), g.teacher_top_k)
-        source = source or f"openai:{served.model.rstrip('/').rsplit('/', 1)[-1]}"
-        out_path, cache = _outputs(config, window, target.fingerprint, split, source, served.top_k, record_teacher)
-        logged = _label_logged(config, target, prompts, out_path, cache, None, deadline)
-        records = generate_answers_openai(served, target.tokenizer, prompts, out_path, parallel=g.parallel,
-                                          batch_size=answer_batch(config, target), max_new_tokens=g.max_new_tokens, teacher_cache=cache,
-                                          deadline=deadline)
+            if g.url:
+                url, source = g.url, ""
+            elif g.engine == "vllm":
+                server = stack.enter_context(vllm_bench.target_server(
+                    config.target, parallel=g.parallel, ctx_per_slot=ctx_per_slot, top_k=g.teacher_top_k,
+                    threads=config.serving.threads, dtype=config.dtype))
+                url, source = server.url, f"vllm:{server.config.dtype}"
+            else:
+                server = stack.enter_context(llamacpp.target_server(
+                    config.target, parallel=g.parallel, ctx_per_slot=ctx_per_slot, threads=config.serving.threads))
+                url, source = server.url, f"llamacpp:{llamacpp.gguf_dtype(server.config.model)}"
+            probe = prompts[0].messages if prompts else [{"role": "user", "content": "Hi."}]
+            served = connect(url, encode_chat(target.tokenizer, probe), g.teacher_top_k)
+            source, k = source or f"openai:{served.model.rstrip('/').rsplit('/', 1)[-1]}", served.top_k
+        out_path, cache = _outputs(config, window, target.fingerprint, split, source, k, record_teacher)
+        features = _feature_cache(config, target, out_path, cache) if served is None else None
+        logged = _label_logged(config, target, prompts, out_path, cache, features, deadline)
+        common = dict(batch_size=answer_batch(config, target), max_new_tokens=g.max_new_tokens, teacher_cache=cache,
+                      deadline=deadline)
+        if served is None:
+            records = generate_answers(target.model, target.tokenizer, prompts, out_path, feature_cache=features, **common)
+        else:
+            records = generate_answers_openai(served, target.tokenizer, prompts, out_path, parallel=g.parallel, **common)
     return records, source, out_path, str(cache.dir) if cache else None, logged
 
 
