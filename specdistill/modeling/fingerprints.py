@@ -22,8 +22,8 @@ from specdistill.modeling.integrity import (
     sealed,
     verify_weights,
     weights_record,
-    write_json_atomic,
 )
+from specdistill.paths import atomic_write_json
 
 FINGERPRINT_FILE = "specdistill_fingerprint.json"
 SOURCE_FILE = "specdistill_source.json"  # a GGUF cache's source and the content record of its weights
@@ -82,7 +82,7 @@ def saved_fingerprint(model_dir: Path) -> str | None:
             return None
         if verify_weights(model_dir, saved["weights"]):
             with contextlib.suppress(OSError):
-                write_json_atomic(record_path, sealed(saved))
+                atomic_write_json(record_path, sealed(saved), mode=0o644)
         return saved["fingerprint"]
     except (OSError, ValueError, KeyError, TypeError, WeightsIntegrityError):
         return None
@@ -97,5 +97,5 @@ def cached_fingerprint(model_dir: Path, model: torch.nn.Module, tokenizer: PreTr
     record = model_dir / FINGERPRINT_FILE
     fp = fingerprint(model, tokenizer)
     with contextlib.suppress(OSError):  # a read-only model directory still gets a fingerprint, just not cached
-        write_json_atomic(record, sealed({"signature": sig, "weights": weights_record(model_dir), "fingerprint": fp}))
+        atomic_write_json(record, sealed({"signature": sig, "weights": weights_record(model_dir), "fingerprint": fp}), mode=0o644)
     return fp

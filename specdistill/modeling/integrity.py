@@ -15,8 +15,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 from pathlib import Path
+
+from specdistill.paths import atomic_write_json
 
 SAMPLE_BLOCKS = 512
 SAMPLE_BYTES = 8192
@@ -111,12 +112,6 @@ def is_sealed(payload: dict) -> bool:
     return isinstance(payload, dict) and payload.get("check") == sealed(payload)["check"]
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-
-
 def check_weights_record(source: Path) -> None:
     """A directory's weights against the record `source` written with them: the sampled digest per
     load, the full hash when a file's stat changed. A record from before content records gets them
@@ -127,10 +122,10 @@ def check_weights_record(source: Path) -> None:
     except (OSError, ValueError):
         raise WeightsIntegrityError(f"{source} is missing or corrupt: the cache's weights cannot be checked") from None
     if "weights" not in record and "check" not in record:  # written before content records
-        write_json_atomic(source, sealed({**record, "weights": weights_record(cache_dir)}))
+        atomic_write_json(source, sealed({**record, "weights": weights_record(cache_dir)}), mode=0o644)
         return
     if not is_sealed(record):
         raise WeightsIntegrityError(f"{source} was edited: its record no longer matches its check")
     if verify_weights(cache_dir, record["weights"]):  # a touch or a copy: same content, new stat
         with contextlib.suppress(OSError):  # a read-only cache stays usable: the full hash just runs again next time
-            write_json_atomic(source, sealed(record))
+            atomic_write_json(source, sealed(record), mode=0o644)
