@@ -13,7 +13,6 @@ before the tag existed loads with a warning that it is unverified.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ from mlflow.exceptions import MlflowException
 
 from specdistill import paths
 from specdistill.env import mask_url
+from specdistill.modeling.integrity import file_sha256
 
 DRAFT_ARTIFACT = "draft"
 FILES_TAG = "draft_files_sha256"  # {relative path: sha256} of the registered checkpoint's files
@@ -56,10 +56,10 @@ REACH_SECONDS = 5.0  # how long an unreachable tracking server is retried before
 _reached: set[str] = set()
 
 
-def check_reachable(uri: str, within_s: float | None = None) -> None:
-    """An `http(s)://` tracking server answers at all (any HTTP status counts), retried for `within_s`
-    seconds, once per process and URI: an unreachable one stops the command in seconds with one line
-    naming it, instead of MLflow's own minutes of retries and a traceback."""
+def check_reachable(uri: str) -> None:
+    """An `http(s)://` tracking server answers at all (any HTTP status counts), retried for
+    `REACH_SECONDS`, once per process and URI: an unreachable one stops the command in seconds
+    with one line naming it, instead of MLflow's own minutes of retries and a traceback."""
     if uri in _reached:
         return
     if not uri.startswith(("http://", "https://")):
@@ -76,7 +76,6 @@ def check_reachable(uri: str, within_s: float | None = None) -> None:
     import urllib.parse
     import urllib.request
 
-    within_s = REACH_SECONDS if within_s is None else within_s
     parts = urllib.parse.urlsplit(uri)
     try:
         port = parts.port
@@ -85,10 +84,10 @@ def check_reachable(uri: str, within_s: float | None = None) -> None:
     host = parts.hostname or ""
     netloc = (f"[{host}]" if ":" in host else host) + (f":{port}" if port else "")
     health = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/") + "/health", "", ""))
-    deadline = time.monotonic() + within_s
+    deadline = time.monotonic() + REACH_SECONDS
     while True:
         try:
-            with urllib.request.urlopen(health, timeout=max(0.5, min(2.0, within_s))):
+            with urllib.request.urlopen(health, timeout=max(0.5, min(2.0, REACH_SECONDS))):
                 break
         except urllib.error.HTTPError:  # it answered: reachable (auth, a proxy's 404: MLflow says what)
             break
@@ -97,7 +96,7 @@ def check_reachable(uri: str, within_s: float | None = None) -> None:
                 reason = getattr(exc, "reason", exc)
                 raise TrackingServerError(
                     f"MLflow tracking server {mask_url(uri)} (MLFLOW_TRACKING_URI) is unreachable after "
-                    f"{within_s:.0f} s: {reason}") from None
+                    f"{REACH_SECONDS:.0f} s: {reason}") from None
             time.sleep(0.5)
     _reached.add(uri)
 
@@ -140,14 +139,6 @@ def download_draft(model_uri: str) -> Path:
     return hf_dir
 
 
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.rglob("*") if p.is_file() and p.relative_to(directory).as_posix() not in UNHASHED_FILES)
 
@@ -165,7 +156,7 @@ def draft_files_sha256(directory: str | Path) -> dict[str, str]:
                                             st.st_ctime_ns) for p in files for st in [p.stat()]))
     if key not in _HASHED:
         _HASHED.clear()  # one directory at a time is all a run resolves repeatedly
-        _HASHED[key] = {rel: _file_sha256(directory / rel) for rel, *_ in key[1]}
+        _HASHED[key] = {rel: file_sha256(directory / rel) for rel, *_ in key[1]}
     return dict(_HASHED[key])
 
 
