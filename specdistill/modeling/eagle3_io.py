@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, LlamaConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from specdistill import paths
-from specdistill.modeling.eagle3 import EAGLE3_ARCHITECTURE, Eagle3Draft, Eagle3ShapeError
+from specdistill.modeling.eagle3 import EAGLE3_ARCHITECTURE, Eagle3Draft, Eagle3ShapeError, check_fits
 from specdistill.modeling.vocab import DraftVocab, check_vocab, remap_draft_vocab, vocab_mismatch
 
 WEIGHTS_FILE = "model.safetensors"
@@ -101,30 +101,6 @@ def _llama_config(config: dict) -> LlamaConfig:
     for copy_only in ("rope_theta", "rope_scaling", "torch_dtype"):  # written for other readers; rope_parameters rules
         config.pop(copy_only, None)
     return LlamaConfig.from_dict(config)
-
-
-def check_fits(config: dict, target_config, *, where: str, meta: dict | None = None,
-               target_fingerprint: str | None = None, feature_layers: list[int] | None = None,
-               check_vocab_size: bool = True) -> None:
-    """Refuse a head saved for another target before loading any weight, naming every mismatch."""
-    problems = []
-    target_hidden = config.get("target_hidden_size", config.get("hidden_size"))
-    if target_hidden != target_config.hidden_size:
-        problems.append(f"target hidden size {target_config.hidden_size}, head built for {target_hidden}")
-    if config.get("hidden_size") != target_config.hidden_size:
-        problems.append(f"head width {config.get('hidden_size')} differs from the target's embedding width {target_config.hidden_size}")
-    if check_vocab_size and config.get("vocab_size") != target_config.vocab_size:
-        problems.append(f"target vocabulary {target_config.vocab_size}, head built for {config.get('vocab_size')}")
-    layers = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or []
-    if len(layers) != 3 or not all(0 <= i < target_config.num_hidden_layers for i in layers):
-        problems.append(f"head reads target layers {layers}, the target has {target_config.num_hidden_layers}")
-    if feature_layers is not None and list(feature_layers) != list(layers):
-        problems.append(f"head reads target layers {layers}, the features given are of layers {list(feature_layers)}")
-    trained_for = (meta or {}).get("target_fingerprint")
-    if target_fingerprint and trained_for and trained_for != target_fingerprint:
-        problems.append(f"head was built for target fingerprint {trained_for}, this target is {target_fingerprint}")
-    if problems:
-        raise Eagle3ShapeError(f"EAGLE-3 head {where} does not fit this target: " + "; ".join(problems))
 
 
 @dataclass
