@@ -11,11 +11,12 @@ from __future__ import annotations
 import copy
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from specdistill import hardware, paths
 from specdistill.modeling.attention import decode_attention_for
@@ -153,7 +154,6 @@ def load_draft_meta(directory: str | os.PathLike) -> dict:
     return paths.read_json(path, "draft metadata") if path.is_file() else {}
 
 
-@torch.inference_mode()
 def early_exit_dir(fingerprint: str, exit_layer: int) -> Path:
     """Where the early-exit draft of a target version is exported ($SPECDISTILL_HOME/fallback)."""
     return paths.ensure(paths.home() / "fallback") / f"early-exit-{fingerprint}-{exit_layer}"
@@ -189,10 +189,6 @@ def measure_cost_ratio(
     so this is an upper bound). Measured side by side, interleaved, median of repeats: the machine
     is shared and noisy.
     """
-    import time
-
-    from transformers import DynamicCache
-
     vocab_size = target.config.vocab_size
     ids = torch.randint(0, vocab_size, (1, context))
     step = torch.randint(0, vocab_size, (1, 1))

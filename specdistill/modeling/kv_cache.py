@@ -93,11 +93,8 @@ class PreallocatedLayer(DynamicLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep only the rows `indices` (finished sequences leave the batch): one copy of their buffers (the
         columns past `length`, zeros or stale keys, stay finite and masked)."""
-
-        def select(buffer: torch.Tensor) -> torch.Tensor:
-            return buffer.index_select(0, indices)
-
-        self.key_buffer, self.value_buffer = select(self.key_buffer), select(self.value_buffer)
+        self.key_buffer = self.key_buffer.index_select(0, indices)
+        self.value_buffer = self.value_buffer.index_select(0, indices)
         self._expose()
 
     def reset(self) -> None:

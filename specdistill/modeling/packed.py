@@ -133,8 +133,8 @@ class FusedLinear(PackedLinear):
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def fuse_projections(model: torch.nn.Module, names: tuple[tuple[str, ...], ...] = FUSED) -> int:
-    """Fuse each module's packed projections named together in `names` (`FusedLinear`); returns how many groups.
+def fuse_projections(model: torch.nn.Module) -> int:
+    """Fuse each module's packed projections named together in `FUSED` (`FusedLinear`); returns how many groups.
 
     A group needs all its members to be `PackedLinear`s of one input size, all with a bias or none.
     The first name must be the one the model calls first (Llama: q before k and v, gate before up);
@@ -142,7 +142,7 @@ def fuse_projections(model: torch.nn.Module, names: tuple[tuple[str, ...], ...] 
     """
     count = 0
     for module in model.modules():
-        for group_names in names:
+        for group_names in FUSED:
             members = [getattr(module, n, None) for n in group_names]
             if not all(type(m) is PackedLinear for m in members):
                 continue

@@ -128,12 +128,10 @@ def _render_template(tok: PreTrainedTokenizerBase) -> str | None:
         return f"<template error: {exc}>"
 
 
-def check_vocab(
-    target_tok: PreTrainedTokenizerBase,
-    draft_tok: PreTrainedTokenizerBase,
-    probes: Iterable[str] = PROBE_STRINGS,
-    max_examples: int = 20,
-) -> VocabReport:
+MAX_EXAMPLES = 20
+
+
+def check_vocab(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedTokenizerBase) -> VocabReport:
     """Compare two tokenizers the way verification will see them: ids, specials, template, segmentation."""
     tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
     shared = tv.keys() & dv.keys()
@@ -149,7 +147,7 @@ def check_vocab(
     template_same = (target_tok.chat_template or "") == (draft_tok.chat_template or "")
     template_diff = "" if template_same else f"target renders {t_render!r}; draft renders {d_render!r}"
 
-    probes = list(probes) + [target_tok.convert_tokens_to_string([t]) for t in only_t if len(t) > 3][:10]
+    probes = PROBE_STRINGS + [target_tok.convert_tokens_to_string([t]) for t in only_t if len(t) > 3][:10]
     seg = []
     for text in probes:
         a = target_tok.tokenize(text)
@@ -164,8 +162,8 @@ def check_vocab(
         id_mismatches=len(mismatched),
         only_in_target=len(only_t),
         only_in_draft=len(only_d),
-        id_mismatch_examples=[(t, tv[t], dv[t]) for t in mismatched[:max_examples]],
-        only_in_target_examples=only_t[:max_examples],
+        id_mismatch_examples=[(t, tv[t], dv[t]) for t in mismatched[:MAX_EXAMPLES]],
+        only_in_target_examples=only_t[:MAX_EXAMPLES],
         special_tokens=specials,
         special_tokens_differ=specials_differ,
         chat_template_identical=template_same,
@@ -220,11 +218,10 @@ def transplant_vocab(
     draft.config.vocab_size = new_size
     if tied:
         draft.tie_weights()
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        setattr(draft.config, name, getattr(target_tok, name, None))
-    if getattr(draft, "generation_config", None) is not None:
+    for config in (draft.config, getattr(draft, "generation_config", None)):
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            setattr(draft.generation_config, name, getattr(target_tok, name, None))
+            if config is not None:
+                setattr(config, name, getattr(target_tok, name, None))
     return draft
 
 
