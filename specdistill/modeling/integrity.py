@@ -1,13 +1,11 @@
 """Weights checked by content, not by name, size and mtime.
 
-A record of a directory's safetensors files holds, per file, its stat, its full SHA-256 and a
-sampled digest (512 blocks of 8 KiB spread over the file, the first and last included: ~4 MiB
-read, a block at least every 1/511 of the file). Each load checks the sampled digest (cheap); a
-file whose stat changed gets the full hash again. The stat is size, mtime and ctime: a write moves
-ctime even when mtime is put back afterwards (only the kernel sets ctime), so an overwrite through
-the file system is hashed in full on the next load wherever it lands; one the stat cannot see (a
-write below the file system) is caught when it touches a sampled block, and in full by
-`verify_weights_full`, which the nightly runs once per run (~0.6 s for the demo's 538 MB).
+A record holds, per safetensors file, its stat, its full SHA-256 and a sampled digest (~4 MiB
+read, first and last blocks included). Each load checks the sampled digest; a file whose stat
+changed is hashed in full again. The stat includes ctime, which only the kernel sets, so an
+overwrite through the file system is caught even with mtime put back; one below the file system is
+caught when it touches a sampled block, and in full by `verify_weights_full`, which the nightly
+runs once per run (~0.6 s for the demo's 538 MB).
 """
 
 from __future__ import annotations

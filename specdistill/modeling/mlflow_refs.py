@@ -1,14 +1,10 @@
 """Registered drafts as model references: `models:/NAME@ALIAS` or `models:/NAME/VERSION` resolved to
 the HF checkpoint a logged draft carries, and the MLflow client every registry call goes through.
 
-Reading a registered draft is part of loading a model (every command takes an MLflow URI where it
-takes a directory), so it lives here; registering and promoting are operations (`ops.registry`).
-
-A registered version is immutable in effect: registration records the SHA-256 of every file of its
-checkpoint in the version's tag `draft_files_sha256` (in the tracking store, apart from the artifact
-store its files live in), and every resolution checks the files it hands out against it, so a draft
-changed after the gate approved it is refused, naming the version and the file. A version registered
-before the tag existed loads with a warning that it is unverified.
+Registering and promoting are operations (`ops.registry`). Registration records the SHA-256 of every
+file of a checkpoint in the version's tag `draft_files_sha256` (in the tracking store, apart from the
+artifact store), and every resolution checks the files against it, so a draft changed after the gate
+approved it is refused. A version registered before the tag existed loads with a warning.
 """
 
 from __future__ import annotations
