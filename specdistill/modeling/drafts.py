@@ -109,10 +109,9 @@ def align_draft(
     target_vocab_size: int | None = None,
     copy_model: bool = True,
 ) -> AlignedDraft:
-    """A draft made verifiable by a target: as it is when the target reads its token ids as they
-    are (see `vocab_mismatch`), else transplanted (`transplant_vocab`, with its reduced draft
-    vocabulary carried over by `remap_draft_vocab`). The one alignment the nightly warm start and
-    the monitor's replay both use. `copy_model=False` transplants the given model in place."""
+    """A draft made verifiable by a target: as it is when the target reads its token ids as they are
+    (`vocab_mismatch`), else transplanted with its reduced vocabulary carried over. `copy_model=False`
+    transplants the given model in place."""
     report = check_vocab(target_tok, draft_tok)
     reason = vocab_mismatch(report, model.config.vocab_size, target_vocab_size)
     if not reason:
@@ -134,8 +133,7 @@ def save_draft(
     meta: dict | None = None,
     force: bool = True,
 ) -> Path:
-    """Write an HF checkpoint directory (config, safetensors, tokenizer) atomically. An existing
-    `out_dir` is replaced only when it is a previous draft (`paths.atomic_dir`) and `force` is set."""
+    """Write an HF checkpoint directory (config, safetensors, tokenizer) atomically (`paths.atomic_dir`)."""
     out_dir = Path(out_dir)
     with paths.atomic_dir(out_dir, DRAFT_OUTPUT, force=force) as tmp:
         draft.save_pretrained(tmp, safe_serialization=True)
@@ -162,8 +160,7 @@ def early_exit_dir(fingerprint: str, exit_layer: int) -> Path:
 def export_early_exit_draft(target, exit_layer: int, out_dir: str | os.PathLike | None = None) -> Path:
     """Self-speculation as a servable draft checkpoint: the target's layers 0..k-1 with its embeddings,
     final norm and head, so vLLM's `draft_model` method (and SGLang STANDALONE) can serve it. Proposes
-    exactly what `SelfSpecDrafter(target, k)` proposes. `target` is a `models.LoadedModel`; `out_dir`
-    defaults to `early_exit_dir` of its fingerprint."""
+    exactly what `SelfSpecDrafter(target, k)` proposes. `target` is a `models.LoadedModel`."""
     n = target.config.num_hidden_layers
     if not 1 <= exit_layer < n:
         raise ValueError(f"exit layer must be in 1..{n - 1}, got {exit_layer}")

@@ -84,8 +84,7 @@ def save_eagle3(
     *,
     force: bool = True,
 ) -> Path:
-    """Write the head (config.json, model.safetensors, tokenizer, our meta) atomically; an existing
-    `out_dir` is replaced only when it is a previous draft and `force` is set (`paths.atomic_dir`)."""
+    """Write the head (config.json, model.safetensors, tokenizer, our meta) atomically (`paths.atomic_dir`)."""
     out_dir = Path(out_dir)
     meta = {"kind": "eagle3", "aux_layers": head.aux_layers, "draft_vocab": head.config.draft_vocab_size, **(meta or {})}
     with paths.atomic_dir(out_dir, "draft", force=force) as tmp:
@@ -121,14 +120,9 @@ def load_eagle3(
     target_fingerprint: str | None = None,
     feature_layers: list[int] | None = None,
 ) -> LoadedEagle3:
-    """The head in `directory`, paired with `target` (its embeddings), in the target's dtype and on its device.
-
-    Shape, layers and (when given) the fingerprint and the layer set of the features it will be fed
-    (a feature cache's) are checked before any weight is read. With
-    `target_tokenizer`, a head saved for another tokenizer (a target update that added tokens) has
-    its draft vocabulary carried over by token string (`transplant_head_vocab`); without it, a
-    vocabulary size mismatch is an error.
-    """
+    """The head in `directory`, paired with `target` (its embeddings), in the target's dtype and on its
+    device; checked (`check_fits`) before any weight is read. With `target_tokenizer`, a head saved for
+    another tokenizer (a target update that added tokens) has its draft vocabulary carried over."""
     directory = Path(directory)
     config_dict = read_config(directory)
     if not config_dict or EAGLE3_ARCHITECTURE not in (config_dict.get("architectures") or []):
@@ -194,9 +188,8 @@ def transplant_head_vocab(
 
 def align_head(head_dir: str | os.PathLike, target: PreTrainedModel, target_tokenizer: PreTrainedTokenizerBase,
                out_dir: str | os.PathLike) -> tuple[Path, LoadedEagle3, dict]:
-    """A head made usable on `target` (a warm start after a target update): the directory as it is
-    when the tokenizers agree, else a copy in `out_dir` with its draft vocabulary carried over.
-    Returns (directory, loaded head, vocabulary report)."""
+    """A head made usable on `target` (a warm start after a target update): (directory, loaded head,
+    vocabulary report), the directory a copy in `out_dir` when the vocabulary had to be carried over."""
     report = check_vocab(target_tokenizer, AutoTokenizer.from_pretrained(head_dir)).to_dict()
     loaded = load_eagle3(head_dir, target, target_tokenizer=target_tokenizer)
     if not loaded.transplanted:

@@ -16,6 +16,8 @@ import json
 import os
 import shutil
 import sys
+import time
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,8 +102,6 @@ def resolve_dtype(dtype: str | torch.dtype = "auto") -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
     if dtype == "bfloat16" and not torch.cuda.is_available() and not hardware.cpu_has_native_bf16() and not _warned_slow_bf16:
-        import warnings
-
         warnings.warn("bfloat16 on a CPU without native bf16 matmul (no avx512_bf16/amx_bf16): it runs, but slowly",
                       stacklevel=2)
         _warned_slow_bf16 = True
@@ -218,8 +218,6 @@ def verify_model_files(ref: str | os.PathLike) -> FullCheck:
     """Hash a model's weights in full against their record (the per-load check samples them): the
     nightly's once-per-run check. A GGUF cache that differs is rebuilt from its GGUF; an HF directory
     whose weights differ gets its fingerprint recomputed at load (a changed target is a new version)."""
-    import time
-
     model_dir, start = resolve_model_dir(ref), time.perf_counter()
     source, fp_record = model_dir / SOURCE_FILE, model_dir / FINGERPRINT_FILE
     record_path = source if source.is_file() else fp_record if fp_record.is_file() else None
