@@ -31,7 +31,6 @@ class Deadline:
         return cls((time.time() if now is None else now) + 60.0 * minutes)
 
     def remaining(self, now: float | None = None) -> float:
-        """Seconds left (inf without a limit, never negative)."""
         if self.at is None:
             return math.inf
         return max(0.0, self.at - (time.time() if now is None else now))
@@ -40,7 +39,6 @@ class Deadline:
         return self.at is not None and self.remaining(now) <= 0.0
 
     def sooner(self, other: Deadline | None) -> Deadline:
-        """The earlier of two deadlines."""
         if other is None or other.at is None:
             return self
         if self.at is None:
@@ -48,7 +46,6 @@ class Deadline:
         return self if self.at <= other.at else other
 
     def minutes(self, now: float | None = None) -> float | None:
-        """Minutes left, or None without a limit."""
         left = self.remaining(now)
         return None if math.isinf(left) else left / 60.0
 

@@ -30,7 +30,6 @@ OFFLINE_ENV: dict[str, str] = {
 
 
 def apply_offline_env() -> None:
-    """Set every offline/telemetry variable unless the user already chose a value."""
     for key, value in OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
 

@@ -82,7 +82,6 @@ def _cpu_info(override: str | None) -> CpuInfo:
 
 
 def cpu_info() -> CpuInfo:
-    """This CPU (read once per flag override)."""
     return _cpu_info(os.environ.get(FLAGS_ENV))
 
 

@@ -153,7 +153,6 @@ def load_draft_meta(directory: str | os.PathLike) -> dict:
 
 
 def early_exit_dir(fingerprint: str, exit_layer: int) -> Path:
-    """Where the early-exit draft of a target version is exported ($SPECDISTILL_HOME/fallback)."""
     return paths.ensure(paths.home() / "fallback") / f"early-exit-{fingerprint}-{exit_layer}"
 
 

@@ -50,7 +50,6 @@ def check_eagle3_target(architecture: str | None, where: object = "the target") 
 
 
 def target_architecture(config) -> str | None:
-    """The architecture a config names (`architectures[0]`), as a checkpoint's config.json records it."""
     names = getattr(config, "architectures", None) or []
     return names[0] if names else None
 
@@ -210,11 +209,9 @@ class Eagle3Draft(nn.Module):
         self.t2d.copy_(vocab.t2d)
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
-        """fc over the concatenated target features [..., 3·H_target] -> [..., H]."""
         return self.fc(features.to(self.fc.weight.dtype))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits over the draft vocabulary from the head's pre-norm hidden state."""
         return self.lm_head(self.norm(hidden))
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, cache: Eagle3Cache) -> torch.Tensor:

@@ -46,7 +46,6 @@ def read_config(directory: str | os.PathLike) -> dict | None:
 
 
 def is_eagle3_dir(directory: str | os.PathLike) -> bool:
-    """A directory holding an EAGLE-3 head, known by the architecture its config names."""
     config = read_config(directory)
     return bool(config) and EAGLE3_ARCHITECTURE in (config.get("architectures") or [])
 
@@ -84,7 +83,6 @@ def save_eagle3(
     *,
     force: bool = True,
 ) -> Path:
-    """Write the head (config.json, model.safetensors, tokenizer, our meta) atomically (`paths.atomic_dir`)."""
     out_dir = Path(out_dir)
     meta = {"kind": "eagle3", "aux_layers": head.aux_layers, "draft_vocab": head.config.draft_vocab_size, **(meta or {})}
     with paths.atomic_dir(out_dir, "draft", force=force) as tmp:

@@ -89,7 +89,6 @@ def saved_fingerprint(model_dir: Path) -> str | None:
 
 
 def cached_fingerprint(model_dir: Path, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> str:
-    """The fingerprint, remembered beside the weights and recomputed whenever any file changes."""
     known = saved_fingerprint(model_dir)
     if known:
         return known

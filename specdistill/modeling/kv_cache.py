@@ -35,7 +35,6 @@ class PreallocatedLayer(DynamicLayer):
         self.keys._dense_buffer, self.values._dense_buffer = self.key_buffer, self.value_buffer
 
     def _reserve(self, end: int) -> None:
-        """Grow the buffers to the next whole block holding `end` columns (at most the capacity)."""
         if end > self.capacity:
             raise ValueError(f"KV cache capacity {self.capacity} exceeded: {end} tokens")
         if end <= self.key_buffer.shape[2]:

@@ -127,7 +127,6 @@ def check_device(device: str) -> str:
 
 
 def resolve_device(device: str | torch.device = "cpu") -> torch.device:
-    """`auto`: the GPU when torch sees one, else the CPU."""
     if isinstance(device, torch.device):
         return device
     check_device(device)
@@ -339,7 +338,6 @@ def shared_model(ref: str | os.PathLike, *, dtype: str | torch.dtype = "auto",
 
 
 def pack_for_cpu(model: torch.nn.Module) -> None:
-    """bf16 on a CPU with native bf16: packed linear layers, fused projections (`modeling.packed`)."""
     first = next(model.parameters())
     if first.dtype == torch.bfloat16 and first.device.type == "cpu" and packing_available():
         pack_linears(model)

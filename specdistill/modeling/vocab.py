@@ -296,7 +296,6 @@ class DraftVocab:
         return hidden @ w.T
 
     def to_full(self, probs: torch.Tensor) -> torch.Tensor:
-        """Map a distribution over N draft tokens to the full target vocabulary (zero elsewhere)."""
         full = probs.new_zeros(*probs.shape[:-1], self.target_vocab_size)
         full.index_copy_(-1, self.token_ids.to(probs.device), probs)
         return full
