@@ -22,7 +22,7 @@ from mlflow.exceptions import MlflowException
 
 from specdistill import paths
 from specdistill.env import mask_url
-from specdistill.modeling.integrity import file_sha256
+from specdistill.modeling.fingerprints import file_sha256
 
 DRAFT_ARTIFACT = "draft"
 FILES_TAG = "draft_files_sha256"  # {relative path: sha256} of the registered checkpoint's files

@@ -37,17 +37,15 @@ from specdistill.modeling.eagle3_io import WEIGHTS_FILE, is_eagle3_dir, load_eag
 from specdistill.modeling.fingerprints import (  # noqa: F401  (fingerprint: this module's API too)
     FINGERPRINT_FILE,
     SOURCE_FILE,
-    cached_fingerprint,
-    fingerprint,
-    saved_fingerprint,
-    tokenizer_digest,
-)
-from specdistill.modeling.integrity import (
     WeightsIntegrityError,
+    cached_fingerprint,
     check_weights_record,
     file_sha256,
+    fingerprint,
     is_sealed,
+    saved_fingerprint,
     sealed,
+    tokenizer_digest,
     verify_weights_full,
     weights_record,
 )
@@ -197,7 +195,7 @@ def convert_gguf(gguf: Path, out_dir: Path | None = None) -> Path:
 
 
 def check_model_cache(cache_dir: Path) -> None:
-    """A GGUF cache's weights against the record written at conversion (`integrity.check_weights_record`)."""
+    """A GGUF cache's weights against the record written at conversion (`fingerprints.check_weights_record`)."""
     check_weights_record(cache_dir / SOURCE_FILE)
 
 
