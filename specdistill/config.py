@@ -63,11 +63,7 @@ def _describe(exc: ValidationError, source: str) -> str:
 
 def load_model_config(model: type[BaseModel], path: str | os.PathLike | None = None,
                       overrides: list[str] | None = None, what: str = "config"):
-    """Read a YAML file into a typed config, apply `key=value` overrides, validate.
-
-    Every config of the project (distill, nightly, monitor) loads through here, so each fails the
-    same way: naming the file and the key, before any work starts.
-    """
+    """Read a YAML file into a typed config, apply `key=value` overrides, validate."""
     raw: dict = {}
     source = "<overrides>"
     if path is not None:

@@ -1,12 +1,10 @@
 """What this machine's CPU can do, asked in one place.
 
-Every decision that depends on the CPU (bf16 as `dtype: auto`, oneDNN weight packing) and every test
-that needs a CPU feature asks these functions, so a test skips for exactly the reason the library
-would not use the feature, and a report can say which kind of CPU its numbers came from.
-
+Every decision and every test that depends on a CPU feature asks these functions, so a test skips
+for exactly the reason the library would not use the feature, and a report can name its CPU.
 `SPECDISTILL_CPU_FLAGS` (space- or comma-separated) replaces the flags read from `/proc/cpuinfo`:
-the library then decides as it would on that kind of CPU (the test suite uses it to run the
-feature-gated tests as an AVX2-only machine would, on any machine).
+the library then decides as it would on that kind of CPU (the tests run the feature-gated tests as
+an AVX2-only machine would).
 """
 
 from __future__ import annotations

@@ -28,17 +28,15 @@ def model_cache_dir() -> Path:
     return Path(override).resolve() if override else home() / "models"
 
 
-# Who may read what under the state directory. Production traffic and the target's answers to it (the
-# log store, the nightly's data, teacher caches, features, corpora, MLflow's store) are the owner's
-# only: files 0600, directories 0700. The state directory itself is 0711: nobody else can list it, but
-# a serving engine running as another user can still open what it must read, and only that:
-# `serving.json` (0644: modes, paths and speedups, no traffic) and the draft directories it names
-# (registered copies under registry/, early-exit drafts under fallback/: weights, 0755/0644).
-# The suffix corpora it names stay private (answer text): an engine that reads them (SGLang's NGRAM
-# external corpus) runs as the owner or is granted access by the operator.
-PRIVATE_FILE_MODE = 0o600  # files holding production traffic or answers: the owner only
+# Production traffic and the target's answers to it (the log store, the nightly's data, teacher caches,
+# features, corpora, MLflow's store) are the owner's only. The state directory is not listable by others,
+# but a serving engine running as another user can open what it must read, and only that: `serving.json`
+# (0644, no traffic) and the draft directories it names (registry/, fallback/: weights, 0755/0644). The
+# suffix corpora it names stay private (answer text): an engine that reads them (SGLang's NGRAM external
+# corpus) runs as the owner or is granted access by the operator.
+PRIVATE_FILE_MODE = 0o600
 PRIVATE_DIR_MODE = 0o700
-STATE_DIR_MODE = 0o711  # the state directory: not listable by others, traversable to what a serving engine reads
+STATE_DIR_MODE = 0o711
 
 
 def _secure_home(path: Path) -> None:

@@ -10,11 +10,11 @@ What the serving engines read (checked against their loaders and published check
 - SGLang `python/sglang/srt/models/llama_eagle3.py` (sgl-project/sglang): the same names without a
   prefix (`fc`, `midlayer.*`, `norm`, `lm_head`), `d2t` as the hot-token map (`d2t + arange`), `t2d`
   skipped, and `tie_word_embeddings: true` would make it use the embedding as the head, so it is false.
-- Published configs: SpecForge `configs/llama3-8B-eagle3.json` and `configs/llama3-70B-ealge3.json`
-  (sgl-project/SpecForge; the yuhuili/EAGLE3-LLaMA3.1-Instruct-8B layout), which carry top-level
-  `rope_theta` and `torch_dtype` as transformers 4 wrote them; `eagle_config` as in SpecForge's tests.
+- Published configs (SpecForge `configs/llama3-8B-eagle3.json` and `llama3-70B-ealge3.json`, the
+  yuhuili/EAGLE3-LLaMA3.1-Instruct-8B layout) carry top-level `rope_theta` and `torch_dtype` as
+  transformers 4 wrote them; `eagle_config` as in SpecForge's tests.
 
-So the head's token embeddings are never saved: they always come from the target, here and there.
+The head's token embeddings are never saved: they always come from the target, here and there.
 """
 
 from __future__ import annotations

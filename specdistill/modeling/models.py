@@ -78,9 +78,6 @@ class LoadedModel:
         return tokenizer_digest(self.tokenizer)
 
 
-# --------------------------------------------------------------------------------------------
-# dtype
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES = ("auto", *DTYPES)
 _warned_slow_bf16 = False
@@ -91,10 +88,9 @@ def resolve_dtype(dtype: str | torch.dtype = "auto") -> torch.dtype:
     CPU without it runs, slowly, and says so once)."""
     global _warned_slow_bf16
     if isinstance(dtype, torch.dtype):
-        name = {v: k for k, v in DTYPES.items()}.get(dtype)
-        if name is None:
+        if dtype not in DTYPES.values():
             raise ValueError(f"unsupported dtype {dtype}; choose one of {', '.join(DTYPE_CHOICES)}")
-        dtype = name
+        dtype = dtype_name(dtype)
     if dtype == "auto":
         return torch.bfloat16 if torch.cuda.is_available() or hardware.cpu_has_native_bf16() else torch.float32
     if dtype not in DTYPES:
@@ -135,10 +131,6 @@ def resolve_device(device: str | torch.device = "cpu") -> torch.device:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype).removeprefix("torch."))
-
-
-# --------------------------------------------------------------------------------------------
-# references
 
 
 def demo_gguf_path() -> Path:

@@ -49,10 +49,6 @@ class VocabAlignmentError(ValueError):
     """Two models whose vocabularies or shapes cannot be aligned; the message names what differs."""
 
 
-# --------------------------------------------------------------------------------------------
-# Report
-
-
 @dataclass
 class VocabReport:
     target_size: int
@@ -172,10 +168,6 @@ def check_vocab(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedTokeni
     )
 
 
-# --------------------------------------------------------------------------------------------
-# Transplant
-
-
 def transplant_vocab(
     draft: PreTrainedModel,
     draft_tok: PreTrainedTokenizerBase,
@@ -240,13 +232,9 @@ def vocab_mismatch(report: VocabReport, draft_vocab_size: int | None = None, tar
     return ""
 
 
-# --------------------------------------------------------------------------------------------
-# Reduced draft vocabulary (FR-Spec / EAGLE-3 d2t, t2d)
-
-
 @dataclass
 class DraftVocab:
-    """The N target tokens a draft may propose.
+    """The N target tokens a draft may propose (FR-Spec / EAGLE-3's reduced draft vocabulary).
 
     `token_ids[i]` is the target id of draft token i. Saved in EAGLE-3's convention, which vLLM
     reads: `d2t[i] = token_ids[i] - i` (an offset) and `t2d` a boolean mask over the target vocab.
