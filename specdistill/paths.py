@@ -7,6 +7,7 @@ can share one model cache while keeping everything else in a temporary directory
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -291,6 +292,14 @@ def atomic_dir(out_dir: Path, kind: str, *, replace: bool = True, force: bool = 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def read_json(path: Path, what: str = "file"):

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from specdistill.paths import atomic_write_json
+from specdistill.paths import atomic_write_json, file_sha256
 
 SAMPLE_BLOCKS = 512
 SAMPLE_BYTES = 8192
@@ -32,14 +32,6 @@ SAMPLE_BYTES = 8192
 
 class WeightsIntegrityError(RuntimeError):
     """Weights whose content no longer matches the record written with them; names the file."""
-
-
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def sample_digest(path: Path) -> str:

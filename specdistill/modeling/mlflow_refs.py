@@ -17,12 +17,12 @@ import time
 from pathlib import Path
 
 import mlflow
+import yaml
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from specdistill import paths
 from specdistill.env import mask_url
-from specdistill.modeling.fingerprints import file_sha256
 
 DRAFT_ARTIFACT = "draft"
 FILES_TAG = "draft_files_sha256"  # {relative path: sha256} of the registered checkpoint's files
@@ -135,10 +135,6 @@ def download_draft(model_uri: str) -> Path:
     return hf_dir
 
 
-def _files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.rglob("*") if p.is_file() and p.relative_to(directory).as_posix() not in UNHASHED_FILES)
-
-
 _HASHED: dict[tuple, dict[str, str]] = {}  # a directory's hashes per process, keyed by every file's stat
 
 
@@ -147,12 +143,12 @@ def draft_files_sha256(directory: str | Path) -> dict[str, str]:
     the process by each file's inode, size, mtime and ctime (a rewrite moves ctime even when mtime is
     put back), so a nightly's repeated resolutions hash once."""
     directory = Path(directory)
-    files = _files(directory)
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.relative_to(directory).as_posix() not in UNHASHED_FILES)
     key = (str(directory.resolve()), tuple((p.relative_to(directory).as_posix(), st.st_ino, st.st_size, st.st_mtime_ns,
                                             st.st_ctime_ns) for p in files for st in [p.stat()]))
     if key not in _HASHED:
         _HASHED.clear()  # one directory at a time is all a run resolves repeatedly
-        _HASHED[key] = {rel: file_sha256(directory / rel) for rel, *_ in key[1]}
+        _HASHED[key] = {rel: paths.file_sha256(directory / rel) for rel, *_ in key[1]}
     return dict(_HASHED[key])
 
 
@@ -193,8 +189,6 @@ def verify_registered_files(hf_dir: Path, recorded: str | None, name: str, versi
 
 def _draft_dir_in(model_dir: Path) -> Path | None:
     """The HF checkpoint a logged draft model carries: the pyfunc artifact named `draft`."""
-    import yaml
-
     try:
         meta = yaml.safe_load((model_dir / "MLmodel").read_text())
         rel = meta["flavors"]["python_function"]["artifacts"][DRAFT_ARTIFACT]["path"]

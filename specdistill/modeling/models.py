@@ -40,7 +40,6 @@ from specdistill.modeling.fingerprints import (  # noqa: F401  (fingerprint: thi
     WeightsIntegrityError,
     cached_fingerprint,
     check_weights_record,
-    file_sha256,
     fingerprint,
     is_sealed,
     saved_fingerprint,
@@ -342,7 +341,7 @@ def _load_eagle3_head(model_dir: Path, target: LoadedModel | None) -> LoadedMode
         )
     loaded = load_eagle3(model_dir, target.model)
     pack_for_cpu(loaded.head)
-    h = hashlib.sha256(file_sha256(model_dir / WEIGHTS_FILE).encode())
+    h = hashlib.sha256(paths.file_sha256(model_dir / WEIGHTS_FILE).encode())
     h.update(tokenizer_digest(loaded.tokenizer).encode())
     return LoadedModel(loaded.head, loaded.tokenizer, model_dir, h.hexdigest()[:16])
 
