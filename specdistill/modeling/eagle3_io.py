@@ -93,13 +93,6 @@ def save_eagle3(
     return out_dir
 
 
-def _llama_config(config: dict) -> LlamaConfig:
-    config = dict(config)
-    for copy_only in ("rope_theta", "rope_scaling", "torch_dtype"):  # written for other readers; rope_parameters rules
-        config.pop(copy_only, None)
-    return LlamaConfig.from_dict(config)
-
-
 @dataclass
 class LoadedEagle3:
     head: Eagle3Draft
@@ -138,7 +131,8 @@ def load_eagle3(
         tensors = load_file(str(weights))
     except Exception as exc:
         raise Eagle3ShapeError(f"cannot read EAGLE-3 weights {weights}: {exc}") from exc
-    config = _llama_config(config_dict)
+    copy_only = ("rope_theta", "rope_scaling", "torch_dtype")  # written for other readers; rope_parameters rules
+    config = LlamaConfig.from_dict({k: v for k, v in config_dict.items() if k not in copy_only})
     if reason:
         config, tensors = transplant_head_vocab(config, tensors, tokenizer, target_tokenizer, target)
         tokenizer = target_tokenizer
