@@ -89,7 +89,6 @@ def real_cpu() -> CpuInfo:
 
 
 def cpu_has_native_bf16() -> bool:
-    """AVX-512 BF16 or AMX: the CPUs on which bf16 matmuls run at hardware speed."""
     return cpu_info().native_bf16
 
 

@@ -128,8 +128,12 @@ def download_draft(model_uri: str) -> Path:
     if not (target / "MLmodel").is_file():
         target.mkdir(parents=True, exist_ok=True)
         mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{mv.version}", dst_path=str(target))
-    hf_dir = _draft_dir_in(target)
-    if hf_dir is None:
+    try:  # the HF checkpoint a logged draft model carries: the pyfunc artifact named `draft`
+        meta = yaml.safe_load((target / "MLmodel").read_text())
+        hf_dir = target / meta["flavors"]["python_function"]["artifacts"][DRAFT_ARTIFACT]["path"]
+    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        hf_dir = None
+    if hf_dir is None or not (hf_dir / "config.json").is_file():
         raise ValueError(f"{model_uri}: the registered model has no '{DRAFT_ARTIFACT}' checkpoint (MLmodel in {target})")
     verify_registered_files(hf_dir, (mv.tags or {}).get(FILES_TAG), name, str(mv.version))
     return hf_dir
@@ -186,13 +190,3 @@ def verify_registered_files(hf_dir: Path, recorded: str | None, name: str, versi
         raise RegisteredDraftChanged(f"{where} ({name} version {version}): {hf_dir / rel} {problem}: "
                                      "a registered draft is never served changed")
 
-
-def _draft_dir_in(model_dir: Path) -> Path | None:
-    """The HF checkpoint a logged draft model carries: the pyfunc artifact named `draft`."""
-    try:
-        meta = yaml.safe_load((model_dir / "MLmodel").read_text())
-        rel = meta["flavors"]["python_function"]["artifacts"][DRAFT_ARTIFACT]["path"]
-    except (OSError, KeyError, TypeError, yaml.YAMLError):
-        return None
-    hf_dir = model_dir / rel
-    return hf_dir if (hf_dir / "config.json").is_file() else None
