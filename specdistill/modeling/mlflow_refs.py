@@ -189,4 +189,3 @@ def verify_registered_files(hf_dir: Path, recorded: str | None, name: str, versi
             continue
         raise RegisteredDraftChanged(f"{where} ({name} version {version}): {hf_dir / rel} {problem}: "
                                      "a registered draft is never served changed")
-
