@@ -139,7 +139,6 @@ def output_marker(directory: Path) -> dict | None:
 
 
 def output_kind(directory: Path) -> str | None:
-    """The kind recorded by the command that wrote `directory` (None: not one of our outputs)."""
     marker = output_marker(directory)
     return marker.get("kind") if marker else None
 

@@ -21,17 +21,14 @@ class DegenerateModelError(RuntimeError):
     """A model whose output on the canary prompt shows broken weights; the message names its files."""
 
 
-def canary_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> list[int]:
-    """The canary prompt's first ids the model can embed (a few fixed ids if the tokenizer gives none)."""
-    ids = [i for i in tokenizer(CANARY_PROMPT, add_special_tokens=False)["input_ids"] if 0 <= i < vocab_size]
-    return ids[:CANARY_TOKENS] or list(range(min(CANARY_TOKENS, vocab_size)))
-
-
 @torch.no_grad()
 def check_canary(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model_dir: Path) -> None:
     """Refuse a model whose logits on the canary prompt are non-finite or flat (`DegenerateModelError`,
     naming its weights files and, for non-finite values, the first tensor holding one)."""
-    ids = torch.tensor([canary_ids(tokenizer, model.config.vocab_size)], device=model.device)
+    vocab_size = model.config.vocab_size
+    ids = [i for i in tokenizer(CANARY_PROMPT, add_special_tokens=False)["input_ids"] if 0 <= i < vocab_size]
+    ids = ids[:CANARY_TOKENS] or list(range(min(CANARY_TOKENS, vocab_size)))  # fixed ids if the tokenizer gives none
+    ids = torch.tensor([ids], device=model.device)
     logits = model(input_ids=ids, use_cache=False).logits.float()
     where = ", ".join(str(p) for p in sorted(Path(model_dir).glob("*.safetensors"))) or str(model_dir)
     if not torch.isfinite(logits).all():

@@ -147,19 +147,15 @@ def demo_gguf_path() -> Path:
     raise ModelLoadError(f"{DEMO_GGUF_NAME} not found in {list(spec.submodule_search_locations)}")
 
 
-def gguf_cache_dir(gguf: Path) -> Path:
-    """A cache directory per GGUF content, so an edited file never reuses a stale cache."""
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return paths.model_cache_dir() / f"{gguf.stem}-{key}"
-
-
 def convert_gguf(gguf: Path, out_dir: Path | None = None) -> Path:
     """Dequantize a GGUF file into an HF safetensors directory (atomic: a kill leaves no half cache)."""
     gguf = Path(gguf)
     if not gguf.is_file():
         raise ModelLoadError(f"GGUF file not found: {gguf}")
-    out_dir = out_dir or gguf_cache_dir(gguf)
+    if out_dir is None:  # a cache directory per GGUF content, so an edited file never reuses a stale cache
+        stat = gguf.stat()
+        key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+        out_dir = paths.model_cache_dir() / f"{gguf.stem}-{key}"
     if (out_dir / "config.json").is_file():
         try:
             check_model_cache(out_dir)
