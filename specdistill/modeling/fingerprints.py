@@ -112,9 +112,8 @@ def is_sealed(payload: dict) -> bool:
 
 
 def check_weights_record(source: Path) -> None:
-    """A directory's weights against the record `source` written with them: the sampled digest per
-    load, the full hash when a file's stat changed. A record from before content records gets them
-    now. Raises `WeightsIntegrityError` naming the file that differs."""
+    """A directory's weights against the record `source` written with them (`verify_weights`); a record
+    from before content records gets them now."""
     cache_dir = source.parent
     try:
         record = json.loads(source.read_text())
