@@ -1,13 +1,10 @@
 """Wall-clock budgets: a stage stops cleanly at its count or its time, whichever comes first.
 
 The same nightly runs on machines an order of magnitude apart (a bf16 CPU answers 4x faster than
-an fp32 one; a GPU, 100x), so a count alone (1024 answers) makes a run's length a property of the
-hardware. Each stage that grows with the machine's speed takes a `Deadline`; the nightly's whole-run
-`deadline_minutes` is shared among the stages still to run in proportion to their own budgets
-(`share`), so a slow machine does less of each stage rather than running past its window.
-
-Deadlines are absolute wall-clock times (`time.time()`), so they mean the same in every process
-and thread a flow runs its tasks in.
+an fp32 one; a GPU, 100x), so a count alone makes a run's length a property of the hardware. The
+nightly's `deadline_minutes` is shared among the stages still to run in proportion to their own
+budgets (`share`), so a slow machine does less of each stage rather than running past its window.
+Deadlines are absolute wall-clock times, so they mean the same in every process and thread.
 """
 
 from __future__ import annotations
@@ -31,7 +28,6 @@ class Deadline:
         return cls((time.time() if now is None else now) + 60.0 * minutes)
 
     def remaining(self, now: float | None = None) -> float:
-        """Seconds left (inf without a limit, never negative)."""
         if self.at is None:
             return math.inf
         return max(0.0, self.at - (time.time() if now is None else now))
@@ -40,7 +36,6 @@ class Deadline:
         return self.at is not None and self.remaining(now) <= 0.0
 
     def sooner(self, other: Deadline | None) -> Deadline:
-        """The earlier of two deadlines."""
         if other is None or other.at is None:
             return self
         if self.at is None:
@@ -48,7 +43,6 @@ class Deadline:
         return self if self.at <= other.at else other
 
     def minutes(self, now: float | None = None) -> float | None:
-        """Minutes left, or None without a limit."""
         left = self.remaining(now)
         return None if math.isinf(left) else left / 60.0
 

@@ -23,14 +23,6 @@ class ConfigError(ValueError):
     """A config that cannot be used; the message names the file and key."""
 
 
-def _parse_value(text: str):
-    """`key=value` values are YAML scalars/lists: 3e-4, true, [0,1], null, or a plain string."""
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-
-
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     """Apply dotted `a.b=value` overrides to a nested dict (unknown keys are caught by validation)."""
     for item in overrides:
@@ -44,7 +36,10 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             if not isinstance(child, dict):
                 raise ConfigError(f"override {key!r}: {part!r} is not a section")
             node = child
-        node[parts[-1]] = _parse_value(value)
+        try:  # a YAML scalar or list (3e-4, true, [0,1], null), else a plain string
+            node[parts[-1]] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            node[parts[-1]] = value
     return raw
 
 
@@ -63,11 +58,7 @@ def _describe(exc: ValidationError, source: str) -> str:
 
 def load_model_config(model: type[BaseModel], path: str | os.PathLike | None = None,
                       overrides: list[str] | None = None, what: str = "config"):
-    """Read a YAML file into a typed config, apply `key=value` overrides, validate.
-
-    Every config of the project (distill, nightly, monitor) loads through here, so each fails the
-    same way: naming the file and the key, before any work starts.
-    """
+    """Read a YAML file into a typed config, apply `key=value` overrides, validate."""
     raw: dict = {}
     source = "<overrides>"
     if path is not None:

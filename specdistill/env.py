@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from urllib.parse import unquote
 
 OFFLINE_ENV: dict[str, str] = {
     "HF_HUB_OFFLINE": "1",
@@ -29,7 +30,6 @@ OFFLINE_ENV: dict[str, str] = {
 
 
 def apply_offline_env() -> None:
-    """Set every offline/telemetry variable unless the user already chose a value."""
     for key, value in OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
 
@@ -57,8 +57,6 @@ _KEY_VALUE = re.compile(r"(?i)(?<![\w.-])(?P<key>" + "|".join(SECRET_KEYS) + r")
 
 
 def _url_passwords(url: str) -> list[str]:
-    from urllib.parse import unquote
-
     found = [m.group("password") for m in _USERINFO.finditer(url)]
     found += [m.group("value").strip("'\"") for m in _KEY_VALUE.finditer(url)]
     return [p for q in found for p in {q, unquote(q)} if p and p != MASK]
@@ -86,6 +84,4 @@ def mask_secrets(text: str) -> str:
     return text
 
 
-def mask_url(url: object) -> str:
-    """A URL (database, MLflow, an engine's endpoint) as it may be printed or logged."""
-    return mask_secrets(str(url))
+mask_url = mask_secrets  # a URL (database, MLflow, an engine's endpoint) as it may be printed or logged

@@ -1,12 +1,10 @@
 """What this machine's CPU can do, asked in one place.
 
-Every decision that depends on the CPU (bf16 as `dtype: auto`, oneDNN weight packing) and every test
-that needs a CPU feature asks these functions, so a test skips for exactly the reason the library
-would not use the feature, and a report can say which kind of CPU its numbers came from.
-
+Every decision and every test that depends on a CPU feature asks these functions, so a test skips
+for exactly the reason the library would not use the feature, and a report can name its CPU.
 `SPECDISTILL_CPU_FLAGS` (space- or comma-separated) replaces the flags read from `/proc/cpuinfo`:
-the library then decides as it would on that kind of CPU (the test suite uses it to run the
-feature-gated tests as an AVX2-only machine would, on any machine).
+the library then decides as it would on that kind of CPU (the tests run the feature-gated tests as
+an AVX2-only machine would).
 """
 
 from __future__ import annotations
@@ -82,7 +80,6 @@ def _cpu_info(override: str | None) -> CpuInfo:
 
 
 def cpu_info() -> CpuInfo:
-    """This CPU (read once per flag override)."""
     return _cpu_info(os.environ.get(FLAGS_ENV))
 
 
@@ -92,7 +89,6 @@ def real_cpu() -> CpuInfo:
 
 
 def cpu_has_native_bf16() -> bool:
-    """AVX-512 BF16 or AMX: the CPUs on which bf16 matmuls run at hardware speed."""
     return cpu_info().native_bf16
 
 

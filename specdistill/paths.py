@@ -7,6 +7,7 @@ can share one model cache while keeping everything else in a temporary directory
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -28,17 +29,15 @@ def model_cache_dir() -> Path:
     return Path(override).resolve() if override else home() / "models"
 
 
-# Who may read what under the state directory. Production traffic and the target's answers to it (the
-# log store, the nightly's data, teacher caches, features, corpora, MLflow's store) are the owner's
-# only: files 0600, directories 0700. The state directory itself is 0711: nobody else can list it, but
-# a serving engine running as another user can still open what it must read, and only that:
-# `serving.json` (0644: modes, paths and speedups, no traffic) and the draft directories it names
-# (registered copies under registry/, early-exit drafts under fallback/: weights, 0755/0644).
-# The suffix corpora it names stay private (answer text): an engine that reads them (SGLang's NGRAM
-# external corpus) runs as the owner or is granted access by the operator.
-PRIVATE_FILE_MODE = 0o600  # files holding production traffic or answers: the owner only
+# Production traffic and the target's answers to it (the log store, the nightly's data, teacher caches,
+# features, corpora, MLflow's store) are the owner's only. The state directory is not listable by others,
+# but a serving engine running as another user can open what it must read, and only that: `serving.json`
+# (0644, no traffic) and the draft directories it names (registry/, fallback/: weights, 0755/0644). The
+# suffix corpora it names stay private (answer text): an engine that reads them (SGLang's NGRAM external
+# corpus) runs as the owner or is granted access by the operator.
+PRIVATE_FILE_MODE = 0o600
 PRIVATE_DIR_MODE = 0o700
-STATE_DIR_MODE = 0o711  # the state directory: not listable by others, traversable to what a serving engine reads
+STATE_DIR_MODE = 0o711
 
 
 def _secure_home(path: Path) -> None:
@@ -140,7 +139,6 @@ def output_marker(directory: Path) -> dict | None:
 
 
 def output_kind(directory: Path) -> str | None:
-    """The kind recorded by the command that wrote `directory` (None: not one of our outputs)."""
     marker = output_marker(directory)
     return marker.get("kind") if marker else None
 
@@ -150,9 +148,7 @@ def _is_within(inner: Path, outer: Path) -> bool:
 
 
 def check_output_location(out_dir: Path) -> Path:
-    """`out_dir` resolved, if an output may live there at all: not the working directory, the state
-    directory or a directory containing either; nothing inside the registry's stores (`registry_stores`);
-    not a symbolic link, not under a file, not a file."""
+    """`out_dir` resolved, if an output may live there at all (else `UnsafeOutputError` says why)."""
     raw = Path(out_dir).absolute()
     out = raw.resolve()
     for what, where in (("the working directory", Path.cwd().resolve()), ("the state directory", home())):
@@ -175,12 +171,8 @@ def check_output_location(out_dir: Path) -> Path:
 
 
 def check_output_dir(out_dir: Path, kind: str, *, force: bool, resume: bool = False) -> bool:
-    """Whether `out_dir` may be written as a `kind` output; returns True when one exists there already.
-    Every command that writes a directory calls it before any work, so a refusal costs nothing.
-
-    Refused: a location no output may take (`check_output_location`); a non-empty directory that is not
-    a previous `kind` output (our marker file); a previous output without `force`, unless `resume` (a
-    training run continues from its own checkpoints)."""
+    """Whether `out_dir` may be written as a `kind` output; True when one exists there already. Called
+    before any work, so a refusal costs nothing; `resume`: a training run continues its own checkpoints."""
     out = check_output_location(out_dir)
     if not out.exists() or not any(out.iterdir()):
         return False
@@ -201,9 +193,8 @@ def write_marker(directory: Path, kind: str, files: list[str]) -> None:
 
 
 def claim_output_dir(out_dir: Path, kind: str, files: list[str]) -> bool:
-    """An output written in place rather than renamed into place (a training run: checkpoints, logs and
-    the result appear as it goes): checked (`check_output_dir`, resuming its own previous output),
-    created with its marker listing `files`, the names it writes. True: a previous `kind` output resumes."""
+    """An output written in place (a training run: checkpoints, logs and the result appear as it goes),
+    created with its marker listing `files`. True: a previous `kind` output resumes."""
     out = Path(out_dir)
     if check_output_dir(out, kind, force=False, resume=True):
         return True
@@ -273,12 +264,8 @@ def _readable(directory: Path) -> None:
 @contextlib.contextmanager
 def atomic_dir(out_dir: Path, kind: str, *, replace: bool = True, force: bool = True) -> Iterator[Path]:
     """Build a directory beside `out_dir`, then rename it into place: after a kill there is either
-    the old directory or the complete new one, never half a checkpoint.
-
-    The new directory carries a marker naming `kind` and the files it wrote; an existing `out_dir` is
-    replaced only when it is a previous `kind` output and `force` is set (`check_output_dir`), and
-    never when `replace` is False (someone else finished first: theirs is kept). Only what the previous
-    output's marker lists is replaced: files a user added beside it are kept."""
+    the old directory or the complete new one, never half a checkpoint. With `replace` False an
+    existing output is kept (someone else finished first); files a user added beside one are kept."""
     out_dir = Path(out_dir)
     if replace:
         check_output_dir(out_dir, kind, force=force)
@@ -304,6 +291,14 @@ def atomic_dir(out_dir: Path, kind: str, *, replace: bool = True, force: bool = 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def read_json(path: Path, what: str = "file"):

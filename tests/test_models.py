@@ -126,7 +126,7 @@ def test_a_corrupted_model_cache_is_rebuilt_from_the_gguf(fake_gguf, tmp_path, c
     good = {k: t.clone() for k, t in load_file(str(weights)).items()}
     assert convert_gguf(gguf, cache) == cache and len(conversions) == 1  # a sound cache is reused
     _overwrite_keeping_stat(weights, weights.stat().st_size // 2, 4096)
-    from specdistill.modeling.integrity import WeightsIntegrityError
+    from specdistill.modeling.fingerprints import WeightsIntegrityError
 
     with pytest.raises(WeightsIntegrityError, match="model.safetensors: content differs"):
         check_model_cache(cache)
@@ -163,7 +163,7 @@ def test_weights_rewritten_with_size_and_mtime_kept_get_a_new_fingerprint(tiny_d
 
 def _reseal_stat(record_path, weights) -> None:
     """The record told the file's current stat: a write the stat cannot show (below the file system)."""
-    from specdistill.modeling.integrity import _stat, sealed
+    from specdistill.modeling.fingerprints import _stat, sealed
 
     record = json.loads(record_path.read_text())
     record["weights"][weights.name]["stat"] = _stat(weights)
@@ -174,7 +174,7 @@ def _reseal_stat(record_path, weights) -> None:
 def few_samples(monkeypatch):
     """A sampling stride of a third of a tiny file: an overwrite between two sampled blocks, as in the
     finding's 200 KB between the demo cache's blocks."""
-    from specdistill.modeling import integrity
+    from specdistill.modeling import fingerprints as integrity
 
     monkeypatch.setattr(integrity, "SAMPLE_BLOCKS", 4)
     monkeypatch.setattr(integrity, "SAMPLE_BYTES", 256)
@@ -182,7 +182,7 @@ def few_samples(monkeypatch):
 
 def test_an_overwrite_between_sampled_blocks_is_caught_at_the_next_load(fake_gguf, tmp_path, few_samples):
     """Size and mtime kept, the sampled blocks untouched: the per-load check passed; ctime says it was written."""
-    from specdistill.modeling.integrity import WeightsIntegrityError, sample_digest
+    from specdistill.modeling.fingerprints import WeightsIntegrityError, sample_digest
     from specdistill.modeling.models import check_model_cache
 
     gguf, conversions = fake_gguf
@@ -235,7 +235,7 @@ def test_four_megabytes_overwritten_in_the_demo_cache_are_detected(tmp_path):
     `generate` exit 0 with output_ids all 0 and the old fingerprint."""
     import shutil
 
-    from specdistill.modeling.integrity import WeightsIntegrityError
+    from specdistill.modeling.fingerprints import WeightsIntegrityError
     from specdistill.modeling.models import check_model_cache
 
     cache = tmp_path / "demo-cache"

@@ -1,25 +1,20 @@
 """Attention for decode steps and verifications on a CPU: two small matmuls instead of SDPA's flash kernel.
 
-A decode step has one query per sequence, a verification of k drafts k + 1. For so few queries
-PyTorch's CPU flash-attention kernel is slow in bf16: one query of the demo target (9 query heads
-over 3 key/value heads, 200 cached tokens) took 190 µs a layer where q·Kᵀ, softmax and ·V as plain
-matmuls took about 50 µs (1 thread, quiet machine); in a profile of a single-sequence bf16 decode
-step SDPA was 18% of the step, and with 16 sequences, ~150 cached tokens, 1.3 ms against 0.64 ms a
-layer. `benchmarks/answer_generation.py` and `benchmarks/engine_vs_hf.py` measure the whole effect.
-Prefill keeps SDPA. The query heads that share a key/value head are stacked into one matmul, so
-keys and values are never repeated per head. The result matches SDPA's up to rounding (greedy
-bf16 outputs can differ at numerical near-ties); the engine's target-only baseline runs the same
-attention, so its lossless checks compare like with like.
+For the few queries of a decode step or a verification PyTorch's CPU flash-attention kernel is slow
+in bf16: one query of the demo target (9 query heads over 3 kv heads, 200 cached tokens) took 190 µs
+a layer against about 50 µs as plain matmuls (1 thread); with 16 sequences, ~150 cached tokens, 1.3
+ms against 0.64 ms a layer (`benchmarks/answer_generation.py`, `benchmarks/engine_vs_hf.py`).
+Prefill keeps SDPA. The query heads of one kv head are stacked into one matmul (keys never repeated).
+The result matches SDPA's up to rounding; the engine's target-only baseline runs the same attention,
+so its lossless checks compare like with like.
 
-In bf16, oneDNN's batched matmul takes only dense operands and copies anything else first, so the
-views of a preallocated cache's filled part (`modeling.kv_cache`) cost a copy of the keys and the
-values in every layer at every step. Keeping the keys transposed does not help (the transposed view
-of a part of a buffer is not dense either: still copied inside bmm). A bf16 step over a
-preallocated cache therefore attends over the cache's whole buffers, which grow in blocks of 16
-columns, with the unfilled columns masked (an exact 0 after softmax): bit-identical to the
-copying path. For 16 rows, 3 kv heads, 1 thread, interleaved (load 2.4): 258 µs against 334 µs a
-layer with 170 of 180 columns filled; with 110 of 250 filled the extra columns cost more than the
-copies saved (295 against 224 µs), hence the blocks. fp32 keeps the copying path (MKL's exact numbers).
+In bf16, oneDNN's batched matmul copies any non-dense operand first (a transposed view too), so the
+views of a preallocated cache's filled part (`modeling.kv_cache`) cost a copy in every layer at every
+step. A bf16 step therefore attends over the cache's whole buffers, grown in blocks of 16 columns,
+the unfilled ones masked (an exact 0 after softmax): bit-identical. For 16 rows, 3 kv heads, 1
+thread: 258 µs against 334 µs a layer with 170 of 180 columns filled; with 110 of 250 filled the
+extra columns cost more than the copies saved (295 against 224 µs), hence the blocks. fp32 keeps
+the copying path (MKL's exact numbers).
 """
 from __future__ import annotations
 
@@ -42,11 +37,7 @@ MAX_QUERIES = 16  # forwards of at most this many new tokens per sequence take t
 def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: query [B, H, q, D], key/value [B, KV, L, D] -> ([B, q, H, D], None).
-
-    Decode steps (q = 1) and the few-token forwards of speculative decoding (a verification of k
-    drafts, a draft tree: q <= MAX_QUERIES with the mask transformers built, or the tree's own)
-    take the matmul path; prefill and anything unusual go to SDPA.
-    """
+    Forwards of at most MAX_QUERIES tokens take the matmul path; prefill and anything unusual go to SDPA."""
     batch, heads, q_len, dim = query.shape
     if (q_len > MAX_QUERIES or (q_len > 1 and attention_mask is None) or kwargs.get("position_bias") is not None
             or kwargs.get("softcap") is not None or kwargs.get("dropout", 0.0)):
@@ -81,13 +72,9 @@ MASKED = -1e30
 
 def _additive_mask(mask: torch.Tensor | None, batch: int, q_len: int, length: int, columns: int,
                    device: torch.device) -> torch.Tensor:
-    """`mask` (transformers' mask over `length` keys, bool or additive, `[B or 1, 1, q, length]`, or None
-    for a decode step that sees every key) as a float32 `[B, 1, 1, q, columns]` to add: 0 where
-    attended, MASKED elsewhere and at every column past `length`.
-
-    Every layer of a forward gets the same mask object: it is converted once (the last one is kept;
-    without a mask the result depends on the shapes only).
-    """
+    """`mask` (bool or additive `[B or 1, 1, q, length]`, or None: every key seen) as a float32
+    `[B, 1, 1, q, columns]` to add: MASKED where not attended and past `length`. Every layer of a
+    forward gets the same mask object, so the last one converted is kept."""
     global _last_mask
     if _last_mask[0] is mask and _last_mask[1:-1] == (batch, q_len, length, columns, device):
         return _last_mask[-1]

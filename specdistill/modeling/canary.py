@@ -1,15 +1,9 @@
 """A model that cannot be silently garbage: one short forward over a fixed canary prompt at load.
 
-Weights damaged in place (an overwrite the integrity record did not see, a bad conversion) make a
-target whose logits are NaN or infinite, or all equal, so that its greedy output is token 0 over and
-over. Such a target "agrees" with any drafter: acceptance 1.0, speedups on garbage, a gate that
-promotes on them. So a model is refused before anything is measured with it when, on the canary:
-
-- any logit is not finite, or
-- at every position all logits are equal (it ranks no token above another: greedy output is id 0).
-
-Repeating one token is not refused: a small randomly initialized model legitimately does that, and
-the tests run on such models; a real damaged target shows one of the two signs above.
+Damaged weights (an overwrite the integrity record did not see, a bad conversion) give logits that
+are NaN, infinite or all equal (greedy output: token 0 over and over). Such a target "agrees" with
+any drafter: acceptance 1.0, speedups on garbage, a gate that promotes on them. Repeating one token
+is not refused: a small randomly initialized model (the tests') legitimately does that.
 """
 
 from __future__ import annotations
@@ -27,33 +21,19 @@ class DegenerateModelError(RuntimeError):
     """A model whose output on the canary prompt shows broken weights; the message names its files."""
 
 
-def canary_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> list[int]:
-    """The canary prompt's first ids the model can embed (a few fixed ids if the tokenizer gives none)."""
-    ids = [i for i in tokenizer(CANARY_PROMPT, add_special_tokens=False)["input_ids"] if 0 <= i < vocab_size]
-    return ids[:CANARY_TOKENS] or list(range(min(CANARY_TOKENS, vocab_size)))
-
-
-def _weights_named(model_dir: Path) -> str:
-    files = sorted(p.name for p in Path(model_dir).glob("*.safetensors"))
-    return ", ".join(str(Path(model_dir) / f) for f in files) or str(model_dir)
-
-
-def _first_non_finite(model: torch.nn.Module) -> str | None:
-    for name, tensor in model.state_dict().items():
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            return name
-    return None
-
-
 @torch.no_grad()
 def check_canary(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model_dir: Path) -> None:
     """Refuse a model whose logits on the canary prompt are non-finite or flat (`DegenerateModelError`,
     naming its weights files and, for non-finite values, the first tensor holding one)."""
-    ids = torch.tensor([canary_ids(tokenizer, model.config.vocab_size)], device=model.device)
+    vocab_size = model.config.vocab_size
+    ids = [i for i in tokenizer(CANARY_PROMPT, add_special_tokens=False)["input_ids"] if 0 <= i < vocab_size]
+    ids = ids[:CANARY_TOKENS] or list(range(min(CANARY_TOKENS, vocab_size)))  # fixed ids if the tokenizer gives none
+    ids = torch.tensor([ids], device=model.device)
     logits = model(input_ids=ids, use_cache=False).logits.float()
-    where = _weights_named(model_dir)
+    where = ", ".join(str(p) for p in sorted(Path(model_dir).glob("*.safetensors"))) or str(model_dir)
     if not torch.isfinite(logits).all():
-        tensor = _first_non_finite(model)
+        tensor = next((name for name, t in model.state_dict().items()
+                       if t.is_floating_point() and not torch.isfinite(t).all()), None)
         detail = f" (tensor {tensor} holds NaN or infinite values)" if tensor else ""
         raise DegenerateModelError(f"{where}: the model's logits on the canary prompt are not finite{detail}: "
                                    "its weights are damaged; refusing it before anything is measured")

@@ -11,11 +11,12 @@ from __future__ import annotations
 import copy
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from specdistill import hardware, paths
 from specdistill.modeling.attention import decode_attention_for
@@ -108,10 +109,9 @@ def align_draft(
     target_vocab_size: int | None = None,
     copy_model: bool = True,
 ) -> AlignedDraft:
-    """A draft made verifiable by a target: as it is when the target reads its token ids as they
-    are (see `vocab_mismatch`), else transplanted (`transplant_vocab`, with its reduced draft
-    vocabulary carried over by `remap_draft_vocab`). The one alignment the nightly warm start and
-    the monitor's replay both use. `copy_model=False` transplants the given model in place."""
+    """A draft made verifiable by a target: as it is when the target reads its token ids as they are
+    (`vocab_mismatch`), else transplanted with its reduced vocabulary carried over. `copy_model=False`
+    transplants the given model in place."""
     report = check_vocab(target_tok, draft_tok)
     reason = vocab_mismatch(report, model.config.vocab_size, target_vocab_size)
     if not reason:
@@ -133,8 +133,7 @@ def save_draft(
     meta: dict | None = None,
     force: bool = True,
 ) -> Path:
-    """Write an HF checkpoint directory (config, safetensors, tokenizer) atomically. An existing
-    `out_dir` is replaced only when it is a previous draft (`paths.atomic_dir`) and `force` is set."""
+    """Write an HF checkpoint directory (config, safetensors, tokenizer) atomically (`paths.atomic_dir`)."""
     out_dir = Path(out_dir)
     with paths.atomic_dir(out_dir, DRAFT_OUTPUT, force=force) as tmp:
         draft.save_pretrained(tmp, safe_serialization=True)
@@ -153,17 +152,14 @@ def load_draft_meta(directory: str | os.PathLike) -> dict:
     return paths.read_json(path, "draft metadata") if path.is_file() else {}
 
 
-@torch.inference_mode()
 def early_exit_dir(fingerprint: str, exit_layer: int) -> Path:
-    """Where the early-exit draft of a target version is exported ($SPECDISTILL_HOME/fallback)."""
     return paths.ensure(paths.home() / "fallback") / f"early-exit-{fingerprint}-{exit_layer}"
 
 
 def export_early_exit_draft(target, exit_layer: int, out_dir: str | os.PathLike | None = None) -> Path:
     """Self-speculation as a servable draft checkpoint: the target's layers 0..k-1 with its embeddings,
     final norm and head, so vLLM's `draft_model` method (and SGLang STANDALONE) can serve it. Proposes
-    exactly what `SelfSpecDrafter(target, k)` proposes. `target` is a `models.LoadedModel`; `out_dir`
-    defaults to `early_exit_dir` of its fingerprint."""
+    exactly what `SelfSpecDrafter(target, k)` proposes. `target` is a `models.LoadedModel`."""
     n = target.config.num_hidden_layers
     if not 1 <= exit_layer < n:
         raise ValueError(f"exit layer must be in 1..{n - 1}, got {exit_layer}")
@@ -189,10 +185,6 @@ def measure_cost_ratio(
     so this is an upper bound). Measured side by side, interleaved, median of repeats: the machine
     is shared and noisy.
     """
-    import time
-
-    from transformers import DynamicCache
-
     vocab_size = target.config.vocab_size
     ids = torch.randint(0, vocab_size, (1, context))
     step = torch.randint(0, vocab_size, (1, 1))

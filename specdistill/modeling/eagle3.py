@@ -21,6 +21,7 @@ from transformers import LlamaConfig, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from specdistill.modeling.attention import MAX_QUERIES, decode_attention
+from specdistill.modeling.lean import causal_mask
 from specdistill.modeling.vocab import DraftVocab
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -30,8 +31,7 @@ class Eagle3ShapeError(ValueError):
     """The head and the target it is paired with do not fit (layers, widths, vocabulary)."""
 
 
-# Target architectures a head starts from: decoder layers with q/k/v (or Phi-3's fused qkv_proj),
-# gate/up/down (or Phi-3's fused gate_up_proj) and RMS norms (Gemma's scale by 1 + weight).
+# Decoder layers with q/k/v, gate/up/down (or Phi-3's fused ones) and RMS norms (Gemma's scale by 1 + weight).
 # Llama, Mistral, Qwen2, Qwen3 and Phi-3 are the ones vLLM's EAGLE-3 serves as Llama-style models.
 EAGLE3_TARGET_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                "Phi3ForCausalLM", "Gemma2ForCausalLM")
@@ -50,7 +50,6 @@ def check_eagle3_target(architecture: str | None, where: object = "the target") 
 
 
 def target_architecture(config) -> str | None:
-    """The architecture a config names (`architectures[0]`), as a checkpoint's config.json records it."""
     names = getattr(config, "architectures", None) or []
     return names[0] if names else None
 
@@ -98,10 +97,6 @@ def eagle3_config(target_config, draft_vocab_size: int, aux_layers: list[int] | 
     config.target_hidden_size = target_config.hidden_size
     config.eagle_config = {"eagle_aux_hidden_state_layer_ids": aux_layers, "use_aux_hidden_state": True}
     return config
-
-
-def aux_layers_of(config: LlamaConfig) -> list[int]:
-    return list(config.eagle_config["eagle_aux_hidden_state_layer_ids"])
 
 
 @dataclass
@@ -198,7 +193,7 @@ class Eagle3Draft(nn.Module):
 
     @property
     def aux_layers(self) -> list[int]:
-        return aux_layers_of(self.config)
+        return list(self.config.eagle_config["eagle_aux_hidden_state_layer_ids"])
 
     @property
     def draft_vocab(self) -> DraftVocab:
@@ -214,18 +209,14 @@ class Eagle3Draft(nn.Module):
         self.t2d.copy_(vocab.t2d)
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
-        """fc over the concatenated target features [..., 3·H_target] -> [..., H]."""
         return self.fc(features.to(self.fc.weight.dtype))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits over the draft vocabulary from the head's pre-norm hidden state."""
         return self.lm_head(self.norm(hidden))
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, cache: Eagle3Cache) -> torch.Tensor:
-        """One drafting call on a single sequence: input_ids [1, T], hidden [1, T, H] (projected
-        features or the head's own earlier outputs), positions [1, T] following the cache's entries.
-        Appends T entries to `cache`; returns the pre-norm hidden state [1, T, H]. Ids and positions may
-        come from the CPU (the engine's bookkeeping); they move to the head's device."""
+        """One drafting call on a single sequence: hidden [1, T, H] is projected features or the head's
+        own earlier outputs; appends T entries to `cache`; returns the pre-norm hidden state [1, T, H]."""
         input_ids, position_ids = input_ids.to(hidden.device), position_ids.to(hidden.device)
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary_emb(hidden, position_ids)
@@ -234,12 +225,11 @@ class Eagle3Draft(nn.Module):
         past = cache.length
         keys, values = cache.append(k, v)
         t = q.shape[2]
-        device = q.device
-        mask = torch.arange(keys.shape[2], device=device) <= (past + torch.arange(t, device=device)).unsqueeze(1)  # [T, past + T]
+        mask = causal_mask(past, t, q.device)  # [1, 1, T, past + T]
         if t > MAX_QUERIES:  # a long prefill: SDPA
             out = F.scaled_dot_product_attention(q, attn.expand(keys), attn.expand(values), attn_mask=mask).transpose(1, 2)
         else:  # the few tokens of a drafting step: matmuls, not SDPA's slow CPU kernel (modeling.attention)
-            out, _ = decode_attention(None, q, keys, values, mask[None, None])  # [1, T, heads, head_dim]
+            out, _ = decode_attention(None, q, keys, values, mask)  # [1, T, heads, head_dim]
         return self.midlayer.finish(hidden, attn.o_proj(out.reshape(1, t, -1)))
 
     def unroll(self, next_ids: torch.Tensor, features: torch.Tensor, steps: int, valid: torch.Tensor,
@@ -289,13 +279,8 @@ class Eagle3Draft(nn.Module):
 
 @torch.no_grad()
 def init_eagle3_from_target(target: PreTrainedModel, draft_vocab: DraftVocab, aux_layers: list[int] | None = None) -> Eagle3Draft:
-    """An untrained head started from the target's weights where the shapes fit.
-
-    The midlayer takes the target's top layer (norms, MLP, o_proj, and the q/k/v half that reads the
-    feature) and its first layer's q/k/v for the half that reads the token embedding; fc starts as
-    the identity on the high feature layer; `norm` and `lm_head` are the target's final norm and its
-    head rows for the draft vocabulary. Training moves it from there.
-    """
+    """An untrained head started from the target's weights where the shapes fit: the midlayer from its
+    top layer (q/k/v's embedding half from its first), fc the identity on the high feature layer."""
     check_eagle3_target(target_architecture(target.config) or type(target).__name__)
     config = eagle3_config(target.config, draft_vocab.size, aux_layers)
     head = Eagle3Draft(config, target.get_input_embeddings())
@@ -346,18 +331,33 @@ def _rms_scale(norm: nn.Module) -> torch.Tensor:
     return norm.weight + 1 if type(norm).__name__.startswith("Gemma") else norm.weight
 
 
+def check_fits(config: dict, target_config, *, where: str = "", meta: dict | None = None,
+               target_fingerprint: str | None = None, feature_layers: list[int] | None = None,
+               check_vocab_size: bool = True) -> None:
+    """Refuse a head (its config.json, before any weight is read) made for another target, naming every mismatch."""
+    problems = []
+    target_hidden = config.get("target_hidden_size", config.get("hidden_size"))
+    if target_hidden != target_config.hidden_size:
+        problems.append(f"target hidden size {target_config.hidden_size}, head built for {target_hidden}")
+    if config.get("hidden_size") != target_config.hidden_size:
+        problems.append(f"head width {config.get('hidden_size')} differs from the target's embedding width {target_config.hidden_size}")
+    if check_vocab_size and config.get("vocab_size") != target_config.vocab_size:
+        problems.append(f"target vocabulary {target_config.vocab_size}, head built for {config.get('vocab_size')}")
+    layers = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or []
+    if len(layers) != 3 or not all(0 <= i < target_config.num_hidden_layers for i in layers):
+        problems.append(f"head reads target layers {layers}, the target has {target_config.num_hidden_layers}")
+    if feature_layers is not None and list(feature_layers) != list(layers):
+        problems.append(f"head reads target layers {layers}, the features given are of layers {list(feature_layers)}")
+    trained_for = (meta or {}).get("target_fingerprint")
+    if target_fingerprint and trained_for and trained_for != target_fingerprint:
+        problems.append(f"head was built for target fingerprint {trained_for}, this target is {target_fingerprint}")
+    if problems:
+        raise Eagle3ShapeError(f"EAGLE-3 head {where}{' ' if where else ''}does not fit this target: " + "; ".join(problems))
+
+
 def check_head_fits(head: Eagle3Draft, target: PreTrainedModel) -> None:
     """Fail before any work when a head was built for another target shape."""
-    t, c = target.config, head.config
-    problems = []
-    if c.target_hidden_size != t.hidden_size:
-        problems.append(f"target hidden size {t.hidden_size}, head built for {c.target_hidden_size}")
-    if c.vocab_size != t.vocab_size:
-        problems.append(f"target vocabulary {t.vocab_size}, head built for {c.vocab_size}")
-    if max(head.aux_layers) >= t.num_hidden_layers:
-        problems.append(f"head reads target layers {head.aux_layers}, the target has {t.num_hidden_layers}")
-    if problems:
-        raise Eagle3ShapeError("EAGLE-3 head does not fit this target: " + "; ".join(problems))
+    check_fits(head.config.to_dict(), target.config)
 
 
 class FeatureHooks:

@@ -10,11 +10,11 @@ What the serving engines read (checked against their loaders and published check
 - SGLang `python/sglang/srt/models/llama_eagle3.py` (sgl-project/sglang): the same names without a
   prefix (`fc`, `midlayer.*`, `norm`, `lm_head`), `d2t` as the hot-token map (`d2t + arange`), `t2d`
   skipped, and `tie_word_embeddings: true` would make it use the embedding as the head, so it is false.
-- Published configs: SpecForge `configs/llama3-8B-eagle3.json` and `configs/llama3-70B-ealge3.json`
-  (sgl-project/SpecForge; the yuhuili/EAGLE3-LLaMA3.1-Instruct-8B layout), which carry top-level
-  `rope_theta` and `torch_dtype` as transformers 4 wrote them; `eagle_config` as in SpecForge's tests.
+- Published configs (SpecForge `configs/llama3-8B-eagle3.json` and `llama3-70B-ealge3.json`, the
+  yuhuili/EAGLE3-LLaMA3.1-Instruct-8B layout) carry top-level `rope_theta` and `torch_dtype` as
+  transformers 4 wrote them; `eagle_config` as in SpecForge's tests.
 
-So the head's token embeddings are never saved: they always come from the target, here and there.
+The head's token embeddings are never saved: they always come from the target, here and there.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, LlamaConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from specdistill import paths
-from specdistill.modeling.eagle3 import EAGLE3_ARCHITECTURE, Eagle3Draft, Eagle3ShapeError
+from specdistill.modeling.eagle3 import EAGLE3_ARCHITECTURE, Eagle3Draft, Eagle3ShapeError, check_fits
 from specdistill.modeling.vocab import DraftVocab, check_vocab, remap_draft_vocab, vocab_mismatch
 
 WEIGHTS_FILE = "model.safetensors"
@@ -46,7 +46,6 @@ def read_config(directory: str | os.PathLike) -> dict | None:
 
 
 def is_eagle3_dir(directory: str | os.PathLike) -> bool:
-    """A directory holding an EAGLE-3 head, known by the architecture its config names."""
     config = read_config(directory)
     return bool(config) and EAGLE3_ARCHITECTURE in (config.get("architectures") or [])
 
@@ -84,8 +83,6 @@ def save_eagle3(
     *,
     force: bool = True,
 ) -> Path:
-    """Write the head (config.json, model.safetensors, tokenizer, our meta) atomically; an existing
-    `out_dir` is replaced only when it is a previous draft and `force` is set (`paths.atomic_dir`)."""
     out_dir = Path(out_dir)
     meta = {"kind": "eagle3", "aux_layers": head.aux_layers, "draft_vocab": head.config.draft_vocab_size, **(meta or {})}
     with paths.atomic_dir(out_dir, "draft", force=force) as tmp:
@@ -94,37 +91,6 @@ def save_eagle3(
         tokenizer.save_pretrained(tmp)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
     return out_dir
-
-
-def _llama_config(config: dict) -> LlamaConfig:
-    config = dict(config)
-    for copy_only in ("rope_theta", "rope_scaling", "torch_dtype"):  # written for other readers; rope_parameters rules
-        config.pop(copy_only, None)
-    return LlamaConfig.from_dict(config)
-
-
-def check_fits(config: dict, target_config, *, where: str, meta: dict | None = None,
-               target_fingerprint: str | None = None, feature_layers: list[int] | None = None,
-               check_vocab_size: bool = True) -> None:
-    """Refuse a head saved for another target before loading any weight, naming every mismatch."""
-    problems = []
-    target_hidden = config.get("target_hidden_size", config.get("hidden_size"))
-    if target_hidden != target_config.hidden_size:
-        problems.append(f"target hidden size {target_config.hidden_size}, head built for {target_hidden}")
-    if config.get("hidden_size") != target_config.hidden_size:
-        problems.append(f"head width {config.get('hidden_size')} differs from the target's embedding width {target_config.hidden_size}")
-    if check_vocab_size and config.get("vocab_size") != target_config.vocab_size:
-        problems.append(f"target vocabulary {target_config.vocab_size}, head built for {config.get('vocab_size')}")
-    layers = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or []
-    if len(layers) != 3 or not all(0 <= i < target_config.num_hidden_layers for i in layers):
-        problems.append(f"head reads target layers {layers}, the target has {target_config.num_hidden_layers}")
-    if feature_layers is not None and list(feature_layers) != list(layers):
-        problems.append(f"head reads target layers {layers}, the features given are of layers {list(feature_layers)}")
-    trained_for = (meta or {}).get("target_fingerprint")
-    if target_fingerprint and trained_for and trained_for != target_fingerprint:
-        problems.append(f"head was built for target fingerprint {trained_for}, this target is {target_fingerprint}")
-    if problems:
-        raise Eagle3ShapeError(f"EAGLE-3 head {where} does not fit this target: " + "; ".join(problems))
 
 
 @dataclass
@@ -145,14 +111,9 @@ def load_eagle3(
     target_fingerprint: str | None = None,
     feature_layers: list[int] | None = None,
 ) -> LoadedEagle3:
-    """The head in `directory`, paired with `target` (its embeddings), in the target's dtype and on its device.
-
-    Shape, layers and (when given) the fingerprint and the layer set of the features it will be fed
-    (a feature cache's) are checked before any weight is read. With
-    `target_tokenizer`, a head saved for another tokenizer (a target update that added tokens) has
-    its draft vocabulary carried over by token string (`transplant_head_vocab`); without it, a
-    vocabulary size mismatch is an error.
-    """
+    """The head in `directory`, paired with `target` (its embeddings), in the target's dtype and on its
+    device; checked (`check_fits`) before any weight is read. With `target_tokenizer`, a head saved for
+    another tokenizer (a target update that added tokens) has its draft vocabulary carried over."""
     directory = Path(directory)
     config_dict = read_config(directory)
     if not config_dict or EAGLE3_ARCHITECTURE not in (config_dict.get("architectures") or []):
@@ -170,7 +131,8 @@ def load_eagle3(
         tensors = load_file(str(weights))
     except Exception as exc:
         raise Eagle3ShapeError(f"cannot read EAGLE-3 weights {weights}: {exc}") from exc
-    config = _llama_config(config_dict)
+    copy_only = ("rope_theta", "rope_scaling", "torch_dtype")  # written for other readers; rope_parameters rules
+    config = LlamaConfig.from_dict({k: v for k, v in config_dict.items() if k not in copy_only})
     if reason:
         config, tensors = transplant_head_vocab(config, tensors, tokenizer, target_tokenizer, target)
         tokenizer = target_tokenizer
@@ -218,9 +180,8 @@ def transplant_head_vocab(
 
 def align_head(head_dir: str | os.PathLike, target: PreTrainedModel, target_tokenizer: PreTrainedTokenizerBase,
                out_dir: str | os.PathLike) -> tuple[Path, LoadedEagle3, dict]:
-    """A head made usable on `target` (a warm start after a target update): the directory as it is
-    when the tokenizers agree, else a copy in `out_dir` with its draft vocabulary carried over.
-    Returns (directory, loaded head, vocabulary report)."""
+    """A head made usable on `target` (a warm start after a target update): (directory, loaded head,
+    vocabulary report), the directory a copy in `out_dir` when the vocabulary had to be carried over."""
     report = check_vocab(target_tokenizer, AutoTokenizer.from_pretrained(head_dir)).to_dict()
     loaded = load_eagle3(head_dir, target, target_tokenizer=target_tokenizer)
     if not loaded.transplanted:

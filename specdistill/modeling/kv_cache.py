@@ -1,20 +1,13 @@
 """A KV cache allocated once per batch, for batched decoding with transformers models.
 
 transformers' `DynamicCache` grows by `torch.cat` of every layer's keys and values at every step:
-each decode step copies the whole cache into freshly allocated memory. In a profile of one bf16
-batch of 16 answers (96 new tokens, demo target, machine shared) that concatenation was 14% of
-the time. `PreallocatedLayer` keeps `DynamicLayer`'s interface (the model sees the filled part,
-masks are sized as for a dynamic cache) over buffers of fixed capacity, so a step writes one
-column; the attention inputs are views with the values and shapes the concatenated tensors had.
-Rows can be filled from separate prefills (`write_rows`), so prompts of very different lengths
-need not be prefilled through one padded forward.
+in a profile of one bf16 batch of 16 answers (96 new tokens, demo target) that was 14% of the
+time. `PreallocatedLayer` keeps `DynamicLayer`'s interface over buffers of fixed capacity, so a
+step writes one column. Rows can be filled from separate prefills (`write_rows`), so prompts of
+very different lengths need not be prefilled through one padded forward.
 
-The buffers grow in blocks of `BLOCK` columns up to the capacity rather than being allocated whole,
-so that `modeling.attention.decode_attention` can attend over a whole buffer (`dense_buffers`; the
-columns past the filled part masked): oneDNN's bf16 batched matmul takes only dense operands and
-copies any other view first, so a view of the filled part cost a copy of every layer's keys and
-values at every step. Growing copies the filled part once every `BLOCK` steps instead (the
-numbers are in `modeling.attention`).
+The buffers grow in blocks of `BLOCK` columns so that `decode_attention` can attend over a whole
+buffer (`dense_buffers`): why, and the numbers, are in `modeling.attention`.
 """
 
 from __future__ import annotations
@@ -27,10 +20,7 @@ BLOCK = 16  # columns a buffer grows by
 
 
 class PreallocatedLayer(DynamicLayer):
-    """One layer's keys and values in `[rows, kv_heads, columns, head_dim]` buffers; `length` columns are filled.
-
-    The buffers start with `BLOCK` columns (zero-filled) and grow by whole blocks up to `capacity`.
-    """
+    """One layer's keys and values in `[rows, kv_heads, columns, head_dim]` buffers; `length` columns are filled."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int | None = None):
         super().__init__()
@@ -45,7 +35,6 @@ class PreallocatedLayer(DynamicLayer):
         self.keys._dense_buffer, self.values._dense_buffer = self.key_buffer, self.value_buffer
 
     def _reserve(self, end: int) -> None:
-        """Make room for `end` columns: grow the buffers to the next whole block (at most the capacity)."""
         if end > self.capacity:
             raise ValueError(f"KV cache capacity {self.capacity} exceeded: {end} tokens")
         if end <= self.key_buffer.shape[2]:
@@ -61,7 +50,7 @@ class PreallocatedLayer(DynamicLayer):
         self.key_buffer, self.value_buffer = grow(self.key_buffer), grow(self.value_buffer)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Never needed: the buffers exist from the start."""
+        pass  # the buffers exist from the start
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.length + key_states.shape[-2]
@@ -93,11 +82,8 @@ class PreallocatedLayer(DynamicLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep only the rows `indices` (finished sequences leave the batch): one copy of their buffers (the
         columns past `length`, zeros or stale keys, stay finite and masked)."""
-
-        def select(buffer: torch.Tensor) -> torch.Tensor:
-            return buffer.index_select(0, indices)
-
-        self.key_buffer, self.value_buffer = select(self.key_buffer), select(self.value_buffer)
+        self.key_buffer = self.key_buffer.index_select(0, indices)
+        self.value_buffer = self.value_buffer.index_select(0, indices)
         self._expose()
 
     def reset(self) -> None:
@@ -106,11 +92,8 @@ class PreallocatedLayer(DynamicLayer):
 
 
 def preallocated_cache(model: PreTrainedModel, rows: int, capacity: int) -> Cache:
-    """A cache for `model` holding up to `capacity` tokens (prompt and generated) for each of `rows` sequences.
-
-    Zero-filled: columns a row never writes (left padding, the rest of a block) are masked in
-    attention, and must be finite.
-    """
+    """A cache for `model` holding up to `capacity` tokens for each of `rows` sequences. Zero-filled:
+    columns a row never writes (left padding, the rest of a block) are masked, and must be finite."""
     config = model.config
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -123,8 +106,7 @@ def preallocated_cache(model: PreTrainedModel, rows: int, capacity: int) -> Cach
 
 
 def dense_buffers(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The whole buffers behind a `PreallocatedLayer`'s exposed keys and values (`[rows, kv_heads,
-    columns, head_dim]`, the first `keys.shape[2]` columns being `keys`), or None for other tensors."""
+    """The whole buffers behind a `PreallocatedLayer`'s exposed keys and values, or None for other tensors."""
     key_buffer, value_buffer = getattr(keys, "_dense_buffer", None), getattr(values, "_dense_buffer", None)
     if key_buffer is None or value_buffer is None:
         return None
@@ -132,7 +114,6 @@ def dense_buffers(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tenso
 
 
 def select_rows(cache: Cache, indices: torch.Tensor) -> None:
-    """Drop every row of `cache` but `indices`, in every layer."""
     for layer in cache.layers:
         layer.batch_select_indices(indices)
 

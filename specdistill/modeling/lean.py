@@ -1,19 +1,14 @@
 """A lean inference forward for Llama models: transformers' modules and weights, fewer ops between them.
 
-A decode step of the demo target is 30 layers of four packed GEMMs and a few dozen small ops.
-transformers' forward adds per-call machinery around them (mask construction, decorators, output
-dataclasses, a module call per norm and projection, rotary embedding applied to q and k
-separately); on this 2-core CPU the small ops and that machinery were a fifth of a bf16 step. This
-forward runs the same modules' weights in plain code (gpt-fast style): one fused RMSNorm kernel per
-norm, rotary embedding applied to q and k in one pass, the model's attention function (SDPA, or
-`modeling.attention`'s inside `decode_attention_for`) called directly, and the hidden states
-entering chosen layers returned on the way (the EAGLE-3 features, without hooks). Its logits equal
-transformers' (to 1e-10 in fp64 in the tests that compare them) and it is used only where it is
-known to: `supports_lean` names the architectures.
+transformers' per-call machinery (mask construction, decorators, output dataclasses, a module call
+per norm and projection) and small ops were a fifth of a bf16 decode step of the demo target on this
+2-core CPU. This forward runs the same weights in plain code (gpt-fast style): one fused RMSNorm
+kernel per norm, rotary embedding on q and k in one pass, the attention function called directly,
+and the EAGLE-3 features returned on the way (no hooks). Its logits equal transformers' (to 1e-10 in
+fp64 in the tests); `supports_lean` names the architectures it is known to be right for.
 
-A single-sequence bf16 decode step of the demo target over 200 cached tokens, 1 thread, interleaved:
-38.5 ms through transformers' forward, 35.3 ms through this one (both with the matmul attention and
-a preallocated cache; greedy logits identical).
+A single-sequence bf16 decode step over 200 cached tokens, 1 thread: 38.5 ms through transformers'
+forward, 35.3 ms through this one (both with the matmul attention and a preallocated cache).
 """
 
 from __future__ import annotations
@@ -38,10 +33,8 @@ def supports_lean(model: PreTrainedModel) -> bool:
 
 
 def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`LlamaRMSNorm` in one kernel: the kernel keeps a bf16 input's statistics in float32 and rounds the
-    normalized value once, as `LlamaRMSNorm` does by upcasting first (bit-identical, tested), without the
-    two dtype copies; the weight is applied in the input dtype. (`LlamaRMSNorm` computes a float64
-    input in float32 too.)"""
+    """`LlamaRMSNorm` in one kernel, bit-identical (tested): the kernel keeps a bf16 input's statistics in
+    float32 as `LlamaRMSNorm` does by upcasting, without its two dtype copies (float64 it also computes in float32)."""
     normed = torch.rms_norm(x.float() if x.dtype == torch.float64 else x, (x.shape[-1],), eps=norm.variance_epsilon)
     return normed.to(x.dtype) * norm.weight
 
@@ -54,14 +47,9 @@ def causal_mask(past: int, new: int, device: torch.device | str = "cpu") -> torc
 def lean_forward(model: PreTrainedModel, input_ids: torch.Tensor, cache: Cache, *, positions: torch.Tensor | None = None,
                  mask: torch.Tensor | None = None, keep: int = 1, capture: Sequence[int] = (),
                  head: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logits of the last `keep` positions `[B, keep, V]`, the hidden states entering the `capture`
-    layers concatenated `[B, T, len(capture)·H]` or None), appending the T new tokens to `cache`.
-    With `head=False`, the final-norm hidden states `[B, keep, H]` instead of logits (a draft with a
-    reduced vocabulary applies its own rows of the head).
-
-    `positions` `[B, T]` default to the ones after the cache; `mask` is a bool `[B or 1, 1, T, past + T]`
-    (True: attended); without one the new tokens attend causally to the cache and each other.
-    """
+    """(logits of the last `keep` positions, or with `head=False` their final-norm hidden states; the
+    hidden states entering the `capture` layers concatenated, or None), appending the new tokens to
+    `cache`. `mask`: bool `[B or 1, 1, T, past + T]`, True attended; causal without one."""
     inner = model.model
     device = inner.embed_tokens.weight.device  # the engine's bookkeeping stays on the CPU; the model's inputs go here
     input_ids = input_ids.to(device)
@@ -102,11 +90,9 @@ def lean_forward(model: PreTrainedModel, input_ids: torch.Tensor, cache: Cache, 
 
 def engine_forward(model: PreTrainedModel, input_ids: torch.Tensor, cache: Cache, keep: int = 1,
                    head: bool = True, sync: bool = False) -> torch.Tensor:
-    """Logits `[B, keep, V]` (with `head=False` the final-norm hidden states `[B, keep, H]`) as the
-    engine computes them: the lean forward where supported, transformers' elsewhere. Drafts step
-    through it, and cost measurements (c, v(k)) time it inside `decode_attention_for`, so that they
-    price the steps the engine actually runs. Inputs move to the model's device; the result stays there.
-    `sync`: return only when the device has finished (a GPU runs asynchronously): for timings."""
+    """Logits (with `head=False` final-norm hidden states) of the last `keep` positions as the engine
+    computes them: drafts step through it and cost measurements time it, so that they price the
+    steps the engine actually runs. `sync`: wait for the device (a GPU runs asynchronously)."""
     if supports_lean(model):
         out = lean_forward(model, input_ids, cache, keep=keep, head=head)[0]
     elif head:

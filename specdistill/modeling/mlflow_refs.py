@@ -1,19 +1,14 @@
 """Registered drafts as model references: `models:/NAME@ALIAS` or `models:/NAME/VERSION` resolved to
 the HF checkpoint a logged draft carries, and the MLflow client every registry call goes through.
 
-Reading a registered draft is part of loading a model (every command takes an MLflow URI where it
-takes a directory), so it lives here; registering and promoting are operations (`ops.registry`).
-
-A registered version is immutable in effect: registration records the SHA-256 of every file of its
-checkpoint in the version's tag `draft_files_sha256` (in the tracking store, apart from the artifact
-store its files live in), and every resolution checks the files it hands out against it, so a draft
-changed after the gate approved it is refused, naming the version and the file. A version registered
-before the tag existed loads with a warning that it is unverified.
+Registering and promoting are operations (`ops.registry`). Registration records the SHA-256 of every
+file of a checkpoint in the version's tag `draft_files_sha256` (in the tracking store, apart from the
+artifact store), and every resolution checks the files against it, so a draft changed after the gate
+approved it is refused. A version registered before the tag existed loads with a warning.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -22,6 +17,7 @@ import time
 from pathlib import Path
 
 import mlflow
+import yaml
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
@@ -56,10 +52,10 @@ REACH_SECONDS = 5.0  # how long an unreachable tracking server is retried before
 _reached: set[str] = set()
 
 
-def check_reachable(uri: str, within_s: float | None = None) -> None:
-    """An `http(s)://` tracking server answers at all (any HTTP status counts), retried for `within_s`
-    seconds, once per process and URI: an unreachable one stops the command in seconds with one line
-    naming it, instead of MLflow's own minutes of retries and a traceback."""
+def check_reachable(uri: str) -> None:
+    """An `http(s)://` tracking server answers at all (any HTTP status counts), retried for
+    `REACH_SECONDS`, once per process and URI: an unreachable one stops the command in seconds
+    with one line naming it, instead of MLflow's own minutes of retries and a traceback."""
     if uri in _reached:
         return
     if not uri.startswith(("http://", "https://")):
@@ -76,7 +72,6 @@ def check_reachable(uri: str, within_s: float | None = None) -> None:
     import urllib.parse
     import urllib.request
 
-    within_s = REACH_SECONDS if within_s is None else within_s
     parts = urllib.parse.urlsplit(uri)
     try:
         port = parts.port
@@ -85,10 +80,10 @@ def check_reachable(uri: str, within_s: float | None = None) -> None:
     host = parts.hostname or ""
     netloc = (f"[{host}]" if ":" in host else host) + (f":{port}" if port else "")
     health = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/") + "/health", "", ""))
-    deadline = time.monotonic() + within_s
+    deadline = time.monotonic() + REACH_SECONDS
     while True:
         try:
-            with urllib.request.urlopen(health, timeout=max(0.5, min(2.0, within_s))):
+            with urllib.request.urlopen(health, timeout=max(0.5, min(2.0, REACH_SECONDS))):
                 break
         except urllib.error.HTTPError:  # it answered: reachable (auth, a proxy's 404: MLflow says what)
             break
@@ -97,7 +92,7 @@ def check_reachable(uri: str, within_s: float | None = None) -> None:
                 reason = getattr(exc, "reason", exc)
                 raise TrackingServerError(
                     f"MLflow tracking server {mask_url(uri)} (MLFLOW_TRACKING_URI) is unreachable after "
-                    f"{within_s:.0f} s: {reason}") from None
+                    f"{REACH_SECONDS:.0f} s: {reason}") from None
             time.sleep(0.5)
     _reached.add(uri)
 
@@ -133,23 +128,15 @@ def download_draft(model_uri: str) -> Path:
     if not (target / "MLmodel").is_file():
         target.mkdir(parents=True, exist_ok=True)
         mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{mv.version}", dst_path=str(target))
-    hf_dir = _draft_dir_in(target)
-    if hf_dir is None:
+    try:  # the HF checkpoint a logged draft model carries: the pyfunc artifact named `draft`
+        meta = yaml.safe_load((target / "MLmodel").read_text())
+        hf_dir = target / meta["flavors"]["python_function"]["artifacts"][DRAFT_ARTIFACT]["path"]
+    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        hf_dir = None
+    if hf_dir is None or not (hf_dir / "config.json").is_file():
         raise ValueError(f"{model_uri}: the registered model has no '{DRAFT_ARTIFACT}' checkpoint (MLmodel in {target})")
     verify_registered_files(hf_dir, (mv.tags or {}).get(FILES_TAG), name, str(mv.version))
     return hf_dir
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.rglob("*") if p.is_file() and p.relative_to(directory).as_posix() not in UNHASHED_FILES)
 
 
 _HASHED: dict[tuple, dict[str, str]] = {}  # a directory's hashes per process, keyed by every file's stat
@@ -160,12 +147,12 @@ def draft_files_sha256(directory: str | Path) -> dict[str, str]:
     the process by each file's inode, size, mtime and ctime (a rewrite moves ctime even when mtime is
     put back), so a nightly's repeated resolutions hash once."""
     directory = Path(directory)
-    files = _files(directory)
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.relative_to(directory).as_posix() not in UNHASHED_FILES)
     key = (str(directory.resolve()), tuple((p.relative_to(directory).as_posix(), st.st_ino, st.st_size, st.st_mtime_ns,
                                             st.st_ctime_ns) for p in files for st in [p.stat()]))
     if key not in _HASHED:
         _HASHED.clear()  # one directory at a time is all a run resolves repeatedly
-        _HASHED[key] = {rel: _file_sha256(directory / rel) for rel, *_ in key[1]}
+        _HASHED[key] = {rel: paths.file_sha256(directory / rel) for rel, *_ in key[1]}
     return dict(_HASHED[key])
 
 
@@ -202,16 +189,3 @@ def verify_registered_files(hf_dir: Path, recorded: str | None, name: str, versi
             continue
         raise RegisteredDraftChanged(f"{where} ({name} version {version}): {hf_dir / rel} {problem}: "
                                      "a registered draft is never served changed")
-
-
-def _draft_dir_in(model_dir: Path) -> Path | None:
-    """The HF checkpoint a logged draft model carries: the pyfunc artifact named `draft`."""
-    import yaml
-
-    try:
-        meta = yaml.safe_load((model_dir / "MLmodel").read_text())
-        rel = meta["flavors"]["python_function"]["artifacts"][DRAFT_ARTIFACT]["path"]
-    except (OSError, KeyError, TypeError, yaml.YAMLError):
-        return None
-    hf_dir = model_dir / rel
-    return hf_dir if (hf_dir / "config.json").is_file() else None

@@ -16,6 +16,8 @@ import json
 import os
 import shutil
 import sys
+import time
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,17 +37,14 @@ from specdistill.modeling.eagle3_io import WEIGHTS_FILE, is_eagle3_dir, load_eag
 from specdistill.modeling.fingerprints import (  # noqa: F401  (fingerprint: this module's API too)
     FINGERPRINT_FILE,
     SOURCE_FILE,
-    cached_fingerprint,
-    fingerprint,
-    saved_fingerprint,
-    tokenizer_digest,
-)
-from specdistill.modeling.integrity import (  # noqa: F401  (file_sha256 is part of this module's API)
     WeightsIntegrityError,
+    cached_fingerprint,
     check_weights_record,
-    file_sha256,
+    fingerprint,
     is_sealed,
+    saved_fingerprint,
     sealed,
+    tokenizer_digest,
     verify_weights_full,
     weights_record,
 )
@@ -78,30 +77,24 @@ class LoadedModel:
         return tokenizer_digest(self.tokenizer)
 
 
-# --------------------------------------------------------------------------------------------
-# dtype
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES = ("auto", *DTYPES)
 _warned_slow_bf16 = False
 
 
 def resolve_dtype(dtype: str | torch.dtype = "auto") -> torch.dtype:
-    """`auto` is bf16 on CUDA and on CPUs with native bf16 matmul, fp32 elsewhere; `float32` and
-    `bfloat16` are taken as asked (bf16 on a CPU without native support runs, slowly, and says so once)."""
+    """`auto` is bf16 on CUDA and on CPUs with native bf16 matmul, fp32 elsewhere (bf16 asked for on a
+    CPU without it runs, slowly, and says so once)."""
     global _warned_slow_bf16
     if isinstance(dtype, torch.dtype):
-        name = {v: k for k, v in DTYPES.items()}.get(dtype)
-        if name is None:
+        if dtype not in DTYPES.values():
             raise ValueError(f"unsupported dtype {dtype}; choose one of {', '.join(DTYPE_CHOICES)}")
-        dtype = name
+        dtype = dtype_name(dtype)
     if dtype == "auto":
         return torch.bfloat16 if torch.cuda.is_available() or hardware.cpu_has_native_bf16() else torch.float32
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
     if dtype == "bfloat16" and not torch.cuda.is_available() and not hardware.cpu_has_native_bf16() and not _warned_slow_bf16:
-        import warnings
-
         warnings.warn("bfloat16 on a CPU without native bf16 matmul (no avx512_bf16/amx_bf16): it runs, but slowly",
                       stacklevel=2)
         _warned_slow_bf16 = True
@@ -112,8 +105,8 @@ DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
 
 
 def check_device(device: str) -> str:
-    """A device setting as written (`auto`: the GPU when torch sees one, else the CPU), refused now when it
-    names a GPU this machine does not have, so a config fails at load, not hours into a run."""
+    """A device setting as written, refused when it names a GPU this machine does not have, so a
+    config fails at load, not hours into a run."""
     kind, _, index = device.partition(":")
     if device == "auto" or device == "cpu":
         return device
@@ -127,7 +120,6 @@ def check_device(device: str) -> str:
 
 
 def resolve_device(device: str | torch.device = "cpu") -> torch.device:
-    """`auto`: the GPU when torch sees one, else the CPU; otherwise the device named (checked first)."""
     if isinstance(device, torch.device):
         return device
     check_device(device)
@@ -138,10 +130,6 @@ def resolve_device(device: str | torch.device = "cpu") -> torch.device:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype).removeprefix("torch."))
-
-
-# --------------------------------------------------------------------------------------------
-# references
 
 
 def demo_gguf_path() -> Path:
@@ -159,19 +147,15 @@ def demo_gguf_path() -> Path:
     raise ModelLoadError(f"{DEMO_GGUF_NAME} not found in {list(spec.submodule_search_locations)}")
 
 
-def gguf_cache_dir(gguf: Path) -> Path:
-    """A cache directory per GGUF content, so an edited file never reuses a stale cache."""
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return paths.model_cache_dir() / f"{gguf.stem}-{key}"
-
-
 def convert_gguf(gguf: Path, out_dir: Path | None = None) -> Path:
     """Dequantize a GGUF file into an HF safetensors directory (atomic: a kill leaves no half cache)."""
     gguf = Path(gguf)
     if not gguf.is_file():
         raise ModelLoadError(f"GGUF file not found: {gguf}")
-    out_dir = out_dir or gguf_cache_dir(gguf)
+    if out_dir is None:  # a cache directory per GGUF content, so an edited file never reuses a stale cache
+        stat = gguf.stat()
+        key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+        out_dir = paths.model_cache_dir() / f"{gguf.stem}-{key}"
     if (out_dir / "config.json").is_file():
         try:
             check_model_cache(out_dir)
@@ -198,15 +182,14 @@ def convert_gguf(gguf: Path, out_dir: Path | None = None) -> Path:
 
 
 def check_model_cache(cache_dir: Path) -> None:
-    """A GGUF cache's weights against the record written at conversion (`integrity.check_weights_record`)."""
+    """A GGUF cache's weights against the record written at conversion (`fingerprints.check_weights_record`)."""
     check_weights_record(cache_dir / SOURCE_FILE)
 
 
 @dataclass
 class FullCheck:
-    """What a full check of a model directory's weights found: the bytes hashed, in how long, and what
-    was done (`verified`, `rebuilt`: a derived cache that differed, `fingerprint dropped`: a directory
-    whose weights changed since its fingerprint was recorded, `nothing recorded`)."""
+    """A full check of a model directory's weights: bytes hashed, seconds, and `outcome` (`verified`,
+    `rebuilt`, `fingerprint dropped`, `nothing recorded`)."""
 
     path: Path
     bytes: int
@@ -216,12 +199,9 @@ class FullCheck:
 
 
 def verify_model_files(ref: str | os.PathLike) -> FullCheck:
-    """Hash a model's weights in full against what was recorded when they were written (the per-load
-    check samples them): the nightly's once-per-run check. A GGUF cache that differs is ours and derived,
-    so it is rebuilt from its GGUF; an HF directory whose weights differ from its fingerprint record gets
-    its fingerprint recomputed at load (a changed target is a new target version)."""
-    import time
-
+    """Hash a model's weights in full against their record (the per-load check samples them): the
+    nightly's once-per-run check. A GGUF cache that differs is rebuilt from its GGUF; an HF directory
+    whose weights differ gets its fingerprint recomputed at load (a changed target is a new version)."""
     model_dir, start = resolve_model_dir(ref), time.perf_counter()
     source, fp_record = model_dir / SOURCE_FILE, model_dir / FINGERPRINT_FILE
     record_path = source if source.is_file() else fp_record if fp_record.is_file() else None
@@ -281,14 +261,10 @@ def load_model(
 ) -> LoadedModel:
     """Load a target or draft with its tokenizer (and chat template), in eval mode.
 
-    `dtype` defaults to `auto` (`resolve_dtype`), as every config does; a caller that trains or saves
-    the weights it loads asks for `float32`. The fingerprint is taken over the weights as stored
-    (fp32), whatever `dtype` the model runs in:
-    a bf16 run and an fp32 run of one target are the same target version. An EAGLE-3 head drafts
-    from a target's features and uses its embeddings, so it loads only with `target` (and runs in
-    the target's dtype and on its device); it is never read as a plain Llama model. `device`: see
-    `resolve_device` (the pipeline passes its one `device` setting). A model whose logits on a fixed
-    canary prompt are non-finite or flat is refused (`modeling.canary`).
+    A caller that trains or saves the weights it loads asks for `float32`. The fingerprint is taken
+    over the weights as stored (fp32): a bf16 run and an fp32 run of one target are the same target
+    version. An EAGLE-3 head uses a target's features and embeddings, so it loads only with `target`
+    (in its dtype, on its device). Damaged weights are refused (`modeling.canary`).
     """
     dtype = resolve_dtype(dtype)
     device = resolve_device(device)
@@ -327,11 +303,9 @@ SHARED_MODELS = 2  # a run's target in its one dtype, and one more (a float32 co
 
 def shared_model(ref: str | os.PathLike, *, dtype: str | torch.dtype = "auto",
                  device: str | torch.device = "cpu") -> LoadedModel:
-    """`load_model` for a model nobody changes, loaded once per process and handed to every stage that
-    decodes with it (a nightly's describe, answers, benchmark and serving stages; the monitor's replay and
-    fallback) instead of once per stage. Keyed by its directory, the stats of every file in it (a target
-    updated on disk is loaded afresh), dtype and device; the `SHARED_MODELS` most recent are kept. A model
-    that is trained or edited in place must come from `load_model`, which always gives a private copy."""
+    """`load_model` for a model nobody changes, loaded once per process for every stage that decodes
+    with it. Keyed by its directory, its files' stats (a target updated on disk is loaded afresh), dtype
+    and device. A model trained or edited in place must come from `load_model` (a private copy)."""
     model_dir = resolve_model_dir(ref)
     files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in model_dir.iterdir()
                    if f.is_file() and f.name not in (FINGERPRINT_FILE, SOURCE_FILE))  # ours, rewritten by a load
@@ -349,8 +323,6 @@ def shared_model(ref: str | os.PathLike, *, dtype: str | torch.dtype = "auto",
 
 
 def pack_for_cpu(model: torch.nn.Module) -> None:
-    """bf16 on a CPU with native bf16: linear layers on weights packed once, projections of one input fused
-    (`modeling.packed`)."""
     first = next(model.parameters())
     if first.dtype == torch.bfloat16 and first.device.type == "cpu" and packing_available():
         pack_linears(model)
@@ -365,17 +337,11 @@ def _load_eagle3_head(model_dir: Path, target: LoadedModel | None) -> LoadedMode
         )
     loaded = load_eagle3(model_dir, target.model)
     pack_for_cpu(loaded.head)
-    h = hashlib.sha256(file_sha256(model_dir / WEIGHTS_FILE).encode())
+    h = hashlib.sha256(paths.file_sha256(model_dir / WEIGHTS_FILE).encode())
     h.update(tokenizer_digest(loaded.tokenizer).encode())
     return LoadedModel(loaded.head, loaded.tokenizer, model_dir, h.hexdigest()[:16])
 
 
-def num_parameters(model: torch.nn.Module, *, exclude_embeddings: bool = False) -> int:
-    seen: set[int] = set()
-    total = 0
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if p.data_ptr() in seen or (exclude_embeddings and ("embed_tokens" in name or "lm_head" in name)):
-            continue
-        seen.add(p.data_ptr())
-        total += p.numel()
-    return total
+def num_parameters(model: torch.nn.Module) -> int:
+    """Tied parameters counted once."""
+    return sum({p.data_ptr(): p.numel() for _, p in model.named_parameters(remove_duplicate=False)}.values())

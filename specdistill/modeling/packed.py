@@ -1,29 +1,21 @@
 """bf16 linear layers on a CPU through oneDNN with weights packed once, not at every call.
 
-`F.linear` in bf16 on a CPU hands oneDNN the plain weight on every call, and oneDNN reorders it into
-its blocked layout each time. For the few rows of a decode step that reorder is most of the work:
-on the 2-core AVX-512-BF16 CPU, `[1, 576] x [576, 1536]` took 62 µs through `F.linear` and 34 µs
-with the weight reordered once (`mkldnn._reorder_linear_weight`) and reused
-(`mkldnn._linear_pointwise`); the demo target's 49k-token head 3.8 ms against 2.2 ms. Whole bf16
-decode steps of the demo target ran 1.40x (1 row), 1.34x (5 rows) and 1.23x (16 rows) faster, and
-their logits were bit-identical: both paths run the same oneDNN kernels, so nothing about
-losslessness changes. `benchmarks/dtype_speed.py` and `benchmarks/answer_generation.py` measure
-the effect on decoding and on answer generation.
+`F.linear` in bf16 on a CPU makes oneDNN reorder the weight into its blocked layout at every call,
+most of the work for the few rows of a decode step: on the 2-core AVX-512-BF16 CPU, `[1, 576] x
+[576, 1536]` took 62 µs through `F.linear` and 34 µs with the weight reordered once and reused; the
+demo target's 49k-token head 3.8 ms against 2.2 ms. Whole bf16 decode steps ran 1.40x (1 row),
+1.34x (5 rows) and 1.23x (16 rows) faster with bit-identical logits (the same oneDNN kernels).
+`benchmarks/dtype_speed.py` and `benchmarks/answer_generation.py` measure the effect.
 
 Only bf16: oneDNN's fp32 results differ from MKL's in the last bits and by row count, which would
-break fp32's exact-equality lossless check. A packed layer is still an `nn.Linear` (same
-parameters, same `state_dict`); it falls back to `F.linear` whenever autograd needs the weight or
-input, or the weight is no longer bf16 on a CPU, and packs again when the weight changed (a
-training step, `load_state_dict`, `.to()`), so a packed model can still be trained or moved.
+break fp32's exact-equality lossless check. A packed layer is still an `nn.Linear`; it falls back
+to `F.linear` whenever autograd needs the weight or input, and packs again when the weight changed,
+so a packed model can still be trained or moved.
 
-Projections that read the same input (a Llama layer's q/k/v and its gate/up) are fused at
-inference by `fuse_projections`: the first member's call runs one GEMM on the members' weights
-concatenated and packed once, and the others take their columns of it when they are called with
-that very tensor (anything else: their own packed GEMM). Parameters, `state_dict` and the model's
-code are unchanged; the logits stay bit-identical (each output column is the same dot product).
-A batched bf16 decode step makes 4 linear calls per layer instead of 7: for 16 rows of the demo
-target, 1 thread, interleaved, machine shared (load 3.4), q/k/v took 112 µs fused against 135 µs
-as three calls, gate/up with SiLU·up 320 µs against 333 µs (bit-identical outputs).
+Projections of one input (q/k/v, gate/up) are fused at inference (`fuse_projections`): the first
+member's call runs one GEMM on the members' weights concatenated, and the others take their columns
+of it when called with that very tensor; logits stay bit-identical. For 16 rows of the demo target,
+1 thread, q/k/v took 112 µs fused against 135 µs as three calls, gate/up 320 µs against 333 µs.
 """
 
 from __future__ import annotations
@@ -35,12 +27,8 @@ from specdistill import hardware
 
 
 def packing_available() -> bool:
-    """True where bf16 linear layers are packed: this torch build has the oneDNN ops a packed layer
-    calls and the CPU has native bf16 (`hardware.cpu_has_native_bf16`). Elsewhere packing would not pay,
-    and on CPUs without AVX-512 BW/VL/DQ oneDNN's bf16 reorder refuses to run at all.
-
-    The one predicate for the decision: the library packs exactly where this is true, and the tests
-    that need packing skip where it is false."""
+    """Where bf16 linear layers are packed (and the tests that need packing run): elsewhere packing would
+    not pay, and on CPUs without AVX-512 BW/VL/DQ oneDNN's bf16 reorder refuses to run at all."""
     return (hardware.cpu_has_native_bf16() and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
@@ -92,7 +80,7 @@ class _FusedGroup:
         self.input, self.input_version, self.parts = None, None, ()
 
     def __getstate__(self) -> dict:
-        """Copies and pickles leave the packed weight and the last GEMM behind (see `PackedLinear.__getstate__`)."""
+        """As `PackedLinear.__getstate__`: the packed weight and the last GEMM are left behind."""
         state = self.__dict__.copy()
         state.update(_key=None, _packed=None, _bias=None, input=None, input_version=None, parts=())
         return state
@@ -133,16 +121,12 @@ class FusedLinear(PackedLinear):
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def fuse_projections(model: torch.nn.Module, names: tuple[tuple[str, ...], ...] = FUSED) -> int:
-    """Fuse each module's packed projections named together in `names` (`FusedLinear`); returns how many groups.
-
-    A group needs all its members to be `PackedLinear`s of one input size, all with a bias or none.
-    The first name must be the one the model calls first (Llama: q before k and v, gate before up);
-    called in another order the members stay correct, only unfused.
-    """
+def fuse_projections(model: torch.nn.Module) -> int:
+    """Fuse each module's packed projections named together in `FUSED`; returns how many groups. The
+    first name must be the one the model calls first: called in another order they stay correct, unfused."""
     count = 0
     for module in model.modules():
-        for group_names in names:
+        for group_names in FUSED:
             members = [getattr(module, n, None) for n in group_names]
             if not all(type(m) is PackedLinear for m in members):
                 continue
@@ -157,10 +141,7 @@ def fuse_projections(model: torch.nn.Module, names: tuple[tuple[str, ...], ...] 
 
 
 def pack_linears(model: torch.nn.Module) -> int:
-    """Turn every plain `nn.Linear` of a bf16 CPU `model` into a `PackedLinear`, in place; returns how many.
-
-    Does nothing (returns 0) where `packing_available()` is false or the model is not bf16 on a CPU.
-    """
+    """Turn every plain bf16 CPU `nn.Linear` of `model` into a `PackedLinear`, in place; returns how many."""
     if not packing_available():
         return 0
     count = 0

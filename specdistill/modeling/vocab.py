@@ -49,10 +49,6 @@ class VocabAlignmentError(ValueError):
     """Two models whose vocabularies or shapes cannot be aligned; the message names what differs."""
 
 
-# --------------------------------------------------------------------------------------------
-# Report
-
-
 @dataclass
 class VocabReport:
     target_size: int
@@ -128,12 +124,10 @@ def _render_template(tok: PreTrainedTokenizerBase) -> str | None:
         return f"<template error: {exc}>"
 
 
-def check_vocab(
-    target_tok: PreTrainedTokenizerBase,
-    draft_tok: PreTrainedTokenizerBase,
-    probes: Iterable[str] = PROBE_STRINGS,
-    max_examples: int = 20,
-) -> VocabReport:
+MAX_EXAMPLES = 20
+
+
+def check_vocab(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedTokenizerBase) -> VocabReport:
     """Compare two tokenizers the way verification will see them: ids, specials, template, segmentation."""
     tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
     shared = tv.keys() & dv.keys()
@@ -149,7 +143,7 @@ def check_vocab(
     template_same = (target_tok.chat_template or "") == (draft_tok.chat_template or "")
     template_diff = "" if template_same else f"target renders {t_render!r}; draft renders {d_render!r}"
 
-    probes = list(probes) + [target_tok.convert_tokens_to_string([t]) for t in only_t if len(t) > 3][:10]
+    probes = PROBE_STRINGS + [target_tok.convert_tokens_to_string([t]) for t in only_t if len(t) > 3][:10]
     seg = []
     for text in probes:
         a = target_tok.tokenize(text)
@@ -164,18 +158,14 @@ def check_vocab(
         id_mismatches=len(mismatched),
         only_in_target=len(only_t),
         only_in_draft=len(only_d),
-        id_mismatch_examples=[(t, tv[t], dv[t]) for t in mismatched[:max_examples]],
-        only_in_target_examples=only_t[:max_examples],
+        id_mismatch_examples=[(t, tv[t], dv[t]) for t in mismatched[:MAX_EXAMPLES]],
+        only_in_target_examples=only_t[:MAX_EXAMPLES],
         special_tokens=specials,
         special_tokens_differ=specials_differ,
         chat_template_identical=template_same,
         chat_template_diff=template_diff,
         segmentation_differences=seg,
     )
-
-
-# --------------------------------------------------------------------------------------------
-# Transplant
 
 
 def transplant_vocab(
@@ -220,11 +210,10 @@ def transplant_vocab(
     draft.config.vocab_size = new_size
     if tied:
         draft.tie_weights()
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        setattr(draft.config, name, getattr(target_tok, name, None))
-    if getattr(draft, "generation_config", None) is not None:
+    for config in (draft.config, getattr(draft, "generation_config", None)):
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            setattr(draft.generation_config, name, getattr(target_tok, name, None))
+            if config is not None:
+                setattr(config, name, getattr(target_tok, name, None))
     return draft
 
 
@@ -243,13 +232,9 @@ def vocab_mismatch(report: VocabReport, draft_vocab_size: int | None = None, tar
     return ""
 
 
-# --------------------------------------------------------------------------------------------
-# Reduced draft vocabulary (FR-Spec / EAGLE-3 d2t, t2d)
-
-
 @dataclass
 class DraftVocab:
-    """The N target tokens a draft may propose.
+    """The N target tokens a draft may propose (FR-Spec / EAGLE-3's reduced draft vocabulary).
 
     `token_ids[i]` is the target id of draft token i. Saved in EAGLE-3's convention, which vLLM
     reads: `d2t[i] = token_ids[i] - i` (an offset) and `t2d` a boolean mask over the target vocab.
@@ -299,7 +284,6 @@ class DraftVocab:
         return hidden @ w.T
 
     def to_full(self, probs: torch.Tensor) -> torch.Tensor:
-        """Map a distribution over N draft tokens to the full target vocabulary (zero elsewhere)."""
         full = probs.new_zeros(*probs.shape[:-1], self.target_vocab_size)
         full.index_copy_(-1, self.token_ids.to(probs.device), probs)
         return full
