@@ -15,6 +15,7 @@ from specdistill.data.prompts import Prompt, prompt_messages
 from specdistill.data.readers import Conversation
 from specdistill.modeling.drafts import export_early_exit_draft, init_draft_from_target, save_draft
 from specdistill.modeling.models import load_model
+from specdistill.ops.exporter import refresh_metrics
 from specdistill.ops.metrics import LiveSample, SpecDecodeMetrics
 from specdistill.ops.policy import PLAUSIBLE_FACTOR, Decision, decide
 from specdistill.ops.replay import (
@@ -22,7 +23,6 @@ from specdistill.ops.replay import (
     FallbackDecision,
     choose_fallback,
     prompts_from_store,
-    refresh_metrics,
     replay_acceptance,
 )
 from specdistill.ops.serving import ServingConfig, write_serving_config
@@ -215,7 +215,7 @@ def test_the_exporter_survives_a_bad_and_a_newer_serving_file(store, tmp_path):
 
 
 def test_serve_metrics_refuses_a_zero_interval_before_binding(store):
-    from specdistill.ops.replay import serve_metrics
+    from specdistill.ops.exporter import serve_metrics
 
     for interval in (0, -1, float("nan")):
         with pytest.raises(ValueError, match="refresh interval"):

@@ -23,7 +23,7 @@ from specdistill.budget import Deadline
 from specdistill.data.prompts import Prompt
 from specdistill.data.results import BenchResult, BenchSettings, SliceResult, percentile, prompt_speedups, speed_summary
 from specdistill.engines.client import Completion, chat, metrics_url
-from specdistill.engines.prom import Scrape, scrape
+from specdistill.engines.prom import Scrape, delta, scrape
 
 TARGET_ONLY = "target-only"
 
@@ -84,13 +84,6 @@ def judge(endpoint: str, prompt: Prompt, pairs: set[tuple[str, str]], config: En
     return verdict, worst
 
 
-def _delta(before: Scrape, after: Scrape) -> Scrape:
-    pos = [a - (before.accepted_per_position[i] if i < len(before.accepted_per_position) else 0.0)
-           for i, a in enumerate(after.accepted_per_position)]
-    return Scrape(after.drafts - before.drafts, after.draft_tokens - before.draft_tokens,
-                  after.accepted - before.accepted, prefix=after.prefix, accepted_per_position=pos)
-
-
 def run_engine_bench(endpoints: dict[str, str], prompts: list[Prompt], config: EngineBenchConfig | None = None, *,
                      engine: str, dtype: str, threads: int = 0, progress: bool = True,
                      deadline: Deadline | None = None) -> dict[str, BenchResult]:
@@ -141,14 +134,14 @@ def run_engine_bench(endpoints: dict[str, str], prompts: list[Prompt], config: E
                 times[mode][r][i] = (done.generated_tokens, done.seconds)
                 if counted:
                     per_request[mode][i] = done
-                    per_prompt_counts[mode][i] = _delta(pre, scrape(metrics_url(endpoints[mode])))
+                    per_prompt_counts[mode][i] = delta(pre, scrape(metrics_url(endpoints[mode])))
             for mode in spec_modes:
                 pairs[mode][i].add((texts[TARGET_ONLY], texts[mode]))
             bar.update(1)
         if note:
             break
     bar.close()
-    counts = {m: _delta(before[m], scrape(metrics_url(endpoints[m]))) for m in spec_modes}
+    counts = {m: delta(before[m], scrape(metrics_url(endpoints[m]))) for m in spec_modes}
     prompts = prompts[:kept]
     times = {m: [row[:kept] for row in rows[:repeats]] for m, rows in times.items()}
     measured = config.model_copy(update={"repeats": repeats})

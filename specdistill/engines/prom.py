@@ -66,6 +66,13 @@ def parse_spec_decode_counters(text: str, prefix: str | None = None) -> Scrape:
     raise KeyError(f"metrics page lacks {', '.join(missing or [wanted + 'spec_decode_* (incomplete set)'])}")
 
 
+def delta(before: Scrape, after: Scrape) -> Scrape:
+    pos = [a - (before.accepted_per_position[i] if i < len(before.accepted_per_position) else 0.0)
+           for i, a in enumerate(after.accepted_per_position)]
+    return Scrape(after.drafts - before.drafts, after.draft_tokens - before.draft_tokens,
+                  after.accepted - before.accepted, prefix=after.prefix, accepted_per_position=pos)
+
+
 def scrape(url: str, timeout_s: float = 5.0, prefix: str | None = None) -> Scrape:
     with urllib.request.urlopen(url, timeout=timeout_s) as response:
         return parse_spec_decode_counters(response.read().decode("utf-8", errors="replace"), prefix)

@@ -26,12 +26,9 @@ from prometheus_client import (
 
 from specdistill.acceptance import DraftCounts
 from specdistill.data.record import Record
-from specdistill.engines.prom import Scrape, parse_spec_decode_counters, scrape
+from specdistill.engines.prom import Scrape, delta, scrape
 from specdistill.env import mask_url
 from specdistill.speculative.specs import serving_modes
-
-__all__ = ["LiveSample", "Scrape", "SpecDecodeMetrics", "acceptance_between", "parse_spec_decode_counters",
-           "sample_live_acceptance", "scrape"]
 
 PREFIX = "specdistill"
 
@@ -199,25 +196,21 @@ def acceptance_between(first: Scrape, second: Scrape, min_draft_tokens: int = 1)
     """α = Δaccepted / Δdraft tokens and first-position acceptance = Δaccepted at position 0 / Δdrafts (the
     red line's quantity, where the engine exports per-position counters); a counter that went down means
     the engine restarted."""
-    d_tokens = second.draft_tokens - first.draft_tokens
-    d_accepted = second.accepted - first.accepted
-    d_drafts = second.drafts - first.drafts
-    if d_tokens < 0 or d_accepted < 0 or d_drafts < 0:
+    d = delta(first, second)
+    if d.draft_tokens < 0 or d.accepted < 0 or d.drafts < 0:
         return LiveSample(False, "counter reset between scrapes (engine restarted)")
-    if d_tokens < max(min_draft_tokens, 1):
-        return LiveSample(False, f"only {d_tokens:g} draft tokens between scrapes (minimum {min_draft_tokens})",
-                          draft_tokens=d_tokens, accepted=d_accepted, drafts=d_drafts)
-    before = first.accepted_per_position
-    per_position = [(a - (before[i] if i < len(before) else 0.0)) / d_drafts
-                    for i, a in enumerate(second.accepted_per_position)] if d_drafts else []
+    if d.draft_tokens < max(min_draft_tokens, 1):
+        return LiveSample(False, f"only {d.draft_tokens:g} draft tokens between scrapes (minimum {min_draft_tokens})",
+                          draft_tokens=d.draft_tokens, accepted=d.accepted, drafts=d.drafts)
+    per_position = [a / d.drafts for a in d.accepted_per_position] if d.drafts else []
     return LiveSample(
         True,
-        acceptance_rate=d_accepted / d_tokens,
+        acceptance_rate=d.accepted / d.draft_tokens,
         first_position_acceptance=per_position[0] if per_position else None,
-        mean_accepted_length=1 + d_accepted / d_drafts if d_drafts else None,
-        draft_tokens=d_tokens,
-        accepted=d_accepted,
-        drafts=d_drafts,
+        mean_accepted_length=1 + d.accepted / d.drafts if d.drafts else None,
+        draft_tokens=d.draft_tokens,
+        accepted=d.accepted,
+        drafts=d.drafts,
         per_position_acceptance=per_position,
     )
 
