@@ -113,11 +113,8 @@ def run_engine_bench(endpoints: dict[str, str], prompts: list[Prompt], config: E
                disable=not progress)
     kept, repeats, note = len(prompts), config.repeats, ""  # what the deadline left measured
     for r in range(config.repeats):
-        if r and deadline is not None and deadline.expired():
-            repeats, note = r, f"time budget reached: {r} of {config.repeats} repeats"
-            break
         for i, prompt in enumerate(prompts):
-            if i and deadline is not None and deadline.expired():
+            if (r or i) and deadline is not None and deadline.expired():
                 if r == 0:
                     kept, repeats, note = i, 1, f"time budget reached: {i} of {len(prompts)} prompts"
                 else:

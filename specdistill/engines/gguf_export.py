@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -63,9 +63,6 @@ class GgufExport:
     head: str  # "full" or why the draft vocabulary was not carried over; for an EAGLE-3 head, its draft vocabulary
     bytes: int
     spec_type: str = "draft-simple"  # the llama-server --spec-type that loads it
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def permute_rotary(weight: np.ndarray, n_head: int) -> np.ndarray:

@@ -18,7 +18,7 @@ from specdistill.budget import Deadline
 from specdistill.data.prompts import Prompt
 from specdistill.data.results import BenchResult
 from specdistill.engines.endpoint_bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
-from specdistill.engines.vllm import VllmConfig, VllmServer, VllmStartError, start_together
+from specdistill.engines.vllm import VllmConfig, VllmServer, start_together
 from specdistill.engines.vllm_install import VllmEnv, find_vllm, install_vllm
 
 
@@ -47,10 +47,6 @@ class VllmBench:
     version: str = ""
 
 
-def _refusal(exc: VllmStartError) -> str:
-    return exc.cause or str(exc).splitlines()[0]
-
-
 def bench_vllm(target_ref: str | os.PathLike, modes: dict[str, dict], prompts: list[Prompt],
                config: EngineBenchConfig | None = None, *, threads: int = 2, dtype: str = "auto",
                env: VllmEnv | None = None, progress: bool = True, startup_timeout_s: float = 600.0,
@@ -77,7 +73,7 @@ def bench_vllm(target_ref: str | os.PathLike, modes: dict[str, dict], prompts: l
             if i in errors:
                 if name == TARGET_ONLY:
                     raise errors[i]
-                refused[name] = _refusal(errors[i])
+                refused[name] = errors[i].cause or str(errors[i]).splitlines()[0]
                 continue
             endpoints[name] = server.url
             startup[name] = server.startup_s

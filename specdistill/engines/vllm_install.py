@@ -84,10 +84,8 @@ class VllmEnv:
     def libiomp5(self) -> Path | None:
         """Intel's OpenMP runtime installed with the CPU wheel (intel-openmp), if present: vLLM's CPU
         docs preload it (its thread binding then uses KMP_AFFINITY)."""
-        for path in (self.prefix / "lib" / "libiomp5.so",):
-            if path.is_file():
-                return path
-        return None
+        path = self.prefix / "lib" / "libiomp5.so"
+        return path if path.is_file() else None
 
     def command(self, *args: str) -> list[str]:
         return [str(self.python), str(self.launcher), *args]
