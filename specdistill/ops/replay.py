@@ -1,10 +1,5 @@
-"""The monitor's replays of logged traffic: the champion's acceptance on recent prompts, the keep/fallback decision, and the
-fallback mode that measures fastest.
-
-    sample = replay_acceptance("demo", "models:/draft@champion", store, n_prompts=20)
-    policy.decide(sample)                # Decision.KEEP | FALLBACK | RETRAIN | NO_SAMPLE
-    choice = choose_fallback("demo", prompts_from_store(store, tokenizer, 8))
-    drafts.export_early_exit_draft(target, choice.exit_layer)   # self-speculation, served as a draft
+"""The monitor's replays of logged traffic: the champion's acceptance on recent prompts (`replay_acceptance`,
+judged by `policy.decide`), and the fallback mode that measures fastest (`choose_fallback`).
 
 Replayed prompts are what the nightly evaluates on (`data.prompts.usable_prompt`: the turns before the
 first answer, ending with a user turn, within `max_prompt_tokens`), taken newest first.
@@ -24,7 +19,6 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -80,10 +74,6 @@ def prompts_from_store(store, tokenizer, n: int, *, max_prompt_tokens: int = MAX
     return out
 
 
-def _conversation_id(prompt: Prompt) -> int | None:
-    return int(prompt.slice.split(":", 1)[1]) if prompt.slice.startswith("conversation:") else None
-
-
 # --------------------------------------------------------------------------------------------
 # Replay acceptance
 
@@ -127,12 +117,6 @@ def aligned_drafter(target: LoadedModel, draft: LoadedModel, name: str = "draft"
     return ModelDrafter(aligned.model, target.config.vocab_size, aligned.draft_vocab, name=label), aligned.transplanted, aligned.reason
 
 
-def _eagle3_dir(ref) -> Path | None:
-    """The directory of an EAGLE-3 head (which loads only with its target), else None."""
-    path = None if isinstance(ref, LoadedModel) else resolve_model_dir(ref)
-    return path if path is not None and is_eagle3_dir(path) else None
-
-
 def replay_acceptance(
     target_ref: str | os.PathLike | LoadedModel,
     draft_ref: str | os.PathLike | LoadedModel,
@@ -162,7 +146,8 @@ def replay_acceptance(
         raise ValueError(f"on_vocab_mismatch must be 'transplant' or 'zero', not {on_vocab_mismatch!r}")
     start = time.perf_counter()
     target = _loaded(target_ref, dtype, device)
-    head_dir = _eagle3_dir(draft_ref)  # an EAGLE-3 head loads only with its target (below)
+    head_dir = None if isinstance(draft_ref, LoadedModel) else resolve_model_dir(draft_ref)
+    head_dir = head_dir if head_dir is not None and is_eagle3_dir(head_dir) else None  # it loads only with its target
     weights = next(target.model.parameters())  # the draft runs as the target does
     draft = None if head_dir else _loaded(draft_ref, weights.dtype, weights.device)
     fp = target_version or target.fingerprint
@@ -197,7 +182,7 @@ def replay_acceptance(
     for prompt in tqdm(prompts, desc="replay", unit="prompt", file=sys.stderr, disable=not progress):
         stats = generate(target.model, prompt.ids, max_new_tokens=max_new_tokens, drafter=drafter, gamma=gamma).stats
         per_request.append(stats)
-        cid = _conversation_id(prompt)
+        cid = int(prompt.slice.split(":", 1)[1]) if prompt.slice.startswith("conversation:") else None
         sample.sample_ids.append(store.add_acceptance_sample(fp, version, gamma, stats.counts(gamma), conversation_id=cid))
         if cid is not None:
             sample.conversation_ids.append(cid)
