@@ -72,7 +72,6 @@ class ServerConfig:
     parallel: int = 1  # slots: 1 for timing, more for batched answer generation
     host: str = LOOPBACK
     port: int = 0  # 0: a free port is picked
-    extra_args: tuple[str, ...] = ()
 
 
 def server_args(config: ServerConfig, port: int) -> list[str]:
@@ -82,7 +81,7 @@ def server_args(config: ServerConfig, port: int) -> list[str]:
             "-np", str(config.parallel), "--metrics", "--no-webui", *config.mode.args()]
     if config.mode.spec_type.startswith("draft"):
         args += ["-td", str(config.threads)]
-    return [*args, *config.extra_args]
+    return args
 
 
 def exit_words(code: int) -> str:

@@ -69,7 +69,6 @@ class VllmConfig:
     host: str = LOOPBACK
     port: int = 0  # 0: a free port is picked
     seed: int = 0
-    extra_args: tuple[str, ...] = ()
     name: str = field(default="", compare=False)  # for messages (the mode's name)
 
 
@@ -82,7 +81,7 @@ def vllm_args(config: VllmConfig, port: int) -> list[str]:
             "--seed", str(config.seed), "--generation-config", "vllm"]
     if config.speculative_config:
         args += ["--speculative-config", json.dumps(config.speculative_config, sort_keys=True)]
-    return [*args, *config.extra_args]
+    return args
 
 
 def bound_cpus(threads: int) -> list[int]:

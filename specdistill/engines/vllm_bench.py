@@ -49,8 +49,7 @@ class VllmBench:
 
 def bench_vllm(target_ref: str | os.PathLike, modes: dict[str, dict], prompts: list[Prompt],
                config: EngineBenchConfig | None = None, *, threads: int = 2, dtype: str = "auto",
-               env: VllmEnv | None = None, progress: bool = True, startup_timeout_s: float = 600.0,
-               deadline: Deadline | None = None) -> VllmBench:
+               env: VllmEnv | None = None, progress: bool = True, deadline: Deadline | None = None) -> VllmBench:
     """Start vLLM once per mode (target-only first; `modes` maps a name to its speculative config),
     interleave the modes per prompt as the other engines are, stop them all."""
     if not modes:
@@ -63,7 +62,7 @@ def bench_vllm(target_ref: str | os.PathLike, modes: dict[str, dict], prompts: l
     refused, startup = {}, {}
     with ExitStack() as stack:
         named = {name: VllmServer(VllmConfig(model=model, speculative_config=spec, threads=threads, dtype=vdtype,
-                                             name=name), env, startup_timeout_s=startup_timeout_s)
+                                             name=name), env)
                  for name, spec in {TARGET_ONLY: None, **modes}.items()}
         for server in named.values():
             stack.callback(server.stop)

@@ -14,11 +14,8 @@ the updated target stays a good model: its loss on held-out ShareGPT answers (ch
 on) rises by at most 0.1 nats/token (1.563 -> 1.655 at 2e-4; 3e-4 adds 0.156, and 1e-3 adds 0.266
 and repeats its import lines).
 
-Only the top `top_layers` decoder layers and the new tokens' rows train; the new rows start as the
-mean of the rows of the pieces the old tokenizer split each word into. Embeddings are read without
-gradient, so the backward pass stops at the first trained layer, and the head's gradient is formed
-for the new rows only: a step costs a fraction of a full one. With tied embeddings (the demo
-target) the trained head rows are the input rows too.
+Only the top `top_layers` decoder layers and the new tokens' rows train (`finetune_top_layers`): a step
+costs a fraction of a full one. With tied embeddings (the demo target) the trained head rows are the input rows too.
 """
 
 from __future__ import annotations
@@ -164,10 +161,10 @@ def assistant_loss(model, tokenizer, chats: list[list[dict]], max_len: int = 256
 
 def finetune_top_layers(model, tokenizer, chats: list[list[dict]], new_token_ids: list[int],
                         config: TargetUpdateConfig, progress: bool = True) -> list[float]:
-    """Next-token loss on the chats' assistant tokens only; only the top layers and the new tokens' (output)
-    rows learn. Chats whose prompt leaves fewer than 16 answer tokens within `max_len` would train nothing:
-    skipped. The head is applied at the answer positions only, and split into the frozen old rows and a
-    small trainable block of new rows, so the backward pass never forms a gradient for the whole 49k-row head."""
+    """Next-token loss on the chats' assistant tokens only (chats with fewer than 16 within `max_len` are skipped).
+    Embeddings are read without gradient, so the backward pass stops at the first trained layer; the head is
+    applied at the answer positions only, split into the frozen old rows and a small trainable block of new
+    rows, so no gradient is formed for the whole 49k-row head."""
     from tqdm import tqdm
 
     from specdistill.distill.examples import encode_conversation  # lazy: keeps transformers off import

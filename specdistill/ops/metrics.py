@@ -196,7 +196,6 @@ def serve_metrics(store, port: int = 9464, host: str = "127.0.0.1", interval_s: 
     the URL once the port is bound (never before: a bind error is the only word about it)."""
     if not interval_s >= MIN_REFRESH_S:  # also NaN
         raise ValueError(f"refresh interval {interval_s!r} s: at least {MIN_REFRESH_S:g} s (0 would spin a CPU)")
-    check_listen_address(port, host)
     metrics = SpecDecodeMetrics()
     server = metrics.serve(port, host)
     if on_listening is not None:

@@ -4,12 +4,10 @@ judged by `policy.decide`), and the fallback mode that measures fastest (`choose
 Replayed prompts are what the nightly evaluates on (`data.prompts.usable_prompt`: the turns before the
 first answer, ending with a user turn, within `max_prompt_tokens`), taken newest first.
 
-A draft whose vocabulary no longer matches the target (a target update added tokens) is measured
-through a transplanted copy (`modeling.drafts.align_draft`: its embeddings and head rebuilt over the
-target's vocabulary, token by string, the alignment the pipeline does before a warm start) rather than refused:
-the number that comes back is what the champion really achieves on the new target, and the sample
-says `vocab_mismatch: true`. Pass `on_vocab_mismatch="zero"` to get the strict reading instead
-(acceptance 0.0, reason "vocabulary mismatch": the draft cannot be served as it is).
+A draft whose vocabulary no longer matches the target (a target update added tokens) is measured through
+a transplanted copy (`modeling.drafts.align_draft`, as the pipeline aligns before a warm start): what the
+champion really achieves on the new target, with `vocab_mismatch: true`. `on_vocab_mismatch="zero"` gives the
+strict reading (acceptance 0.0, reason "vocabulary mismatch": the draft cannot be served as it is).
 """
 
 from __future__ import annotations
