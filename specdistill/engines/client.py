@@ -32,15 +32,10 @@ class Completion:
     text: str
     generated_tokens: int
     seconds: float  # wall clock of the whole request, prompt processing included (as the harness times it)
-    finish_reason: str = ""
     engine_tokens_per_second: float | None = None  # the engine's own decode rate (llama.cpp timings)
     draft_tokens: int | None = None  # proposed draft tokens, when the engine reports them per request
     accepted: int | None = None
     logprobs: list[TokenLogprob] | None = None
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 def post_json(url: str, payload: dict, timeout_s: float = 300.0) -> dict:
@@ -104,7 +99,6 @@ def chat(base_url: str, messages: list[dict], *, max_tokens: int, temperature: f
         text=text,
         generated_tokens=generated,
         seconds=seconds,
-        finish_reason=choice.get("finish_reason") or "",
         engine_tokens_per_second=timings.get("predicted_per_second"),
         draft_tokens=timings.get("draft_n"),
         accepted=timings.get("draft_n_accepted"),

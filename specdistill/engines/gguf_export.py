@@ -87,17 +87,6 @@ def _read_weights(directory: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _read_draft(draft_dir: Path) -> tuple[dict, dict[str, np.ndarray]]:
-    """config.json and every weight of a Llama checkpoint."""
-    config_path = draft_dir / "config.json"
-    if not config_path.is_file():
-        raise GgufExportError(f"{draft_dir}: no config.json (not an HF checkpoint)")
-    config = json.loads(config_path.read_text())
-    if config.get("model_type") != "llama":
-        raise GgufExportError(f"{draft_dir}: model_type {config.get('model_type')!r}; only Llama drafts export to GGUF here")
-    return config, _read_weights(draft_dir)
-
-
 def _target_fields(reader) -> dict:
     return {name: field for name, field in reader.fields.items() if not name.startswith("GGUF.")}
 
@@ -222,7 +211,12 @@ def export_draft_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLi
         raise ValueError(f"dtype {dtype!r}: expected one of {DTYPES}")
     draft_dir, out_path = Path(draft_dir), Path(out_path)
     reader = gguf.GGUFReader(str(target_gguf))
-    config, tensors = _read_draft(draft_dir)
+    if not (draft_dir / "config.json").is_file():
+        raise GgufExportError(f"{draft_dir}: no config.json (not an HF checkpoint)")
+    config = json.loads((draft_dir / "config.json").read_text())
+    if config.get("model_type") != "llama":
+        raise GgufExportError(f"{draft_dir}: model_type {config.get('model_type')!r}; only Llama drafts export to GGUF here")
+    tensors = _read_weights(draft_dir)
     n_vocab = _check_pairing(config, reader, draft_dir)
     n_layers, n_head = config["num_hidden_layers"], config["num_attention_heads"]
     n_head_kv = config.get("num_key_value_heads", n_head)

@@ -6,7 +6,6 @@ between two scrapes is Δaccepted / Δdraft tokens, a ratio of sums over every l
 
 from __future__ import annotations
 
-import time
 import urllib.request
 from dataclasses import dataclass, field
 
@@ -25,7 +24,6 @@ class Scrape:
     drafts: float
     draft_tokens: float
     accepted: float
-    at: float = field(default_factory=time.time)
     prefix: str = ""  # the engine whose names were found ("vllm:", "llamacpp:", ...)
     accepted_per_position: list[float] = field(default_factory=list)  # accepted at draft position i (0-based)
 

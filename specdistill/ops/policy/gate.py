@@ -163,9 +163,7 @@ def evaluate(result: BenchResult, config: GateConfig | None = None, champion: Be
                             + ("" if ok else ": too few to judge (more held-out prompts, or a longer benchmark budget)")))
 
     first, source = first_position(r)
-    alpha_note = f" (α {float(r.acceptance_rate):.3f} at γ={r.gamma})"
-    if source != "first-position":
-        alpha_note = f" ({source})"
+    alpha_note = f" (α {float(r.acceptance_rate):.3f} at γ={r.gamma})" if source == "first-position" else f" ({source})"
     at_least("first-position acceptance", first if first is not None else 0.0, config.min_first_position_acceptance,
              ".3f", alpha_note)
     at_least("acceptance rate", float(r.acceptance_rate), config.min_acceptance_rate, ".3f")

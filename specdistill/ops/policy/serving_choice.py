@@ -111,10 +111,8 @@ def fastest_mode(candidates: Sequence[Candidate], margin: float = DEFAULT_MARGIN
         why += "".join(f"; {d}" for d in others)
         return ServingChoice("off", None, f"{why} ({table})", margin, speedups, bounds, confidence)
     bound = bounds[best.name]
-    held = ("" if bound is None else
+    held = (", no per-prompt speeds: judged on the measured speedup alone" if bound is None else
             f", at least {bound:.2f}x with {confidence:.0%} confidence over {len(best.prompt_speedups)} prompts")
-    if bound is None:
-        held = ", no per-prompt speeds: judged on the measured speedup alone"
     passed_over = [doubts[c.name] for c in sorted(candidates, key=lambda c: -c.speedup)
                    if c.speedup > best.speedup and c.lossless is not False]
     held += "".join(f"; not served: {d}" for d in passed_over)
