@@ -69,8 +69,7 @@ def draft_gguf(draft: str | os.PathLike, target: Path) -> Path:
 
 
 def draft_mode(draft: str | os.PathLike, target: Path, k: int = DEFAULT_GAMMA) -> ServerMode:
-    """llama-server speculating with a draft (a directory or a GGUF): `draft-eagle3` for an EAGLE-3 head,
-    `draft-simple` for any other draft."""
+    """llama-server speculating with a draft (a directory or a GGUF)."""
     gguf = draft_gguf(draft, target)
     return ServerMode(gguf_spec_type(gguf), gguf, k)
 

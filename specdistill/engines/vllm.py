@@ -91,8 +91,7 @@ def bound_cpus(threads: int) -> list[int]:
 
 
 def vllm_environment(env: VllmEnv, config: VllmConfig, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The process environment for `vllm serve`: offline, no usage reports, and on the CPU build the
-    variables vLLM's CPU backend reads."""
+    """Offline, no usage reports, and on the CPU build the variables of the module's docstring."""
     out = dict(os.environ if base is None else base)
     out.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                 "PYTHONUNBUFFERED": "1"})

@@ -50,8 +50,7 @@ class VllmBench:
 def bench_vllm(target_ref: str | os.PathLike, modes: dict[str, dict], prompts: list[Prompt],
                config: EngineBenchConfig | None = None, *, threads: int = 2, dtype: str = "auto",
                env: VllmEnv | None = None, progress: bool = True, deadline: Deadline | None = None) -> VllmBench:
-    """Start vLLM once per mode (target-only first; `modes` maps a name to its speculative config),
-    interleave the modes per prompt as the other engines are, stop them all."""
+    """`modes` maps a name to its speculative config; target-only is started first."""
     if not modes:
         raise ValueError("bench needs a speculative mode: a speculative_config per mode")
     if any(not spec for spec in modes.values()):

@@ -191,11 +191,8 @@ class PromotionConflict(RuntimeError):
 
 def promote(name: str, version: str, serving: ServingConfig, *, expected_champion: str | None,
             serving_path: str | Path | None = None) -> None:
-    """Move `champion` to `version` and write the serving config, both or neither.
-
-    `expected_champion` is the version the challenger was benchmarked against (None: there was
-    none). If another run promoted meanwhile, the comparison no longer holds and nothing changes.
-    """
+    """Move `champion` to `version` and write the serving config, both or neither. `expected_champion`: the
+    version the challenger was benchmarked against (None: none); if another run promoted meanwhile, nothing changes."""
     c = client()
     with promotion_lock():
         current = version_by_alias(name, CHAMPION)

@@ -51,13 +51,9 @@ def _loaded(ref: str | os.PathLike | LoadedModel, dtype: str | torch.dtype = "au
 
 def prompts_from_store(store, tokenizer, n: int, *, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
                        scan: int | None = None) -> list[Prompt]:
-    """The newest `n` logged prompts that fit, as token ids (chat template applied).
-
-    A conversation without a user turn before its first answer, or whose prompt exceeds
-    `max_prompt_tokens`, is skipped (not truncated: a cut prompt is not what production saw);
-    the same definition as the nightly window's. Each Prompt's `slice` holds its conversation id
-    as "conversation:<id>".
-    """
+    """The newest `n` logged prompts that fit, as token ids (chat template applied), as the nightly window
+    defines them: one over `max_prompt_tokens` is skipped, not truncated (a cut prompt is not what production
+    saw). Each Prompt's `slice` is "conversation:<id>"."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     out: list[Prompt] = []
@@ -132,12 +128,9 @@ def replay_acceptance(
     device: str = "cpu",
     progress: bool = True,
 ) -> AcceptanceSample:
-    """Replay the newest logged prompts through the engine (greedy) with the target and the draft.
-
-    Every request's counts go to the log store under (target fingerprint, draft version); the
-    aggregate gives α = accepted / proposed and τ = 1 + accepted / rounds. Fewer than
-    `min_draft_tokens` proposed tokens is "no sample" (ok=False), never an acceptance.
-    """
+    """Replay the newest logged prompts (greedy) with the target and the draft. Every request's counts go to
+    the log store under (target fingerprint, draft version); fewer than `min_draft_tokens` proposed tokens is
+    "no sample" (ok=False), never an acceptance."""
     from tqdm import tqdm
 
     if on_vocab_mismatch not in ("transplant", "zero"):

@@ -104,11 +104,8 @@ def register_target(ref: str | os.PathLike, *, fingerprint: str | None = None, m
 
 
 def detect_change(ref: str | os.PathLike, path: str | Path | None = None) -> tuple[bool, TargetVersion, TargetVersion | None]:
-    """(changed, current, previous): the model at `ref` against the recorded current version.
-
-    A first sighting (empty history) is recorded and counts as no change: there is nothing the
-    champion could have drifted from. A changed fingerprint is recorded as the new current version.
-    """
+    """(changed, current, previous): the model at `ref` against the recorded current version, which a changed
+    fingerprint becomes. A first sighting is recorded as no change: there is nothing the champion could have drifted from."""
     fp, model_dir = fingerprint_of(ref)
     recorded = current_target(path)
     if recorded is not None and recorded.fingerprint == fp:

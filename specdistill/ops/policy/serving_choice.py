@@ -130,10 +130,8 @@ def servable(results: Mapping[str, BenchResult], promote: bool) -> dict[str, Ben
 
 
 def unserved_faster_challenger(results: Mapping[str, BenchResult], verdict: GateVerdict, served_speedup: float) -> str:
-    """Why a challenger that measured faster than what is served is not served (empty: there is none).
-
-    Only a draft that passed the gate is served: its acceptance bar is the red line the monitor holds in
-    production, so a draft below it would be taken back at the monitor's next run."""
+    """Why a challenger that measured faster than what is served is not served (empty: there is none). Only
+    a draft that passed the gate is served: the monitor would take one below the red line back at its next run."""
     r = results.get(Role.CHALLENGER)
     if r is None or verdict.promote or not r.lossless or r.speedup <= served_speedup:
         return ""
