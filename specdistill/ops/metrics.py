@@ -47,8 +47,8 @@ MIN_REFRESH_S = 0.1  # the exporter's shortest refresh interval
 class SpecDecodeMetrics:
     """The metrics of docs/metrics.md on their own registry (so tests and several monitors never collide)."""
 
-    def __init__(self, registry: CollectorRegistry | None = None):
-        self.registry = registry or CollectorRegistry()
+    def __init__(self):
+        self.registry = CollectorRegistry()
         r = self.registry
         self.num_drafts = Counter(f"{PREFIX}_spec_decode_num_drafts", "Drafting rounds verified by the target.", registry=r)
         self.num_draft_tokens = Counter(f"{PREFIX}_spec_decode_num_draft_tokens", "Draft tokens proposed.", registry=r)
@@ -133,9 +133,9 @@ class SpecDecodeMetrics:
                              + (" (another process listens there: choose another --port)" if exc.errno == errno.EADDRINUSE
                                 else "")) from None
 
-    def push(self, job: str = "specdistill", gateway: str | None = None) -> bool:
+    def push(self, job: str = "specdistill") -> bool:
         """Push to a Pushgateway when one is configured (batch flows end before a scrape would come)."""
-        gateway = gateway or os.environ.get("SPECDISTILL_PUSHGATEWAY")
+        gateway = os.environ.get("SPECDISTILL_PUSHGATEWAY")
         if not gateway:
             return False
         push_to_gateway(gateway, job=job, registry=self.registry)

@@ -272,12 +272,10 @@ def choose_fallback(
                                         target_tokenizer=target.tokenizer_digest)
                 for name, spec in specs.items()}
     results = run_bench_many(target.model, target.tokenizer, drafters, list(prompts), config, progress=progress)
-    candidates = []
-    for spec, result in zip(specs.values(), results.values()):
-        candidates.append(FallbackCandidate(
-            spec.mode, spec.exit_layer, result.speedup, result.acceptance_rate, result.accepted_length,
-            result.tokens_per_second_speculative, result.tokens_per_second_target_only,
-            int(result.stats["generated_tokens"]), result.lossless, list(result.prompt_speedups)))
+    candidates = [FallbackCandidate(spec.mode, spec.exit_layer, result.speedup, result.acceptance_rate, result.accepted_length,
+                                    result.tokens_per_second_speculative, result.tokens_per_second_target_only,
+                                    int(result.stats["generated_tokens"]), result.lossless, list(result.prompt_speedups))
+                  for spec, result in zip(specs.values(), results.values())]
     generated = min(c.generated_tokens for c in candidates)
     if generated < min_tokens:
         return FallbackDecision(False, None, None, None,

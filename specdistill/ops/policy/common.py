@@ -94,5 +94,5 @@ def judge_acceptance(sample: Sample, red_line: float = RED_LINE, *, registered: 
     return Decision.KEEP, f"{seen} >= red line {red_line:.2f}" + (f", champion's at registration {registered:.3f}" if registered else "")
 
 
-def decide(sample: Sample, red_line: float | None = None, **kwargs: Any) -> Decision:
-    return judge_acceptance(sample, RED_LINE if red_line is None else red_line, **kwargs)[0]
+def decide(sample: Sample, red_line: float = RED_LINE, **kwargs: Any) -> Decision:
+    return judge_acceptance(sample, red_line, **kwargs)[0]

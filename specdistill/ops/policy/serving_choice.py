@@ -47,7 +47,7 @@ class ServingChoice:
 
 
 def speedup_lower_bound(prompt_speedups: Sequence[float], confidence: float = CONFIDENCE, *,
-                        resamples: int = RESAMPLES, seed: int = 0) -> float | None:
+                        seed: int = 0) -> float | None:
     """A one-sided lower bound of the prompts' speedup taken together: the (1 − confidence) quantile of
     their harmonic mean over seeded bootstrap resamples. The harmonic mean is the speedup's own statistic
     (summed tokens over summed seconds) for alike prompts, so one prompt that ran 10x slower pulls the
@@ -59,8 +59,8 @@ def speedup_lower_bound(prompt_speedups: Sequence[float], confidence: float = CO
         return xs[0]
     rng = random.Random(seed)
     n = len(xs)
-    means = sorted(statistics.harmonic_mean([max(x, 0.0) for x in rng.choices(xs, k=n)]) for _ in range(resamples))
-    return means[int((1.0 - confidence) * (resamples - 1))]
+    means = sorted(statistics.harmonic_mean([max(x, 0.0) for x in rng.choices(xs, k=n)]) for _ in range(RESAMPLES))
+    return means[int((1.0 - confidence) * (RESAMPLES - 1))]
 
 
 def _doubt(c: Candidate, bound: float | None, margin: float, confidence: float, min_prompts: int) -> str:
