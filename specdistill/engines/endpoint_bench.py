@@ -22,8 +22,7 @@ from dataclasses import replace
 from specdistill.budget import Deadline
 from specdistill.data.prompts import Prompt
 from specdistill.data.results import BenchResult, BenchSettings, SliceResult, percentile, prompt_speedups, speed_summary
-from specdistill.engines.client import Completion, chat, metrics_url
-from specdistill.engines.prom import Scrape, delta, scrape
+from specdistill.engines.client import Completion, Scrape, chat, delta, metrics_url, scrape
 
 TARGET_ONLY = "target-only"
 

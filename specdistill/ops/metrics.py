@@ -7,7 +7,7 @@ recording rule computes acceptance as a ratio of rates, never an average of rati
 keeps serving through a bad serving config (the last good one stays, `specdistill_serving_config_errors_total`
 counts the bad reads) and reports no value where nothing has been measured yet. The live sampler reads a
 serving engine's own `vllm:spec_decode_*` or `llamacpp:spec_decode_*` counters from two scrapes of its
-`/metrics` page (parsed in `engines.prom`).
+`/metrics` page (parsed in `engines.client`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from prometheus_client import (
 
 from specdistill.acceptance import DraftCounts
 from specdistill.data.record import Record
-from specdistill.engines.prom import Scrape, delta, scrape
+from specdistill.engines.client import Scrape, delta, scrape
 from specdistill.env import mask_url
 from specdistill.ops.serving import ServingConfigError, read_serving_config
 from specdistill.speculative.specs import serving_modes
