@@ -58,10 +58,8 @@ class GgufExportError(ValueError):
 class GgufExport:
     path: str
     layers: int
-    dtype: str
     vocab_size: int
     head: str  # "full" or why the draft vocabulary was not carried over; for an EAGLE-3 head, its draft vocabulary
-    bytes: int
     spec_type: str = "draft-simple"  # the llama-server --spec-type that loads it
 
 
@@ -160,10 +158,10 @@ def _value_type(value):
     return {bool: t.BOOL, int: t.UINT32, float: t.FLOAT32, str: t.STRING}[type(value)], None
 
 
-def _write_gguf(out_path: Path, arch: str, reader, overrides: dict, tensors: dict[str, np.ndarray], dtype: str) -> int:
+def _write_gguf(out_path: Path, arch: str, reader, overrides: dict, tensors: dict[str, np.ndarray], dtype: str) -> None:
     """Write `out_path` atomically: the target GGUF's metadata (its `llama.*` keys as `{arch}.*`) with
     `overrides` (keys the target lacks are added), then the tensors (matrices in `dtype`, vectors in
-    f32, integer tensors as they are). Returns the file's size."""
+    f32, integer tensors as they are)."""
     import gguf
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -199,7 +197,6 @@ def _write_gguf(out_path: Path, arch: str, reader, overrides: dict, tensors: dic
         os.replace(tmp, out_path)
     finally:
         tmp.unlink(missing_ok=True)
-    return out_path.stat().st_size
 
 
 def export_draft_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLike, out_path: str | os.PathLike,
@@ -232,14 +229,14 @@ def export_draft_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLi
         raise GgufExportError(f"{draft_dir}: tensors with no GGUF name: {leftover[:5]}")
     overrides = {"llama.block_count": n_layers, "llama.feed_forward_length": config["intermediate_size"],
                  "general.name": f"specdistill draft ({n_layers} layers)"}
-    size = _write_gguf(out_path, "llama", reader, overrides, out, dtype)
+    _write_gguf(out_path, "llama", reader, overrides, out, dtype)
     from specdistill.modeling.vocab import draft_vocab_path  # lazy: keeps torch off import
 
     head = "full"
     if draft_vocab_path(draft_dir) is not None:
         head = (f"full ({n_vocab} tokens): the draft's reduced vocabulary is not carried over, llama.cpp requires the "
                 f"draft vocabulary to match the target's within {LLAMA_VOCAB_MAX_SIZE_DIFFERENCE} tokens")
-    return GgufExport(str(out_path), n_layers, dtype, n_vocab, head, size)
+    return GgufExport(str(out_path), n_layers, n_vocab, head)
 
 
 def _check_eagle3(config: dict, fields: dict, head_dir: Path) -> list[str]:
@@ -308,9 +305,9 @@ def export_eagle3_gguf(head_dir: str | os.PathLike, target_gguf: str | os.PathLi
     }
     if config.get("rope_theta") is not None:
         overrides[f"{EAGLE3_ARCH}.rope.freq_base"] = float(config["rope_theta"])
-    size = _write_gguf(out_path, EAGLE3_ARCH, reader, overrides, out, dtype)
+    _write_gguf(out_path, EAGLE3_ARCH, reader, overrides, out, dtype)
     head = f"draft vocabulary of {d2t.size} tokens (d2t), of the target's {len(tokens)}"
-    return GgufExport(str(out_path), 1, dtype, len(tokens), head, size, spec_type="draft-eagle3")
+    return GgufExport(str(out_path), 1, len(tokens), head, spec_type="draft-eagle3")
 
 
 def export_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLike, out_path: str | os.PathLike,
