@@ -211,9 +211,6 @@ def serve_metrics(store, port: int = 9464, host: str = "127.0.0.1", interval_s: 
     return metrics, server
 
 
-# --------------------------------------------------------------------------------------------
-# Live sampling from a serving engine's /metrics page
-
 @dataclass
 class LiveSample(Record):
     """Acceptance between two scrapes, or `ok=False` with the reason there is no sample. It reads like a

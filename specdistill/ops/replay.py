@@ -45,10 +45,6 @@ def _loaded(ref: str | os.PathLike | LoadedModel, dtype: str | torch.dtype = "au
     return ref if isinstance(ref, LoadedModel) else shared_model(ref, dtype=dtype, device=device)
 
 
-# --------------------------------------------------------------------------------------------
-# Prompts from the log store
-
-
 def prompts_from_store(store, tokenizer, n: int, *, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
                        scan: int | None = None) -> list[Prompt]:
     """The newest `n` logged prompts that fit, as token ids (chat template applied), as the nightly window
@@ -66,10 +62,6 @@ def prompts_from_store(store, tokenizer, n: int, *, max_prompt_tokens: int = MAX
         if len(out) == n:
             break
     return out
-
-
-# --------------------------------------------------------------------------------------------
-# Replay acceptance
 
 
 @dataclass
@@ -192,10 +184,6 @@ def replay_acceptance(
     sample.mean_accepted_length = total.accepted_length
     sample.reason = f"vocabulary mismatch, measured through a transplanted copy: {why}" if transplanted else ""
     return sample
-
-
-# --------------------------------------------------------------------------------------------
-# Fallback
 
 
 @dataclass
