@@ -45,15 +45,14 @@ def _loaded(ref: str | os.PathLike | LoadedModel, dtype: str | torch.dtype = "au
     return ref if isinstance(ref, LoadedModel) else shared_model(ref, dtype=dtype, device=device)
 
 
-def prompts_from_store(store, tokenizer, n: int, *, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
-                       scan: int | None = None) -> list[Prompt]:
+def prompts_from_store(store, tokenizer, n: int, *, max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> list[Prompt]:
     """The newest `n` logged prompts that fit, as token ids (chat template applied), as the nightly window
     defines them: one over `max_prompt_tokens` is skipped, not truncated (a cut prompt is not what production
     saw). Each Prompt's `slice` is "conversation:<id>"."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     out: list[Prompt] = []
-    for conv in store.window(limit=scan or max(4 * n, 50)):
+    for conv in store.window(limit=max(4 * n, 50)):
         prompt = usable_prompt(conv.messages, tokenizer, max_prompt_tokens)
         if prompt is None:
             continue
