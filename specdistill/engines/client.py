@@ -75,17 +75,13 @@ def _logprobs(choice: dict) -> list[TokenLogprob] | None:
             for item in content]
 
 
-def chat(base_url: str, messages: list[dict], *, max_tokens: int, temperature: float = 0.0, seed: int = 0,
-         top_logprobs: int = 0, model: str | None = None, timeout_s: float = 300.0) -> Completion:
-    """One `/v1/chat/completions` request (greedy by default); `top_logprobs > 0` asks for the top-k
-    alternatives of every generated token. No `model` asks the server's only model (vLLM refuses a
-    name it does not serve; llama.cpp ignores it)."""
-    payload = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature,
-               "seed": seed, "stream": False}
-    if model is not None:
-        payload["model"] = model
-    if temperature == 0.0:
-        payload["top_k"] = 1  # llama.cpp and vLLM accept it; greedy without sampler noise
+def chat(base_url: str, messages: list[dict], *, max_tokens: int, seed: int = 0, top_logprobs: int = 0,
+         timeout_s: float = 300.0) -> Completion:
+    """One greedy `/v1/chat/completions` request; `top_logprobs > 0` asks for the top-k alternatives of
+    every generated token. No `model` is named: the server's only model answers (vLLM refuses a name it
+    does not serve; llama.cpp ignores it)."""
+    payload = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+               "seed": seed, "stream": False, "top_k": 1}  # top_k: llama.cpp and vLLM accept it; no sampler noise
     if top_logprobs:
         payload["logprobs"] = True
         payload["top_logprobs"] = top_logprobs
