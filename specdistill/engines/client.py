@@ -171,6 +171,6 @@ def delta(before: Scrape, after: Scrape) -> Scrape:
                   after.accepted - before.accepted, prefix=after.prefix, accepted_per_position=pos)
 
 
-def scrape(url: str, timeout_s: float = 5.0, prefix: str | None = None) -> Scrape:
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:
-        return parse_spec_decode_counters(response.read().decode("utf-8", errors="replace"), prefix)
+def scrape(url: str) -> Scrape:
+    with urllib.request.urlopen(url, timeout=5.0) as response:
+        return parse_spec_decode_counters(response.read().decode("utf-8", errors="replace"))

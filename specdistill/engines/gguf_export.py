@@ -256,16 +256,14 @@ def _check_eagle3(config: dict, fields: dict, head_dir: Path) -> list[str]:
     return tokens
 
 
-def export_eagle3_gguf(head_dir: str | os.PathLike, target_gguf: str | os.PathLike, out_path: str | os.PathLike,
-                       *, dtype: str = "f16") -> GgufExport:
-    """Write `out_path` (atomically): the EAGLE-3 head in `head_dir` as llama.cpp's `eagle3` architecture,
+def export_eagle3_gguf(head_dir: str | os.PathLike, target_gguf: str | os.PathLike,
+                       out_path: str | os.PathLike) -> GgufExport:
+    """Write `out_path` (atomically, f16): the EAGLE-3 head in `head_dir` as llama.cpp's `eagle3` architecture,
     paired with the target GGUF (its tokenizer and metadata)."""
     import gguf
 
     from specdistill.modeling.eagle3_io import is_eagle3_dir, read_config  # lazy: keeps torch off import
 
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r}: expected one of {DTYPES}")
     head_dir, out_path = Path(head_dir), Path(out_path)
     if not is_eagle3_dir(head_dir):
         raise GgufExportError(f"{head_dir}: not an EAGLE-3 head (config.json must name LlamaForCausalLMEagle3)")
@@ -305,18 +303,18 @@ def export_eagle3_gguf(head_dir: str | os.PathLike, target_gguf: str | os.PathLi
     }
     if config.get("rope_theta") is not None:
         overrides[f"{EAGLE3_ARCH}.rope.freq_base"] = float(config["rope_theta"])
-    _write_gguf(out_path, EAGLE3_ARCH, reader, overrides, out, dtype)
+    _write_gguf(out_path, EAGLE3_ARCH, reader, overrides, out, "f16")
     head = f"draft vocabulary of {d2t.size} tokens (d2t), of the target's {len(tokens)}"
     return GgufExport(str(out_path), 1, len(tokens), head, spec_type="draft-eagle3")
 
 
-def export_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLike, out_path: str | os.PathLike,
-                *, dtype: str = "f16") -> GgufExport:
+def export_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLike,
+                out_path: str | os.PathLike) -> GgufExport:
     """Either kind of draft directory: an EAGLE-3 head (known by its config) or a layer-extracted draft."""
     from specdistill.modeling.eagle3_io import is_eagle3_dir  # lazy: keeps torch off import
 
     export = export_eagle3_gguf if is_eagle3_dir(draft_dir) else export_draft_gguf
-    return export(draft_dir, target_gguf, out_path, dtype=dtype)
+    return export(draft_dir, target_gguf, out_path)
 
 
 def gguf_spec_type(path: str | os.PathLike) -> str:

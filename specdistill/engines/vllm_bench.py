@@ -86,10 +86,9 @@ def bench_vllm(target_ref: str | os.PathLike, modes: dict[str, dict], prompts: l
 
 
 def target_server(target_ref: str | os.PathLike, *, parallel: int, ctx_per_slot: int, top_k: int, threads: int = 2,
-                  dtype: str = "auto", env: VllmEnv | None = None) -> VllmServer:
+                  dtype: str = "auto") -> VllmServer:
     """A target-only vLLM (not started yet: use it as a context manager) decoding `parallel` requests
     together, with top-`top_k` logprobs allowed: what answers the nightly's prompts when no URL is given."""
-    env = env or find_vllm() or install_vllm()
     return VllmServer(VllmConfig(model=target_dir(target_ref), threads=threads, dtype=served_dtype(dtype),
                                  max_num_seqs=parallel, max_model_len=max(ctx_per_slot, 256), max_logprobs=max(top_k, 1),
-                                 name="target answers"), env)
+                                 name="target answers"), find_vllm() or install_vllm())

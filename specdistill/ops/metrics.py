@@ -269,14 +269,13 @@ def acceptance_between(first: Scrape, second: Scrape, min_draft_tokens: int = 1)
     )
 
 
-def sample_live_acceptance(url: str, interval_s: float = 30.0, min_draft_tokens: int = 100,
-                           prefix: str | None = None) -> LiveSample:
-    """Two scrapes `interval_s` apart (vLLM's or llama.cpp's counters, found by name when `prefix` is
-    None). Any failure is a "no sample", never an acceptance of zero."""
+def sample_live_acceptance(url: str, interval_s: float = 30.0, min_draft_tokens: int = 100) -> LiveSample:
+    """Two scrapes `interval_s` apart (vLLM's or llama.cpp's counters, found by name). Any failure is a
+    "no sample", never an acceptance of zero."""
     try:
-        first = scrape(url, prefix=prefix)
+        first = scrape(url)
         time.sleep(interval_s)
-        second = scrape(url, prefix=prefix)
+        second = scrape(url)
     except (urllib.error.URLError, OSError) as exc:
         return LiveSample(False, f"metrics page unreachable: {mask_url(url)}: {exc}")
     except (ValueError, KeyError) as exc:

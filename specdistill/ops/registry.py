@@ -153,11 +153,11 @@ def newest_version(name: str, **tags: str):
 
 
 @contextlib.contextmanager
-def promotion_lock(timeout_s: float = 600.0) -> Iterator[None]:
+def promotion_lock() -> Iterator[None]:
     """One promotion at a time on this state directory (a flow-level concurrency limit covers several hosts)."""
     path = paths.ensure(paths.home()) / "promotion.lock"
     with open(path, "a+") as f:
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + 600.0
         while True:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

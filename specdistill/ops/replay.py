@@ -231,7 +231,6 @@ def choose_fallback(
     min_tokens: int = 64,
     repeats: int = 3,
     margin: float = DEFAULT_MARGIN,
-    ngram: tuple[int, int] = NGRAM_WINDOW,
     suffix_corpus: str | os.PathLike | None = None,
     min_prompts: int = MIN_SERVED_PROMPTS,
     progress: bool = True,
@@ -251,7 +250,7 @@ def choose_fallback(
     config = BenchConfig(gamma=gamma, max_new_tokens=max_new_tokens, repeats=repeats, measure_cost=False)
     layers = list(dict.fromkeys(exit_layers))
     specs = {f"{SELF_SPEC}@{k}": DrafterSpec(SELF_SPEC, str(k)) for k in layers}
-    specs["ngram"] = DrafterSpec("ngram", f"{ngram[0]},{ngram[1]}")
+    specs["ngram"] = DrafterSpec("ngram", f"{NGRAM_WINDOW[0]},{NGRAM_WINDOW[1]}")
     current, stale = corpus_is_current(suffix_corpus, target.fingerprint, target.tokenizer_digest) if suffix_corpus else (False, "")
     if current:
         specs["suffix"] = DrafterSpec("suffix", str(suffix_corpus))

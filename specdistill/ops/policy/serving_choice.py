@@ -85,14 +85,14 @@ def _doubt(c: Candidate, bound: float | None, margin: float, confidence: float, 
 
 
 def fastest_mode(candidates: Sequence[Candidate], margin: float = DEFAULT_MARGIN, *,
-                 confidence: float = CONFIDENCE, min_prompts: int = MIN_SERVED_PROMPTS, seed: int = 0) -> ServingChoice:
+                 confidence: float = CONFIDENCE, min_prompts: int = MIN_SERVED_PROMPTS) -> ServingChoice:
     """The fastest lossless candidate whose gain holds over the prompts: its measured speedup and the
     lower bound of its per-prompt speedups both above 1 + margin, on at least `min_prompts` prompts, and
     plausible (no more than `PLAUSIBLE_FACTOR` times its τ, the tokens one target forward yields). A
     candidate measured without per-prompt speeds is judged on its speedup alone, and the reason says so.
     Otherwise speculation is off: serving never gets slower than no speculation on the measured prompts."""
     speedups = {c.name: c.speedup for c in candidates}
-    bounds = {c.name: speedup_lower_bound(c.prompt_speedups, confidence, seed=seed) for c in candidates}
+    bounds = {c.name: speedup_lower_bound(c.prompt_speedups, confidence) for c in candidates}
     doubts = {c.name: _doubt(c, bounds[c.name], margin, confidence, min_prompts) for c in candidates}
 
     def cell(c: Candidate) -> str:
