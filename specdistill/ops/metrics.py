@@ -215,7 +215,7 @@ def serve_metrics(store, port: int = 9464, host: str = "127.0.0.1", interval_s: 
 class LiveSample(Record):
     """Acceptance between two scrapes, or `ok=False` with the reason there is no sample. It reads like a
     replay sample (`ops.replay.AcceptanceSample`) where the two share a meaning: `proposed` is the Δdraft
-    tokens; `rounds` is None (vLLM's drafts are not the replay's rounds: no counts are recorded from them)."""
+    tokens; its JSON's `rounds` is None (vLLM's drafts are not the replay's rounds: no counts are recorded from them)."""
 
     ok: bool
     reason: str = ""
@@ -232,10 +232,6 @@ class LiveSample(Record):
     @property
     def proposed(self) -> float:
         return self.draft_tokens
-
-    @property
-    def rounds(self) -> None:
-        return None
 
     @property
     def gamma(self) -> None:
