@@ -129,9 +129,8 @@ from transformers import AutoTokenizer
 from specdistill.data.prompt_files import read_prompt_file
 from specdistill.data.prompts import encode_chat
 from specdistill.engines.build import build_llama_server
-from specdistill.engines.client import chat, metrics_url
+from specdistill.engines.client import chat, metrics_url, scrape
 from specdistill.engines.llamacpp import gguf_dtype, target_gguf
-from specdistill.engines.prom import scrape
 from specdistill.engines.server import LlamaServer, ServerConfig, ServerMode
 from specdistill.engines.vllm import VllmConfig, VllmServer, start_together
 from specdistill.engines.vllm_bench import served_dtype, target_dir

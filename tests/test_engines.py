@@ -109,7 +109,7 @@ def test_the_engine_bench_stops_at_its_deadline_after_the_prompt_in_hand(monkeyp
     from specdistill.budget import Deadline
     from specdistill.data.prompts import Prompt
     from specdistill.engines import endpoint_bench
-    from specdistill.engines.prom import Scrape
+    from specdistill.engines.client import Scrape
 
     clock = {"now": 0.0}
     asked = []

@@ -9,10 +9,9 @@ from __future__ import annotations
 import pytest
 
 from specdistill.data.prompts import Prompt
-from specdistill.engines.client import chat, metrics_url
+from specdistill.engines.client import chat, metrics_url, scrape
 from specdistill.engines.endpoint_bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
 from specdistill.engines.gguf_export import export_draft_gguf
-from specdistill.engines.prom import scrape
 from specdistill.engines.server import LlamaServer, ServerConfig, ServerError, ServerMode
 from specdistill.speculative.specs import DrafterSpec
 from tests.conftest import eval_window

@@ -12,12 +12,11 @@ from prometheus_client import (
 from prometheus_client.parser import text_string_to_metric_families
 
 from specdistill.acceptance import DraftCounts
+from specdistill.engines.client import Scrape, parse_spec_decode_counters
 from specdistill.ops.metrics import (
     LiveSample,
-    Scrape,
     SpecDecodeMetrics,
     acceptance_between,
-    parse_spec_decode_counters,
     sample_live_acceptance,
 )
 

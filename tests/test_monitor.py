@@ -15,14 +15,13 @@ from specdistill.data.prompts import Prompt, prompt_messages
 from specdistill.data.readers import Conversation
 from specdistill.modeling.drafts import export_early_exit_draft, init_draft_from_target, save_draft
 from specdistill.modeling.models import load_model
-from specdistill.ops.metrics import LiveSample, SpecDecodeMetrics
+from specdistill.ops.metrics import LiveSample, SpecDecodeMetrics, refresh_metrics
 from specdistill.ops.policy import PLAUSIBLE_FACTOR, Decision, decide
 from specdistill.ops.replay import (
     AcceptanceSample,
     FallbackDecision,
     choose_fallback,
     prompts_from_store,
-    refresh_metrics,
     replay_acceptance,
 )
 from specdistill.ops.serving import ServingConfig, write_serving_config
@@ -215,7 +214,7 @@ def test_the_exporter_survives_a_bad_and_a_newer_serving_file(store, tmp_path):
 
 
 def test_serve_metrics_refuses_a_zero_interval_before_binding(store):
-    from specdistill.ops.replay import serve_metrics
+    from specdistill.ops.metrics import serve_metrics
 
     for interval in (0, -1, float("nan")):
         with pytest.raises(ValueError, match="refresh interval"):
@@ -274,7 +273,7 @@ def test_cli_monitor_sample_prints_alpha_and_tau(store, tiny_target, tmp_path, c
 def _serve_cli(argv, tmp_path, monkeypatch):
     """`monitor serve ARGV` through the command line, stopped after its first refresh (as Ctrl-C would);
     the servers it bound are shut down here."""
-    import specdistill.ops.exporter as exporter
+    import specdistill.ops.metrics as exporter
     from specdistill.cli import main
 
     url = f"sqlite:///{tmp_path / 'serve.db'}"

@@ -74,8 +74,7 @@ def test_nightly_twice_then_forced_gate_failure(prefect_harness, traffic, tmp_pa
 
     from prometheus_client import generate_latest
 
-    from specdistill.ops.exporter import refresh_metrics
-    from specdistill.ops.metrics import SpecDecodeMetrics
+    from specdistill.ops.metrics import SpecDecodeMetrics, refresh_metrics
 
     with LogStore() as store:
         succeeded = store.last_pipeline_success()

@@ -12,9 +12,8 @@ import time
 import pytest
 
 from specdistill.data.prompts import Prompt
-from specdistill.engines.client import chat, metrics_url
+from specdistill.engines.client import chat, metrics_url, scrape
 from specdistill.engines.endpoint_bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
-from specdistill.engines.prom import scrape
 from specdistill.speculative.specs import DrafterSpec
 from tests.conftest import eval_window
 from tests.test_llamacpp import REPEAT, _memorizing_head

@@ -159,7 +159,7 @@ def test_serving_choice_skips_a_mode_vllm_refused():
 
 
 def test_live_sample_carries_per_position_acceptance():
-    from specdistill.engines.prom import Scrape
+    from specdistill.engines.client import Scrape
     from specdistill.ops.metrics import acceptance_between
 
     first = Scrape(10, 40, 20, accepted_per_position=[8, 6, 4, 2])

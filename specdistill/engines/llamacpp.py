@@ -69,8 +69,7 @@ def draft_gguf(draft: str | os.PathLike, target: Path) -> Path:
 
 
 def draft_mode(draft: str | os.PathLike, target: Path, k: int = DEFAULT_GAMMA) -> ServerMode:
-    """llama-server speculating with a draft (a directory or a GGUF): `draft-eagle3` for an EAGLE-3 head,
-    `draft-simple` for any other draft."""
+    """llama-server speculating with a draft (a directory or a GGUF)."""
     gguf = draft_gguf(draft, target)
     return ServerMode(gguf_spec_type(gguf), gguf, k)
 
@@ -81,13 +80,13 @@ def ngram_mode(max_n: int = NGRAM_N, k: int = DEFAULT_GAMMA) -> ServerMode:
 
 
 def bench_llamacpp(target_ref: str | os.PathLike, modes: dict[str, ServerMode], prompts: list[Prompt],
-                   config: EngineBenchConfig | None = None, *, threads: int = 2, engine: LlamaCpp | None = None,
-                   progress: bool = True, deadline: Deadline | None = None) -> dict[str, BenchResult]:
+                   config: EngineBenchConfig | None = None, *, threads: int = 2,
+                   deadline: Deadline | None = None) -> dict[str, BenchResult]:
     """Start llama-server once per mode (target-only first, all on loopback; idle servers cost no CPU),
     interleave the modes per prompt, stop them. Results are keyed as `modes` is."""
     if not modes:
         raise ValueError("bench needs a speculative mode: a draft or n-gram lookup")
-    engine = engine or build_llama_server()
+    engine = build_llama_server()
     target = target_gguf(target_ref)
     config = config or EngineBenchConfig()
     with ExitStack() as stack:
@@ -96,7 +95,7 @@ def bench_llamacpp(target_ref: str | os.PathLike, modes: dict[str, ServerMode], 
             server = stack.enter_context(LlamaServer(engine.server, ServerConfig(model=target, mode=mode, threads=threads)))
             endpoints[name] = server.url
         return run_engine_bench(endpoints, prompts, config, engine="llamacpp", dtype=gguf_dtype(target),
-                                threads=threads, progress=progress, deadline=deadline)
+                                threads=threads, deadline=deadline)
 
 
 def target_server(target_ref: str | os.PathLike, *, parallel: int, ctx_per_slot: int, threads: int = 2,

@@ -72,7 +72,6 @@ class ServerConfig:
     parallel: int = 1  # slots: 1 for timing, more for batched answer generation
     host: str = LOOPBACK
     port: int = 0  # 0: a free port is picked
-    extra_args: tuple[str, ...] = ()
 
 
 def server_args(config: ServerConfig, port: int) -> list[str]:
@@ -82,7 +81,7 @@ def server_args(config: ServerConfig, port: int) -> list[str]:
             "-np", str(config.parallel), "--metrics", "--no-webui", *config.mode.args()]
     if config.mode.spec_type.startswith("draft"):
         args += ["-td", str(config.threads)]
-    return [*args, *config.extra_args]
+    return args
 
 
 def exit_words(code: int) -> str:
@@ -115,7 +114,42 @@ def port_in_use(port: int, host: str = LOOPBACK) -> bool:
     return False
 
 
-class LlamaServer:
+def log_tail(path: Path | None, lines: int) -> str:
+    if path is None or not path.is_file():
+        return ""
+    return "".join(path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
+
+
+_HANDED_OUT: set[int] = set()  # ports given to servers of this process
+
+
+class EngineProcess:
+    """What a llama-server and a `vllm serve` share: the port they get (`config.port`), their URL and log,
+    and `with` stopping them."""
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    def log_tail(self, lines: int = 20) -> str:
+        return log_tail(self.log_path, lines)
+
+    def _pick_port(self, error: type[ServerError]) -> int:
+        if self.config.port:
+            if port_in_use(self.config.port, self.config.host):
+                raise error(f"port {self.config.port} on {self.config.host} is in use: pick another or pass port 0")
+            return self.config.port
+        port = free_port(self.config.host)
+        while port in _HANDED_OUT:  # servers launched together have not bound theirs yet: never one port twice
+            port = free_port(self.config.host)
+        _HANDED_OUT.add(port)
+        return port
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class LlamaServer(EngineProcess):
     """A running llama-server; use as a context manager (`with LlamaServer(bin, config) as s: s.url`)."""
 
     def __init__(self, binary: str | os.PathLike, config: ServerConfig, *, startup_timeout_s: float = 120.0):
@@ -127,17 +161,8 @@ class LlamaServer:
         self.log_path: Path | None = None
 
     @property
-    def url(self) -> str:
-        return f"http://{self.config.host}:{self.port}"
-
-    @property
     def command(self) -> list[str]:
         return [str(self.binary), *server_args(self.config, self.port)]
-
-    def log_tail(self, lines: int = 20) -> str:
-        if self.log_path is None or not self.log_path.is_file():
-            return ""
-        return "".join(self.log_path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
 
     def start(self) -> LlamaServer:
         if not self.binary.is_file():
@@ -145,12 +170,7 @@ class LlamaServer:
         for path, what in ((self.config.model, "target GGUF"), (self.config.mode.draft, "draft GGUF")):
             if path is not None and not Path(path).is_file():
                 raise ServerError(f"{what} not found: {path}")
-        if self.config.port:
-            if port_in_use(self.config.port, self.config.host):
-                raise ServerError(f"port {self.config.port} on {self.config.host} is in use: pick another or pass port 0")
-            self.port = self.config.port
-        else:
-            self.port = free_port(self.config.host)
+        self.port = self._pick_port(ServerError)
         fd, log = tempfile.mkstemp(prefix=f"llama-server-{self.port}-", suffix=".log")
         self.log_path = Path(log)
         with os.fdopen(fd, "w") as out:
@@ -207,6 +227,3 @@ class LlamaServer:
 
     def __enter__(self) -> LlamaServer:
         return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

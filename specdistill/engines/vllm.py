@@ -40,12 +40,11 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdistill.engines.server import LOOPBACK, ServerError, free_port, port_in_use
+from specdistill.engines.server import LOOPBACK, EngineProcess, ServerError
 from specdistill.engines.vllm_install import VllmEnv, find_vllm
 from specdistill.hardware import usable_cpus
 
 SERVED_NAME = "target"  # the model name requests carry
-_HANDED_OUT: set[int] = set()  # ports given to servers of this process
 
 
 class VllmStartError(ServerError):
@@ -70,7 +69,6 @@ class VllmConfig:
     host: str = LOOPBACK
     port: int = 0  # 0: a free port is picked
     seed: int = 0
-    extra_args: tuple[str, ...] = ()
     name: str = field(default="", compare=False)  # for messages (the mode's name)
 
 
@@ -83,7 +81,7 @@ def vllm_args(config: VllmConfig, port: int) -> list[str]:
             "--seed", str(config.seed), "--generation-config", "vllm"]
     if config.speculative_config:
         args += ["--speculative-config", json.dumps(config.speculative_config, sort_keys=True)]
-    return [*args, *config.extra_args]
+    return args
 
 
 def bound_cpus(threads: int) -> list[int]:
@@ -93,8 +91,7 @@ def bound_cpus(threads: int) -> list[int]:
 
 
 def vllm_environment(env: VllmEnv, config: VllmConfig, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The process environment for `vllm serve`: offline, no usage reports, and on the CPU build the
-    variables vLLM's CPU backend reads."""
+    """Offline, no usage reports, and on the CPU build the variables of the module's docstring."""
     out = dict(os.environ if base is None else base)
     out.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                 "PYTHONUNBUFFERED": "1"})
@@ -136,7 +133,7 @@ def vllm_error(log: str) -> str:
     return errors[-1] if errors else ""
 
 
-class VllmServer:
+class VllmServer(EngineProcess):
     """A running `vllm serve`; use as a context manager (`with VllmServer(config) as s: s.url`)."""
 
     def __init__(self, config: VllmConfig, env: VllmEnv | None = None, *, startup_timeout_s: float = 600.0):
@@ -150,21 +147,12 @@ class VllmServer:
         self._t0 = 0.0
 
     @property
-    def url(self) -> str:
-        return f"http://{self.config.host}:{self.port}"
-
-    @property
     def what(self) -> str:
         mode = self.config.name or (self.config.speculative_config or {}).get("method", "target-only")
         return f"vLLM ({mode})"
 
     def command(self) -> list[str]:
         return self.env.command(*vllm_args(self.config, self.port))
-
-    def log_tail(self, lines: int = 25) -> str:
-        if self.log_path is None or not self.log_path.is_file():
-            return ""
-        return "".join(self.log_path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
 
     def start(self) -> VllmServer:
         """Launch and wait until healthy (or raise, the process stopped)."""
@@ -183,15 +171,7 @@ class VllmServer:
         draft = (self.config.speculative_config or {}).get("model")
         if draft and not (Path(draft) / "config.json").is_file():
             raise VllmStartError(f"the speculative config's draft {draft} is not an HF directory (no config.json)")
-        if self.config.port:
-            if port_in_use(self.config.port, self.config.host):
-                raise VllmStartError(f"port {self.config.port} on {self.config.host} is in use: pick another or pass port 0")
-            self.port = self.config.port
-        else:  # servers launched together have not bound theirs yet: never hand out one port twice
-            self.port = free_port(self.config.host)
-            while self.port in _HANDED_OUT:
-                self.port = free_port(self.config.host)
-            _HANDED_OUT.add(self.port)
+        self.port = self._pick_port(VllmStartError)
         fd, log = tempfile.mkstemp(prefix=f"vllm-{self.port}-", suffix=".log")
         self.log_path = Path(log)
         self._t0 = time.monotonic()
@@ -215,7 +195,7 @@ class VllmServer:
         return self
 
     def _fail(self, message: str) -> VllmStartError:
-        tail = self.log_tail()
+        tail = self.log_tail(25)
         cause = vllm_error(self.log_tail(400))
         cause = cause if len(cause) <= 400 else cause[:400] + " …"
         if "address already in use" in tail.lower():
@@ -237,9 +217,6 @@ class VllmServer:
             time.sleep(0.5)
         raise self._fail(f"{self.what} did not become healthy within {self.startup_timeout_s:.0f} s at {self.url}")
 
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
     def stop(self) -> None:
         """SIGTERM to the API server (it shuts its engine core down), SIGKILL to its process group after 20 s."""
         if self.process is None:
@@ -257,9 +234,6 @@ class VllmServer:
 
     def __enter__(self) -> VllmServer:
         return self.wait() if self.process is not None else self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def start_together(servers: list[VllmServer]) -> dict[int, VllmStartError]:

@@ -18,7 +18,7 @@ from specdistill.budget import Deadline
 from specdistill.data.prompts import Prompt
 from specdistill.data.results import BenchResult
 from specdistill.engines.endpoint_bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
-from specdistill.engines.vllm import VllmConfig, VllmServer, VllmStartError, start_together
+from specdistill.engines.vllm import VllmConfig, VllmServer, start_together
 from specdistill.engines.vllm_install import VllmEnv, find_vllm, install_vllm
 
 
@@ -47,16 +47,10 @@ class VllmBench:
     version: str = ""
 
 
-def _refusal(exc: VllmStartError) -> str:
-    return exc.cause or str(exc).splitlines()[0]
-
-
 def bench_vllm(target_ref: str | os.PathLike, modes: dict[str, dict], prompts: list[Prompt],
                config: EngineBenchConfig | None = None, *, threads: int = 2, dtype: str = "auto",
-               env: VllmEnv | None = None, progress: bool = True, startup_timeout_s: float = 600.0,
-               deadline: Deadline | None = None) -> VllmBench:
-    """Start vLLM once per mode (target-only first; `modes` maps a name to its speculative config),
-    interleave the modes per prompt as the other engines are, stop them all."""
+               env: VllmEnv | None = None, progress: bool = True, deadline: Deadline | None = None) -> VllmBench:
+    """`modes` maps a name to its speculative config; target-only is started first."""
     if not modes:
         raise ValueError("bench needs a speculative mode: a speculative_config per mode")
     if any(not spec for spec in modes.values()):
@@ -67,7 +61,7 @@ def bench_vllm(target_ref: str | os.PathLike, modes: dict[str, dict], prompts: l
     refused, startup = {}, {}
     with ExitStack() as stack:
         named = {name: VllmServer(VllmConfig(model=model, speculative_config=spec, threads=threads, dtype=vdtype,
-                                             name=name), env, startup_timeout_s=startup_timeout_s)
+                                             name=name), env)
                  for name, spec in {TARGET_ONLY: None, **modes}.items()}
         for server in named.values():
             stack.callback(server.stop)
@@ -77,7 +71,7 @@ def bench_vllm(target_ref: str | os.PathLike, modes: dict[str, dict], prompts: l
             if i in errors:
                 if name == TARGET_ONLY:
                     raise errors[i]
-                refused[name] = _refusal(errors[i])
+                refused[name] = errors[i].cause or str(errors[i]).splitlines()[0]
                 continue
             endpoints[name] = server.url
             startup[name] = server.startup_s
@@ -92,10 +86,9 @@ def bench_vllm(target_ref: str | os.PathLike, modes: dict[str, dict], prompts: l
 
 
 def target_server(target_ref: str | os.PathLike, *, parallel: int, ctx_per_slot: int, top_k: int, threads: int = 2,
-                  dtype: str = "auto", env: VllmEnv | None = None) -> VllmServer:
+                  dtype: str = "auto") -> VllmServer:
     """A target-only vLLM (not started yet: use it as a context manager) decoding `parallel` requests
     together, with top-`top_k` logprobs allowed: what answers the nightly's prompts when no URL is given."""
-    env = env or find_vllm() or install_vllm()
     return VllmServer(VllmConfig(model=target_dir(target_ref), threads=threads, dtype=served_dtype(dtype),
                                  max_num_seqs=parallel, max_model_len=max(ctx_per_slot, 256), max_logprobs=max(top_k, 1),
-                                 name="target answers"), env)
+                                 name="target answers"), find_vllm() or install_vllm())

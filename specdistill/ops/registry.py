@@ -153,11 +153,11 @@ def newest_version(name: str, **tags: str):
 
 
 @contextlib.contextmanager
-def promotion_lock(timeout_s: float = 600.0) -> Iterator[None]:
+def promotion_lock() -> Iterator[None]:
     """One promotion at a time on this state directory (a flow-level concurrency limit covers several hosts)."""
     path = paths.ensure(paths.home()) / "promotion.lock"
     with open(path, "a+") as f:
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + 600.0
         while True:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -191,11 +191,8 @@ class PromotionConflict(RuntimeError):
 
 def promote(name: str, version: str, serving: ServingConfig, *, expected_champion: str | None,
             serving_path: str | Path | None = None) -> None:
-    """Move `champion` to `version` and write the serving config, both or neither.
-
-    `expected_champion` is the version the challenger was benchmarked against (None: there was
-    none). If another run promoted meanwhile, the comparison no longer holds and nothing changes.
-    """
+    """Move `champion` to `version` and write the serving config, both or neither. `expected_champion`: the
+    version the challenger was benchmarked against (None: none); if another run promoted meanwhile, nothing changes."""
     c = client()
     with promotion_lock():
         current = version_by_alias(name, CHAMPION)

@@ -1,20 +1,13 @@
-"""The monitor's replays of logged traffic: the champion's acceptance on recent prompts, the keep/fallback decision, and the
-fallback mode that measures fastest.
-
-    sample = replay_acceptance("demo", "models:/draft@champion", store, n_prompts=20)
-    policy.decide(sample)                # Decision.KEEP | FALLBACK | RETRAIN | NO_SAMPLE
-    choice = choose_fallback("demo", prompts_from_store(store, tokenizer, 8))
-    drafts.export_early_exit_draft(target, choice.exit_layer)   # self-speculation, served as a draft
+"""The monitor's replays of logged traffic: the champion's acceptance on recent prompts (`replay_acceptance`,
+judged by `policy.decide`), and the fallback mode that measures fastest (`choose_fallback`).
 
 Replayed prompts are what the nightly evaluates on (`data.prompts.usable_prompt`: the turns before the
 first answer, ending with a user turn, within `max_prompt_tokens`), taken newest first.
 
-A draft whose vocabulary no longer matches the target (a target update added tokens) is measured
-through a transplanted copy (`modeling.drafts.align_draft`: its embeddings and head rebuilt over the
-target's vocabulary, token by string, the alignment the pipeline does before a warm start) rather than refused:
-the number that comes back is what the champion really achieves on the new target, and the sample
-says `vocab_mismatch: true`. Pass `on_vocab_mismatch="zero"` to get the strict reading instead
-(acceptance 0.0, reason "vocabulary mismatch": the draft cannot be served as it is).
+A draft whose vocabulary no longer matches the target (a target update added tokens) is measured through
+a transplanted copy (`modeling.drafts.align_draft`, as the pipeline aligns before a warm start): what the
+champion really achieves on the new target, with `vocab_mismatch: true`. `on_vocab_mismatch="zero"` gives the
+strict reading (acceptance 0.0, reason "vocabulary mismatch": the draft cannot be served as it is).
 """
 
 from __future__ import annotations
@@ -24,7 +17,6 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -35,7 +27,6 @@ from specdistill.modeling.drafts import align_draft
 from specdistill.modeling.eagle3_io import is_eagle3_dir, read_config
 from specdistill.modeling.models import LoadedModel, resolve_model_dir, shared_model
 from specdistill.modeling.vocab import DraftVocab, check_vocab, vocab_mismatch
-from specdistill.ops.exporter import refresh_metrics, serve_metrics  # noqa: F401  (the exporter's home)
 from specdistill.ops.policy import DEFAULT_MARGIN, MIN_SERVED_PROMPTS, Candidate, fastest_mode
 from specdistill.speculative import (
     ModelDrafter,
@@ -54,23 +45,14 @@ def _loaded(ref: str | os.PathLike | LoadedModel, dtype: str | torch.dtype = "au
     return ref if isinstance(ref, LoadedModel) else shared_model(ref, dtype=dtype, device=device)
 
 
-# --------------------------------------------------------------------------------------------
-# Prompts from the log store
-
-
-def prompts_from_store(store, tokenizer, n: int, *, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
-                       scan: int | None = None) -> list[Prompt]:
-    """The newest `n` logged prompts that fit, as token ids (chat template applied).
-
-    A conversation without a user turn before its first answer, or whose prompt exceeds
-    `max_prompt_tokens`, is skipped (not truncated: a cut prompt is not what production saw);
-    the same definition as the nightly window's. Each Prompt's `slice` holds its conversation id
-    as "conversation:<id>".
-    """
+def prompts_from_store(store, tokenizer, n: int, *, max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> list[Prompt]:
+    """The newest `n` logged prompts that fit, as token ids (chat template applied), as the nightly window
+    defines them: one over `max_prompt_tokens` is skipped, not truncated (a cut prompt is not what production
+    saw). Each Prompt's `slice` is "conversation:<id>"."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     out: list[Prompt] = []
-    for conv in store.window(limit=scan or max(4 * n, 50)):
+    for conv in store.window(limit=max(4 * n, 50)):
         prompt = usable_prompt(conv.messages, tokenizer, max_prompt_tokens)
         if prompt is None:
             continue
@@ -79,14 +61,6 @@ def prompts_from_store(store, tokenizer, n: int, *, max_prompt_tokens: int = MAX
         if len(out) == n:
             break
     return out
-
-
-def _conversation_id(prompt: Prompt) -> int | None:
-    return int(prompt.slice.split(":", 1)[1]) if prompt.slice.startswith("conversation:") else None
-
-
-# --------------------------------------------------------------------------------------------
-# Replay acceptance
 
 
 @dataclass
@@ -128,12 +102,6 @@ def aligned_drafter(target: LoadedModel, draft: LoadedModel, name: str = "draft"
     return ModelDrafter(aligned.model, target.config.vocab_size, aligned.draft_vocab, name=label), aligned.transplanted, aligned.reason
 
 
-def _eagle3_dir(ref) -> Path | None:
-    """The directory of an EAGLE-3 head (which loads only with its target), else None."""
-    path = None if isinstance(ref, LoadedModel) else resolve_model_dir(ref)
-    return path if path is not None and is_eagle3_dir(path) else None
-
-
 def replay_acceptance(
     target_ref: str | os.PathLike | LoadedModel,
     draft_ref: str | os.PathLike | LoadedModel,
@@ -151,19 +119,17 @@ def replay_acceptance(
     device: str = "cpu",
     progress: bool = True,
 ) -> AcceptanceSample:
-    """Replay the newest logged prompts through the engine (greedy) with the target and the draft.
-
-    Every request's counts go to the log store under (target fingerprint, draft version); the
-    aggregate gives α = accepted / proposed and τ = 1 + accepted / rounds. Fewer than
-    `min_draft_tokens` proposed tokens is "no sample" (ok=False), never an acceptance.
-    """
+    """Replay the newest logged prompts (greedy) with the target and the draft. Every request's counts go to
+    the log store under (target fingerprint, draft version); fewer than `min_draft_tokens` proposed tokens is
+    "no sample" (ok=False), never an acceptance."""
     from tqdm import tqdm
 
     if on_vocab_mismatch not in ("transplant", "zero"):
         raise ValueError(f"on_vocab_mismatch must be 'transplant' or 'zero', not {on_vocab_mismatch!r}")
     start = time.perf_counter()
     target = _loaded(target_ref, dtype, device)
-    head_dir = _eagle3_dir(draft_ref)  # an EAGLE-3 head loads only with its target (below)
+    head_dir = None if isinstance(draft_ref, LoadedModel) else resolve_model_dir(draft_ref)
+    head_dir = head_dir if head_dir is not None and is_eagle3_dir(head_dir) else None  # it loads only with its target
     weights = next(target.model.parameters())  # the draft runs as the target does
     draft = None if head_dir else _loaded(draft_ref, weights.dtype, weights.device)
     fp = target_version or target.fingerprint
@@ -198,7 +164,7 @@ def replay_acceptance(
     for prompt in tqdm(prompts, desc="replay", unit="prompt", file=sys.stderr, disable=not progress):
         stats = generate(target.model, prompt.ids, max_new_tokens=max_new_tokens, drafter=drafter, gamma=gamma).stats
         per_request.append(stats)
-        cid = _conversation_id(prompt)
+        cid = int(prompt.slice.split(":", 1)[1]) if prompt.slice.startswith("conversation:") else None
         sample.sample_ids.append(store.add_acceptance_sample(fp, version, gamma, stats.counts(gamma), conversation_id=cid))
         if cid is not None:
             sample.conversation_ids.append(cid)
@@ -217,10 +183,6 @@ def replay_acceptance(
     sample.mean_accepted_length = total.accepted_length
     sample.reason = f"vocabulary mismatch, measured through a transplanted copy: {why}" if transplanted else ""
     return sample
-
-
-# --------------------------------------------------------------------------------------------
-# Fallback
 
 
 @dataclass
@@ -269,7 +231,6 @@ def choose_fallback(
     min_tokens: int = 64,
     repeats: int = 3,
     margin: float = DEFAULT_MARGIN,
-    ngram: tuple[int, int] = NGRAM_WINDOW,
     suffix_corpus: str | os.PathLike | None = None,
     min_prompts: int = MIN_SERVED_PROMPTS,
     progress: bool = True,
@@ -289,7 +250,7 @@ def choose_fallback(
     config = BenchConfig(gamma=gamma, max_new_tokens=max_new_tokens, repeats=repeats, measure_cost=False)
     layers = list(dict.fromkeys(exit_layers))
     specs = {f"{SELF_SPEC}@{k}": DrafterSpec(SELF_SPEC, str(k)) for k in layers}
-    specs["ngram"] = DrafterSpec("ngram", f"{ngram[0]},{ngram[1]}")
+    specs["ngram"] = DrafterSpec("ngram", f"{NGRAM_WINDOW[0]},{NGRAM_WINDOW[1]}")
     current, stale = corpus_is_current(suffix_corpus, target.fingerprint, target.tokenizer_digest) if suffix_corpus else (False, "")
     if current:
         specs["suffix"] = DrafterSpec("suffix", str(suffix_corpus))
@@ -297,12 +258,10 @@ def choose_fallback(
                                         target_tokenizer=target.tokenizer_digest)
                 for name, spec in specs.items()}
     results = run_bench_many(target.model, target.tokenizer, drafters, list(prompts), config, progress=progress)
-    candidates = []
-    for spec, result in zip(specs.values(), results.values()):
-        candidates.append(FallbackCandidate(
-            spec.mode, spec.exit_layer, result.speedup, result.acceptance_rate, result.accepted_length,
-            result.tokens_per_second_speculative, result.tokens_per_second_target_only,
-            int(result.stats["generated_tokens"]), result.lossless, list(result.prompt_speedups)))
+    candidates = [FallbackCandidate(spec.mode, spec.exit_layer, result.speedup, result.acceptance_rate, result.accepted_length,
+                                    result.tokens_per_second_speculative, result.tokens_per_second_target_only,
+                                    int(result.stats["generated_tokens"]), result.lossless, list(result.prompt_speedups))
+                  for spec, result in zip(specs.values(), results.values())]
     generated = min(c.generated_tokens for c in candidates)
     if generated < min_tokens:
         return FallbackDecision(False, None, None, None,

@@ -180,9 +180,7 @@ def serving_path() -> Path:
 
 
 def write_serving_config(config: ServingConfig, path: str | Path | None = None) -> Path:
-    """Replace the serving config atomically: readers see the old file or the new one, never a mix.
-    Mode 0644: the file holds no secret and the serving engine (maybe another user) must read it.
-    Validated again first (a config changed after it was built, or built without validation, is refused
+    """Validated again first (a config changed after it was built, or built without validation, is refused
     before it reaches the file): a `ServingConfigError` naming the file and the key."""
     path = Path(path) if path else serving_path()
     checked = parse_serving_config(config.model_dump(), path)

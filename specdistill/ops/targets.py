@@ -103,15 +103,12 @@ def register_target(ref: str | os.PathLike, *, fingerprint: str | None = None, m
     return version
 
 
-def detect_change(ref: str | os.PathLike, path: str | Path | None = None) -> tuple[bool, TargetVersion, TargetVersion | None]:
-    """(changed, current, previous): the model at `ref` against the recorded current version.
-
-    A first sighting (empty history) is recorded and counts as no change: there is nothing the
-    champion could have drifted from. A changed fingerprint is recorded as the new current version.
-    """
+def detect_change(ref: str | os.PathLike) -> tuple[bool, TargetVersion, TargetVersion | None]:
+    """(changed, current, previous): the model at `ref` against the recorded current version, which a changed
+    fingerprint becomes. A first sighting is recorded as no change: there is nothing the champion could have drifted from."""
     fp, model_dir = fingerprint_of(ref)
-    recorded = current_target(path)
+    recorded = current_target()
     if recorded is not None and recorded.fingerprint == fp:
         return False, recorded, None
-    current = register_target(ref, fingerprint=fp, model_dir=model_dir, path=path)
+    current = register_target(ref, fingerprint=fp, model_dir=model_dir)
     return recorded is not None, current, recorded

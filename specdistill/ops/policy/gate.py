@@ -60,10 +60,8 @@ class Check:
 
 @dataclass
 class GateVerdict:
-    """`passed`: every check holds. `promote`: passed and better than the champion (τ above its τ by at
-    least `min_accepted_length_gain`, and strictly above; no champion counts as beaten). A pass that does
-    not beat the champion keeps it. It is promoted only on a real improvement, not measurement noise:
-    τ 1.34 against 1.33 keeps the champion."""
+    """`promote`: every check holds and τ beats the champion's by at least `min_accepted_length_gain` (no
+    champion counts as beaten), so measurement noise never promotes: τ 1.34 against 1.33 keeps the champion."""
 
     passed: bool
     checks: list[Check] = field(default_factory=list)
@@ -114,8 +112,6 @@ class GateVerdict:
 
 
 def _checked(result: Any, what: str) -> BenchResult:
-    """`result` itself, refused with its role named when it is not a bench result (JSON is read into one
-    at the edge: `BenchResult.from_dict`)."""
     if not isinstance(result, BenchResult):
         raise ValueError(f"{what}: expected a BenchResult (its JSON read with BenchResult.from_dict), "
                          f"got {type(result).__name__}")
@@ -141,11 +137,8 @@ def _lossless_reason(r: BenchResult) -> str:
 
 def evaluate(result: BenchResult, config: GateConfig | None = None, champion: BenchResult | None = None, *,
              baselines: Mapping[str, BenchResult] | None = None, must_beat: Sequence[str] = ()) -> GateVerdict:
-    """Judge a benchmark result; `champion` is the current champion's result.
-
-    `must_beat` names baselines (keys of `baselines`, results on the same prompts) whose first-position
-    acceptance the challenger must exceed; a named baseline that was not run this time sets no bar.
-    """
+    """`must_beat` names baselines (keys of `baselines`, results on the same prompts) whose first-position
+    acceptance the challenger must exceed; a named baseline that was not run this time sets no bar."""
     config = config or GateConfig()
     if config.min_accepted_length_gain < 0:
         raise ValueError(f"min_accepted_length_gain must be >= 0, got {config.min_accepted_length_gain}")
@@ -170,9 +163,7 @@ def evaluate(result: BenchResult, config: GateConfig | None = None, champion: Be
                             + ("" if ok else ": too few to judge (more held-out prompts, or a longer benchmark budget)")))
 
     first, source = first_position(r)
-    alpha_note = f" (α {float(r.acceptance_rate):.3f} at γ={r.gamma})"
-    if source != "first-position":
-        alpha_note = f" ({source})"
+    alpha_note = f" (α {float(r.acceptance_rate):.3f} at γ={r.gamma})" if source == "first-position" else f" ({source})"
     at_least("first-position acceptance", first if first is not None else 0.0, config.min_first_position_acceptance,
              ".3f", alpha_note)
     at_least("acceptance rate", float(r.acceptance_rate), config.min_acceptance_rate, ".3f")

@@ -47,7 +47,7 @@ class ServingChoice:
 
 
 def speedup_lower_bound(prompt_speedups: Sequence[float], confidence: float = CONFIDENCE, *,
-                        resamples: int = RESAMPLES, seed: int = 0) -> float | None:
+                        seed: int = 0) -> float | None:
     """A one-sided lower bound of the prompts' speedup taken together: the (1 − confidence) quantile of
     their harmonic mean over seeded bootstrap resamples. The harmonic mean is the speedup's own statistic
     (summed tokens over summed seconds) for alike prompts, so one prompt that ran 10x slower pulls the
@@ -59,8 +59,8 @@ def speedup_lower_bound(prompt_speedups: Sequence[float], confidence: float = CO
         return xs[0]
     rng = random.Random(seed)
     n = len(xs)
-    means = sorted(statistics.harmonic_mean([max(x, 0.0) for x in rng.choices(xs, k=n)]) for _ in range(resamples))
-    return means[int((1.0 - confidence) * (resamples - 1))]
+    means = sorted(statistics.harmonic_mean([max(x, 0.0) for x in rng.choices(xs, k=n)]) for _ in range(RESAMPLES))
+    return means[int((1.0 - confidence) * (RESAMPLES - 1))]
 
 
 def _doubt(c: Candidate, bound: float | None, margin: float, confidence: float, min_prompts: int) -> str:
@@ -85,14 +85,14 @@ def _doubt(c: Candidate, bound: float | None, margin: float, confidence: float, 
 
 
 def fastest_mode(candidates: Sequence[Candidate], margin: float = DEFAULT_MARGIN, *,
-                 confidence: float = CONFIDENCE, min_prompts: int = MIN_SERVED_PROMPTS, seed: int = 0) -> ServingChoice:
+                 confidence: float = CONFIDENCE, min_prompts: int = MIN_SERVED_PROMPTS) -> ServingChoice:
     """The fastest lossless candidate whose gain holds over the prompts: its measured speedup and the
     lower bound of its per-prompt speedups both above 1 + margin, on at least `min_prompts` prompts, and
     plausible (no more than `PLAUSIBLE_FACTOR` times its τ, the tokens one target forward yields). A
     candidate measured without per-prompt speeds is judged on its speedup alone, and the reason says so.
     Otherwise speculation is off: serving never gets slower than no speculation on the measured prompts."""
     speedups = {c.name: c.speedup for c in candidates}
-    bounds = {c.name: speedup_lower_bound(c.prompt_speedups, confidence, seed=seed) for c in candidates}
+    bounds = {c.name: speedup_lower_bound(c.prompt_speedups, confidence) for c in candidates}
     doubts = {c.name: _doubt(c, bounds[c.name], margin, confidence, min_prompts) for c in candidates}
 
     def cell(c: Candidate) -> str:
@@ -111,10 +111,8 @@ def fastest_mode(candidates: Sequence[Candidate], margin: float = DEFAULT_MARGIN
         why += "".join(f"; {d}" for d in others)
         return ServingChoice("off", None, f"{why} ({table})", margin, speedups, bounds, confidence)
     bound = bounds[best.name]
-    held = ("" if bound is None else
+    held = (", no per-prompt speeds: judged on the measured speedup alone" if bound is None else
             f", at least {bound:.2f}x with {confidence:.0%} confidence over {len(best.prompt_speedups)} prompts")
-    if bound is None:
-        held = ", no per-prompt speeds: judged on the measured speedup alone"
     passed_over = [doubts[c.name] for c in sorted(candidates, key=lambda c: -c.speedup)
                    if c.speedup > best.speedup and c.lossless is not False]
     held += "".join(f"; not served: {d}" for d in passed_over)
@@ -132,10 +130,8 @@ def servable(results: Mapping[str, BenchResult], promote: bool) -> dict[str, Ben
 
 
 def unserved_faster_challenger(results: Mapping[str, BenchResult], verdict: GateVerdict, served_speedup: float) -> str:
-    """Why a challenger that measured faster than what is served is not served (empty: there is none).
-
-    Only a draft that passed the gate is served: its acceptance bar is the red line the monitor holds in
-    production, so a draft below it would be taken back at the monitor's next run."""
+    """Why a challenger that measured faster than what is served is not served (empty: there is none). Only
+    a draft that passed the gate is served: the monitor would take one below the red line back at its next run."""
     r = results.get(Role.CHALLENGER)
     if r is None or verdict.promote or not r.lossless or r.speedup <= served_speedup:
         return ""
