@@ -51,11 +51,15 @@ lint: $(STAMP)
 # missing, starts a throwaway server and sets SPECDISTILL_TEST_PG_URL for pytest.
 # `make test`: lint, then the whole suite (~17 min on 2 cores). `make test-fast`: everything but the
 # e2e tier (the real demo target, Prefect/MLflow servers and flows, tests of more than a few seconds).
+# The suite waits on servers and subprocesses much of its time: two workers keep both cores busy.
+# Tests of one file share a worker (their module fixtures, a Prefect server, start once).
+TEST_WORKERS ?= 2
+
 test: $(STAMP) llama-server vllm
 	@$(PY) -m specdistill.hardware
 	$(VENV)/bin/ruff check .
 	scripts/ensure_promtool.sh
-	SPECDISTILL_REQUIRE_LLAMA_SERVER=1 SPECDISTILL_REQUIRE_VLLM=1 scripts/with_postgres.sh $(PY) -m pytest -q -p no:cacheprovider --durations=25
+	SPECDISTILL_REQUIRE_LLAMA_SERVER=1 SPECDISTILL_REQUIRE_VLLM=1 scripts/with_postgres.sh $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 test-fast: $(STAMP)
 	@$(PY) -m specdistill.hardware
