@@ -51,6 +51,18 @@ def test_assistant_mask_marks_exactly_the_assistant_turns(tok):
         encode_conversation(tok, msgs[:2])
 
 
+def test_a_conversation_cut_at_max_len_is_the_whole_ones_prefix_and_renders_no_later_turn(tok, monkeypatch):
+    msgs = [{"role": "user", "content": "Tell me a long story."}, {"role": "assistant", "content": "Once upon a time " * 20}]
+    msgs += [{"role": "user", "content": "More."}, {"role": "assistant", "content": "The end."}] * 30
+    whole = encode_conversation(tok, msgs)
+    rendered = []
+    real = type(tok).apply_chat_template
+    monkeypatch.setattr(type(tok), "apply_chat_template", lambda self, m, **kw: rendered.append(len(m)) or real(self, m, **kw))
+    cut = encode_conversation(tok, msgs, max_len=64)
+    assert (cut.input_ids, cut.assistant_mask) == (whole.input_ids[:64], whole.assistant_mask[:64])
+    assert max(rendered) <= 2  # the first answer passes 64 tokens: the 60 turns after it are never rendered
+
+
 def test_batched_left_padded_generation_matches_one_by_one(tok, tiny_target, tmp_path):
     prompts = _prompts(4)
     batched = generate_answers(tiny_target, tok, prompts, tmp_path / "b.jsonl", batch_size=4, max_new_tokens=8, progress=False)

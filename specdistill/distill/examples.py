@@ -35,6 +35,8 @@ def encode_conversation(tokenizer: PreTrainedTokenizerBase, messages: Sequence, 
     ids: list[int] = []
     mask: list[bool] = []
     for i, m in enumerate(msgs):
+        if max_len is not None and len(ids) >= max_len:
+            break  # the later turns would be cut off: rendering them cost the demo's generic baseline 70 s
         if m["role"] != "assistant":
             continue
         head = encode_chat(tokenizer, msgs[:i])
