@@ -376,7 +376,7 @@ def test_describe_target_hashes_the_target_in_full_once_per_run(tmp_path, monkey
 def test_distill_output_dir_depends_on_the_train_config_data_and_warm_start_only(monkeypatch):
     calls = []
 
-    def fake_distill(dcfg):
+    def fake_distill(dcfg, deadline=None):
         calls.append(dcfg)
         return trained_result(f"{dcfg.out_dir}/draft")
 
@@ -409,7 +409,7 @@ def test_distill_output_dir_depends_on_the_train_config_data_and_warm_start_only
 
 def test_train_kind_eagle3_trains_a_head_from_features_beside_the_teacher_cache(monkeypatch):
     calls = []
-    monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg: calls.append(dcfg) or trained_result())
+    monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg, deadline=None: calls.append(dcfg) or trained_result())
     train, heldout = GeneratedData("/data/a/train.jsonl", "/data/a/tc", 1, 1), GeneratedData("/data/a/eval.jsonl", None, 1, 1)
     config = load_nightly_config(None, ["train.kind=eagle3", "train.eagle3.steps=3"])
     pipeline.distill_draft(config, train, heldout, "/champion/layers-v1")
@@ -472,7 +472,7 @@ def test_training_autocasts_to_bf16_when_the_run_is_bf16_and_the_cpu_measures_it
     from specdistill.distill import autocast
 
     calls, probes = [], []
-    monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg: calls.append(dcfg) or trained_result())
+    monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg, deadline=None: calls.append(dcfg) or trained_result())
     monkeypatch.setattr(autocast, "measure_autocast", lambda: probes.append(1) or autocast.AutocastProbe(
         pays, 10.0, 5.0 if pays else 20.0, "cpu", "torch", 1))
     train, heldout = GeneratedData("/data/a/train.jsonl", "/data/a/tc", 1, 1), GeneratedData("/data/a/eval.jsonl", None, 1, 1)
@@ -485,7 +485,7 @@ def test_training_autocasts_to_bf16_when_the_run_is_bf16_and_the_cpu_measures_it
 
 def test_generic_baseline_dir_depends_on_the_window_and_the_train_config(monkeypatch):
     calls = []
-    monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg: calls.append(dcfg) or trained_result())
+    monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg, deadline=None: calls.append(dcfg) or trained_result())
     heldout = GeneratedData("/data/a/eval.jsonl", None, 1, 1)
 
     def out_dir(config, key):
@@ -639,7 +639,7 @@ def test_the_run_dtype_reaches_every_model_load_and_the_feature_pass(tmp_path, m
     assert all(device == "auto" for ref, _, device in seen[:3]), seen
 
     captured = {}
-    monkeypatch.setattr(train_module, "distill", lambda dcfg: captured.setdefault("config", dcfg) and trained_result())
+    monkeypatch.setattr(train_module, "distill", lambda dcfg, deadline=None: captured.setdefault("config", dcfg) and trained_result())
     pipeline.distill_draft(config, GeneratedData(str(tmp_path / "a.jsonl"), str(tmp_path / "teacher"), 1, 1),
                            GeneratedData(str(tmp_path / "h.jsonl"), None, 1, 1))
     dcfg = captured["config"]
@@ -756,7 +756,9 @@ def test_a_training_share_too_small_to_train_stops_the_run(monkeypatch):
     import time
 
     calls = []
-    monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg: calls.append(dcfg) or trained_result("d"))
+    deadlines = []
+    monkeypatch.setattr("specdistill.distill.train.distill",
+                        lambda dcfg, deadline: calls.append(dcfg) or deadlines.append(deadline) or trained_result("d"))
     config = load_nightly_config(None, ["train.kind=layers", "train.optim.max_minutes=3"])
     train, heldout = GeneratedData("/data/c/train.jsonl", "/data/c/tc", 1, 1), GeneratedData("/data/c/eval.jsonl", None, 1, 1)
     with pytest.raises(ValueError, match="too little to train on; the champion and serving.json are unchanged"):
@@ -766,6 +768,8 @@ def test_a_training_share_too_small_to_train_stops_the_run(monkeypatch):
     assert calls[-1].optim.max_minutes == 3  # the run has time: the stage's own budget
     pipeline.distill_draft(config, train, heldout, deadline_at=time.time() + 60 * 10)  # 10 of 3+3+4 budgeted minutes
     assert 2.5 < calls[-1].optim.max_minutes <= 3
+    # the share bounds the stage's wall time too (loading and evaluations included), not its training alone
+    assert deadlines[-1].minutes() == pytest.approx(calls[-1].optim.max_minutes, abs=0.05)
 
 
 def test_train_answers_cut_to_nothing_stop_before_training(tiny_target_dir, tmp_path, monkeypatch):

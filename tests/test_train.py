@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from specdistill.budget import Deadline
 from specdistill.config import ConfigError
 from specdistill.data.prompts import Prompt
 from specdistill.distill import losses
@@ -16,7 +18,7 @@ from specdistill.distill.config import load_config
 from specdistill.distill.examples import read_examples
 from specdistill.distill.features import build_cache
 from specdistill.distill.teacher import TeacherCache
-from specdistill.distill.train import NonFiniteLossError, distill
+from specdistill.distill.train import NonFiniteLossError, distill, out_of_time
 from specdistill.modeling.vocab import DRAFT_VOCAB_FILE
 from specdistill.pipeline.answers.harness import generate_answers
 from tests.conftest import run_distill_ddp, save_tiny_target
@@ -87,6 +89,23 @@ def test_distill_trains_saves_config_and_improves_heldout_agreement(tiny_world, 
     assert (ckpt / "config.yaml").is_file() and (ckpt / "model.safetensors").is_file()
     assert load_config(ckpt / "config.yaml").optim.max_steps == 60
     assert (Path(result.draft_dir) / "config.json").is_file()
+
+
+@pytest.mark.e2e
+def test_a_deadline_bounds_the_whole_run_and_keeps_the_last_evaluation(tiny_world, tmp_path):
+    result = distill(_config(tiny_world, tmp_path / "late", "optim.max_steps=60"), deadline=Deadline.after(0))
+    assert (result.steps, result.stop) == (0, "deadline")  # loading alone spent it: not one step more
+    assert [p["step"] for p in result.curve] == [0] and (Path(result.draft_dir) / "config.json").is_file()
+    result = distill(_config(tiny_world, tmp_path / "run", "optim.max_steps=100000", "eval_every=100000"),
+                     deadline=Deadline.after(0.1))
+    assert result.stop == "deadline" and result.steps > 0 and result.curve[-1]["step"] == result.steps
+
+
+def test_out_of_time_keeps_what_the_last_evaluation_needs():
+    run = SimpleNamespace(world=1, device=torch.device("cpu"))
+    assert not out_of_time(run, Deadline(), 1e9)  # no deadline
+    soon = Deadline.after(10 / 60)
+    assert not out_of_time(run, soon, 5.0) and out_of_time(run, soon, 15.0)
 
 
 @pytest.mark.e2e

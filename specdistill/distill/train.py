@@ -30,6 +30,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from specdistill import paths
+from specdistill.budget import Deadline
 from specdistill.distill.checkpoints import checkpoint_dirs, load_checkpoint, save_checkpoint
 from specdistill.distill.config import DistillConfig, save_config
 from specdistill.distill.eagle3_train import Eagle3Task
@@ -128,10 +129,13 @@ class Progress:
     seconds: float = 0.0  # training time so far, by `optim.clock`
     curve: list[dict] = field(default_factory=list)  # metrics.jsonl's points
     loss: float = float("nan")  # the last step's
-    stop: str = "max_steps"  # why training ended: max_steps, max_tokens or max_minutes
+    stop: str = "max_steps"  # why training ended: max_steps, max_tokens, max_minutes or deadline
+    eval_seconds: float = 0.0  # the longest held-out evaluation so far (wall): what a deadline keeps for the last
 
 
-def distill(config: DistillConfig) -> Trained:
+def distill(config: DistillConfig, deadline: Deadline | None = None) -> Trained:
+    """Train the draft `config` describes; `deadline` (a nightly stage's share, wall clock) bounds the
+    whole run, loading and evaluations included: training stops early enough for the last evaluation."""
     device = pick_device(config.device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
@@ -154,7 +158,7 @@ def distill(config: DistillConfig) -> Trained:
         save_config(config, out_dir / "config.yaml")
     if progress.step == 0 and evaluates:
         evaluate(run, progress)
-    train(run, progress)
+    train(run, progress, deadline or Deadline())
     if evaluates and (not progress.curve or progress.curve[-1]["step"] != progress.step):
         evaluate(run, progress)
     return finish(run, progress, target, trainable, frozen)
@@ -207,7 +211,9 @@ def resume(run: Run) -> Progress:
 
 def evaluate(run: Run, progress: Progress) -> HeldoutAcceptance | None:
     """The held-out acceptance now, as a point of the curve (metrics.jsonl); None: the task kept no held-out example."""
+    started = time.perf_counter()
     heldout = run.task.evaluate()
+    progress.eval_seconds = max(progress.eval_seconds, time.perf_counter() - started)
     point = {"step": progress.step, "tokens": progress.tokens, "minutes": progress.seconds / 60,
              **(heldout.to_dict() if heldout else {})}
     progress.curve.append(point)
@@ -217,13 +223,15 @@ def evaluate(run: Run, progress: Progress) -> HeldoutAcceptance | None:
     return heldout
 
 
-def train(run: Run, progress: Progress) -> None:
-    """Steps until a budget (steps, tokens, minutes) runs out: log each, evaluate and checkpoint on schedule."""
+def train(run: Run, progress: Progress, deadline: Deadline) -> None:
+    """Steps until a budget (steps, tokens, minutes, the deadline) runs out: log each, evaluate and
+    checkpoint on schedule."""
     config, opt = run.config, run.config.optim
     autocast = torch.autocast(run.device.type, dtype=torch.bfloat16) if opt.bf16 else nullcontext()
     clock = time.process_time if opt.clock == "cpu" else time.perf_counter
     bar = tqdm(total=opt.max_steps, initial=progress.step, desc="distill", unit="step", file=sys.stderr,
                disable=not config.progress or run.rank != 0)
+    step_wall = 0.0  # the last step's wall time
     while progress.step < opt.max_steps:
         if opt.max_tokens is not None and progress.tokens >= opt.max_tokens:
             progress.stop = "max_tokens"
@@ -231,9 +239,12 @@ def train(run: Run, progress: Progress) -> None:
         if opt.max_minutes is not None and progress.seconds >= 60 * opt.max_minutes:
             progress.stop = "max_minutes"
             break
-        t0 = clock()
+        if out_of_time(run, deadline, step_wall + (progress.eval_seconds if run.evaluates else 0.0)):
+            progress.stop = "deadline"
+            break
+        t0, wall0 = clock(), time.perf_counter()
         step_loss, step_tokens = train_step(run, progress, autocast)
-        elapsed = clock() - t0
+        elapsed, step_wall = clock() - t0, time.perf_counter() - wall0
         progress.seconds += elapsed
         progress.loss = step_loss
         if run.rank == 0:
@@ -253,6 +264,16 @@ def train(run: Run, progress: Progress) -> None:
         if run.world > 1 and progress.step % config.checkpoint_every == 0:
             dist.barrier()
     bar.close()
+
+
+def out_of_time(run: Run, deadline: Deadline, keep_seconds: float) -> bool:
+    """Whether `deadline` leaves no more than `keep_seconds`; every rank takes rank 0's answer, so all stop together."""
+    if deadline.at is None:
+        return False
+    late = torch.tensor([int(deadline.remaining() <= keep_seconds)], device=run.device)
+    if run.world > 1:
+        dist.broadcast(late, src=0)
+    return bool(late.item())
 
 
 def train_step(run: Run, progress: Progress, autocast) -> tuple[float, int]:

@@ -215,7 +215,8 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | None, heldo
     if result_file.is_file():  # finished before: a rerun reuses it
         return Trained.from_dict(paths.read_json(result_file, "distillation result"))
     stage, now = "generic" if generic else "distill", time.time()
-    left = stage_deadline(config, stage, deadline_at, now=now).minutes(now)
+    deadline = stage_deadline(config, stage, deadline_at, now=now)
+    left = deadline.minutes(now)
     minutes = stage_budgets(config)[stage]
     if left is not None and (minutes is None or left < minutes):
         if left < MIN_TRAIN_MINUTES:
@@ -225,7 +226,7 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | None, heldo
         minutes = left
     dcfg = tc.for_run(config, data=data, out_dir=out_dir, teacher=teacher, warm_start=warm_start, max_minutes=minutes,
                       generic=generic, feature_dir=feature_dir)
-    return distill_train.distill(dcfg)
+    return distill_train.distill(dcfg, deadline)
 
 
 def flat_params(section: dict, prefix: str = "") -> dict:
