@@ -463,3 +463,19 @@ def test_a_benchmark_past_its_deadline_keeps_what_it_measured():
     assert len(needed.prompt_speedups) == 4 and needed.budget_note.startswith("time budget reached: 4 of 5 prompts")
     full = run_bench_many(target, None, {"ngram": NgramDrafter(1, 3)}, prompts, cfg, progress=False, deadline=Deadline(None))
     assert full["ngram"].repeats == 3 and full["ngram"].budget_note == "" and len(full["ngram"].prompt_speedups) == 5
+
+
+def test_no_prompt_round_starts_that_the_longest_so_far_says_would_end_past_the_deadline(monkeypatch):
+    import itertools
+
+    from specdistill.budget import Deadline
+    from specdistill.speculative import harness_bench
+    from specdistill.speculative.harness_bench import MIN_MEASURED_PROMPTS
+
+    clock = itertools.count(0.0, 100.0)  # every clock read 100 s later: each prompt round takes minutes
+    monkeypatch.setattr(harness_bench.time, "perf_counter", lambda: next(clock))
+    cfg = BenchConfig(gamma=3, max_new_tokens=8, repeats=3, measure_cost=False)
+    r = run_bench_many(bf16_target().float(), None, {"ngram": NgramDrafter(1, 3)}, id_prompts(5), cfg, progress=False,
+                       deadline=Deadline.after(1.0))["ngram"]  # a minute left, never expired while it runs
+    assert len(r.prompt_speedups) == MIN_MEASURED_PROMPTS and r.repeats == 1
+    assert r.budget_note == f"time budget reached: {MIN_MEASURED_PROMPTS} of 5 prompts, 1 of 3 repeats measured"

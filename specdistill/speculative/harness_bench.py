@@ -143,9 +143,9 @@ def run_bench_many(
     min_prompts: int = MIN_MEASURED_PROMPTS,
 ) -> dict[str, BenchResult]:
     """Several drafters against one shared target-only run per prompt and repeat; each at its own γ
-    where `gammas` names one (else `config.gamma`). Past `deadline` no new prompt round starts: the
-    results cover the prompts (at least `min_prompts`: what a decision on them needs) and whole repeats
-    measured by then.
+    where `gammas` names one (else `config.gamma`). No prompt round (nor repeat) starts that the longest
+    so far says would end past `deadline`: the results cover the prompts (at least `min_prompts`: what a
+    decision on them needs) and whole repeats measured by then.
 
     For each prompt, target-only and every drafter run back to back, in an order that rotates from
     prompt to prompt and repeat to repeat, so no method always runs first (or right after another).
@@ -177,14 +177,16 @@ def run_bench_many(
     pairs: dict[str, list[dict]] = {name: [{} for _ in prompts] for name in drafters}
     bar = tqdm(total=config.repeats * len(prompts), desc="bench", unit="prompt", file=sys.stderr, disable=not progress)
     measured, repeats = len(prompts), config.repeats
+    rounds: list[float] = []  # seconds per prompt round: none starts that would end past the deadline
     for r in range(config.repeats):
-        if r > 0 and deadline is not None and deadline.expired():
+        if r > 0 and deadline is not None and deadline.remaining() <= sum(rounds[-len(encoded):]):
             repeats = r
             break
         for i, ids in enumerate(encoded):
-            if r == 0 and i >= min_prompts and deadline is not None and deadline.expired():
+            if r == 0 and i >= min_prompts and deadline is not None and deadline.remaining() <= max(rounds, default=0.0):
                 measured = i
                 break
+            started = time.perf_counter()
             shift = (r + i) % len(modes)
             outputs = {}
             for mode in modes[shift:] + modes[:shift]:
@@ -196,6 +198,7 @@ def run_bench_many(
             if sampling.greedy:
                 for name in drafters:
                     pairs[name][i][(tuple(outputs[None]), tuple(outputs[name]))] = None
+            rounds.append(time.perf_counter() - started)
             bar.update(1)
         if measured < len(prompts):  # cut in the first repeat: `measured` prompts, one repeat
             repeats = 1
