@@ -786,6 +786,27 @@ def test_train_answers_cut_to_nothing_stop_before_training(tiny_target_dir, tmp_
     assert held.answers == len(window.eval)
 
 
+def test_the_answer_engine_probe_is_timed_inside_the_answer_stage_s_share(tiny_target_dir, tmp_path, monkeypatch):
+    from specdistill import budget
+    from specdistill.pipeline.answers import stage as answers
+
+    monkeypatch.setenv("SPECDISTILL_HOME", str(tmp_path / "home"))
+    url, chat_file, code_file = _store_with_traffic(tmp_path)
+    config = _window_config(tiny_target_dir, url, chat_file, code_file, "generation.backend=auto")
+    window = pipeline.select_window(config, now=NOW)
+    order = []
+    monkeypatch.setattr(answers, "stage_deadline", lambda *a, **k: order.append("deadline") or budget.Deadline(None))
+
+    def probe(*_):
+        order.append("probe")
+        raise RuntimeError("probed")
+
+    monkeypatch.setattr(answers, "choose_answer_engine", probe)
+    with pytest.raises(RuntimeError, match="probed"):
+        answers.generate_responses(config, window, "train", record_teacher=True)
+    assert order == ["deadline", "probe"]  # the share is fixed before the probe spends any of it
+
+
 def test_a_finished_runs_state_keeps_traffic_and_answers_to_its_owner(tiny_target_dir, tmp_path):
     """The state of a run (log store, window, the target's answers and teacher cache, the suffix corpus
     and its SGLang export, the generic baseline's conversations, a trained draft registered in MLflow,

@@ -47,12 +47,12 @@ def generate_responses(config: NightlyConfig, window: Window, split: str, *, rec
     what was written; none at all stops the run before it trains on nothing."""
     target = shared_model(config.target, dtype=config.dtype, device=config.device)  # the harness answers in bf16 where the hardware has it
     prompts = [Prompt(id=p.id, messages=p.messages) for p in window.split(split)]
+    deadline = stage_deadline(config, "answers", deadline_at) if split == "train" else None  # the probe's time included
     engine = None
     if config.generation.backend == "auto":  # measured once per target and machine, on the train prompts
         engine = choose_answer_engine(config, target, [Prompt(id=p.id, messages=p.messages) for p in window.train])
         config = engine.apply(config)
     g = config.generation
-    deadline = stage_deadline(config, "answers", deadline_at) if split == "train" else None
     records, source, out_path, cache_dir, logged = _answer(config, target, window, split, prompts, record_teacher, deadline)
     if split == "train" and not any(p.id in records for p in window.split(split)):
         raise ValueError(f"the time budget left no time to answer any of the {len(prompts)} train prompts "
