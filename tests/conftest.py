@@ -6,7 +6,9 @@ Test modules import the builders as `from tests.conftest import ...`.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -156,6 +158,21 @@ def _isolated_home(tmp_path, monkeypatch):
     models._SHARED.clear()
     yield
     models._SHARED.clear()
+
+
+@pytest.fixture(autouse=True)
+def _live_log_streams():
+    """Point log handlers left on a closed stream at the live stderr. A handler made while `capsys` held
+    sys.stderr (Prefect makes its console handler the first time it sets up logging) keeps that stream
+    after the test closes it; Prefect then prints its logging error through its own logger and recurses.
+    Which test sets Prefect up first depends on the worker's order of files (pytest-dev/pytest#5743)."""
+    loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger))]
+    for handler in (h for lg in loggers for h in lg.handlers):
+        if isinstance(handler, logging.StreamHandler) and getattr(handler.stream, "closed", False):
+            handler.stream = sys.stderr  # not setStream: it flushes the closed stream first
+            if hasattr(handler, "console"):  # Prefect's rich console writes to its own reference
+                handler.console.file = sys.stderr
+    yield
 
 
 @pytest.fixture(scope="session")
