@@ -49,7 +49,7 @@ lint: $(STAMP)
 
 # The log store's tests also run on PostgreSQL: with_postgres.sh installs Debian's postgresql when
 # missing, starts a throwaway server and sets SPECDISTILL_TEST_PG_URL for pytest.
-# `make test`: lint, then the whole suite (~17 min on 2 cores). `make test-fast`: everything but the
+# `make test`: lint, then the whole suite (~20 min on 2 cores). `make test-fast`: everything but the
 # e2e tier (the real demo target, Prefect/MLflow servers and flows, tests of more than a few seconds).
 # The suite waits on servers and subprocesses much of its time: two workers keep both cores busy.
 # Tests of one file share a worker (their module fixtures, a Prefect server, start once).

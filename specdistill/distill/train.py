@@ -270,10 +270,12 @@ def out_of_time(run: Run, deadline: Deadline, keep_seconds: float) -> bool:
     """Whether `deadline` leaves no more than `keep_seconds`; every rank takes rank 0's answer, so all stop together."""
     if deadline.at is None:
         return False
-    late = torch.tensor([int(deadline.remaining() <= keep_seconds)], device=run.device)
-    if run.world > 1:
-        dist.broadcast(late, src=0)
-    return bool(late.item())
+    late = deadline.remaining() <= keep_seconds
+    if run.world == 1:
+        return late
+    flag = torch.tensor([int(late)], device=run.device)
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
 
 
 def train_step(run: Run, progress: Progress, autocast) -> tuple[float, int]:
