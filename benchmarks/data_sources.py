@@ -11,7 +11,9 @@ side, in phase 2), then the same training (--train-steps, the recipe the nightly
   c   a + other models' responses (ShareGPT's ChatGPT answers) labelled by the target's prefill. Half
       the minutes each.
   c1  other models' responses only, all the minutes at prefill speed.
-  d   on-policy contexts (draft-proposed, target-corrected): not built; the table says so.
+  d   on-policy contexts (draft-proposed, target-corrected): under lossless greedy verification the draft
+      drafts from the target's own text, which a (and b, for sampled traffic) already are; not built, the
+      table says why (docs/data.md, "Draft-proposed contexts").
 Every arm is scored on the same held-out prompts (never trained on, disjoint by prompt text): the
 target's greedy answers, first-position acceptance and chained τ(γ=4) of the head, teacher-forced.
 
@@ -316,7 +318,8 @@ def print_table(results: dict) -> None:
         sources = ", ".join(f"{k} {v:,}" for k, v in a["by_source"].items())
         print(f"| {name} | {a['what']} | {a['answers']} | {a['tokens']:,} ({sources}) | "
               f"{a['first_position']:.3f} | {a['tau_chain_4']:.2f} |")
-    print("| d | on-policy contexts (draft-proposed, target-corrected) | – | not built | – | – |")
+    print("| d | on-policy contexts (draft-proposed, target-corrected) | – | the same contexts as a: verification is "
+          "lossless and greedy (docs/data.md) | – | – |")
     print("\nmean log-likelihood of a response under the target (nats per token):")
     for name, q in results["likelihood"].items():
         print(f"- {name}: n={q['n']}, p1 {q['p1']:.2f}, p5 {q['p5']:.2f}, median {q['median']:.2f}, p95 {q['p95']:.2f}")
