@@ -46,9 +46,11 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
     # training goes on from the champion, or from the newest draft of the kind being trained registered
     # for this target version when there is none or it is of the other kind
     start = t.training_start(config, fp, champion)
-    warm_start = t.align_vocab(config, start)
+    warm_start = t.align_vocab(config, start)  # after a target update: the champion carried over to it
     same = start is not None and champion is not None and start.version == champion.version
     champion_draft = warm_start if same else t.align_vocab(config, champion) if champion else None  # measured beside
+    if champion_draft is not None and not champion_draft.usable:
+        champion_draft = None  # its shapes do not fit this target: nothing to measure it on
 
     clock.lap("ingest, window, target")
     train_data = t.generate_responses(config, window, "train", fp, record_teacher=True, deadline_at=deadline_at)
@@ -59,7 +61,8 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
     clock.lap("answers")
     heldout_data = t.generate_responses(config, window, "eval", fp, record_teacher=False)
     pooled = t.pool_answers(config, window, train_data, heldout_data, fp)  # tonight's answers join the pool
-    trained = t.distill(config, pooled, heldout_data, warm_start.dir if warm_start else None, fp, deadline_at)
+    trained = t.distill(config, pooled, heldout_data, warm_start.dir if warm_start and warm_start.usable else None,
+                        fp, deadline_at)
     clock.lap("held-out answers, pool, distill")
 
     generic = (t.generic_baseline(config, window, heldout_data, fp, deadline_at) if config.bench.generic_draft else None)
@@ -75,11 +78,11 @@ def nightly(config_path: str | None = None, overrides: list[str] | None = None,
     clock.lap("benchmark")
     verdict = t.gate(config, results[Role.CHALLENGER], results.get(Role.CHAMPION), results, speeds)
     serving = t.choose_serving(config, window, results, verdict, speeds)
-    trained_on = pool_report(pooled, trained.stale_dropped, train_data) + "\n\n" + started_from(warm_start, champion)
+    trained_on = pool_report(pooled, trained.stale_dropped, train_data) + "\n\n" + started_from(warm_start, champion, fp)
     report = report_table(results, verdict, serving=serving, target=target, speeds=speeds) + "\n\n" + trained_on
     report_path = write_report(report, window)
     registered = t.register(config, target, window, trained, results, verdict,
-                            champion.version if champion else None, report_path, speeds)
+                            champion.version if champion else None, report_path, speeds, warm_start)
     promoted = None
     if verdict.promote:
         promoted = t.promote(config, registered, target, champion.version if champion else None, serving)

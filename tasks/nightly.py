@@ -118,8 +118,8 @@ def gate(config: NightlyConfig, challenger: BenchResult, champion: BenchResult |
 @task(name="register", retries=2, retry_delay_seconds=5)
 def register(config: NightlyConfig, target: TargetInfo, window: Window, trained: Trained, results: dict[str, BenchResult],
              verdict: GateVerdict, parent: str | None, report_path: str | None,
-             speeds: dict[str, BenchResult] | None = None) -> RegisteredDraft:
-    return pipeline.register(config, target, window, trained, results, verdict, parent, report_path, speeds)
+             speeds: dict[str, BenchResult] | None = None, warm_start: WarmStart | None = None) -> RegisteredDraft:
+    return pipeline.register(config, target, window, trained, results, verdict, parent, report_path, speeds, warm_start)
 
 
 @task(name="choose-serving-mode")

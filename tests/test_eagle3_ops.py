@@ -173,3 +173,23 @@ def test_nightly_warm_start_carries_a_head_over_a_tokenizer_change_once(head_dir
     assert new_tok.convert_tokens_to_ids("CalcBlackScholesVega") in head.draft_vocab.token_ids.tolist()
     monkeypatch.setattr(eagle3_io, "save_eagle3", lambda *a, **k: pytest.fail("a carried-over head on disk is reused"))
     assert nightly.align_champion(config, champion) == warm
+
+
+def test_nightly_starts_from_the_target_and_says_why_when_the_champion_head_does_not_fit(head_dir, tmp_path):
+    from specdistill.pipeline import nightly
+    from specdistill.pipeline.config import load_nightly_config
+    from specdistill.pipeline.outputs import Champion, WarmStart
+    from tests.conftest import make_tiny_llama, train_bpe
+
+    wider = tmp_path / "target-wide"  # the update changed the width: no weight of the head fits any more
+    make_tiny_llama(vocab_size=len(train_bpe(300)), hidden=48, layers=6, seed=1).save_pretrained(wider)
+    train_bpe(300).save_pretrained(wider)
+    champion = Champion("draft-tiny", "1", str(head_dir), {"target_fingerprint": "old"})
+    warm = nightly.align_champion(load_nightly_config(None, [f"target={wider}"]), champion)
+    assert not warm.usable and "target hidden size 48" in warm.unfit
+    line = nightly.started_from(warm, champion, "new")
+    assert line.startswith("training started from the target's weights") and "hidden size 48" in line
+    assert warm.lineage_tags()["warm_start_target_fingerprint"] == "old" and "warm_start_unfit" in warm.lineage_tags()
+    # a head that fits, trained for an earlier version, is carried over and says across which update
+    fits = nightly.started_from(WarmStart(**vars(champion)), champion, "new")
+    assert "from the champion, version 1 (trained for target old, before the update to new)" in fits

@@ -333,3 +333,37 @@ def test_auto_features_go_online_over_the_disk_budget(eagle_world, tmp_path):
                                   f"eagle3.feature_dir={tmp_path / 'f'}", "eagle3.feature_max_gb=1")).result_json()
     assert roomy["features"] == "cache" and (tmp_path / "f").is_dir() and "within" in roomy["features_reason"]
     assert roomy["feature_disk_bytes"] > 1e-6 * 1e9  # the cache the small budget would have refused
+
+
+def test_eagle3_warm_start_across_a_target_update_trains_and_records_its_lineage(eagle_world, tmp_path):
+    """After a target update (top layer tuned, a token added) the champion's head is what incremental
+    distillation starts from: another fingerprint is the reason to retrain, never a reason to refuse."""
+    from specdistill.modeling.eagle3_io import META_FILE
+    from specdistill.modeling.models import load_model
+    from specdistill.ops.drift import add_domain_tokens
+
+    first = distill(_eagle_config(eagle_world, tmp_path / "night1", "optim.max_steps=40", "eval_every=20"))
+    old = load_model(eagle_world / "target")
+    updated = load_model(eagle_world / "target")
+    add_domain_tokens(updated.model, updated.tokenizer, ("CalcBlackScholesVega",))
+    with torch.no_grad():
+        for p in updated.model.model.layers[-1].parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    new_dir = tmp_path / "target-v2"
+    updated.model.save_pretrained(new_dir)
+    updated.tokenizer.save_pretrained(new_dir)
+    new_fp = load_model(new_dir).fingerprint
+    assert new_fp != old.fingerprint
+
+    def night2(name: str, *extra: str):
+        return distill(_eagle_config(eagle_world, tmp_path / name, f"target={new_dir}", "optim.max_steps=4",
+                                     f"teacher.cache_dir={tmp_path / 'teacher-v2'}",
+                                     f"eagle3.feature_dir={tmp_path / 'features-v2'}", *extra))
+
+    warm = night2("warm", f"draft={first.draft_dir}")
+    scratch = night2("scratch")
+    # it trained on the new target, from where the old head had got to, well above a head started from the target
+    assert warm.steps == 4 and warm.curve[0]["acceptance"] > scratch.curve[0]["acceptance"] + 0.1
+    meta = json.loads((Path(warm.draft_dir) / META_FILE).read_text())
+    assert meta["target_fingerprint"] == new_fp
+    assert meta["warm_start"]["target_fingerprint"] == old.fingerprint and meta["warm_start"]["vocab_carried_over"]

@@ -218,11 +218,18 @@ class Eagle3Task:
     def __init__(self, config, target, examples: list, replay: list, heldout: list, device: torch.device):
         e = config.eagle3
         self.config, self.device = config, device
+        self.lineage: dict | None = None  # the warm start's own record: which head, trained for which target
         if config.draft:
-            head = load_eagle3(config.draft, target.model, target_fingerprint=target.fingerprint,
-                               feature_layers=e.layers).head
+            # a head of an earlier target version is the point of incremental distillation: its shapes
+            # decide (`check_fits`), and a tokenizer the update changed carries its draft vocabulary over
+            loaded = load_eagle3(config.draft, target.model, target_tokenizer=target.tokenizer, feature_layers=e.layers)
+            head = loaded.head
+            self.lineage = {"dir": str(config.draft), "target_fingerprint": loaded.meta.get("target_fingerprint"),
+                            "vocab_carried_over": loaded.transplanted or bool(loaded.meta.get("transplanted_from"))}
             draft_vocab = head.draft_vocab
-            if isinstance(config.draft_vocab, int) and draft_vocab.size != config.draft_vocab:
+            # a vocabulary carried over to a new tokenizer keeps the tokens the update added: its size is its own
+            if (isinstance(config.draft_vocab, int) and draft_vocab.size != config.draft_vocab
+                    and not self.lineage["vocab_carried_over"]):
                 raise ValueError(f"warm-start head {config.draft} has a {draft_vocab.size}-token vocabulary, "
                                  f"config asks for {config.draft_vocab}")
         else:
@@ -330,5 +337,6 @@ class Eagle3Task:
 
     def save(self, out_dir, target, meta: dict):
         """In the layout vLLM and SGLang load (modeling.eagle3_io)."""
+        lineage = {"warm_start": self.lineage} if self.lineage else {}
         return eagle3_io.save_eagle3(self.head.eval(), target.tokenizer, out_dir,
-                           {"target_fingerprint": target.fingerprint, "layers": self.layers, **meta})
+                           {"target_fingerprint": target.fingerprint, "layers": self.layers, **lineage, **meta})

@@ -331,10 +331,11 @@ def _rms_scale(norm: nn.Module) -> torch.Tensor:
     return norm.weight + 1 if type(norm).__name__.startswith("Gemma") else norm.weight
 
 
-def check_fits(config: dict, target_config, *, where: str = "", meta: dict | None = None,
-               target_fingerprint: str | None = None, feature_layers: list[int] | None = None,
+def check_fits(config: dict, target_config, *, where: str = "", feature_layers: list[int] | None = None,
                check_vocab_size: bool = True) -> None:
-    """Refuse a head (its config.json, before any weight is read) made for another target, naming every mismatch."""
+    """Refuse a head (its config.json, before any weight is read) whose shapes do not fit this target, naming
+    every mismatch. Shapes decide, not the target's version: a head trained for an earlier version of the
+    target is exactly what incremental distillation starts from after a target update."""
     problems = []
     target_hidden = config.get("target_hidden_size", config.get("hidden_size"))
     if target_hidden != target_config.hidden_size:
@@ -348,9 +349,6 @@ def check_fits(config: dict, target_config, *, where: str = "", meta: dict | Non
         problems.append(f"head reads target layers {layers}, the target has {target_config.num_hidden_layers}")
     if feature_layers is not None and list(feature_layers) != list(layers):
         problems.append(f"head reads target layers {layers}, the features given are of layers {list(feature_layers)}")
-    trained_for = (meta or {}).get("target_fingerprint")
-    if target_fingerprint and trained_for and trained_for != target_fingerprint:
-        problems.append(f"head was built for target fingerprint {trained_for}, this target is {target_fingerprint}")
     if problems:
         raise Eagle3ShapeError(f"EAGLE-3 head {where}{' ' if where else ''}does not fit this target: " + "; ".join(problems))
 

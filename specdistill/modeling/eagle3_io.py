@@ -108,7 +108,6 @@ def load_eagle3(
     target: PreTrainedModel,
     *,
     target_tokenizer: PreTrainedTokenizerBase | None = None,
-    target_fingerprint: str | None = None,
     feature_layers: list[int] | None = None,
 ) -> LoadedEagle3:
     """The head in `directory`, paired with `target` (its embeddings), in the target's dtype and on its
@@ -124,8 +123,8 @@ def load_eagle3(
     reason = ""
     if target_tokenizer is not None:
         reason = vocab_mismatch(check_vocab(target_tokenizer, tokenizer), config_dict.get("vocab_size"), target.config.vocab_size)
-    check_fits(config_dict, target.config, where=str(directory), meta=meta, target_fingerprint=target_fingerprint,
-               feature_layers=feature_layers, check_vocab_size=not reason)
+    check_fits(config_dict, target.config, where=str(directory), feature_layers=feature_layers,
+               check_vocab_size=not reason)
     weights = directory / WEIGHTS_FILE
     try:
         tensors = load_file(str(weights))

@@ -24,6 +24,7 @@ from specdistill.distill.config import DataConfig, TeacherConfig
 from specdistill.hardware import describe_device
 from specdistill.modeling import drafts, models
 from specdistill.modeling.drafts import align_draft, load_draft_meta
+from specdistill.modeling.eagle3 import Eagle3ShapeError
 from specdistill.modeling.eagle3_io import align_head, aux_layers_of, is_eagle3_dir
 from specdistill.modeling.models import dtype_name, resolve_model_dir, shared_model
 from specdistill.modeling.vocab import DraftVocab
@@ -90,13 +91,16 @@ def align_champion(config: NightlyConfig, champion: Champion | None) -> WarmStar
 
     target_tok = target_tokenizer(config)
 
-    def warm(directory: str, transplanted: bool, report: dict) -> WarmStart:
-        return WarmStart(champion.name, champion.version, directory, dict(champion.tags), transplanted, report)
+    def warm(directory: str, transplanted: bool, report: dict, unfit: str = "") -> WarmStart:
+        return WarmStart(champion.name, champion.version, directory, dict(champion.tags), transplanted, report, unfit)
 
     if is_eagle3_dir(champion.dir):  # a head: its draft vocabulary carried over; embeddings are the target's
         target = shared_model(config.target, dtype=config.dtype, device=config.device)
         out = run_root() / "aligned" / f"{champion.name}-{champion.version}-{target.fingerprint}"
-        aligned_dir, head, report = align_head(champion.dir, target.model, target_tok, out)
+        try:
+            aligned_dir, head, report = align_head(champion.dir, target.model, target_tok, out)
+        except Eagle3ShapeError as exc:  # another width or depth: tonight starts from the target, and says why
+            return warm("", False, {}, unfit=str(exc))
         return warm(str(aligned_dir), head.transplanted, report)
     target_vocab_size = AutoConfig.from_pretrained(resolve_model_dir(config.target)).vocab_size
     draft = models.load_model(champion.dir, dtype=config.dtype, device=config.device)
@@ -270,9 +274,15 @@ def _registered(name: str, mv) -> Champion | None:
                     tags=dict(mv.tags))
 
 
-def started_from(warm_start: WarmStart | None, champion: Champion | None) -> str:
+def started_from(warm_start: WarmStart | None, champion: Champion | None, target_fingerprint: str | None = None) -> str:
+    if warm_start is not None and not warm_start.usable:
+        return (f"training started from the target's weights: version {warm_start.version} does not fit this target "
+                f"({warm_start.unfit})")
+    trained_for = warm_start.tags.get("target_fingerprint") if warm_start is not None else None
+    across = (f" (trained for target {trained_for}, before the update to {target_fingerprint})"
+              if trained_for and target_fingerprint and trained_for != target_fingerprint else "")
     if warm_start is not None and champion is not None and warm_start.version == champion.version:
-        return f"training started from the champion, version {warm_start.version}"
+        return f"training started from the champion, version {warm_start.version}{across}"
     why = (f"the champion, version {champion.version}, is a {draft_kind(champion)} draft" if champion is not None
            else "there is no champion")
     if warm_start is None:
@@ -284,8 +294,9 @@ def started_from(warm_start: WarmStart | None, champion: Champion | None) -> str
 
 def register(config: NightlyConfig, target: TargetInfo, window: Window, trained: Trained,
              results: dict[str, BenchResult], verdict: GateVerdict, parent: str | None, report_path: str | None,
-             speeds: dict[str, BenchResult] | None = None) -> RegisteredDraft:
-    """The challenger into the registry with its numbers, curves and artifacts (see `pipeline.report`)."""
+             speeds: dict[str, BenchResult] | None = None, warm_start: WarmStart | None = None) -> RegisteredDraft:
+    """The challenger into the registry with its numbers, curves and artifacts (see `pipeline.report`), and
+    its lineage: the champion it was warm-started from and the target version that one was trained for."""
     return registry.register_draft(
         trained.draft_dir, target_name=config.target_name,
         params={"layers": trained.layers, "draft_vocab": trained.draft_vocab, "dtype": target.dtype,
@@ -294,7 +305,8 @@ def register(config: NightlyConfig, target: TargetInfo, window: Window, trained:
         artifacts=registration_artifacts(config, results, verdict, trained, report_path, speeds),
         tags={"target_fingerprint": target.fingerprint, "data_window": window.key,
               "gate_verdict": "pass" if verdict.passed else "fail", "parent": parent or "",
-              FIRST_POSITION_TAG: f"{first_position(results[Role.CHALLENGER])[0] or 0.0:.4f}"},  # the monitor's drift baseline
+              FIRST_POSITION_TAG: f"{first_position(results[Role.CHALLENGER])[0] or 0.0:.4f}",  # the monitor's drift baseline
+              **(warm_start.lineage_tags() if warm_start else {})},
         run_name=f"nightly-{window.key}",
     )
 

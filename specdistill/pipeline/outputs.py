@@ -80,6 +80,16 @@ class WarmStart(Champion):
 
     transplanted: bool = False
     vocab_report: dict = field(default_factory=dict)
+    unfit: str = ""  # why the champion's shapes do not fit this target (then training starts from the target)
+
+    @property
+    def usable(self) -> bool:
+        return not self.unfit
+
+    def lineage_tags(self) -> dict[str, str]:
+        """Which draft tonight's training started from, and for which target version it was trained (MLflow tags)."""
+        return {"warm_start_version": self.version, "warm_start_target_fingerprint": self.tags.get("target_fingerprint", ""),
+                **({"warm_start_unfit": self.unfit[:500]} if self.unfit else {})}
 
 
 @dataclass
