@@ -102,6 +102,33 @@ def test_unroll_ignores_padding(target, head):
     torch.testing.assert_close(both[1][1, :4], alone[1][0, :4])
 
 
+
+def test_later_steps_at_a_share_of_entries_are_exact_for_those_entries(target, head):
+    """`deep`: the steps after the first run at the marked entries only, each giving what the full unroll gives
+    there (kept rows with `keep`), so depth can be trained on a share of positions at a share of the cost."""
+    torch.manual_seed(2)
+    b, t, steps = 3, 9, 4
+    features = torch.randn(b, t, 96, dtype=torch.float64)
+    next_ids = torch.randint(0, 64, (b, t))
+    valid = torch.ones(b, t, dtype=torch.bool)
+    valid[2, 6:] = False
+    deep = (torch.rand(b, t) < 0.4) & valid
+    deep[1] = False  # a row with no marked entry at all
+    full = head.unroll(next_ids, features, steps, valid)
+    sparse = head.unroll(next_ids, features, steps, valid, deep=deep)
+    torch.testing.assert_close(sparse[0], full[0])  # the first step runs everywhere
+    for j in range(1, steps):
+        torch.testing.assert_close(sparse[j], full[j][deep])
+    keep = [torch.rand(b, t) < 0.7 for _ in range(steps)]
+    kept = head.unroll(next_ids, features, steps, valid, keep, deep=deep)
+    torch.testing.assert_close(kept[0], full[0][keep[0]])
+    for j in range(1, steps):
+        torch.testing.assert_close(kept[j], full[j][keep[j] & deep])
+    # gradients flow through the shared first step from every step
+    head.zero_grad()
+    sum(x.sum() for x in head.unroll(next_ids, features.requires_grad_(), steps, valid, deep=deep)).backward()
+    assert head.fc.weight.grad is not None and float(head.fc.weight.grad.abs().sum()) > 0
+
 def test_cache_crop():
     cache = Eagle3Cache()
     cache.append(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4))

@@ -80,7 +80,10 @@ class Eagle3Config(Strict):
     # 600 steps on the demo's answers gave 0.374 against 0.341 with 2 steps in two-thirds of the minutes, on 64
     # unseen prompts (benchmarks/head_recipe.py); the price is the 2nd position (chained τ(4) 1.39 against 1.47).
     # Set 2 or more where the head is served at γ > 1
-    steps: int = Field(1, ge=1)
+    steps: int = Field(1, ge=1, le=16)
+    # share of the entries at which the steps after the first train (the first trains at all): depth at a
+    # fraction of its cost, since those steps then run at the drawn entries alone (`Eagle3Draft.unroll(deep=...)`)
+    deep_share: float = Field(1.0, gt=0.0, le=1.0)
     decay: float = Field(0.8, gt=0.0, le=1.0)  # weight of step j: decay^j
     eval_steps: int = Field(4, ge=1)  # held-out acceptance at draft positions 1..eval_steps
     # prompt positions stored before each training answer (None: the whole prompt); 0 by measurement: as

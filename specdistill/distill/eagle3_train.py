@@ -178,8 +178,8 @@ class Eagle3Trainee(nn.Module):
         self.head, self.steps = head, steps
 
     def forward(self, next_ids: torch.Tensor, features: torch.Tensor, valid: torch.Tensor,
-                keep: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        return self.head.unroll(next_ids, features, self.steps, valid, keep)
+                keep: list[torch.Tensor] | None = None, deep: torch.Tensor | None = None) -> list[torch.Tensor]:
+        return self.head.unroll(next_ids, features, self.steps, valid, keep, deep)
 
 
 @torch.no_grad()
@@ -316,12 +316,26 @@ class Eagle3Task:
         if batch.features is None:
             batch.features = self.online(chosen)
         batch = batch.to(self.device)
+        deep = self.deep_entries(batch, step, micro)
         keep = [batch.trained(j) for j in range(self.module.steps)]  # logits of the trained rows only
         with autocast:
-            outs = model(batch.next_ids, batch.features, batch.valid, keep)
+            outs = model(batch.next_ids, batch.features, batch.valid, keep, deep)
         loss = eagle3_loss(outs, batch, decay=self.config.eagle3.decay, kind=self.config.loss.kind,
                            temperature=self.config.loss.temperature)
         return loss, batch.tokens, batch.ids
+
+    def deep_entries(self, batch: Eagle3Batch, step: int, micro: int) -> torch.Tensor | None:
+        """The entries the draft steps after the first train at this micro-batch: a random `eagle3.deep_share` of
+        those with a second-step label (all of them at share 1), drawn from the step and micro-batch alone so a
+        resumed run draws the same; the later steps' rows elsewhere are dropped from the batch (`Eagle3Batch.rows`)."""
+        share = self.config.eagle3.deep_share
+        if self.module.steps < 2 or share >= 1.0:
+            return None
+        g = torch.Generator().manual_seed(1_000_003 * step + micro)
+        deep = (torch.rand(batch.valid.shape, generator=g) < share).to(batch.valid.device) & (batch.rows[1] >= 0)
+        for j in range(1, self.module.steps):
+            batch.rows[j] = torch.where(deep, batch.rows[j], -1)
+        return deep
 
     def evaluate(self) -> HeldoutAcceptance | None:
         if not self.heldout:

@@ -214,9 +214,11 @@ class Eagle3Draft(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))
 
-    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, cache: Eagle3Cache) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, cache: Eagle3Cache,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         """One drafting call on a single sequence: hidden [1, T, H] is projected features or the head's
-        own earlier outputs; appends T entries to `cache`; returns the pre-norm hidden state [1, T, H]."""
+        own earlier outputs; appends T entries to `cache`; returns the pre-norm hidden state [1, T, H].
+        `mask` (bool [1, 1, T, past + T]) replaces the causal one: a draft tree's nodes see their own branch."""
         input_ids, position_ids = input_ids.to(hidden.device), position_ids.to(hidden.device)
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary_emb(hidden, position_ids)
@@ -225,7 +227,7 @@ class Eagle3Draft(nn.Module):
         past = cache.length
         keys, values = cache.append(k, v)
         t = q.shape[2]
-        mask = causal_mask(past, t, q.device)  # [1, 1, T, past + T]
+        mask = causal_mask(past, t, q.device) if mask is None else mask.to(q.device)  # [1, 1, T, past + T]
         if t > MAX_QUERIES:  # a long prefill: SDPA
             out = F.scaled_dot_product_attention(q, attn.expand(keys), attn.expand(values), attn_mask=mask).transpose(1, 2)
         else:  # the few tokens of a drafting step: matmuls, not SDPA's slow CPU kernel (modeling.attention)
@@ -233,7 +235,7 @@ class Eagle3Draft(nn.Module):
         return self.midlayer.finish(hidden, attn.o_proj(out.reshape(1, t, -1)))
 
     def unroll(self, next_ids: torch.Tensor, features: torch.Tensor, steps: int, valid: torch.Tensor,
-               keep: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+               keep: list[torch.Tensor] | None = None, deep: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Training-time test over a batch: `features` [B, T, 3·H_target] are the target's at
         positions t, `next_ids` [B, T] the tokens t+1, `valid` [B, T] marks real positions.
 
@@ -241,22 +243,41 @@ class Eagle3Draft(nn.Module):
         after position t: it reads token t+1+j and the previous step's output at t, and attends to
         step 0's entries at positions <= t plus its own and earlier steps' entries at t (the entries
         a drafting KV cache would hold). Returns one logits tensor [B, T, draft_vocab] per step, or
-        with `keep` (per step [B, T] bool) [kept, draft_vocab] for the kept entries only."""
+        with `keep` (per step [B, T] bool) [kept, draft_vocab] for the kept entries only.
+
+        With `deep` [B, T] bool, the steps after the first run at the entries it marks only, and their
+        logits are those entries' (kept ones with `keep`, else all marked), in row-major order. That is exact
+        for the marked entries, since an entry's later steps read its own earlier steps and step 0's keys,
+        never another entry's later steps; their cost is the marked share of a full step's."""
         b, t = next_ids.shape
         positions = torch.arange(t, device=next_ids.device).expand(b, t)
         hidden = self.project(features)
         attn, layer = self.midlayer.self_attn, self.midlayer
         causal = torch.ones(t, t, dtype=torch.bool, device=next_ids.device).tril()
         key_mask = causal & valid[:, None, None, :]  # [B, 1, T, T]
-        scale = attn.head_dim**-0.5
+        shifted = [F.pad(next_ids[:, j:], (0, j), value=0) for j in range(steps)]  # token t+1+j at t
+        rows = None  # [B, S] the entries the later steps run at (None: all)
+        if deep is not None and steps > 1:
+            count = max(1, int(deep.sum(1).max()))
+            rows = torch.argsort((~deep).to(torch.int8), dim=1, stable=True)[:, :count]  # marked first, in order
+            marked = deep.gather(1, rows)
+            keep = [keep[0] if keep is not None else None,
+                    *((keep[j].gather(1, rows) if keep is not None else torch.ones_like(marked)) & marked
+                      for j in range(1, steps))]
         keys0 = values0 = None
         diag_keys: list[torch.Tensor] = []
         diag_values: list[torch.Tensor] = []
         out = []
         for j in range(steps):
-            ids = F.pad(next_ids[:, j:], (0, j), value=0)
+            ids, at = shifted[j], positions + j
+            if j == 1 and rows is not None:  # from here on, the marked entries alone
+                hidden = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))
+                key_mask = (torch.arange(t, device=rows.device)[None, None, :] <= rows[:, :, None]) & valid[:, None, :]
+                key_mask = key_mask[:, None]  # [B, 1, S, T]
+            if j >= 1 and rows is not None:
+                ids, at = ids.gather(1, rows), rows + j
             embeds = self.embed_tokens(ids).to(hidden.dtype)
-            cos, sin = self.rotary_emb(hidden, positions + j)
+            cos, sin = self.rotary_emb(hidden, at)
             q, k, v = attn.qkv(layer.attn_input(embeds, hidden), cos, sin)
             k, v = attn.expand(k), attn.expand(v)
             if j == 0:
@@ -267,14 +288,22 @@ class Eagle3Draft(nn.Module):
             if j == 0 and self.unroll_sdpa:
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
             else:  # matmuls: SDPA's CPU kernel is ~3x slower here in bf16, forward and backward
-                scores = ((q @ keys0.transpose(-1, -2)) * scale).masked_fill(~key_mask, float("-inf"))
-                diag = [torch.stack([(q * dk).sum(-1) for dk in diag_keys], dim=-1) * scale] if j else []  # [B, h, T, j]
-                weights = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1)
-                o = weights[..., :t] @ values0
-                o = o + sum(weights[..., t + i, None] * dv for i, dv in enumerate(diag_values))
+                o = _unrolled_attention(q, keys0, values0, key_mask, diag_keys, diag_values, attn.head_dim**-0.5)
             hidden = layer.finish(hidden, attn.out(o))
-            out.append(self.logits(hidden if keep is None else hidden[keep[j]]))
+            out.append(self.logits(hidden if keep is None or keep[j] is None else hidden[keep[j]]))
         return out
+
+
+def _unrolled_attention(q: torch.Tensor, keys0: torch.Tensor, values0: torch.Tensor, key_mask: torch.Tensor,
+                        diag_keys: list[torch.Tensor], diag_values: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """Queries [B, h, S, d] over step 0's keys [B, h, T, d] (under `key_mask` [B, 1, S, T]) and over their own
+    entries' earlier steps (`diag_*`, each [B, h, S, d]), in one softmax."""
+    t = keys0.shape[2]
+    scores = ((q @ keys0.transpose(-1, -2)) * scale).masked_fill(~key_mask, float("-inf"))
+    diag = [torch.stack([(q * dk).sum(-1) for dk in diag_keys], dim=-1) * scale] if diag_keys else []  # [B, h, S, j]
+    weights = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1)
+    o = weights[..., :t] @ values0
+    return o + sum(weights[..., t + i, None] * dv for i, dv in enumerate(diag_values))
 
 
 @torch.no_grad()
