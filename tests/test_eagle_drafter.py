@@ -214,3 +214,53 @@ def test_tree_verification_gives_each_node_its_own_branch_logits():
         target(input_ids=seq.unsqueeze(0), cache=fresh, use_cache=True)
         torch.testing.assert_close(cache.layers[0].keys, fresh.layers[0].keys)
         torch.testing.assert_close(cache.layers[-1].values, fresh.layers[-1].values)
+
+
+@torch.inference_mode()
+def branch_top(head, target, tokens: list[int], branch: list[int], w: int) -> tuple[list[int], list[float]]:
+    """The head's top-w next drafts (target ids) and their log-probabilities after `branch`, drafted from scratch as a chain."""
+    L = len(tokens)
+    with FeatureHooks(target, head.aux_layers) as hooks:
+        target(input_ids=torch.tensor([tokens[: L - 1]]))
+        features = hooks.take()
+    cache = Eagle3Cache()
+    hidden = head(torch.tensor([tokens])[:, 1:L], head.project(features), torch.arange(L - 1)[None], cache)[:, -1:]
+    for i, t in enumerate(branch):
+        hidden = head(torch.tensor([[t]]), hidden, torch.tensor([[L - 1 + i]]), cache)
+    logp, d = torch.log_softmax(head.logits(hidden)[0, -1].float(), -1).topk(w)
+    return (d + head.d2t[d]).tolist(), logp.tolist()
+
+
+@pytest.mark.parametrize("width, depth, budget", [(2, 3, None), (3, 4, 7), (4, 3, 12)])
+def test_dynamic_tree_grows_each_branch_as_its_own_chain_would(width, depth, budget):
+    """Every node of an EAGLE-2 tree is among its parent's top-w drafts recomputed from scratch along its branch
+    (the tree's head entries see their own branch only); `budget` nodes, the likeliest, the top-1 chain first."""
+    target = tiny_target(9, vocab=32)
+    head = random_head(target, 9)
+    drafter = EagleDrafter(head, target, tree_width=width, tree_budget=budget)
+    tokens = [3, 1, 4, 1, 5, 9]
+    drafter.reset()
+    with FeatureHooks(target, drafter.feature_layers) as hooks:
+        target(input_ids=torch.tensor([tokens[:-1]]))
+        drafter.add_features(hooks.take()[0])
+    ids, parents = drafter.propose_tree(torch.tensor(tokens), depth)
+    ids = ids.tolist()
+    assert len(ids) == (budget or depth + width - 1)
+
+    def branch(n: int) -> list[int]:
+        return branch(parents[n]) + [ids[n]] if n >= 0 else []
+
+    score = {}
+    for n in range(len(ids)):
+        assert parents[n] < n
+        top, logp = branch_top(head, target, tokens, branch(parents[n]), width)
+        assert ids[n] in top, f"node {n} is not among its parent's top {width}"
+        score[n] = score.get(parents[n], 0.0) + logp[top.index(ids[n])]
+    chain = branch_top(head, target, tokens, [], 1)[0]
+    assert ids[0] == chain[0] and parents[0] == -1
+    depths = [len(branch(n)) for n in range(len(ids))]
+    assert max(depths) <= depth and (len(ids) <= width or max(depths) >= 2)  # grown past the first position
+    # a parent is always at least as likely as its child: the budget keeps whole branches
+    assert all(score[n] <= score[parents[n]] + 1e-6 for n in range(len(ids)) if parents[n] >= 0)
+    drafter.rollback(len(tokens))
+    assert drafter.cache.length == drafter.committed  # every speculative entry dropped

@@ -25,12 +25,14 @@ from specdistill.speculative.sampling import SamplingConfig, pick_token
 class EagleDrafter(Drafter):
     """Drafts with an EAGLE-3 head; `feature_layers` tells the engine which target layers to hook."""
 
-    def __init__(self, head: Eagle3Draft, target: PreTrainedModel, name: str = "eagle3", tree_width: int = 1):
+    def __init__(self, head: Eagle3Draft, target: PreTrainedModel, name: str = "eagle3", tree_width: int = 1,
+                 tree_budget: int | None = None):
         check_head_fits(head, target)
         pack_for_cpu(head)  # however it was loaded: a bf16 head's step on unpacked weights cost ~1.6x
         self.head = head
         self.name = name
-        self.tree_width = tree_width  # > 1: greedy decoding verifies the head's top candidates as a tree
+        self.tree_width = tree_width  # > 1: greedy decoding verifies a draft tree, the head's top candidates per node
+        self.tree_budget = tree_budget  # draft tokens a tree round verifies (None: γ + tree_width - 1)
         self.feature_layers = head.aux_layers
         self.vocab = head.draft_vocab
         self.d2t = head.d2t.cpu()  # drafting and verification run on the CPU, the head's forwards on its device
@@ -70,15 +72,6 @@ class EagleDrafter(Drafter):
                         positions, self.cache)
         self.committed, self.pending, self.last_hidden = end, None, out[:, -1:]
 
-    def _chain(self, first: torch.Tensor, hidden: torch.Tensor, position: int, k: int) -> list[torch.Tensor]:
-        """Greedy drafts after `first` (a target id at `position`, drafted from `hidden`): `first` and k - 1 more."""
-        ids = [first]
-        for i in range(1, k):
-            hidden = self.head(ids[-1].view(1, 1), hidden, torch.tensor([[position + i - 1]]), self.cache)
-            d = self._logits(hidden).argmax()
-            ids.append(d + self.d2t[d])
-        return ids
-
     def propose(self, tokens: torch.Tensor, k: int, config: SamplingConfig, generator: torch.Generator | None):
         self._commit(tokens)
         position = tokens.numel() - 1
@@ -94,18 +87,57 @@ class EagleDrafter(Drafter):
         return torch.stack(ids), self.vocab.to_full(torch.stack(qs))  # zero outside the draft vocabulary: still lossless
 
     def propose_tree(self, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, list[int]]:
-        """Greedy drafts as a tree (node ids, parent indices, -1 for the pending token): the head's chain
-        of k after its top candidate, then its next `tree_width - 1` candidates for the first position.
-
-        The first position is where the head's top-1 misses most often and verification of a few more
-        tokens costs next to nothing in bf16, so the runners-up there are the cheapest acceptance to add.
-        """
+        """Greedy drafts as a tree grown where the head is sure (EAGLE-2, as SGLang drafts with
+        `--speculative-num-steps` k, `--speculative-eagle-topk` w, `--speculative-num-draft-tokens` budget + 1):
+        each of k - 1 steps expands the w likeliest nodes of the newest depth (by the product of the draft
+        probabilities along their branch) into their top-w children; the `budget` likeliest nodes of all are
+        verified. Returns (node ids, parent indices, -1 for a child of the pending token); the head's top-1
+        chain comes first, so a round's first positions read as a chain-verifying engine would count them."""
         self._commit(tokens)
-        logits = self._logits(self.last_hidden)
-        top = logits.topk(min(self.tree_width, logits.numel())).indices
-        top = top + self.d2t[top]
-        chain = self._chain(top[0], self.last_hidden, tokens.numel() - 1, k)
-        return torch.stack(chain + list(top[1:])), list(range(-1, k - 1)) + [-1] * (top.numel() - 1)
+        w = self.tree_width
+        budget = self.tree_budget or k + w - 1
+        base = tokens.numel() - 1  # the position of the first speculative entry
+        logp, idx = torch.log_softmax(self._logits(self.last_hidden), -1).topk(w)
+        ids, parent, score = list(idx + self.d2t[idx]), [-1] * w, logp.tolist()
+        depth, children = [1] * w, {}
+        outputs: dict[int, torch.Tensor] = {-1: self.last_hidden}  # node -> the head output that drafts its children
+        entry: dict[int, int] = {}  # node -> its entry in the head's cache
+        newest = list(range(w))
+        for step in range(1, k):
+            grow = sorted(newest, key=lambda n: -score[n])[:w]
+            past = self.cache.length
+            mask = torch.zeros(len(grow), past + len(grow), dtype=torch.bool)
+            mask[:, : self.committed] = True
+            for row, n in enumerate(grow):
+                a = parent[n]
+                while a >= 0:  # its own branch only
+                    mask[row, entry[a]] = True
+                    a = parent[a]
+                mask[row, past + row] = True
+            hidden = torch.cat([outputs[parent[n]] for n in grow], dim=1)
+            out = self.head(torch.stack([ids[n] for n in grow]).view(1, -1), hidden,
+                            torch.full((1, len(grow)), base + step - 1), self.cache, mask[None, None])
+            logps, tops = torch.log_softmax(self.head.logits(out)[0].float().cpu(), -1).topk(w, dim=-1)
+            newest = []
+            for row, n in enumerate(grow):
+                entry[n], outputs[n] = past + row, out[:, row : row + 1]
+                for lp, d in zip(logps[row].tolist(), tops[row]):
+                    children.setdefault(n, []).append(len(ids))
+                    newest.append(len(ids))
+                    ids.append(d + self.d2t[d])
+                    parent.append(n)
+                    score.append(score[n] + lp)
+                    depth.append(step + 1)
+        chosen = set(sorted(range(len(ids)), key=lambda n: -score[n])[:budget])
+        chain = [0]  # the top-1 chain: the best child of each chain node, while chosen
+        while children.get(chain[-1]) and children[chain[-1]][0] in chosen:
+            chain.append(children[chain[-1]][0])
+        for n in list(chosen):  # a tie may leave a chosen node's parent out: take its branch whole
+            while parent[n] >= 0 and parent[n] not in chosen:
+                chosen.add(n := parent[n])
+        order = chain + sorted(chosen - set(chain), key=lambda n: (depth[n], -score[n]))
+        place = {n: i for i, n in enumerate(order)}
+        return torch.stack([ids[n] for n in order]), [place.get(parent[n], -1) for n in order]
 
     def rollback(self, valid_len: int) -> None:
         """Drop every speculative entry; the target's features for the accepted tokens arrive next."""
