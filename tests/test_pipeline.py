@@ -183,6 +183,20 @@ def test_the_report_tells_each_slice_s_first_position_acceptance_apart():
     assert "by slice" not in report_table(one_slice)  # the table's own row says it
 
 
+
+def test_the_report_shows_each_drafter_s_acceptance_by_draft_position():
+    from dataclasses import replace
+
+    results = {"challenger": replace(_result(0.4, 2.1), per_position_acceptance=[0.6, 0.3, 0.12]),
+               "ngram": replace(_result(0.3, 1.5), per_position_acceptance=[0.4, 0.2]),
+               "generic": _result(0.1, 1.1)}  # one position: its table row says it all
+    lines = report_table(results).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("acceptance by draft position"))
+    assert lines[at + 2:at + 6] == ["| drafter | pos 1 | pos 2 | pos 3 |", "|---|---:|---:|---:|",
+                                    "| challenger | 0.600 | 0.300 (0.50) | 0.120 (0.40) |",
+                                    "| ngram | 0.400 | 0.200 (0.50) | – |"]
+    assert "acceptance by draft position" not in report_table({"generic": _result(0.1, 1.1)})
+
 def test_the_gamma_note_tells_a_confirmation_that_lost_from_one_that_did_not_run():
     from dataclasses import replace
 

@@ -56,7 +56,7 @@ def report_table(results: dict[str, BenchResult], verdict: GateVerdict | None = 
         lines.append(f"| {name} | {first} | {r.acceptance_rate:.3f} | {r.accepted_length:.2f} | {gamma} | "
                      f"{r.speedup:.2f}x | {c} | {lossless_cell(r)} |")
     lines.append("| no speculation | – | – | 1.00 | – | 1.00x | – | yes |")
-    lines += drafter_specs(results) + first_position_by_slice(results)
+    lines += drafter_specs(results) + acceptance_by_position(results) + first_position_by_slice(results)
     if any(r.tree_width > 1 for r in results.values()):
         lines += ["", "γ (tree W): a chain of γ drafts after the head's top candidate plus its next W-1 candidates for "
                       "the first position, verified in one target forward (greedy); α is the chain's acceptance, τ "
@@ -107,6 +107,21 @@ def drafter_specs(results: dict[str, BenchResult]) -> list[str]:
     too long for a table's first column in a terminal."""
     specs = [f"- {name}: `{r.spec}`" for name, r in results.items() if r.spec and r.spec != name]
     return ["", "drafters:", *specs] if specs else []
+
+
+def acceptance_by_position(results: dict[str, BenchResult]) -> list[str]:
+    """Each drafter's acceptance at draft positions 1..γ (share of rounds that reached it) and, in brackets,
+    given the positions before it were accepted: where a draft's run stops, which τ alone hides."""
+    rows = {n: r.per_position_acceptance for n, r in results.items() if len(r.per_position_acceptance or []) > 1}
+    if not rows:
+        return []
+    width = max(len(v) for v in rows.values())
+    lines = ["", "acceptance by draft position (share of rounds; in brackets, given the positions before it accepted):", "",
+             "| drafter | " + " | ".join(f"pos {i + 1}" for i in range(width)) + " |", "|---|" + "---:|" * width]
+    for name, shares in rows.items():
+        cells = [f"{a:.3f}" + (f" ({a / shares[i - 1]:.2f})" if i and shares[i - 1] else "") for i, a in enumerate(shares)]
+        lines.append(f"| {name} | " + " | ".join(cells + ["–"] * (width - len(cells))) + " |")
+    return lines
 
 
 def first_position_by_slice(results: dict[str, BenchResult]) -> list[str]:
