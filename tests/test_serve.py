@@ -7,6 +7,7 @@ import json
 from dataclasses import replace
 
 import pytest
+import torch
 
 from specdistill.ops import registry
 from specdistill.ops.policy import Check, GateVerdict
@@ -202,3 +203,31 @@ def test_a_mean_gain_carried_by_a_few_prompts_is_not_written_and_the_report_stat
     assert f"lower bound of {chosen.speedup_lower_bound:.2f}x at 95% confidence" in line
     only_few = choose_serving(config, {}, {"ngram": results["ngram"]}, KEEP)
     assert only_few.mode == "off" and "no mode's gain holds over the prompts" in only_few.reason
+
+
+def test_a_head_served_as_a_tree_gives_chain_engines_the_chain_depth_its_own_chain_predicts(tmp_path):
+    """SGLang runs the measured tree (steps, top-k, draft tokens); vLLM and llama.cpp verify chains, so serving.json
+    gives them the depth the head's top-1 chain predicts fastest, not the tree's depth."""
+    from specdistill.data.results import GammaSearch
+    from specdistill.modeling.eagle3 import init_eagle3_from_target
+    from specdistill.modeling.eagle3_io import save_eagle3
+    from specdistill.modeling.vocab import DraftVocab
+    from specdistill.pipeline.serve import chain_gamma
+    from tests.conftest import make_tiny_llama, train_bpe
+
+    tok = train_bpe(300)
+    target = make_tiny_llama(vocab_size=len(tok), layers=6)
+    head = save_eagle3(init_eagle3_from_target(target, DraftVocab(torch.arange(50), len(tok))), tok, tmp_path / "head")
+    flat = {k: 1.0 for k in range(1, 10)}  # verification as cheap as a step, as bf16 measures up to 8 tokens
+    tree = replace(bench_result(f"draft:{head}", 1.6), tree_width=4, gamma=4, cost_ratio=0.05,
+                   per_position_acceptance=[0.6, 0.12, 0.02, 0.0],  # the chain stops after its second position
+                   gamma_search=GammaSearch(predicted_speedups={4: 1.5}, predicted_best=4, verify_costs=flat,
+                                            measured={4: 1.6}))
+    assert chain_gamma(tree) == 2 and chain_gamma(replace(tree, tree_width=1)) is None
+    d = replace(decision("draft", "challenger", f"draft:{head}", gamma=4), tree_width=4, chain_gamma=2)
+    cfg = serving_config(d, TARGET, "3", str(head))
+    assert cfg.draft_kind == "eagle3" and cfg.tree_width == 4 and cfg.chain_speculative_tokens == 2
+    assert cfg.vllm()["num_speculative_tokens"] == 2  # vLLM: the chain
+    flags = cfg.sglang()
+    assert [flags[flags.index(f) + 1] for f in ("--speculative-num-steps", "--speculative-eagle-topk",
+                                                 "--speculative-num-draft-tokens")] == ["4", "4", "8"]

@@ -86,6 +86,9 @@ class ServingConfig(BaseModel):
     # an EAGLE-3 head's first-position candidates, verified as a tree (SGLang's --speculative-eagle-topk);
     # vLLM's eagle3 method and llama.cpp verify a chain (width 1)
     tree_width: StrictInt = Field(1, ge=1)
+    # a head served as a tree (tree_width > 1) to SGLang: the chain depth measured for the engines that verify a
+    # chain only (vLLM's eagle3 method on its CPU build, llama.cpp's draft-eagle3); None: num_speculative_tokens
+    chain_speculative_tokens: StrictInt | None = Field(None, ge=1)
     hardware: StrictStr = ""  # the GPU or CPU (model, flags that matter) `measured` came from
     updated_at: StrictFloat = Field(default_factory=time.time, ge=0.0)
 

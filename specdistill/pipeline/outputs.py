@@ -43,6 +43,7 @@ class ServingDecision(Record):
     engine: str = "harness"  # harness | llamacpp | vllm | openai: where the speeds were measured
     llamacpp_args: list[str] = field(default_factory=list)  # llama-server flags of the chosen mode, as measured
     tree_width: int = 1  # first-position candidates the chosen head was measured with (1: a chain)
+    chain_gamma: int | None = None  # a head served as a tree: the chain depth its measured chain predicts best
     speedup_lower_bound: float | None = None  # the served mode's lower confidence bound (None: off, or no per-prompt speeds)
     confidence: float = CONFIDENCE  # its one-sided level
 

@@ -21,6 +21,7 @@ from specdistill.ops.serving import ServingConfig
 from specdistill.pipeline.config import NightlyConfig
 from specdistill.pipeline.corpus import sglang_corpus_path
 from specdistill.pipeline.outputs import Champion, ServingDecision, TargetInfo, Window
+from specdistill.speculative.gamma import best_gamma, predict_speedups
 from specdistill.speculative.specs import DrafterSpec
 from specdistill.speculative.suffix_corpus import read_corpus_meta
 
@@ -102,7 +103,18 @@ def choose_serving(config: NightlyConfig, window: Window, results: dict[str, Ben
     decision.gamma, decision.tree_width, decision.gamma_note = r.gamma, r.tree_width, gamma_note(r)
     if search is not None:
         decision.predicted_speedups, decision.verify_costs = dict(search.predicted_speedups), dict(search.verify_costs)
+        decision.chain_gamma = chain_gamma(r)
     return decision
+
+
+def chain_gamma(r: BenchResult) -> int | None:
+    """For a head measured as a tree: the chain depth engines that verify chains only should run it at, the γ
+    its own chain (the tree's top-1 branch, counted by position) predicts fastest on the measured verify costs."""
+    search = r.gamma_search
+    if r.tree_width <= 1 or search is None or r.cost_ratio is None or not r.per_position_acceptance:
+        return None
+    gammas = [g for g in sorted(search.verify_costs) if g + 1 in search.verify_costs]
+    return best_gamma(predict_speedups(r.per_position_acceptance, r.cost_ratio, search.verify_costs, gammas))
 
 
 def serving_config(decision: ServingDecision, target: TargetInfo, registered_version: str | None = None,
@@ -126,7 +138,8 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
     else:
         draft_dir, version = spec.path, champion.version if champion else None
     return ServingConfig(draft_dir=draft_dir, draft_version=version, draft_kind=kind,
-                         tree_width=d.tree_width if kind == "eagle3" else 1, **common)
+                         tree_width=d.tree_width if kind == "eagle3" else 1,
+                         chain_speculative_tokens=d.chain_gamma if kind == "eagle3" and d.tree_width > 1 else None, **common)
 
 
 def draft_free_fields(spec: DrafterSpec, fingerprint: str, target_path: str, dtype: str) -> dict[str, Any]:

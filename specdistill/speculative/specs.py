@@ -213,13 +213,16 @@ def _suffix_serving(spec: DrafterSpec) -> dict[str, Any]:
 # a draft model is a layers checkpoint (a draft, self-speculation's early-exit export) or an EAGLE-3 head
 
 def _model_vllm(c: Any) -> dict[str, Any]:
+    # vLLM verifies a chain: a head measured as a tree is served there at the chain depth measured for it
+    k = getattr(c, "chain_speculative_tokens", None) or c.num_speculative_tokens
     return {"method": "eagle3" if c.draft_kind == "eagle3" else "draft_model", "model": c.draft_dir,
-            "num_speculative_tokens": c.num_speculative_tokens}
+            "num_speculative_tokens": k}
 
 
 def _model_sglang(c: Any) -> list[str]:
-    # k draft steps; with a tree the head's top `tree_width` per step, of which the best k + tree_width - 1
-    # nodes (our engine's tree size) are verified with the pending token
+    # k draft steps, each expanding the `tree_width` likeliest nodes into their top `tree_width` children, of
+    # which the likeliest k + tree_width - 1 are verified with the pending token (EAGLE-2's dynamic tree, as
+    # `speculative.eagle.EagleDrafter.propose_tree` drafts and the harness measured it)
     k, w = c.num_speculative_tokens, c.tree_width
     return ["--speculative-algorithm", "EAGLE3" if c.draft_kind == "eagle3" else "STANDALONE",
             "--speculative-draft-model-path", str(c.draft_dir), "--speculative-num-steps", str(k),
