@@ -208,3 +208,17 @@ def test_draft_init_eagle3_works_or_refuses_each_architecture_in_one_line(arch, 
         base = generate(target.model, prompt, max_new_tokens=12, stop_token_ids=[])
         spec = generate(target.model, prompt, max_new_tokens=12, drafter=drafter, gamma=3, stop_token_ids=[])
         assert spec.output_ids == base.output_ids and spec.stats.rounds > 0  # lossless, and it did draft
+
+
+def test_feature_alignment_reads_the_next_entry_and_skips_padding():
+    from specdistill.modeling.eagle3 import feature_alignment
+
+    projected = torch.randn(2, 5, 8)
+    valid = torch.ones(2, 5, dtype=torch.bool)
+    valid[1, 3:] = False
+    shifted = torch.cat([projected[:, 1:], torch.randn(2, 1, 8)], dim=1)  # out_t = p_{t+1}: aligned
+    assert float(feature_alignment(shifted, projected, valid)) == pytest.approx(0.0, abs=1e-6)
+    off = shifted.clone()
+    off[1, 3] += 100.0  # an entry whose next one is padding: not read
+    assert float(feature_alignment(off, projected, valid)) == pytest.approx(0.0, abs=1e-6)
+    assert float(feature_alignment(torch.zeros_like(projected), projected, valid)) == pytest.approx(1.0)

@@ -46,7 +46,8 @@ def test_the_train_section_is_the_distillation_config_with_the_nightly_defaults(
     from specdistill.pipeline.config import NightlyTrain
 
     assert issubclass(NightlyTrain, DistillConfig)
-    assert set(NightlyTrain.model_fields) == {*DistillConfig.model_fields, "incremental_lr"}
+    assert set(NightlyTrain.model_fields) == {*DistillConfig.model_fields, "incremental_lr", "incremental_steps",
+                                              "incremental_deep_share"}
     demo = load_nightly_config().train
     assert (demo.kind, demo.optim.max_minutes, demo.optim.bf16) == ("eagle3", 4.5, None)
     assert (demo.optim.warmup_steps, demo.checkpoint_every, demo.eval_every) == (20, 1000, 1000) == (*derived_schedule(4000), 1000)
@@ -420,6 +421,19 @@ def test_distill_output_dir_depends_on_the_train_config_data_and_warm_start_only
     assert pipeline.distill_draft(base, train, heldout).draft_dir == "finished" and len(calls) == n  # reused
     assert Path(first).parent == run_root() / "distill"
 
+
+
+def test_a_warm_started_head_trains_at_the_incremental_depth():
+    """A night after the first starts from a head whose first position the nights before trained: it spends its
+    minutes on depth (`train.incremental_steps`, `train.incremental_deep_share`); night one keeps `eagle3.steps`."""
+    from specdistill.distill.config import DataConfig, TeacherConfig
+
+    cfg = load_nightly_config(None, ["train.eagle3.steps=1", "train.incremental_steps=3", "train.incremental_deep_share=0.5"])
+    args = dict(data=DataConfig(path="/d/train.jsonl", kind="generated"), out_dir="/o",
+                teacher=TeacherConfig(mode="cache", cache_dir="/d/tc"), feature_dir="/d/features")
+    fresh, warm = cfg.train.for_run(cfg, **args), cfg.train.for_run(cfg, **args, warm_start="/champion")
+    assert (fresh.eagle3.steps, fresh.eagle3.deep_share) == (1, 1.0)
+    assert (warm.eagle3.steps, warm.eagle3.deep_share, warm.optim.lr) == (3, 0.5, cfg.train.incremental_lr)
 
 def test_train_kind_eagle3_trains_a_head_from_features_beside_the_teacher_cache(monkeypatch):
     calls = []

@@ -85,6 +85,9 @@ class Eagle3Config(Strict):
     # fraction of its cost, since those steps then run at the drawn entries alone (`Eagle3Draft.unroll(deep=...)`)
     deep_share: float = Field(1.0, gt=0.0, le=1.0)
     decay: float = Field(0.8, gt=0.0, le=1.0)  # weight of step j: decay^j
+    # weight of the pull of step 0's output at t toward the projected target features at t+1 (what the next step
+    # reads toward what the first reads there: `modeling.eagle3.feature_alignment`); 0: off
+    align_weight: float = Field(0.0, ge=0.0, le=100.0)
     eval_steps: int = Field(4, ge=1)  # held-out acceptance at draft positions 1..eval_steps
     # prompt positions stored before each training answer (None: the whole prompt); 0 by measurement: as
     # good or better held-out acceptance per CPU-minute, 2.4x less disk (benchmarks/eagle_budget.py)

@@ -178,8 +178,9 @@ class Eagle3Trainee(nn.Module):
         self.head, self.steps = head, steps
 
     def forward(self, next_ids: torch.Tensor, features: torch.Tensor, valid: torch.Tensor,
-                keep: list[torch.Tensor] | None = None, deep: torch.Tensor | None = None) -> list[torch.Tensor]:
-        return self.head.unroll(next_ids, features, self.steps, valid, keep, deep)
+                keep: list[torch.Tensor] | None = None, deep: torch.Tensor | None = None,
+                alignment: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        return self.head.unroll(next_ids, features, self.steps, valid, keep, deep, alignment)
 
 
 @torch.no_grad()
@@ -318,10 +319,14 @@ class Eagle3Task:
         batch = batch.to(self.device)
         deep = self.deep_entries(batch, step, micro)
         keep = [batch.trained(j) for j in range(self.module.steps)]  # logits of the trained rows only
+        align = self.config.eagle3.align_weight
+        alignment: list[torch.Tensor] | None = [] if align > 0 else None
         with autocast:
-            outs = model(batch.next_ids, batch.features, batch.valid, keep, deep)
+            outs = model(batch.next_ids, batch.features, batch.valid, keep, deep, alignment)
         loss = eagle3_loss(outs, batch, decay=self.config.eagle3.decay, kind=self.config.loss.kind,
                            temperature=self.config.loss.temperature)
+        if alignment:
+            loss = loss + align * alignment[0]
         return loss, batch.tokens, batch.ids
 
     def deep_entries(self, batch: Eagle3Batch, step: int, micro: int) -> torch.Tensor | None:

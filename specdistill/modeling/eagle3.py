@@ -235,7 +235,8 @@ class Eagle3Draft(nn.Module):
         return self.midlayer.finish(hidden, attn.o_proj(out.reshape(1, t, -1)))
 
     def unroll(self, next_ids: torch.Tensor, features: torch.Tensor, steps: int, valid: torch.Tensor,
-               keep: list[torch.Tensor] | None = None, deep: torch.Tensor | None = None) -> list[torch.Tensor]:
+               keep: list[torch.Tensor] | None = None, deep: torch.Tensor | None = None,
+               alignment: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Training-time test over a batch: `features` [B, T, 3·H_target] are the target's at
         positions t, `next_ids` [B, T] the tokens t+1, `valid` [B, T] marks real positions.
 
@@ -248,7 +249,11 @@ class Eagle3Draft(nn.Module):
         With `deep` [B, T] bool, the steps after the first run at the entries it marks only, and their
         logits are those entries' (kept ones with `keep`, else all marked), in row-major order. That is exact
         for the marked entries, since an entry's later steps read its own earlier steps and step 0's keys,
-        never another entry's later steps; their cost is the marked share of a full step's."""
+        never another entry's later steps; their cost is the marked share of a full step's.
+
+        With `alignment` (a list), the mean over entries of how far step 0's output at t lies from the projected
+        target features at t+1 (`feature_alignment`) is appended to it: the input the next draft step reads,
+        pulled toward the input the first step reads there, where it is trained on every entry."""
         b, t = next_ids.shape
         positions = torch.arange(t, device=next_ids.device).expand(b, t)
         hidden = self.project(features)
@@ -289,9 +294,23 @@ class Eagle3Draft(nn.Module):
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
             else:  # matmuls: SDPA's CPU kernel is ~3x slower here in bf16, forward and backward
                 o = _unrolled_attention(q, keys0, values0, key_mask, diag_keys, diag_values, attn.head_dim**-0.5)
+            if j == 0 and alignment is not None:
+                projected = hidden
             hidden = layer.finish(hidden, attn.out(o))
+            if j == 0 and alignment is not None:
+                alignment.append(feature_alignment(hidden, projected, valid))
             out.append(self.logits(hidden if keep is None or keep[j] is None else hidden[keep[j]]))
         return out
+
+
+def feature_alignment(output: torch.Tensor, projected: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Mean over entries t (with t+1 real) of ||out_t - p_{t+1}||² / ||p_{t+1}||², p the projected target features,
+    held fixed: EAGLE's feature regression, as a pull on the hidden state a later draft step reads."""
+    want = projected[:, 1:].detach().float()
+    diff = output[:, :-1].float() - want
+    rows = valid[:, 1:] & valid[:, :-1]
+    per = diff.pow(2).sum(-1) / want.pow(2).sum(-1).clamp_min(1e-6)
+    return per[rows].mean() if bool(rows.any()) else output.sum() * 0.0
 
 
 def _unrolled_attention(q: torch.Tensor, keys0: torch.Tensor, values0: torch.Tensor, key_mask: torch.Tensor,

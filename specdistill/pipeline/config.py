@@ -97,6 +97,10 @@ class NightlyTrain(DistillConfig):
     checkpoint_every: int | None = Field(None, ge=1)  # null: `distill.config.derived_schedule`
     eval_every: int | None = Field(None, ge=1)  # null: as checkpoint_every
     incremental_lr: float = Field(3e-4, gt=0.0)  # optim.lr of a warm start from the champion
+    # a warm start's head (its first position trained by the nights before) spends its minutes on depth: its
+    # unroll and the share of entries the later steps train at (None: `eagle3.steps`, `eagle3.deep_share`)
+    incremental_steps: int | None = Field(None, ge=1, le=16)
+    incremental_deep_share: float | None = Field(None, gt=0.0, le=1.0)
 
     @model_validator(mode="before")
     @classmethod
@@ -138,7 +142,11 @@ class NightlyTrain(DistillConfig):
             update.update(kind="layers", loss=LossConfig(kind="ce").model_dump(), eagle3=Eagle3Config().model_dump())
         elif self.kind == "eagle3":
             update["eagle3"] = {**self.eagle3.model_dump(), "feature_dir": feature_dir, "feature_dtype": config.dtype}
-        raw = {**self.model_dump(exclude={"incremental_lr"}), **update}
+            if warm_start and self.incremental_steps is not None:
+                update["eagle3"]["steps"] = self.incremental_steps
+            if warm_start and self.incremental_deep_share is not None:
+                update["eagle3"]["deep_share"] = self.incremental_deep_share
+        raw = {**self.model_dump(exclude={"incremental_lr", "incremental_steps", "incremental_deep_share"}), **update}
         return DistillConfig.model_validate(raw)
 
 

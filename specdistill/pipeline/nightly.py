@@ -29,7 +29,7 @@ from specdistill.modeling.eagle3_io import align_head, aux_layers_of, is_eagle3_
 from specdistill.modeling.models import dtype_name, resolve_model_dir, shared_model
 from specdistill.modeling.vocab import DraftVocab
 from specdistill.ops import registry
-from specdistill.ops.policy import FIRST_POSITION_TAG, GateVerdict, Role, first_position
+from specdistill.ops.policy import FIRST_POSITION_TAG, SHAPE_GAMMA_TAG, SHAPE_TREE_TAG, GateVerdict, Role, first_position
 from specdistill.ops.registry import RegisteredDraft
 from specdistill.ops.serving import serving_path, write_serving_config
 from specdistill.pipeline.answers.stage import features_dir
@@ -306,6 +306,7 @@ def register(config: NightlyConfig, target: TargetInfo, window: Window, trained:
         tags={"target_fingerprint": target.fingerprint, "data_window": window.key,
               "gate_verdict": "pass" if verdict.passed else "fail", "parent": parent or "",
               FIRST_POSITION_TAG: f"{first_position(results[Role.CHALLENGER])[0] or 0.0:.4f}",  # the monitor's drift baseline
+              SHAPE_GAMMA_TAG: str(results[Role.CHALLENGER].gamma), SHAPE_TREE_TAG: str(results[Role.CHALLENGER].tree_width),
               **(warm_start.lineage_tags() if warm_start else {})},
         run_name=f"nightly-{window.key}",
     )

@@ -18,6 +18,9 @@ RESAMPLES = 2000
 # mean of a few, not a measurement; the gate and the serving choice both want at least this many
 MIN_SERVED_PROMPTS = 5
 FIRST_POSITION_TAG = "first_position_acceptance"  # a registered draft version's own, at registration
+# the shape it was measured at (and is served at): draft tokens per round, first-position candidates (1: a chain);
+# the monitor replays it at this shape, so the red line reads the same quantity at the gate and in production
+SHAPE_GAMMA_TAG, SHAPE_TREE_TAG = "measured_gamma", "measured_tree_width"
 
 
 class Role(StrEnum):
