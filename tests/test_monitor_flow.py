@@ -18,7 +18,7 @@ def _monitor_overrides(traffic: Path) -> list[str]:
     sources = f'[{{path: "{traffic}", format: jsonl, slice: chat}}]'
     return [f"nightly_config={TINY}", f"nightly_overrides=['sources={sources}', 'bench.generic_draft=false', "
             "'bench.self_spec_layers=[]', 'bench.ngram=false', 'serving.choose_gamma=false']",
-            "replay_prompts=6", "max_new_tokens=16", "min_draft_tokens=16", "fallback_exit_layers=[6]",
+            "replay_prompts=6", "fallback_prompts=6", "max_new_tokens=16", "min_draft_tokens=16", "fallback_exit_layers=[6]",
             "fallback_min_tokens=16"]
 
 

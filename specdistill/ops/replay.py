@@ -92,6 +92,7 @@ class AcceptanceSample(Record):
     seconds: float = 0.0
     prompts_available: int = 0  # usable logged prompts it could have read (`requests` of them were)
     stopped: str = ""  # why it read no more: settled at 95%, its time budget, or every prompt read
+    threads: str = ""  # the thread count it ran at and why (`speculative.threads.ThreadWatch.describe`)
 
     def counts(self) -> DraftCounts:
         """Its raw counts, per position over the replay's γ (what the metrics exporter adds up)."""
@@ -246,6 +247,7 @@ class FallbackDecision(Record):
     prompts: int = 0  # measured (of `prompts_available`)
     prompts_available: int = 0
     stopped: str = ""  # why it measured no more prompts: settled at 95%, its time budget, or every prompt measured
+    threads: str = ""  # the thread count it ran at and why (`speculative.threads.ThreadWatch.describe`)
 
     @property
     def spec(self) -> DrafterSpec | None:
