@@ -501,3 +501,24 @@ def test_a_benchmark_adds_prompts_only_until_its_decision_is_settled():
         assert sum(s.requests for s in r.slices) == 3 and r.lossless_exact == 3
     never = run_bench_many(target, None, {"ngram": NgramDrafter(1, 3)}, prompts, cfg, progress=False, settled=lambda s: False)
     assert len(never["ngram"].prompt_speedups) == 5 and never["ngram"].repeats == 2
+
+
+def test_a_drafter_that_can_no_longer_win_runs_on_no_further_prompts():
+    target = bf16_target().float()
+    calls = []
+
+    def drop(speedups):
+        calls.append(sorted(speedups))
+        return {"self"} if len(speedups["ngram"]) == 2 else set()
+
+    cfg = BenchConfig(gamma=3, max_new_tokens=8, repeats=1, measure_cost=False)
+    drafters = {"ngram": NgramDrafter(1, 3), "self": SelfSpecDrafter(target, 1)}
+    out = run_bench_many(target, None, drafters, id_prompts(5), cfg, progress=False, min_prompts=2, drop=drop,
+                         settled=lambda speedups: (calls.append(("settled", sorted(speedups))), len(speedups["ngram"]) == 4)[1])
+    assert calls == [["ngram", "self"], ("settled", ["ngram"]), ["ngram"], ("settled", ["ngram"]), ["ngram"], ("settled", ["ngram"])]
+    assert len(out["ngram"].prompt_speedups) == 4 and out["ngram"].lossless_exact == 4
+    assert len(out["self"].prompt_speedups) == 2 and out["self"].lossless_exact == 2 and out["self"].stats["requests"] == 2
+    # never every drafter: the last one stays measured
+    alone = run_bench_many(target, None, {"ngram": NgramDrafter(1, 3)}, id_prompts(3), cfg, progress=False, min_prompts=2,
+                           drop=lambda speedups: set(speedups))
+    assert len(alone["ngram"].prompt_speedups) == 3

@@ -192,6 +192,7 @@ def test_the_fallback_measures_prompts_until_its_choice_is_settled_or_its_time_r
         return Settled(n >= 3, f"bound after {n}")
 
     monkeypatch.setattr(replay, "leader_settled", settles_at_three)
+    monkeypatch.setattr(replay, "beaten", lambda speedups, **_: {})
     settled = choose_fallback(target, prompts, settle=True, **kw)
     assert asked == [{"self-spec@2": n, "ngram": n} for n in (2, 3)]  # from the choice's minimum on
     assert settled.decided and settled.prompts == 3 and settled.prompts_available == 4
@@ -203,6 +204,11 @@ def test_the_fallback_measures_prompts_until_its_choice_is_settled_or_its_time_r
     assert late.prompts == 2 and late.stopped == "time budget reached after 2 of 4 prompts: leader not ahead, not settled"
     whole = choose_fallback(target, prompts, **kw)  # as before: every prompt, no bound asked for
     assert whole.prompts == 4 and whole.stopped == "every prompt measured (4)"
+    # a mode that can no longer win is measured no further; the others are
+    monkeypatch.setattr(replay, "beaten", lambda speedups, **_: {"self-spec@2": "slow"} if "self-spec@2" in speedups else {})
+    pruned = choose_fallback(target, prompts, settle=True, **kw)
+    assert pruned.prompts == 4 and pruned.stopped.endswith("not settled; self-spec@2 measured no further: slow")
+    assert [len(c.prompt_speedups) for c in pruned.candidates] == [2, 4]
 
 
 @pytest.mark.e2e

@@ -65,3 +65,13 @@ def test_the_choice_needs_its_minimum_prompts_and_the_same_prompts_for_every_mod
     assert not s.settled and "4 prompts measured, fewer than the 5" in s.why
     with pytest.raises(ValueError, match="same prompts"):
         leader_settled({"ngram": STEADY_FAST, "self": STEADY_SLOW[:4]})
+
+
+def test_modes_that_can_no_longer_win_are_named_and_the_leader_never():
+    from specdistill.ops.policy.sequential import beaten
+
+    out = beaten({"ngram": STEADY_FAST, "self-spec@8": STEADY_SLOW, "self-spec@12": FLAT, "suffix": NEAR})
+    assert set(out) == {"self-spec@8", "self-spec@12"}  # the close rival stays in the running
+    assert out["self-spec@12"].startswith("its 95% upper bound over 6 prompts is") and "behind ngram" in out["self-spec@8"]
+    assert beaten({"ngram": STEADY_FAST[:4], "self": FLAT[:4]}) == {}  # too few prompts to drop anything
+    assert beaten({"ngram": FLAT}) == {}

@@ -29,7 +29,7 @@ from specdistill.modeling.eagle3_io import is_eagle3_dir, read_config
 from specdistill.modeling.models import LoadedModel, resolve_model_dir, shared_model
 from specdistill.modeling.vocab import DraftVocab, check_vocab, vocab_mismatch
 from specdistill.ops.policy import DEFAULT_MARGIN, MIN_SERVED_PROMPTS, Candidate, fastest_mode
-from specdistill.ops.policy.sequential import MIN_REPLAY_PROMPTS, acceptance_settled, leader_settled
+from specdistill.ops.policy.sequential import MIN_REPLAY_PROMPTS, acceptance_settled, beaten, leader_settled
 from specdistill.speculative import (
     ModelDrafter,
     SpecStats,
@@ -283,8 +283,9 @@ def choose_fallback(
     drafter while the corpus is of this target version (after a target update it is stale, as a draft).
 
     Prompts are measured in order; with `settle`, only until the 95% bounds settle the choice
-    (`policy.sequential.leader_settled`), and none starts that would end past `deadline` once `min_prompts`
-    are measured (`speculative.harness_bench.run_bench_many`). `stopped` says which ended it."""
+    (`policy.sequential.leader_settled`), a mode that can no longer win measured no further (`beaten`), and
+    none starts that would end past `deadline` once `min_prompts` are measured
+    (`speculative.harness_bench.run_bench_many`). `stopped` says which ended it."""
     if not prompts:
         return FallbackDecision(False, None, None, None, "no decision: no prompts to measure on", margin=margin)
     target = _loaded(target_ref)
@@ -302,25 +303,32 @@ def choose_fallback(
     drafters = {name: drafter_from_spec(target.model, spec, target_fingerprint=target.fingerprint,
                                         target_tokenizer=target.tokenizer_digest)
                 for name, spec in specs.items()}
-    verdicts: list = []
+    verdicts, dropped = [], {}
 
     def settled(speedups: dict[str, list[float]]) -> bool:
         verdicts.append(leader_settled(speedups, margin=margin, min_prompts=min_prompts))
         return verdicts[-1].settled
 
+    def drop(speedups: dict[str, list[float]]) -> set[str]:
+        gone = beaten(speedups, margin=margin, min_prompts=min_prompts)
+        dropped.update((name, f"{name} measured no further: {why}") for name, why in gone.items())
+        return set(gone)
+
     results = run_bench_many(target.model, target.tokenizer, drafters, list(prompts), config, progress=progress,
                              deadline=deadline, min_prompts=min_prompts, settled=settled if settle else None,
-                             between_rounds=between_rounds)
-    measured = len(next(iter(results.values())).prompt_speedups)
+                             drop=drop if settle else None, between_rounds=between_rounds)
+    measured = max(len(r.prompt_speedups) for r in results.values())
+    still = {name: r.prompt_speedups for name, r in results.items() if len(r.prompt_speedups) == measured}
     last = verdicts[-1] if verdicts else None
     if settle and (last is None or not last.settled):  # the last prompt measured is not asked about: read it all
-        last = leader_settled({name: r.prompt_speedups for name, r in results.items()}, margin=margin, min_prompts=min_prompts)
+        last = leader_settled(still, margin=margin, min_prompts=min_prompts)
     if last is not None and last.settled:
         stopped = f"settled after {measured} of {len(prompts)} prompts: {last.why}"
     else:
         why = f": {last.why}, not settled" if last is not None else ""
         stopped = (f"time budget reached after {measured} of {len(prompts)} prompts{why}" if measured < len(prompts)
                    else f"every prompt measured ({measured}){why}")
+    stopped += "".join(f"; {why}" for name, why in dropped.items() if name in drafters and len(results[name].prompt_speedups) < measured)
     candidates = [FallbackCandidate(spec.mode, spec.exit_layer, result.speedup, result.acceptance_rate, result.accepted_length,
                                     result.tokens_per_second_speculative, result.tokens_per_second_target_only,
                                     int(result.stats["generated_tokens"]), result.lossless, list(result.prompt_speedups))

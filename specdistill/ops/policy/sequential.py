@@ -5,6 +5,8 @@ bound settles its decision, or its time budget runs out (the report says which):
   every line the decision reads (the red line, and the drop from the champion's own at registration);
 - the fallback choice, once the leader's gain over target-only holds at 95% and it beats each other
   mode that could still clear the bar, paired prompt by prompt; or once no mode can clear the bar.
+  A mode that cannot win any more (`beaten`) is measured no further: the prompts added after it cost
+  only the modes still in the running.
 
 Bounds are seeded bootstrap quantiles over prompts, as the serving choice's (`serving_choice`): a
 prompt's rounds or tokens are not independent draws, its prompts are.
@@ -13,7 +15,6 @@ prompt's rounds or tokens are not independent draws, its prompts are.
 from __future__ import annotations
 
 import random
-import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -69,7 +70,9 @@ def acceptance_settled(rounds: Sequence[int], accepted_first: Sequence[int], lin
 
 
 def _harmonic(xs: Sequence[float]) -> float:
-    return statistics.harmonic_mean([max(x, 0.0) for x in xs])
+    """statistics.harmonic_mean of the speedups (0 when any is 0 or less), at a fraction of its cost:
+    a check runs thousands of them after every prompt."""
+    return 0.0 if not xs or min(xs) <= 0.0 else len(xs) / sum(1.0 / x for x in xs)
 
 
 def _bounds(xs: Sequence[float], samples: list[list[int]], confidence: float) -> tuple[float, float]:
@@ -110,3 +113,28 @@ def leader_settled(prompt_speedups: Mapping[str, Sequence[float]], *, margin: fl
                                   f"over {n} prompts")
     rivals = f", and ahead of {', '.join(c for c in contenders if c != leader)}" if len(contenders) > 1 else ""
     return Settled(True, f"the leader {leader} is at least {lo:.2f}x with {confidence:.0%} confidence over {n} prompts{rivals}")
+
+
+def beaten(prompt_speedups: Mapping[str, Sequence[float]], *, margin: float = DEFAULT_MARGIN,
+           confidence: float = CONFIDENCE, min_prompts: int = MIN_SERVED_PROMPTS, seed: int = 0) -> dict[str, str]:
+    """The modes that can no longer be chosen, and why: an upper bound at `confidence` not above
+    `1 + margin`, or, paired prompt by prompt, behind the leader with that confidence. None before
+    `min_prompts` prompts, and never the leader itself."""
+    n = len(next(iter(prompt_speedups.values()), []))
+    if n < min_prompts or len(prompt_speedups) < 2:
+        return {}
+    bar, samples = 1.0 + margin, _resampled(n, seed)
+    leader = max(prompt_speedups, key=lambda name: _harmonic(prompt_speedups[name]))
+    out = {}
+    for name, xs in prompt_speedups.items():
+        if name == leader:
+            continue
+        hi = _bounds(xs, samples, confidence)[1]
+        if hi <= bar:
+            out[name] = f"its {confidence:.0%} upper bound over {n} prompts is {hi:.2f}x, not above {bar:.2f}x"
+            continue
+        a = prompt_speedups[leader]
+        ratios = sorted(_harmonic([xs[i] for i in idx]) / max(_harmonic([a[i] for i in idx]), 1e-9) for idx in samples)
+        if _quantile(ratios, confidence) < 1.0:
+            out[name] = f"behind {leader} at {confidence:.0%} over {n} prompts"
+    return out
