@@ -283,3 +283,18 @@ def test_the_monitor_flow_decides_within_its_deadline_reports_its_stage_minutes_
     assert "fallback bench: time budget reached after 9 of 16 prompts" in report and "not settled" in report
     assert "**stage times** (minutes, 0.0 in all; the decision in 0.0 of a 5-minute deadline): start 0.0 · replay 0.0" in report
     assert "measured on: CPU " in report
+
+
+def test_the_recorded_decision_carries_each_stages_minutes_to_mlflow(tmp_path):
+    import mlflow
+
+    from specdistill.ops import registry
+    from specdistill.pipeline.outputs import MonitorOutcome
+
+    url = _store(tmp_path, [datetime(2024, 5, 1, tzinfo=timezone.utc).timestamp()])
+    config = MonitorConfig(target="demo", nightly_overrides=[f"serving_path={tmp_path / 'serving.json'}", f"log_db={url}"])
+    outcome = MonitorOutcome(_change(False), Decision.KEEP, stage_seconds={"start": 6.0, "replay": 30.0})
+    mc.record_decision(config, outcome)
+    registry.client()
+    run = mlflow.search_runs(experiment_ids=[registry.experiment_for(config.nightly.target_name)], output_format="list")[0]
+    assert run.data.metrics["start_minutes"] == pytest.approx(0.1) and run.data.metrics["replay_minutes"] == pytest.approx(0.5)

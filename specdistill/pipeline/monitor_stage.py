@@ -72,6 +72,8 @@ def record_decision(config: MonitorConfig, outcome: MonitorOutcome) -> RecordedD
                                 "accepted_length": sample.mean_accepted_length or 0.0})
         if sample is not None and sample.first_position_acceptance is not None:
             mlflow.log_metric("first_position_acceptance", sample.first_position_acceptance)
+        if outcome.stage_seconds:  # what the decision cost: each stage's minutes, beside the deadline
+            mlflow.log_metrics({f"{stage}_minutes": seconds / 60 for stage, seconds in outcome.stage_seconds.items()})
         fallback = outcome.fallback
         for c in fallback.candidates if fallback else []:
             name = c.mode + (f"_at_{c.exit_layer}" if c.exit_layer else "")
