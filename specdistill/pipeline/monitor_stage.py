@@ -28,6 +28,7 @@ from specdistill.pipeline.serve import draft_free_fields
 from specdistill.speculative.threads import ThreadWatch
 
 STAGES = ("replay", "fallback")  # the monitor's budgeted stages, in the order they run
+PROBE_PROMPT_TOKENS = 64  # the thread probe times decoding, not a long prompt's prefill (which favours more threads)
 
 
 def incremental_overrides(config: MonitorConfig, change: TargetChange) -> list[str]:
@@ -165,7 +166,7 @@ def measuring_threads(config: MonitorConfig, target: LoadedModel, prompt_ids: li
 
     before = torch.get_num_threads()
     if config.threads == "auto" and prompt_ids:
-        with ThreadWatch(target.model, prompt_ids) as watch:
+        with ThreadWatch(target.model, list(prompt_ids)[-PROBE_PROMPT_TOKENS:]) as watch:
             yield watch
         return
     try:
