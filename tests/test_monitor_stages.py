@@ -233,12 +233,10 @@ def test_the_monitor_measures_at_the_threads_it_finds_best_and_puts_torchs_back(
     monkeypatch.setattr(threads, "fastest_threads", probe)
     with mc.measuring_threads(MonitorConfig(target="demo"), target, [5, 6, 7]) as watch:  # auto
         assert torch.get_num_threads() == 1 and probes == [[5, 6, 7]]
-    with mc.measuring_threads(MonitorConfig(target="demo"), target, list(range(500))):  # decoding timed, not a prefill
-        assert probes[-1] == list(range(500 - mc.PROBE_PROMPT_TOKENS, 500))
-    probes.pop()
-    with mc.measuring_threads(MonitorConfig(target="demo"), target, [5, 6, 7]) as watch:
         assert watch.describe().startswith("1 thread, the fastest of a probe (tokens/s by threads: 1: 20.0, 2: 6.0")
     assert torch.get_num_threads() == before
+    with mc.measuring_threads(MonitorConfig(target="demo"), target, list(range(500))):  # decoding timed, not a prefill
+        assert probes.pop() == list(range(500 - mc.PROBE_PROMPT_TOKENS, 500))
     with mc.measuring_threads(MonitorConfig(target="demo", threads=1), target, [5, 6, 7]) as watch:
         assert watch is None and torch.get_num_threads() == 1 and len(probes) == 1
     assert torch.get_num_threads() == before
