@@ -12,6 +12,10 @@
 A serving config that cannot be read stops the run before anything is sampled: it is counted as an
 error and the pipeline's success is not marked (`pipeline.monitor_stage.check_serving_config`).
 
+The decision (replay, fallback choice) is budgeted: `deadline_minutes` from the flow's start, shared by
+the two stages; each reads prompts until a 95% bound settles it or its time runs out. The report gives
+each stage's minutes. `retrain=false` stops after the decision and the fallback.
+
 Runs on a schedule and on the `specdistill.target.updated` event (deploy/prefect.yaml).
 """
 
@@ -25,6 +29,7 @@ from specdistill.pipeline import monitor_stage as mc
 from specdistill.pipeline.config import load_monitor_config
 from specdistill.pipeline.outputs import MonitorOutcome
 from specdistill.pipeline.report import render_outcome
+from specdistill.pipeline.stage_budgets import StageClock
 from tasks import monitor as t
 from tasks import nightly as nt
 
@@ -33,6 +38,7 @@ from tasks import nightly as nt
 def monitor(config_path: str | None = None, overrides: list[str] | None = None,
             fingerprint: str | None = None) -> MonitorOutcome:
     config = load_monitor_config(config_path, overrides)
+    deadline_at, clock = mc.decision_deadline(config), StageClock()  # deadline_minutes, shared by replay and fallback
     log = get_run_logger()
     if fingerprint:
         log.info("triggered by specdistill.target.updated for target %s", fingerprint)
@@ -43,16 +49,25 @@ def monitor(config_path: str | None = None, overrides: list[str] | None = None,
     if champion is None:
         log.info("no champion registered yet: nothing to monitor")
         return MonitorOutcome(change, mc.Decision.NO_CHAMPION)
+    clock.lap("start")
 
-    sample = t.sample_acceptance(config, champion, change.current)
+    sample = t.sample_acceptance(config, champion, change.current, deadline_at)
     decision, why = mc.judge(config, sample, champion)
-    outcome = MonitorOutcome(change, decision, champion=champion, sample=sample, decision_reason=why)
+    outcome = MonitorOutcome(change, decision, champion=champion, sample=sample, decision_reason=why,
+                             deadline_minutes=config.deadline_minutes,
+                             measured_on=mc.measured_on(config))
+    clock.lap("replay")
     if decision == mc.Decision.FALLBACK:
-        outcome.fallback = t.choose_fallback(config, change.current)
+        outcome.fallback = t.choose_fallback(config, change.current, deadline_at)
         outcome.serving = t.apply_fallback(config, outcome.fallback, change.current)
-    if decision in (mc.Decision.FALLBACK, mc.Decision.RETRAIN):
+        clock.lap("fallback")
+    if decision in (mc.Decision.FALLBACK, mc.Decision.RETRAIN) and config.retrain:
         outcome.incremental = nightly(config_path=config.nightly_config, overrides=mc.incremental_overrides(config, change))
+        clock.lap("retraining")
+    outcome.stage_seconds = dict(clock.seconds)
     t.record_decision(config, outcome)
+    clock.lap("record")
+    outcome.stage_seconds = dict(clock.seconds)
     report = render_outcome(outcome)
     create_markdown_artifact(report, key="monitor-decision", description="acceptance and what the monitor did")
     log.info("\n%s", report)

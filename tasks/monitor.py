@@ -21,13 +21,14 @@ def detect_target_change(config: MonitorConfig, champion: Champion | None) -> Ta
 
 
 @task(name="sample-acceptance")
-def sample_acceptance(config: MonitorConfig, champion: Champion, target: TargetVersion) -> Sample:
-    return mc.sample_acceptance(config, champion, target)
+def sample_acceptance(config: MonitorConfig, champion: Champion, target: TargetVersion,
+                      deadline_at: float | None = None) -> Sample:
+    return mc.sample_acceptance(config, champion, target, deadline_at)
 
 
 @task(name="choose-fallback")
-def choose_fallback(config: MonitorConfig, target: TargetVersion) -> FallbackDecision:
-    return mc.measure_fallback(config, target)
+def choose_fallback(config: MonitorConfig, target: TargetVersion, deadline_at: float | None = None) -> FallbackDecision:
+    return mc.measure_fallback(config, target, deadline_at)
 
 
 @task(name="apply-fallback", retries=2, retry_delay_seconds=5)

@@ -479,3 +479,46 @@ def test_no_prompt_round_starts_that_the_longest_so_far_says_would_end_past_the_
                        deadline=Deadline.after(1.0))["ngram"]  # a minute left, never expired while it runs
     assert len(r.prompt_speedups) == MIN_MEASURED_PROMPTS and r.repeats == 1
     assert r.budget_note == f"time budget reached: {MIN_MEASURED_PROMPTS} of 5 prompts, 1 of 3 repeats measured"
+
+
+def test_a_benchmark_adds_prompts_only_until_its_decision_is_settled():
+    target = bf16_target().float()
+    prompts = id_prompts(5)
+    cfg = BenchConfig(gamma=3, max_new_tokens=8, repeats=2, measure_cost=False)
+    asked, rounds = [], []
+
+    def settled(speedups: dict[str, list[float]]) -> bool:
+        asked.append({name: len(xs) for name, xs in speedups.items()})
+        assert all(x > 0 for xs in speedups.values() for x in xs)
+        return len(speedups["ngram"]) == 3
+
+    results = run_bench_many(target, None, {"ngram": NgramDrafter(1, 3), "self": SelfSpecDrafter(target, 1)}, prompts, cfg,
+                             progress=False, min_prompts=2, settled=settled, between_rounds=lambda: rounds.append(1))
+    assert asked == [{"ngram": 2, "self": 2}, {"ngram": 3, "self": 3}]  # from `min_prompts` on, after each prompt
+    assert len(rounds) == 3  # before each prompt round measured
+    for r in results.values():
+        assert len(r.prompt_speedups) == 3 and r.repeats == 1 and r.budget_note == ""  # settled is no budget cut
+        assert sum(s.requests for s in r.slices) == 3 and r.lossless_exact == 3
+    never = run_bench_many(target, None, {"ngram": NgramDrafter(1, 3)}, prompts, cfg, progress=False, settled=lambda s: False)
+    assert len(never["ngram"].prompt_speedups) == 5 and never["ngram"].repeats == 2
+
+
+def test_a_drafter_that_can_no_longer_win_runs_on_no_further_prompts():
+    target = bf16_target().float()
+    calls = []
+
+    def drop(speedups):
+        calls.append(sorted(speedups))
+        return {"self"} if len(speedups["ngram"]) == 2 else set()
+
+    cfg = BenchConfig(gamma=3, max_new_tokens=8, repeats=1, measure_cost=False)
+    drafters = {"ngram": NgramDrafter(1, 3), "self": SelfSpecDrafter(target, 1)}
+    out = run_bench_many(target, None, drafters, id_prompts(5), cfg, progress=False, min_prompts=2, drop=drop,
+                         settled=lambda speedups: (calls.append(("settled", sorted(speedups))), len(speedups["ngram"]) == 4)[1])
+    assert calls == [["ngram", "self"], ("settled", ["ngram"]), ["ngram"], ("settled", ["ngram"]), ["ngram"], ("settled", ["ngram"])]
+    assert len(out["ngram"].prompt_speedups) == 4 and out["ngram"].lossless_exact == 4
+    assert len(out["self"].prompt_speedups) == 2 and out["self"].lossless_exact == 2 and out["self"].stats["requests"] == 2
+    # never every drafter: the last one stays measured
+    alone = run_bench_many(target, None, {"ngram": NgramDrafter(1, 3)}, id_prompts(3), cfg, progress=False, min_prompts=2,
+                           drop=lambda speedups: set(speedups))
+    assert len(alone["ngram"].prompt_speedups) == 3

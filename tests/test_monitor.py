@@ -84,6 +84,29 @@ def test_replay_of_a_draft_identical_to_the_target_accepts_everything_and_stores
     assert decide(sample) == "keep"
 
 
+def test_a_replay_reads_prompts_until_its_bound_settles_the_decision_or_its_time_runs_out(store, tiny_target, tmp_path):
+    from specdistill.budget import Deadline
+
+    target = load_model(tiny_target, dtype="float32")
+    clone = save_draft(init_draft_from_target(target.model, [0, 1, 2, 3]), target.tokenizer, tmp_path / "clone")
+    kw = dict(n_prompts=6, gamma=3, max_new_tokens=8, min_draft_tokens=10, progress=False)
+    settled = replay_acceptance(target, str(clone), store, settle_lines=[0.5], min_prompts=3, **kw)
+    assert settled.ok and settled.requests == 3 and settled.prompts_available == 6
+    assert settled.stopped.startswith("settled after 3 of 6 prompts: its 95% interval 1.000-1.000 over 3 prompts lies over 0.500")
+    every = replay_acceptance(target, str(clone), store, **kw)  # no lines: every prompt, as before
+    assert every.requests == 6 and every.stopped == "every usable prompt read (6 of at most 6)"
+    straddled = replay_acceptance(target, str(clone), store, settle_lines=[1.0], min_prompts=3, **kw)
+    assert straddled.requests == 6 and straddled.stopped.endswith("straddles 1.000, not settled")
+    seen = []
+    late = replay_acceptance(target, str(clone), store, settle_lines=[1.0], min_prompts=2, deadline=Deadline(0.0),
+                             between_prompts=lambda: seen.append(1), **kw)
+    assert late.ok and late.requests == 2 and len(seen) == 2  # past its deadline: the minimum read, no more
+    assert late.stopped.startswith("time budget reached after 2 of 6 prompts: its 95% interval") and "not settled" in late.stopped
+    short = replay_acceptance(target, str(clone), store, settle_lines=[1.0], min_prompts=2, deadline=Deadline(0.0),
+                              **{**kw, "min_draft_tokens": 20})
+    assert 2 < short.requests < 6 and short.ok and short.proposed >= 20  # nor fewer draft tokens than a sample needs
+
+
 @pytest.mark.e2e
 def test_replay_of_an_unrelated_draft_measures_low_acceptance(store, tiny_target, tmp_path):
     target = load_model(tiny_target, dtype="float32")
@@ -151,6 +174,41 @@ def test_choose_fallback_never_decides_on_too_few_tokens_and_guards_against_slow
     else:
         assert best.mode == fastest.mode and best.exit_layer == fastest.exit_layer and best.speedup == fastest.speedup
     assert json.loads(json.dumps(best.to_dict()))["candidates"][0]["tokens_per_second_target_only"] > 0
+
+
+def test_the_fallback_measures_prompts_until_its_choice_is_settled_or_its_time_runs_out(tiny_target, monkeypatch):
+    from specdistill.budget import Deadline
+    from specdistill.ops import replay
+    from specdistill.ops.policy.sequential import Settled
+
+    target = load_model(tiny_target, dtype="float32")
+    prompts = [Prompt(p) for p in PROMPTS[:4]]
+    kw = dict(exit_layers=(2,), max_new_tokens=4, min_tokens=1, repeats=1, min_prompts=2, progress=False)
+    asked = []
+
+    def settles_at_three(speedups, **_):
+        asked.append({name: len(xs) for name, xs in speedups.items()})
+        n = len(speedups["ngram"])
+        return Settled(n >= 3, f"bound after {n}")
+
+    monkeypatch.setattr(replay, "leader_settled", settles_at_three)
+    monkeypatch.setattr(replay, "beaten", lambda speedups, **_: {})
+    settled = choose_fallback(target, prompts, settle=True, **kw)
+    assert asked == [{"self-spec@2": n, "ngram": n} for n in (2, 3)]  # from the choice's minimum on
+    assert settled.decided and settled.prompts == 3 and settled.prompts_available == 4
+    assert settled.stopped == "settled after 3 of 4 prompts: bound after 3"
+    assert all(len(c.prompt_speedups) == 3 for c in settled.candidates)
+
+    monkeypatch.setattr(replay, "leader_settled", lambda speedups, **_: Settled(False, "leader not ahead"))
+    late = choose_fallback(target, prompts, settle=True, deadline=Deadline(0.0), **kw)
+    assert late.prompts == 2 and late.stopped == "time budget reached after 2 of 4 prompts: leader not ahead, not settled"
+    whole = choose_fallback(target, prompts, **kw)  # as before: every prompt, no bound asked for
+    assert whole.prompts == 4 and whole.stopped == "every prompt measured (4)"
+    # a mode that can no longer win is measured no further; the others are
+    monkeypatch.setattr(replay, "beaten", lambda speedups, **_: {"self-spec@2": "slow"} if "self-spec@2" in speedups else {})
+    pruned = choose_fallback(target, prompts, settle=True, **kw)
+    assert pruned.prompts == 4 and pruned.stopped.endswith("not settled; self-spec@2 measured no further: slow")
+    assert [len(c.prompt_speedups) for c in pruned.candidates] == [2, 4]
 
 
 @pytest.mark.e2e

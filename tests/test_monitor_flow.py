@@ -20,7 +20,7 @@ def _monitor_overrides(traffic: Path, *nightly: str) -> list[str]:
     extra = "".join(f", '{o}'" for o in nightly)
     return [f"nightly_config={TINY}", f"nightly_overrides=['sources={sources}', 'bench.generic_draft=false', "
             f"'bench.self_spec_layers=[]', 'bench.ngram=false', 'serving.choose_gamma=false'{extra}]",
-            "replay_prompts=6", "max_new_tokens=16", "min_draft_tokens=16", "fallback_exit_layers=[6]",
+            "replay_prompts=6", "fallback_prompts=6", "max_new_tokens=16", "min_draft_tokens=16", "fallback_exit_layers=[6]",
             "fallback_min_tokens=16"]
 
 

@@ -189,3 +189,114 @@ def test_the_monitor_flow_on_an_empty_serving_config_exits_non_zero_and_marks_no
     err = capsys.readouterr().err
     assert f"serving config {serving} is empty" in err and err.count("\n") == 1
     assert calls == []
+
+
+# --------------------------------------------------------------------------------------------
+# the decision's time budget, its threads, and its stage minutes in the report
+
+
+def test_the_decision_deadline_is_shared_by_the_replay_and_the_fallback_as_the_nightlys_stages_are():
+    config = MonitorConfig(target="demo", deadline_minutes=8, replay_max_minutes=1.5, fallback_max_minutes=6)
+    deadline_at = mc.decision_deadline(config, now=1000.0)
+    assert deadline_at == 1000.0 + 480
+    assert mc.stage_deadline(config, "replay", deadline_at, now=1000.0).at == 1000.0 + 90  # its own budget
+    assert mc.stage_deadline(config, "fallback", deadline_at, now=1100.0).at == 1000.0 + 460  # its own: 6 minutes from now
+    assert mc.stage_deadline(config, "fallback", deadline_at, now=1300.0).at == 1000.0 + 480  # cut to the deadline
+    tight = MonitorConfig(target="demo", deadline_minutes=3, replay_max_minutes=1.5, fallback_max_minutes=6)
+    assert mc.stage_deadline(tight, "replay", mc.decision_deadline(tight, now=0.0), now=0.0).at == 180 * 1.5 / 7.5  # its share
+    assert mc.decision_deadline(MonitorConfig(target="demo", deadline_minutes=None)) is None
+    with pytest.raises(ValueError, match="not a budgeted monitor stage"):
+        mc.stage_deadline(config, "retraining", deadline_at)
+
+
+def test_the_replay_stops_on_the_lines_the_decision_turns_on():
+    config = MonitorConfig(target="demo", red_line=0.5, max_relative_drop=0.2)
+    assert mc.decision_lines(config, None) == [0.5]
+    assert mc.decision_lines(config, Champion("d", "1", "/d", tags={"first_position_acceptance": "0.75"})) == pytest.approx([0.5, 0.6])
+    assert mc.decision_lines(config, Champion("d", "1", "/d", tags={"first_position_acceptance": "n/a"})) == [0.5]
+
+
+def test_the_monitor_measures_at_the_threads_it_finds_best_and_puts_torchs_back(tiny_target, monkeypatch):
+    import torch
+
+    from specdistill.speculative import threads
+
+    target = load_model(tiny_target, dtype="float32")
+    before = torch.get_num_threads()
+    probes = []
+
+    def probe(model, ids, candidates=None):
+        probes.append(list(ids))
+        torch.set_num_threads(1)
+        return threads.ThreadChoice(1, {1: 20.0, 2: 6.0})
+
+    monkeypatch.setattr(threads, "fastest_threads", probe)
+    with mc.measuring_threads(MonitorConfig(target="demo"), target, [5, 6, 7]) as watch:  # auto
+        assert torch.get_num_threads() == 1 and probes == [[5, 6, 7]]
+        assert watch.describe().startswith("1 thread, the fastest of a probe (tokens/s by threads: 1: 20.0, 2: 6.0")
+    assert torch.get_num_threads() == before
+    with mc.measuring_threads(MonitorConfig(target="demo"), target, list(range(500))):  # decoding timed, not a prefill
+        assert probes.pop() == list(range(500 - mc.PROBE_PROMPT_TOKENS, 500))
+    with mc.measuring_threads(MonitorConfig(target="demo", threads=1), target, [5, 6, 7]) as watch:
+        assert watch is None and torch.get_num_threads() == 1 and len(probes) == 1
+    assert torch.get_num_threads() == before
+    with mc.measuring_threads(MonitorConfig(target="demo"), target, None) as watch:  # nothing to probe on
+        assert watch is None and len(probes) == 1
+    assert torch.get_num_threads() == before
+
+
+def test_the_monitor_flow_decides_within_its_deadline_reports_its_stage_minutes_and_can_stop_before_retraining(monkeypatch):
+    """The flow's body with its stages replaced: both measuring stages get the one deadline fixed at the
+    start; `retrain=false` falls back without starting the incremental run; the report says how each
+    measurement ended and the minutes of each stage."""
+    import logging
+    import time
+
+    import flows.monitor as flow
+    from specdistill.ops.replay import AcceptanceSample
+
+    calls, deadlines = [], []
+    change = _change(drifted=True)
+    sample = AcceptanceSample(True, acceptance_rate=0.1, first_position_acceptance=0.119, proposed=300,
+                              mean_accepted_length=1.1, stopped="settled after 6 of 12 prompts: its 95% interval "
+                              "0.080-0.160 over 6 prompts lies under 0.500", threads="1 thread, the fastest of a probe")
+    fallback = FallbackDecision(True, "ngram", None, 1.78, "ngram measured fastest at 1.78x", prompts=9,
+                                stopped="time budget reached after 9 of 16 prompts: the leader ngram's 95% lower "
+                                        "bound over 9 prompts is 1.02x, not above 1.05x, not settled")
+    monkeypatch.setattr(flow, "get_run_logger", lambda: logging.getLogger("monitor"))
+    monkeypatch.setattr(flow, "create_markdown_artifact", lambda *a, **k: None)
+    monkeypatch.setattr(flow, "nightly", lambda **k: calls.append("nightly"))
+    monkeypatch.setattr(flow.t, "check_serving_config", lambda config: None)
+    monkeypatch.setattr(flow.nt, "current_champion", lambda config: Champion("draft", "1", "/d"))
+    monkeypatch.setattr(flow.nt, "mark_success", lambda *a: calls.append("mark_success"))
+    monkeypatch.setattr(flow.t, "detect_target_change", lambda config, champion: change)
+    monkeypatch.setattr(flow.t, "sample_acceptance", lambda config, champion, target, deadline_at: deadlines.append(deadline_at) or sample)
+    monkeypatch.setattr(flow.t, "choose_fallback", lambda config, target, deadline_at: deadlines.append(deadline_at) or fallback)
+    monkeypatch.setattr(flow.t, "apply_fallback", lambda *a: calls.append("apply_fallback"))
+    monkeypatch.setattr(flow.t, "record_decision", lambda config, outcome: calls.append("record_decision"))
+    started = time.time()
+    outcome = flow.monitor.fn(overrides=["retrain=false", "deadline_minutes=5"])
+    assert outcome.decision == Decision.FALLBACK and outcome.fallback is fallback and outcome.incremental is None
+    assert calls == ["apply_fallback", "record_decision", "mark_success"]  # no incremental run
+    assert len(set(deadlines)) == 1 and started + 300 <= deadlines[0] <= time.time() + 300
+    assert list(outcome.stage_seconds) == ["start", "replay", "fallback", "record"]
+    report = outcome.report
+    assert "replay: settled after 6 of 12 prompts" in report and "threads: 1 thread, the fastest of a probe" in report
+    assert "fallback bench: time budget reached after 9 of 16 prompts" in report and "not settled" in report
+    assert "**stage times** (minutes, 0.0 in all; the decision in 0.0 of a 5-minute deadline): start 0.0 · replay 0.0" in report
+    assert "measured on: CPU " in report
+
+
+def test_the_recorded_decision_carries_each_stages_minutes_to_mlflow(tmp_path):
+    import mlflow
+
+    from specdistill.ops import registry
+    from specdistill.pipeline.outputs import MonitorOutcome
+
+    url = _store(tmp_path, [datetime(2024, 5, 1, tzinfo=timezone.utc).timestamp()])
+    config = MonitorConfig(target="demo", nightly_overrides=[f"serving_path={tmp_path / 'serving.json'}", f"log_db={url}"])
+    outcome = MonitorOutcome(_change(False), Decision.KEEP, stage_seconds={"start": 6.0, "replay": 30.0})
+    mc.record_decision(config, outcome)
+    registry.client()
+    run = mlflow.search_runs(experiment_ids=[registry.experiment_for(config.nightly.target_name)], output_format="list")[0]
+    assert run.data.metrics["start_minutes"] == pytest.approx(0.1) and run.data.metrics["replay_minutes"] == pytest.approx(0.5)

@@ -84,7 +84,7 @@ def test_the_monitor_measures_the_suffix_fallback_only_for_the_target_its_corpus
     target = LoadedModel(make_tiny_llama(vocab_size=32, hidden=16, layers=2, seed=0), train_bpe(300), tmp_path, "fp-now")
     seen = {}
 
-    def fake_bench(model, tokenizer, drafters, prompts, config, progress=True):
+    def fake_bench(model, tokenizer, drafters, prompts, config, progress=True, **kw):
         seen["drafters"] = dict(drafters)
         from specdistill.speculative.harness_bench import BenchResult
 

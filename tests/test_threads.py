@@ -33,3 +33,59 @@ def test_one_candidate_is_set_without_probing_and_the_candidates_span_the_cores(
         torch.set_num_threads(before)
     assert th.thread_candidates(1) == [1] and th.thread_candidates(2) == [1, 2] and th.thread_candidates(16) == [1, 8, 16]
     assert th.usable_cores() >= 1
+
+
+def _stat(path, busy: int, idle: int) -> None:
+    """/proc/stat with cpu0 and cpu1 each `busy` jiffies busy (user) and `idle` idle; cpu2 always busy."""
+    path.write_text("cpu  0 0 0 0 0 0 0 0 0 0\n" + "".join(f"cpu{c} {busy} 0 0 {idle} 0 0 0 0 0 0\n" for c in (0, 1))
+                    + "cpu2 99999 0 0 0 0 0 0 0 0 0\nintr 1 2 3\n")
+
+
+def test_other_load_is_the_busy_time_on_our_cores_less_our_own(tmp_path, monkeypatch):
+    import os
+
+    stat, hz = tmp_path / "stat", os.sysconf("SC_CLK_TCK")
+    clock, own = [100.0], [5.0]
+    monkeypatch.setattr(th.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(th.os, "times", lambda: os.times_result((own[0], 0.0, 0.0, 0.0, 0.0)))
+    _stat(stat, 0, 0)
+    load = th.OtherLoad([0, 1], stat)
+    clock[0], own[0] = 110.0, 15.0  # 10 s: both cores busy (20 core-seconds), 10 of them ours
+    _stat(stat, 10 * hz, 0)
+    assert abs(load.read() - 1.0) < 1e-9
+    clock[0] = 120.0  # the next 10 s: quiet
+    _stat(stat, 10 * hz, 10 * hz)
+    assert load.read() == 0.0
+    assert th.OtherLoad([0], tmp_path / "missing").read() is None  # no /proc/stat: nothing read, nothing guessed
+
+
+class _FakeLoad:
+    def __init__(self, values):
+        self.values = list(values)
+
+    def read(self):
+        return self.values.pop(0)
+
+
+def test_the_watch_probes_again_only_when_other_work_came_or_went(tiny_llama, monkeypatch):
+    before = torch.get_num_threads()
+    probes = []
+    monkeypatch.setattr(th, "fastest_threads", lambda model, ids, candidates=None: probes.append(1) or th.ThreadChoice(len(probes)))
+    clock = [0.0]
+    monkeypatch.setattr(th.time, "monotonic", lambda: clock[0])
+    # reads: around the first probe (0.1 cores busy), then one per check, and around each probe
+    load = _FakeLoad([None, 0.1, 0.3, 1.8, None, 1.9, 1.7])
+    with th.ThreadWatch(tiny_llama, [1, 2, 3], every_s=20.0, load=load) as watch:
+        assert watch.choices == [th.ThreadChoice(1, others_busy=0.1, seconds=watch.choices[0].seconds)]
+        clock[0] = 5.0
+        assert watch.check() is None and len(load.values) == 5  # too soon: the load is not even read
+        clock[0] = 25.0
+        assert watch.check() is None  # 0.3 cores: the load barely moved
+        clock[0] = 50.0
+        again = watch.check()  # 1.8 cores: other work came, probed again
+        assert again.threads == 2 and again.others_busy == 1.9 and len(probes) == 2
+        clock[0] = 75.0
+        assert watch.check() is None  # 1.7 against 1.9: steady
+        assert "probed again: 2 threads; other work busy on 1.9 cores" in watch.describe()
+        torch.set_num_threads(1)
+    assert torch.get_num_threads() == before  # put back

@@ -15,12 +15,13 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from specdistill.acceptance import DEFAULT_GAMMA, NGRAM_WINDOW, DraftCounts
+from specdistill.budget import Deadline
 from specdistill.data.prompts import MAX_PROMPT_TOKENS, Prompt, usable_prompt
 from specdistill.data.record import Record
 from specdistill.modeling.drafts import align_draft
@@ -28,6 +29,7 @@ from specdistill.modeling.eagle3_io import is_eagle3_dir, read_config
 from specdistill.modeling.models import LoadedModel, resolve_model_dir, shared_model
 from specdistill.modeling.vocab import DraftVocab, check_vocab, vocab_mismatch
 from specdistill.ops.policy import DEFAULT_MARGIN, MIN_SERVED_PROMPTS, Candidate, fastest_mode
+from specdistill.ops.policy.sequential import MIN_REPLAY_PROMPTS, acceptance_settled, beaten, leader_settled
 from specdistill.speculative import (
     ModelDrafter,
     SpecStats,
@@ -88,6 +90,9 @@ class AcceptanceSample(Record):
     conversation_ids: list[int] = field(default_factory=list)
     sample_ids: list[int] = field(default_factory=list)  # rows in the log store's acceptance_samples
     seconds: float = 0.0
+    prompts_available: int = 0  # usable logged prompts it could have read (`requests` of them were)
+    stopped: str = ""  # why it read no more: settled at 95%, its time budget, or every prompt read
+    threads: str = ""  # the thread count it ran at and why (`speculative.threads.ThreadWatch.describe`)
 
     def counts(self) -> DraftCounts:
         """Its raw counts, per position over the replay's γ (what the metrics exporter adds up)."""
@@ -118,10 +123,20 @@ def replay_acceptance(
     dtype: str = "auto",
     device: str = "cpu",
     progress: bool = True,
+    settle_lines: Sequence[float] = (),
+    min_prompts: int = MIN_REPLAY_PROMPTS,
+    deadline: Deadline | None = None,
+    between_prompts: Callable[[], object] | None = None,
 ) -> AcceptanceSample:
     """Replay the newest logged prompts (greedy) with the target and the draft. Every request's counts go to
     the log store under (target fingerprint, draft version); fewer than `min_draft_tokens` proposed tokens is
-    "no sample" (ok=False), never an acceptance."""
+    "no sample" (ok=False), never an acceptance.
+
+    Up to `n_prompts` are read, newest first. With `settle_lines` (the acceptances the decision turns on)
+    it stops once the 95% interval of first-position acceptance lies on one side of each
+    (`policy.sequential.acceptance_settled`, from `min_prompts` on); no prompt starts that the longest
+    so far says would end past `deadline` once `min_prompts` and `min_draft_tokens` are read. `stopped`
+    says which ended it. `between_prompts` runs before each prompt (a thread count chosen again)."""
     from tqdm import tqdm
 
     if on_vocab_mismatch not in ("transplant", "zero"):
@@ -161,13 +176,32 @@ def replay_acceptance(
         sample.seconds = time.perf_counter() - start
         return sample
     per_request: list[SpecStats] = []
+    sample.prompts_available, longest, unsettled = len(prompts), 0.0, ""
     for prompt in tqdm(prompts, desc="replay", unit="prompt", file=sys.stderr, disable=not progress):
+        enough = len(per_request) >= min_prompts and sum(s.proposed for s in per_request) >= min_draft_tokens
+        if enough and deadline is not None and deadline.remaining() <= longest:
+            sample.stopped = f"time budget reached after {len(per_request)} of {len(prompts)} prompts{unsettled}"
+            break
+        if between_prompts is not None:
+            between_prompts()
+        started = time.perf_counter()
         stats = generate(target.model, prompt.ids, max_new_tokens=max_new_tokens, drafter=drafter, gamma=gamma).stats
+        longest = max(longest, time.perf_counter() - started)
         per_request.append(stats)
         cid = int(prompt.slice.split(":", 1)[1]) if prompt.slice.startswith("conversation:") else None
         sample.sample_ids.append(store.add_acceptance_sample(fp, version, gamma, stats.counts(gamma), conversation_id=cid))
         if cid is not None:
             sample.conversation_ids.append(cid)
+        if settle_lines:
+            settled = acceptance_settled([s.rounds for s in per_request],
+                                         [(s.accepted_per_position or [0])[0] for s in per_request], settle_lines,
+                                         min_prompts=min_prompts)
+            if settled.settled and sum(s.proposed for s in per_request) >= min_draft_tokens:
+                sample.stopped = f"settled after {len(per_request)} of {len(prompts)} prompts: {settled.why}"
+                break
+            unsettled = f": {settled.why}, not settled" if not settled.settled else ""
+    else:
+        sample.stopped = f"every usable prompt read ({len(prompts)} of at most {n_prompts}){unsettled}"
     total = SpecStats.total(per_request)
     sample.requests, sample.rounds = total.requests, total.rounds
     sample.proposed, sample.accepted, sample.generated_tokens = total.proposed, total.accepted, total.generated_tokens
@@ -210,6 +244,10 @@ class FallbackDecision(Record):
     margin: float = DEFAULT_MARGIN
     generated_tokens: int = 0
     suffix_corpus: str | None = None  # the corpus the suffix candidate drafted from (None: not measured)
+    prompts: int = 0  # measured (of `prompts_available`)
+    prompts_available: int = 0
+    stopped: str = ""  # why it measured no more prompts: settled at 95%, its time budget, or every prompt measured
+    threads: str = ""  # the thread count it ran at and why (`speculative.threads.ThreadWatch.describe`)
 
     @property
     def spec(self) -> DrafterSpec | None:
@@ -234,12 +272,20 @@ def choose_fallback(
     suffix_corpus: str | os.PathLike | None = None,
     min_prompts: int = MIN_SERVED_PROMPTS,
     progress: bool = True,
+    settle: bool = False,
+    deadline: Deadline | None = None,
+    between_rounds: Callable[[], object] | None = None,
 ) -> FallbackDecision:
     """Measure each fallback against target-only decoding on the sampled prompts (interleaved,
     median of repeats, one shared target-only run per prompt) and pick the fastest through the
     no-slowdown guard the nightly uses too (`ops.policy.fastest_mode`): speculation is kept only when
     it beats target-only by more than `margin`; otherwise the mode is "off". `suffix_corpus` adds the suffix
-    drafter while the corpus is of this target version (after a target update it is stale, as a draft)."""
+    drafter while the corpus is of this target version (after a target update it is stale, as a draft).
+
+    Prompts are measured in order; with `settle`, only until the 95% bounds settle the choice
+    (`policy.sequential.leader_settled`), a mode that can no longer win measured no further (`beaten`), and
+    none starts that would end past `deadline` once `min_prompts` are measured
+    (`speculative.harness_bench.run_bench_many`). `stopped` says which ended it."""
     if not prompts:
         return FallbackDecision(False, None, None, None, "no decision: no prompts to measure on", margin=margin)
     target = _loaded(target_ref)
@@ -257,22 +303,49 @@ def choose_fallback(
     drafters = {name: drafter_from_spec(target.model, spec, target_fingerprint=target.fingerprint,
                                         target_tokenizer=target.tokenizer_digest)
                 for name, spec in specs.items()}
-    results = run_bench_many(target.model, target.tokenizer, drafters, list(prompts), config, progress=progress)
+    verdicts, dropped = [], {}
+
+    def settled(speedups: dict[str, list[float]]) -> bool:
+        verdicts.append(leader_settled(speedups, margin=margin, min_prompts=min_prompts))
+        return verdicts[-1].settled
+
+    def drop(speedups: dict[str, list[float]]) -> set[str]:
+        gone = beaten(speedups, margin=margin, min_prompts=min_prompts)
+        dropped.update((name, f"{name} measured no further: {why}") for name, why in gone.items())
+        return set(gone)
+
+    results = run_bench_many(target.model, target.tokenizer, drafters, list(prompts), config, progress=progress,
+                             deadline=deadline, min_prompts=min_prompts, settled=settled if settle else None,
+                             drop=drop if settle else None, between_rounds=between_rounds)
+    measured = max(len(r.prompt_speedups) for r in results.values())
+    still = {name: r.prompt_speedups for name, r in results.items() if len(r.prompt_speedups) == measured}
+    last = verdicts[-1] if verdicts else None
+    if settle and (last is None or not last.settled):  # the last prompt measured is not asked about: read it all
+        last = leader_settled(still, margin=margin, min_prompts=min_prompts)
+    if last is not None and last.settled:
+        stopped = f"settled after {measured} of {len(prompts)} prompts: {last.why}"
+    else:
+        why = f": {last.why}, not settled" if last is not None else ""
+        stopped = (f"time budget reached after {measured} of {len(prompts)} prompts{why}" if measured < len(prompts)
+                   else f"every prompt measured ({measured}){why}")
+    stopped += "".join(f"; {why}" for name, why in dropped.items() if name in drafters and len(results[name].prompt_speedups) < measured)
     candidates = [FallbackCandidate(spec.mode, spec.exit_layer, result.speedup, result.acceptance_rate, result.accepted_length,
                                     result.tokens_per_second_speculative, result.tokens_per_second_target_only,
                                     int(result.stats["generated_tokens"]), result.lossless, list(result.prompt_speedups))
                   for spec, result in zip(specs.values(), results.values())]
     generated = min(c.generated_tokens for c in candidates)
+    measured_on = {"prompts": measured, "prompts_available": len(prompts), "stopped": stopped}
     if generated < min_tokens:
         return FallbackDecision(False, None, None, None,
                                 f"no decision: only {generated} tokens generated (minimum {min_tokens})",
-                                candidates, margin, generated)
+                                candidates, margin, generated, **measured_on)
     choice = fastest_mode([Candidate(name, c.mode, c.speedup, c.lossless, gamma, exit_layer=c.exit_layer,
                                      prompt_speedups=c.prompt_speedups, accepted_length=c.accepted_length)
                            for name, c in zip(specs, candidates)], margin, min_prompts=min_prompts)
     reason, corpus = choice.reason + (f"; suffix drafter not measured: {stale}" if stale else ""), specs.get("suffix")
     corpus = corpus and corpus.corpus
     if choice.candidate is None:
-        return FallbackDecision(True, "off", None, 1.0, reason, candidates, margin, generated, corpus)
+        return FallbackDecision(True, "off", None, 1.0, reason, candidates, margin, generated, corpus, **measured_on)
     best = choice.candidate
-    return FallbackDecision(True, best.mode, best.exit_layer, best.speedup, reason, candidates, margin, generated, corpus)
+    return FallbackDecision(True, best.mode, best.exit_layer, best.speedup, reason, candidates, margin, generated, corpus,
+                            **measured_on)

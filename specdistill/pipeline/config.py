@@ -328,6 +328,8 @@ class MonitorConfig(Strict):
     red_line: float = Field(RED_LINE, gt=0.0, lt=1.0)  # first-position acceptance below this: fallback + retrain
     # first-position acceptance this far (relatively) under the champion's own at registration: retrain, keep serving
     max_relative_drop: float = Field(MAX_RELATIVE_DROP, gt=0.0, lt=1.0)
+    # the replay reads at most this many of the newest prompts, and stops sooner once the 95% interval of
+    # first-position acceptance clears the lines the decision reads (`ops.policy.sequential`)
     replay_prompts: int = Field(12, ge=1)
     gamma: int | None = Field(None, ge=1)  # None: the γ serving.json names (what is served), else the nightly's bench.gamma
     max_new_tokens: int = Field(32, ge=1)
@@ -337,8 +339,19 @@ class MonitorConfig(Strict):
     fallback_exit_layers: list[int] = [4, 8, 12]
     fallback_min_tokens: int = Field(64, ge=1)
     fallback_repeats: int = Field(1, ge=1)
+    # the fallback bench measures at most this many prompts, and stops once its 95% bounds settle the choice
+    fallback_prompts: int = Field(16, ge=1)
     fallback_suffix_corpus: str | None = None  # None: the state directory's current corpus (the nightly's), if any
     replay_share: float = Field(0.25, ge=0.0, lt=1.0)  # of older traffic in the incremental run
+    # the decision (replay, fallback choice) ends within this many minutes of the flow's start, retraining aside;
+    # the two stages share what is left in proportion to their own budgets, as the nightly's stages do
+    deadline_minutes: float | None = Field(8.0, ge=0.0)
+    replay_max_minutes: float | None = Field(1.5, ge=0.0)
+    fallback_max_minutes: float | None = Field(6.0, ge=0.0)
+    # torch threads for the replay and the fallback bench: auto probes 1, half and all cores and keeps the
+    # fastest, again when other work comes or goes (a monitor runs beside a serving engine); null: torch's
+    threads: int | Literal["auto"] | None = "auto"
+    retrain: bool = True  # false: decide (and fall back) only; the incremental nightly run is left to the caller
 
     def target_ref(self) -> str:
         if self.target:

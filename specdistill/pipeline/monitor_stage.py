@@ -5,12 +5,16 @@ words is `pipeline.report.render_outcome`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+from collections.abc import Iterator
 
+from specdistill import hardware
 from specdistill.acceptance import DraftCounts
+from specdistill.budget import Deadline, share
 from specdistill.data.logstore import LogStore
-from specdistill.modeling.models import shared_model
+from specdistill.modeling.models import LoadedModel, shared_model
 from specdistill.ops import replay
 from specdistill.ops.metrics import SpecDecodeMetrics, sample_live_acceptance
 from specdistill.ops.policy import FIRST_POSITION_TAG, Decision, judge_acceptance
@@ -21,6 +25,10 @@ from specdistill.pipeline.config import MonitorConfig
 from specdistill.pipeline.corpus import current_corpus_path
 from specdistill.pipeline.outputs import AppliedFallback, Champion, MonitorOutcome, RecordedDecision, Sample
 from specdistill.pipeline.serve import draft_free_fields
+from specdistill.speculative.threads import ThreadWatch
+
+STAGES = ("replay", "fallback")  # the monitor's budgeted stages, in the order they run
+PROBE_PROMPT_TOKENS = 64  # the thread probe times decoding, not a long prompt's prefill (which favours more threads)
 
 
 def incremental_overrides(config: MonitorConfig, change: TargetChange) -> list[str]:
@@ -65,6 +73,8 @@ def record_decision(config: MonitorConfig, outcome: MonitorOutcome) -> RecordedD
                                 "accepted_length": sample.mean_accepted_length or 0.0})
         if sample is not None and sample.first_position_acceptance is not None:
             mlflow.log_metric("first_position_acceptance", sample.first_position_acceptance)
+        if outcome.stage_seconds:  # what the decision cost: each stage's minutes, beside the deadline
+            mlflow.log_metrics({f"{stage}_minutes": seconds / 60 for stage, seconds in outcome.stage_seconds.items()})
         fallback = outcome.fallback
         for c in fallback.candidates if fallback else []:
             name = c.mode + (f"_at_{c.exit_layer}" if c.exit_layer else "")
@@ -107,12 +117,64 @@ def _read_serving(config: MonitorConfig, metrics: SpecDecodeMetrics) -> ServingC
 def judge(config: MonitorConfig, sample: Sample, champion: Champion | None = None) -> tuple[Decision, str]:
     """(decision, why): keep, fallback, retrain or no-sample (`ops.policy.judge_acceptance`): the sampled
     first-position acceptance against the red line, and against the champion's own at registration (its tag)."""
+    return judge_acceptance(sample, config.red_line, registered=_registered(champion),
+                            max_relative_drop=config.max_relative_drop)
+
+
+def _registered(champion: Champion | None) -> float | None:
+    """The champion's own first-position acceptance at registration (its tag), if it has one."""
     value = champion.tags.get(FIRST_POSITION_TAG) if champion else None
     try:
-        registered = float(value) if value not in (None, "") else None
+        return float(value) if value not in (None, "") else None
     except ValueError:
-        registered = None
-    return judge_acceptance(sample, config.red_line, registered=registered, max_relative_drop=config.max_relative_drop)
+        return None
+
+
+def decision_lines(config: MonitorConfig, champion: Champion | None) -> list[float]:
+    """The first-position acceptances the decision turns on (`judge`): the red line, and the drop from the
+    champion's own at registration. A replay whose 95% interval clears them all has read enough."""
+    registered = _registered(champion)
+    drop = [registered * (1.0 - config.max_relative_drop)] if registered else []
+    return [config.red_line, *drop]
+
+
+def decision_deadline(config: MonitorConfig, now: float | None = None) -> float | None:
+    """When the decision (replay, fallback choice) must be taken, fixed as the flow starts (seconds since
+    the epoch; None: no deadline): `deadline_minutes` from now."""
+    return Deadline.after(config.deadline_minutes, now=now).at
+
+
+def stage_deadline(config: MonitorConfig, stage: str, deadline_at: float | None, now: float | None = None) -> Deadline:
+    """A stage's own budget, cut to its share of what the decision's deadline has left (`budget.share`)."""
+    budgets = {"replay": config.replay_max_minutes, "fallback": config.fallback_max_minutes}
+    if stage not in budgets:
+        raise ValueError(f"{stage!r} is not a budgeted monitor stage ({', '.join(STAGES)})")
+    later = STAGES[STAGES.index(stage):]
+    return share(Deadline(deadline_at), [budgets[s] for s in later], now=now)
+
+
+def measured_on(config: MonitorConfig) -> str:
+    """The device the monitor measures on, in words (its report's stage minutes are read against it)."""
+    return hardware.describe_device(config.nightly.device)
+
+
+@contextlib.contextmanager
+def measuring_threads(config: MonitorConfig, target: LoadedModel, prompt_ids: list[int] | None) -> Iterator[ThreadWatch | None]:
+    """torch's thread count while the monitor measures, put back after: `threads: auto` probes it for
+    the load found (`speculative.threads.ThreadWatch`, again when the load moves), a number sets it."""
+    import torch
+
+    before = torch.get_num_threads()
+    if config.threads == "auto" and prompt_ids:
+        with ThreadWatch(target.model, list(prompt_ids)[-PROBE_PROMPT_TOKENS:]) as watch:
+            yield watch
+        return
+    try:
+        if isinstance(config.threads, int):
+            torch.set_num_threads(config.threads)
+        yield None
+    finally:
+        torch.set_num_threads(before)
 
 
 def detect_drift(config: MonitorConfig, champion: Champion | None) -> TargetChange:
@@ -123,9 +185,11 @@ def detect_drift(config: MonitorConfig, champion: Champion | None) -> TargetChan
     return TargetChange(changed=changed, drifted=drifted, champion_target=trained_for, current=current, previous=previous)
 
 
-def sample_acceptance(config: MonitorConfig, champion: Champion, target: TargetVersion) -> Sample:
+def sample_acceptance(config: MonitorConfig, champion: Champion, target: TargetVersion,
+                      deadline_at: float | None = None) -> Sample:
     """A live engine's counters when configured, else the newest logged prompts replayed (prompts as
-    the nightly defines them, within its `window.max_prompt_tokens`)."""
+    the nightly defines them, within its `window.max_prompt_tokens`) until the 95% interval settles the
+    decision (`decision_lines`) or the replay's share of the deadline runs out."""
     nightly = config.nightly
     with LogStore(nightly.log_db) as store:
         if config.live_metrics_url:
@@ -136,25 +200,38 @@ def sample_acceptance(config: MonitorConfig, champion: Champion, target: TargetV
                     int(live.drafts), int(live.draft_tokens), int(live.accepted), per_position))
             return live
 
-        return replay.replay_acceptance(target.path, champion.dir, store, n_prompts=config.replay_prompts,
-                                 gamma=config.replay_gamma(), max_new_tokens=config.max_new_tokens,
-                                 target_version=target.fingerprint, draft_version=champion.version,
-                                 min_draft_tokens=config.min_draft_tokens,
-                                 max_prompt_tokens=nightly.window.max_prompt_tokens, dtype=nightly.dtype, device=nightly.device)
+        deadline = stage_deadline(config, "replay", deadline_at)
+        loaded = shared_model(target.path, dtype=nightly.dtype, device=nightly.device)
+        first = prompts_from_store(store, loaded.tokenizer, 1, max_prompt_tokens=nightly.window.max_prompt_tokens)
+        with measuring_threads(config, loaded, first[0].ids if first else None) as watch:
+            sample = replay.replay_acceptance(
+                loaded, champion.dir, store, n_prompts=config.replay_prompts, gamma=config.replay_gamma(),
+                max_new_tokens=config.max_new_tokens, target_version=target.fingerprint, draft_version=champion.version,
+                min_draft_tokens=config.min_draft_tokens, max_prompt_tokens=nightly.window.max_prompt_tokens,
+                settle_lines=decision_lines(config, champion), deadline=deadline,
+                between_prompts=watch.check if watch else None)
+        sample.threads = watch.describe() if watch else ""
+        return sample
 
 
-def measure_fallback(config: MonitorConfig, target: TargetVersion) -> FallbackDecision:
-    """Each fallback timed against target-only decoding on the same replayed prompts (see `ops.replay.choose_fallback`)."""
+def measure_fallback(config: MonitorConfig, target: TargetVersion, deadline_at: float | None = None) -> FallbackDecision:
+    """Each fallback timed against target-only decoding on the same replayed prompts (see `ops.replay.choose_fallback`),
+    prompt by prompt until the 95% bounds settle the choice or the stage's share of the deadline runs out."""
     nightly = config.nightly
+    deadline = stage_deadline(config, "fallback", deadline_at)
     loaded = shared_model(target.path, dtype=nightly.dtype, device=nightly.device)
     with LogStore(nightly.log_db) as store:
-        prompts = prompts_from_store(store, loaded.tokenizer, config.replay_prompts,
+        prompts = prompts_from_store(store, loaded.tokenizer, config.fallback_prompts,
                                      max_prompt_tokens=nightly.window.max_prompt_tokens)
 
     corpus = config.fallback_suffix_corpus or (str(current_corpus_path()) if current_corpus_path().is_file() else None)
-    return replay.choose_fallback(loaded, prompts, exit_layers=config.fallback_exit_layers, gamma=config.replay_gamma(),
-                                  max_new_tokens=config.max_new_tokens, min_tokens=config.fallback_min_tokens,
-                                  repeats=config.fallback_repeats, suffix_corpus=corpus)
+    with measuring_threads(config, loaded, prompts[0].ids if prompts else None) as watch:
+        decision = replay.choose_fallback(loaded, prompts, exit_layers=config.fallback_exit_layers, gamma=config.replay_gamma(),
+                                          max_new_tokens=config.max_new_tokens, min_tokens=config.fallback_min_tokens,
+                                          repeats=config.fallback_repeats, suffix_corpus=corpus, settle=True,
+                                          deadline=deadline, between_rounds=watch.check if watch else None)
+    decision.threads = watch.describe() if watch else ""
+    return decision
 
 
 def apply_fallback(config: MonitorConfig, fallback: FallbackDecision, target: TargetVersion) -> AppliedFallback | None:

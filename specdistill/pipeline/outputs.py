@@ -219,6 +219,9 @@ class MonitorOutcome(Record):
     serving: AppliedFallback | None = None
     incremental: NightlyRun | None = None  # the incremental nightly run the monitor started
     report: str = ""
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # wall time per stage, in the order they ran
+    deadline_minutes: float | None = None  # the decision's (`MonitorConfig.deadline_minutes`)
+    measured_on: str = ""  # the device the stages ran on, in words
 
     def to_json(self) -> str:  # the log store's decisions table's payload
         return json.dumps(self.to_dict(), default=str, sort_keys=True)

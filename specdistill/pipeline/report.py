@@ -244,14 +244,35 @@ def render_outcome(outcome: MonitorOutcome) -> str:
                          f"over {sample.proposed:g} draft tokens ({sample.source})")
         else:
             lines.append(f"no acceptance sample: {sample.reason}")
+        lines += _measured("replay", sample)
     why = outcome.decision_reason
     lines.append(f"decision: **{outcome.decision}**" + (f": {why}" if why else ""))
     fb = outcome.fallback
     if fb:
         lines.append(f"fallback: {fb.mode} — {fb.reason}")
+        lines += _measured("fallback bench", fb)
     inc = outcome.incremental
     if inc:
         lines.append(f"incremental distillation: version {inc.registered.version}, gate {'PASS' if inc.verdict.passed else 'FAIL'}"
                      + (f", promoted; serving {inc.serving.mode}" if inc.promoted
                         else ", not promoted: " + ("fallback stays" if outcome.decision == Decision.FALLBACK else "champion stays")))
+    if outcome.stage_seconds:
+        lines.append(_monitor_stage_times(outcome))
     return "\n\n".join(lines)
+
+
+def _measured(what: str, measured) -> list[str]:
+    """How a replay or the fallback bench ended (settled at 95%, or its time ran out) and its threads."""
+    stopped, threads = getattr(measured, "stopped", ""), getattr(measured, "threads", "")
+    return [f"{what}: {stopped}" + (f"; threads: {threads}" if threads else "")] if stopped or threads else []
+
+
+def _monitor_stage_times(outcome: MonitorOutcome) -> str:
+    seconds = outcome.stage_seconds
+    decided = sum(v for k, v in seconds.items() if k in ("start", "replay", "fallback"))
+    budget = f" of a {outcome.deadline_minutes:g}-minute deadline" if outcome.deadline_minutes is not None else ""
+    rows = " · ".join(f"{stage} {s / 60:.1f}" for stage, s in seconds.items())
+    lines = [f"**stage times** (minutes, {sum(seconds.values()) / 60:.1f} in all; the decision in {decided / 60:.1f}{budget}): {rows}"]
+    if outcome.measured_on:
+        lines.append(f"measured on: {outcome.measured_on}")
+    return "\n".join(lines)

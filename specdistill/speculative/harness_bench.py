@@ -16,6 +16,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from pathlib import Path
 
@@ -141,11 +142,20 @@ def run_bench_many(
     gammas: dict[str, int] | None = None,
     deadline: Deadline | None = None,
     min_prompts: int = MIN_MEASURED_PROMPTS,
+    settled: Callable[[dict[str, list[float]]], bool] | None = None,
+    between_rounds: Callable[[], object] | None = None,
+    drop: Callable[[dict[str, list[float]]], Collection[str]] | None = None,
 ) -> dict[str, BenchResult]:
     """Several drafters against one shared target-only run per prompt and repeat; each at its own γ
     where `gammas` names one (else `config.gamma`). No prompt round (nor repeat) starts that the longest
     so far says would end past `deadline`: the results cover the prompts (at least `min_prompts`: what a
-    decision on them needs) and whole repeats measured by then.
+    decision on them needs) and whole repeats measured by then. `settled`, asked after each prompt of the
+    first repeat from `min_prompts` on with each drafter's per-prompt speedups so far, ends the benchmark
+    on those prompts (one repeat) when it answers True: prompts are added only until the decision they
+    feed is settled. `between_rounds` runs before each prompt round (a thread count chosen again for the
+    load: a round is timed at one setting, so its speedups compare like with like). `drop`, asked just
+    before `settled` with one repeat, names drafters that can no longer win: they run on no further
+    prompts, and their results cover the prompts they ran on (`settled` then sees the others only).
 
     For each prompt, target-only and every drafter run back to back, in an order that rotates from
     prompt to prompt and repeat to repeat, so no method always runs first (or right after another).
@@ -176,7 +186,8 @@ def run_bench_many(
     # pairs[name][prompt]: the distinct (target-only, speculative) greedy outputs over the repeats
     pairs: dict[str, list[dict]] = {name: [{} for _ in prompts] for name in drafters}
     bar = tqdm(total=config.repeats * len(prompts), desc="bench", unit="prompt", file=sys.stderr, disable=not progress)
-    measured, repeats = len(prompts), config.repeats
+    measured, repeats, done = len(prompts), config.repeats, False
+    active, dropped_at = list(drafters), {}  # dropped_at[name]: the prompts it ran on before `drop` named it
     rounds: list[float] = []  # seconds per prompt round: none starts that would end past the deadline
     for r in range(config.repeats):
         if r > 0 and deadline is not None and deadline.remaining() <= sum(rounds[-len(encoded):]):
@@ -186,36 +197,53 @@ def run_bench_many(
             if r == 0 and i >= min_prompts and deadline is not None and deadline.remaining() <= max(rounds, default=0.0):
                 measured = i
                 break
+            if between_rounds is not None:
+                between_rounds()
             started = time.perf_counter()
-            shift = (r + i) % len(modes)
+            running = [None, *active]
+            shift = (r + i) % len(running)
             outputs = {}
-            for mode in modes[shift:] + modes[:shift]:
+            for mode in running[shift:] + running[:shift]:
                 result = run(ids, mode)
                 outputs[mode] = result.output_ids
                 times[mode][r][i] = (result.stats.generated_tokens, result.stats.seconds)
                 if mode is not None and r == 0:
                     first_stats[mode][i] = result.stats
             if sampling.greedy:
-                for name in drafters:
+                for name in active:
                     pairs[name][i][(tuple(outputs[None]), tuple(outputs[name]))] = None
             rounds.append(time.perf_counter() - started)
             bar.update(1)
+            if r == 0 and (settled or drop) and i + 1 >= min_prompts and i + 1 < len(encoded):
+                so_far = {name: prompt_speedups([times[None][0][:i + 1]], [times[name][0][:i + 1]]) for name in active}
+                gone = set(drop(so_far)) & set(active) if drop is not None and config.repeats == 1 else set()
+                if gone and len(gone) < len(active):  # one drafter at least stays measured
+                    dropped_at.update((name, i + 1) for name in gone)
+                    active = [name for name in active if name not in gone]
+                    so_far = {name: so_far[name] for name in active}
+                if settled is not None and settled(so_far):
+                    measured, done = i + 1, True
+                    break
         if measured < len(prompts):  # cut in the first repeat: `measured` prompts, one repeat
             repeats = 1
             break
     bar.close()
     note = ""
     if measured < len(prompts) or repeats < config.repeats:
-        note = f"time budget reached: {measured} of {len(prompts)} prompts, {repeats} of {config.repeats} repeats measured"
-        bar.write(f"bench: {note}", file=sys.stderr)
+        if not done:  # settled early is no budget cut
+            note = f"time budget reached: {measured} of {len(prompts)} prompts, {repeats} of {config.repeats} repeats measured"
+            bar.write(f"bench: {note}", file=sys.stderr)
         prompts, encoded = prompts[:measured], encoded[:measured]
         times = {m: [row[:measured] for row in rows[:repeats]] for m, rows in times.items()}
         first_stats = {name: stats[:measured] for name, stats in first_stats.items()}
         pairs = {name: seen[:measured] for name, seen in pairs.items()}
         config = config.model_copy(update={"repeats": repeats})
-    reports = judge_lossless(target, encoded, pairs, config.near_tie_tolerance) if sampling.greedy else {}
-    return {name: replace(_summarize(target, drafter, prompts, config.model_copy(update={"gamma": gamma_of[name]}), sampling, times[None],
-                                     times[name], first_stats[name], reports.get(name)), budget_note=note)
+    ran = {name: dropped_at.get(name, measured) for name in drafters}  # each drafter's prompts: a prefix of them all
+    reports = (judge_lossless(target, encoded, {name: seen[:ran[name]] for name, seen in pairs.items()}, config.near_tie_tolerance)
+               if sampling.greedy else {})
+    return {name: replace(_summarize(target, drafter, prompts[:ran[name]], config.model_copy(update={"gamma": gamma_of[name]}),
+                                     sampling, [row[:ran[name]] for row in times[None]], [row[:ran[name]] for row in times[name]],
+                                     first_stats[name][:ran[name]], reports.get(name)), budget_note=note)
             for name, drafter in drafters.items()}
 
 

@@ -7,14 +7,20 @@ no core: measured on a 2-core AMD EPYC (bf16, the demo target, 32 new tokens), 2
 26 and 1 thread 23. (OMP_WAIT_POLICY=PASSIVE cures the collapse but costs the quiet machine 45%: 14
 against 26.) So the benchmark probes the thread counts worth trying, interleaved, and keeps the
 fastest: on a quiet machine that is every core, on a shared one it is what the machine has free.
+
+A measurement that runs for minutes beside other work (the monitor, beside a serving engine or a test
+suite) sees the load change under it: `ThreadWatch` probes again when the CPU time other processes take
+on this process's cores has moved by `LOAD_SHIFT` cores since its last probe (read from /proc/stat).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specdistill.data.record import Record
@@ -27,12 +33,15 @@ if TYPE_CHECKING:
 class ThreadChoice(Record):
     threads: int
     tokens_per_second: dict[int, float] = field(default_factory=dict)  # per thread count probed (median)
+    others_busy: float | None = None  # cores' worth of other processes' CPU time while it probed (None: not read)
+    seconds: float = 0.0  # what the probe took
 
     def describe(self) -> str:
+        others = "" if self.others_busy is None else f"; other work busy on {self.others_busy:.1f} cores"
         if len(self.tokens_per_second) < 2:
-            return f"{self.threads} thread{'s' * (self.threads != 1)}"
+            return f"{self.threads} thread{'s' * (self.threads != 1)}{others}"
         probe = ", ".join(f"{k}: {v:.1f}" for k, v in sorted(self.tokens_per_second.items()))
-        return f"{self.threads} threads, the fastest of a probe (tokens/s by threads: {probe})"
+        return f"{self.threads} thread{'s' * (self.threads != 1)}, the fastest of a probe (tokens/s by threads: {probe}{others})"
 
 
 def usable_cores() -> int:
@@ -74,3 +83,98 @@ def fastest_threads(model: torch.nn.Module, prompt_ids: Sequence[int], candidate
     best = max(medians, key=medians.get)
     torch.set_num_threads(best)
     return ThreadChoice(best, medians)
+
+
+LOAD_SHIFT = 0.5  # cores of other work come or gone since the last probe: the fastest count may have changed
+
+
+class OtherLoad:
+    """Cores' worth of CPU time other processes took on this process's cores between two reads: their
+    busy time in /proc/stat less this process's own. None where /proc/stat cannot be read."""
+
+    def __init__(self, cpus: Sequence[int] | None = None, stat: str | Path = "/proc/stat") -> None:
+        from specdistill.hardware import usable_cpus  # lazy: keeps torch off import
+
+        self.cpus, self.stat = {f"cpu{c}" for c in (cpus if cpus is not None else usable_cpus())}, Path(stat)
+        self._last = self._read()
+
+    def _read(self) -> tuple[float, float, float] | None:
+        try:
+            lines = self.stat.read_text().splitlines()
+        except OSError:
+            return None
+        busy = 0
+        for line in lines:
+            name, *fields = line.split()
+            if name in self.cpus and len(fields) >= 8:
+                user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+                busy += user + nice + system + irq + softirq + steal
+        own = os.times()
+        return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), own.user + own.system
+
+    def read(self) -> float | None:
+        now, last = self._read(), self._last
+        self._last = now
+        if now is None or last is None or now[0] - last[0] <= 0:
+            return None
+        return max(0.0, ((now[1] - last[1]) - (now[2] - last[2])) / (now[0] - last[0]))
+
+
+class ThreadWatch:
+    """The thread count for the load found now, over a measurement of minutes: probed at `start`, and
+    probed again at a `check` (between prompts) once other work has come or gone by `LOAD_SHIFT`
+    cores, read no more often than every `every_s` seconds. `close` puts torch's count back."""
+
+    def __init__(self, model: torch.nn.Module, prompt_ids: Sequence[int], *, candidates: Sequence[int] | None = None,
+                 every_s: float = 20.0, load: OtherLoad | None = None) -> None:
+        self.model, self.prompt_ids, self.candidates, self.every_s = model, list(prompt_ids), candidates, every_s
+        self.load = load
+        self.choices: list[ThreadChoice] = []
+        self._before: int | None = None
+        self._checked = 0.0
+
+    def start(self) -> ThreadChoice:
+        import torch
+
+        self._before = torch.get_num_threads()
+        self.load = self.load or OtherLoad()
+        return self._probe()
+
+    def _probe(self) -> ThreadChoice:
+        self.load.read()
+        started = time.perf_counter()
+        choice = fastest_threads(self.model, self.prompt_ids, self.candidates)
+        choice.others_busy, choice.seconds = self.load.read(), time.perf_counter() - started
+        self.choices.append(choice)
+        self._checked = time.monotonic()
+        return choice
+
+    def check(self) -> ThreadChoice | None:
+        """A new choice when the load moved since the last probe (None: no probe)."""
+        if not self.choices or time.monotonic() - self._checked < self.every_s:
+            return None
+        self._checked = time.monotonic()
+        now, then = self.load.read(), self.choices[-1].others_busy
+        if now is None or then is None or abs(now - then) < LOAD_SHIFT:
+            return None
+        return self._probe()
+
+    def close(self) -> None:
+        import torch
+
+        if self._before is not None:
+            torch.set_num_threads(self._before)
+
+    def __enter__(self) -> ThreadWatch:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def describe(self) -> str:
+        if not self.choices:
+            return "threads not probed"
+        first, more = self.choices[0], self.choices[1:]
+        again = "".join(f"; the load moved, probed again: {c.describe()}" for c in more)
+        return first.describe() + again
