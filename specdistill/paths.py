@@ -210,6 +210,21 @@ def claim_output_dir(out_dir: Path, kind: str, files: list[str]) -> bool:
     return False
 
 
+def release_output_dir(out_dir: Path, *, remove: bool) -> None:
+    """Undo `claim_output_dir` after a run that failed before writing anything but the marker: the
+    marker goes (and the directory, with `remove`: the run created it). Anything else the run wrote
+    stays, marked as ours, so the next run resumes from it."""
+    out = Path(out_dir)
+    try:
+        if [p.name for p in out.iterdir()] != [OUTPUT_MARKER]:
+            return
+        (out / OUTPUT_MARKER).unlink()
+        if remove:
+            out.rmdir()
+    except OSError:
+        pass
+
+
 def _link_or_copy(src: str, dst: str) -> None:
     try:
         os.link(src, dst)

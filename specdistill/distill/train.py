@@ -77,13 +77,9 @@ DISTILL_FILES = ["config.yaml", "metrics.jsonl", "train_log.jsonl", "checkpoints
 def claim_out_dir(out_dir: str | os.PathLike) -> bool:
     """Check `out_dir` before any work and mark it this run's (True: a previous run's, which resumes).
     Refused: a directory holding anything but a previous training run, the state directory, the
-    registry's stores, a file (`paths.check_output_dir`). A run an older version started (checkpoints
-    with their state, no marker) is taken as ours, so it still resumes."""
-    out = paths.check_output_location(out_dir)
-    if paths.output_marker(out) is None and checkpoint_dirs(out) \
-            and all((c / "state.json").is_file() for c in checkpoint_dirs(out)):
-        paths.write_marker(out, DISTILL_OUTPUT, DISTILL_FILES)
-    return paths.claim_output_dir(out, DISTILL_OUTPUT, DISTILL_FILES)
+    registry's stores, a file (`paths.check_output_dir`). A directory is a previous run only if our
+    marker was there before: checkpoints without it (a user's, or a copy) are never taken as ours."""
+    return paths.claim_output_dir(paths.check_output_location(out_dir), DISTILL_OUTPUT, DISTILL_FILES)
 
 
 def pick_device(wanted: str) -> torch.device:
@@ -144,8 +140,19 @@ def distill(config: DistillConfig, deadline: Deadline | None = None) -> Trained:
     if config.threads:
         torch.set_num_threads(config.threads)
     out_dir = Path(config.out_dir)
-    if rank == 0:
-        claim_out_dir(out_dir)  # before the target loads: a refused out_dir costs nothing
+    existed = out_dir.exists()
+    # before the target loads: a refused out_dir costs nothing
+    resumed = claim_out_dir(out_dir) if rank == 0 else True
+    try:
+        return _train(config, deadline, device, rank, world, out_dir)
+    except BaseException:
+        if not resumed:  # a failed run claims nothing it did not write
+            paths.release_output_dir(out_dir, remove=not existed)
+        raise
+
+
+def _train(config: DistillConfig, deadline: Deadline | None, device: torch.device, rank: int, world: int,
+           out_dir: Path) -> Trained:
     torch.manual_seed(config.seed)
     random.seed(config.seed)
 
