@@ -47,3 +47,77 @@ def test_the_cli_prints_a_refused_checkpoint_as_one_line(tmp_path, monkeypatch, 
     assert main(["distill", "data.path=x.jsonl"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"specdistill: error: {evil}: refused") and len(err.strip().splitlines()) == 1
+
+
+@pytest.fixture
+def tiny_run(tmp_path):
+    """A tiny target and a few of its 'answers' (random ids): a distillation config that checkpoints every step."""
+    import json
+    import random
+
+    from specdistill.distill.config import load_config
+    from tests.conftest import save_tiny_target
+
+    target = save_tiny_target(tmp_path / "target")
+    rng = random.Random(0)
+    with open(tmp_path / "answers.jsonl", "w") as f:
+        for i in range(4):
+            f.write(json.dumps({"id": f"a{i}", "prompt_ids": [rng.randrange(3, 290) for _ in range(6)],
+                                "response_ids": [rng.randrange(3, 290) for _ in range(8)]}) + "\n")
+
+    def config(out, *extra):
+        return load_config(None, [f"target={target}", "layers=0,3", "draft_vocab=null", f"data.path={tmp_path / 'answers.jsonl'}",
+                                  f"out_dir={out}", "optim.max_steps=2", "optim.batch_size=2", "optim.warmup_steps=0",
+                                  "checkpoint_every=1", "progress=false", "freeze=[]", "threads=1", *extra])
+    return config
+
+
+def test_an_unfinished_checkpoint_is_ignored_and_cleaned_and_a_failed_write_says_why(tiny_run, tmp_path, one_thread):
+    """A checkpoint whose write died (a file-size limit, a full disk, a kill mid-save) never blocks a later
+    run: it is not a checkpoint, the next run removes it and resumes from the last complete one."""
+    import resource
+
+    from specdistill.distill.checkpoints import CheckpointWriteError, checkpoint_dirs
+    from specdistill.distill.train import distill
+
+    out = tmp_path / "run"
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, hard))  # `ulimit -f`: the draft's weights do not fit
+    try:
+        with pytest.raises(CheckpointWriteError) as caught:
+            distill(tiny_run(out))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    message = str(caught.value)
+    assert "step-0000001" in message and "file too large" in message.lower() and "ulimit -f" in message
+    assert len(message.splitlines()) == 1
+    assert not list((out / "checkpoints").iterdir())  # no half checkpoint left behind
+    distill(tiny_run(out, "optim.max_steps=1"))  # the limit lifted: the same command runs
+    assert [p.name for p in checkpoint_dirs(out)] == ["step-0000001"]
+    # a kill mid-save (SIGKILL): the temporary directory and a torn file in it
+    torn = out / "checkpoints" / "step-0000002.tmp"
+    torn.mkdir()
+    (torn / "model.safetensors").write_bytes(b"\x10\x00\x00")
+    (torn / "state.json").write_text('{"step": 2')
+    assert [p.name for p in checkpoint_dirs(out)] == ["step-0000001"]
+    result = distill(tiny_run(out))  # resumes from step 1, not from the torn one
+    assert result.steps == 2 and sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000001", "step-0000002"]
+
+
+def test_a_full_disk_while_checkpointing_is_one_sentence(tmp_path, monkeypatch):
+    import errno
+
+    from specdistill.distill import checkpoints
+    from specdistill.distill.checkpoints import CheckpointWriteError, save_checkpoint
+    from specdistill.distill.config import load_config
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoints.torch, "save", full)
+    module = torch.nn.Linear(3, 2)
+    order = type("Order", (), {"state": lambda self: {}})()
+    with pytest.raises(CheckpointWriteError, match=r"step-0000005.*no space left on device.*free space"):
+        save_checkpoint(tmp_path, 5, module, torch.optim.AdamW(module.parameters()), order, {},
+                        load_config(None, ["data.path=x"]))
+    assert not list((tmp_path / "checkpoints").iterdir())

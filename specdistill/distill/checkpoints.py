@@ -2,45 +2,96 @@
 
 A checkpoint directory holds the draft (safetensors), the AdamW state and the RNG state (loaded
 with weights_only=True), the data position and counters (state.json) and the resolved config. It
-is written under a temporary name and renamed, so a kill never leaves half a checkpoint.
+is written under a temporary name (`step-N.tmp`) and renamed, so a kill never leaves half a
+checkpoint: a temporary directory a write that died left behind is never read, and is removed by
+the next run.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
 import random
+import re
+import resource
 import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from specdistill import paths
 from specdistill.distill.config import DistillConfig, save_config
 
 CKPT_PREFIX = "step-"
+_COMPLETE = re.compile(rf"{CKPT_PREFIX}(\d+)")  # step-0000042; step-0000042.tmp is a write in progress or one that died
+_UNFINISHED = re.compile(rf"{CKPT_PREFIX}\d+\.tmp")
 
 
 def checkpoint_dirs(out_dir: Path) -> list[Path]:
-    return sorted(p for p in (out_dir / "checkpoints").glob(f"{CKPT_PREFIX}*") if p.is_dir())
+    """The complete checkpoints, oldest first: directories renamed into place whole, never a temporary one."""
+    root = Path(out_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _COMPLETE.fullmatch(p.name)) and p.is_dir()
+             and (p / "state.json").is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def remove_unfinished(out_dir: Path) -> list[Path]:
+    """Remove the temporary directories of checkpoint writes that died (a kill, a full disk); what was removed."""
+    root = Path(out_dir) / "checkpoints"
+    gone = sorted(p for p in root.iterdir() if _UNFINISHED.fullmatch(p.name)) if root.is_dir() else []
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint that could not be written (a full disk, a file-size limit); the last complete one stays."""
+
+
+def _why_not_written(exc: BaseException) -> str:
+    """One phrase for a failed write: the errno's words (a safetensors error carries its OS code in its text)."""
+    code = getattr(exc, "errno", None)
+    if code is None and (m := re.search(r"(?:code: |os error )(\d+)", str(exc))):
+        code = int(m.group(1))
+    if code == errno.ENOSPC:
+        return "no space left on device"
+    if code == errno.EFBIG:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        return "file too large" + (f" (the file-size limit, `ulimit -f`, is {limit} bytes)" if limit != resource.RLIM_INFINITY else "")
+    if code == errno.EDQUOT:
+        return "disk quota exceeded"
+    return os.strerror(code) if code else (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def save_checkpoint(out_dir: Path, step: int, module: torch.nn.Module, optimizer, order, extra: dict,
                     config: DistillConfig) -> Path:
-    """Everything a resume needs, written into a temp dir and renamed: a kill never leaves half a checkpoint."""
-    final = out_dir / "checkpoints" / f"{CKPT_PREFIX}{step:07d}"
+    """Everything a resume needs, written into a temp dir and renamed: a kill never leaves half a checkpoint.
+    A write that fails (a full disk) removes its temp dir and is a `CheckpointWriteError` that says why."""
+    final = Path(out_dir) / "checkpoints" / f"{CKPT_PREFIX}{step:07d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    state = {k: v.detach().contiguous().clone() for k, v in module.state_dict().items()}
-    save_file(state, str(tmp / "model.safetensors"))  # cloned: tied weights no longer share storage
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step, "data": order.state(), "python_rng": random.getstate(),
-                                                **extra}, default=str))
-    save_config(config, tmp / "config.yaml")
+    try:
+        tmp.mkdir(parents=True)
+        state = {k: v.detach().contiguous().clone() for k, v in module.state_dict().items()}
+        save_file(state, str(tmp / "model.safetensors"))  # cloned: tied weights no longer share storage
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
+        (tmp / "state.json").write_text(json.dumps({"step": step, "data": order.state(), "python_rng": random.getstate(),
+                                                    **extra}, default=str))
+        save_config(config, tmp / "config.yaml")
+    except (OSError, SafetensorError) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = checkpoint_dirs(out_dir)
+        raise CheckpointWriteError(
+            f"could not write checkpoint {final}: {_why_not_written(exc)}; "
+            + (f"the last complete checkpoint {kept[-1].name} is kept" if kept else "no earlier checkpoint was written")
+            + ": free space (or raise the limit) and run the same command again to resume") from None
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     for old in checkpoint_dirs(out_dir)[: -config.keep_checkpoints]:

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from specdistill import paths
 from specdistill.budget import Deadline
-from specdistill.distill.checkpoints import checkpoint_dirs, load_checkpoint, save_checkpoint
+from specdistill.distill.checkpoints import checkpoint_dirs, load_checkpoint, remove_unfinished, save_checkpoint
 from specdistill.distill.config import DistillConfig, save_config
 from specdistill.distill.eagle3_train import Eagle3Task
 from specdistill.distill.examples import DataOrder, read_examples
@@ -153,6 +153,8 @@ def distill(config: DistillConfig, deadline: Deadline | None = None) -> Trained:
 
 def _train(config: DistillConfig, deadline: Deadline | None, device: torch.device, rank: int, world: int,
            out_dir: Path) -> Trained:
+    if rank == 0:
+        remove_unfinished(out_dir)  # a checkpoint write that died (a kill, a full disk) is never resumed from
     torch.manual_seed(config.seed)
     random.seed(config.seed)
 
