@@ -44,7 +44,7 @@ def _secure_home(path: Path) -> None:
     """Before anything is created inside the state directory: create it 0711, or take the group's and
     others' read and write bits off one created before (an older version made it 0755)."""
     root = home()
-    if not _is_within(Path(path).absolute().resolve(), root):
+    if not is_within(Path(path).absolute().resolve(), root):
         return
     with contextlib.suppress(FileExistsError):
         root.mkdir(mode=STATE_DIR_MODE, parents=True)
@@ -143,7 +143,7 @@ def output_kind(directory: Path) -> str | None:
     return marker.get("kind") if marker else None
 
 
-def _is_within(inner: Path, outer: Path) -> bool:
+def is_within(inner: Path, outer: Path) -> bool:
     return inner == outer or outer in inner.parents
 
 
@@ -152,10 +152,10 @@ def check_output_location(out_dir: Path) -> Path:
     raw = Path(out_dir).absolute()
     out = raw.resolve()
     for what, where in (("the working directory", Path.cwd().resolve()), ("the state directory", home())):
-        if _is_within(where, out):
+        if is_within(where, out):
             raise UnsafeOutputError(f"output directory {out_dir} is {what} or contains it ({where}): choose a new directory")
     for what, where in registry_stores():
-        if _is_within(out, where) or _is_within(where, out):
+        if is_within(out, where) or is_within(where, out):
             raise UnsafeOutputError(f"output directory {out_dir} is inside {what} ({where}) or contains it: a registered "
                                     "version is never changed; choose a directory outside it")
     if raw.is_symlink():

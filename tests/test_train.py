@@ -334,7 +334,7 @@ def test_distill_refuses_an_out_dir_it_did_not_write_before_the_target_loads(tmp
         assert why in err and err.count("\n") == 1, err
     assert (victim / "config.yaml").read_text() == "mine: true\n" and (victim / "result.json").read_text() == '{"mine": true}'
     assert sorted(p.name for p in victim.iterdir()) == ["config.yaml", "result.json"]
-    assert sorted(p.name for p in paths.home().iterdir()) == ["mlartifacts"] and not any(store.iterdir())
+    assert sorted(p.name for p in paths.home().iterdir()) == ["mlartifacts", "state.lock"] and not any(store.iterdir())
 
 
 def test_distill_claims_its_out_dir_and_only_a_directory_our_marker_was_in_resumes(tmp_path):

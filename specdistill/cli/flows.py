@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from specdistill.cli.common import (
     Subcommands,
@@ -46,11 +47,13 @@ def cmd_nightly(args: argparse.Namespace) -> int:
 
 def cmd_demo_target_update(args: argparse.Namespace) -> int:
     from specdistill.modeling.models import load_model  # lazy: CLI start-up
-    from specdistill.ops.drift import load_update_meta, make_target_update  # lazy: CLI start-up
+    from specdistill.ops.drift import default_update_dir, load_update_meta, make_target_update  # lazy: CLI start-up
+    from specdistill.state_lock import state_lock_for  # lazy: CLI start-up
 
     set_threads(args)
-    out = make_target_update(args.base, args.out, steps=args.steps, lr=args.lr, top_layers=args.top_layers,
-                             force=args.force)
+    out = Path(args.out) if args.out else default_update_dir()
+    with state_lock_for(out, "demo target-update"):  # the default is inside the state directory
+        make_target_update(args.base, out, steps=args.steps, lr=args.lr, top_layers=args.top_layers, force=args.force)
     meta = load_update_meta(out)
     payload = {"out": str(out), "fingerprint": load_model(out).fingerprint, **meta}
     emit(args, payload, f"new target version {payload['fingerprint']} -> {out} "

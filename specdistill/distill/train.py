@@ -40,6 +40,7 @@ from specdistill.distill.trained import HeldoutAcceptance, Trained
 from specdistill.modeling import models
 from specdistill.modeling.fingerprints import weights_digest
 from specdistill.modeling.models import LoadedModel, check_device
+from specdistill.state_lock import state_lock_for
 
 
 class NonFiniteLossError(RuntimeError):
@@ -141,14 +142,15 @@ def distill(config: DistillConfig, deadline: Deadline | None = None) -> Trained:
         torch.set_num_threads(config.threads)
     out_dir = Path(config.out_dir)
     existed = out_dir.exists()
-    # before the target loads: a refused out_dir costs nothing
-    resumed = claim_out_dir(out_dir) if rank == 0 else True
-    try:
-        return _train(config, deadline, device, rank, world, out_dir)
-    except BaseException:
-        if not resumed:  # a failed run claims nothing it did not write
-            paths.release_output_dir(out_dir, remove=not existed)
-        raise
+    # rank 0 writes: into the state directory only while it holds it (the nightly's own run already does)
+    with state_lock_for(out_dir, "distill") if rank == 0 else nullcontext():
+        resumed = claim_out_dir(out_dir) if rank == 0 else True  # before the target loads: a refusal costs nothing
+        try:
+            return _train(config, deadline, device, rank, world, out_dir)
+        except BaseException:
+            if not resumed:  # a failed run claims nothing it did not write
+                paths.release_output_dir(out_dir, remove=not existed)
+            raise
 
 
 def _train(config: DistillConfig, deadline: Deadline | None, device: torch.device, rank: int, world: int,
