@@ -16,9 +16,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from specdistill.paths import ensure, home, is_within
+from specdistill.paths import ensure, home, is_within, open_private
 
-STATE_LOCK = "state.lock"  # in the state directory: held (flock) by the process running on it, which it names
+STATE_LOCK = "state.lock"  # in the state directory, 0600: held (flock) by the process running on it, which it names
 
 
 class StateBusyError(RuntimeError):
@@ -49,7 +49,7 @@ def state_lock(what: str) -> Iterator[None]:
         entry = _held.get(root)
         if entry is None:
             path = ensure(root) / STATE_LOCK
-            f = open(path, "a+")  # held past this block: closed on release
+            f = open_private(path, "a+")  # held past this block: closed on release
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
