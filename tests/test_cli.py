@@ -233,16 +233,26 @@ def test_every_subcommand_help_works(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["bench", "--ngram", "--prompts", "p.txt", "--repeats", "0"], "--repeats: must be at least 1, got 0"),
-    (["bench", "--ngram", "--prompts", "p.txt", "--max-new-tokens", "0"], "--max-new-tokens: must be at least 1"),
-    (["generate", "--ngram", "--prompt", "x", "--gamma", "-1"], "--gamma: must be at least 1"),
+    (["bench", "--ngram", "--prompts", "p.txt", "--repeats", "0"], "--repeats: must be 1 to 1000, got 0"),
+    (["bench", "--ngram", "--prompts", "p.txt", "--max-new-tokens", "0"], "--max-new-tokens: must be 1 to"),
+    (["generate", "--ngram", "--prompt", "x", "--gamma", "-1"], "--gamma: must be 1 to 64"),
+    # counts that size memory or work have an upper bound too (specdistill.bounds)
+    (["generate", "--ngram", "--prompt", "x", "--gamma", "1000000000"], "--gamma: must be 1 to 64, got 1000000000"),
+    (["generate", "--prompt", "x", "--threads", "99999"], "--threads: 99999: must be 1 to"),
+    (["generate", "--draft", "d", "--prompt", "x", "--tree-width", "100000"], "--tree-width: must be 1 to 64"),
+    (["generate", "--prompt", "x", "--max-new-tokens", "1000000000"], "--max-new-tokens: must be 1 to 32768"),
+    (["generate", "--prompt", "x", "--seed", "-1"], "--seed: must be 0 to 4294967295"),
+    (["generate", "--ngram", "--prompt", "x", "--ngram-max", "100000"], "--ngram-max: must be 1 to 64"),
+    (["bench", "--ngram", "--prompts", "p.txt", "--repeats", "1000000"], "--repeats: must be 1 to 1000"),
+    (["monitor", "sample", "--draft", "d", "--gamma", "1000000000"], "--gamma: must be 1 to 64"),
+    (["demo", "target-update", "--top-layers", "1000000"], "--top-layers: must be 1 to 1024"),
     (["generate", "--ngram", "--prompt", "x", "--top-p", "0"], "--top-p: must be in (0, 1]"),
     (["generate", "--ngram", "--prompt", "x", "--temperature", "nan"], "--temperature: must be in"),
     (["monitor", "serve", "--interval", "0"], "--interval: must be in [0.1"),
     (["monitor", "serve", "--port", "0"], "--port: must be at least 1"),
-    (["monitor", "sample", "--draft", "d", "--n", "0"], "--n: must be at least 1"),
-    (["demo", "target-update", "--steps", "0"], "--steps: must be at least 1"),
-    (["draft", "init", "--draft-vocab", "0", "out"], "--draft-vocab: must be at least 1"),
+    (["monitor", "sample", "--draft", "d", "--n", "0"], "--n: must be 1 to"),
+    (["demo", "target-update", "--steps", "0"], "--steps: must be 1 to"),
+    (["draft", "init", "--draft-vocab", "0", "out"], "--draft-vocab: must be 1 to"),
 ])
 def test_numeric_arguments_are_checked_while_parsing(argv, message, capsys, monkeypatch):
     import specdistill.modeling.models as models

@@ -7,6 +7,7 @@ import argparse
 import json
 from collections.abc import Callable
 
+from specdistill import bounds
 from specdistill.data.record import to_dict
 
 Handler = Callable[[argparse.Namespace], int]
@@ -21,6 +22,31 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def count_in(high: int, low: int = 1) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high] (a count that sizes memory or work: `specdistill.bounds`)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be {low} to {high}, got {value}")
+        return value
+    parse.__name__ = "count"  # argparse names a type in its messages
+    return parse
+
+
+seed = count_in(2**32 - 1, low=0)  # what every generator (torch, numpy, random) takes
+
+
+def thread_count(text: str) -> int:
+    """An argparse type: torch threads this machine can run (`bounds.check_threads`: tens of thousands abort OpenMP)."""
+    try:
+        return bounds.check_threads(positive_int(text), "")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).strip()) from None
 
 
 def number_in(low: float, high: float = float("inf"), *, low_open: bool = False) -> Callable[[str], float]:
@@ -83,7 +109,8 @@ def add_out(p: argparse.ArgumentParser, flag: str | None = None, help: str = OUT
 
 
 def add_threads(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (1 avoids stalls on a busy machine)")
+    p.add_argument("--threads", type=thread_count, default=None,
+                   help=f"torch CPU threads (1 avoids stalls on a busy machine; at most {bounds.THREADS_PER_CPU} per CPU)")
 
 
 def set_threads(args: argparse.Namespace) -> None:

@@ -10,15 +10,16 @@ import argparse
 import sys
 from pathlib import Path
 
+from specdistill import bounds
 from specdistill.cli.common import (
     Subcommands,
     add_out,
     add_threads,
     command,
+    count_in,
     emit,
     group,
     number_in,
-    positive_int,
     set_threads,
 )
 
@@ -102,7 +103,7 @@ def register(sub: Subcommands) -> None:
                 example="demo target-update --steps 30 --top-layers 4 --threads 1")
     p.add_argument("--base", default="demo")
     add_out(p, "--out", help="a new directory (default: $SPECDISTILL_HOME/targets/demo-update)")
-    p.add_argument("--steps", type=positive_int, default=30)
+    p.add_argument("--steps", type=count_in(bounds.MAX_STEPS), default=30)
     p.add_argument("--lr", type=number_in(0.0, low_open=True), default=None, help="default: the measured one (specdistill.ops.drift)")
-    p.add_argument("--top-layers", type=positive_int, default=4)
+    p.add_argument("--top-layers", type=count_in(bounds.MAX_LAYERS), default=4)
     add_threads(p)

@@ -7,18 +7,19 @@ import argparse
 import contextlib
 import sys
 
+from specdistill import bounds
 from specdistill.acceptance import DEFAULT_GAMMA
 from specdistill.cli.common import (
     Subcommands,
     add_db,
     add_threads,
     command,
+    count_in,
     emit,
     group,
     log_store,
     number_in,
     port_number,
-    positive_int,
     set_threads,
 )
 
@@ -140,10 +141,10 @@ def register(sub: Subcommands) -> None:
     p.add_argument("--target", default="demo")
     p.add_argument("--draft", required=True, help="draft directory or models:/NAME@champion")
     p.add_argument("--draft-version", default=None, help="version recorded with the samples (default: the reference)")
-    p.add_argument("--n", type=positive_int, default=16, help="prompts to replay")
-    p.add_argument("--gamma", type=positive_int, default=DEFAULT_GAMMA)
-    p.add_argument("--max-new-tokens", type=positive_int, default=48)
-    p.add_argument("--min-draft-tokens", type=positive_int, default=100, help="fewer proposed tokens: no sample")
+    p.add_argument("--n", type=count_in(bounds.MAX_PROMPTS), default=16, help="prompts to replay")
+    p.add_argument("--gamma", type=count_in(bounds.MAX_GAMMA), default=DEFAULT_GAMMA)
+    p.add_argument("--max-new-tokens", type=count_in(bounds.MAX_NEW_TOKENS), default=48)
+    p.add_argument("--min-draft-tokens", type=count_in(bounds.MAX_TOKENS), default=100, help="fewer proposed tokens: no sample")
     p.add_argument("--threshold", type=number_in(0.0, 1.0), default=None, help="first-position acceptance under which: fallback (0.5)")
     add_db(p)
     add_threads(p)

@@ -16,7 +16,7 @@ from pathlib import Path
 from pydantic import Field
 
 from specdistill.acceptance import DEFAULT_GAMMA
-from specdistill.config import Strict
+from specdistill.config import Gamma, NewTokens, Repeats, Seed, Strict
 from specdistill.data.record import Record
 
 # The lossless criterion's near-tie tolerance (fp32 logit margin) that results count divergences by: bf16
@@ -29,10 +29,10 @@ class BenchSettings(Strict):
     """What every benchmark measures, whichever engine runs it. 40 new tokens once per prompt keeps the
     demo's benchmark inside its budget on a 2-core CPU (the `bench` command asks for more repeats)."""
 
-    gamma: int = Field(DEFAULT_GAMMA, ge=1)  # draft tokens per round (an engine's: recorded, it was started with it)
-    max_new_tokens: int = Field(40, ge=1)
-    repeats: int = Field(1, ge=1)  # interleaved repeats; tokens/s is their median
-    seed: int = 0
+    gamma: Gamma = DEFAULT_GAMMA  # draft tokens per round (an engine's: recorded, it was started with it)
+    max_new_tokens: NewTokens = 40
+    repeats: Repeats = 1  # interleaved repeats; tokens/s is their median
+    seed: Seed = 0
     near_tie_tolerance: float = Field(DEFAULT_TOLERANCE, ge=0.0)  # fp32 logits; reduced-precision greedy runs only
 
 

@@ -14,8 +14,24 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_type_hints
 
 from pydantic import Field, create_model, field_validator, model_validator
 
-from specdistill import paths
-from specdistill.config import ConfigError, Strict, load_model_config
+from specdistill import bounds, paths
+from specdistill.config import (
+    ConfigError,
+    Gamma,
+    Kept,
+    LayerCount,
+    NewTokens,
+    Prompts,
+    Repeats,
+    Seed,
+    Steps,
+    Strict,
+    Threads,
+    Tokens,
+    TreeWidth,
+    count,
+    load_model_config,
+)
 from specdistill.data.prompts import MAX_PROMPT_TOKENS
 from specdistill.data.results import BenchSettings
 from specdistill.distill.config import DataConfig, DistillConfig, DraftKind, Eagle3Config, LossConfig, OptimConfig, TeacherConfig
@@ -50,11 +66,11 @@ class WindowConfig(Strict):
     # the head is data-limited (+0.075 position-1 acceptance per doubling of unique answer tokens). The window's
     # logged responses are labelled at prefill speed and its prompts decoded until the answers' time budget is
     # spent, so more prompts than the budget decodes leave a sample of them decoded and all of them labelled
-    train_prompts: int = Field(2048, ge=1)
-    eval_prompts: int = Field(10, ge=1)
+    train_prompts: Prompts = 2048
+    eval_prompts: Prompts = 10
     replay_share: float = Field(0.25, ge=0.0, lt=1.0)  # of train prompts drawn from before the window
-    max_prompt_tokens: int = Field(MAX_PROMPT_TOKENS, ge=16)  # the monitor replays within the same bound
-    seed: int = 0
+    max_prompt_tokens: count(bounds.MAX_SEQUENCE, low=16) = MAX_PROMPT_TOKENS  # the monitor replays within the same bound
+    seed: Seed = 0
 
 
 # the flat keys of the `train:` section before it became the distillation config itself
@@ -74,11 +90,11 @@ class NightlyOptim(OptimConfig):
     measures it faster (`train_autocast`): once 1.43x the steps per minute on a native-bf16 CPU, 0.71x on a Xeon
     with AVX-512 BF16 and no AMX. Warmup null: derived."""
 
-    warmup_steps: int | None = Field(None, ge=0)
+    warmup_steps: count(bounds.MAX_STEPS, low=0) | None = None
     # the minutes bind on a 2-core CPU: after the faster step the demo's head ran its 1000 steps in 2.0 of its
     # 4.5 minutes and was still rising (0.443, 0.463 held-out first-position acceptance at steps 750, 1000); with AMX
     # the 2-step head ran 2,232 steps in its 4.5 minutes, and one step costs about two-thirds of that
-    max_steps: int = Field(4000, ge=1)
+    max_steps: Steps = 4000
     max_minutes: float | None = Field(4.5, ge=0.0)
     bf16: bool | None = None
 
@@ -94,8 +110,8 @@ class NightlyTrain(DistillConfig):
     data: DataConfig | None = None  # the night's answers (`for_run`)
     teacher: TeacherConfig = TeacherConfig(mode="cache")  # the night's teacher cache (`for_run`)
     optim: NightlyOptim = NightlyOptim()
-    checkpoint_every: int | None = Field(None, ge=1)  # null: `distill.config.derived_schedule`
-    eval_every: int | None = Field(None, ge=1)  # null: as checkpoint_every
+    checkpoint_every: Steps | None = None  # null: `distill.config.derived_schedule`
+    eval_every: Steps | None = None  # null: as checkpoint_every
     incremental_lr: float = Field(3e-4, gt=0.0)  # optim.lr of a warm start from the champion
 
     @model_validator(mode="before")
@@ -171,10 +187,10 @@ class PoolConfig(Strict):
     monitor); the pools of the `keep_versions` most recent target versions are kept."""
 
     enabled: bool = True
-    max_tokens: int | None = Field(400_000, ge=1)
+    max_tokens: Tokens | None = 400_000
     max_gb: float | None = Field(20.0, gt=0.0)
-    keep_versions: int = Field(2, ge=1)
-    reanswer_prompts: int = Field(256, ge=0)
+    keep_versions: Kept = 2
+    reanswer_prompts: count(bounds.MAX_PROMPTS, low=0) = 256
     reanswer_from: str | None = None
 
 
@@ -185,13 +201,13 @@ class BenchSection(BenchSettings):
 
     # EAGLE-3 heads, greedy: first-position candidates verified as a tree (1: a chain). Serving: SGLang's
     # --speculative-eagle-topk; vLLM and llama.cpp verify a chain
-    tree_width: int = Field(4, ge=1)
-    self_spec_layers: list[int] = [8]
+    tree_width: TreeWidth = 4
+    self_spec_layers: list[LayerCount] = [8]
     ngram: bool = True
     # the suffix drafter over the window's train answers, and its hybrid with the challenger
     suffix: bool = True
     hybrid: bool = True
-    suffix_max_tokens: int | None = Field(10_000_000, ge=1)  # corpus cap: the newest answers that fit
+    suffix_max_tokens: Tokens | None = 10_000_000  # corpus cap: the newest answers that fit
     generic_draft: bool = True  # train the off-the-shelf baseline once (plain CE on human answers)
     # its training minutes (null: the draft's train.optim.max_minutes): a reference point, not the product, so
     # the demo's deadline goes to the head and the benchmark (a layer draft at 0.24 first-position acceptance after
@@ -199,7 +215,7 @@ class BenchSection(BenchSettings):
     generic_minutes: float | None = Field(1.0, ge=0.0)
     # torch threads for the benchmark: auto probes 1, half and all cores and keeps the fastest (a shared
     # machine's busy cores stall every thread; `speculative.threads`); null: torch's default
-    threads: int | Literal["auto"] | None = "auto"
+    threads: Threads | Literal["auto"] | None = "auto"
     # the benchmark's wall-clock budget, γ confirmation included (null: none): past it no new prompt or
     # repeat starts (the prompts a decision needs, `serving.min_prompts` and the gate's `min_prompts`, are
     # measured) and the γ confirmation is skipped; the report says so
@@ -253,11 +269,11 @@ class ServingSection(Strict):
 
     margin: float = Field(DEFAULT_MARGIN, ge=0.0)
     confidence: float = Field(CONFIDENCE, gt=0.0, lt=1.0)  # one-sided level of the speedup's lower bound
-    min_prompts: int = Field(MIN_SERVED_PROMPTS, ge=1)  # fewer per-prompt speeds (a benchmark the deadline cut): not served
+    min_prompts: Prompts = MIN_SERVED_PROMPTS  # fewer per-prompt speeds (a benchmark the deadline cut): not served
     choose_gamma: bool = True  # every drafter at the γ its measured curve predicts best, confirmed by a second run
-    max_gamma: int = Field(8, ge=1)
+    max_gamma: Gamma = 8
     engine: Literal["harness", "llamacpp", "vllm", "openai"] = "harness"
-    threads: int = Field(2, ge=1)  # llama-server threads; vLLM CPU's OpenMP threads
+    threads: Threads = 2  # llama-server threads; vLLM CPU's OpenMP threads
     endpoints: dict[str, str] = {}  # engine openai: mode name (target-only, ngram, challenger, ...) -> base URL
 
 
@@ -320,15 +336,15 @@ class MonitorConfig(Strict):
     red_line: float = Field(RED_LINE, gt=0.0, lt=1.0)  # first-position acceptance below this: fallback + retrain
     # first-position acceptance this far (relatively) under the champion's own at registration: retrain, keep serving
     max_relative_drop: float = Field(MAX_RELATIVE_DROP, gt=0.0, lt=1.0)
-    replay_prompts: int = Field(12, ge=1)
-    gamma: int | None = Field(None, ge=1)  # None: the γ serving.json names (what is served), else the nightly's bench.gamma
-    max_new_tokens: int = Field(32, ge=1)
-    min_draft_tokens: int = Field(64, ge=1)  # fewer sampled tokens: no sample, no decision
+    replay_prompts: Prompts = 12
+    gamma: Gamma | None = None  # None: the γ serving.json names (what is served), else the nightly's bench.gamma
+    max_new_tokens: NewTokens = 32
+    min_draft_tokens: Tokens = 64  # fewer sampled tokens: no sample, no decision
     live_metrics_url: str | None = None  # a serving engine's /metrics (vLLM or llama.cpp names); else replay
     live_interval_s: float = Field(30.0, gt=0.0)
-    fallback_exit_layers: list[int] = [4, 8, 12]
-    fallback_min_tokens: int = Field(64, ge=1)
-    fallback_repeats: int = Field(1, ge=1)
+    fallback_exit_layers: list[LayerCount] = [4, 8, 12]
+    fallback_min_tokens: Tokens = 64
+    fallback_repeats: Repeats = 1
     fallback_suffix_corpus: str | None = None  # None: the state directory's current corpus (the nightly's), if any
     replay_share: float = Field(0.25, ge=0.0, lt=1.0)  # of older traffic in the incremental run
 
