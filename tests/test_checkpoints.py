@@ -121,3 +121,30 @@ def test_a_full_disk_while_checkpointing_is_one_sentence(tmp_path, monkeypatch):
         save_checkpoint(tmp_path, 5, module, torch.optim.AdamW(module.parameters()), order, {},
                         load_config(None, ["data.path=x"]))
     assert not list((tmp_path / "checkpoints").iterdir())
+
+
+def test_resuming_with_another_draft_shape_is_one_sentence_before_the_target_loads(tiny_run, tmp_path, capsys, monkeypatch,
+                                                                                   one_thread):
+    """A rerun into the same out_dir with other `layers` met a raw `load_state_dict` error after loading the target."""
+    from specdistill.distill.train import distill
+
+    out = tmp_path / "run"
+    distill(tiny_run(out, "optim.max_steps=1"))
+    config = tiny_run(out, "layers=0,2,3")
+    monkeypatch.setattr("specdistill.modeling.models.load_model", lambda *a, **k: pytest.fail("refused before loading"))
+    with pytest.raises(ValueError) as caught:
+        distill(config)
+    message = str(caught.value)
+    assert "step-0000001" in message and "layers" in message and "'0,3'" in message and "'0,2,3'" in message
+    assert len(message.splitlines()) == 1 and "state_dict" not in message
+
+
+def test_a_checkpoint_that_does_not_fit_the_draft_is_named_not_a_state_dict_dump(tmp_path):
+    module = torch.nn.Linear(3, 2)
+    ckpt = tmp_path / "checkpoints" / "step-0000004"
+    ckpt.mkdir(parents=True)
+    save_file(torch.nn.Linear(5, 2).state_dict(), str(ckpt / "model.safetensors"))
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(ckpt, module, torch.optim.AdamW(module.parameters()))
+    message = str(caught.value)
+    assert message.startswith(f"{ckpt / 'model.safetensors'}: ") and "weight" in message and len(message.splitlines()) == 1

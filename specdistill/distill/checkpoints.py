@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 
 import torch
+import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -121,9 +122,47 @@ def load_tensors(path: Path) -> dict:
                               f"{path.parent} to resume from an earlier one") from None
 
 
+# what decides the draft's parameters (and so the optimizer's state): a resume must keep every one
+SHAPE_KEYS = ("target", "kind", "layers", "draft", "draft_vocab", "freeze", "eagle3.layers")
+
+
+def _setting(config: dict, key: str):
+    for part in key.split("."):
+        config = config.get(part) if isinstance(config, dict) else None
+    return config
+
+
+def check_resumable(ckpt: Path, config: DistillConfig) -> None:
+    """Refuse, before the target loads, to resume `ckpt` with settings that make another draft (its saved
+    config differs in a `SHAPE_KEYS` setting): one sentence naming both values, not a state_dict error."""
+    try:
+        saved = yaml.safe_load((ckpt / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return  # no saved config to compare: the load below names a mismatch
+    now = config.model_dump(mode="json")
+    for key in SHAPE_KEYS:
+        if _setting(saved, key) != _setting(now, key):
+            raise CheckpointError(
+                f"{ckpt}: this run's {key}={_setting(now, key)!r} makes another draft than the checkpoint's "
+                f"{key}={_setting(saved, key)!r} in {ckpt.parent.parent}: resume with the same settings, or choose a "
+                "new out_dir")
+
+
 def load_checkpoint(ckpt: Path, module: torch.nn.Module, optimizer) -> dict:
-    module.load_state_dict(load_file(str(ckpt / "model.safetensors")), strict=True)
-    optimizer.load_state_dict(load_tensors(ckpt / "optimizer.pt"))
+    weights = ckpt / "model.safetensors"
+    try:
+        module.load_state_dict(load_file(str(weights)), strict=True)
+    except (RuntimeError, SafetensorError, OSError) as exc:
+        detail = " ".join(str(exc).split())  # load_state_dict's list of keys and shapes, on one line
+        raise CheckpointError(f"{weights}: does not fit this run's draft ({detail[:400]}); resume with the settings "
+                              f"that wrote it, or remove its checkpoint directory {ckpt}") from None
+    try:
+        optimizer.load_state_dict(load_tensors(ckpt / "optimizer.pt"))
+    except ValueError as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(f"{ckpt / 'optimizer.pt'}: does not fit this run's trainable parameters ({exc}); resume "
+                              f"with the settings that wrote it, or remove its checkpoint directory {ckpt}") from None
     rng = load_tensors(ckpt / "rng.pt")
     torch.set_rng_state(rng["torch"])
     state = paths.read_json(ckpt / "state.json", "checkpoint state")

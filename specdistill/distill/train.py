@@ -31,7 +31,13 @@ from tqdm import tqdm
 
 from specdistill import paths
 from specdistill.budget import Deadline
-from specdistill.distill.checkpoints import checkpoint_dirs, load_checkpoint, remove_unfinished, save_checkpoint
+from specdistill.distill.checkpoints import (
+    check_resumable,
+    checkpoint_dirs,
+    load_checkpoint,
+    remove_unfinished,
+    save_checkpoint,
+)
 from specdistill.distill.config import DistillConfig, save_config
 from specdistill.distill.eagle3_train import Eagle3Task
 from specdistill.distill.examples import DataOrder, read_examples
@@ -145,6 +151,8 @@ def distill(config: DistillConfig, deadline: Deadline | None = None) -> Trained:
     # rank 0 writes: into the state directory only while it holds it (the nightly's own run already does)
     with state_lock_for(out_dir, "distill") if rank == 0 else nullcontext():
         resumed = claim_out_dir(out_dir) if rank == 0 else True  # before the target loads: a refusal costs nothing
+        if resumed and (ckpts := checkpoint_dirs(out_dir)):
+            check_resumable(ckpts[-1], config)
         try:
             return _train(config, deadline, device, rank, world, out_dir)
         except BaseException:
@@ -217,7 +225,7 @@ def resume(run: Run) -> Progress:
         return Progress(order)
     state = load_checkpoint(ckpts[-1], run.module, run.optimizer)
     return Progress(DataOrder(len(run.task.examples), run.config.seed, **state["data"]), state["step"], state["tokens"],
-                    state["train_seconds"], state.get("curve", []))
+                    state["train_seconds"], state.get("curve", []), loss=float(state.get("loss", math.nan)))
 
 
 def evaluate(run: Run, progress: Progress) -> HeldoutAcceptance | None:
