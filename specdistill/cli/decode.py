@@ -167,6 +167,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         payload, text = result.to_dict(), result.render()
         return _emit_bench(args, result, payload, text)
     _check_drafting(args)
+    if args.plot:
+        from specdistill.data.results import check_plot_path  # lazy: CLI start-up
+
+        check_plot_path(args.plot, force=args.force)  # before any work: a refusal costs nothing
     set_threads(args)
     if args.from_logs is not None and args.turns is not None:
         raise ValueError("--turns applies to --prompts files; a logged prompt is every turn before its first answer")
@@ -267,7 +271,9 @@ def register(sub: Subcommands) -> None:
     p.add_argument("--log-seed", type=seed, default=None, help="--from-logs: a seeded sample instead of the newest")
     add_db(p)
     p.add_argument("--repeats", type=count_in(bounds.MAX_REPEATS), default=3, help="interleaved repeats; tokens/s is their median")
-    p.add_argument("--plot", default=None, metavar="PNG", help="acceptance per position and speedup per slice")
+    p.add_argument("--plot", default=None, metavar="PNG", help="acceptance per position and speedup per slice (.png, .pdf "
+                   "or .svg; an existing file only if bench wrote it, unless --force)")
+    p.add_argument("--force", action="store_true", help="replace --plot FILE even when bench did not write it")
     p.add_argument("--gate", default=None, choices=["default", "production"], help="also print the gate's verdict")
     p.add_argument("--champion", default=None, metavar="JSON", help="the champion's bench JSON, for the gate's τ check")
     p.add_argument("--engine", default="harness", choices=["harness", "llamacpp", "vllm", "openai"],

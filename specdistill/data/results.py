@@ -9,7 +9,9 @@ bound resamples) is the median over repeats of its speculative over its target-o
 
 from __future__ import annotations
 
+import os
 import statistics
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -192,9 +194,43 @@ class BenchResult(Record):
         fig.tight_layout()
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
+        os.close(fd)
+        try:  # marked as ours (`check_plot_path`), and renamed into place whole
+            fig.savefig(tmp, dpi=100, metadata={"Title": PLOT_MARK})
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        finally:
+            plt.close(fig)
+            Path(tmp).unlink(missing_ok=True)
         return path
+
+
+PLOT_MARK = "specdistill bench plot"  # the title every plot bench writes carries, in the file's own metadata
+PLOT_FORMATS = (".png", ".pdf", ".svg")  # the formats whose metadata carries it (matplotlib's Title)
+
+
+def check_plot_path(path: str | Path, *, force: bool = False) -> Path:
+    """Where a plot may be written, checked before any work: a new file, or one a bench plot wrote
+    (its mark in the file), or anything with `force`; never a directory, never another format."""
+    path = Path(path)
+    if path.suffix.lower() not in PLOT_FORMATS:
+        raise ValueError(f"--plot {path}: write a {', '.join(PLOT_FORMATS)} file (its metadata marks it as a bench plot)")
+    if path.is_dir():
+        raise ValueError(f"--plot {path} is a directory: name a file")
+    if path.exists() and not force and not _is_our_plot(path):
+        raise ValueError(f"--plot {path} exists and is not a plot bench wrote: nothing was changed; choose a new file "
+                         "(or pass --force to replace it)")
+    return path
+
+
+def _is_our_plot(path: Path, limit: int = 64 << 20) -> bool:
+    try:
+        if path.stat().st_size > limit:
+            return False
+        return PLOT_MARK.encode() in path.read_bytes()
+    except OSError:
+        return False
 
 
 def _tps(records: list[tuple[int, float]]) -> float:
