@@ -308,6 +308,44 @@ def atomic_dir(out_dir: Path, kind: str, *, replace: bool = True, force: bool = 
         raise
 
 
+def read_only_reason(path: str | os.PathLike) -> str | None:
+    """Why `path` (or, while it does not exist, the directory it would be created in) cannot be written:
+    "X is on a read-only file system" or "X is read-only for this user"; None when it can."""
+    where = Path(path).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        if os.statvfs(where).f_flag & os.ST_RDONLY:
+            return f"{where} is on a read-only file system"
+    except OSError:
+        pass
+    return None if os.access(where, os.W_OK) else f"{where} is read-only for this user"
+
+
+def os_error_reason(exc: BaseException) -> str:
+    """A failed write or open in words (a safetensors error carries its OS code in its text): a full disk,
+    a file-size limit, a read-only file system, a permission."""
+    import errno
+    import re
+    import resource
+
+    code = getattr(exc, "errno", None)
+    if code is None and (m := re.search(r"(?:code: |os error )(\d+)", str(exc))):
+        code = int(m.group(1))
+    if code == errno.ENOSPC:
+        return "no space left on device"
+    if code == errno.EFBIG:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        return "file too large" + (f" (the file-size limit, `ulimit -f`, is {limit} bytes)" if limit != resource.RLIM_INFINITY else "")
+    if code == errno.EDQUOT:
+        return "disk quota exceeded"
+    if code == errno.EROFS:
+        return "read-only file system"
+    if code in (errno.EACCES, errno.EPERM):
+        return "permission denied"
+    return os.strerror(code).lower() if code else (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:

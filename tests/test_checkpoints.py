@@ -65,10 +65,14 @@ def tiny_run(tmp_path):
             f.write(json.dumps({"id": f"a{i}", "prompt_ids": [rng.randrange(3, 290) for _ in range(6)],
                                 "response_ids": [rng.randrange(3, 290) for _ in range(8)]}) + "\n")
 
+    def overrides(out, *extra):
+        return [f"target={target}", "layers=0,3", "draft_vocab=null", f"data.path={tmp_path / 'answers.jsonl'}",
+                f"out_dir={out}", "optim.max_steps=2", "optim.batch_size=2", "optim.warmup_steps=0",
+                "checkpoint_every=1", "progress=false", "freeze=[]", "threads=1", *extra]
+
     def config(out, *extra):
-        return load_config(None, [f"target={target}", "layers=0,3", "draft_vocab=null", f"data.path={tmp_path / 'answers.jsonl'}",
-                                  f"out_dir={out}", "optim.max_steps=2", "optim.batch_size=2", "optim.warmup_steps=0",
-                                  "checkpoint_every=1", "progress=false", "freeze=[]", "threads=1", *extra])
+        return load_config(None, overrides(out, *extra))
+    config.overrides = overrides
     return config
 
 
@@ -148,3 +152,16 @@ def test_a_checkpoint_that_does_not_fit_the_draft_is_named_not_a_state_dict_dump
         load_checkpoint(ckpt, module, torch.optim.AdamW(module.parameters()))
     message = str(caught.value)
     assert message.startswith(f"{ckpt / 'model.safetensors'}: ") and "weight" in message and len(message.splitlines()) == 1
+
+
+def test_a_resume_with_no_step_left_reports_the_last_loss_as_json(tiny_run, tmp_path, capsys, one_thread):
+    """A resumed `distill --json` with nothing left to train printed `"loss": NaN`, which is not JSON."""
+    import json
+
+    out = tmp_path / "run"
+    argv = ["distill", "--json", *tiny_run.overrides(out, "optim.max_steps=1")]
+    assert main(argv) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert main(argv) == 0  # resumed at step 1 of 1: no step runs
+    again = json.loads(capsys.readouterr().out, parse_constant=lambda name: pytest.fail(f"{name} in JSON"))
+    assert again["steps"] == 1 and again["loss"] == pytest.approx(first["loss"])

@@ -7,7 +7,6 @@ imports `flows.*` only inside the handlers.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from specdistill import bounds
@@ -18,6 +17,7 @@ from specdistill.cli.common import (
     command,
     count_in,
     emit,
+    fail,
     group,
     number_in,
     set_threads,
@@ -37,8 +37,8 @@ def cmd_nightly(args: argparse.Namespace) -> int:
     try:
         result = run_flow(nightly, config_path=args.config, overrides=overrides)
     except FlowStopped as stop:  # SIGTERM/SIGINT: the runs are marked, a rerun resumes
-        print(stopped_message(stop, "the nightly flow"), file=sys.stderr)
-        return stop.exit_code
+        message = stopped_message(stop, "the nightly flow")
+        return fail(getattr(args, "json", False), message, stop.exit_code, line=message)
     text = result.report  # the table, the gate, the serving choice, the registered version and its alias
     if not result.promoted:  # a promotion names the file in the report already
         text += f"\nserving config: {config.serving_path or serving_path()}"

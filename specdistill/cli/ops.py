@@ -16,6 +16,7 @@ from specdistill.cli.common import (
     command,
     count_in,
     emit,
+    fail,
     group,
     log_store,
     number_in,
@@ -59,8 +60,8 @@ def cmd_monitor_run(args: argparse.Namespace) -> int:
     try:
         outcome = run_flow(monitor, config_path=args.config, overrides=args.overrides)
     except FlowStopped as stop:  # SIGTERM/SIGINT: the runs are marked, a rerun resumes
-        print(stopped_message(stop, "the monitor flow"), file=sys.stderr)
-        return stop.exit_code
+        message = stopped_message(stop, "the monitor flow")
+        return fail(getattr(args, "json", False), message, stop.exit_code, line=message)
     emit(args, outcome, outcome.report or f"decision: {outcome.decision}")
     return 0
 

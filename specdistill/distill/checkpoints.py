@@ -9,13 +9,11 @@ the next run.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import pickle
 import random
 import re
-import resource
 import shutil
 from pathlib import Path
 
@@ -55,21 +53,6 @@ class CheckpointWriteError(RuntimeError):
     """A checkpoint that could not be written (a full disk, a file-size limit); the last complete one stays."""
 
 
-def _why_not_written(exc: BaseException) -> str:
-    """One phrase for a failed write: the errno's words (a safetensors error carries its OS code in its text)."""
-    code = getattr(exc, "errno", None)
-    if code is None and (m := re.search(r"(?:code: |os error )(\d+)", str(exc))):
-        code = int(m.group(1))
-    if code == errno.ENOSPC:
-        return "no space left on device"
-    if code == errno.EFBIG:
-        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-        return "file too large" + (f" (the file-size limit, `ulimit -f`, is {limit} bytes)" if limit != resource.RLIM_INFINITY else "")
-    if code == errno.EDQUOT:
-        return "disk quota exceeded"
-    return os.strerror(code) if code else (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-
-
 def save_checkpoint(out_dir: Path, step: int, module: torch.nn.Module, optimizer, order, extra: dict,
                     config: DistillConfig) -> Path:
     """Everything a resume needs, written into a temp dir and renamed: a kill never leaves half a checkpoint.
@@ -90,7 +73,7 @@ def save_checkpoint(out_dir: Path, step: int, module: torch.nn.Module, optimizer
         shutil.rmtree(tmp, ignore_errors=True)
         kept = checkpoint_dirs(out_dir)
         raise CheckpointWriteError(
-            f"could not write checkpoint {final}: {_why_not_written(exc)}; "
+            f"could not write checkpoint {final}: {paths.os_error_reason(exc)}; "
             + (f"the last complete checkpoint {kept[-1].name} is kept" if kept else "no earlier checkpoint was written")
             + ": free space (or raise the limit) and run the same command again to resume") from None
     shutil.rmtree(final, ignore_errors=True)
