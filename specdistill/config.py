@@ -44,6 +44,9 @@ LayerCount = count(bounds.MAX_LAYERS)  # a number of layers (an early exit after
 Kept = count(bounds.MAX_CHECKPOINTS)  # checkpoints or versions kept
 Seed = count(2**32 - 1, low=0)  # what every generator (torch, numpy, random) takes
 Threads = Annotated[int, AfterValidator(bounds.check_threads)]  # 1 to 4 per CPU of this machine
+Days = Annotated[float, Field(ge=0.0, le=bounds.MAX_DAYS)]  # a time span: a window of traffic
+Minutes = Annotated[float, Field(ge=0.0, le=bounds.MAX_DAYS * 24 * 60)]  # a time budget
+Seconds = Annotated[float, Field(gt=0.0, le=bounds.MAX_DAYS * 24 * 3600)]  # an interval
 
 
 class ConfigError(ValueError):

@@ -33,6 +33,9 @@ from specdistill.pipeline.config import load_monitor_config, load_nightly_config
     ("train.optim.lr=.nan", "train.optim.lr"),
     ("deadline_minutes=.inf", "deadline_minutes"),
     ("pool.keep_versions=1000000", "pool.keep_versions"),
+    ("window.days=1e300", "window.days"),  # a timedelta that overflows, not a traceback
+    ("deadline_minutes=1e300", "deadline_minutes"),
+    ("train.optim.max_minutes=1e300", "train.optim.max_minutes"),
 ])
 def test_a_nightly_count_out_of_range_or_a_number_not_finite_is_refused_naming_its_key(override, key):
     with pytest.raises(ConfigError) as caught:

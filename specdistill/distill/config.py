@@ -13,7 +13,7 @@ import yaml
 from pydantic import Field, field_validator, model_validator
 
 from specdistill import bounds
-from specdistill.config import BatchSize, Gamma, Kept, Layer, Prompts, Seed, Steps, Strict, Threads, TopK, count, load_model_config
+from specdistill.config import BatchSize, Gamma, Kept, Layer, Minutes, Prompts, Seed, Steps, Strict, Threads, TopK, count, load_model_config
 
 DraftKind = Literal["layers", "eagle3"]  # a layer-extracted draft, or an EAGLE-3 head over target features
 Divergence = Literal["fkl", "rkl", "jsd", "tv"]  # the losses against a teacher distribution alone
@@ -68,7 +68,7 @@ class OptimConfig(Strict):
     # nightly, by its `dtype`: `pipeline.config.NightlyTrain.for_run`); a run itself needs true or false
     bf16: bool | None = False
     max_tokens: count(bounds.MAX_TOKENS, low=0) | None = None  # stop after this many trained (assistant) tokens
-    max_minutes: float | None = Field(None, ge=0.0)  # stop after this much training time (eval excluded)
+    max_minutes: Minutes | None = None  # stop after this much training time (eval excluded)
     clock: Literal["wall", "cpu"] = "wall"  # what max_minutes counts: wall time, or this process's CPU time
 
 

@@ -17,12 +17,15 @@ from pydantic import Field, create_model, field_validator, model_validator
 from specdistill import bounds, paths
 from specdistill.config import (
     ConfigError,
+    Days,
     Gamma,
     Kept,
     LayerCount,
+    Minutes,
     NewTokens,
     Prompts,
     Repeats,
+    Seconds,
     Seed,
     Steps,
     Strict,
@@ -61,7 +64,7 @@ class SourceConfig(Strict):
 
 
 class WindowConfig(Strict):
-    days: float | None = None  # traffic that arrived in the last N days (None: all of it)
+    days: Days | None = None  # traffic that arrived in the last N days (None: all of it)
     since: datetime | None = None  # or since this moment (the monitor: since the target update)
     # the head is data-limited (+0.075 position-1 acceptance per doubling of unique answer tokens). The window's
     # logged responses are labelled at prefill speed and its prompts decoded until the answers' time budget is
@@ -95,7 +98,7 @@ class NightlyOptim(OptimConfig):
     # 4.5 minutes and was still rising (0.443, 0.463 held-out first-position acceptance at steps 750, 1000); with AMX
     # the 2-step head ran 2,232 steps in its 4.5 minutes, and one step costs about two-thirds of that
     max_steps: Steps = 4000
-    max_minutes: float | None = Field(4.5, ge=0.0)
+    max_minutes: Minutes | None = 4.5
     bf16: bool | None = None
 
 
@@ -212,14 +215,14 @@ class BenchSection(BenchSettings):
     # its training minutes (null: the draft's train.optim.max_minutes): a reference point, not the product, so
     # the demo's deadline goes to the head and the benchmark (a layer draft at 0.24 first-position acceptance after
     # 3 minutes; 0.69x at 1 minute against 0.72x at 2 on AMX; its stage costs ~1.3 minutes more than its training)
-    generic_minutes: float | None = Field(1.0, ge=0.0)
+    generic_minutes: Minutes | None = 1.0
     # torch threads for the benchmark: auto probes 1, half and all cores and keeps the fastest (a shared
     # machine's busy cores stall every thread; `speculative.threads`); null: torch's default
     threads: Threads | Literal["auto"] | None = "auto"
     # the benchmark's wall-clock budget, γ confirmation included (null: none): past it no new prompt or
     # repeat starts (the prompts a decision needs, `serving.min_prompts` and the gate's `min_prompts`, are
     # measured) and the γ confirmation is skipped; the report says so
-    max_minutes: float | None = Field(4.0, ge=0.0)
+    max_minutes: Minutes | None = 4.0
 
     def bench_config(self) -> BenchConfig:
         from specdistill.speculative.harness_bench import BenchConfig  # lazy: torch, only when benchmarking
@@ -299,7 +302,7 @@ class NightlyConfig(Strict):
     # the whole run's wall-clock deadline (null: none), shared by the budgeted stages (answers, training,
     # the generic baseline, the benchmark) in proportion to their own budgets: a slow machine does less of
     # each instead of running past its window (pipeline.stage_budgets). The demo's budgets fit 18 minutes.
-    deadline_minutes: float | None = Field(18.0, ge=0.0)
+    deadline_minutes: Minutes | None = 18.0
     log_db: str | None = None  # default: SQLite under $SPECDISTILL_HOME
     serving_path: str | None = None  # default: $SPECDISTILL_HOME/serving.json
 
@@ -341,7 +344,7 @@ class MonitorConfig(Strict):
     max_new_tokens: NewTokens = 32
     min_draft_tokens: Tokens = 64  # fewer sampled tokens: no sample, no decision
     live_metrics_url: str | None = None  # a serving engine's /metrics (vLLM or llama.cpp names); else replay
-    live_interval_s: float = Field(30.0, gt=0.0)
+    live_interval_s: Seconds = 30.0
     fallback_exit_layers: list[LayerCount] = [4, 8, 12]
     fallback_min_tokens: Tokens = 64
     fallback_repeats: Repeats = 1

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from specdistill import bounds
-from specdistill.config import BatchSize, NewTokens, Strict, TopK, count
+from specdistill.config import BatchSize, Minutes, NewTokens, Strict, TopK, count
 
 
 class LoggedConfig(Strict):
@@ -48,7 +48,7 @@ class GenerationConfig(Strict):
     max_new_tokens: NewTokens = 96
     # the train answers' wall-clock budget (null: none): answers stop between batches when it is spent,
     # and training uses what was written (bf16 answers the demo's 1024 in ~6 min; fp32 on AVX2 took ~19)
-    max_minutes: float | None = Field(7.0, ge=0.0)
+    max_minutes: Minutes | None = 7.0
     # prompts per batched forward (backend openai: answers per teacher shard, what a kill can lose); null: by the
     # run's dtype, measured (benchmarks/README.md): 64 in bf16 (AMX: 1.5-1.6x batch 16), 32 in fp32
     # (as AVX2: 1.3x batch 16; 64 fell back to 1.05x)
