@@ -7,9 +7,12 @@ can share one model cache while keeping everything else in a temporary directory
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
+import re
+import resource
 import shutil
 import tempfile
 import time
@@ -325,10 +328,6 @@ def read_only_reason(path: str | os.PathLike) -> str | None:
 def os_error_reason(exc: BaseException) -> str:
     """A failed write or open in words (a safetensors error carries its OS code in its text): a full disk,
     a file-size limit, a read-only file system, a permission."""
-    import errno
-    import re
-    import resource
-
     code = getattr(exc, "errno", None)
     if code is None and (m := re.search(r"(?:code: |os error )(\d+)", str(exc))):
         code = int(m.group(1))
