@@ -30,6 +30,7 @@ from specdistill.pipeline.config import load_monitor_config
 from specdistill.pipeline.outputs import MonitorOutcome
 from specdistill.pipeline.report import render_outcome
 from specdistill.pipeline.stage_budgets import StageClock
+from specdistill.state_lock import state_lock
 from tasks import monitor as t
 from tasks import nightly as nt
 
@@ -37,6 +38,11 @@ from tasks import nightly as nt
 @flow(name="monitor", log_prints=True)
 def monitor(config_path: str | None = None, overrides: list[str] | None = None,
             fingerprint: str | None = None) -> MonitorOutcome:
+    with state_lock("monitor"):  # one run per state directory; the nightly it starts runs inside it
+        return _monitor(config_path, overrides, fingerprint)
+
+
+def _monitor(config_path: str | None, overrides: list[str] | None, fingerprint: str | None) -> MonitorOutcome:
     config = load_monitor_config(config_path, overrides)
     deadline_at, clock = mc.decision_deadline(config), StageClock()  # deadline_minutes, shared by replay and fallback
     log = get_run_logger()

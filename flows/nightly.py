@@ -21,12 +21,19 @@ from specdistill.pipeline.outputs import NightlyRun
 from specdistill.pipeline.pool_stage import pool_report
 from specdistill.pipeline.report import report_table, write_report
 from specdistill.pipeline.stage_budgets import StageClock, run_deadline
+from specdistill.state_lock import state_lock
 from tasks import nightly as t
 
 
 @flow(name="nightly-distill", log_prints=True)
 def nightly(config_path: str | None = None, overrides: list[str] | None = None,
             window_days: float | None = None, budget_minutes: float | None = None) -> NightlyRun:
+    with state_lock("nightly-distill"):  # one run per state directory (a deployment's as much as a command's)
+        return _nightly(config_path, overrides, window_days, budget_minutes)
+
+
+def _nightly(config_path: str | None, overrides: list[str] | None, window_days: float | None,
+             budget_minutes: float | None) -> NightlyRun:
     overrides = list(overrides or [])
     if window_days is not None:
         overrides.append(f"window.days={window_days}")

@@ -26,6 +26,8 @@ import subprocess
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+from specdistill.state_lock import state_lock
+
 T = TypeVar("T")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 PR_SET_PDEATHSIG = 1  # prctl(2)
@@ -116,9 +118,11 @@ def stop_on_signals() -> Iterator[None]:
 
 
 def run_flow(flow: Callable[..., T], **parameters: Any) -> T:
-    """Run `flow(**parameters)` in this process, stoppable by SIGTERM/SIGINT (see the module docstring).
+    """Run `flow(**parameters)` in this process, stoppable by SIGTERM/SIGINT (see the module docstring),
+    holding the state directory (`state_lock`: a second run is refused before Prefect's server starts).
     Raises `FlowStopped` after the runs in flight are marked."""
-    with stop_on_signals():  # a signal while the server starts stops the command too
+    what = getattr(flow, "name", None) or flow.__name__
+    with state_lock(what), stop_on_signals():  # a signal while the server starts stops the command too
         if type(flow).__module__.startswith("prefect"):
             _temporary_server_in_own_group()
         return flow(**parameters)

@@ -1,22 +1,52 @@
 """One config loader for every config of the project (distill, nightly, monitor): YAML file plus
 dotted `key=value` overrides, validated by a typed pydantic model.
 
-Unknown or mistyped keys fail at load time, naming the file and the key, before a model is loaded.
+Unknown or mistyped keys fail at load time, naming the file and the key, before a model is loaded; so
+do numbers that are not finite and counts out of their range (the bounded types below, `specdistill.bounds`).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+
+from specdistill import bounds
 
 
 class Strict(BaseModel):
-    """Base of every config section: unknown keys are errors, assignments are validated."""
+    """Base of every config section: unknown keys are errors, assignments are validated, a number is finite
+    (`lr: inf` or `nan` never reaches a run)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+def count(high: int, low: int = 1) -> Any:
+    """An integer config value in [low, high]: a count that sizes memory or work."""
+    return Annotated[int, Field(ge=low, le=high)]
+
+
+# the counts every config shares, each within its range in `specdistill.bounds`
+Gamma = count(bounds.MAX_GAMMA)  # draft tokens per round
+TreeWidth = count(bounds.MAX_TREE_WIDTH)
+NewTokens = count(bounds.MAX_NEW_TOKENS)  # tokens generated per request
+Steps = count(bounds.MAX_STEPS)
+BatchSize = count(bounds.MAX_BATCH)
+Prompts = count(bounds.MAX_PROMPTS)
+Tokens = count(bounds.MAX_TOKENS)
+Repeats = count(bounds.MAX_REPEATS)
+TopK = count(bounds.MAX_TOP_K)
+Layer = count(bounds.MAX_LAYERS, low=0)  # a layer index
+LayerCount = count(bounds.MAX_LAYERS)  # a number of layers (an early exit after layer K)
+Kept = count(bounds.MAX_CHECKPOINTS)  # checkpoints or versions kept
+Seed = count(2**32 - 1, low=0)  # what every generator (torch, numpy, random) takes
+Threads = Annotated[int, AfterValidator(bounds.check_threads)]  # 1 to 4 per CPU of this machine
+Days = Annotated[float, Field(ge=0.0, le=bounds.MAX_DAYS)]  # a time span: a window of traffic
+Minutes = Annotated[float, Field(ge=0.0, le=bounds.MAX_DAYS * 24 * 60)]  # a time budget
+Seconds = Annotated[float, Field(gt=0.0, le=bounds.MAX_DAYS * 24 * 3600)]  # an interval
 
 
 class ConfigError(ValueError):
@@ -43,16 +73,35 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
+def _is_union_member(part: object) -> bool:
+    """A `loc` part naming which member of a union an error is about (`constrained-int`, `str`,
+    `function-after[...]`, `literal['auto']`), not a key."""
+    return isinstance(part, str) and (any(c in part for c in "[]()-'") or part in _TYPE_TAGS)
+
+
+_TYPE_TAGS = {"int", "str", "float", "bool", "none", "list", "dict", "tuple", "set", "bytes"}
+
+
 def _describe(exc: ValidationError, source: str) -> str:
-    lines = []
+    """One line per bad key. A union's members each refuse a value (`threads: 99999` is neither a count
+    nor 'auto'): the key is named once, by the validator's own message or by the range it missed."""
+    by_key: dict[str, list[dict]] = {}
     for err in exc.errors():
-        key = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        if err["type"] == "extra_forbidden":
+        key = ".".join(str(p) for p in err["loc"] if not _is_union_member(p)) or "(top level)"
+        by_key.setdefault(key, []).append(err)
+    lines = []
+    for key, errs in by_key.items():
+        if any(e["type"] == "extra_forbidden" for e in errs):
             lines.append(f"{source}: unknown key '{key}'")
-        elif err["type"] == "value_error":  # a validator's own message, without pydantic's prefix
-            lines.append(f"{source}: {key}: {err['ctx']['error']}")
-        else:
-            lines.append(f"{source}: {key}: {err['msg']}")
+            continue
+        own = [e for e in errs if e["type"] == "value_error"]  # a validator's own message, without pydantic's prefix
+        bounded = [e for e in errs if e["type"] in ("less_than_equal", "greater_than_equal", "less_than", "greater_than",
+                                                     "finite_number")]
+        chosen = own or bounded or errs
+        messages = [e["ctx"]["error"] if e["type"] == "value_error" else e["msg"] for e in chosen]
+        got = errs[0].get("input")
+        shown = f" (got {got!r})" if not own and isinstance(got, (int, float, str)) and len(repr(got)) < 40 else ""
+        lines.append(f"{source}: {key}: {'; or '.join(dict.fromkeys(str(m) for m in messages))}{shown}")
     return "\n".join(lines)
 
 

@@ -7,9 +7,12 @@ can share one model cache while keeping everything else in a temporary directory
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
+import re
+import resource
 import shutil
 import tempfile
 import time
@@ -44,7 +47,7 @@ def _secure_home(path: Path) -> None:
     """Before anything is created inside the state directory: create it 0711, or take the group's and
     others' read and write bits off one created before (an older version made it 0755)."""
     root = home()
-    if not _is_within(Path(path).absolute().resolve(), root):
+    if not is_within(Path(path).absolute().resolve(), root):
         return
     with contextlib.suppress(FileExistsError):
         root.mkdir(mode=STATE_DIR_MODE, parents=True)
@@ -143,7 +146,7 @@ def output_kind(directory: Path) -> str | None:
     return marker.get("kind") if marker else None
 
 
-def _is_within(inner: Path, outer: Path) -> bool:
+def is_within(inner: Path, outer: Path) -> bool:
     return inner == outer or outer in inner.parents
 
 
@@ -152,10 +155,10 @@ def check_output_location(out_dir: Path) -> Path:
     raw = Path(out_dir).absolute()
     out = raw.resolve()
     for what, where in (("the working directory", Path.cwd().resolve()), ("the state directory", home())):
-        if _is_within(where, out):
+        if is_within(where, out):
             raise UnsafeOutputError(f"output directory {out_dir} is {what} or contains it ({where}): choose a new directory")
     for what, where in registry_stores():
-        if _is_within(out, where) or _is_within(where, out):
+        if is_within(out, where) or is_within(where, out):
             raise UnsafeOutputError(f"output directory {out_dir} is inside {what} ({where}) or contains it: a registered "
                                     "version is never changed; choose a directory outside it")
     if raw.is_symlink():
@@ -208,6 +211,21 @@ def claim_output_dir(out_dir: Path, kind: str, files: list[str]) -> bool:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return False
+
+
+def release_output_dir(out_dir: Path, *, remove: bool) -> None:
+    """Undo `claim_output_dir` after a run that failed before writing anything but the marker: the
+    marker goes (and the directory, with `remove`: the run created it). Anything else the run wrote
+    stays, marked as ours, so the next run resumes from it."""
+    out = Path(out_dir)
+    try:
+        if [p.name for p in out.iterdir()] != [OUTPUT_MARKER]:
+            return
+        (out / OUTPUT_MARKER).unlink()
+        if remove:
+            out.rmdir()
+    except OSError:
+        pass
 
 
 def _link_or_copy(src: str, dst: str) -> None:
@@ -291,6 +309,40 @@ def atomic_dir(out_dir: Path, kind: str, *, replace: bool = True, force: bool = 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def read_only_reason(path: str | os.PathLike) -> str | None:
+    """Why `path` (or, while it does not exist, the directory it would be created in) cannot be written:
+    "X is on a read-only file system" or "X is read-only for this user"; None when it can."""
+    where = Path(path).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        if os.statvfs(where).f_flag & os.ST_RDONLY:
+            return f"{where} is on a read-only file system"
+    except OSError:
+        pass
+    return None if os.access(where, os.W_OK) else f"{where} is read-only for this user"
+
+
+def os_error_reason(exc: BaseException) -> str:
+    """A failed write or open in words (a safetensors error carries its OS code in its text): a full disk,
+    a file-size limit, a read-only file system, a permission."""
+    code = getattr(exc, "errno", None)
+    if code is None and (m := re.search(r"(?:code: |os error )(\d+)", str(exc))):
+        code = int(m.group(1))
+    if code == errno.ENOSPC:
+        return "no space left on device"
+    if code == errno.EFBIG:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        return "file too large" + (f" (the file-size limit, `ulimit -f`, is {limit} bytes)" if limit != resource.RLIM_INFINITY else "")
+    if code == errno.EDQUOT:
+        return "disk quota exceeded"
+    if code == errno.EROFS:
+        return "read-only file system"
+    if code in (errno.EACCES, errno.EPERM):
+        return "permission denied"
+    return os.strerror(code).lower() if code else (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def file_sha256(path: Path) -> str:

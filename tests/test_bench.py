@@ -522,3 +522,36 @@ def test_a_drafter_that_can_no_longer_win_runs_on_no_further_prompts():
     alone = run_bench_many(target, None, {"ngram": NgramDrafter(1, 3)}, id_prompts(3), cfg, progress=False, min_prompts=2,
                            drop=lambda speedups: set(speedups))
     assert len(alone["ngram"].prompt_speedups) == 3
+
+
+def test_bench_plot_never_overwrites_a_file_it_did_not_write(tmp_path, capsys, monkeypatch):
+    """`bench --plot FILE` replaced any existing file. Now: refused before any work unless FILE is a plot
+    bench wrote (or --force); a format that cannot carry the mark is refused up front."""
+    from specdistill.cli import main
+    from specdistill.modeling import models
+    from tests.conftest import save_tiny_target
+
+    target = save_tiny_target(tmp_path / "target")
+    capsys.readouterr()
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello world\n")
+    mine = tmp_path / "figure.png"
+    mine.write_bytes(b"\x89PNG my own figure")
+    argv = ["bench", "--target", str(target), "--dtype", "float32", "--ngram", "--prompts", str(prompts), "--repeats", "1",
+            "--max-new-tokens", "4", "--threads", "1"]
+    real_load = models.load_model
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("refused before loading"))
+    for plot in (mine, tmp_path / "figure.jpg", tmp_path):
+        assert main([*argv, "--plot", str(plot)]) == 2
+        err = capsys.readouterr().err
+        assert str(plot) in err and err.count("\n") == 1, err
+    assert mine.read_bytes() == b"\x89PNG my own figure"
+    monkeypatch.setattr(models, "load_model", real_load)
+    ours = tmp_path / "plots" / "bench.png"
+    for _ in range(2):  # written, then replaced: a plot bench wrote is its own
+        assert main([*argv, "--plot", str(ours), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["plot"] == str(ours) and ours.read_bytes()[:4] == b"\x89PNG"
+    assert main([*argv, "--plot", str(mine), "--force", "--json"]) == 0  # --force: the user says so
+    capsys.readouterr()
+    assert mine.read_bytes()[:4] == b"\x89PNG" and mine.read_bytes() != b"\x89PNG my own figure"
+    assert sorted(p.name for p in ours.parent.iterdir()) == ["bench.png"]  # no temporary file left beside it

@@ -233,16 +233,26 @@ def test_every_subcommand_help_works(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["bench", "--ngram", "--prompts", "p.txt", "--repeats", "0"], "--repeats: must be at least 1, got 0"),
-    (["bench", "--ngram", "--prompts", "p.txt", "--max-new-tokens", "0"], "--max-new-tokens: must be at least 1"),
-    (["generate", "--ngram", "--prompt", "x", "--gamma", "-1"], "--gamma: must be at least 1"),
+    (["bench", "--ngram", "--prompts", "p.txt", "--repeats", "0"], "--repeats: must be 1 to 1000, got 0"),
+    (["bench", "--ngram", "--prompts", "p.txt", "--max-new-tokens", "0"], "--max-new-tokens: must be 1 to"),
+    (["generate", "--ngram", "--prompt", "x", "--gamma", "-1"], "--gamma: must be 1 to 64"),
+    # counts that size memory or work have an upper bound too (specdistill.bounds)
+    (["generate", "--ngram", "--prompt", "x", "--gamma", "1000000000"], "--gamma: must be 1 to 64, got 1000000000"),
+    (["generate", "--prompt", "x", "--threads", "99999"], "--threads: 99999: must be 1 to"),
+    (["generate", "--draft", "d", "--prompt", "x", "--tree-width", "100000"], "--tree-width: must be 1 to 64"),
+    (["generate", "--prompt", "x", "--max-new-tokens", "1000000000"], "--max-new-tokens: must be 1 to 32768"),
+    (["generate", "--prompt", "x", "--seed", "-1"], "--seed: must be 0 to 4294967295"),
+    (["generate", "--ngram", "--prompt", "x", "--ngram-max", "100000"], "--ngram-max: must be 1 to 64"),
+    (["bench", "--ngram", "--prompts", "p.txt", "--repeats", "1000000"], "--repeats: must be 1 to 1000"),
+    (["monitor", "sample", "--draft", "d", "--gamma", "1000000000"], "--gamma: must be 1 to 64"),
+    (["demo", "target-update", "--top-layers", "1000000"], "--top-layers: must be 1 to 1024"),
     (["generate", "--ngram", "--prompt", "x", "--top-p", "0"], "--top-p: must be in (0, 1]"),
     (["generate", "--ngram", "--prompt", "x", "--temperature", "nan"], "--temperature: must be in"),
     (["monitor", "serve", "--interval", "0"], "--interval: must be in [0.1"),
     (["monitor", "serve", "--port", "0"], "--port: must be at least 1"),
-    (["monitor", "sample", "--draft", "d", "--n", "0"], "--n: must be at least 1"),
-    (["demo", "target-update", "--steps", "0"], "--steps: must be at least 1"),
-    (["draft", "init", "--draft-vocab", "0", "out"], "--draft-vocab: must be at least 1"),
+    (["monitor", "sample", "--draft", "d", "--n", "0"], "--n: must be 1 to"),
+    (["demo", "target-update", "--steps", "0"], "--steps: must be 1 to"),
+    (["draft", "init", "--draft-vocab", "0", "out"], "--draft-vocab: must be 1 to"),
 ])
 def test_numeric_arguments_are_checked_while_parsing(argv, message, capsys, monkeypatch):
     import specdistill.modeling.models as models
@@ -371,3 +381,97 @@ def test_a_signal_during_a_flow_is_one_line_and_exit_128_plus_signal(argv, modul
     assert err == [f"specdistill: the {name} flow stopped by SIGTERM: its flow runs are marked Crashed and nothing is "
                    "half-written; run the same command again to resume from the finished stages"]
     assert signal.getsignal(signal.SIGTERM) is before  # the command's handlers are its own, only while the flow runs
+    assert main([*argv, "--json"]) == 128 + signal.SIGTERM  # and with --json, one object on stdout says so
+    stopped = _strict_json(capsys.readouterr().out)
+    assert stopped["exit_code"] == 128 + signal.SIGTERM and "stopped by SIGTERM" in stopped["error"]
+
+
+def _strict_json(text: str):
+    """One JSON object as the standard reads it: NaN and Infinity are not JSON."""
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+    value = json.loads(text, parse_constant=refuse)
+    assert isinstance(value, dict)
+    return value
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["serving", "show", "--path", "BAD", "--json"], "corrupt serving config"),  # a library refusal (ValueError)
+    (["--GAMMA--"], "--gamma: must be 1 to 64"),  # argparse's own usage error, --json anywhere on the line
+    (["distill", "--json", "data.path=x.jsonl", "optim.lr=inf"], "optim.lr"),  # a config refusal before any work
+])
+def test_json_on_an_error_prints_one_json_object_naming_it(argv, error, tmp_path, capsys):
+    bad = tmp_path / "serving.json"
+    bad.write_text("{not json")
+    if argv == ["--GAMMA--"]:
+        argv = ["generate", "--json", "--ngram", "--prompt", "x", "--gamma", "0"]
+    argv = [str(bad) if a == "BAD" else a for a in argv]
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 2
+    out, err = capsys.readouterr()
+    payload = _strict_json(out)
+    assert error in payload["error"] and payload["exit_code"] == 2 and out.count("\n") == 1
+    assert error in err  # and the sentence for a person, on stderr
+
+
+def test_json_output_is_strict_json_a_nan_is_null(capsys):
+    from specdistill.cli.common import emit
+
+    emit(argparse.Namespace(json=True), {"loss": float("nan"), "curve": [{"tau": float("inf")}, {"tau": 1.5}]}, "text")
+    assert _strict_json(capsys.readouterr().out) == {"loss": None, "curve": [{"tau": None}, {"tau": 1.5}]}
+
+
+@pytest.mark.parametrize("code, words", [(28, "no space left on device"), (27, "file too large"), (30, "read-only"),
+                                         (13, "permission denied")])
+def test_an_os_error_is_one_sentence_naming_the_path(code, words, capsys, monkeypatch):
+    import specdistill.cli.ops as ops
+
+    def fails(args):
+        raise OSError(code, os.strerror(code), "/somewhere/file.json")
+
+    monkeypatch.setattr(ops, "cmd_serving_show", fails)
+    assert main(["serving", "show", "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("specdistill: error: /somewhere/file.json: ") and words in err.lower() and err.count("\n") == 1
+    assert "Traceback" not in err and words in _strict_json(out)["error"].lower()
+
+
+def _run_read_only(home: Path, argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """`specdistill ARGV` with the state directory read-only: its mode for a user, a read-only mount for root
+    (which writes through any mode), in a mount namespace of its own."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SPECDISTILL_HOME": str(home)}
+    command = [sys.executable, "-m", "specdistill.cli", *argv]
+    if os.geteuid() == 0:
+        script = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"'
+        command = ["unshare", "-m", "sh", "-c", script, str(home), *command]
+    return subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=240)
+
+
+def test_a_read_only_state_directory_is_named_as_such(tmp_path):
+    """`unable to open database file` (the log store) and raw OSError tracebacks (the state lock, the model
+    cache) became one sentence saying the state directory is read-only, and which path."""
+    home = tmp_path / "home"
+    traffic = tmp_path / "t.jsonl"
+    traffic.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SPECDISTILL_HOME": str(home)}
+    subprocess.run([sys.executable, "-m", "specdistill.cli", "ingest", str(traffic), "--format", "openai"], env=env,
+                   check=True, capture_output=True, cwd=tmp_path)
+    if os.geteuid() == 0 and subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("root without mount namespaces: no way to make a directory read-only")
+    from tests.conftest import save_tiny_target
+
+    target = save_tiny_target(tmp_path / "target")
+    if os.geteuid() != 0:
+        home.chmod(0o555)
+    try:
+        for argv in (["ingest", str(traffic), "--format", "openai"], ["pipeline", "run"],
+                     ["monitor", "sample", "--draft", "d", "--n", "1"], ["target", "register", str(target), "--no-event"]):
+            proc = _run_read_only(home, argv, tmp_path)
+            last = proc.stderr.strip().splitlines()[-1]
+            assert proc.returncode == 2 and "Traceback" not in proc.stderr, (argv, proc.stderr[-2000:])
+            assert last.startswith("specdistill: error: ") and "read-only" in last and str(home) in last, (argv, last)
+    finally:
+        home.chmod(0o711)

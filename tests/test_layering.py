@@ -3,7 +3,7 @@
 The library's layers form a graph (`MAY_IMPORT`); a module may import its own layer and the layers
 that graph puts under it, nothing else:
 
-    base (specdistill/__init__, config, acceptance, paths, env, hardware, budget)
+    base (specdistill/__init__, config, acceptance, bounds, paths, state_lock, env, hardware, budget)
       <- data <- modeling
       <- distill | speculative | engines    siblings: none imports another (shared types live below them)
       <- ops (policy, registry, replay) <- pipeline <- cli
@@ -43,8 +43,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "pipeline": {"base", "data", "modeling", *SIBLINGS, "ops"},
     "cli": {"base", "data", "modeling", *SIBLINGS, "ops", "pipeline"},
 }
-BASE_MODULES = {"config", "acceptance", "paths", "env", "hardware", "budget"}
-ORCHESTRATION_MAY_IMPORT = ("specdistill.pipeline", "specdistill.paths")  # for tasks/ and flows/
+BASE_MODULES = {"config", "acceptance", "bounds", "paths", "state_lock", "env", "hardware", "budget"}
+ORCHESTRATION_MAY_IMPORT = ("specdistill.pipeline", "specdistill.paths", "specdistill.state_lock")  # for tasks/ and flows/
 MAX_LINES = 400
 MAX_TOP_LEVEL = 8  # modules directly in specdistill/, __init__.py not counted
 LAZY_REASON = re.compile(r"#\s*lazy:\s*\S")  # `# lazy: <why>` on a function-level import's line or the line above

@@ -53,3 +53,27 @@ def test_mlflow_retries_are_bounded_by_default():
     import os
 
     assert int(os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"]) <= 3 and int(os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"]) <= 30
+
+
+@pytest.mark.parametrize("content", [b"\x8f" * 5000, b"SQLite format 3\x00" + b"\x00" * 84 + b"\xff" * 4000])
+def test_a_corrupt_mlflow_store_is_one_line_naming_it(tmp_path, capsys, content):
+    """A corrupt `mlflow.db` was a raw sqlalchemy DatabaseError (with MLflow's schema query) in `generate --draft
+    models:/...`, `monitor run`, and every command that reads the registry."""
+    from specdistill import paths
+    from specdistill.cli import main
+    from tests.conftest import save_tiny_target
+
+    store = paths.ensure(paths.home()) / "mlflow.db"
+    store.write_bytes(content)
+    with pytest.raises(TrackingServerError) as caught:
+        mlflow_refs.client()
+    message = str(caught.value)
+    assert message.startswith(f"MLflow's store {store} is not a readable SQLite database") and len(message.splitlines()) == 1
+    target = save_tiny_target(tmp_path / "target")
+    capsys.readouterr()
+    argv = ["generate", "--target", str(target), "--draft", "models:/draft@champion", "--prompt", "hi", "--max-new-tokens", "2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"specdistill: error: MLflow's store {store} is not a readable")
+    assert not any("Traceback" in line for line in err)
+    assert store.read_bytes() == content  # nothing written over it

@@ -159,3 +159,23 @@ def test_pipeline_and_monitor_paths_check_the_corpus_tokenizer(tmp_path):
     assert corpus_is_current(good, target.fingerprint, target.tokenizer_digest) == (True, "")
     current, why = corpus_is_current(edited, target.fingerprint, target.tokenizer_digest)
     assert not current and "another tokenizer" in why
+
+
+def test_a_corpus_with_ids_outside_the_targets_vocabulary_is_refused_naming_the_id(tmp_path, capsys):
+    """A corpus whose checksum is valid but whose ids run past the target's vocabulary (or below 0) drafted
+    them, and the target's embedding lookup raised an IndexError mid-generation."""
+    from specdistill.cli import main
+
+    target_dir, target, _, _ = _corpus_with_edited_tokenizer(tmp_path)
+    vocab = target.model.config.vocab_size
+    key = {"target_fingerprint": target.fingerprint, "tokenizer": target.tokenizer_digest}
+    for name, bad in (("big", vocab + 5), ("negative", -3)):
+        path = save_corpus(tmp_path / f"{name}.safetensors", [[1, 2, 3, bad, 4], [1, 2, 3, bad]],
+                           _meta(target_fingerprint=target.fingerprint, tokenizer=target.tokenizer_digest))
+        with pytest.raises(CorpusError, match=rf"{name}\.safetensors holds token id {bad} .*vocabulary of {vocab} ids is 0 to {vocab - 1}"):
+            load_corpus(path, vocab_size=vocab, **key)
+        argv = ["generate", "--target", str(target_dir), "--dtype", "float32", "--max-new-tokens", "8", "--threads", "1",
+                "--prompt-ids", "1,2,3", "--suffix", str(path)]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"{name}.safetensors holds token id {bad}" in err and "Traceback" not in err

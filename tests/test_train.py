@@ -334,23 +334,54 @@ def test_distill_refuses_an_out_dir_it_did_not_write_before_the_target_loads(tmp
         assert why in err and err.count("\n") == 1, err
     assert (victim / "config.yaml").read_text() == "mine: true\n" and (victim / "result.json").read_text() == '{"mine": true}'
     assert sorted(p.name for p in victim.iterdir()) == ["config.yaml", "result.json"]
-    assert sorted(p.name for p in paths.home().iterdir()) == ["mlartifacts"] and not any(store.iterdir())
+    assert sorted(p.name for p in paths.home().iterdir()) == ["mlartifacts", "state.lock"] and not any(store.iterdir())
 
 
-def test_distill_claims_its_out_dir_and_a_run_an_older_version_started_still_resumes(tmp_path):
+def test_distill_claims_its_out_dir_and_only_a_directory_our_marker_was_in_resumes(tmp_path):
     from specdistill import paths
     from specdistill.distill.train import DISTILL_OUTPUT, claim_out_dir
 
     out = tmp_path / "run"
     assert claim_out_dir(out) is False and paths.output_kind(out) == DISTILL_OUTPUT
     assert claim_out_dir(out) is True  # its own: a rerun resumes from the checkpoints
-    legacy = tmp_path / "legacy"  # killed under the previous version: checkpoints, no marker
-    (legacy / "checkpoints" / "step-0000003").mkdir(parents=True)
-    (legacy / "checkpoints" / "step-0000003" / "state.json").write_text("{}")
-    (legacy / "train_log.jsonl").write_text("")
-    assert claim_out_dir(legacy) is True and paths.output_kind(legacy) == DISTILL_OUTPUT
-    imitation = tmp_path / "imitation"  # names a run writes, but no checkpoint state: not ours
-    (imitation / "checkpoints").mkdir(parents=True)
-    (imitation / "result.json").write_text("{}")
-    with pytest.raises(paths.UnsafeOutputError, match="files this command did not write"):
-        claim_out_dir(imitation)
+    for name, files in (("imitation", {"checkpoints/step-0000003/state.json": "{}", "train_log.jsonl": ""}),
+                        ("names", {"checkpoints/x": "", "result.json": "{}"})):
+        unmarked = tmp_path / name  # names and checkpoints a run writes, but no marker: not ours
+        for rel, text in files.items():
+            (unmarked / rel).parent.mkdir(parents=True, exist_ok=True)
+            (unmarked / rel).write_text(text)
+        with pytest.raises(paths.UnsafeOutputError, match="files this command did not write"):
+            claim_out_dir(unmarked)
+        assert paths.output_marker(unmarked) is None
+
+
+def test_distill_into_a_users_directory_loses_nothing_and_a_failed_run_claims_nothing(tmp_path, capsys):
+    """A user's config.yaml and result.json beside a checkpoint-like folder: refused, nothing claimed; refused
+    again once the folder is gone. A run that fails before writing anything leaves no marker behind."""
+    from specdistill import paths
+    from specdistill.cli import main
+
+    victim = tmp_path / "victim"
+    (victim / "checkpoints" / "step-0000001").mkdir(parents=True)
+    (victim / "checkpoints" / "step-0000001" / "state.json").write_text('{"step": 1}')
+    (victim / "config.yaml").write_text("mine: true\n")
+    (victim / "result.json").write_text('{"mine": true}')
+    target = save_tiny_target(tmp_path / "target")
+    capsys.readouterr()
+    args = ["distill", f"target={target}", "data.path=missing.jsonl", f"out_dir={victim}", "progress=false"]
+    assert main(args) == 2
+    assert "files this command did not write" in capsys.readouterr().err
+    assert paths.output_marker(victim) is None
+    import shutil
+
+    shutil.rmtree(victim / "checkpoints")
+    assert main(args) == 2
+    assert "files this command did not write" in capsys.readouterr().err
+    assert sorted(p.name for p in victim.iterdir()) == ["config.yaml", "result.json"]
+    assert (victim / "config.yaml").read_text() == "mine: true\n" and (victim / "result.json").read_text() == '{"mine": true}'
+    for out in (tmp_path / "new", tmp_path / "empty"):  # a run that fails (no data) claims neither
+        if out.name == "empty":
+            out.mkdir()
+        assert main([*args[:3], f"out_dir={out}", "progress=false"]) == 2
+        assert "missing.jsonl" in capsys.readouterr().err
+        assert not out.exists() if out.name == "new" else not any(out.iterdir())

@@ -8,17 +8,18 @@ next to its handlers; common.py holds what they share.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import specdistill  # noqa: F401  (sets the offline environment before anything else imports)
 from specdistill.cli import data, decode, distill, flows, models, ops
-from specdistill.env import mask_secrets
+from specdistill.cli.common import Parser, describe_error, fail
 
 GROUPS = (models, data, decode, distill, flows, ops)  # in the order `specdistill --help` lists them
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specdistill", description=__doc__.splitlines()[0])
+    parser = Parser(prog="specdistill", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for group in GROUPS:
         group.register(sub)
@@ -26,9 +27,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command: its exit code. An error a user can act on is one sentence on stderr (and with
+    --json one `{"error", "exit_code"}` object on stdout), never a traceback."""
+    words = sys.argv[1:] if argv is None else list(argv)
+    Parser.last_error = None
+    try:
+        args = build_parser().parse_args(words)
+    except SystemExit as exc:  # argparse printed its usage error (2), or --help (0)
+        if exc.code not in (0, None) and "--json" in words and Parser.last_error:
+            print(json.dumps({"error": Parser.last_error, "exit_code": exc.code}))
+        raise
     try:
         return args.func(args)
-    except (ValueError, RuntimeError, FileNotFoundError) as exc:
-        print(f"specdistill: error: {mask_secrets(str(exc))}", file=sys.stderr)
-        return 2
+    except Exception as exc:
+        message = describe_error(exc)
+        if message is None:
+            raise
+        return fail(getattr(args, "json", False), message)

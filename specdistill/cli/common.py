@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
+from specdistill import bounds
 from specdistill.data.record import to_dict
+from specdistill.env import mask_secrets
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -21,6 +26,31 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def count_in(high: int, low: int = 1) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high] (a count that sizes memory or work: `specdistill.bounds`)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be {low} to {high}, got {value}")
+        return value
+    parse.__name__ = "count"  # argparse names a type in its messages
+    return parse
+
+
+seed = count_in(2**32 - 1, low=0)  # what every generator (torch, numpy, random) takes
+
+
+def thread_count(text: str) -> int:
+    """An argparse type: torch threads this machine can run (`bounds.check_threads`: tens of thousands abort OpenMP)."""
+    try:
+        return bounds.check_threads(positive_int(text), "")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).strip()) from None
 
 
 def number_in(low: float, high: float = float("inf"), *, low_open: bool = False) -> Callable[[str], float]:
@@ -61,12 +91,82 @@ def group(parent: Subcommands, name: str, help: str) -> Subcommands:
     return parent.add_parser(name, help=help.replace("%", "%%"), description=help).add_subparsers(dest=f"{name}_command", required=True)
 
 
+def _finite(value):
+    """`value` with every NaN or infinity as None: JSON has no NaN (`"loss": NaN` is not JSON)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def emit(args: argparse.Namespace, payload: dict, text: str) -> None:
-    """The command's result: `payload` as one JSON object with --json (stage outputs by their `to_dict`), else `text`."""
+    """The command's result: `payload` as one JSON object with --json (stage outputs by their `to_dict`; a
+    number that is not finite as null), else `text`."""
     if getattr(args, "json", False):
-        print(json.dumps(to_dict(payload), default=str))
+        print(json.dumps(_finite(to_dict(payload)), default=str, allow_nan=False))
     else:
         print(text)
+
+
+# --------------------------------------------------------------------------------------------
+# errors: one sentence on stderr, and with --json one JSON object on stdout too
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, remembering its usage error (argparse prints it and exits 2) for --json."""
+
+    last_error: str | None = None
+
+    def error(self, message: str):
+        Parser.last_error = f"{self.prog}: error: {message}"
+        super().error(message)
+
+
+def fail(wants_json: bool, message: str, code: int = 2, *, line: str | None = None) -> int:
+    """Report a command's failure: the sentence on stderr (`line`, else `specdistill: error: MESSAGE`), and
+    with --json `{"error", "exit_code"}` on stdout: a script reading stdout always gets one object."""
+    message = mask_secrets(message)
+    print(mask_secrets(line) if line else f"specdistill: error: {message}", file=sys.stderr)
+    if wants_json:
+        print(json.dumps({"error": message, "exit_code": code}))
+    return code
+
+
+def describe_error(exc: BaseException) -> str | None:
+    """The sentence for an error a user can act on (None: a bug, whose traceback is kept). A library refusal
+    says it already (ValueError, RuntimeError); an OS error, a database driver's and MLflow's are put in words."""
+    if isinstance(exc, (ValueError, RuntimeError, FileNotFoundError)):
+        return str(exc)
+    if isinstance(exc, OSError):
+        return describe_os_error(exc)
+    module = type(exc).__module__
+    if module.startswith("sqlalchemy"):  # a database the library did not open itself (MLflow's)
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        return f"database error: {reason}" + _state_read_only(" (the state directory {})")
+    if module.startswith("mlflow"):
+        return "MLflow: " + (str(getattr(exc, "message", None) or exc).strip().splitlines() or ["error"])[0]
+    return None
+
+
+def _state_read_only(template: str) -> str:
+    from specdistill import paths  # lazy: CLI start-up
+
+    why = paths.read_only_reason(paths.home())
+    return template.format(why) if why else ""
+
+
+def describe_os_error(exc: OSError) -> str:
+    """`PATH: what failed`, and when the path is in a read-only state directory, that it is."""
+    from specdistill import paths  # lazy: CLI start-up
+
+    where = exc.filename if exc.filename is not None else ""
+    reason = paths.os_error_reason(exc)
+    if where and paths.is_within(Path(str(where)).absolute(), paths.home()) and paths.read_only_reason(paths.home()):
+        reason += f": the state directory {paths.home()} is read-only; give SPECDISTILL_HOME a writable directory"
+    return f"{where}: {reason}" if where else reason
 
 
 OUT_HELP = "a new directory (an existing one is refused unless it is this command's previous output and --force)"
@@ -83,7 +183,8 @@ def add_out(p: argparse.ArgumentParser, flag: str | None = None, help: str = OUT
 
 
 def add_threads(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (1 avoids stalls on a busy machine)")
+    p.add_argument("--threads", type=thread_count, default=None,
+                   help=f"torch CPU threads (1 avoids stalls on a busy machine; at most {bounds.THREADS_PER_CPU} per CPU)")
 
 
 def set_threads(args: argparse.Namespace) -> None:

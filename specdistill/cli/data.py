@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specdistill.cli.common import Subcommands, add_db, command, emit, group, log_store, positive_int
+from specdistill import bounds
+from specdistill.cli.common import Subcommands, add_db, command, count_in, emit, group, log_store
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
@@ -54,7 +55,7 @@ def register(sub: Subcommands) -> None:
     p.add_argument("--format", required=True, choices=["sharegpt", "openai", "jsonl", "humaneval"])
     add_db(p)
     p.add_argument("--source", default=None, help="source name (default: the file's absolute path)")
-    p.add_argument("--batch-size", type=positive_int, default=1000, help="records per transaction")
+    p.add_argument("--batch-size", type=count_in(bounds.MAX_BATCH), default=1000, help="records per transaction")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     logs = group(sub, "logs", "log store")
@@ -64,4 +65,4 @@ def register(sub: Subcommands) -> None:
                 example="logs quarantine --source prod-2026-11-29 --limit 20")
     add_db(p)
     p.add_argument("--source", default=None, help="only this source")
-    p.add_argument("--limit", type=positive_int, default=100)
+    p.add_argument("--limit", type=count_in(bounds.MAX_PROMPTS), default=100)

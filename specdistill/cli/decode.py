@@ -6,16 +6,18 @@ import argparse
 import sys
 from pathlib import Path
 
+from specdistill import bounds
 from specdistill.acceptance import DEFAULT_GAMMA, NGRAM_WINDOW
 from specdistill.cli.common import (
     Subcommands,
     add_db,
     add_threads,
     command,
+    count_in,
     emit,
     log_store,
     number_in,
-    positive_int,
+    seed,
     set_threads,
 )
 
@@ -165,6 +167,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         payload, text = result.to_dict(), result.render()
         return _emit_bench(args, result, payload, text)
     _check_drafting(args)
+    if args.plot:
+        from specdistill.data.results import check_plot_path  # lazy: CLI start-up
+
+        check_plot_path(args.plot, force=args.force)  # before any work: a refusal costs nothing
     set_threads(args)
     if args.from_logs is not None and args.turns is not None:
         raise ValueError("--turns applies to --prompts files; a logged prompt is every turn before its first answer")
@@ -220,23 +226,24 @@ def _add_drafting(p: argparse.ArgumentParser) -> None:
     how = p.add_mutually_exclusive_group()
     how.add_argument("--draft", default=None,
                      help="draft model directory or models:/NAME@ALIAS (its draft_vocab.safetensors is used if present)")
-    how.add_argument("--self-spec", type=positive_int, default=None, metavar="K", help="the target drafts by exiting at layer K")
+    how.add_argument("--self-spec", type=count_in(bounds.MAX_LAYERS), default=None, metavar="K",
+                     help="the target drafts by exiting at layer K")
     how.add_argument("--ngram", action="store_true", help="prompt-lookup drafting from the history")
     p.add_argument("--suffix", default=None, metavar="CORPUS",
                    help="suffix drafting from a corpus of the target's past answers (and the request itself); "
                         "beside --draft or --self-spec: the hybrid of both")
     p.add_argument("--hybrid-threshold", type=number_in(0.0), default=None, metavar="X",
                    help="hybrid: take the suffix proposal when its expected accepted tokens reach X")
-    p.add_argument("--ngram-min", type=positive_int, default=NGRAM_WINDOW[0])
-    p.add_argument("--ngram-max", type=positive_int, default=NGRAM_WINDOW[1])
-    p.add_argument("--gamma", type=positive_int, default=DEFAULT_GAMMA, help="draft tokens per round")
-    p.add_argument("--tree-width", type=positive_int, default=1, metavar="W",
+    p.add_argument("--ngram-min", type=count_in(bounds.MAX_NGRAM), default=NGRAM_WINDOW[0])
+    p.add_argument("--ngram-max", type=count_in(bounds.MAX_NGRAM), default=NGRAM_WINDOW[1])
+    p.add_argument("--gamma", type=count_in(bounds.MAX_GAMMA), default=DEFAULT_GAMMA, help="draft tokens per round")
+    p.add_argument("--tree-width", type=count_in(bounds.MAX_TREE_WIDTH), default=1, metavar="W",
                    help="draft model, EAGLE-3 head or early exit, greedy: verify its top W candidates for the first "
                         "draft position as a tree")
-    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--max-new-tokens", type=count_in(bounds.MAX_NEW_TOKENS), default=64)
     p.add_argument("--temperature", type=number_in(0.0), default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=number_in(0.0, 1.0, low_open=True), default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=seed, default=None)
     add_threads(p)
 
 
@@ -259,12 +266,14 @@ def register(sub: Subcommands) -> None:
     p.add_argument("--turns", default=None, choices=["first", "all"],
                    help="Spec-Bench files: the first turn (default), or every turn, each asked after the target's own "
                         "greedy answers to the turns before it (one measured prompt per turn; the slice is the category)")
-    p.add_argument("--limit", type=positive_int, default=None,
+    p.add_argument("--limit", type=count_in(bounds.MAX_PROMPTS), default=None,
                    help="only the first N prompts (records) of a file; with --from-logs how many to draw (default 32)")
-    p.add_argument("--log-seed", type=int, default=None, help="--from-logs: a seeded sample instead of the newest")
+    p.add_argument("--log-seed", type=seed, default=None, help="--from-logs: a seeded sample instead of the newest")
     add_db(p)
-    p.add_argument("--repeats", type=positive_int, default=3, help="interleaved repeats; tokens/s is their median")
-    p.add_argument("--plot", default=None, metavar="PNG", help="acceptance per position and speedup per slice")
+    p.add_argument("--repeats", type=count_in(bounds.MAX_REPEATS), default=3, help="interleaved repeats; tokens/s is their median")
+    p.add_argument("--plot", default=None, metavar="PNG", help="acceptance per position and speedup per slice (.png, .pdf "
+                   "or .svg; an existing file only if bench wrote it, unless --force)")
+    p.add_argument("--force", action="store_true", help="replace --plot FILE even when bench did not write it")
     p.add_argument("--gate", default=None, choices=["default", "production"], help="also print the gate's verdict")
     p.add_argument("--champion", default=None, metavar="JSON", help="the champion's bench JSON, for the gate's τ check")
     p.add_argument("--engine", default="harness", choices=["harness", "llamacpp", "vllm", "openai"],

@@ -7,17 +7,19 @@ imports `flows.*` only inside the handlers.
 from __future__ import annotations
 
 import argparse
-import sys
+from pathlib import Path
 
+from specdistill import bounds
 from specdistill.cli.common import (
     Subcommands,
     add_out,
     add_threads,
     command,
+    count_in,
     emit,
+    fail,
     group,
     number_in,
-    positive_int,
     set_threads,
 )
 
@@ -35,8 +37,8 @@ def cmd_nightly(args: argparse.Namespace) -> int:
     try:
         result = run_flow(nightly, config_path=args.config, overrides=overrides)
     except FlowStopped as stop:  # SIGTERM/SIGINT: the runs are marked, a rerun resumes
-        print(stopped_message(stop, "the nightly flow"), file=sys.stderr)
-        return stop.exit_code
+        message = stopped_message(stop, "the nightly flow")
+        return fail(getattr(args, "json", False), message, stop.exit_code, line=message)
     text = result.report  # the table, the gate, the serving choice, the registered version and its alias
     if not result.promoted:  # a promotion names the file in the report already
         text += f"\nserving config: {config.serving_path or serving_path()}"
@@ -46,11 +48,13 @@ def cmd_nightly(args: argparse.Namespace) -> int:
 
 def cmd_demo_target_update(args: argparse.Namespace) -> int:
     from specdistill.modeling.models import load_model  # lazy: CLI start-up
-    from specdistill.ops.drift import load_update_meta, make_target_update  # lazy: CLI start-up
+    from specdistill.ops.drift import default_update_dir, load_update_meta, make_target_update  # lazy: CLI start-up
+    from specdistill.state_lock import state_lock_for  # lazy: CLI start-up
 
     set_threads(args)
-    out = make_target_update(args.base, args.out, steps=args.steps, lr=args.lr, top_layers=args.top_layers,
-                             force=args.force)
+    out = Path(args.out) if args.out else default_update_dir()
+    with state_lock_for(out, "demo target-update"):  # the default is inside the state directory
+        make_target_update(args.base, out, steps=args.steps, lr=args.lr, top_layers=args.top_layers, force=args.force)
     meta = load_update_meta(out)
     payload = {"out": str(out), "fingerprint": load_model(out).fingerprint, **meta}
     emit(args, payload, f"new target version {payload['fingerprint']} -> {out} "
@@ -99,7 +103,7 @@ def register(sub: Subcommands) -> None:
                 example="demo target-update --steps 30 --top-layers 4 --threads 1")
     p.add_argument("--base", default="demo")
     add_out(p, "--out", help="a new directory (default: $SPECDISTILL_HOME/targets/demo-update)")
-    p.add_argument("--steps", type=positive_int, default=30)
+    p.add_argument("--steps", type=count_in(bounds.MAX_STEPS), default=30)
     p.add_argument("--lr", type=number_in(0.0, low_open=True), default=None, help="default: the measured one (specdistill.ops.drift)")
-    p.add_argument("--top-layers", type=positive_int, default=4)
+    p.add_argument("--top-layers", type=count_in(bounds.MAX_LAYERS), default=4)
     add_threads(p)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from specdistill.cli.common import Subcommands, add_out, command, emit, group, positive_int
+from specdistill import bounds
+from specdistill.cli.common import Subcommands, add_out, command, count_in, emit, group
 
 
 def cmd_vocab_check(args: argparse.Namespace) -> int:
@@ -123,6 +124,6 @@ def register(sub: Subcommands) -> None:
     p.add_argument("--layers", default=None,
                    help="layers: '0,1,2,29' (default), 'evenly:K' or 'first:K'; eagle3: the three feature layers "
                         "(default 2, N/2, N-3 as vLLM and SGLang capture them)")
-    p.add_argument("--draft-vocab", type=positive_int, default=None, help="keep only the N most frequent tokens")
+    p.add_argument("--draft-vocab", type=count_in(bounds.MAX_TOP_K), default=None, help="keep only the N most frequent tokens")
     p.add_argument("--traffic", default=None, help="text file whose token counts choose the draft vocabulary")
     add_out(p)

@@ -7,18 +7,20 @@ import argparse
 import contextlib
 import sys
 
+from specdistill import bounds
 from specdistill.acceptance import DEFAULT_GAMMA
 from specdistill.cli.common import (
     Subcommands,
     add_db,
     add_threads,
     command,
+    count_in,
     emit,
+    fail,
     group,
     log_store,
     number_in,
     port_number,
-    positive_int,
     set_threads,
 )
 
@@ -58,8 +60,8 @@ def cmd_monitor_run(args: argparse.Namespace) -> int:
     try:
         outcome = run_flow(monitor, config_path=args.config, overrides=args.overrides)
     except FlowStopped as stop:  # SIGTERM/SIGINT: the runs are marked, a rerun resumes
-        print(stopped_message(stop, "the monitor flow"), file=sys.stderr)
-        return stop.exit_code
+        message = stopped_message(stop, "the monitor flow")
+        return fail(getattr(args, "json", False), message, stop.exit_code, line=message)
     emit(args, outcome, outcome.report or f"decision: {outcome.decision}")
     return 0
 
@@ -140,10 +142,10 @@ def register(sub: Subcommands) -> None:
     p.add_argument("--target", default="demo")
     p.add_argument("--draft", required=True, help="draft directory or models:/NAME@champion")
     p.add_argument("--draft-version", default=None, help="version recorded with the samples (default: the reference)")
-    p.add_argument("--n", type=positive_int, default=16, help="prompts to replay")
-    p.add_argument("--gamma", type=positive_int, default=DEFAULT_GAMMA)
-    p.add_argument("--max-new-tokens", type=positive_int, default=48)
-    p.add_argument("--min-draft-tokens", type=positive_int, default=100, help="fewer proposed tokens: no sample")
+    p.add_argument("--n", type=count_in(bounds.MAX_PROMPTS), default=16, help="prompts to replay")
+    p.add_argument("--gamma", type=count_in(bounds.MAX_GAMMA), default=DEFAULT_GAMMA)
+    p.add_argument("--max-new-tokens", type=count_in(bounds.MAX_NEW_TOKENS), default=48)
+    p.add_argument("--min-draft-tokens", type=count_in(bounds.MAX_TOKENS), default=100, help="fewer proposed tokens: no sample")
     p.add_argument("--threshold", type=number_in(0.0, 1.0), default=None, help="first-position acceptance under which: fallback (0.5)")
     add_db(p)
     add_threads(p)

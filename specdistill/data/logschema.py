@@ -18,7 +18,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from specdistill.data.formats import Message
 from specdistill.env import mask_secrets
-from specdistill.paths import create_private_file
+from specdistill.paths import create_private_file, read_only_reason
 
 DEFAULT_EVAL_FRACTION = 0.05
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
@@ -252,8 +252,18 @@ def make_engine(url: str, *, create: bool = True) -> Engine:
 
 def database_error(url: str | sa.URL, exc: sa.exc.DBAPIError) -> LogStoreError:
     """A driver's error as one line naming the store: never the SQL statement or its parameters
-    (which hold traffic), and never a credential."""
+    (which hold traffic), and never a credential. A SQLite file SQLite cannot write (it writes its
+    journal beside it) is said to be read-only, with the path."""
     reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+    try:
+        parsed = sa.make_url(url)
+    except (sa.exc.ArgumentError, ValueError):
+        parsed = None
+    if parsed is not None and parsed.get_backend_name() == "sqlite" and _sqlite_file(parsed):
+        path = Path(parsed.database).absolute()
+        why = (read_only_reason(path) if path.exists() else None) or read_only_reason(path.parent)
+        if why:
+            reason = f"{why}: SQLite cannot write {path.name} or its journal beside it ({reason})"
     return LogStoreError(f"log store {display_url(url)}: {mask_secrets(reason)}")
 
 

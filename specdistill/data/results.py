@@ -9,14 +9,16 @@ bound resamples) is the median over repeats of its speculative over its target-o
 
 from __future__ import annotations
 
+import os
 import statistics
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import Field
 
 from specdistill.acceptance import DEFAULT_GAMMA
-from specdistill.config import Strict
+from specdistill.config import Gamma, NewTokens, Repeats, Seed, Strict
 from specdistill.data.record import Record
 
 # The lossless criterion's near-tie tolerance (fp32 logit margin) that results count divergences by: bf16
@@ -29,10 +31,10 @@ class BenchSettings(Strict):
     """What every benchmark measures, whichever engine runs it. 40 new tokens once per prompt keeps the
     demo's benchmark inside its budget on a 2-core CPU (the `bench` command asks for more repeats)."""
 
-    gamma: int = Field(DEFAULT_GAMMA, ge=1)  # draft tokens per round (an engine's: recorded, it was started with it)
-    max_new_tokens: int = Field(40, ge=1)
-    repeats: int = Field(1, ge=1)  # interleaved repeats; tokens/s is their median
-    seed: int = 0
+    gamma: Gamma = DEFAULT_GAMMA  # draft tokens per round (an engine's: recorded, it was started with it)
+    max_new_tokens: NewTokens = 40
+    repeats: Repeats = 1  # interleaved repeats; tokens/s is their median
+    seed: Seed = 0
     near_tie_tolerance: float = Field(DEFAULT_TOLERANCE, ge=0.0)  # fp32 logits; reduced-precision greedy runs only
 
 
@@ -192,9 +194,43 @@ class BenchResult(Record):
         fig.tight_layout()
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
+        os.close(fd)
+        try:  # marked as ours (`check_plot_path`), and renamed into place whole
+            fig.savefig(tmp, dpi=100, metadata={"Title": PLOT_MARK})
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        finally:
+            plt.close(fig)
+            Path(tmp).unlink(missing_ok=True)
         return path
+
+
+PLOT_MARK = "specdistill bench plot"  # the title every plot bench writes carries, in the file's own metadata
+PLOT_FORMATS = (".png", ".pdf", ".svg")  # the formats whose metadata carries it (matplotlib's Title)
+
+
+def check_plot_path(path: str | Path, *, force: bool = False) -> Path:
+    """Where a plot may be written, checked before any work: a new file, or one a bench plot wrote
+    (its mark in the file), or anything with `force`; never a directory, never another format."""
+    path = Path(path)
+    if path.suffix.lower() not in PLOT_FORMATS:
+        raise ValueError(f"--plot {path}: write a {', '.join(PLOT_FORMATS)} file (its metadata marks it as a bench plot)")
+    if path.is_dir():
+        raise ValueError(f"--plot {path} is a directory: name a file")
+    if path.exists() and not force and not _is_our_plot(path):
+        raise ValueError(f"--plot {path} exists and is not a plot bench wrote: nothing was changed; choose a new file "
+                         "(or pass --force to replace it)")
+    return path
+
+
+def _is_our_plot(path: Path, limit: int = 64 << 20) -> bool:
+    try:
+        if path.stat().st_size > limit:
+            return False
+        return PLOT_MARK.encode() in path.read_bytes()
+    except OSError:
+        return False
 
 
 def _tps(records: list[tuple[int, float]]) -> float:

@@ -12,7 +12,8 @@ from typing import ClassVar, Literal
 import yaml
 from pydantic import Field, field_validator, model_validator
 
-from specdistill.config import Strict, load_model_config
+from specdistill import bounds
+from specdistill.config import BatchSize, Gamma, Kept, Layer, Minutes, Prompts, Seed, Steps, Strict, Threads, TopK, count, load_model_config
 
 DraftKind = Literal["layers", "eagle3"]  # a layer-extracted draft, or an EAGLE-3 head over target features
 Divergence = Literal["fkl", "rkl", "jsd", "tv"]  # the losses against a teacher distribution alone
@@ -28,10 +29,10 @@ def derived_schedule(max_steps: int) -> tuple[int, int]:
 class DataConfig(Strict):
     path: str  # JSONL of target-generated records (prompt_ids + response_ids) or of {"messages": [...]}
     kind: Literal["generated", "conversations"] = "generated"
-    max_len: int = Field(512, ge=8)
-    limit: int | None = None  # use only the first N records (budgeted experiments)
+    max_len: count(bounds.MAX_SEQUENCE, low=8) = 512
+    limit: Prompts | None = None  # use only the first N records (budgeted experiments)
     heldout_path: str | None = None  # target-generated JSONL for the acceptance estimate
-    heldout_limit: int = 40
+    heldout_limit: count(bounds.MAX_PROMPTS, low=0) = 40
     replay_path: str | None = None  # older data mixed in during incremental distillation
     replay_kind: Literal["generated", "conversations"] = "generated"
     replay_share: float = Field(0.0, ge=0.0, lt=1.0)
@@ -42,7 +43,7 @@ class LossConfig(Strict):
     temperature: float = Field(1.0, gt=0.0)
     beta: float = Field(0.5, gt=0.0, lt=1.0)  # JSD(β)
     alpha: float = Field(0.5, ge=0.0, le=1.0)  # mix: (1-a)·CE + a·T²·KL
-    top_k: int | None = Field(None, ge=1)  # online teacher cut to top-k + residual bucket
+    top_k: TopK | None = None  # online teacher cut to top-k + residual bucket
     hidden_weight: float = Field(0.0, ge=0.0)  # + w·(1 - cos(h_draft, h_target)), online teacher only
     selective_keep: float | None = Field(None, gt=0.0, le=1.0)  # AdaSPEC: keep this share of tokens
     selective_reference: str | None = None  # the reference draft for AdaSPEC
@@ -58,29 +59,29 @@ class OptimConfig(Strict):
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.95)
-    warmup_steps: int | None = Field(20, ge=0)  # null: derived from max_steps (`derived_schedule`)
-    max_steps: int = Field(1000, ge=1)
-    batch_size: int = Field(4, ge=1)  # sequences per rank per micro-step
-    grad_accum: int = Field(1, ge=1)
+    warmup_steps: count(bounds.MAX_STEPS, low=0) | None = 20  # null: derived from max_steps (`derived_schedule`)
+    max_steps: Steps = 1000
+    batch_size: BatchSize = 4  # sequences per rank per micro-step
+    grad_accum: BatchSize = 1
     clip: float | None = Field(1.0, gt=0.0)
     # null: bf16 exactly when the models run in bf16, which only a caller that knows their dtype decides (the
     # nightly, by its `dtype`: `pipeline.config.NightlyTrain.for_run`); a run itself needs true or false
     bf16: bool | None = False
-    max_tokens: int | None = None  # stop after this many trained (assistant) tokens
-    max_minutes: float | None = None  # stop after this much training time (eval excluded)
+    max_tokens: count(bounds.MAX_TOKENS, low=0) | None = None  # stop after this many trained (assistant) tokens
+    max_minutes: Minutes | None = None  # stop after this much training time (eval excluded)
     clock: Literal["wall", "cpu"] = "wall"  # what max_minutes counts: wall time, or this process's CPU time
 
 
 class Eagle3Config(Strict):
     """The EAGLE-3 head (kind: eagle3): its feature layers, the training-time-test unroll, the feature cache."""
 
-    layers: list[int] | None = None  # target layers whose inputs are the features; None: (2, N/2, N-3)
+    layers: list[Layer] | None = None  # target layers whose inputs are the features; None: (2, N/2, N-3)
     # unrolled draft steps per training position (EAGLE-3 uses 7). 1 by measurement on 2 CPU cores, where the
     # head is served at γ=1 (a tree of first-position candidates) and the gate reads first-position acceptance:
     # 600 steps on the demo's answers gave 0.374 against 0.341 with 2 steps in two-thirds of the minutes, on 64
     # unseen prompts (benchmarks/head_recipe.py); the price is the 2nd position (chained τ(4) 1.39 against 1.47).
     # Set 2 or more where the head is served at γ > 1
-    steps: int = Field(1, ge=1, le=16)
+    steps: Gamma = 1
     # share of the entries at which the steps after the first train (the first trains at all): depth at a
     # fraction of its cost, since those steps then run at the drawn entries alone (`Eagle3Draft.unroll(deep=...)`)
     deep_share: float = Field(1.0, gt=0.0, le=1.0)
@@ -88,10 +89,10 @@ class Eagle3Config(Strict):
     # weight of the pull of step 0's output at t toward the projected target features at t+1 (what the next step
     # reads toward what the first reads there: `modeling.eagle3.feature_alignment`); 0: off
     align_weight: float = Field(0.0, ge=0.0, le=100.0)
-    eval_steps: int = Field(4, ge=1)  # held-out acceptance at draft positions 1..eval_steps
+    eval_steps: Gamma = 4  # held-out acceptance at draft positions 1..eval_steps
     # prompt positions stored before each training answer (None: the whole prompt); 0 by measurement: as
     # good or better held-out acceptance per CPU-minute, 2.4x less disk (benchmarks/eagle_budget.py)
-    prompt_context: int | None = Field(0, ge=0)
+    prompt_context: count(bounds.MAX_SEQUENCE, low=0) | None = 0
     feature_dir: str | None = None  # default: <out_dir>/features
     # held-out features, always evaluated as served (whole prompt): default <feature_dir>-heldout (written
     # when prompt_context is not None), or this cache
@@ -101,7 +102,7 @@ class Eagle3Config(Strict):
     # pass inside each training batch, no feature cache; auto: online when the cache would exceed feature_max_gb
     features: Literal["cache", "online", "auto"] = "cache"
     feature_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # the target's dtype in the feature pass
-    teacher_top_k: int = Field(32, ge=1)  # k of a teacher cache written in the same pass
+    teacher_top_k: TopK = 32  # k of a teacher cache written in the same pass
 
 
 class DistillConfig(Strict):
@@ -109,7 +110,7 @@ class DistillConfig(Strict):
     kind: DraftKind = "layers"
     draft: str | None = None  # warm start: an existing draft directory (incremental distillation)
     layers: str = "0,1,2,29"  # target layers for a new draft: '0,1,2,29', 'evenly:K', 'first:K'
-    draft_vocab: int | str | None = 8192  # N (most frequent answer tokens), a draft dir, or None (full)
+    draft_vocab: TopK | str | None = 8192  # N (most frequent answer tokens), a draft dir, or None (full)
     freeze: list[str] | None = None  # substrings of parameter names kept frozen; None: the kind's default
     eagle3: Eagle3Config = Eagle3Config()
     data: DataConfig
@@ -117,11 +118,11 @@ class DistillConfig(Strict):
     teacher: TeacherConfig = TeacherConfig()
     optim: OptimConfig = OptimConfig()
     out_dir: str = "distill-out"
-    checkpoint_every: int | None = Field(100, ge=1)  # null: derived from optim.max_steps (`derived_schedule`)
-    eval_every: int | None = Field(50, ge=1)  # null: as checkpoint_every
-    keep_checkpoints: int = Field(2, ge=1)
-    seed: int = 0
-    threads: int | None = None
+    checkpoint_every: Steps | None = 100  # null: derived from optim.max_steps (`derived_schedule`)
+    eval_every: Steps | None = 50  # null: as checkpoint_every
+    keep_checkpoints: Kept = 2
+    seed: Seed = 0
+    threads: Threads | None = None
     device: str = "auto"  # auto: each rank's GPU (LOCAL_RANK) when there is one; cpu, cuda or cuda:N
     progress: bool = True
 

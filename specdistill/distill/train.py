@@ -31,7 +31,13 @@ from tqdm import tqdm
 
 from specdistill import paths
 from specdistill.budget import Deadline
-from specdistill.distill.checkpoints import checkpoint_dirs, load_checkpoint, save_checkpoint
+from specdistill.distill.checkpoints import (
+    check_resumable,
+    checkpoint_dirs,
+    load_checkpoint,
+    remove_unfinished,
+    save_checkpoint,
+)
 from specdistill.distill.config import DistillConfig, save_config
 from specdistill.distill.eagle3_train import Eagle3Task
 from specdistill.distill.examples import DataOrder, read_examples
@@ -40,6 +46,7 @@ from specdistill.distill.trained import HeldoutAcceptance, Trained
 from specdistill.modeling import models
 from specdistill.modeling.fingerprints import weights_digest
 from specdistill.modeling.models import LoadedModel, check_device
+from specdistill.state_lock import state_lock_for
 
 
 class NonFiniteLossError(RuntimeError):
@@ -77,13 +84,9 @@ DISTILL_FILES = ["config.yaml", "metrics.jsonl", "train_log.jsonl", "checkpoints
 def claim_out_dir(out_dir: str | os.PathLike) -> bool:
     """Check `out_dir` before any work and mark it this run's (True: a previous run's, which resumes).
     Refused: a directory holding anything but a previous training run, the state directory, the
-    registry's stores, a file (`paths.check_output_dir`). A run an older version started (checkpoints
-    with their state, no marker) is taken as ours, so it still resumes."""
-    out = paths.check_output_location(out_dir)
-    if paths.output_marker(out) is None and checkpoint_dirs(out) \
-            and all((c / "state.json").is_file() for c in checkpoint_dirs(out)):
-        paths.write_marker(out, DISTILL_OUTPUT, DISTILL_FILES)
-    return paths.claim_output_dir(out, DISTILL_OUTPUT, DISTILL_FILES)
+    registry's stores, a file (`paths.check_output_dir`). A directory is a previous run only if our
+    marker was there before: checkpoints without it (a user's, or a copy) are never taken as ours."""
+    return paths.claim_output_dir(paths.check_output_location(out_dir), DISTILL_OUTPUT, DISTILL_FILES)
 
 
 def pick_device(wanted: str) -> torch.device:
@@ -144,8 +147,24 @@ def distill(config: DistillConfig, deadline: Deadline | None = None) -> Trained:
     if config.threads:
         torch.set_num_threads(config.threads)
     out_dir = Path(config.out_dir)
+    existed = out_dir.exists()
+    # rank 0 writes: into the state directory only while it holds it (the nightly's own run already does)
+    with state_lock_for(out_dir, "distill") if rank == 0 else nullcontext():
+        resumed = claim_out_dir(out_dir) if rank == 0 else True  # before the target loads: a refusal costs nothing
+        if resumed and (ckpts := checkpoint_dirs(out_dir)):
+            check_resumable(ckpts[-1], config)
+        try:
+            return _train(config, deadline, device, rank, world, out_dir)
+        except BaseException:
+            if not resumed:  # a failed run claims nothing it did not write
+                paths.release_output_dir(out_dir, remove=not existed)
+            raise
+
+
+def _train(config: DistillConfig, deadline: Deadline | None, device: torch.device, rank: int, world: int,
+           out_dir: Path) -> Trained:
     if rank == 0:
-        claim_out_dir(out_dir)  # before the target loads: a refused out_dir costs nothing
+        remove_unfinished(out_dir)  # a checkpoint write that died (a kill, a full disk) is never resumed from
     torch.manual_seed(config.seed)
     random.seed(config.seed)
 
@@ -206,7 +225,7 @@ def resume(run: Run) -> Progress:
         return Progress(order)
     state = load_checkpoint(ckpts[-1], run.module, run.optimizer)
     return Progress(DataOrder(len(run.task.examples), run.config.seed, **state["data"]), state["step"], state["tokens"],
-                    state["train_seconds"], state.get("curve", []))
+                    state["train_seconds"], state.get("curve", []), loss=float(state.get("loss", math.nan)))
 
 
 def evaluate(run: Run, progress: Progress) -> HeldoutAcceptance | None:

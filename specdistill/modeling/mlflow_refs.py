@@ -9,6 +9,7 @@ approved it is refused. A version registered before the tag existed loads with a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -45,7 +46,8 @@ def tracking_uri() -> str:
 
 
 class TrackingServerError(RuntimeError):
-    """The MLflow tracking server cannot be reached; the message names its URI (credentials masked)."""
+    """The MLflow tracking server cannot be reached, or its SQLite store read; the message names its URI
+    (credentials masked) or the file."""
 
 
 REACH_SECONDS = 5.0  # how long an unreachable tracking server is retried before the command stops
@@ -97,9 +99,36 @@ def check_reachable(uri: str) -> None:
     _reached.add(uri)
 
 
+def check_sqlite_store(uri: str) -> None:
+    """A SQLite tracking store is a sound SQLite database before MLflow opens it (MLflow's own error is a
+    SQLAlchemy traceback with its schema query), once per process and URI; a new, empty file is fine."""
+    if not uri.startswith("sqlite:") or uri in _reached:
+        return
+    import sqlite3
+
+    import sqlalchemy as sa
+
+    try:
+        database = sa.make_url(uri).database
+    except (sa.exc.ArgumentError, ValueError):
+        return  # MLflow names a URL it cannot parse
+    path = Path(database) if database and database != ":memory:" else None
+    if path is not None and path.is_file() and path.stat().st_size:
+        try:
+            with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as con:
+                verdict = con.execute("PRAGMA quick_check(1)").fetchone()[0]
+        except sqlite3.Error as exc:
+            verdict = str(exc)
+        if verdict != "ok":
+            raise TrackingServerError(f"MLflow's store {path} is not a readable SQLite database ({verdict}): restore it "
+                                      "from a backup, or move it aside to start an empty registry")
+    _reached.add(uri)
+
+
 def client() -> MlflowClient:
     uri = tracking_uri()
     check_reachable(uri)
+    check_sqlite_store(uri)
     # mlflow.set_*_uri also export MLFLOW_*_URI to the environment; put back what the user had, so
     # the next call (another state directory in the same process) resolves its own store again.
     saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}

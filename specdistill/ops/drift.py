@@ -220,6 +220,11 @@ def finetune_top_layers(model, tokenizer, chats: list[list[dict]], new_token_ids
     return losses
 
 
+def default_update_dir() -> Path:
+    """Where `demo target-update` writes without `--out`: inside the state directory."""
+    return paths.home() / "targets" / "demo-update"
+
+
 def make_target_update(base_ref: str = "demo", out_dir: str | os.PathLike | None = None, *, progress: bool = True,
                        force: bool = True, **settings: Any) -> Path:
     """Write a new target version (HF directory: safetensors + tokenizer) made from `base_ref` with
@@ -229,7 +234,7 @@ def make_target_update(base_ref: str = "demo", out_dir: str | os.PathLike | None
 
     config = TargetUpdateConfig(**{k: v for k, v in settings.items() if not (k == "lr" and v is None)})
     config.domain_tokens = tuple(config.domain_tokens)
-    out_dir = Path(out_dir) if out_dir else paths.home() / "targets" / "demo-update"
+    out_dir = Path(out_dir) if out_dir else default_update_dir()
     paths.check_output_dir(out_dir, TARGET_OUTPUT, force=force)  # before minutes of fine-tuning
     torch.manual_seed(config.seed)
     base = load_model(base_ref, dtype="float32")  # fine-tuned and saved: fp32 weights

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError, model_validator
 
-from specdistill import paths
+from specdistill import bounds, paths
 from specdistill.acceptance import DEFAULT_GAMMA, NGRAM_WINDOW
 from specdistill.speculative.specs import served_kind, serving_modes
 
@@ -54,30 +54,32 @@ def _problems(exc: ValidationError) -> str:
 class ServingConfig(BaseModel):
     """The serving file's schema. Ints are strict (`true` is not 1), numbers finite, and every field within
     the range the engines accept (vLLM's `SpeculativeConfig` checks: a suffix tree at least 1 deep, a
-    token probability in [0, 1], no negative counts), at read and at write; unknown keys are kept as extras."""
+    token probability in [0, 1], no negative counts) and under the bound of what sizes an engine's memory
+    or work (`specdistill.bounds`: γ, the tree, the suffix tree's depth), at read and at write; unknown
+    keys are kept as extras."""
 
     model_config = ConfigDict(extra="allow", validate_assignment=True, allow_inf_nan=False)
 
     mode: StrictStr  # one of `speculative.specs.serving_modes()`: a servable drafter kind's, or off (checked first)
-    num_speculative_tokens: StrictInt = Field(DEFAULT_GAMMA, ge=0)  # at least 1 unless mode off (checked below)
+    num_speculative_tokens: StrictInt = Field(DEFAULT_GAMMA, ge=0, le=bounds.MAX_GAMMA)  # at least 1 unless mode off (checked below)
     draft_dir: StrictStr | None = None  # draft mode, and self-speculation exported as an early-exit draft
     draft_version: StrictStr | None = None
     draft_kind: Literal["layers", "eagle3"] = "layers"  # layers (vLLM draft_model, SGLang STANDALONE) or eagle3
     target_fingerprint: StrictStr | None = None
-    exit_layer: StrictInt | None = Field(None, ge=1)  # self-speculation: the target's layers 0..exit_layer-1
+    exit_layer: StrictInt | None = Field(None, ge=1, le=bounds.MAX_LAYERS)  # self-speculation: the target's layers 0..exit_layer-1
     # ngram mode: the window that was measured (unset: `acceptance.NGRAM_WINDOW`, what plain `ngram` measures);
     # other modes carry none
-    prompt_lookup_min: StrictInt | None = Field(None, ge=1)
-    prompt_lookup_max: StrictInt | None = Field(None, ge=1)
+    prompt_lookup_min: StrictInt | None = Field(None, ge=1, le=bounds.MAX_NGRAM)
+    prompt_lookup_max: StrictInt | None = Field(None, ge=1, le=bounds.MAX_NGRAM)
     # suffix mode: the corpus of the target's past answers (ours, token ids) and its SGLang export (JSONL of
     # answer texts); SuffixDecoding's knobs under vLLM's names (suffix_decoding_*) and vLLM's ranges
     suffix_corpus: StrictStr | None = None
     suffix_corpus_sglang: StrictStr | None = None
-    suffix_corpus_tokens: StrictInt = Field(0, ge=0)
-    suffix_max_tree_depth: StrictInt = Field(24, ge=1)
-    suffix_max_spec_factor: StrictFloat = Field(1.0, ge=0.0)
+    suffix_corpus_tokens: StrictInt = Field(0, ge=0, le=bounds.MAX_TOKENS)
+    suffix_max_tree_depth: StrictInt = Field(24, ge=1, le=bounds.MAX_SUFFIX_DEPTH)
+    suffix_max_spec_factor: StrictFloat = Field(1.0, ge=0.0, le=bounds.MAX_SUFFIX_SPEC_FACTOR)
     suffix_min_token_prob: StrictFloat = Field(0.1, ge=0.0, le=1.0)
-    suffix_max_cached_requests: StrictInt = Field(10000, ge=0)  # 0: vLLM keeps no global tree
+    suffix_max_cached_requests: StrictInt = Field(10000, ge=0, le=bounds.MAX_CACHED_REQUESTS)  # 0: vLLM keeps no global tree
     reason: StrictStr = ""
     measured: dict[str, Speedup] = Field(default_factory=dict)  # every mode's measured speedup, same prompts
     measured_on: StrictStr = ""  # engine and dtype the speedups were measured with, e.g. "harness bf16"
@@ -85,12 +87,12 @@ class ServingConfig(BaseModel):
     llamacpp_args: list[StrictStr] = Field(default_factory=list)  # llama-server flags of this mode, as measured
     # an EAGLE-3 head's first-position candidates, verified as a tree (SGLang's --speculative-eagle-topk);
     # vLLM's eagle3 method and llama.cpp verify a chain (width 1)
-    tree_width: StrictInt = Field(1, ge=1)
+    tree_width: StrictInt = Field(1, ge=1, le=bounds.MAX_TREE_WIDTH)
     # a head served as a tree (tree_width > 1) to SGLang: the chain depth measured for the engines that verify a
     # chain only (vLLM's eagle3 method on its CPU build, llama.cpp's draft-eagle3); None: num_speculative_tokens
-    chain_speculative_tokens: StrictInt | None = Field(None, ge=1)
+    chain_speculative_tokens: StrictInt | None = Field(None, ge=1, le=bounds.MAX_GAMMA)
     hardware: StrictStr = ""  # the GPU or CPU (model, flags that matter) `measured` came from
-    updated_at: StrictFloat = Field(default_factory=time.time, ge=0.0)
+    updated_at: StrictFloat = Field(default_factory=time.time, ge=0.0, le=bounds.MAX_TIMESTAMP)  # printable as a date
 
     def __init__(self, mode: str | None = None, /, **data: Any) -> None:
         if mode is not None:  # ServingConfig("ngram", ...) as the dataclass allowed

@@ -14,8 +14,27 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_type_hints
 
 from pydantic import Field, create_model, field_validator, model_validator
 
-from specdistill import paths
-from specdistill.config import ConfigError, Strict, load_model_config
+from specdistill import bounds, paths
+from specdistill.config import (
+    ConfigError,
+    Days,
+    Gamma,
+    Kept,
+    LayerCount,
+    Minutes,
+    NewTokens,
+    Prompts,
+    Repeats,
+    Seconds,
+    Seed,
+    Steps,
+    Strict,
+    Threads,
+    Tokens,
+    TreeWidth,
+    count,
+    load_model_config,
+)
 from specdistill.data.prompts import MAX_PROMPT_TOKENS
 from specdistill.data.results import BenchSettings
 from specdistill.distill.config import DataConfig, DistillConfig, DraftKind, Eagle3Config, LossConfig, OptimConfig, TeacherConfig
@@ -45,16 +64,16 @@ class SourceConfig(Strict):
 
 
 class WindowConfig(Strict):
-    days: float | None = None  # traffic that arrived in the last N days (None: all of it)
+    days: Days | None = None  # traffic that arrived in the last N days (None: all of it)
     since: datetime | None = None  # or since this moment (the monitor: since the target update)
     # the head is data-limited (+0.075 position-1 acceptance per doubling of unique answer tokens). The window's
     # logged responses are labelled at prefill speed and its prompts decoded until the answers' time budget is
     # spent, so more prompts than the budget decodes leave a sample of them decoded and all of them labelled
-    train_prompts: int = Field(2048, ge=1)
-    eval_prompts: int = Field(10, ge=1)
+    train_prompts: Prompts = 2048
+    eval_prompts: Prompts = 10
     replay_share: float = Field(0.25, ge=0.0, lt=1.0)  # of train prompts drawn from before the window
-    max_prompt_tokens: int = Field(MAX_PROMPT_TOKENS, ge=16)  # the monitor replays within the same bound
-    seed: int = 0
+    max_prompt_tokens: count(bounds.MAX_SEQUENCE, low=16) = MAX_PROMPT_TOKENS  # the monitor replays within the same bound
+    seed: Seed = 0
 
 
 # the flat keys of the `train:` section before it became the distillation config itself
@@ -74,12 +93,12 @@ class NightlyOptim(OptimConfig):
     measures it faster (`train_autocast`): once 1.43x the steps per minute on a native-bf16 CPU, 0.71x on a Xeon
     with AVX-512 BF16 and no AMX. Warmup null: derived."""
 
-    warmup_steps: int | None = Field(None, ge=0)
+    warmup_steps: count(bounds.MAX_STEPS, low=0) | None = None
     # the minutes bind on a 2-core CPU: after the faster step the demo's head ran its 1000 steps in 2.0 of its
     # 4.5 minutes and was still rising (0.443, 0.463 held-out first-position acceptance at steps 750, 1000); with AMX
     # the 2-step head ran 2,232 steps in its 4.5 minutes, and one step costs about two-thirds of that
-    max_steps: int = Field(4000, ge=1)
-    max_minutes: float | None = Field(4.5, ge=0.0)
+    max_steps: Steps = 4000
+    max_minutes: Minutes | None = 4.5
     bf16: bool | None = None
 
 
@@ -94,8 +113,8 @@ class NightlyTrain(DistillConfig):
     data: DataConfig | None = None  # the night's answers (`for_run`)
     teacher: TeacherConfig = TeacherConfig(mode="cache")  # the night's teacher cache (`for_run`)
     optim: NightlyOptim = NightlyOptim()
-    checkpoint_every: int | None = Field(None, ge=1)  # null: `distill.config.derived_schedule`
-    eval_every: int | None = Field(None, ge=1)  # null: as checkpoint_every
+    checkpoint_every: Steps | None = None  # null: `distill.config.derived_schedule`
+    eval_every: Steps | None = None  # null: as checkpoint_every
     incremental_lr: float = Field(3e-4, gt=0.0)  # optim.lr of a warm start from the champion
     # a warm start's head (its first position trained by the nights before) spends its minutes on depth: its
     # unroll and the share of entries the later steps train at (None: `eagle3.steps`, `eagle3.deep_share`)
@@ -179,10 +198,10 @@ class PoolConfig(Strict):
     monitor); the pools of the `keep_versions` most recent target versions are kept."""
 
     enabled: bool = True
-    max_tokens: int | None = Field(400_000, ge=1)
+    max_tokens: Tokens | None = 400_000
     max_gb: float | None = Field(20.0, gt=0.0)
-    keep_versions: int = Field(2, ge=1)
-    reanswer_prompts: int = Field(256, ge=0)
+    keep_versions: Kept = 2
+    reanswer_prompts: count(bounds.MAX_PROMPTS, low=0) = 256
     reanswer_from: str | None = None
 
 
@@ -193,25 +212,25 @@ class BenchSection(BenchSettings):
 
     # EAGLE-3 heads, greedy: first-position candidates verified as a tree (1: a chain). Serving: SGLang's
     # --speculative-eagle-topk; vLLM and llama.cpp verify a chain
-    tree_width: int = Field(4, ge=1)
-    self_spec_layers: list[int] = [8]
+    tree_width: TreeWidth = 4
+    self_spec_layers: list[LayerCount] = [8]
     ngram: bool = True
     # the suffix drafter over the window's train answers, and its hybrid with the challenger
     suffix: bool = True
     hybrid: bool = True
-    suffix_max_tokens: int | None = Field(10_000_000, ge=1)  # corpus cap: the newest answers that fit
+    suffix_max_tokens: Tokens | None = 10_000_000  # corpus cap: the newest answers that fit
     generic_draft: bool = True  # train the off-the-shelf baseline once (plain CE on human answers)
     # its training minutes (null: the draft's train.optim.max_minutes): a reference point, not the product, so
     # the demo's deadline goes to the head and the benchmark (a layer draft at 0.24 first-position acceptance after
     # 3 minutes; 0.69x at 1 minute against 0.72x at 2 on AMX; its stage costs ~1.3 minutes more than its training)
-    generic_minutes: float | None = Field(1.0, ge=0.0)
+    generic_minutes: Minutes | None = 1.0
     # torch threads for the benchmark: auto probes 1, half and all cores and keeps the fastest (a shared
     # machine's busy cores stall every thread; `speculative.threads`); null: torch's default
-    threads: int | Literal["auto"] | None = "auto"
+    threads: Threads | Literal["auto"] | None = "auto"
     # the benchmark's wall-clock budget, γ confirmation included (null: none): past it no new prompt or
     # repeat starts (the prompts a decision needs, `serving.min_prompts` and the gate's `min_prompts`, are
     # measured) and the γ confirmation is skipped; the report says so
-    max_minutes: float | None = Field(4.0, ge=0.0)
+    max_minutes: Minutes | None = 4.0
 
     def bench_config(self) -> BenchConfig:
         from specdistill.speculative.harness_bench import BenchConfig  # lazy: torch, only when benchmarking
@@ -261,11 +280,11 @@ class ServingSection(Strict):
 
     margin: float = Field(DEFAULT_MARGIN, ge=0.0)
     confidence: float = Field(CONFIDENCE, gt=0.0, lt=1.0)  # one-sided level of the speedup's lower bound
-    min_prompts: int = Field(MIN_SERVED_PROMPTS, ge=1)  # fewer per-prompt speeds (a benchmark the deadline cut): not served
+    min_prompts: Prompts = MIN_SERVED_PROMPTS  # fewer per-prompt speeds (a benchmark the deadline cut): not served
     choose_gamma: bool = True  # every drafter at the γ its measured curve predicts best, confirmed by a second run
-    max_gamma: int = Field(8, ge=1)
+    max_gamma: Gamma = 8
     engine: Literal["harness", "llamacpp", "vllm", "openai"] = "harness"
-    threads: int = Field(2, ge=1)  # llama-server threads; vLLM CPU's OpenMP threads
+    threads: Threads = 2  # llama-server threads; vLLM CPU's OpenMP threads
     endpoints: dict[str, str] = {}  # engine openai: mode name (target-only, ngram, challenger, ...) -> base URL
 
 
@@ -291,7 +310,7 @@ class NightlyConfig(Strict):
     # the whole run's wall-clock deadline (null: none), shared by the budgeted stages (answers, training,
     # the generic baseline, the benchmark) in proportion to their own budgets: a slow machine does less of
     # each instead of running past its window (pipeline.stage_budgets). The demo's budgets fit 18 minutes.
-    deadline_minutes: float | None = Field(18.0, ge=0.0)
+    deadline_minutes: Minutes | None = 18.0
     log_db: str | None = None  # default: SQLite under $SPECDISTILL_HOME
     serving_path: str | None = None  # default: $SPECDISTILL_HOME/serving.json
 
@@ -330,17 +349,17 @@ class MonitorConfig(Strict):
     max_relative_drop: float = Field(MAX_RELATIVE_DROP, gt=0.0, lt=1.0)
     # the replay reads at most this many of the newest prompts, and stops sooner once the 95% interval of
     # first-position acceptance clears the lines the decision reads (`ops.policy.sequential`)
-    replay_prompts: int = Field(12, ge=1)
-    gamma: int | None = Field(None, ge=1)  # None: the γ serving.json names (what is served), else the nightly's bench.gamma
-    max_new_tokens: int = Field(32, ge=1)
-    min_draft_tokens: int = Field(64, ge=1)  # fewer sampled tokens: no sample, no decision
+    replay_prompts: Prompts = 12
+    gamma: Gamma | None = None  # None: the γ serving.json names (what is served), else the nightly's bench.gamma
+    max_new_tokens: NewTokens = 32
+    min_draft_tokens: Tokens = 64  # fewer sampled tokens: no sample, no decision
     live_metrics_url: str | None = None  # a serving engine's /metrics (vLLM or llama.cpp names); else replay
-    live_interval_s: float = Field(30.0, gt=0.0)
-    fallback_exit_layers: list[int] = [4, 8, 12]
-    fallback_min_tokens: int = Field(64, ge=1)
-    fallback_repeats: int = Field(1, ge=1)
+    live_interval_s: Seconds = 30.0
+    fallback_exit_layers: list[LayerCount] = [4, 8, 12]
+    fallback_min_tokens: Tokens = 64
+    fallback_repeats: Repeats = 1
     # the fallback bench measures at most this many prompts, and stops once its 95% bounds settle the choice
-    fallback_prompts: int = Field(16, ge=1)
+    fallback_prompts: Prompts = 16
     fallback_suffix_corpus: str | None = None  # None: the state directory's current corpus (the nightly's), if any
     replay_share: float = Field(0.25, ge=0.0, lt=1.0)  # of older traffic in the incremental run
     # the decision (replay, fallback choice) ends within this many minutes of the flow's start, retraining aside;

@@ -113,7 +113,7 @@ def export_sglang_corpus(corpus: str | Path, tokenizer) -> Path:
     """The corpus as SGLang's NGRAM external corpus reads it (`--speculative-ngram-external-corpus-path`):
     one JSON string per line, each answer's text, which SGLang tokenizes again (without special tokens).
     The ids are decoded with `tokenizer`, so the corpus must hold ids of that tokenizer (checked)."""
-    sequences, _ = load_corpus(corpus, tokenizer=tokenizer_digest(tokenizer))
+    sequences, _ = load_corpus(corpus, tokenizer=tokenizer_digest(tokenizer), vocab_size=len(tokenizer))
     out = sglang_corpus_path(corpus)
     tmp = out.with_name(f".{out.name}.tmp")
     with paths.open_private(tmp, "w", encoding="utf-8") as f:  # answer texts: the owner only (see paths)

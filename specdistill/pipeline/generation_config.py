@@ -8,7 +8,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from specdistill.config import Strict
+from specdistill import bounds
+from specdistill.config import BatchSize, Minutes, NewTokens, Strict, TopK, count
 
 
 class LoggedConfig(Strict):
@@ -27,8 +28,8 @@ class LoggedConfig(Strict):
     other: bool = False
     served_names: dict[str, str] = {}
     max_share: float = Field(0.5, ge=0.0, le=1.0)
-    max_tokens: int = Field(192, ge=1)  # response tokens labelled per logged response (a longer one is cut)
-    tokens_per_batch: int = Field(4096, ge=64)  # padded tokens per labelling prefill
+    max_tokens: count(bounds.MAX_SEQUENCE) = 192  # response tokens labelled per logged response (a longer one is cut)
+    tokens_per_batch: count(bounds.MAX_SEQUENCE, low=64) = 4096  # padded tokens per labelling prefill
 
 
 class GenerationConfig(Strict):
@@ -44,19 +45,19 @@ class GenerationConfig(Strict):
     `auto`: whichever of the two (llama-server on the target's GGUF, when built) answered a probe batch
     faster on this machine (`pipeline.answers.choose_engine`)."""
 
-    max_new_tokens: int = Field(96, ge=1)
+    max_new_tokens: NewTokens = 96
     # the train answers' wall-clock budget (null: none): answers stop between batches when it is spent,
     # and training uses what was written (bf16 answers the demo's 1024 in ~6 min; fp32 on AVX2 took ~19)
-    max_minutes: float | None = Field(7.0, ge=0.0)
+    max_minutes: Minutes | None = 7.0
     # prompts per batched forward (backend openai: answers per teacher shard, what a kill can lose); null: by the
     # run's dtype, measured (benchmarks/README.md): 64 in bf16 (AMX: 1.5-1.6x batch 16), 32 in fp32
     # (as AVX2: 1.3x batch 16; 64 fell back to 1.05x)
-    batch_size: int | None = Field(None, ge=1)
-    teacher_top_k: int = Field(32, ge=1)
+    batch_size: BatchSize | None = None
+    teacher_top_k: TopK = 32
     backend: Literal["harness", "openai", "auto"] = "harness"
     url: str | None = None  # backend openai: the server's base URL; null: start `engine` on the target
     engine: Literal["llamacpp", "vllm"] = "llamacpp"  # backend openai without a url: the server started here
-    parallel: int = Field(8, ge=1)  # backend openai: concurrent requests (the started llama-server's slots)
+    parallel: BatchSize = 8  # backend openai: concurrent requests (the started llama-server's slots)
     logged: LoggedConfig = LoggedConfig()
 
     @model_validator(mode="after")

@@ -38,7 +38,7 @@ def make_drafter(
     if suffix:
         model = make_drafter(target, draft=draft, self_spec=self_spec, tree_width=tree_width) if chosen else None
         corpus = load_suffix_drafter(suffix, target_fingerprint, target_tokenizer,
-                                     tree_width=1 if model is not None else tree_width)
+                                     tree_width=1 if model is not None else tree_width, vocab_size=target.config.vocab_size)
         if model is None:
             return corpus
         return HybridDrafter(model, corpus, HYBRID_THRESHOLD if hybrid_threshold is None else hybrid_threshold)

@@ -102,9 +102,10 @@ def check_corpus_target(path: str | Path, meta: CorpusMeta, target_fingerprint: 
                           f"target's is {tokenizer[:12]}…): rebuild it with this target's tokenizer")
 
 
-def load_corpus(path: str | Path, target_fingerprint: str | None = None,
-                tokenizer: str | None = None) -> tuple[list[np.ndarray], CorpusMeta]:
-    """The sequences and metadata, checked: checksum, format, and (when given) target and tokenizer."""
+def load_corpus(path: str | Path, target_fingerprint: str | None = None, tokenizer: str | None = None,
+                vocab_size: int | None = None) -> tuple[list[np.ndarray], CorpusMeta]:
+    """The sequences and metadata, checked: checksum, format, ids that are token ids (not negative, and
+    under `vocab_size`, the target's vocabulary, when given), and (when given) target and tokenizer."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -120,7 +121,21 @@ def load_corpus(path: str | Path, target_fingerprint: str | None = None,
         raise CorpusError(f"suffix corpus {path} fails its checksum (sha256 {expected} recorded): the file is corrupt")
     if offsets.size != meta.sequences + 1 or (offsets.size and int(offsets[-1]) != tokens.size):
         raise CorpusError(f"suffix corpus {path}: offsets do not match its {meta.sequences} sequences")
+    _check_ids(path, tokens, vocab_size)
     return [tokens[int(a) : int(b)] for a, b in zip(offsets[:-1], offsets[1:])], meta
+
+
+def _check_ids(path: Path, tokens: np.ndarray, vocab_size: int | None) -> None:
+    """Every id a token of the target's vocabulary: a drafted id past it is an index error in the target."""
+    if not tokens.size:
+        return
+    low, high = int(tokens.min()), int(tokens.max())
+    bad = low if low < 0 else high if vocab_size is not None and high >= vocab_size else None
+    if bad is not None:
+        where = int(np.flatnonzero(tokens == bad)[0])
+        vocab = "no token id is negative" if vocab_size is None else f"the target's vocabulary of {vocab_size} ids is 0 to {vocab_size - 1}"
+        raise CorpusError(f"suffix corpus {path} holds token id {bad} (at token {where}), outside the target's "
+                          f"vocabulary ({vocab}): rebuild it from this target's answers")
 
 
 def corpus_is_current(path: str | Path, target_fingerprint: str, tokenizer: str | None = None) -> tuple[bool, str]:
@@ -138,15 +153,16 @@ def corpus_is_current(path: str | Path, target_fingerprint: str, tokenizer: str 
 
 
 def load_suffix_drafter(path: str | Path, target_fingerprint: str | None = None, tokenizer: str | None = None,
-                        tree_width: int = 1):
-    """A `SuffixDrafter` over a corpus file (checked as `load_corpus` does). An empty corpus gives a
-    drafter over the request's own context alone, with a warning and `drafter.note` saying so."""
+                        tree_width: int = 1, vocab_size: int | None = None):
+    """A `SuffixDrafter` over a corpus file (checked as `load_corpus` does, its ids against the target's
+    `vocab_size`). An empty corpus gives a drafter over the request's own context alone, with a warning
+    and `drafter.note` saying so."""
     import logging
 
     from specdistill.speculative.suffix import SuffixDrafter, SuffixIndex  # lazy: keeps torch off import
 
     path = Path(path)
-    sequences, _ = load_corpus(path, target_fingerprint, tokenizer)
+    sequences, _ = load_corpus(path, target_fingerprint, tokenizer, vocab_size)
     drafter = SuffixDrafter(SuffixIndex(sequences), tree_width=tree_width, name=f"suffix:{path.name}")
     drafter.note = ""
     if drafter.corpus is None:
