@@ -48,7 +48,8 @@ def test_generate_and_bench_refuse_a_damaged_target_before_measuring(tmp_path, c
     assert main([command, "--target", str(target), "--ngram", "--max-new-tokens", "4", "--json", *where]) == 2
     captured = capsys.readouterr()
     assert "model.safetensors" in captured.err and "refusing it before anything is measured" in captured.err
-    assert captured.out == ""  # nothing measured, nothing printed
+    error = json.loads(captured.out)  # nothing measured: --json prints the error as its one object
+    assert error["exit_code"] == 2 and "refusing it before anything is measured" in error["error"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
