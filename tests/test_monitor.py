@@ -69,6 +69,33 @@ def test_prompts_from_store_are_the_newest_usable_ones(store, tiny_target):
     assert prompts_from_store(store, tok, 3, max_prompt_tokens=2) == []  # too long: skipped, never cut
 
 
+
+def test_the_monitor_replays_held_out_prompts_and_the_champion_at_its_measured_shape(store, tiny_target):
+    """Prompts no training window drew from (the eval split), the newest of all where there are none; the
+    champion at the γ and tree its registration measured it at, else serving.json's γ as a chain."""
+    from specdistill.ops.replay import held_out_prompts
+    from specdistill.pipeline.config import load_monitor_config
+    from specdistill.pipeline.monitor_stage import replay_shape
+    from specdistill.pipeline.outputs import Champion
+
+    tok = load_model(tiny_target).tokenizer
+    splits = {c.id: c.split for c in store.window()}
+    held, which = held_out_prompts(store, tok, 10)
+    evals = [p for p in held if splits[int(p.slice.split(":")[1])] == "eval"]
+    if any(s == "eval" for s in splits.values()):
+        assert which == "eval split" and held == evals and held
+    only_train = LogStore(store.url)
+    with only_train.engine.begin() as conn:
+        conn.exec_driver_sql("UPDATE conversations SET split = 'train'")
+    newest, which = held_out_prompts(only_train, tok, 3)
+    assert which.startswith("newest traffic") and [p.text for p in newest] == PROMPTS[::-1][:3]
+
+    config = load_monitor_config(None, ["gamma=null"])
+    tagged = Champion("d", "3", "/d", {"measured_gamma": "3", "measured_tree_width": "4"})
+    assert replay_shape(config, tagged) == (3, 4)
+    assert replay_shape(config, Champion("d", "2", "/d", {})) == (config.replay_gamma(), 1)
+    assert replay_shape(load_monitor_config(None, ["gamma=2"]), tagged) == (2, 1)  # the monitor's own γ wins
+
 def test_replay_of_a_draft_identical_to_the_target_accepts_everything_and_stores_each_request(store, tiny_target, tmp_path):
     target = load_model(tiny_target, dtype="float32")
     clone = save_draft(init_draft_from_target(target.model, [0, 1, 2, 3]), target.tokenizer, tmp_path / "clone")

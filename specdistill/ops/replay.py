@@ -47,14 +47,16 @@ def _loaded(ref: str | os.PathLike | LoadedModel, dtype: str | torch.dtype = "au
     return ref if isinstance(ref, LoadedModel) else shared_model(ref, dtype=dtype, device=device)
 
 
-def prompts_from_store(store, tokenizer, n: int, *, max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> list[Prompt]:
+def prompts_from_store(store, tokenizer, n: int, *, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
+                       split: str | None = None) -> list[Prompt]:
     """The newest `n` logged prompts that fit, as token ids (chat template applied), as the nightly window
     defines them: one over `max_prompt_tokens` is skipped, not truncated (a cut prompt is not what production
-    saw). Each Prompt's `slice` is "conversation:<id>"."""
+    saw). `split`: only that split's ("eval": the held-out prompts no training window draws from).
+    Each Prompt's `slice` is "conversation:<id>"."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     out: list[Prompt] = []
-    for conv in store.window(limit=max(4 * n, 50)):
+    for conv in store.window(limit=max(4 * n, 50), split=split):
         prompt = usable_prompt(conv.messages, tokenizer, max_prompt_tokens)
         if prompt is None:
             continue
@@ -63,6 +65,16 @@ def prompts_from_store(store, tokenizer, n: int, *, max_prompt_tokens: int = MAX
         if len(out) == n:
             break
     return out
+
+
+def held_out_prompts(store, tokenizer, n: int, *, max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> tuple[list[Prompt], str]:
+    """(prompts, which): the newest `n` of the eval split, which no nightly window trains on, so a replay reads
+    the champion as its gate did (held out) and a suffix corpus of train answers cannot flatter a fallback;
+    the newest of all traffic where the store has no usable eval prompt (traffic logged without a split)."""
+    prompts = prompts_from_store(store, tokenizer, n, max_prompt_tokens=max_prompt_tokens, split="eval")
+    if prompts:
+        return prompts, "eval split"
+    return prompts_from_store(store, tokenizer, n, max_prompt_tokens=max_prompt_tokens), "newest traffic (no eval split)"
 
 
 @dataclass
@@ -75,6 +87,8 @@ class AcceptanceSample(Record):
     target_fingerprint: str = ""
     draft_version: str = ""
     gamma: int = DEFAULT_GAMMA
+    tree_width: int = 1  # first-position candidates per round (a head measured and served as a tree)
+    prompt_split: str = ""  # which logged prompts were replayed (`held_out_prompts`)
     requests: int = 0
     rounds: int = 0
     proposed: int = 0
@@ -127,6 +141,7 @@ def replay_acceptance(
     min_prompts: int = MIN_REPLAY_PROMPTS,
     deadline: Deadline | None = None,
     between_prompts: Callable[[], object] | None = None,
+    tree_width: int = 1,
 ) -> AcceptanceSample:
     """Replay the newest logged prompts (greedy) with the target and the draft. Every request's counts go to
     the log store under (target fingerprint, draft version); fewer than `min_draft_tokens` proposed tokens is
@@ -136,7 +151,9 @@ def replay_acceptance(
     it stops once the 95% interval of first-position acceptance lies on one side of each
     (`policy.sequential.acceptance_settled`, from `min_prompts` on); no prompt starts that the longest
     so far says would end past `deadline` once `min_prompts` and `min_draft_tokens` are read. `stopped`
-    says which ended it. `between_prompts` runs before each prompt (a thread count chosen again)."""
+    says which ended it. `between_prompts` runs before each prompt (a thread count chosen again).
+    An EAGLE-3 head replays at the shape it was measured at: γ drafts a round, `tree_width` > 1 a draft tree
+    (greedy), whose first position counts the head's top-1 draft as a chain-verifying engine would."""
     from tqdm import tqdm
 
     if on_vocab_mismatch not in ("transplant", "zero"):
@@ -149,7 +166,8 @@ def replay_acceptance(
     draft = None if head_dir else _loaded(draft_ref, weights.dtype, weights.device)
     fp = target_version or target.fingerprint
     version = draft_version or str(draft_ref if not isinstance(draft_ref, LoadedModel) else draft.path)
-    sample = AcceptanceSample(False, target_fingerprint=fp, draft_version=version, gamma=gamma)
+    sample = AcceptanceSample(False, target_fingerprint=fp, draft_version=version, gamma=gamma,
+                              tree_width=tree_width if head_dir else 1)
 
     if on_vocab_mismatch == "zero":
         if head_dir:
@@ -165,12 +183,13 @@ def replay_acceptance(
             sample.first_position_acceptance = 0.0
             return sample
     if head_dir:  # the target's fingerprint is not enforced: replaying on a new target version is the point
-        drafter, transplanted, why = aligned_eagle_drafter(target.model, target.tokenizer, head_dir, name=version)
+        drafter, transplanted, why = aligned_eagle_drafter(target.model, target.tokenizer, head_dir, name=version,
+                                                           tree_width=tree_width)
     else:
         drafter, transplanted, why = aligned_drafter(target, draft, name=version)
     sample.vocab_mismatch = sample.vocab_transplanted = transplanted
 
-    prompts = prompts_from_store(store, target.tokenizer, n_prompts, max_prompt_tokens=max_prompt_tokens)
+    prompts, sample.prompt_split = held_out_prompts(store, target.tokenizer, n_prompts, max_prompt_tokens=max_prompt_tokens)
     if not prompts:
         sample.reason = "no usable prompts in the log store"
         sample.seconds = time.perf_counter() - start

@@ -17,8 +17,8 @@ from specdistill.data.logstore import LogStore
 from specdistill.modeling.models import LoadedModel, shared_model
 from specdistill.ops import replay
 from specdistill.ops.metrics import SpecDecodeMetrics, sample_live_acceptance
-from specdistill.ops.policy import FIRST_POSITION_TAG, Decision, judge_acceptance
-from specdistill.ops.replay import AcceptanceSample, FallbackDecision, prompts_from_store
+from specdistill.ops.policy import FIRST_POSITION_TAG, SHAPE_GAMMA_TAG, SHAPE_TREE_TAG, Decision, judge_acceptance
+from specdistill.ops.replay import AcceptanceSample, FallbackDecision, held_out_prompts
 from specdistill.ops.serving import ServingConfig, ServingConfigError, read_serving_config, write_serving_config
 from specdistill.ops.targets import TargetChange, TargetVersion, detect_change
 from specdistill.pipeline.config import MonitorConfig
@@ -202,16 +202,31 @@ def sample_acceptance(config: MonitorConfig, champion: Champion, target: TargetV
 
         deadline = stage_deadline(config, "replay", deadline_at)
         loaded = shared_model(target.path, dtype=nightly.dtype, device=nightly.device)
-        first = prompts_from_store(store, loaded.tokenizer, 1, max_prompt_tokens=nightly.window.max_prompt_tokens)
+        first, _ = held_out_prompts(store, loaded.tokenizer, 1, max_prompt_tokens=nightly.window.max_prompt_tokens)
+        gamma, tree_width = replay_shape(config, champion)
         with measuring_threads(config, loaded, first[0].ids if first else None) as watch:
             sample = replay.replay_acceptance(
-                loaded, champion.dir, store, n_prompts=config.replay_prompts, gamma=config.replay_gamma(),
+                loaded, champion.dir, store, n_prompts=config.replay_prompts, gamma=gamma, tree_width=tree_width,
                 max_new_tokens=config.max_new_tokens, target_version=target.fingerprint, draft_version=champion.version,
                 min_draft_tokens=config.min_draft_tokens, max_prompt_tokens=nightly.window.max_prompt_tokens,
                 settle_lines=decision_lines(config, champion), deadline=deadline,
                 between_prompts=watch.check if watch else None)
         sample.threads = watch.describe() if watch else ""
         return sample
+
+
+def replay_shape(config: MonitorConfig, champion: Champion) -> tuple[int, int]:
+    """(γ, tree width) the champion is replayed at: the shape its registration measured it at (its tags), so the
+    red line reads at the monitor what it read at the gate; a version registered without them (or the monitor's
+    own `gamma`) at what serving.json serves, as a chain."""
+    tags = champion.tags
+    try:
+        gamma, width = int(tags[SHAPE_GAMMA_TAG]), int(tags.get(SHAPE_TREE_TAG, "1"))
+    except (KeyError, ValueError):
+        return config.replay_gamma(), 1
+    if config.gamma is not None or gamma < 1 or width < 1:
+        return config.replay_gamma(), 1
+    return gamma, width
 
 
 def measure_fallback(config: MonitorConfig, target: TargetVersion, deadline_at: float | None = None) -> FallbackDecision:
@@ -221,8 +236,8 @@ def measure_fallback(config: MonitorConfig, target: TargetVersion, deadline_at: 
     deadline = stage_deadline(config, "fallback", deadline_at)
     loaded = shared_model(target.path, dtype=nightly.dtype, device=nightly.device)
     with LogStore(nightly.log_db) as store:
-        prompts = prompts_from_store(store, loaded.tokenizer, config.fallback_prompts,
-                                     max_prompt_tokens=nightly.window.max_prompt_tokens)
+        prompts, _ = held_out_prompts(store, loaded.tokenizer, config.fallback_prompts,
+                                      max_prompt_tokens=nightly.window.max_prompt_tokens)
 
     corpus = config.fallback_suffix_corpus or (str(current_corpus_path()) if current_corpus_path().is_file() else None)
     with measuring_threads(config, loaded, prompts[0].ids if prompts else None) as watch:

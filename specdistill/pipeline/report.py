@@ -239,9 +239,13 @@ def render_outcome(outcome: MonitorOutcome) -> str:
     if sample is not None:
         if sample.ok:
             first = sample.first_position_acceptance
+            width = getattr(sample, "tree_width", 1)
+            shape = (f", at γ={sample.gamma}" + (f" (tree {width})" if width > 1 else "")
+                     + (f" on {sample.prompt_split} prompts" if getattr(sample, "prompt_split", "") else "")
+                     if sample.source == "replay" else "")
             lines.append((f"first-position acceptance {first:.3f}, " if first is not None else "") +
                          f"acceptance α {sample.acceptance_rate:.3f}, τ {sample.mean_accepted_length or 0:.2f} "
-                         f"over {sample.proposed:g} draft tokens ({sample.source})")
+                         f"over {sample.proposed:g} draft tokens ({sample.source}{shape})")
         else:
             lines.append(f"no acceptance sample: {sample.reason}")
         lines += _measured("replay", sample)

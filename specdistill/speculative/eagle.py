@@ -148,9 +148,10 @@ class EagleDrafter(Drafter):
             self.pending = self.pending[: valid_len - 1 - self.committed] if valid_len - 1 > self.committed else None
 
 
-def aligned_eagle_drafter(target: PreTrainedModel, target_tokenizer, head_dir, name: str = "draft") -> tuple[EagleDrafter, bool, str]:
+def aligned_eagle_drafter(target: PreTrainedModel, target_tokenizer, head_dir, name: str = "draft",
+                          tree_width: int = 1) -> tuple[EagleDrafter, bool, str]:
     """(drafter, transplanted, why) for a head directory: its embeddings are always the target's, so
     a tokenizer change only carries its draft vocabulary (d2t/t2d, lm_head rows) over by token string."""
     loaded = load_eagle3(head_dir, target, target_tokenizer=target_tokenizer)
     label = f"{name} (transplanted)" if loaded.transplanted else name
-    return EagleDrafter(loaded.head, target, name=label), loaded.transplanted, loaded.reason
+    return EagleDrafter(loaded.head, target, name=label, tree_width=tree_width), loaded.transplanted, loaded.reason
