@@ -192,7 +192,8 @@ def eagle_cost_ratio(target, vocab, context: int = 64, repeats: int = 15) -> dic
     against one target decode step (KV cache of `context` tokens), bf16, interleaved medians."""
     from transformers import DynamicCache
 
-    from specdistill.modeling.eagle3 import Eagle3Cache, init_eagle3_from_target
+    from specdistill.modeling.eagle3 import Eagle3Cache
+    from specdistill.modeling.eagle3_init import init_eagle3_from_target
 
     model = target.model
     head = init_eagle3_from_target(model, vocab).eval()

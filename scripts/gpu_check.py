@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))  # tests.conftest: the tiny random Llama builders 
 
 
 def lossless_on(device: str, prompts: int) -> dict:
-    from specdistill.modeling.eagle3 import init_eagle3_from_target
+    from specdistill.modeling.eagle3_init import init_eagle3_from_target
     from specdistill.modeling.vocab import DraftVocab
     from specdistill.speculative import ModelDrafter, NgramDrafter, SelfSpecDrafter
     from specdistill.speculative.eagle import EagleDrafter

@@ -10,8 +10,8 @@ from specdistill.modeling.eagle3 import (
     check_head_fits,
     default_aux_layers,
     eagle3_config,
-    init_eagle3_from_target,
 )
+from specdistill.modeling.eagle3_init import init_eagle3_from_target
 from specdistill.modeling.vocab import DraftVocab
 from tests.conftest import lively, make_tiny_llama
 

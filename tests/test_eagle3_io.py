@@ -11,7 +11,8 @@ import torch
 from safetensors import safe_open
 
 from specdistill.modeling import eagle3_io
-from specdistill.modeling.eagle3 import Eagle3Cache, Eagle3ShapeError, init_eagle3_from_target
+from specdistill.modeling.eagle3 import Eagle3Cache, Eagle3ShapeError
+from specdistill.modeling.eagle3_init import init_eagle3_from_target
 from specdistill.modeling.eagle3_io import aux_layers_of, is_eagle3_dir, load_eagle3, save_eagle3
 from specdistill.modeling.models import ModelLoadError, load_model
 from specdistill.modeling.vocab import DraftVocab

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specdistill.modeling.drafts import measure_cost_ratio
-from specdistill.modeling.eagle3 import init_eagle3_from_target
+from specdistill.modeling.eagle3_init import init_eagle3_from_target
 from specdistill.modeling.eagle3_io import is_eagle3_dir, save_eagle3
 from specdistill.modeling.models import load_model
 from specdistill.modeling.vocab import DraftVocab

@@ -278,7 +278,7 @@ def test_unroll_on_trained_rows_only_gives_the_same_loss_and_gradients(target):
     """lm_head over the trained rows only and the fused loss: the loss and every gradient of the full
     unroll with the autograd loss."""
     from specdistill.distill.eagle3_train import Eagle3Example, collate_eagle3
-    from specdistill.modeling.eagle3 import init_eagle3_from_target
+    from specdistill.modeling.eagle3_init import init_eagle3_from_target
     from specdistill.modeling.vocab import DraftVocab
 
     torch.manual_seed(1)

@@ -126,7 +126,7 @@ def test_drift_scenario_with_an_eagle3_champion_retrains_the_head_on_the_new_tar
     from flows.monitor import monitor
     from specdistill.data.ingest import ingest
     from specdistill.data.logstore import LogStore
-    from specdistill.modeling.eagle3 import init_eagle3_from_target
+    from specdistill.modeling.eagle3_init import init_eagle3_from_target
     from specdistill.modeling.eagle3_io import META_FILE, is_eagle3_dir, save_eagle3
     from specdistill.modeling.vocab import build_draft_vocab, token_frequencies
     from specdistill.ops import registry

@@ -130,7 +130,7 @@ def test_fused_projections_match_separate_ones_bit_for_bit():
 def test_the_eagle_drafter_packs_a_bf16_head_however_it_was_loaded():
     """A head built or loaded outside `load_model` (the bench's drafter specs) drafted on unpacked
     weights: 3.5 ms a step against 1.6 ms packed on the demo target's head."""
-    from specdistill.modeling.eagle3 import init_eagle3_from_target
+    from specdistill.modeling.eagle3_init import init_eagle3_from_target
     from specdistill.modeling.vocab import DraftVocab
     from specdistill.speculative.eagle import EagleDrafter
 
@@ -146,7 +146,7 @@ def test_the_eagle_drafter_packs_a_bf16_head_however_it_was_loaded():
 def test_without_native_bf16_a_bf16_load_stays_unpacked_and_keeps_the_logits(tmp_path, monkeypatch, flags):
     """Every machine: on a CPU kind without native bf16 (AVX2 only; AVX-512 without BF16) nothing is
     packed, the EAGLE drafter's head neither, and the logits are the plain bf16 model's."""
-    from specdistill.modeling.eagle3 import init_eagle3_from_target
+    from specdistill.modeling.eagle3_init import init_eagle3_from_target
     from specdistill.modeling.vocab import DraftVocab
     from specdistill.speculative.eagle import EagleDrafter
 

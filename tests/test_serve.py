@@ -209,7 +209,7 @@ def test_a_head_served_as_a_tree_gives_chain_engines_the_chain_depth_its_own_cha
     """SGLang runs the measured tree (steps, top-k, draft tokens); vLLM and llama.cpp verify chains, so serving.json
     gives them the depth the head's top-1 chain predicts fastest, not the tree's depth."""
     from specdistill.data.results import GammaSearch
-    from specdistill.modeling.eagle3 import init_eagle3_from_target
+    from specdistill.modeling.eagle3_init import init_eagle3_from_target
     from specdistill.modeling.eagle3_io import save_eagle3
     from specdistill.modeling.vocab import DraftVocab
     from specdistill.pipeline.serve import chain_gamma

@@ -75,7 +75,7 @@ def cmd_draft_init(args: argparse.Namespace) -> int:
 
 def _init_eagle3(args: argparse.Namespace, target, draft_vocab) -> int:
     """An untrained EAGLE-3 head over the target's features (layers low/mid/high unless given)."""
-    from specdistill.modeling.eagle3 import init_eagle3_from_target  # lazy: CLI start-up
+    from specdistill.modeling.eagle3_init import init_eagle3_from_target  # lazy: CLI start-up
     from specdistill.modeling.eagle3_io import save_eagle3  # lazy: CLI start-up
 
     layers = None

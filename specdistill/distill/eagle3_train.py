@@ -35,7 +35,8 @@ from specdistill.distill.layer_task import _build_draft_vocab
 from specdistill.distill.teacher import TeacherCache, drop_stale, teacher_positions, to_draft_space
 from specdistill.distill.trained import HeldoutAcceptance
 from specdistill.modeling import eagle3_io
-from specdistill.modeling.eagle3 import Eagle3Draft, check_head_fits, default_aux_layers, init_eagle3_from_target
+from specdistill.modeling.eagle3 import Eagle3Draft, check_head_fits, default_aux_layers
+from specdistill.modeling.eagle3_init import init_eagle3_from_target
 from specdistill.modeling.eagle3_io import load_eagle3
 from specdistill.modeling.models import resolve_dtype
 from specdistill.modeling.vocab import DraftVocab
