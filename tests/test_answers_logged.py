@@ -4,6 +4,7 @@ again, other models' responses are labelled as extra examples, bad responses are
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -67,7 +68,7 @@ def _openai(question: str, answer: str, model: str) -> dict:
             "response": {"model": model, "choices": [{"message": {"role": "assistant", "content": answer}}]}}
 
 
-def _traffic(tmp_path: Path, target_dir: Path) -> tuple[str, Window, dict[str, str]]:
+def _traffic(tmp_path: Path, target_dir: Path, created: float | None = None) -> tuple[str, Window, dict[str, str]]:
     """Served by `tiny-v1` (this target): its own greedy answers (6), one claimed answer it would never
     write; by `other-model`: 2 plain responses and 3 bad ones (a cut character, a control token, over the
     context; an empty one never reaches the store: ingestion quarantines it)."""
@@ -82,6 +83,9 @@ def _traffic(tmp_path: Path, target_dir: Path) -> tuple[str, Window, dict[str, s
     records += [_openai(QUESTIONS[7], "the lazy dog sleeps", "other-model"), _openai(QUESTIONS[8], "def add(a, b)", "other-model")]
     records += [_openai(QUESTIONS[9], "caf\ufffd", "other-model"), _openai(QUESTIONS[10], "hi <|im_end|> there", "other-model"),
                 _openai(QUESTIONS[11], "the quick brown fox " * 80, "other-model")]
+    if created is not None:
+        for r in records:
+            r["response"]["created"] = created
     path = tmp_path / "traffic.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     url = f"sqlite:///{tmp_path / 'logs.db'}"
@@ -154,10 +158,27 @@ def test_target_register_records_served_names_and_they_name_that_version_only(ta
     register_target("new", fingerprint="fp-new", model_dir=tmp_path / "new")
     again = register_target("new", fingerprint="fp-new", model_dir=tmp_path / "new", served_names=["acme-v2", "acme-v2"])
     assert again.served_names == ("acme-v2",) and [v.fingerprint for v in target_history()] == ["fp-old", "fp-new"]
-    assert own_names({}, "new", "fp-new") == {"acme-v2"}
-    assert own_names({"acme-old": "old", "alias": "fp-new"}, "new", "fp-new") == {"acme-v2", "alias"}  # acme-old: another version
+    assert set(own_names({}, "new", "fp-new")) == {"acme-v2"}
+    assert set(own_names({"acme-old": "old", "alias": "fp-new"}, "new", "fp-new")) == {"acme-v2", "alias"}  # acme-old: another version
     with pytest.raises(ValueError, match="1 to 256 characters"):
         register_target("new", fingerprint="fp-new", model_dir=tmp_path / "new", served_names=[" "])
+
+
+def test_answers_logged_under_a_name_before_it_was_registered_for_this_version_are_not_its_own(target_dir, tmp_path):
+    """One served name, two versions: the old version's logs counted as the new target's own answers."""
+    config = lambda url: load_nightly_config(None, [  # noqa: E731
+        f"target={target_dir}", f"log_db={url}", "dtype=float32", "train.kind=eagle3", "generation.max_new_tokens=8",
+        "generation.max_minutes=null", "generation.logged.other=true"])
+    url, window, ids = _traffic(tmp_path / "before", target_dir, created=time.time() - 3600)
+    register_target("old", fingerprint="fp-old", model_dir=tmp_path / "old", served_names=["tiny-v1"])
+    register_target(str(target_dir), served_names=["tiny-v1"])  # the name moves to this version now
+    data = generate_responses(config(url), window, "train", record_teacher=True)
+    records = read_done(Path(data.path))
+    assert data.logged.own == 0 and not any(r.get("source") == "own" for r in records.values())
+    assert ids[QUESTIONS[0]] + "~log" in records  # the old version's answer: another model's text
+    url, window, ids = _traffic(tmp_path / "after", target_dir, created=time.time() + 60)
+    data = generate_responses(config(url), dataclasses.replace(window, key="w2"), "train", record_teacher=True)
+    assert data.logged.own == 6  # logged since the registration: this version's own
 
 
 def test_the_cli_records_served_names(target_dir):

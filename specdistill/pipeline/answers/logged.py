@@ -4,7 +4,8 @@ A train prompt's conversation in the log store carries the response production g
 logs, the model name that served it (`conversations.target_version`). Two kinds are used:
 
 - **own**: served under a name of the current target version (`generation.logged.served_names`, and the
-  names `specdistill target register --served-name` recorded). It *is* the target's answer: one prefill
+  names `specdistill target register --served-name` recorded, from that registration on: a response
+  logged under the name before it is an older version's). It *is* the target's answer: one prefill
   labels it and it stands in for a regenerated answer (same id). Not trusted blindly: a response whose
   mean log-likelihood under the target is below what the target itself writes (`likelihood_floor`, from
   its own sampled answers) is refused, counted, and the prompt is answered again.
@@ -34,7 +35,7 @@ from specdistill.distill.features import FeatureCache
 from specdistill.distill.prefill import Labelled, label_by_prefill
 from specdistill.distill.teacher import TeacherCache
 from specdistill.modeling.models import LoadedModel
-from specdistill.ops.targets import target_history
+from specdistill.ops.targets import Period, absolute_ref, held_at, served_name_periods, target_history
 from specdistill.pipeline.answers.answer_file import append_records
 from specdistill.pipeline.answers.harness import generate_answers
 from specdistill.pipeline.outputs import LoggedData
@@ -44,23 +45,24 @@ OTHER_SUFFIX = "~log"  # the id of another model's labelled response: `<conversa
 FLOOR_QUANTILE, FLOOR_MARGIN, FLOOR_PROMPTS = 0.05, 0.5, 16
 
 
-def own_names(served_names: dict[str, str], target_ref: str, fingerprint: str) -> set[str]:
-    """The served model names of this target version: the config's mapping (each name to a target: its
-    reference, directory or fingerprint), plus the names its registrations recorded. A name mapped to a
-    target that is neither this run's nor a registered version is a config error naming the key."""
+def own_names(served_names: dict[str, str], target_ref: str, fingerprint: str) -> dict[str, list[Period]]:
+    """The served model names of this target version and when each was its own (`ops.targets.served_name_periods`):
+    the config's mapping (each name to a target: its reference, directory or fingerprint), plus the names its
+    registrations recorded, from each registration on. A name mapped to a target that is neither this run's
+    nor a registered version is a config error naming the key."""
     history = target_history()
-    names = {n for v in history if v.fingerprint == fingerprint for n in v.served_names}
+    known = {fingerprint: fingerprint, target_ref: fingerprint, absolute_ref(target_ref): fingerprint}
+    for v in history:
+        known.update({v.fingerprint: v.fingerprint, v.ref: v.fingerprint, v.path: v.fingerprint})
+    mapped = set()
     for name, ref in served_names.items():
-        known = {fingerprint: fingerprint, target_ref: fingerprint}
-        for v in history:
-            known.update({v.fingerprint: v.fingerprint, v.ref: v.fingerprint, v.path: v.fingerprint})
-        if ref not in known:
+        if ref not in known and absolute_ref(ref) not in known:
             raise ConfigError(f"generation.logged.served_names.{name}: {ref!r} is not a registered target nor this "
                               f"run's target ({target_ref!r}); `specdistill target register {ref} --served-name {name}` "
                               "records it")
-        if known[ref] == fingerprint:
-            names.add(name)
-    return names
+        if known.get(ref, known.get(absolute_ref(ref))) == fingerprint:
+            mapped.add(name)
+    return served_name_periods(fingerprint, mapped)
 
 
 def check_response(tokenizer, prompt: list[dict], text: str | None, context: int, max_tokens: int
@@ -123,7 +125,7 @@ def label_logged(config, target: LoadedModel, prompts: list[Prompt], out_path: P
         text = conv.messages[n].content if len(conv.messages) > n and conv.messages[n].role == "assistant" else None
         if text is None:
             continue  # a prompt without a logged answer: answered as always
-        is_own = conv.target_version in names
+        is_own = conv.target_version in names and held_at(names[conv.target_version], conv.arrived_at)
         if not (settings.own if is_own else settings.other):
             continue
         example, reason = check_response(target.tokenizer, p.messages, text, context, settings.max_tokens)
