@@ -22,7 +22,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from flows.nightly import nightly
 from specdistill.pipeline import monitor_stage as mc
-from specdistill.pipeline.config import load_monitor_config
+from specdistill.pipeline.config import flow_overrides, load_monitor_config
 from specdistill.pipeline.outputs import MonitorOutcome
 from specdistill.pipeline.report import render_outcome
 from tasks import monitor as t
@@ -51,7 +51,9 @@ def monitor(config_path: str | None = None, overrides: list[str] | None = None,
         outcome.fallback = t.choose_fallback(config, change.current)
         outcome.serving = t.apply_fallback(config, outcome.fallback, change.current)
     if decision in (mc.Decision.FALLBACK, mc.Decision.RETRAIN):
-        outcome.incremental = nightly(config_path=config.nightly_config, overrides=mc.incremental_overrides(config, change))
+        # a nested flow's parameters are stored too: its overrides carry no credential (`flow_overrides`)
+        outcome.incremental = nightly(config_path=config.nightly_config,
+                                      overrides=flow_overrides(mc.incremental_overrides(config, change)))
     t.record_decision(config, outcome)
     report = render_outcome(outcome)
     create_markdown_artifact(report, key="monitor-decision", description="acceptance and what the monitor did")

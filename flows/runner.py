@@ -26,6 +26,8 @@ import subprocess
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+from specdistill.pipeline.config import flow_overrides
+
 T = TypeVar("T")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 PR_SET_PDEATHSIG = 1  # prctl(2)
@@ -117,7 +119,10 @@ def stop_on_signals() -> Iterator[None]:
 
 def run_flow(flow: Callable[..., T], **parameters: Any) -> T:
     """Run `flow(**parameters)` in this process, stoppable by SIGTERM/SIGINT (see the module docstring).
-    Raises `FlowStopped` after the runs in flight are marked."""
+    Raises `FlowStopped` after the runs in flight are marked. A credential in the `overrides` reaches the
+    flow as `${SPECDISTILL_SECRET_n}` (Prefect stores a run's parameters), its value in the environment."""
+    if parameters.get("overrides"):
+        parameters["overrides"] = flow_overrides(parameters["overrides"])
     with stop_on_signals():  # a signal while the server starts stops the command too
         if type(flow).__module__.startswith("prefect"):
             _temporary_server_in_own_group()

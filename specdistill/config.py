@@ -12,6 +12,8 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from specdistill.env import expand_secrets
+
 
 class Strict(BaseModel):
     """Base of every config section: unknown keys are errors, assignments are validated."""
@@ -41,6 +43,23 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         except yaml.YAMLError:
             node[parts[-1]] = value
     return raw
+
+
+def _expand_secrets(node, source: str, key: str = ""):
+    """Every `${SPECDISTILL_SECRET_n}` (a credential the command line kept out of a flow's parameters,
+    `env.stash_secrets`) replaced by its value from the environment."""
+    if isinstance(node, dict):
+        return {k: _expand_secrets(v, source, f"{key}.{k}" if key else str(k)) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_expand_secrets(v, source, f"{key}[{i}]") for i, v in enumerate(node)]
+    if isinstance(node, str):
+        try:
+            return expand_secrets(node)
+        except KeyError as exc:
+            raise ConfigError(f"{source}: {key}: ${{{exc.args[0]}}} is not set in the environment (a credential "
+                              "the command line that started this run kept out of its parameters: run it from "
+                              "the command line again)") from None
+    return node
 
 
 def _describe(exc: ValidationError, source: str) -> str:
@@ -77,7 +96,7 @@ def load_model_config(model: type[BaseModel], path: str | os.PathLike | None = N
             raise ConfigError(f"{path}: not valid YAML: {exc}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: top level must be a mapping")
-    raw = apply_overrides(raw, overrides or [])
+    raw = _expand_secrets(apply_overrides(raw, overrides or []), source)
     try:
         return model.model_validate(raw)
     except ValidationError as exc:

@@ -19,6 +19,7 @@ from specdistill.config import ConfigError, Strict, load_model_config
 from specdistill.data.prompts import MAX_PROMPT_TOKENS
 from specdistill.data.results import BenchSettings
 from specdistill.distill.config import DataConfig, DistillConfig, DraftKind, Eagle3Config, LossConfig, OptimConfig, TeacherConfig
+from specdistill.env import stash_secrets
 from specdistill.ops.policy import (
     CONFIDENCE,
     DEFAULT_MARGIN,
@@ -306,6 +307,12 @@ class NightlyConfig(Strict):
 # what `specdistill demo` runs on top of the embedded defaults: it measures which engine answers fastest on
 # this machine (a probe of ~20 s), where the library's default, and every test's, is the harness
 DEMO_OVERRIDES = ("generation.backend=auto",)
+
+
+def flow_overrides(overrides: list[str] | None) -> list[str]:
+    """`key=value` overrides as a flow's parameters (Prefect stores them): each credential replaced by
+    `${SPECDISTILL_SECRET_n}`, its value kept in this process's environment, where loading finds it."""
+    return stash_secrets(list(overrides or []))
 
 
 def load_nightly_config(path: str | Path | None = None, overrides: list[str] | None = None) -> NightlyConfig:
