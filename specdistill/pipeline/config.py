@@ -43,6 +43,7 @@ class SourceConfig(Strict):
     path: str  # a file, or "sharegpt" / "humaneval" for the shipped demo traffic
     format: Literal["sharegpt", "openai", "jsonl", "humaneval"]
     slice: str = "chat"  # benchmark slice its prompts report under
+    max_decompressed_bytes: int | None = Field(None, ge=1)  # a .gz's cap (None: 100x its size); the rest is quarantined
 
 
 class WindowConfig(Strict):
