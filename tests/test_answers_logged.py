@@ -20,7 +20,7 @@ from specdistill.distill.examples import read_done
 from specdistill.modeling.models import load_model
 from specdistill.ops.targets import register_target, target_history
 from specdistill.pipeline.answers.harness import generate_answers
-from specdistill.pipeline.answers.logged import check_response, own_names
+from specdistill.pipeline.answers.logged import NOT_GREEDY, UNLIKELY, check_response, own_names
 from specdistill.pipeline.answers.stage import generate_responses
 from specdistill.pipeline.config import load_nightly_config
 from specdistill.pipeline.corpus import read_answers
@@ -122,8 +122,8 @@ def test_own_logged_answers_are_not_decoded_again_and_the_report_counts_every_ki
     decoded_ids = {i for i, r in records.items() if not r.get("source")}
     assert decoded_ids == {p.id for p in window.train} - own_ids  # the refused claim and every other prompt
     assert ids[QUESTIONS[6]] in decoded_ids
-    # the decode loop saw exactly those prompts, and the 7 claimed ones once, sampled, for the likelihood floor
-    assert len(decoded) == len(decoded_ids) + 7
+    # the decode loop saw exactly those prompts
+    assert len(decoded) == len(decoded_ids)
     logged = data.logged
     assert (logged.own, logged.other, logged.refused) == (6, 2, 1)
     assert logged.skipped == {"cut mid-character": 1, "control tokens": 1, "over the context": 1}
@@ -132,12 +132,72 @@ def test_own_logged_answers_are_not_decoded_again_and_the_report_counts_every_ki
     assert {r["id"] for r in read_answers(data.path)} == own_ids | decoded_ids
     line = data_line(data)
     assert "6 logged answers of this target used as they are" in line and "2 other models' responses labelled" in line
-    assert "1 claimed by this target refused by the likelihood check" in line and "skipped:" in line
+    assert "1 claimed by this target refused as not its text" in line and "skipped:" in line
 
     # a rerun labels and decodes nothing again
     decoded.clear()
     again = generate_responses(_config(target_dir, url), window, "train", record_teacher=True)
     assert decoded == [] and (again.logged.own, again.logged.other) == (6, 2) and again.path == data.path
+
+
+def _runner_up_text(target, prompt_ids: list[int], n: int = 8) -> str:
+    """The target's second most likely next token, n times: text it samples, never its greedy answer."""
+    ids = list(prompt_ids)
+    bad = _not_text(target.tokenizer)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = target.model(torch.tensor([ids])).logits[0, -1].clone()
+            logits[bad] = float("-inf")
+            ids.append(int(logits.topk(2).indices[1]))
+    return target.tokenizer.decode(ids[len(prompt_ids):])
+
+
+def test_claimed_answers_are_held_to_the_text_the_target_writes_at_the_requests_temperature(target_dir, tmp_path):
+    """Random text and boilerplate under the target's served name passed the likelihood floor (sampled at
+    temperature 1), were trained on as `source: own` and went into the suffix corpus."""
+    target = load_model(str(target_dir), dtype="float32")
+    tok = target.tokenizer
+    prompts = [Prompt(id=str(i), messages=[{"role": "user", "content": q}]) for i, q in enumerate(QUESTIONS)]
+    greedy = generate_answers(target.model, tok, prompts[:6], tmp_path / "g.jsonl", max_new_tokens=8, progress=False)
+    runner_up = {i: _runner_up_text(target, encode_chat(tok, prompts[i].messages)) for i in range(6, 10)}
+    claims = [(i, greedy[str(i)]["response"], 0) for i in range(4)]  # greedy requests, greedy answers: its own
+    claims += [(i, greedy[str(i)]["response"], 1.0) for i in (4, 5)]  # sampled requests, its greedy answers: its own
+    claims += [(i, runner_up[i], 1.0) for i in (6, 7)]  # sampled requests, its runner-up tokens: text it samples
+    claims += [(i, runner_up[i], 0) for i in (8, 9)]  # greedy requests, answered by text it samples: not its answers
+    claims += [(10, "#6x&z32380%z3q017 qq!! zz", None)]  # noise, no temperature logged
+    claims += [(11, _least_likely_text(target, encode_chat(tok, prompts[11].messages)), 0.7)]
+    records = []
+    for i, text, temperature in claims:
+        records.append(_openai(QUESTIONS[i], text, "tiny-v1"))
+        if temperature is not None:
+            records[-1]["request"]["temperature"] = temperature
+    path = tmp_path / "traffic.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    url = f"sqlite:///{tmp_path / 'logs.db'}"
+    with LogStore(url, eval_fraction=0.0) as store:
+        ingest(path, "openai", store, progress=False)
+        rows = store.sample(100, seed=0)
+    assert sorted(c.request_temperature for c in rows if c.request_temperature is not None) == [0] * 6 + [0.7] + [1] * 4
+    window_prompts = [Prompt(id=str(c.id), messages=prompt_messages(c.messages), slice="chat") for c in rows]
+    ids = {p.messages[-1]["content"]: p.id for p in window_prompts}
+    window = Window(train=window_prompts, eval=[], key="w1", since=None, replayed=0)
+    data = generate_responses(_config(target_dir, url), window, "train", record_teacher=True)
+
+    records = read_done(Path(data.path))
+    assert {i for i, r in records.items() if r.get("source") == "own"} == {ids[q] for q in QUESTIONS[:8]}
+    assert data.logged.refused == 4 and data.logged.skipped == {}
+    assert data.logged.refused_why == {NOT_GREEDY: 2, UNLIKELY: 2}
+    # what was refused is neither trained on as its own nor in the suffix corpus: the prompt was answered again
+    corpus = {r["id"]: r["response_ids"] for r in read_answers(data.path)}
+    for i in range(8, 12):
+        claimed = encode_chat(tok, [{"role": "user", "content": QUESTIONS[i]}, {"role": "assistant", "content": claims[i][1]}])
+        record = records[ids[QUESTIONS[i]]]
+        assert record.get("source") is None and record["prompt_ids"] + corpus[ids[QUESTIONS[i]]] != claimed
+    assert "4 claimed by this target refused as not its text" in data_line(data)
+
+
+def records_of(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_other_models_responses_are_left_alone_when_switched_off(target_dir, tmp_path):

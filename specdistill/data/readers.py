@@ -73,6 +73,7 @@ class Conversation:
     record_id: str | None = None  # the id the record carries in its file (ShareGPT id, HumanEval task_id)
     served_by: str | None = None  # model name logged with the response (OpenAI logs), if any
     timestamp: float | None = None  # when the traffic happened (unix seconds), if logged
+    temperature: float | None = None  # the sampling temperature the request asked for (OpenAI logs), if logged
     offset: int = 0  # byte offset of the record's first byte (decompressed stream for .gz)
     end_offset: int = 0  # byte offset just past the record: where a resumed read starts
     notes: list[str] = field(default_factory=list)  # what normalization changed (formats, rule 4)
