@@ -40,7 +40,8 @@ def pct(values: list[float], q: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--answers", required=True)
+    ap.add_argument("--answers")
+    ap.add_argument("--stats", help="a stats.json an earlier run wrote: print its rules table again, labelling nothing")
     ap.add_argument("--n", type=int, default=48)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -48,6 +49,15 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    if args.stats:
+        from specdistill.distill.prefill import Labelled
+        from specdistill.pipeline.answers.logged import own_text_check
+
+        saved = json.loads(Path(args.stats).read_text())
+        table({k: [Labelled(**s) for s in v] for k, v in saved.items()}, own_text_check)
+        return
+    if not args.answers:
+        ap.error("--answers (or --stats) is required")
 
     import specdistill  # noqa: F401  (offline environment)
     from specdistill.data.datasets import sharegpt_first_turns
@@ -118,11 +128,15 @@ def main() -> None:
         print(f"| {name} | {len(values)} | " + " | ".join(cells) + " |")
 
     (work / "stats.json").write_text(json.dumps({k: [vars(s) for s in v] for k, v in stats.items()}, indent=1))
+    table(stats, own_text_check)
+
+
+def table(stats: dict[str, list], own_text_check) -> None:
     rules = {
         "likelihood floor (mean log-prob >= -5.15, the old test)": lambda s, t: s.mean_logprob >= -5.15,
-        "top-20 share >= 0.9 (measured, not held)": lambda s, t: s.top_k_share >= 0.9,
-        "own_text_check, greedy request (T=0)": lambda s, t: own_text_check(s, 0.0) is None,
-        "own_text_check, sampled request (z >= -3 at the set's T)": lambda s, t: own_text_check(s, 1.0) is None,
+        "own_text_check, a greedy request (T=0, the default when none is logged)": lambda s, t: own_text_check(s, 0.0) is None,
+        "own_text_check, a sampled request (top-20 share >= 0.5, z >= -3 at the set's T)":
+            lambda s, t: own_text_check(s, 1.0) is None,
         "own_text_check at the set's own temperature": lambda s, t: own_text_check(s, t) is None,
     }
     print("\n| rule: admitted of | " + " | ".join(stats) + " |")

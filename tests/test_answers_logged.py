@@ -20,7 +20,7 @@ from specdistill.distill.examples import read_done
 from specdistill.modeling.models import load_model
 from specdistill.ops.targets import register_target, target_history
 from specdistill.pipeline.answers.harness import generate_answers
-from specdistill.pipeline.answers.logged import NOT_GREEDY, UNLIKELY, check_response, own_names
+from specdistill.pipeline.answers.logged import NOT_GREEDY, NOT_TOP_K, check_response, own_names
 from specdistill.pipeline.answers.stage import generate_responses
 from specdistill.pipeline.config import load_nightly_config
 from specdistill.pipeline.corpus import read_answers
@@ -164,8 +164,8 @@ def test_claimed_answers_are_held_to_the_text_the_target_writes_at_the_requests_
     claims += [(i, greedy[str(i)]["response"], 1.0) for i in (4, 5)]  # sampled requests, its greedy answers: its own
     claims += [(i, runner_up[i], 1.0) for i in (6, 7)]  # sampled requests, its runner-up tokens: text it samples
     claims += [(i, runner_up[i], 0) for i in (8, 9)]  # greedy requests, answered by text it samples: not its answers
-    claims += [(10, "#6x&z32380%z3q017 qq!! zz", None)]  # noise, no temperature logged
-    claims += [(11, _least_likely_text(target, encode_chat(tok, prompts[11].messages)), 0.7)]
+    claims += [(10, "#6x&z32380%z3q017 qq!! zz", None)]  # noise, no temperature logged: as greedy (the default)
+    claims += [(11, _least_likely_text(target, encode_chat(tok, prompts[11].messages)), 0.7)]  # noise, sampled
     records = []
     for i, text, temperature in claims:
         records.append(_openai(QUESTIONS[i], text, "tiny-v1"))
@@ -186,7 +186,7 @@ def test_claimed_answers_are_held_to_the_text_the_target_writes_at_the_requests_
     records = read_done(Path(data.path))
     assert {i for i, r in records.items() if r.get("source") == "own"} == {ids[q] for q in QUESTIONS[:8]}
     assert data.logged.refused == 4 and data.logged.skipped == {}
-    assert data.logged.refused_why == {NOT_GREEDY: 2, UNLIKELY: 2}
+    assert data.logged.refused_why == {NOT_GREEDY: 3, NOT_TOP_K: 1}
     # what was refused is neither trained on as its own nor in the suffix corpus: the prompt was answered again
     corpus = {r["id"]: r["response_ids"] for r in read_answers(data.path)}
     for i in range(8, 12):

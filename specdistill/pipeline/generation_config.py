@@ -28,6 +28,9 @@ class LoggedConfig(Strict):
     served_names: dict[str, str] = {}
     max_share: float = Field(0.5, ge=0.0, le=1.0)
     max_tokens: int = Field(192, ge=1)  # response tokens labelled per logged response (a longer one is cut)
+    # the temperature production samples at when a logged request does not say: 0, greedy (its answers are held
+    # to the target's greedy choices); null: unknown, held as at temperature 1 (admits any plausible text)
+    temperature: float | None = Field(0.0, ge=0.0, le=2.0)
     tokens_per_batch: int = Field(4096, ge=64)  # padded tokens per labelling prefill
 
 

@@ -33,7 +33,7 @@ from specdistill.data.logstore import LogStore
 from specdistill.data.prompts import Prompt, encode_chat
 from specdistill.distill.examples import Example, encode_conversation
 from specdistill.distill.features import FeatureCache
-from specdistill.distill.prefill import Labelled, label_by_prefill
+from specdistill.distill.prefill import TOP_K, Labelled, label_by_prefill
 from specdistill.distill.teacher import TeacherCache
 from specdistill.modeling.models import LoadedModel
 from specdistill.ops.targets import Period, absolute_ref, held_at, served_name_periods, target_history
@@ -66,9 +66,11 @@ def own_names(served_names: dict[str, str], target_ref: str, fingerprint: str) -
 # what the target's own text is held to (`own_text_check`; measured in benchmarks/own_text.py)
 GREEDY_MIN = 0.9  # a greedy request: share of tokens at (or within NEAR_TIE of) the target's top choice
 Z_MIN = -3.0  # a sampled request: the sampled z at the request's temperature (its own samples: about N(0, 1))
+TOP_K_MIN = 0.5  # a sampled request: share of tokens among the target's TOP_K (its samples at T=1: p5 0.64; noise 0.23)
 
 
 NOT_GREEDY = "a greedy request whose tokens are not the target's greedy choice"
+NOT_TOP_K = f"tokens outside the target's {TOP_K} most likely"
 UNLIKELY = "less likely than the target's own samples at the request's temperature"
 
 
@@ -76,11 +78,13 @@ def own_text_check(stats: Labelled, temperature: float | None) -> str | None:
     """Why a response claimed by the target is not text it writes at the request's `temperature`, or None
     when it is. 0: a greedy request, held to the target's greedy choices (near-ties allowed: another
     engine or dtype served it); else held to the likelihood of the target's own samples at that
-    temperature (`sampled_z`, which must have been taken there; None, not logged: temperature 1, the
-    most the target's own samples are allowed). Top-k membership (`top_k_share`) is measured but not
-    held: at temperature 1 a target with a flat distribution samples outside its top 20 often."""
+    temperature (`sampled_z`, which must have been taken there; None: as at temperature 1, the most the
+    target's own samples are allowed) and to a share of its top-k that its own samples reach. Measured
+    on the demo target in benchmarks/own_text.py (docs/data.md)."""
     if temperature is not None and temperature <= 0:
         return NOT_GREEDY if stats.near_greedy_share < GREEDY_MIN else None
+    if stats.top_k_share < TOP_K_MIN:
+        return NOT_TOP_K
     return UNLIKELY if stats.sampled_z < Z_MIN else None
 
 
@@ -133,7 +137,8 @@ def label_logged(config, target: LoadedModel, prompts: list[Prompt], out_path: P
             continue
         example.id = p.id if is_own else f"{p.id}{OTHER_SUFFIX}"
         (own if is_own else other).append((p, example))
-        temperatures[example.id] = conv.request_temperature
+        # what the request asked for; not logged: what production samples at (`generation.logged.temperature`)
+        temperatures[example.id] = conv.request_temperature if conv.request_temperature is not None else settings.temperature
     result.skipped = dict(skipped)
     todo = [(p, ex) for p, ex in own + other if ex.id not in done]
     started = time.time()
