@@ -26,7 +26,8 @@ from prefect.artifacts import create_markdown_artifact
 
 from flows.nightly import nightly
 from specdistill.pipeline import monitor_stage as mc
-from specdistill.pipeline.config import load_monitor_config
+from specdistill.pipeline.config import flow_overrides
+from specdistill.pipeline.monitor_config import load_monitor_config
 from specdistill.pipeline.outputs import MonitorOutcome
 from specdistill.pipeline.report import render_outcome
 from specdistill.pipeline.stage_budgets import StageClock
@@ -68,7 +69,9 @@ def _monitor(config_path: str | None, overrides: list[str] | None, fingerprint: 
         outcome.serving = t.apply_fallback(config, outcome.fallback, change.current)
         clock.lap("fallback")
     if decision in (mc.Decision.FALLBACK, mc.Decision.RETRAIN) and config.retrain:
-        outcome.incremental = nightly(config_path=config.nightly_config, overrides=mc.incremental_overrides(config, change))
+        # a nested flow's parameters are stored too: its overrides carry no credential (`flow_overrides`)
+        outcome.incremental = nightly(config_path=config.nightly_config,
+                                      overrides=flow_overrides(mc.incremental_overrides(config, change)))
         clock.lap("retraining")
     outcome.stage_seconds = dict(clock.seconds)
     t.record_decision(config, outcome)

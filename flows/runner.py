@@ -26,6 +26,7 @@ import subprocess
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+from specdistill.pipeline.config import flow_overrides
 from specdistill.state_lock import state_lock
 
 T = TypeVar("T")
@@ -120,7 +121,10 @@ def stop_on_signals() -> Iterator[None]:
 def run_flow(flow: Callable[..., T], **parameters: Any) -> T:
     """Run `flow(**parameters)` in this process, stoppable by SIGTERM/SIGINT (see the module docstring),
     holding the state directory (`state_lock`: a second run is refused before Prefect's server starts).
-    Raises `FlowStopped` after the runs in flight are marked."""
+    Raises `FlowStopped` after the runs in flight are marked. A credential in the `overrides` reaches the
+    flow as `${SPECDISTILL_SECRET_n}` (Prefect stores a run's parameters), its value in the environment."""
+    if parameters.get("overrides"):
+        parameters["overrides"] = flow_overrides(parameters["overrides"])
     what = getattr(flow, "name", None) or flow.__name__
     with state_lock(what), stop_on_signals():  # a signal while the server starts stops the command too
         if type(flow).__module__.startswith("prefect"):

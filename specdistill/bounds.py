@@ -26,6 +26,7 @@ MAX_SUFFIX_SPEC_FACTOR = 1_024.0  # suffix decoding's speculation per matched to
 MAX_CACHED_REQUESTS = 10_000_000  # requests the suffix tree keeps
 MAX_CHECKPOINTS = 1_000  # checkpoints or versions kept
 MAX_DAYS = 36_525.0  # a time span in days (a window, a budget): a century; a timedelta overflows near 10^9 days
+MAX_BYTES = 1 << 50  # a size in bytes (a decompression cap): a pebibyte
 MAX_TIMESTAMP = 253_402_300_799.0  # 9999-12-31T23:59:59Z: the last second a date can be printed
 THREADS_PER_CPU = 4  # more torch threads than this per usable CPU only stall, and tens of thousands abort OpenMP
 

@@ -15,6 +15,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from specdistill import bounds
+from specdistill.env import expand_secrets
 
 
 class Strict(BaseModel):
@@ -82,6 +83,23 @@ def _is_union_member(part: object) -> bool:
 _TYPE_TAGS = {"int", "str", "float", "bool", "none", "list", "dict", "tuple", "set", "bytes"}
 
 
+def _expand_secrets(node, source: str, key: str = ""):
+    """Every `${SPECDISTILL_SECRET_n}` (a credential the command line kept out of a flow's parameters,
+    `env.stash_secrets`) replaced by its value from the environment."""
+    if isinstance(node, dict):
+        return {k: _expand_secrets(v, source, f"{key}.{k}" if key else str(k)) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_expand_secrets(v, source, f"{key}[{i}]") for i, v in enumerate(node)]
+    if isinstance(node, str):
+        try:
+            return expand_secrets(node)
+        except KeyError as exc:
+            raise ConfigError(f"{source}: {key}: ${{{exc.args[0]}}} is not set in the environment (a credential "
+                              "the command line that started this run kept out of its parameters: run it from "
+                              "the command line again)") from None
+    return node
+
+
 def _describe(exc: ValidationError, source: str) -> str:
     """One line per bad key. A union's members each refuse a value (`threads: 99999` is neither a count
     nor 'auto'): the key is named once, by the validator's own message or by the range it missed."""
@@ -126,7 +144,7 @@ def load_model_config(model: type[BaseModel], path: str | os.PathLike | None = N
             raise ConfigError(f"{path}: not valid YAML: {exc}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: top level must be a mapping")
-    raw = apply_overrides(raw, overrides or [])
+    raw = _expand_secrets(apply_overrides(raw, overrides or []), source)
     try:
         return model.model_validate(raw)
     except ValidationError as exc:

@@ -56,16 +56,30 @@ _KEY_VALUE = re.compile(r"(?i)(?<![\w.-])(?P<key>" + "|".join(SECRET_KEYS) + r")
                         r"(?P<value>'[^']*'|\"[^\"]*\"|[^&\s;,'\")]+)")
 
 
+# keys that are also plain words ("is not key=value"): a credential only in a query string (`?key=`, `&sig=`)
+QUERY_ONLY_KEYS = ("key", "sig", "signature")
+
+
+def _key_values(text: str) -> list[re.Match]:
+    return [m for m in _KEY_VALUE.finditer(text)
+            if m.group("key").lower() not in QUERY_ONLY_KEYS or text[max(m.start() - 1, 0):m.start()] in ("?", "&", ";")]
+
+
+def _credentials(text: str) -> list[str]:
+    """The credentials in `text` as they stand in it (a URL's password, a secret key's value)."""
+    found = [m.group("password") for m in _USERINFO.finditer(text)]
+    found += [m.group("value").strip("'\"") for m in _key_values(text)]
+    return [p for p in found if p and p != MASK and not _SECRET_REF.fullmatch(p)]
+
+
 def _url_passwords(url: str) -> list[str]:
-    found = [m.group("password") for m in _USERINFO.finditer(url)]
-    found += [m.group("value").strip("'\"") for m in _KEY_VALUE.finditer(url)]
-    return [p for q in found for p in {q, unquote(q)} if p and p != MASK]
+    return [p for q in _credentials(url) for p in {q, unquote(q)}]
 
 
 def environment_secrets() -> list[str]:
     """The credentials this process's environment holds (secret variables, passwords inside URL
     variables), longest first: they are masked wherever they appear, not only inside a URL."""
-    values = [v for k, v in os.environ.items() if k in SECRET_ENV or _SECRET_NAME.search(k)]
+    values = [v for k, v in os.environ.items() if k in SECRET_ENV or _SECRET_NAME.search(k) or k.startswith(SECRET_PREFIX)]
     for key in URL_ENV:
         values += _url_passwords(os.environ.get(key, ""))
     return sorted({v for v in values if len(v) >= _MIN_LITERAL}, key=len, reverse=True)
@@ -78,10 +92,44 @@ def mask_secrets(text: str) -> str:
     text = str(text)
     passwords = [p for p in _url_passwords(text) if len(p) >= _MIN_LITERAL]
     text = _USERINFO.sub(lambda m: f"{m.group('head')}:{MASK}@", text)
-    text = _KEY_VALUE.sub(lambda m: f"{m.group('key')}{m.group('eq')}{MASK}", text)
+    for m in reversed(_key_values(text)):
+        text = f"{text[:m.start()]}{m.group('key')}{m.group('eq')}{MASK}{text[m.end():]}"
     for secret in sorted(set(passwords + environment_secrets()), key=len, reverse=True):
         text = text.replace(secret, MASK)
     return text
 
 
 mask_url = mask_secrets  # a URL (database, MLflow, an engine's endpoint) as it may be printed or logged
+
+
+# ----------------------------------------------------------------------------------------------
+# credentials out of a flow's parameters: the command line hands a flow `${SPECDISTILL_SECRET_n}` in
+# place of each credential its overrides carry (Prefect stores a flow run's parameters), and keeps the
+# value in this process's environment, where config loading finds it again
+
+SECRET_PREFIX = "SPECDISTILL_SECRET_"
+_SECRET_REF = re.compile(r"\$\{(" + SECRET_PREFIX + r"\w+)\}")
+_stashed: dict[str, str] = {}  # credential -> the variable holding it, one per credential for the process
+
+
+def stash_secrets(values: list[str]) -> list[str]:
+    """`values` (key=value overrides) with every credential replaced by `${SPECDISTILL_SECRET_n}`, the
+    credential put in the environment under that name (the same name for the same credential)."""
+    out = []
+    for value in values:
+        for secret in sorted(set(_credentials(value)), key=len, reverse=True):
+            name = _stashed.setdefault(secret, f"{SECRET_PREFIX}{len(_stashed) + 1}")
+            os.environ[name] = secret
+            value = value.replace(secret, "${" + name + "}")
+        out.append(value)
+    return out
+
+
+def expand_secrets(text: str) -> str:
+    """`text` with each `${SPECDISTILL_SECRET_n}` replaced by its value; `KeyError(name)` for one not set."""
+    def value(m: re.Match) -> str:
+        if m.group(1) not in os.environ:
+            raise KeyError(m.group(1))
+        return os.environ[m.group(1)]
+
+    return _SECRET_REF.sub(value, text)

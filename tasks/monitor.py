@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import task
 
 from specdistill.pipeline import monitor_stage as mc
-from specdistill.pipeline.config import MonitorConfig
+from specdistill.pipeline.monitor_config import MonitorConfig
 from specdistill.pipeline.monitor_stage import FallbackDecision, TargetChange, TargetVersion
 from specdistill.pipeline.outputs import AppliedFallback, Champion, MonitorOutcome, RecordedDecision, Sample
 

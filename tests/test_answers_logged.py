@@ -4,6 +4,7 @@ again, other models' responses are labelled as extra examples, bad responses are
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from specdistill.distill.examples import read_done
 from specdistill.modeling.models import load_model
 from specdistill.ops.targets import register_target, target_history
 from specdistill.pipeline.answers.harness import generate_answers
-from specdistill.pipeline.answers.logged import check_response, own_names
+from specdistill.pipeline.answers.logged import NOT_GREEDY, NOT_TOP_K, check_response, own_names
 from specdistill.pipeline.answers.stage import generate_responses
 from specdistill.pipeline.config import load_nightly_config
 from specdistill.pipeline.corpus import read_answers
@@ -67,7 +68,7 @@ def _openai(question: str, answer: str, model: str) -> dict:
             "response": {"model": model, "choices": [{"message": {"role": "assistant", "content": answer}}]}}
 
 
-def _traffic(tmp_path: Path, target_dir: Path) -> tuple[str, Window, dict[str, str]]:
+def _traffic(tmp_path: Path, target_dir: Path, created: float | None = None) -> tuple[str, Window, dict[str, str]]:
     """Served by `tiny-v1` (this target): its own greedy answers (6), one claimed answer it would never
     write; by `other-model`: 2 plain responses and 3 bad ones (a cut character, a control token, over the
     context; an empty one never reaches the store: ingestion quarantines it)."""
@@ -82,6 +83,9 @@ def _traffic(tmp_path: Path, target_dir: Path) -> tuple[str, Window, dict[str, s
     records += [_openai(QUESTIONS[7], "the lazy dog sleeps", "other-model"), _openai(QUESTIONS[8], "def add(a, b)", "other-model")]
     records += [_openai(QUESTIONS[9], "caf\ufffd", "other-model"), _openai(QUESTIONS[10], "hi <|im_end|> there", "other-model"),
                 _openai(QUESTIONS[11], "the quick brown fox " * 80, "other-model")]
+    if created is not None:
+        for r in records:
+            r["response"]["created"] = created
     path = tmp_path / "traffic.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     url = f"sqlite:///{tmp_path / 'logs.db'}"
@@ -118,8 +122,8 @@ def test_own_logged_answers_are_not_decoded_again_and_the_report_counts_every_ki
     decoded_ids = {i for i, r in records.items() if not r.get("source")}
     assert decoded_ids == {p.id for p in window.train} - own_ids  # the refused claim and every other prompt
     assert ids[QUESTIONS[6]] in decoded_ids
-    # the decode loop saw exactly those prompts, and the 7 claimed ones once, sampled, for the likelihood floor
-    assert len(decoded) == len(decoded_ids) + 7
+    # the decode loop saw exactly those prompts
+    assert len(decoded) == len(decoded_ids)
     logged = data.logged
     assert (logged.own, logged.other, logged.refused) == (6, 2, 1)
     assert logged.skipped == {"cut mid-character": 1, "control tokens": 1, "over the context": 1}
@@ -128,12 +132,72 @@ def test_own_logged_answers_are_not_decoded_again_and_the_report_counts_every_ki
     assert {r["id"] for r in read_answers(data.path)} == own_ids | decoded_ids
     line = data_line(data)
     assert "6 logged answers of this target used as they are" in line and "2 other models' responses labelled" in line
-    assert "1 claimed by this target refused by the likelihood check" in line and "skipped:" in line
+    assert "1 claimed by this target refused as not its text" in line and "skipped:" in line
 
     # a rerun labels and decodes nothing again
     decoded.clear()
     again = generate_responses(_config(target_dir, url), window, "train", record_teacher=True)
     assert decoded == [] and (again.logged.own, again.logged.other) == (6, 2) and again.path == data.path
+
+
+def _runner_up_text(target, prompt_ids: list[int], n: int = 8) -> str:
+    """The target's second most likely next token, n times: text it samples, never its greedy answer."""
+    ids = list(prompt_ids)
+    bad = _not_text(target.tokenizer)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = target.model(torch.tensor([ids])).logits[0, -1].clone()
+            logits[bad] = float("-inf")
+            ids.append(int(logits.topk(2).indices[1]))
+    return target.tokenizer.decode(ids[len(prompt_ids):])
+
+
+def test_claimed_answers_are_held_to_the_text_the_target_writes_at_the_requests_temperature(target_dir, tmp_path):
+    """Random text and boilerplate under the target's served name passed the likelihood floor (sampled at
+    temperature 1), were trained on as `source: own` and went into the suffix corpus."""
+    target = load_model(str(target_dir), dtype="float32")
+    tok = target.tokenizer
+    prompts = [Prompt(id=str(i), messages=[{"role": "user", "content": q}]) for i, q in enumerate(QUESTIONS)]
+    greedy = generate_answers(target.model, tok, prompts[:6], tmp_path / "g.jsonl", max_new_tokens=8, progress=False)
+    runner_up = {i: _runner_up_text(target, encode_chat(tok, prompts[i].messages)) for i in range(6, 10)}
+    claims = [(i, greedy[str(i)]["response"], 0) for i in range(4)]  # greedy requests, greedy answers: its own
+    claims += [(i, greedy[str(i)]["response"], 1.0) for i in (4, 5)]  # sampled requests, its greedy answers: its own
+    claims += [(i, runner_up[i], 1.0) for i in (6, 7)]  # sampled requests, its runner-up tokens: text it samples
+    claims += [(i, runner_up[i], 0) for i in (8, 9)]  # greedy requests, answered by text it samples: not its answers
+    claims += [(10, "#6x&z32380%z3q017 qq!! zz", None)]  # noise, no temperature logged: as greedy (the default)
+    claims += [(11, _least_likely_text(target, encode_chat(tok, prompts[11].messages)), 0.7)]  # noise, sampled
+    records = []
+    for i, text, temperature in claims:
+        records.append(_openai(QUESTIONS[i], text, "tiny-v1"))
+        if temperature is not None:
+            records[-1]["request"]["temperature"] = temperature
+    path = tmp_path / "traffic.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    url = f"sqlite:///{tmp_path / 'logs.db'}"
+    with LogStore(url, eval_fraction=0.0) as store:
+        ingest(path, "openai", store, progress=False)
+        rows = store.sample(100, seed=0)
+    assert sorted(c.request_temperature for c in rows if c.request_temperature is not None) == [0] * 6 + [0.7] + [1] * 4
+    window_prompts = [Prompt(id=str(c.id), messages=prompt_messages(c.messages), slice="chat") for c in rows]
+    ids = {p.messages[-1]["content"]: p.id for p in window_prompts}
+    window = Window(train=window_prompts, eval=[], key="w1", since=None, replayed=0)
+    data = generate_responses(_config(target_dir, url), window, "train", record_teacher=True)
+
+    records = read_done(Path(data.path))
+    assert {i for i, r in records.items() if r.get("source") == "own"} == {ids[q] for q in QUESTIONS[:8]}
+    assert data.logged.refused == 4 and data.logged.skipped == {}
+    assert data.logged.refused_why == {NOT_GREEDY: 3, NOT_TOP_K: 1}
+    # what was refused is neither trained on as its own nor in the suffix corpus: the prompt was answered again
+    corpus = {r["id"]: r["response_ids"] for r in read_answers(data.path)}
+    for i in range(8, 12):
+        claimed = encode_chat(tok, [{"role": "user", "content": QUESTIONS[i]}, {"role": "assistant", "content": claims[i][1]}])
+        record = records[ids[QUESTIONS[i]]]
+        assert record.get("source") is None and record["prompt_ids"] + corpus[ids[QUESTIONS[i]]] != claimed
+    assert "4 claimed by this target refused as not its text" in data_line(data)
+
+
+def records_of(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_other_models_responses_are_left_alone_when_switched_off(target_dir, tmp_path):
@@ -154,10 +218,27 @@ def test_target_register_records_served_names_and_they_name_that_version_only(ta
     register_target("new", fingerprint="fp-new", model_dir=tmp_path / "new")
     again = register_target("new", fingerprint="fp-new", model_dir=tmp_path / "new", served_names=["acme-v2", "acme-v2"])
     assert again.served_names == ("acme-v2",) and [v.fingerprint for v in target_history()] == ["fp-old", "fp-new"]
-    assert own_names({}, "new", "fp-new") == {"acme-v2"}
-    assert own_names({"acme-old": "old", "alias": "fp-new"}, "new", "fp-new") == {"acme-v2", "alias"}  # acme-old: another version
+    assert set(own_names({}, "new", "fp-new")) == {"acme-v2"}
+    assert set(own_names({"acme-old": "old", "alias": "fp-new"}, "new", "fp-new")) == {"acme-v2", "alias"}  # acme-old: another version
     with pytest.raises(ValueError, match="1 to 256 characters"):
         register_target("new", fingerprint="fp-new", model_dir=tmp_path / "new", served_names=[" "])
+
+
+def test_answers_logged_under_a_name_before_it_was_registered_for_this_version_are_not_its_own(target_dir, tmp_path):
+    """One served name, two versions: the old version's logs counted as the new target's own answers."""
+    config = lambda url: load_nightly_config(None, [  # noqa: E731
+        f"target={target_dir}", f"log_db={url}", "dtype=float32", "train.kind=eagle3", "generation.max_new_tokens=8",
+        "generation.max_minutes=null", "generation.logged.other=true"])
+    url, window, ids = _traffic(tmp_path / "before", target_dir, created=time.time() - 3600)
+    register_target("old", fingerprint="fp-old", model_dir=tmp_path / "old", served_names=["tiny-v1"])
+    register_target(str(target_dir), served_names=["tiny-v1"])  # the name moves to this version now
+    data = generate_responses(config(url), window, "train", record_teacher=True)
+    records = read_done(Path(data.path))
+    assert data.logged.own == 0 and not any(r.get("source") == "own" for r in records.values())
+    assert ids[QUESTIONS[0]] + "~log" in records  # the old version's answer: another model's text
+    url, window, ids = _traffic(tmp_path / "after", target_dir, created=time.time() + 60)
+    data = generate_responses(config(url), dataclasses.replace(window, key="w2"), "train", record_teacher=True)
+    assert data.logged.own == 6  # logged since the registration: this version's own
 
 
 def test_the_cli_records_served_names(target_dir):

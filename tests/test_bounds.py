@@ -12,7 +12,8 @@ from specdistill.cli import main
 from specdistill.config import ConfigError
 from specdistill.distill.config import load_config
 from specdistill.ops.serving import ServingConfigError, read_serving_config
-from specdistill.pipeline.config import load_monitor_config, load_nightly_config
+from specdistill.pipeline.config import load_nightly_config
+from specdistill.pipeline.monitor_config import load_monitor_config
 
 
 @pytest.mark.parametrize("override, key", [

@@ -56,3 +56,48 @@ def test_engine_and_metrics_errors_show_the_url_masked():
     assert "hunter25" not in str(caught.value)
     sample = sample_live_acceptance("http://127.0.0.1:1/metrics?token=hunter24", interval_s=0)
     assert not sample.ok and "127.0.0.1:1/metrics?token=***" in sample.reason and "hunter24" not in sample.reason
+
+
+def test_the_words_key_value_in_a_message_are_not_a_credential():
+    """`override 'window' is not key=***`: the placeholder "value" was masked as if it were a key's secret."""
+    from specdistill.config import ConfigError, apply_overrides
+
+    with pytest.raises(ConfigError) as caught:
+        apply_overrides({}, ["window"])
+    assert mask_secrets(str(caught.value)) == "override 'window' is not key=value"
+    assert mask_secrets("http://h/v1?key=hunter22") == "http://h/v1?key=***"  # a query string's key is one
+    assert mask_secrets("host=db password=hunter22") == "host=db password=***"
+
+
+def test_a_credential_in_an_override_is_stashed_in_the_environment_and_restored_at_config_load(monkeypatch):
+    """A `log_db=postgresql://u:PASS@...` override went into Prefect's flow-run parameters in clear."""
+    import os
+
+    from specdistill.config import ConfigError
+    from specdistill.env import stash_secrets
+    from specdistill.pipeline.config import load_nightly_config
+
+    url = "postgresql+psycopg://u:hunter22@db:5432/logs?sslpassword=hunter33&sslmode=require"
+    stashed = stash_secrets(["window.days=2", f"log_db={url}"])
+    assert stashed[0] == "window.days=2" and "hunter22" not in str(stashed) and "hunter33" not in str(stashed)
+    assert stash_secrets([f"log_db={url}"]) == stashed[1:]  # the same names for the same values: a rerun's keys match
+    assert load_nightly_config(None, stashed).log_db == url
+    for name in [k for k in os.environ if k.startswith("SPECDISTILL_SECRET_")]:
+        monkeypatch.delenv(name)
+    with pytest.raises(ConfigError, match=r"log_db: \$\{SPECDISTILL_SECRET_\d+\} is not set"):
+        load_nightly_config(None, stashed)
+
+
+def test_run_flow_hands_the_flow_its_overrides_without_credentials():
+    from flows.runner import run_flow
+    from specdistill.pipeline.config import load_nightly_config
+
+    seen = {}
+
+    def flow(config_path=None, overrides=None):
+        seen["overrides"] = overrides
+        return load_nightly_config(config_path, overrides).log_db
+
+    url = "postgresql+psycopg://u:hunter22@db/logs"
+    assert run_flow(flow, config_path=None, overrides=[f"log_db={url}"]) == url
+    assert "hunter22" not in str(seen["overrides"])

@@ -3,6 +3,7 @@ rerun resumes from the finished stages. A real flow in a subprocess on Prefect's
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sqlite3
@@ -133,3 +134,51 @@ def test_a_signal_stops_the_flow_in_seconds_marks_its_runs_and_a_rerun_resumes(t
     out, err = rerun.communicate(timeout=SERVER_START_S + 60)
     assert rerun.returncode == 0 and out.strip() == "done", err[-3000:]
     assert (tmp_path / "first-stage-runs").read_text() == "x"  # the finished stage was not run again
+
+
+SECRET_FLOW = textwrap.dedent('''
+    import sys
+
+    import specdistill  # the offline environment, as the command line sets it
+    from prefect import flow, task
+
+    from flows.runner import run_flow
+    from specdistill.env import stash_secrets
+    from specdistill.pipeline.config import NightlyConfig, load_nightly_config
+    from tasks.common import content_key
+
+    @task(cache_key_fn=content_key, persist_result=True)
+    def stage(config: NightlyConfig) -> str:
+        print(f"stage on {config.target_name}")  # log_prints: the run's logs are stored too
+        return config.target_name
+
+    @flow(name="inner-flow", log_prints=True)
+    def inner(config_path=None, overrides=None) -> str:
+        return stage(load_nightly_config(config_path, overrides))
+
+    @flow(name="outer-flow", log_prints=True)
+    def outer(config_path=None, overrides=None) -> str:
+        config = load_nightly_config(config_path, overrides)
+        assert "hunter22" in config.log_db  # the run itself has the credential
+        return inner(overrides=stash_secrets([f"log_db={config.log_db}", "target_name=nested"]))  # as the monitor does
+
+    print(run_flow(outer, config_path=None, overrides=[sys.argv[1], "target_name=outer"]))
+''')
+
+
+@pytest.mark.e2e
+def test_no_credential_of_an_override_is_stored_by_prefect(tmp_path):
+    """A `log_db=postgresql://u:PASS@...` override was stored in clear in Prefect's flow-run parameters."""
+    script = tmp_path / "secret_flow.py"
+    script.write_text(SECRET_FLOW)
+    prefect_home = tmp_path / "prefect"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_")}
+    env.update(PYTHONPATH=str(REPO), PREFECT_HOME=str(prefect_home), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180")
+    done = subprocess.run([sys.executable, str(script), "log_db=postgresql+psycopg://u:hunter22@db/logs?sslpassword=hunter33"],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=SERVER_START_S + 120)
+    assert done.returncode == 0 and done.stdout.strip().endswith("nested"), done.stderr[-3000:]
+    with sqlite3.connect(prefect_home / "prefect.db") as conn:
+        parameters = [json.loads(p) for (p,) in conn.execute("SELECT parameters FROM flow_run")]
+    assert len(parameters) == 2 and all("${SPECDISTILL_SECRET_" in json.dumps(p) for p in parameters), parameters
+    stored = b"".join(p.read_bytes() for p in prefect_home.rglob("*") if p.is_file())
+    assert b"hunter22" not in stored and b"hunter33" not in stored

@@ -119,6 +119,70 @@ def test_gzip_cut_short_is_a_truncation(store, tmp_path):
     assert second.truncation is None and store.count() == 400
 
 
+def test_a_gzip_past_the_decompression_cap_is_quarantined_past_it_in_seconds(store, tmp_path):
+    """A 65 KB gzip of 64 MiB of newlines took 68 s and stored nothing; 1 GiB ran past 120 s."""
+    bomb = tmp_path / "bomb.jsonl.gz"
+    with gzip.open(bomb, "wb", compresslevel=9) as f:
+        for _ in range(64):
+            f.write(b"\n" * (1 << 20))
+    started = time.perf_counter()
+    result = ingest(bomb, "jsonl", store, progress=False)  # the default cap: 100x the compressed size
+    assert time.perf_counter() - started < 10
+    assert counts(result) == (1, 0, 0, 1) and result.conserved
+    (row,) = store.quarantined()
+    assert row["location"].startswith("bomb.jsonl.gz:") and "decompressed past" in row["reason"]
+    assert "--max-decompressed-bytes" in row["reason"]
+    assert "quarantined 1" in result.render() and "decompressed past" in result.render()
+
+    # records before the cap are kept; a rerun with a higher cap reads on from them
+    path = tmp_path / "log.jsonl.gz"
+    data = b"".join(good_line(i) for i in range(200))
+    path.write_bytes(gzip.compress(data))
+    cap = len(b"".join(good_line(i) for i in range(120))) + 10
+    first = ingest(path, "jsonl", store, progress=False, max_decompressed_bytes=cap)
+    assert counts(first) == (121, 120, 0, 1) and first.end_offset == cap - 10
+    assert counts(ingest(path, "jsonl", store, progress=False, max_decompressed_bytes=cap)) == (1, 0, 0, 1)  # again: said again
+    rest = ingest(path, "jsonl", store, progress=False, max_decompressed_bytes=len(data))
+    assert counts(rest) == (80, 80, 0, 0) and store.count() == 200
+    blank = ingest(bomb, "jsonl", store, progress=False, max_decompressed_bytes=1 << 30)  # under the cap: said too
+    assert counts(blank) == (0, 0, 0, 0) and "blank lines only" in blank.render()
+
+
+def test_the_cli_takes_the_decompression_cap(store, tmp_path, capsys):
+    from specdistill.cli import main
+
+    path = tmp_path / "log.jsonl.gz"
+    path.write_bytes(gzip.compress(b"".join(good_line(i) for i in range(50))))
+    assert main(["ingest", str(path), "--format", "jsonl", "--db", store.url, "--no-progress", "--json",
+                 "--max-decompressed-bytes", "60"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["stored"], out["quarantined"]) == (1, 1)
+
+
+def test_a_one_line_json_of_another_format_is_an_error_and_does_not_block_the_right_one(store, tmp_path):
+    """A one-line .json ingested as --format jsonl stored nothing with rc 0, then blocked --format sharegpt."""
+    path = tmp_path / "chats.json"
+    path.write_text(json.dumps([{"id": "a", "conversations": [{"from": "human", "value": "hi"},
+                                                               {"from": "gpt", "value": "hello"}]}]))  # no newline
+    with pytest.raises(FormatMismatchError, match=r"chats.json: no valid jsonl record.*chats.json:1.*looks like sharegpt"):
+        ingest(path, "jsonl", store, progress=False)
+    assert store.stats()["ingest_runs"] == 0
+    assert counts(ingest(path, "sharegpt", store, progress=False)) == (1, 1, 0, 0)
+
+
+def test_a_format_that_read_nothing_does_not_block_another(store, tmp_path):
+    path = tmp_path / "partial.log"
+    path.write_text('{"prompt": "a", "resp')  # an unfinished first line: a tail, nothing read yet
+    first = ingest(path, "jsonl", store, progress=False)
+    assert counts(first) == (0, 0, 0, 0) and first.truncation is not None
+    second = ingest(path, "openai", store, progress=False)  # nothing was read as jsonl: another format may try
+    assert second.truncation is not None and "jsonl" in second.note
+    write_jsonl(path, range(3))
+    ingest(path, "jsonl", store, progress=False)
+    with pytest.raises(ValueError, match="was ingested as 'jsonl'"):  # records read: the format is settled
+        ingest(path, "openai", store, progress=False)
+
+
 def test_rewritten_file_is_read_again_from_the_start(store, tmp_path):
     path = tmp_path / "log.jsonl"
     write_jsonl(path, range(10))

@@ -143,6 +143,86 @@ def test_a_corrupted_model_cache_is_rebuilt_from_the_gguf(fake_gguf, tmp_path, c
     assert convert_gguf(gguf, cache) == cache and len(conversions) == 3
 
 
+def _edit_keeping_stat(path, old: str, new: str) -> None:
+    """A same-length text edit with size and modification time kept."""
+    assert len(old) == len(new)
+    st = path.stat()
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new, 1))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+
+
+def _swap_two_vocab_entries(path) -> None:
+    """tokenizer.json with two tokens' ids exchanged (same size), mtime kept."""
+    st = path.stat()
+    data = json.loads(path.read_text())
+    vocab = data["model"]["vocab"]
+    a, b = [t for t in vocab if len(t) == 2][:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    path.write_text(json.dumps(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_every_file_of_a_model_cache_is_checked_like_its_weights(fake_gguf, tmp_path, capsys):
+    """An rms_norm_eps edit in the cache's config.json (mtime kept) changed what generate wrote, with
+    exit 0 and the same fingerprint; a tokenizer.json with two entries swapped changed the fingerprint silently."""
+    from specdistill.modeling.fingerprints import WeightsIntegrityError
+    from specdistill.modeling.models import check_model_cache
+
+    gguf, conversions = fake_gguf
+    cache = convert_gguf(gguf, tmp_path / "cache")
+    config = cache / "config.json"
+    eps = json.loads(config.read_text())["rms_norm_eps"]
+    _edit_keeping_stat(config, f'"rms_norm_eps": {eps}', f'"rms_norm_eps": {str(eps).replace("1", "9")}')
+    with pytest.raises(WeightsIntegrityError, match="config.json: content differs"):
+        check_model_cache(cache)
+    assert convert_gguf(gguf, cache) == cache and len(conversions) == 2  # rebuilt from the GGUF, not trusted
+    assert json.loads(config.read_text())["rms_norm_eps"] == eps
+    assert "config.json: content differs" in capsys.readouterr().err
+    _swap_two_vocab_entries(cache / "tokenizer.json")
+    with pytest.raises(WeightsIntegrityError, match="tokenizer.json: content differs"):
+        check_model_cache(cache)
+    (cache / "generation_config.json").unlink()
+    with pytest.raises(WeightsIntegrityError, match="generation_config.json is missing"):
+        check_model_cache(cache)
+    assert convert_gguf(gguf, cache) == cache and len(conversions) == 3
+    (cache / "special_tokens_map.json").write_text("{}")
+    with pytest.raises(WeightsIntegrityError, match="special_tokens_map.json is new"):
+        check_model_cache(cache)
+
+
+def test_a_cache_recorded_before_files_were_gets_them_recorded_then_checked(fake_gguf, tmp_path):
+    from specdistill.modeling.fingerprints import WeightsIntegrityError, sealed
+    from specdistill.modeling.models import SOURCE_FILE, check_model_cache
+
+    gguf, conversions = fake_gguf
+    cache = convert_gguf(gguf, tmp_path / "cache")
+    record = json.loads((cache / SOURCE_FILE).read_text())
+    old = {k: v for k, v in record.items() if k not in ("check", "files")}
+    old["weights"] = {n: e for n, e in old["weights"].items() if n.endswith(".safetensors")}
+    (cache / SOURCE_FILE).write_text(json.dumps(sealed(old)))  # as an older version wrote it
+    check_model_cache(cache)  # the weights verified, the other files recorded now
+    assert "config.json" in json.loads((cache / SOURCE_FILE).read_text())["weights"]
+    _edit_keeping_stat(cache / "config.json", '"rms_norm_eps"', '"rms_norm_ePs"')
+    with pytest.raises(WeightsIntegrityError, match="config.json: content differs"):
+        check_model_cache(cache)
+
+
+def test_a_target_directory_whose_files_changed_says_so_when_its_fingerprint_is_taken_again(tiny_dir, capsys):
+    first = load_model(tiny_dir).fingerprint
+    capsys.readouterr()
+    _swap_two_vocab_entries(tiny_dir / "tokenizer.json")
+    second = load_model(tiny_dir).fingerprint
+    err = capsys.readouterr().err
+    assert second != first and "tokenizer.json" in err and "changed since its fingerprint was recorded" in err
+    assert load_model(tiny_dir).fingerprint == second and "changed since" not in capsys.readouterr().err  # once
+    _edit_keeping_stat(tiny_dir / "config.json", '"rms_norm_eps": 1e-06', '"rms_norm_eps": 9e-06')
+    assert load_model(tiny_dir).fingerprint == second  # the fingerprint covers architecture, weights, tokenizer
+    assert "config.json" in capsys.readouterr().err
+
+
 def test_an_edited_fingerprint_is_not_accepted(tiny_dir):
     true = load_model(tiny_dir).fingerprint
     record_path = tiny_dir / "specdistill_fingerprint.json"
@@ -204,7 +284,8 @@ def test_the_full_check_finds_what_the_sampled_one_cannot(fake_gguf, tmp_path, m
     gguf, conversions = fake_gguf
     check = verify_model_files(gguf)
     weights = check.path / "model.safetensors"
-    assert (check.outcome, check.bytes) == ("verified", weights.stat().st_size) and len(conversions) == 1
+    files = sum(p.stat().st_size for p in check.path.iterdir() if p.name in ("model.safetensors", "config.json", "tokenizer.json"))
+    assert check.outcome == "verified" and check.bytes > files and len(conversions) == 1  # every file, not only the weights
     good = weights.read_bytes()
     _overwrite_keeping_stat(weights, weights.stat().st_size // 6, 2048)
     _reseal_stat(check.path / models.SOURCE_FILE, weights)

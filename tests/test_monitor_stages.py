@@ -16,7 +16,8 @@ from specdistill.ops.replay import FallbackDecision
 from specdistill.ops.serving import read_serving_config
 from specdistill.ops.targets import TargetChange, TargetVersion
 from specdistill.pipeline import monitor_stage as mc
-from specdistill.pipeline.config import MonitorConfig, load_nightly_config
+from specdistill.pipeline.config import load_nightly_config
+from specdistill.pipeline.monitor_config import MonitorConfig
 from specdistill.pipeline.outputs import AppliedFallback, Champion
 from tests.conftest import save_tiny_target
 

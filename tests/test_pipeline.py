@@ -605,9 +605,14 @@ def test_registration_records_metrics_and_artifacts_and_a_missing_plot_library_o
     report = tmp_path / "report.md"
     report.write_text("# r")
 
-    artifacts = registration_artifacts(load_nightly_config(), results, verdict, trained, str(report))
+    secret = load_nightly_config(None, ["log_db=postgresql+psycopg://u:hunter22@db/logs?password=hunter33"])
+    artifacts = registration_artifacts(secret, results, verdict, trained, str(report))
     assert [a.name for a in artifacts] == ["benchmark.json", "nightly_config.json", "gate.json", "acceptance.png", "report.md"]
     assert artifacts[3].read_bytes()[:4] == b"\x89PNG"
+    # the run's config goes to MLflow without its credentials, and is the owner's only
+    logged = json.loads(artifacts[1].read_text())
+    assert logged["log_db"] == "postgresql+psycopg://u:***@db/logs?password=***"
+    assert all(a.stat().st_mode & 0o077 == 0 for a in artifacts[:3])
 
     def no_matplotlib(self, path):
         raise ImportError("No module named 'matplotlib'")
@@ -685,7 +690,7 @@ def test_a_float32_run_on_a_bf16_cpu_loads_every_model_and_runs_the_feature_pass
     from specdistill.ops.targets import TargetVersion
     from specdistill.pipeline import monitor_stage
     from specdistill.pipeline.answers.stage import generate_responses
-    from specdistill.pipeline.config import MonitorConfig
+    from specdistill.pipeline.monitor_config import MonitorConfig
 
     monkeypatch.setenv(FLAGS_ENV, BF16_CPU)
     assert models.resolve_dtype("auto") == torch.bfloat16 or torch.cuda.is_available()

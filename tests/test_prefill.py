@@ -106,3 +106,27 @@ def test_a_teacher_cache_of_another_temperature_or_vocabulary_is_refused(tmp_pat
     cache = TeacherCache.create(tmp_path / "t", fingerprint="fp", k=4, temperature=2.0, vocab="full", data="x")
     with pytest.raises(ValueError, match="temperature 1 over the full vocabulary"):
         label_by_prefill(target, [Example("e", [2, 3, 4], [False, True, True])], cache, progress=False)
+
+
+def test_the_sampled_z_tells_the_targets_own_samples_from_text_it_would_not_write():
+    """The statistics `own_text_check` holds a claimed answer to, on a known distribution: the target's own
+    samples at a temperature score about N(0, 1) there; its greedy text scores high; uniform noise far below."""
+    from specdistill.distill.prefill import authorship
+
+    g = torch.Generator().manual_seed(0)
+    logp = torch.log_softmax(torch.randn(300, 64, generator=g) * 2.0, dim=-1)
+
+    def sample(t: float) -> torch.Tensor:
+        return torch.multinomial(torch.softmax(logp / t, dim=-1), 1, generator=g)[:, 0]
+
+    greedy, noise = logp.argmax(-1), torch.randint(0, 64, (300,), generator=g)
+    own_1, own_half = authorship(logp, sample(1.0), 1.0), authorship(logp, sample(0.5), 0.5)
+    assert abs(own_1["sampled_z"]) < 3 and abs(own_half["sampled_z"]) < 3
+    assert authorship(logp, sample(0.5), 1.0)["sampled_z"] > 3  # sharper than temperature 1: above its samples
+    assert authorship(logp, greedy, 1.0)["sampled_z"] > 10 and authorship(logp, noise, 1.0)["sampled_z"] < -10
+    assert authorship(logp, greedy, 0.0)["near_greedy_share"] == 1.0 > own_1["near_greedy_share"]
+    assert own_1["top_k_share"] > authorship(logp, noise, 1.0)["top_k_share"]
+    # a written control token (the template's end of turn after a cut response) is not the response's text
+    ended = torch.cat([greedy[:-1], torch.tensor([int(logp[-1].argmin())])])
+    assert authorship(logp, ended, 0.0)["near_greedy_share"] < 1.0
+    assert authorship(logp, ended, 0.0, ignore=ended[-1:])["near_greedy_share"] == 1.0

@@ -158,6 +158,21 @@ def test_jsonl_lines_and_locations(tmp_path):
     assert out[3].reason.startswith("invalid JSON")
 
 
+def test_runs_of_blank_lines_keep_every_location_and_offset(tmp_path):
+    """Blank lines are skipped a buffer at a time (a gzip of gigabytes of newlines): locations stay exact."""
+    import gzip
+
+    good = b'{"prompt": "p", "response": "r"}\n'
+    body = b"\n \n\t\r\n" + good + b"\n" * 100_000 + b"  " + good + b"\n\n"
+    for path in (tmp_path / "p.jsonl", tmp_path / "p.jsonl.gz"):
+        path.write_bytes(gzip.compress(body) if path.suffix == ".gz" else body)
+        reader = read_records(path, "jsonl")
+        out = list(reader)
+        assert [r.location for r in out] == [f"{path.name}:4", f"{path.name}:100005"]
+        assert out[1].offset == 6 + len(good) + 100_000 and reader.end_offset == len(body)
+        assert reader.index == 100_007 and reader.truncation is None
+
+
 def test_jsonl_unterminated_last_line_is_a_tail_until_complete(tmp_path):
     path = tmp_path / "p.jsonl"
     line = json.dumps({"prompt": "p", "response": "r"}) + "\n"

@@ -185,13 +185,18 @@ def test_a_changed_or_added_file_in_the_local_copy_is_refused(draft_dir):
         registry.download_draft(f"models:/{reg.name}@challenger")
 
 
-def test_a_version_registered_before_file_hashes_loads_with_a_warning(draft_dir, caplog):
+def test_a_version_without_its_file_hashes_is_refused_like_a_changed_one(draft_dir):
+    """A draft whose checksum tag was removed loaded "unverified" with only a log line."""
     reg = registry.register_draft(draft_dir, target_name="before-hashes")
     registry.client().delete_model_version_tag(reg.name, reg.version, registry.FILES_TAG)
-    with caplog.at_level("WARNING"):
-        local = registry.download_draft(reg.model_uri)
-    assert (local / "config.json").is_file()
-    assert f"models:/{reg.name}/1" in caplog.text and "unverified" in caplog.text
+    with pytest.raises(registry.RegisteredDraftChanged,
+                       match=rf"models:/{reg.name}/1 \({reg.name} version 1\): no {registry.FILES_TAG} tag.*register the draft again"):
+        registry.download_draft(reg.model_uri)
+    with pytest.raises(registry.RegisteredDraftChanged, match="cannot be verified"):  # a second try is refused too
+        load_model(f"models:/{reg.name}/1")
+    registry.client().set_model_version_tag(reg.name, reg.version, registry.FILES_TAG, "")
+    with pytest.raises(registry.RegisteredDraftChanged, match="cannot be verified"):
+        registry.download_draft(reg.model_uri)
 
 
 def test_with_no_champion_of_its_kind_training_restarts_from_the_newest_draft_of_this_target_version_and_kind(draft_dir):

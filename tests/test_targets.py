@@ -66,3 +66,52 @@ def test_cli_target_register_prints_the_version(tmp_path, capsys):
     assert out["path"] == str(a) and out["fingerprint"] == current_target().fingerprint
     assert main(["target", "history", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)["versions"]) == 1
+
+
+def test_a_relative_target_path_is_recorded_absolute(tmp_path, monkeypatch):
+    """`target register t2` stored "path": "t2", so a monitor run elsewhere failed with `model not found: t2`."""
+    save_tiny_target(tmp_path / "t2")
+    monkeypatch.chdir(tmp_path)
+    version = register_target("t2")
+    assert version.path == version.ref == str(tmp_path / "t2")
+    monkeypatch.chdir(tmp_path / "t2")  # another directory: what was recorded still names the target
+    assert register_target(version.ref) == version  # the same version again: nothing new
+    assert detect_change(current_target().ref)[0] is False
+    assert register_target("demo", fingerprint="fp-demo", model_dir="cache/demo").ref == "demo"
+    assert current_target().path == str(tmp_path / "t2" / "cache" / "demo")
+
+
+def test_a_served_name_belongs_to_one_version_at_a_time_from_its_registration_on(tmp_path):
+    """Two versions registered under one served name both held it: an old version's logs counted as the new one's."""
+    from datetime import datetime, timedelta
+
+    from specdistill.ops.targets import name_holder, served_name_periods
+
+    old = register_target("old", fingerprint="fp-old", model_dir=tmp_path / "old", served_names=["acme"])
+    new = register_target("new", fingerprint="fp-new", model_dir=tmp_path / "new", served_names=["acme"])
+    moved = datetime.fromisoformat(new.registered_at)
+    assert served_name_periods("fp-new") == {"acme": [(moved, None)]}
+    assert served_name_periods("fp-old") == {"acme": [(datetime.fromisoformat(old.registered_at), moved)]}
+    before, after = moved - (moved - datetime.fromisoformat(old.registered_at)) / 2, moved + timedelta(seconds=1)
+    assert name_holder("acme", before) == "fp-old" and name_holder("acme", after) == "fp-new"
+    assert name_holder("acme", datetime.fromisoformat(old.registered_at) - timedelta(days=1)) is None  # before any claim
+    # a name added to the current version later holds from then on, not from the version's registration
+    register_target("new", fingerprint="fp-new", model_dir=tmp_path / "new", served_names=["acme-eu"])
+    ((since, until),) = served_name_periods("fp-new")["acme-eu"]
+    assert since > moved and until is None
+    # a rollback to the old version does not take the name back unless it is given again
+    register_target("old", fingerprint="fp-old", model_dir=tmp_path / "old")
+    assert name_holder("acme", datetime.now(moved.tzinfo)) == "fp-new"
+    register_target("old", fingerprint="fp-old", model_dir=tmp_path / "old", served_names=["acme"])
+    assert name_holder("acme", datetime.now(moved.tzinfo) + timedelta(seconds=1)) == "fp-old"
+
+
+def test_the_cli_says_when_a_served_name_moves_to_the_new_version(tmp_path, capsys):
+    from specdistill.cli import main
+
+    a, b = save_tiny_target(tmp_path / "a", seed=0), save_tiny_target(tmp_path / "b", seed=1)
+    assert main(["target", "register", str(a), "--no-event", "--served-name", "acme"]) == 0
+    capsys.readouterr()
+    assert main(["target", "register", str(b), "--no-event", "--served-name", "acme"]) == 0
+    err = capsys.readouterr().err
+    assert "acme" in err and "moves from target" in err and "logged under it before now stay" in err

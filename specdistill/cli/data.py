@@ -14,7 +14,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
     with log_store(args, create=True) as store:
         result = ingest(args.path, args.format, store, batch_size=args.batch_size, source=args.source,
-                        progress=not args.no_progress)
+                        progress=not args.no_progress, max_decompressed_bytes=args.max_decompressed_bytes)
     emit(args, result.to_dict(), result.render())
     if result.corrupt:  # what was read is stored and counted; the file itself is an error
         print(f"specdistill: error: {result.corrupt}", file=sys.stderr)
@@ -57,6 +57,9 @@ def register(sub: Subcommands) -> None:
     p.add_argument("--source", default=None, help="source name (default: the file's absolute path)")
     p.add_argument("--batch-size", type=count_in(bounds.MAX_BATCH), default=1000, help="records per transaction")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--max-decompressed-bytes", type=count_in(bounds.MAX_BYTES), default=None, metavar="N",
+                   help="a .gz is read up to N decompressed bytes, the rest quarantined "
+                        "(default: 100 times its size on disk, at least 1 MiB)")
 
     logs = group(sub, "logs", "log store")
     p = command(logs, "stats", cmd_logs_stats, "what the log store holds", example="logs stats --db sqlite:///logs.db")

@@ -26,9 +26,18 @@ from specdistill.cli.common import (
 
 
 def cmd_target_register(args: argparse.Namespace) -> int:
-    from specdistill.ops.targets import register_target  # lazy: CLI start-up
+    from datetime import datetime, timezone
 
+    from specdistill.ops.targets import name_holder, register_target  # lazy: CLI start-up
+
+    now = datetime.now(timezone.utc)
+    holders = {name: name_holder(name, now) for name in dict.fromkeys(args.served_name or ())}
     version = register_target(args.path, served_names=args.served_name or ())
+    for name, holder in holders.items():
+        if holder is not None and holder != version.fingerprint:
+            print(f"specdistill: served name {name!r} moves from target {holder} to {version.fingerprint} from now on; "
+                  "responses logged under it before now stay the other version's (not this version's own answers)",
+                  file=sys.stderr)
     emitted = False
     if not args.no_event:
         from flows.events import emit_target_updated  # the flows are the one place Prefect is imported
@@ -51,7 +60,7 @@ def cmd_target_history(args: argparse.Namespace) -> int:
 
 
 def cmd_monitor_run(args: argparse.Namespace) -> int:
-    from specdistill.pipeline.config import load_monitor_config  # lazy: CLI start-up
+    from specdistill.pipeline.monitor_config import load_monitor_config  # lazy: CLI start-up
 
     load_monitor_config(args.config, args.overrides)  # a bad file or key fails here, before Prefect starts
     from flows.monitor import monitor  # the flows are the one place Prefect is imported

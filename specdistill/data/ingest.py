@@ -47,6 +47,7 @@ class IngestResult:
     end_offset: int = 0
     truncation: dict | None = None  # {"offset", "tail_bytes", "location", "corrupt"} of an unfinished tail
     corrupt: str | None = None  # one line naming the file, when its data is unreadable past a point (a bad .gz)
+    capped: str | None = None  # one line naming the file, when a .gz inflated past its cap (the rest quarantined)
     note: str | None = None
     seconds: float = 0.0
     conserved: bool = field(init=False, default=True)
@@ -64,6 +65,8 @@ class IngestResult:
             f"{self.duplicates} + quarantined {self.quarantined}  [bytes {self.start_offset}..{self.end_offset}, "
             f"{self.seconds:.1f} s]"
         ]
+        if self.capped:
+            lines.append(self.capped)
         if self.corrupt:
             lines.append(self.corrupt)
         elif self.truncation:
@@ -101,6 +104,8 @@ def _resume_point(store: LogStore, path: Path, source: str, fmt: str) -> tuple[i
     wm = store.watermark(source)
     if wm is None:
         return 0, 0, None
+    if wm.format != fmt and wm.offset == 0:  # nothing was read in that format: this one may try from the start
+        return 0, 0, f"an earlier ingest as {wm.format!r} read no record of it: read again as {fmt!r}"
     if wm.format != fmt:
         raise ValueError(f"{path} was ingested as {wm.format!r}, not {fmt!r}; pass --format {wm.format}")
     compressed = is_gzip(path)
@@ -119,8 +124,10 @@ def ingest(
     source: str | None = None,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
     max_chars: int = DEFAULT_MAX_CHARS,
+    max_decompressed_bytes: int | None = None,
 ) -> IngestResult:
-    """Ingest what is new in `path`; see the module docstring for the guarantees."""
+    """Ingest what is new in `path`; see the module docstring for the guarantees. A `.gz` inflates to at most
+    `max_decompressed_bytes` (default: `readers.DECOMPRESSION_RATIO` times its size); the rest is quarantined."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
@@ -128,7 +135,8 @@ def ingest(
     source = source or str(path.resolve())
     start, start_index, note = _resume_point(store, path, source, fmt)
     reader = read_records(path, fmt, source=source, start_offset=start, start_index=start_index,
-                          max_record_bytes=max_record_bytes, max_chars=max_chars)
+                          max_record_bytes=max_record_bytes, max_chars=max_chars,
+                          max_decompressed_bytes=max_decompressed_bytes)
     result = IngestResult(source=source, format=fmt, run_id=None, start_offset=start, end_offset=start, note=note)
     began = time.perf_counter()
     total = None if is_gzip(path) else max(path.stat().st_size - start, 0)
@@ -162,6 +170,9 @@ def ingest(
             flush(reader.end_offset)
     finally:
         bar.close()
+    result.capped = reader.capped
+    if result.read == 0 and reader.end_offset > start and reader.truncation is None:
+        result.note = "; ".join(filter(None, [result.note, f"no record in bytes {start}..{reader.end_offset}: blank lines only"]))
     t = reader.truncation
     if t is not None:
         result.truncation = asdict(t)

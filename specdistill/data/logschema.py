@@ -80,6 +80,7 @@ conversations = sa.Table(
     sa.Column("location", sa.String(1024), nullable=False),
     sa.Column("record_id", sa.String(256)),
     sa.Column("target_version", sa.String(256), index=True),  # the model that served it, if logged
+    sa.Column("request_temperature", sa.Float()),  # the sampling temperature its request asked for, if logged
     sa.Column("notes", sa.Text()),  # JSON list: what normalization changed
     sa.Column("arrived_at", UTCDateTime(), nullable=False, index=True),
     sa.Column("ingested_at", UTCDateTime(), nullable=False),

@@ -63,6 +63,7 @@ class StoredConversation:
     target_version: str | None
     arrived_at: datetime
     content_hash: str
+    request_temperature: float | None = None  # what the logged request asked for (OpenAI logs)
 
 
 @dataclass
@@ -152,6 +153,7 @@ class LogStore(PipelineRecords):
                 messages=json.dumps([{"role": m.role, "content": m.content} for m in rec.messages], ensure_ascii=False),
                 num_messages=len(rec.messages), num_chars=sum(len(m.content) for m in rec.messages),
                 source=rec.source, location=rec.location, record_id=rec.record_id, target_version=rec.served_by,
+                request_temperature=rec.temperature,
                 notes=json.dumps(rec.notes) if rec.notes else None, arrived_at=arrived, ingested_at=now,
                 ingest_run_id=run_id)
         with writing(self.engine) as conn:
@@ -346,4 +348,5 @@ def _stored(row) -> StoredConversation:
     return StoredConversation(
         id=row["id"], messages=[Message(m["role"], m["content"]) for m in json.loads(row["messages"])],
         split=row["split"], source=row["source"], location=row["location"], record_id=row["record_id"],
-        target_version=row["target_version"], arrived_at=row["arrived_at"], content_hash=row["content_hash"])
+        target_version=row["target_version"], arrived_at=row["arrived_at"], content_hash=row["content_hash"],
+        request_temperature=row.get("request_temperature"))

@@ -17,6 +17,12 @@ is corrupt (a bad block, a CRC mismatch) keeps the records read before it and se
 
 Normalization: see `specdistill.data.formats`.
 
+Decompression is capped: a `.gz` is read up to `max_decompressed_bytes` of decompressed data (default
+`DECOMPRESSION_RATIO` times its size on disk, at least `DECOMPRESSION_FLOOR`), so a small file that
+inflates without end (a gzip of gigabytes of newlines) costs seconds, not minutes. What lies past the
+cap is one quarantined record naming it; the records before it are kept, and a rerun with a higher
+cap reads on from them. Runs of blank lines are skipped a buffer at a time, not line by line.
+
 Format checks: if none of the first `SNIFF_RECORDS` records of a file is valid for `--format`, the
 file is in another (or an unknown) format: `FormatMismatchError` names the file, the first offending
 line or record, its reason, and the format the file looks like when one matches.
@@ -24,14 +30,11 @@ line or record, its reason, and the format the file looks like when one matches.
 
 from __future__ import annotations
 
-import gzip
 import json
-import re
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from specdistill.data.formats import (
     DEFAULT_MAX_CHARS,
@@ -40,202 +43,26 @@ from specdistill.data.formats import (
     Message,
     looks_like,
 )
+from specdistill.data.framing import (  # noqa: F401  (readers' public names, as before the split)
+    COMPRESSED_READ_ERRORS,
+    DECOMPRESSION_FLOOR,
+    DECOMPRESSION_RATIO,
+    DEFAULT_MAX_RECORD_BYTES,
+    RAW_KEEP_CHARS,
+    DecompressedTooLarge,
+    FormatMismatchError,
+    Frame,
+    Truncation,
+    array_frames,
+    decompression_cap,
+    is_gzip,
+    line_frames,
+    open_binary,
+    raw_text,
+)
 
-RAW_KEEP_CHARS = 2000
 FORMATS = ("sharegpt", "openai", "jsonl", "humaneval")
 SNIFF_RECORDS = 20
-DEFAULT_MAX_RECORD_BYTES = 4 << 20
-
-
-@dataclass(frozen=True)
-class Truncation:
-    offset: int  # where the unfinished tail starts
-    tail_bytes: int  # how many bytes it holds
-    location: str  # where the unfinished record would be
-    # None: the file just ends early (maybe still being written). Else why the rest cannot be read:
-    # a gzip stream that is corrupt ("corrupt gzip data: CRC check failed"), never a normal state.
-    corrupt: str | None = None
-
-
-COMPRESSED_READ_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error)  # a gzip stream cut short or corrupt
-
-
-class FormatMismatchError(ValueError):
-    pass
-
-
-def raw_text(data: bytes | str, limit: int = RAW_KEEP_CHARS) -> str:
-    """Record text safe for any database: cut, invalid bytes and NULs escaped."""
-    if isinstance(data, bytes):
-        total = len(data)
-        text = data[: limit * 4].decode("utf-8", errors="backslashreplace")
-    else:
-        total = len(data.encode("utf-8", errors="surrogatepass"))
-        text = data
-    text = text.encode("utf-8", errors="backslashreplace").decode("utf-8")
-    text = text.replace("\x00", "\\x00")
-    if len(text) > limit:
-        text = text[:limit] + f"...[{total} bytes in all]"
-    return text
-
-
-@dataclass
-class Frame:
-    data: bytes
-    location: str
-    offset: int
-    end_offset: int
-    index: int  # line number (JSONL) or element number (ShareGPT), 1-based
-    reason: str | None = None  # rejected before parsing (too long, bytes after the array)
-
-
-def is_gzip(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(2) == b"\x1f\x8b"
-
-
-def open_binary(path: Path) -> BinaryIO:
-    if is_gzip(path):
-        return gzip.open(path, "rb")  # type: ignore[return-value]
-    return open(path, "rb")
-
-
-def line_frames(f: BinaryIO, name: str, start: int, start_index: int, max_bytes: int, state: dict) -> Iterator[Frame]:
-    """JSONL lines; a line over max_bytes is framed but not kept whole."""
-    offset = start
-    lineno = start_index
-    while True:
-        line = f.readline(max_bytes + 1)
-        if not line:
-            return
-        lineno += 1
-        too_long = False
-        size = len(line)
-        if not line.endswith(b"\n") and size > max_bytes:
-            too_long = True
-            while True:  # consume the rest of the over-long line without keeping it
-                more = f.readline(1 << 20)
-                size += len(more)
-                if not more or more.endswith(b"\n"):
-                    break
-        reason = f"too long: {size} bytes (limit {max_bytes})" if too_long else None
-        frame = Frame(line, f"{name}:{lineno}", offset, offset + size, lineno, reason)
-        if not too_long and not line.endswith(b"\n"):
-            state["unterminated"] = frame  # last line without newline: maybe still being written
-        yield frame
-        offset += size
-
-
-_STRUCT = re.compile(rb'["{}\[\]]')
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
-_SPACE = re.compile(rb"[ \t\r\n]*")
-_SEPARATOR = re.compile(rb"[,\]\n]")
-
-
-class _Incomplete(Exception):
-    pass
-
-
-def _element_end(buf: bytes, pos: int) -> int:
-    """End of the JSON value starting at buf[pos] ('{' or '['); _Incomplete if it runs past buf."""
-    closers: list[int] = []
-    i = pos
-    while True:
-        m = _STRUCT.search(buf, i)
-        if m is None:
-            raise _Incomplete
-        c = buf[m.start()]
-        if c == 0x22:  # '"'
-            s = _STRING.match(buf, m.start())
-            if s is None:
-                raise _Incomplete
-            i = s.end()
-            continue
-        i = m.end()
-        if c in (0x7B, 0x5B):  # '{' '['
-            closers.append(c + 2)  # '}' '['+2 = ']'
-        elif closers.pop() != c or not closers:
-            return i  # closed, or a mismatched bracket: the element ends here and fails to parse
-
-
-def array_frames(f: BinaryIO, name: str, start: int, start_index: int, max_bytes: int, state: dict) -> Iterator[Frame]:
-    """Elements of a top-level JSON array, streamed; sets state['truncated'] for an unfinished tail."""
-    chunk = 1 << 22
-    buf = f.read(chunk)
-    base = start  # file offset of buf[0]
-    pos = 0
-    eof = not buf
-    index = start_index
-    expect_open = start == 0
-
-    def need_more() -> bool:
-        nonlocal buf, base, pos, eof
-        if eof:
-            return False
-        more = f.read(max(chunk, len(buf) - pos))
-        if not more:
-            eof = True
-            return False
-        buf = buf[pos:] + more
-        base += pos
-        pos = 0
-        return True
-
-    while True:
-        m = _SPACE.match(buf, pos)
-        pos = m.end()
-        if pos >= len(buf):
-            if need_more():
-                continue
-            if expect_open or not state.get("closed"):
-                if expect_open:
-                    raise FormatMismatchError(f"{name}: empty file, expected a JSON array")
-                state["truncated"] = Truncation(base + pos, 0, f"{name}#record={index + 1}")
-            return
-        c = buf[pos : pos + 1]
-        if expect_open:
-            if c != b"[":
-                line = buf[pos : pos + 200].split(b"\n", 1)[0]
-                raise FormatMismatchError(
-                    f"{name}: line 1 is {raw_text(line, 80)!r}: a ShareGPT file is one JSON array, starting with '['"
-                )
-            expect_open = False
-            pos += 1
-            continue
-        if c == b",":
-            pos += 1
-            continue
-        if c == b"]":
-            state["closed"] = True
-            pos += 1
-            rest = buf[pos:] + (b"" if eof else f.read(max_bytes))
-            size = len(rest)
-            while more := f.read(1 << 20):  # count, but do not keep, whatever else follows
-                size += len(more)
-            if rest.strip():
-                yield Frame(rest[:max_bytes], f"{name}#after-array", base + pos, base + pos + size, index,
-                             "bytes after the closing ']'")
-            return
-        index += 1
-        location = f"{name}#record={index}"
-        if c in (b"{", b"["):
-            while True:
-                try:
-                    end = _element_end(buf, pos)
-                    break
-                except _Incomplete:
-                    if not need_more():
-                        state["truncated"] = Truncation(base + pos, len(buf) - pos, location)
-                        return
-        else:  # a scalar or stray bytes: up to the next separator
-            sep = _SEPARATOR.search(buf, pos)
-            while sep is None and need_more():
-                sep = _SEPARATOR.search(buf, pos)
-            end = sep.start() if sep else len(buf)
-        data = buf[pos:end]
-        reason = f"too long: {len(data)} bytes (limit {max_bytes})" if len(data) > max_bytes else None
-        yield Frame(data, location, base + pos, base + end, index, reason)
-        pos = end
 
 
 @dataclass
@@ -246,6 +73,7 @@ class Conversation:
     record_id: str | None = None  # the id the record carries in its file (ShareGPT id, HumanEval task_id)
     served_by: str | None = None  # model name logged with the response (OpenAI logs), if any
     timestamp: float | None = None  # when the traffic happened (unix seconds), if logged
+    temperature: float | None = None  # the sampling temperature the request asked for (OpenAI logs), if logged
     offset: int = 0  # byte offset of the record's first byte (decompressed stream for .gz)
     end_offset: int = 0  # byte offset just past the record: where a resumed read starts
     notes: list[str] = field(default_factory=list)  # what normalization changed (formats, rule 4)
@@ -280,6 +108,7 @@ class RecordReader:
         start_index: int = 0,
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
         max_chars: int = DEFAULT_MAX_CHARS,
+        max_decompressed_bytes: int | None = None,
     ) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
@@ -292,6 +121,8 @@ class RecordReader:
         self.start_index = start_index
         self.max_record_bytes = max_record_bytes
         self.max_chars = max_chars
+        self.max_decompressed_bytes = max_decompressed_bytes
+        self.capped: str | None = None  # after iteration: why the rest of a compressed file was not read
         self.truncation: Truncation | None = None
         self.end_offset = start_offset
         self.index = start_index
@@ -304,14 +135,14 @@ class RecordReader:
         sniffed: list[tuple[Conversation | Rejected, Any, int]] = []  # held back until one record is valid
         checked = self.start_offset > 0  # a resumed read already passed the format check
         try:
-            with open_binary(self.path) as f:
+            with open_binary(self.path, self.max_decompressed_bytes) as f:
                 if self.start_offset:
                     f.seek(self.start_offset)
                 framer = array_frames if self.fmt == "sharegpt" else line_frames
                 for frame in framer(f, name, self.start_offset, self.start_index, self.max_record_bytes, state):
                     if frame is state.get("unterminated"):
                         record, obj = self._decode(frame, parse)
-                        if isinstance(record, Rejected):  # an unfinished last line: a tail, not a record
+                        if isinstance(record, Rejected) and obj is None:  # an unfinished last line: a tail, not a record
                             self.truncation = Truncation(frame.offset, frame.end_offset - frame.offset, frame.location)
                             break
                     elif self.fmt != "sharegpt" and not frame.data.strip():
@@ -335,6 +166,17 @@ class RecordReader:
                     yield from self._emit(record, frame.index)
                 if sniffed:
                     self._mismatch(sniffed)
+        except DecompressedTooLarge as exc:
+            # past the cap: the records before it are kept, the rest is one quarantined record that says so
+            for held, _, index in sniffed:
+                yield from self._emit(held, index)
+            where = f"{name}#record={self.index + 1}" if self.fmt == "sharegpt" else f"{name}:{self.index + 1}"
+            self.capped = (f"{self.path}: decompressed past {exc.cap} bytes (the cap; --max-decompressed-bytes or a "
+                           f"source's max_decompressed_bytes raises it): not read from {where} on")
+            rest = Rejected(self.source, where, self.capped, f"[the decompressed data from byte {self.end_offset} on]",
+                            self.end_offset, self.end_offset)
+            yield from self._emit(rest, self.index)
+            return
         except COMPRESSED_READ_ERRORS as exc:
             # a .gz cut short or corrupt: what was read before the bad block is kept and counted,
             # the rest is reported as a truncation (with why, when the data is corrupt)

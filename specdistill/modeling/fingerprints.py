@@ -1,17 +1,20 @@
-"""Target fingerprints: a target version's identity, over its weights and tokenizer, and weights
-checked by content, not by name, size and mtime.
+"""Target fingerprints: a target version's identity, over its weights and tokenizer, and a model's
+files checked by content, not by name, size and mtime.
 
 The fingerprint names a target version everywhere (answers, drafts, corpora, serving configs are keyed by
 it), so it must change when a weight or the tokenizer changes and not otherwise: it is taken over the
 weights as stored, whatever dtype a run loads them in, and remembered beside them so a load does not
 hash 0.5 GB each time.
 
-A weights record holds, per safetensors file, its stat, its full SHA-256 and a sampled digest (~4 MiB
-read, first and last blocks included). Each load checks the sampled digest; a file whose stat
-changed is hashed in full again. The stat includes ctime, which only the kernel sets, so an
-overwrite through the file system is caught even with mtime put back; one below the file system is
-caught when it touches a sampled block, and in full by `verify_weights_full`, which the nightly
-runs once per run (~0.6 s for the demo's 538 MB).
+A files record holds, per file of the model (the safetensors and every file beside them its
+behaviour depends on: config, generation config, tokenizer, chat template; not our own records),
+its stat, its full SHA-256 and a sampled digest (~4 MiB read, first and last blocks included). Each
+load checks the sampled digest; a file whose stat changed is hashed in full again. The stat includes
+ctime, which only the kernel sets, so an overwrite through the file system is caught even with mtime
+put back; one below the file system is caught when it touches a sampled block, and in full by
+`verify_weights_full`, which the nightly runs once per run (~0.6 s for the demo's 538 MB). A record
+written when only the safetensors were recorded is checked on them, then completed with the other
+files as they are (`"files": "all"`).
 """
 
 from __future__ import annotations
@@ -19,15 +22,21 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from specdistill.paths import atomic_write_json, file_sha256
+from specdistill.paths import OUTPUT_MARKER, atomic_write_json, file_sha256
 
 SAMPLE_BLOCKS = 512
 SAMPLE_BYTES = 8192
+FINGERPRINT_FILE = "specdistill_fingerprint.json"
+SOURCE_FILE = "specdistill_source.json"  # a GGUF cache's source and the content record of its files
+# written by us beside a model (and their atomic writes' temporaries): not part of what it is
+OWN_FILES = (FINGERPRINT_FILE, SOURCE_FILE, OUTPUT_MARKER)
+ALL_FILES = "all"  # a record's "files": every model file is recorded, not only the safetensors
 
 
 class WeightsIntegrityError(RuntimeError):
@@ -54,18 +63,29 @@ def _stat(path: Path) -> list[int]:
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
+def model_files(directory: Path, all_files: bool = True) -> list[Path]:
+    """The files a model's behaviour depends on: every file of its directory but our own records (or,
+    for a record from before, its safetensors only)."""
+    if not all_files:
+        return sorted(Path(directory).glob("*.safetensors"))
+    return sorted(p for p in Path(directory).iterdir() if p.is_file() and not p.name.startswith(OWN_FILES))
+
+
+def _entry(p: Path) -> dict:
+    return {"sha256": file_sha256(p), "sample": sample_digest(p), "stat": _stat(p)}
+
+
 def weights_record(directory: Path) -> dict[str, dict]:
-    """The record of every `*.safetensors` in `directory` (full hashes: at conversion or a first sight)."""
-    return {p.name: {"sha256": file_sha256(p), "sample": sample_digest(p), "stat": _stat(p)}
-            for p in sorted(Path(directory).glob("*.safetensors"))}
+    """The record of every model file in `directory` (full hashes: at conversion or a first sight)."""
+    return {p.name: _entry(p) for p in model_files(directory)}
 
 
-def verify_weights(directory: Path, record: dict[str, dict]) -> bool:
-    """Check `directory`'s safetensors against `record`: the sampled digest always, the full hash when a
+def verify_weights(directory: Path, record: dict[str, dict], all_files: bool = True) -> bool:
+    """Check `directory`'s model files against `record`: the sampled digest always, the full hash when a
     file's stat changed (then the record's stat is refreshed in place; returns True when it was).
     Raises `WeightsIntegrityError` naming the first file that differs, is missing or is new."""
     directory = Path(directory)
-    present = sorted(p.name for p in directory.glob("*.safetensors"))
+    present = sorted(p.name for p in model_files(directory, all_files))
     if present != sorted(record):
         extra, missing = set(present) - set(record), set(record) - set(present)
         raise WeightsIntegrityError(f"weights of {directory} changed: "
@@ -85,11 +105,11 @@ def verify_weights(directory: Path, record: dict[str, dict]) -> bool:
     return refreshed
 
 
-def verify_weights_full(directory: Path, record: dict[str, dict]) -> int:
-    """Every safetensors file of `directory` hashed in full against `record`, whatever its stat says;
+def verify_weights_full(directory: Path, record: dict[str, dict], all_files: bool = True) -> int:
+    """Every model file of `directory` hashed in full against `record`, whatever its stat says;
     returns the bytes read. Raises `WeightsIntegrityError` naming the first file that differs."""
     directory = Path(directory)
-    present = sorted(p.name for p in directory.glob("*.safetensors"))
+    present = sorted(p.name for p in model_files(directory, all_files))
     if present != sorted(record):
         raise WeightsIntegrityError(f"weights of {directory} changed: files {present}, recorded {sorted(record)}")
     total = 0
@@ -111,26 +131,36 @@ def is_sealed(payload: dict) -> bool:
     return isinstance(payload, dict) and payload.get("check") == sealed(payload)["check"]
 
 
+def _complete(record: dict, directory: Path) -> dict:
+    """A record from when only the safetensors were recorded (their content just verified), with every
+    other model file recorded as it is now."""
+    return {**record, "files": ALL_FILES, "weights": {**weights_record_except(directory, record["weights"]), **record["weights"]}}
+
+
+def weights_record_except(directory: Path, recorded: dict) -> dict[str, dict]:
+    return {p.name: _entry(p) for p in model_files(directory) if p.name not in recorded}
+
+
 def check_weights_record(source: Path) -> None:
-    """A directory's weights against the record `source` written with them (`verify_weights`); a record
-    from before content records gets them now."""
+    """A directory's files against the record `source` written with them (`verify_weights`); a record
+    from before content records gets them now, one from before every file was recorded gets the rest."""
     cache_dir = source.parent
     try:
         record = json.loads(source.read_text())
     except (OSError, ValueError):
-        raise WeightsIntegrityError(f"{source} is missing or corrupt: the cache's weights cannot be checked") from None
+        raise WeightsIntegrityError(f"{source} is missing or corrupt: the cache's files cannot be checked") from None
     if "weights" not in record and "check" not in record:  # written before content records
-        atomic_write_json(source, sealed({**record, "weights": weights_record(cache_dir)}), mode=0o644)
+        atomic_write_json(source, sealed({**record, "files": ALL_FILES, "weights": weights_record(cache_dir)}), mode=0o644)
         return
     if not is_sealed(record):
         raise WeightsIntegrityError(f"{source} was edited: its record no longer matches its check")
-    if verify_weights(cache_dir, record["weights"]):  # a touch or a copy: same content, new stat
+    all_files = record.get("files") == ALL_FILES
+    refreshed = verify_weights(cache_dir, record["weights"], all_files)  # True: a touch or a copy, same content
+    if not all_files:
+        record, refreshed = _complete(record, cache_dir), True
+    if refreshed:
         with contextlib.suppress(OSError):  # a read-only cache stays usable: the full hash just runs again next time
             atomic_write_json(source, sealed(record), mode=0o644)
-
-
-FINGERPRINT_FILE = "specdistill_fingerprint.json"
-SOURCE_FILE = "specdistill_source.json"  # a GGUF cache's source and the content record of its weights
 
 
 def tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -167,7 +197,7 @@ def fingerprint(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> s
 
 
 def _dir_signature(model_dir: Path) -> list:
-    """Stats of the files beside the weights (tokenizer, config); the weights are checked by content."""
+    """Stats of the files beside the weights, as a record from before every file was recorded by content holds."""
     skip = (FINGERPRINT_FILE, SOURCE_FILE)
     return sorted(
         (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model_dir.iterdir()
@@ -176,19 +206,29 @@ def _dir_signature(model_dir: Path) -> list:
 
 
 def saved_fingerprint(model_dir: Path) -> str | None:
-    """The fingerprint remembered beside the weights, if nothing changed since: the other files by
-    stat, the safetensors by content. A record edited by hand (its check fails) or of another
-    content is ignored, and the fingerprint is computed again."""
+    """The fingerprint remembered beside the weights, if no model file changed since (by content). A
+    record edited by hand (its check fails) is ignored; a changed file is named on stderr; either way
+    the fingerprint is computed again."""
     record_path = model_dir / FINGERPRINT_FILE
     try:
         saved = json.loads(record_path.read_text())
-        if not is_sealed(saved) or saved.get("signature") != json.loads(json.dumps(_dir_signature(model_dir))):
+        if not is_sealed(saved):
             return None
-        if verify_weights(model_dir, saved["weights"]):
+        all_files = saved.get("files") == ALL_FILES
+        if not all_files and saved.get("signature") != json.loads(json.dumps(_dir_signature(model_dir))):
+            return None  # a record from before: the other files' stats moved
+        refreshed = verify_weights(model_dir, saved["weights"], all_files)
+        if not all_files:
+            saved, refreshed = {k: v for k, v in _complete(saved, model_dir).items() if k != "signature"}, True
+        if refreshed:
             with contextlib.suppress(OSError):
                 atomic_write_json(record_path, sealed(saved), mode=0o644)
         return saved["fingerprint"]
-    except (OSError, ValueError, KeyError, TypeError, WeightsIntegrityError):
+    except WeightsIntegrityError as exc:
+        print(f"specdistill: {exc}; {model_dir} changed since its fingerprint was recorded: taking it again",
+              file=sys.stderr)
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
@@ -196,9 +236,9 @@ def cached_fingerprint(model_dir: Path, model: torch.nn.Module, tokenizer: PreTr
     known = saved_fingerprint(model_dir)
     if known:
         return known
-    sig = _dir_signature(model_dir)
     record = model_dir / FINGERPRINT_FILE
     fp = fingerprint(model, tokenizer)
     with contextlib.suppress(OSError):  # a read-only model directory still gets a fingerprint, just not cached
-        atomic_write_json(record, sealed({"signature": sig, "weights": weights_record(model_dir), "fingerprint": fp}), mode=0o644)
+        atomic_write_json(record, sealed({"files": ALL_FILES, "weights": weights_record(model_dir), "fingerprint": fp}),
+                          mode=0o644)
     return fp

@@ -4,14 +4,13 @@ the HF checkpoint a logged draft carries, and the MLflow client every registry c
 Registering and promoting are operations (`ops.registry`). Registration records the SHA-256 of every
 file of a checkpoint in the version's tag `draft_files_sha256` (in the tracking store, apart from the
 artifact store), and every resolution checks the files against it, so a draft changed after the gate
-approved it is refused. A version registered before the tag existed loads with a warning.
+approved it is refused; so is a version without the tag (removed, or registered before it existed).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import re
 import time
@@ -29,8 +28,6 @@ DRAFT_ARTIFACT = "draft"
 FILES_TAG = "draft_files_sha256"  # {relative path: sha256} of the registered checkpoint's files
 # written into a checkpoint directory by a load (a fingerprint record), not part of what was registered
 UNHASHED_FILES = ("specdistill_fingerprint.json", "specdistill_source.json")
-
-log = logging.getLogger(__name__)
 
 
 class RegisteredDraftChanged(ValueError):
@@ -185,20 +182,15 @@ def draft_files_sha256(directory: str | Path) -> dict[str, str]:
     return dict(_HASHED[key])
 
 
-_warned_unverified: set[tuple[str, str]] = set()
-
-
 def verify_registered_files(hf_dir: Path, recorded: str | None, name: str, version: str) -> None:
     """Refuse a registered draft whose files differ from the hashes recorded at registration (the
-    message names the version and the file); a version without recorded hashes (registered before they
-    were) is loaded with a warning, once per process, that it is unverified."""
+    message names the version and the file), and one without them: a removed tag is indistinguishable
+    from a version that was never checked, and neither is served."""
     where = f"models:/{name}/{version}"
-    if recorded is None:
-        if (name, version) not in _warned_unverified:
-            _warned_unverified.add((name, version))
-            log.warning("%s (%s version %s) was registered before file hashes were recorded: loading it unverified "
-                        "(register the draft again to protect it)", where, name, version)
-        return
+    if not recorded:
+        raise RegisteredDraftChanged(f"{where} ({name} version {version}): no {FILES_TAG} tag, so its files cannot "
+                                     "be verified against what was registered: a registered draft is never served "
+                                     "unverified (register the draft again from its checkpoint to serve it)")
     try:
         want = json.loads(recorded)
     except ValueError:

@@ -35,6 +35,7 @@ from specdistill.data.prompts import ChatTemplateError, check_chat_template
 from specdistill.modeling.canary import check_canary
 from specdistill.modeling.eagle3_io import WEIGHTS_FILE, is_eagle3_dir, load_eagle3
 from specdistill.modeling.fingerprints import (  # noqa: F401  (fingerprint: this module's API too)
+    ALL_FILES,
     FINGERPRINT_FILE,
     SOURCE_FILE,
     WeightsIntegrityError,
@@ -176,13 +177,14 @@ def convert_gguf(gguf: Path, out_dir: Path | None = None) -> Path:
     with paths.atomic_dir(out_dir, MODEL_CACHE_OUTPUT, replace=False) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        record = sealed({"gguf": str(gguf.resolve()), "weights": weights_record(tmp)})
+        record = sealed({"gguf": str(gguf.resolve()), "files": ALL_FILES, "weights": weights_record(tmp)})
         (tmp / SOURCE_FILE).write_text(json.dumps(record))
     return out_dir
 
 
 def check_model_cache(cache_dir: Path) -> None:
-    """A GGUF cache's weights against the record written at conversion (`fingerprints.check_weights_record`)."""
+    """A GGUF cache's files (weights, config, tokenizer) against the record written at conversion
+    (`fingerprints.check_weights_record`)."""
     check_weights_record(cache_dir / SOURCE_FILE)
 
 
@@ -211,7 +213,7 @@ def verify_model_files(ref: str | os.PathLike) -> FullCheck:
         record = json.loads(record_path.read_text())
         if not is_sealed(record) or "weights" not in record:
             raise WeightsIntegrityError(f"{record_path} was edited: its record no longer matches its check")
-        done = verify_weights_full(model_dir, record["weights"])
+        done = verify_weights_full(model_dir, record["weights"], record.get("files") == ALL_FILES)
     except (WeightsIntegrityError, OSError, ValueError, TypeError) as exc:
         if record_path == fp_record:
             fp_record.unlink(missing_ok=True)

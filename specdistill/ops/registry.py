@@ -23,6 +23,7 @@ import mlflow
 from mlflow.exceptions import MlflowException
 
 from specdistill import paths
+from specdistill.env import mask_secrets
 from specdistill.modeling.mlflow_refs import (  # noqa: F401
     DRAFT_ARTIFACT,
     FILES_TAG,
@@ -108,7 +109,7 @@ def register_draft(
     files = json.dumps(draft_files_sha256(draft_dir), sort_keys=True)
     with mlflow.start_run(experiment_id=experiment_id, run_name=run_name) as run:
         if params:
-            mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
+            mlflow.log_params({k: mask_secrets(str(v))[:500] for k, v in params.items()})
         if metrics:
             mlflow.log_metrics({k: float(v) for k, v in metrics.items()})
         for key, values in (curves or {}).items():

@@ -5,13 +5,19 @@ The history is one append-only JSON file under `$SPECDISTILL_HOME` (`targets.jso
 atomically on every write, so a reader never sees half a history. The last entry is the current
 version. The monitor calls `detect_change` on its schedule; `specdistill target register PATH`
 records a version on purpose (and the flow layer announces it).
+
+Paths are recorded absolute, so the history names the same model from any working directory. A
+served name (`--served-name`: the model name production logs a version's responses under) belongs
+to one version at a time, from the moment it was registered for it until another version claims it:
+a response logged under it is that version's own answer only if it arrived in that period.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -30,6 +36,11 @@ class TargetVersion(Record):
     # the model names production logs this version's responses under (an OpenAI log's `model`): those
     # responses are its own answers, used as training data as they are (`pipeline.answers.logged`)
     served_names: tuple[str, ...] = ()
+    # when a name was added to this version after its registration (ISO 8601); else it holds from `registered_at`
+    served_since: dict[str, str] = field(default_factory=dict)
+
+    def name_since(self, name: str) -> datetime:
+        return datetime.fromisoformat(self.served_since.get(name, self.registered_at))
 
 
 @dataclass
@@ -55,7 +66,8 @@ def target_history(path: str | Path | None = None) -> list[TargetVersion]:
         return []
     try:
         data = json.loads(path.read_text())
-        return [TargetVersion(**{**entry, "served_names": tuple(entry.get("served_names", ()))}) for entry in data["versions"]]
+        return [TargetVersion(**{**entry, "served_names": tuple(entry.get("served_names", ())),
+                                 "served_since": dict(entry.get("served_since", {}))}) for entry in data["versions"]]
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"corrupt target history {path}: {exc}") from exc
 
@@ -77,30 +89,92 @@ def fingerprint_of(ref: str | os.PathLike) -> tuple[str, Path]:
     return loaded.fingerprint, loaded.path
 
 
+def absolute_ref(ref: str | os.PathLike) -> str:
+    """A model reference as it reads from any directory: a path made absolute (symbolic links kept, so
+    a link that moves to the next version is followed); `demo` and `models:/` URIs as they are."""
+    ref = str(ref)
+    if ref == "demo" or "://" in ref or ref.startswith("models:/"):
+        return ref
+    return os.path.abspath(ref)
+
+
 def register_target(ref: str | os.PathLike, *, fingerprint: str | None = None, model_dir: str | Path | None = None,
                     path: str | Path | None = None, served_names: tuple[str, ...] | list[str] = ()) -> TargetVersion:
     """Record `ref` as the current target version (appended even when it equals an older version:
     a rollback to an earlier target is a change too). Registering the current version again is a no-op,
-    except that `served_names` it did not have yet are added to it."""
+    except that `served_names` it did not have yet are added to it, from now on."""
     if fingerprint is None or model_dir is None:
         fingerprint, model_dir = fingerprint_of(ref)
     for name in served_names:
         if not name or not name.strip() or len(name) > 256:
             raise ValueError(f"a served model name is 1 to 256 characters, not {name!r}")
+    ref, model_dir = absolute_ref(ref), os.path.abspath(model_dir)
     path = Path(path) if path else history_path()
     history = target_history(path)
-    if history and history[-1].fingerprint == fingerprint and history[-1].path == str(model_dir):
+    now = datetime.now(timezone.utc).isoformat()
+    if history and history[-1].fingerprint == fingerprint and history[-1].path == model_dir:
         last = history[-1]
-        names = tuple(dict.fromkeys([*last.served_names, *served_names]))
-        if names == last.served_names:
+        added = [n for n in dict.fromkeys(served_names) if n not in last.served_names]
+        if not added:
             return last
-        updated = TargetVersion(last.fingerprint, last.path, last.ref, last.registered_at, names)
+        updated = TargetVersion(last.fingerprint, last.path, last.ref, last.registered_at, (*last.served_names, *added),
+                                {**last.served_since, **dict.fromkeys(added, now)})
         _write_history(history[:-1] + [updated], path)
         return updated
-    version = TargetVersion(fingerprint, str(model_dir), str(ref), datetime.now(timezone.utc).isoformat(),
-                            tuple(dict.fromkeys(served_names)))
+    version = TargetVersion(fingerprint, model_dir, ref, now, tuple(dict.fromkeys(served_names)))
     _write_history(history + [version], path)
     return version
+
+
+Period = tuple[datetime | None, datetime | None]  # [since, until); None: unbounded
+
+
+def _claims(history: list[TargetVersion]) -> dict[str, list[tuple[datetime, str]]]:
+    """Each served name's registrations, in time order: (since, fingerprint)."""
+    claims: dict[str, list[tuple[datetime, str]]] = {}
+    for v in history:
+        for name in v.served_names:
+            claims.setdefault(name, []).append((v.name_since(name), v.fingerprint))
+    return {name: sorted(c, key=lambda c: c[0]) for name, c in claims.items()}
+
+
+def served_name_periods(fingerprint: str, mapped: Iterable[str] = (), path: str | Path | None = None) -> dict[str, list[Period]]:
+    """When each served name was this version's: from a registration that gave it the name until the next
+    registration of the name for another version. `mapped` names (a config's mapping of a name to this
+    version) hold too, except while a registration gave the name to another version."""
+    claims, mapped = _claims(target_history(path)), set(mapped)
+    out: dict[str, list[Period]] = {}
+    for name in sorted(set(claims) | mapped):
+        timeline = claims.get(name, [])
+        first = timeline[0][0] if timeline else None
+        segments: list[tuple[datetime | None, datetime | None, str | None]] = [
+            (None, first, fingerprint if name in mapped else None)]
+        segments += [(since, timeline[i + 1][0] if i + 1 < len(timeline) else None, fp)
+                     for i, (since, fp) in enumerate(timeline)]
+        periods: list[Period] = []
+        for since, until, holder in segments:
+            if holder != fingerprint or (since is not None and since == until):
+                continue
+            if periods and periods[-1][1] == since:
+                periods[-1] = (periods[-1][0], until)  # one continuous holding
+            else:
+                periods.append((since, until))
+        if periods:
+            out[name] = periods
+    return out
+
+
+def held_at(periods: list[Period], when: datetime) -> bool:
+    return any((since is None or since <= when) and (until is None or when < until) for since, until in periods)
+
+
+def name_holder(name: str, when: datetime, path: str | Path | None = None) -> str | None:
+    """The fingerprint that held a served name at `when` by registration, or None."""
+    holder = None
+    for since, fp in _claims(target_history(path)).get(name, []):
+        if since <= when:
+            holder = fp
+    return holder
 
 
 def detect_change(ref: str | os.PathLike) -> tuple[bool, TargetVersion, TargetVersion | None]:

@@ -8,7 +8,6 @@ import hashlib
 import json
 from dataclasses import fields as dataclass_fields
 from datetime import datetime
-from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_type_hints
 
@@ -16,16 +15,12 @@ from pydantic import Field, create_model, field_validator, model_validator
 
 from specdistill import bounds, paths
 from specdistill.config import (
-    ConfigError,
     Days,
     Gamma,
     Kept,
     LayerCount,
     Minutes,
-    NewTokens,
     Prompts,
-    Repeats,
-    Seconds,
     Seed,
     Steps,
     Strict,
@@ -38,18 +33,15 @@ from specdistill.config import (
 from specdistill.data.prompts import MAX_PROMPT_TOKENS
 from specdistill.data.results import BenchSettings
 from specdistill.distill.config import DataConfig, DistillConfig, DraftKind, Eagle3Config, LossConfig, OptimConfig, TeacherConfig
+from specdistill.env import stash_secrets
 from specdistill.ops.policy import (
     CONFIDENCE,
     DEFAULT_MARGIN,
-    MAX_RELATIVE_DROP,
     MIN_SERVED_PROMPTS,
-    RED_LINE,
     GateConfig,
     Role,
     gate_config,
 )
-from specdistill.ops.serving import read_serving_config
-from specdistill.ops.targets import current_target
 from specdistill.pipeline.generation_config import GenerationConfig
 
 if TYPE_CHECKING:
@@ -61,6 +53,8 @@ class SourceConfig(Strict):
     path: str  # a file, or "sharegpt" / "humaneval" for the shipped demo traffic
     format: Literal["sharegpt", "openai", "jsonl", "humaneval"]
     slice: str = "chat"  # benchmark slice its prompts report under
+    # a .gz's cap (None: 100x its size); the rest is quarantined
+    max_decompressed_bytes: int | None = Field(None, ge=1, le=bounds.MAX_BYTES)
 
 
 class WindowConfig(Strict):
@@ -335,69 +329,15 @@ class NightlyConfig(Strict):
 DEMO_OVERRIDES = ("generation.backend=auto",)
 
 
+def flow_overrides(overrides: list[str] | None) -> list[str]:
+    """`key=value` overrides as a flow's parameters (Prefect stores them): each credential replaced by
+    `${SPECDISTILL_SECRET_n}`, its value kept in this process's environment, where loading finds it."""
+    return stash_secrets(list(overrides or []))
+
+
 def load_nightly_config(path: str | Path | None = None, overrides: list[str] | None = None) -> NightlyConfig:
     """YAML file plus dotted `key=value` overrides; unknown keys fail here, before any work."""
     return load_model_config(NightlyConfig, path, overrides, what="nightly config")
-
-
-class MonitorConfig(Strict):
-    target: str | None = None  # the target being served (None: the last `target register`ed, else demo)
-    nightly_config: str | None = None  # the nightly flow's config for incremental distillation
-    nightly_overrides: list[str] = []
-    red_line: float = Field(RED_LINE, gt=0.0, lt=1.0)  # first-position acceptance below this: fallback + retrain
-    # first-position acceptance this far (relatively) under the champion's own at registration: retrain, keep serving
-    max_relative_drop: float = Field(MAX_RELATIVE_DROP, gt=0.0, lt=1.0)
-    # the replay reads at most this many of the newest prompts, and stops sooner once the 95% interval of
-    # first-position acceptance clears the lines the decision reads (`ops.policy.sequential`)
-    replay_prompts: Prompts = 12
-    gamma: Gamma | None = None  # None: the γ serving.json names (what is served), else the nightly's bench.gamma
-    max_new_tokens: NewTokens = 32
-    min_draft_tokens: Tokens = 64  # fewer sampled tokens: no sample, no decision
-    live_metrics_url: str | None = None  # a serving engine's /metrics (vLLM or llama.cpp names); else replay
-    live_interval_s: Seconds = 30.0
-    fallback_exit_layers: list[LayerCount] = [4, 8, 12]
-    fallback_min_tokens: Tokens = 64
-    fallback_repeats: Repeats = 1
-    # the fallback bench measures at most this many prompts, and stops once its 95% bounds settle the choice
-    fallback_prompts: Prompts = 16
-    fallback_suffix_corpus: str | None = None  # None: the state directory's current corpus (the nightly's), if any
-    replay_share: float = Field(0.25, ge=0.0, lt=1.0)  # of older traffic in the incremental run
-    # the decision (replay, fallback choice) ends within this many minutes of the flow's start, retraining aside;
-    # the two stages share what is left in proportion to their own budgets, as the nightly's stages do
-    deadline_minutes: float | None = Field(8.0, ge=0.0)
-    replay_max_minutes: float | None = Field(1.5, ge=0.0)
-    fallback_max_minutes: float | None = Field(6.0, ge=0.0)
-    # torch threads for the replay and the fallback bench: auto probes 1, half and all cores and keeps the
-    # fastest, again when other work comes or goes (a monitor runs beside a serving engine); null: torch's
-    threads: int | Literal["auto"] | None = "auto"
-    retrain: bool = True  # false: decide (and fall back) only; the incremental nightly run is left to the caller
-
-    def target_ref(self) -> str:
-        if self.target:
-            return self.target
-        registered = current_target()
-        return registered.ref if registered else "demo"
-
-    @cached_property
-    def nightly(self) -> NightlyConfig:
-        return load_nightly_config(self.nightly_config, [f"target={self.target_ref()}", *self.nightly_overrides])
-
-    def replay_gamma(self) -> int:
-        """`gamma`, else what serving.json serves, else the nightly's `bench.gamma`."""
-        if self.gamma is not None:
-            return self.gamma
-
-        served = read_serving_config(self.nightly.serving_path)
-        return served.num_speculative_tokens if served is not None and served.mode != "off" else self.nightly.bench.gamma
-
-
-def load_monitor_config(path: str | Path | None = None, overrides: list[str] | None = None) -> MonitorConfig:
-    config = load_model_config(MonitorConfig, path, overrides, what="monitor config")
-    try:
-        _ = config.nightly  # the nightly config it names must be valid too, before any work
-    except ConfigError as exc:
-        raise ConfigError(f"{path or 'monitor config'}: nightly_config: {exc}") from None
-    return config
 
 
 def config_hash(obj: Any) -> str:

@@ -29,6 +29,9 @@ class LoggedConfig(Strict):
     served_names: dict[str, str] = {}
     max_share: float = Field(0.5, ge=0.0, le=1.0)
     max_tokens: count(bounds.MAX_SEQUENCE) = 192  # response tokens labelled per logged response (a longer one is cut)
+    # the temperature production samples at when a logged request does not say: 0, greedy (its answers are held
+    # to the target's greedy choices); null: unknown, held as at temperature 1 (admits any plausible text)
+    temperature: float | None = Field(0.0, ge=0.0, le=2.0)
     tokens_per_batch: count(bounds.MAX_SEQUENCE, low=64) = 4096  # padded tokens per labelling prefill
 
 

@@ -79,7 +79,8 @@ def resolve_source_path(source: SourceConfig) -> Path:
 
 def ingest_source(source: SourceConfig, log_db: str | None) -> IngestResult:
     with LogStore(log_db) as store:
-        return ingest(resolve_source_path(source), source.format, store, progress=True)
+        return ingest(resolve_source_path(source), source.format, store, progress=True,
+                      max_decompressed_bytes=source.max_decompressed_bytes)
 
 
 def align_champion(config: NightlyConfig, champion: Champion | None) -> WarmStart | None:

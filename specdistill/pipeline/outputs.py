@@ -125,10 +125,10 @@ class LoggedData(Record):
     own_tokens: int = 0
     other: int = 0  # other models' responses labelled by the target
     other_tokens: int = 0
-    refused: int = 0  # claimed by the current target, refused by the likelihood check: answered again
+    refused: int = 0  # claimed by the current target, not text it writes (`logged.own_text_check`): answered again
+    refused_why: dict[str, int] = field(default_factory=dict)  # reason -> count
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> count
     not_labelled: int = 0  # left for lack of time
-    floor: float | None = None  # the likelihood floor (nats per token) own answers were held to
     minutes: float = 0.0
 
 

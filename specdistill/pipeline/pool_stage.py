@@ -90,8 +90,8 @@ def data_line(tonight: GeneratedData) -> str:
              f"{logged.other} other models' responses labelled by the target ({logged.other_tokens} tokens)"]
     notes = []
     if logged.refused:
-        notes.append(f"{logged.refused} claimed by this target refused by the likelihood check (below "
-                     f"{logged.floor:.2f} nats per token) and answered again")
+        why = "; ".join(f"{n} {reason}" for reason, n in sorted(logged.refused_why.items(), key=lambda kv: -kv[1]))
+        notes.append(f"{logged.refused} claimed by this target refused as not its text ({why}) and answered again")
     if logged.skipped:
         notes.append("skipped: " + ", ".join(f"{n} {reason}" for reason, n in sorted(logged.skipped.items())))
     if logged.not_labelled:

@@ -13,6 +13,7 @@ from pathlib import Path
 from specdistill import paths
 from specdistill.data.record import to_dict
 from specdistill.data.results import BenchResult
+from specdistill.env import mask_secrets
 from specdistill.ops.policy import Decision, GateVerdict, Role, first_position
 from specdistill.ops.registry import RegisteredDraft
 from specdistill.pipeline.config import NightlyConfig, run_root
@@ -202,9 +203,11 @@ def registration_artifacts(config: NightlyConfig, results: dict[str, BenchResult
     suffix corpus (when measured); with a serving engine's measurements, engine_benchmark.json and the
     challenger's GGUF as llama.cpp ran it."""
     artifacts_dir = paths.ensure(Path(trained.draft_dir).parent / "artifacts")
-    (artifacts_dir / "benchmark.json").write_text(json.dumps(to_dict(results), indent=2, default=str))
-    (artifacts_dir / "nightly_config.json").write_text(config.model_dump_json(indent=2))
-    (artifacts_dir / "gate.json").write_text(json.dumps(verdict.to_dict(), indent=2, default=str))
+    for name, text in (("benchmark.json", json.dumps(to_dict(results), indent=2, default=str)),
+                       ("nightly_config.json", mask_secrets(config.model_dump_json(indent=2))),  # no credential of log_db
+                       ("gate.json", json.dumps(verdict.to_dict(), indent=2, default=str))):
+        with paths.open_private(artifacts_dir / name, "w", encoding="utf-8") as f:
+            f.write(text)
     artifacts = [artifacts_dir / "benchmark.json", artifacts_dir / "nightly_config.json", artifacts_dir / "gate.json"]
     plot = artifacts_dir / "acceptance.png"
     try:
