@@ -111,8 +111,11 @@ class NightlyTrain(DistillConfig):
     eval_every: Steps | None = None  # null: as checkpoint_every
     incremental_lr: float = Field(3e-4, gt=0.0)  # optim.lr of a warm start from the champion
     # a warm start's head (its first position trained by the nights before) spends its minutes on depth: its
-    # unroll and the share of entries the later steps train at (None: `eagle3.steps`, `eagle3.deep_share`)
-    incremental_steps: int | None = Field(None, ge=1, le=16)
+    # unroll and the share of entries the later steps train at (None: `eagle3.steps`, `eagle3.deep_share`).
+    # 2 by measurement (benchmarks/head_depth.py, warm from a 1-step head, equal compute): position 2 given 1
+    # 0.39 against 0.04, first position 0.477 against 0.496, chained τ(3) 1.68 against 1.51; 3 steps at share
+    # 0.5 trained position 3 (0.31) but held the first at 0.46, nearer the red line
+    incremental_steps: int | None = Field(2, ge=1, le=16)
     incremental_deep_share: float | None = Field(None, gt=0.0, le=1.0)
 
     @model_validator(mode="before")
