@@ -91,15 +91,21 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/drift_scenario"))
     parser.add_argument("--again", action="store_true", help="a second monitor run after the first")
     parser.add_argument("--load", action="store_true", help="two busy loops beside each monitor run")
+    parser.add_argument("--updated", action="store_true",
+                        help="--state had its target updated and registered already: start at the monitor run")
     args = parser.parse_args()
     home = args.work / ".specdistill"
     if home.exists():
         shutil.rmtree(home)
     args.work.mkdir(parents=True, exist_ok=True)
     shutil.copytree(args.state, home, symlinks=True)
-    steps = {}
-    update, steps["target update"] = run(["demo", "target-update"], home, args.work)
-    registered, steps["target register"] = run(["target", "register", update["out"], "--no-event"], home, args.work)
+    steps, update, registered = {}, {}, {}
+    targets = home / "targets.json"  # the copy's own paths, not the original's
+    if targets.is_file():
+        targets.write_text(targets.read_text().replace(str(args.state.resolve()), str(home)))
+    if not args.updated:
+        update, steps["target update"] = run(["demo", "target-update"], home, args.work)
+        registered, steps["target register"] = run(["target", "register", update["out"], "--no-event"], home, args.work)
     monitors = []
     for _ in range(2 if args.again else 1):
         load = busy_load() if args.load else []
