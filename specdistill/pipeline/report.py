@@ -59,9 +59,11 @@ def report_table(results: dict[str, BenchResult], verdict: GateVerdict | None = 
     lines.append("| no speculation | – | – | 1.00 | – | 1.00x | – | yes |")
     lines += drafter_specs(results) + acceptance_by_position(results) + first_position_by_slice(results)
     if any(r.tree_width > 1 for r in results.values()):
-        lines += ["", "γ (tree W): a chain of γ drafts after the head's top candidate plus its next W-1 candidates for "
-                      "the first position, verified in one target forward (greedy); α is the chain's acceptance, τ "
-                      "counts the runner-ups accepted too"]
+        lines += ["", "γ (tree W): a draft tree verified in one target forward (greedy): an EAGLE-3 head grows γ deep, "
+                      "each step expanding its W likeliest nodes into their top W, and the γ+W-1 likeliest nodes are "
+                      "verified (EAGLE-2, as SGLang drafts); another draft proposes a chain of γ plus its next W-1 "
+                      "candidates for the first position. α and acceptance by position are its top-1 chain's, τ counts "
+                      "the other branches' accepted tokens too"]
     any_r = next(iter(results.values()), None)
     if any_r is not None:
         dtype = any_r.dtype or (target.dtype if target else "")
