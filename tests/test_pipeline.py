@@ -434,6 +434,9 @@ def test_a_warm_started_head_trains_at_the_incremental_depth():
     fresh, warm = cfg.train.for_run(cfg, **args), cfg.train.for_run(cfg, **args, warm_start="/champion")
     assert (fresh.eagle3.steps, fresh.eagle3.deep_share) == (1, 1.0)
     assert (warm.eagle3.steps, warm.eagle3.deep_share, warm.optim.lr) == (3, 0.5, cfg.train.incremental_lr)
+    # a head trained for the target before an update retrains its first position first, as night one does
+    updated = cfg.train.for_run(cfg, **args, warm_start="/champion-of-v1", deepen=False)
+    assert (updated.eagle3.steps, updated.eagle3.deep_share, updated.optim.lr) == (1, 1.0, cfg.train.incremental_lr)
 
 def test_train_kind_eagle3_trains_a_head_from_features_beside_the_teacher_cache(monkeypatch):
     calls = []

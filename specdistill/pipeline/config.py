@@ -139,7 +139,7 @@ class NightlyTrain(DistillConfig):
 
     def for_run(self, config: NightlyConfig, *, data: DataConfig, out_dir: str | Path, teacher: TeacherConfig,
                 warm_start: str | None = None, max_minutes: float | None = None, generic: bool = False,
-                feature_dir: str | None = None) -> DistillConfig:
+                feature_dir: str | None = None, deepen: bool = True) -> DistillConfig:
         """The distillation config of one run: this recipe with the run's inputs (its data, teacher cache and
         output directory, the warm start, the minutes the deadline leaves, the run's target, device, dtype and
         threads) and what they imply: a warm start keeps its draft's vocabulary and trains at
@@ -158,9 +158,11 @@ class NightlyTrain(DistillConfig):
             update.update(kind="layers", loss=LossConfig(kind="ce").model_dump(), eagle3=Eagle3Config().model_dump())
         elif self.kind == "eagle3":
             update["eagle3"] = {**self.eagle3.model_dump(), "feature_dir": feature_dir, "feature_dtype": config.dtype}
-            if warm_start and self.incremental_steps is not None:
+            # `deepen` false: a warm start from a head trained for another target version, whose first position
+            # the update undid (the demo's champion read 0.119 on its updated target): it retrains that first
+            if warm_start and deepen and self.incremental_steps is not None:
                 update["eagle3"]["steps"] = self.incremental_steps
-            if warm_start and self.incremental_deep_share is not None:
+            if warm_start and deepen and self.incremental_deep_share is not None:
                 update["eagle3"]["deep_share"] = self.incremental_deep_share
         raw = {**self.model_dump(exclude={"incremental_lr", "incremental_steps", "incremental_deep_share"}), **update}
         return DistillConfig.model_validate(raw)
