@@ -10,7 +10,9 @@ killed run resumes at the night it stopped in. Extra key=value overrides go to e
 
 Prints per night: the answers trained on (from how many nights), where training started, the head's
 first-position acceptance, τ and speedup on that night's own held-out prompts (each night's differ, so
-compare with care), the gate, and what was served.
+compare with care), the gate, and what was served; then the head by draft position: the depth it was trained
+to (a night after the first trains one unroll step more, `train.incremental_steps`), its acceptance at each
+position as benched, and its own held-out curve.
 """
 
 from __future__ import annotations
@@ -48,13 +50,26 @@ def row(night: int, r: dict) -> dict:
     head = r["results"]["challenger"]
     nights = (r.get("pool") or {}).get("nights") or {}
     warm = r.get("warm_start")
+    per = head["per_position_acceptance"] or []
+    head_dir = Path(head.get("spec", "").removeprefix("draft:"))
+    meta = json.loads((head_dir / "specdistill_draft.json").read_text()) if head_dir.is_dir() else {}
+    curve = json.loads((head_dir.parent / "result.json").read_text())["curve"] if head_dir.is_dir() else []
     return {"night": night + 1, "window": r["window"],
             "answers": sum(n["answers"] for n in nights.values()), "tokens": sum(n["tokens"] for n in nights.values()),
             "pool_nights": len(nights), "started_from": f"v{warm['version']}" if warm else "target",
             "first_position": (head["per_position_acceptance"] or [None])[0], "tau": head["accepted_length"],
             "speedup": head["speedup"], "gate": "PASS" if r["verdict"]["passed"] else "FAIL",
             "version": r["registered"]["version"], "served": r["serving"].get("name") or "off",
-            "served_speedup": r["serving"].get("speedup"), "minutes": r.get("wall_minutes")}
+            "served_speedup": r["serving"].get("speedup"), "minutes": r.get("wall_minutes"),
+            "depth": meta.get("unroll_steps"), "gamma": head["gamma"], "tree_width": head.get("tree_width", 1),
+            "per_position": per, "given_before": given_before(per),
+            "heldout_per_position": (curve[-1].get("acceptance_per_position") or []) if curve else []}
+
+
+def given_before(per_position: list[float]) -> list[float | None]:
+    """Position k's share of rounds over position k-1's: acceptance at k given 1..k-1 accepted."""
+    return [None if not i else (a / per_position[i - 1] if per_position[i - 1] else None)
+            for i, a in enumerate(per_position)]
 
 
 def main() -> int:
@@ -74,6 +89,17 @@ def main() -> int:
         served = x["served"] + (f" {x['served_speedup']:.2f}x" if x["served"] != "off" and x["served_speedup"] else "")
         print(f"| {x['night']} | {x['answers']:,}, {x['tokens']:,}, {x['pool_nights']} | {x['started_from']} | {first} "
               f"| {x['tau']:.2f} | {x['speedup']:.2f}x | {x['gate']} | {x['version']} | {served} | {x['minutes'] or 0:.1f} |")
+    print("\nthe head by draft position: benched at its γ (share of rounds; in brackets, given the positions before it "
+          "accepted), and its own held-out curve (teacher-forced: each position given a correct prefix)\n")
+    print("| night | depth trained | benched at | pos 1 | pos 2 | pos 3 | held-out curve |")
+    print("|---:|---:|---|---:|---:|---:|---|")
+    for x in rows:
+        cells = [f"{a:.3f}" + (f" ({g:.2f})" if g is not None else "")
+                 for a, g in zip(x["per_position"], x["given_before"])][:3]
+        cells += ["–"] * (3 - len(cells))
+        shape = f"γ={x['gamma']}" + (f" (tree {x['tree_width']})" if x["tree_width"] > 1 else "")
+        held = ", ".join(f"{a:.2f}" for a in x["heldout_per_position"])
+        print(f"| {x['night']} | {x['depth'] or '–'} | {shape} | {' | '.join(cells)} | {held} |")
     return 0
 
 

@@ -423,9 +423,10 @@ def test_distill_output_dir_depends_on_the_train_config_data_and_warm_start_only
 
 
 
-def test_a_warm_started_head_trains_at_the_incremental_depth():
+def test_a_warm_started_head_trains_one_step_deeper_up_to_the_incremental_depth():
     """A night after the first starts from a head whose first position the nights before trained: it spends its
-    minutes on depth (`train.incremental_steps`, `train.incremental_deep_share`); night one keeps `eagle3.steps`."""
+    minutes on depth, one unroll step past its head's up to `train.incremental_steps` (at
+    `train.incremental_deep_share`); night one keeps `eagle3.steps`."""
     from specdistill.distill.config import DataConfig, TeacherConfig
 
     cfg = load_nightly_config(None, ["train.eagle3.steps=1", "train.incremental_steps=3", "train.incremental_deep_share=0.5"])
@@ -433,7 +434,9 @@ def test_a_warm_started_head_trains_at_the_incremental_depth():
                 teacher=TeacherConfig(mode="cache", cache_dir="/d/tc"), feature_dir="/d/features")
     fresh, warm = cfg.train.for_run(cfg, **args), cfg.train.for_run(cfg, **args, warm_start="/champion")
     assert (fresh.eagle3.steps, fresh.eagle3.deep_share) == (1, 1.0)
-    assert (warm.eagle3.steps, warm.eagle3.deep_share, warm.optim.lr) == (3, 0.5, cfg.train.incremental_lr)
+    assert (warm.eagle3.steps, warm.eagle3.deep_share, warm.optim.lr) == (2, 0.5, cfg.train.incremental_lr)
+    by_night = [cfg.train.for_run(cfg, **args, warm_start="/champion", warm_depth=k).eagle3.steps for k in (1, 2, 3, 5)]
+    assert by_night == [2, 3, 3, 5]  # a curriculum: one step a night to the cap; a deeper head is never cut back
     # a head trained for the target before an update retrains its first position first, as night one does
     updated = cfg.train.for_run(cfg, **args, warm_start="/champion-of-v1", deepen=False)
     assert (updated.eagle3.steps, updated.eagle3.deep_share, updated.optim.lr) == (1, 1.0, cfg.train.incremental_lr)

@@ -110,12 +110,13 @@ class NightlyTrain(DistillConfig):
     checkpoint_every: Steps | None = None  # null: `distill.config.derived_schedule`
     eval_every: Steps | None = None  # null: as checkpoint_every
     incremental_lr: float = Field(3e-4, gt=0.0)  # optim.lr of a warm start from the champion
-    # a warm start's head (its first position trained by the nights before) spends its minutes on depth: its
-    # unroll and the share of entries the later steps train at (None: `eagle3.steps`, `eagle3.deep_share`).
-    # 2 by measurement (benchmarks/head_depth.py, warm from a 1-step head, equal compute): position 2 given 1
-    # 0.39 against 0.04, first position 0.477 against 0.496, chained τ(3) 1.68 against 1.51; 3 steps at share
-    # 0.5 trained position 3 (0.31) but held the first at 0.46, nearer the red line
-    incremental_steps: int | None = Field(2, ge=1, le=16)
+    # a warm start's head (its first position trained by the nights before) spends its minutes on depth: one
+    # unroll step more than the head was trained with, up to `incremental_steps` (a curriculum over nights), and
+    # the share of entries the later steps train at (None: `eagle3.steps`, `eagle3.deep_share`). One step at a
+    # time by measurement (benchmarks/head_depth.py, warm from a 1-step head, equal compute): 2 steps lifted
+    # position 2 given 1 from 0.04 to 0.39 and held the first at 0.477 (against 0.496), chained τ(3) 1.68
+    # against 1.51; jumping to 3 steps at share 0.5 trained position 3 (0.31) but held the first at 0.46
+    incremental_steps: int | None = Field(3, ge=1, le=16)
     incremental_deep_share: float | None = Field(None, gt=0.0, le=1.0)
 
     @model_validator(mode="before")
@@ -139,11 +140,12 @@ class NightlyTrain(DistillConfig):
 
     def for_run(self, config: NightlyConfig, *, data: DataConfig, out_dir: str | Path, teacher: TeacherConfig,
                 warm_start: str | None = None, max_minutes: float | None = None, generic: bool = False,
-                feature_dir: str | None = None, deepen: bool = True) -> DistillConfig:
+                feature_dir: str | None = None, deepen: bool = True, warm_depth: int | None = None) -> DistillConfig:
         """The distillation config of one run: this recipe with the run's inputs (its data, teacher cache and
         output directory, the warm start, the minutes the deadline leaves, the run's target, device, dtype and
         threads) and what they imply: a warm start keeps its draft's vocabulary and trains at
-        `incremental_lr`; the generic baseline is a layer draft on plain CE. Validated whole."""
+        `incremental_lr` and (a head of this target version, `deepen`) one unroll step deeper than `warm_depth`,
+        the steps it was trained with; the generic baseline is a layer draft on plain CE. Validated whole."""
         update: dict[str, Any] = {
             "target": config.target, "draft": warm_start, "data": data.model_dump(), "teacher": teacher.model_dump(),
             "out_dir": str(out_dir), "device": config.device,
@@ -161,11 +163,18 @@ class NightlyTrain(DistillConfig):
             # `deepen` false: a warm start from a head trained for another target version, whose first position
             # the update undid (the demo's champion read 0.119 on its updated target): it retrains that first
             if warm_start and deepen and self.incremental_steps is not None:
-                update["eagle3"]["steps"] = self.incremental_steps
+                update["eagle3"]["steps"] = next_depth(warm_depth, self.incremental_steps)
             if warm_start and deepen and self.incremental_deep_share is not None:
                 update["eagle3"]["deep_share"] = self.incremental_deep_share
         raw = {**self.model_dump(exclude={"incremental_lr", "incremental_steps", "incremental_deep_share"}), **update}
         return DistillConfig.model_validate(raw)
+
+
+def next_depth(warm_depth: int | None, cap: int) -> int:
+    """The unroll a warm night trains: one step past its head's (a head of unknown depth counts as one), at
+    most `cap`; never shallower than the head, so a night cannot undo depth earlier nights trained."""
+    depth = max(1, warm_depth or 1)
+    return depth if depth >= cap else depth + 1
 
 
 def train_autocast(config: NightlyConfig) -> bool:

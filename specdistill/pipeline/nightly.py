@@ -230,10 +230,11 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | None, heldo
                              "champion and serving.json are unchanged")
         minutes = left
     # a warm start trained for this target version trains depth; one from before a target update its first position
-    trained_for = load_draft_meta(warm_start).get("target_fingerprint") if warm_start else None
+    warm_meta = load_draft_meta(warm_start) if warm_start else {}
+    trained_for = warm_meta.get("target_fingerprint")
     deepen = trained_for is None or trained_for == shared_model(config.target, dtype=config.dtype, device=config.device).fingerprint
     dcfg = tc.for_run(config, data=data, out_dir=out_dir, teacher=teacher, warm_start=warm_start, max_minutes=minutes,
-                      generic=generic, feature_dir=feature_dir, deepen=deepen)
+                      generic=generic, feature_dir=feature_dir, deepen=deepen, warm_depth=warm_meta.get("unroll_steps"))
     return distill_train.distill(dcfg, deadline)
 
 
