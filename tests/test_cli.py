@@ -439,6 +439,33 @@ def test_an_os_error_is_one_sentence_naming_the_path(code, words, capsys, monkey
     assert "Traceback" not in err and words in _strict_json(out)["error"].lower()
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_json_stdout_holds_the_one_object_whatever_a_library_or_child_writes_there(fails, capfd, monkeypatch):
+    """A monitor run that retrained printed nothing parseable: something on its way (MLflow's run links, a
+    child process) wrote to stdout first. With --json, stdout is the one object, at the file descriptor."""
+    import specdistill.cli.ops as ops
+    from specdistill.cli.common import emit
+
+    def noisy(args):
+        print("a library's print")
+        sys.stdout.write("🏃 View run at: http://127.0.0.1\n")
+        subprocess.run([sys.executable, "-c", "print('a child process on fd 1')"], check=True)
+        os.write(1, b"a C library on fd 1\n")
+        if fails:
+            raise ValueError("the command failed after all that")
+        emit(args, {"mode": "ngram"}, "text")
+        return 0
+
+    monkeypatch.setattr(ops, "cmd_serving_show", noisy)
+    assert main(["serving", "show", "--json"]) == (2 if fails else 0)
+    out, err = capfd.readouterr()
+    payload = _strict_json(out)
+    assert payload == ({"error": "the command failed after all that", "exit_code": 2} if fails else {"mode": "ngram"})
+    assert all(noise in err for noise in ("a library's print", "View run", "a child process", "a C library"))
+    print("after the command")  # stdout is stdout again
+    assert capfd.readouterr().out == "after the command\n"
+
+
 def _run_read_only(home: Path, argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
     """`specdistill ARGV` with the state directory read-only: its mode for a user, a read-only mount for root
     (which writes through any mode), in a mount namespace of its own."""

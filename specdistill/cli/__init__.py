@@ -13,7 +13,7 @@ import sys
 
 import specdistill  # noqa: F401  (sets the offline environment before anything else imports)
 from specdistill.cli import data, decode, distill, flows, models, ops
-from specdistill.cli.common import Parser, describe_error, fail
+from specdistill.cli.common import Parser, describe_error, fail, stdout_for_the_result
 
 GROUPS = (models, data, decode, distill, flows, ops)  # in the order `specdistill --help` lists them
 
@@ -37,10 +37,12 @@ def main(argv: list[str] | None = None) -> int:
         if exc.code not in (0, None) and "--json" in words and Parser.last_error:
             print(json.dumps({"error": Parser.last_error, "exit_code": exc.code}))
         raise
-    try:
-        return args.func(args)
-    except Exception as exc:
-        message = describe_error(exc)
-        if message is None:
-            raise
-        return fail(getattr(args, "json", False), message)
+    wants_json = getattr(args, "json", False)
+    with stdout_for_the_result(wants_json):
+        try:
+            return args.func(args)
+        except Exception as exc:
+            message = describe_error(exc)
+            if message is None:
+                raise
+            return fail(wants_json, message)

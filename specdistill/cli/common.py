@@ -4,10 +4,12 @@ and the `--threads` and `--db` options."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from specdistill import bounds
@@ -106,9 +108,49 @@ def emit(args: argparse.Namespace, payload: dict, text: str) -> None:
     """The command's result: `payload` as one JSON object with --json (stage outputs by their `to_dict`; a
     number that is not finite as null), else `text`."""
     if getattr(args, "json", False):
-        print(json.dumps(_finite(to_dict(payload)), default=str, allow_nan=False))
+        print_result(json.dumps(_finite(to_dict(payload)), default=str, allow_nan=False))
     else:
         print(text)
+
+
+_RESULT_STDOUT: list[tuple[int, object]] = []  # while a --json command runs: the real stdout (its fd, its stream)
+
+
+@contextlib.contextmanager
+def stdout_for_the_result(wants_json: bool) -> Iterator[None]:
+    """With --json, stdout carries the one JSON object and nothing else: what a library or a child process
+    writes there while the command runs (MLflow's run links, a server's log, a stray print) goes to stderr,
+    at the file descriptor, so a script's `json.loads(stdout)` holds for a monitor run that retrained too."""
+    if not wants_json:
+        yield
+        return
+    sys.stdout.flush()
+    saved = (os.dup(1), sys.stdout)
+    _RESULT_STDOUT.append(saved)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        yield
+    finally:
+        _RESULT_STDOUT.remove(saved)
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.close(saved[0])
+        sys.stdout = saved[1]
+
+
+def print_result(line: str) -> None:
+    """One line on the real stdout, also while `stdout_for_the_result` sends everything else to stderr."""
+    if not _RESULT_STDOUT:
+        print(line, flush=True)
+        return
+    fd, stream = _RESULT_STDOUT[-1]
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    try:
+        print(line, file=stream, flush=True)
+    finally:
+        os.dup2(2, 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -131,7 +173,7 @@ def fail(wants_json: bool, message: str, code: int = 2, *, line: str | None = No
     message = mask_secrets(message)
     print(mask_secrets(line) if line else f"specdistill: error: {message}", file=sys.stderr)
     if wants_json:
-        print(json.dumps({"error": message, "exit_code": code}))
+        print_result(json.dumps({"error": message, "exit_code": code}))
     return code
 
 
