@@ -50,8 +50,9 @@ def _nightly(config_path: str | None, overrides: list[str] | None, window_days: 
 
     fp = target.fingerprint
     champion = t.current_champion(config)
-    # training goes on from the champion, or from the newest draft of the kind being trained registered
-    # for this target version when there is none or it is of the other kind
+    # training goes on from the champion (or a newer draft that measured no worse beside it), or from the
+    # newest draft of the kind being trained registered for this target version when there is none or it
+    # is of the other kind
     start = t.training_start(config, fp, champion)
     warm_start = t.align_vocab(config, start)  # after a target update: the champion carried over to it
     same = start is not None and champion is not None and start.version == champion.version

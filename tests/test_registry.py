@@ -3,6 +3,7 @@
 import json
 import os
 import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -228,3 +229,41 @@ def test_with_no_champion_of_its_kind_training_restarts_from_the_newest_draft_of
     assert "target's weights" in line and "the champion, version 3, is a layers draft" in line
     line = nightly.started_from(WarmStart(previous.name, previous.version, previous.dir, previous.tags), champion)
     assert "version 2, the newest draft of this kind" in line and "is a layers draft" in line
+
+
+def test_a_newer_draft_benched_no_worse_than_the_champion_is_where_the_next_night_starts(draft_dir):
+    """A night that trained depth and read under the red line on harder prompts, yet no worse than the champion
+    on the same ones, is not thrown away: the next night goes on from it. Only a draft benched beside this
+    champion (its parent), of this target version and kind, and newer than it."""
+    from specdistill.pipeline import nightly
+    from specdistill.pipeline.config import load_nightly_config
+
+    layers = load_nightly_config(None, ["target_name=compound", "train.kind=layers"])
+    tags = {"target_fingerprint": "fp-a", "draft_kind": "layers"}
+    v1 = registry.register_draft(draft_dir, target_name="compound", tags={**tags, "gate_verdict": "pass"})
+    champion = nightly._registered(v1.name, registry.newest_version(v1.name))
+    worse = {**tags, "gate_verdict": "fail", "parent": "1", nightly.NO_WORSE_TAG: "false"}
+    registry.register_draft(draft_dir, target_name="compound", tags=worse)
+    assert nightly.training_start(layers, "fp-a", champion).version == "1"  # measured worse: the champion
+    registry.register_draft(draft_dir, target_name="compound", tags={**worse, nightly.NO_WORSE_TAG: "true"})
+    registry.register_draft(draft_dir, target_name="compound", tags={**worse, nightly.NO_WORSE_TAG: "true", "parent": "2"})
+    registry.register_draft(draft_dir, target_name="compound", tags={**worse, nightly.NO_WORSE_TAG: "true",
+                                                                     "target_fingerprint": "fp-b"})
+    start = nightly.training_start(layers, "fp-a", champion)
+    assert start.version == "3" and start.tags["gate_verdict"] == "fail"  # not 4 (another parent), not 5 (fp-b)
+    assert "version 3, the newest draft of this kind" in nightly.started_from(WarmStart(**vars(start)), champion)
+
+
+@pytest.mark.parametrize("challenger, champion, tau_held, expected", [
+    (0.489, 0.445, True, "true"), (0.489, 0.445, False, "false"), (0.40, 0.445, True, "false"), (0.5, None, True, "")])
+def test_no_worse_than_the_champion_reads_the_same_prompts_not_the_red_line(challenger, champion, tau_held, expected):
+    from specdistill.ops.policy import Check, GateVerdict, Role
+    from specdistill.pipeline import nightly
+
+    def result(first):
+        return types.SimpleNamespace(per_position_acceptance=[first], first_position_acceptance=first)
+
+    results = {Role.CHALLENGER: result(challenger), **({Role.CHAMPION: result(champion)} if champion else {})}
+    verdict = GateVerdict(False, [Check("first-position acceptance", False, challenger, 0.5, ""),
+                                  Check("accepted length vs champion", tau_held, 1.69, 1.64, "")])
+    assert nightly.no_worse_than_champion(results, verdict) == expected

@@ -255,14 +255,19 @@ def champion_of(config: NightlyConfig) -> Champion | None:
 
 
 def training_start(config: NightlyConfig, target_fingerprint: str, champion: Champion | None) -> Champion | None:
-    """Where tonight's training starts: the champion when it is a draft of the kind being trained, else
-    the newest draft of that kind registered for this very target version, gate passed or not. Without
-    the second, every failed gate sent the next night back to the target's weights, so nights did not
-    compound (DESIGN: night 2 on two nights' answers from scratch, 0.450 against 0.445), and so did a
-    champion of the other kind. It is a starting point only, never measured as a champion."""
-    if champion is not None and draft_kind(champion) == config.train.kind:
-        return champion
+    """Where tonight's training starts: the champion when it is a draft of the kind being trained (or a
+    newer draft benched beside it that measured no worse, `NO_WORSE_TAG`), else the newest draft of that
+    kind registered for this very target version, gate passed or not. Without the second, every failed
+    gate sent the next night back to the target's weights, so nights did not compound (DESIGN: night 2 on
+    two nights' answers from scratch, 0.450 against 0.445), and so did a champion of the other kind.
+    Without the first, a night that trained depth but read under the red line on harder prompts (0.489
+    there, the champion 0.445 on the same ones) was thrown away, and the next night trained the same
+    step again. It is a starting point only, never measured as a champion."""
     name = registry.model_name_for(config.target_name)
+    if champion is not None and draft_kind(champion) == config.train.kind:
+        newer = registry.newest_version(name, target_fingerprint=target_fingerprint, draft_kind=config.train.kind,
+                                        parent=champion.version, **{NO_WORSE_TAG: "true"})
+        return _registered(name, newer) if newer is not None and int(newer.version) > int(champion.version) else champion
     return _registered(name, registry.newest_version(name, target_fingerprint=target_fingerprint,
                                                      draft_kind=config.train.kind))
 
@@ -312,9 +317,25 @@ def register(config: NightlyConfig, target: TargetInfo, window: Window, trained:
               "gate_verdict": "pass" if verdict.passed else "fail", "parent": parent or "",
               FIRST_POSITION_TAG: f"{first_position(results[Role.CHALLENGER])[0] or 0.0:.4f}",  # the monitor's drift baseline
               SHAPE_GAMMA_TAG: str(results[Role.CHALLENGER].gamma), SHAPE_TREE_TAG: str(results[Role.CHALLENGER].tree_width),
+              NO_WORSE_TAG: no_worse_than_champion(results, verdict),
               **(warm_start.lineage_tags() if warm_start else {})},
         run_name=f"nightly-{window.key}",
     )
+
+
+NO_WORSE_TAG = "no_worse_than_champion"  # "true": benched beside the champion (its `parent`), no worse on the same prompts
+
+
+def no_worse_than_champion(results: dict[str, BenchResult], verdict: GateVerdict) -> str:
+    """"true" when the champion was measured beside the challenger on the same held-out prompts and the
+    challenger's first-position acceptance is at least the champion's and its τ within the gate's tolerance;
+    "" with no champion measured. A gate that fails only the absolute red line can still be "true"."""
+    champion = results.get(Role.CHAMPION)
+    if champion is None:
+        return ""
+    tau_held = all(c.passed for c in verdict.checks if c.name == "accepted length vs champion")
+    mine, theirs = first_position(results[Role.CHALLENGER])[0] or 0.0, first_position(champion)[0] or 0.0
+    return "true" if tau_held and mine >= theirs else "false"
 
 
 def promote(config: NightlyConfig, registered: RegisteredDraft, target: TargetInfo, expected_champion: str | None,
