@@ -59,7 +59,7 @@ def _monitor(config_path: str | None, overrides: list[str] | None, fingerprint: 
     clock.lap("start")
 
     sample = t.sample_acceptance(config, champion, change.current, deadline_at)
-    decision, why = mc.judge(config, sample, champion)
+    decision, why = mc.judge(config, sample, champion, change)
     outcome = MonitorOutcome(change, decision, champion=champion, sample=sample, decision_reason=why,
                              deadline_minutes=config.deadline_minutes,
                              measured_on=mc.measured_on(config))

@@ -124,6 +124,7 @@ def test_a_replay_reads_prompts_until_its_bound_settles_the_decision_or_its_time
     assert every.requests == 6 and every.stopped == "every usable prompt read (6 of at most 6)"
     straddled = replay_acceptance(target, str(clone), store, settle_lines=[1.0], min_prompts=3, **kw)
     assert straddled.requests == 6 and straddled.stopped.endswith("straddles 1.000, not settled")
+    assert settled.interval == [1.0, 1.0] and straddled.interval[0] <= straddled.first_position_acceptance <= straddled.interval[1]
     seen = []
     late = replay_acceptance(target, str(clone), store, settle_lines=[1.0], min_prompts=2, deadline=Deadline(0.0),
                              between_prompts=lambda: seen.append(1), **kw)

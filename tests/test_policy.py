@@ -197,6 +197,23 @@ def test_the_monitor_decides_on_first_position_acceptance_and_its_drop_since_reg
         assert f"α {sample['acceptance_rate']:.3f} at γ={sample['gamma']}" in why  # α beside it
 
 
+@pytest.mark.parametrize("interval, target_changed, expected", [
+    ([0.38, 0.56], False, "keep"),      # on its own target, the interval reaches the line: noise, not a drop
+    ([0.38, 0.56], True, "fallback"),   # after a target change the point estimate decides
+    ([0.30, 0.46], False, "fallback"),  # sure to be under the line: falls back on its own target too
+    (None, False, "fallback"),          # no interval (a live engine's counters): the point estimate
+])
+def test_on_its_own_target_a_champion_falls_back_only_when_the_replay_is_sure_it_is_under_the_line(
+        interval, target_changed, expected):
+    """The unchanged demo state fell back and retrained: its champion, gated at 0.500, read 0.47 on 12 other
+    prompts. A champion at the line reads under it on half of all replays by chance alone."""
+    sample = AcceptanceSample(ok=True, acceptance_rate=0.47, first_position_acceptance=0.47, gamma=1, interval=interval)
+    decision, why = judge_acceptance(sample, registered=0.5, target_changed=target_changed)
+    assert decision == expected, why
+    if expected == "keep":
+        assert "95% interval 0.380-0.560 reaches the line" in why and "unchanged" in why
+
+
 # --------------------------------------------------------------------------------------------
 # the serving choice and its no-slowdown guard
 

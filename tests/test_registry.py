@@ -251,7 +251,8 @@ def test_a_newer_draft_benched_no_worse_than_the_champion_is_where_the_next_nigh
                                                                      "target_fingerprint": "fp-b"})
     start = nightly.training_start(layers, "fp-a", champion)
     assert start.version == "3" and start.tags["gate_verdict"] == "fail"  # not 4 (another parent), not 5 (fp-b)
-    assert "version 3, the newest draft of this kind" in nightly.started_from(WarmStart(**vars(start)), champion)
+    line = nightly.started_from(WarmStart(**vars(start)), champion)
+    assert "version 3, newer than the champion (version 1) and no worse than it" in line and "gate fail" in line
 
 
 @pytest.mark.parametrize("challenger, champion, tau_held, expected", [

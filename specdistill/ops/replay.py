@@ -29,7 +29,7 @@ from specdistill.modeling.eagle3_io import is_eagle3_dir, read_config
 from specdistill.modeling.models import LoadedModel, resolve_model_dir, shared_model
 from specdistill.modeling.vocab import DraftVocab, check_vocab, vocab_mismatch
 from specdistill.ops.policy import DEFAULT_MARGIN, MIN_SERVED_PROMPTS, Candidate, fastest_mode
-from specdistill.ops.policy.sequential import MIN_REPLAY_PROMPTS, acceptance_settled, beaten, leader_settled
+from specdistill.ops.policy.sequential import MIN_REPLAY_PROMPTS, acceptance_interval, acceptance_settled, beaten, leader_settled
 from specdistill.speculative import (
     ModelDrafter,
     SpecStats,
@@ -107,6 +107,7 @@ class AcceptanceSample(Record):
     prompts_available: int = 0  # usable logged prompts it could have read (`requests` of them were)
     stopped: str = ""  # why it read no more: settled at 95%, its time budget, or every prompt read
     threads: str = ""  # the thread count it ran at and why (`speculative.threads.ThreadWatch.describe`)
+    interval: list[float] | None = None  # first-position acceptance's 95% interval over the prompts read (prompts resampled)
 
     def counts(self) -> DraftCounts:
         """Its raw counts, per position over the replay's γ (what the metrics exporter adds up)."""
@@ -226,6 +227,9 @@ def replay_acceptance(
     sample.proposed, sample.accepted, sample.generated_tokens = total.proposed, total.accepted, total.generated_tokens
     sample.accepted_per_position = (total.accepted_per_position + [0] * gamma)[:gamma]
     sample.per_position_acceptance = [a / total.rounds if total.rounds else 0.0 for a in sample.accepted_per_position]
+    if len(per_request) >= min_prompts:
+        bounds = acceptance_interval([s.rounds for s in per_request], [(s.accepted_per_position or [0])[0] for s in per_request])
+        sample.interval = list(bounds) if bounds else None
     sample.seconds = time.perf_counter() - start
     if total.proposed < min_draft_tokens:
         sample.reason = f"only {total.proposed} draft tokens proposed (minimum {min_draft_tokens})"

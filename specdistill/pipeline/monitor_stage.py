@@ -114,11 +114,14 @@ def _read_serving(config: MonitorConfig, metrics: SpecDecodeMetrics) -> ServingC
                                  "to serve without speculation until the nightly writes one)") from None
 
 
-def judge(config: MonitorConfig, sample: Sample, champion: Champion | None = None) -> tuple[Decision, str]:
+def judge(config: MonitorConfig, sample: Sample, champion: Champion | None = None,
+          change: TargetChange | None = None) -> tuple[Decision, str]:
     """(decision, why): keep, fallback, retrain or no-sample (`ops.policy.judge_acceptance`): the sampled
-    first-position acceptance against the red line, and against the champion's own at registration (its tag)."""
+    first-position acceptance against the red line, and against the champion's own at registration (its tag).
+    On the champion's own target (`change.drifted` false) only a replay sure to be under the line falls back."""
     return judge_acceptance(sample, config.red_line, registered=_registered(champion),
-                            max_relative_drop=config.max_relative_drop)
+                            max_relative_drop=config.max_relative_drop,
+                            target_changed=True if change is None else change.drifted)
 
 
 def _registered(champion: Champion | None) -> float | None:

@@ -293,6 +293,10 @@ def started_from(warm_start: WarmStart | None, champion: Champion | None, target
               if trained_for and target_fingerprint and trained_for != target_fingerprint else "")
     if warm_start is not None and champion is not None and warm_start.version == champion.version:
         return f"training started from the champion, version {warm_start.version}{across}"
+    if warm_start is not None and champion is not None and warm_start.tags.get(NO_WORSE_TAG) == "true":
+        return (f"training started from version {warm_start.version}, newer than the champion (version "
+                f"{champion.version}) and no worse than it on the prompts both were measured on (gate "
+                f"{warm_start.tags.get('gate_verdict', 'unknown')})")
     why = (f"the champion, version {champion.version}, is a {draft_kind(champion)} draft" if champion is not None
            else "there is no champion")
     if warm_start is None:

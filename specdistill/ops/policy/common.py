@@ -78,9 +78,13 @@ class Decision(StrEnum):
 
 
 def judge_acceptance(sample: Sample, red_line: float = RED_LINE, *, registered: float | None = None,
-                     max_relative_drop: float = MAX_RELATIVE_DROP) -> tuple[Decision, str]:
+                     max_relative_drop: float = MAX_RELATIVE_DROP, target_changed: bool = True) -> tuple[Decision, str]:
     """(decision, why) for a sample of the champion's acceptance; `registered` is the champion's own
-    first-position acceptance at registration, which a drop of more than `max_relative_drop` calls drift."""
+    first-position acceptance at registration, which a drop of more than `max_relative_drop` calls drift.
+    With the champion's own target still served (`target_changed` false), a replay whose 95% interval still
+    reaches the red line keeps it: a champion gated at 0.500 reads under the line on half of all 12-prompt
+    replays by chance alone (the unchanged demo state fell back and retrained on 0.47), and falling back
+    then would trade a gated draft for noise. After a target change the point estimate decides, as before."""
     if not sample.ok:
         return Decision.NO_SAMPLE, sample.reason or "no sample"
     first, source = first_position(sample)
@@ -89,6 +93,10 @@ def judge_acceptance(sample: Sample, red_line: float = RED_LINE, *, registered: 
     alpha, gamma = sample.acceptance_rate, sample.gamma
     at = f"γ={gamma}" if gamma else "the served γ"
     seen = f"{source} acceptance {first:.3f}" + (f" (α {alpha:.3f} at {at})" if alpha is not None and source == "first-position" else "")
+    interval = getattr(sample, "interval", None)  # a replay's; a live engine's counters carry none
+    if first < red_line and not target_changed and interval and interval[1] >= red_line:
+        return Decision.KEEP, (f"{seen} < red line {red_line:.2f}, but its 95% interval {interval[0]:.3f}-{interval[1]:.3f} "
+                               "reaches the line and the champion's target is unchanged: no evidence it fell under")
     if first < red_line:
         return Decision.FALLBACK, f"{seen} < red line {red_line:.2f}"
     if registered and first < registered * (1.0 - max_relative_drop):
