@@ -51,16 +51,23 @@ def _not_text(tok) -> list[int]:
             or i in tok.all_special_ids]
 
 
-def _least_likely_text(target, prompt_ids: list[int], n: int = 10) -> str:
-    """The target's least likely next token, n times: text it would never write."""
+def _decode_by_rank(target, prompt_ids: list[int], n: int, rank: int) -> str:
+    """n tokens, each the target's `rank`-th likeliest text token next (0 its greedy choice, -1 its least
+    likely); byte and special tokens never picked."""
     ids = list(prompt_ids)
     bad = _not_text(target.tokenizer)
     with torch.no_grad():
         for _ in range(n):
             logits = target.model(torch.tensor([ids])).logits[0, -1].clone()
-            logits[bad] = float("inf")
-            ids.append(int(logits.argmin()))
+            logits[bad] = float("-inf") if rank >= 0 else float("inf")
+            order = logits.argsort(descending=rank >= 0, stable=True)
+            ids.append(int(order[rank if rank >= 0 else -rank - 1]))
     return target.tokenizer.decode(ids[len(prompt_ids):])
+
+
+def _least_likely_text(target, prompt_ids: list[int], n: int = 10) -> str:
+    """The target's least likely next token, n times: text it would never write."""
+    return _decode_by_rank(target, prompt_ids, n, rank=-1)
 
 
 def _openai(question: str, answer: str, model: str) -> dict:
@@ -142,14 +149,7 @@ def test_own_logged_answers_are_not_decoded_again_and_the_report_counts_every_ki
 
 def _runner_up_text(target, prompt_ids: list[int], n: int = 8) -> str:
     """The target's second most likely next token, n times: text it samples, never its greedy answer."""
-    ids = list(prompt_ids)
-    bad = _not_text(target.tokenizer)
-    with torch.no_grad():
-        for _ in range(n):
-            logits = target.model(torch.tensor([ids])).logits[0, -1].clone()
-            logits[bad] = float("-inf")
-            ids.append(int(logits.topk(2).indices[1]))
-    return target.tokenizer.decode(ids[len(prompt_ids):])
+    return _decode_by_rank(target, prompt_ids, n, rank=1)
 
 
 def test_claimed_answers_are_held_to_the_text_the_target_writes_at_the_requests_temperature(target_dir, tmp_path):
