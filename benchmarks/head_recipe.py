@@ -21,24 +21,18 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
+from common import answer, log
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from data_sources import answer, log  # noqa: E402
-
-import specdistill  # noqa: E402,F401  (offline environment)
-from specdistill.data.datasets import sharegpt_first_turns  # noqa: E402
-from specdistill.distill.config import DataConfig, TeacherConfig  # noqa: E402
-from specdistill.distill.train import distill  # noqa: E402
-from specdistill.hardware import describe_device  # noqa: E402
-from specdistill.modeling.models import load_model  # noqa: E402
-from specdistill.pipeline.config import load_nightly_config  # noqa: E402
+from specdistill.data.datasets import sharegpt_first_turns
+from specdistill.distill.config import DataConfig, TeacherConfig
+from specdistill.distill.train import distill
+from specdistill.hardware import describe_device
+from specdistill.modeling.models import load_model
+from specdistill.pipeline.config import load_nightly_config
 
 
 def seen_prompts(paths: list[Path]) -> set[str]:
@@ -110,7 +104,7 @@ def main() -> None:
         variants[name] = [x for x in rest.split(",") if x]
     target = load_model("demo", dtype=args.dtype)
     prompts = heldout_prompts(target.tokenizer, args)
-    answer(work, target, "heldout", prompts, args, record=False)
+    answer(work, target, "heldout", prompts, batch_size=args.batch, max_new_tokens=args.max_new_tokens, record=False)
     heldout = work / "heldout" / "train_generated.jsonl"
     del target
     results = {"cpu": describe_device("cpu"), "args": vars(args), "variants": {}}

@@ -12,7 +12,7 @@ repeats. Tokens per CPU-second (the process's own CPU time) is printed beside it
 machine wall time also counts other people's work. Also reports how many bf16 outputs are
 token-identical to the fp32 ones.
 
-    python benchmarks/dtype_speed.py --prompts 16 --max-new-tokens 64 --repeats 3 --threads 1 --unpacked
+    python benchmarks/experiments/dtype_speed.py --prompts 16 --max-new-tokens 64 --repeats 3 --threads 1 --unpacked
 """
 
 from __future__ import annotations

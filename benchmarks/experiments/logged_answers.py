@@ -1,6 +1,6 @@
 """A night over an OpenAI-format log that names the current target: its answers are used as they are.
 
-    python benchmarks/logged_answers.py --served ANSWERS.jsonl [--work DIR] [--claimed-wrong 32] [--other 256]
+    python benchmarks/experiments/logged_answers.py --served ANSWERS.jsonl [--work DIR] [--claimed-wrong 32] [--other 256]
 
 The log (written here, then ingested like any traffic):
   - every answer in --served (an earlier run's target answers, e.g. a demo's train_generated.jsonl) as
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 SERVED_NAME = "SmolLM2-135M-Instruct"
 

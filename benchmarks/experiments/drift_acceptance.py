@@ -1,7 +1,7 @@
 """The drift scenario in numbers: is the updated target still a good model, does the champion's
 acceptance fall below the red line against it, and does incremental distillation bring it back?
 
-    OMP_NUM_THREADS=1 python benchmarks/drift_acceptance.py [--work DIR] [--steps N] [--lr LR]
+    OMP_NUM_THREADS=1 python benchmarks/experiments/drift_acceptance.py [--work DIR] [--steps N] [--lr LR]
         [--drafts 0-13+16-29] [--recover-steps 30]
 
 1. The target update (`specdistill.ops.drift.make_target_update`, cached in --work per steps and lr).

@@ -14,7 +14,7 @@ is printed beside it, since on a shared machine wall time also counts other peop
 is "forward only": answer tokens over the wall time spent inside the model's forward. Also
 reports how many answers are token-identical to the old loop's in the same dtype and to fp32's.
 
-    python benchmarks/answer_loop.py --prompts 32 --rounds 3 --threads 2
+    python benchmarks/experiments/answer_loop.py --prompts 32 --rounds 3 --threads 2
 
 Measured before `decode_batch` with `--threads 1` on the 2-core CPU while it was shared (load
 average 5.4-6.8): fp32 53.9, bf16 109.5, bf16 through SDPA instead of decode attention 89.9 answer

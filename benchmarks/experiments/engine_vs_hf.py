@@ -10,8 +10,8 @@ re-scored by the target in fp32), for transformers' methods as for ours.
 Run it in both dtypes (every number depends on the dtype: on a CPU with AVX-512 BF16 a bf16 decode
 step is faster and a k-token verification costs about one step, against 1.5-2 steps in fp32):
 
-    python benchmarks/engine_vs_hf.py --dtype bfloat16 --prompts 20 --max-new-tokens 32 --repeats 2 --gamma 3
-    python benchmarks/engine_vs_hf.py --dtype float32 --prompts 20 --max-new-tokens 32 --repeats 2 --gamma 3
+    python benchmarks/experiments/engine_vs_hf.py --dtype bfloat16 --prompts 20 --max-new-tokens 32 --repeats 2 --gamma 3
+    python benchmarks/experiments/engine_vs_hf.py --dtype float32 --prompts 20 --max-new-tokens 32 --repeats 2 --gamma 3
 
 Our methods run through `specdistill.speculative.harness_bench.run_bench_many` (the library's rotating order,
 shared target-only run, per-repeat medians, lossless check, α, τ and measured c). transformers'
@@ -34,7 +34,8 @@ ours-draft-tree is the same draft at the same γ with our engine's tree verifica
 W: the chain plus the draft's W-1 runner-ups for the first position, one target forward), which
 transformers' assisted generation does not have.
 
-    python benchmarks/engine_vs_hf.py --dtype bfloat16 --draft DIR --methods ours-base,hf-base,ours-draft,hf-assisted,ours-draft-rv
+    python benchmarks/experiments/engine_vs_hf.py --dtype bfloat16 --draft DIR \\
+        --methods ours-base,hf-base,ours-draft,hf-assisted,ours-draft-rv
 
 With the demo's trained 4-layer draft (α 0.12, c 0.23 full head / 0.17 reduced), bf16, 1 thread,
 10 prompts × 48 tokens, γ 3, load average 6-8: ours-draft / hf-assisted 0.97x, ours-draft-rv /

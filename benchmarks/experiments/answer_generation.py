@@ -22,7 +22,7 @@ people's work. Agreement with the harness's bf16 answers (the nightly's default 
 identical answers, and the mean common prefix in tokens (its share of the bf16 answers' tokens: how
 much of the training data is the same up to the first divergence); identical to fp32 beside it.
 
-    python benchmarks/answer_generation.py --prompts 32 --rounds 3 --threads 2 --llamacpp Q4_1,F16
+    python benchmarks/experiments/answer_generation.py --prompts 32 --rounds 3 --threads 2 --llamacpp Q4_1,F16
 
 Measured with `--threads 1` on the 2-core CPU while it was shared (load average 5.4-6.8): fp32
 53.9, bf16 109.5, bf16 through SDPA 89.9 answer tokens/s (decode attention 1.10x wall, 1.04x per
@@ -60,7 +60,7 @@ neither checkout finished a round in 400 s (two OpenMP threads on a machine with
 All four answer engines in one run, 2026-12-01 19:40-19:44 UTC (the 2-core AMD EPYC with AVX-512 BF16,
 load average 1.2-3.9 from niced tests beside it), 2 threads:
 
-    python benchmarks/answer_generation.py --prompts 32 --rounds 2 --threads 2 --harness float32,bfloat16 \
+    python benchmarks/experiments/answer_generation.py --prompts 32 --rounds 2 --threads 2 --harness float32,bfloat16 \
         --llamacpp Q4_1 --vllm bfloat16
 
     variant           tokens/s (median)  tokens/CPU-s            per round  same as bf16  common prefix (share)  same as fp32

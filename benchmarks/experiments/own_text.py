@@ -1,6 +1,6 @@
 """Which test tells the target's own text from imitations and noise? Measured on the demo target.
 
-    python benchmarks/own_text.py --answers ANSWERS.jsonl [--n 48] [--dtype auto]
+    python benchmarks/experiments/own_text.py --answers ANSWERS.jsonl [--n 48] [--dtype auto]
 
 ANSWERS.jsonl: a demo state's decoded answers (`.specdistill/nightly/data/*/train_generated.jsonl`): the
 target's greedy answers. Beside them, answers to the same prompts that the target samples now at
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 CHINESE = ["感谢您的提问！作为一个人工智能助手，我很乐意为您提供帮助。如果您有任何其他问题，请随时告诉我。",
            "以下是关于该主题的详细说明：首先，我们需要了解基本概念；其次，我们需要分析相关因素；最后，我们可以得出结论。",

@@ -1,6 +1,6 @@
 """Epoch time with the offline teacher cache vs the online teacher, side by side in one process.
 
-    python benchmarks/teacher_cache_speed.py [--work DIR] [--examples 24] [--repeats 3]
+    python benchmarks/experiments/teacher_cache_speed.py [--work DIR] [--examples 24] [--repeats 3]
 
 Uses the target-generated answers and the recorded top-k cache that `distill_budget.py` wrote in
 --work (run its prepare phase first). One "epoch" is a pass over --examples training examples
@@ -26,7 +26,7 @@ from specdistill.modeling.drafts import init_draft_from_target, parse_layers
 from specdistill.modeling.models import load_model
 from specdistill.modeling.vocab import DraftVocab
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:

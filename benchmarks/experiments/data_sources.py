@@ -1,6 +1,6 @@
 """Learning curve by data source: what a CPU-minute of data buys the EAGLE-3 head, on the demo target.
 
-    python benchmarks/data_sources.py [--work DIR] [--data-minutes 6] [--train-steps 1000] [--only a,c,...]
+    python benchmarks/experiments/data_sources.py [--work DIR] [--data-minutes 6] [--train-steps 1000] [--only a,c,...]
 
 Sources, each bought with the same --data-minutes of this machine's CPU (rates measured here, side by
 side, in phase 2), then the same training (--train-steps, the recipe the nightly uses):
@@ -38,21 +38,19 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import specdistill  # noqa: E402,F401  (offline environment)
+from benchmarks.common import answer, answer_caches, log  # noqa: E402
 from specdistill.data.datasets import sharegpt_first_turns  # noqa: E402
-from specdistill.data.prompts import Prompt, encode_chat  # noqa: E402
-from specdistill.distill.config import DataConfig, Eagle3Config, TeacherConfig  # noqa: E402
+from specdistill.data.prompts import encode_chat  # noqa: E402
+from specdistill.distill.config import DataConfig, TeacherConfig  # noqa: E402
 from specdistill.distill.examples import Example, encode_conversation, read_done  # noqa: E402
-from specdistill.distill.features import FEATURE_META, FeatureCache  # noqa: E402
+from specdistill.distill.features import FEATURE_META  # noqa: E402
 from specdistill.distill.prefill import label_by_prefill  # noqa: E402
-from specdistill.distill.teacher import TeacherCache  # noqa: E402
 from specdistill.distill.train import distill  # noqa: E402
 from specdistill.hardware import describe_device  # noqa: E402
-from specdistill.modeling.eagle3 import default_aux_layers  # noqa: E402
 from specdistill.modeling.models import load_model  # noqa: E402
-from specdistill.pipeline.answers.harness import generate_answers  # noqa: E402
 from specdistill.pipeline.config import load_nightly_config  # noqa: E402
 
 ARMS = {
@@ -61,10 +59,6 @@ ARMS = {
     "c": "a + other models' responses (prefill)",
     "c1": "other models' responses only (prefill)",
 }
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def select(tok, args) -> dict:
@@ -81,27 +75,6 @@ def select(tok, args) -> dict:
     split = {"heldout": pool[: args.heldout], "train": pool[args.heldout:]}
     path.write_text(json.dumps(split, ensure_ascii=False))
     return split
-
-
-def caches(directory: Path, target, k: int = 32) -> tuple[TeacherCache, FeatureCache]:
-    teacher = TeacherCache.create(directory / "teacher_cache", fingerprint=target.fingerprint, k=k, temperature=1.0,
-                                  vocab="full", data=directory.name)
-    features = FeatureCache.create(directory / "features", fingerprint=target.fingerprint,
-                                   layers=default_aux_layers(target.model.config.num_hidden_layers),
-                                   data=directory.name, prompt_context=Eagle3Config().prompt_context)
-    return teacher, features
-
-
-def answer(work: Path, target, name: str, prompts: list[dict], args, *, record: bool = True) -> tuple[dict, float]:
-    """The target's greedy answers (with teacher and features when `record`), resumable; (records, seconds)."""
-    directory = work / name
-    directory.mkdir(parents=True, exist_ok=True)
-    teacher, features = caches(directory, target) if record else (None, None)
-    t0 = time.time()
-    done = generate_answers(target.model, target.tokenizer, [Prompt(id=p["id"], messages=p["prompt"]) for p in prompts],
-                            directory / "train_generated.jsonl", batch_size=args.batch, max_new_tokens=args.max_new_tokens,
-                            teacher_cache=teacher, feature_cache=features)
-    return done, time.time() - t0
 
 
 def labelled_examples(tok, prompts: list[dict], texts: dict[str, str], max_tokens: int, suffix: str) -> list[tuple[dict, Example]]:
@@ -131,7 +104,7 @@ def label(work: Path, target, name: str, pairs: list[tuple[dict, Example]], args
     path = directory / "train_generated.jsonl"
     done = read_done(path)
     todo = [(r, ex) for r, ex in pairs if r["id"] not in done]
-    teacher, features = caches(directory, target)
+    teacher, features = answer_caches(directory, target)
     t0 = time.time()
     with open(path, "a", encoding="utf-8") as f:
         for begin in range(0, len(todo), 256):
@@ -158,7 +131,7 @@ def rates(work: Path, target, split: dict, args) -> dict:
     for rep in range(3):
         batch = prompts[rep * args.batch : (rep + 1) * args.batch]
         scratch = work / f"rates-{rep}"
-        done, seconds = answer(work, target, scratch.name, batch, args)
+        done, seconds = answer(work, target, scratch.name, batch, batch_size=args.batch, max_new_tokens=args.max_new_tokens)
         decode.append(sum(len(r["response_ids"]) for r in done.values()) / seconds)
         pairs = labelled_examples(tok, batch, {p["id"]: p["answer"] for p in batch}, args.label_max_tokens, "~log")
         records, seconds = label(work, target, scratch.name + "-label", pairs, args)
@@ -251,14 +224,15 @@ def main() -> None:
         f"prefill labels {r['prefill_tokens_per_s']:.0f} tokens/s")
     budget = args.data_minutes * 60
     decode_tokens, prefill_tokens = r["decode_tokens_per_s"] * budget, r["prefill_tokens_per_s"] * budget
-    heldout_done, _ = answer(work, target, "heldout", split["heldout"], args, record=False)
+    heldout_done, _ = answer(work, target, "heldout", split["heldout"], batch_size=args.batch,
+                             max_new_tokens=args.max_new_tokens, record=False)
     heldout = work / "heldout" / "train_generated.jsonl"
 
     train_prompts = split["train"][: -args.batch * 3]
     mean_answer = 80  # answer tokens per prompt, to size what each source needs before measuring it
     n_decode = int(decode_tokens / mean_answer * 1.2)
     regen_prompts, rest = train_prompts[:n_decode], train_prompts[n_decode:]
-    regen, _ = answer(work, target, "regenerated", regen_prompts, args)
+    regen, _ = answer(work, target, "regenerated", regen_prompts, batch_size=args.batch, max_new_tokens=args.max_new_tokens)
     regen = [regen[p["id"]] for p in regen_prompts if p["id"] in regen]
     # the store's logged answers of the current target: its greedy answers to other prompts (--served: an
     # earlier run's answers file; production paid their decoding when it served them), labelled again by

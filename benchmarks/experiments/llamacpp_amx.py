@@ -14,7 +14,7 @@ and serves the demo target's own Q4_1 GGUF with each, on loopback, the two serve
 
 Rounds are interleaved (the order alternates), median over rounds; the ratio is AMX / no-AMX.
 
-    python benchmarks/llamacpp_amx.py --rounds 3 --threads 2
+    python benchmarks/experiments/llamacpp_amx.py --rounds 3 --threads 2
 
 2026-12-02 04:48 UTC, 2-core Intel Xeon with AMX and AVX-512 BF16 (`amx_tile amx_int8 amx_bf16`),
 quiet, GCC 12.2 with the ldtilecfg patch (`engines.build.SOURCE_PATCHES`; without it the AMX build

@@ -1,6 +1,6 @@
 """Night after night: an EAGLE-3 head trained on the answer pool against one trained on each night's window alone.
 
-    python -m benchmarks.nights [--work DIR] [--nights 4] [--prompts 1024] [--minutes 3] [--threads 1]
+    python -m benchmarks.experiments.nights [--work DIR] [--nights 4] [--prompts 1024] [--minutes 3] [--threads 1]
 
 N simulated nights over disjoint windows of the shipped ShareGPT traffic (first user turns, shuffled
 once; the held-out prompts are disjoint from every window). Each night the bf16 target answers its
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 import specdistill  # noqa: F401  (offline environment)
-from benchmarks.distill_budget import log, select_prompts, write_jsonl
+from benchmarks.experiments.distill_budget import log, select_prompts, write_jsonl
 from specdistill.data.prompts import Prompt
 from specdistill.distill.config import DataConfig, DistillConfig, Eagle3Config, LossConfig, OptimConfig, TeacherConfig
 from specdistill.distill.examples import read_done, read_examples
@@ -42,7 +42,7 @@ from specdistill.modeling.eagle3 import default_aux_layers
 from specdistill.modeling.models import load_model, resolve_dtype
 from specdistill.pipeline.answers.harness import generate_answers
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def answer_night(args, target, night: int, prompts: list[dict]) -> dict:

@@ -1,7 +1,7 @@
 """Held-out acceptance of distilled drafts against training budget, on the demo target and ShareGPT.
 
-    python benchmarks/distill_budget.py [--work DIR] [--minutes M] [--only NAME|...]
-    python benchmarks/distill_budget.py --long-minutes 60 --extra-train-prompts 600   # the 60-minute run
+    python benchmarks/experiments/distill_budget.py [--work DIR] [--minutes M] [--only NAME|...]
+    python benchmarks/experiments/distill_budget.py --long-minutes 60 --extra-train-prompts 600   # the 60-minute run
 
 Phases (each cached in --work, so a rerun or a resume after a kill never redoes them):
   1. prompts: first-turn ShareGPT prompts, shuffled once, split into train and held-out (disjoint).
@@ -38,7 +38,7 @@ from specdistill.modeling.models import load_model
 from specdistill.modeling.vocab import build_draft_vocab
 from specdistill.pipeline.answers.harness import generate_answers
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def log(msg: str) -> None:

@@ -1,7 +1,7 @@
 """EAGLE-3 head training throughput: each change of the profile measured against the code before it.
 
-    python benchmarks/train_throughput.py --data DIR [--work DIR] [--repeats 5] [--steps 6] [--quality-steps 150]
-    scripts/as_avx2.sh .venv/bin/python benchmarks/train_throughput.py --data DIR   # as an AVX2-only CPU (fp32)
+    python benchmarks/experiments/train_throughput.py --data DIR [--work DIR] [--repeats 5] [--steps 6] [--quality-steps 150]
+    scripts/as_avx2.sh .venv/bin/python benchmarks/experiments/train_throughput.py --data DIR   # as an AVX2-only CPU (fp32)
 
 DIR holds a night's training data as the answer pass writes it: train_generated.jsonl, teacher_cache/
 and features/ (the demo's: .specdistill/nightly/data/<key>/); it is only read (its feature shards are

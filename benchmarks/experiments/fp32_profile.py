@@ -10,7 +10,7 @@ output head only, or every projection. Numerics: the packed GEMM rounds differen
 the last bits (as `F.linear` itself does between row counts), so each variant's greedy answers to the
 same prompts are compared with plain fp32's, token for token, and its logits' largest difference is shown.
 
-    scripts/as_avx2.sh .venv/bin/python benchmarks/fp32_profile.py --rows 1,16 --threads 2
+    scripts/as_avx2.sh .venv/bin/python benchmarks/experiments/fp32_profile.py --rows 1,16 --threads 2
 
 Steps are timed in interleaved rounds (median of per-round medians); run it alone on the machine.
 

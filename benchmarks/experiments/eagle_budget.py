@@ -1,6 +1,6 @@
 """EAGLE-3 head against the layer-extracted draft at equal CPU minutes and equal unique data.
 
-    python benchmarks/eagle_budget.py [--work DIR] [--minutes 2,5,15] [--phase prepare|all]
+    python benchmarks/experiments/eagle_budget.py [--work DIR] [--minutes 2,5,15] [--phase prepare|all]
 
 Phases (each cached in --work, so a rerun or a resume after a kill never redoes them):
   1. prompts: first-turn ShareGPT prompts, shuffled once, split into train and held-out (disjoint).
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 import specdistill  # noqa: F401  (offline environment)
-from benchmarks.distill_budget import log, run_config, select_prompts, write_jsonl
+from benchmarks.experiments.distill_budget import log, run_config, select_prompts, write_jsonl
 from specdistill.data.prompts import Prompt
 from specdistill.distill.examples import read_examples
 from specdistill.distill.features import FeatureCache, build_feature_cache
@@ -40,7 +40,7 @@ from specdistill.modeling.models import load_model
 from specdistill.modeling.vocab import DraftVocab, build_draft_vocab
 from specdistill.pipeline.answers.harness import generate_answers
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def prepare(args) -> dict:
