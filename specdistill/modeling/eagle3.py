@@ -171,8 +171,6 @@ class Eagle3Layer(nn.Module):
 class Eagle3Draft(nn.Module):
     """The head. `forward` drafts with a KV cache; `unroll` is the training-time-test pass."""
 
-    unroll_sdpa = False  # step 0 of `unroll` by SDPA, as before the profile (benchmarks/train_throughput.py)
-
     def __init__(self, config: LlamaConfig, embed_tokens: nn.Embedding):
         super().__init__()
         if embed_tokens.weight.shape != (config.vocab_size, config.hidden_size):
@@ -290,10 +288,8 @@ class Eagle3Draft(nn.Module):
             else:
                 diag_keys.append(k)
                 diag_values.append(v)
-            if j == 0 and self.unroll_sdpa:
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
-            else:  # matmuls: SDPA's CPU kernel is ~3x slower here in bf16, forward and backward
-                o = _unrolled_attention(q, keys0, values0, key_mask, diag_keys, diag_values, attn.head_dim**-0.5)
+            # matmuls, step 0 too: SDPA's CPU kernel is ~3x slower here in bf16, forward and backward
+            o = _unrolled_attention(q, keys0, values0, key_mask, diag_keys, diag_values, attn.head_dim**-0.5)
             if j == 0 and alignment is not None:
                 projected = hidden
             hidden = layer.finish(hidden, attn.out(o))
