@@ -27,7 +27,7 @@ def _monitor_overrides(traffic: Path, *nightly: str) -> list[str]:
 @pytest.fixture(scope="module")
 def updated_demo(tmp_path_factory) -> Path:
     """The demo target, updated: top layers tuned on code, domain tokens added. A strong update (lr 1e-3) so the drop
-    is far below the red line on any CPU; the fluent default (2e-4) is measured by benchmarks/drift_acceptance.py.
+    is far below the red line on any CPU; the fluent default (2e-4) is measured by benchmarks/experiments/drift_acceptance.py.
     Made once for the module's scenarios (each registers it in its own state directory)."""
     from specdistill.ops.drift import make_target_update
 

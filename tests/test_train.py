@@ -287,7 +287,7 @@ def test_batches_and_teacher_rows_move_together():
 
 
 def test_batch_loss_is_the_same_with_the_online_teacher_and_a_full_cache(tmp_path):
-    """The public one-batch loss (what benchmarks/teacher_cache_speed.py times), on a tiny random target."""
+    """The public one-batch loss (what benchmarks/experiments/teacher_cache_speed.py times), on a tiny random target."""
     from specdistill.distill.examples import Example, collate
     from specdistill.distill.layer_task import DraftWithHead, batch_loss
     from specdistill.distill.teacher import OnlineTeacher

@@ -91,7 +91,7 @@ class Eagle3Config(Strict):
     align_weight: float = Field(0.0, ge=0.0, le=100.0)
     eval_steps: Gamma = 4  # held-out acceptance at draft positions 1..eval_steps
     # prompt positions stored before each training answer (None: the whole prompt); 0 by measurement: as
-    # good or better held-out acceptance per CPU-minute, 2.4x less disk (benchmarks/eagle_budget.py)
+    # good or better held-out acceptance per CPU-minute, 2.4x less disk (benchmarks/experiments/eagle_budget.py)
     prompt_context: count(bounds.MAX_SEQUENCE, low=0) | None = 0
     feature_dir: str | None = None  # default: <out_dir>/features
     # held-out features, always evaluated as served (whole prompt): default <feature_dir>-heldout (written

@@ -1,7 +1,7 @@
 """The answer pool: every night's target answers for one target version, kept so the draft keeps learning.
 
 The draft is data-limited (+0.075 first-position acceptance per doubling of unique answer tokens in
-`benchmarks/eagle_budget.py`) while one night answers one window. A pool, keyed by the target
+`benchmarks/experiments/eagle_budget.py`) while one night answers one window. A pool, keyed by the target
 fingerprint, lists each night's train answers, teacher cache and EAGLE-3 feature cache (left where the
 answer stage wrote them) in `pool.json`. A night trains on a `PoolView`: the pool's answers newest
 first, a duplicate prompt once (its newest answer), capped by an answer-token budget, the new night's

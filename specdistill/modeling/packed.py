@@ -5,7 +5,7 @@ most of the work for the few rows of a decode step: on the 2-core AVX-512-BF16 C
 [576, 1536]` took 62 µs through `F.linear` and 34 µs with the weight reordered once and reused; the
 demo target's 49k-token head 3.8 ms against 2.2 ms. Whole bf16 decode steps ran 1.40x (1 row),
 1.34x (5 rows) and 1.23x (16 rows) faster with bit-identical logits (the same oneDNN kernels).
-`benchmarks/dtype_speed.py` and `benchmarks/answer_generation.py` measure the effect.
+`benchmarks/experiments/dtype_speed.py` and `benchmarks/experiments/answer_generation.py` measure the effect.
 
 Only bf16: oneDNN's fp32 results differ from MKL's in the last bits and by row count, which would
 break fp32's exact-equality lossless check. A packed layer is still an `nn.Linear`; it falls back

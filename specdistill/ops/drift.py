@@ -7,7 +7,7 @@ loss on the assistant turns only: the update changes how the target answers, not
 prompts. The champion draft was distilled against the old target, so its acceptance against the new
 one drops, and its vocabulary no longer covers the target's: both are what the monitor must notice.
 
-The default learning rate is measured (benchmarks/drift_acceptance.py, 30 steps on the demo target,
+The default learning rate is measured (benchmarks/experiments/drift_acceptance.py, 30 steps on the demo target,
 the 28-layer champion of tests/test_monitor_flow.py, bf16, γ=4): the smallest lr of 1e-4, 2e-4,
 3e-4, 1e-3 that takes the champion's acceptance below the red line (0.577 -> 0.275 at 2e-4) while
 the updated target stays a good model: its loss on held-out ShareGPT answers (chat it never trained

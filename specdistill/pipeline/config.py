@@ -103,7 +103,7 @@ class NightlyTrain(DistillConfig):
 
     is_recipe: ClassVar[bool] = True
 
-    kind: DraftKind = "eagle3"  # the better kind per CPU-minute (benchmarks/eagle_budget.py)
+    kind: DraftKind = "eagle3"  # the better kind per CPU-minute (benchmarks/experiments/eagle_budget.py)
     data: DataConfig | None = None  # the night's answers (`for_run`)
     teacher: TeacherConfig = TeacherConfig(mode="cache")  # the night's teacher cache (`for_run`)
     optim: NightlyOptim = NightlyOptim()

@@ -24,7 +24,7 @@ class LoggedConfig(Strict):
     own: bool = True
     # off by default: in the demo's budget (2048 prompts, 3.5 of the answers' 7 minutes labelling 1,789 ChatGPT
     # responses, 3 training minutes) the head reached 0.435 against 0.446 on decoded answers alone; it pays
-    # where decoded answers run out (benchmarks/data_sources.py: 0.391 against 0.359 on 3 data-minutes)
+    # where decoded answers run out (benchmarks/experiments/data_sources.py: 0.391 against 0.359 on 3 data-minutes)
     other: bool = False
     served_names: dict[str, str] = {}
     max_share: float = Field(0.5, ge=0.0, le=1.0)

@@ -1,7 +1,7 @@
 """Stage: which engine answers the night's prompts (`generation.backend: auto`), measured on this machine.
 
 Which engine answers fastest is a fact about the machine, not a setting: on the 2-core AVX-512 BF16 CPU the
-harness answered 257.7 tokens/s in bf16 and 85.7 in fp32, llama.cpp's Q4_1 147.9 (`benchmarks/answer_generation.py`),
+harness answered 257.7 tokens/s in bf16 and 85.7 in fp32, llama.cpp's Q4_1 147.9 (`benchmarks/experiments/answer_generation.py`),
 so a CPU without native bf16 may answer faster through llama.cpp. The probe answers the same first train
 prompts (one batch, `generation.max_new_tokens` new tokens each, as the stage asks) in every engine at hand, recording the teacher as the
 stage does; for an EAGLE-3 head an engine's answers also cost the harness's teacher-forced feature pass over

@@ -63,7 +63,7 @@ def own_names(served_names: dict[str, str], target_ref: str, fingerprint: str) -
     return served_name_periods(fingerprint, mapped)
 
 
-# what the target's own text is held to (`own_text_check`; measured in benchmarks/own_text.py)
+# what the target's own text is held to (`own_text_check`; measured in benchmarks/experiments/own_text.py)
 GREEDY_MIN = 0.9  # a greedy request: share of tokens at (or within NEAR_TIE of) the target's top choice
 Z_MIN = -3.0  # a sampled request: the sampled z at the request's temperature (its own samples: about N(0, 1))
 TOP_K_MIN = 0.5  # a sampled request: share of tokens among the target's TOP_K (its samples at T=1: p5 0.64; noise 0.23)
@@ -80,7 +80,7 @@ def own_text_check(stats: Labelled, temperature: float | None) -> str | None:
     engine or dtype served it); else held to the likelihood of the target's own samples at that
     temperature (`sampled_z`, which must have been taken there; None: as at temperature 1, the most the
     target's own samples are allowed) and to a share of its top-k that its own samples reach. Measured
-    on the demo target in benchmarks/own_text.py (docs/data.md)."""
+    on the demo target in benchmarks/experiments/own_text.py (docs/data.md)."""
     if temperature is not None and temperature <= 0:
         return NOT_GREEDY if stats.near_greedy_share < GREEDY_MIN else None
     if stats.top_k_share < TOP_K_MIN:
