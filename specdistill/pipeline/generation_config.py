@@ -53,7 +53,7 @@ class GenerationConfig(Strict):
     # and training uses what was written (bf16 answers the demo's 1024 in ~6 min; fp32 on AVX2 took ~19)
     max_minutes: Minutes | None = 7.0
     # prompts per batched forward (backend openai: answers per teacher shard, what a kill can lose); null: by the
-    # run's dtype, measured (benchmarks/README.md): 64 in bf16 (AMX: 1.5-1.6x batch 16), 32 in fp32
+    # run's dtype, measured (benchmarks/experiments/README.md): 64 in bf16 (AMX: 1.5-1.6x batch 16), 32 in fp32
     # (as AVX2: 1.3x batch 16; 64 fell back to 1.05x)
     batch_size: BatchSize | None = None
     teacher_top_k: TopK = 32
