@@ -2,7 +2,8 @@
 measurement, answer prompts with the target as the nightly does, and log progress.
 
 A script in benchmarks/ imports it as `common` (Python puts a script's own folder first on its path);
-one under benchmarks/experiments/ as `benchmarks.common`.
+one under benchmarks/experiments/ as `benchmarks.common`. Importing it loads no torch: the scripts that
+run the CLI in subprocesses (drift_scenario, monitor_load) keep their own process light.
 """
 
 from __future__ import annotations
@@ -14,13 +15,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-
-from specdistill.data.prompts import Prompt
-from specdistill.distill.config import Eagle3Config
-from specdistill.distill.features import FeatureCache
-from specdistill.distill.teacher import TeacherCache
-from specdistill.modeling.eagle3 import default_aux_layers
-from specdistill.pipeline.answers.harness import generate_answers
 
 BUSY_LOOP = "while True: pass"  # one core kept busy by a pure-Python loop, as other CPU-bound work would
 
@@ -50,8 +44,13 @@ def busy_loops(n: int, nice: int = 0) -> Iterator[list[subprocess.Popen]]:
             p.kill()
 
 
-def answer_caches(directory: Path, target, k: int = 32) -> tuple[TeacherCache, FeatureCache]:
+def answer_caches(directory: Path, target, k: int = 32) -> tuple:
     """The top-k teacher and EAGLE-3 feature caches of an answer directory, as the nightly's answer stage writes them."""
+    from specdistill.distill.config import Eagle3Config  # lazy: keeps torch off the scripts that drive the CLI
+    from specdistill.distill.features import FeatureCache  # lazy: keeps torch off the scripts that drive the CLI
+    from specdistill.distill.teacher import TeacherCache  # lazy: keeps torch off the scripts that drive the CLI
+    from specdistill.modeling.eagle3 import default_aux_layers  # lazy: keeps torch off the scripts that drive the CLI
+
     teacher = TeacherCache.create(directory / "teacher_cache", fingerprint=target.fingerprint, k=k, temperature=1.0,
                                   vocab="full", data=directory.name)
     features = FeatureCache.create(directory / "features", fingerprint=target.fingerprint,
@@ -63,6 +62,9 @@ def answer_caches(directory: Path, target, k: int = 32) -> tuple[TeacherCache, F
 def answer(work: Path, target, name: str, prompts: list[dict], *, batch_size: int, max_new_tokens: int,
            record: bool = True) -> tuple[dict, float]:
     """The target's greedy answers in work/name (with teacher and features when `record`), resumable; (records, seconds)."""
+    from specdistill.data.prompts import Prompt  # lazy: keeps torch off the scripts that drive the CLI
+    from specdistill.pipeline.answers.harness import generate_answers  # lazy: keeps torch off the scripts that drive the CLI
+
     directory = work / name
     directory.mkdir(parents=True, exist_ok=True)
     teacher, features = answer_caches(directory, target) if record else (None, None)

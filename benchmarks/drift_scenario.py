@@ -1,7 +1,9 @@
-"""The drift scenario as a user runs it: after a night with a champion, the target is updated and registered,
-and `monitor run` detects it, falls back, retrains the draft against the new target and serves again.
+"""After a target update, does `monitor run` detect it, fall back, retrain and serve again, and in how many minutes?
 
     python benchmarks/drift_scenario.py --state DIR [--work /tmp/drift_scenario] [--again] [--load]
+
+The drift scenario as a user runs it: after a night with a champion, the target is updated and registered,
+and `monitor run` detects it, falls back, retrains the draft against the new target and serves again.
 
 DIR is a state directory after `make demo` (`.specdistill/`, with a `champion`); it is copied to --work and
 never written. In the copy, as a user would:
@@ -29,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from common import busy_loops, copy_state
+
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "specdistill.cli"]
 
@@ -48,11 +52,6 @@ def run(args: list[str], home: Path, cwd: Path) -> tuple[dict, float]:
     if proc.returncode != 0:
         raise SystemExit(f"`specdistill {' '.join(args)}` exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout), minutes
-
-
-def busy_load() -> list[subprocess.Popen]:
-    loop = "while True: pass"
-    return [subprocess.Popen([sys.executable, "-c", loop]) for _ in range(2)]
 
 
 def first_position(result: dict | None) -> float | None:
@@ -85,40 +84,33 @@ def summary(outcome: dict, minutes: float) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--state", type=Path, required=True, help="a demo state directory (.specdistill) with a champion")
     parser.add_argument("--work", type=Path, default=Path("/tmp/drift_scenario"))
     parser.add_argument("--again", action="store_true", help="a second monitor run after the first")
     parser.add_argument("--load", action="store_true", help="two busy loops beside each monitor run")
     parser.add_argument("--updated", action="store_true",
                         help="--state had its target updated and registered already: start at the monitor run")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     home = args.work / ".specdistill"
     if home.exists():
         shutil.rmtree(home)
     args.work.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(args.state, home, symlinks=True)
+    copy_state(args.state, home)
     steps, update, registered = {}, {}, {}
-    targets = home / "targets.json"  # the copy's own paths, not the original's
-    if targets.is_file():
-        targets.write_text(targets.read_text().replace(str(args.state.resolve()), str(home)))
     if not args.updated:
         update, steps["target update"] = run(["demo", "target-update"], home, args.work)
         registered, steps["target register"] = run(["target", "register", update["out"], "--no-event"], home, args.work)
     monitors = []
     for _ in range(2 if args.again else 1):
-        load = busy_load() if args.load else []
-        try:
+        with busy_loops(2 if args.load else 0):
             outcome, minutes = run(["monitor", "run"], home, args.work)
-        finally:
-            for p in load:
-                p.kill()
         monitors.append(summary(outcome, minutes))
     results = {"update": update, "registered": registered, "steps": steps, "monitor": monitors, "load": args.load}
     (args.work / "results.json").write_text(json.dumps(results, indent=2, default=str))
 
-    from specdistill.hardware import cpu_info  # lazy: after the subprocesses, whose output this reads
+    from specdistill.hardware import cpu_info  # lazy: torch stays out of this process while the CLI runs beside it
 
     print(f"machine: {cpu_info().describe()}; busy loops beside the monitor: {'2' if args.load else 'none'}\n")
     print("| step | minutes | decision | champion first-position (registered → now) | fallback | retrained first-position "

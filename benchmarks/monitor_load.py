@@ -1,4 +1,6 @@
-"""The monitor's time to its decision on a copy of a state, on a quiet machine and beside busy cores.
+"""How long does `monitor run` take to its decision on a copy of a state, quiet and beside busy cores?
+
+    python benchmarks/monitor_load.py --state .specdistill [--busy 0,2] [--nice 10] [--timeout-min 30]
 
 Each run copies the state directory afresh (the monitor writes its decision and the serving config),
 starts `--busy N` pure-Python busy loops at the monitor's own niceness (a process that keeps N cores
@@ -6,8 +8,6 @@ busy, as a test suite or a serving engine would), and runs `specdistill monitor 
 the decision and the fallback, not the incremental run after them. It prints the wall minutes of the
 command (Prefect's start-up included), the report's stage minutes, how the replay and the fallback bench
 ended (settled at 95%, or their time ran out) and the threads they ran at.
-
-    python benchmarks/monitor_load.py --state .specdistill [--busy 0,2] [--nice 10] [--timeout-min 30]
 
 A state whose target was updated (`specdistill demo target-update`, `specdistill target register
 PATH --no-event`) falls back and so times the whole decision; an unchanged one decides keep after the
@@ -19,36 +19,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-
-def copy_state(state: Path, into: Path) -> Path:
-    home = into / "state"
-    shutil.copytree(state, home, symlinks=True)
-    targets = home / "targets.json"
-    if targets.is_file():
-        targets.write_text(targets.read_text().replace(str(state.resolve()), str(home)))
-    return home
+from common import busy_loops, copy_state
 
 
 def run(state: Path, busy: int, nice: int, timeout_min: float, overrides: list[str]) -> dict:
     with tempfile.TemporaryDirectory(prefix="monitor-load-") as tmp:
-        home = copy_state(state, Path(tmp))
-        loops = [subprocess.Popen(["nice", "-n", str(nice), sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
-        try:
+        home = copy_state(state, Path(tmp) / "state")
+        with busy_loops(busy, nice):
             start = time.perf_counter()
             out = subprocess.run(["nice", "-n", str(nice), sys.executable, "-m", "specdistill.cli", "monitor", "run", "--json",
                                   "retrain=false", *overrides], capture_output=True, text=True, timeout=timeout_min * 60,
                                  env={**os.environ, "SPECDISTILL_HOME": str(home)})
             wall = time.perf_counter() - start
-        finally:
-            for p in loops:
-                p.kill()
         if out.returncode != 0:
             raise SystemExit(f"monitor run failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
         outcome = json.loads(out.stdout)

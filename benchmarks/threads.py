@@ -1,11 +1,11 @@
-"""Decode speed of the demo target by torch thread count, on a quiet machine and beside busy cores.
+"""How many torch threads should the demo target decode with, on a quiet machine and beside busy cores?
+
+    python benchmarks/threads.py [--tokens 32] [--rounds 3] [--busy 0,1,2] [--dtype auto]
 
 Each variant runs in a fresh process (OpenMP reads its wait policy once, at load), in rounds whose
 order rotates; `--busy N` starts N pure-Python busy loops for the whole run, standing in for the
 other jobs of a shared machine. Greedy, target-only, the harness engine, tokens/s over the timed
 generation (a warm-up generation first).
-
-    python benchmarks/threads.py [--tokens 32] [--rounds 3] [--busy 0,1,2] [--dtype auto]
 
 Measured 2026-12-01 on the 2-core AMD EPYC with AVX-512 BF16 (bf16, the demo target, 32 tokens), by
 the same steps run by hand (3 rounds each): quiet, 2 threads 22.5-30.1 tokens/s, 1 thread 21.2-24.4;
@@ -32,6 +32,8 @@ import statistics
 import subprocess
 import sys
 
+from common import busy_loops
+
 STEP = r"""
 import sys, time, torch
 import specdistill  # offline environment
@@ -55,7 +57,7 @@ def run(threads: int, env: dict, tokens: int, dtype: str) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
@@ -64,17 +66,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     print(f"| busy cores | {' | '.join(VARIANTS)} |\n|---:|" + "---:|" * len(VARIANTS))
     for busy in [int(b) for b in args.busy.split(",") if b]:
-        loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
-        try:
-            rates = {name: [] for name in VARIANTS}
-            names = list(VARIANTS)
+        rates = {name: [] for name in VARIANTS}
+        names = list(VARIANTS)
+        with busy_loops(busy):
             for r in range(args.rounds):
                 for name in names[r % len(names):] + names[:r % len(names)]:
                     threads, env = VARIANTS[name]
                     rates[name].append(run(threads, env, args.tokens, args.dtype))
-        finally:
-            for p in loops:
-                p.kill()
         cells = [f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})" for v in rates.values()]
         print(f"| {busy} | " + " | ".join(cells) + " |", flush=True)
     return 0
