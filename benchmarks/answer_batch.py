@@ -1,4 +1,4 @@
-"""The answer stage's batch: answer tokens/s of the nightly's decode loop at several batch sizes, interleaved.
+"""Which batch size answers fastest in the nightly's decode loop? Answer tokens/s at several sizes, interleaved.
 
     python benchmarks/answer_batch.py [--sizes 64,128,256] [--prompts 256] [--rounds 2] [--dtype auto]
 
@@ -14,22 +14,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import specdistill  # noqa: E402,F401  (offline environment)
-from specdistill.data.datasets import sharegpt_first_turns  # noqa: E402
-from specdistill.data.prompts import encode_chat  # noqa: E402
-from specdistill.hardware import describe_device  # noqa: E402
-from specdistill.modeling.attention import decode_attention_for  # noqa: E402
-from specdistill.modeling.eagle3 import default_aux_layers  # noqa: E402
-from specdistill.modeling.models import load_model  # noqa: E402
-from specdistill.pipeline.answers.decode_loop import FeatureRecorder, TopKRecorder, decode_batch  # noqa: E402
+from specdistill.data.datasets import sharegpt_first_turns
+from specdistill.data.prompts import encode_chat
+from specdistill.hardware import describe_device
+from specdistill.modeling.attention import decode_attention_for
+from specdistill.modeling.eagle3 import default_aux_layers
+from specdistill.modeling.models import load_model
+from specdistill.pipeline.answers.decode_loop import FeatureRecorder, TopKRecorder, decode_batch
 
 NEW_TOKENS, TOP_K, MAX_PROMPT = 96, 32, 384
 
@@ -49,14 +44,14 @@ def answer_all(model, prompts: list[list[int]], batch: int, layers: list[int], p
     return tokens / (time.perf_counter() - start), tokens
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="64,128,256")
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="auto")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     torch.set_num_threads(args.threads)
     target = load_model("demo", dtype=args.dtype)

@@ -1,4 +1,4 @@
-"""Night after night through the real nightly flow: `specdistill demo window.seed=K` for K = 0..N-1, one state.
+"""What do nights add to each other through the real nightly flow: the pool, the warm start, depth, the gate?
 
     python benchmarks/demo_nights.py [--nights 4] [--home DIR] [key=value ...]
 
@@ -72,12 +72,12 @@ def given_before(per_position: list[float]) -> list[float | None]:
             for i, a in enumerate(per_position)]
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nights", type=int, default=4)
     p.add_argument("--home", default=os.environ.get("SPECDISTILL_HOME", str(REPO / ".specdistill")))
     p.add_argument("overrides", nargs="*", help="key=value for every night")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     home = Path(args.home).resolve()
     rows = [row(k, run_night(k, home, args.overrides)) for k in range(args.nights)]
     (home / "demo_nights" / "table.json").write_text(json.dumps(rows, indent=1))

@@ -1,12 +1,14 @@
-"""The demo target in the engines side by side in one run: this PyTorch harness in fp32 and in bf16,
+"""How do the harness (fp32, bf16), llama.cpp and vLLM compare on this CPU: target-only speed, a draft's and n-gram's?
+
+    python benchmarks/engines.py --draft DIR --prompts eval_generated.jsonl [--limit 20]
+        [--max-new-tokens 48] [--gamma 4] [--threads 2] [--engines fp32,bf16,llamacpp,vllm]
+
+The demo target in the engines side by side in one run: this PyTorch harness in fp32 and in bf16,
 llama.cpp (`llama-server`, the target's own Q4_1 GGUF) and vLLM (its CPU build, `make vllm`, on the
 target's safetensors in the dtype the harness's `auto` picks; each mode started from the
 `speculative_config` serving.json would carry, eager). For each engine: target-only
 tokens/s, and for a trained draft and for n-gram lookup their speedup, acceptance α and accepted
 length τ.
-
-    python benchmarks/engines.py --draft DIR --prompts eval_generated.jsonl [--limit 20]
-        [--max-new-tokens 48] [--gamma 4] [--threads 2] [--engines fp32,bf16,llamacpp,vllm]
 
 Every (engine, mode) pair runs each prompt once, in an order that rotates from prompt to prompt, so
 no engine or mode always runs first and all see the same machine state; tokens/s is summed tokens
@@ -155,8 +157,8 @@ def read_prompts(path: Path, limit: int) -> list[str]:
     return texts[:limit]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="demo")
     ap.add_argument("--draft", required=True, help="a layer-extracted draft (HF checkpoint) or an EAGLE-3 head directory")
     ap.add_argument("--prompts", required=True, type=Path)
@@ -166,7 +168,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--engines", default="fp32,bf16,llamacpp,vllm", help="which of fp32, bf16, llamacpp, vllm to run")
     ap.add_argument("--json", default=None, help="also write the raw numbers here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     texts = read_prompts(args.prompts, args.limit)
     chosen = args.engines.split(",")

@@ -1,7 +1,7 @@
-"""The head's depth: what a training step costs at unroll depth k = 1..4, and what each recipe buys per
-CPU-minute at every draft position.
+"""What does a training step of the head cost at unroll depth k = 1..4, and what does each recipe buy per
+CPU-minute at every draft position?
 
-    python benchmarks/head_depth.py --run DIR [--work /tmp/head_depth] [--minutes 3] [--warm HEAD_DIR] \
+    python benchmarks/head_depth.py --run DIR [--work /tmp/head_depth] [--minutes 3] [--warm HEAD_DIR] \\
         [--variant NAME=key=value,key=value ...] [--cost-steps 12] [--repeats 3]
 
 DIR is a nightly training run's directory (`.specdistill/nightly/distill/<key>/`): its `config.yaml` names the
@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 import yaml
 
-import specdistill  # noqa: F401  (offline environment)
 from specdistill.distill.config import load_config
+from specdistill.distill.eagle3_train import Eagle3Task
 from specdistill.distill.examples import read_examples
 from specdistill.distill.train import distill
 from specdistill.hardware import describe_device
@@ -71,8 +71,6 @@ def run_config(run: Path, out: Path, overrides: list[str], minutes: float | None
 
 def step_costs(args, names: list[str]) -> dict[str, float]:
     """Seconds per step of each variant, same batches, interleaved (the trainer's own micro_loss and AdamW)."""
-    from specdistill.distill.eagle3_train import Eagle3Task
-
     target = load_model("demo", dtype="float32", device="cpu")
     configs = {n: run_config(args.run, args.work / "cost" / n.replace(" ", "_"), VARIANTS[n], 1.0, args.warm) for n in names}
     first = configs[names[0]]
@@ -130,10 +128,10 @@ def chain_row(point: dict) -> tuple[list[float], list[float], float]:
 
 
 def plot(path: Path, runs: dict[str, dict]) -> None:
-    import matplotlib
+    import matplotlib  # lazy: only with --plot
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: after the backend is chosen, which must come first
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 4), sharey=True)
     for name, r in runs.items():
@@ -150,8 +148,8 @@ def plot(path: Path, runs: dict[str, dict]) -> None:
     fig.savefig(path, dpi=100)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", type=Path, required=True, help="a nightly training run's directory (config.yaml)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/head_depth"))
     parser.add_argument("--minutes", type=float, default=3.0)
@@ -164,7 +162,7 @@ def main() -> None:
     parser.add_argument("--skip-cost", action="store_true")
     parser.add_argument("--skip-curves", action="store_true")
     parser.add_argument("--plot", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for v in args.variant:
         name, _, sets = v.partition("=")
         VARIANTS[name] = [s for s in sets.split(",") if s]

@@ -1,6 +1,6 @@
-"""The EAGLE-3 head's recipe, variant against variant, on one night's answers: what the demo's defaults rest on.
+"""Which recipe trains the EAGLE-3 head best on one night's answers? Variant against variant: the defaults rest on it.
 
-    python benchmarks/head_recipe.py --answers DIR [--work /tmp/head_recipe] [--steps 2400] \
+    python benchmarks/head_recipe.py --answers DIR [--work /tmp/head_recipe] [--steps 2400] \\
         [--variant NAME=key=value,key=value ...]
 
 DIR is a night's answer directory (`train_generated.jsonl`, `teacher_cache/`, `features/`), as the demo
@@ -81,7 +81,7 @@ def train_variant(name: str, overrides: list[str], heldout: Path, args) -> dict:
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--answers", required=True, help="a night's answer directory (train_generated.jsonl, caches)")
     ap.add_argument("--work", default="/tmp/head_recipe")
@@ -95,7 +95,7 @@ def main() -> None:
     ap.add_argument("--max-prompt-tokens", type=int, default=384)
     ap.add_argument("--scan", type=int, default=12000)
     ap.add_argument("--dtype", default="auto")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     variants = {"base": []}

@@ -1,4 +1,4 @@
-"""Ingest the whole shipped ShareGPT file into fresh log stores and print a table.
+"""How fast does the whole shipped ShareGPT file ingest into fresh log stores (SQLite, and PostgreSQL)?
 
     python benchmarks/ingest_sharegpt.py [--pg-url URL] [--repeats N] [--batch-size N]
 
@@ -59,12 +59,12 @@ def fresh_pg_schema(base: str) -> tuple[str, callable]:
     return url.render_as_string(hide_password=False), drop
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pg-url", default=os.environ.get("SPECDISTILL_TEST_PG_URL"))
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=1000)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     path = sharegpt_path()
     size_mb = path.stat().st_size / 1e6

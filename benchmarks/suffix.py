@@ -1,4 +1,6 @@
-"""Suffix drafting from the target's past answers, against n-gram lookup, the distilled head and the hybrid.
+"""How does suffix drafting from the target's past answers compare with n-gram lookup, the head and the hybrid?
+
+    python benchmarks/suffix.py --home COPY_OF_.specdistill --head RUN/distill/KEY/draft --out /tmp/suffix-bench
 
 The corpus is a nightly run's train answers (`train_generated.jsonl`: the target's own greedy answers
 to the window's train prompts). The held-out sets: the run's own eval prompts with the target's answers
@@ -15,8 +17,6 @@ batched, cached under --out). Three parts:
 3. The harness benchmark (`speculative.harness_bench.run_bench_many`: one shared interleaved target-only run
    per prompt, lossless check): n-gram, suffix (chain, tree), the head (tree, as the nightly measures it)
    and the hybrid at several thresholds: α, τ, speedup, c side by side.
-
-    python benchmarks/suffix.py --home COPY_OF_.specdistill --head RUN/distill/KEY/draft --out /tmp/suffix-bench
 
 Nothing is written into --home (give it a copy of the demo's state directory: its log store is opened
 read-only in effect, answers are generated under --out).
@@ -89,7 +89,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import specdistill  # noqa: F401  (offline environment)
+from specdistill.data.logstore import LogStore
+from specdistill.data.prompts import Prompt, usable_prompt
+from specdistill.modeling.models import dtype_name, load_model
+from specdistill.pipeline.answers.harness import generate_answers
+from specdistill.speculative import NgramDrafter, drafter_from_spec
+from specdistill.speculative.engine import greedy_path, tree_depths
+from specdistill.speculative.harness_bench import BenchConfig, run_bench_many
+from specdistill.speculative.hybrid import HybridDrafter
+from specdistill.speculative.suffix import SuffixDrafter, SuffixIndex, SuffixParams
 
 
 def answers_file(home: Path) -> Path:
@@ -111,10 +119,6 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def heldout_sets(home: Path, target, out: Path, per_source: dict[str, int], max_new_tokens: int, exclude: set[str]):
     """{slice: [records with prompt_ids, response_ids]}: eval-split prompts per source, answered by the target."""
-    from specdistill.data.logstore import LogStore
-    from specdistill.data.prompts import Prompt, usable_prompt
-    from specdistill.pipeline.answers.harness import generate_answers
-
     sets = {}
     with LogStore(f"sqlite:///{home / 'logs.db'}") as store:
         for name, n in per_source.items():
@@ -139,8 +143,6 @@ def heldout_sets(home: Path, target, out: Path, per_source: dict[str, int], max_
 
 def replay(drafter, records: list[dict], gamma: int, tree: bool = False) -> dict:
     """Greedy rounds against the target's answers: what the engine would accept, without the target."""
-    from specdistill.speculative.engine import greedy_path, tree_depths
-
     rounds = proposed = accepted = extra = plain = generated = 0
     seconds = 0.0
     for rec in records:
@@ -185,7 +187,7 @@ def replay(drafter, records: list[dict], gamma: int, tree: bool = False) -> dict
             "lookup_ms": 1e3 * seconds / max(1, rounds + plain)}
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--home", type=Path, required=True, help="a copy of the demo's state directory")
     ap.add_argument("--answers", type=Path, default=None, help="the corpus: a train_generated.jsonl (default: newest)")
@@ -203,13 +205,6 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args(argv)
-
-    from specdistill.modeling.models import dtype_name, load_model
-    from specdistill.speculative import NgramDrafter, drafter_from_spec
-    from specdistill.speculative.harness_bench import BenchConfig, Prompt, run_bench_many
-    from specdistill.speculative.hybrid import HybridDrafter
-    from specdistill.speculative.suffix import SuffixDrafter, SuffixIndex, SuffixParams
-
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     target = load_model("demo", dtype=args.dtype)

@@ -1,4 +1,7 @@
-"""An EAGLE-3 head drafting a chain against drafting a tree of first-position candidates, beside n-gram.
+"""Should an EAGLE-3 head draft a chain or a tree of first-position candidates? Beside n-gram.
+
+    python benchmarks/tree_width.py --head RUN/distill/KEY/draft --prompts RUN/data/KEY/eval_generated.jsonl \\
+        --widths 1,4,8 --gammas 1,2 --threads 2
 
 The head's top-1 draft for the first position is where most rounds end, and in bf16 on a CPU a
 target forward over a few more tokens costs about one decode step, so verifying the head's
@@ -7,9 +10,6 @@ plus W-1 siblings, each attending to its own branch) buys acceptance for almost 
 the head at every (W, γ) asked for and n-gram lookup at its γ through `speculative.harness_bench.run_bench_many`
 (one shared target-only run per prompt, rotating order, lossless check), greedy, on held-out prompts:
 a nightly run's `eval_generated.jsonl` (its `prompt_ids`) or any `bench --prompts` file.
-
-    python benchmarks/tree_width.py --head RUN/distill/KEY/draft --prompts RUN/data/KEY/eval_generated.jsonl \\
-        --widths 1,4,8 --gammas 1,2 --threads 2
 
 The head of a fresh `make demo` at c1578e1 (trained 3 minutes under bf16 autocast), its 10 held-out
 prompts, 40 new tokens, bf16, 2 threads, 1 repeat, quiet machine (load 1.9), target-only 29.8 tokens/s:
@@ -55,8 +55,8 @@ def held_out(path: Path) -> list[Prompt]:
     return load_prompts(path)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--head", required=True, help="an EAGLE-3 head directory")
     ap.add_argument("--prompts", required=True, type=Path)
     ap.add_argument("--target", default="demo")
@@ -67,7 +67,7 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     target = load_model(args.target, dtype=args.dtype)

@@ -1,6 +1,6 @@
-"""Cost of verifying k tokens in one forward ÷ a 1-token decode step, k = 1..8, fp32 and bf16, for
-the demo target and a layer-extracted draft: the number that decides γ and whether speculation can
-pay at all on this hardware.
+"""What does verifying k tokens in one forward cost against a 1-token decode step? k = 1..8, fp32 and bf16,
+the demo target and a layer-extracted draft: the number that decides γ and whether speculation can pay at
+all on this hardware.
 
     python benchmarks/verify_cost.py [--context 256] [--repeats 9] [--rounds 3]
 
@@ -23,15 +23,15 @@ from specdistill.speculative.gamma import measure_forward_seconds
 KS = tuple(range(1, 9))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="demo")
     ap.add_argument("--draft-layers", default="0,1,2,29")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
