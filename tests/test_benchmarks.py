@@ -1,0 +1,78 @@
+"""benchmarks/ is a suite: every maintained script imports, prints its --help, opens with the question it
+answers and its command, and has its row in the index that opens benchmarks/README.md."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+MAINTAINED = sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "common")
+EXPERIMENTS = sorted(p.stem for p in (BENCH / "experiments").glob("*.py"))
+
+
+def docstring(name: str) -> str:
+    return ast.get_docstring(ast.parse((BENCH / f"{name}.py").read_text(encoding="utf-8"))) or ""
+
+
+def index_rows() -> list[str]:
+    """The scripts named in the first table of benchmarks/README.md, in order."""
+    lines = (BENCH / "README.md").read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| script |"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(re.match(r"\| \[`(\w+)\.py`\]", line).group(1))
+    return rows
+
+
+def test_the_suite_is_the_folder_and_the_experiments_stay_apart():
+    assert len(MAINTAINED) >= 10 and "demo_nights" in MAINTAINED and "train_throughput" in EXPERIMENTS
+    assert not set(MAINTAINED) & set(EXPERIMENTS)
+
+
+def test_the_readme_opens_with_the_index_of_every_maintained_script():
+    readme = (BENCH / "README.md").read_text(encoding="utf-8")
+    assert readme.index("| script |") < readme.index("\n## "), "the index comes before the dated records"
+    assert sorted(index_rows()) == MAINTAINED
+
+
+@pytest.mark.parametrize("name", MAINTAINED)
+def test_each_docstring_starts_with_its_question_and_its_command(name):
+    question, command, *_ = docstring(name).split("\n\n")
+    assert "?" in question, f"{name}: the first paragraph asks the question the script answers"
+    assert command.strip().startswith(f"python benchmarks/{name}.py"), f"{name}: its command comes second"
+
+
+@pytest.mark.parametrize("name", MAINTAINED)
+def test_each_script_imports_and_prints_its_help(name, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCH))  # as `python benchmarks/NAME.py` puts the script's folder first
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as done:
+        module.main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage:") and docstring(name).split("?")[0].split()[-1] in out
+
+
+def test_a_script_runs_as_a_user_runs_it():
+    """`python benchmarks/monitor_load.py --help` in a fresh process: `from common import` resolves from the script's folder."""
+    out = subprocess.run([sys.executable, str(BENCH / "monitor_load.py"), "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "--state" in out.stdout and "monitor run" in out.stdout
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_each_experiment_still_parses(name):
+    """The one-off records are not run here (several need a state or an engine); they must at least be Python."""
+    ast.parse((BENCH / "experiments" / f"{name}.py").read_text(encoding="utf-8"))
