@@ -20,7 +20,8 @@ BUSY_LOOP = "while True: pass"  # one core kept busy by a pure-Python loop, as o
 
 
 def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    """Progress, timestamped, on stderr: stdout keeps the tables."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def copy_state(state: Path, home: Path) -> Path:

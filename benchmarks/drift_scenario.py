@@ -31,14 +31,10 @@ import sys
 import time
 from pathlib import Path
 
-from common import busy_loops, copy_state
+from common import busy_loops, copy_state, log
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "specdistill.cli"]
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def run(args: list[str], home: Path, cwd: Path) -> tuple[dict, float]:

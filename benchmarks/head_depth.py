@@ -27,12 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import yaml
+from common import log
 
 from specdistill.distill.config import load_config
 from specdistill.distill.eagle3_train import Eagle3Task
@@ -49,10 +49,6 @@ VARIANTS = {  # name: overrides of the run's config
     "k3 share 0.5": ["eagle3.steps=3", "eagle3.deep_share=0.5"],
     "k4 share 0.25": ["eagle3.steps=4", "eagle3.deep_share=0.25"],
 }
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def run_config(run: Path, out: Path, overrides: list[str], minutes: float | None, warm: str | None,
