@@ -51,9 +51,11 @@ def row(night: int, r: dict) -> dict:
     nights = (r.get("pool") or {}).get("nights") or {}
     warm = r.get("warm_start")
     per = head["per_position_acceptance"] or []
-    head_dir = Path(head.get("spec", "").removeprefix("draft:"))
-    meta = json.loads((head_dir / "specdistill_draft.json").read_text()) if head_dir.is_dir() else {}
-    curve = json.loads((head_dir.parent / "result.json").read_text())["curve"] if head_dir.is_dir() else []
+    directory = head.get("spec", "").partition(":")[2]  # KIND:DIR, whichever kind names the head
+    head_dir = Path(directory) if directory else None
+    found = head_dir is not None and head_dir.is_dir()
+    meta = json.loads((head_dir / "specdistill_draft.json").read_text()) if found else {}
+    curve = json.loads((head_dir.parent / "result.json").read_text())["curve"] if found else []
     return {"night": night + 1, "window": r["window"],
             "answers": sum(n["answers"] for n in nights.values()), "tokens": sum(n["tokens"] for n in nights.values()),
             "pool_nights": len(nights), "started_from": f"v{warm['version']}" if warm else "target",
