@@ -51,9 +51,16 @@ def test_each_docstring_starts_with_its_question_and_its_command(name):
     assert command.strip().startswith(f"python benchmarks/{name}.py"), f"{name}: its command comes second"
 
 
+@pytest.fixture
+def as_a_script(monkeypatch):
+    """benchmarks/ first on the path, as `python benchmarks/NAME.py` puts it; its `common` forgotten after."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    yield
+    sys.modules.pop("common", None)
+
+
 @pytest.mark.parametrize("name", MAINTAINED)
-def test_each_script_imports_and_prints_its_help(name, monkeypatch, capsys):
-    monkeypatch.syspath_prepend(str(BENCH))  # as `python benchmarks/NAME.py` puts the script's folder first
+def test_each_script_imports_and_prints_its_help(name, as_a_script, capsys):
     spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
