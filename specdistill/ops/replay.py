@@ -108,6 +108,7 @@ class AcceptanceSample(Record):
 
     @property
     def per_position_acceptance(self) -> list[float]:
+        """Accepted at draft position i / rounds, over the replay's γ positions (its JSON keeps the key)."""
         return self.counts.per_position_acceptance
 
     def extra(self) -> dict:
