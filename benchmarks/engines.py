@@ -131,7 +131,7 @@ from transformers import AutoTokenizer
 from specdistill.data.prompt_files import read_prompt_file
 from specdistill.data.prompts import encode_chat
 from specdistill.engines.build import build_llama_server
-from specdistill.engines.client import chat, metrics_url, scrape
+from specdistill.engines.client import chat, delta, metrics_url, scrape
 from specdistill.engines.llamacpp import gguf_dtype, target_gguf
 from specdistill.engines.server import LlamaServer, ServerConfig, ServerMode
 from specdistill.engines.vllm import VllmConfig, VllmServer, start_together
@@ -240,13 +240,9 @@ def main(argv: list[str] | None = None) -> None:
         return sum(n for n, _ in times[run]) / sum(s for _, s in times[run])
 
     def alpha_tau(run) -> tuple[float, float]:
-        if engines[run[0]] in SERVERS:
-            key = (engines[run[0]], run[1])
-            d_tok = after[key].draft_tokens - before[key].draft_tokens
-            d_drafts = after[key].drafts - before[key].drafts
-            accepted = after[key].accepted - before[key].accepted
-            return (accepted / d_tok if d_tok else 0.0), 1.0 + (accepted / d_drafts if d_drafts else 0.0)
-        return stats[run].acceptance_rate, stats[run].accepted_length
+        key = (engines[run[0]], run[1])
+        counts = delta(before[key], after[key]).counts if engines[run[0]] in SERVERS else stats[run].counts
+        return counts.acceptance_rate or 0.0, counts.accepted_length or 1.0
 
     rows = []
     print(f"\n{len(texts)} prompts, greedy, {args.max_new_tokens} new tokens, γ/K={args.gamma}, {args.threads} threads, "

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from specdistill.acceptance import expected_tokens_per_round, ideal_speedup
+from specdistill.acceptance import DraftCounts, expected_tokens_per_round, ideal_speedup
 from specdistill.ops.policy import evaluate
 from specdistill.speculative import ModelDrafter, NgramDrafter, SelfSpecDrafter
 from specdistill.speculative.harness_bench import (
@@ -50,6 +50,24 @@ def test_formulas():
     assert expected_tokens_per_round(0.5, 2) == pytest.approx(1.75)
     assert ideal_speedup(0.5, 2, 0.25) == pytest.approx(1.75 / 1.5)
     assert percentile([0.0, 1.0], 0.5) == 0.5 and percentile([3.0], 0.9) == 3.0 and percentile([], 0.1) == 0.0
+
+
+def test_draft_counts_give_every_acceptance_number_from_one_place():
+    c = DraftCounts()
+    for proposed, accepted in [(4, 4), (4, 1), (2, 0)]:
+        c.record_round(proposed, accepted)
+    assert (c.rounds, c.proposed, c.accepted) == (3, 10, 5)
+    assert c.accepted_per_position == [2, 1, 1, 1] and c.proposed_per_position == [3, 3, 2, 2]
+    assert c.acceptance_rate == 0.5 and c.accepted_length == pytest.approx(1 + 5 / 3)
+    assert c.first_position_acceptance == pytest.approx(2 / 3) and c.per_position_acceptance[1] == pytest.approx(1 / 3)
+    tree = DraftCounts(3, 10, 5, [2, 1, 1, 1], runner_ups_accepted=3)  # in τ, not in α
+    assert tree.acceptance_rate == 0.5 and tree.accepted_length == pytest.approx(1 + 8 / 3)
+    served = tree.served(2)  # what a chain-verifying engine's counters show: no runner-ups, γ positions
+    assert served == DraftCounts(3, 10, 5, [2, 1]) and tree.over(6).accepted_per_position == [2, 1, 1, 1, 0, 0]
+    assert c + DraftCounts(1, 2, 2, [1, 1, 0, 0, 0]) == DraftCounts(4, 12, 7, [3, 2, 1, 1, 0], [3, 3, 2, 2])
+    empty = DraftCounts()  # nothing drafted: no acceptance, never a made-up 0
+    assert (empty.acceptance_rate, empty.accepted_length, empty.first_position_acceptance) == (None, None, None)
+    assert DraftCounts(2, 4, 1).first_position_acceptance is None  # no per-position counts (an engine without them)
 
 
 def test_load_prompts_jsonl_text_and_spec_bench(tmp_path):

@@ -46,7 +46,7 @@ def test_a_head_directory_gives_the_eagle_drafter(target, head_dir):
         assert isinstance(drafter, EagleDrafter) and drafter.name == "draft:eagle-v1"
         assert drafter.feature_layers == [2, 3, 3] and drafter.vocab.size == 200
     out = generate(target.model, [5, 8, 13, 21], max_new_tokens=12, drafter=drafter, gamma=3, stop_token_ids=[])
-    assert len(out.output_ids) == 12 and out.stats.rounds >= 1 and out.stats.proposed >= 3
+    assert len(out.output_ids) == 12 and out.stats.counts.rounds >= 1 and out.stats.counts.proposed >= 3
 
 
 def test_cost_ratio_of_a_head_step(target, head_dir):
@@ -139,7 +139,7 @@ def test_monitor_replays_a_head_on_its_target_and_on_an_updated_one(head_dir, ta
     fill_store(store)
     same = replay_acceptance(target_dir, str(head_dir), store, n_prompts=3, gamma=3, max_new_tokens=10,
                              min_draft_tokens=5, progress=False)
-    assert same.ok and not same.vocab_transplanted and same.proposed >= 5
+    assert same.ok and not same.vocab_transplanted and same.counts.proposed >= 5
 
     new = load_model(target_dir)
     add_domain_tokens(new.model, new.tokenizer, ("QuantLib", "CalcBlackScholesVega"))

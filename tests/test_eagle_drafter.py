@@ -53,10 +53,10 @@ def test_greedy_eagle_equals_target_only(seed, reduced, prompt, gamma, max_new, 
     base = generate(target, prompt, max_new_tokens=max_new, stop_token_ids=stop)
     spec = generate(target, prompt, max_new_tokens=max_new, drafter=drafter, gamma=gamma, stop_token_ids=stop)
     assert spec.output_ids == base.output_ids
-    s = spec.stats
-    assert 0 <= s.accepted <= s.proposed <= gamma * s.rounds
+    s, c = spec.stats, spec.stats.counts
+    assert 0 <= c.accepted <= c.proposed <= gamma * c.rounds
     if stop == []:
-        assert s.generated_tokens == s.accepted + s.runner_ups_accepted + s.target_forwards
+        assert s.generated_tokens == c.accepted + c.runner_ups_accepted + s.target_forwards
     assert not any(layer._forward_pre_hooks for layer in target.model.layers)  # hooks removed after generate
 
 
@@ -66,7 +66,7 @@ def test_rounds_with_acceptance_and_rejection_occur():
     for seed in range(4):
         target = tiny_target(seed)
         stats = generate(target, [1, 4, 3], max_new_tokens=24, drafter=EagleDrafter(random_head(target, seed), target),
-                         gamma=3, stop_token_ids=[]).stats
+                         gamma=3, stop_token_ids=[]).stats.counts
         accepted += stats.accepted
         rejected += stats.proposed - stats.accepted
     assert accepted > 5 and rejected > 5
@@ -109,7 +109,8 @@ def test_proposals_equal_a_from_scratch_recomputation(reduced):
     head = random_head(target, 7, [0, 1, 2, 4, 6, 7] if reduced else None)
     drafter = RecordingDrafter(head, target)
     out = generate(target, [3, 1, 4, 1, 5], max_new_tokens=30, drafter=drafter, gamma=4, stop_token_ids=[])
-    assert out.stats.rounds >= 5 and 0 < out.stats.accepted < out.stats.proposed
+    c = out.stats.counts
+    assert c.rounds >= 5 and 0 < c.accepted < c.proposed
     for tokens, ids in drafter.calls:
         assert ids == from_scratch(head, target, tokens, len(ids)), f"stale drafting state after {len(tokens)} tokens"
 
@@ -177,10 +178,10 @@ def test_tree_accepts_runner_up_candidates_and_never_fewer_tokens_per_round():
         tree = generate(target, [1, 4, 3], max_new_tokens=24, drafter=EagleDrafter(head, target, tree_width=4), gamma=2,
                         stop_token_ids=[])
         assert tree.output_ids == chain.output_ids
-        chain_tau.append(chain.stats.accepted_length)
-        tree_tau.append(tree.stats.accepted_length)
-        runner_ups += tree.stats.runner_ups_accepted
-        assert tree.stats.accepted + tree.stats.runner_ups_accepted <= 2 * tree.stats.rounds
+        chain_tau.append(chain.stats.counts.accepted_length)
+        tree_tau.append(tree.stats.counts.accepted_length)
+        runner_ups += tree.stats.counts.runner_ups_accepted
+        assert tree.stats.counts.accepted + tree.stats.counts.runner_ups_accepted <= 2 * tree.stats.counts.rounds
     assert runner_ups > 3
     assert sum(tree_tau) > sum(chain_tau)
 

@@ -106,6 +106,7 @@ def test_a_drafter_specs_llama_server_mode_is_read_by_the_one_spec_parser():
 def test_the_engine_bench_stops_at_its_deadline_after_the_prompt_in_hand(monkeypatch):
     """Fake endpoints whose every request takes 10 s of a fake clock: with 25 s left the bench finishes the
     prompts it started (every mode ran them, so the speedups stay paired) and says what it cut."""
+    from specdistill.acceptance import DraftCounts
     from specdistill.budget import Deadline
     from specdistill.data.prompts import Prompt
     from specdistill.engines import endpoint_bench
@@ -121,7 +122,7 @@ def test_the_engine_bench_stops_at_its_deadline_after_the_prompt_in_hand(monkeyp
         return Completion("same text", max_tokens, 2.0 if url == "http://target" else 1.0)
 
     monkeypatch.setattr(endpoint_bench, "chat", fake_chat)
-    monkeypatch.setattr(endpoint_bench, "scrape", lambda url: Scrape(len(asked), 4 * len(asked), 2 * len(asked)))
+    monkeypatch.setattr(endpoint_bench, "scrape", lambda url: Scrape(DraftCounts(len(asked), 4 * len(asked), 2 * len(asked))))
     monkeypatch.setattr(Deadline, "remaining", lambda self, now=None: max(0.0, self.at - clock["now"]))
     prompts = [Prompt(f"question {i}") for i in range(6)]
     endpoints = {endpoint_bench.TARGET_ONLY: "http://target", "ngram": "http://ngram"}

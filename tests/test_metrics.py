@@ -87,7 +87,7 @@ def test_serve_exposes_metrics_on_loopback():
     finally:
         server.shutdown()
     scraped = parse_spec_decode_counters(page, prefix="specdistill_")
-    assert (scraped.drafts, scraped.draft_tokens, scraped.accepted) == (2, 8, 6)
+    assert (scraped.counts.rounds, scraped.counts.proposed, scraped.counts.accepted) == (2, 8, 6)
 
 
 @pytest.fixture
@@ -135,8 +135,8 @@ def test_live_sampler_no_sample_cases(fake_vllm):
 
 
 def test_counter_reset_is_detected():
-    before = Scrape(drafts=100, draft_tokens=400, accepted=300)
-    after = Scrape(drafts=10, draft_tokens=40, accepted=10)
+    before = Scrape(DraftCounts(rounds=100, proposed=400, accepted=300))
+    after = Scrape(DraftCounts(rounds=10, proposed=40, accepted=10))
     sample = acceptance_between(before, after)
     assert not sample.ok and "reset" in sample.reason
 
@@ -148,6 +148,20 @@ def test_counter_reset_is_detected():
 def test_malformed_or_incomplete_pages_are_errors(page, match):
     with pytest.raises((ValueError, KeyError), match=match):
         parse_spec_decode_counters(page)
+
+
+def test_a_live_sample_keeps_its_keys_and_one_written_before_the_counts_type_is_read():
+    old = {"ok": True, "reason": "", "acceptance_rate": 0.25, "first_position_acceptance": 0.6,
+           "mean_accepted_length": 2.0, "draft_tokens": 40.0, "accepted": 10.0, "drafts": 10.0,
+           "per_position_acceptance": [0.6, 0.3, 0.1, 0.0], "source": "live", "proposed": 40.0, "rounds": None}
+    sample = LiveSample.from_dict(old)
+    assert (sample.counts.rounds, sample.counts.proposed, sample.counts.accepted) == (10.0, 40.0, 10.0)
+    assert sample.acceptance_rate == 0.25 and sample.first_position_acceptance == 0.6
+    written = sample.to_dict()
+    assert {k: written[k] for k in old if k != "per_position_acceptance"} == {
+        k: v for k, v in old.items() if k != "per_position_acceptance"}  # the counters' names, rounds null
+    live = acceptance_between(Scrape(DraftCounts(10, 40, 20, [8, 6, 4, 2])), Scrape(DraftCounts(20, 80, 35, [16, 11, 6, 2])))
+    assert LiveSample.from_dict(live.to_dict()) == live
 
 
 def test_fallback_never_on_no_sample():
@@ -172,6 +186,7 @@ llamacpp:spec_decode_num_drafts_total 10
 def test_llamacpp_counters_are_found_by_name():
     """llama.cpp's page (format of its server-task.cpp) is read without being told the engine."""
     scraped = parse_spec_decode_counters(LLAMACPP_PAGE)
-    assert (scraped.drafts, scraped.draft_tokens, scraped.accepted, scraped.prefix) == (10, 40, 13, "llamacpp:")
+    c = scraped.counts
+    assert (c.rounds, c.proposed, c.accepted, scraped.prefix) == (10, 40, 13, "llamacpp:")
     with pytest.raises(KeyError, match="vllm:spec_decode_num_drafts_total"):
         parse_spec_decode_counters(LLAMACPP_PAGE, prefix="vllm:")

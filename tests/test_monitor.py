@@ -96,16 +96,40 @@ def test_the_monitor_replays_held_out_prompts_and_the_champion_at_its_measured_s
     assert replay_shape(config, Champion("d", "2", "/d", {})) == (config.replay_gamma(), 1)
     assert replay_shape(load_monitor_config(None, ["gamma=2"]), tagged) == (2, 1)  # the monitor's own γ wins
 
+# a replay record as the monitor wrote it before the sample held its counts (decision payloads, decision.json)
+OLD_REPLAY_RECORD = {
+    "ok": True, "reason": "", "source": "replay", "target_fingerprint": "fp", "draft_version": "3", "gamma": 4,
+    "tree_width": 1, "prompt_split": "eval split", "requests": 6, "rounds": 40, "proposed": 150, "accepted": 60,
+    "generated_tokens": 180, "accepted_per_position": [30, 18, 9, 3], "acceptance_rate": 0.4,
+    "first_position_acceptance": 0.75, "mean_accepted_length": 2.5, "per_position_acceptance": [0.75, 0.45, 0.225, 0.075],
+    "vocab_mismatch": False, "vocab_transplanted": False, "conversation_ids": [1, 2], "sample_ids": [7, 8],
+    "seconds": 12.5, "prompts_available": 12, "stopped": "settled", "threads": "1 thread", "interval": [0.7, 0.8],
+}
+
+
+def test_a_replay_record_keeps_its_keys_and_one_written_before_the_counts_type_is_read():
+    sample = AcceptanceSample.from_dict(json.loads(json.dumps(OLD_REPLAY_RECORD)))
+    assert sample.counts == DraftCounts(40, 150, 60, [30, 18, 9, 3])
+    assert sample.per_position_acceptance == pytest.approx(OLD_REPLAY_RECORD["per_position_acceptance"])
+    assert (sample.counts.acceptance_rate, sample.counts.first_position_acceptance, sample.counts.accepted_length) == (
+        sample.acceptance_rate, sample.first_position_acceptance, sample.mean_accepted_length)
+    written = sample.to_dict()
+    same = [k for k in OLD_REPLAY_RECORD if k != "per_position_acceptance"]  # every old key, same value
+    assert {k: written[k] for k in same} == {k: OLD_REPLAY_RECORD[k] for k in same}
+    assert written["per_position_acceptance"] == pytest.approx(OLD_REPLAY_RECORD["per_position_acceptance"])
+    assert AcceptanceSample.from_dict(written) == sample
+
+
 def test_replay_of_a_draft_identical_to_the_target_accepts_everything_and_stores_each_request(store, tiny_target, tmp_path):
     target = load_model(tiny_target, dtype="float32")
     clone = save_draft(init_draft_from_target(target.model, [0, 1, 2, 3]), target.tokenizer, tmp_path / "clone")
     sample = replay_acceptance(target, str(clone), store, n_prompts=4, gamma=3, max_new_tokens=12,
                                draft_version="v1", min_draft_tokens=10, progress=False)
     assert sample.ok and sample.acceptance_rate == 1.0 and not sample.vocab_mismatch
-    assert sample.mean_accepted_length == pytest.approx(1 + sample.accepted / sample.rounds)
+    assert sample.mean_accepted_length == pytest.approx(1 + sample.counts.accepted / sample.counts.rounds)
     assert sample.requests == 4 and len(sample.sample_ids) == 4 and len(sample.conversation_ids) == 4
     # the last rounds of a request propose fewer than gamma tokens, so later positions are rarer
-    assert sample.per_position_acceptance[0] == 1.0 and sum(sample.accepted_per_position) == sample.accepted
+    assert sample.per_position_acceptance[0] == 1.0 and sum(sample.counts.accepted_per_position) == sample.counts.accepted
     stored = store.acceptance(target.fingerprint, "v1")
     assert stored["samples"] == 4 and stored["acceptance_rate"] == pytest.approx(sample.acceptance_rate)
     assert decide(sample) == "keep"
@@ -132,7 +156,7 @@ def test_a_replay_reads_prompts_until_its_bound_settles_the_decision_or_its_time
     assert late.stopped.startswith("time budget reached after 2 of 6 prompts: its 95% interval") and "not settled" in late.stopped
     short = replay_acceptance(target, str(clone), store, settle_lines=[1.0], min_prompts=2, deadline=Deadline(0.0),
                               **{**kw, "min_draft_tokens": 20})
-    assert 2 < short.requests < 6 and short.ok and short.proposed >= 20  # nor fewer draft tokens than a sample needs
+    assert 2 < short.requests < 6 and short.ok and short.counts.proposed >= 20  # nor fewer draft tokens than a sample needs
 
 
 @pytest.mark.e2e
@@ -249,7 +273,7 @@ def test_exported_early_exit_draft_proposes_what_self_speculation_proposes(tiny_
     a = generate(target.model, ids, max_new_tokens=16, drafter=ModelDrafter(exported.model, target.config.vocab_size))
     b = generate(target.model, ids, max_new_tokens=16, drafter=SelfSpecDrafter(target.model, 2))
     assert a.output_ids == b.output_ids
-    assert (a.stats.proposed, a.stats.accepted) == (b.stats.proposed, b.stats.accepted)
+    assert (a.stats.counts.proposed, a.stats.counts.accepted) == (b.stats.counts.proposed, b.stats.counts.accepted)
     with pytest.raises(ValueError, match="exit layer"):
         export_early_exit_draft(target, 4, tmp_path / "bad")
 

@@ -254,11 +254,13 @@ def test_the_monitor_flow_decides_within_its_deadline_reports_its_stage_minutes_
     import time
 
     import flows.monitor as flow
+    from specdistill.acceptance import DraftCounts
     from specdistill.ops.replay import AcceptanceSample
 
     calls, deadlines = [], []
     change = _change(drifted=True)
-    sample = AcceptanceSample(True, acceptance_rate=0.1, first_position_acceptance=0.119, proposed=300,
+    sample = AcceptanceSample(True, acceptance_rate=0.1, first_position_acceptance=0.119,
+                              counts=DraftCounts(proposed=300),
                               mean_accepted_length=1.1, stopped="settled after 6 of 12 prompts: its 95% interval "
                               "0.080-0.160 over 6 prompts lies under 0.500", threads="1 thread, the fastest of a probe")
     fallback = FallbackDecision(True, "ngram", None, 1.78, "ngram measured fastest at 1.78x", prompts=9,

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from specdistill.data.record import Record, from_dict, to_dict
+from specdistill.data.record import FLAT, Record, from_dict, to_dict
 from specdistill.data.results import BenchResult, GammaSearch, SliceResult
 from specdistill.ops.policy import Check, GateVerdict
 from tests.conftest import bench_result
@@ -38,6 +38,25 @@ def test_nested_records_round_trip_through_json_with_integer_keys_and_derived_ke
     assert saved["count"] == 1 and saved["inners"][0]["by_gamma"] == {"1": 1.5, "4": 0.9}  # JSON keys are strings
     assert Outer.from_dict(saved) == obj
     assert to_dict({"k": [obj]}) == {"k": [obj.to_dict()]}  # containers of records too
+
+
+@dataclass
+class Held(Record):
+    n: int = 0
+    per: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Holder(Record):
+    label: str
+    held: Held = field(default_factory=Held, metadata=FLAT)
+
+
+def test_a_flat_held_record_is_written_as_its_keys_beside_the_holders_and_read_back_from_them():
+    obj = Holder("x", Held(3, [1, 2]))
+    assert obj.to_dict() == {"label": "x", "n": 3, "per": [1, 2]}  # as files written before it was held
+    assert Holder.from_dict(json.loads(json.dumps(obj.to_dict()))) == obj
+    assert Holder.from_dict({"label": "y"}) == Holder("y")  # its keys absent: its defaults
 
 
 def test_a_missing_field_is_named_and_an_empty_optional_record_is_absent():

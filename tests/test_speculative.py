@@ -81,11 +81,11 @@ def test_greedy_speculative_equals_target_only(seed, kind, prompt, gamma, max_ne
     drafter = drafter_for(kind, target, seed, width)
     spec = generate(target, prompt, max_new_tokens=max_new, drafter=drafter, gamma=gamma, stop_token_ids=stop)
     assert spec.output_ids == base.output_ids
-    s = spec.stats
-    assert 0 <= s.accepted <= s.proposed <= gamma * s.rounds
+    s, c = spec.stats, spec.stats.counts
+    assert 0 <= c.accepted <= c.proposed <= gamma * c.rounds
     if stop == []:  # every target forward yields its accepted drafts (or a runner-up) plus one token of its own
-        assert s.generated_tokens == s.accepted + s.runner_ups_accepted + s.target_forwards
-    assert sum(s.accepted_per_position) == s.accepted and sum(s.proposed_per_position) == s.proposed
+        assert s.generated_tokens == c.accepted + c.runner_ups_accepted + s.target_forwards
+    assert sum(c.accepted_per_position) == c.accepted and sum(c.proposed_per_position) == c.proposed
 
 
 def test_drafters_accept_and_reject():
@@ -94,12 +94,12 @@ def test_drafters_accept_and_reject():
     prompt = [5, 9, 14, 5, 9]
     rates = {}
     for kind in KINDS:
-        stats = generate(target, prompt, max_new_tokens=40, drafter=drafter_for(kind, target, 3), gamma=4, stop_token_ids=[]).stats
+        stats = generate(target, prompt, max_new_tokens=40, drafter=drafter_for(kind, target, 3), gamma=4, stop_token_ids=[]).stats.counts
         rates[kind] = stats.acceptance_rate
         assert stats.rounds > 0
     assert rates["draft"] > 0.2 and rates["other-model"] < 0.3, rates
     # the target drafting for itself with all its layers accepts everything: tau = gamma + 1
-    own = generate(target, prompt, max_new_tokens=41, drafter=ModelDrafter(target, VOCAB), gamma=4, stop_token_ids=[]).stats
+    own = generate(target, prompt, max_new_tokens=41, drafter=ModelDrafter(target, VOCAB), gamma=4, stop_token_ids=[]).stats.counts
     assert own.acceptance_rate == 1.0 and own.accepted_length == 5.0 and own.rounds == 8
     assert own.per_position_acceptance == [1.0] * 4
 
@@ -124,9 +124,9 @@ def test_model_drafter_tree_accepts_runner_ups_and_keeps_its_cache_on_the_accept
         recording.calls = []
         tree = generate(target, [5, 9, 14], max_new_tokens=24, drafter=recording, gamma=2, stop_token_ids=[])
         assert tree.output_ids == chain.output_ids
-        chain_tau.append(chain.stats.accepted_length)
-        tree_tau.append(tree.stats.accepted_length)
-        runner_ups += tree.stats.runner_ups_accepted
+        chain_tau.append(chain.stats.counts.accepted_length)
+        tree_tau.append(tree.stats.counts.accepted_length)
+        runner_ups += tree.stats.counts.runner_ups_accepted
         for tokens, k, ids, parents in recording.calls:
             with torch.inference_mode():
                 fresh_ids, fresh_parents = ModelDrafter(draft, VOCAB, tree_width=4).propose_tree(tokens, k)
@@ -145,7 +145,7 @@ def test_stop_token_inside_accepted_drafts_ends_where_target_only_does():
     expected = free[: free.index(stop_token) + 1]
     spec = generate(target, prompt, max_new_tokens=30, drafter=ModelDrafter(target, VOCAB), gamma=5, stop_token_ids=[stop_token])
     assert spec.output_ids == expected
-    assert spec.stats.accepted > len(expected) - 2  # drafts beyond the stop token were verified, then cut
+    assert spec.stats.counts.accepted > len(expected) - 2  # drafts beyond the stop token were verified, then cut
 
 
 def test_max_new_tokens_and_context_limit_are_exact():
@@ -271,7 +271,7 @@ def sampled_two_token_counts(target, drafter, prompt, config: SamplingConfig, n:
         cfg = SamplingConfig(config.temperature, config.top_p, seed=i)
         out = generate(target, prompt, max_new_tokens=4, drafter=drafter, gamma=2, sampling=cfg, stop_token_ids=[])
         counts[out.output_ids[1] * V + out.output_ids[2]] += 1
-        rounds += out.stats.rounds
+        rounds += out.stats.counts.rounds
     assert rounds >= n // 5  # drafts were really verified (n-gram lookup proposes only on a match)
     return counts
 
@@ -375,17 +375,22 @@ def test_bad_input_gets_clear_errors():
 
 def test_stats_merge_and_definitions():
     a, b = SpecStats(requests=1), SpecStats(requests=1)
-    a.record_round(4, 4)
-    a.record_round(4, 1)
-    b.record_round(2, 0)
-    total = SpecStats.total([a, b])
+    a.counts.record_round(4, 4)
+    a.counts.record_round(4, 1)
+    b.counts.record_round(2, 0)
+    summed = SpecStats.total([a, b])
+    total = summed.counts
     assert (total.rounds, total.proposed, total.accepted) == (3, 10, 5)
     assert total.acceptance_rate == 0.5
     assert total.accepted_length == pytest.approx(1 + 5 / 3)
     assert total.accepted_per_position == [2, 1, 1, 1]
     assert total.per_position_acceptance == pytest.approx([2 / 3, 1 / 3, 1 / 3, 1 / 3])
-    d = total.to_dict()
-    assert d["acceptance_rate"] == 0.5 and d["requests"] == 2
+    assert summed.requests == 2 and a.counts.rounds == 2  # the sum is a new record
+    d = summed.to_dict()  # flat, as results files hold it
+    assert d["acceptance_rate"] == 0.5 and d["requests"] == 2 and (d["rounds"], d["proposed"], d["accepted"]) == (3, 10, 5)
+    assert d["accepted_per_position"] == [2, 1, 1, 1] and d["proposed_per_position"] == [3, 3, 2, 2]
+    idle = SpecStats(requests=1).to_dict()  # target-only: nothing drafted
+    assert (idle["acceptance_rate"], idle["accepted_length"], idle["per_position_acceptance"]) == (0.0, 1.0, [])
 
 
 # --------------------------------------------------------------------------------------------

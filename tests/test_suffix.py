@@ -164,10 +164,10 @@ def test_greedy_suffix_speculative_equals_target_only(seed, prompt, gamma, max_n
     drafter = SuffixDrafter(SuffixIndex(corpus), SuffixParams(min_token_prob=0.0), tree_width=width)
     spec = generate(target, prompt, max_new_tokens=max_new, drafter=drafter, gamma=gamma, stop_token_ids=stop)
     assert spec.output_ids == base.output_ids
-    s = spec.stats
-    assert 0 <= s.accepted <= s.proposed <= gamma * s.rounds
+    s, c = spec.stats, spec.stats.counts
+    assert 0 <= c.accepted <= c.proposed <= gamma * c.rounds
     if stop == []:
-        assert s.generated_tokens == s.accepted + s.runner_ups_accepted + s.target_forwards
+        assert s.generated_tokens == c.accepted + c.runner_ups_accepted + s.target_forwards
 
 
 def test_suffix_drafter_from_the_targets_answers_accepts_and_rejects():
@@ -175,10 +175,10 @@ def test_suffix_drafter_from_the_targets_answers_accepts_and_rejects():
     prompts = [[5, 9, 14], [1, 2, 3], [40, 41]]
     corpus = _own_answers(target, prompts, 40)
     stats = generate(target, [5, 9, 14], max_new_tokens=40, drafter=SuffixDrafter(SuffixIndex(corpus)), gamma=4,
-                     stop_token_ids=[]).stats
+                     stop_token_ids=[]).stats.counts
     assert stats.acceptance_rate > 0.9 and stats.accepted_length > 3  # the target repeats its own answer
     other = generate(target, [7, 7, 8], max_new_tokens=40, drafter=SuffixDrafter(SuffixIndex(corpus), tree_width=3),
-                     gamma=4, stop_token_ids=[]).stats
+                     gamma=4, stop_token_ids=[]).stats.counts
     assert other.rounds > 0 and other.acceptance_rate < 1.0
 
 
@@ -215,8 +215,8 @@ def test_greedy_hybrid_equals_target_only(seed, prompt, gamma, max_new, width, t
     hybrid = HybridDrafter(model, SuffixDrafter(SuffixIndex(corpus)), threshold)
     spec = generate(target, prompt, max_new_tokens=max_new, drafter=hybrid, gamma=gamma, stop_token_ids=[])
     assert spec.output_ids == base.output_ids
-    s = spec.stats
-    assert s.generated_tokens == s.accepted + s.runner_ups_accepted + s.target_forwards
+    s, c = spec.stats, spec.stats.counts
+    assert s.generated_tokens == c.accepted + c.runner_ups_accepted + s.target_forwards
     if threshold == 99.0:
         assert hybrid.suffix_rounds == 0
 
@@ -225,10 +225,10 @@ def test_hybrid_takes_the_suffix_proposal_where_it_is_confident():
     target = tiny(4)
     corpus = _own_answers(target, [[5, 9, 14]], 40)
     hybrid = HybridDrafter(ModelDrafter(tiny(99, layers=1), VOCAB), SuffixDrafter(SuffixIndex(corpus)), 2.0)
-    stats = generate(target, [5, 9, 14], max_new_tokens=40, drafter=hybrid, gamma=4, stop_token_ids=[]).stats
+    stats = generate(target, [5, 9, 14], max_new_tokens=40, drafter=hybrid, gamma=4, stop_token_ids=[]).stats.counts
     assert hybrid.suffix_rounds > 3 and hybrid.model_rounds >= 1  # the first rounds' matches are short
     alone = generate(target, [5, 9, 14], max_new_tokens=40, drafter=ModelDrafter(tiny(99, layers=1), VOCAB), gamma=4,
-                     stop_token_ids=[]).stats
+                     stop_token_ids=[]).stats.counts
     assert stats.accepted_length > alone.accepted_length
 
 

@@ -159,11 +159,12 @@ def test_serving_choice_skips_a_mode_vllm_refused():
 
 
 def test_live_sample_carries_per_position_acceptance():
+    from specdistill.acceptance import DraftCounts
     from specdistill.engines.client import Scrape
     from specdistill.ops.metrics import acceptance_between
 
-    first = Scrape(10, 40, 20, accepted_per_position=[8, 6, 4, 2])
-    second = Scrape(20, 80, 35, accepted_per_position=[16, 11, 6, 2])
+    first = Scrape(DraftCounts(10, 40, 20, [8, 6, 4, 2]))
+    second = Scrape(DraftCounts(20, 80, 35, [16, 11, 6, 2]))
     sample = acceptance_between(first, second)
     assert sample.ok and sample.per_position_acceptance == pytest.approx([0.8, 0.5, 0.2, 0.0])
     assert sum(sample.per_position_acceptance) == pytest.approx(sample.mean_accepted_length - 1)

@@ -59,8 +59,9 @@ def measure(target, drafter, prompt_set, gamma: int, max_new_tokens: int) -> dic
         stats[kind].append(generate(target.model, ids, max_new_tokens=max_new_tokens, drafter=drafter, gamma=gamma).stats)
     out = {}
     for kind, rows in [("all", stats["code"] + stats["chat"]), ("code", stats["code"]), ("chat", stats["chat"])]:
-        t = SpecStats.total(rows)
-        out[kind] = {"alpha": round(t.acceptance_rate, 3), "tau": round(t.accepted_length, 3), "proposed": t.proposed}
+        t = SpecStats.total(rows).counts
+        out[kind] = {"alpha": round(t.acceptance_rate or 0.0, 3), "tau": round(t.accepted_length or 1.0, 3),
+                     "proposed": t.proposed}
     return out
 
 

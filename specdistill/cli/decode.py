@@ -73,10 +73,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"specdistill: the output stopped at {stats.generated_tokens} of {args.max_new_tokens} new tokens: "
               f"the prompt's {len(prompt)} tokens filled the target's context of {result.context} tokens",
               file=sys.stderr)
+    summary = stats.to_dict()  # α 0.0 and τ 1.0 without a drafter
     emit(args, {"output_ids": result.output_ids, "text": text, "dtype": dtype,
-                "stats": {**stats.to_dict(), "stopped": result.stopped}},
+                "stats": {**summary, "stopped": result.stopped}},
          f"{text}\n\n[{stats.generated_tokens} tokens, {stats.tokens_per_second:.2f} tokens/s in {dtype}, "
-         f"α {stats.acceptance_rate:.3f}, τ {stats.accepted_length:.2f}; stopped: {result.stopped.replace('_', ' ')}]")
+         f"α {summary['acceptance_rate']:.3f}, τ {summary['accepted_length']:.2f}; stopped: {result.stopped.replace('_', ' ')}]")
     return 0
 
 

@@ -89,7 +89,7 @@ def cmd_monitor_sample(args: argparse.Namespace) -> int:
     if sample.ok:
         text = (f"first-position acceptance {sample.first_position_acceptance:.3f}   acceptance rate α {sample.acceptance_rate:.3f}"
                 f" at γ={sample.gamma}   mean accepted length τ {sample.mean_accepted_length:.3f}"
-                f"   ({sample.accepted}/{sample.proposed} draft tokens, {sample.requests} requests)"
+                f"   ({sample.counts.accepted}/{sample.counts.proposed} draft tokens, {sample.requests} requests)"
                 f"\ndecision: {decision}: {why}" + (f"\n{sample.reason}" if sample.reason else ""))
     else:
         text = f"no sample: {sample.reason}"

@@ -74,13 +74,13 @@ class PipelineRecords:
         conversation_id: int | None = None,
         measured_at: datetime | None = None,
     ) -> int:
-        if counts.accepted > counts.draft_tokens or len(counts.accepted_per_position) != gamma:
+        if counts.accepted > counts.proposed or len(counts.accepted_per_position) != gamma:
             raise ValueError("accepted tokens exceed drafted tokens, or per-position counts do not have gamma entries")
         with writing(self.engine) as conn:
             return conn.execute(acceptance_samples.insert().returning(acceptance_samples.c.id), dict(
                 measured_at=measured_at or _now(), target_fingerprint=target_fingerprint,
-                draft_version=draft_version, conversation_id=conversation_id, gamma=gamma, num_drafts=counts.drafts,
-                num_draft_tokens=counts.draft_tokens, num_accepted_tokens=counts.accepted,
+                draft_version=draft_version, conversation_id=conversation_id, gamma=gamma, num_drafts=counts.rounds,
+                num_draft_tokens=counts.proposed, num_accepted_tokens=counts.accepted,
                 accepted_per_position=json.dumps(list(counts.accepted_per_position)))).scalar_one()
 
     def acceptance(self, target_fingerprint: str, draft_version: str, since: datetime | None = None) -> dict:
@@ -93,11 +93,8 @@ class PipelineRecords:
             query = query.where(a.measured_at >= since)
         with self.engine.connect() as conn:
             samples, drafts, proposed, accepted = conn.execute(query).one()
-        return {
-            "samples": samples,
-            "acceptance_rate": accepted / proposed if proposed else None,
-            "mean_accepted_length": 1 + accepted / drafts if drafts else None,
-        }
+        counts = DraftCounts(drafts or 0, proposed or 0, accepted or 0)
+        return {"samples": samples, "acceptance_rate": counts.acceptance_rate, "mean_accepted_length": counts.accepted_length}
 
     def acceptance_samples_after(self, after_id: int = 0, limit: int = 10_000) -> list[tuple[int, DraftCounts]]:
         """(id, counts) of the samples with id > after_id, oldest first (what a metrics exporter has not counted yet)."""

@@ -8,6 +8,10 @@ reader of the file wants, such as a bench result's first-position acceptance), o
 dataclass from that JSON by its type hints: nested dataclasses, lists and dicts of them, and dict keys
 that JSON turned into strings (`dict[int, float]`); keys that are not fields (the derived ones) are
 ignored, and a missing required field is an error that names the class and the field.
+
+A field declared with `FLAT` (a record that holds another, such as a sample its draft counts) is written
+as the held record's keys beside its own, as files written before it was held have them, and read back
+from those keys.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+FLAT = {"flat": True}  # `field(metadata=FLAT)`: the held record's keys are written beside the holder's own
+
 
 def to_dict(obj: Any) -> Any:
     """A dataclass (and whatever it nests) as JSON-friendly values; anything else as it is."""
@@ -27,7 +33,13 @@ def to_dict(obj: Any) -> Any:
         own = getattr(type(obj), "to_dict", None)
         if callable(own) and own is not Record.to_dict:
             return own(obj)
-        out = {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        out = {}
+        for f in dataclasses.fields(obj):
+            value = to_dict(getattr(obj, f.name))
+            if f.metadata.get("flat"):
+                out.update(value)
+            else:
+                out[f.name] = value
         extra = getattr(obj, "extra", None)
         return {**out, **extra()} if callable(extra) else out
     if isinstance(obj, (list, tuple)):
@@ -50,6 +62,8 @@ def from_dict(cls: type[T], data: Any) -> T:
     for f in dataclasses.fields(cls):
         if f.name in data:
             kwargs[f.name] = _convert(hints[f.name], data[f.name], f"{cls.__name__}.{f.name}")
+        elif f.metadata.get("flat"):
+            kwargs[f.name] = from_dict(hints[f.name], data)  # the held record's keys sit beside the holder's
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ValueError(f"{cls.__name__}: the record lacks the field {f.name!r} (it has {sorted(data)})")
     return cls(**kwargs)

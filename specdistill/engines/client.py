@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from specdistill.acceptance import DraftCounts
 from specdistill.env import mask_url
 
 
@@ -112,20 +113,20 @@ def metrics_url(base_url: str) -> str:
 
 
 ENGINE_PREFIXES = ("vllm:", "llamacpp:")
-COUNTERS = {
-    "spec_decode_num_drafts_total": "drafts",
-    "spec_decode_num_draft_tokens_total": "draft_tokens",
+COUNTERS = {  # the engine's counter: our count's name (its drafts are drafting rounds)
+    "spec_decode_num_drafts_total": "rounds",
+    "spec_decode_num_draft_tokens_total": "proposed",
     "spec_decode_num_accepted_tokens_total": "accepted",
 }
 
 
 @dataclass
 class Scrape:
-    drafts: float
-    draft_tokens: float
-    accepted: float
+    """An engine's spec-decode counters on one /metrics page (or the change between two), as draft counts:
+    accepted per position (0-based) where the engine exports them."""
+
+    counts: DraftCounts
     prefix: str = ""  # the engine whose names were found ("vllm:", "llamacpp:", ...)
-    accepted_per_position: list[float] = field(default_factory=list)  # accepted at draft position i (0-based)
 
 
 PER_POSITION = "spec_decode_num_accepted_tokens_per_pos_total"
@@ -157,18 +158,19 @@ def parse_spec_decode_counters(text: str, prefix: str | None = None) -> Scrape:
         if all(p + name in totals for name in COUNTERS):
             by_pos = positions.get(p + PER_POSITION, {})
             per_position = [by_pos.get(i, 0.0) for i in range(max(by_pos) + 1)] if by_pos else []
-            return Scrape(**{key: totals[p + name] for name, key in COUNTERS.items()}, prefix=p,
-                          accepted_per_position=per_position)
+            return Scrape(DraftCounts(**{key: totals[p + name] for name, key in COUNTERS.items()},
+                                      accepted_per_position=per_position), prefix=p)
     wanted = candidates[0] if len(candidates) == 1 else "{" + ",".join(candidates) + "}"
     missing = [wanted + name for name in COUNTERS if not any(p + name in totals for p in candidates)]
     raise KeyError(f"metrics page lacks {', '.join(missing or [wanted + 'spec_decode_* (incomplete set)'])}")
 
 
 def delta(before: Scrape, after: Scrape) -> Scrape:
-    pos = [a - (before.accepted_per_position[i] if i < len(before.accepted_per_position) else 0.0)
-           for i, a in enumerate(after.accepted_per_position)]
-    return Scrape(after.drafts - before.drafts, after.draft_tokens - before.draft_tokens,
-                  after.accepted - before.accepted, prefix=after.prefix, accepted_per_position=pos)
+    """The counters' change between two scrapes (per position over the later page's positions)."""
+    b, a = before.counts, after.counts
+    pos = [n - (b.accepted_per_position[i] if i < len(b.accepted_per_position) else 0.0)
+           for i, n in enumerate(a.accepted_per_position)]
+    return Scrape(DraftCounts(a.rounds - b.rounds, a.proposed - b.proposed, a.accepted - b.accepted, pos), prefix=after.prefix)
 
 
 def scrape(url: str) -> Scrape:

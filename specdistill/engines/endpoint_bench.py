@@ -19,6 +19,7 @@ import statistics
 import sys
 from dataclasses import replace
 
+from specdistill.acceptance import DraftCounts
 from specdistill.budget import Deadline
 from specdistill.data.prompts import Prompt
 from specdistill.data.results import BenchResult, BenchSettings, SliceResult, percentile, prompt_speedups, speed_summary
@@ -153,32 +154,29 @@ def run_engine_bench(endpoints: dict[str, str], prompts: list[Prompt], config: E
 def _result(mode: str, prompts: list[Prompt], config: EngineBenchConfig, base_times, spec_times,
             requests: list[Completion], counts: Scrape, per_prompt: list[Scrape], verdicts: list[tuple[str, float]], *,
             engine: str, dtype: str, threads: int) -> BenchResult:
-    alpha = counts.accepted / counts.draft_tokens if counts.draft_tokens else 0.0
-    tau = 1 + counts.accepted / counts.drafts if counts.drafts else 1.0
-    per_position = [a / counts.drafts for a in counts.accepted_per_position] if counts.drafts else []
+    run = counts.counts
+    per_position = run.per_position_acceptance if run.rounds else []
     per_request = [r.accepted / r.draft_tokens for r in requests if r is not None and r.draft_tokens]
     base_tps, spec_tps, speedup = speed_summary(base_times, spec_times, list(range(len(prompts))))
     slices = []
     for name in dict.fromkeys(p.slice for p in prompts):
         idx = [i for i, p in enumerate(prompts) if p.slice == name]
         # the counters' deltas around each of the slice's requests (first repeat): drafts are rounds, so τ too
-        drafts = sum(per_prompt[i].drafts for i in idx)
-        drafted = sum(per_prompt[i].draft_tokens for i in idx)
-        accepted = sum(per_prompt[i].accepted for i in idx)
+        st = sum((per_prompt[i].counts for i in idx), DraftCounts())
         b, s, x = speed_summary(base_times, spec_times, idx)
-        slices.append(SliceResult(name, len(idx), accepted / drafted if drafted else 0.0,
-                                  1 + accepted / drafts if drafts else 1.0, b, s, x))
+        slices.append(SliceResult(name, len(idx), st.acceptance_rate or 0.0, st.accepted_length or 1.0, b, s, x))
     tags = [v for v, _ in verdicts]
     near_margins = [m for v, m in verdicts if v == "near-tie"]
     return BenchResult(
         drafter=mode, gamma=config.gamma, max_new_tokens=config.max_new_tokens, repeats=config.repeats, greedy=True,
         lossless=tags.count("mismatch") == 0, lossless_mismatches=tags.count("mismatch"),
-        acceptance_rate=alpha, accepted_length=tau, per_position_acceptance=per_position,
+        acceptance_rate=run.acceptance_rate or 0.0, accepted_length=run.accepted_length or 1.0,
+        per_position_acceptance=per_position,
         request_acceptance_p10=percentile(per_request, 0.1), request_acceptance_p50=percentile(per_request, 0.5),
         request_acceptance_p90=percentile(per_request, 0.9),
         tokens_per_second_target_only=base_tps, tokens_per_second_speculative=spec_tps, speedup=speedup,
         cost_ratio=None, ideal_speedup=None, slices=slices,
-        stats={"drafts": counts.drafts, "draft_tokens": counts.draft_tokens, "accepted": counts.accepted,
+        stats={"drafts": run.rounds, "draft_tokens": run.proposed, "accepted": run.accepted,
                "metrics_prefix": counts.prefix,
                "timings_draft_tokens": sum(r.draft_tokens or 0 for r in requests if r is not None),
                "timings_accepted": sum(r.accepted or 0 for r in requests if r is not None),

@@ -32,7 +32,7 @@ from prometheus_client import (
 )
 
 from specdistill.acceptance import DraftCounts
-from specdistill.data.record import Record
+from specdistill.data.record import FLAT, Record, from_dict
 from specdistill.engines.client import Scrape, delta, scrape
 from specdistill.env import mask_url
 from specdistill.ops.serving import ServingConfigError, read_serving_config
@@ -91,10 +91,10 @@ class SpecDecodeMetrics:
     def record(self, counts: DraftCounts) -> None:
         """Add one sample's raw counts, and set the gauges to that sample's α and τ."""
         c = counts
-        if c.accepted > c.draft_tokens or min(c.drafts, c.draft_tokens, c.accepted) < 0:
-            raise ValueError(f"inconsistent counts: rounds={c.drafts} proposed={c.draft_tokens} accepted={c.accepted}")
-        self.num_drafts.inc(c.drafts)
-        self.num_draft_tokens.inc(c.draft_tokens)
+        if c.accepted > c.proposed or min(c.rounds, c.proposed, c.accepted) < 0:
+            raise ValueError(f"inconsistent counts: rounds={c.rounds} proposed={c.proposed} accepted={c.accepted}")
+        self.num_drafts.inc(c.rounds)
+        self.num_draft_tokens.inc(c.proposed)
         self.num_accepted_tokens.inc(c.accepted)
         for position, count in enumerate(c.accepted_per_position):
             self.accepted_per_pos.labels(position=str(position)).inc(count)
@@ -214,24 +214,23 @@ def serve_metrics(store, port: int = 9464, host: str = "127.0.0.1", interval_s: 
 @dataclass
 class LiveSample(Record):
     """Acceptance between two scrapes, or `ok=False` with the reason there is no sample. It reads like a
-    replay sample (`ops.replay.AcceptanceSample`) where the two share a meaning: `proposed` is the Δdraft
-    tokens; its JSON's `rounds` is None (vLLM's drafts are not the replay's rounds: no counts are recorded from them)."""
+    replay sample (`ops.replay.AcceptanceSample`): its counts are the counters' deltas (vLLM's drafts are
+    drafting rounds, its draft tokens the proposed ones). Its JSON keeps the counters' names too
+    (`drafts`, `draft_tokens`) and `rounds: null`, as it always had; older records are read back by either."""
 
     ok: bool
     reason: str = ""
     acceptance_rate: float | None = None  # α: Δaccepted / Δdraft tokens, at whatever γ the engine serves
     first_position_acceptance: float | None = None  # Δaccepted at position 0 / Δdrafts (None: no per-position counters)
     mean_accepted_length: float | None = None
-    draft_tokens: float = 0.0
-    accepted: float = 0.0
-    drafts: float = 0.0
-    # Δaccepted at draft position i / Δdrafts (vLLM's `..._per_pos` counters; empty where not exported)
-    per_position_acceptance: list[float] = field(default_factory=list)
+    # the counters' deltas; accepted per position where the engine exports them (vLLM's `..._per_pos`)
+    counts: DraftCounts = field(default_factory=DraftCounts, metadata=FLAT)
     source: str = "live"
 
     @property
-    def proposed(self) -> float:
-        return self.draft_tokens
+    def per_position_acceptance(self) -> list[float]:
+        """Δaccepted at draft position i / Δdrafts (empty where the engine exports no per-position counters)."""
+        return self.counts.per_position_acceptance if self.counts.rounds else []
 
     @property
     def gamma(self) -> None:
@@ -239,30 +238,28 @@ class LiveSample(Record):
         return None
 
     def extra(self) -> dict:
-        return {"proposed": self.proposed, "rounds": None}
+        return {"per_position_acceptance": self.per_position_acceptance, "drafts": self.counts.rounds,
+                "draft_tokens": self.counts.proposed, "rounds": None}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> LiveSample:
+        """Also a record written before the counts were held: the counters' names, `rounds: null`."""
+        renamed = {"rounds": data.get("drafts", 0.0), "proposed": data.get("draft_tokens", 0.0)}
+        return from_dict(cls, {**data, **renamed})
 
 
 def acceptance_between(first: Scrape, second: Scrape, min_draft_tokens: int = 1) -> LiveSample:
     """α = Δaccepted / Δdraft tokens and first-position acceptance = Δaccepted at position 0 / Δdrafts (the
     red line's quantity, where the engine exports per-position counters); a counter that went down means
     the engine restarted."""
-    d = delta(first, second)
-    if d.draft_tokens < 0 or d.accepted < 0 or d.drafts < 0:
+    counts = delta(first, second).counts
+    if counts.proposed < 0 or counts.accepted < 0 or counts.rounds < 0:
         return LiveSample(False, "counter reset between scrapes (engine restarted)")
-    if d.draft_tokens < max(min_draft_tokens, 1):
-        return LiveSample(False, f"only {d.draft_tokens:g} draft tokens between scrapes (minimum {min_draft_tokens})",
-                          draft_tokens=d.draft_tokens, accepted=d.accepted, drafts=d.drafts)
-    per_position = [a / d.drafts for a in d.accepted_per_position] if d.drafts else []
-    return LiveSample(
-        True,
-        acceptance_rate=d.accepted / d.draft_tokens,
-        first_position_acceptance=per_position[0] if per_position else None,
-        mean_accepted_length=1 + d.accepted / d.drafts if d.drafts else None,
-        draft_tokens=d.draft_tokens,
-        accepted=d.accepted,
-        drafts=d.drafts,
-        per_position_acceptance=per_position,
-    )
+    if counts.proposed < max(min_draft_tokens, 1):
+        return LiveSample(False, f"only {counts.proposed:g} draft tokens between scrapes (minimum {min_draft_tokens})",
+                          counts=counts)
+    return LiveSample(True, acceptance_rate=counts.acceptance_rate, first_position_acceptance=counts.first_position_acceptance,
+                      mean_accepted_length=counts.accepted_length, counts=counts)
 
 
 def sample_live_acceptance(url: str, interval_s: float = 30.0, min_draft_tokens: int = 100) -> LiveSample:

@@ -23,7 +23,7 @@ import torch
 from specdistill.acceptance import DEFAULT_GAMMA, NGRAM_WINDOW, DraftCounts
 from specdistill.budget import Deadline
 from specdistill.data.prompts import MAX_PROMPT_TOKENS, Prompt, usable_prompt
-from specdistill.data.record import Record
+from specdistill.data.record import FLAT, Record
 from specdistill.modeling.drafts import align_draft
 from specdistill.modeling.eagle3_io import is_eagle3_dir, read_config
 from specdistill.modeling.models import LoadedModel, resolve_model_dir, shared_model
@@ -90,15 +90,12 @@ class AcceptanceSample(Record):
     tree_width: int = 1  # first-position candidates per round (a head measured and served as a tree)
     prompt_split: str = ""  # which logged prompts were replayed (`held_out_prompts`)
     requests: int = 0
-    rounds: int = 0
-    proposed: int = 0
-    accepted: int = 0
     generated_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
+    # the replay's draft counts, per position over its γ; written as their own keys beside the sample's
+    counts: DraftCounts = field(default_factory=DraftCounts, metadata=FLAT)
     acceptance_rate: float | None = None  # α at `gamma`, reported beside the red line's quantity
     first_position_acceptance: float | None = None  # accepted at position 1 / rounds: what the red line reads
     mean_accepted_length: float | None = None
-    per_position_acceptance: list[float] = field(default_factory=list)
     vocab_mismatch: bool = False
     vocab_transplanted: bool = False
     conversation_ids: list[int] = field(default_factory=list)
@@ -109,9 +106,18 @@ class AcceptanceSample(Record):
     threads: str = ""  # the thread count it ran at and why (`speculative.threads.ThreadWatch.describe`)
     interval: list[float] | None = None  # first-position acceptance's 95% interval over the prompts read (prompts resampled)
 
-    def counts(self) -> DraftCounts:
-        """Its raw counts, per position over the replay's γ (what the metrics exporter adds up)."""
-        return DraftCounts(self.rounds, self.proposed, self.accepted, list(self.accepted_per_position))
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """Accepted at draft position i / rounds, over the replay's γ positions (its JSON keeps the key)."""
+        return self.counts.per_position_acceptance
+
+    def extra(self) -> dict:
+        return {"per_position_acceptance": self.per_position_acceptance}
+
+
+def first_accepted(stats: SpecStats) -> int:
+    """Rounds whose first draft was accepted: a request's share of first-position acceptance's numerator."""
+    return (stats.counts.accepted_per_position or [0])[0]
 
 
 def aligned_drafter(target: LoadedModel, draft: LoadedModel, name: str = "draft") -> tuple[ModelDrafter, bool, str]:
@@ -198,7 +204,7 @@ def replay_acceptance(
     per_request: list[SpecStats] = []
     sample.prompts_available, longest, unsettled = len(prompts), 0.0, ""
     for prompt in tqdm(prompts, desc="replay", unit="prompt", file=sys.stderr, disable=not progress):
-        enough = len(per_request) >= min_prompts and sum(s.proposed for s in per_request) >= min_draft_tokens
+        enough = len(per_request) >= min_prompts and sum(s.counts.proposed for s in per_request) >= min_draft_tokens
         if enough and deadline is not None and deadline.remaining() <= longest:
             sample.stopped = f"time budget reached after {len(per_request)} of {len(prompts)} prompts{unsettled}"
             break
@@ -209,35 +215,33 @@ def replay_acceptance(
         longest = max(longest, time.perf_counter() - started)
         per_request.append(stats)
         cid = int(prompt.slice.split(":", 1)[1]) if prompt.slice.startswith("conversation:") else None
-        sample.sample_ids.append(store.add_acceptance_sample(fp, version, gamma, stats.counts(gamma), conversation_id=cid))
+        sample.sample_ids.append(store.add_acceptance_sample(fp, version, gamma, stats.counts.served(gamma), conversation_id=cid))
         if cid is not None:
             sample.conversation_ids.append(cid)
         if settle_lines:
-            settled = acceptance_settled([s.rounds for s in per_request],
-                                         [(s.accepted_per_position or [0])[0] for s in per_request], settle_lines,
+            settled = acceptance_settled([s.counts.rounds for s in per_request],
+                                         [first_accepted(s) for s in per_request], settle_lines,
                                          min_prompts=min_prompts)
-            if settled.settled and sum(s.proposed for s in per_request) >= min_draft_tokens:
+            if settled.settled and sum(s.counts.proposed for s in per_request) >= min_draft_tokens:
                 sample.stopped = f"settled after {len(per_request)} of {len(prompts)} prompts: {settled.why}"
                 break
             unsettled = f": {settled.why}, not settled" if not settled.settled else ""
     else:
         sample.stopped = f"every usable prompt read ({len(prompts)} of at most {n_prompts}){unsettled}"
     total = SpecStats.total(per_request)
-    sample.requests, sample.rounds = total.requests, total.rounds
-    sample.proposed, sample.accepted, sample.generated_tokens = total.proposed, total.accepted, total.generated_tokens
-    sample.accepted_per_position = (total.accepted_per_position + [0] * gamma)[:gamma]
-    sample.per_position_acceptance = [a / total.rounds if total.rounds else 0.0 for a in sample.accepted_per_position]
+    sample.requests, sample.generated_tokens = total.requests, total.generated_tokens
+    sample.counts = total.counts.over(gamma)
     if len(per_request) >= min_prompts:
-        bounds = acceptance_interval([s.rounds for s in per_request], [(s.accepted_per_position or [0])[0] for s in per_request])
+        bounds = acceptance_interval([s.counts.rounds for s in per_request], [first_accepted(s) for s in per_request])
         sample.interval = list(bounds) if bounds else None
     sample.seconds = time.perf_counter() - start
-    if total.proposed < min_draft_tokens:
-        sample.reason = f"only {total.proposed} draft tokens proposed (minimum {min_draft_tokens})"
+    if sample.counts.proposed < min_draft_tokens:
+        sample.reason = f"only {sample.counts.proposed} draft tokens proposed (minimum {min_draft_tokens})"
         return sample
     sample.ok = True
-    sample.acceptance_rate = total.acceptance_rate
-    sample.first_position_acceptance = sample.per_position_acceptance[0] if sample.per_position_acceptance else 0.0
-    sample.mean_accepted_length = total.accepted_length
+    sample.acceptance_rate = sample.counts.acceptance_rate
+    sample.first_position_acceptance = sample.counts.first_position_acceptance
+    sample.mean_accepted_length = sample.counts.accepted_length
     sample.reason = f"vocabulary mismatch, measured through a transplanted copy: {why}" if transplanted else ""
     return sample
 

@@ -83,7 +83,7 @@ def record_decision(config: MonitorConfig, outcome: MonitorOutcome) -> RecordedD
 
     metrics = SpecDecodeMetrics()
     if isinstance(sample, AcceptanceSample) and sample.ok:  # a live engine's counters are its own to export
-        metrics.record(sample.counts())
+        metrics.record(sample.counts.served(sample.gamma))
     serving = _read_serving(config, metrics)  # a bad file: the decision is kept (stored above), and the run fails
     if serving is not None:
         metrics.set_serving(serving.mode, target_fingerprint=target.fingerprint, draft_version=serving.draft_version)
@@ -197,10 +197,11 @@ def sample_acceptance(config: MonitorConfig, champion: Champion, target: TargetV
     with LogStore(nightly.log_db) as store:
         if config.live_metrics_url:
             live = sample_live_acceptance(config.live_metrics_url, config.live_interval_s, config.min_draft_tokens)
-            if live.ok:  # the engine's per-position counters (vLLM), as counts per position
-                per_position = [round(a * live.drafts) for a in live.per_position_acceptance]
+            if live.ok:  # the engine's counters' deltas (per position where it exports them), as whole counts
+                c = live.counts
+                per_position = [round(a) for a in c.accepted_per_position] if c.rounds else []
                 store.add_acceptance_sample(target.fingerprint, champion.version, len(per_position), DraftCounts(
-                    int(live.drafts), int(live.draft_tokens), int(live.accepted), per_position))
+                    int(c.rounds), int(c.proposed), int(c.accepted), per_position))
             return live
 
         deadline = stage_deadline(config, "replay", deadline_at)

@@ -250,7 +250,7 @@ def render_outcome(outcome: MonitorOutcome) -> str:
                      if sample.source == "replay" else "")
             lines.append((f"first-position acceptance {first:.3f}, " if first is not None else "") +
                          f"acceptance α {sample.acceptance_rate:.3f}, τ {sample.mean_accepted_length or 0:.2f} "
-                         f"over {sample.proposed:g} draft tokens ({sample.source}{shape})")
+                         f"over {sample.counts.proposed:g} draft tokens ({sample.source}{shape})")
         else:
             lines.append(f"no acceptance sample: {sample.reason}")
         lines += _measured("replay", sample)

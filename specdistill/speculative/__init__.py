@@ -2,7 +2,7 @@
 
     from specdistill.speculative import generate, SelfSpecDrafter, SamplingConfig
     result = generate(target, prompt_ids, max_new_tokens=64, drafter=SelfSpecDrafter(target, 12), gamma=4)
-    result.output_ids, result.stats.acceptance_rate, result.stats.accepted_length
+    result.output_ids, result.stats.counts.acceptance_rate, result.stats.counts.accepted_length
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ appends the target's own next token (its correction, or the bonus token when all
 from __future__ import annotations
 
 import functools
-import itertools
 import time
 from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
@@ -29,84 +28,44 @@ from specdistill.speculative.sampling import SamplingConfig, pick_token, verify
 
 @dataclass
 class SpecStats:
-    """Counters per request, summed over requests by `merge` (definitions in docs/metrics.md).
+    """Counters per request, summed over requests by `merge` (definitions in docs/metrics.md): the drafts'
+    counts (α, τ and per-position acceptance are theirs) and what the request cost.
 
-    rounds are drafting rounds (target forwards that verified at least one draft); target steps
+    `counts.rounds` are drafting rounds (target forwards that verified at least one draft); target steps
     with nothing to verify (prefill, no n-gram match, last token) count only in `target_forwards`.
     """
 
     requests: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
-    rounds: int = 0
-    proposed: int = 0
-    accepted: int = 0
     target_forwards: int = 0
     seconds: float = 0.0
-    accepted_per_position: list[int] = field(default_factory=list)
-    proposed_per_position: list[int] = field(default_factory=list)
-    # tree rounds (greedy): tokens of runner-up branches accepted where the chain (the drafter's first choice)
-    # was not; in τ, not in α (α stays the chain's acceptance, what a chain-verifying server sees)
-    runner_ups_accepted: int = 0
     # requests whose output the target's context cut short of max_new_tokens (the prompt left less room)
     context_truncated: int = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        """α = accepted / proposed draft tokens (bonus tokens not counted)."""
-        return self.accepted / self.proposed if self.proposed else 0.0
-
-    @property
-    def accepted_length(self) -> float:
-        """τ = 1 + accepted / drafting rounds: tokens per verifying target forward, bonus (and tree runner-ups) included."""
-        return 1.0 + (self.accepted + self.runner_ups_accepted) / self.rounds if self.rounds else 1.0
-
-    @property
-    def per_position_acceptance(self) -> list[float]:
-        """Share of drafting rounds in which the draft token at position i was accepted."""
-        return [a / self.rounds if self.rounds else 0.0 for a in self.accepted_per_position]
+    counts: DraftCounts = field(default_factory=DraftCounts)
 
     @property
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
 
-    def counts(self, gamma: int) -> DraftCounts:
-        """The raw counts, accepted per position over exactly `gamma` positions (the log store's sample)."""
-        return DraftCounts(self.rounds, self.proposed, self.accepted, (self.accepted_per_position + [0] * gamma)[:gamma])
-
-    def record_round(self, proposed: int, accepted: int) -> None:
-        self.rounds += 1
-        self.proposed += proposed
-        self.accepted += accepted
-        grow = proposed - len(self.proposed_per_position)
-        if grow > 0:
-            self.proposed_per_position += [0] * grow
-            self.accepted_per_position += [0] * grow
-        for i in range(proposed):
-            self.proposed_per_position[i] += 1
-        for i in range(accepted):
-            self.accepted_per_position[i] += 1
-
     def merge(self, other: SpecStats) -> SpecStats:
-        def add(a: list[int], b: list[int]) -> list[int]:
-            return [x + y for x, y in itertools.zip_longest(a, b, fillvalue=0)]
-
-        # every counter adds up (a new one too, without an edit here); the per-position lists add position-wise
-        sums = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)
-                if not f.name.endswith("_per_position")}
-        return SpecStats(**sums, accepted_per_position=add(self.accepted_per_position, other.accepted_per_position),
-                         proposed_per_position=add(self.proposed_per_position, other.proposed_per_position))
+        # every counter adds up (a new one too, without an edit here); the counts add up position by position
+        return SpecStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
     @classmethod
     def total(cls, stats: Iterable[SpecStats]) -> SpecStats:
         return functools.reduce(cls.merge, stats, cls())
 
     def to_dict(self) -> dict:
+        """Flat, as results files have always held it (the counts' fields beside the request's); α 0.0 and
+        τ 1.0 where nothing was drafted (a target-only run)."""
+        c = self.counts
         return {
-            **asdict(self),
-            "acceptance_rate": self.acceptance_rate,
-            "accepted_length": self.accepted_length,
-            "per_position_acceptance": self.per_position_acceptance,
+            **{f.name: getattr(self, f.name) for f in fields(self) if f.name != "counts"},
+            **asdict(c),
+            "acceptance_rate": c.acceptance_rate or 0.0,
+            "accepted_length": c.accepted_length or 1.0,
+            "per_position_acceptance": c.per_position_acceptance,
             "tokens_per_second": self.tokens_per_second,
         }
 
@@ -218,7 +177,7 @@ def chain_round(side: TargetSide, drafter: Drafter, tokens: torch.Tensor, length
         side.cache.crop(n - k)
     drafter.rollback(length + n)
     side.hand_features(drafter, n + 1)  # the pending token and the n accepted drafts; the new token has none yet
-    side.stats.record_round(k, n)
+    side.stats.counts.record_round(k, n)
     return torch.cat([draft_ids[:n], following.view(1)])
 
 
@@ -236,8 +195,8 @@ def tree_round(side: TargetSide, drafter: Drafter, tokens: torch.Tensor, length:
     on_chain = next((i for i, node in enumerate(path) if node != i), len(path))
     drafter.rollback(length + on_chain)  # the drafter's cache holds the chain only
     side.hand_features(drafter, torch.tensor([0] + [1 + i for i in path]))
-    side.stats.record_round(chain, on_chain)
-    side.stats.runner_ups_accepted += len(path) - on_chain
+    side.stats.counts.record_round(chain, on_chain)
+    side.stats.counts.runner_ups_accepted += len(path) - on_chain
     return torch.cat([ids[path], following.view(1)])
 
 

@@ -249,18 +249,20 @@ def run_bench_many(
 
 def _summarize(target, drafter: Drafter, prompts: list[Prompt], config: BenchConfig, sampling: SamplingConfig,
                base_times: list, spec_times: list, first_stats: list[SpecStats], report: LosslessReport | None) -> BenchResult:
-    total = SpecStats.total(first_stats)
+    summed = SpecStats.total(first_stats)
+    total = summed.counts
     base_tps, spec_tps, speedup = speed_summary(base_times, spec_times, list(range(len(prompts))))
     slices = []
     for name in dict.fromkeys(p.slice for p in prompts):
         idx = [i for i, p in enumerate(prompts) if p.slice == name]
-        st = SpecStats.total(first_stats[i] for i in idx)
+        st = SpecStats.total(first_stats[i] for i in idx).counts
         b, s, x = speed_summary(base_times, spec_times, idx)
-        first = st.per_position_acceptance[0] if st.accepted_per_position else None
-        slices.append(SliceResult(name, len(idx), st.acceptance_rate, st.accepted_length, b, s, x, first))
-    per_request = [s.acceptance_rate for s in first_stats if s.proposed]
+        slices.append(SliceResult(name, len(idx), st.acceptance_rate or 0.0, st.accepted_length or 1.0, b, s, x,
+                                  st.first_position_acceptance))
+    per_request = [s.counts.acceptance_rate for s in first_stats if s.counts.proposed]
+    alpha = total.acceptance_rate or 0.0  # a drafter that proposed nothing: α 0.0, τ 1.0 (as target-only)
     cost = measure_drafter_cost(target, drafter) if config.measure_cost else None
-    ideal = ideal_speedup(total.acceptance_rate, config.gamma, cost) if cost is not None else None
+    ideal = ideal_speedup(alpha, config.gamma, cost) if cost is not None else None
     return BenchResult(
         drafter=drafter.name,
         gamma=config.gamma,
@@ -269,8 +271,8 @@ def _summarize(target, drafter: Drafter, prompts: list[Prompt], config: BenchCon
         greedy=sampling.greedy,
         lossless=report.passed if report is not None else None,
         lossless_mismatches=report.mismatches if report is not None else 0,
-        acceptance_rate=total.acceptance_rate,
-        accepted_length=total.accepted_length,
+        acceptance_rate=alpha,
+        accepted_length=total.accepted_length or 1.0,
         per_position_acceptance=total.per_position_acceptance,
         request_acceptance_p10=percentile(per_request, 0.1),
         request_acceptance_p50=percentile(per_request, 0.5),
@@ -281,7 +283,7 @@ def _summarize(target, drafter: Drafter, prompts: list[Prompt], config: BenchCon
         cost_ratio=cost,
         ideal_speedup=ideal,
         slices=slices,
-        stats=total.to_dict(),
+        stats=summed.to_dict(),
         threads=torch.get_num_threads(),
         dtype=dtype_name(model_dtype(target)),
         lossless_criterion=report.criterion if report is not None else None,
