@@ -7,6 +7,8 @@ import json
 import pytest
 
 from specdistill.data.prompt_files import PromptFileError, read_prompt_file
+from specdistill.data.prompts import Prompt
+from specdistill.pipeline.answers.answer_file import answer_record
 
 SPEC_BENCH = [
     {"question_id": 81, "category": "writing", "turns": ["Compose a travel blog post.", "Rewrite it so every sentence starts with A."]},
@@ -73,9 +75,6 @@ class _Decoder:  # what `answer_record` asks of a tokenizer
 def test_the_nightlys_own_answers_and_conversations_are_prompt_files(tmp_path):
     """The held-out answers file a nightly writes (`eval_generated.jsonl`, written here by the same
     `answer_record`) and a conversations file (`{"messages"}`): their user messages are the turns."""
-    from specdistill.data.prompts import Prompt
-    from specdistill.pipeline.answers.answer_file import answer_record
-
     multi = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Correct it"},
              {"role": "assistant", "content": "Which one?"}, {"role": "user", "content": "The first"}]
     answers = [answer_record(Prompt(messages=[{"role": "user", "content": "Correct it and give me the good one"}],
