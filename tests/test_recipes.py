@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,14 @@ def test_the_prometheus_files_name_rule_files_that_exist():
             assert (DEPLOY / "prometheus" / rules).is_file(), (name, rules)
     groups = yaml.safe_load((DEPLOY / "prometheus" / "rules.yml").read_text())["groups"]
     assert groups and all(group["rules"] for group in groups)
+
+
+def test_the_files_a_deploy_yaml_names_exist():
+    """Comments and values alike: a file of the checkout that a YAML under deploy/ names (the code that holds
+    its keys, the script that runs it) exists, so a moved module cannot leave a stale pointer behind."""
+    named = re.compile(r"\b(?:specdistill|benchmarks|tests|scripts|flows|tasks|deploy|docs)/[\w./-]+\.(?:py|ya?ml|md|sh)\b")
+    for path in sorted(p for p in DEPLOY.rglob("*") if p.suffix in (".yaml", ".yml")):
+        text = path.read_text(encoding="utf-8")
+        missing = [name for name in named.findall(text) if not (REPO / name).is_file()]
+        assert not missing, f"{path.relative_to(REPO)} names files that do not exist: {missing}"
+    assert named.findall("(every key: specdistill/pipeline.py NightlyConfig)") == ["specdistill/pipeline.py"]
