@@ -26,6 +26,7 @@ $(STAMP): pyproject.toml | $(VENV)/bin/python
 
 install: $(STAMP)
 
+# `make demo`: the nightly flow once on the demo recipe, deploy/nightly/demo.yaml (what `specdistill demo` reads).
 # `make demo ENGINE=llamacpp`: the serving choice measured in llama.cpp (llama-server built first, cached);
 # `make demo ENGINE=vllm`: measured in vLLM's CPU build (installed first, cached).
 ENGINE ?=

@@ -15,7 +15,7 @@ import pytest
 
 from specdistill.cli import build_parser, main
 from specdistill.cli.flows import cmd_demo_target_update, cmd_nightly
-from specdistill.pipeline.config import DEMO_OVERRIDES
+from specdistill.pipeline.config import DEMO_RECIPE
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -100,18 +100,18 @@ def fake_nightly(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("argv, overrides", [
-    (["demo"], [*DEMO_OVERRIDES]),
-    (["demo", "train.optim.max_minutes=2"], [*DEMO_OVERRIDES, "train.optim.max_minutes=2"]),
-    (["demo", "run", "train.optim.max_minutes=2", "window.days=2"], [*DEMO_OVERRIDES, "train.optim.max_minutes=2", "window.days=2"]),
-    (["demo", "generation.backend=harness"], [*DEMO_OVERRIDES, "generation.backend=harness"]),  # the user's word last
-    (["pipeline", "run", "train.optim.max_minutes=2"], ["train.optim.max_minutes=2"]),
+@pytest.mark.parametrize("argv, config_path, overrides", [
+    (["demo"], str(DEMO_RECIPE), []),
+    (["demo", "train.optim.max_minutes=2"], str(DEMO_RECIPE), ["train.optim.max_minutes=2"]),
+    (["demo", "run", "train.optim.max_minutes=2", "window.days=2"], str(DEMO_RECIPE), ["train.optim.max_minutes=2", "window.days=2"]),
+    (["demo", "generation.backend=harness"], str(DEMO_RECIPE), ["generation.backend=harness"]),  # over the recipe's
+    (["pipeline", "run", "train.optim.max_minutes=2"], None, ["train.optim.max_minutes=2"]),
 ])
-def test_demo_and_pipeline_run_are_one_path(fake_nightly, capsys, argv, overrides):
-    """One flow; the demo adds its measured answer engine to the embedded defaults, before the user's overrides."""
+def test_demo_and_pipeline_run_are_one_path(fake_nightly, capsys, argv, config_path, overrides):
+    """One flow; the demo runs its recipe (deploy/nightly/demo.yaml), the user's overrides over it."""
     assert build_parser().parse_args(argv).func is cmd_nightly
     assert main(argv) == 0
-    assert fake_nightly == [(None, overrides)]
+    assert fake_nightly == [(config_path, overrides)]
     out = capsys.readouterr().out
     assert out.count("registered: `draft` version 3") == 1  # the report, once
     assert out.rstrip().endswith("serving.json")

@@ -47,6 +47,8 @@ def test_nightly_twice_then_forced_gate_failure(prefect_harness, traffic, tmp_pa
 
     monkeypatch.setenv("SPECDISTILL_HOME", str(tmp_path / "home"))
     first = _run(traffic)
+    latest = tmp_path / "home" / "nightly" / "data" / "latest"  # the newest answers: what deploy/distill/demo.yaml reads
+    assert [(latest / f).exists() for f in ("train_generated.jsonl", "eval_generated.jsonl", "teacher_cache")] == [True] * 3
     name = first.registered.name
     assert first.verdict.passed and first.promoted.version == "1"
     assert str(registry.version_by_alias(name, "champion").version) == "1"

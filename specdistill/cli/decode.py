@@ -261,7 +261,8 @@ def register(sub: Subcommands) -> None:
     _add_drafting(p)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompts", default=None, metavar="FILE",
-                        help='plain text (one prompt a line), JSONL {"prompt", "slice"} or Spec-Bench question.jsonl')
+                        help='plain text (one prompt a line), JSONL {"prompt", "slice"}, Spec-Bench question.jsonl, or '
+                             'chat records: a nightly answers file (eval_generated.jsonl) or {"messages"} conversations')
     source.add_argument("--from-logs", default=None, choices=["eval", "train"],
                         help="prompts of this log-store split, as the nightly draws them (see --db, --log-seed, --limit)")
     p.add_argument("--turns", default=None, choices=["first", "all"],

@@ -1,4 +1,5 @@
-"""`specdistill pipeline run` and `specdistill demo [run] | demo target-update`: the nightly flow, now.
+"""`specdistill pipeline run` and `specdistill demo [run] | demo target-update`: the nightly flow, now
+(`demo`: on the demo recipe, deploy/nightly/demo.yaml).
 
 The flows are the one place Prefect is imported; the library never imports it, and this module
 imports `flows.*` only inside the handlers.
@@ -25,17 +26,18 @@ from specdistill.cli.common import (
 
 
 def cmd_nightly(args: argparse.Namespace) -> int:
-    """`pipeline run` and `demo [run]` (which has no --config: the embedded demo defaults)."""
+    """`pipeline run` and `demo [run]` (which has no --config: the demo recipe, deploy/nightly/demo.yaml)."""
     from specdistill.ops.serving import serving_path  # lazy: CLI start-up
-    from specdistill.pipeline.config import DEMO_OVERRIDES, load_nightly_config  # lazy: CLI start-up
+    from specdistill.pipeline.config import DEMO_RECIPE, load_nightly_config  # lazy: CLI start-up
 
-    overrides = [*DEMO_OVERRIDES, *args.overrides] if getattr(args, "demo", False) else list(args.overrides)
-    config = load_nightly_config(args.config, overrides)  # a bad key fails here, before Prefect is imported
+    config_path = str(DEMO_RECIPE) if getattr(args, "demo", False) else args.config
+    overrides = list(args.overrides)
+    config = load_nightly_config(config_path, overrides)  # a bad key fails here, before Prefect is imported
     from flows.nightly import nightly
     from flows.runner import FlowStopped, run_flow, stopped_message
 
     try:
-        result = run_flow(nightly, config_path=args.config, overrides=overrides)
+        result = run_flow(nightly, config_path=config_path, overrides=overrides)
     except FlowStopped as stop:  # SIGTERM/SIGINT: the runs are marked, a rerun resumes
         message = stopped_message(stop, "the nightly flow")
         return fail(getattr(args, "json", False), message, stop.exit_code, line=message)
@@ -85,19 +87,21 @@ def register(sub: Subcommands) -> None:
     pipeline = group(sub, "pipeline", "the nightly flow")
     p = command(pipeline, "run", cmd_nightly, "run the nightly distillation flow once, now",
                 example="pipeline run --config deploy/nightly/nightly.yaml train.optim.max_minutes=2")
-    p.add_argument("--config", default=None, help="nightly YAML config (default: the embedded demo defaults)")
+    p.add_argument("--config", default=None, help="nightly YAML config (default: the code's defaults, NightlyConfig)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.optim.max_minutes=2")
 
     demo = command(sub, "demo", cmd_nightly,
-                   "run the main job (the nightly flow) on the embedded defaults; `demo target-update`: a new demo target version",
-                   example="demo train.optim.max_minutes=2", description="run the main job (the nightly flow) on the embedded defaults")
+                   "run the main job (the nightly flow) on the demo recipe (deploy/nightly/demo.yaml); "
+                   "`demo target-update`: a new demo target version",
+                   example="demo train.optim.max_minutes=2",
+                   description="run the main job (the nightly flow) on the demo recipe, deploy/nightly/demo.yaml")
     demo.usage = "%(prog)s [-h] [--json] [run] [key=value ...]\n       %(prog)s target-update [-h] [--json] ..."
     demo.set_defaults(config=None, overrides=[], demo=True)  # `specdistill demo`, no subcommand: `demo run`
     demo_sub = demo.add_subparsers(dest="demo_command", action=_RunByDefault,
                                    description="`specdistill demo [key=value ...]`, with no subcommand, is `demo run`")
-    p = command(demo_sub, "run", cmd_nightly, "the nightly flow on the embedded defaults (the default subcommand)",
+    p = command(demo_sub, "run", cmd_nightly, "the nightly flow on the demo recipe (the default subcommand)",
                 example="demo run train.optim.max_minutes=2")
-    p.add_argument("overrides", nargs="*", help="key=value overrides of the embedded defaults")
+    p.add_argument("overrides", nargs="*", help="key=value overrides of the demo recipe")
     p = command(demo_sub, "target-update", cmd_demo_target_update,
                 "a new target version from the demo target: domain tokens + top layers fine-tuned on code",
                 example="demo target-update --steps 30 --top-layers 4 --threads 1")

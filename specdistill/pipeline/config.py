@@ -297,7 +297,8 @@ class ServingSection(Strict):
 
 
 class NightlyConfig(Strict):
-    """Defaults are the demo world sized to finish in minutes on a 2-core CPU (`specdistill demo`)."""
+    """Defaults are the demo world sized to finish in minutes on a 2-core CPU (`specdistill demo` runs them
+    with the few changes of its recipe, `DEMO_RECIPE`)."""
 
     target: str = "demo"
     target_name: str = "SmolLM2-135M-Instruct"
@@ -338,9 +339,10 @@ class NightlyConfig(Strict):
         return self
 
 
-# what `specdistill demo` runs on top of the embedded defaults: it measures which engine answers fastest on
-# this machine (a probe of ~20 s), where the library's default, and every test's, is the harness
-DEMO_OVERRIDES = ("generation.backend=auto",)
+# what `specdistill demo` runs: deploy/nightly/demo.yaml, the demo's changes to these defaults. The package
+# ships it as recipes/demo.yaml (in a checkout a link to the deploy file, in a built wheel its copy), so the
+# demo reads the one file from a clone, an editable install or an installed wheel, in any directory
+DEMO_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "demo.yaml"
 
 
 def flow_overrides(overrides: list[str] | None) -> list[str]:

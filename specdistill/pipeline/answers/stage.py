@@ -8,6 +8,7 @@ engine and its weights: `llamacpp-Q4_1`, `openai-MODEL`): answers from another e
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from contextlib import ExitStack
@@ -34,6 +35,7 @@ from specdistill.pipeline.stage_budgets import stage_deadline
 
 # generation.batch_size null: by the run's dtype, as measured on each CPU kind (benchmarks/README.md, "The answer stage's batch")
 ANSWER_BATCH = {"bfloat16": 64, "float32": 32}
+LATEST_ANSWERS = "latest"  # under run_root()/data: the newest night's answers (`link_latest`)
 ENGINE_ONLY = {"backend", "url", "engine", "parallel"}  # settings the harness's answers do not depend on
 # records by id, what answered, answers file, teacher cache, what the logged responses gave
 Answered = tuple[dict[str, dict], str, Path, str | None, LoggedData | None]
@@ -66,10 +68,25 @@ def generate_responses(config: NightlyConfig, window: Window, split: str, *, rec
             store.add_response(int(p.id), target.fingerprint, rec["response"], prompt_messages=len(p.messages),
                                params={"temperature": 0.0, "max_new_tokens": g.max_new_tokens, "dtype": source},
                                token_ids=rec["response_ids"])
+    if split == "eval" and (out_path.parent / "train_generated.jsonl").is_file():
+        link_latest(out_path.parent)
     answered = sum(1 for p in window.split(split) if p.id in records)  # decoded, or a logged answer of this target
     return GeneratedData(path=str(out_path), teacher_cache=cache_dir, answers=answered,
                          tokens=sum(len(r["response_ids"]) for r in records.values()), answered_by=source,
                          engine_choice=engine.summary() if engine is not None else None, logged=logged)
+
+
+def link_latest(out_dir: Path) -> Path:
+    """`data/latest`: a link to the directory of the newest night's answers (train and held-out answers and the
+    train answers' teacher cache), a path that holds still for what is otherwise keyed by content, so
+    `deploy/distill/demo.yaml` distills from what `make demo` answered. Relative (the state directory can
+    move) and replaced atomically; a night's directory stays where it is."""
+    link = out_dir.parent / LATEST_ANSWERS
+    tmp = link.with_name(f".{link.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(out_dir.name, target_is_directory=True)
+    os.replace(tmp, link)
+    return link
 
 
 def answer_batch(config: NightlyConfig, target: LoadedModel) -> int:
