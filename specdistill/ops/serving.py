@@ -191,8 +191,8 @@ def _served_draft_kind(mode: Any, draft_kind: Any) -> str | None:
     if kind is None or draft_kind is None or (draft_kind == OLD_DRAFT_KIND and kind.draft_kind != draft_kind):
         return kind.draft_kind if kind else None
     if kind.draft_kind != draft_kind:
-        raise ValueError(f"a {draft_kind} draft is served in {next(k.mode for k in KINDS.values() if k.draft_kind == draft_kind)} "
-                         f"mode, not {mode!r}")
+        served_in = next(k.mode for k in KINDS.values() if k.draft_kind == draft_kind)
+        raise ValueError(f"draft_kind {draft_kind!r} is served in {served_in} mode, not {mode!r}")
     return draft_kind
 
 
