@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, Stric
 
 from specdistill import bounds, paths
 from specdistill.acceptance import DEFAULT_GAMMA, NGRAM_WINDOW
-from specdistill.speculative.specs import KINDS, draft_kinds, served_kind, serving_modes
+from specdistill.speculative.specs import KINDS, draft_kinds, engine_settings, served_kind, serving_modes
 
 OLD_DRAFT_KIND = "layers"  # what serving.json said whatever was served, before `draft_kind` named the served kind
 SERVING_FILE = "serving.json"
@@ -136,11 +136,11 @@ class ServingConfig(BaseModel):
 
     def vllm(self) -> dict | None:
         """vLLM's `--speculative-config` (None: serve without speculation), as its mode's kind writes it."""
-        return kind.vllm(self) if (kind := served_kind(self.mode, self.draft_kind)) else None
+        return write(self) if (write := engine_settings(self.mode, self.draft_kind, "vllm")) else None
 
     def sglang(self) -> list[str]:
         """SGLang `launch_server` flags (empty: serve without speculation), as its mode's kind writes them."""
-        return kind.sglang(self) if (kind := served_kind(self.mode, self.draft_kind)) else []
+        return write(self) if (write := engine_settings(self.mode, self.draft_kind, "sglang")) else []
 
     def llamacpp(self) -> dict | None:
         """llama-server's flags and a command line for this mode (None: not measured in llama.cpp)."""

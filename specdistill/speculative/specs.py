@@ -55,9 +55,10 @@ class Kind:
     # the writer's to give (a registered copy, an exported early-exit draft)
     serving: Callable[[DrafterSpec], dict[str, Any]] = lambda spec: {}
     llamacpp: bool = True  # llama-server runs it (its lookup cache is its own format: no suffix corpus)
-    # its vLLM `speculative_config` and SGLang flags, from a serving config (`ops.serving.ServingConfig`)
-    vllm: Callable[[Any], dict[str, Any] | None] = lambda config: None
-    sglang: Callable[[Any], list[str]] = lambda config: []
+    # its vLLM `speculative_config` and SGLang flags, from a serving config (`ops.serving.ServingConfig`);
+    # None: as the first kind served in its mode writes them (a new n-gram kind served as n-gram is)
+    vllm: Callable[[Any], dict[str, Any] | None] | None = None
+    sglang: Callable[[Any], list[str]] | None = None
     needs: tuple[str, str] = ()  # the serving config key its mode cannot be served without, and its name for errors
     aliases: tuple[str, ...] = ()  # older spellings of the name, read from records written before
     # (the older kind, is this argument of it ours?): records that kind wrote for what is now this kind
@@ -65,6 +66,8 @@ class Kind:
     draft_dir: bool = False  # its argument is a draft's directory (or reference): `DrafterSpec.path`
     record: str = ""  # serving.json's `draft_kind` for it ("": its name)
     label: str = ""  # what `serving show` calls its draft ("EAGLE-3 head"; "": nothing beside the version)
+    # drafts from its target's hidden states: it loads, replays and smoke-tests only beside its target
+    on_target: bool = False
     tree: bool = False  # served as a tree of first-position candidates (SGLang verifies one); else as a chain
     # the γ it is first measured at, from the benchmark's: a kind may know its draft proposes fewer positions
     first_gamma: Callable[[DrafterSpec, int], int] = lambda spec, gamma: gamma
@@ -108,6 +111,13 @@ def served_kind(mode: str, draft_kind: str | None = None) -> Kind | None:
     served in one mode (a layer draft and an EAGLE-3 head), the one serving.json's `draft_kind` says."""
     kinds = [k for k in KINDS.values() if k.served and k.mode == mode]
     return next((k for k in kinds if k.draft_kind == draft_kind), kinds[0] if kinds else None)
+
+
+def engine_settings(mode: str, draft_kind: str | None, engine: str) -> Callable[[Any], Any] | None:
+    """The served kind's settings writer for `engine` ("vllm" or "sglang"), or its mode's first kind's when it
+    has none of its own; None: the mode serves without speculation."""
+    kinds = (served_kind(mode, draft_kind), served_kind(mode))
+    return next((getattr(k, engine) for k in kinds if k is not None and getattr(k, engine) is not None), None)
 
 
 def draft_kinds() -> tuple[str, ...]:

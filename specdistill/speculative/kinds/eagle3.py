@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from specdistill.speculative.drafters import Drafter
 
 NAME = "eagle3"
-SPEC_TYPE = "draft-eagle3"  # llama-server's --spec-type for a head's GGUF
 
 
 def is_head(directory: str | os.PathLike) -> bool:
@@ -30,13 +29,6 @@ def is_head(directory: str | os.PathLike) -> bool:
     from specdistill.modeling.eagle3_io import is_eagle3_dir  # lazy: torch only once a draft directory is named
 
     return Path(directory).is_dir() and is_eagle3_dir(directory)
-
-
-def feature_layers(directory: str | os.PathLike) -> list[int] | None:
-    """The target layers a head reads (its features are hooked there), without loading it."""
-    from specdistill.modeling.eagle3_io import aux_layers_of  # lazy: keeps torch off `serving show`
-
-    return aux_layers_of(directory)
 
 
 def build(target: PreTrainedModel, spec: DrafterSpec, key: TargetKey) -> Drafter:
@@ -80,4 +72,5 @@ def _sglang(c: Any) -> list[str]:
 
 
 EAGLE3 = register_kind(Kind(NAME, "draft", "eagle3:DIR", bool, build, vllm=_vllm, sglang=_sglang, needs=NEEDS_DIR,
-                            claims=("draft", is_head), draft_dir=True, label="EAGLE-3 head", tree=True, first_gamma=first_gamma, tags=tags))
+                            claims=("draft", is_head), draft_dir=True, label="EAGLE-3 head", on_target=True,
+                            tree=True, first_gamma=first_gamma, tags=tags))
