@@ -523,5 +523,5 @@ def test_the_command_line_names_one_drafter_spec(tmp_path):
     assert str(suffix) == "suffix:c.bin" and suffix.tree_width == 3
     assert str(spec("--self-spec", "2", "--suffix", "c.bin", "--hybrid-threshold", "1.5")) == "hybrid:self-spec:2,c.bin,1.5"
     assert spec("--draft", str(head), "--suffix", "c.bin").path == str(head)
-    with pytest.raises(ValueError, match="choose one drafting method, got ngram and suffix"):
+    with pytest.raises(ValueError, match="choose one drafting method, got --ngram and --suffix"):
         spec("--ngram", "--suffix", "c.bin")

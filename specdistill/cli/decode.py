@@ -30,8 +30,8 @@ def drafter_spec(args: argparse.Namespace):
     from specdistill.speculative.specs import SELF_SPEC, DrafterSpec  # lazy: CLI start-up
 
     suffix = getattr(args, "suffix", None)
-    chosen = [name for name, on in (("draft", args.draft), ("self_spec", args.self_spec is not None), ("ngram", args.ngram),
-                                    ("suffix", suffix)) if on]
+    chosen = [flag for flag, on in (("--draft", args.draft), ("--self-spec", args.self_spec is not None),
+                                    ("--ngram", args.ngram), ("--suffix", suffix)) if on]
     if len(chosen) > 1 and not (suffix and not args.ngram and len(chosen) == 2):
         raise ValueError(f"choose one drafting method, got {' and '.join(chosen)}")
     if suffix and len(chosen) == 2:

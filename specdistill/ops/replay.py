@@ -318,7 +318,7 @@ def choose_fallback(
         raise ValueError(f"exit layers {bad} outside 1..{n_layers - 1}")
     config = BenchConfig(gamma=gamma, max_new_tokens=max_new_tokens, repeats=repeats, measure_cost=False)
     layers = list(dict.fromkeys(exit_layers))
-    specs = {f"{SELF_SPEC}@{k}": DrafterSpec(SELF_SPEC, str(k)) for k in layers}
+    specs = {f"{SELF_SPEC}:{k}": DrafterSpec(SELF_SPEC, str(k)) for k in layers}
     specs["ngram"] = DrafterSpec("ngram", f"{NGRAM_WINDOW[0]},{NGRAM_WINDOW[1]}")
     current, stale = corpus_is_current(suffix_corpus, target.fingerprint, target.tokenizer_digest) if suffix_corpus else (False, "")
     if current:

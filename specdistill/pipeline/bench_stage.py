@@ -32,8 +32,8 @@ def measured_drafters(config: NightlyConfig, trained: Trained, warm_start: WarmS
         drafters[Role.CHAMPION.value] = DrafterSpec.for_draft(warm_start.dir)
     if generic:
         drafters[Role.GENERIC.value] = DrafterSpec.for_draft(generic.draft_dir)
-    for layer in config.bench.self_spec_layers:
-        drafters[f"self-spec@{layer}"] = DrafterSpec(SELF_SPEC, str(layer))
+    for spec in (DrafterSpec(SELF_SPEC, str(layer)) for layer in config.bench.self_spec_layers):
+        drafters[str(spec)] = spec  # a draft-free mode's entry is named by its spec
     if config.bench.ngram:
         drafters["ngram"] = DrafterSpec("ngram")
     if suffix_corpus:

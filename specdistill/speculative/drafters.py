@@ -189,7 +189,7 @@ class SelfSpecDrafter(ModelDrafter):
     """The target drafts for itself by exiting early at layer k (LayerSkip-style, untrained exit)."""
 
     def __init__(self, target: PreTrainedModel, exit_layer: int, tree_width: int = 1):
-        super().__init__(early_exit_model(target, exit_layer), target.config.vocab_size, name=f"self-spec@{exit_layer}",
+        super().__init__(early_exit_model(target, exit_layer), target.config.vocab_size, name=f"self-spec:{exit_layer}",
                          tree_width=tree_width)
 
 
