@@ -25,7 +25,7 @@ from specdistill.hardware import describe_device
 from specdistill.modeling import drafts, models
 from specdistill.modeling.drafts import align_draft, load_draft_meta
 from specdistill.modeling.eagle3 import Eagle3ShapeError
-from specdistill.modeling.eagle3_io import align_head, aux_layers_of
+from specdistill.modeling.eagle3_io import align_head
 from specdistill.modeling.models import dtype_name, resolve_model_dir, shared_model
 from specdistill.modeling.vocab import DraftVocab
 from specdistill.ops import registry
@@ -215,7 +215,8 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | None, heldo
         data = DataConfig(path=train_data.path, kind="generated", heldout_path=heldout_data.path)
         teacher = TeacherConfig(mode="cache", cache_dir=train_data.teacher_cache)
         if tc.on_features:  # features beside the teacher cache: every run on this data reuses them
-            head_layers = aux_layers_of(warm_start) if warm_start else None  # other layers than the answer pass's: own dir
+            # a warm start's own layers, when other than the answer pass's: their own directory
+            head_layers = DrafterSpec.for_draft(warm_start).of.feature_layers(warm_start) if warm_start else None
             feature_dir = str(features_dir(train_data.teacher_cache, head_layers))
     result_file = out_dir / "result.json"
     if result_file.is_file():  # finished before: a rerun reuses it

@@ -68,6 +68,9 @@ class Kind:
     label: str = ""  # what `serving show` calls its draft ("EAGLE-3 head"; "": nothing beside the version)
     # drafts from its target's hidden states: it loads, replays and smoke-tests only beside its target
     on_target: bool = False
+    # the target layers whose hidden states a draft of this kind reads (hooked while the target runs), from its
+    # directory, without loading it; None: it reads none
+    feature_layers: Callable[[str], list[int] | None] = lambda draft_dir: None
     tree: bool = False  # served as a tree of first-position candidates (SGLang verifies one); else as a chain
     # the γ it is first measured at, from the benchmark's: a kind may know its draft proposes fewer positions
     first_gamma: Callable[[DrafterSpec, int], int] = lambda spec, gamma: gamma

@@ -31,6 +31,13 @@ def is_head(directory: str | os.PathLike) -> bool:
     return Path(directory).is_dir() and is_eagle3_dir(directory)
 
 
+def feature_layers(directory: str | os.PathLike) -> list[int] | None:
+    """The target layers a head reads (`eagle_aux_hidden_state_layer_ids`), without loading it."""
+    from specdistill.modeling.eagle3_io import aux_layers_of  # lazy: keeps torch off `serving show`
+
+    return aux_layers_of(directory)
+
+
 def build(target: PreTrainedModel, spec: DrafterSpec, key: TargetKey) -> Drafter:
     """The head in the target's dtype with the target's embeddings, drafting the spec's tree width."""
     from specdistill.modeling.eagle3_io import load_eagle3  # lazy: keeps torch off `serving show`
@@ -58,9 +65,8 @@ def tags(draft_dir: str) -> dict[str, str]:
     was trained on) and its draft vocabulary."""
     from specdistill.modeling.eagle3_io import read_config  # lazy: keeps torch off `serving show`
 
-    config = read_config(draft_dir)
-    layers = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-    return {"feature_layers": ",".join(map(str, layers)), "draft_vocab_size": str(config.get("draft_vocab_size"))}
+    return {"feature_layers": ",".join(map(str, feature_layers(draft_dir))),
+            "draft_vocab_size": str(read_config(draft_dir).get("draft_vocab_size"))}
 
 
 def _vllm(c: Any) -> dict[str, Any]:
@@ -73,4 +79,4 @@ def _sglang(c: Any) -> list[str]:
 
 EAGLE3 = register_kind(Kind(NAME, "draft", "eagle3:DIR", bool, build, vllm=_vllm, sglang=_sglang, needs=NEEDS_DIR,
                             claims=("draft", is_head), draft_dir=True, label="EAGLE-3 head", on_target=True,
-                            tree=True, first_gamma=first_gamma, tags=tags))
+                            feature_layers=feature_layers, tree=True, first_gamma=first_gamma, tags=tags))
