@@ -288,11 +288,11 @@ def main(argv: list[str] | None = None) -> int:
                 "suffix-f2-tree4": SuffixDrafter(index, wide, tree_width=4, name="suffix-f2-tree4")}
         gammas = {"ngram γ4": 4, "ngram γ8": 8, "suffix": 8, "suffix-f2-tree4": 8}
         if args.head:
-            made["head"] = drafter_from_spec(target.model, f"draft:{args.head}", tree_width=4)
+            made["head"] = drafter_from_spec(target.model, f"eagle3:{args.head}", tree_width=4)
             gammas["head"] = 2
             for x in [float(v) for v in args.thresholds.split(",") if v]:
                 name = f"hybrid@{x:g}"
-                made[name] = HybridDrafter(drafter_from_spec(target.model, f"draft:{args.head}", tree_width=4),
+                made[name] = HybridDrafter(drafter_from_spec(target.model, f"eagle3:{args.head}", tree_width=4),
                                            SuffixDrafter(index), x, name=name, model_gamma=2)
                 gammas[name] = 8
         config = BenchConfig(max_new_tokens=args.max_new_tokens, repeats=args.repeats)

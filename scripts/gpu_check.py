@@ -94,7 +94,7 @@ def bench_on(device: str, prompts: int, max_new_tokens: int, dtype: str) -> dict
     target = load_model("demo", dtype=dtype, device=device)
     chosen = [Prompt(turn.text, "chat") for turn in sharegpt_first_turns(prompts, max_chars=1500)]
     results = run_bench_many(target.model, target.tokenizer, {"ngram": NgramDrafter(1, 3),
-                                                              "self-spec@8": SelfSpecDrafter(target.model, 8)},
+                                                              "self-spec:8": SelfSpecDrafter(target.model, 8)},
                              chosen, BenchConfig(gamma=4, max_new_tokens=max_new_tokens, repeats=2), progress=False)
     verify = measure_verify_costs(target.model, ks=(1, 2, 4, 8), repeats=5)
     rows = {name: {"speedup": r.speedup, "alpha": r.acceptance_rate, "tau": r.accepted_length, "c": r.cost_ratio,

@@ -502,3 +502,26 @@ def test_a_read_only_state_directory_is_named_as_such(tmp_path):
             assert last.startswith("specdistill: error: ") and "read-only" in last and str(home) in last, (argv, last)
     finally:
         home.chmod(0o711)
+
+
+def test_the_command_line_names_one_drafter_spec(tmp_path):
+    """`--draft`, `--self-spec`, `--ngram` and `--suffix` become one spec, built by its kind as everywhere else."""
+    from specdistill.cli.decode import drafter_spec
+
+    def spec(*words: str):
+        return drafter_spec(build_parser().parse_args(["generate", "--target", "demo", "--prompt", "x", *words]))
+
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    assert spec() is None
+    assert str(spec("--draft", "runs/draft")) == "draft:runs/draft"
+    assert str(spec("--draft", str(head))) == f"eagle3:{head}"  # a head's directory is its own kind
+    assert str(spec("--self-spec", "4")) == "self-spec:4"
+    assert str(spec("--ngram", "--ngram-min", "2", "--ngram-max", "5")) == "ngram:2,5"
+    suffix = spec("--suffix", "c.bin", "--tree-width", "3")
+    assert str(suffix) == "suffix:c.bin" and suffix.tree_width == 3
+    assert str(spec("--self-spec", "2", "--suffix", "c.bin", "--hybrid-threshold", "1.5")) == "hybrid:self-spec:2,c.bin,1.5"
+    assert spec("--draft", str(head), "--suffix", "c.bin").path == str(head)
+    with pytest.raises(ValueError, match="choose one drafting method, got --ngram and --suffix"):
+        spec("--ngram", "--suffix", "c.bin")

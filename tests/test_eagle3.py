@@ -183,7 +183,7 @@ def test_draft_init_eagle3_works_or_refuses_each_architecture_in_one_line(arch, 
     from specdistill.cli import main
     from specdistill.modeling.eagle3 import EAGLE3_TARGET_ARCHITECTURES
     from specdistill.modeling.models import load_model
-    from specdistill.speculative import generate, make_drafter
+    from specdistill.speculative import drafter_from_spec, generate
     from tests.conftest import train_bpe
 
     torch.manual_seed(0)
@@ -202,7 +202,7 @@ def test_draft_init_eagle3_works_or_refuses_each_architecture_in_one_line(arch, 
         return
     assert code == 0, err
     target = load_model(target_dir, dtype="float32")
-    drafter = make_drafter(target.model, draft=str(out))
+    drafter = drafter_from_spec(target.model, f"eagle3:{out}")
     assert type(drafter).__name__ == "EagleDrafter"
     for prompt in ([5, 17, 42, 9], [100, 3, 3, 250, 7, 61]):
         base = generate(target.model, prompt, max_new_tokens=12, stop_token_ids=[])

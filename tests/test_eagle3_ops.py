@@ -16,7 +16,7 @@ from specdistill.modeling.eagle3_io import is_eagle3_dir, save_eagle3
 from specdistill.modeling.models import load_model
 from specdistill.modeling.vocab import DraftVocab
 from specdistill.ops.serving import ServingConfig, read_serving_config, write_serving_config
-from specdistill.speculative import DrafterSpec, EagleDrafter, drafter_from_spec, generate, make_drafter
+from specdistill.speculative import DrafterSpec, EagleDrafter, drafter_from_spec, generate
 from specdistill.speculative.harness_bench import measure_drafter_cost
 from tests.conftest import save_tiny_target
 
@@ -42,15 +42,18 @@ def head_dir(target, tmp_path_factory):
 
 
 def test_a_head_directory_gives_the_eagle_drafter(target, head_dir):
-    for drafter in (make_drafter(target.model, draft=str(head_dir)), drafter_from_spec(target.model, f"draft:{head_dir}")):
-        assert isinstance(drafter, EagleDrafter) and drafter.name == "draft:eagle-v1"
+    assert str(DrafterSpec.for_draft(head_dir)) == f"eagle3:{head_dir}"  # what the code writes for a head
+    # a record written before the head was its own kind (`draft:DIR`) reads as `eagle3:DIR`
+    assert str(DrafterSpec.parse(f"draft:{head_dir}")) == f"eagle3:{head_dir}"
+    for drafter in (drafter_from_spec(target.model, f"eagle3:{head_dir}"), drafter_from_spec(target.model, f"draft:{head_dir}")):
+        assert isinstance(drafter, EagleDrafter) and drafter.name == "eagle3:eagle-v1"
         assert drafter.feature_layers == [2, 3, 3] and drafter.vocab.size == 200
     out = generate(target.model, [5, 8, 13, 21], max_new_tokens=12, drafter=drafter, gamma=3, stop_token_ids=[])
     assert len(out.output_ids) == 12 and out.stats.counts.rounds >= 1 and out.stats.counts.proposed >= 3
 
 
 def test_cost_ratio_of_a_head_step(target, head_dir):
-    drafter = make_drafter(target.model, draft=str(head_dir))
+    drafter = drafter_from_spec(target.model, f"eagle3:{head_dir}")
     c = measure_cost_ratio(target.model, drafter.head, context=32, repeats=7)
     assert math.isfinite(c) and 0 < c < 1  # one layer against six, fc and a 200-token head included
     assert 0 < measure_drafter_cost(target.model, drafter, context=32, repeats=5) < 1
@@ -94,7 +97,7 @@ def test_nightly_serving_config_knows_a_head_by_its_directory(head_dir, tmp_path
     from specdistill.pipeline.outputs import TargetInfo
     from specdistill.pipeline.serve import ServingDecision, serving_config
 
-    decision = ServingDecision(mode="draft", name="challenger", spec=DrafterSpec("draft", str(head_dir)), gamma=3, speedup=1.4,
+    decision = ServingDecision(mode="draft", name="challenger", spec=DrafterSpec.parse(f"draft:{head_dir}"), gamma=3, speedup=1.4,
                                reason="fastest", measured={"challenger": 1.4}, measured_on="harness")
     target = TargetInfo("t", "/t", "fp", num_layers=6, vocab_size=300, dtype="float32")
     cfg = serving_config(decision, target, registered_version="1", registered_dir=str(head_dir))

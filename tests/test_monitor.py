@@ -246,7 +246,7 @@ def test_the_fallback_measures_prompts_until_its_choice_is_settled_or_its_time_r
     monkeypatch.setattr(replay, "leader_settled", settles_at_three)
     monkeypatch.setattr(replay, "beaten", lambda speedups, **_: {})
     settled = choose_fallback(target, prompts, settle=True, **kw)
-    assert asked == [{"self-spec@2": n, "ngram": n} for n in (2, 3)]  # from the choice's minimum on
+    assert asked == [{"self-spec:2": n, "ngram": n} for n in (2, 3)]  # from the choice's minimum on
     assert settled.decided and settled.prompts == 3 and settled.prompts_available == 4
     assert settled.stopped == "settled after 3 of 4 prompts: bound after 3"
     assert all(len(c.prompt_speedups) == 3 for c in settled.candidates)
@@ -257,9 +257,9 @@ def test_the_fallback_measures_prompts_until_its_choice_is_settled_or_its_time_r
     whole = choose_fallback(target, prompts, **kw)  # as before: every prompt, no bound asked for
     assert whole.prompts == 4 and whole.stopped == "every prompt measured (4)"
     # a mode that can no longer win is measured no further; the others are
-    monkeypatch.setattr(replay, "beaten", lambda speedups, **_: {"self-spec@2": "slow"} if "self-spec@2" in speedups else {})
+    monkeypatch.setattr(replay, "beaten", lambda speedups, **_: {"self-spec:2": "slow"} if "self-spec:2" in speedups else {})
     pruned = choose_fallback(target, prompts, settle=True, **kw)
-    assert pruned.prompts == 4 and pruned.stopped.endswith("not settled; self-spec@2 measured no further: slow")
+    assert pruned.prompts == 4 and pruned.stopped.endswith("not settled; self-spec:2 measured no further: slow")
     assert [len(c.prompt_speedups) for c in pruned.candidates] == [2, 4]
 
 

@@ -55,18 +55,18 @@ def test_nightly_twice_then_forced_gate_failure(prefect_harness, traffic, tmp_pa
     serving = read_serving_config()  # the fastest lossless mode measured, never a slowdown
     chosen = first.serving
     assert serving.mode == chosen.mode and serving.num_speculative_tokens == chosen.gamma
-    assert set(serving.measured) >= {"challenger", "generic", "self-spec@4", "ngram"}  # every measured speedup
+    assert set(serving.measured) >= {"challenger", "generic", "self-spec:4", "ngram"}  # every measured speedup
     if serving.mode == "off":  # nothing beat target-only by the margin with confidence over the 3 prompts
-        for n in ("challenger", "self-spec@4", "ngram"):
+        for n in ("challenger", "self-spec:4", "ngram"):
             r = first.results[n]
             assert r.speedup <= 1.05 or speedup_lower_bound(r.prompt_speedups) <= 1.05, (n, r.speedup, r.prompt_speedups)
     else:  # the fastest of those whose gain holds (bound above the margin, within 1.25 τ)
-        holds = [r.speedup for r in (first.results[n] for n in ("challenger", "self-spec@4", "ngram"))
+        holds = [r.speedup for r in (first.results[n] for n in ("challenger", "self-spec:4", "ngram"))
                  if (speedup_lower_bound(r.prompt_speedups) or 0) > 1.05 and r.speedup <= 1.25 * r.accepted_length]
         assert chosen.speedup > 1.05 and chosen.speedup >= max(holds, default=0) - 1e-9
     if serving.mode == "draft":
         assert serving.draft_version == "1"
-    assert {"challenger", "generic", "self-spec@4", "ngram"} <= set(first.results)
+    assert {"challenger", "generic", "self-spec:4", "ngram"} <= set(first.results)
     assert all(r.lossless for r in first.results.values())
     assert "| challenger" in first.report and "no speculation" in first.report
     assert list(first.pool.nights) == [first.window] and "from 1 night(s)" in first.report

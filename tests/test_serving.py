@@ -39,6 +39,25 @@ def test_a_new_kind_brings_its_engine_settings_and_what_its_mode_needs():
         KINDS.pop("mtp")
 
 
+def test_draft_kind_says_the_kind_served_and_older_records_are_read(tmp_path):
+    """serving.json's `draft_kind` names the served kind; one written before said `layers` whatever was served."""
+    suffix = ServingConfig(mode="suffix", suffix_corpus="/c.bin")
+    assert suffix.draft_kind == "suffix" and ServingConfig(mode="off").draft_kind is None
+    assert ServingConfig(mode="self_speculation", draft_dir="/d", exit_layer=4).draft_kind == "self-spec"
+    assert ServingConfig(mode="draft", draft_dir="/d").draft_kind == "layers"
+    old = {"mode": "suffix", "num_speculative_tokens": 8, "draft_dir": None, "draft_version": None, "draft_kind": "layers",
+           "target_fingerprint": "fp", "suffix_corpus": "/c.bin", "suffix_corpus_tokens": 120, "reason": "nightly: fastest",
+           "measured": {"suffix": 1.44, "ngram": 1.27}, "engine": "harness", "updated_at": 1764900000.0,
+           "vllm": {"speculative_config": {"method": "suffix"}}, "sglang": ["--speculative-algorithm", "NGRAM"]}
+    path = tmp_path / "serving.json"
+    path.write_text(json.dumps(old))
+    read = read_serving_config(path)
+    assert read.draft_kind == "suffix" and read.vllm()["method"] == "suffix"
+    assert json.loads(write_serving_config(read, path).read_text())["draft_kind"] == "suffix"
+    with pytest.raises(ValueError, match="draft_kind 'eagle3' is served in draft mode, not 'suffix'"):
+        ServingConfig(mode="suffix", suffix_corpus="/c.bin", draft_kind="eagle3")
+
+
 def test_ngram_and_off_modes():
     ngram = ServingConfig(mode="ngram", prompt_lookup_min=1, prompt_lookup_max=3, num_speculative_tokens=4)
     assert ngram.vllm() == {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3, "num_speculative_tokens": 4}

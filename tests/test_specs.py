@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from specdistill.speculative import NgramDrafter, SelfSpecDrafter
@@ -19,6 +21,8 @@ from tests.conftest import make_tiny_llama
 
 @pytest.mark.parametrize("text, mode, fields", [
     ("draft:/d/challenger", "draft", {"path": "/d/challenger", "exit_layer": None, "ngram_sizes": None}),
+    ("eagle3:/d/head", "draft", {"path": "/d/head", "exit_layer": None, "ngram_sizes": None}),
+    ("hybrid:self-spec:2,/c.bin,1.5", "hybrid", {"path": None, "corpus": "/c.bin"}),
     ("self-spec:8", "self_speculation", {"path": None, "exit_layer": 8, "ngram_sizes": None}),
     ("ngram", "ngram", {"ngram_sizes": (1, 3)}),
     ("ngram:2,4", "ngram", {"ngram_sizes": (2, 4)}),
@@ -35,6 +39,25 @@ def test_self_speculation_has_one_spelling_and_records_written_before_still_read
     old = DrafterSpec.parse("self_spec:8")  # a spec recorded before (MLflow, serving.json's record, a result)
     assert old == DrafterSpec.parse("self-spec:8") == DrafterSpec("self_spec", "8")
     assert (str(old), old.kind, old.exit_layer, old.mode) == ("self-spec:8", "self-spec", 8, "self_speculation")
+
+
+def test_a_head_is_its_own_kind_and_a_draft_record_naming_one_reads_as_it(tmp_path):
+    """`draft:DIR` was written for heads before they had a kind: read in the parser alone, as `eagle3:DIR`."""
+    head, plain = tmp_path / "head", tmp_path / "plain"
+    for d, arch in ((head, "LlamaForCausalLMEagle3"), (plain, "LlamaForCausalLM")):
+        d.mkdir()
+        config = {"architectures": [arch], "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]}}
+        (d / "config.json").write_text(json.dumps(config))
+    assert str(DrafterSpec.parse(f"draft:{head}")) == f"eagle3:{head}" == str(DrafterSpec.for_draft(head))
+    assert str(DrafterSpec.parse(f"draft:{plain}")) == f"draft:{plain}" == str(DrafterSpec.for_draft(plain))
+    assert str(DrafterSpec.parse("draft:models:/draft@champion")) == "draft:models:/draft@champion"  # resolved when built
+    assert DrafterSpec.parse(f"hybrid:{head},/c.bin").path == str(head)
+    eagle3 = KINDS["eagle3"]
+    assert DrafterSpec.parse(f"draft:{head}").serving_keys() == {"mode": "draft", "draft_kind": "eagle3"}
+    assert eagle3.tree and eagle3.on_target and not KINDS["draft"].tree
+    assert eagle3.feature_layers(str(head)) == [1, 3, 5] and KINDS["draft"].feature_layers(str(plain)) is None
+    registered = DrafterSpec.parse("draft:models:/draft@champion")  # a reference, resolved to its directory when built
+    assert str(registered.resolved(str(head))) == f"eagle3:{head}" and registered.resolved(str(plain)).kind == "draft"
 
 
 def test_the_serving_modes_are_read_from_the_kinds():

@@ -18,7 +18,6 @@ from specdistill.speculative import (
     SpecStats,
     early_exit_model,
     generate,
-    make_drafter,
     probs_from_logits,
     verify,
 )
@@ -367,8 +366,6 @@ def test_bad_input_gets_clear_errors():
         ModelDrafter(tiny(1, vocab=80), VOCAB)
     with pytest.raises(VocabAlignmentError, match="maps into a vocabulary of 50"):
         ModelDrafter(target, VOCAB, DraftVocab(torch.arange(10), 50))
-    with pytest.raises(ValueError, match="choose one drafting method"):
-        make_drafter(target, self_spec=2, ngram=True)
     with pytest.raises(ValueError, match="top_p"):
         SamplingConfig(temperature=1.0, top_p=0.0)
 

@@ -93,7 +93,7 @@ def bench_heads(args, target, heads: dict[str, str], eval_prompts: list[dict]) -
     from specdistill.speculative.harness_bench import BenchConfig, run_bench_many
 
     prompts = [Prompt(text="", ids=encode_chat(target.tokenizer, p["prompt"])) for p in eval_prompts[: args.bench_prompts]]
-    made = {name: drafter_from_spec(target.model, f"draft:{d}", tree_width=4) for name, d in heads.items()}
+    made = {name: drafter_from_spec(target.model, f"eagle3:{d}", tree_width=4) for name, d in heads.items()}
     results = run_bench_many(target.model, target.tokenizer, made, prompts,
                              BenchConfig(gamma=4, max_new_tokens=args.bench_tokens, repeats=1), progress=False)
     return {name: {"first_position": r.per_position_acceptance[0] if r.per_position_acceptance else 0.0,

@@ -24,15 +24,40 @@ from specdistill.cli.common import (
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")  # modeling.models.DTYPE_CHOICES, without importing torch to parse
 
 
-def _drafter(args: argparse.Namespace, target, fingerprint: str | None = None, tokenizer: str | None = None):
-    """The drafter the command line names (a suffix corpus is checked against the target's fingerprint and
-    tokenizer digest: the commands pass both)."""
-    from specdistill.speculative import make_drafter  # lazy: CLI start-up
+def drafter_spec(args: argparse.Namespace):
+    """The drafter spec the command line names (None: target-only): `--draft DIR` (a head's directory reads as
+    `eagle3:DIR`), `--self-spec K`, `--ngram`, `--suffix CORPUS`, and beside a model drafter the hybrid."""
+    from specdistill.speculative.specs import SELF_SPEC, DrafterSpec  # lazy: CLI start-up
 
-    drafter = make_drafter(target, draft=args.draft, self_spec=args.self_spec, ngram=args.ngram,
-                           ngram_min=args.ngram_min, ngram_max=args.ngram_max, tree_width=args.tree_width,
-                           suffix=getattr(args, "suffix", None), target_fingerprint=fingerprint,
-                           target_tokenizer=tokenizer, hybrid_threshold=getattr(args, "hybrid_threshold", None))
+    suffix = getattr(args, "suffix", None)
+    chosen = [flag for flag, on in (("--draft", args.draft), ("--self-spec", args.self_spec is not None),
+                                    ("--ngram", args.ngram), ("--suffix", suffix)) if on]
+    if len(chosen) > 1 and not (suffix and not args.ngram and len(chosen) == 2):
+        raise ValueError(f"choose one drafting method, got {' and '.join(chosen)}")
+    if suffix and len(chosen) == 2:
+        model = args.draft or f"{SELF_SPEC}:{args.self_spec}"
+        threshold = getattr(args, "hybrid_threshold", None)
+        spec = DrafterSpec.parse(f"hybrid:{model},{suffix}" + (f",{threshold!r}" if threshold is not None else ""))
+    elif suffix:
+        spec = DrafterSpec.parse(f"suffix:{suffix}")
+    elif args.draft:
+        spec = DrafterSpec.for_draft(args.draft)
+    elif args.self_spec is not None:
+        spec = DrafterSpec(SELF_SPEC, str(args.self_spec))
+    elif args.ngram:
+        spec = DrafterSpec.parse(f"ngram:{args.ngram_min},{args.ngram_max}")
+    else:
+        return None
+    return spec.with_(tree_width=args.tree_width)
+
+
+def _drafter(args: argparse.Namespace, target, fingerprint: str | None = None, tokenizer: str | None = None):
+    """The drafter the command line names, built by its kind (a suffix corpus is checked against the target's
+    fingerprint and tokenizer digest: the commands pass both)."""
+    from specdistill.speculative import drafter_from_spec  # lazy: CLI start-up
+
+    spec = drafter_spec(args)
+    drafter = drafter_from_spec(target, spec, target_fingerprint=fingerprint, target_tokenizer=tokenizer) if spec else None
     if args.tree_width != 1 and (drafter is None or drafter.tree_width != args.tree_width):
         raise ValueError(f"--tree-width {args.tree_width}: only a model drafter drafts a tree (--draft DIR or "
                          "--self-spec K), or a suffix drafter (--suffix CORPUS)")
@@ -124,12 +149,13 @@ def _bench_engine(args: argparse.Namespace):
         return _bench_vllm(args, prompts, config, threads)
     from specdistill.engines.llamacpp import bench_llamacpp, target_gguf  # lazy: CLI start-up
     from specdistill.pipeline.engine_bench import mode_for_spec  # lazy: CLI start-up
-    from specdistill.speculative.specs import DrafterSpec  # lazy: CLI start-up
 
-    if args.self_spec is not None or args.suffix or not (args.draft or args.ngram):
+    spec = drafter_spec(args)
+    if spec is None or not spec.runs_in_llamacpp or spec.exit_layer is not None:
         raise ValueError("--engine llamacpp measures --draft (a GGUF, or a draft or EAGLE-3 head directory exported to one) "
                          "or --ngram")
-    spec = DrafterSpec("draft", args.draft) if args.draft else DrafterSpec("ngram")
+    if spec.ngram_sizes is not None:  # llama-server's lookup decoding has its own window
+        spec = spec.with_(arg="")
     mode = mode_for_spec(spec, target_gguf(args.target), args.gamma)
     return bench_llamacpp(args.target, {mode.name: mode}, prompts, config, threads=threads)[mode.name]
 
@@ -139,15 +165,9 @@ def _bench_vllm(args: argparse.Namespace, prompts: list, config, threads: int):
     would carry it; a config vLLM refuses is an error carrying vLLM's own message."""
     from specdistill.engines.vllm_bench import bench_vllm  # lazy: CLI start-up
     from specdistill.pipeline.engine_bench import mode_serving_config  # lazy: CLI start-up
-    from specdistill.speculative.specs import SELF_SPEC, DrafterSpec  # lazy: CLI start-up
 
-    if args.draft:
-        spec = DrafterSpec("draft", args.draft)
-    elif args.self_spec is not None:
-        spec = DrafterSpec(SELF_SPEC, str(args.self_spec))
-    elif args.ngram:
-        spec = DrafterSpec("ngram", f"{args.ngram_min},{args.ngram_max}")
-    else:
+    spec = drafter_spec(args)
+    if spec is None or not spec.served or spec.corpus:
         raise ValueError("--engine vllm measures --draft DIR, --self-spec K or --ngram")
     name = spec.kind
     run = bench_vllm(args.target, {name: mode_serving_config(spec, args.gamma, args.target).vllm()}, prompts, config,

@@ -16,6 +16,7 @@ from specdistill import bounds
 from specdistill.config import BatchSize, Gamma, Kept, Layer, Minutes, Prompts, Seed, Steps, Strict, Threads, TopK, count, load_model_config
 
 DraftKind = Literal["layers", "eagle3"]  # a layer-extracted draft, or an EAGLE-3 head over target features
+FEATURE_KINDS = frozenset({"eagle3"})  # the kinds trained on the target's hidden states (a feature pass writes them)
 Divergence = Literal["fkl", "rkl", "jsd", "tv"]  # the losses against a teacher distribution alone
 
 
@@ -145,7 +146,7 @@ class DistillConfig(Strict):
             raise ValueError("loss.hidden_weight needs teacher.mode=online (the cache holds no hidden states)")
         if self.loss.selective_keep is not None and not self.loss.selective_reference:
             raise ValueError("loss.selective_keep needs loss.selective_reference (a reference draft directory)")
-        if self.kind == "eagle3":
+        if self.on_features:
             if self.teacher.mode != "cache":
                 raise ValueError("kind=eagle3 trains from caches: set teacher.mode=cache and teacher.cache_dir "
                                  "(written in the feature pass when it does not exist yet)")
@@ -162,8 +163,8 @@ class DistillConfig(Strict):
             raise ValueError("data.path is required")
         if self.teacher.mode == "cache" and not self.teacher.cache_dir:
             raise ValueError("teacher.mode=cache needs teacher.cache_dir" + (
-                " (written in the feature pass when it does not exist yet)" if self.kind == "eagle3" else ""))
-        if self.kind == "eagle3" and self.data.replay_path:
+                " (written in the feature pass when it does not exist yet)" if self.on_features else ""))
+        if self.on_features and self.data.replay_path:
             raise ValueError("kind=eagle3 has no replay data yet (data.replay_path)")
         if self.optim.bf16 is None:
             raise ValueError("optim.bf16 is null: set true or false (null is for a caller that resolves it by the "
@@ -180,11 +181,17 @@ class DistillConfig(Strict):
                 self.__dict__[name] = interval
 
     @property
+    def on_features(self) -> bool:
+        """Trained on the target's hidden states at some of its layers (an EAGLE-3 head), which a feature pass
+        writes beside the teacher cache; a layer draft reads tokens only."""
+        return self.kind in FEATURE_KINDS
+
+    @property
     def frozen_patterns(self) -> list[str]:
         """The layer kind keeps the target's embeddings and head; an EAGLE-3 head trains its own lm_head."""
         if self.freeze is not None:
             return list(self.freeze)
-        return ["embed_tokens"] if self.kind == "eagle3" else ["embed_tokens", "lm_head"]
+        return ["embed_tokens"] if self.on_features else ["embed_tokens", "lm_head"]
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> DistillConfig:

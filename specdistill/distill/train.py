@@ -48,6 +48,8 @@ from specdistill.modeling.fingerprints import weights_digest
 from specdistill.modeling.models import LoadedModel, check_device
 from specdistill.state_lock import state_lock_for
 
+TASKS = {"layers": LayerTask, "eagle3": Eagle3Task}  # the training task of each kind of draft (`DistillConfig.kind`)
+
 
 class NonFiniteLossError(RuntimeError):
     """Training hit a NaN/inf loss; the message names the step and batch. The last good checkpoint stays."""
@@ -195,8 +197,8 @@ def load_task(config: DistillConfig, device: torch.device) -> tuple[LoadedModel,
     replay = read_examples(data.replay_path, data.replay_kind, tok, data.max_len) if data.replay_path else []
     heldout = (read_examples(data.heldout_path, "generated", tok, data.max_len, data.heldout_limit)
                if data.heldout_path else [])
-    kind = Eagle3Task if config.kind == "eagle3" else LayerTask
-    return target, kind(config, target, examples, replay, heldout, device), bool(heldout)
+    task = TASKS[config.kind]
+    return target, task(config, target, examples, replay, heldout, device), bool(heldout)
 
 
 def make_run(config: DistillConfig, task, device: torch.device, rank: int, world: int, out_dir: Path,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdistill.data.record import Record
+from specdistill.distill.config import FEATURE_KINDS
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class Trained(Record):
                "loss": self.loss, "stop": self.stop, "trainable_parameters": self.trainable_parameters,
                "frozen_parameters": self.frozen_parameters, **({"curve": self.curve} if curve else {}),
                "kind": self.kind, "draft_vocab": self.draft_vocab, "layers": self.layers}
-        if self.kind != "eagle3":
+        if self.kind not in FEATURE_KINDS:
             out["stale_dropped"] = self.stale_dropped
         else:
             out |= {"unroll_steps": self.unroll_steps, "stale_dropped": self.stale_dropped,

@@ -18,12 +18,12 @@ class DraftModel(PythonModel):
     def load_context(self, context):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from specdistill.modeling.eagle3_io import is_eagle3_dir  # lazy: keeps torch off import
+        from specdistill.speculative.specs import DrafterSpec  # lazy: MLflow loads this file on its own
 
         path = context.artifacts["draft"]
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.target = self.drafter = None
-        if is_eagle3_dir(path):
+        if DrafterSpec.for_draft(path).of.on_target:  # a head: it drafts from its target's features
             self.target, self.drafter = _target_and_head(path)
         else:
             self.model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True).eval()

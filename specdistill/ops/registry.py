@@ -41,6 +41,7 @@ from specdistill.ops.serving import (
     write_serving_config,
 )
 from specdistill.ops.serving import serving_path as default_serving_path
+from specdistill.speculative.specs import DrafterSpec
 
 log = logging.getLogger(__name__)
 
@@ -77,16 +78,11 @@ class RegisteredDraft:
 
 
 def draft_kind_tags(draft_dir: str | Path) -> dict[str, str]:
-    """Lineage tags every version carries: which kind of draft, and for an EAGLE-3 head the target
-    layers it reads (a head is only valid on a target whose features it was trained on)."""
-    from specdistill.modeling.eagle3_io import is_eagle3_dir, read_config  # lazy: keeps torch off import
-
-    if not is_eagle3_dir(draft_dir):
-        return {"draft_kind": "layers"}
-    config = read_config(draft_dir)
-    layers = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-    return {"draft_kind": "eagle3", "feature_layers": ",".join(map(str, layers)),
-            "draft_vocab_size": str(config.get("draft_vocab_size"))}
+    """Lineage tags every version carries: its kind (as serving.json names it), and what that kind records
+    about its draft (`Kind.tags`: for an EAGLE-3 head the target layers it reads, since a head is only valid on
+    a target whose features it was trained on)."""
+    kind = DrafterSpec.for_draft(draft_dir).of
+    return {"draft_kind": kind.draft_kind, **kind.tags(str(draft_dir))}
 
 
 def register_draft(

@@ -25,7 +25,7 @@ from specdistill.budget import Deadline
 from specdistill.data.prompts import MAX_PROMPT_TOKENS, Prompt, usable_prompt
 from specdistill.data.record import FLAT, Record
 from specdistill.modeling.drafts import align_draft
-from specdistill.modeling.eagle3_io import is_eagle3_dir, read_config
+from specdistill.modeling.eagle3_io import read_config
 from specdistill.modeling.models import LoadedModel, resolve_model_dir, shared_model
 from specdistill.modeling.vocab import DraftVocab, check_vocab, vocab_mismatch
 from specdistill.ops.policy import DEFAULT_MARGIN, MIN_SERVED_PROMPTS, Candidate, fastest_mode
@@ -168,7 +168,7 @@ def replay_acceptance(
     start = time.perf_counter()
     target = _loaded(target_ref, dtype, device)
     head_dir = None if isinstance(draft_ref, LoadedModel) else resolve_model_dir(draft_ref)
-    head_dir = head_dir if head_dir is not None and is_eagle3_dir(head_dir) else None  # it loads only with its target
+    head_dir = head_dir if head_dir is not None and DrafterSpec.for_draft(head_dir).of.on_target else None  # loads beside its target
     weights = next(target.model.parameters())  # the draft runs as the target does
     draft = None if head_dir else _loaded(draft_ref, weights.dtype, weights.device)
     fp = target_version or target.fingerprint
@@ -322,7 +322,7 @@ def choose_fallback(
         raise ValueError(f"exit layers {bad} outside 1..{n_layers - 1}")
     config = BenchConfig(gamma=gamma, max_new_tokens=max_new_tokens, repeats=repeats, measure_cost=False)
     layers = list(dict.fromkeys(exit_layers))
-    specs = {f"{SELF_SPEC}@{k}": DrafterSpec(SELF_SPEC, str(k)) for k in layers}
+    specs = {f"{SELF_SPEC}:{k}": DrafterSpec(SELF_SPEC, str(k)) for k in layers}
     specs["ngram"] = DrafterSpec("ngram", f"{NGRAM_WINDOW[0]},{NGRAM_WINDOW[1]}")
     current, stale = corpus_is_current(suffix_corpus, target.fingerprint, target.tokenizer_digest) if suffix_corpus else (False, "")
     if current:

@@ -13,15 +13,15 @@ import os
 import shlex
 import time
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError, model_validator
 
 from specdistill import bounds, paths
 from specdistill.acceptance import DEFAULT_GAMMA, NGRAM_WINDOW
-from specdistill.speculative.specs import served_kind, serving_modes
+from specdistill.speculative.specs import KINDS, draft_kinds, engine_settings, served_kind, serving_modes
 
-DRAFT_KINDS = ("layers", "eagle3")  # a plain HF draft checkpoint, or an EAGLE-3 head over the target's features
+OLD_DRAFT_KIND = "layers"  # what serving.json said whatever was served, before `draft_kind` named the served kind
 SERVING_FILE = "serving.json"
 # The one exception to "traffic and answers are the owner's only" (see specdistill.paths): what a serving
 # engine must read. This file (0644: modes, paths, speedups, no traffic) and the draft directory it names
@@ -64,7 +64,9 @@ class ServingConfig(BaseModel):
     num_speculative_tokens: StrictInt = Field(DEFAULT_GAMMA, ge=0, le=bounds.MAX_GAMMA)  # at least 1 unless mode off (checked below)
     draft_dir: StrictStr | None = None  # draft mode, and self-speculation exported as an early-exit draft
     draft_version: StrictStr | None = None
-    draft_kind: Literal["layers", "eagle3"] = "layers"  # layers (vLLM draft_model, SGLang STANDALONE) or eagle3
+    # the served kind (`speculative.specs.draft_kinds()`): layers (a layer draft: vLLM draft_model, SGLang
+    # STANDALONE), eagle3 (a head: vLLM eagle3, SGLang EAGLE3), self-spec, ngram, suffix; None: off
+    draft_kind: StrictStr | None = None
     target_fingerprint: StrictStr | None = None
     exit_layer: StrictInt | None = Field(None, ge=1, le=bounds.MAX_LAYERS)  # self-speculation: the target's layers 0..exit_layer-1
     # ngram mode: the window that was measured (unset: `acceptance.NGRAM_WINDOW`, what plain `ngram` measures);
@@ -104,23 +106,24 @@ class ServingConfig(BaseModel):
     def _mode_first(cls, data: Any) -> Any:
         if isinstance(data, dict) and "mode" in data and data["mode"] not in (modes := serving_modes()):
             raise ValueError(f"serving mode {data['mode']!r} is not one of {modes}")
-        if isinstance(data, dict) and "draft_kind" in data and data["draft_kind"] not in DRAFT_KINDS:
-            raise ValueError(f"draft kind {data['draft_kind']!r} is not one of {DRAFT_KINDS}")
+        if isinstance(data, dict) and data.get("draft_kind") is not None and data["draft_kind"] not in (kinds := draft_kinds()):
+            raise ValueError(f"draft kind {data['draft_kind']!r} is not one of {kinds}")
+        if isinstance(data, dict) and "mode" in data:
+            data = {**data, "draft_kind": _served_draft_kind(data["mode"], data.get("draft_kind"))}
         if isinstance(data, dict) and data.get("mode") == "ngram":
             data = {"prompt_lookup_min": NGRAM_WINDOW[0], "prompt_lookup_max": NGRAM_WINDOW[1], **data}
         return data
 
     @model_validator(mode="after")
     def _consistent(self) -> ServingConfig:
-        kind = served_kind(self.mode)
+        kind = served_kind(self.mode, self.draft_kind)
         if kind and kind.needs and not getattr(self, kind.needs[0]):
             raise ValueError(f"serving mode {self.mode!r} needs {kind.needs[1]}")
-        if self.draft_kind == "eagle3" and self.mode != "draft":
-            raise ValueError(f"an EAGLE-3 head is served in draft mode, not {self.mode!r}")
         if self.mode != "off" and self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
-        if self.tree_width < 1 or (self.tree_width > 1 and self.draft_kind != "eagle3"):
-            raise ValueError(f"tree_width {self.tree_width}: a tree of first-position candidates needs an EAGLE-3 head")
+        if self.tree_width < 1 or (self.tree_width > 1 and not (kind and kind.tree)):
+            raise ValueError(f"tree_width {self.tree_width}: a tree of first-position candidates needs an EAGLE-3 head "
+                             "(a kind served as a tree)")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is not None and hi is not None and hi < lo:
             raise ValueError(f"prompt lookup window {self.prompt_lookup_min}..{self.prompt_lookup_max} is empty")
@@ -133,11 +136,11 @@ class ServingConfig(BaseModel):
 
     def vllm(self) -> dict | None:
         """vLLM's `--speculative-config` (None: serve without speculation), as its mode's kind writes it."""
-        return kind.vllm(self) if (kind := served_kind(self.mode)) else None
+        return write(self) if (write := engine_settings(self.mode, self.draft_kind, "vllm")) else None
 
     def sglang(self) -> list[str]:
         """SGLang `launch_server` flags (empty: serve without speculation), as its mode's kind writes them."""
-        return kind.sglang(self) if (kind := served_kind(self.mode)) else []
+        return write(self) if (write := engine_settings(self.mode, self.draft_kind, "sglang")) else []
 
     def llamacpp(self) -> dict | None:
         """llama-server's flags and a command line for this mode (None: not measured in llama.cpp)."""
@@ -156,7 +159,8 @@ class ServingConfig(BaseModel):
         lines = [f"mode            {self.mode}"]
         if self.draft_dir:
             what = f"version {self.draft_version}"
-            lines.append(f"draft           {self.draft_dir} ({'EAGLE-3 head, ' if self.draft_kind == 'eagle3' else ''}{what})")
+            label = kind.label if (kind := served_kind(self.mode, self.draft_kind)) else ""
+            lines.append(f"draft           {self.draft_dir} ({label + ', ' if label else ''}{what})")
         if self.exit_layer is not None:
             lines.append(f"exit layer      {self.exit_layer}")
         if self.suffix_corpus:
@@ -177,6 +181,19 @@ class ServingConfig(BaseModel):
             lines.append(f"hardware        {self.hardware}")
         lines.append(f"updated         {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.updated_at))}")
         return "\n".join(lines)
+
+
+def _served_draft_kind(mode: Any, draft_kind: Any) -> str | None:
+    """serving.json's `draft_kind` for a mode: the one given, the mode's kind where none is (None: off), and for
+    a record written before it named the served kind (`layers` beside a suffix, n-gram or self-speculation
+    mode) the mode's kind; a kind that is not served in the mode is refused."""
+    kind = served_kind(mode, draft_kind) if isinstance(mode, str) else None
+    if kind is None or draft_kind is None or (draft_kind == OLD_DRAFT_KIND and kind.draft_kind != draft_kind):
+        return kind.draft_kind if kind else None
+    if kind.draft_kind != draft_kind:
+        served_in = next(k.mode for k in KINDS.values() if k.draft_kind == draft_kind)
+        raise ValueError(f"draft_kind {draft_kind!r} is served in {served_in} mode, not {mode!r}")
+    return draft_kind
 
 
 def serving_path() -> Path:

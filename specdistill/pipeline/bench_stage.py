@@ -5,12 +5,9 @@ gate's verdict on the challenger (`ops.policy.evaluate`)."""
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
-from specdistill import paths
 from specdistill.data.prompts import Prompt, encode_chat
 from specdistill.data.results import BenchResult
-from specdistill.modeling.eagle3_io import META_FILE, is_eagle3_dir
 from specdistill.modeling.models import shared_model
 from specdistill.ops.policy import GateVerdict, Role, evaluate
 from specdistill.pipeline.config import NightlyConfig
@@ -20,7 +17,7 @@ from specdistill.pipeline.stage_budgets import stage_deadline
 from specdistill.speculative import drafter_from_spec
 from specdistill.speculative.gamma import bench_at_best_gamma
 from specdistill.speculative.harness_bench import run_bench_many
-from specdistill.speculative.specs import SELF_SPEC, DrafterSpec
+from specdistill.speculative.specs import SELF_SPEC, DrafterSpec, hybrid_model
 from specdistill.speculative.threads import fastest_threads
 
 
@@ -30,13 +27,13 @@ def measured_drafters(config: NightlyConfig, trained: Trained, warm_start: WarmS
     champion as warm-started, the generic baseline), the draft-free modes by their own names; with a
     `suffix_corpus` (the target's own train answers), the suffix drafter alone and (`bench.hybrid`) beside
     the challenger."""
-    drafters = {Role.CHALLENGER.value: DrafterSpec("draft", trained.draft_dir)}
+    drafters = {Role.CHALLENGER.value: DrafterSpec.for_draft(trained.draft_dir)}
     if warm_start:
-        drafters[Role.CHAMPION.value] = DrafterSpec("draft", warm_start.dir)
+        drafters[Role.CHAMPION.value] = DrafterSpec.for_draft(warm_start.dir)
     if generic:
-        drafters[Role.GENERIC.value] = DrafterSpec("draft", generic.draft_dir)
-    for layer in config.bench.self_spec_layers:
-        drafters[f"self-spec@{layer}"] = DrafterSpec(SELF_SPEC, str(layer))
+        drafters[Role.GENERIC.value] = DrafterSpec.for_draft(generic.draft_dir)
+    for spec in (DrafterSpec(SELF_SPEC, str(layer)) for layer in config.bench.self_spec_layers):
+        drafters[str(spec)] = spec  # a draft-free mode's entry is named by its spec
     if config.bench.ngram:
         drafters["ngram"] = DrafterSpec("ngram")
     if suffix_corpus:
@@ -96,22 +93,18 @@ def _bench(config: NightlyConfig, drafters: dict[str, DrafterSpec], target, prom
 
 
 def first_gamma(spec: DrafterSpec, gamma: int) -> int:
-    """The γ a drafter is first measured at: the benchmark's, but for an EAGLE-3 head no deeper than the
-    draft positions it was trained to propose (`unroll_steps` in its meta: a 1-step head's 2nd position is
-    untrained). Where the budget skips the γ search, this γ is the one served."""
-    path = Path(spec.path) if spec.kind == "draft" and spec.path else None
-    if path is None or not path.is_dir() or not is_eagle3_dir(path) or not (path / META_FILE).is_file():
-        return gamma
-    steps = paths.read_json(path / META_FILE, "draft meta").get("unroll_steps")
-    return min(gamma, steps) if isinstance(steps, int) and steps >= 1 else gamma
+    """The γ a drafter is first measured at: the benchmark's, or less where its kind knows its draft proposes
+    fewer positions (`Kind.first_gamma`: an EAGLE-3 head no deeper than it was trained to unroll). Where the
+    budget skips the γ search, this γ is the one served."""
+    return spec.of.first_gamma(spec, gamma)
 
 
 def _served_tree_width(spec: DrafterSpec, width: int) -> int:
-    """The tree width a drafter is measured with: vLLM and SGLang verify trees for EAGLE-3 heads only,
-    so any other draft is measured as the chain it would be served as (a hybrid's head, measured only,
-    verifies the tree the head alone would)."""
-    path = spec.path
-    return width if path and Path(path).is_dir() and is_eagle3_dir(path) else 1
+    """The tree width a drafter is measured with: vLLM and SGLang verify trees for the kinds served as one
+    (`Kind.tree`: EAGLE-3 heads) only, so any other draft is measured as the chain it would be served as (a
+    hybrid's head, measured only, verifies the tree the head alone would)."""
+    model = hybrid_model(spec.arg) if spec.kind == "hybrid" else spec
+    return width if model.of.tree else 1
 
 
 def gate(config: NightlyConfig, challenger: BenchResult, champion: BenchResult | None,

@@ -158,7 +158,7 @@ class NightlyTrain(DistillConfig):
             update["optim"]["lr"], update["draft_vocab"] = self.incremental_lr, None
         if generic:
             update.update(kind="layers", loss=LossConfig(kind="ce").model_dump(), eagle3=Eagle3Config().model_dump())
-        elif self.kind == "eagle3":
+        elif self.on_features:
             update["eagle3"] = {**self.eagle3.model_dump(), "feature_dir": feature_dir, "feature_dtype": config.dtype}
             # `deepen` false: a warm start from a head trained for another target version, whose first position
             # the update undid (the demo's champion read 0.119 on its updated target): it retrains that first

@@ -25,7 +25,6 @@ from specdistill.engines.endpoint_bench import TARGET_ONLY, run_engine_bench
 from specdistill.engines.llamacpp import bench_llamacpp, ngram_mode, target_gguf
 from specdistill.engines.vllm_bench import bench_vllm, served_dtype
 from specdistill.modeling.drafts import export_early_exit_draft
-from specdistill.modeling.eagle3_io import is_eagle3_dir
 from specdistill.modeling.models import load_model, resolve_model_dir, shared_model
 from specdistill.ops.policy import Role
 from specdistill.ops.serving import ServingConfig
@@ -109,9 +108,8 @@ def mode_serving_config(spec: DrafterSpec, gamma: int, target_ref: str) -> Servi
         raise ValueError(f"drafter {str(spec)!r} has no vLLM mode: no serving engine runs a {spec.kind} drafter")
     keys = dict(spec.serving_keys(), num_speculative_tokens=gamma)
     if spec.path:
-        draft_dir = resolve_model_dir(spec.path)
-        return ServingConfig(draft_dir=str(draft_dir), draft_kind="eagle3" if is_eagle3_dir(draft_dir) else "layers",
-                             **keys)
+        resolved = spec.resolved(str(resolve_model_dir(spec.path)))  # a registered head is an eagle3 draft
+        return ServingConfig(draft_dir=resolved.arg, **{**keys, **resolved.serving_keys()})
     if spec.exit_layer is not None:
         target = load_model(target_ref, dtype="float32")  # a weight copy for vLLM to load
         return ServingConfig(draft_dir=str(export_early_exit_draft(target, spec.exit_layer)), **keys)

@@ -25,7 +25,7 @@ from specdistill.hardware import describe_device
 from specdistill.modeling import drafts, models
 from specdistill.modeling.drafts import align_draft, load_draft_meta
 from specdistill.modeling.eagle3 import Eagle3ShapeError
-from specdistill.modeling.eagle3_io import align_head, aux_layers_of, is_eagle3_dir
+from specdistill.modeling.eagle3_io import align_head
 from specdistill.modeling.models import dtype_name, resolve_model_dir, shared_model
 from specdistill.modeling.vocab import DraftVocab
 from specdistill.ops import registry
@@ -48,6 +48,7 @@ from specdistill.pipeline.outputs import (
 from specdistill.pipeline.report import registration_artifacts, registration_metrics, train_losses
 from specdistill.pipeline.serve import serving_config
 from specdistill.pipeline.stage_budgets import stage_budgets, stage_deadline
+from specdistill.speculative.specs import DrafterSpec
 
 
 def target_tokenizer(config: NightlyConfig):
@@ -95,7 +96,7 @@ def align_champion(config: NightlyConfig, champion: Champion | None) -> WarmStar
     def warm(directory: str, transplanted: bool, report: dict, unfit: str = "") -> WarmStart:
         return WarmStart(champion.name, champion.version, directory, dict(champion.tags), transplanted, report, unfit)
 
-    if is_eagle3_dir(champion.dir):  # a head: its draft vocabulary carried over; embeddings are the target's
+    if DrafterSpec.for_draft(champion.dir).of.on_target:  # a head: its draft vocabulary carried over; embeddings the target's
         target = shared_model(config.target, dtype=config.dtype, device=config.device)
         out = run_root() / "aligned" / f"{champion.name}-{champion.version}-{target.fingerprint}"
         try:
@@ -194,7 +195,7 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | None, heldo
     whichever comes first; a share too small to train in stops the run here."""
     tc = config.train
     kind = "layers" if generic else tc.kind
-    if warm_start and is_eagle3_dir(warm_start) != (kind == "eagle3"):
+    if warm_start and DrafterSpec.for_draft(warm_start).of.draft_kind != kind:
         warm_start = None  # the champion is of the other kind: this kind starts from the target
     feature_dir = None
     if generic:
@@ -213,8 +214,9 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | None, heldo
         out_dir = run_root() / "distill" / key
         data = DataConfig(path=train_data.path, kind="generated", heldout_path=heldout_data.path)
         teacher = TeacherConfig(mode="cache", cache_dir=train_data.teacher_cache)
-        if kind == "eagle3":  # features beside the teacher cache: every run on this data reuses them
-            head_layers = aux_layers_of(warm_start) if warm_start else None  # other layers than the answer pass's: own dir
+        if tc.on_features:  # features beside the teacher cache: every run on this data reuses them
+            # a warm start's own layers, when other than the answer pass's: their own directory
+            head_layers = DrafterSpec.for_draft(warm_start).of.feature_layers(warm_start) if warm_start else None
             feature_dir = str(features_dir(train_data.teacher_cache, head_layers))
     result_file = out_dir / "result.json"
     if result_file.is_file():  # finished before: a rerun reuses it

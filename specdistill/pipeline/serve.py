@@ -14,7 +14,6 @@ from typing import Any
 from specdistill.data.results import BenchResult
 from specdistill.hardware import cpu_info
 from specdistill.modeling.drafts import early_exit_dir, export_early_exit_draft
-from specdistill.modeling.eagle3_io import is_eagle3_dir
 from specdistill.modeling.models import shared_model
 from specdistill.ops.policy import Candidate, GateVerdict, Role, fastest_mode, servable, unserved_faster_challenger
 from specdistill.ops.serving import ServingConfig
@@ -132,14 +131,14 @@ def serving_config(decision: ServingDecision, target: TargetInfo, registered_ver
         return ServingConfig(**common)
     if not spec.path:
         return ServingConfig(**{**draft_free_fields(spec, target.fingerprint, target.path, target.dtype), **common})
-    kind = "eagle3" if is_eagle3_dir(spec.path) else "layers"  # vLLM method eagle3 / SGLang EAGLE3 for a head
     if d.name == Role.CHALLENGER:  # served from its registered copy once it is registered
         draft_dir, version = registered_dir or spec.path, registered_version
     else:
         draft_dir, version = spec.path, champion.version if champion else None
-    return ServingConfig(draft_dir=draft_dir, draft_version=version, draft_kind=kind,
-                         tree_width=d.tree_width if kind == "eagle3" else 1,
-                         chain_speculative_tokens=d.chain_gamma if kind == "eagle3" and d.tree_width > 1 else None, **common)
+    tree = spec.of.tree  # SGLang verifies a tree for a head; engines that verify a chain run its chain depth
+    return ServingConfig(draft_dir=draft_dir, draft_version=version, draft_kind=spec.of.draft_kind,
+                         tree_width=d.tree_width if tree else 1,
+                         chain_speculative_tokens=d.chain_gamma if tree and d.tree_width > 1 else None, **common)
 
 
 def draft_free_fields(spec: DrafterSpec, fingerprint: str, target_path: str, dtype: str) -> dict[str, Any]:

@@ -10,11 +10,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from specdistill.speculative import kinds  # noqa: F401  registers the drafter kinds (torch-free)
+
 # name -> its module. Loaded on first use (PEP 562), so that the drafter specs (`specs`: kinds, serving
 # modes) are read by `serving show` and the metrics without importing torch.
 _HOMES = {
     "Drafter": "drafters", "ModelDrafter": "drafters", "NgramDrafter": "drafters", "SelfSpecDrafter": "drafters",
-    "early_exit_model": "drafters", "make_drafter": "factory",
+    "early_exit_model": "drafters",
     "EagleDrafter": "eagle",
     "GenerationResult": "engine", "SpecStats": "engine", "context_length": "engine", "default_stop_ids": "engine",
     "generate": "engine",

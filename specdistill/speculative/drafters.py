@@ -51,6 +51,15 @@ class Drafter(Protocol):
         """The target's features [T, F] for the next T positions it has verified (kept ones only)."""
         raise NotImplementedError(f"{self.name} drafts without the target's features")
 
+    def parts(self) -> list[Drafter]:
+        """The drafters it is made of, whose draft costs add up (a hybrid's model and lookup); itself alone."""
+        return [self]
+
+    def step_module(self) -> tuple[torch.nn.Module, DraftVocab | None] | None:
+        """Its draft step as one module's decode step, timed against the target's (`modeling.drafts.measure_cost_ratio`),
+        with the draft vocabulary its head covers; None: no model (a lookup, timed by its proposal)."""
+        return None
+
 
 class ModelDrafter(Drafter):
     """A small causal LM (or the target's early exit) drafting autoregressively with its own KV cache.
@@ -60,6 +69,9 @@ class ModelDrafter(Drafter):
     `tree_width` > 1: greedy decoding also verifies the draft's next `tree_width - 1` candidates for
     the first position (`propose_tree`), read off logits the chain computes anyway.
     """
+
+    def step_module(self) -> tuple[torch.nn.Module, DraftVocab | None]:
+        return self.model, self.vocab
 
     def __init__(
         self,
@@ -189,7 +201,7 @@ class SelfSpecDrafter(ModelDrafter):
     """The target drafts for itself by exiting early at layer k (LayerSkip-style, untrained exit)."""
 
     def __init__(self, target: PreTrainedModel, exit_layer: int, tree_width: int = 1):
-        super().__init__(early_exit_model(target, exit_layer), target.config.vocab_size, name=f"self-spec@{exit_layer}",
+        super().__init__(early_exit_model(target, exit_layer), target.config.vocab_size, name=f"self-spec:{exit_layer}",
                          tree_width=tree_width)
 
 

@@ -41,6 +41,10 @@ class EagleDrafter(Drafter):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head.logits(hidden)[0, -1].float().cpu()
 
+    def step_module(self):
+        """The head's step is what a round costs beyond the target (its features come with the target's forward)."""
+        return self.head, None
+
     def reset(self) -> None:
         self.cache = Eagle3Cache()
         self.committed = 0  # head entries built from the target's features (positions 0..committed-1)

@@ -35,13 +35,10 @@ from specdistill.modeling.lean import engine_forward
 from specdistill.modeling.models import dtype_name
 from specdistill.speculative import (
     Drafter,
-    ModelDrafter,
     SamplingConfig,
     SpecStats,
     generate,
 )
-from specdistill.speculative.eagle import EagleDrafter
-from specdistill.speculative.hybrid import HybridDrafter
 from specdistill.speculative.lossless import LosslessReport, judge_lossless, model_dtype
 
 __all__ = ["BenchConfig", "BenchResult", "Prompt", "PromptFileError", "SliceResult", "encode_prompt", "load_prompts",
@@ -93,13 +90,11 @@ def measure_drafter_cost(target: PreTrainedModel, drafter: Drafter, context: int
     """c for any drafter: a model drafter's decode step (via measure_cost_ratio), or an n-gram or
     suffix lookup's proposal time, each over a target decode step; a hybrid's is its model's plus its
     lookup's (an upper bound: in a round the suffix drafter covers, the model drafts nothing)."""
-    if isinstance(drafter, HybridDrafter):
-        return (measure_drafter_cost(target, drafter.inner, context, repeats)
-                + measure_drafter_cost(target, drafter.suffix, context, repeats))
-    if isinstance(drafter, ModelDrafter):
-        return measure_cost_ratio(target, drafter.model, draft_vocab=drafter.vocab, context=context, repeats=repeats)
-    if isinstance(drafter, EagleDrafter):  # its proposals need the engine's features: time the head's step
-        return measure_cost_ratio(target, drafter.head, context=context, repeats=repeats)
+    if (parts := drafter.parts()) != [drafter]:
+        return sum(measure_drafter_cost(target, part, context, repeats) for part in parts)
+    if (step := drafter.step_module()) is not None:  # a head's proposals need the engine's features: time its step
+        module, vocab = step
+        return measure_cost_ratio(target, module, draft_vocab=vocab, context=context, repeats=repeats)
 
     tokens = torch.randint(0, target.config.vocab_size, (context,))
     cache = preallocated_cache(target, 1, context)

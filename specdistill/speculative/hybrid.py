@@ -34,6 +34,9 @@ class HybridDrafter(Drafter):
     def add_features(self, features: torch.Tensor) -> None:
         self.inner.add_features(features)
 
+    def parts(self) -> list:
+        return [self.inner, self.suffix]
+
     def reset(self) -> None:
         self.inner.reset()
         self.suffix.reset()

@@ -1,6 +1,6 @@
-"""Drafter specs: the one parser of the strings that name a drafting method (`draft:DIR`, `self-spec:K`,
-`ngram`, `ngram:MIN,MAX`, `suffix:CORPUS`, `hybrid:DIR,CORPUS[,THRESHOLD]`), and the one registry of the
-kinds of drafter (`KINDS`): the serving modes, and which of them may be served, are read from it.
+"""Drafter specs: the one parser of the strings that name a drafting method (`draft:DIR`, `eagle3:DIR`,
+`self-spec:K`, `ngram`, `ngram:MIN,MAX`, `suffix:CORPUS`, `hybrid:DIR,CORPUS[,THRESHOLD]`), and the one
+registry of the kinds of drafter (`KINDS`): how each is built, served and recorded, read from it.
 
     spec = DrafterSpec.parse("self-spec:8")      # kind "self-spec", exit_layer 8, serving mode "self_speculation"
     drafter = drafter_from_spec(target, spec.with_(tree_width=4))
@@ -9,15 +9,17 @@ A spec's text is what the nightly's benchmark entries, the monitor's fallback an
 (it is part of cache keys and of `serving.json`'s record), so `str(DrafterSpec.parse(s)) == s`. γ and
 the tree width are not in the text: they are measured settings a spec is run with (`with_`).
 
-A new kind registers a `Kind` in `KINDS` (`register_kind`); nothing else lists the kinds.
+Each kind lives in its own module (`speculative.kinds`), which registers a `Kind` in `KINDS`
+(`register_kind`); nothing else lists the kinds. As vLLM's `method`: one kind per way of drafting, so a
+layer draft (`draft`) and an EAGLE-3 head (`eagle3`) are two kinds.
 
 Specs travel as `DrafterSpec`s: parsed where text comes in (the CLI, configs, records read back), written as
-text only where they leave (JSON records, cache keys, reports: `to_dict`).
+text only where they leave (JSON records, cache keys, reports: `to_dict`). Records written before are read
+here and only here: an older spelling of a kind's name (`Kind.aliases`: `self_spec:K`), and an older, wider
+kind's spec that a kind now claims (`Kind.claims`: `draft:DIR` naming an EAGLE-3 head reads as `eagle3:DIR`).
 
-Self-speculation is `self-spec` everywhere a drafter is named (specs `self-spec:K`, results `self-spec@K`,
-the CLI's `--self-spec K`); `self_spec:K`, the spelling of records written before, is still read. Its
-serving mode keeps the name serving.json and the `specdistill_serving_mode{mode}` gauge have always
-carried, `self_speculation`.
+Self-speculation's serving mode keeps the name serving.json and the `specdistill_serving_mode{mode}` gauge
+have always carried, `self_speculation`.
 
 Torch-free at import (drafters are built on first use), so `serving show` and the metrics read the modes fast.
 """
@@ -53,11 +55,32 @@ class Kind:
     # the writer's to give (a registered copy, an exported early-exit draft)
     serving: Callable[[DrafterSpec], dict[str, Any]] = lambda spec: {}
     llamacpp: bool = True  # llama-server runs it (its lookup cache is its own format: no suffix corpus)
-    # its mode's vLLM `speculative_config` and SGLang flags, from a serving config (`ops.serving.ServingConfig`)
-    vllm: Callable[[Any], dict[str, Any] | None] = lambda config: None
-    sglang: Callable[[Any], list[str]] = lambda config: []
+    # its vLLM `speculative_config` and SGLang flags, from a serving config (`ops.serving.ServingConfig`);
+    # None: as the first kind served in its mode writes them (a new n-gram kind served as n-gram is)
+    vllm: Callable[[Any], dict[str, Any] | None] | None = None
+    sglang: Callable[[Any], list[str]] | None = None
     needs: tuple[str, str] = ()  # the serving config key its mode cannot be served without, and its name for errors
     aliases: tuple[str, ...] = ()  # older spellings of the name, read from records written before
+    # (the older kind, is this argument of it ours?): records that kind wrote for what is now this kind
+    claims: tuple[str, Callable[[str], bool]] | None = None
+    draft_dir: bool = False  # its argument is a draft's directory (or reference): `DrafterSpec.path`
+    record: str = ""  # serving.json's `draft_kind` for it ("": its name)
+    label: str = ""  # what `serving show` calls its draft ("EAGLE-3 head"; "": nothing beside the version)
+    # drafts from its target's hidden states: it loads, replays and smoke-tests only beside its target
+    on_target: bool = False
+    # the target layers whose hidden states a draft of this kind reads (hooked while the target runs), from its
+    # directory, without loading it; None: it reads none
+    feature_layers: Callable[[str], list[int] | None] = lambda draft_dir: None
+    tree: bool = False  # served as a tree of first-position candidates (SGLang verifies one); else as a chain
+    # the γ it is first measured at, from the benchmark's: a kind may know its draft proposes fewer positions
+    first_gamma: Callable[[DrafterSpec, int], int] = lambda spec, gamma: gamma
+    # the lineage tags a registered draft of this kind carries (`ops.registry`), from its directory
+    tags: Callable[[str], dict[str, str]] = lambda draft_dir: {}
+
+    @property
+    def draft_kind(self) -> str:
+        """What serving.json's `draft_kind` says when this kind is served."""
+        return self.record or self.name
 
 
 class TargetKey(NamedTuple):
@@ -86,13 +109,32 @@ def serving_modes() -> tuple[str, ...]:
     return (*dict.fromkeys(k.mode for k in KINDS.values() if k.served), OFF)
 
 
-def served_kind(mode: str) -> Kind | None:
-    """The servable kind a serving mode names (None: `off`, or a mode no kind is served as)."""
-    return next((k for k in KINDS.values() if k.served and k.mode == mode), None)
+def served_kind(mode: str, draft_kind: str | None = None) -> Kind | None:
+    """The servable kind a serving mode names (None: `off`, or a mode no kind is served as); of the kinds
+    served in one mode (a layer draft and an EAGLE-3 head), the one serving.json's `draft_kind` says."""
+    kinds = [k for k in KINDS.values() if k.served and k.mode == mode]
+    return next((k for k in kinds if k.draft_kind == draft_kind), kinds[0] if kinds else None)
+
+
+def engine_settings(mode: str, draft_kind: str | None, engine: str) -> Callable[[Any], Any] | None:
+    """The served kind's settings writer for `engine` ("vllm" or "sglang"), or its mode's first kind's when it
+    has none of its own; None: the mode serves without speculation."""
+    kinds = (served_kind(mode, draft_kind), served_kind(mode))
+    return next((getattr(k, engine) for k in kinds if k is not None and getattr(k, engine) is not None), None)
+
+
+def draft_kinds() -> tuple[str, ...]:
+    """What serving.json's `draft_kind` may say: each servable kind's."""
+    return tuple(dict.fromkeys(k.draft_kind for k in KINDS.values() if k.served))
 
 
 def usage() -> str:
     return ", ".join(k.usage for k in KINDS.values())
+
+
+def _claimed(kind: str, arg: str) -> str:
+    """The kind that now owns a spec an older, wider kind wrote (a head's `draft:DIR`), else `kind`."""
+    return next((k.name for k in KINDS.values() if k.claims and k.claims[0] == kind and k.claims[1](arg)), kind)
 
 
 @dataclass(frozen=True)
@@ -117,7 +159,17 @@ class DrafterSpec:
         known = KINDS.get(kind)
         if known is None or (sep and not arg) or not known.check(arg):
             raise DrafterSpecError(f"unknown drafter spec {text!r} ({usage()})")
-        return cls(kind, arg)
+        return cls(_claimed(kind, arg), arg)
+
+    @classmethod
+    def for_draft(cls, draft_dir: str | Any) -> DrafterSpec:
+        """The spec of a draft directory, by the kind that claims it: `eagle3:DIR` for a head, else `draft:DIR`."""
+        return cls(_claimed(DRAFT, str(draft_dir)), str(draft_dir))
+
+    def resolved(self, draft_dir: str) -> DrafterSpec:
+        """This spec with its draft reference (`models:/NAME@ALIAS`) resolved to `draft_dir`, and the kind
+        that directory turns out to be (a registered head named `draft:` reads as `eagle3:`)."""
+        return self.with_(kind=_claimed(self.kind, draft_dir), arg=draft_dir)
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.arg}" if self.arg else self.kind
@@ -130,27 +182,36 @@ class DrafterSpec:
         return replace(self, **changes)
 
     @property
+    def of(self) -> Kind:
+        """Its kind, as registered."""
+        return KINDS[self.kind]
+
+    @property
     def mode(self) -> str:
-        return KINDS[self.kind].mode
+        return self.of.mode
 
     @property
     def served(self) -> bool:
-        return KINDS[self.kind].served
+        return self.of.served
 
     @property
     def runs_in_llamacpp(self) -> bool:
-        return KINDS[self.kind].llamacpp
+        return self.of.llamacpp
 
     def serving_keys(self) -> dict[str, Any]:
-        """Its serving.json keys: the mode and what the spec's text decides (no draft directory)."""
-        return {"mode": self.mode, **KINDS[self.kind].serving(self)}
+        """Its serving.json keys: the mode, the kind served and what the spec's text decides (no draft directory)."""
+        return {"mode": self.mode, "draft_kind": self.of.draft_kind, **self.of.serving(self)}
+
+    def build(self, target: PreTrainedModel, key: TargetKey = TargetKey()) -> Drafter:
+        """The drafter this spec names, as its kind builds it."""
+        return self.of.build(target, self, key)
 
     @property
     def path(self) -> str | None:
-        """A draft's checkpoint or EAGLE-3 head (kind draft, and the model half of a hybrid)."""
+        """A draft's checkpoint or EAGLE-3 head (kinds draft and eagle3, and the model half of a hybrid)."""
         if self.kind == "hybrid":
-            return hybrid_parts(self.arg)[0]
-        return self.arg if self.kind == "draft" else None
+            return hybrid_model(self.arg).path
+        return self.arg if self.of.draft_dir else None
 
     @property
     def corpus(self) -> str | None:
@@ -173,6 +234,10 @@ class DrafterSpec:
         return (lo, hi)
 
 
+SELF_SPEC = "self-spec"
+DRAFT = "draft"  # a draft directory's kind unless another claims it (`DrafterSpec.for_draft`)
+
+
 def hybrid_parts(arg: str) -> tuple[str, str, float | None]:
     """`DIR,CORPUS[,THRESHOLD]` of a hybrid spec: the draft, the corpus file and the threshold."""
     parts = arg.split(",")
@@ -188,116 +253,24 @@ def hybrid_parts(arg: str) -> tuple[str, str, float | None]:
     return parts[0], parts[1], threshold
 
 
-def _hybrid_ok(arg: str) -> bool:
-    try:
-        return bool(hybrid_parts(arg))
-    except DrafterSpecError:
-        return False
-
-
-def _sizes_ok(arg: str) -> bool:
-    sizes = [s.strip() for s in arg.split(",")]
-    return not arg or (len(sizes) == 2 and all(s.isdigit() for s in sizes))
-
-
-def _suffix_serving(spec: DrafterSpec) -> dict[str, Any]:
-    """The corpus and the SuffixDecoding knobs the drafter is measured with, under serving.json's names."""
-    from specdistill.speculative.suffix import SuffixParams  # lazy: keeps torch off `serving show`
-
-    p = SuffixParams()
-    return {"suffix_corpus": spec.corpus, "suffix_max_tree_depth": p.max_depth,
-            "suffix_max_spec_factor": p.max_spec_factor, "suffix_min_token_prob": p.min_token_prob}
-
-
-# A served mode's engine settings, from its serving config `c` (`ops.serving.ServingConfig.vllm()`, `.sglang()`):
-# a draft model is a layers checkpoint (a draft, self-speculation's early-exit export) or an EAGLE-3 head
-
-def _model_vllm(c: Any) -> dict[str, Any]:
-    # vLLM verifies a chain: a head measured as a tree is served there at the chain depth measured for it
-    k = getattr(c, "chain_speculative_tokens", None) or c.num_speculative_tokens
-    return {"method": "eagle3" if c.draft_kind == "eagle3" else "draft_model", "model": c.draft_dir,
-            "num_speculative_tokens": k}
-
-
-def _model_sglang(c: Any) -> list[str]:
-    # k draft steps, each expanding the `tree_width` likeliest nodes into their top `tree_width` children, of
-    # which the likeliest k + tree_width - 1 are verified with the pending token (EAGLE-2's dynamic tree, as
-    # `speculative.eagle.EagleDrafter.propose_tree` drafts and the harness measured it)
-    k, w = c.num_speculative_tokens, c.tree_width
-    return ["--speculative-algorithm", "EAGLE3" if c.draft_kind == "eagle3" else "STANDALONE",
-            "--speculative-draft-model-path", str(c.draft_dir), "--speculative-num-steps", str(k),
-            "--speculative-eagle-topk", str(w), "--speculative-num-draft-tokens", str(k + w)]
-
-
-def _ngram_vllm(c: Any) -> dict[str, Any]:
-    return {"method": "ngram", "prompt_lookup_min": c.prompt_lookup_min, "prompt_lookup_max": c.prompt_lookup_max,
-            "num_speculative_tokens": c.num_speculative_tokens}
-
-
-def _ngram_sglang(c: Any) -> list[str]:
-    return ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(c.num_speculative_tokens),
-            "--speculative-ngram-min-match-window-size", str(c.prompt_lookup_min),
-            "--speculative-ngram-max-match-window-size", str(c.prompt_lookup_max)]
-
-
-def _suffix_vllm(c: Any) -> dict[str, Any]:
-    # vLLM's global tree fills from served requests only: our corpus cannot seed it
-    return {"method": "suffix", "num_speculative_tokens": c.num_speculative_tokens,
-            "suffix_decoding_max_tree_depth": c.suffix_max_tree_depth, "suffix_decoding_max_spec_factor": c.suffix_max_spec_factor,
-            "suffix_decoding_min_token_prob": c.suffix_min_token_prob,
-            "suffix_decoding_max_cached_requests": c.suffix_max_cached_requests}
-
-
-def _suffix_sglang(c: Any) -> list[str]:
-    # SGLang's NGRAM trie over the request, plus our corpus as its external corpus; SGLang re-tokenizes the
-    # texts and refuses a corpus above its max tokens (answers plus separators)
-    k = c.num_speculative_tokens
-    out = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(k),
-           "--speculative-ngram-max-trie-depth", str(c.suffix_max_tree_depth)]
-    if c.suffix_corpus_sglang:
-        out += ["--speculative-ngram-external-corpus-path", c.suffix_corpus_sglang, "--speculative-ngram-external-sam-budget",
-                str(k), "--speculative-ngram-external-corpus-max-tokens", str(max(1, 2 * c.suffix_corpus_tokens))]
-    return out
-
-
-def _make_drafter(target: PreTrainedModel, **options: Any) -> Drafter | None:
-    from specdistill.speculative.factory import make_drafter  # lazy: keeps torch off `serving show`
-
-    return make_drafter(target, **options)
-
-
-SELF_SPEC = "self-spec"
-_MODEL = dict(vllm=_model_vllm, sglang=_model_sglang, needs=("draft_dir", "a draft directory"))  # a draft model served
-register_kind(Kind("draft", "draft", "draft:DIR", lambda arg: bool(arg),
-                   lambda target, s, key: _make_drafter(target, draft=s.arg, tree_width=s.tree_width), **_MODEL))
-register_kind(Kind(SELF_SPEC, "self_speculation", "self-spec:K", str.isdigit,
-                   lambda target, s, key: _make_drafter(target, self_spec=s.exit_layer, tree_width=s.tree_width),
-                   serving=lambda s: {"exit_layer": s.exit_layer}, aliases=("self_spec",), **_MODEL))
-register_kind(Kind("ngram", "ngram", "ngram or ngram:MIN,MAX", _sizes_ok,
-                   lambda target, s, key: _make_drafter(target, ngram=True, ngram_min=s.ngram_sizes[0],
-                                                      ngram_max=s.ngram_sizes[1]),
-                   serving=lambda s: {"prompt_lookup_min": s.ngram_sizes[0], "prompt_lookup_max": s.ngram_sizes[1]},
-                   vllm=_ngram_vllm, sglang=_ngram_sglang))
-register_kind(Kind("suffix", "suffix", "suffix:CORPUS", lambda arg: bool(arg),
-                   lambda target, s, key: _make_drafter(target, suffix=s.arg, tree_width=s.tree_width,
-                                                       target_fingerprint=key.fingerprint,
-                                                       target_tokenizer=key.tokenizer),
-                   serving=_suffix_serving, llamacpp=False, vllm=_suffix_vllm, sglang=_suffix_sglang,
-                   needs=("suffix_corpus", "its corpus file (suffix_corpus)")))
-# measured, never served: no serving engine runs our distilled draft with the suffix drafter beside it
-register_kind(Kind("hybrid", "hybrid", "hybrid:DIR,CORPUS[,THRESHOLD]", _hybrid_ok,
-                   lambda target, s, key: _make_drafter(target, draft=s.path, suffix=s.corpus, tree_width=s.tree_width,
-                                                       target_fingerprint=key.fingerprint, target_tokenizer=key.tokenizer,
-                                                       hybrid_threshold=hybrid_parts(s.arg)[2]),
-                   served=False))
+def hybrid_model(arg: str) -> DrafterSpec:
+    """A hybrid's model half: a draft directory (`draft:DIR`, a head's read as `eagle3:DIR`), or
+    self-speculation written as its spec (`hybrid:self-spec:K,CORPUS`)."""
+    model = hybrid_parts(arg)[0]
+    kind, _, layer = model.partition(":")
+    if _ALIASES.get(kind, kind) == SELF_SPEC and layer.isdigit():
+        return DrafterSpec(SELF_SPEC, layer)
+    return DrafterSpec.for_draft(model)
 
 
 def drafter_from_spec(target: PreTrainedModel, spec: str | DrafterSpec, tree_width: int | None = None,
                       target_fingerprint: str | None = None, target_tokenizer: str | None = None) -> Drafter:
-    """The drafter a spec names, as the nightly benchmark and the monitor's fallback build them.
-    `tree_width` (default: the spec's) applies to model and suffix drafters; a corpus is checked against
-    `target_fingerprint` and `target_tokenizer` (the target's `tokenizer_digest`) when given."""
+    """The drafter a spec names, built by its kind: the one way a drafter is made (the CLI, the nightly
+    benchmark, the monitor's fallback). `tree_width` (default: the spec's) applies to model and suffix
+    drafters; a corpus is checked against `target_fingerprint` and `target_tokenizer` (the target's
+    `tokenizer_digest`) when given."""
     spec = DrafterSpec.parse(spec)
     if tree_width is not None:
         spec = spec.with_(tree_width=tree_width)
-    return KINDS[spec.kind].build(target, spec, TargetKey(target_fingerprint, target_tokenizer))
+    return spec.build(target, TargetKey(target_fingerprint, target_tokenizer))
+

@@ -25,7 +25,7 @@ SHAPE_GAMMA_TAG, SHAPE_TREE_TAG = "measured_gamma", "measured_tree_width"
 
 class Role(StrEnum):
     """What a draft is to a nightly run; its benchmark entry is keyed by its role (draft-free modes by
-    their own names: `self-spec@8`, `ngram`)."""
+    their own names: `self-spec:8`, `ngram`)."""
 
     CHALLENGER = "challenger"  # distilled this run
     CHAMPION = "champion"  # the registry's current best draft (its `champion` alias)

@@ -129,7 +129,7 @@ def _teacher(target: LoadedModel, directory: Path, k: int):
 def _head_features(config: NightlyConfig, target: LoadedModel) -> tuple[list[int], int | None] | None:
     """The layers and prompt context an EAGLE-3 head's features are read at (as the answer stage records
     them); None for a layer draft, which reads none."""
-    if config.train.kind != "eagle3":
+    if not config.train.on_features:
         return None
     return default_aux_layers(target.model.config.num_hidden_layers), Eagle3Config().prompt_context
 

@@ -125,7 +125,7 @@ def _feature_cache(config: NightlyConfig, target: LoadedModel, out_path: Path, t
     """The feature cache the answer pass fills for an EAGLE-3 head (at the layers and prompt context the
     trainer reads), so training needs no second target pass over the answers. None for a layer draft,
     and for answers already written without one (a resume of an older run: the trainer's pass fills it)."""
-    if teacher is None or config.train.kind != "eagle3":
+    if teacher is None or not config.train.on_features:
         return None
     directory = features_dir(teacher.dir)
     if out_path.is_file() and not (directory / FEATURE_META).is_file():

@@ -1,0 +1,51 @@
+"""`draft:DIR`: a layer draft, a small LM with the target's tokenizer (vLLM `draft_model`, SGLang `STANDALONE`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from specdistill.speculative.specs import DrafterSpec, Kind, TargetKey, register_kind
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from specdistill.speculative.drafters import Drafter
+
+NEEDS_DIR = ("draft_dir", "a draft directory")  # a draft model is served from its directory
+
+
+def model_vllm(c: Any, method: str = "draft_model") -> dict[str, Any]:
+    """vLLM's settings for a draft model from its serving config `c`: it verifies a chain, so a head measured
+    as a tree is served there at the chain depth measured for it."""
+    k = getattr(c, "chain_speculative_tokens", None) or c.num_speculative_tokens
+    return {"method": method, "model": c.draft_dir, "num_speculative_tokens": k}
+
+
+def model_sglang(c: Any, algorithm: str = "STANDALONE") -> list[str]:
+    """SGLang's flags for a draft model: k draft steps, each expanding the `tree_width` likeliest nodes into their
+    top `tree_width` children, of which the likeliest k + tree_width - 1 are verified with the pending token
+    (EAGLE-2's dynamic tree, as `speculative.eagle.EagleDrafter.propose_tree` drafts and the harness measured it;
+    a layer draft's width is 1: a chain)."""
+    k, w = c.num_speculative_tokens, c.tree_width
+    return ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", str(c.draft_dir),
+            "--speculative-num-steps", str(k), "--speculative-eagle-topk", str(w), "--speculative-num-draft-tokens", str(k + w)]
+
+
+def build(target: PreTrainedModel, spec: DrafterSpec, key: TargetKey) -> Drafter:
+    """The layer draft, in the target's dtype on its device; a reference (`models:/NAME@ALIAS`) resolved
+    first, and built by the kind its directory turns out to be (a registered head)."""
+    from specdistill.modeling import models  # lazy: keeps torch off `serving show`
+    from specdistill.modeling.vocab import DraftVocab  # lazy: keeps torch off `serving show`
+    from specdistill.speculative.drafters import ModelDrafter  # lazy: keeps torch off `serving show`
+
+    path = models.resolve_model_dir(spec.arg)
+    if (resolved := spec.resolved(str(path))).kind != spec.kind:
+        return resolved.build(target, key)
+    weights = next(target.parameters())
+    loaded = models.load_model(path, dtype=weights.dtype, device=weights.device)  # the draft runs as the target does
+    return ModelDrafter(loaded.model, target.config.vocab_size, DraftVocab.load(loaded.path),
+                        name=f"draft:{loaded.path.name}", tree_width=spec.tree_width)
+
+
+DRAFT = register_kind(Kind("draft", "draft", "draft:DIR", bool, build, vllm=model_vllm, sglang=model_sglang,
+                           needs=NEEDS_DIR, draft_dir=True, record="layers"))
