@@ -104,7 +104,7 @@ RECORDED = {
     "challenger": dict(per_position=[0.41, 0.147, 0.002, 0.0], cost=0.071, speedup=1.07, stats={}),
     "ngram": dict(per_position=[0.29, 0.19, 0.16, 0.11], cost=0.004, speedup=1.32,
                   stats={"requests": 10, "generated_tokens": 400, "rounds": 145, "target_forwards": 292}),
-    "self-spec@8": dict(per_position=[0.04, 0.01, 0.0, 0.0], cost=0.36, speedup=0.44, stats={}),
+    "self-spec:8": dict(per_position=[0.04, 0.01, 0.0, 0.0], cost=0.36, speedup=0.44, stats={}),
 }
 BF16_COSTS = {k: 1.0 + 0.03 * (k - 1) for k in range(1, 10)}
 
@@ -127,7 +127,7 @@ def test_each_drafter_is_benchmarked_again_at_its_predicted_best_gamma(monkeypat
 
     monkeypatch.setattr(gamma, "measure_verify_costs", lambda *a, **k: dict(BF16_COSTS))
     first = {name: _result(name, 4, r["speedup"], cost=r["cost"]) for name, r in RECORDED.items()}
-    confirmed = {"challenger": 1.31, "self-spec@8": 0.40}  # self-spec at its best γ measured slower: it keeps γ=4
+    confirmed = {"challenger": 1.31, "self-spec:8": 0.40}  # self-spec at its best γ measured slower: it keeps γ=4
     calls = []
 
     def confirm(target, tokenizer, drafters, prompts, config, *, gammas, **kw):
@@ -140,8 +140,8 @@ def test_each_drafter_is_benchmarked_again_at_its_predicted_best_gamma(monkeypat
 
     # one confirming run, only for the drafters whose predicted best γ moved, without re-measuring c
     (names, gammas, measure_cost), = calls
-    assert names == ["challenger", "self-spec@8"] and not measure_cost
-    assert gammas["challenger"] <= 2 and gammas["self-spec@8"] == 1
+    assert names == ["challenger", "self-spec:8"] and not measure_cost
+    assert gammas["challenger"] <= 2 and gammas["self-spec:8"] == 1
     # the head takes its shorter γ (faster, lossless), keeping the c its first run measured
     head = out["challenger"]
     assert (head.gamma, head.speedup, head.cost_ratio) == (gammas["challenger"], 1.31, 0.071)
@@ -153,8 +153,8 @@ def test_each_drafter_is_benchmarked_again_at_its_predicted_best_gamma(monkeypat
     assert out["ngram"].gamma_search.measured == {4: 1.32}
     assert sorted(out["ngram"].gamma_search.predicted_speedups) == list(gamma.GAMMAS)
     # slower when confirmed: the first run stands
-    assert (out["self-spec@8"].gamma, out["self-spec@8"].speedup) == (4, 0.44)
-    assert out["self-spec@8"].gamma_search.measured == {4: 0.44, 1: 0.40}
+    assert (out["self-spec:8"].gamma, out["self-spec:8"].speedup) == (4, 0.44)
+    assert out["self-spec:8"].gamma_search.measured == {4: 0.44, 1: 0.40}
 
 
 def test_a_lossy_confirmation_never_replaces_the_first_run(monkeypatch):
@@ -207,7 +207,7 @@ def test_under_a_tight_deadline_the_most_promising_drafters_are_confirmed_and_th
 
     monkeypatch.setattr(gamma, "measure_verify_costs", lambda *a, **k: dict(BF16_COSTS))
     first = {"challenger": replace(_result("challenger", 4, 1.07, cost=0.071), stats={"seconds": 30.0, "generated_tokens": 400}),
-             "self-spec@8": replace(_result("self-spec@8", 4, 0.44, cost=0.36), stats={"seconds": 30.0, "generated_tokens": 400})}
+             "self-spec:8": replace(_result("self-spec:8", 4, 0.44, cost=0.36), stats={"seconds": 30.0, "generated_tokens": 400})}
     ran = {}
 
     def confirm(target, tokenizer, drafters, prompts, config, *, gammas, deadline):
@@ -219,7 +219,7 @@ def test_under_a_tight_deadline_the_most_promising_drafters_are_confirmed_and_th
     out = gamma.bench_at_best_gamma(None, None, {n: object() for n in first}, [], BenchConfig(gamma=4, repeats=1), first,
                                     deadline=Deadline.after(1.0))
     assert list(ran) == ["challenger"] and out["challenger"].speedup == 1.31 and out["challenger"].budget_note == ""
-    assert out["self-spec@8"].gamma == 4 and "(confirmed: challenger)" in out["self-spec@8"].budget_note
+    assert out["self-spec:8"].gamma == 4 and "(confirmed: challenger)" in out["self-spec:8"].budget_note
 
 
 def test_nothing_runs_again_when_every_drafter_is_at_its_best_gamma(monkeypatch):

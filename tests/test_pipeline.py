@@ -152,7 +152,7 @@ def test_report_table_names_drafters_short_and_lists_their_paths_below():
     unreadable in a terminal, so the table names each drafter and the paths follow it."""
     corpus = "/home/me/.specdistill/runs/nightly/20261201-2008/answers/suffix_corpus.safetensors"
     head = "/home/me/.specdistill/runs/nightly/20261201-2008/challenger/draft"
-    specs = {"challenger": f"draft:{head}", "ngram": "ngram", "self-spec@8": "self_spec:8",
+    specs = {"challenger": f"draft:{head}", "ngram": "ngram", "self-spec:8": "self_spec:8",
              "suffix": f"suffix:{corpus}", "hybrid": f"hybrid:{head},{corpus}"}
     text = report_table({name: _result(0.4, 1.8, spec=spec) for name, spec in specs.items()})
     lines = text.splitlines()
@@ -604,7 +604,7 @@ def test_registration_records_metrics_and_artifacts_and_a_missing_plot_library_o
     draft_dir = tmp_path / "run" / "draft"
     draft_dir.mkdir(parents=True)
     trained = Trained.from_dict(trained_result(str(draft_dir)))
-    results = {"challenger": _bench_entry(), "self-spec@4": replace(_bench_entry("self_spec:4"), acceptance_rate=0.3)}
+    results = {"challenger": _bench_entry(), "self-spec:4": replace(_bench_entry("self_spec:4"), acceptance_rate=0.3)}
     verdict = GateVerdict(True)
     metrics = registration_metrics(results, trained)
     assert metrics["acceptance_pos_1"] == 0.4 and metrics["baseline_self-spec_4_acceptance_rate"] == 0.3
@@ -668,7 +668,7 @@ def test_the_run_dtype_reaches_every_model_load_and_the_feature_pass(tmp_path, m
     champion = save_draft(init_draft_from_target(loaded.model, [0, 3]), loaded.tokenizer, tmp_path / "champion")
     pipeline.align_champion(config, Champion("d", "1", str(champion)))
     engine_bench.llamacpp_spec(config, DrafterSpec.parse("self_spec:2"))
-    decision = ServingDecision(mode="self_speculation", name="self-spec@2", spec=DrafterSpec.parse("self_spec:2"), gamma=2, speedup=1.2,
+    decision = ServingDecision(mode="self_speculation", name="self-spec:2", spec=DrafterSpec.parse("self_spec:2"), gamma=2, speedup=1.2,
                                reason="r", measured={}, measured_on="")
     serve.serving_config(decision, info)
     # the target read once (describe; the early-exit exports reuse it: `models.shared_model`), the champion once
@@ -729,7 +729,7 @@ def test_a_float32_run_on_a_bf16_cpu_loads_every_model_and_runs_the_feature_pass
     heldout = generate_responses(config, window, "eval", record_teacher=False)
     trained = pipeline.distill_draft(config, train, heldout)
     bench_stage.benchmark(config, window, {"challenger": DrafterSpec("draft", trained.draft_dir),
-                                         "self-spec@2": DrafterSpec.parse("self_spec:2")})
+                                         "self-spec:2": DrafterSpec.parse("self_spec:2")})
     monitor = MonitorConfig(target=str(tiny_target_dir), nightly_overrides=[f"log_db={url}", *overrides], gamma=2,
                             replay_prompts=2, max_new_tokens=4, min_draft_tokens=1, fallback_exit_layers=[2],
                             fallback_min_tokens=1)

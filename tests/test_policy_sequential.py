@@ -38,8 +38,8 @@ def test_a_replay_settles_no_sooner_than_its_minimum_prompts():
 
 
 def test_a_leader_ahead_of_the_bar_and_of_every_rival_settles_the_choice():
-    s = leader_settled({"ngram": STEADY_FAST, "self-spec@8": STEADY_SLOW, "self-spec@12": FLAT})
-    assert s.settled and "the leader ngram is at least" in s.why and "ahead of self-spec@8" in s.why
+    s = leader_settled({"ngram": STEADY_FAST, "self-spec:8": STEADY_SLOW, "self-spec:12": FLAT})
+    assert s.settled and "the leader ngram is at least" in s.why and "ahead of self-spec:8" in s.why
     # its bound is the serving choice's own
     assert f"at least {speedup_lower_bound(STEADY_FAST):.2f}x" in s.why
 
@@ -51,12 +51,12 @@ def test_a_leader_not_yet_ahead_of_a_close_rival_does_not_settle():
 
 def test_a_leader_whose_gain_comes_from_a_few_prompts_does_not_settle():
     few_carry = [3.5, 1.0, 1.02, 0.98, 3.2, 1.01]
-    s = leader_settled({"ngram": few_carry, "self-spec@8": FLAT})
+    s = leader_settled({"ngram": few_carry, "self-spec:8": FLAT})
     assert not s.settled and "lower bound over 6 prompts" in s.why and "not above 1.05x" in s.why
 
 
 def test_no_mode_that_can_beat_target_only_settles_the_choice_off():
-    s = leader_settled({"ngram": FLAT, "self-spec@8": [0.9, 0.92, 0.95, 0.91, 0.9, 0.93]})
+    s = leader_settled({"ngram": FLAT, "self-spec:8": [0.9, 0.92, 0.95, 0.91, 0.9, 0.93]})
     assert s.settled and "no mode can beat target-only" in s.why
 
 
@@ -70,8 +70,8 @@ def test_the_choice_needs_its_minimum_prompts_and_the_same_prompts_for_every_mod
 def test_modes_that_can_no_longer_win_are_named_and_the_leader_never():
     from specdistill.ops.policy.sequential import beaten
 
-    out = beaten({"ngram": STEADY_FAST, "self-spec@8": STEADY_SLOW, "self-spec@12": FLAT, "suffix": NEAR})
-    assert set(out) == {"self-spec@8", "self-spec@12"}  # the close rival stays in the running
-    assert out["self-spec@12"].startswith("its 95% upper bound over 6 prompts is") and "behind ngram" in out["self-spec@8"]
+    out = beaten({"ngram": STEADY_FAST, "self-spec:8": STEADY_SLOW, "self-spec:12": FLAT, "suffix": NEAR})
+    assert set(out) == {"self-spec:8", "self-spec:12"}  # the close rival stays in the running
+    assert out["self-spec:12"].startswith("its 95% upper bound over 6 prompts is") and "behind ngram" in out["self-spec:8"]
     assert beaten({"ngram": STEADY_FAST[:4], "self": FLAT[:4]}) == {}  # too few prompts to drop anything
     assert beaten({"ngram": FLAT}) == {}

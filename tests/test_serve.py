@@ -23,7 +23,7 @@ from tests.conftest import bench_result
 RECORDED = {
     "challenger": bench_result("draft:/d/challenger", 0.74),
     "generic": bench_result("draft:/d/generic", 0.71),
-    "self-spec@8": bench_result("self_spec:8", 0.93),
+    "self-spec:8": bench_result("self_spec:8", 0.93),
     "ngram": bench_result("ngram", 1.33),
 }
 TARGET = TargetInfo("demo", "/t", "fp-t", num_layers=30, vocab_size=64, dtype="bfloat16")
@@ -37,9 +37,9 @@ def decision(mode, name, spec, gamma=3, speedup=1.36):
 
 
 def test_candidates_follow_the_gate_and_never_include_the_generic_baseline():
-    assert set(serving_candidates(RECORDED, PROMOTE)) == {"challenger", "self-spec@8", "ngram"}
+    assert set(serving_candidates(RECORDED, PROMOTE)) == {"challenger", "self-spec:8", "ngram"}
     with_champion = {**RECORDED, "champion": bench_result("draft:/d/champion", 0.8)}
-    assert set(serving_candidates(with_champion, KEEP)) == {"champion", "self-spec@8", "ngram"}
+    assert set(serving_candidates(with_champion, KEEP)) == {"champion", "self-spec:8", "ngram"}
     assert [DrafterSpec.parse(r.spec).mode for r in RECORDED.values()] == ["draft", "draft", "self_speculation", "ngram"]
 
 
@@ -192,11 +192,11 @@ def test_a_mean_gain_carried_by_a_few_prompts_is_not_written_and_the_report_stat
     few = [3.2, 2.9, 2.6, 0.9, 0.85, 0.8, 0.8, 0.75, 0.7, 0.65, 0.5, 0.3]  # mean 1.33
     steady = [1.1, 1.12, 1.15, 1.09, 1.13, 1.1, 1.14, 1.11, 1.12, 1.13, 1.1, 1.15]
     results = {**RECORDED, "ngram": replace(RECORDED["ngram"], prompt_speedups=few),
-               "self-spec@8": replace(RECORDED["self-spec@8"], speedup=1.12, prompt_speedups=steady)}
+               "self-spec:8": replace(RECORDED["self-spec:8"], speedup=1.12, prompt_speedups=steady)}
     results = {name: replace(r, dtype="bfloat16") for name, r in results.items()}
     config = load_nightly_config()
     chosen = choose_serving(config, {}, results, KEEP)
-    assert chosen.mode == "self_speculation" and chosen.name == "self-spec@8"
+    assert chosen.mode == "self_speculation" and chosen.name == "self-spec:8"
     assert 1.05 < chosen.speedup_lower_bound < 1.12 and chosen.confidence == 0.95
     assert "ngram 1.33x (≥" in chosen.reason  # the unsteady mean is listed with its bound
     line = report_table(results, serving=chosen)
