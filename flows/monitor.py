@@ -10,7 +10,7 @@
                                        keep serving it and run the same incremental path.
 
 A serving config that cannot be read stops the run before anything is sampled: it is counted as an
-error and the pipeline's success is not marked (`pipeline.monitor_stage.check_serving_config`).
+error and the pipeline's success is not marked (`pipeline.stages.monitor.check_serving_config`).
 
 The decision (replay, fallback choice) is budgeted: `deadline_minutes` from the flow's start, shared by
 the two stages; each reads prompts until a 95% bound settles it or its time runs out. The report gives
@@ -25,12 +25,12 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from flows.nightly import nightly
-from specdistill.pipeline import monitor_stage as mc
 from specdistill.pipeline.config import flow_overrides
 from specdistill.pipeline.monitor_config import load_monitor_config
 from specdistill.pipeline.outputs import MonitorOutcome
 from specdistill.pipeline.report import render_outcome
 from specdistill.pipeline.stage_budgets import StageClock
+from specdistill.pipeline.stages import monitor as mc
 from specdistill.state_lock import state_lock
 from tasks import monitor as t
 from tasks import nightly as nt

@@ -14,13 +14,13 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from specdistill.pipeline.bench_stage import Role, measured_drafters
 from specdistill.pipeline.config import load_nightly_config
 from specdistill.pipeline.nightly import started_from
 from specdistill.pipeline.outputs import NightlyRun
-from specdistill.pipeline.pool_stage import pool_report
 from specdistill.pipeline.report import report_table, write_report
 from specdistill.pipeline.stage_budgets import StageClock, run_deadline
+from specdistill.pipeline.stages.bench import Role, measured_drafters
+from specdistill.pipeline.stages.pool import pool_report
 from specdistill.state_lock import state_lock
 from tasks import nightly as t
 

@@ -64,7 +64,7 @@ def answers_on(device: str, prompts: int, max_new_tokens: int, out: Path, dtype:
     from specdistill.distill.teacher import TeacherCache
     from specdistill.modeling.eagle3 import default_aux_layers
     from specdistill.modeling.models import load_model
-    from specdistill.pipeline.answers.harness import generate_answers
+    from specdistill.pipeline.stages.answers.harness import generate_answers
 
     target = load_model("demo", dtype=dtype, device=device)
     chosen = [Prompt(f"p{i}", turn.messages) for i, turn in enumerate(sharegpt_first_turns(prompts, max_chars=1500))]

@@ -1,13 +1,13 @@
-"""The monitoring flow's tasks: each wraps one call of `specdistill.pipeline.monitor_stage`."""
+"""The monitoring flow's tasks: each wraps one call of `specdistill.pipeline.stages.monitor`."""
 
 from __future__ import annotations
 
 from prefect import task
 
-from specdistill.pipeline import monitor_stage as mc
 from specdistill.pipeline.monitor_config import MonitorConfig
-from specdistill.pipeline.monitor_stage import FallbackDecision, TargetChange, TargetVersion
 from specdistill.pipeline.outputs import AppliedFallback, Champion, MonitorOutcome, RecordedDecision, Sample
+from specdistill.pipeline.stages import monitor as mc
+from specdistill.pipeline.stages.monitor import FallbackDecision, TargetChange, TargetVersion
 
 
 @task(name="check-serving-config")

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 from prefect import task
 
-from specdistill.pipeline import bench_stage, corpus, engine_bench, pool_stage, serve, success
 from specdistill.pipeline import nightly as pipeline
-from specdistill.pipeline.answers import stage as answer_stage
-from specdistill.pipeline.bench_stage import BenchResult, DrafterSpec, GateVerdict
+from specdistill.pipeline import success
 from specdistill.pipeline.config import NightlyConfig, SourceConfig
 from specdistill.pipeline.nightly import IngestResult, RegisteredDraft
 from specdistill.pipeline.outputs import (
@@ -31,6 +29,9 @@ from specdistill.pipeline.outputs import (
     WarmStart,
     Window,
 )
+from specdistill.pipeline.stages import bench, choose_mode, corpus, engine_bench, pool
+from specdistill.pipeline.stages.answers import stage as answer_stage
+from specdistill.pipeline.stages.bench import BenchResult, DrafterSpec, GateVerdict
 from tasks.common import content_key
 
 CACHED = dict(cache_key_fn=content_key, persist_result=True)  # for stages with no directory of their own
@@ -82,7 +83,7 @@ def suffix_corpus(config: NightlyConfig, train_data: GeneratedData, target_finge
 @task(name="pool-answers", retries=2, retry_delay_seconds=5)
 def pool_answers(config: NightlyConfig, window: Window, train_data: GeneratedData, heldout_data: GeneratedData,
                  target_fingerprint: str) -> PooledData:
-    return pool_stage.pool_answers(config, window, train_data, heldout_data, target_fingerprint)
+    return pool.pool_answers(config, window, train_data, heldout_data, target_fingerprint)
 
 
 @task(name="distill")
@@ -100,7 +101,7 @@ def generic_baseline(config: NightlyConfig, window: Window, heldout_data: Genera
 @task(name="benchmark", **CACHED)
 def benchmark(config: NightlyConfig, window: Window, drafters: dict[str, DrafterSpec], target_fingerprint: str,
               deadline_at: float | None = None) -> dict[str, BenchResult]:
-    return bench_stage.benchmark(config, window, drafters, deadline_at)
+    return bench.benchmark(config, window, drafters, deadline_at)
 
 
 @task(name="engine-benchmark", **CACHED)
@@ -112,7 +113,7 @@ def engine_benchmark(config: NightlyConfig, window: Window, drafters: dict[str, 
 @task(name="gate")
 def gate(config: NightlyConfig, challenger: BenchResult, champion: BenchResult | None, baselines: dict[str, BenchResult],
          speeds: dict[str, BenchResult] | None = None) -> GateVerdict:
-    return bench_stage.gate(config, challenger, champion, baselines, speeds)
+    return bench.gate(config, challenger, champion, baselines, speeds)
 
 
 @task(name="register", retries=2, retry_delay_seconds=5)
@@ -125,7 +126,7 @@ def register(config: NightlyConfig, target: TargetInfo, window: Window, trained:
 @task(name="choose-serving-mode")
 def choose_serving(config: NightlyConfig, window: Window, results: dict[str, BenchResult],
                    verdict: GateVerdict, speeds: dict[str, BenchResult] | None = None) -> ServingDecision:
-    return serve.choose_serving(config, window, results, verdict, speeds)
+    return choose_mode.choose_serving(config, window, results, verdict, speeds)
 
 
 @task(name="promote-and-write-serving-config", retries=2, retry_delay_seconds=5)

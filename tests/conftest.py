@@ -243,7 +243,7 @@ LLAMA_REQUIRED_ENV = "SPECDISTILL_REQUIRE_LLAMA_SERVER"
 def llama_cpp():
     """The cached llama-server build; skipped when absent unless $SPECDISTILL_REQUIRE_LLAMA_SERVER is set
     (`make test` builds it, then sets it), where its absence is a failure."""
-    from specdistill.engines.build import build_dir, cached
+    from specdistill.engines.llamacpp.build import build_dir, cached
 
     engine = cached()
     if engine is None:
@@ -264,7 +264,7 @@ VLLM_REQUIRED_ENV = "SPECDISTILL_REQUIRE_VLLM"
 def vllm_env():
     """The installed vLLM (`make vllm`, or $SPECDISTILL_VLLM_PYTHON); skipped when absent unless
     $SPECDISTILL_REQUIRE_VLLM is set (`make test` installs it, then sets it), where absence fails."""
-    from specdistill.engines.vllm_install import env_dir, find_vllm
+    from specdistill.engines.vllm.install import env_dir, find_vllm
 
     env = find_vllm()
     if env is None:

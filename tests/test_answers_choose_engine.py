@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from specdistill.pipeline.answers import choose_engine
-from specdistill.pipeline.answers.choose_engine import AnswerEngine, EngineSpeed, choose_answer_engine
 from specdistill.pipeline.config import load_nightly_config
+from specdistill.pipeline.stages.answers import choose_engine
+from specdistill.pipeline.stages.answers.choose_engine import AnswerEngine, EngineSpeed, choose_answer_engine
 
 TARGET = SimpleNamespace(fingerprint="f0")  # what the choice reads of the target when it does not probe
 
@@ -27,7 +27,7 @@ def test_an_engines_answers_pay_for_the_feature_pass_over_them():
 
 
 def test_without_a_llama_cpp_build_the_harness_answers_unprobed_and_the_report_says_why(monkeypatch):
-    from specdistill.engines import build
+    from specdistill.engines.llamacpp import build
 
     monkeypatch.setattr(build, "cached", lambda *a: None)
     monkeypatch.setattr(choose_engine, "probe_harness", lambda *a: pytest.fail("nothing to compare: no probe"))

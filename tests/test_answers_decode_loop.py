@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from specdistill.modeling.attention import decode_attention_for
 from specdistill.modeling.kv_cache import BLOCK, dense_buffers, preallocated_cache, select_rows, write_rows
-from specdistill.pipeline.answers.decode_loop import TopKRecorder, decode_batch, generate_batch, prefill_groups
+from specdistill.pipeline.stages.answers.decode_loop import TopKRecorder, decode_batch, generate_batch, prefill_groups
 from tests.conftest import lively, make_tiny_llama
 
 VOCAB, PAD = 96, 0

@@ -17,9 +17,9 @@ import torch
 
 from specdistill.config import ConfigError
 from specdistill.engines.client import EngineRequestError
-from specdistill.engines.server import free_port
-from specdistill.pipeline.answers.engine_client import base_url, connect, parse_completion, teacher_entry
+from specdistill.engines.llamacpp.server import free_port
 from specdistill.pipeline.config import load_nightly_config
+from specdistill.pipeline.stages.answers.engine_client import base_url, connect, parse_completion, teacher_entry
 
 # llama-server 11434's /v1/completions reply (logprobs=3) for "Name three colors." (4 tokens), bytes dropped
 LLAMACPP_REPLY = {"choices": [{"text": "1. Red\n", "index": 0, "finish_reason": "length", "logprobs": {"content": [
@@ -147,7 +147,7 @@ class _ExpiresAfter:
 
 def test_no_request_is_sent_after_the_deadline_and_what_finished_is_kept(demo_tokenizer, tmp_path):
     from specdistill.distill.teacher import TeacherCache
-    from specdistill.pipeline.answers.engine_client import generate_answers_openai
+    from specdistill.pipeline.stages.answers.engine_client import generate_answers_openai
 
     server = _fake_server((200, LLAMACPP_REPLY))
     try:
@@ -188,7 +188,7 @@ def _prompts(texts):
 
 @pytest.fixture(scope="module")
 def served(llama_cpp):
-    from specdistill.engines.llamacpp import target_server
+    from specdistill.engines.llamacpp.engine import target_server
 
     with target_server("demo", parallel=2, ctx_per_slot=256, threads=2, engine=llama_cpp) as server:
         yield server
@@ -199,7 +199,7 @@ def test_answers_and_teacher_rows_from_llama_server(served, demo_tokenizer, tmp_
     from specdistill.data.prompts import encode_chat
     from specdistill.distill.examples import encode_generated
     from specdistill.distill.teacher import TeacherCache
-    from specdistill.pipeline.answers.engine_client import generate_answers_openai
+    from specdistill.pipeline.stages.answers.engine_client import generate_answers_openai
 
     prompts = _prompts(PROMPTS[:3])
     engine = connect(served.url + "/v1", encode_chat(demo_tokenizer, prompts[0].messages), 16)
@@ -229,7 +229,7 @@ def test_a_failed_request_keeps_what_finished_and_a_rerun_asks_only_the_rest(ser
                                                                               monkeypatch):
     from specdistill.data.prompts import encode_chat
     from specdistill.distill.teacher import TeacherCache
-    from specdistill.pipeline.answers import engine_client as answers
+    from specdistill.pipeline.stages.answers import engine_client as answers
 
     prompts = _prompts(PROMPTS[:4] + ["Repeat this: " + "blue sky " * 200])  # over the slot's 256 tokens
     engine = connect(served.url, encode_chat(demo_tokenizer, prompts[0].messages), 4)
@@ -260,7 +260,7 @@ def test_nightly_answer_stage_through_llama_server_feeds_the_trainer(llama_cpp, 
     teacher cache (k and engine recorded), and the nightly's distillation trains a layer draft on it."""
     from specdistill.distill.teacher import CACHE_META
     from specdistill.pipeline import nightly
-    from specdistill.pipeline.answers import stage as answers
+    from specdistill.pipeline.stages.answers import stage as answers
 
     traffic = tmp_path / "traffic.jsonl"
     traffic.write_text("".join(json.dumps({"prompt": f"{t} ({i})", "response": "ok"}) + "\n"

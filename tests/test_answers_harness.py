@@ -11,7 +11,7 @@ from specdistill.data.prompts import Prompt, encode_chat
 from specdistill.distill.examples import encode_conversation, encode_generated, read_done
 from specdistill.distill.features import FeatureCache, build_feature_cache, entry_features, feature_start
 from specdistill.distill.teacher import TeacherCache
-from specdistill.pipeline.answers.harness import generate_answers
+from specdistill.pipeline.stages.answers.harness import generate_answers
 from tests.conftest import make_tiny_llama
 
 pytestmark = pytest.mark.e2e  # the `tok` fixture converts the real demo target on a fresh machine
@@ -178,7 +178,7 @@ def test_feature_pass_extends_the_answer_pass_cache_with_what_it_lacks(tok, tiny
 
 def test_a_time_budget_keeps_the_answers_so_far_and_a_later_run_resumes(tok, tiny_target, tmp_path, monkeypatch):
     from specdistill.budget import Deadline
-    from specdistill.pipeline.answers import harness
+    from specdistill.pipeline.stages.answers import harness
 
     prompts, out = _prompts(12), tmp_path / "answers.jsonl"
     monkeypatch.setattr(harness, "SORT_CHUNK", 1)  # sorted by length within each batch only
@@ -198,7 +198,7 @@ def test_a_time_budget_keeps_the_answers_so_far_and_a_later_run_resumes(tok, tin
 def test_no_batch_starts_that_would_end_past_the_deadline(tok, tiny_target, tmp_path, monkeypatch):
     """A batch of 128 answers takes ~40 s on 2 cores: starting one a second before the deadline overran it."""
     from specdistill.budget import Deadline
-    from specdistill.pipeline.answers import harness
+    from specdistill.pipeline.stages.answers import harness
 
     ticks = iter(range(0, 1000, 5))  # every batch takes 5 s by this clock
     monkeypatch.setattr(harness.time, "monotonic", lambda: next(ticks))

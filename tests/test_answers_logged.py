@@ -19,13 +19,13 @@ from specdistill.data.prompts import Prompt, encode_chat, prompt_messages
 from specdistill.distill.examples import read_done
 from specdistill.modeling.models import load_model
 from specdistill.ops.targets import register_target, target_history
-from specdistill.pipeline.answers.harness import generate_answers
-from specdistill.pipeline.answers.logged import NOT_GREEDY, NOT_TOP_K, check_response, own_names
-from specdistill.pipeline.answers.stage import generate_responses
 from specdistill.pipeline.config import load_nightly_config
-from specdistill.pipeline.corpus import read_answers
 from specdistill.pipeline.outputs import Window
-from specdistill.pipeline.pool_stage import data_line
+from specdistill.pipeline.stages.answers.harness import generate_answers
+from specdistill.pipeline.stages.answers.logged import NOT_GREEDY, NOT_TOP_K, check_response, own_names
+from specdistill.pipeline.stages.answers.stage import generate_responses
+from specdistill.pipeline.stages.corpus import read_answers
+from specdistill.pipeline.stages.pool import data_line
 from tests.conftest import lively, make_tiny_llama, train_bpe
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -113,7 +113,7 @@ def _config(target_dir, url, *overrides):
 
 
 def test_own_logged_answers_are_not_decoded_again_and_the_report_counts_every_kind(target_dir, tmp_path, monkeypatch):
-    import specdistill.pipeline.answers.harness as harness
+    import specdistill.pipeline.stages.answers.harness as harness
 
     url, window, ids = _traffic(tmp_path, target_dir)
     decoded: list[str] = []

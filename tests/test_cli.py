@@ -87,7 +87,7 @@ def fake_nightly(monkeypatch):
     from specdistill.ops.policy import GateVerdict
     from specdistill.ops.registry import RegisteredDraft
     from specdistill.pipeline.outputs import NightlyRun, TargetInfo
-    from specdistill.pipeline.serve import ServingDecision
+    from specdistill.pipeline.stages.choose_mode import ServingDecision
 
     def nightly(config_path=None, overrides=None):
         calls.append((config_path, list(overrides)))

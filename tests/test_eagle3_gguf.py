@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig
 
-from specdistill.engines.gguf_export import (
+from specdistill.engines.llamacpp.gguf_export import (
     GgufExportError,
     export_eagle3_gguf,
     export_gguf,
@@ -26,7 +26,7 @@ from specdistill.modeling.eagle3 import Eagle3Draft, eagle3_config
 from specdistill.modeling.eagle3_io import WEIGHTS_FILE, export_config, head_tensors
 from specdistill.modeling.models import demo_gguf_path
 from specdistill.modeling.vocab import DraftVocab
-from specdistill.pipeline.engine_bench import mode_for_spec
+from specdistill.pipeline.stages.engine_bench import mode_for_spec
 from specdistill.speculative.specs import DrafterSpec
 from tests.conftest import save_tiny_target
 

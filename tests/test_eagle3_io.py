@@ -239,9 +239,9 @@ def test_llama_cpp_engine_refuses_a_head_for_another_target(head_dir):
     head built for another target fails the stage by name before any server starts (so before the
     registry or serving.json are touched), and nothing is left in the GGUF cache."""
     from specdistill import paths
-    from specdistill.engines.gguf_export import GgufExportError
+    from specdistill.engines.llamacpp.gguf_export import GgufExportError
     from specdistill.pipeline.config import load_nightly_config
-    from specdistill.pipeline.engine_bench import engine_benchmark
+    from specdistill.pipeline.stages.engine_bench import engine_benchmark
 
     config = load_nightly_config(None, ["serving.engine=llamacpp"])
     window = eval_window("Hi")

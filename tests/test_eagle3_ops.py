@@ -95,7 +95,7 @@ def test_nightly_serving_config_knows_a_head_by_its_directory(head_dir, tmp_path
     from dataclasses import replace
 
     from specdistill.pipeline.outputs import TargetInfo
-    from specdistill.pipeline.serve import ServingDecision, serving_config
+    from specdistill.pipeline.stages.choose_mode import ServingDecision, serving_config
 
     decision = ServingDecision(mode="draft", name="challenger", spec=DrafterSpec.parse(f"draft:{head_dir}"), gamma=3, speedup=1.4,
                                reason="fastest", measured={"challenger": 1.4}, measured_on="harness")
@@ -134,7 +134,7 @@ def test_registry_tags_download_and_smoke_test(head_dir, target, tmp_path, monke
 
 def test_monitor_replays_a_head_on_its_target_and_on_an_updated_one(head_dir, target_dir, tmp_path):
     from specdistill.data.logstore import LogStore
-    from specdistill.ops.drift import add_domain_tokens
+    from specdistill.ops.demo_update import add_domain_tokens
     from specdistill.ops.replay import replay_acceptance
     from tests.test_monitor import fill_store
 

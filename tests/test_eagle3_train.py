@@ -340,7 +340,7 @@ def test_eagle3_warm_start_across_a_target_update_trains_and_records_its_lineage
     distillation starts from: another fingerprint is the reason to retrain, never a reason to refuse."""
     from specdistill.modeling.eagle3_io import META_FILE
     from specdistill.modeling.models import load_model
-    from specdistill.ops.drift import add_domain_tokens
+    from specdistill.ops.demo_update import add_domain_tokens
 
     first = distill(_eagle_config(eagle_world, tmp_path / "night1", "optim.max_steps=40", "eval_every=20"))
     old = load_model(eagle_world / "target")

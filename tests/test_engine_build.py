@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from specdistill.engines import build
+from specdistill.engines.llamacpp import build
 
 needs_toolchain = pytest.mark.skipif(shutil.which("cmake") is None or shutil.which("cc") is None,
                                      reason="cmake and a C compiler are needed to build")

@@ -11,8 +11,8 @@ import pytest
 
 from specdistill.engines.client import Completion, TokenLogprob
 from specdistill.engines.endpoint_bench import divergence_margin
-from specdistill.engines.gguf_export import GgufExportError, export_draft_gguf
-from specdistill.engines.server import LlamaServer, ServerConfig, ServerError, ServerMode, server_args
+from specdistill.engines.llamacpp.gguf_export import GgufExportError, export_draft_gguf
+from specdistill.engines.llamacpp.server import LlamaServer, ServerConfig, ServerError, ServerMode, server_args
 from specdistill.speculative.specs import DrafterSpec
 from tests.conftest import save_tiny_target
 
@@ -95,7 +95,7 @@ def test_export_refuses_a_vocabulary_llama_cpp_would_refuse(tmp_path):
 
 
 def test_a_drafter_specs_llama_server_mode_is_read_by_the_one_spec_parser():
-    from specdistill.pipeline.engine_bench import mode_for_spec
+    from specdistill.pipeline.stages.engine_bench import mode_for_spec
 
     assert mode_for_spec(DrafterSpec.parse("ngram"), None, 5) == ServerMode("ngram-simple", None, 5, ngram_n=3)  # the harness's 1..3-grams
     assert mode_for_spec(DrafterSpec.parse("ngram:2,6"), None, 4) == ServerMode("ngram-simple", None, 4, ngram_n=6)

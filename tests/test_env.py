@@ -48,7 +48,7 @@ def test_engine_and_metrics_errors_show_the_url_masked():
     with pytest.raises(EngineRequestError) as caught:
         get_json("http://user:hunter22@127.0.0.1:1/v1/models?api_key=hunter23", timeout_s=2)
     assert "127.0.0.1:1" in str(caught.value) and "hunter2" not in str(caught.value)
-    from specdistill.pipeline.answers.engine_client import connect
+    from specdistill.pipeline.stages.answers.engine_client import connect
 
     with pytest.raises(EngineRequestError) as caught:
         connect("http://bob:hunter25@127.0.0.1:1/v1", [1, 2, 3], 8, timeout_s=2)

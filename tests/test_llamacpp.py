@@ -11,8 +11,8 @@ import pytest
 from specdistill.data.prompts import Prompt
 from specdistill.engines.client import chat, metrics_url, scrape
 from specdistill.engines.endpoint_bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
-from specdistill.engines.gguf_export import export_draft_gguf
-from specdistill.engines.server import LlamaServer, ServerConfig, ServerError, ServerMode
+from specdistill.engines.llamacpp.gguf_export import export_draft_gguf
+from specdistill.engines.llamacpp.server import LlamaServer, ServerConfig, ServerError, ServerMode
 from specdistill.speculative.specs import DrafterSpec
 from tests.conftest import eval_window
 
@@ -101,7 +101,7 @@ def test_exported_eagle3_head_loads_and_drafts(llama_cpp, target_gguf, memorized
     """The exported head pairs with the target GGUF (target layers, hidden size, its tokenizer, the
     reduced draft vocabulary through d2t) and drafts what it learnt: acceptance > 0 and, a memorised
     answer, a good part of the first two draft positions (our engine accepts about half of K=4 here)."""
-    from specdistill.pipeline.engine_bench import mode_for_spec
+    from specdistill.pipeline.stages.engine_bench import mode_for_spec
 
     mode = mode_for_spec(DrafterSpec("draft", str(memorized_head)), target_gguf, 4)
     assert mode.spec_type == "draft-eagle3"
@@ -118,14 +118,14 @@ def test_nightly_measures_an_eagle3_head_in_llama_cpp(llama_cpp, memorized_head,
     """serving.engine=llamacpp: the challenger head runs as draft-eagle3 from its exported GGUF; that
     GGUF goes to MLflow with the version, and serving.json (when the head is served) names it."""
     from specdistill.cli import main
-    from specdistill.engines.gguf_export import gguf_spec_type
+    from specdistill.engines.llamacpp.gguf_export import gguf_spec_type
     from specdistill.ops.policy import PLAUSIBLE_FACTOR, GateVerdict
     from specdistill.ops.serving import write_serving_config
     from specdistill.pipeline.config import load_nightly_config
-    from specdistill.pipeline.engine_bench import engine_benchmark
     from specdistill.pipeline.outputs import TargetInfo, Trained
     from specdistill.pipeline.report import registration_artifacts
-    from specdistill.pipeline.serve import choose_serving, serving_config
+    from specdistill.pipeline.stages.choose_mode import choose_serving, serving_config
+    from specdistill.pipeline.stages.engine_bench import engine_benchmark
     from tests.conftest import trained_result
 
     config = load_nightly_config(None, ["serving.engine=llamacpp", "bench.max_new_tokens=24", "serving.margin=0.0",
@@ -266,10 +266,10 @@ def test_nightly_serving_choice_measured_in_llama_cpp(llama_cpp, tmp_path):
     from specdistill.ops.policy import PLAUSIBLE_FACTOR, GateVerdict, speedup_lower_bound
     from specdistill.ops.serving import read_serving_config, write_serving_config
     from specdistill.pipeline.config import load_nightly_config
-    from specdistill.pipeline.engine_bench import engine_benchmark
     from specdistill.pipeline.outputs import TargetInfo
     from specdistill.pipeline.report import report_table
-    from specdistill.pipeline.serve import choose_serving, serving_config
+    from specdistill.pipeline.stages.choose_mode import choose_serving, serving_config
+    from specdistill.pipeline.stages.engine_bench import engine_benchmark
 
     config = load_nightly_config(None, ["serving.engine=llamacpp", "bench.max_new_tokens=32", "serving.margin=0.0",
                                         "serving.min_prompts=2"])  # the window's two prompts may decide

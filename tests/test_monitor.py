@@ -75,8 +75,8 @@ def test_the_monitor_replays_held_out_prompts_and_the_champion_at_its_measured_s
     champion at the γ and tree its registration measured it at, else serving.json's γ as a chain."""
     from specdistill.ops.replay import held_out_prompts
     from specdistill.pipeline.monitor_config import load_monitor_config
-    from specdistill.pipeline.monitor_stage import replay_shape
     from specdistill.pipeline.outputs import Champion
+    from specdistill.pipeline.stages.monitor import replay_shape
 
     tok = load_model(tiny_target).tokenizer
     splits = {c.id: c.split for c in store.window()}
@@ -174,7 +174,7 @@ def test_replay_of_an_unrelated_draft_measures_low_acceptance(store, tiny_target
 
 
 def test_a_draft_with_the_old_vocabulary_is_measured_through_a_transplant_or_read_as_zero(store, tiny_target, tmp_path):
-    from specdistill.ops.drift import add_domain_tokens
+    from specdistill.ops.demo_update import add_domain_tokens
 
     old = load_model(tiny_target, dtype="float32")
     old_draft = save_draft(init_draft_from_target(old.model, [0, 1, 2, 3]), old.tokenizer, tmp_path / "old-draft")
@@ -346,7 +346,7 @@ def test_pipeline_success_recorded_in_the_store_reaches_the_exporter(store):
 def test_decisions_are_recorded_with_their_numbers(store_url):
     s = LogStore(store_url)
     try:
-        # the monitor flow's record (`pipeline.monitor_stage.record_decision`): its outcome as JSON
+        # the monitor flow's record (`pipeline.stages.monitor.record_decision`): its outcome as JSON
         from specdistill.pipeline.outputs import MonitorOutcome
 
         current = TargetVersion("fp-new", "/t", "demo", "2024-05-01T00:00:00+00:00")

@@ -29,7 +29,7 @@ def updated_demo(tmp_path_factory) -> Path:
     """The demo target, updated: top layers tuned on code, domain tokens added. A strong update (lr 1e-3) so the drop
     is far below the red line on any CPU; the fluent default (2e-4) is measured by benchmarks/experiments/drift_acceptance.py.
     Made once for the module's scenarios (each registers it in its own state directory)."""
-    from specdistill.ops.drift import make_target_update
+    from specdistill.ops.demo_update import make_target_update
 
     return make_target_update("demo", tmp_path_factory.mktemp("updated") / "target-v2", steps=40, examples=40, lr=1e-3,
                               progress=False)

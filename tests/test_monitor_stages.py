@@ -15,10 +15,10 @@ from specdistill.ops.policy import Decision
 from specdistill.ops.replay import FallbackDecision
 from specdistill.ops.serving import read_serving_config
 from specdistill.ops.targets import TargetChange, TargetVersion
-from specdistill.pipeline import monitor_stage as mc
 from specdistill.pipeline.config import load_nightly_config
 from specdistill.pipeline.monitor_config import MonitorConfig
 from specdistill.pipeline.outputs import AppliedFallback, Champion
+from specdistill.pipeline.stages import monitor as mc
 from tests.conftest import save_tiny_target
 
 UPDATED_AT = "2024-06-01T00:00:00+00:00"

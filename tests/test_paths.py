@@ -133,7 +133,7 @@ def test_vocab_transplant_keeps_a_victim_directory(tiny_target, tmp_path, capsys
 
 def test_target_update_keeps_a_victim_directory_before_any_work(tmp_path, capsys, monkeypatch):
     from specdistill.cli import main
-    from specdistill.ops import drift
+    from specdistill.ops import demo_update as drift
 
     monkeypatch.setattr(drift, "finetune_top_layers", lambda *a, **k: pytest.fail("refused before fine-tuning"))
     monkeypatch.setattr("specdistill.modeling.models.load_model", lambda *a, **k: pytest.fail("refused before loading"))

@@ -14,12 +14,12 @@ from specdistill.config import ConfigError
 from specdistill.modeling.vocab import DraftVocab, remap_draft_vocab
 from specdistill.ops.policy import Check, GateVerdict
 from specdistill.ops.registry import RegisteredDraft
-from specdistill.pipeline import bench_stage
 from specdistill.pipeline import nightly as pipeline
 from specdistill.pipeline.config import load_nightly_config, run_root
 from specdistill.pipeline.outputs import Champion, GeneratedData, Promoted, Trained, Window
 from specdistill.pipeline.report import report_table
-from specdistill.pipeline.serve import ServingDecision
+from specdistill.pipeline.stages import bench
+from specdistill.pipeline.stages.choose_mode import ServingDecision
 from specdistill.speculative.specs import DrafterSpec
 from tests.conftest import bench_result, train_bpe, trained_result
 
@@ -110,28 +110,28 @@ def _result(alpha, tau, speedup=1.2, lossless=True, spec="x", **fields):
 def test_demo_gate_holds_the_red_line_and_requires_beating_the_generic_draft():
     cfg = load_nightly_config()
     # the draft gate keeps the first-position bar (the red line); speed is the serving choice's job, not the draft gate's
-    assert bench_stage.gate(cfg, _result(0.6, 2.5, speedup=0.8), None, {"generic": _result(0.1, 1.2)}).promote
-    low = bench_stage.gate(cfg, _result(0.2, 1.5, speedup=1.5), None, {"generic": _result(0.1, 1.2)})
+    assert bench.gate(cfg, _result(0.6, 2.5, speedup=0.8), None, {"generic": _result(0.1, 1.2)}).promote
+    low = bench.gate(cfg, _result(0.2, 1.5, speedup=1.5), None, {"generic": _result(0.1, 1.2)})
     assert not low.passed and any("acceptance" in f for f in low.failures)
-    lost = bench_stage.gate(cfg, _result(0.6, 2.5), None, {"generic": _result(0.65, 2.6)})
+    lost = bench.gate(cfg, _result(0.6, 2.5), None, {"generic": _result(0.65, 2.6)})
     assert not lost.passed and any("generic" in f for f in lost.failures)
 
 
 def test_gate_promotes_only_a_real_improvement():
     cfg = load_nightly_config(None, ["gate.overrides={}", "gate.must_beat=[]"])
-    assert bench_stage.gate(cfg, _result(0.6, 2.5), None).promote  # no champion: a pass promotes
-    better = bench_stage.gate(cfg, _result(0.62, 2.6), _result(0.6, 2.5))
+    assert bench.gate(cfg, _result(0.6, 2.5), None).promote  # no champion: a pass promotes
+    better = bench.gate(cfg, _result(0.62, 2.6), _result(0.6, 2.5))
     assert better.passed and better.promote
-    same = bench_stage.gate(cfg, _result(0.6, 2.5), _result(0.6, 2.5))
+    same = bench.gate(cfg, _result(0.6, 2.5), _result(0.6, 2.5))
     assert same.passed and not same.promote and any("champion stays" in r for r in same.reasons)
-    noise = bench_stage.gate(cfg, _result(0.61, 2.51), _result(0.6, 2.5))  # below the default margin, 0.02
+    noise = bench.gate(cfg, _result(0.61, 2.51), _result(0.6, 2.5))  # below the default margin, 0.02
     assert noise.passed and not noise.promote and "min_accepted_length_gain 0.020" in noise.reasons[-1]
     wide = load_nightly_config(None, ["gate.overrides={min_accepted_length_gain: 0.2}", "gate.must_beat=[]"])
-    widened = bench_stage.gate(wide, _result(0.62, 2.6), _result(0.6, 2.5))
+    widened = bench.gate(wide, _result(0.62, 2.6), _result(0.6, 2.5))
     assert widened.passed and not widened.promote
-    low = bench_stage.gate(cfg, _result(0.3, 1.9), None)
+    low = bench.gate(cfg, _result(0.3, 1.9), None)
     assert not low.passed and not low.promote
-    lossy = bench_stage.gate(cfg, _result(0.9, 4.0, lossless=False), None)
+    lossy = bench.gate(cfg, _result(0.9, 4.0, lossless=False), None)
     assert not lossy.promote
 
 
@@ -202,7 +202,7 @@ def test_the_gamma_note_tells_a_confirmation_that_lost_from_one_that_did_not_run
     from dataclasses import replace
 
     from specdistill.data.results import GammaSearch
-    from specdistill.pipeline.serve import gamma_note
+    from specdistill.pipeline.stages.choose_mode import gamma_note
 
     curve = {2: 1.3, 4: 1.2, 7: 1.5}
     ran = replace(_result(0.4, 2.0), gamma=4, gamma_search=GammaSearch(curve, 7, {}, {4: 1.43, 7: 1.42}))
@@ -456,7 +456,7 @@ def test_train_kind_eagle3_trains_a_head_from_features_beside_the_teacher_cache(
 def test_the_answer_pass_records_the_heads_features_so_training_needs_no_second_target_pass(tiny_target_dir, tmp_path,
                                                                                              monkeypatch):
     import specdistill.distill.features as features
-    from specdistill.pipeline.answers.stage import features_dir, generate_responses
+    from specdistill.pipeline.stages.answers.stage import features_dir, generate_responses
 
     built = []
     real_build = features.build_feature_cache
@@ -476,7 +476,7 @@ def test_the_answer_pass_records_the_heads_features_so_training_needs_no_second_
 
 
 def test_an_automatic_answer_engine_says_what_answered_and_why(tiny_target_dir, tmp_path):
-    from specdistill.pipeline.answers.stage import generate_responses
+    from specdistill.pipeline.stages.answers.stage import generate_responses
 
     url, chat_file, code_file = _store_with_traffic(tmp_path)
     config = _window_config(tiny_target_dir, url, chat_file, code_file, "generation.backend=auto",
@@ -492,7 +492,7 @@ def test_an_automatic_answer_engine_says_what_answered_and_why(tiny_target_dir, 
 
 def test_a_head_reading_other_layers_gets_features_of_its_own(tmp_path):
     from specdistill.distill.features import FeatureCache
-    from specdistill.pipeline.answers.stage import features_dir
+    from specdistill.pipeline.stages.answers.stage import features_dir
 
     teacher = tmp_path / "data" / "teacher_cache"
     assert features_dir(teacher, [1, 2, 3]) == tmp_path / "data" / "features"  # nothing written yet
@@ -652,7 +652,7 @@ def test_the_run_dtype_reaches_every_model_load_and_the_feature_pass(tmp_path, m
     from specdistill.distill import train as train_module
     from specdistill.modeling import models
     from specdistill.modeling.drafts import init_draft_from_target, save_draft
-    from specdistill.pipeline import engine_bench, serve
+    from specdistill.pipeline.stages import choose_mode, engine_bench
     from tests.conftest import save_tiny_target
 
     monkeypatch.setenv("SPECDISTILL_CPU_FLAGS", BF16_CPU)  # `auto` would be bf16 here
@@ -670,7 +670,7 @@ def test_the_run_dtype_reaches_every_model_load_and_the_feature_pass(tmp_path, m
     engine_bench.llamacpp_spec(config, DrafterSpec.parse("self_spec:2"))
     decision = ServingDecision(mode="self_speculation", name="self-spec:2", spec=DrafterSpec.parse("self_spec:2"), gamma=2, speedup=1.2,
                                reason="r", measured={}, measured_on="")
-    serve.serving_config(decision, info)
+    choose_mode.serving_config(decision, info)
     # the target read once (describe; the early-exit exports reuse it: `models.shared_model`), the champion once
     assert [Path(ref).name for ref, _, _ in seen] == ["target", "champion"], seen
     assert all(dtype == "float32" for _, dtype, _ in seen), seen
@@ -694,9 +694,9 @@ def test_a_float32_run_on_a_bf16_cpu_loads_every_model_and_runs_the_feature_pass
     from specdistill.hardware import FLAGS_ENV
     from specdistill.modeling import models
     from specdistill.ops.targets import TargetVersion
-    from specdistill.pipeline import monitor_stage
-    from specdistill.pipeline.answers.stage import generate_responses
     from specdistill.pipeline.monitor_config import MonitorConfig
+    from specdistill.pipeline.stages import monitor as monitor_stage
+    from specdistill.pipeline.stages.answers.stage import generate_responses
 
     monkeypatch.setenv(FLAGS_ENV, BF16_CPU)
     assert models.resolve_dtype("auto") == torch.bfloat16 or torch.cuda.is_available()
@@ -728,7 +728,7 @@ def test_a_float32_run_on_a_bf16_cpu_loads_every_model_and_runs_the_feature_pass
     train = generate_responses(config, window, "train", record_teacher=True)
     heldout = generate_responses(config, window, "eval", record_teacher=False)
     trained = pipeline.distill_draft(config, train, heldout)
-    bench_stage.benchmark(config, window, {"challenger": DrafterSpec("draft", trained.draft_dir),
+    bench.benchmark(config, window, {"challenger": DrafterSpec("draft", trained.draft_dir),
                                          "self-spec:2": DrafterSpec.parse("self_spec:2")})
     monitor = MonitorConfig(target=str(tiny_target_dir), nightly_overrides=[f"log_db={url}", *overrides], gamma=2,
                             replay_prompts=2, max_new_tokens=4, min_draft_tokens=1, fallback_exit_layers=[2],
@@ -812,7 +812,7 @@ def test_a_training_share_too_small_to_train_stops_the_run(monkeypatch):
 
 
 def test_train_answers_cut_to_nothing_stop_before_training(tiny_target_dir, tmp_path, monkeypatch):
-    from specdistill.pipeline.answers import stage as answers
+    from specdistill.pipeline.stages.answers import stage as answers
 
     monkeypatch.setenv("SPECDISTILL_HOME", str(tmp_path / "home"))
     url, chat_file, code_file = _store_with_traffic(tmp_path)
@@ -827,7 +827,7 @@ def test_train_answers_cut_to_nothing_stop_before_training(tiny_target_dir, tmp_
 
 def test_the_answer_engine_probe_is_timed_inside_the_answer_stage_s_share(tiny_target_dir, tmp_path, monkeypatch):
     from specdistill import budget
-    from specdistill.pipeline.answers import stage as answers
+    from specdistill.pipeline.stages.answers import stage as answers
 
     monkeypatch.setenv("SPECDISTILL_HOME", str(tmp_path / "home"))
     url, chat_file, code_file = _store_with_traffic(tmp_path)
@@ -857,8 +857,8 @@ def test_a_finished_runs_state_keeps_traffic_and_answers_to_its_owner(tiny_targe
     from specdistill import paths
     from specdistill.ops import registry
     from specdistill.ops.serving import ServingConfig, write_serving_config
-    from specdistill.pipeline.answers.stage import generate_responses
-    from specdistill.pipeline.corpus import nightly_corpus
+    from specdistill.pipeline.stages.answers.stage import generate_responses
+    from specdistill.pipeline.stages.corpus import nightly_corpus
 
     home = paths.home()
     url, chat_file, code_file = _store_with_traffic(tmp_path, url=f"sqlite:///{home / 'logs.db'}")
@@ -914,7 +914,7 @@ def test_a_head_is_first_measured_no_deeper_than_the_positions_it_was_trained_to
 
     from specdistill.modeling.eagle3 import EAGLE3_ARCHITECTURE
     from specdistill.modeling.eagle3_io import META_FILE
-    from specdistill.pipeline.bench_stage import first_gamma
+    from specdistill.pipeline.stages.bench import first_gamma
     from specdistill.speculative.specs import DrafterSpec
 
     head, layer_draft = tmp_path / "head", tmp_path / "layers"

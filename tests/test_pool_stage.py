@@ -8,10 +8,10 @@ from pathlib import Path
 
 from specdistill.data.prompts import Prompt
 from specdistill.distill.pool import AnswerPool
-from specdistill.pipeline.answers import stage as answers
 from specdistill.pipeline.config import load_nightly_config
 from specdistill.pipeline.outputs import GeneratedData, PooledData, Window
-from specdistill.pipeline.pool_stage import pool_answers, pool_report, pool_root
+from specdistill.pipeline.stages.answers import stage as answers
+from specdistill.pipeline.stages.pool import pool_answers, pool_report, pool_root
 from tests.test_pool import write_night
 
 

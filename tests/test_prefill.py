@@ -13,7 +13,7 @@ from specdistill.distill.examples import Example
 from specdistill.distill.features import FeatureCache, entry_features, feature_start
 from specdistill.distill.prefill import label_by_prefill, length_batches
 from specdistill.distill.teacher import TeacherCache
-from specdistill.pipeline.answers.harness import generate_answers
+from specdistill.pipeline.stages.answers.harness import generate_answers
 from tests.conftest import make_tiny_llama
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from specdistill.data.prompt_files import PromptFileError, read_prompt_file
 from specdistill.data.prompts import Prompt
-from specdistill.pipeline.answers.answer_file import answer_record
+from specdistill.pipeline.stages.answers.answer_file import answer_record
 
 SPEC_BENCH = [
     {"question_id": 81, "category": "writing", "turns": ["Compose a travel blog post.", "Rewrite it so every sentence starts with A."]},

@@ -14,7 +14,7 @@ from specdistill.distill.examples import read_done
 from specdistill.distill.features import FeatureCache
 from specdistill.distill.shards import CorruptShardError
 from specdistill.distill.teacher import TeacherCache
-from specdistill.pipeline.answers.harness import generate_answers
+from specdistill.pipeline.stages.answers.harness import generate_answers
 from tests.conftest import make_tiny_llama, train_bpe
 
 FP = "f" * 16

@@ -9,7 +9,7 @@ import torch
 
 from specdistill.data.logstore import LogStore
 from specdistill.data.readers import Conversation, Message
-from specdistill.pipeline.corpus import build_corpus, read_answers
+from specdistill.pipeline.stages.corpus import build_corpus, read_answers
 from specdistill.speculative.suffix_corpus import (
     CorpusError,
     CorpusMeta,

@@ -13,9 +13,9 @@ from specdistill.modeling.models import LoadedModel
 from specdistill.ops import replay
 from specdistill.ops.policy import GateVerdict
 from specdistill.ops.serving import ServingConfig, read_serving_config, write_serving_config
-from specdistill.pipeline.corpus import export_sglang_corpus, sglang_corpus_path
 from specdistill.pipeline.outputs import TargetInfo
-from specdistill.pipeline.serve import ServingDecision, serving_candidates, serving_config
+from specdistill.pipeline.stages.choose_mode import ServingDecision, serving_candidates, serving_config
+from specdistill.pipeline.stages.corpus import export_sglang_corpus, sglang_corpus_path
 from specdistill.speculative.specs import DrafterSpec
 from specdistill.speculative.suffix_corpus import CorpusMeta, save_corpus
 from tests.conftest import bench_result, make_tiny_llama, train_bpe

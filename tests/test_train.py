@@ -20,7 +20,7 @@ from specdistill.distill.features import build_cache
 from specdistill.distill.teacher import TeacherCache
 from specdistill.distill.train import NonFiniteLossError, distill, out_of_time
 from specdistill.modeling.vocab import DRAFT_VOCAB_FILE
-from specdistill.pipeline.answers.harness import generate_answers
+from specdistill.pipeline.stages.answers.harness import generate_answers
 from tests.conftest import run_distill_ddp, save_tiny_target
 
 REPO = Path(__file__).resolve().parents[1]

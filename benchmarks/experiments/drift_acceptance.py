@@ -4,9 +4,9 @@ acceptance fall below the red line against it, and does incremental distillation
     OMP_NUM_THREADS=1 python benchmarks/experiments/drift_acceptance.py [--work DIR] [--steps N] [--lr LR]
         [--drafts 0-13+16-29] [--recover-steps 30]
 
-1. The target update (`specdistill.ops.drift.make_target_update`, cached in --work per steps and lr).
+1. The target update (`specdistill.ops.demo_update.make_target_update`, cached in --work per steps and lr).
 2. Fluency: the next-token loss of the target before and after the update on the answers of
-   held-out ShareGPT chat (`--heldout` conversations the update never saw; `ops.drift.assistant_loss`).
+   held-out ShareGPT chat (`--heldout` conversations the update never saw; `ops.demo_update.assistant_loss`).
 3. Acceptance of a strong "before" draft (the champion: target layers, `init_draft_from_target`,
    untrained) on 5 HumanEval prompts (every 8th of the first 40) + 5 ShareGPT first turns (9 to 200
    prompt tokens), greedy, γ=4: against the original target, and against the updated target through
@@ -84,8 +84,8 @@ def recover(work: Path, updated_dir: Path, draft_dir: Path, dtype: str, steps: i
     from specdistill.modeling.drafts import align_draft, save_draft
     from specdistill.modeling.models import load_model
     from specdistill.modeling.vocab import DraftVocab
-    from specdistill.pipeline.answers.harness import generate_answers
     from specdistill.pipeline.config import NightlyTrain
+    from specdistill.pipeline.stages.answers.harness import generate_answers
 
     out = work / f"recovered-{updated_dir.name}-{draft_dir.name}-{steps}"
     if (out / "draft" / "config.json").is_file():
@@ -134,7 +134,7 @@ def main() -> None:
 
     from specdistill.modeling.drafts import init_draft_from_target, parse_layers, save_draft
     from specdistill.modeling.models import dtype_name, load_model, resolve_dtype
-    from specdistill.ops.drift import TargetUpdateConfig, assistant_loss, make_target_update
+    from specdistill.ops.demo_update import TargetUpdateConfig, assistant_loss, make_target_update
     from specdistill.ops.replay import aligned_drafter
     from specdistill.speculative import ModelDrafter, generate
 

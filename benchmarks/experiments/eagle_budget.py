@@ -38,7 +38,7 @@ from specdistill.distill.teacher import TeacherCache
 from specdistill.modeling.eagle3 import default_aux_layers
 from specdistill.modeling.models import load_model
 from specdistill.modeling.vocab import DraftVocab, build_draft_vocab
-from specdistill.pipeline.answers.harness import generate_answers
+from specdistill.pipeline.stages.answers.harness import generate_answers
 
 REPO = Path(__file__).resolve().parents[2]
 

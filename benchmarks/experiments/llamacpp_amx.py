@@ -17,7 +17,7 @@ Rounds are interleaved (the order alternates), median over rounds; the ratio is 
     python benchmarks/experiments/llamacpp_amx.py --rounds 3 --threads 2
 
 2026-12-02 04:48 UTC, 2-core Intel Xeon with AMX and AVX-512 BF16 (`amx_tile amx_int8 amx_bf16`),
-quiet, GCC 12.2 with the ldtilecfg patch (`engines.build.SOURCE_PATCHES`; without it the AMX build
+quiet, GCC 12.2 with the ldtilecfg patch (`engines.llamacpp.build.SOURCE_PATCHES`; without it the AMX build
 crashed at start-up), 32 prompts, 16 slots, 64 new tokens, a 480-token prefill:
 
     build     answers tok/s  prefill tok/s  decode tok/s   per round (answers)
@@ -43,8 +43,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import specdistill  # noqa: F401  (offline environment)
 from specdistill.data.datasets import sharegpt_first_turns
-from specdistill.engines import build
-from specdistill.engines.server import LlamaServer, ServerConfig
+from specdistill.engines.llamacpp import build
+from specdistill.engines.llamacpp.server import LlamaServer, ServerConfig
 from specdistill.modeling.models import demo_gguf_path, load_model
 
 

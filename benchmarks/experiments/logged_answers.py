@@ -8,7 +8,7 @@ The log (written here, then ingested like any traffic):
   - --claimed-wrong of them with their response swapped for ShareGPT's (ChatGPT's) answer to the same
     prompt, still claimed by the target's name: the likelihood check must refuse them;
   - --other ShareGPT conversations served by `gpt-3.5-turbo`: other models' responses.
-Then the answers stage of a nightly (`pipeline.answers.stage.generate_responses`, the demo target in its
+Then the answers stage of a nightly (`pipeline.stages.answers.stage.generate_responses`, the demo target in its
 run dtype, no time budget) over all of them, and, for the price, the target decoding one batch of the
 same prompts. Prints what was logged-as-is, refused and answered again, labelled and skipped, the
 likelihood floor, and the minutes against what decoding them all would have cost.
@@ -71,10 +71,10 @@ def main() -> None:
     import specdistill  # noqa: F401  (offline environment)
     from specdistill.hardware import describe_device
     from specdistill.pipeline import nightly
-    from specdistill.pipeline.answers.harness import generate_answers
-    from specdistill.pipeline.answers.stage import generate_responses
     from specdistill.pipeline.config import load_nightly_config
-    from specdistill.pipeline.pool_stage import data_line
+    from specdistill.pipeline.stages.answers.harness import generate_answers
+    from specdistill.pipeline.stages.answers.stage import generate_responses
+    from specdistill.pipeline.stages.pool import data_line
 
     served = [json.loads(line) for line in Path(args.served).read_text().splitlines() if line.strip()]
     traffic = work / "traffic.jsonl"

@@ -40,7 +40,7 @@ from specdistill.distill.train import distill
 from specdistill.distill.trained import Trained
 from specdistill.modeling.eagle3 import default_aux_layers
 from specdistill.modeling.models import load_model, resolve_dtype
-from specdistill.pipeline.answers.harness import generate_answers
+from specdistill.pipeline.stages.answers.harness import generate_answers
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ greedy answer to another prompt, its greedy answer with one token in ten replace
 characters, and Chinese boilerplate. Each is labelled by one prefill, as the nightly labels a logged
 answer (`distill.prefill.label_by_prefill`, the response cut to `generation.logged.max_tokens`), and
 the table gives, per set, the median and the 5th/95th percentiles of each statistic of `Labelled`, then
-how many of each set every rule admits (`pipeline.answers.logged.own_text_check`: the rule in use).
+how many of each set every rule admits (`pipeline.stages.answers.logged.own_text_check`: the rule in use).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     if args.stats:
         from specdistill.distill.prefill import Labelled
-        from specdistill.pipeline.answers.logged import own_text_check
+        from specdistill.pipeline.stages.answers.logged import own_text_check
 
         saved = json.loads(Path(args.stats).read_text())
         table({k: [Labelled(**s) for s in v] for k, v in saved.items()}, own_text_check)
@@ -66,9 +66,9 @@ def main() -> None:
     from specdistill.distill.prefill import label_by_prefill
     from specdistill.hardware import describe_device
     from specdistill.modeling.models import shared_model
-    from specdistill.pipeline.answers.harness import generate_answers
-    from specdistill.pipeline.answers.logged import check_response, own_text_check
     from specdistill.pipeline.generation_config import LoggedConfig
+    from specdistill.pipeline.stages.answers.harness import generate_answers
+    from specdistill.pipeline.stages.answers.logged import check_response, own_text_check
 
     target = shared_model("demo", dtype=args.dtype)
     tok, max_tokens = target.tokenizer, LoggedConfig().max_tokens

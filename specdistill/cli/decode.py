@@ -147,8 +147,8 @@ def _bench_engine(args: argparse.Namespace):
         return results[args.mode_name]
     if args.engine == "vllm":
         return _bench_vllm(args, prompts, config, threads)
-    from specdistill.engines.llamacpp import bench_llamacpp, target_gguf  # lazy: CLI start-up
-    from specdistill.pipeline.engine_bench import mode_for_spec  # lazy: CLI start-up
+    from specdistill.engines.llamacpp.engine import bench_llamacpp, target_gguf  # lazy: CLI start-up
+    from specdistill.pipeline.stages.engine_bench import mode_for_spec  # lazy: CLI start-up
 
     spec = drafter_spec(args)
     if spec is None or not spec.runs_in_llamacpp or spec.exit_layer is not None:
@@ -163,8 +163,8 @@ def _bench_engine(args: argparse.Namespace):
 def _bench_vllm(args: argparse.Namespace, prompts: list, config, threads: int):
     """vLLM started here twice, target-only and with the mode's `speculative_config` as serving.json
     would carry it; a config vLLM refuses is an error carrying vLLM's own message."""
-    from specdistill.engines.vllm_bench import bench_vllm  # lazy: CLI start-up
-    from specdistill.pipeline.engine_bench import mode_serving_config  # lazy: CLI start-up
+    from specdistill.engines.vllm.bench import bench_vllm  # lazy: CLI start-up
+    from specdistill.pipeline.stages.engine_bench import mode_serving_config  # lazy: CLI start-up
 
     spec = drafter_spec(args)
     if spec is None or not spec.served or spec.corpus:

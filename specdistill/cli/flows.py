@@ -50,7 +50,7 @@ def cmd_nightly(args: argparse.Namespace) -> int:
 
 def cmd_demo_target_update(args: argparse.Namespace) -> int:
     from specdistill.modeling.models import load_model  # lazy: CLI start-up
-    from specdistill.ops.drift import default_update_dir, load_update_meta, make_target_update  # lazy: CLI start-up
+    from specdistill.ops.demo_update import default_update_dir, load_update_meta, make_target_update  # lazy: CLI start-up
     from specdistill.state_lock import state_lock_for  # lazy: CLI start-up
 
     set_threads(args)
@@ -108,6 +108,6 @@ def register(sub: Subcommands) -> None:
     p.add_argument("--base", default="demo")
     add_out(p, "--out", help="a new directory (default: $SPECDISTILL_HOME/targets/demo-update)")
     p.add_argument("--steps", type=count_in(bounds.MAX_STEPS), default=30)
-    p.add_argument("--lr", type=number_in(0.0, low_open=True), default=None, help="default: the measured one (specdistill.ops.drift)")
+    p.add_argument("--lr", type=number_in(0.0, low_open=True), default=None, help="default: the measured one (specdistill.ops.demo_update)")
     p.add_argument("--top-layers", type=count_in(bounds.MAX_LAYERS), default=4)
     add_threads(p)

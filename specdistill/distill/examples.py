@@ -1,4 +1,4 @@
-"""Training examples: a conversation or a target answer (written by `pipeline.answers`) as ids with the
+"""Training examples: a conversation or a target answer (written by `pipeline.stages.answers`) as ids with the
 mask of the assistant tokens that every loss is restricted to; the batches and resumable data order a
 trainer reads them in."""
 

@@ -1,6 +1,6 @@
 """Target features for EAGLE-3 heads: the inputs of three target decoder layers, stored in bf16 shards.
 
-The answer pass records them on the way (`pipeline.answers.harness.generate_answers(feature_cache=...)`),
+The answer pass records them on the way (`pipeline.stages.answers.harness.generate_answers(feature_cache=...)`),
 so it is the only target pass the training data needs. Answers from elsewhere get one teacher-forced pass
 (about one prefill each, `build_feature_cache`), which can also write the top-k teacher rows.
 

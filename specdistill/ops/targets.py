@@ -34,7 +34,7 @@ class TargetVersion(Record):
     ref: str  # the reference it was registered under (`demo`, a directory, a .gguf file)
     registered_at: str  # ISO 8601, UTC
     # the model names production logs this version's responses under (an OpenAI log's `model`): those
-    # responses are its own answers, used as training data as they are (`pipeline.answers.logged`)
+    # responses are its own answers, used as training data as they are (`pipeline.stages.answers.logged`)
     served_names: tuple[str, ...] = ()
     # when a name was added to this version after its registration (ISO 8601); else it holds from `registered_at`
     served_since: dict[str, str] = field(default_factory=dict)

@@ -364,3 +364,11 @@ def config_hash(obj: Any) -> str:
 
 def run_root() -> Path:
     return paths.ensure_private(paths.home() / "nightly")  # traffic, answers, corpora: the owner only
+
+def target_tokenizer(config: NightlyConfig):
+    """The target's tokenizer, for the stages that read text without loading the target."""
+    from transformers import AutoTokenizer  # lazy: transformers stays off the config's import
+
+    from specdistill.modeling.models import resolve_model_dir  # lazy: torch stays off the config's import
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir(config.target))

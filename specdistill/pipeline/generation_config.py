@@ -13,7 +13,7 @@ from specdistill.config import BatchSize, Minutes, NewTokens, Strict, TopK, coun
 
 
 class LoggedConfig(Strict):
-    """`generation.logged`: the window's logged responses as training data (`pipeline.answers.logged`).
+    """`generation.logged`: the window's logged responses as training data (`pipeline.stages.answers.logged`).
 
     `served_names` maps a model name production logs responses under (an OpenAI log's `model`) to the
     target that served it (its reference, directory or fingerprint; `specdistill target register PATH
@@ -46,7 +46,7 @@ class GenerationConfig(Strict):
     `serving.threads` threads, as `serving.engine` does. The teacher is then the engine's top-k as
     served (k = `teacher_top_k` or fewer when the server caps it, recorded in the cache).
     `auto`: whichever of the two (llama-server on the target's GGUF, when built) answered a probe batch
-    faster on this machine (`pipeline.answers.choose_engine`)."""
+    faster on this machine (`pipeline.stages.answers.choose_engine`)."""
 
     max_new_tokens: NewTokens = 96
     # the train answers' wall-clock budget (null: none): answers stop between batches when it is spent,

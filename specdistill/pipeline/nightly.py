@@ -32,8 +32,7 @@ from specdistill.ops import registry
 from specdistill.ops.policy import FIRST_POSITION_TAG, SHAPE_GAMMA_TAG, SHAPE_TREE_TAG, GateVerdict, Role, first_position
 from specdistill.ops.registry import RegisteredDraft
 from specdistill.ops.serving import serving_path, write_serving_config
-from specdistill.pipeline.answers.stage import features_dir
-from specdistill.pipeline.config import NightlyConfig, SourceConfig, config_hash, run_root
+from specdistill.pipeline.config import NightlyConfig, SourceConfig, config_hash, run_root, target_tokenizer
 from specdistill.pipeline.outputs import (
     Champion,
     GeneratedData,
@@ -46,15 +45,10 @@ from specdistill.pipeline.outputs import (
     window_key,
 )
 from specdistill.pipeline.report import registration_artifacts, registration_metrics, train_losses
-from specdistill.pipeline.serve import serving_config
 from specdistill.pipeline.stage_budgets import stage_budgets, stage_deadline
+from specdistill.pipeline.stages.answers.stage import features_dir
+from specdistill.pipeline.stages.choose_mode import serving_config
 from specdistill.speculative.specs import DrafterSpec
-
-
-def target_tokenizer(config: NightlyConfig):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(resolve_model_dir(config.target))
 
 
 def describe_target(target_ref: str, dtype: str = "auto", device: str = "auto") -> TargetInfo:

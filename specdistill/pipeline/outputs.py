@@ -119,7 +119,7 @@ def window_key(train: list[Prompt], evals: list[Prompt], target: str) -> str:
 
 @dataclass
 class LoggedData(Record):
-    """What the logged responses gave tonight (`pipeline.answers.logged`; the report's data line)."""
+    """What the logged responses gave tonight (`pipeline.stages.answers.logged`; the report's data line)."""
 
     own: int = 0  # logged answers of the current target, used as they are
     own_tokens: int = 0
@@ -134,7 +134,7 @@ class LoggedData(Record):
 
 @dataclass
 class GeneratedData(Record):
-    """The target's answers to a split of the window (`pipeline.answers.stage.generate_responses`), or the pool's view."""
+    """The target's answers to a split of the window (`pipeline.stages.answers.stage.generate_responses`), or the pool's view."""
 
     path: str  # JSONL of target-generated records
     teacher_cache: str | None

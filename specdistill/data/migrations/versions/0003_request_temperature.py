@@ -1,5 +1,5 @@
 """The sampling temperature an OpenAI log's request asked for: a logged answer claimed by the target is
-held to what the target writes at that temperature (`pipeline.answers.logged.own_text_check`).
+held to what the target writes at that temperature (`pipeline.stages.answers.logged.own_text_check`).
 
 Revision ID: 0003
 Revises: 0002

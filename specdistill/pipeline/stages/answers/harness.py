@@ -26,8 +26,8 @@ from specdistill.data.prompts import Prompt, encode_chat
 from specdistill.distill.features import FEATURE_DTYPE, FeatureCache, feature_start
 from specdistill.distill.teacher import TeacherCache
 from specdistill.modeling.attention import decode_attention_for
-from specdistill.pipeline.answers.answer_file import answer_record, append_records, resume
-from specdistill.pipeline.answers.decode_loop import FeatureRecorder, TopKRecorder, decode_batch
+from specdistill.pipeline.stages.answers.answer_file import answer_record, append_records, resume
+from specdistill.pipeline.stages.answers.decode_loop import FeatureRecorder, TopKRecorder, decode_batch
 
 SORT_CHUNK = 8  # batches sorted by length together: little padding, and a time cut keeps a sample of the prompts
 

@@ -40,8 +40,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdistill.engines.server import LOOPBACK, EngineProcess, ServerError
-from specdistill.engines.vllm_install import VllmEnv, find_vllm
+from specdistill.engines.llamacpp.server import LOOPBACK, EngineProcess, ServerError
+from specdistill.engines.vllm.install import VllmEnv, find_vllm
 from specdistill.hardware import usable_cpus
 
 SERVED_NAME = "target"  # the model name requests carry

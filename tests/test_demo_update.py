@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdistill.modeling.models import load_model
-from specdistill.ops.drift import (
+from specdistill.ops.demo_update import (
     add_domain_tokens,
     domain_examples,
     load_update_meta,
@@ -79,7 +79,7 @@ def test_target_update_trains_only_the_top_layers_and_is_a_new_version(tiny_base
 
 
 def test_the_update_loss_is_masked_to_the_assistant_turns():
-    from specdistill.ops.drift import _encode_batch, assistant_loss
+    from specdistill.ops.demo_update import _encode_batch, assistant_loss
 
     tok = train_bpe(300)
     tok.chat_template += "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"  # as real templates do

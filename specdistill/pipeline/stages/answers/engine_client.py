@@ -30,7 +30,7 @@ from specdistill.data.prompts import Prompt, encode_chat
 from specdistill.distill.teacher import TeacherCache
 from specdistill.engines.client import EngineRequestError, get_json, post_json
 from specdistill.env import mask_url
-from specdistill.pipeline.answers.answer_file import answer_record, append_records, resume
+from specdistill.pipeline.stages.answers.answer_file import answer_record, append_records, resume
 
 TOKEN_ID_PREFIX = "token_id:"  # vLLM's token names under return_tokens_as_token_ids
 

@@ -18,8 +18,8 @@ from specdistill.budget import Deadline
 from specdistill.data.prompts import Prompt
 from specdistill.data.results import BenchResult
 from specdistill.engines.endpoint_bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
-from specdistill.engines.vllm import VllmConfig, VllmServer, start_together
-from specdistill.engines.vllm_install import VllmEnv, find_vllm, install_vllm
+from specdistill.engines.vllm.install import VllmEnv, find_vllm, install_vllm
+from specdistill.engines.vllm.server import VllmConfig, VllmServer, start_together
 
 
 def target_dir(ref: str | os.PathLike) -> Path:

@@ -37,8 +37,8 @@ from specdistill.distill.prefill import TOP_K, Labelled, label_by_prefill
 from specdistill.distill.teacher import TeacherCache
 from specdistill.modeling.models import LoadedModel
 from specdistill.ops.targets import Period, absolute_ref, held_at, served_name_periods, target_history
-from specdistill.pipeline.answers.answer_file import append_records
 from specdistill.pipeline.outputs import LoggedData
+from specdistill.pipeline.stages.answers.answer_file import append_records
 
 OTHER_SUFFIX = "~log"  # the id of another model's labelled response: `<conversation id>~log`
 

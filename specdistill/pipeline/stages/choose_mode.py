@@ -18,8 +18,8 @@ from specdistill.modeling.models import shared_model
 from specdistill.ops.policy import Candidate, GateVerdict, Role, fastest_mode, servable, unserved_faster_challenger
 from specdistill.ops.serving import ServingConfig
 from specdistill.pipeline.config import NightlyConfig
-from specdistill.pipeline.corpus import sglang_corpus_path
 from specdistill.pipeline.outputs import Champion, ServingDecision, TargetInfo, Window
+from specdistill.pipeline.stages.corpus import sglang_corpus_path
 from specdistill.speculative.gamma import best_gamma, predict_speedups
 from specdistill.speculative.specs import DrafterSpec
 from specdistill.speculative.suffix_corpus import read_corpus_meta
@@ -64,7 +64,7 @@ def choose_serving(config: NightlyConfig, window: Window, results: dict[str, Ben
                    verdict: GateVerdict, speeds: dict[str, BenchResult] | None = None) -> ServingDecision:
     """`speeds` (from `engine_bench.engine_benchmark`) when the serving engine is not the harness: there γ is the
     benchmark's K (the harness's γ search models the harness's verification cost, not the engine's). In the
-    harness each entry was benchmarked at its own best γ already (`pipeline.bench_stage.benchmark`), and the
+    harness each entry was benchmarked at its own best γ already (`pipeline.stages.bench.benchmark`), and the
     winner is served at that γ."""
     b, s = config.bench, config.serving
     in_engine = s.engine != "harness"

@@ -12,10 +12,11 @@ import torch
 from specdistill.ops import registry
 from specdistill.ops.policy import Check, GateVerdict
 from specdistill.ops.serving import read_serving_config
-from specdistill.pipeline import bench_stage, nightly
+from specdistill.pipeline import nightly
 from specdistill.pipeline.config import load_nightly_config
 from specdistill.pipeline.outputs import TargetInfo
-from specdistill.pipeline.serve import ServingDecision, serving_candidates, serving_config
+from specdistill.pipeline.stages import bench
+from specdistill.pipeline.stages.choose_mode import ServingDecision, serving_candidates, serving_config
 from specdistill.speculative.specs import DrafterSpec
 from tests.conftest import bench_result
 
@@ -101,7 +102,7 @@ ENGINE_SPEEDS = {
 
 
 def test_engine_choice_uses_engine_speeds_and_writes_the_llama_cpp_command():
-    from specdistill.pipeline.serve import choose_serving
+    from specdistill.pipeline.stages.choose_mode import choose_serving
 
     config = load_nightly_config(None, ["serving.engine=llamacpp"])
     # the harness measured the challenger fastest; llama.cpp did not: llama.cpp's numbers decide
@@ -120,7 +121,7 @@ def test_engine_choice_uses_engine_speeds_and_writes_the_llama_cpp_command():
 
 
 def test_engine_choice_is_off_when_nothing_beats_target_only_there():
-    from specdistill.pipeline.serve import choose_serving
+    from specdistill.pipeline.stages.choose_mode import choose_serving
 
     config = load_nightly_config(None, ["serving.engine=llamacpp"])
     slow = {**ENGINE_SPEEDS, "ngram": engine_entry("ngram", 0.93, [*TARGET_ARGS, "--spec-type", "ngram-simple"])}
@@ -133,8 +134,8 @@ def test_engine_choice_is_off_when_nothing_beats_target_only_there():
 def test_gate_speed_bar_reads_the_engine_speedup():
     config = load_nightly_config(None, ["serving.engine=llamacpp", "gate.overrides.min_speedup=1.0"])
     challenger = bench_result("draft:/d/c", 1.5, acceptance_rate=0.7, accepted_length=3.0, per_position_acceptance=[0.8, 0.7])
-    assert bench_stage.gate(config, challenger, None, {}).passed
-    verdict = bench_stage.gate(config, challenger, None, {}, speeds=ENGINE_SPEEDS)
+    assert bench.gate(config, challenger, None, {}).passed
+    verdict = bench.gate(config, challenger, None, {}, speeds=ENGINE_SPEEDS)
     assert not verdict.passed and any("0.20" in r for r in verdict.reasons)
 
 
@@ -143,7 +144,7 @@ def test_harness_choice_serves_the_winner_at_the_gamma_it_was_benchmarked_at(mon
     runs nothing again."""
     from specdistill.modeling import models
     from specdistill.pipeline.report import report_table
-    from specdistill.pipeline.serve import choose_serving
+    from specdistill.pipeline.stages.choose_mode import choose_serving
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the choice measures nothing"))
     search = {"predicted_speedups": {"1": 1.30, "2": 1.38, "3": 1.33}, "predicted_best": 2,
@@ -170,7 +171,7 @@ def test_harness_choice_serves_the_winner_at_the_gamma_it_was_benchmarked_at(mon
 
 def test_a_faster_challenger_that_failed_the_gate_is_named_but_not_served():
     """The demo's case: the head (a tree) beats n-gram on speed but its α is under the red line."""
-    from specdistill.pipeline.serve import choose_serving
+    from specdistill.pipeline.stages.choose_mode import choose_serving
 
     results = {name: replace(r, gamma=2, dtype="bfloat16") for name, r in RECORDED.items()}
     results["challenger"].speedup = 1.35
@@ -187,7 +188,7 @@ def test_a_mean_gain_carried_by_a_few_prompts_is_not_written_and_the_report_stat
     """Per-prompt speeds travel with each entry: n-gram's 1.33x mean comes from 3 of 12 prompts, so it is
     not served; self-speculation's steadier 1.12x is, and the report says how sure that is."""
     from specdistill.pipeline.report import report_table
-    from specdistill.pipeline.serve import choose_serving
+    from specdistill.pipeline.stages.choose_mode import choose_serving
 
     few = [3.2, 2.9, 2.6, 0.9, 0.85, 0.8, 0.8, 0.75, 0.7, 0.65, 0.5, 0.3]  # mean 1.33
     steady = [1.1, 1.12, 1.15, 1.09, 1.13, 1.1, 1.14, 1.11, 1.12, 1.13, 1.1, 1.15]
@@ -212,7 +213,7 @@ def test_a_head_served_as_a_tree_gives_chain_engines_the_chain_depth_its_own_cha
     from specdistill.modeling.eagle3_init import init_eagle3_from_target
     from specdistill.modeling.eagle3_io import save_eagle3
     from specdistill.modeling.vocab import DraftVocab
-    from specdistill.pipeline.serve import chain_gamma
+    from specdistill.pipeline.stages.choose_mode import chain_gamma
     from tests.conftest import make_tiny_llama, train_bpe
 
     tok = train_bpe(300)

@@ -15,10 +15,10 @@ from specdistill.acceptance import DEFAULT_GAMMA, NGRAM_WINDOW
 from specdistill.budget import Deadline
 from specdistill.data.prompts import Prompt
 from specdistill.data.results import BenchResult
-from specdistill.engines.build import LlamaCpp, build_llama_server
 from specdistill.engines.endpoint_bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
-from specdistill.engines.gguf_export import export_gguf, gguf_spec_type
-from specdistill.engines.server import LlamaServer, ServerConfig, ServerMode
+from specdistill.engines.llamacpp.build import LlamaCpp, build_llama_server
+from specdistill.engines.llamacpp.gguf_export import export_gguf, gguf_spec_type
+from specdistill.engines.llamacpp.server import LlamaServer, ServerConfig, ServerMode
 from specdistill.modeling.models import DEMO_REF, demo_gguf_path
 
 NGRAM_N = NGRAM_WINDOW[1]  # the harness's n-gram drafter's longest n; llama.cpp's ngram-simple defaults to 12

@@ -20,10 +20,10 @@ from pathlib import Path
 from specdistill.acceptance import DEFAULT_GAMMA
 from specdistill.data.prompts import Prompt
 from specdistill.data.results import BenchResult
-from specdistill.engines import llamacpp
 from specdistill.engines.endpoint_bench import TARGET_ONLY, run_engine_bench
-from specdistill.engines.llamacpp import bench_llamacpp, ngram_mode, target_gguf
-from specdistill.engines.vllm_bench import bench_vllm, served_dtype
+from specdistill.engines.llamacpp import engine as llamacpp
+from specdistill.engines.llamacpp.engine import bench_llamacpp, ngram_mode, target_gguf
+from specdistill.engines.vllm.bench import bench_vllm, served_dtype
 from specdistill.modeling.drafts import export_early_exit_draft
 from specdistill.modeling.models import load_model, resolve_model_dir, shared_model
 from specdistill.ops.policy import Role

@@ -49,7 +49,7 @@ def nightly_corpus(config, train_data: GeneratedData, target_fingerprint: str) -
 
 
 def read_answers(path: str | Path) -> list[dict]:
-    """The target's answers in an answers JSONL (`pipeline.answers`): every record with `id` and `response_ids`
+    """The target's answers in an answers JSONL (`pipeline.stages.answers`): every record with `id` and `response_ids`
     but other models' labelled responses;
     a torn last line (a killed writer) is skipped, any other bad line is an error naming it."""
     path = Path(path)

@@ -21,10 +21,10 @@ from specdistill.ops.policy import FIRST_POSITION_TAG, SHAPE_GAMMA_TAG, SHAPE_TR
 from specdistill.ops.replay import AcceptanceSample, FallbackDecision, held_out_prompts
 from specdistill.ops.serving import ServingConfig, ServingConfigError, read_serving_config, write_serving_config
 from specdistill.ops.targets import TargetChange, TargetVersion, detect_change
-from specdistill.pipeline.corpus import current_corpus_path
 from specdistill.pipeline.monitor_config import MonitorConfig
 from specdistill.pipeline.outputs import AppliedFallback, Champion, MonitorOutcome, RecordedDecision, Sample
-from specdistill.pipeline.serve import draft_free_fields
+from specdistill.pipeline.stages.choose_mode import draft_free_fields
+from specdistill.pipeline.stages.corpus import current_corpus_path
 from specdistill.speculative.threads import ThreadWatch
 
 STAGES = ("replay", "fallback")  # the monitor's budgeted stages, in the order they run

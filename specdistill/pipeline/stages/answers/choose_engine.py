@@ -31,13 +31,13 @@ from specdistill.distill.config import Eagle3Config
 from specdistill.distill.examples import encode_generated
 from specdistill.distill.features import FeatureCache, build_feature_cache
 from specdistill.distill.teacher import TeacherCache
-from specdistill.engines import build
-from specdistill.engines.llamacpp import gguf_dtype, target_server
+from specdistill.engines.llamacpp import build
+from specdistill.engines.llamacpp.engine import gguf_dtype, target_server
 from specdistill.modeling.eagle3 import default_aux_layers
 from specdistill.modeling.models import LoadedModel, dtype_name
-from specdistill.pipeline.answers.engine_client import complete_ids, connect, generate_answers_openai
-from specdistill.pipeline.answers.harness import generate_answers
 from specdistill.pipeline.config import NightlyConfig, config_hash, run_root
+from specdistill.pipeline.stages.answers.engine_client import complete_ids, connect, generate_answers_openai
+from specdistill.pipeline.stages.answers.harness import generate_answers
 
 PROBE_PROMPTS = 16  # one harness batch (generation.batch_size's default), at the stage's max_new_tokens
 HARNESS, LLAMACPP = "harness", "llamacpp"

@@ -22,16 +22,17 @@ from specdistill.distill.config import Eagle3Config
 from specdistill.distill.examples import read_done
 from specdistill.distill.features import FEATURE_META, FeatureCache
 from specdistill.distill.teacher import TeacherCache
-from specdistill.engines import llamacpp, vllm_bench
+from specdistill.engines.llamacpp import engine as llamacpp
+from specdistill.engines.vllm import bench as vllm_bench
 from specdistill.modeling.eagle3 import default_aux_layers
 from specdistill.modeling.models import LoadedModel, dtype_name, shared_model
-from specdistill.pipeline.answers.choose_engine import choose_answer_engine
-from specdistill.pipeline.answers.engine_client import connect, generate_answers_openai
-from specdistill.pipeline.answers.harness import generate_answers
-from specdistill.pipeline.answers.logged import label_logged
 from specdistill.pipeline.config import NightlyConfig, config_hash, run_root
 from specdistill.pipeline.outputs import GeneratedData, LoggedData, Window
 from specdistill.pipeline.stage_budgets import stage_deadline
+from specdistill.pipeline.stages.answers.choose_engine import choose_answer_engine
+from specdistill.pipeline.stages.answers.engine_client import connect, generate_answers_openai
+from specdistill.pipeline.stages.answers.harness import generate_answers
+from specdistill.pipeline.stages.answers.logged import label_logged
 
 # generation.batch_size null: by the run's dtype, as measured on each CPU kind (benchmarks/README.md, "The answer stage's batch")
 ANSWER_BATCH = {"bfloat16": 64, "float32": 32}

@@ -15,10 +15,10 @@ from pathlib import Path
 from specdistill.data.prompts import Prompt
 from specdistill.distill.examples import read_done
 from specdistill.distill.pool import POOL_MANIFEST, AnswerPool, retire_pools
-from specdistill.pipeline.answers import stage as answer_stage
-from specdistill.pipeline.answers.stage import features_dir
 from specdistill.pipeline.config import NightlyConfig, run_root
 from specdistill.pipeline.outputs import GeneratedData, PooledData, PoolSummary, Window
+from specdistill.pipeline.stages.answers import stage as answer_stage
+from specdistill.pipeline.stages.answers.stage import features_dir
 
 REANSWERED = "reanswer-"  # key prefix of the night made of the old version's prompts
 

