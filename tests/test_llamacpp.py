@@ -48,8 +48,8 @@ def test_exported_draft_loads_and_drafts(llama_cpp, target_gguf, self_draft):
         counters = scrape(metrics_url(server.url))
     assert done.generated_tokens > 0 and done.draft_tokens and done.draft_tokens > 0
     assert done.accepted > 0, f"the target's own weights were never accepted ({done.accepted}/{done.draft_tokens})"
-    assert counters.prefix == "llamacpp:" and counters.accepted == done.accepted
-    assert counters.draft_tokens == done.draft_tokens
+    assert counters.prefix == "llamacpp:" and counters.counts.accepted == done.accepted
+    assert counters.counts.proposed == done.draft_tokens
 
 
 def _memorizing_head(target, out_dir, messages: list[dict], answer_tokens: int = 32, steps: int = 2):
@@ -111,7 +111,7 @@ def test_exported_eagle3_head_loads_and_drafts(llama_cpp, target_gguf, memorized
     assert done.generated_tokens > 0 and done.draft_tokens and done.draft_tokens > 0
     assert done.accepted > 0, f"the memorised answer was never accepted ({done.accepted}/{done.draft_tokens})"
     assert done.accepted >= done.draft_tokens / 4, f"{done.accepted}/{done.draft_tokens} accepted"
-    assert counters.accepted == done.accepted and counters.draft_tokens == done.draft_tokens
+    assert counters.counts.accepted == done.accepted and counters.counts.proposed == done.draft_tokens
 
 
 def test_nightly_measures_an_eagle3_head_in_llama_cpp(llama_cpp, memorized_head, tmp_path, capsys):
@@ -193,7 +193,7 @@ def test_monitor_live_sampler_reads_llama_cpp_metrics(llama_cpp, target_gguf, mo
         sample = metrics.sample_live_acceptance(metrics_url(server.url), interval_s=1.0, min_draft_tokens=1)
     assert len(done) == 1 and done[0].draft_tokens, "the request between the scrapes drafted nothing"
     assert sample.ok, sample.reason
-    assert sample.draft_tokens == done[0].draft_tokens and sample.accepted == done[0].accepted
+    assert sample.counts.proposed == done[0].draft_tokens and sample.counts.accepted == done[0].accepted
     assert sample.acceptance_rate == pytest.approx(done[0].accepted / done[0].draft_tokens)
 
 

@@ -119,7 +119,7 @@ def test_exported_eagle3_head_loads_and_drafts_in_vllm(vllm_servers):
     before = scrape(metrics_url(server.url))
     done = chat(server.url, [{"role": "user", "content": REPEAT}], max_tokens=24)
     d = scrape(metrics_url(server.url))
-    drafted, accepted = d.draft_tokens - before.draft_tokens, d.accepted - before.accepted
+    drafted, accepted = d.counts.proposed - before.counts.proposed, d.counts.accepted - before.counts.accepted
     assert done.generated_tokens > 0 and drafted > 0
     assert accepted >= drafted / 4, f"{accepted:g}/{drafted:g} accepted of a memorised answer"
     base = chat(vllm_servers[TARGET_ONLY].url, [{"role": "user", "content": REPEAT}], max_tokens=24)
@@ -135,7 +135,7 @@ def test_layer_draft_with_reduced_vocabulary_loads_and_drafts_in_vllm(vllm_serve
     before = scrape(metrics_url(server.url))
     chat(server.url, [{"role": "user", "content": REPEAT}], max_tokens=16)
     after = scrape(metrics_url(server.url))
-    assert after.draft_tokens > before.draft_tokens
+    assert after.counts.proposed > before.counts.proposed
 
 
 def test_answers_with_logprobs_as_token_ids_from_vllm(vllm_servers, demo_target, tmp_path):
@@ -184,8 +184,8 @@ def test_monitor_live_sampler_reads_vllm_metrics(vllm_servers, monkeypatch):
     sample = metrics.sample_live_acceptance(metrics_url(server.url), interval_s=1.0, min_draft_tokens=1)
     assert sample.ok, sample.reason
     before, after = counts
-    assert sample.draft_tokens == after.draft_tokens - before.draft_tokens > 0
-    assert sample.acceptance_rate == pytest.approx((after.accepted - before.accepted) / sample.draft_tokens)
+    assert sample.counts.proposed == after.counts.proposed - before.counts.proposed > 0
+    assert sample.acceptance_rate == pytest.approx((after.counts.accepted - before.counts.accepted) / sample.counts.proposed)
     assert sample.per_position_acceptance and sample.per_position_acceptance[0] >= sample.per_position_acceptance[-1]
 
 
