@@ -144,7 +144,8 @@ def register(sub: Subcommands) -> None:
     monitor = group(sub, "monitor", "acceptance monitoring")
     p = command(monitor, "run", cmd_monitor_run, "run the monitoring flow once: sample acceptance, fall back and retrain below 50%",
                 example="monitor run --config deploy/monitor/monitor.yaml replay_prompts=8")
-    p.add_argument("--config", default=None, help="monitor YAML config (default: the embedded demo defaults)")
+    p.add_argument("--config", default=None,
+                   help="monitor YAML config (default: the code's defaults in specdistill/pipeline/monitor_config.py)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. replay_prompts=8")
     p = command(monitor, "sample", cmd_monitor_sample, "replay the newest logged prompts: the draft's acceptance on the target",
                 example="monitor sample --target demo --draft models:/draft@champion --n 16 --threads 1")
