@@ -101,3 +101,19 @@ def test_specs_build_drafters_that_state_their_capabilities():
     assert (ngram.tree_width, ngram.model, tuple(ngram.feature_layers)) == (1, None, ())
     with pytest.raises(NotImplementedError, match="chains only"):
         ngram.propose_tree(None, 2)
+
+
+def test_a_heads_kind_is_read_from_its_directory_without_torch(tmp_path):
+    """`serving show` and every record read back parse specs: telling a head from a layer draft reads its
+    config.json, and must not import torch (seconds of start-up) to do so."""
+    import subprocess
+    import sys
+
+    head, layers = tmp_path / "head", tmp_path / "layers"
+    for d, arch in ((head, "LlamaForCausalLMEagle3"), (layers, "LlamaForCausalLM")):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"architectures": [arch]}))
+    code = ("import sys; from specdistill.speculative.specs import DrafterSpec; "
+            f"print(DrafterSpec.parse('draft:{head}').kind, DrafterSpec.parse('draft:{layers}').kind, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["eagle3", "draft", "False"]

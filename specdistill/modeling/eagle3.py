@@ -21,10 +21,9 @@ from transformers import LlamaConfig, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from specdistill.modeling.attention import MAX_QUERIES, decode_attention
+from specdistill.modeling.eagle3_files import EAGLE3_ARCHITECTURE  # noqa: F401  (read from here too)
 from specdistill.modeling.lean import causal_mask
 from specdistill.modeling.vocab import DraftVocab
-
-EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
 class Eagle3ShapeError(ValueError):

@@ -29,32 +29,18 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, LlamaConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from specdistill import paths
-from specdistill.modeling.eagle3 import EAGLE3_ARCHITECTURE, Eagle3Draft, Eagle3ShapeError, check_fits
+from specdistill.modeling.eagle3 import Eagle3Draft, Eagle3ShapeError, check_fits
+from specdistill.modeling.eagle3_files import (  # noqa: F401  (its names are read from here too)
+    EAGLE3_ARCHITECTURE,
+    META_FILE,
+    WEIGHTS_FILE,
+    aux_layers_of,
+    is_eagle3_dir,
+    read_config,
+)
 from specdistill.modeling.vocab import DraftVocab, check_vocab, remap_draft_vocab, vocab_mismatch
 
-WEIGHTS_FILE = "model.safetensors"
-META_FILE = "specdistill_draft.json"  # the same meta file as layer-extracted drafts (drafts.DRAFT_META_FILE)
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float64: "float64"}
-
-
-def read_config(directory: str | os.PathLike) -> dict | None:
-    path = Path(directory) / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def is_eagle3_dir(directory: str | os.PathLike) -> bool:
-    config = read_config(directory)
-    return bool(config) and EAGLE3_ARCHITECTURE in (config.get("architectures") or [])
-
-
-def aux_layers_of(directory: str | os.PathLike) -> list[int] | None:
-    """The target layers a saved head reads (`eagle_aux_hidden_state_layer_ids`), without loading it."""
-    config = read_config(directory) or {}
-    layers = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    return list(layers) if layers else None
 
 
 def export_config(head: Eagle3Draft) -> dict:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specdistill import paths
+from specdistill.modeling.eagle3_files import META_FILE, aux_layers_of, is_eagle3_dir, read_config
 from specdistill.speculative.kinds.draft import NEEDS_DIR, model_sglang, model_vllm
 from specdistill.speculative.specs import DrafterSpec, Kind, TargetKey, register_kind
 
@@ -26,15 +27,11 @@ NAME = "eagle3"
 
 def is_head(directory: str | os.PathLike) -> bool:
     """A local directory whose config names the EAGLE-3 architecture (a reference is not looked up)."""
-    from specdistill.modeling.eagle3_io import is_eagle3_dir  # lazy: torch only once a draft directory is named
-
     return Path(directory).is_dir() and is_eagle3_dir(directory)
 
 
 def feature_layers(directory: str | os.PathLike) -> list[int] | None:
     """The target layers a head reads (`eagle_aux_hidden_state_layer_ids`), without loading it."""
-    from specdistill.modeling.eagle3_io import aux_layers_of  # lazy: keeps torch off `serving show`
-
     return aux_layers_of(directory)
 
 
@@ -51,8 +48,6 @@ def build(target: PreTrainedModel, spec: DrafterSpec, key: TargetKey) -> Drafter
 def first_gamma(spec: DrafterSpec, gamma: int) -> int:
     """No deeper than the draft positions the head was trained to propose (`unroll_steps` in its meta: a
     1-step head's 2nd position is untrained)."""
-    from specdistill.modeling.eagle3_io import META_FILE  # lazy: keeps torch off `serving show`
-
     meta = Path(spec.arg) / META_FILE
     if not meta.is_file():
         return gamma
@@ -63,8 +58,6 @@ def first_gamma(spec: DrafterSpec, gamma: int) -> int:
 def tags(draft_dir: str) -> dict[str, str]:
     """A registered head's lineage: the target layers it reads (it is valid only on a target whose features it
     was trained on) and its draft vocabulary."""
-    from specdistill.modeling.eagle3_io import read_config  # lazy: keeps torch off `serving show`
-
     return {"feature_layers": ",".join(map(str, feature_layers(draft_dir))),
             "draft_vocab_size": str(read_config(draft_dir).get("draft_vocab_size"))}
 

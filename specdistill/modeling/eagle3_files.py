@@ -1,0 +1,32 @@
+"""What a saved EAGLE-3 head's directory says without loading it (no torch): whether it is a head, the target
+layers it reads, its meta file. Deciding a spec's kind, `serving show` and registry tags read only this."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+WEIGHTS_FILE = "model.safetensors"
+META_FILE = "specdistill_draft.json"  # the same meta file as layer-extracted drafts (drafts.DRAFT_META_FILE)
+
+
+def read_config(directory: str | os.PathLike) -> dict | None:
+    path = Path(directory) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def is_eagle3_dir(directory: str | os.PathLike) -> bool:
+    config = read_config(directory)
+    return bool(config) and EAGLE3_ARCHITECTURE in (config.get("architectures") or [])
+
+
+def aux_layers_of(directory: str | os.PathLike) -> list[int] | None:
+    """The target layers a saved head reads (`eagle_aux_hidden_state_layer_ids`), without loading it."""
+    config = read_config(directory) or {}
+    layers = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return list(layers) if layers else None
