@@ -43,9 +43,7 @@ def _now() -> str:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    paths.atomic_write_json(path, data, mode=paths.PUBLIC_FILE_MODE, sort_keys=True)
 
 
 def prompt_hash(record: dict) -> str:

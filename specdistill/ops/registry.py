@@ -153,7 +153,7 @@ def newest_version(name: str, **tags: str):
 def promotion_lock() -> Iterator[None]:
     """One promotion at a time on this state directory (a flow-level concurrency limit covers several hosts)."""
     path = paths.ensure(paths.home()) / "promotion.lock"
-    with open(path, "a+") as f:
+    with paths.open_private(path, "a+") as f:  # never through a link at its name
         deadline = time.monotonic() + 600.0
         while True:
             try:

@@ -24,6 +24,7 @@ from specdistill.paths.files import (  # noqa: F401  (the file helpers every wri
     PRIVATE_FILE_MODE,
     PUBLIC_FILE_MODE,
     UnsafeFileError,
+    atomic_copy,
     atomic_write_bytes,
     atomic_write_json,
     atomic_write_text,
@@ -64,15 +65,14 @@ _warned: set[Path] = set()  # directories whose loose mode this process has warn
 
 
 def _warn_loose(directory: Path, mode: int, what: str) -> None:
-    """One line on stderr, once per process and directory: `directory` (not created by specdistill, so its
-    mode is never changed) lets other users list or write what specdistill keeps private there."""
+    """One line on stderr, once per process and directory: other users can create files in `directory` (not
+    created by specdistill, so its mode is never changed), where specdistill keeps what is private."""
     if directory in _warned:
         return
     _warned.add(directory)
-    can = "write into" if mode & 0o022 else "list"
-    print(f"specdistill: warning: other users can {can} {what} {directory} (mode {mode & 0o7777:04o}); specdistill "
-          "never changes the mode of a directory it did not create: give it a directory of your own with mode 0711 "
-          "or tighter (chmod go-rw)", file=sys.stderr)
+    print(f"specdistill: warning: other users can create files in {what} {directory} (mode {mode & 0o7777:04o}); "
+          "specdistill never changes the mode of a directory it did not create: give it a directory of your own "
+          "(mode 0711 or 0700)", file=sys.stderr)
 
 
 def _not_a_directory(path: Path, what: str) -> None:
@@ -82,8 +82,7 @@ def _not_a_directory(path: Path, what: str) -> None:
 
 def _secure_home(path: Path) -> None:
     """Before anything is created inside the state directory: create it 0711; one that was there is never
-    chmod-ed (it may be /tmp, or a shared 1777 directory): a mode that lets others list or write it is warned
-    about."""
+    chmod-ed (it may be /tmp, or a shared 1777 directory): one that others can write into is warned about."""
     root = home()
     if not is_within(Path(path).absolute().resolve(), root):
         return
@@ -95,7 +94,7 @@ def _secure_home(path: Path) -> None:
         pass
     _not_a_directory(root, "the state directory (SPECDISTILL_HOME)")
     mode = root.stat().st_mode
-    if mode & 0o066 or mode & stat.S_ISVTX:
+    if mode & (0o022 | stat.S_ISVTX):
         _warn_loose(root, mode, "the state directory")
 
 
@@ -117,7 +116,7 @@ def ensure(path: Path) -> Path:
 def ensure_private(path: Path) -> Path:
     """A directory for files that hold traffic (teacher caches, features, the nightly's data): 0700, created
     so, or tightened when an older version made it 0755 in the state directory; any other existing one is
-    never chmod-ed (a warning says when others can list or write it)."""
+    never chmod-ed (a warning says when others can create files in it)."""
     path = Path(path)
     _secure_home(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -131,7 +130,7 @@ def ensure_private(path: Path) -> Path:
     if mode & 0o077:
         if _ours_from_before(path):
             path.chmod(PRIVATE_DIR_MODE)
-        elif mode & 0o066 or mode & stat.S_ISVTX:
+        elif mode & (0o022 | stat.S_ISVTX):
             _warn_loose(path.absolute(), mode, "the directory")
     return path
 
@@ -262,6 +261,10 @@ def claim_output_dir(out_dir: Path, kind: str, files: list[str]) -> bool:
     created with its marker listing `files`. True: a previous `kind` output resumes."""
     out = Path(out_dir)
     if check_output_dir(out, kind, force=False, resume=True):
+        for name in files:  # what the run writes or appends to in place: never through a link it did not make
+            if (out / name).is_symlink():
+                raise UnsafeOutputError(f"{out / name} is a symbolic link (to {os.readlink(out / name)}), which this "
+                                        f"command never makes: nothing was changed; remove it to resume the {kind} run")
         return True
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))

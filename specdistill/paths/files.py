@@ -113,6 +113,24 @@ def atomic_write_json(path: str | os.PathLike, data: Any, *, mode: int = PRIVATE
     return atomic_write_text(path, json.dumps(data, **{"indent": 2, **dump}), mode=mode)
 
 
+def atomic_copy(src: str | os.PathLike, dst: str | os.PathLike, *, mode: int = PRIVATE_FILE_MODE) -> Path:
+    """Replace `dst` with a copy of `src` (a large file: copied in blocks), written beside it and renamed over."""
+    dst = Path(dst)
+    _replace_onto(dst)
+    fd, tmp = tempfile.mkstemp(prefix=dst.name + ".", suffix=".tmp", dir=dst.parent)
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as out, open_regular(src) as f:
+            shutil.copyfileobj(f, out, 1 << 20)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, dst)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return dst
+
+
 def remove_entry(path: str | os.PathLike) -> None:
     """Remove what is at `path` whatever it is: a link is unlinked (never followed), a directory removed
     with what it holds, a file unlinked; nothing there is fine."""

@@ -31,6 +31,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from specdistill import paths
+
 LLAMA_VOCAB_MAX_SIZE_DIFFERENCE = 128  # SPEC_VOCAB_MAX_SIZE_DIFFERENCE in llama.cpp's common/speculative.cpp
 DTYPES = ("f16", "f32", "q8_0")  # q8_0: llama.cpp's 8-bit blocks (32 weights, one fp16 scale), matrices only
 EAGLE3_ARCH = "eagle3"  # MODEL_ARCH.EAGLE3 in llama.cpp's gguf-py (newer than the `gguf` package on PyPI)
@@ -166,6 +168,7 @@ def _write_gguf(out_path: Path, arch: str, reader, overrides: dict, tensors: dic
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".tmp")
+    paths.remove_entry(tmp)  # a link (or anything) left at the temporary name is removed, never written through
     writer = gguf.GGUFWriter(str(tmp), arch)
     file_type = {"f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}.get(dtype, gguf.LlamaFileType.ALL_F32)
     overrides = {**overrides, "general.file_type": int(file_type)}
