@@ -129,8 +129,8 @@ def check_resumable(ckpt: Path, config: DistillConfig) -> None:
     """Refuse, before the target loads, to resume `ckpt` with settings that make another draft (its saved
     config differs in a `SHAPE_KEYS` setting): one sentence naming both values, not a state_dict error."""
     try:
-        saved = yaml.safe_load((ckpt / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
+        saved = yaml.safe_load(paths.read_whole(ckpt / "config.yaml", "checkpoint config")) or {}
+    except (OSError, ValueError, RecursionError, yaml.YAMLError):
         return  # no saved config to compare: the load below names a mismatch
     now = config.model_dump(mode="json")
     for key in SHAPE_KEYS:

@@ -14,7 +14,6 @@ a response logged under it is that version's own answer only if it arrived in th
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -62,10 +61,10 @@ def history_path() -> Path:
 def target_history(path: str | Path | None = None) -> list[TargetVersion]:
     """Every recorded version, oldest first."""
     path = Path(path) if path else history_path()
-    if not path.is_file():
+    if not path.exists():
         return []
+    data = paths.read_json(path, "target history")  # a FIFO, a directory, a huge or too deeply nested file: named
     try:
-        data = json.loads(path.read_text())
         return [TargetVersion(**{**entry, "served_names": tuple(entry.get("served_names", ())),
                                  "served_since": dict(entry.get("served_since", {}))}) for entry in data["versions"]]
     except (ValueError, KeyError, TypeError) as exc:

@@ -23,7 +23,6 @@ scatters the head's logits to the target vocabulary through `d2t`.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,7 +104,7 @@ def _check_tokens(draft_dir: Path, tokens: list[str], vocab_size: int) -> None:
     tokenizer_file = draft_dir / "tokenizer.json"
     if not tokenizer_file.is_file():
         return
-    saved = json.loads(tokenizer_file.read_text())
+    saved = paths.read_json(tokenizer_file, "tokenizer file")
     vocab = saved["model"].get("vocab", {})
     added = {t["content"]: t["id"] for t in saved.get("added_tokens", [])}
     by_id = {i: tok for tok, i in {**vocab, **added}.items()}
@@ -213,7 +212,7 @@ def export_draft_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLi
     reader = gguf.GGUFReader(str(target_gguf))
     if not (draft_dir / "config.json").is_file():
         raise GgufExportError(f"{draft_dir}: no config.json (not an HF checkpoint)")
-    config = json.loads((draft_dir / "config.json").read_text())
+    config = paths.read_json(draft_dir / "config.json", "model config")
     if config.get("model_type") != "llama":
         raise GgufExportError(f"{draft_dir}: model_type {config.get('model_type')!r}; only Llama drafts export to GGUF here")
     tensors = _read_weights(draft_dir)
