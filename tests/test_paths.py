@@ -322,7 +322,7 @@ def test_a_state_directory_that_is_a_file_is_named_as_a_file(tmp_path, monkeypat
     monkeypatch.setenv("SPECDISTILL_HOME", str(afile))
     for make in (lambda: paths.ensure(paths.home() / "fallback"), lambda: paths.ensure_private(paths.home() / "nightly"),
                  lambda: paths.create_private_file(paths.home() / "logs.db")):
-        with pytest.raises(paths.UnsafeFileError, match=f"{afile} is a file, not a directory"):
+        with pytest.raises(ValueError, match=f"{afile} is a file, not a directory"):
             make()
     assert afile.read_text() == "mine"
     from specdistill.cli import main
