@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from specdistill import bounds
+from specdistill import bounds, paths
 from specdistill.env import expand_secrets
 
 
@@ -132,8 +132,13 @@ def load_model_config(model: type[BaseModel], path: str | os.PathLike | None = N
         source = str(path)
         if Path(path).is_dir():
             raise ConfigError(f"{what} {path} is a directory: give a YAML file")
-        try:
-            raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+        try:  # a regular file only (a FIFO is refused, never waited on), read whole up to a cap
+            raw = yaml.safe_load(paths.read_whole(path, f"{what} file").decode("utf-8")) or {}
+        except paths.UnsafeFileError as exc:
+            raise ConfigError(f"{exc}: give a YAML file") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: nested too deep (lists or mappings inside one another past what can be "
+                              "parsed)") from None
         except FileNotFoundError:
             raise ConfigError(f"{what} file not found: {path}") from None
         except UnicodeDecodeError as exc:

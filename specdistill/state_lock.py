@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from specdistill.paths import ensure, home, is_within, open_private
+from specdistill.paths import UnsafeFileError, ensure, home, is_within, open_private, read_json
 
 STATE_LOCK = "state.lock"  # in the state directory, 0600: held (flock) by the process running on it, which it names
 
@@ -31,7 +31,7 @@ _held_guard = threading.Lock()
 
 def _holder(path: Path) -> str:
     try:
-        info = json.loads(path.read_text())
+        info = read_json(path, "state lock", max_bytes=4096)
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(info["since"])))
         return f"process {int(info['pid'])} on {info['host']} ({info['what']}, since {since})"
     except (OSError, ValueError, KeyError, TypeError, OverflowError):
@@ -49,7 +49,10 @@ def state_lock(what: str) -> Iterator[None]:
         entry = _held.get(root)
         if entry is None:
             path = ensure(root) / STATE_LOCK
-            f = open_private(path, "a+")  # held past this block: closed on release
+            try:
+                f = open_private(path, "a+")  # held past this block: closed on release; never through a link
+            except UnsafeFileError as exc:
+                raise UnsafeFileError(f"cannot take the state lock: {exc}") from None
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -165,3 +165,78 @@ def test_a_resume_with_no_step_left_reports_the_last_loss_as_json(tiny_run, tmp_
     assert main(argv) == 0  # resumed at step 1 of 1: no step runs
     again = json.loads(capsys.readouterr().out, parse_constant=lambda name: pytest.fail(f"{name} in JSON"))
     assert again["steps"] == 1 and again["loss"] == pytest.approx(first["loss"])
+
+
+@pytest.mark.parametrize("kind", ["file", "symlink", "dangling symlink", "directory"])
+def test_a_stale_unfinished_checkpoint_of_any_type_is_removed_and_never_followed(tiny_run, tmp_path, one_thread, kind):
+    """Round four: a `step-N.tmp` that was a file blocked resume for good ("file exists ... run the same command
+    again", every time). Whatever is at an unfinished checkpoint's name goes; a link is unlinked, not followed."""
+    from specdistill.distill.checkpoints import checkpoint_dirs
+    from specdistill.distill.train import distill
+
+    out = tmp_path / "run"
+    distill(tiny_run(out, "optim.max_steps=1"))
+    users = tmp_path / "users"
+    users.mkdir()
+    (users / "thesis.tex").write_text("years of work")
+    stale = out / "checkpoints" / "step-0000002.tmp"
+    if kind == "file":
+        stale.write_text("half a checkpoint")
+    elif kind == "symlink":
+        stale.symlink_to(users, target_is_directory=True)
+    elif kind == "dangling symlink":
+        stale.symlink_to(tmp_path / "gone")
+    else:
+        stale.mkdir()
+        (stale / "state.json").write_text('{"step": 2')
+    result = distill(tiny_run(out))
+    assert result.steps == 2 and [p.name for p in checkpoint_dirs(out)] == ["step-0000001", "step-0000002"]
+    assert not stale.exists() and not stale.is_symlink()
+    assert (users / "thesis.tex").read_text() == "years of work"
+
+
+def test_a_run_directorys_files_are_never_written_through_symlinks(tiny_run, tmp_path, one_thread, capsys, monkeypatch):
+    """Round four: with result.json and config.yaml replaced by links to a user's files, a resume overwrote the
+    user's files; metrics.jsonl and train_log.jsonl were appended through. A link at any name the run writes is
+    refused before the target loads, with a sentence naming it; the user's file is untouched."""
+    from specdistill.distill.train import distill
+
+    out = tmp_path / "run"
+    heldout = f"data.heldout_path={tmp_path / 'answers.jsonl'}"
+    distill(tiny_run(out, "optim.max_steps=1", heldout))
+    monkeypatch.setattr("specdistill.modeling.models.load_model", lambda *a, **k: pytest.fail("refused before loading"))
+    for name in ("result.json", "config.yaml", "metrics.jsonl", "train_log.jsonl", "checkpoints"):
+        users = tmp_path / f"users-{name}"
+        users.write_text("the user's\n")
+        (out / name).rename(tmp_path / f"ours-{name}")
+        (out / name).symlink_to(users)
+        assert main(["distill", *tiny_run.overrides(out, "optim.max_steps=2", heldout)]) == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.startswith("specdistill: error: ") and str(out / name) in last and "symbolic link" in last, last
+        assert users.read_text() == "the user's\n"
+        (out / name).unlink()
+        (tmp_path / f"ours-{name}").rename(out / name)
+
+
+def test_the_run_directorys_writers_replace_a_link_or_refuse_it_never_write_through(tiny_run, tmp_path):
+    """What a run replaces (result.json, config.yaml, reports, serving.json: `paths.atomic_write_*`) renames over a
+    link; what it appends to (`paths.open_append`) refuses one, dangling too."""
+    from specdistill import paths
+    from specdistill.distill.config import save_config
+
+    users = tmp_path / "users.txt"
+    users.write_text("mine")
+    for write in (lambda p: save_config(tiny_run(tmp_path / "o"), p), lambda p: paths.atomic_write_json(p, {"a": 1}),
+                  lambda p: paths.atomic_write_text(p, "new")):
+        link = tmp_path / "out.file"
+        link.unlink(missing_ok=True)
+        link.symlink_to(users)
+        write(link)
+        assert users.read_text() == "mine" and not link.is_symlink() and link.read_text() != "mine"
+    for target in (users, tmp_path / "gone"):
+        log = tmp_path / "log.jsonl"
+        log.unlink(missing_ok=True)
+        log.symlink_to(target)
+        with pytest.raises(paths.UnsafeFileError, match=f"{log} is a symbolic link"):
+            paths.open_append(log)
+        assert users.read_text() == "mine" and not (tmp_path / "gone").exists()

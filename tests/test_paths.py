@@ -270,12 +270,11 @@ def test_draft_init_force_keeps_the_notes_a_user_added(tiny_target, tmp_path):
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
 
 
-def test_the_state_directory_is_not_listable_and_what_an_older_version_left_open_is_closed(tmp_path):
+def test_the_state_directory_is_not_listable_and_what_an_older_version_left_open_in_it_is_closed(tmp_path, capsys):
     home = paths.home()
     paths.ensure(home / "fallback")
     assert home.stat().st_mode & 0o777 == 0o711  # others can reach serving.json, not list what is there
-    home.chmod(0o755)  # as an older version left it
-    (home / "nightly").mkdir(mode=0o755)
+    (home / "nightly").mkdir(mode=0o755)  # as an older version left it
     (home / "nightly").chmod(0o755)
     old = home / "nightly" / "answers.jsonl"
     old.write_text("an answer\n")
@@ -290,6 +289,50 @@ def test_the_state_directory_is_not_listable_and_what_an_older_version_left_open
     outside.chmod(0o755)
     paths.ensure(outside / "x")
     assert outside.stat().st_mode & 0o777 == 0o755  # only the state directory is ours to close
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("mode", [0o1777, 0o777, 0o755])
+def test_an_existing_state_directory_is_never_chmodded_only_warned_about(tmp_path, monkeypatch, capsys, mode):
+    """Round four: SPECDISTILL_HOME on a `chmod 1777` directory silently became 0711 (the same code would do it to
+    /tmp); a shared directory inside it, or one given for private data, was chmod-ed 0700 too."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(mode)
+    monkeypatch.setenv("SPECDISTILL_HOME", str(shared))
+    paths.ensure(paths.home() / "fallback")
+    paths.create_private_file(paths.home() / "logs.db")
+    assert shared.stat().st_mode & 0o7777 == mode
+    err = capsys.readouterr().err
+    if mode == 0o755:  # others may list it, not plant files in it: files are 0600 and private directories 0700
+        assert err == ""
+    else:
+        assert err.count("\n") == 1 and err.startswith("specdistill: warning: ") and str(shared) in err and f"{mode:04o}" in err
+    (shared / "nightly").mkdir()
+    (shared / "nightly").chmod(0o1777)  # a shared directory where a private one goes: not ours to close
+    paths.ensure_private(shared / "nightly")
+    assert (shared / "nightly").stat().st_mode & 0o7777 == 0o1777 and "nightly" in capsys.readouterr().err
+    assert (paths.ensure_private(shared / "teacher").stat().st_mode & 0o777) == 0o700  # one it creates is private
+
+
+def test_a_state_directory_that_is_a_file_is_named_as_a_file(tmp_path, monkeypatch, capsys):
+    """Round four: SPECDISTILL_HOME=afile said "file exists"."""
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    monkeypatch.setenv("SPECDISTILL_HOME", str(afile))
+    for make in (lambda: paths.ensure(paths.home() / "fallback"), lambda: paths.ensure_private(paths.home() / "nightly"),
+                 lambda: paths.create_private_file(paths.home() / "logs.db")):
+        with pytest.raises(ValueError, match=f"{afile} is a file, not a directory"):
+            make()
+    assert afile.read_text() == "mine"
+    from specdistill.cli import main
+
+    traffic = tmp_path / "t.jsonl"
+    traffic.write_text('{"prompt": "a", "response": "b"}\n')
+    for argv in (["logs", "stats"], ["ingest", str(traffic), "--format", "jsonl"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{afile} is a file, not a directory" in err, (argv, err)
 
 
 def test_an_output_directory_is_readable_by_a_serving_engine_running_as_another_user(tmp_path):

@@ -80,3 +80,27 @@ def test_a_distillation_outside_the_state_directory_runs_beside_it(held_elsewher
 
     assert distill(load_config(None, ["data.path=x.jsonl", f"out_dir={tmp_path / 'out'}", "device=cpu"])) == "trained"
     assert claim_out_dir(tmp_path / "out") is True
+
+
+@pytest.mark.parametrize("dangling", [False, True])
+def test_a_symlink_as_the_state_lock_is_refused_and_the_users_file_is_untouched(tmp_path, dangling, capsys):
+    """Round four: a link at state.lock had the user's file truncated, overwritten and chmod-ed 0600; a dangling
+    one said `[Errno 2]`."""
+    users = tmp_path / "notes.txt"
+    if not dangling:
+        users.write_text("years of notes")
+        users.chmod(0o644)
+    lock = paths.ensure(paths.home()) / "state.lock"
+    lock.symlink_to(users)
+    with pytest.raises(ValueError, match="symbolic link"):
+        with state_lock("distill"):
+            pytest.fail("the lock was taken through a link")
+    if dangling:
+        assert not users.exists()
+    else:
+        assert users.read_text() == "years of notes" and users.stat().st_mode & 0o777 == 0o644
+    argv = ["distill", "data.path=x.jsonl", f"out_dir={paths.home() / 'runs' / 'd'}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(lock) in err and "symbolic link" in err and "Errno" not in err, err
+    assert lock.is_symlink()  # left for the user to look at; nothing was written through it

@@ -115,3 +115,45 @@ def test_the_cli_says_when_a_served_name_moves_to_the_new_version(tmp_path, caps
     assert main(["target", "register", str(b), "--no-event", "--served-name", "acme"]) == 0
     err = capsys.readouterr().err
     assert "acme" in err and "moves from target" in err and "logged under it before now stay" in err
+
+
+def test_a_moved_served_name_is_listed_by_its_new_version_only_and_kept_as_the_old_ones_history(tmp_path, capsys):
+    """Round four: after `target register NEW --served-name acme`, the old version still listed acme in targets.json."""
+    import json
+    from datetime import datetime
+
+    from specdistill.cli import main
+    from specdistill.ops.targets import history_path, name_holder, served_name_periods
+
+    old = register_target("old", fingerprint="fp-old", model_dir=tmp_path / "old", served_names=["acme", "acme-eu"])
+    new = register_target("new", fingerprint="fp-new", model_dir=tmp_path / "new", served_names=["acme"])
+    first, second = target_history()
+    assert first.served_names == ("acme-eu",) and second.served_names == ("acme",)
+    assert first.served_until == {"acme": new.registered_at}  # its history: it held acme until then
+    moved = datetime.fromisoformat(new.registered_at)
+    assert served_name_periods("fp-old") == {"acme": [(datetime.fromisoformat(old.registered_at), moved)],
+                                             "acme-eu": [(datetime.fromisoformat(old.registered_at), None)]}
+    assert name_holder("acme", moved) == "fp-new"
+    # a name added to the current version later moves too
+    register_target("new", fingerprint="fp-new", model_dir=tmp_path / "new", served_names=["acme-eu"])
+    listed = [name for v in json.loads(history_path().read_text())["versions"] for name in v["served_names"]]
+    assert sorted(listed) == ["acme", "acme-eu"]  # each name once, in the file itself
+    assert main(["target", "history"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("acme-eu") == 1 and out.splitlines()[0].count("served as") == 0, out
+
+
+def test_a_history_written_before_names_moved_lists_each_name_once_when_read(tmp_path):
+    import json
+
+    from specdistill.ops.targets import history_path, served_name_periods
+
+    versions = [{"fingerprint": fp, "path": str(tmp_path / fp), "ref": fp, "registered_at": at, "served_names": ["acme"],
+                 "served_since": {}} for fp, at in (("fp-a", "2026-01-01T00:00:00+00:00"), ("fp-b", "2026-02-01T00:00:00+00:00"),
+                                                     ("fp-a", "2026-03-01T00:00:00+00:00"))]
+    history_path().parent.mkdir(parents=True, exist_ok=True)
+    history_path().write_text(json.dumps({"versions": versions}))
+    a1, b, a2 = target_history()
+    assert (a1.served_names, b.served_names, a2.served_names) == ((), (), ("acme",))
+    assert a1.served_until == {"acme": "2026-02-01T00:00:00+00:00"} and b.served_until == {"acme": "2026-03-01T00:00:00+00:00"}
+    assert [(s.month, u and u.month) for s, u in served_name_periods("fp-a")["acme"]] == [(1, 2), (3, None)]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import io
 
-from specdistill import bounds
+from specdistill import bounds, paths
 from specdistill.cli.common import Subcommands, add_out, command, count_in, emit, group
 
 
@@ -48,6 +49,8 @@ def cmd_draft_init(args: argparse.Namespace) -> int:
     from specdistill.modeling.vocab import DraftVocab, build_draft_vocab, token_frequencies  # lazy: CLI start-up
 
     check_out(args)  # before the target loads: a refused OUT costs nothing
+    if args.traffic:  # a directory, a FIFO or a device is said so before the target loads, never opened
+        paths.check_regular(args.traffic, "traffic file")
     if args.kind == "eagle3":  # an architecture the head cannot start from is refused before the target loads
         model_dir = resolve_model_dir(args.target)
         check_eagle3_target(target_architecture(AutoConfig.from_pretrained(model_dir)), where=model_dir)
@@ -56,7 +59,7 @@ def cmd_draft_init(args: argparse.Namespace) -> int:
     if args.draft_vocab:
         if not args.traffic:
             raise SystemExit("--draft-vocab needs --traffic FILE (text, one sample per line) to count tokens")
-        with open(args.traffic, encoding="utf-8", errors="replace") as f:
+        with io.TextIOWrapper(paths.open_regular(args.traffic, "traffic file"), encoding="utf-8", errors="replace") as f:
             counts = token_frequencies(target.tokenizer, f)
         draft_vocab = build_draft_vocab(counts, args.draft_vocab, target.config.vocab_size, [target.tokenizer.eos_token_id])
     if args.kind == "eagle3":

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from specdistill import paths
+
 RAW_KEEP_CHARS = 2000
 DEFAULT_MAX_RECORD_BYTES = 4 << 20
 # a .gz inflates at most this many times its size unless told otherwise: JSON logs compress 3-20x, a
@@ -109,7 +111,7 @@ class Frame:
 
 
 def is_gzip(path: Path) -> bool:
-    with open(path, "rb") as f:
+    with paths.open_regular(path, "traffic file") as f:
         return f.read(2) == b"\x1f\x8b"
 
 
@@ -123,8 +125,9 @@ def decompression_cap(path: Path, max_decompressed_bytes: int | None = None) -> 
 def open_binary(path: Path, max_decompressed_bytes: int | None = None) -> BinaryIO:
     """The file's bytes, decompressed when it is a gzip (capped: `decompression_cap`)."""
     if is_gzip(path):
-        return CappedStream(gzip.open(path, "rb"), decompression_cap(path, max_decompressed_bytes))  # type: ignore[return-value]
-    return open(path, "rb")
+        return CappedStream(gzip.GzipFile(fileobj=paths.open_regular(path, "traffic file")),  # type: ignore[return-value]
+                            decompression_cap(path, max_decompressed_bytes))
+    return paths.open_regular(path, "traffic file")
 
 
 _WHITESPACE = b" \t\r\n\f\v"  # what bytes.strip() strips: a line of only these is blank

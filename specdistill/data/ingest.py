@@ -21,6 +21,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from specdistill import paths
 from specdistill.data.logstore import LogStore, Watermark
 from specdistill.data.readers import (
     DEFAULT_MAX_CHARS,
@@ -88,7 +89,7 @@ def file_fingerprint(path: Path, offset: int) -> str:
     For compressed files only the first bytes count: their offsets are in the decompressed stream.
     """
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with paths.open_regular(path, "traffic file") as f:
         head = f.read(FINGERPRINT_BYTES)
         compressed = head[:2] == b"\x1f\x8b"
         if not compressed:
@@ -128,9 +129,7 @@ def ingest(
 ) -> IngestResult:
     """Ingest what is new in `path`; see the module docstring for the guarantees. A `.gz` inflates to at most
     `max_decompressed_bytes` (default: `readers.DECOMPRESSION_RATIO` times its size); the rest is quarantined."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
+    path = paths.check_regular(path, "traffic file")  # a directory, a FIFO, a device: said so, never opened
     store = store or LogStore()
     source = source or str(path.resolve())
     start, start_index, note = _resume_point(store, path, source, fmt)

@@ -20,6 +20,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdistill import paths
+
 
 class PromptFileError(ValueError):
     """A prompt file that cannot be read; the message names the file and line."""
@@ -36,10 +38,14 @@ def read_prompt_file(path: str | Path, turns: str = "first") -> list[PromptRecor
     path = Path(path)
     if path.is_dir():
         raise PromptFileError(f"prompts file {path} is a directory")
-    if not path.is_file():
+    if not path.exists():
         raise PromptFileError(f"prompts file not found: {path}")
     records = []
-    with open(path, "rb") as f:
+    try:
+        f = paths.open_regular(path, "prompts file")  # a FIFO or a device is refused, never waited on
+    except paths.UnsafeFileError as exc:
+        raise PromptFileError(str(exc)) from None
+    with f:
         for lineno, raw in enumerate(f, 1):
             try:
                 line = raw.decode("utf-8")

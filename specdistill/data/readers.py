@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specdistill import paths
 from specdistill.data.formats import (
     DEFAULT_MAX_CHARS,
     PARSERS,
@@ -112,9 +113,7 @@ class RecordReader:
     ) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"{self.path}: no such file")
+        self.path = paths.check_regular(path, "traffic file")  # a FIFO or a device is said so, never opened
         self.fmt = fmt
         self.source = source or str(self.path.resolve())
         self.start_offset = start_offset

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pydantic import Field
 
+from specdistill import paths
 from specdistill.acceptance import DEFAULT_GAMMA
 from specdistill.config import Gamma, NewTokens, Repeats, Seed, Strict
 from specdistill.data.record import Record
@@ -226,10 +227,8 @@ def check_plot_path(path: str | Path, *, force: bool = False) -> Path:
 
 def _is_our_plot(path: Path, limit: int = 64 << 20) -> bool:
     try:
-        if path.stat().st_size > limit:
-            return False
-        return PLOT_MARK.encode() in path.read_bytes()
-    except OSError:
+        return PLOT_MARK.encode() in paths.read_whole(path, "plot", limit)
+    except (OSError, ValueError):  # missing, not a regular file (never opened to block), too large: not ours
         return False
 
 

@@ -11,7 +11,6 @@ interleaved, median of the repeats; autocast when 5% faster. Cached per CPU and 
 from __future__ import annotations
 
 import hashlib
-import json
 import statistics
 import sys
 import time
@@ -82,7 +81,7 @@ def probe_autocast(cache: Path | None = None) -> AutocastProbe:
     key = hashlib.sha256(f"{cpu_info().describe()}|{torch.__version__}|{torch.get_num_threads()}".encode()).hexdigest()[:16]
     path = None if cache is None else Path(cache) / f"{key}.json"
     if path is not None and path.is_file():
-        return AutocastProbe(**json.loads(path.read_text()))
+        return AutocastProbe(**paths.read_json(path, "autocast measurement"))
     probe = measure_autocast()
     print(probe.summary(), file=sys.stderr)
     if path is not None:

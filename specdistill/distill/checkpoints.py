@@ -9,7 +9,6 @@ the next run.
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import random
@@ -35,22 +34,33 @@ def checkpoint_dirs(out_dir: Path) -> list[Path]:
     root = Path(out_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _COMPLETE.fullmatch(p.name)) and p.is_dir()
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _COMPLETE.fullmatch(p.name)) and p.is_dir() and not p.is_symlink()
              and (p / "state.json").is_file()]
     return [p for _, p in sorted(found)]
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint that could not be written (a full disk, a file-size limit); the last complete one stays."""
+
+
+def _remove(path: Path, what: str) -> None:
+    """Remove `path` whatever it is (a file, a directory, a link: unlinked, never followed), or say which
+    path to delete."""
+    try:
+        paths.remove_entry(path)
+    except OSError as exc:
+        raise CheckpointWriteError(f"cannot remove {what} {path}: {paths.os_error_reason(exc)}; delete it yourself "
+                                   "and run the same command again") from None
+
+
 def remove_unfinished(out_dir: Path) -> list[Path]:
-    """Remove the temporary directories of checkpoint writes that died (a kill, a full disk); what was removed."""
+    """Remove what checkpoint writes that died (a kill, a full disk) left at their temporary names, whatever
+    it is (a directory, a file, a link); what was removed."""
     root = Path(out_dir) / "checkpoints"
     gone = sorted(p for p in root.iterdir() if _UNFINISHED.fullmatch(p.name)) if root.is_dir() else []
     for path in gone:
-        shutil.rmtree(path, ignore_errors=True)
+        _remove(path, "the unfinished checkpoint")
     return gone
-
-
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint that could not be written (a full disk, a file-size limit); the last complete one stays."""
 
 
 def save_checkpoint(out_dir: Path, step: int, module: torch.nn.Module, optimizer, order, extra: dict,
@@ -59,15 +69,15 @@ def save_checkpoint(out_dir: Path, step: int, module: torch.nn.Module, optimizer
     A write that fails (a full disk) removes its temp dir and is a `CheckpointWriteError` that says why."""
     final = Path(out_dir) / "checkpoints" / f"{CKPT_PREFIX}{step:07d}"
     tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    _remove(tmp, "the unfinished checkpoint")
     try:
-        tmp.mkdir(parents=True)
+        tmp.mkdir(parents=True)  # new, so nothing in it is a link we did not make
         state = {k: v.detach().contiguous().clone() for k, v in module.state_dict().items()}
         save_file(state, str(tmp / "model.safetensors"))  # cloned: tied weights no longer share storage
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
-        (tmp / "state.json").write_text(json.dumps({"step": step, "data": order.state(), "python_rng": random.getstate(),
-                                                    **extra}, default=str))
+        paths.atomic_write_json(tmp / "state.json", {"step": step, "data": order.state(), "python_rng": random.getstate(),
+                                                     **extra}, mode=paths.PUBLIC_FILE_MODE, indent=None, default=str)
         save_config(config, tmp / "config.yaml")
     except (OSError, SafetensorError) as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -76,7 +86,7 @@ def save_checkpoint(out_dir: Path, step: int, module: torch.nn.Module, optimizer
             f"could not write checkpoint {final}: {paths.os_error_reason(exc)}; "
             + (f"the last complete checkpoint {kept[-1].name} is kept" if kept else "no earlier checkpoint was written")
             + ": free space (or raise the limit) and run the same command again to resume") from None
-    shutil.rmtree(final, ignore_errors=True)
+    _remove(final, "the checkpoint")  # one of the same step (a resume repeats it), or anything at its name
     os.replace(tmp, final)
     for old in checkpoint_dirs(out_dir)[: -config.keep_checkpoints]:
         shutil.rmtree(old, ignore_errors=True)
@@ -119,8 +129,8 @@ def check_resumable(ckpt: Path, config: DistillConfig) -> None:
     """Refuse, before the target loads, to resume `ckpt` with settings that make another draft (its saved
     config differs in a `SHAPE_KEYS` setting): one sentence naming both values, not a state_dict error."""
     try:
-        saved = yaml.safe_load((ckpt / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
+        saved = yaml.safe_load(paths.read_whole(ckpt / "config.yaml", "checkpoint config")) or {}
+    except (OSError, ValueError, RecursionError, yaml.YAMLError):
         return  # no saved config to compare: the load below names a mismatch
     now = config.model_dump(mode="json")
     for key in SHAPE_KEYS:

@@ -6,13 +6,12 @@ The resolved config is saved next to every checkpoint, so a checkpoint always sa
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import ClassVar, Literal
 
 import yaml
 from pydantic import Field, field_validator, model_validator
 
-from specdistill import bounds
+from specdistill import bounds, paths
 from specdistill.config import BatchSize, Gamma, Kept, Layer, Minutes, Prompts, Seed, Steps, Strict, Threads, TopK, count, load_model_config
 
 DraftKind = Literal["layers", "eagle3"]  # a layer-extracted draft, or an EAGLE-3 head over target features
@@ -199,4 +198,4 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
 
 
 def save_config(config: DistillConfig, path: str | os.PathLike) -> None:
-    Path(path).write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    paths.atomic_write_text(path, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), mode=paths.PUBLIC_FILE_MODE)

@@ -4,6 +4,7 @@ trainer reads them in."""
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from specdistill import paths
 from specdistill.data.prompts import as_messages, encode_chat
 from specdistill.distill.teacher import pad_batch
 
@@ -86,7 +88,7 @@ def read_examples(path: str, kind: str, tokenizer: PreTrainedTokenizerBase, max_
                   limit: int | None = None) -> list[Example]:
     """JSONL records into training examples; a bad line fails naming the file and line."""
     out = []
-    with open(path, encoding="utf-8") as f:
+    with io.TextIOWrapper(paths.open_regular(path, "training data file"), encoding="utf-8") as f:  # never a FIFO
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

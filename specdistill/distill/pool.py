@@ -43,9 +43,7 @@ def _now() -> str:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    paths.atomic_write_json(path, data, mode=paths.PUBLIC_FILE_MODE, sort_keys=True)
 
 
 def prompt_hash(record: dict) -> str:
@@ -105,7 +103,7 @@ class AnswerPool:
         directory = Path(root) / fingerprint
         path = directory / POOL_MANIFEST
         if path.is_file():
-            manifest = json.loads(path.read_text())
+            manifest = paths.read_json(path, "pool manifest")
             if manifest.get("fingerprint") != fingerprint:
                 raise ValueError(f"{path} is the pool of target {manifest.get('fingerprint')!r}, not {fingerprint!r}")
             return cls(directory, manifest)
@@ -144,7 +142,7 @@ class AnswerPool:
         meta = Path(teacher_cache) / CACHE_META
         if not meta.is_file():
             raise FileNotFoundError(f"no teacher cache at {teacher_cache} ({CACHE_META} missing)")
-        written_for = json.loads(meta.read_text()).get("fingerprint")
+        written_for = paths.read_json(meta, "teacher cache record").get("fingerprint")
         if written_for != self.fingerprint:
             raise ValueError(f"teacher cache {teacher_cache} was written for target {written_for!r}; "
                              f"this pool is target {self.fingerprint!r}'s")
@@ -317,7 +315,7 @@ def _meta(directory: str | None, name: str) -> dict | None:
     if path is None or not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
+        return paths.read_json(path, "cache record")
     except (OSError, ValueError):
         return None
 
@@ -357,7 +355,7 @@ def _delete_night_data(night: PoolNight) -> None:
 def pools(root: str | os.PathLike) -> list[AnswerPool]:
     """Every target version's pool under `root`, most recently updated first."""
     root = Path(root)
-    found = [AnswerPool(p.parent, json.loads(p.read_text())) for p in root.glob(f"*/{POOL_MANIFEST}")] if root.is_dir() else []
+    found = [AnswerPool(p.parent, paths.read_json(p, "pool manifest")) for p in root.glob(f"*/{POOL_MANIFEST}")] if root.is_dir() else []
     return sorted(found, key=lambda p: p.manifest.get("updated_at", ""), reverse=True)
 
 

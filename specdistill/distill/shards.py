@@ -19,7 +19,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
+
+from specdistill import paths
 
 DIGEST_KEY = "specdistill_sha256"
 QUARANTINE = "quarantine"
@@ -48,11 +50,8 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
     (the rows describe answers to production traffic)."""
     path = Path(path)
     tensors = {k: t.contiguous() for k, t in tensors.items()}
-    tmp = path.with_name(f".{path.stem}.tmp")
-    save_file(tensors, str(tmp), metadata={DIGEST_KEY: tensors_digest(tensors)})
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
-    return path
+    data = save(tensors, metadata={DIGEST_KEY: tensors_digest(tensors)})  # then written beside and renamed over
+    return paths.atomic_write_bytes(path, data, mode=paths.PRIVATE_FILE_MODE)
 
 
 def _problem(path: Path) -> tuple[dict[str, torch.Tensor] | None, str]:
@@ -76,7 +75,7 @@ def quarantine(path: Path, reason: str) -> Path:
     where.mkdir(exist_ok=True)
     moved = where / f"{path.name}.{time.strftime('%Y%m%dT%H%M%S')}"
     os.replace(path, moved)
-    moved.with_name(moved.name + ".reason").write_text(f"{path}: {reason}\n")
+    paths.atomic_write_text(moved.with_name(moved.name + ".reason"), f"{path}: {reason}\n")
     return moved
 
 

@@ -239,7 +239,7 @@ def evaluate(run: Run, progress: Progress) -> HeldoutAcceptance | None:
              **(heldout.to_dict() if heldout else {})}
     progress.curve.append(point)
     if run.rank == 0:
-        with open(run.out_dir / "metrics.jsonl", "a") as f:
+        with paths.open_append(run.out_dir / "metrics.jsonl") as f:  # never through a link at its name
             f.write(json.dumps(point) + "\n")
     return heldout
 
@@ -269,7 +269,7 @@ def train(run: Run, progress: Progress, deadline: Deadline) -> None:
         progress.seconds += elapsed
         progress.loss = step_loss
         if run.rank == 0:
-            with open(run.out_dir / "train_log.jsonl", "a") as f:
+            with paths.open_append(run.out_dir / "train_log.jsonl") as f:
                 f.write(json.dumps({"step": progress.step, "loss": step_loss, "lr": run.optimizer.param_groups[0]["lr"],
                                     "tokens": progress.tokens, "seconds": progress.seconds}) + "\n")
         bar.update(1)
@@ -345,7 +345,7 @@ def finish(run: Run, progress: Progress, target: LoadedModel, trainable: int, fr
     if run.rank == 0:
         meta = {"config": run.config.model_dump(mode="json"), **result.result_json(curve=False)}
         result = replace(result, draft_dir=str(run.task.save(run.out_dir / "draft", target, meta)))
-        (run.out_dir / "result.json").write_text(json.dumps(result.result_json(), indent=2, default=str))
+        paths.atomic_write_json(run.out_dir / "result.json", result.result_json(), mode=paths.PUBLIC_FILE_MODE, default=str)
     if run.world > 1:
         dist.barrier()
     return result

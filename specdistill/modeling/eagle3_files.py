@@ -3,9 +3,10 @@ layers it reads, its meta file. Deciding a spec's kind, `serving show` and regis
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
+
+from specdistill import paths
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS_FILE = "model.safetensors"
@@ -15,7 +16,7 @@ META_FILE = "specdistill_draft.json"  # the same meta file as layer-extracted dr
 def read_config(directory: str | os.PathLike) -> dict | None:
     path = Path(directory) / "config.json"
     try:
-        return json.loads(path.read_text())
+        return paths.read_json(path, "model config")
     except (OSError, ValueError):
         return None
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from specdistill.paths import OUTPUT_MARKER, atomic_write_json, file_sha256
+from specdistill.paths import OUTPUT_MARKER, atomic_write_json, file_sha256, read_json
 
 SAMPLE_BLOCKS = 512
 SAMPLE_BYTES = 8192
@@ -146,7 +146,7 @@ def check_weights_record(source: Path) -> None:
     from before content records gets them now, one from before every file was recorded gets the rest."""
     cache_dir = source.parent
     try:
-        record = json.loads(source.read_text())
+        record = read_json(source, "weights record")
     except (OSError, ValueError):
         raise WeightsIntegrityError(f"{source} is missing or corrupt: the cache's files cannot be checked") from None
     if "weights" not in record and "check" not in record:  # written before content records
@@ -211,7 +211,7 @@ def saved_fingerprint(model_dir: Path) -> str | None:
     the fingerprint is computed again."""
     record_path = model_dir / FINGERPRINT_FILE
     try:
-        saved = json.loads(record_path.read_text())
+        saved = read_json(record_path, "fingerprint record")
         if not is_sealed(saved):
             return None
         all_files = saved.get("files") == ALL_FILES

@@ -155,9 +155,9 @@ def download_draft(model_uri: str) -> Path:
         target.mkdir(parents=True, exist_ok=True)
         mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{mv.version}", dst_path=str(target))
     try:  # the HF checkpoint a logged draft model carries: the pyfunc artifact named `draft`
-        meta = yaml.safe_load((target / "MLmodel").read_text())
+        meta = yaml.safe_load(paths.read_whole(target / "MLmodel", "MLmodel file"))
         hf_dir = target / meta["flavors"]["python_function"]["artifacts"][DRAFT_ARTIFACT]["path"]
-    except (OSError, KeyError, TypeError, yaml.YAMLError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError, yaml.YAMLError):
         hf_dir = None
     if hf_dir is None or not (hf_dir / "config.json").is_file():
         raise ValueError(f"{model_uri}: the registered model has no '{DRAFT_ARTIFACT}' checkpoint (MLmodel in {target})")

@@ -210,7 +210,7 @@ def verify_model_files(ref: str | os.PathLike) -> FullCheck:
     if record_path is None:
         return FullCheck(model_dir, 0, 0.0, "nothing recorded")
     try:
-        record = json.loads(record_path.read_text())
+        record = paths.read_json(record_path, "model record")
         if not is_sealed(record) or "weights" not in record:
             raise WeightsIntegrityError(f"{record_path} was edited: its record no longer matches its check")
         done = verify_weights_full(model_dir, record["weights"], record.get("files") == ALL_FILES)

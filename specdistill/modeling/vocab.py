@@ -16,8 +16,10 @@ from functools import cached_property
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from specdistill import paths
 
 # The reduced-vocabulary map lives in a subdirectory: serving engines load every `*.safetensors` file
 # beside a checkpoint's weights as weights (vLLM's `draft_model` then fails on an unknown `d2t`).
@@ -294,8 +296,8 @@ class DraftVocab:
     def save(self, directory: str | Path) -> Path:
         path = Path(directory) / DRAFT_VOCAB_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({"d2t": self.d2t.contiguous(), "t2d": self.t2d.contiguous()}, str(path))
-        return path
+        data = save({"d2t": self.d2t.contiguous(), "t2d": self.t2d.contiguous()})
+        return paths.atomic_write_bytes(path, data, mode=paths.PUBLIC_FILE_MODE)  # never through a link at its name
 
     @classmethod
     def load(cls, directory: str | Path) -> DraftVocab | None:

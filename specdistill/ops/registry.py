@@ -13,7 +13,6 @@ import fcntl
 import json
 import logging
 import re
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -153,7 +152,7 @@ def newest_version(name: str, **tags: str):
 def promotion_lock() -> Iterator[None]:
     """One promotion at a time on this state directory (a flow-level concurrency limit covers several hosts)."""
     path = paths.ensure(paths.home()) / "promotion.lock"
-    with open(path, "a+") as f:
+    with paths.open_private(path, "a+") as f:  # never through a link at its name
         deadline = time.monotonic() + 600.0
         while True:
             try:
@@ -177,8 +176,12 @@ def _previous_serving(serving_path: str | Path | None) -> ServingConfig | None:
     except ServingConfigError as exc:
         path = Path(serving_path) if serving_path else default_serving_path()
         keep = path.with_name(path.name + ".invalid")
-        shutil.copyfile(path, keep)
-        log.warning("%s: replacing it (its content is kept in %s)", exc, keep)
+        try:
+            paths.atomic_copy(path, keep)  # beside it, renamed into place: never through a link at `keep`
+        except (OSError, ValueError) as why:  # not a regular file (a FIFO, a directory): nothing to keep
+            log.warning("%s: replacing it (its content cannot be kept: %s)", exc, why)
+        else:
+            log.warning("%s: replacing it (its content is kept in %s)", exc, keep)
         return None
 
 

@@ -32,6 +32,7 @@ SERVING_FILE = "serving.json"
 # is granted access by the operator.
 SERVING_FILE_MODE = 0o644
 DERIVED_KEYS = ("vllm", "sglang", "llamacpp")  # written for the engines, recomputed on read
+SERVING_MAX_BYTES = 1 << 20  # a serving config is a few keys: a larger file is not read whole
 
 
 Speedup = Annotated[StrictFloat, Field(ge=0.0)]  # a measured speedup: finite, never negative
@@ -224,17 +225,17 @@ def read_serving_config(path: str | Path | None = None) -> ServingConfig | None:
     """The serving config on disk (None: no file). A truncated, mistyped or wrongly shaped file is a
     `ServingConfigError` naming the file and the key; keys from a newer version are kept."""
     path = Path(path) if path else serving_path()
-    if not path.is_file():
+    if not path.exists():
         return None
     try:
-        raw = path.read_bytes()
+        raw = paths.read_whole(path, "serving config", SERVING_MAX_BYTES)  # a FIFO or a device is refused, unread
         if not raw.strip():
             raise ServingConfigError(f"serving config {path} is empty")
-        data = json.loads(raw)
+        data = paths.parse_json(raw, path, "serving config")
     except ServingConfigError:
         raise
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ServingConfigError(f"corrupt serving config {path}: {exc}") from None
+    except ValueError as exc:  # corrupt, nested too deep, not a regular file, too large: the message names the file
+        raise ServingConfigError(str(exc)) from None
     except OSError as exc:
-        raise ServingConfigError(f"cannot read serving config {path}: {exc}") from None
+        raise ServingConfigError(f"cannot read serving config {path}: {paths.os_error_reason(exc)}") from None
     return parse_serving_config(data, path)

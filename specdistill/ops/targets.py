@@ -14,10 +14,9 @@ a response logged under it is that version's own answer only if it arrived in th
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -38,9 +37,20 @@ class TargetVersion(Record):
     served_names: tuple[str, ...] = ()
     # when a name was added to this version after its registration (ISO 8601); else it holds from `registered_at`
     served_since: dict[str, str] = field(default_factory=dict)
+    # names this version was served under until another version claimed them (ISO 8601, when): its history,
+    # no longer in `served_names`, so that a served name is listed by one version only
+    served_until: dict[str, str] = field(default_factory=dict)
 
     def name_since(self, name: str) -> datetime:
         return datetime.fromisoformat(self.served_since.get(name, self.registered_at))
+
+    def gives_up(self, names: Iterable[str], when: str) -> TargetVersion:
+        """This version, no longer served under `names` (another version claimed them at `when`)."""
+        lost = [n for n in names if n in self.served_names]
+        if not lost:
+            return self
+        return replace(self, served_names=tuple(n for n in self.served_names if n not in lost),
+                       served_until={**self.served_until, **dict.fromkeys(lost, when)})
 
 
 @dataclass
@@ -62,14 +72,34 @@ def history_path() -> Path:
 def target_history(path: str | Path | None = None) -> list[TargetVersion]:
     """Every recorded version, oldest first."""
     path = Path(path) if path else history_path()
-    if not path.is_file():
+    if not path.exists():
         return []
+    data = paths.read_json(path, "target history")  # a FIFO, a directory, a huge or too deeply nested file: named
     try:
-        data = json.loads(path.read_text())
-        return [TargetVersion(**{**entry, "served_names": tuple(entry.get("served_names", ())),
-                                 "served_since": dict(entry.get("served_since", {}))}) for entry in data["versions"]]
+        versions = [TargetVersion(**{**entry, "served_names": tuple(entry.get("served_names", ())),
+                                     "served_since": dict(entry.get("served_since", {})),
+                                     "served_until": dict(entry.get("served_until", {}))}) for entry in data["versions"]]
+        return _one_holder_each(versions)
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"corrupt target history {path}: {exc}") from exc
+
+
+def _one_holder_each(history: list[TargetVersion]) -> list[TargetVersion]:
+    """A history where each served name is listed by the version that claimed it last only; the versions that
+    held it before keep it as history (`served_until`: until the next claim). A file written before names moved
+    listed a name under every version registered with it."""
+    for name, timeline in _claims(history).items():
+        holders = [i for i, v in enumerate(history) if name in v.served_names]
+        if len(holders) < 2:
+            continue
+        ends = {fp_since: timeline[k + 1][0] for k, fp_since in enumerate(timeline[:-1])}
+        last = max(holders, key=lambda i: (history[i].name_since(name), i))
+        for i in holders:
+            if i != last:
+                until = ends.get((history[i].name_since(name), history[i].fingerprint))
+                history[i] = history[i].gives_up([name], until.isoformat() if until else history[last].served_since.get(
+                    name, history[last].registered_at))
+    return history
 
 
 def current_target(path: str | Path | None = None) -> TargetVersion | None:
@@ -117,12 +147,12 @@ def register_target(ref: str | os.PathLike, *, fingerprint: str | None = None, m
         added = [n for n in dict.fromkeys(served_names) if n not in last.served_names]
         if not added:
             return last
-        updated = TargetVersion(last.fingerprint, last.path, last.ref, last.registered_at, (*last.served_names, *added),
-                                {**last.served_since, **dict.fromkeys(added, now)})
-        _write_history(history[:-1] + [updated], path)
+        updated = replace(last, served_names=(*last.served_names, *added), served_since={**last.served_since,
+                          **dict.fromkeys(added, now)}, served_until={k: v for k, v in last.served_until.items() if k not in added})
+        _write_history([v.gives_up(added, now) for v in history[:-1]] + [updated], path)  # a name moves: one holder
         return updated
     version = TargetVersion(fingerprint, model_dir, ref, now, tuple(dict.fromkeys(served_names)))
-    _write_history(history + [version], path)
+    _write_history([v.gives_up(version.served_names, now) for v in history] + [version], path)
     return version
 
 
@@ -133,7 +163,7 @@ def _claims(history: list[TargetVersion]) -> dict[str, list[tuple[datetime, str]
     """Each served name's registrations, in time order: (since, fingerprint)."""
     claims: dict[str, list[tuple[datetime, str]]] = {}
     for v in history:
-        for name in v.served_names:
+        for name in (*v.served_names, *v.served_until):  # held now, or until another version claimed it
             claims.setdefault(name, []).append((v.name_since(name), v.fingerprint))
     return {name: sorted(c, key=lambda c: c[0]) for name, c in claims.items()}
 

@@ -170,7 +170,7 @@ def _draft_vs_serving(results: dict[str, BenchResult], verdict: GateVerdict | No
 
 def write_report(text: str, window: Window, path: str | None = None) -> str:
     path = Path(path) if path else paths.ensure(run_root() / "reports") / f"{time.strftime('%Y%m%d-%H%M%S')}-{window.key}.md"
-    path.write_text(text + "\n")
+    paths.atomic_write_text(path, text + "\n", mode=paths.PUBLIC_FILE_MODE)
     return str(path)
 
 
@@ -225,7 +225,7 @@ def registration_artifacts(config: NightlyConfig, results: dict[str, BenchResult
     if corpus:  # the suffix drafter's corpus (and its SGLang export), beside the draft
         artifacts += [p for p in (Path(corpus), sglang_corpus_path(corpus)) if p.is_file()]
     if speeds:
-        (artifacts_dir / "engine_benchmark.json").write_text(json.dumps(to_dict(speeds), indent=2, default=str))
+        paths.atomic_write_json(artifacts_dir / "engine_benchmark.json", to_dict(speeds), default=str)
         artifacts.append(artifacts_dir / "engine_benchmark.json")
         args = speeds[Role.CHALLENGER].llamacpp_args if Role.CHALLENGER in speeds else []
         if "-md" in args:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -51,7 +50,7 @@ def _digest(tokens: np.ndarray, offsets: np.ndarray) -> str:
 
 def save_corpus(path: str | Path, sequences: list[list[int]], meta: CorpusMeta) -> Path:
     """Write the corpus atomically (a reader sees the old file or the new one); train split only."""
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save
 
     if meta.split != "train":
         raise CorpusError(f"{path}: a suffix corpus is built from the train split only, not {meta.split!r}")
@@ -61,14 +60,10 @@ def save_corpus(path: str | Path, sequences: list[list[int]], meta: CorpusMeta) 
     tokens = np.concatenate([np.asarray(s, dtype=np.int32) for s in sequences]) if sequences else np.zeros(0, np.int32)
     meta.sequences, meta.tokens = len(sequences), int(tokens.size)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file({"tokens": tokens, "offsets": offsets}, str(tmp),
-              metadata={"meta": json.dumps(asdict(meta)), "sha256": _digest(tokens, offsets)})
-    os.chmod(tmp, paths.PRIVATE_FILE_MODE)  # the target's answers to production traffic, as token ids
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+    data = save({"tokens": tokens, "offsets": offsets},
+                metadata={"meta": json.dumps(asdict(meta)), "sha256": _digest(tokens, offsets)})
+    # the target's answers to production traffic, as token ids: the owner only; written beside, renamed over
+    return paths.atomic_write_bytes(path, data, mode=paths.PRIVATE_FILE_MODE)
 
 
 def read_corpus_meta(path: str | Path) -> CorpusMeta:

