@@ -23,6 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from specdistill import paths
+from specdistill.config import load_yaml
 from specdistill.distill.config import DistillConfig, save_config
 
 CKPT_PREFIX = "step-"
@@ -119,7 +120,7 @@ def check_resumable(ckpt: Path, config: DistillConfig) -> None:
     """Refuse, before the target loads, to resume `ckpt` with settings that make another draft (its saved
     config differs in a `SHAPE_KEYS` setting): one sentence naming both values, not a state_dict error."""
     try:
-        saved = yaml.safe_load((ckpt / "config.yaml").read_text()) or {}
+        saved = load_yaml((ckpt / "config.yaml").read_text()) or {}
     except (OSError, yaml.YAMLError):
         return  # no saved config to compare: the load below names a mismatch
     now = config.model_dump(mode="json")

@@ -22,6 +22,7 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from specdistill import paths
+from specdistill.config import load_yaml
 from specdistill.env import driver_url, mask_url
 
 DRAFT_ARTIFACT = "draft"
@@ -155,7 +156,7 @@ def download_draft(model_uri: str) -> Path:
         target.mkdir(parents=True, exist_ok=True)
         mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{mv.version}", dst_path=str(target))
     try:  # the HF checkpoint a logged draft model carries: the pyfunc artifact named `draft`
-        meta = yaml.safe_load((target / "MLmodel").read_text())
+        meta = load_yaml((target / "MLmodel").read_text())
         hf_dir = target / meta["flavors"]["python_function"]["artifacts"][DRAFT_ARTIFACT]["path"]
     except (OSError, KeyError, TypeError, yaml.YAMLError):
         hf_dir = None
