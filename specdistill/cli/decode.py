@@ -136,8 +136,11 @@ def _bench_engine(args: argparse.Namespace):
     if args.temperature != 0.0:
         raise ValueError(f"--engine {args.engine} measures greedy decoding only (--temperature 0)")
     prompts = [Prompt(r.turns[0], r.slice) for r in read_prompt_file(args.prompts, "first")[: args.limit or None]]
+    from specdistill.engines.client import DEFAULT_TIMEOUT_S  # lazy: CLI start-up
+
+    timeout = args.timeout or (DEFAULT_TIMEOUT_S if args.engine == "openai" else None)  # else: the started server's
     config = EngineBenchConfig(max_new_tokens=args.max_new_tokens, repeats=args.repeats, gamma=args.gamma,
-                               seed=args.seed or 0)
+                               seed=args.seed or 0, **({"timeout_s": timeout} if timeout else {}))
     threads = args.threads or 2
     if args.engine == "openai":
         if not (args.url and args.baseline_url):
@@ -306,3 +309,6 @@ def register(sub: Subcommands) -> None:
     p.add_argument("--baseline-url", default=None, help="--engine openai: base URL of a target-only server")
     p.add_argument("--mode-name", default="speculative", help="--engine openai: the speculative mode's name in reports")
     p.add_argument("--engine-dtype", default="unknown", help="--engine openai: the served weights' dtype, for reports")
+    p.add_argument("--timeout", type=number_in(0.0, 24 * 3600.0, low_open=True), default=None, metavar="SECONDS",
+                   help="--engine openai, llamacpp, vllm: how long one request may go unanswered before the bench "
+                        "stops (default 120 for running servers, 300 for a server started here)")
