@@ -525,3 +525,41 @@ def test_the_command_line_names_one_drafter_spec(tmp_path):
     assert spec("--draft", str(head), "--suffix", "c.bin").path == str(head)
     with pytest.raises(ValueError, match="choose one drafting method, got --ngram and --suffix"):
         spec("--ngram", "--suffix", "c.bin")
+
+
+def test_ctrl_c_mid_ingest_is_one_sentence_and_one_json_object_and_the_same_command_resumes(tmp_path):
+    """Ctrl-C printed a KeyboardInterrupt traceback, and with --json no object."""
+    import signal
+    import sqlite3
+    import time
+
+    path = tmp_path / "big.jsonl"
+    with path.open("w") as f:
+        for i in range(60_000):
+            f.write(json.dumps({"prompt": f"prompt {i}", "response": f"response {i}"}) + "\n")
+    db = tmp_path / "logs.db"
+    command = [sys.executable, "-m", "specdistill.cli", "ingest", str(path), "--format", "jsonl", "--db",
+               f"sqlite:///{db}", "--json"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SPECDISTILL_HOME": str(tmp_path / "home")}
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:  # until its first batch is committed
+        try:
+            with sqlite3.connect(db) as conn:
+                if conn.execute("SELECT count(*) FROM conversations").fetchone()[0]:
+                    break
+        except sqlite3.Error:
+            pass
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert "interrupted" in err and "run the same command again" in err and "big.jsonl" in err
+    assert json.loads(out)["exit_code"] == 130 and "interrupted" in json.loads(out)["error"]
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT status FROM ingest_runs").fetchall() == [("interrupted",)]
+    again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT count(*) FROM conversations").fetchone()[0] == 60_000
