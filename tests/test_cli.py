@@ -563,3 +563,26 @@ def test_ctrl_c_mid_ingest_is_one_sentence_and_one_json_object_and_the_same_comm
     assert again.returncode == 0, again.stderr[-2000:]
     with sqlite3.connect(db) as conn:
         assert conn.execute("SELECT count(*) FROM conversations").fetchone()[0] == 60_000
+
+
+def test_terminal_escapes_from_files_and_users_are_shown_escaped_in_every_human_output(tmp_path, capsys):
+    """A file name, a served name or a reason holding ESC (or a bidi override) reached the terminal raw."""
+    from specdistill.cli.common import printable
+
+    evil = "x\x1b]0;owned\x07\x1b[2J\u202egnp.\x9b"
+    path = tmp_path / f"log{evil[:12]}.jsonl"
+    path.write_text(json.dumps({"prompt": "p", "response": "r"}) + "\n"
+                    + json.dumps({"prompt": "p2", "response": 5, "system": None}) + "\n")
+    db = f"sqlite:///{tmp_path / 'logs.db'}"
+    for argv in (["ingest", str(path), "--format", "jsonl", "--db", db, "--no-progress"], ["logs", "stats", "--db", db],
+                 ["logs", "quarantine", "--db", db]):
+        assert main(argv) == 0
+        out, err = capsys.readouterr()
+        assert not set("\x1b\x07\u202e\x9b") & set(out + err), (argv, out)
+        assert "\\x1b" in out, (argv, out)
+        assert main([*argv, "--json"]) == 0  # JSON output escapes them itself
+        out = capsys.readouterr().out
+        assert "\x1b" not in out and json.loads(out)
+    assert printable(evil) == "x\\x1b]0;owned\\x07\\x1b[2J\\u202egnp.\\x9b" and printable("a\nb\tc") == "a\nb\tc"
+    assert main(["logs", "stats", "--db", f"sqlite:///{tmp_path}/no\x1b[2J.db"]) == 2  # an error sentence too
+    assert "\x1b" not in capsys.readouterr().err

@@ -17,6 +17,7 @@ from specdistill.cli.common import (
     emit,
     log_store,
     number_in,
+    printable,
     seed,
     set_threads,
 )
@@ -63,7 +64,7 @@ def _drafter(args: argparse.Namespace, target, fingerprint: str | None = None, t
                          "--self-spec K), or a suffix drafter (--suffix CORPUS)")
     note = getattr(drafter, "note", "") or getattr(getattr(drafter, "suffix", None), "note", "")
     if note:  # the suffix drafter says when its corpus is empty and it drafts from the request alone
-        print(note, file=sys.stderr)
+        print(printable(note), file=sys.stderr)
     return drafter
 
 
