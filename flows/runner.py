@@ -26,7 +26,7 @@ import subprocess
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from specdistill.pipeline.config import flow_overrides
+from specdistill.pipeline.config import flow_overrides, masked_flow_logs
 from specdistill.state_lock import state_lock
 
 T = TypeVar("T")
@@ -126,7 +126,7 @@ def run_flow(flow: Callable[..., T], **parameters: Any) -> T:
     if parameters.get("overrides"):
         parameters["overrides"] = flow_overrides(parameters["overrides"])
     what = getattr(flow, "name", None) or flow.__name__
-    with state_lock(what), stop_on_signals():  # a signal while the server starts stops the command too
+    with state_lock(what), stop_on_signals(), masked_flow_logs():  # a signal while the server starts stops it too
         if type(flow).__module__.startswith("prefect"):
             _temporary_server_in_own_group()
         return flow(**parameters)

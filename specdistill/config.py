@@ -54,6 +54,52 @@ class ConfigError(ValueError):
     """A config that cannot be used; the message names the file and key."""
 
 
+MAX_YAML_VALUES = 100_000  # what a YAML document may expand to, each use of an alias counted in full
+
+
+class YAMLTooLarge(yaml.YAMLError):
+    """A YAML document whose aliases expand past `MAX_YAML_VALUES` values, recursive or nested too deeply."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """yaml's safe loader, refusing a document before it is constructed when its aliases would expand it past
+    `MAX_YAML_VALUES` values: 9 levels of 9 aliases are a few hundred bytes, and 387 million values to the
+    first walk over them (validation, `${...}` expansion), which ran for minutes and gigabytes."""
+
+    def compose_document(self):
+        node = super().compose_document()
+        _expanded_size(node, {}, set())
+        return node
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int]) -> int:
+    """How many values `node` stands for once every alias is copied out; each distinct node is visited once."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_nodes:
+        raise YAMLTooLarge(f"line {node.start_mark.line + 1}: an anchor used inside itself (a recursive alias)")
+    open_nodes.add(key)
+    children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else (
+        node.value if isinstance(node, yaml.SequenceNode) else [])
+    size = 1 + sum(_expanded_size(child, sizes, open_nodes) for child in children)
+    open_nodes.discard(key)
+    if size > MAX_YAML_VALUES:
+        raise YAMLTooLarge(f"line {node.start_mark.line + 1}: its aliases expand to more than {MAX_YAML_VALUES:,} "
+                           "values (an alias bomb?)")
+    sizes[key] = size
+    return size
+
+
+def load_yaml(text: str) -> Any:
+    """The project's one YAML reader (configs, a checkpoint's saved config, an MLmodel file): yaml's safe
+    loader with bounded alias expansion; raises `yaml.YAMLError` (`YAMLTooLarge` for what it refuses)."""
+    try:
+        return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 (a SafeLoader)
+    except RecursionError:
+        raise YAMLTooLarge("nested too deeply") from None
+
+
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     """Apply dotted `a.b=value` overrides to a nested dict (unknown keys are caught by validation)."""
     for item in overrides:
@@ -68,7 +114,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
                 raise ConfigError(f"override {key!r}: {part!r} is not a section")
             node = child
         try:  # a YAML scalar or list (3e-4, true, [0,1], null), else a plain string
-            node[parts[-1]] = yaml.safe_load(value)
+            node[parts[-1]] = load_yaml(value)
         except yaml.YAMLError:
             node[parts[-1]] = value
     return raw
@@ -133,18 +179,17 @@ def load_model_config(model: type[BaseModel], path: str | os.PathLike | None = N
         if Path(path).is_dir():
             raise ConfigError(f"{what} {path} is a directory: give a YAML file")
         try:  # a regular file only (a FIFO is refused, never waited on), read whole up to a cap
-            raw = yaml.safe_load(paths.read_whole(path, f"{what} file").decode("utf-8")) or {}
+            raw = load_yaml(paths.read_whole(path, f"{what} file").decode("utf-8")) or {}
         except paths.UnsafeFileError as exc:
             raise ConfigError(f"{exc}: give a YAML file") from None
-        except RecursionError:
-            raise ConfigError(f"{path}: nested too deep (lists or mappings inside one another past what can be "
-                              "parsed)") from None
         except FileNotFoundError:
             raise ConfigError(f"{what} file not found: {path}") from None
         except UnicodeDecodeError as exc:
             raise ConfigError(f"{path}: not a text (UTF-8) YAML file: byte {exc.start} is {exc.object[exc.start]:#04x}") from None
         except OSError as exc:
             raise ConfigError(f"cannot read {what} file {path}: {exc.strerror or exc}") from None
+        except YAMLTooLarge as exc:
+            raise ConfigError(f"{path}: refused: {exc}") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from None
         if not isinstance(raw, dict):

@@ -7,8 +7,11 @@ their environment, so no code path ever tries the network for a model hub or tel
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import re
+from collections.abc import Iterator
 from urllib.parse import unquote
 
 OFFLINE_ENV: dict[str, str] = {
@@ -49,8 +52,12 @@ URL_ENV = ("SPECDISTILL_LOG_DB", "MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "
 _SECRET_NAME = re.compile(r"(PASSWORD|PASSWD|TOKEN|SECRET|API_KEY|ACCESS_KEY)$")
 _MIN_LITERAL = 4  # a shorter secret is masked where it stands in a URL, not wherever its letters occur
 
-# scheme://user:PASSWORD@host  (the password runs to the last @ before the path, query or a space)
-_USERINFO = re.compile(r"(?P<head>\b[A-Za-z][\w+.-]*://[^\s:/?#@]*):(?P<password>[^\s/?#]*)@")
+# scheme://user:PASSWORD@host, as the drivers read it: the userinfo runs to the LAST @ before the host
+# (the path, query or a space), the user to its first colon, so an @ in either stays in the credential
+_USERINFO = re.compile(r"(?P<head>\b[A-Za-z][\w+.-]*://[^\s:/?#]*):(?P<password>[^\s/?#]*)@")
+# user:PASSWORD@host with no scheme (`bob:S3CRET@db/logs`, a URL typed without `postgresql://`)
+_BARE_USERINFO = re.compile(r"(?<![\w.+%:/@-])(?P<head>[A-Za-z_][\w.+%-]*):(?P<password>[^\s/?#:]+(?:[^\s/?#]*))@"
+                            r"(?=[\w\[])")
 # key=VALUE in a query string or a libpq DSN ("host=h password=x"), quoted or not
 _KEY_VALUE = re.compile(r"(?i)(?<![\w.-])(?P<key>" + "|".join(SECRET_KEYS) + r")(?P<eq>\s*=\s*)"
                         r"(?P<value>'[^']*'|\"[^\"]*\"|[^&\s;,'\")]+)")
@@ -68,30 +75,58 @@ def _key_values(text: str) -> list[re.Match]:
 def _credentials(text: str) -> list[str]:
     """The credentials in `text` as they stand in it (a URL's password, a secret key's value)."""
     found = [m.group("password") for m in _USERINFO.finditer(text)]
+    found += [m.group("password") for m in _BARE_USERINFO.finditer(_USERINFO.sub("", text))]
     found += [m.group("value").strip("'\"") for m in _key_values(text)]
     return [p for p in found if p and p != MASK and not _SECRET_REF.fullmatch(p)]
 
 
 def _url_passwords(url: str) -> list[str]:
-    return [p for q in _credentials(url) for p in {q, unquote(q)}]
+    return [p for q in _credentials(url) for p in _pieces(q)]
+
+
+def _pieces(secret: str) -> set[str]:
+    """A credential, its percent-decoded form, and what a parser that ends the userinfo at the FIRST @
+    makes of it (`p@ssSECRET` is password `p` and host `ssSECRET@...` to SQLAlchemy): each piece after an
+    @ is masked wherever it appears, in a driver's "failed to resolve host 'ssSECRET@...'" too."""
+    out = set()
+    for whole in {secret, unquote(secret)}:
+        out.add(whole)
+        parts = whole.split("@")
+        out.update("@".join(parts[i:]) for i in range(1, len(parts)))
+        out.update(parts)
+    return {p for p in out if p}
+
+
+def driver_url(url: str) -> str:
+    """`url` with each @ inside its userinfo percent-encoded, so that every parser (SQLAlchemy ends the
+    userinfo at the first @, libpq and urllib at the last) reads the same user, password and host: the
+    host is never a piece of the password, which an error would then print."""
+    m = re.match(r"(?P<scheme>[A-Za-z][\w+.-]*://)(?P<userinfo>[^\s/?#]*)@", url)
+    if m is None or "@" not in m.group("userinfo"):
+        return url
+    return m.group("scheme") + m.group("userinfo").replace("@", "%40") + url[m.end("userinfo"):]
 
 
 def environment_secrets() -> list[str]:
     """The credentials this process's environment holds (secret variables, passwords inside URL
     variables), longest first: they are masked wherever they appear, not only inside a URL."""
-    values = [v for k, v in os.environ.items() if k in SECRET_ENV or _SECRET_NAME.search(k) or k.startswith(SECRET_PREFIX)]
+    values = [p for k, v in os.environ.items() if k in SECRET_ENV or _SECRET_NAME.search(k) or k.startswith(SECRET_PREFIX)
+              for p in _pieces(v)]
     for key in URL_ENV:
         values += _url_passwords(os.environ.get(key, ""))
     return sorted({v for v in values if len(v) >= _MIN_LITERAL}, key=len, reverse=True)
 
 
-def mask_secrets(text: str) -> str:
-    """`text` with every credential replaced by ***: a URL's user:password@, a query-string or DSN
-    value under a secret key (password, pwd, token, secret, key, ...), and the value of any secret
-    environment variable. Every URL or error message that may hold one is shown through this."""
+def mask_secrets(text: str, context: str | None = None) -> str:
+    """`text` with every credential replaced by ***: a URL's user:password@ (with or without a scheme),
+    a query-string or DSN value under a secret key (password, pwd, token, secret, key, ...), and the
+    value of any secret environment variable. `context`: a URL the text is about but may not quote (a
+    driver's error about it), whose credentials are masked wherever they appear. Every URL or error
+    message that may hold one is shown through this."""
     text = str(text)
-    passwords = [p for p in _url_passwords(text) if len(p) >= _MIN_LITERAL]
+    passwords = [p for p in _url_passwords(text) + _url_passwords(context or "") if len(p) >= _MIN_LITERAL]
     text = _USERINFO.sub(lambda m: f"{m.group('head')}:{MASK}@", text)
+    text = _BARE_USERINFO.sub(lambda m: f"{m.group('head')}:{MASK}@", text)
     for m in reversed(_key_values(text)):
         text = f"{text[:m.start()]}{m.group('key')}{m.group('eq')}{MASK}{text[m.end():]}"
     for secret in sorted(set(passwords + environment_secrets()), key=len, reverse=True):
@@ -100,6 +135,36 @@ def mask_secrets(text: str) -> str:
 
 
 mask_url = mask_secrets  # a URL (database, MLflow, an engine's endpoint) as it may be printed or logged
+
+
+class MaskingFilter(logging.Filter):
+    """Masks credentials in a log record, its message and its traceback, before a handler prints it or
+    sends it on (Prefect's flow-run log goes to its database): an exception's text quotes what a driver
+    said, which `mask_secrets` alone sees."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = mask_secrets(record.getMessage()), ()
+        if record.exc_info:
+            record.exc_text = mask_secrets(logging.Formatter().formatException(record.exc_info))
+            record.exc_info = None  # a handler that renders the exception itself (rich) would show it unmasked
+        elif record.exc_text:
+            record.exc_text = mask_secrets(record.exc_text)
+        return True
+
+
+@contextlib.contextmanager
+def masked_logs(prefix: str) -> Iterator[None]:
+    """Every handler of the loggers named `prefix...` (and the root's) masks credentials while the block runs."""
+    masking = MaskingFilter()
+    names = [n for n in list(logging.root.manager.loggerDict) if n == prefix or n.startswith(prefix + ".")]
+    handlers = {h for n in names for h in logging.getLogger(n).handlers} | set(logging.root.handlers)
+    for handler in handlers:
+        handler.addFilter(masking)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(masking)
 
 
 # ----------------------------------------------------------------------------------------------

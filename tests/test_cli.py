@@ -525,3 +525,64 @@ def test_the_command_line_names_one_drafter_spec(tmp_path):
     assert spec("--draft", str(head), "--suffix", "c.bin").path == str(head)
     with pytest.raises(ValueError, match="choose one drafting method, got --ngram and --suffix"):
         spec("--ngram", "--suffix", "c.bin")
+
+
+def test_ctrl_c_mid_ingest_is_one_sentence_and_one_json_object_and_the_same_command_resumes(tmp_path):
+    """Ctrl-C printed a KeyboardInterrupt traceback, and with --json no object."""
+    import signal
+    import sqlite3
+    import time
+
+    path = tmp_path / "big.jsonl"
+    with path.open("w") as f:
+        for i in range(60_000):
+            f.write(json.dumps({"prompt": f"prompt {i}", "response": f"response {i}"}) + "\n")
+    db = tmp_path / "logs.db"
+    command = [sys.executable, "-m", "specdistill.cli", "ingest", str(path), "--format", "jsonl", "--db",
+               f"sqlite:///{db}", "--json"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SPECDISTILL_HOME": str(tmp_path / "home")}
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:  # until its first batch is committed
+        try:
+            with sqlite3.connect(db) as conn:
+                if conn.execute("SELECT count(*) FROM conversations").fetchone()[0]:
+                    break
+        except sqlite3.Error:
+            pass
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert "interrupted" in err and "run the same command again" in err and "big.jsonl" in err
+    assert json.loads(out)["exit_code"] == 130 and "interrupted" in json.loads(out)["error"]
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT status FROM ingest_runs").fetchall() == [("interrupted",)]
+    again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT count(*) FROM conversations").fetchone()[0] == 60_000
+
+
+def test_terminal_escapes_from_files_and_users_are_shown_escaped_in_every_human_output(tmp_path, capsys):
+    """A file name, a served name or a reason holding ESC (or a bidi override) reached the terminal raw."""
+    from specdistill.cli.common import printable
+
+    evil = "x\x1b]0;owned\x07\x1b[2J\u202egnp.\x9b"
+    path = tmp_path / f"log{evil[:12]}.jsonl"
+    path.write_text(json.dumps({"prompt": "p", "response": "r"}) + "\n"
+                    + json.dumps({"prompt": "p2", "response": 5, "system": None}) + "\n")
+    db = f"sqlite:///{tmp_path / 'logs.db'}"
+    for argv in (["ingest", str(path), "--format", "jsonl", "--db", db, "--no-progress"], ["logs", "stats", "--db", db],
+                 ["logs", "quarantine", "--db", db]):
+        assert main(argv) == 0
+        out, err = capsys.readouterr()
+        assert not set("\x1b\x07\u202e\x9b") & set(out + err), (argv, out)
+        assert "\\x1b" in out, (argv, out)
+        assert main([*argv, "--json"]) == 0  # JSON output escapes them itself
+        out = capsys.readouterr().out
+        assert "\x1b" not in out and json.loads(out)
+    assert printable(evil) == "x\\x1b]0;owned\\x07\\x1b[2J\\u202egnp.\\x9b" and printable("a\nb\tc") == "a\nb\tc"
+    assert main(["logs", "stats", "--db", f"sqlite:///{tmp_path}/no\x1b[2J.db"]) == 2  # an error sentence too
+    assert "\x1b" not in capsys.readouterr().err

@@ -122,7 +122,8 @@ def test_the_engine_bench_stops_at_its_deadline_after_the_prompt_in_hand(monkeyp
         return Completion("same text", max_tokens, 2.0 if url == "http://target" else 1.0)
 
     monkeypatch.setattr(endpoint_bench, "chat", fake_chat)
-    monkeypatch.setattr(endpoint_bench, "scrape", lambda url: Scrape(DraftCounts(len(asked), 4 * len(asked), 2 * len(asked))))
+    monkeypatch.setattr(endpoint_bench, "scrape",
+                        lambda url, timeout_s=5.0: Scrape(DraftCounts(len(asked), 4 * len(asked), 2 * len(asked))))
     monkeypatch.setattr(Deadline, "remaining", lambda self, now=None: max(0.0, self.at - clock["now"]))
     prompts = [Prompt(f"question {i}") for i in range(6)]
     endpoints = {endpoint_bench.TARGET_ONLY: "http://target", "ngram": "http://ngram"}
@@ -135,3 +136,104 @@ def test_the_engine_bench_stops_at_its_deadline_after_the_prompt_in_hand(monkeyp
     whole = endpoint_bench.run_engine_bench(endpoints, prompts, endpoint_bench.EngineBenchConfig(repeats=2), engine="fake", dtype="f",
                                    progress=False)  # no deadline: every prompt, every repeat
     assert whole["ngram"].budget_note == "" and len(whole["ngram"].prompt_speedups) == 6 and whole["ngram"].repeats == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# an endpoint that accepts and never answers; a base URL given with its /v1
+
+
+@pytest.fixture
+def silent_server():
+    """A loopback server that accepts connections and never answers a byte (at most 30 s, then it closes)."""
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    listener.settimeout(0.2)
+    held, stop = [], threading.Event()
+
+    def serve():
+        deadline = __import__("time").monotonic() + 30
+        while not stop.is_set() and __import__("time").monotonic() < deadline:
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
+    stop.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    listener.close()
+
+
+def test_bench_against_an_endpoint_that_never_answers_stops_at_its_timeout_saying_so(silent_server, tmp_path, capsys):
+    """`bench --engine openai` sat silent for 307 s against a server that accepted and never answered."""
+    import json
+    import time
+
+    from specdistill.cli import main
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello there\n")
+    began = time.monotonic()
+    code = main(["bench", "--target", "demo", "--engine", "openai", "--url", silent_server, "--baseline-url",
+                 silent_server, "--prompts", str(prompts), "--timeout", "2.5", "--json"])
+    took = time.monotonic() - began
+    out, err = capsys.readouterr()
+    assert code != 0 and took < 20, (code, took)
+    assert json.loads(out)["exit_code"] == code and "Traceback" not in err
+    sentence = [line for line in err.splitlines() if line.startswith("specdistill: error:")]  # on a line of its own
+    assert len(sentence) == 1 and "no answer within 2.5 s" in sentence[0] and "--timeout" in sentence[0]
+    assert "first answer" in sentence[0]
+    assert "/v1/chat/completions" in sentence[0] and "/v1/v1" not in sentence[0]
+    assert "waiting for the target-only endpoint's first answer: 1 s of 2.5 s" in err  # progress while it waits
+
+
+def test_a_base_url_is_used_as_given_with_or_without_v1():
+    import http.server
+    import json
+    import threading
+
+    from specdistill.engines.client import api_url, chat, metrics_url, scrape
+
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _reply(self, body: bytes, kind: str) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            seen.append(self.path)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self._reply(json.dumps({"choices": [{"message": {"content": "hi"}}], "usage": {"completion_tokens": 1}})
+                        .encode(), "application/json")
+
+        def do_GET(self):  # noqa: N802
+            seen.append(self.path)
+            self._reply(b"vllm:spec_decode_num_drafts_total 2\nvllm:spec_decode_num_draft_tokens_total 4\n"
+                        b"vllm:spec_decode_num_accepted_tokens_total 3\n", "text/plain")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    root = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        for base in (root, root + "/", root + "/v1", root + "/v1/"):
+            assert chat(base, [{"role": "user", "content": "q"}], max_tokens=1, timeout_s=10).text == "hi"
+            assert scrape(metrics_url(base)).counts.accepted == 3
+            assert api_url(base, "models") == root + "/v1/models"
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert seen == ["/v1/chat/completions", "/metrics"] * 4

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from specdistill.data.logschema import display_url
@@ -101,3 +103,104 @@ def test_run_flow_hands_the_flow_its_overrides_without_credentials():
     url = "postgresql+psycopg://u:hunter22@db/logs"
     assert run_flow(flow, config_path=None, overrides=[f"log_db={url}"]) == url
     assert "hunter22" not in str(seen["overrides"])
+
+
+# ----------------------------------------------------------------------------------------------
+# a password holding an @, a URL without a scheme: masked as the drivers read them (issue 61)
+
+AT_URLS = ["postgresql://bob:p@ssSECRET@127.0.0.1:1/logs", "postgresql+psycopg://bob:pa:ss@w0rdSECRET@127.0.0.1:1/logs",
+           "postgresql+psycopg://bob@corp:SECRETpw@127.0.0.1:1/logs", "bob:SECRETxy@127.0.0.1/logs",
+           "postgresql://bob:p%40ssSECRET@127.0.0.1:1/logs"]
+
+
+@pytest.mark.parametrize("url", AT_URLS)
+def test_a_password_with_an_at_or_no_scheme_is_masked_as_the_drivers_read_it(url, capsys):
+    from specdistill.cli import main
+    from specdistill.data.logschema import LogStoreError
+    from specdistill.data.logstore import LogStore
+
+    for shown in (mask_secrets(url), display_url(url), mask_secrets(f"not a database URL: {url!r}")):
+        assert "SECRET" not in shown and "ssS" not in shown, shown
+    if "://" in url:  # the log store reads the host after the last @, so no error quotes a piece of the password
+        with pytest.raises(LogStoreError) as caught:
+            LogStore(url)
+        assert "127.0.0.1" in str(caught.value) and "SECRET" not in str(caught.value)
+    assert main(["logs", "stats", "--db", url, "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert "SECRET" not in out + err and json.loads(out)["exit_code"] == 2
+
+
+def test_a_drivers_error_that_quotes_a_piece_of_the_password_is_masked(monkeypatch):
+    """SQLAlchemy ends the userinfo at the first @: the driver then said `failed to resolve host 'ssSECRET@...'`."""
+    import sqlalchemy as sa
+
+    from specdistill.data.logschema import database_error
+
+    url = "postgresql://bob:p@ssSECRET@db.internal/logs"
+    error = sa.exc.OperationalError("SELECT 1", {}, Exception("failed to resolve host 'ssSECRET@db.internal'"))
+    assert "SECRET" not in str(database_error(url, error))
+    monkeypatch.setenv("SPECDISTILL_LOG_DB", url)  # a message that names no URL: the environment's password, in pieces
+    assert mask_secrets("failed to resolve host 'ssSECRET@db.internal'") == "failed to resolve host '***@db.internal'"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+    from specdistill.modeling.mlflow_refs import tracking_uri
+
+    assert sa.make_url(tracking_uri()).host == "db.internal" and sa.make_url(tracking_uri()).password == "p@ssSECRET"
+
+
+def test_a_flows_log_records_are_masked_before_any_handler_writes_them(tmp_path):
+    """Prefect's flow-run log (and its database) received the driver's unmasked text and traceback."""
+    import io
+    import logging
+
+    from flows.runner import run_flow
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger = logging.getLogger("prefect.flow_runs.h61")
+    logger.addHandler(handler)
+    url = "postgresql://bob:p@ssSECRET@db/logs"
+
+    def flow():
+        try:
+            raise RuntimeError(f"failed to resolve host 'ssSECRET@db' for {url}")
+        except RuntimeError:
+            logger.exception("stage failed: %s", "bob:SECRETxy@db/logs")
+        return "done"
+
+    try:
+        assert run_flow(flow) == "done"
+    finally:
+        logger.removeHandler(handler)
+    written = stream.getvalue()
+    assert "stage failed" in written and "Traceback" in written and "RuntimeError" in written
+    assert "SECRET" not in written and "ssS" not in written
+
+
+def test_a_password_with_an_at_opens_the_log_store_as_the_drivers_read_it(store_url):
+    """`user:p@ss@host`: the password runs to the last @ (SQLAlchemy alone would connect to host `ss@host`)."""
+    import uuid
+
+    import sqlalchemy as sa
+
+    from specdistill.data.logstore import LogStore
+
+    base = sa.make_url(store_url)
+    if base.get_backend_name() != "postgresql":
+        pytest.skip("a role with a password needs the PostgreSQL server")
+    role, password = f"r_{uuid.uuid4().hex[:8]}", "p@ss@word-SECRET"
+    admin = sa.create_engine(base)
+    schema = base.query["options"].rpartition("=")[2]
+    with admin.begin() as conn:
+        conn.execute(sa.text(f"CREATE ROLE {role} LOGIN PASSWORD '{password}'"))
+        conn.execute(sa.text(f"GRANT ALL ON SCHEMA {schema} TO {role}"))
+    try:
+        url = base.render_as_string(hide_password=False).replace(
+            f"{base.username}:{base.password}@", f"{role}:{password}@")  # typed as a user would, unquoted
+        store = LogStore(url)
+        assert store.stats()["conversations"] == 0 and "SECRET" not in store.display_url
+        store.close()
+    finally:
+        with admin.begin() as conn:
+            conn.execute(sa.text(f"DROP OWNED BY {role}"))
+            conn.execute(sa.text(f"DROP ROLE {role}"))
+        admin.dispose()

@@ -359,17 +359,20 @@ def _corrupt(kind: str, i: int, tag: str) -> bytes:
     if kind == "invalid_utf8":
         return line.replace(b"prompt ", b"prompt \xff\xfe", 1)
     if kind == "huge":
-        return json.dumps({"prompt": "x" * 5000 + f"{tag}{i}", "response": "r"}).encode()
+        return json.dumps({"prompt": "x" * 9000 + f"{tag}{i}", "response": "r"}).encode()
     if kind == "nul_byte":
         return line.replace(b"prompt ", b"prompt \x00", 1)
     if kind == "nul_escape":
         return line.replace(b"prompt ", b"prompt \\u0000", 1)
     if kind == "not_object":
         return b"[1, 2, 3]"
+    if kind == "huge_integer":  # past the digits Python's json converts: a ValueError, not a JSONDecodeError
+        return line.replace(b"{", b'{"n": 1' + b"0" * 5000 + b", ", 1)
     raise AssertionError(kind)
 
 
-KINDS = ["bad_json", "wrong_type", "missing_field", "invalid_utf8", "huge", "nul_byte", "nul_escape", "not_object"]
+KINDS = ["bad_json", "wrong_type", "missing_field", "invalid_utf8", "huge", "nul_byte", "nul_escape", "not_object",
+         "huge_integer"]
 LINE = st.one_of(
     st.tuples(st.just("good"), st.integers(0, 30)),
     st.tuples(st.just("dup"), st.integers(0, 30)),
@@ -400,9 +403,9 @@ def test_corrupted_jsonl_conserves_counts_and_stores_every_good_record(store, tm
     first_records = [kind for kind, _ in lines if kind != "blank"][:20]
     if first_records and not {"good", "dup"} & set(first_records):  # nothing valid: not a jsonl file
         with pytest.raises(FormatMismatchError, match=path.name):
-            ingest(path, "jsonl", store, progress=False, max_record_bytes=2000)
+            ingest(path, "jsonl", store, progress=False, max_record_bytes=8000)
         return
-    result = ingest(path, "jsonl", store, progress=False, max_record_bytes=2000)
+    result = ingest(path, "jsonl", store, progress=False, max_record_bytes=8000)
     assert result.read == records
     assert result.read == result.stored + result.duplicates + result.quarantined
     assert result.quarantined == bad
@@ -410,3 +413,108 @@ def test_corrupted_jsonl_conserves_counts_and_stores_every_good_record(store, tm
     stored = {c.messages[0].content for c in store.window(source=str(path.resolve()))}
     assert stored == good
     assert len(store.quarantined(source=str(path.resolve()), limit=None)) == bad
+
+
+# ----------------------------------------------------------------------------------------------
+# one bad field is one quarantined record, in every format, and the rest of the file is read
+
+
+def _openai(i: int, tag: str, flat: bool = False, **fields) -> dict:
+    q = {"role": "user", "content": f"q {tag}{i}"}
+    a = {"role": "assistant", "content": f"a {i}"}
+    if flat:
+        return {"messages": [q, a], **fields}
+    request = {"messages": [q], **{k: v for k, v in fields.items() if k == "temperature"}}
+    response = {"choices": [{"message": a}], **{k: v for k, v in fields.items() if k != "temperature"}}
+    return {"request": request, "response": response}
+
+
+BAD_NUMBERS = ["1e300", "-1e18", "Infinity", "-Infinity", "NaN", "1" + "0" * 400, "1" + "0" * 5000, "true", '"soon"']
+BAD_LABELS = ['"' + "x" * 300 + '"', '"a\\u0000b"', '"\\ud800"', "[1]", "1.5"]
+
+
+def _bad_openai_lines(tag: str) -> list[str]:
+    """One record per bad value of every field the openai parser reads, nested and flat."""
+    lines = []
+    for flat in (False, True):
+        for field, bad in ([("created", v) for v in BAD_NUMBERS] + [("temperature", v) for v in BAD_NUMBERS + ["-1"]]
+                           + [("id", v) for v in BAD_LABELS] + [("model", v) for v in BAD_LABELS if v != "1.5"]):
+            text = json.dumps(_openai(len(lines), tag, flat, **{field: "BAD"}))
+            lines.append(text.replace('"BAD"', bad))
+    return lines
+
+
+@pytest.mark.parametrize("fmt", ["openai", "sharegpt", "humaneval"])
+def test_a_bad_field_is_one_quarantined_record_and_the_rest_of_the_file_is_read(store, tmp_path, fmt):
+    tag = uuid.uuid4().hex[:8]
+    if fmt == "openai":
+        good = [json.dumps(_openai(i, tag, created=1700000000 + i, temperature=0.7, id=f"c{i}", model="m"))
+                for i in (1000, 1001)]
+        bad = _bad_openai_lines(tag)
+        path = tmp_path / "o.jsonl"
+        path.write_text("\n".join([good[0], *bad, good[1]]) + "\n")
+    elif fmt == "sharegpt":
+        def conv(i, rid):
+            return ('{"id": ' + rid + ', "conversations": [{"from": "human", "value": "q ' + f"{tag}{i}"
+                    + '"}, {"from": "gpt", "value": "a"}]}')
+        good = [conv(1000, '"g1"'), conv(1001, "7")]
+        bad = [conv(i, v) for i, v in enumerate(BAD_LABELS + ["NaN", "1" + "0" * 5000])]
+        path = tmp_path / "s.json"
+        path.write_text("[" + ",\n".join([good[0], *bad, good[1]]) + "]\n")
+    else:
+        def task(i, tid):
+            return '{"task_id": ' + tid + ', "prompt": "def f' + f"{tag}{i}" + '(): pass"}'
+        good = [task(1000, '"t/1"'), task(1001, '"t/2"')]
+        bad = [task(i, v) for i, v in enumerate(BAD_LABELS + ["NaN", "Infinity"])]
+        path = tmp_path / "h.jsonl"
+        path.write_text("\n".join([good[0], *bad, good[1]]) + "\n")
+
+    result = ingest(path, fmt, store, progress=False, batch_size=4)
+    assert counts(result) == (len(bad) + 2, 2, 0, len(bad))
+    reasons = [q["reason"] for q in store.quarantined(source=str(path.resolve()), limit=None)]
+    assert len(reasons) == len(bad) and all(reasons)
+    assert store.run(result.run_id)["status"] == "done"
+    if fmt == "openai":
+        kept = sorted(store.window(source=str(path.resolve())), key=lambda c: c.arrived_at)
+        assert [c.arrived_at.timestamp() for c in kept] == [1700001000, 1700001001]
+        assert any("response.created is NaN" in r for r in reasons)
+        assert any("created 1e+300 is not a time" in r for r in reasons)
+    assert counts(ingest(path, fmt, store, progress=False)) == (0, 0, 0, 0)  # nothing blocks a rerun either
+
+
+def test_a_conversation_built_in_code_with_a_field_no_backend_holds_is_quarantined(store, tmp_path):
+    from specdistill.data.formats import Message
+    from specdistill.data.readers import Conversation
+
+    run = store.begin_run("code", "openai", 0)
+    messages = [Message("user", "q"), Message("assistant", "a")]
+    records = [Conversation(messages, "code", "code:1", timestamp=float("inf")),
+               Conversation(messages, "code", "code:2", served_by="m\x00"),
+               Conversation(messages, "code", "code:3", timestamp=1e9)]
+    got = store.add_batch(run, records)
+    assert (got.stored, got.duplicates, got.quarantined) == (1, 0, 2)
+
+
+def test_a_failed_or_interrupted_ingest_closes_its_run(store, tmp_path, monkeypatch):
+    path = tmp_path / "log.jsonl"
+    write_jsonl(path, range(30))
+    real = store.add_batch
+    for error, status in ((RuntimeError("connection lost"), "failed"), (KeyboardInterrupt(), "interrupted")):
+        def failing(*args, _error=error, calls={"n": 0}, **kwargs):  # noqa: B006 (a fresh count each error)
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise _error
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(store, "add_batch", failing)
+        with pytest.raises(type(error)):
+            ingest(path, "jsonl", store, batch_size=5, progress=False)
+        monkeypatch.setattr(store, "add_batch", real)
+        with store.engine.connect() as conn:
+            import sqlalchemy as sa
+
+            from specdistill.data.logschema import ingest_runs
+            last = conn.execute(sa.select(ingest_runs).order_by(ingest_runs.c.id.desc())).mappings().first()
+        assert last["status"] == status and last["finished_at"] is not None and "goes on from" in last["note"]
+    rest = ingest(path, "jsonl", store, batch_size=5, progress=False)
+    assert store.count() == 30 and rest.conserved

@@ -26,6 +26,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, as a shell reports it
+
+
+def interrupted(words: list[str]) -> str:
+    """What Ctrl-C left: the sentence names the command to run again (its words, shell-quoted)."""
+    import shlex  # lazy: only an interrupt needs it
+
+    again = shlex.join(["specdistill", *words])
+    return (f"interrupted: nothing is half-written (what was finished is kept, committed or written whole); "
+            f"to resume, run the same command again: {again}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command: its exit code. An error a user can act on is one sentence on stderr (and with
     --json one `{"error", "exit_code"}` object on stdout), never a traceback."""
@@ -41,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     with stdout_for_the_result(wants_json):
         try:
             return args.func(args)
+        except KeyboardInterrupt:  # Ctrl-C: every command writes atomically or in committed batches
+            return fail(wants_json, interrupted(words), INTERRUPTED_EXIT, line=f"specdistill: {interrupted(words)}")
         except Exception as exc:
             message = describe_error(exc)
             if message is None:

@@ -8,6 +8,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -104,13 +105,26 @@ def _finite(value):
     return value
 
 
+# what a terminal acts on instead of showing: C0 controls but newline and tab (ESC starts a sequence that
+# can rewrite the screen or the title), DEL, C1 controls, and the bidirectional overrides that reorder text
+_UNSHOWN = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """`text` as it may reach a terminal: every string read from a file or given by a user (a served name, a
+    file name, a reason, a quarantined record) goes through here, its control characters written as escapes
+    (`\x1b`, `\u202e`). JSON output needs none: json.dumps escapes them."""
+    return _UNSHOWN.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}",
+                        str(text))
+
+
 def emit(args: argparse.Namespace, payload: dict, text: str) -> None:
     """The command's result: `payload` as one JSON object with --json (stage outputs by their `to_dict`; a
-    number that is not finite as null), else `text`."""
+    number that is not finite as null), else `text` with its control characters escaped (`printable`)."""
     if getattr(args, "json", False):
         print_result(json.dumps(_finite(to_dict(payload)), default=str, allow_nan=False))
     else:
-        print(text)
+        print(printable(text))
 
 
 _RESULT_STDOUT: list[tuple[int, object]] = []  # while a --json command runs: the real stdout (its fd, its stream)
@@ -171,7 +185,7 @@ def fail(wants_json: bool, message: str, code: int = 2, *, line: str | None = No
     """Report a command's failure: the sentence on stderr (`line`, else `specdistill: error: MESSAGE`), and
     with --json `{"error", "exit_code"}` on stdout: a script reading stdout always gets one object."""
     message = mask_secrets(message)
-    print(mask_secrets(line) if line else f"specdistill: error: {message}", file=sys.stderr)
+    print(printable(mask_secrets(line) if line else f"specdistill: error: {message}"), file=sys.stderr)
     if wants_json:
         print_result(json.dumps({"error": message, "exit_code": code}))
     return code

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from specdistill import bounds
-from specdistill.cli.common import Subcommands, add_db, command, count_in, emit, group, log_store
+from specdistill.cli.common import Subcommands, add_db, command, count_in, emit, group, log_store, printable
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
@@ -17,7 +17,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
                         progress=not args.no_progress, max_decompressed_bytes=args.max_decompressed_bytes)
     emit(args, result.to_dict(), result.render())
     if result.corrupt:  # what was read is stored and counted; the file itself is an error
-        print(f"specdistill: error: {result.corrupt}", file=sys.stderr)
+        print(printable(f"specdistill: error: {result.corrupt}"), file=sys.stderr)
         return 2
     return 0
 

@@ -17,6 +17,7 @@ from specdistill.cli.common import (
     emit,
     log_store,
     number_in,
+    printable,
     seed,
     set_threads,
 )
@@ -63,7 +64,7 @@ def _drafter(args: argparse.Namespace, target, fingerprint: str | None = None, t
                          "--self-spec K), or a suffix drafter (--suffix CORPUS)")
     note = getattr(drafter, "note", "") or getattr(getattr(drafter, "suffix", None), "note", "")
     if note:  # the suffix drafter says when its corpus is empty and it drafts from the request alone
-        print(note, file=sys.stderr)
+        print(printable(note), file=sys.stderr)
     return drafter
 
 
@@ -136,8 +137,11 @@ def _bench_engine(args: argparse.Namespace):
     if args.temperature != 0.0:
         raise ValueError(f"--engine {args.engine} measures greedy decoding only (--temperature 0)")
     prompts = [Prompt(r.turns[0], r.slice) for r in read_prompt_file(args.prompts, "first")[: args.limit or None]]
+    from specdistill.engines.client import DEFAULT_TIMEOUT_S  # lazy: CLI start-up
+
+    timeout = args.timeout or (DEFAULT_TIMEOUT_S if args.engine == "openai" else None)  # else: the started server's
     config = EngineBenchConfig(max_new_tokens=args.max_new_tokens, repeats=args.repeats, gamma=args.gamma,
-                               seed=args.seed or 0)
+                               seed=args.seed or 0, **({"timeout_s": timeout} if timeout else {}))
     threads = args.threads or 2
     if args.engine == "openai":
         if not (args.url and args.baseline_url):
@@ -306,3 +310,6 @@ def register(sub: Subcommands) -> None:
     p.add_argument("--baseline-url", default=None, help="--engine openai: base URL of a target-only server")
     p.add_argument("--mode-name", default="speculative", help="--engine openai: the speculative mode's name in reports")
     p.add_argument("--engine-dtype", default="unknown", help="--engine openai: the served weights' dtype, for reports")
+    p.add_argument("--timeout", type=number_in(0.0, 24 * 3600.0, low_open=True), default=None, metavar="SECONDS",
+                   help="--engine openai, llamacpp, vllm: how long one request may go unanswered before the bench "
+                        "stops (default 120 for running servers, 300 for a server started here)")

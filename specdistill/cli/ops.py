@@ -21,6 +21,7 @@ from specdistill.cli.common import (
     log_store,
     number_in,
     port_number,
+    printable,
     set_threads,
 )
 
@@ -35,8 +36,8 @@ def cmd_target_register(args: argparse.Namespace) -> int:
     version = register_target(args.path, served_names=args.served_name or ())
     for name, holder in holders.items():
         if holder is not None and holder != version.fingerprint:
-            print(f"specdistill: served name {name!r} moves from target {holder} to {version.fingerprint} from now on; "
-                  "responses logged under it before now stay the other version's (not this version's own answers)",
+            print(printable(f"specdistill: served name {name!r} moves from target {holder} to {version.fingerprint} from now on; "
+                  "responses logged under it before now stay the other version's (not this version's own answers)"),
                   file=sys.stderr)
     emitted = False
     if not args.no_event:

@@ -21,14 +21,23 @@ repair, rule 4, is written down in the conversation's `notes`):
 5. Over-long records are rejected: more than `max_record_bytes` of raw input (not even parsed) or
    more than `max_chars` characters of content.
 6. Text that a database cannot hold is rejected: NUL characters, lone surrogates, invalid UTF-8.
+7. Every other field that is read (ids, the serving model, `created`, `temperature`) is checked
+   where it is read, not when it is stored: a number that is not finite (`NaN`, `Infinity`, an
+   integer past a float's range), a time outside years 1 to 9999 (what every backend holds), a
+   label longer than its column or holding text of rule 6, or a value of the wrong type rejects
+   the record with the field's name. One bad field costs one record, never the rest of a file.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 DEFAULT_MAX_CHARS = 1_000_000
+MAX_LABEL_CHARS = 256  # the log store's columns for a record's id and its serving model
+TEMPERATURE_RANGE = (0.0, 100.0)
 
 ROLE_MAP = {
     "human": "user",
@@ -64,7 +73,7 @@ def _content_text(content: Any, where: str) -> str:
                 parts.append(part["text"])
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise InvalidRecord(f"{where}: non-text content part ({kind})")
+                raise InvalidRecord(f"{where}: non-text content part ({str(kind)[:40]!r})")
         return "".join(parts)
     raise InvalidRecord(f"{where}: content is {type(content).__name__}, not a string")
 
@@ -89,12 +98,7 @@ def normalize_messages(
         text = _content_text(content, f"turn {i}")
         if not text.strip():
             raise InvalidRecord(f"turn {i}: empty {norm} turn")
-        if "\x00" in text:
-            raise InvalidRecord(f"turn {i}: NUL character in content")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InvalidRecord(f"turn {i}: invalid unicode (lone surrogate) in content") from None
+        _storable(text, f"turn {i}: ", "content")
         total += len(text)
         messages.append(Message(norm, text))
     if total > max_chars:
@@ -118,6 +122,76 @@ def normalize_messages(
         if messages[i].role != expected:
             raise InvalidRecord(f"turn {i + shift}: two {messages[i - 1].role} turns in a row")
     return messages
+
+
+def _storable(text: str, where: str, what: str) -> None:
+    if "\x00" in text:
+        raise InvalidRecord(f"{where}NUL character in {what}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRecord(f"{where}invalid unicode (lone surrogate) in {what}") from None
+
+
+def _number(value: Any, where: str) -> float:
+    """A finite float from a JSON number; Python's json also reads NaN, Infinity and 400-digit integers."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRecord(f"{where} is {type(value).__name__}, not a number")
+    try:
+        number = float(value)
+    except OverflowError:
+        raise InvalidRecord(f"{where} is an integer of {value.bit_length()} bits, past any float") from None
+    if not math.isfinite(number):  # named as JSON writes it
+        written = "NaN" if math.isnan(number) else ("Infinity" if number > 0 else "-Infinity")
+        raise InvalidRecord(f"{where} is {written}, not a finite number")
+    return number
+
+
+def unix_time(value: Any, where: str) -> float | None:
+    """A logged time in unix seconds (None: not logged); one no backend can store is a bad record."""
+    if value is None:
+        return None
+    seconds = _number(value, where)
+    try:
+        datetime.fromtimestamp(seconds, timezone.utc)
+    except (OverflowError, OSError, ValueError):
+        raise InvalidRecord(f"{where} {seconds:g} is not a time in unix seconds (years 1 to 9999)") from None
+    return seconds
+
+
+def temperature_of(value: Any, where: str) -> float | None:
+    """A requested sampling temperature (None: not logged, the server's default)."""
+    if value is None:
+        return None
+    number = _number(value, where)
+    low, high = TEMPERATURE_RANGE
+    if not low <= number <= high:
+        raise InvalidRecord(f"{where} {number:g} is outside {low:g}..{high:g}")
+    return number
+
+
+def label(value: Any, where: str, *, integers: bool = False) -> str | None:
+    """An id or a model name as the log store keeps it (None: absent or empty); `integers`: an id
+    written as a JSON integer is its decimal text."""
+    if value is None or value == "":
+        return None
+    if integers and isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str):
+        raise InvalidRecord(f"{where} is {type(value).__name__}, not a string")
+    _storable(value, f"{where}: ", "it")
+    if len(value) > MAX_LABEL_CHARS:
+        raise InvalidRecord(f"{where} is {len(value)} characters long (limit {MAX_LABEL_CHARS})")
+    return value
+
+
+def check_metadata(*, record_id: Any = None, served_by: Any = None, timestamp: Any = None,
+                   temperature: Any = None) -> None:
+    """Rule 7 for fields set outside a parser (a `Conversation` built in code): raise InvalidRecord."""
+    label(record_id, "record_id", integers=True)
+    label(served_by, "served_by")
+    unix_time(timestamp, "timestamp")
+    temperature_of(temperature, "temperature")
 
 
 def _require(obj: Any, key: str, kind: type, where: str = "") -> Any:
@@ -151,10 +225,10 @@ def _parse_sharegpt(obj: Any, max_chars: int) -> dict:
         if not isinstance(t, dict) or "from" not in t or "value" not in t:
             raise InvalidRecord(f"conversations[{i}] needs 'from' and 'value'")
         turns.append((t["from"], t["value"]))
-    rid = obj.get("id")
+    rid = label(obj.get("id"), "id", integers=True)
     notes: list[str] = []
     messages = normalize_messages(turns, max_chars, notes)
-    return {"messages": messages, "record_id": None if rid is None else str(rid), "notes": notes}
+    return {"messages": messages, "record_id": rid, "notes": notes}
 
 
 def _parse_openai(obj: Any, max_chars: int) -> dict:
@@ -168,29 +242,27 @@ def _parse_openai(obj: Any, max_chars: int) -> dict:
         # n > 1 choices are alternative samples of one prompt; the first one is the logged answer.
         message = _require(choices[0], "message", dict, "response.choices[0]: ")
         turns = _turns_from_openai(messages, "request.") + _turns_from_openai([message], "response.choices[0].")
-        served_by = response.get("model") or request.get("model")
-        created = response.get("created") if isinstance(response.get("created"), (int, float)) else None
-        rid = response.get("id")
-        temperature = request.get("temperature")
+        served_by = label(response.get("model"), "response.model") or label(request.get("model"), "request.model")
+        created = unix_time(response.get("created"), "response.created")
+        rid = label(response.get("id"), "response.id", integers=True)
+        temperature = temperature_of(request.get("temperature"), "request.temperature")
     else:
         messages = _require(obj, "messages", list)
         turns = _turns_from_openai(messages, "")
         if not turns or ROLE_MAP.get(str(turns[-1][0]).lower()) != "assistant":
             raise InvalidRecord("flat form: the last message must be the assistant's")
-        served_by = obj.get("model")
-        created = obj.get("created") if isinstance(obj.get("created"), (int, float)) else None
-        rid = obj.get("id")
-        temperature = obj.get("temperature")
+        served_by = label(obj.get("model"), "model")
+        created = unix_time(obj.get("created"), "created")
+        rid = label(obj.get("id"), "id", integers=True)
+        temperature = temperature_of(obj.get("temperature"), "temperature")
     notes: list[str] = []
     return {
         "messages": normalize_messages(turns, max_chars, notes),
         "notes": notes,
-        "served_by": served_by if isinstance(served_by, str) else None,
-        "timestamp": float(created) if created is not None and not isinstance(created, bool) else None,
-        "record_id": rid if isinstance(rid, str) else None,
-        # the temperature the request asked for (absent: the server's default, unknown here)
-        "temperature": (float(temperature) if isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
-                        and 0 <= temperature <= 100 else None),
+        "served_by": served_by,
+        "timestamp": created,
+        "record_id": rid,
+        "temperature": temperature,  # what the request asked for (absent: the server's default, unknown here)
     }
 
 
@@ -205,7 +277,7 @@ def _parse_jsonl(obj: Any, max_chars: int) -> dict:
 
 
 def _parse_humaneval(obj: Any, max_chars: int) -> dict:
-    task_id = _require(obj, "task_id", str)
+    task_id = label(_require(obj, "task_id", str), "task_id")
     prompt = _require(obj, "prompt", str)
     return {"messages": normalize_messages([("user", prompt)], max_chars), "record_id": task_id}
 

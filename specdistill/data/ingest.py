@@ -31,6 +31,7 @@ from specdistill.data.readers import (
     is_gzip,
     read_records,
 )
+from specdistill.env import mask_secrets
 
 FINGERPRINT_BYTES = 4096
 
@@ -115,6 +116,16 @@ def _resume_point(store: LogStore, path: Path, source: str, fmt: str) -> tuple[i
     return wm.offset, wm.index, None
 
 
+def _close_failed(store: LogStore, run_id: int, exc: BaseException) -> None:
+    interrupted = isinstance(exc, KeyboardInterrupt)
+    why = "interrupted" if interrupted else f"failed: {type(exc).__name__}: {mask_secrets(str(exc))[:300]}"
+    try:
+        store.fail_run(run_id, f"{why}; the next ingest goes on from the last committed batch",
+                       "interrupted" if interrupted else "failed")
+    except Exception:  # the store itself is gone (a lost server): the original error is the one to report
+        pass
+
+
 def ingest(
     path: str | Path,
     fmt: str,
@@ -167,6 +178,10 @@ def ingest(
                 flush(record.end_offset)
         if batch or reader.end_offset != result.end_offset or result.run_id is None:
             flush(reader.end_offset)
+    except BaseException as exc:  # an error or an interrupt: the committed batches stand, the run is closed
+        if result.run_id is not None:
+            _close_failed(store, result.run_id, exc)
+        raise
     finally:
         bar.close()
     result.capped = reader.capped

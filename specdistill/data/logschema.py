@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from specdistill.data.formats import Message
-from specdistill.env import mask_secrets
+from specdistill.env import driver_url, mask_secrets
 from specdistill.paths import create_private_file, read_only_reason
 
 DEFAULT_EVAL_FRACTION = 0.05
@@ -182,9 +182,14 @@ def display_url(url: str | sa.URL) -> str:
     """The URL with every credential masked (user:password@, ?password=..., secrets from the
     environment): the only form that goes into logs, errors and reports."""
     try:
-        return mask_secrets(sa.make_url(url).render_as_string(hide_password=True))
+        return mask_secrets(_make_url(url).render_as_string(hide_password=True), context=str(url))
     except (sa.exc.ArgumentError, ValueError):  # ValueError: a port that is not a number
         return mask_secrets(str(url))
+
+
+def _make_url(url: str | sa.URL) -> sa.URL:
+    """SQLAlchemy's parse of a URL whose password may hold an @ (`env.driver_url`)."""
+    return sa.make_url(driver_url(url) if isinstance(url, str) else url)
 
 
 def _sqlite_file(parsed: sa.URL) -> bool:
@@ -197,7 +202,7 @@ def parse_url(url: str | sa.URL, *, create: bool = True) -> sa.URL:
     """The URL checked before any engine: a known backend whose driver is installed; for SQLite, a
     file path that is not a directory and, unless `create` (a writer), a file that exists."""
     try:
-        parsed = sa.make_url(url)
+        parsed = _make_url(url)
     except sa.exc.ArgumentError:
         raise LogStoreError(f"not a database URL: {display_url(url)!r} (expected e.g. sqlite:///path/logs.db or "
                             "postgresql+psycopg://user:password@host/db)") from None
@@ -257,7 +262,7 @@ def database_error(url: str | sa.URL, exc: sa.exc.DBAPIError) -> LogStoreError:
     journal beside it) is said to be read-only, with the path."""
     reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
     try:
-        parsed = sa.make_url(url)
+        parsed = _make_url(url)
     except (sa.exc.ArgumentError, ValueError):
         parsed = None
     if parsed is not None and parsed.get_backend_name() == "sqlite" and _sqlite_file(parsed):
@@ -265,7 +270,8 @@ def database_error(url: str | sa.URL, exc: sa.exc.DBAPIError) -> LogStoreError:
         why = (read_only_reason(path) if path.exists() else None) or read_only_reason(path.parent)
         if why:
             reason = f"{why}: SQLite cannot write {path.name} or its journal beside it ({reason})"
-    return LogStoreError(f"log store {display_url(url)}: {mask_secrets(reason)}")
+    secret_url = url.render_as_string(hide_password=False) if isinstance(url, sa.URL) else str(url)
+    return LogStoreError(f"log store {display_url(url)}: {mask_secrets(reason, context=secret_url)}")
 
 
 @contextmanager
@@ -277,8 +283,8 @@ def writing(engine: Engine) -> Iterator[Connection]:
             conn.execution_options(writes=True)
             with conn.begin():
                 yield conn
-    except sa.exc.OperationalError as exc:
-        raise database_error(engine.url, exc) from exc
+    except sa.exc.OperationalError as exc:  # from None: the driver's own text (a traceback, Prefect's log) is unmasked
+        raise database_error(engine.url, exc) from None
 
 
 def _migrate(engine: Engine, direction: str, revision: str) -> None:

@@ -28,6 +28,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from specdistill import paths
+from specdistill.data.formats import InvalidRecord, check_metadata
 from specdistill.data.logschema import (
     DEFAULT_EVAL_FRACTION,
     LogStoreError,
@@ -49,7 +50,7 @@ from specdistill.data.logschema import (
     writing,
 )
 from specdistill.data.logstore_records import PipelineRecords, _now
-from specdistill.data.readers import Conversation, Message, Rejected
+from specdistill.data.readers import Conversation, Message, Rejected, raw_text
 
 
 @dataclass
@@ -135,6 +136,8 @@ class LogStore(PipelineRecords):
         rows: dict[str, dict] = {}
         bad: dict[tuple, dict] = {}
         for rec in records:
+            if isinstance(rec, Conversation):
+                rec = _checked(rec)
             if isinstance(rec, Rejected):
                 counts.quarantined += 1
                 raw_hash = hashlib.sha256(rec.raw.encode("utf-8")).hexdigest()
@@ -196,6 +199,14 @@ class LogStore(PipelineRecords):
             conn.execute(ingest_runs.update().where(ingest_runs.c.id == run_id).values(
                 status="done", finished_at=_now(), truncated_at=truncated_at, truncated_bytes=truncated_bytes))
         return self.run(run_id)
+
+    def fail_run(self, run_id: int, why: str, status: str = "failed") -> None:
+        """Close a run that stopped early (an error, an interrupt): its batches stay committed and
+        counted, and the next run goes on from its watermark; no run is left `running`."""
+        with writing(self.engine) as conn:
+            note = sa.func.coalesce(ingest_runs.c.note + "; ", "") + why
+            conn.execute(ingest_runs.update().where(ingest_runs.c.id == run_id).values(
+                status=status, finished_at=_now(), note=note))
 
     def run(self, run_id: int) -> dict:
         with self.engine.connect() as conn:
@@ -342,6 +353,18 @@ class LogStore(PipelineRecords):
             query = query.where(q.source == source)
         with self.engine.connect() as conn:
             return [dict(r) for r in conn.execute(query).mappings()]
+
+
+def _checked(rec: Conversation) -> Conversation | Rejected:
+    """A conversation built in code whose fields no backend can store is quarantined like a bad record
+    read from a file (the readers check the same rules where they parse)."""
+    try:
+        check_metadata(record_id=rec.record_id, served_by=rec.served_by, timestamp=rec.timestamp,
+                       temperature=rec.temperature)
+    except InvalidRecord as exc:
+        raw = json.dumps([{"role": m.role, "content": m.content} for m in rec.messages], ensure_ascii=False)
+        return Rejected(rec.source, rec.location, raw_text(str(exc), 1000), raw_text(raw), rec.offset, rec.end_offset)
+    return rec
 
 
 def _stored(row) -> StoredConversation:

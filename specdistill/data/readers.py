@@ -64,6 +64,7 @@ from specdistill.data.framing import (  # noqa: F401  (readers' public names, as
 
 FORMATS = ("sharegpt", "openai", "jsonl", "humaneval")
 SNIFF_RECORDS = 20
+REASON_KEEP_CHARS = 1000
 
 
 @dataclass
@@ -204,8 +205,9 @@ class RecordReader:
         )
 
     def _decode(self, frame: Frame, parse) -> tuple[Conversation | Rejected, Any]:
-        def reject(reason: str) -> Rejected:
-            return Rejected(self.source, frame.location, reason, raw_text(frame.data), frame.offset, frame.end_offset)
+        def reject(reason: str) -> Rejected:  # a reason may quote the record: made as safe for a database as its text
+            return Rejected(self.source, frame.location, raw_text(reason, REASON_KEEP_CHARS), raw_text(frame.data),
+                            frame.offset, frame.end_offset)
 
         if frame.reason:
             return reject(frame.reason), None
@@ -219,10 +221,14 @@ class RecordReader:
             return reject(f"invalid JSON: {exc.msg} at column {exc.colno}"), None
         except RecursionError:
             return reject("invalid JSON: nested too deeply"), None
+        except ValueError as exc:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+            return reject(f"invalid JSON: {str(exc).split(';')[0]}"), None
         try:
             fields = parse(obj, self.max_chars)
         except InvalidRecord as exc:
             return reject(str(exc)), obj
+        except RecursionError:  # a value nested deeper than a rule can look into
+            return reject("a field is nested too deeply"), obj
         return Conversation(source=self.source, location=frame.location, offset=frame.offset,
                             end_offset=frame.end_offset, **fields), obj
 

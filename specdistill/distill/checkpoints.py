@@ -22,6 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from specdistill import paths
+from specdistill.config import load_yaml
 from specdistill.distill.config import DistillConfig, save_config
 
 CKPT_PREFIX = "step-"
@@ -129,8 +130,8 @@ def check_resumable(ckpt: Path, config: DistillConfig) -> None:
     """Refuse, before the target loads, to resume `ckpt` with settings that make another draft (its saved
     config differs in a `SHAPE_KEYS` setting): one sentence naming both values, not a state_dict error."""
     try:
-        saved = yaml.safe_load(paths.read_whole(ckpt / "config.yaml", "checkpoint config")) or {}
-    except (OSError, ValueError, RecursionError, yaml.YAMLError):
+        saved = load_yaml(paths.read_whole(ckpt / "config.yaml", "checkpoint config")) or {}
+    except (OSError, ValueError, yaml.YAMLError):
         return  # no saved config to compare: the load below names a mismatch
     now = config.model_dump(mode="json")
     for key in SHAPE_KEYS:

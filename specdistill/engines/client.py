@@ -44,6 +44,22 @@ class Completion:
     logprobs: list[TokenLogprob] | None = None
 
 
+DEFAULT_TIMEOUT_S = 120.0  # seconds a request may go without an answer (a non-streamed reply comes whole at the end)
+
+
+def server_root(base_url: str) -> str:
+    """The server's root (where `/metrics` and `/health` are), from a base URL given either way: the
+    OpenAI clients' `http://h:p/v1` or the bare `http://h:p`."""
+    url = base_url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def api_url(base_url: str, path: str) -> str:
+    """`path` (`chat/completions`, `completions`, `models`) under an OpenAI-compatible server's base URL, as
+    OpenAI's clients append it: to `http://h:p/v1` as given, and `/v1` added to a bare `http://h:p`."""
+    return f"{server_root(base_url)}/v1/{path.lstrip('/')}"
+
+
 def post_json(url: str, payload: dict, timeout_s: float = 300.0) -> dict:
     request = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
     return _reply_json(request, url, timeout_s)
@@ -62,6 +78,9 @@ def _reply_json(request: urllib.request.Request, url: str, timeout_s: float) -> 
         body = exc.read().decode("utf-8", errors="replace")[:500]
         raise EngineRequestError(f"{url}: HTTP {exc.code}: {body}") from exc
     except (urllib.error.URLError, OSError) as exc:
+        if isinstance(exc, TimeoutError) or isinstance(getattr(exc, "reason", None), TimeoutError):
+            raise EngineRequestError(f"{url}: no answer within {timeout_s:g} s: the server took the request and sent "
+                                     "nothing back (overloaded or stuck?)") from None
         raise EngineRequestError(f"{url}: no answer: {exc}") from exc
     except json.JSONDecodeError as exc:
         raise EngineRequestError(f"{url}: reply is not JSON: {exc}") from exc
@@ -77,7 +96,7 @@ def _logprobs(choice: dict) -> list[TokenLogprob] | None:
 
 
 def chat(base_url: str, messages: list[dict], *, max_tokens: int, seed: int = 0, top_logprobs: int = 0,
-         timeout_s: float = 300.0) -> Completion:
+         timeout_s: float = DEFAULT_TIMEOUT_S) -> Completion:
     """One greedy `/v1/chat/completions` request; `top_logprobs > 0` asks for the top-k alternatives of
     every generated token. No `model` is named: the server's only model answers (vLLM refuses a name it
     does not serve; llama.cpp ignores it)."""
@@ -87,7 +106,7 @@ def chat(base_url: str, messages: list[dict], *, max_tokens: int, seed: int = 0,
         payload["logprobs"] = True
         payload["top_logprobs"] = top_logprobs
     start = time.perf_counter()
-    reply = post_json(base_url.rstrip("/") + "/v1/chat/completions", payload, timeout_s)
+    reply = post_json(api_url(base_url, "chat/completions"), payload, timeout_s)
     seconds = time.perf_counter() - start
     try:
         choice = reply["choices"][0]
@@ -109,7 +128,7 @@ def chat(base_url: str, messages: list[dict], *, max_tokens: int, seed: int = 0,
 
 
 def metrics_url(base_url: str) -> str:
-    return base_url.rstrip("/") + "/metrics"
+    return server_root(base_url) + "/metrics"
 
 
 ENGINE_PREFIXES = ("vllm:", "llamacpp:")
@@ -173,6 +192,10 @@ def delta(before: Scrape, after: Scrape) -> Scrape:
     return Scrape(DraftCounts(a.rounds - b.rounds, a.proposed - b.proposed, a.accepted - b.accepted, pos), prefix=after.prefix)
 
 
-def scrape(url: str) -> Scrape:
-    with urllib.request.urlopen(url, timeout=5.0) as response:
-        return parse_spec_decode_counters(response.read().decode("utf-8", errors="replace"))
+def scrape(url: str, timeout_s: float = 5.0) -> Scrape:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            text = response.read().decode("utf-8", errors="replace")
+    except (urllib.error.URLError, OSError) as exc:  # HTTPError too: the page is not there
+        raise EngineRequestError(f"{mask_url(url)}: no metrics page: {getattr(exc, 'reason', exc)}") from None
+    return parse_spec_decode_counters(text)

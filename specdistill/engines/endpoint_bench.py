@@ -15,17 +15,32 @@ later token in fp32; an engine's quantized weights have no fp32 to re-score with
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import replace
+
+from pydantic import Field
 
 from specdistill.acceptance import DraftCounts
 from specdistill.budget import Deadline
 from specdistill.data.prompts import Prompt
 from specdistill.data.results import BenchResult, BenchSettings, SliceResult, percentile, prompt_speedups, speed_summary
-from specdistill.engines.client import Completion, Scrape, chat, delta, metrics_url, scrape
+from specdistill.engines.client import (
+    Completion,
+    EngineRequestError,
+    Scrape,
+    chat,
+    delta,
+    metrics_url,
+    scrape,
+)
 
 TARGET_ONLY = "target-only"
+STARTED_SERVER_TIMEOUT_S = 300.0
 
 
 class EngineBenchConfig(BenchSettings):
@@ -33,7 +48,8 @@ class EngineBenchConfig(BenchSettings):
     not set, here), and how the engine is asked."""
 
     top_logprobs: int = 5  # alternatives asked for when judging a divergence
-    timeout_s: float = 300.0
+    # seconds a request may go unanswered: a server started here may compile on its first requests
+    timeout_s: float = Field(STARTED_SERVER_TIMEOUT_S, gt=0, le=24 * 3600)
 
 
 def _messages(prompt: Prompt) -> list[dict]:
@@ -44,6 +60,29 @@ def _messages(prompt: Prompt) -> list[dict]:
     if not prompt.text:
         raise ValueError("an engine is sent text: prompts given only as raw token ids cannot be benchmarked there")
     return [{"role": "user", "content": prompt.text}]
+
+
+@contextlib.contextmanager
+def waiting(bar, what: str, timeout_s: float) -> Iterator[None]:
+    """While a request is out, the bar says what it waits for and for how long (a stuck server used to
+    hold the bench silent for minutes); a request unanswered for `timeout_s` is one sentence saying so."""
+    stop = threading.Event()
+    began = time.monotonic()
+
+    def tick() -> None:
+        while not stop.wait(1.0):
+            bar.set_postfix_str(f"waiting for {what}: {time.monotonic() - began:.0f} s of {timeout_s:g} s")
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        yield
+    except EngineRequestError as exc:
+        raise EngineRequestError(f"the bench stopped waiting for {what}: {exc} (--timeout sets the wait)") from None
+    finally:
+        stop.set()
+        ticker.join()
+        bar.set_postfix_str("")
 
 
 def divergence_margin(base_text: str, spec_text: str, reference: Completion) -> float:
@@ -100,17 +139,25 @@ def run_engine_bench(endpoints: dict[str, str], prompts: list[Prompt], config: E
         raise ValueError(f"a speedup needs a target-only endpoint ({TARGET_ONLY!r})")
     if not prompts:
         raise ValueError("no prompts to benchmark")
+    bar = tqdm(total=config.repeats * len(prompts), desc=f"bench ({engine})", unit="prompt", file=sys.stderr,
+               disable=not progress)
+    with contextlib.closing(bar):  # an error leaves no half-drawn bar before its sentence
+        return _measure(endpoints, prompts, config, bar, engine=engine, dtype=dtype, threads=threads, deadline=deadline)
+
+
+def _measure(endpoints: dict[str, str], prompts: list[Prompt], config: EngineBenchConfig, bar, *, engine: str, dtype: str,
+             threads: int, deadline: Deadline | None) -> dict[str, BenchResult]:
     modes = list(endpoints)
     spec_modes = [m for m in modes if m != TARGET_ONLY]
     for mode in modes:  # warm-up: first-request allocations
-        chat(endpoints[mode], _messages(prompts[0]), max_tokens=4, seed=config.seed, timeout_s=config.timeout_s)
-    before = {m: scrape(metrics_url(endpoints[m])) for m in spec_modes}
+        with waiting(bar, f"the {mode} endpoint's first answer", config.timeout_s):
+            chat(endpoints[mode], _messages(prompts[0]), max_tokens=4, seed=config.seed, timeout_s=config.timeout_s)
+    with waiting(bar, "the metrics pages", config.timeout_s):
+        before = {m: scrape(metrics_url(endpoints[m]), config.timeout_s) for m in spec_modes}
     times = {m: [[None] * len(prompts) for _ in range(config.repeats)] for m in modes}
     per_request: dict[str, list[Completion]] = {m: [None] * len(prompts) for m in spec_modes}
     per_prompt_counts: dict[str, list[Scrape]] = {m: [None] * len(prompts) for m in spec_modes}  # first repeat
     pairs: dict[str, list[set]] = {m: [set() for _ in prompts] for m in spec_modes}
-    bar = tqdm(total=config.repeats * len(prompts), desc=f"bench ({engine})", unit="prompt", file=sys.stderr,
-               disable=not progress)
     kept, repeats, note = len(prompts), config.repeats, ""  # what the deadline left measured
     for r in range(config.repeats):
         for i, prompt in enumerate(prompts):
@@ -124,21 +171,23 @@ def run_engine_bench(endpoints: dict[str, str], prompts: list[Prompt], config: E
             texts = {}
             for mode in modes[shift:] + modes[:shift]:
                 counted = mode != TARGET_ONLY and r == 0
-                pre = scrape(metrics_url(endpoints[mode])) if counted else None  # outside the timed request
-                done = chat(endpoints[mode], _messages(prompt), max_tokens=config.max_new_tokens, seed=config.seed,
-                            timeout_s=config.timeout_s)
-                texts[mode] = done.text
-                times[mode][r][i] = (done.generated_tokens, done.seconds)
-                if counted:
-                    per_request[mode][i] = done
-                    per_prompt_counts[mode][i] = delta(pre, scrape(metrics_url(endpoints[mode])))
+                with waiting(bar, f"the {mode} endpoint (prompt {i + 1})", config.timeout_s):
+                    pre = scrape(metrics_url(endpoints[mode]), config.timeout_s) if counted else None  # outside the timing
+                    done = chat(endpoints[mode], _messages(prompt), max_tokens=config.max_new_tokens, seed=config.seed,
+                                timeout_s=config.timeout_s)
+                    texts[mode] = done.text
+                    times[mode][r][i] = (done.generated_tokens, done.seconds)
+                    if counted:
+                        per_request[mode][i] = done
+                        per_prompt_counts[mode][i] = delta(pre, scrape(metrics_url(endpoints[mode]), config.timeout_s))
             for mode in spec_modes:
                 pairs[mode][i].add((texts[TARGET_ONLY], texts[mode]))
             bar.update(1)
         if note:
             break
+    with waiting(bar, "the metrics pages", config.timeout_s):
+        counts = {m: delta(before[m], scrape(metrics_url(endpoints[m]), config.timeout_s)) for m in spec_modes}
     bar.close()
-    counts = {m: delta(before[m], scrape(metrics_url(endpoints[m]))) for m in spec_modes}
     prompts = prompts[:kept]
     times = {m: [row[:kept] for row in rows[:repeats]] for m, rows in times.items()}
     measured = config.model_copy(update={"repeats": repeats})

@@ -22,7 +22,8 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from specdistill import paths
-from specdistill.env import mask_url
+from specdistill.config import load_yaml
+from specdistill.env import driver_url, mask_url
 
 DRAFT_ARTIFACT = "draft"
 FILES_TAG = "draft_files_sha256"  # {relative path: sha256} of the registered checkpoint's files
@@ -37,8 +38,8 @@ class RegisteredDraftChanged(ValueError):
 def tracking_uri() -> str:
     """`MLFLOW_TRACKING_URI` when set (an `mlflow server` on PostgreSQL), else SQLite in the state directory
     (created 0600: its runs and tags describe production traffic)."""
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
+    if os.environ.get("MLFLOW_TRACKING_URI"):  # an @ in its password read as every parser reads it
+        return driver_url(os.environ["MLFLOW_TRACKING_URI"])
     return f"sqlite:///{paths.create_private_file(paths.ensure(paths.home()) / 'mlflow.db')}"
 
 
@@ -155,7 +156,7 @@ def download_draft(model_uri: str) -> Path:
         target.mkdir(parents=True, exist_ok=True)
         mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{mv.version}", dst_path=str(target))
     try:  # the HF checkpoint a logged draft model carries: the pyfunc artifact named `draft`
-        meta = yaml.safe_load(paths.read_whole(target / "MLmodel", "MLmodel file"))
+        meta = load_yaml(paths.read_whole(target / "MLmodel", "MLmodel file"))
         hf_dir = target / meta["flavors"]["python_function"]["artifacts"][DRAFT_ARTIFACT]["path"]
     except (OSError, ValueError, KeyError, TypeError, RecursionError, yaml.YAMLError):
         hf_dir = None

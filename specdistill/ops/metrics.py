@@ -33,7 +33,7 @@ from prometheus_client import (
 
 from specdistill.acceptance import DraftCounts
 from specdistill.data.record import FLAT, Record, from_dict
-from specdistill.engines.client import Scrape, delta, scrape
+from specdistill.engines.client import EngineRequestError, Scrape, delta, scrape
 from specdistill.env import mask_url
 from specdistill.ops.serving import ServingConfigError, read_serving_config
 from specdistill.speculative.specs import serving_modes
@@ -269,6 +269,8 @@ def sample_live_acceptance(url: str, interval_s: float = 30.0, min_draft_tokens:
         first = scrape(url)
         time.sleep(interval_s)
         second = scrape(url)
+    except EngineRequestError as exc:  # names the page, masked
+        return LiveSample(False, f"metrics page unreachable: {exc}")
     except (urllib.error.URLError, OSError) as exc:
         return LiveSample(False, f"metrics page unreachable: {mask_url(url)}: {exc}")
     except (ValueError, KeyError) as exc:

@@ -4,6 +4,7 @@ where a nightly run's outputs live, keyed by the content of what produced them (
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from dataclasses import fields as dataclass_fields
@@ -33,7 +34,7 @@ from specdistill.config import (
 from specdistill.data.prompts import MAX_PROMPT_TOKENS
 from specdistill.data.results import BenchSettings
 from specdistill.distill.config import DataConfig, DistillConfig, DraftKind, Eagle3Config, LossConfig, OptimConfig, TeacherConfig
-from specdistill.env import stash_secrets
+from specdistill.env import masked_logs, stash_secrets
 from specdistill.ops.policy import (
     CONFIDENCE,
     DEFAULT_MARGIN,
@@ -349,6 +350,12 @@ def flow_overrides(overrides: list[str] | None) -> list[str]:
     """`key=value` overrides as a flow's parameters (Prefect stores them): each credential replaced by
     `${SPECDISTILL_SECRET_n}`, its value kept in this process's environment, where loading finds it."""
     return stash_secrets(list(overrides or []))
+
+
+def masked_flow_logs() -> contextlib.AbstractContextManager[None]:
+    """While a flow runs, every credential in a record of Prefect's loggers (the flow-run log Prefect keeps
+    in its database, the console) is masked before a handler sees it: a driver's error quotes URLs."""
+    return masked_logs("prefect")
 
 
 def load_nightly_config(path: str | Path | None = None, overrides: list[str] | None = None) -> NightlyConfig:

@@ -28,7 +28,7 @@ from specdistill import paths
 from specdistill.budget import Deadline
 from specdistill.data.prompts import Prompt, encode_chat
 from specdistill.distill.teacher import TeacherCache
-from specdistill.engines.client import EngineRequestError, get_json, post_json
+from specdistill.engines.client import EngineRequestError, get_json, post_json, server_root
 from specdistill.env import mask_url
 from specdistill.pipeline.stages.answers.answer_file import answer_record, append_records, resume
 
@@ -54,10 +54,7 @@ class ServedTarget:
     top_k: int
 
 
-def base_url(url: str) -> str:
-    """A server's base URL, accepting the OpenAI SDK's `.../v1` form too."""
-    url = url.rstrip("/")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
+base_url = server_root  # a server's base URL, accepting the OpenAI SDK's `.../v1` form too
 
 
 def _token_id(item: dict, url: str) -> int:
