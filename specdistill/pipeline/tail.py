@@ -27,7 +27,7 @@ from specdistill.pipeline.outputs import Untrained, Window
 from specdistill.pipeline.stage_budgets import stage_budgets, stage_deadline
 from specdistill.speculative.engine import generate
 from specdistill.speculative.specs import SELF_SPEC, DrafterSpec
-from specdistill.speculative.threads import ThreadWatch
+from specdistill.speculative.threads import ThreadChoice, ThreadWatch
 
 if TYPE_CHECKING:
     import torch
@@ -127,13 +127,11 @@ def tail_reserve(config: NightlyConfig, tokens_per_second: float | None, *, cham
 def optional_priority(name: str, spec: DrafterSpec) -> int:
     """The order the benchmark's optional entries are kept in when time is short: the draft-free modes that are
     served most (suffix, n-gram), self-speculation, the gate's generic baseline, the hybrid (measured only)."""
-    if spec.kind in ("suffix", "ngram"):
-        return 0
-    if spec.kind == SELF_SPEC:
-        return 1
     if name == Role.GENERIC:
         return 2
-    return 3
+    if spec.kind in ("suffix", "ngram"):
+        return 0
+    return 1 if spec.kind == SELF_SPEC else 3
 
 
 def fit_drafters(config: NightlyConfig, drafters: dict[str, DrafterSpec], seconds: float,
@@ -167,7 +165,7 @@ def measure_decode(model: torch.nn.Module, prompt_ids: Sequence[int], threads: i
     try:
         if isinstance(threads, int):
             torch.set_num_threads(threads)
-        return _timed(model, ids), f"{torch.get_num_threads()} threads"
+        return _timed(model, ids), ThreadChoice(torch.get_num_threads()).describe()
     finally:
         torch.set_num_threads(before)
 
