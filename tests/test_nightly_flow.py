@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -165,7 +166,9 @@ def test_a_night_whose_answers_overran_still_gates_the_draft_it_trained(prefect_
     assert registry.client().get_model_version(run.registered.name, "1").tags["gate_verdict"] in ("pass", "fail")
     assert "challenger" in run.results and read_serving_config().mode == run.serving.mode
     assert "reserved for the tail:" in run.report
-    assert "skipped for lack of time: the generic baseline" in run.report or "generic" in run.results
+    # the optional generic baseline is trained and measured, or the report says which part of it was left out
+    assert ("generic" in run.results or "skipped for lack of time: the generic baseline" in run.report
+            or re.search(r"benchmark: not measured, .*: .*generic", run.report))
 
 
 def test_a_night_that_could_not_train_fails_with_one_sentence_and_leaves_serving_unchanged(
