@@ -121,15 +121,26 @@ def stop_on_signals() -> Iterator[None]:
 def run_flow(flow: Callable[..., T], **parameters: Any) -> T:
     """Run `flow(**parameters)` in this process, stoppable by SIGTERM/SIGINT (see the module docstring),
     holding the state directory (`state_lock`: a second run is refused before Prefect's server starts).
-    Raises `FlowStopped` after the runs in flight are marked. A credential in the `overrides` reaches the
-    flow as `${SPECDISTILL_SECRET_n}` (Prefect stores a run's parameters), its value in the environment."""
+    Raises `FlowStopped` after the runs in flight are marked, `FlowFailed` for a flow that failed with a sentence.
+    A credential in the `overrides` reaches the flow as `${SPECDISTILL_SECRET_n}` (Prefect stores a run's
+    parameters), its value in the environment."""
+    from prefect.exceptions import FailedRun  # Prefect only once a flow runs
+
     if parameters.get("overrides"):
         parameters["overrides"] = flow_overrides(parameters["overrides"])
     what = getattr(flow, "name", None) or flow.__name__
     with state_lock(what), stop_on_signals(), masked_flow_logs():  # a signal while the server starts stops it too
         if type(flow).__module__.startswith("prefect"):
             _temporary_server_in_own_group()
-        return flow(**parameters)
+        try:
+            return flow(**parameters)
+        except FailedRun as failed:  # a flow that returned its Failed state: its message is the one sentence
+            raise FlowFailed(str(failed)) from None
+
+
+class FlowFailed(RuntimeError):
+    """A flow that ended Failed on purpose with one sentence (the nightly that had no time to train): the command
+    prints it and exits 2, as for any refusal (`cli.common.describe_error`), with no traceback."""
 
 
 def stopped_message(stop: FlowStopped, what: str) -> str:

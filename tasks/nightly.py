@@ -15,7 +15,7 @@ from __future__ import annotations
 from prefect import task
 
 from specdistill.pipeline import nightly as pipeline
-from specdistill.pipeline import success
+from specdistill.pipeline import success, tail
 from specdistill.pipeline.config import NightlyConfig, SourceConfig
 from specdistill.pipeline.nightly import IngestResult, RegisteredDraft
 from specdistill.pipeline.outputs import (
@@ -26,12 +26,14 @@ from specdistill.pipeline.outputs import (
     ServingDecision,
     TargetInfo,
     Trained,
+    Untrained,
     WarmStart,
     Window,
 )
 from specdistill.pipeline.stages import bench, choose_mode, corpus, engine_bench, pool
 from specdistill.pipeline.stages.answers import stage as answer_stage
 from specdistill.pipeline.stages.bench import BenchResult, DrafterSpec, GateVerdict
+from specdistill.pipeline.tail import TailReserve
 from tasks.common import content_key
 
 CACHED = dict(cache_key_fn=content_key, persist_result=True)  # for stages with no directory of their own
@@ -75,6 +77,11 @@ def generate_responses(config: NightlyConfig, window: Window, split: str, target
     return answer_stage.generate_responses(config, window, split, record_teacher=record_teacher, deadline_at=deadline_at)
 
 
+@task(name="reserve-tail")
+def reserve_tail(config: NightlyConfig, window: Window, champion: bool) -> TailReserve:
+    return tail.reserve_tail(config, window, champion=champion)
+
+
 @task(name="suffix-corpus")
 def suffix_corpus(config: NightlyConfig, train_data: GeneratedData, target_fingerprint: str) -> str:
     return corpus.nightly_corpus(config, train_data, target_fingerprint)
@@ -88,13 +95,13 @@ def pool_answers(config: NightlyConfig, window: Window, train_data: GeneratedDat
 
 @task(name="distill")
 def distill(config: NightlyConfig, train_data: GeneratedData, heldout_data: GeneratedData, warm_start: str | None,
-            target_fingerprint: str, deadline_at: float | None = None) -> Trained:
+            target_fingerprint: str, deadline_at: float | None = None) -> Trained | Untrained:
     return pipeline.distill_draft(config, train_data, heldout_data, warm_start, deadline_at=deadline_at)
 
 
 @task(name="generic-baseline")
 def generic_baseline(config: NightlyConfig, window: Window, heldout_data: GeneratedData, target_fingerprint: str,
-                     deadline_at: float | None = None) -> Trained:
+                     deadline_at: float | None = None) -> Trained | Untrained:
     return pipeline.distill_draft(config, None, heldout_data, generic=True, window=window, deadline_at=deadline_at)
 
 

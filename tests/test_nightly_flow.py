@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,60 @@ def test_unusable_target_or_empty_window_fails_early_and_registers_nothing(prefe
     with pytest.raises(Exception, match=cause):
         _run(traffic, override)
     assert registry.client().search_registered_models() == []
+
+
+def _answers_overrun(monkeypatch, left_s: float) -> None:
+    """The train answers overrun: they end `left_s` seconds before the run's deadline (the budgeted stages'),
+    as llama.cpp's did beside a busy neighbour, whatever their share was."""
+    import time
+
+    import flows.nightly as flow_module
+    from specdistill.pipeline.stages.answers import stage
+
+    deadline, answer = [], stage.generate_responses
+    run_deadline = flow_module.run_deadline
+    monkeypatch.setattr(flow_module, "run_deadline", lambda config: deadline.append(run_deadline(config)) or deadline[-1])
+
+    def overrun(config, window, split, **kw):
+        data = answer(config, window, split, **kw)
+        if split == "train":
+            time.sleep(max(0.0, deadline[-1] - left_s - time.time()))
+        return data
+
+    monkeypatch.setattr(stage, "generate_responses", overrun)
+
+
+def test_a_night_whose_answers_overran_still_gates_the_draft_it_trained(prefect_harness, traffic, tmp_path, monkeypatch):
+    from specdistill.ops import registry
+    from specdistill.ops.serving import read_serving_config
+
+    monkeypatch.setenv("SPECDISTILL_HOME", str(tmp_path / "home"))
+    _answers_overrun(monkeypatch, left_s=75.0)
+    run = _run(traffic, "deadline_minutes=4", "bench.max_minutes=1")
+    assert run.verdict.checks and run.registered.version == "1"  # measured, gated and registered
+    assert registry.client().get_model_version(run.registered.name, "1").tags["gate_verdict"] in ("pass", "fail")
+    assert "challenger" in run.results and read_serving_config().mode == run.serving.mode
+    assert "reserved for the tail:" in run.report
+    # the optional generic baseline is trained and measured, or the report says which part of it was left out
+    assert ("generic" in run.results or "skipped for lack of time: the generic baseline" in run.report
+            or re.search(r"benchmark: not measured, .*: .*generic", run.report))
+
+
+def test_a_night_that_could_not_train_fails_with_one_sentence_and_leaves_serving_unchanged(
+        prefect_harness, traffic, tmp_path, monkeypatch, capfd):
+    from specdistill.cli import main
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("SPECDISTILL_HOME", str(home))
+    home.mkdir()
+    (home / "serving.json").write_text('{"mode": "off"}\n')
+    _answers_overrun(monkeypatch, left_s=5.0)
+    sources = f"sources=[{{path: '{traffic}', format: sharegpt, slice: chat}}, {{path: humaneval, format: humaneval, slice: code}}]"
+    code = main(["pipeline", "run", "--config", TINY, sources, "deadline_minutes=2.5"])
+    err = capfd.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    last = [line for line in err.splitlines() if line.strip()][-1]
+    assert last.startswith("specdistill: error: the run's deadline") and last.endswith("serving.json are unchanged")
+    assert (home / "serving.json").read_text() == '{"mode": "off"}\n'
+    reports = list((home / "nightly" / "reports").glob("*.md"))
+    assert len(reports) == 1 and "no draft trained tonight" in reports[0].read_text()

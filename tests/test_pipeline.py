@@ -1,6 +1,7 @@
 """The nightly pipeline's library stages that need no real target: config, gate decision, report, alignment."""
 
 import json
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -16,7 +17,7 @@ from specdistill.ops.policy import Check, GateVerdict
 from specdistill.ops.registry import RegisteredDraft
 from specdistill.pipeline import nightly as pipeline
 from specdistill.pipeline.config import load_nightly_config, run_root
-from specdistill.pipeline.outputs import Champion, GeneratedData, Promoted, Trained, Window
+from specdistill.pipeline.outputs import Champion, GeneratedData, Promoted, Trained, Untrained, Window
 from specdistill.pipeline.report import report_table
 from specdistill.pipeline.stages import bench
 from specdistill.pipeline.stages.choose_mode import ServingDecision
@@ -800,9 +801,10 @@ def test_a_training_share_too_small_to_train_stops_the_run(monkeypatch):
                         lambda dcfg, deadline: calls.append(dcfg) or deadlines.append(deadline) or trained_result("d"))
     config = load_nightly_config(None, ["train.kind=layers", "train.optim.max_minutes=3"])
     train, heldout = GeneratedData("/data/c/train.jsonl", "/data/c/tc", 1, 1), GeneratedData("/data/c/eval.jsonl", None, 1, 1)
-    with pytest.raises(ValueError, match="too little to train on; the champion and serving.json are unchanged"):
-        pipeline.distill_draft(config, train, heldout, deadline_at=time.time() + 5)
-    assert not calls
+    untrained = pipeline.distill_draft(config, train, heldout, deadline_at=time.time() + 5)  # said, not raised: no traceback
+    assert isinstance(untrained, Untrained) and not calls
+    assert re.fullmatch(r"the run's deadline \(deadline_minutes=18.0\) leaves [0-5] s to train the draft, under the 15 s it "
+                        r"needs: nothing was trained; the champion and serving.json are unchanged", untrained.reason)
     pipeline.distill_draft(config, train, heldout, deadline_at=time.time() + 60 * 60)
     assert calls[-1].optim.max_minutes == 3  # the run has time: the stage's own budget
     pipeline.distill_draft(config, train, heldout, deadline_at=time.time() + 60 * 10)  # 10 of 3+3+4 budgeted minutes

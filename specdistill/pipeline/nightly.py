@@ -40,6 +40,7 @@ from specdistill.pipeline.outputs import (
     ServingDecision,
     TargetInfo,
     Trained,
+    Untrained,
     WarmStart,
     Window,
     window_key,
@@ -48,6 +49,7 @@ from specdistill.pipeline.report import registration_artifacts, registration_met
 from specdistill.pipeline.stage_budgets import stage_budgets, stage_deadline
 from specdistill.pipeline.stages.answers.stage import features_dir
 from specdistill.pipeline.stages.choose_mode import serving_config
+from specdistill.pipeline.tail import OPTIONAL_SHARE
 from specdistill.speculative.specs import DrafterSpec
 
 
@@ -178,7 +180,7 @@ MIN_TRAIN_MINUTES = 0.25  # a shorter training budget is no useful work
 
 def distill_draft(config: NightlyConfig, train_data: GeneratedData | None, heldout_data: GeneratedData,
                   warm_start: str | None = None, *, generic: bool = False, window: Window | None = None,
-                  deadline_at: float | None = None) -> Trained:
+                  deadline_at: float | None = None) -> Trained | Untrained:
     """Distill a draft on the target's own answers (KL on the cached teacher), fresh or warm-started
     from the champion; `generic=True` trains the off-the-shelf baseline instead: plain CE on the
     human-written answers of the same prompts, same size, for `bench.generic_minutes`.
@@ -186,7 +188,8 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | None, heldo
     The output directory is keyed by the train config, the data and the warm start (the generic
     baseline: by the window and the train config), so a finished run is found again and reused.
     Training stops at `train.optim.max_minutes` or at the stage's share of the run's deadline `deadline_at`,
-    whichever comes first; a share too small to train in stops the run here."""
+    whichever comes first. A share too small to train in returns `Untrained` (the draft: the night stops
+    there; the generic baseline, optional: skipped, and already when its share is under half its budget)."""
     tc = config.train
     kind = "layers" if generic else tc.kind
     if warm_start and DrafterSpec.for_draft(warm_start).of.draft_kind != kind:
@@ -220,10 +223,13 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | None, heldo
     left = deadline.minutes(now)
     minutes = stage_budgets(config)[stage]
     if left is not None and (minutes is None or left < minutes):
-        if left < MIN_TRAIN_MINUTES:
-            raise ValueError(f"the run's deadline (deadline_minutes={config.deadline_minutes}) leaves {left * 60:.0f} s "
-                             f"to train the {'generic baseline' if generic else 'draft'}: too little to train on; the "
-                             "champion and serving.json are unchanged")
+        # optional work (the generic baseline, a reference point) gives way once the run cannot give it half its budget
+        least = max(MIN_TRAIN_MINUTES, OPTIONAL_SHARE * minutes) if generic and minutes is not None else MIN_TRAIN_MINUTES
+        if left < least:
+            what = "the generic baseline" if generic else "the draft"
+            unchanged = "skipped" if generic else "nothing was trained; the champion and serving.json are unchanged"
+            return Untrained(f"the run's deadline (deadline_minutes={config.deadline_minutes}) leaves {left * 60:.0f} s "
+                             f"to train {what}, under the {least * 60:.0f} s it needs: {unchanged}")
         minutes = left
     # a warm start trained for this target version trains depth; one from before a target update its first position
     warm_meta = load_draft_meta(warm_start) if warm_start else {}

@@ -165,6 +165,14 @@ class PooledData(GeneratedData):
 
 
 @dataclass
+class Untrained(Record):
+    """A training that did not run: the run's deadline left it too little (the draft: the night fails, in this one
+    sentence, with the champion and serving.json as they were; the generic baseline: skipped, the report says why)."""
+
+    reason: str
+
+
+@dataclass
 class Promoted(Record):
     version: str
     serving_config: str  # the serving config file that now points at the new champion

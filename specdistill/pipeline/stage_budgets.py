@@ -56,6 +56,7 @@ class StageClock:
     started: float = field(default_factory=time.time)
     seconds: dict[str, float] = field(default_factory=dict)
     cuts: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # optional work the deadline left no time for, and why
     notes: list[str] = field(default_factory=list)  # how a stage was run where the run measured it (the answer engine)
     _last: float | None = None
 
@@ -72,4 +73,5 @@ class StageClock:
         lines = [f"**stage times** (minutes, {total / 60:.1f} in all{budget}): {rows}",
                  f"measured on: {hardware.describe_device(config.device)}", *self.notes]
         lines += [f"- cut by its time budget: {cut}" for cut in self.cuts]
+        lines += [f"- skipped for lack of time: {skip}" for skip in self.skipped]
         return "\n".join(lines)

@@ -13,11 +13,12 @@ from specdistill.ops.policy import GateVerdict, Role, evaluate
 from specdistill.pipeline.config import NightlyConfig, target_tokenizer
 from specdistill.pipeline.outputs import Trained, WarmStart, Window
 from specdistill.pipeline.stage_budgets import stage_deadline
+from specdistill.pipeline.tail import fit_drafters, measure_decode, skipped_note
 from specdistill.speculative import drafter_from_spec
 from specdistill.speculative.gamma import bench_at_best_gamma
 from specdistill.speculative.harness_bench import run_bench_many
 from specdistill.speculative.specs import SELF_SPEC, DrafterSpec, hybrid_model
-from specdistill.speculative.threads import fastest_threads
+from specdistill.speculative.threads import ThreadChoice, fastest_threads
 
 
 def measured_drafters(config: NightlyConfig, trained: Trained, warm_start: WarmStart | None,
@@ -60,12 +61,31 @@ def benchmark(config: NightlyConfig, window: Window, drafters: dict[str, Drafter
     before = torch.get_num_threads()
     threads = fastest_threads(target.model, prompts[0].ids) if config.bench.threads == "auto" and prompts else None
     try:
+        drafters, skipped = _fit(config, drafters, target, prompts, threads, deadline_at)
         results = _bench(config, drafters, target, prompts, deadline_at)
     finally:
         if threads:
             torch.set_num_threads(before)  # the probe's choice is the benchmark's, not the process's
     probe = {"thread_probe": threads.to_dict()} if threads else {}
-    return {name: replace(result, spec=str(drafters[name]), stats={**result.stats, **probe}) for name, result in results.items()}
+    return {name: replace(result, spec=str(drafters[name]), stats={**result.stats, **probe},
+                          budget_note="; ".join(x for x in (result.budget_note, skipped) if x))
+            for name, result in results.items()}
+
+
+def _fit(config: NightlyConfig, drafters: dict[str, DrafterSpec], target, prompts: list[Prompt],
+         threads: ThreadChoice | None, deadline_at: float | None) -> tuple[dict[str, DrafterSpec], str]:
+    """The entries the benchmark's share of the deadline has time for (`pipeline.tail.fit_drafters`: the
+    challenger and the champion always), at the decode speed the thread probe measured (timed here without
+    one), and the report's note on those left out (empty: every one fits, or no deadline)."""
+    deadline = stage_deadline(config, "benchmark", deadline_at)
+    if deadline.at is None or not prompts:
+        return drafters, ""
+    rate = max(threads.tokens_per_second.values()) if threads and threads.tokens_per_second else None
+    if rate is None:
+        rate, _ = measure_decode(target.model, prompts[0].ids, config.bench.threads)
+    seconds = deadline.remaining()
+    kept, skipped = fit_drafters(config, drafters, seconds, rate)
+    return {n: drafters[n] for n in kept}, skipped_note(skipped, seconds, rate) if skipped else ""
 
 
 def _bench(config: NightlyConfig, drafters: dict[str, DrafterSpec], target, prompts, deadline_at: float | None) -> dict[str, BenchResult]:

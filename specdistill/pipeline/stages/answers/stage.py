@@ -69,7 +69,7 @@ def generate_responses(config: NightlyConfig, window: Window, split: str, *, rec
             store.add_response(int(p.id), target.fingerprint, rec["response"], prompt_messages=len(p.messages),
                                params={"temperature": 0.0, "max_new_tokens": g.max_new_tokens, "dtype": source},
                                token_ids=rec["response_ids"])
-    if split == "eval" and (out_path.parent / "train_generated.jsonl").is_file():
+    if all((out_path.parent / f"{s}_generated.jsonl").is_file() for s in ("train", "eval")):  # whichever came second
         link_latest(out_path.parent)
     answered = sum(1 for p in window.split(split) if p.id in records)  # decoded, or a logged answer of this target
     return GeneratedData(path=str(out_path), teacher_cache=cache_dir, answers=answered,
