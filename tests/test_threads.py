@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from specdistill import hardware
 from specdistill.speculative import threads as th
 
 
@@ -46,17 +47,17 @@ def test_other_load_is_the_busy_time_on_our_cores_less_our_own(tmp_path, monkeyp
 
     stat, hz = tmp_path / "stat", os.sysconf("SC_CLK_TCK")
     clock, own = [100.0], [5.0]
-    monkeypatch.setattr(th.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(th.os, "times", lambda: os.times_result((own[0], 0.0, 0.0, 0.0, 0.0)))
+    monkeypatch.setattr(hardware.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(hardware.os, "times", lambda: os.times_result((own[0], 0.0, 0.0, 0.0, 0.0)))
     _stat(stat, 0, 0)
-    load = th.OtherLoad([0, 1], stat)
+    load = hardware.OtherLoad([0, 1], stat)
     clock[0], own[0] = 110.0, 15.0  # 10 s: both cores busy (20 core-seconds), 10 of them ours
     _stat(stat, 10 * hz, 0)
     assert abs(load.read() - 1.0) < 1e-9
     clock[0] = 120.0  # the next 10 s: quiet
     _stat(stat, 10 * hz, 10 * hz)
     assert load.read() == 0.0
-    assert th.OtherLoad([0], tmp_path / "missing").read() is None  # no /proc/stat: nothing read, nothing guessed
+    assert hardware.OtherLoad([0], tmp_path / "missing").read() is None  # no /proc/stat: nothing read, nothing guessed
 
 
 class _FakeLoad:

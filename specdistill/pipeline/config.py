@@ -42,7 +42,7 @@ from specdistill.ops.policy import (
     Role,
     gate_config,
 )
-from specdistill.pipeline.generation_config import GenerationConfig
+from specdistill.pipeline.generation_config import GenerationConfig, RemeasureConfig
 
 if TYPE_CHECKING:
     from specdistill.engines.endpoint_bench import EngineBenchConfig
@@ -313,6 +313,7 @@ class NightlyConfig(Strict):
     bench: BenchSection = BenchSection()
     gate: GateSection = GateSection()
     serving: ServingSection = ServingSection()
+    remeasure: RemeasureConfig = RemeasureConfig()  # when a kept measurement (answer engine, autocast) is taken again
     # the one dtype and device every stage's models run in: answers, features, training, benchmark, exports
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 where the hardware has it (CUDA, AVX-512 BF16, AMX)
     device: str = "auto"  # auto: the GPU when torch sees one, else the CPU; cpu, cuda or cuda:N (every stage's models)
