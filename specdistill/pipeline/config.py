@@ -193,7 +193,8 @@ def train_autocast(config: NightlyConfig) -> bool:
         return True
     from specdistill.distill.autocast import probe_autocast  # lazy: keeps torch off import
 
-    return probe_autocast(run_root() / "autocast").autocast
+    r = config.remeasure
+    return probe_autocast(run_root() / "autocast", load_shift=r.load_shift, max_uses=r.max_runs, max_days=r.max_days).autocast
 
 
 class PoolConfig(Strict):
