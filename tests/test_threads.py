@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specdistill import hardware
@@ -90,3 +91,27 @@ def test_the_watch_probes_again_only_when_other_work_came_or_went(tiny_llama, mo
         assert "probed again: 2 threads; other work busy on 1.9 cores" in watch.describe()
         torch.set_num_threads(1)
     assert torch.get_num_threads() == before  # put back
+
+
+@pytest.mark.e2e
+def test_the_thread_choice_beside_a_busy_neighbour_is_measured_beside_it(tiny_llama):
+    """A real busy loop at nice 10 (bounded: killed on the way out, and by its own timeout) on every core we run on:
+    the probe times each thread count beside it and records the neighbour (issue 60, item 3)."""
+    import subprocess
+    import sys
+    import time
+
+    cores = len(hardware.usable_cpus())
+    loops = [subprocess.Popen(["nice", "-n", "10", sys.executable, "-c",
+                               "import time\nend = time.time() + 60\nwhile time.time() < end: pass"]) for _ in range(cores)]
+    try:
+        time.sleep(0.5)
+        with th.chosen_threads("auto", tiny_llama, [1, 2, 3, 4]) as watch:
+            busy = watch.choices[0].others_busy
+            assert busy is not None and busy >= 0.5 * cores - 0.25  # the neighbour, seen by the probe
+            choice = watch.choices[0]
+            assert set(choice.tokens_per_second) == set(th.thread_candidates(cores)) or cores == 1
+            assert torch.get_num_threads() == choice.threads and "other work busy on" in watch.describe()
+    finally:
+        for p in loops:
+            p.kill()
