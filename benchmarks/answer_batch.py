@@ -7,7 +7,7 @@ greedy, 96 new tokens, through `pipeline.stages.answers.decode_loop.decode_batch
 (decode attention on, the top-32 teacher and the EAGLE-3 feature layers recorded on the way), the
 prompts cut into batches of each size. Rounds alternate the order of the sizes; tokens/s counts answer
 tokens up to and including EOS over the wall time of all batches. What `generation.batch_size: null`
-picks per CPU kind rests on this table (`pipeline.stages.answers.stage.answer_batch`).
+picks per CPU kind rests on this table (`pipeline.stages.answers.harness.answer_batch`).
 """
 
 from __future__ import annotations

@@ -10,9 +10,12 @@ an AVX2-only machine would).
 from __future__ import annotations
 
 import functools
+import math
 import os
 import platform
-from dataclasses import dataclass
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -100,6 +103,89 @@ def describe_device(device: str | torch.device = "auto") -> str:
         index = torch.device(name).index if name.startswith("cuda") else None
         return f"GPU {torch.cuda.get_device_name(index)}, {torch.cuda.device_count()} GPUs, CUDA {torch.version.cuda}"
     return f"CPU {cpu_info().describe()}"
+
+
+class OtherLoad:
+    """Cores' worth of CPU time other processes took on this process's cores between two reads: their
+    busy time in /proc/stat less this process's own. None where /proc/stat cannot be read."""
+
+    def __init__(self, cpus: Sequence[int] | None = None, stat: str | Path = "/proc/stat") -> None:
+        self.cpus, self.stat = {f"cpu{c}" for c in (cpus if cpus is not None else usable_cpus())}, Path(stat)
+        self._last = self._read()
+
+    def _read(self) -> tuple[float, float, float] | None:
+        try:
+            lines = self.stat.read_text().splitlines()
+        except OSError:
+            return None
+        busy = 0
+        for line in lines:
+            name, *values = line.split()
+            if name in self.cpus and len(values) >= 8:
+                user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in values[:8])
+                busy += user + nice + system + irq + softirq + steal
+        own = os.times()
+        return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), own.user + own.system
+
+    def read(self) -> float | None:
+        now, last = self._read(), self._last
+        self._last = now
+        if now is None or last is None or now[0] - last[0] <= 0:
+            return None
+        return max(0.0, ((now[1] - last[1]) - (now[2] - last[2])) / (now[0] - last[0]))
+
+
+def others_busy(seconds: float = 1.0) -> float | None:
+    """Cores' worth of other work on this process's cores now, read over `seconds` (`OtherLoad`): what a
+    measurement taken now is taken beside."""
+    load = OtherLoad()
+    time.sleep(seconds)
+    return load.read()
+
+
+@dataclass
+class MeasuredUnder:
+    """The conditions a measured choice (the answer engine, autocast for training) was taken under, so a
+    later run measures again when they no longer hold instead of trusting a number from another machine
+    state: on a 2-core AVX2 EPYC a probe beside one nice-10 neighbour read the harness at 9.8 answer
+    tokens/s against 88.6 quiet, chose llama.cpp, and every later night reused that choice."""
+
+    others_busy: float | None  # cores of other work while it was measured (None: not read)
+    at: float  # seconds since the epoch
+    candidates: list[str] = field(default_factory=list)  # what was compared
+    uses: int = 0  # runs that reused it since
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> MeasuredUnder:
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
+    def stale(self, others_busy: float | None, candidates: Sequence[str], *, load_shift: float, max_uses: int,
+              max_days: float, now: float | None = None) -> str | None:
+        """Why it must be measured again (None: it still holds): other work came or went by `load_shift`
+        cores, the candidates changed, it is older than `max_days` or was reused by `max_uses` runs."""
+        now = time.time() if now is None else now
+        if list(candidates) != list(self.candidates):
+            return f"the candidates changed ({', '.join(self.candidates) or 'none'} then, {', '.join(candidates)} now)"
+        if (others_busy is None) != (self.others_busy is None) or (
+                others_busy is not None and abs(others_busy - self.others_busy) >= load_shift):
+            return f"other work busy on {_cores(self.others_busy)} when measured, {_cores(others_busy)} now"
+        days = (now - self.at) / 86400.0
+        if days >= max_days or math.isnan(days):
+            return f"measured {days:.1f} days ago (measured again after {max_days:g})"
+        if self.uses >= max_uses:
+            return f"reused by {self.uses} runs (measured again after {max_uses})"
+        return None
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.at))
+        return f"measured {when} beside {_cores(self.others_busy)} of other work, reused by {self.uses} runs since"
+
+
+def _cores(busy: float | None) -> str:
+    return "unread" if busy is None else f"{busy:.1f} cores"
 
 
 def synchronize(device: torch.device | str) -> None:

@@ -510,6 +510,7 @@ def test_training_autocasts_to_bf16_when_the_run_is_bf16_and_the_cpu_measures_it
     monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg, deadline=None: calls.append(dcfg) or trained_result())
     monkeypatch.setattr(autocast, "measure_autocast", lambda: probes.append(1) or autocast.AutocastProbe(
         pays, 10.0, 5.0 if pays else 20.0, "cpu", "torch", 1))
+    monkeypatch.setattr(autocast, "others_busy", lambda *a: 0.0)  # the load it was measured under holds
     train, heldout = GeneratedData("/data/a/train.jsonl", "/data/a/tc", 1, 1), GeneratedData("/data/a/eval.jsonl", None, 1, 1)
     for overrides, want in ((["dtype=bfloat16"], pays), (["dtype=float32"], False), (["dtype=bfloat16"], pays),
                             (["dtype=bfloat16", "train.optim.bf16=false"], False), (["dtype=float32", "train.optim.bf16=true"], True)):
@@ -838,7 +839,7 @@ def test_the_answer_engine_probe_is_timed_inside_the_answer_stage_s_share(tiny_t
     order = []
     monkeypatch.setattr(answers, "stage_deadline", lambda *a, **k: order.append("deadline") or budget.Deadline(None))
 
-    def probe(*_):
+    def probe(*_, **__):
         order.append("probe")
         raise RuntimeError("probed")
 

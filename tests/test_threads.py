@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from specdistill import hardware
 from specdistill.speculative import threads as th
 
 
@@ -46,17 +48,17 @@ def test_other_load_is_the_busy_time_on_our_cores_less_our_own(tmp_path, monkeyp
 
     stat, hz = tmp_path / "stat", os.sysconf("SC_CLK_TCK")
     clock, own = [100.0], [5.0]
-    monkeypatch.setattr(th.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(th.os, "times", lambda: os.times_result((own[0], 0.0, 0.0, 0.0, 0.0)))
+    monkeypatch.setattr(hardware.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(hardware.os, "times", lambda: os.times_result((own[0], 0.0, 0.0, 0.0, 0.0)))
     _stat(stat, 0, 0)
-    load = th.OtherLoad([0, 1], stat)
+    load = hardware.OtherLoad([0, 1], stat)
     clock[0], own[0] = 110.0, 15.0  # 10 s: both cores busy (20 core-seconds), 10 of them ours
     _stat(stat, 10 * hz, 0)
     assert abs(load.read() - 1.0) < 1e-9
     clock[0] = 120.0  # the next 10 s: quiet
     _stat(stat, 10 * hz, 10 * hz)
     assert load.read() == 0.0
-    assert th.OtherLoad([0], tmp_path / "missing").read() is None  # no /proc/stat: nothing read, nothing guessed
+    assert hardware.OtherLoad([0], tmp_path / "missing").read() is None  # no /proc/stat: nothing read, nothing guessed
 
 
 class _FakeLoad:
@@ -89,3 +91,27 @@ def test_the_watch_probes_again_only_when_other_work_came_or_went(tiny_llama, mo
         assert "probed again: 2 threads; other work busy on 1.9 cores" in watch.describe()
         torch.set_num_threads(1)
     assert torch.get_num_threads() == before  # put back
+
+
+@pytest.mark.e2e
+def test_the_thread_choice_beside_a_busy_neighbour_is_measured_beside_it(tiny_llama):
+    """A real busy loop at nice 10 (bounded: killed on the way out, and by its own timeout) on every core we run on:
+    the probe times each thread count beside it and records the neighbour (issue 60, item 3)."""
+    import subprocess
+    import sys
+    import time
+
+    cores = len(hardware.usable_cpus())
+    loops = [subprocess.Popen(["nice", "-n", "10", sys.executable, "-c",
+                               "import time\nend = time.time() + 60\nwhile time.time() < end: pass"]) for _ in range(cores)]
+    try:
+        time.sleep(0.5)
+        with th.chosen_threads("auto", tiny_llama, [1, 2, 3, 4]) as watch:
+            busy = watch.choices[0].others_busy
+            assert busy is not None and busy >= 0.5 * cores - 0.25  # the neighbour, seen by the probe
+            choice = watch.choices[0]
+            assert set(choice.tokens_per_second) == set(th.thread_candidates(cores)) or cores == 1
+            assert torch.get_num_threads() == choice.threads and "other work busy on" in watch.describe()
+    finally:
+        for p in loops:
+            p.kill()

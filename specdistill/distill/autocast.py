@@ -5,7 +5,9 @@ became the default); on a 2-core Xeon with AVX-512 BF16 and no AMX, 600 steps of
 minutes under autocast and 3.34 in fp32, at the same held-out acceptance (benchmarks/head_recipe.py). So
 `optim.bf16: null` asks this probe: one training step of a head-sized network (fc over three feature
 layers, an MLP, an 8k-token lm_head, 256 rows; forward, backward, AdamW) in fp32 and under autocast,
-interleaved, median of the repeats; autocast when 5% faster. Cached per CPU and torch version.
+interleaved, median of the repeats; autocast when 5% faster. Cached per CPU, torch version and thread count,
+with the conditions it was measured under (`hardware.MeasuredUnder`): measured again when other work on the
+cores moved by `load_shift` cores, after `max_uses` reuses or `max_days` days (the nightly's `remeasure:`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from torch import nn
 
 from specdistill import paths
-from specdistill.hardware import cpu_info
+from specdistill.hardware import MeasuredUnder, cpu_info, others_busy
 
 MIN_GAIN = 1.05  # autocast must be this much faster: a tie keeps fp32's exact numerics
 
@@ -76,14 +78,25 @@ def measure_autocast(hidden: int = 576, intermediate: int = 1536, vocab: int = 8
                          torch.__version__, torch.get_num_threads())
 
 
-def probe_autocast(cache: Path | None = None) -> AutocastProbe:
-    """`measure_autocast`, read from `cache/<key>.json` when this CPU, torch and thread count measured it before."""
+def probe_autocast(cache: Path | None = None, *, load_shift: float = 0.75, max_uses: int = 7,
+                   max_days: float = 7.0, busy: float | None = None) -> AutocastProbe:
+    """`measure_autocast`, read from `cache/<key>.json` when this CPU, torch and thread count measured it before
+    under the load found now (`busy`: other work's cores, None: read here), and not too many runs or days ago."""
     key = hashlib.sha256(f"{cpu_info().describe()}|{torch.__version__}|{torch.get_num_threads()}".encode()).hexdigest()[:16]
     path = None if cache is None else Path(cache) / f"{key}.json"
+    busy = others_busy() if busy is None and path is not None else busy
+    why = ""
     if path is not None and path.is_file():
-        return AutocastProbe(**paths.read_json(path, "autocast measurement"))
+        data = paths.read_json(path, "autocast measurement")
+        under = MeasuredUnder.from_dict(data.pop("measured_under")) if data.get("measured_under") else None
+        why = ("kept without the conditions it was measured under" if under is None else
+               under.stale(busy, ["fp32", "bf16"], load_shift=load_shift, max_uses=max_uses, max_days=max_days))
+        if not why:
+            under.uses += 1
+            paths.atomic_write_json(path, {**data, "measured_under": under.to_dict()})
+            return AutocastProbe(**data)
     probe = measure_autocast()
-    print(probe.summary(), file=sys.stderr)
+    print(probe.summary() + (f" (measured again: {why})" if why else ""), file=sys.stderr)
     if path is not None:
-        paths.atomic_write_json(path, asdict(probe))
+        paths.atomic_write_json(path, {**asdict(probe), "measured_under": MeasuredUnder(busy, time.time(), ["fp32", "bf16"]).to_dict()})
     return probe

@@ -21,6 +21,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -138,9 +139,10 @@ class Progress:
     eval_seconds: float = 0.0  # the longest held-out evaluation so far (wall): what a deadline keeps for the last
 
 
-def distill(config: DistillConfig, deadline: Deadline | None = None) -> Trained:
+def distill(config: DistillConfig, deadline: Deadline | None = None, between_steps: Callable[[], object] | None = None) -> Trained:
     """Train the draft `config` describes; `deadline` (a nightly stage's share, wall clock) bounds the
-    whole run, loading and evaluations included: training stops early enough for the last evaluation."""
+    whole run, loading and evaluations included: training stops early enough for the last evaluation.
+    `between_steps` runs before each step (a thread count chosen again when the machine's load moved)."""
     device = pick_device(config.device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
@@ -156,7 +158,7 @@ def distill(config: DistillConfig, deadline: Deadline | None = None) -> Trained:
         if resumed and (ckpts := checkpoint_dirs(out_dir)):
             check_resumable(ckpts[-1], config)
         try:
-            return _train(config, deadline, device, rank, world, out_dir)
+            return _train(config, deadline, device, rank, world, out_dir, between_steps)
         except BaseException:
             if not resumed:  # a failed run claims nothing it did not write
                 paths.release_output_dir(out_dir, remove=not existed)
@@ -164,7 +166,7 @@ def distill(config: DistillConfig, deadline: Deadline | None = None) -> Trained:
 
 
 def _train(config: DistillConfig, deadline: Deadline | None, device: torch.device, rank: int, world: int,
-           out_dir: Path) -> Trained:
+           out_dir: Path, between_steps: Callable[[], object] | None = None) -> Trained:
     if rank == 0:
         remove_unfinished(out_dir)  # a checkpoint write that died (a kill, a full disk) is never resumed from
     torch.manual_seed(config.seed)
@@ -179,7 +181,7 @@ def _train(config: DistillConfig, deadline: Deadline | None, device: torch.devic
         save_config(config, out_dir / "config.yaml")
     if progress.step == 0 and evaluates:
         evaluate(run, progress)
-    train(run, progress, deadline or Deadline())
+    train(run, progress, deadline or Deadline(), between_steps)
     if evaluates and (not progress.curve or progress.curve[-1]["step"] != progress.step):
         evaluate(run, progress)
     return finish(run, progress, target, trainable, frozen)
@@ -244,7 +246,7 @@ def evaluate(run: Run, progress: Progress) -> HeldoutAcceptance | None:
     return heldout
 
 
-def train(run: Run, progress: Progress, deadline: Deadline) -> None:
+def train(run: Run, progress: Progress, deadline: Deadline, between_steps: Callable[[], object] | None = None) -> None:
     """Steps until a budget (steps, tokens, minutes, the deadline) runs out: log each, evaluate and
     checkpoint on schedule."""
     config, opt = run.config, run.config.optim
@@ -263,6 +265,8 @@ def train(run: Run, progress: Progress, deadline: Deadline) -> None:
         if out_of_time(run, deadline, step_wall + (progress.eval_seconds if run.evaluates else 0.0)):
             progress.stop = "deadline"
             break
+        if between_steps is not None:
+            between_steps()
         t0, wall0 = clock(), time.perf_counter()
         step_loss, step_tokens = train_step(run, progress, autocast)
         elapsed, step_wall = clock() - t0, time.perf_counter() - wall0

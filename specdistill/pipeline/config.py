@@ -43,7 +43,7 @@ from specdistill.ops.policy import (
     Role,
     gate_config,
 )
-from specdistill.pipeline.generation_config import GenerationConfig
+from specdistill.pipeline.generation_config import GenerationConfig, RemeasureConfig
 
 if TYPE_CHECKING:
     from specdistill.engines.endpoint_bench import EngineBenchConfig
@@ -194,7 +194,8 @@ def train_autocast(config: NightlyConfig) -> bool:
         return True
     from specdistill.distill.autocast import probe_autocast  # lazy: keeps torch off import
 
-    return probe_autocast(run_root() / "autocast").autocast
+    r = config.remeasure
+    return probe_autocast(run_root() / "autocast", load_shift=r.load_shift, max_uses=r.max_runs, max_days=r.max_days).autocast
 
 
 class PoolConfig(Strict):
@@ -314,6 +315,7 @@ class NightlyConfig(Strict):
     bench: BenchSection = BenchSection()
     gate: GateSection = GateSection()
     serving: ServingSection = ServingSection()
+    remeasure: RemeasureConfig = RemeasureConfig()  # when a kept measurement (answer engine, autocast) is taken again
     # the one dtype and device every stage's models run in: answers, features, training, benchmark, exports
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 where the hardware has it (CUDA, AVX-512 BF16, AMX)
     device: str = "auto"  # auto: the GPU when torch sees one, else the CPU; cpu, cuda or cuda:N (every stage's models)

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from specdistill import bounds
-from specdistill.config import BatchSize, Minutes, NewTokens, Strict, TopK, count
+from specdistill.config import BatchSize, Days, Minutes, NewTokens, Seconds, Strict, Threads, TopK, count
 
 
 class LoggedConfig(Strict):
@@ -33,6 +33,25 @@ class LoggedConfig(Strict):
     # to the target's greedy choices); null: unknown, held as at temperature 1 (admits any plausible text)
     temperature: float | None = Field(0.0, ge=0.0, le=2.0)
     tokens_per_batch: count(bounds.MAX_SEQUENCE, low=64) = 4096  # padded tokens per labelling prefill
+
+
+class RemeasureConfig(Strict):
+    """`remeasure:` when a measured choice kept in the state directory (the answer engine,
+    `nightly/answer-engine/`; autocast for training, `nightly/autocast/`) is measured again instead of
+    reused, and when a running stage drops the engine it chose. A choice holds while the other work on this
+    machine's cores stays within `load_shift` cores of what it was measured beside (read from /proc/stat as
+    the monitor's thread watch reads it), for `max_runs` runs and `max_days` days. The answers stage
+    switches engines for the rest of its prompts when its live rate over `window_s` seconds falls below
+    `switch_below` of the other engine's probe rate (on the AVX2 EPYC beside a nice-10 neighbour llama.cpp
+    answered at 14.5 tokens/s where its probe read 37.9)."""
+
+    # cores of other work come or gone: about one busy core (a busy loop reads 0.9-1.0 over a second of
+    # /proc/stat beside an idle process, so a whole core would be missed at 1.0)
+    load_shift: float = Field(0.75, gt=0.0)
+    max_runs: count(10_000) = 7
+    max_days: Days = 7.0
+    switch_below: float = Field(0.6, ge=0.0, le=1.0)  # 0: never switch
+    window_s: Seconds = 60.0
 
 
 class GenerationConfig(Strict):
@@ -62,6 +81,9 @@ class GenerationConfig(Strict):
     engine: Literal["llamacpp", "vllm"] = "llamacpp"  # backend openai without a url: the server started here
     parallel: BatchSize = 8  # backend openai: concurrent requests (the started llama-server's slots)
     logged: LoggedConfig = LoggedConfig()
+    # torch threads for the harness's answers: auto probes 1, half and all cores for the load found and again
+    # when it moves (`speculative.threads.ThreadWatch`, as the monitor does); a number sets it; null: torch's default
+    threads: Threads | Literal["auto"] | None = "auto"
 
     @model_validator(mode="after")
     def _url_needs_openai(self):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import sys
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -21,6 +22,7 @@ from specdistill.data.prompts import Prompt, usable_prompt
 from specdistill.data.results import BenchResult
 from specdistill.distill import train as distill_train
 from specdistill.distill.config import DataConfig, TeacherConfig
+from specdistill.distill.examples import read_done
 from specdistill.hardware import describe_device
 from specdistill.modeling import drafts, models
 from specdistill.modeling.drafts import align_draft, load_draft_meta
@@ -51,6 +53,7 @@ from specdistill.pipeline.stages.answers.stage import features_dir
 from specdistill.pipeline.stages.choose_mode import serving_config
 from specdistill.pipeline.tail import OPTIONAL_SHARE
 from specdistill.speculative.specs import DrafterSpec
+from specdistill.speculative.threads import chosen_threads
 
 
 def describe_target(target_ref: str, dtype: str = "auto", device: str = "auto") -> TargetInfo:
@@ -58,8 +61,6 @@ def describe_target(target_ref: str, dtype: str = "auto", device: str = "auto") 
     and the dtype every stage runs it in (the fingerprint does not depend on the dtype). Its weights are
     hashed in full first, once per run (a load checks a sample), and the load refuses a target whose
     canary logits are non-finite or flat (`modeling.canary`)."""
-    import sys
-
     check = models.verify_model_files(target_ref)
     print(f"specdistill: target weights {check.outcome}: {check.bytes / 1e6:.0f} MB hashed in {check.seconds:.2f} s"
           + (f" ({check.detail})" if check.detail else ""), file=sys.stderr)
@@ -237,7 +238,21 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | None, heldo
     deepen = trained_for is None or trained_for == shared_model(config.target, dtype=config.dtype, device=config.device).fingerprint
     dcfg = tc.for_run(config, data=data, out_dir=out_dir, teacher=teacher, warm_start=warm_start, max_minutes=minutes,
                       generic=generic, feature_dir=feature_dir, deepen=deepen, warm_depth=warm_meta.get("unroll_steps"))
-    return distill_train.distill(dcfg, deadline)
+    # `bench.threads: auto`: the thread count the target decodes fastest at under the load found (a training step is
+    # the same chains of small matmuls and OpenMP barriers), probed again between steps when the load moves
+    ids = _probe_ids(heldout_data.path) if config.bench.threads == "auto" else None
+    model = shared_model(config.target, dtype=config.dtype, device=config.device).model if ids else None
+    with chosen_threads(config.bench.threads, model, ids) as watch:
+        trained = distill_train.distill(dcfg, deadline, **({"between_steps": watch.check} if watch else {}))
+    if watch is not None:
+        print(f"{'generic baseline' if generic else 'distill'}: threads {watch.describe()}", file=sys.stderr)
+    return trained
+
+
+def _probe_ids(answers_path: str) -> list[int] | None:
+    """The first answer's prompt ids: what the thread probe decodes after (None: no answer to read)."""
+    first = next(iter(read_done(Path(answers_path)).values()), None)
+    return list(first["prompt_ids"])[-64:] if first else None
 
 
 def flat_params(section: dict, prefix: str = "") -> dict:

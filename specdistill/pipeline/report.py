@@ -67,8 +67,9 @@ def report_table(results: dict[str, BenchResult], verdict: GateVerdict | None = 
     any_r = next(iter(results.values()), None)
     if any_r is not None:
         dtype = any_r.dtype or (target.dtype if target else "")
-        probe = any_r.stats.get("thread_probe")
-        threads = ThreadChoice.from_dict(probe).describe() if probe else (f"{any_r.threads} threads" if any_r.threads else "")
+        probe, watched = any_r.stats.get("thread_probe"), any_r.stats.get("thread_watch")
+        threads = watched or (ThreadChoice.from_dict(probe).describe() if probe else
+                              (f"{any_r.threads} threads" if any_r.threads else ""))
         lines += ["", f"measured with the PyTorch harness{' in ' + dtype if dtype else ''}{', ' + threads if threads else ''}: "
                       f"{any_r.max_new_tokens} new tokens a prompt, target-only {any_r.tokens_per_second_target_only:.1f} "
                       f"tokens/s; speedups are interleaved medians against it on the same held-out prompts"]

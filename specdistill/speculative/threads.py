@@ -15,18 +15,19 @@ on this process's cores has moved by `LOAD_SHIFT` cores since its last probe (re
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specdistill.data.record import Record
 
 if TYPE_CHECKING:
     import torch
+
+    from specdistill.hardware import OtherLoad
 
 
 @dataclass
@@ -56,10 +57,11 @@ def thread_candidates(cores: int) -> list[int]:
 
 
 def fastest_threads(model: torch.nn.Module, prompt_ids: Sequence[int], candidates: Sequence[int] | None = None, *,
-                    new_tokens: int = 8, rounds: int = 3) -> ThreadChoice:
+                    new_tokens: int = 8, rounds: int = 3, run: Callable[[], int] | None = None) -> ThreadChoice:
     """Decode `new_tokens` greedy tokens after `prompt_ids` at each thread count, `rounds` times in an
-    order that rotates, and set torch's thread count to the fastest (median tokens/s). Off the CPU the
-    threads only feed the device, so nothing is probed."""
+    order that rotates, and set torch's thread count to the fastest (median tokens/s). `run` replaces that
+    decode with the stage's own shape (it returns the tokens it produced: a batch of answers decodes other
+    matmuls than one row). Off the CPU the threads only feed the device, so nothing is probed."""
     import torch
 
     from specdistill.speculative.engine import generate  # lazy: keeps torch off import
@@ -71,14 +73,18 @@ def fastest_threads(model: torch.nn.Module, prompt_ids: Sequence[int], candidate
         torch.set_num_threads(candidates[0])
         return ThreadChoice(candidates[0])
     ids = list(prompt_ids)
-    generate(model, ids, max_new_tokens=2, stop_token_ids=())  # first-call allocations outside the timing
+    if run is None:
+        def run() -> int:
+            generate(model, ids, max_new_tokens=new_tokens, stop_token_ids=())  # never cut short by a stop token
+            return new_tokens
+    run()  # first-call allocations outside the timing
     rates: dict[int, list[float]] = {k: [] for k in candidates}
     for r in range(rounds):
         for k in candidates[r % len(candidates):] + candidates[:r % len(candidates)]:
             torch.set_num_threads(k)
             start = time.perf_counter()
-            generate(model, ids, max_new_tokens=new_tokens, stop_token_ids=())  # never cut short by a stop token
-            rates[k].append(new_tokens / (time.perf_counter() - start))
+            tokens = run()
+            rates[k].append(tokens / (time.perf_counter() - start))
     medians = {k: statistics.median(v) for k, v in rates.items()}
     best = max(medians, key=medians.get)
     torch.set_num_threads(best)
@@ -88,53 +94,23 @@ def fastest_threads(model: torch.nn.Module, prompt_ids: Sequence[int], candidate
 LOAD_SHIFT = 0.5  # cores of other work come or gone since the last probe: the fastest count may have changed
 
 
-class OtherLoad:
-    """Cores' worth of CPU time other processes took on this process's cores between two reads: their
-    busy time in /proc/stat less this process's own. None where /proc/stat cannot be read."""
-
-    def __init__(self, cpus: Sequence[int] | None = None, stat: str | Path = "/proc/stat") -> None:
-        from specdistill.hardware import usable_cpus  # lazy: keeps torch off import
-
-        self.cpus, self.stat = {f"cpu{c}" for c in (cpus if cpus is not None else usable_cpus())}, Path(stat)
-        self._last = self._read()
-
-    def _read(self) -> tuple[float, float, float] | None:
-        try:
-            lines = self.stat.read_text().splitlines()
-        except OSError:
-            return None
-        busy = 0
-        for line in lines:
-            name, *fields = line.split()
-            if name in self.cpus and len(fields) >= 8:
-                user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-                busy += user + nice + system + irq + softirq + steal
-        own = os.times()
-        return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), own.user + own.system
-
-    def read(self) -> float | None:
-        now, last = self._read(), self._last
-        self._last = now
-        if now is None or last is None or now[0] - last[0] <= 0:
-            return None
-        return max(0.0, ((now[1] - last[1]) - (now[2] - last[2])) / (now[0] - last[0]))
-
-
 class ThreadWatch:
     """The thread count for the load found now, over a measurement of minutes: probed at `start`, and
     probed again at a `check` (between prompts) once other work has come or gone by `LOAD_SHIFT`
     cores, read no more often than every `every_s` seconds. `close` puts torch's count back."""
 
     def __init__(self, model: torch.nn.Module, prompt_ids: Sequence[int], *, candidates: Sequence[int] | None = None,
-                 every_s: float = 20.0, load: OtherLoad | None = None) -> None:
+                 every_s: float = 20.0, load: OtherLoad | None = None, run: Callable[[], int] | None = None) -> None:
         self.model, self.prompt_ids, self.candidates, self.every_s = model, list(prompt_ids), candidates, every_s
-        self.load = load
+        self.load, self.run = load, run
         self.choices: list[ThreadChoice] = []
         self._before: int | None = None
         self._checked = 0.0
 
     def start(self) -> ThreadChoice:
         import torch
+
+        from specdistill.hardware import OtherLoad  # lazy: keeps torch off import
 
         self._before = torch.get_num_threads()
         self.load = self.load or OtherLoad()
@@ -143,7 +119,7 @@ class ThreadWatch:
     def _probe(self) -> ThreadChoice:
         self.load.read()
         started = time.perf_counter()
-        choice = fastest_threads(self.model, self.prompt_ids, self.candidates)
+        choice = fastest_threads(self.model, self.prompt_ids, self.candidates, **({"run": self.run} if self.run else {}))
         choice.others_busy, choice.seconds = self.load.read(), time.perf_counter() - started
         self.choices.append(choice)
         self._checked = time.monotonic()
@@ -178,3 +154,23 @@ class ThreadWatch:
         first, more = self.choices[0], self.choices[1:]
         again = "".join(f"; the load moved, probed again: {c.describe()}" for c in more)
         return first.describe() + again
+
+
+@contextmanager
+def chosen_threads(setting: int | str | None, model: torch.nn.Module, prompt_ids: Sequence[int] | None, *,
+                   run: Callable[[], int] | None = None) -> Iterator[ThreadWatch | None]:
+    """torch's thread count for a stage, put back after: `auto` probes it for the load found (a `ThreadWatch`,
+    whose `check` the stage calls between its batches, prompts or steps), a number sets it, None leaves torch's."""
+    import torch
+
+    before = torch.get_num_threads()
+    if setting == "auto" and prompt_ids:
+        with ThreadWatch(model, list(prompt_ids), run=run) as watch:
+            yield watch
+        return
+    try:
+        if isinstance(setting, int):
+            torch.set_num_threads(setting)
+        yield None
+    finally:
+        torch.set_num_threads(before)

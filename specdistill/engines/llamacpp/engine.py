@@ -99,11 +99,11 @@ def bench_llamacpp(target_ref: str | os.PathLike, modes: dict[str, ServerMode], 
 
 
 def target_server(target_ref: str | os.PathLike, *, parallel: int, ctx_per_slot: int, threads: int = 2,
-                  engine: LlamaCpp | None = None) -> LlamaServer:
+                  engine: LlamaCpp | None = None, poll: int | None = None) -> LlamaServer:
     """llama-server (not started yet: use it as a context manager) on the target's GGUF with `parallel`
     slots of `ctx_per_slot` tokens each (a prompt and its answer), decoded together as one batch: the
     engine that answers the nightly's prompts when no server URL is given."""
     engine = engine or build_llama_server()
     config = ServerConfig(model=target_gguf(target_ref), threads=threads, parallel=parallel,
-                          ctx_size=parallel * ctx_per_slot)
+                          ctx_size=parallel * ctx_per_slot, poll=poll)
     return LlamaServer(engine.server, config)

@@ -68,6 +68,9 @@ class ServerConfig:
     model: Path  # the target GGUF
     mode: ServerMode = field(default_factory=ServerMode)
     threads: int = 2
+    # llama.cpp's `--poll` (0-100, its default 50): how hard its idle threads spin for work; beside a busy core
+    # a spinning thread holds a core the other thread's barrier waits for. None: llama.cpp's default
+    poll: int | None = None
     ctx_size: int = 2048
     parallel: int = 1  # slots: 1 for timing, more for batched answer generation
     host: str = LOOPBACK
@@ -81,6 +84,8 @@ def server_args(config: ServerConfig, port: int) -> list[str]:
             "-np", str(config.parallel), "--metrics", "--no-webui", *config.mode.args()]
     if config.mode.spec_type.startswith("draft"):
         args += ["-td", str(config.threads)]
+    if config.poll is not None:
+        args += ["--poll", str(config.poll), "--poll-batch", str(int(config.poll > 0))]
     return args
 
 

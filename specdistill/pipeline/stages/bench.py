@@ -4,6 +4,7 @@ gate's verdict on the challenger (`ops.policy.evaluate`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from specdistill.data.prompts import Prompt, encode_chat
@@ -18,7 +19,7 @@ from specdistill.speculative import drafter_from_spec
 from specdistill.speculative.gamma import bench_at_best_gamma
 from specdistill.speculative.harness_bench import run_bench_many
 from specdistill.speculative.specs import SELF_SPEC, DrafterSpec, hybrid_model
-from specdistill.speculative.threads import ThreadChoice, fastest_threads
+from specdistill.speculative.threads import ThreadChoice, chosen_threads
 
 
 def measured_drafters(config: NightlyConfig, trained: Trained, warm_start: WarmStart | None,
@@ -51,22 +52,15 @@ def benchmark(config: NightlyConfig, window: Window, drafters: dict[str, Drafter
     Each drafter is built by `speculative.drafter_from_spec` (a corpus is checked against the target's
     fingerprint); results are keyed by the given name and carry the spec they ran as text (`BenchResult.spec`).
     """
-    import torch
-
-    if isinstance(config.bench.threads, int):
-        torch.set_num_threads(config.bench.threads)
     target = shared_model(config.target, dtype=config.dtype, device=config.device)
     tokenizer = target_tokenizer(config)
     prompts = [Prompt(text="", slice=p.slice, ids=encode_chat(tokenizer, p.messages)) for p in window.eval]
-    before = torch.get_num_threads()
-    threads = fastest_threads(target.model, prompts[0].ids) if config.bench.threads == "auto" and prompts else None
-    try:
-        drafters, skipped = _fit(config, drafters, target, prompts, threads, deadline_at)
-        results = _bench(config, drafters, target, prompts, deadline_at)
-    finally:
-        if threads:
-            torch.set_num_threads(before)  # the probe's choice is the benchmark's, not the process's
-    probe = {"thread_probe": threads.to_dict()} if threads else {}
+    # `auto`: the thread count for the load found, probed again between prompt rounds when the load moves (a
+    # neighbour that comes or goes mid-benchmark), as the monitor measures; the process's count put back after
+    with chosen_threads(config.bench.threads, target.model, prompts[0].ids if prompts else None) as watch:
+        drafters, skipped = _fit(config, drafters, target, prompts, watch.choices[0] if watch else None, deadline_at)
+        results = _bench(config, drafters, target, prompts, deadline_at, watch.check if watch else None)
+    probe = {"thread_probe": watch.choices[0].to_dict(), "thread_watch": watch.describe()} if watch else {}
     return {name: replace(result, spec=str(drafters[name]), stats={**result.stats, **probe},
                           budget_note="; ".join(x for x in (result.budget_note, skipped) if x))
             for name, result in results.items()}
@@ -88,7 +82,8 @@ def _fit(config: NightlyConfig, drafters: dict[str, DrafterSpec], target, prompt
     return {n: drafters[n] for n in kept}, skipped_note(skipped, seconds, rate) if skipped else ""
 
 
-def _bench(config: NightlyConfig, drafters: dict[str, DrafterSpec], target, prompts, deadline_at: float | None) -> dict[str, BenchResult]:
+def _bench(config: NightlyConfig, drafters: dict[str, DrafterSpec], target, prompts, deadline_at: float | None,
+           between_rounds: Callable[[], object] | None = None) -> dict[str, BenchResult]:
     b, s = config.bench, config.serving
     bcfg = b.bench_config()
     made = {name: drafter_from_spec(target.model, spec, tree_width=_served_tree_width(spec, b.tree_width),
@@ -100,7 +95,7 @@ def _bench(config: NightlyConfig, drafters: dict[str, DrafterSpec], target, prom
     # however late the run, the prompts the gate and the serving choice need are measured (past the deadline)
     needed = max(s.min_prompts, config.gate.gate_config().min_prompts or 0)
     results = run_bench_many(target.model, target.tokenizer, made, prompts, bcfg, gammas=gammas, deadline=deadline,
-                             min_prompts=needed)
+                             min_prompts=needed, between_rounds=between_rounds)
     if s.choose_gamma and deadline.expired():
         skipped = "time budget reached: each drafter's γ was not searched (measured at the benchmark's γ only)"
         results = {name: replace(r, budget_note="; ".join(x for x in (r.budget_note, skipped) if x))

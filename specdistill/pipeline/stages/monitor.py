@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Iterator
 
 from specdistill import hardware
 from specdistill.acceptance import DraftCounts
@@ -25,7 +24,7 @@ from specdistill.pipeline.monitor_config import MonitorConfig
 from specdistill.pipeline.outputs import AppliedFallback, Champion, MonitorOutcome, RecordedDecision, Sample
 from specdistill.pipeline.stages.choose_mode import draft_free_fields
 from specdistill.pipeline.stages.corpus import current_corpus_path
-from specdistill.speculative.threads import ThreadWatch
+from specdistill.speculative.threads import ThreadWatch, chosen_threads
 
 STAGES = ("replay", "fallback")  # the monitor's budgeted stages, in the order they run
 PROBE_PROMPT_TOKENS = 64  # the thread probe times decoding, not a long prompt's prefill (which favours more threads)
@@ -161,23 +160,12 @@ def measured_on(config: MonitorConfig) -> str:
     return hardware.describe_device(config.nightly.device)
 
 
-@contextlib.contextmanager
-def measuring_threads(config: MonitorConfig, target: LoadedModel, prompt_ids: list[int] | None) -> Iterator[ThreadWatch | None]:
+def measuring_threads(config: MonitorConfig, target: LoadedModel,
+                      prompt_ids: list[int] | None) -> contextlib.AbstractContextManager[ThreadWatch | None]:
     """torch's thread count while the monitor measures, put back after: `threads: auto` probes it for
     the load found (`speculative.threads.ThreadWatch`, again when the load moves), a number sets it."""
-    import torch
-
-    before = torch.get_num_threads()
-    if config.threads == "auto" and prompt_ids:
-        with ThreadWatch(target.model, list(prompt_ids)[-PROBE_PROMPT_TOKENS:]) as watch:
-            yield watch
-        return
-    try:
-        if isinstance(config.threads, int):
-            torch.set_num_threads(config.threads)
-        yield None
-    finally:
-        torch.set_num_threads(before)
+    ids = list(prompt_ids)[-PROBE_PROMPT_TOKENS:] if prompt_ids else None
+    return chosen_threads(config.threads, target.model, ids)
 
 
 def detect_drift(config: MonitorConfig, champion: Champion | None) -> TargetChange:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,10 +160,12 @@ def generate_answers_openai(
     progress: bool = True,
     timeout_s: float = 600.0,
     deadline: Deadline | None = None,
+    after_answer: Callable[[int], bool] | None = None,
 ) -> dict[str, dict]:
     """`harness.generate_answers` through a serving engine: the same JSONL records and teacher rows
     (greedy; k from the cache's metadata, which `served.top_k` must cover), returns all records.
-    With a `deadline`, no request is sent after it; the requests in flight finish and are kept."""
+    With a `deadline`, no request is sent after it; the requests in flight finish and are kept. `after_answer`
+    gets each finished answer's tokens (a rate watch); once it returns True no request is sent either."""
     k = int(teacher_cache.meta["k"]) if teacher_cache is not None else 1
     if k > served.top_k:
         raise ValueError(f"the teacher cache holds top-{k}, {mask_url(served.url)} gives top-{served.top_k}")
@@ -197,11 +199,12 @@ def generate_answers_openai(
 
     finished: list[tuple[Prompt, list[int], EngineAnswer]] = []
     waiting = iter(todo)
+    stopped = False
     with paths.open_private(out_path, "a", encoding="utf-8") as out, ThreadPoolExecutor(max_workers=parallel) as pool:
         running: set[Future] = set()
         try:
             while True:  # at most `parallel` requests in flight, none sent after the deadline
-                while len(running) < parallel and not (deadline is not None and deadline.expired()):
+                while len(running) < parallel and not stopped and not (deadline is not None and deadline.expired()):
                     p = next(waiting, None)
                     if p is None:
                         break
@@ -211,6 +214,8 @@ def generate_answers_openai(
                 done_now, running = wait(running, return_when=FIRST_COMPLETED)
                 for future in done_now:
                     finished.append(future.result())
+                    if after_answer is not None and after_answer(len(finished[-1][2].token_ids)):
+                        stopped = True
                 if len(finished) >= batch_size:
                     flush(finished, out)
         finally:  # after a failed request or an interrupt too: keep what finished, ask nothing more

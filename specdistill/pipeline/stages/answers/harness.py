@@ -12,8 +12,8 @@ import os
 import sys
 import time
 import zlib
-from collections.abc import Iterable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
@@ -26,10 +26,38 @@ from specdistill.data.prompts import Prompt, encode_chat
 from specdistill.distill.features import FEATURE_DTYPE, FeatureCache, feature_start
 from specdistill.distill.teacher import TeacherCache
 from specdistill.modeling.attention import decode_attention_for
+from specdistill.modeling.models import LoadedModel, dtype_name
+from specdistill.pipeline.config import NightlyConfig
 from specdistill.pipeline.stages.answers.answer_file import answer_record, append_records, resume
 from specdistill.pipeline.stages.answers.decode_loop import FeatureRecorder, TopKRecorder, decode_batch
+from specdistill.speculative.threads import ThreadWatch, chosen_threads
 
 SORT_CHUNK = 8  # batches sorted by length together: little padding, and a time cut keeps a sample of the prompts
+# generation.batch_size null: by the run's dtype, as measured on each CPU kind (benchmarks/README.md, "The answer stage's batch")
+ANSWER_BATCH = {"bfloat16": 64, "float32": 32}
+THREAD_PROBE_PROMPT, THREAD_PROBE_TOKENS = 32, 4  # the thread probe's batch: the stage's rows, short prompts, a few steps
+
+
+def answer_batch(config: NightlyConfig, target: LoadedModel) -> int:
+    return config.generation.batch_size or ANSWER_BATCH.get(dtype_name(target.model.dtype), 16)
+
+
+def answer_threads(config: NightlyConfig, target: LoadedModel, prompts: list[Prompt],
+                   batch: int) -> AbstractContextManager[ThreadWatch | None]:
+    """torch's threads while the harness answers (`generation.threads`): with `auto`, the count that decodes a
+    batch of the stage's `batch` rows fastest under the load found (`speculative.threads`), probed again when
+    other work comes or goes; the stage calls the watch's `check` between batches. A 2-thread decode beside one
+    busy core lost 6-9x on the AVX2 EPYC; one thread did not."""
+    rows = [encode_chat(target.tokenizer, p.messages)[-THREAD_PROBE_PROMPT:] for p in prompts[:batch]]
+    tok = target.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    def run() -> int:
+        with decode_attention_for(target.model):
+            decode_batch(target.model, rows, max_new_tokens=THREAD_PROBE_TOKENS, pad=pad, eos=-1)
+        return len(rows) * THREAD_PROBE_TOKENS
+
+    return chosen_threads(config.generation.threads, target.model, rows[0] if rows else None, run=run)
 
 
 @torch.inference_mode()
@@ -48,6 +76,7 @@ def generate_answers(
     feature_cache: FeatureCache | None = None,
     decode_attention: bool = True,
     deadline: Deadline | None = None,
+    after_batch: Callable[[int], bool] | None = None,
 ) -> dict[str, dict]:
     """Answer every prompt with the target, appending one JSONL record per answer; returns all records.
 
@@ -57,7 +86,8 @@ def generate_answers(
     have. `teacher_cache` and `feature_cache` get the target's top-k log-probs at every answer token and the
     EAGLE-3 feature layers' inputs (at the cache's `layers` and `prompt_context`), so no second target pass
     is needed. `decode_attention`: decode steps use `modeling.attention.decode_attention` instead of SDPA's
-    CPU flash kernel (faster for a batch; the same answers up to numerical near-ties).
+    CPU flash kernel (faster for a batch; the same answers up to numerical near-ties). `after_batch` gets each
+    written batch's answer tokens (a thread watch, a rate watch) and stops the answers when it returns True.
     """
     if teacher_cache is not None and temperature > 0:
         raise ValueError("record the teacher during greedy generation only; for sampled answers use features.build_cache")
@@ -97,10 +127,13 @@ def generate_answers(
                     "input_ids": seq, "start": torch.tensor(feature_start([False] * len(ids) + [True] * len(a), context),
                                                              dtype=torch.int64),
                     "features": features.rows(row, len(a)).to(FEATURE_DTYPE)} for row, pid, seq, ids, a in rows})
-            new_tokens += append_records(out, [answer_record(p, ids, a, tokenizer, "eos" if eos in a else "length", temperature)
-                                               for (p, ids), a in zip(batch, answers)], done)
+            written = append_records(out, [answer_record(p, ids, a, tokenizer, "eos" if eos in a else "length", temperature)
+                                           for (p, ids), a in zip(batch, answers)], done)
+            new_tokens += written
             bar.update(len(batch))
             bar.set_postfix(tokens=new_tokens)
             last = time.monotonic() - began
+            if after_batch is not None and after_batch(written):
+                break
     bar.close()
     return done

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -29,17 +30,17 @@ from specdistill.modeling.models import LoadedModel, dtype_name, shared_model
 from specdistill.pipeline.config import NightlyConfig, config_hash, run_root
 from specdistill.pipeline.outputs import GeneratedData, LoggedData, Window
 from specdistill.pipeline.stage_budgets import stage_deadline
-from specdistill.pipeline.stages.answers.choose_engine import choose_answer_engine
-from specdistill.pipeline.stages.answers.engine_client import connect, generate_answers_openai
-from specdistill.pipeline.stages.answers.harness import generate_answers
+from specdistill.pipeline.stages.answers.choose_engine import HARNESS, LLAMACPP, AnswerEngine, choose_answer_engine, supersede
+from specdistill.pipeline.stages.answers.engine_client import ServedTarget, connect, generate_answers_openai
+from specdistill.pipeline.stages.answers.harness import answer_batch, answer_threads, generate_answers
 from specdistill.pipeline.stages.answers.logged import label_logged
+from specdistill.pipeline.stages.answers.rate_watch import EngineSwitch, RateWatch, read_switch, write_switch
 
-# generation.batch_size null: by the run's dtype, as measured on each CPU kind (benchmarks/README.md, "The answer stage's batch")
-ANSWER_BATCH = {"bfloat16": 64, "float32": 32}
 LATEST_ANSWERS = "latest"  # under run_root()/data: the newest night's answers (`link_latest`)
 ENGINE_ONLY = {"backend", "url", "engine", "parallel"}  # settings the harness's answers do not depend on
-# records by id, what answered, answers file, teacher cache, what the logged responses gave
-Answered = tuple[dict[str, dict], str, Path, str | None, LoggedData | None]
+HOW_ONLY = {"threads"}  # how fast, not what: settings no answers depend on
+# records by id, what answered, answers file, teacher cache, what the logged responses gave, an engine switch
+Answered = tuple[dict[str, dict], str, Path, str | None, LoggedData | None, EngineSwitch | None]
 
 
 def generate_responses(config: NightlyConfig, window: Window, split: str, *, record_teacher: bool,
@@ -52,11 +53,13 @@ def generate_responses(config: NightlyConfig, window: Window, split: str, *, rec
     prompts = [Prompt(id=p.id, messages=p.messages) for p in window.split(split)]
     deadline = stage_deadline(config, "answers", deadline_at) if split == "train" else None  # the probe's time included
     engine = None
-    if config.generation.backend == "auto":  # measured once per target and machine, on the train prompts
-        engine = choose_answer_engine(config, target, [Prompt(id=p.id, messages=p.messages) for p in window.train])
+    if config.generation.backend == "auto":  # measured on the train prompts, again when the machine's load moved
+        engine = choose_answer_engine(config, target, [Prompt(id=p.id, messages=p.messages) for p in window.train],
+                                      recheck=split == "train")
         config = engine.apply(config)
     g = config.generation
-    records, source, out_path, cache_dir, logged = _answer(config, target, window, split, prompts, record_teacher, deadline)
+    records, source, out_path, cache_dir, logged, switch = _answer(config, target, window, split, prompts, record_teacher,
+                                                                   deadline, engine)
     if split == "train" and not any(p.id in records for p in window.split(split)):
         raise ValueError(f"the time budget left no time to answer any of the {len(prompts)} train prompts "
                          f"(generation.max_minutes={g.max_minutes}, deadline_minutes={config.deadline_minutes}): "
@@ -72,9 +75,12 @@ def generate_responses(config: NightlyConfig, window: Window, split: str, *, rec
     if all((out_path.parent / f"{s}_generated.jsonl").is_file() for s in ("train", "eval")):  # whichever came second
         link_latest(out_path.parent)
     answered = sum(1 for p in window.split(split) if p.id in records)  # decoded, or a logged answer of this target
+    choice = engine.summary() if engine is not None else None
+    if switch is not None and split == "train":
+        choice = "\n".join(x for x in (choice, switch.describe()) if x)
     return GeneratedData(path=str(out_path), teacher_cache=cache_dir, answers=answered,
                          tokens=sum(len(r["response_ids"]) for r in records.values()), answered_by=source,
-                         engine_choice=engine.summary() if engine is not None else None, logged=logged)
+                         engine_choice=choice, logged=logged)
 
 
 def link_latest(out_dir: Path) -> Path:
@@ -90,17 +96,13 @@ def link_latest(out_dir: Path) -> Path:
     return link
 
 
-def answer_batch(config: NightlyConfig, target: LoadedModel) -> int:
-    return config.generation.batch_size or ANSWER_BATCH.get(dtype_name(target.model.dtype), 16)
-
-
 def _outputs(config: NightlyConfig, window: Window, fingerprint: str, split: str, source: str, k: int,
              record_teacher: bool) -> tuple[Path, TeacherCache | None]:
     """The split's answers file and, for train answers, the teacher cache, keyed by what answered
     (the EAGLE-3 feature cache, when there is one, lies beside the teacher cache: `features_dir`)."""
     g = config.generation
     # which engine was started is in `source` (the key's tag), so keys of earlier llama.cpp answers hold
-    settings = g.model_dump(mode="json", exclude=ENGINE_ONLY if g.backend == "harness" else {"engine"})
+    settings = g.model_dump(mode="json", exclude=(ENGINE_ONLY if g.backend == "harness" else {"engine"}) | HOW_ONLY)
     tag = re.sub(r"[^A-Za-z0-9._-]+", "-", source)[:64]
     out_dir = paths.ensure_private(run_root() / "data" / f"{window.key}-{fingerprint}-{config_hash(settings)}-{tag}")
     cache = None
@@ -137,41 +139,105 @@ def _feature_cache(config: NightlyConfig, target: LoadedModel, out_path: Path, t
 
 
 def _answer(config: NightlyConfig, target: LoadedModel, window: Window, split: str, prompts: list[Prompt],
-            record_teacher: bool, deadline: Deadline | None) -> Answered:
+            record_teacher: bool, deadline: Deadline | None, engine: AnswerEngine | None = None) -> Answered:
     """In the harness, or through `generation.url` or a server started here (stopped after): llama-server on
     the target's GGUF, or vLLM on its HF directory (`generation.engine`). The teacher cache's `data` names
-    what answered; through an engine its k is what the server gives."""
+    what answered; through an engine its k is what the server gives. Between the two engines `auto` measured
+    (`engine`), the train answers switch for the rest of their prompts when the live rate collapses
+    (`rate_watch`), into the same answers file and teacher cache; a run that finds such a switch beside the
+    answers starts with the engine switched to."""
     g = config.generation
-    ctx_per_slot = config.window.max_prompt_tokens + g.max_new_tokens + 1
-    with ExitStack() as stack:
+    records = None
+    with ExitStack() as first:
         served = None
         if g.backend == "harness":
             source, k = dtype_name(target.model.dtype), g.teacher_top_k
         else:
-            if g.url:
-                url, source = g.url, ""
-            elif g.engine == "vllm":
-                server = stack.enter_context(vllm_bench.target_server(
-                    config.target, parallel=g.parallel, ctx_per_slot=ctx_per_slot, top_k=g.teacher_top_k,
-                    threads=config.serving.threads, dtype=config.dtype))
-                url, source = server.url, f"vllm:{server.config.dtype}"
-            else:
-                server = stack.enter_context(llamacpp.target_server(
-                    config.target, parallel=g.parallel, ctx_per_slot=ctx_per_slot, threads=config.serving.threads))
-                url, source = server.url, f"llamacpp:{llamacpp.gguf_dtype(server.config.model)}"
-            probe = prompts[0].messages if prompts else [{"role": "user", "content": "Hi."}]
-            served = connect(url, encode_chat(target.tokenizer, probe), g.teacher_top_k)
-            source, k = source or f"openai:{served.model.rstrip('/').rsplit('/', 1)[-1]}", served.top_k
+            served, source = _serve(first, config, target, prompts, engine)
+            k = served.top_k
         out_path, cache = _outputs(config, window, target.fingerprint, split, source, k, record_teacher)
         features = _feature_cache(config, target, out_path, cache) if served is None else None
         logged = _label_logged(config, target, prompts, out_path, cache, features, deadline)
         common = dict(batch_size=answer_batch(config, target), max_new_tokens=g.max_new_tokens, teacher_cache=cache,
                       deadline=deadline)
-        if served is None:
-            records = generate_answers(target.model, target.tokenizer, prompts, out_path, feature_cache=features, **common)
-        else:
-            records = generate_answers_openai(served, target.tokenizer, prompts, out_path, parallel=g.parallel, **common)
-    return records, source, out_path, str(cache.dir) if cache else None, logged
+        switch = read_switch(out_path.parent)
+        watch = _rate_watch(config, engine, served is None) if split == "train" and switch is None else None
+        if switch is None:
+            records = _answer_with(config, target, served, prompts, out_path, features, common, watch)
+            if watch is not None and watch.tripped and len(records) < len(prompts):
+                switch = _switch(config, target, engine, served is None, watch, len(records), out_path.parent)
+    if switch is not None and len(read_done(out_path)) < len(prompts):  # the first engine stopped: the other answers
+        with ExitStack() as second:
+            other = None
+            if switch.to != HARNESS:
+                other, _ = _serve(second, config, target, prompts, engine, force_llamacpp=True)
+            records = _answer_with(config, target, other, prompts, out_path, None, common, None)
+    if records is None:  # a resumed run found every answer written
+        records = read_done(out_path)
+    return records, source, out_path, str(cache.dir) if cache else None, logged, switch
+
+
+def _serve(stack: ExitStack, config: NightlyConfig, target: LoadedModel, prompts: list[Prompt],
+           engine: AnswerEngine | None, *, force_llamacpp: bool = False) -> tuple[ServedTarget, str]:
+    """The serving engine that answers (entered on `stack`), and the answers' source tag."""
+    g = config.generation
+    ctx_per_slot = config.window.max_prompt_tokens + g.max_new_tokens + 1
+    if g.url and not force_llamacpp:
+        url, source = g.url, ""
+    elif g.engine == "vllm" and not force_llamacpp:
+        server = stack.enter_context(vllm_bench.target_server(
+            config.target, parallel=g.parallel, ctx_per_slot=ctx_per_slot, top_k=g.teacher_top_k,
+            threads=config.serving.threads, dtype=config.dtype))
+        url, source = server.url, f"vllm:{server.config.dtype}"
+    else:  # at the threads and polling the answer-engine probe chose under the load it found
+        threads = engine.llamacpp_threads if engine is not None and engine.llamacpp_threads else config.serving.threads
+        server = stack.enter_context(llamacpp.target_server(
+            config.target, parallel=g.parallel, ctx_per_slot=ctx_per_slot, threads=threads,
+            poll=engine.llamacpp_poll if engine is not None else None))
+        url, source = server.url, f"llamacpp:{llamacpp.gguf_dtype(server.config.model)}"
+    probe = prompts[0].messages if prompts else [{"role": "user", "content": "Hi."}]
+    served = connect(url, encode_chat(target.tokenizer, probe), g.teacher_top_k)
+    return served, source or f"openai:{served.model.rstrip('/').rsplit('/', 1)[-1]}"
+
+
+def _answer_with(config: NightlyConfig, target: LoadedModel, served: ServedTarget | None, prompts: list[Prompt],
+                 out_path: Path, features: FeatureCache | None, common: dict, watch: RateWatch | None) -> dict[str, dict]:
+    """One engine answers what is left: the harness at the threads chosen for the load (checked between
+    batches), or the served engine."""
+    g = config.generation
+    if served is not None:
+        return generate_answers_openai(served, target.tokenizer, prompts, out_path, parallel=g.parallel,
+                                       after_answer=watch.observe if watch else None, **common)
+    with answer_threads(config, target, prompts, common["batch_size"]) as threads:
+        def after_batch(tokens: int) -> bool:
+            if threads is not None and (again := threads.check()) is not None:
+                print(f"target answers: the load moved, threads chosen again: {again.describe()}", file=sys.stderr)
+            return watch is not None and watch.observe(tokens)
+
+        return generate_answers(target.model, target.tokenizer, prompts, out_path, feature_cache=features,
+                                after_batch=after_batch, **common)
+
+
+def _rate_watch(config: NightlyConfig, engine: AnswerEngine | None, harness: bool) -> RateWatch | None:
+    """A watch on the live rate against the other engine's probe (None: no other engine was measured)."""
+    if engine is None or config.remeasure.switch_below <= 0:
+        return None
+    other = engine.speed_of(LLAMACPP if harness else HARNESS)
+    if not other:
+        return None
+    return RateWatch(config.remeasure.switch_below * other, config.remeasure.window_s)
+
+
+def _switch(config: NightlyConfig, target: LoadedModel, engine: AnswerEngine, harness: bool, watch: RateWatch,
+            answers: int, directory: Path) -> EngineSwitch:
+    """Record the switch beside the answers, print it, and mark the kept choice for measuring again."""
+    was, to = (HARNESS, LLAMACPP) if harness else (LLAMACPP, HARNESS)
+    switch = EngineSwitch(was, to, answers, round(watch.rate or 0.0, 2), watch.window_s,
+                          round(engine.speed_of(to) or 0.0, 2), config.remeasure.switch_below, time.time())
+    write_switch(directory, switch)
+    print(switch.describe().replace("**", ""), file=sys.stderr)
+    supersede(config, target, f"the stage dropped it: {was} at {switch.live_tokens_per_s:.1f} answer tokens/s live")
+    return switch
 
 
 def _label_logged(config: NightlyConfig, target: LoadedModel, prompts: list[Prompt], out_path: Path,
