@@ -21,9 +21,11 @@ from specdistill.modeling.eagle3_init import init_eagle3_from_target
 from specdistill.modeling.eagle3_io import load_eagle3, save_eagle3
 from specdistill.modeling.models import load_model
 from specdistill.modeling.vocab import DraftVocab
+from tests import test_eagle3_train
 from tests.conftest import save_tiny_target, train_bpe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+eagle_world = test_eagle3_train.eagle_world  # the fixture: a tiny target and its greedy answers
 SIDE = Path(__file__).with_name("speculators_side.py")
 AUX = [1, 3, 4]
 
@@ -237,3 +239,42 @@ def test_speculators_classes_load_the_export_and_agree(speculators_env, head_dir
         valid = next_ids.shape[1] - j
         torch.testing.assert_close(logits[:, :valid], theirs[f"step{j}"][:, :valid], rtol=1e-5, atol=1e-5)
 
+
+
+# --------------------------------------------------------------------------------------------
+# an imported head works wherever a head does: bench, warm start of a night
+
+
+def test_an_imported_head_benches_and_warm_starts_a_night_as_the_original(eagle_world, tmp_path, capsys):
+    """A head brought in (speculators format) is the head it was exported from: the same per-position acceptance
+    in `bench` (lossless), and a night started from it trains exactly as one started from the original."""
+    from specdistill.cli import main
+    from specdistill.distill.train import distill
+    _eagle_config = test_eagle3_train._eagle_config
+
+    first = distill(_eagle_config(eagle_world, tmp_path / "night1", "optim.max_steps=30", "eval_every=15"))
+    target = load_model(eagle_world / "target", dtype="float32")
+    done = import_head(export_head(first.draft_dir, tmp_path / "s", format="speculators"), target, tmp_path / "imported")
+    prompts = tmp_path / "question.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": i, "category": "c", "turns": [t]}) + "\n" for i, t in
+                               enumerate(["hello world, the quick brown fox", "def add(a, b): return a + b",
+                                          "speculative decoding drafts tokens"])))
+    capsys.readouterr()  # what training printed
+    benched = {}
+    for name, head in (("original", first.draft_dir), ("imported", done.out)):
+        assert main(["bench", "--target", str(eagle_world / "target"), "--draft", str(head), "--prompts", str(prompts),
+                     "--dtype", "float32", "--gamma", "3", "--max-new-tokens", "12", "--repeats", "1", "--threads", "1",
+                     "--json"]) == 0
+        benched[name] = json.loads(capsys.readouterr().out)
+    assert benched["imported"]["lossless"] is True and benched["imported"]["drafter"].startswith("eagle3:")
+    assert benched["imported"]["first_position_acceptance"] > 0  # a trained head, so equality below says something
+    assert benched["imported"]["per_position_acceptance"] == benched["original"]["per_position_acceptance"]
+
+    nights = {name: distill(_eagle_config(eagle_world, tmp_path / name, "optim.max_steps=3", "eval_every=3",
+                                          f"draft={start}"))
+              for name, start in (("from-original", first.draft_dir), ("from-imported", done.out))}
+    a, b = nights["from-original"], nights["from-imported"]
+    assert b.steps == 3 and b.curve[0]["acceptance"] == pytest.approx(first.curve[-1]["acceptance"])
+    assert [c["acceptance_per_position"] for c in b.curve] == [c["acceptance_per_position"] for c in a.curve]
+    meta = json.loads((Path(b.draft_dir) / META_FILE).read_text())
+    assert meta["warm_start"]["dir"] == str(done.out)

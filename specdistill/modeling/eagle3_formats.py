@@ -36,7 +36,7 @@ SPECULATORS = "speculators"
 EAGLE3_LAYOUT = "eagle3"
 FORMATS = (EAGLE3_LAYOUT, SPECULATORS)
 SPECULATORS_VERSION = "0.9.0"  # the config layout written (speculators' own classes validate it in the tests)
-SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
+SPECULATORS_ARCHITECTURE = "Eagle3DraftModel"  # what speculators' save_pretrained writes
 # Eagle 3.1 switches (speculators' Eagle3SpeculatorConfig; SpecForge's 3.1 configs), none implemented by the head
 UNIMPLEMENTED_SWITCHES = {
     "norm_before_residual": "the residual taken after hidden_norm",
