@@ -278,3 +278,10 @@ def test_an_imported_head_benches_and_warm_starts_a_night_as_the_original(eagle_
     assert [c["acceptance_per_position"] for c in b.curve] == [c["acceptance_per_position"] for c in a.curve]
     meta = json.loads((Path(b.draft_dir) / META_FILE).read_text())
     assert meta["warm_start"]["dir"] == str(done.out)
+
+
+def test_import_leaves_the_target_in_its_own_dtype(head_dir, target_dir, tmp_path):
+    """The imported head is cast to its source's dtype; the target it shares embeddings with is not."""
+    bf16 = load_model(target_dir, dtype="bfloat16")
+    import_head(export_head(head_dir, tmp_path / "s", format="speculators"), bf16, tmp_path / "i")
+    assert {p.dtype for p in bf16.model.parameters()} == {torch.bfloat16}

@@ -113,7 +113,9 @@ def import_head(source: str | os.PathLike, target: LoadedModel, out: str | os.Pa
     head = read_head(source, target.config.num_hidden_layers)
     check_against_target(head, target, where)
     _check_tokenizer(source, target)
-    draft = Eagle3Draft(head.config, target.model.get_input_embeddings())
+    # a copy of the target's embeddings: the head is cast below, and the target must stay in its own dtype
+    embed = torch.nn.Embedding.from_pretrained(target.model.get_input_embeddings().weight.detach().clone())
+    draft = Eagle3Draft(head.config, embed)
     expected = {k: tuple(v.shape) for k, v in head_tensors(draft).items()}
     found = {k: tuple(v.shape) for k, v in head.tensors.items()}
     if expected != found:
