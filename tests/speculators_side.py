@@ -63,7 +63,8 @@ def load(spec: dict) -> Eagle3DraftModel:
     assert config.speculators_model_type == "eagle3", config
     config.transformer_layer_config._attn_implementation = "eager"
     model = Eagle3DraftModel.from_pretrained(spec["out"], config=config)
-    if torch.isnan(model.embed_tokens.weight).any():  # an export leaves the target's embeddings to the target
+    saved = load_file(str(Path(spec["out"]) / "model.safetensors"))
+    if "embed_tokens.weight" not in saved:  # an export leaves the embeddings to the target: load the target's
         weights = load_file(str(Path(spec["target"]) / "model.safetensors"))
         with torch.no_grad():
             model.embed_tokens.weight.copy_(weights["model.embed_tokens.weight"])
