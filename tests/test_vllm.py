@@ -12,7 +12,7 @@ import time
 import pytest
 
 from specdistill.data.prompts import Prompt
-from specdistill.engines.client import chat, metrics_url, scrape
+from specdistill.engines.client import chat, delta, metrics_url, scrape
 from specdistill.engines.endpoint_bench import TARGET_ONLY, EngineBenchConfig, run_engine_bench
 from specdistill.speculative.specs import DrafterSpec
 from tests.conftest import eval_window
@@ -53,6 +53,16 @@ def eagle_head(tmp_path_factory, demo_target):
 
 
 @pytest.fixture(scope="session")
+def speculators_head(tmp_path_factory, eagle_head):
+    """The same head exported in vLLM's speculators format (`draft export --format speculators`)."""
+    from specdistill.engines.vllm.bench import target_dir
+    from specdistill.modeling.eagle3_import import export_head
+
+    return export_head(eagle_head, tmp_path_factory.mktemp("speculators") / "head", format="speculators",
+                       target=str(target_dir("demo")))
+
+
+@pytest.fixture(scope="session")
 def legacy_draft(tmp_path_factory, layer_draft):
     """The layer draft as drafts were saved before the map moved: draft_vocab.safetensors beside the weights."""
     import shutil
@@ -71,14 +81,15 @@ class Servers(dict):
 
 
 @pytest.fixture(scope="session")
-def vllm_servers(vllm_env, layer_draft, eagle_head, legacy_draft):
+def vllm_servers(vllm_env, layer_draft, eagle_head, legacy_draft, speculators_head):
     """target-only, ngram, eagle3 and draft_model servers, started side by side with a legacy-layout draft
     that vLLM must refuse (its failure overlaps the others' start-up), stopped at the end."""
     from specdistill.engines.vllm.bench import served_dtype, target_dir
     from specdistill.engines.vllm.server import VllmConfig, VllmServer, start_together
 
     modes = {TARGET_ONLY: None, "ngram": _serving_block(NGRAM_SPEC), "eagle3": _serving_block(f"draft:{eagle_head}"),
-             "layers": _serving_block(f"draft:{layer_draft}"), "legacy": _serving_block(f"draft:{legacy_draft}")}
+             "layers": _serving_block(f"draft:{layer_draft}"), "legacy": _serving_block(f"draft:{legacy_draft}"),
+             "speculators": {"method": "eagle3", "model": str(speculators_head), "num_speculative_tokens": K}}
     assert modes["eagle3"]["method"] == "eagle3" and modes["layers"]["method"] == "draft_model"
     servers = {name: VllmServer(VllmConfig(model=target_dir("demo"), speculative_config=spec, dtype=served_dtype(),
                                            max_logprobs=20, name=name), vllm_env)
@@ -124,6 +135,21 @@ def test_exported_eagle3_head_loads_and_drafts_in_vllm(vllm_servers):
     assert accepted >= drafted / 4, f"{accepted:g}/{drafted:g} accepted of a memorised answer"
     base = chat(vllm_servers[TARGET_ONLY].url, [{"role": "user", "content": REPEAT}], max_tokens=24)
     assert done.text == base.text  # greedy: speculation changes nothing
+
+
+def test_speculators_export_loads_in_vllm_and_drafts_as_the_eagle3_layout(vllm_servers):
+    """vLLM reads the speculators export as a speculator (its SpeculatorsConfig: speculators_model_type eagle3,
+    norm_before_residual false) and drafts exactly what the same head in the EAGLE-3 layout drafts there."""
+    counts = {}
+    for name in ("eagle3", "speculators"):
+        server = vllm_servers[name]
+        before = scrape(metrics_url(server.url))
+        done = chat(server.url, [{"role": "user", "content": REPEAT}], max_tokens=24)
+        counts[name] = (done.text, delta(before, scrape(metrics_url(server.url))).counts)
+    text, drafted = counts["speculators"]
+    assert drafted.proposed > 0 and drafted.accepted >= drafted.proposed / 4
+    assert counts["speculators"] == counts["eagle3"]  # same text, rounds, per-position acceptance
+    assert text == chat(vllm_servers[TARGET_ONLY].url, [{"role": "user", "content": REPEAT}], max_tokens=24).text
 
 
 def test_layer_draft_with_reduced_vocabulary_loads_and_drafts_in_vllm(vllm_servers, layer_draft):

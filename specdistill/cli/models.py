@@ -98,6 +98,32 @@ def _init_eagle3(args: argparse.Namespace, target, draft_vocab) -> int:
     return 0
 
 
+def cmd_draft_import(args: argparse.Namespace) -> int:
+    from specdistill.modeling.eagle3_import import import_head  # lazy: CLI start-up
+    from specdistill.modeling.models import load_model  # lazy: CLI start-up
+
+    if not args.out:
+        raise SystemExit("draft import needs --out DIR: where the imported head is written")
+    check_out(args)  # before the target loads: a refused OUT costs nothing
+    target = load_model(args.target, dtype="float32")  # the head is checked against it and saved
+    done = import_head(args.source, target, args.out, force=args.force)
+    payload = {"out": str(done.out), "kind": "eagle3", "source_format": done.source_format, **done.meta}
+    emit(args, payload, f"EAGLE-3 head from {args.source} ({done.source_format} format, sha256 "
+                        f"{done.source_sha256[:12]}) checked against {target.path} -> {done.out}")
+    return 0
+
+
+def cmd_draft_export(args: argparse.Namespace) -> int:
+    from specdistill.modeling.eagle3_import import export_head  # lazy: CLI start-up
+
+    if not args.out:
+        raise SystemExit("draft export needs --out DIR: where the exported head is written")
+    check_out(args)
+    out = export_head(args.head, args.out, format=args.format, target=args.target, force=args.force)
+    emit(args, {"out": str(out), "format": args.format}, f"EAGLE-3 head {args.head} in the {args.format} format -> {out}")
+    return 0
+
+
 def check_out(args: argparse.Namespace) -> None:
     """Refuse OUT before any work when it would replace what `draft` writers did not write."""
     from specdistill import paths  # lazy: CLI start-up
@@ -130,3 +156,17 @@ def register(sub: Subcommands) -> None:
     p.add_argument("--draft-vocab", type=count_in(bounds.MAX_TOP_K), default=None, help="keep only the N most frequent tokens")
     p.add_argument("--traffic", default=None, help="text file whose token counts choose the draft vocabulary")
     add_out(p)
+    p = command(draft, "import", cmd_draft_import,
+                "an EAGLE-3 head in the speculators format or the EAGLE-3/SpecForge layout, checked against the target",
+                example="draft import speculators-head/ --target demo --out runs/imported")
+    p.add_argument("source", metavar="DIR")
+    p.add_argument("--target", default="demo")
+    add_out(p, "--out")
+    p = command(draft, "export", cmd_draft_export, "an EAGLE-3 head written in the speculators format or the EAGLE-3 layout",
+                example="draft export runs/head --format speculators --out runs/head-speculators")
+    p.add_argument("head", metavar="DIR")
+    p.add_argument("--format", choices=("eagle3", "speculators"), default="eagle3",
+                   help="eagle3: the layout vLLM's eagle3 method, SGLang and SpecForge load (default); speculators: "
+                        "vLLM's speculators format")
+    p.add_argument("--target", default=None, help="the verifier a speculators config names (default: the head's own target)")
+    add_out(p, "--out")

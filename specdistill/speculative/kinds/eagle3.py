@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from specdistill.speculative.drafters import Drafter
 
 NAME = "eagle3"
+IMPORT_LINEAGE = ("imported_from", "source_sha256", "source_format")  # the meta `draft import` writes
 
 
 def is_head(directory: str | os.PathLike) -> bool:
@@ -57,9 +58,13 @@ def first_gamma(spec: DrafterSpec, gamma: int) -> int:
 
 def tags(draft_dir: str) -> dict[str, str]:
     """A registered head's lineage: the target layers it reads (it is valid only on a target whose features it
-    was trained on) and its draft vocabulary."""
+    was trained on), its draft vocabulary, and for a head brought from elsewhere (`draft import`) where it
+    came from and the hash of what was read."""
+    meta_path = Path(draft_dir) / META_FILE
+    meta = paths.read_json(meta_path, "draft meta") if meta_path.is_file() else {}
+    imported = {key: str(meta[key]) for key in IMPORT_LINEAGE if meta.get(key)}
     return {"feature_layers": ",".join(map(str, feature_layers(draft_dir))),
-            "draft_vocab_size": str(read_config(draft_dir).get("draft_vocab_size"))}
+            "draft_vocab_size": str(read_config(draft_dir).get("draft_vocab_size")), **imported}
 
 
 def _vllm(c: Any) -> dict[str, Any]:
