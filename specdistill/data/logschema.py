@@ -81,10 +81,12 @@ conversations = sa.Table(
     sa.Column("record_id", sa.String(256)),
     sa.Column("target_version", sa.String(256), index=True),  # the model that served it, if logged
     sa.Column("request_temperature", sa.Float()),  # the sampling temperature its request asked for, if logged
+    sa.Column("user", sa.String(256), index=True),  # the request's logged `user` (OpenAI logs): what `logs forget` finds
     sa.Column("notes", sa.Text()),  # JSON list: what normalization changed
     sa.Column("arrived_at", UTCDateTime(), nullable=False, index=True),
     sa.Column("ingested_at", UTCDateTime(), nullable=False),
     sa.Column("ingest_run_id", _ID, sa.ForeignKey("ingest_runs.id")),
+    sa.Index("ix_conversations_source_split_arrived", "source", "split", "arrived_at"),
 )
 
 responses = sa.Table(

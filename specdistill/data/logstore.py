@@ -256,11 +256,27 @@ class LogStore(PipelineRecords):
         """A reproducible random sample of a window, in random order: its first k are a sample too, which is
         how the nightly and the monitor take the usable prompts they need from it. (Sorted by id, the first k
         were the oldest of it: every seed's window drew on the oldest quarter of the traffic, and the demo's
-        nights answered the same prompts again: 300-660 of each two nights' 1,000-2,000 answers.)"""
+        nights answered the same prompts again: 300-660 of each two nights' 1,000-2,000 answers.)
+
+        Drawn in SQL, so its memory is the sample's and its time the window's (reading every id of a window
+        into Python cost seconds and gigabytes at tens of millions): the window's conversations ordered by a
+        keyed hash of their id (`_sample_key`: three multiply-xor rounds modulo a prime, keys from the seed),
+        the first `n`. Each conversation is in it with about the same probability n/N for a random seed, two
+        seeds overlap as two independent samples do, and `sample(k, seed)` is the first k of `sample(n, seed)`."""
+        c = conversations.c
+        query = sa.select(c.id).where(*self._where(**filters)).order_by(_sample_key(c.id, seed), c.id).limit(max(n, 0))
         with self.engine.connect() as conn:
-            ids = conn.execute(sa.select(conversations.c.id).where(*self._where(**filters))
-                               .order_by(conversations.c.id)).scalars().all()
-        return self.by_ids(random.Random(seed).sample(ids, min(n, len(ids))))
+            ids = conn.execute(query).scalars().all()
+        return self.by_ids(ids)
+
+    def sources(self) -> list[str]:
+        """The sources the store holds conversations of, in order: a walk down the source index, one
+        lookup per source (a loose index scan), not a scan of every conversation."""
+        walk = sa.text("WITH RECURSIVE s(source) AS (SELECT min(source) FROM conversations UNION ALL "
+                       "SELECT (SELECT min(source) FROM conversations WHERE source > s.source) FROM s "
+                       "WHERE s.source IS NOT NULL) SELECT source FROM s WHERE source IS NOT NULL")
+        with self.engine.connect() as conn:
+            return list(conn.execute(walk).scalars())
 
     def by_ids(self, ids: Iterable[int]) -> list[StoredConversation]:
         """Conversations by id, in the order asked (a window chosen earlier, read again)."""
@@ -342,6 +358,21 @@ class LogStore(PipelineRecords):
             query = query.where(q.source == source)
         with self.engine.connect() as conn:
             return [dict(r) for r in conn.execute(query).mappings()]
+
+
+_SAMPLE_PRIME = 2_147_483_647  # 2^31 - 1: every product below stays under 2^62, in SQLite's and PostgreSQL's integers
+
+
+def _sample_key(column, seed: int):
+    """A seeded hash of an integer column in portable SQL (SQLite has no hash function): three rounds of
+    x -> ((x * a + b) mod p) xor c with a, b, c drawn from `seed`."""
+    rng = random.Random(f"specdistill-sample:{seed}")
+    x = column % sa.literal_column(str(_SAMPLE_PRIME))
+    for _ in range(3):
+        a, b, c = (sa.literal_column(str(rng.randrange(1, _SAMPLE_PRIME))) for _ in range(3))
+        x = (x * a + b) % sa.literal_column(str(_SAMPLE_PRIME))
+        x = x.bitwise_or(c) - x.bitwise_and(c)  # xor, which SQLite spells no other way
+    return x
 
 
 def _stored(row) -> StoredConversation:
