@@ -172,6 +172,7 @@ def _parse_openai(obj: Any, max_chars: int) -> dict:
         created = response.get("created") if isinstance(response.get("created"), (int, float)) else None
         rid = response.get("id")
         temperature = request.get("temperature")
+        user = request.get("user")
     else:
         messages = _require(obj, "messages", list)
         turns = _turns_from_openai(messages, "")
@@ -181,6 +182,7 @@ def _parse_openai(obj: Any, max_chars: int) -> dict:
         created = obj.get("created") if isinstance(obj.get("created"), (int, float)) else None
         rid = obj.get("id")
         temperature = obj.get("temperature")
+        user = obj.get("user")
     notes: list[str] = []
     return {
         "messages": normalize_messages(turns, max_chars, notes),
@@ -188,6 +190,7 @@ def _parse_openai(obj: Any, max_chars: int) -> dict:
         "served_by": served_by if isinstance(served_by, str) else None,
         "timestamp": float(created) if created is not None and not isinstance(created, bool) else None,
         "record_id": rid if isinstance(rid, str) else None,
+        "user": user[:256] if isinstance(user, str) and user else None,  # OpenAI's end-user id, for `logs forget`
         # the temperature the request asked for (absent: the server's default, unknown here)
         "temperature": (float(temperature) if isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
                         and 0 <= temperature <= 100 else None),

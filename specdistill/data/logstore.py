@@ -24,7 +24,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import orjson
 import sqlalchemy as sa
+import sqlalchemy.dialects.sqlite
 from sqlalchemy.engine import Connection
 
 from specdistill import paths
@@ -150,19 +152,17 @@ class LogStore(PipelineRecords):
             arrived = datetime.fromtimestamp(rec.timestamp, timezone.utc) if rec.timestamp is not None else now
             rows[digest] = dict(
                 content_hash=digest, prompt_hash=p_hash, split=split_of(p_hash, self.eval_fraction),
-                messages=json.dumps([{"role": m.role, "content": m.content} for m in rec.messages], ensure_ascii=False),
+                messages=orjson.dumps([{"role": m.role, "content": m.content} for m in rec.messages]).decode(),
                 num_messages=len(rec.messages), num_chars=sum(len(m.content) for m in rec.messages),
                 source=rec.source, location=rec.location, record_id=rec.record_id, target_version=rec.served_by,
-                request_temperature=rec.temperature,
+                request_temperature=rec.temperature, user=rec.user,
                 notes=json.dumps(rec.notes) if rec.notes else None, arrived_at=arrived, ingested_at=now,
                 ingest_run_id=run_id)
         with writing(self.engine) as conn:
             if rows:
                 # Sorted by hash so two concurrent batches lock rows in the same order (no deadlock).
                 ordered = [rows[k] for k in sorted(rows)]
-                stmt = self._insert(conversations).on_conflict_do_nothing(index_elements=["content_hash"])
-                inserted = conn.execute(stmt.returning(conversations.c.content_hash), ordered).scalars().all()
-                counts.stored = len(inserted)
+                counts.stored = _insert_new(conn, ordered)
                 counts.duplicates += len(rows) - counts.stored
             if bad:
                 stmt = self._insert(quarantine).on_conflict_do_nothing(
@@ -358,6 +358,33 @@ class LogStore(PipelineRecords):
             query = query.where(q.source == source)
         with self.engine.connect() as conn:
             return [dict(r) for r in conn.execute(query).mappings()]
+
+
+_STAGING = "specdistill_incoming"  # PostgreSQL: a session's temporary table a batch is copied into
+_COLUMNS = [col.name for col in conversations.c if col.name != "id"]
+
+
+def _insert_new(conn: Connection, rows: list[dict]) -> int:
+    """Insert the conversations not stored yet (by content hash); returns how many were. PostgreSQL: COPY into
+    a temporary table and one INSERT .. SELECT .. ON CONFLICT DO NOTHING (a multi-row INSERT cost more in the
+    driver building its SQL than the server took to run it); SQLite: the driver's executemany, counted by
+    its row count. Neither returns rows."""
+    if conn.dialect.name == "postgresql":
+        names = ", ".join(f'"{c}"' for c in _COLUMNS)
+        cur = conn.connection.driver_connection.cursor()
+        try:
+            cur.execute(f"CREATE TEMPORARY TABLE IF NOT EXISTS {_STAGING} ON COMMIT DELETE ROWS AS "
+                        f"SELECT {names} FROM conversations WITH NO DATA")
+            with cur.copy(f"COPY {_STAGING} ({names}) FROM STDIN") as copy:
+                for row in rows:
+                    copy.write_row([row[c] for c in _COLUMNS])
+            cur.execute(f"INSERT INTO conversations ({names}) SELECT {names} FROM {_STAGING} ORDER BY content_hash "
+                        "ON CONFLICT (content_hash) DO NOTHING")
+            return cur.rowcount  # the staged rows go at commit (ON COMMIT DELETE ROWS)
+        finally:
+            cur.close()
+    stmt = sa.dialects.sqlite.insert(conversations).on_conflict_do_nothing(index_elements=["content_hash"])
+    return conn.execute(stmt, rows).rowcount
 
 
 _SAMPLE_PRIME = 2_147_483_647  # 2^31 - 1: every product below stays under 2^62, in SQLite's and PostgreSQL's integers

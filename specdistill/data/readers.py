@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from specdistill.data.formats import (
     DEFAULT_MAX_CHARS,
     PARSERS,
@@ -74,6 +76,7 @@ class Conversation:
     served_by: str | None = None  # model name logged with the response (OpenAI logs), if any
     timestamp: float | None = None  # when the traffic happened (unix seconds), if logged
     temperature: float | None = None  # the sampling temperature the request asked for (OpenAI logs), if logged
+    user: str | None = None  # the request's `user` (OpenAI logs), if logged: what `logs forget --user` finds
     offset: int = 0  # byte offset of the record's first byte (decompressed stream for .gz)
     end_offset: int = 0  # byte offset just past the record: where a resumed read starts
     notes: list[str] = field(default_factory=list)  # what normalization changed (formats, rule 4)
@@ -211,6 +214,14 @@ class RecordReader:
         if frame.reason:
             return reject(frame.reason), None
         try:
+            # orjson parses a line in about half json's time; what it refuses (bad UTF-8 or JSON, lone
+            # surrogates, NaN, huge integers, deep nesting) goes through json below, as before, for the same reasons
+            obj = orjson.loads(frame.data)
+        except orjson.JSONDecodeError:
+            pass
+        else:
+            return self._parsed(frame, parse, obj, reject)
+        try:
             text = frame.data.decode("utf-8")
         except UnicodeDecodeError as exc:
             return reject(f"invalid UTF-8 at byte {exc.start}"), None
@@ -220,6 +231,9 @@ class RecordReader:
             return reject(f"invalid JSON: {exc.msg} at column {exc.colno}"), None
         except RecursionError:
             return reject("invalid JSON: nested too deeply"), None
+        return self._parsed(frame, parse, obj, reject)
+
+    def _parsed(self, frame: Frame, parse, obj: Any, reject) -> tuple[Conversation | Rejected, Any]:
         try:
             fields = parse(obj, self.max_chars)
         except InvalidRecord as exc:
