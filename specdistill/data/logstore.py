@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -26,7 +25,6 @@ from typing import Any
 
 import orjson
 import sqlalchemy as sa
-import sqlalchemy.dialects.sqlite
 from sqlalchemy.engine import Connection
 
 from specdistill import paths
@@ -51,6 +49,8 @@ from specdistill.data.logschema import (
     writing,
 )
 from specdistill.data.logstore_records import PipelineRecords, _now
+from specdistill.data.logstore_retention import Retention
+from specdistill.data.logstore_sql import insert_new, sample_key
 from specdistill.data.readers import Conversation, Message, Rejected
 
 
@@ -84,7 +84,7 @@ class Watermark:
     fingerprint: str
 
 
-class LogStore(PipelineRecords):
+class LogStore(PipelineRecords, Retention):
     """Conversations in, windows out; the pipeline's own records come from `PipelineRecords`."""
 
     def __init__(self, url: str | None = None, eval_fraction: float = DEFAULT_EVAL_FRACTION, *,
@@ -162,7 +162,7 @@ class LogStore(PipelineRecords):
             if rows:
                 # Sorted by hash so two concurrent batches lock rows in the same order (no deadlock).
                 ordered = [rows[k] for k in sorted(rows)]
-                counts.stored = _insert_new(conn, ordered)
+                counts.stored = insert_new(conn, ordered)
                 counts.duplicates += len(rows) - counts.stored
             if bad:
                 stmt = self._insert(quarantine).on_conflict_do_nothing(
@@ -260,11 +260,11 @@ class LogStore(PipelineRecords):
 
         Drawn in SQL, so its memory is the sample's and its time the window's (reading every id of a window
         into Python cost seconds and gigabytes at tens of millions): the window's conversations ordered by a
-        keyed hash of their id (`_sample_key`: three multiply-xor rounds modulo a prime, keys from the seed),
+        keyed hash of their id (`logstore_sql.sample_key`: three multiply-xor rounds modulo a prime, keys from the seed),
         the first `n`. Each conversation is in it with about the same probability n/N for a random seed, two
         seeds overlap as two independent samples do, and `sample(k, seed)` is the first k of `sample(n, seed)`."""
         c = conversations.c
-        query = sa.select(c.id).where(*self._where(**filters)).order_by(_sample_key(c.id, seed), c.id).limit(max(n, 0))
+        query = sa.select(c.id).where(*self._where(**filters)).order_by(sample_key(c.id, seed), c.id).limit(max(n, 0))
         with self.engine.connect() as conn:
             ids = conn.execute(query).scalars().all()
         return self.by_ids(ids)
@@ -358,48 +358,6 @@ class LogStore(PipelineRecords):
             query = query.where(q.source == source)
         with self.engine.connect() as conn:
             return [dict(r) for r in conn.execute(query).mappings()]
-
-
-_STAGING = "specdistill_incoming"  # PostgreSQL: a session's temporary table a batch is copied into
-_COLUMNS = [col.name for col in conversations.c if col.name != "id"]
-
-
-def _insert_new(conn: Connection, rows: list[dict]) -> int:
-    """Insert the conversations not stored yet (by content hash); returns how many were. PostgreSQL: COPY into
-    a temporary table and one INSERT .. SELECT .. ON CONFLICT DO NOTHING (a multi-row INSERT cost more in the
-    driver building its SQL than the server took to run it); SQLite: the driver's executemany, counted by
-    its row count. Neither returns rows."""
-    if conn.dialect.name == "postgresql":
-        names = ", ".join(f'"{c}"' for c in _COLUMNS)
-        cur = conn.connection.driver_connection.cursor()
-        try:
-            cur.execute(f"CREATE TEMPORARY TABLE IF NOT EXISTS {_STAGING} ON COMMIT DELETE ROWS AS "
-                        f"SELECT {names} FROM conversations WITH NO DATA")
-            with cur.copy(f"COPY {_STAGING} ({names}) FROM STDIN") as copy:
-                for row in rows:
-                    copy.write_row([row[c] for c in _COLUMNS])
-            cur.execute(f"INSERT INTO conversations ({names}) SELECT {names} FROM {_STAGING} ORDER BY content_hash "
-                        "ON CONFLICT (content_hash) DO NOTHING")
-            return cur.rowcount  # the staged rows go at commit (ON COMMIT DELETE ROWS)
-        finally:
-            cur.close()
-    stmt = sa.dialects.sqlite.insert(conversations).on_conflict_do_nothing(index_elements=["content_hash"])
-    return conn.execute(stmt, rows).rowcount
-
-
-_SAMPLE_PRIME = 2_147_483_647  # 2^31 - 1: every product below stays under 2^62, in SQLite's and PostgreSQL's integers
-
-
-def _sample_key(column, seed: int):
-    """A seeded hash of an integer column in portable SQL (SQLite has no hash function): three rounds of
-    x -> ((x * a + b) mod p) xor c with a, b, c drawn from `seed`."""
-    rng = random.Random(f"specdistill-sample:{seed}")
-    x = column % sa.literal_column(str(_SAMPLE_PRIME))
-    for _ in range(3):
-        a, b, c = (sa.literal_column(str(rng.randrange(1, _SAMPLE_PRIME))) for _ in range(3))
-        x = (x * a + b) % sa.literal_column(str(_SAMPLE_PRIME))
-        x = x.bitwise_or(c) - x.bitwise_and(c)  # xor, which SQLite spells no other way
-    return x
 
 
 def _stored(row) -> StoredConversation:
