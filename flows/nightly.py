@@ -125,7 +125,9 @@ def _nightly(config_path: str | None, overrides: list[str] | None, window_days: 
     write_report(report, window, report_path)
     create_markdown_artifact(report, key="nightly-benchmark", description="draft vs champion and baselines")
     log.info("\n%s", report)
-    t.mark_success(config, "nightly", fp)  # the last step: only a run that got here counts as a success
+    t.mark_success(config, "nightly", fp)  # only a run that got here counts as a success
+    if config.retention_days is not None:  # then what is older than the operator keeps goes (a draft's window stays)
+        log.info("%s", t.prune(config))
     return NightlyRun(target, window.key, pooled.pool, warm_start, results, verdict, registered, promoted, serving, report)
 
 

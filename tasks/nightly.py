@@ -12,10 +12,12 @@ other stages' values as the records (dataclasses) of `specdistill.pipeline.outpu
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from prefect import task
 
 from specdistill.pipeline import nightly as pipeline
-from specdistill.pipeline import success, tail
+from specdistill.pipeline import retention, success, tail
 from specdistill.pipeline.config import NightlyConfig, SourceConfig
 from specdistill.pipeline.nightly import IngestResult, RegisteredDraft
 from specdistill.pipeline.outputs import (
@@ -150,3 +152,10 @@ def write_serving(config: NightlyConfig, target: TargetInfo, serving: ServingDec
 @task(name="mark-pipeline-success", retries=2, retry_delay_seconds=5)
 def mark_success(config: NightlyConfig, flow: str, target_fingerprint: str) -> float:
     return success.mark_pipeline_success(config.log_db, flow, target_fingerprint)
+
+
+@task(name="prune-old-traffic", retries=2, retry_delay_seconds=5)
+def prune(config: NightlyConfig) -> str:
+    """After a success: `retention_days` of traffic kept, the rest and what was derived from it pruned."""
+    report = retention.prune(timedelta(days=config.retention_days), log_db=config.log_db)
+    return report.render()

@@ -64,7 +64,7 @@ def test_help_lists_every_command_and_demo_target_update(capsys):
 
 def test_every_handler_documents_an_example_that_parses_to_it():
     commands = list(_handler_parsers(build_parser()))
-    assert len(commands) == 21  # draft import and draft export among them
+    assert len(commands) == 23  # draft import, draft export, logs prune and logs forget among them
     for words, parser in commands:
         handler = parser.get_default("func")
         assert handler.__annotations__["return"] == "int", handler

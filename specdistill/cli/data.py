@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from specdistill import bounds
 from specdistill.cli.common import Subcommands, add_db, command, count_in, emit, group, log_store, printable
@@ -48,6 +49,26 @@ def cmd_logs_quarantine(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_logs_prune(args: argparse.Namespace) -> int:
+    from specdistill.pipeline import retention  # lazy: CLI start-up
+
+    report = retention.prune(retention.parse_age(args.older_than), log_db=args.db, force=args.force)
+    emit(args, vars(report), report.render())
+    return 0
+
+
+def cmd_logs_forget(args: argparse.Namespace) -> int:
+    from specdistill.pipeline import retention  # lazy: CLI start-up
+
+    if not (args.id or args.user or args.source):
+        print("specdistill: error: logs forget needs --id, --user or --source", file=sys.stderr)
+        return 2
+    source = str(Path(args.source).resolve()) if args.source and Path(args.source).exists() else args.source
+    report = retention.forget(ids=args.id or [], user=args.user, source=source, log_db=args.db)
+    emit(args, vars(report), report.render())
+    return 0
+
+
 def register(sub: Subcommands) -> None:
     p = command(sub, "ingest", cmd_ingest, "ingest a traffic file into the log store (idempotent, incremental)",
                 example="ingest traffic.jsonl --format sharegpt --source prod-2026-11-29")
@@ -69,3 +90,14 @@ def register(sub: Subcommands) -> None:
     add_db(p)
     p.add_argument("--source", default=None, help="only this source")
     p.add_argument("--limit", type=count_in(bounds.MAX_PROMPTS), default=100)
+    p = command(logs, "prune", cmd_logs_prune, "remove traffic older than an age, and what was derived from it",
+                example="logs prune --older-than 30d")
+    add_db(p)
+    p.add_argument("--older-than", required=True, metavar="AGE", help="30d, 12h, or days")
+    p.add_argument("--force", action="store_true", help="remove a registered draft's window and held-out prompts too")
+    p = command(logs, "forget", cmd_logs_forget, "remove conversations from the store, the pool, suffix corpora "
+                "and held-out files", example="logs forget --user user-000042")
+    add_db(p)
+    p.add_argument("--id", type=int, action="append", help="a conversation id (repeat for more)")
+    p.add_argument("--user", default=None, help="every conversation whose request logged this user")
+    p.add_argument("--source", default=None, help="every conversation ingested from this file or source name")

@@ -186,9 +186,10 @@ def label(value: Any, where: str, *, integers: bool = False) -> str | None:
 
 
 def check_metadata(*, record_id: Any = None, served_by: Any = None, timestamp: Any = None,
-                   temperature: Any = None) -> None:
+                   temperature: Any = None, user: Any = None) -> None:
     """Rule 7 for fields set outside a parser (a `Conversation` built in code): raise InvalidRecord."""
     label(record_id, "record_id", integers=True)
+    label(user, "user", integers=True)
     label(served_by, "served_by")
     unix_time(timestamp, "timestamp")
     temperature_of(temperature, "temperature")
@@ -246,6 +247,7 @@ def _parse_openai(obj: Any, max_chars: int) -> dict:
         created = unix_time(response.get("created"), "response.created")
         rid = label(response.get("id"), "response.id", integers=True)
         temperature = temperature_of(request.get("temperature"), "request.temperature")
+        user = label(request.get("user"), "request.user", integers=True)
     else:
         messages = _require(obj, "messages", list)
         turns = _turns_from_openai(messages, "")
@@ -255,6 +257,7 @@ def _parse_openai(obj: Any, max_chars: int) -> dict:
         created = unix_time(obj.get("created"), "created")
         rid = label(obj.get("id"), "id", integers=True)
         temperature = temperature_of(obj.get("temperature"), "temperature")
+        user = label(obj.get("user"), "user", integers=True)
     notes: list[str] = []
     return {
         "messages": normalize_messages(turns, max_chars, notes),
@@ -262,6 +265,7 @@ def _parse_openai(obj: Any, max_chars: int) -> dict:
         "served_by": served_by,
         "timestamp": created,
         "record_id": rid,
+        "user": user,  # OpenAI's end-user id, for `logs forget`
         "temperature": temperature,  # what the request asked for (absent: the server's default, unknown here)
     }
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -154,20 +155,45 @@ def ingest(
                file=sys.stderr, mininterval=0.5)
     batch: list[Conversation | Rejected] = []
     position = start
+    # One batch is written while the next is read: the database's time (a server's, or SQLite's in C, both
+    # outside the GIL) overlaps the parsing. Batches commit one at a time, in file order, each with its
+    # watermark, so a kill still leaves the store at a batch boundary.
+    writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-writer")
+    pending: tuple[Future, int, int] | None = None  # (the batch being written, its size, its end offset)
+    reached = start  # the end offset of the last batch handed to the writer
+    failed: list[BaseException] = []  # a batch that failed: no later batch may move the watermark past it
 
-    def flush(end_offset: int) -> None:
-        nonlocal batch
-        if result.run_id is None:
-            result.run_id = store.begin_run(source, fmt, start, note)
-        wm = Watermark(source, fmt, end_offset, reader.index, file_fingerprint(path, end_offset))
-        counts = store.add_batch(result.run_id, batch, wm)
-        result.read += len(batch)
+    def write(run_id: int, records: list, wm: Watermark):
+        if failed:
+            raise RuntimeError("an earlier batch was not stored") from failed[0]
+        try:
+            return store.add_batch(run_id, records, wm)
+        except BaseException as exc:
+            failed.append(exc)
+            raise
+
+    def settle() -> None:
+        nonlocal pending
+        if pending is None:
+            return
+        future, size, end_offset = pending
+        pending = None
+        counts = future.result()
+        result.read += size
         result.stored += counts.stored
         result.duplicates += counts.duplicates
         result.quarantined += counts.quarantined
         result.end_offset = end_offset
-        batch = []
         bar.set_postfix(stored=result.stored, dup=result.duplicates, quarantined=result.quarantined, refresh=False)
+
+    def flush(end_offset: int) -> None:
+        nonlocal batch, pending, reached
+        if result.run_id is None:
+            result.run_id = store.begin_run(source, fmt, start, note)
+        wm = Watermark(source, fmt, end_offset, reader.index, file_fingerprint(path, end_offset))
+        future = writer.submit(write, result.run_id, batch, wm)
+        settle()
+        pending, reached, batch = (future, len(batch), end_offset), end_offset, []
 
     try:
         for record in reader:
@@ -176,13 +202,16 @@ def ingest(
             position = record.end_offset
             if len(batch) >= batch_size:
                 flush(record.end_offset)
-        if batch or reader.end_offset != result.end_offset or result.run_id is None:
+        if batch or reader.end_offset != reached or result.run_id is None:
             flush(reader.end_offset)
+        settle()
     except BaseException as exc:  # an error or an interrupt: the committed batches stand, the run is closed
+        writer.shutdown(wait=True)  # the batch in flight commits (or fails) before the run is closed
         if result.run_id is not None:
             _close_failed(store, result.run_id, exc)
         raise
     finally:
+        writer.shutdown(wait=True)  # a batch in flight commits (or fails) before the run ends
         bar.close()
     result.capped = reader.capped
     if result.read == 0 and reader.end_offset > start and reader.truncation is None:

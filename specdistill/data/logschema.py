@@ -76,15 +76,17 @@ conversations = sa.Table(
     sa.Column("messages", sa.Text(), nullable=False),  # JSON [{"role", "content"}]
     sa.Column("num_messages", sa.Integer(), nullable=False),
     sa.Column("num_chars", sa.Integer(), nullable=False),
-    sa.Column("source", sa.String(1024), nullable=False, index=True),
+    sa.Column("source", sa.String(1024), nullable=False),  # indexed first in (source, split, arrived_at)
     sa.Column("location", sa.String(1024), nullable=False),
     sa.Column("record_id", sa.String(256)),
     sa.Column("target_version", sa.String(256), index=True),  # the model that served it, if logged
     sa.Column("request_temperature", sa.Float()),  # the sampling temperature its request asked for, if logged
+    sa.Column("user", sa.String(256), index=True),  # the request's logged `user` (OpenAI logs): what `logs forget` finds
     sa.Column("notes", sa.Text()),  # JSON list: what normalization changed
     sa.Column("arrived_at", UTCDateTime(), nullable=False, index=True),
     sa.Column("ingested_at", UTCDateTime(), nullable=False),
     sa.Column("ingest_run_id", _ID, sa.ForeignKey("ingest_runs.id")),
+    sa.Index("ix_conversations_source_split_arrived", "source", "split", "arrived_at"),
 )
 
 responses = sa.Table(
@@ -243,6 +245,9 @@ def make_engine(url: str, *, create: bool = True) -> Engine:
             cur.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a crash loses no committed batch's consistency
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA busy_timeout=60000")
+            # 64 MiB of page cache (the default is 2 MiB): the hash indexes take random inserts, which at a
+            # million conversations and more read their pages from disk again and again on the default
+            cur.execute("PRAGMA cache_size=-65536")
             cur.close()
 
         @sa.event.listens_for(engine, "begin")

@@ -17,13 +17,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import orjson
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
@@ -50,6 +50,8 @@ from specdistill.data.logschema import (
     writing,
 )
 from specdistill.data.logstore_records import PipelineRecords, _now
+from specdistill.data.logstore_retention import Retention
+from specdistill.data.logstore_sql import insert_new, sample_key
 from specdistill.data.readers import Conversation, Message, Rejected, raw_text
 
 
@@ -83,7 +85,7 @@ class Watermark:
     fingerprint: str
 
 
-class LogStore(PipelineRecords):
+class LogStore(PipelineRecords, Retention):
     """Conversations in, windows out; the pipeline's own records come from `PipelineRecords`."""
 
     def __init__(self, url: str | None = None, eval_fraction: float = DEFAULT_EVAL_FRACTION, *,
@@ -153,19 +155,17 @@ class LogStore(PipelineRecords):
             arrived = datetime.fromtimestamp(rec.timestamp, timezone.utc) if rec.timestamp is not None else now
             rows[digest] = dict(
                 content_hash=digest, prompt_hash=p_hash, split=split_of(p_hash, self.eval_fraction),
-                messages=json.dumps([{"role": m.role, "content": m.content} for m in rec.messages], ensure_ascii=False),
+                messages=orjson.dumps([{"role": m.role, "content": m.content} for m in rec.messages]).decode(),
                 num_messages=len(rec.messages), num_chars=sum(len(m.content) for m in rec.messages),
                 source=rec.source, location=rec.location, record_id=rec.record_id, target_version=rec.served_by,
-                request_temperature=rec.temperature,
+                request_temperature=rec.temperature, user=rec.user,
                 notes=json.dumps(rec.notes) if rec.notes else None, arrived_at=arrived, ingested_at=now,
                 ingest_run_id=run_id)
         with writing(self.engine) as conn:
             if rows:
                 # Sorted by hash so two concurrent batches lock rows in the same order (no deadlock).
                 ordered = [rows[k] for k in sorted(rows)]
-                stmt = self._insert(conversations).on_conflict_do_nothing(index_elements=["content_hash"])
-                inserted = conn.execute(stmt.returning(conversations.c.content_hash), ordered).scalars().all()
-                counts.stored = len(inserted)
+                counts.stored = insert_new(conn, ordered)
                 counts.duplicates += len(rows) - counts.stored
             if bad:
                 stmt = self._insert(quarantine).on_conflict_do_nothing(
@@ -267,11 +267,27 @@ class LogStore(PipelineRecords):
         """A reproducible random sample of a window, in random order: its first k are a sample too, which is
         how the nightly and the monitor take the usable prompts they need from it. (Sorted by id, the first k
         were the oldest of it: every seed's window drew on the oldest quarter of the traffic, and the demo's
-        nights answered the same prompts again: 300-660 of each two nights' 1,000-2,000 answers.)"""
+        nights answered the same prompts again: 300-660 of each two nights' 1,000-2,000 answers.)
+
+        Drawn in SQL, so its memory is the sample's and its time the window's (reading every id of a window
+        into Python cost seconds and gigabytes at tens of millions): the window's conversations ordered by a
+        keyed hash of their id (`logstore_sql.sample_key`: three multiply-xor rounds modulo a prime, keys from the seed),
+        the first `n`. Each conversation is in it with about the same probability n/N for a random seed, two
+        seeds overlap as two independent samples do, and `sample(k, seed)` is the first k of `sample(n, seed)`."""
+        c = conversations.c
+        query = sa.select(c.id).where(*self._where(**filters)).order_by(sample_key(c.id, seed), c.id).limit(max(n, 0))
         with self.engine.connect() as conn:
-            ids = conn.execute(sa.select(conversations.c.id).where(*self._where(**filters))
-                               .order_by(conversations.c.id)).scalars().all()
-        return self.by_ids(random.Random(seed).sample(ids, min(n, len(ids))))
+            ids = conn.execute(query).scalars().all()
+        return self.by_ids(ids)
+
+    def sources(self) -> list[str]:
+        """The sources the store holds conversations of, in order: a walk down the source index, one
+        lookup per source (a loose index scan), not a scan of every conversation."""
+        walk = sa.text("WITH RECURSIVE s(source) AS (SELECT min(source) FROM conversations UNION ALL "
+                       "SELECT (SELECT min(source) FROM conversations WHERE source > s.source) FROM s "
+                       "WHERE s.source IS NOT NULL) SELECT source FROM s WHERE source IS NOT NULL")
+        with self.engine.connect() as conn:
+            return list(conn.execute(walk).scalars())
 
     def by_ids(self, ids: Iterable[int]) -> list[StoredConversation]:
         """Conversations by id, in the order asked (a window chosen earlier, read again)."""
@@ -360,7 +376,7 @@ def _checked(rec: Conversation) -> Conversation | Rejected:
     read from a file (the readers check the same rules where they parse)."""
     try:
         check_metadata(record_id=rec.record_id, served_by=rec.served_by, timestamp=rec.timestamp,
-                       temperature=rec.temperature)
+                       temperature=rec.temperature, user=rec.user)
     except InvalidRecord as exc:
         raw = json.dumps([{"role": m.role, "content": m.content} for m in rec.messages], ensure_ascii=False)
         return Rejected(rec.source, rec.location, raw_text(str(exc), 1000), raw_text(raw), rec.offset, rec.end_offset)

@@ -111,8 +111,8 @@ def prompts_from_logs(store, tokenizer, split: str, n: int, *, seed: int | None 
         raise ValueError(f"split must be 'train' or 'eval', not {split!r}")
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    sources = [s["source"] for s in store.stats()["by_source"]]
-    sources = [s for s in sources if store.count(source=s, split=split)]
+    # the store's sources by its index (its per-source statistics were a scan of every conversation)
+    sources = [s for s in store.sources() if store.count(source=s, split=split)]
     picked: list[Prompt] = []
     for i, source in enumerate(sources):
         share = (n - len(picked)) // (len(sources) - i)

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from specdistill import paths
 from specdistill.data.formats import (
     DEFAULT_MAX_CHARS,
@@ -76,6 +78,7 @@ class Conversation:
     served_by: str | None = None  # model name logged with the response (OpenAI logs), if any
     timestamp: float | None = None  # when the traffic happened (unix seconds), if logged
     temperature: float | None = None  # the sampling temperature the request asked for (OpenAI logs), if logged
+    user: str | None = None  # the request's `user` (OpenAI logs), if logged: what `logs forget --user` finds
     offset: int = 0  # byte offset of the record's first byte (decompressed stream for .gz)
     end_offset: int = 0  # byte offset just past the record: where a resumed read starts
     notes: list[str] = field(default_factory=list)  # what normalization changed (formats, rule 4)
@@ -212,6 +215,14 @@ class RecordReader:
         if frame.reason:
             return reject(frame.reason), None
         try:
+            # orjson parses a line in about half json's time; what it refuses (bad UTF-8 or JSON, lone
+            # surrogates, NaN, huge integers, deep nesting) goes through json below, as before, for the same reasons
+            obj = orjson.loads(frame.data)
+        except orjson.JSONDecodeError:
+            pass
+        else:
+            return self._parsed(frame, parse, obj, reject)
+        try:
             text = frame.data.decode("utf-8")
         except UnicodeDecodeError as exc:
             return reject(f"invalid UTF-8 at byte {exc.start}"), None
@@ -223,6 +234,9 @@ class RecordReader:
             return reject("invalid JSON: nested too deeply"), None
         except ValueError as exc:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
             return reject(f"invalid JSON: {str(exc).split(';')[0]}"), None
+        return self._parsed(frame, parse, obj, reject)
+
+    def _parsed(self, frame: Frame, parse, obj: Any, reject) -> tuple[Conversation | Rejected, Any]:
         try:
             fields = parse(obj, self.max_chars)
         except InvalidRecord as exc:

@@ -324,6 +324,9 @@ class NightlyConfig(Strict):
     # each instead of running past its window (pipeline.stage_budgets). The demo's budgets fit 18 minutes.
     deadline_minutes: Minutes | None = 18.0
     log_db: str | None = None  # default: SQLite under $SPECDISTILL_HOME
+    # after a run succeeds, traffic and what was derived from it older than this many days leave the log
+    # store and the state directory (`pipeline.retention.prune`; a registered draft's window stays); null: kept
+    retention_days: float | None = Field(default=None, gt=0)
     serving_path: str | None = None  # default: $SPECDISTILL_HOME/serving.json
 
     @field_validator("device")

@@ -1,0 +1,71 @@
+"""Ingestion's fast path (orjson, COPY on PostgreSQL, a writer thread) stores and rejects exactly what the plain path did."""
+
+from __future__ import annotations
+
+import json
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specdistill.data import readers
+from specdistill.data.ingest import ingest
+from specdistill.data.logstore import LogStore
+
+
+def outcome(path, fmt: str) -> list:
+    return [(type(r).__name__, r.location, getattr(r, "reason", None), getattr(r, "messages", None),
+             getattr(r, "temperature", None)) for r in readers.read_records(path, fmt)]
+
+
+ODD_LINES = st.sampled_from([
+    b'{"prompt": "p", "response": "r"}', b'{"prompt": "\\ud800", "response": "r"}', b'{"prompt": NaN, "response": "r"}',
+    b'\xef\xbb\xbf{"prompt": "bom", "response": "r"}', b'{"prompt": "p", "response": "r", "n": 1' + b'0' * 30 + b'}',
+    b'{"prompt": "\xff", "response": "r"}', b'[' * 3000 + b']' * 3000, b'{"prompt": "a", "prompt": "b", "response": "r"}',
+    b'{"prompt": "p"', b'{"prompt": "\\u0000", "response": "r"}', b'  {"prompt": "sp", "response": "r"}  ',
+    b'{"request": {"messages": [{"role": "user", "content": "q"}], "temperature": 1e400}, '
+    b'"response": {"choices": [{"message": {"role": "assistant", "content": "a"}}]}}',
+])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lines=st.lists(ODD_LINES, min_size=1, max_size=8), fmt=st.sampled_from(["jsonl", "openai"]))
+def test_orjson_first_reads_every_line_as_json_alone_did(tmp_path_factory, monkeypatch, lines, fmt):
+    path = tmp_path_factory.mktemp("r") / "log.jsonl"
+    path.write_bytes(b'{"prompt": "first", "response": "ok", "messages": [{"role": "user", "content": "x"}, '
+                     b'{"role": "assistant", "content": "y"}]}\n' + b"\n".join(lines) + b"\n")
+    fast = outcome(path, fmt)
+
+    def refuse(data):
+        raise orjson.JSONDecodeError("off", "", 0)
+
+    with monkeypatch.context() as m:
+        m.setattr(readers.orjson, "loads", refuse)
+        assert outcome(path, fmt) == fast
+
+
+def test_a_logged_user_is_stored(store_url, tmp_path):
+    path = tmp_path / "gateway.jsonl"
+    rec = {"request": {"messages": [{"role": "user", "content": "hello"}], "user": "user-42"},
+           "response": {"choices": [{"message": {"role": "assistant", "content": "hi"}}]}}
+    path.write_text(json.dumps(rec) + "\n" + json.dumps({**rec, "request": {**rec["request"], "user": 7}}) + "\n")
+    with LogStore(store_url) as store:
+        result = ingest(path, "openai", store, progress=False)
+        assert (result.stored, result.duplicates) == (1, 1)
+        with store.engine.connect() as conn:
+            from specdistill.data.logschema import conversations
+
+            assert conn.execute(conversations.select()).mappings().one()["user"] == "user-42"
+
+
+@pytest.mark.parametrize("batch", [1, 7, 1000])
+def test_batches_in_flight_conserve_counts_and_end_at_the_file_s_end(store_url, tmp_path, batch):
+    path = tmp_path / "log.jsonl"
+    lines = [json.dumps({"prompt": f"q{i % 150}", "response": "r"}) for i in range(200)] + ["oops"]
+    path.write_text("\n".join(lines) + "\n")
+    with LogStore(store_url) as store:
+        result = ingest(path, "jsonl", store, batch_size=batch, progress=False)
+        assert (result.read, result.stored, result.duplicates, result.quarantined) == (201, 150, 50, 1)
+        assert store.watermark(str(path.resolve())).offset == path.stat().st_size == result.end_offset
+        assert store.stats()["ingested"] == {"read": 201, "stored": 150, "duplicates": 50, "quarantined": 1}
