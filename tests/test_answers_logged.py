@@ -118,8 +118,8 @@ def test_own_logged_answers_are_not_decoded_again_and_the_report_counts_every_ki
     url, window, ids = _traffic(tmp_path, target_dir)
     decoded: list[str] = []
     real = harness.decode_batch
-    monkeypatch.setattr(harness, "decode_batch", lambda model, prompts, **kw: (decoded.extend(
-        "x" * len(prompts)), real(model, prompts, **kw))[1])
+    monkeypatch.setattr(harness, "decode_batch", lambda model, prompts, **kw: (decoded.extend(  # not the thread probe's
+        "x" * len(prompts) * (kw["max_new_tokens"] != harness.THREAD_PROBE_TOKENS)), real(model, prompts, **kw))[1])
     data = generate_responses(_config(target_dir, url), window, "train", record_teacher=True)
 
     records = read_done(Path(data.path))
