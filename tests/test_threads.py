@@ -108,7 +108,8 @@ def test_the_thread_choice_beside_a_busy_neighbour_is_measured_beside_it(tiny_ll
         time.sleep(0.5)
         with th.chosen_threads("auto", tiny_llama, [1, 2, 3, 4]) as watch:
             busy = watch.choices[0].others_busy
-            # the neighbour, seen by the probe (nice 10 yields to the probe's own threads: read 0.49-0.68 of 2 cores; a quiet machine reads near 0)
+            # the neighbour, seen by the probe (nice 10 yields to the probe's own threads: read 0.49-0.68 of
+            # 2 cores beside it; a quiet machine reads near 0)
             assert busy is not None and busy >= 0.1 * cores
             choice = watch.choices[0]
             assert set(choice.tokens_per_second) == set(th.thread_candidates(cores)) or cores == 1
