@@ -189,3 +189,29 @@ def test_a_night_that_could_not_train_fails_with_one_sentence_and_leaves_serving
     assert (home / "serving.json").read_text() == '{"mode": "off"}\n'
     reports = list((home / "nightly" / "reports").glob("*.md"))
     assert len(reports) == 1 and "no draft trained tonight" in reports[0].read_text()
+
+
+def test_the_tiny_nightly_beside_two_busy_processes_ends_within_its_deadline_with_a_verdict_and_a_serving_decision(
+        prefect_harness, traffic, tmp_path, monkeypatch):
+    """Issue 60: the default draft (an EAGLE-3 head) with every stage choosing its threads under the load it finds,
+    beside two real busy loops at nice 10 (bounded by their own clock, killed on the way out)."""
+    import subprocess
+    import sys
+    import time
+
+    from specdistill.ops.serving import read_serving_config
+
+    monkeypatch.setenv("SPECDISTILL_HOME", str(tmp_path / "home"))
+    loops = [subprocess.Popen(["nice", "-n", "10", sys.executable, "-c",
+                               "import time\nend = time.time() + 600\nwhile time.time() < end: pass"]) for _ in range(2)]
+    try:
+        start = time.monotonic()
+        run = _run(traffic, "deadline_minutes=3.5", "train.kind=eagle3", "generation.threads=auto", "bench.threads=auto")
+        took = time.monotonic() - start
+    finally:
+        for p in loops:
+            p.kill()
+    assert took < 3.5 * 60 + 30  # the deadline, and the flow's own start and end around it
+    assert run.verdict.checks and "challenger" in run.results  # the head it trained was measured and gated
+    assert run.serving.mode and read_serving_config().mode == run.serving.mode  # a serving decision, written
+    assert "reserved for the tail:" in run.report and "other work busy on" in run.report
