@@ -150,11 +150,12 @@ RECIPES = {"default-recipe": DEFAULT_RECIPE, **{name: {name: True} for name in N
 def _normed(head_dir: Path, dst: Path, options: dict[str, bool]) -> Path:
     """The head with Eagle 3.1 switches set in its config.json and the norms they add (random weights)."""
     g = torch.Generator().manual_seed(11)
+    width = json.loads((head_dir / "config.json").read_text())["target_hidden_size"]
     added = {}
     if options.get("norm_before_fc"):
-        added["input_norm.weight"] = 1 + 0.2 * torch.randn(96, generator=g)
+        added["input_norm.weight"] = 1 + 0.2 * torch.randn(3 * width, generator=g)
     if options.get("fc_norm"):
-        added.update({f"fc_norm.{i}.weight": 1 + 0.2 * torch.randn(32, generator=g) for i in range(3)})
+        added.update({f"fc_norm.{i}.weight": 1 + 0.2 * torch.randn(width, generator=g) for i in range(3)})
     return _edit(head_dir, dst, config=lambda c: c.update(options), tensors=lambda w: w.update(added))
 
 
@@ -361,6 +362,20 @@ def test_an_imported_head_benches_and_warm_starts_a_night_as_the_original(eagle_
     assert [c["acceptance_per_position"] for c in b.curve] == [c["acceptance_per_position"] for c in a.curve]
     meta = json.loads((Path(b.draft_dir) / META_FILE).read_text())
     assert meta["warm_start"]["dir"] == str(done.out)
+
+
+def test_a_night_warm_started_from_an_eagle31_head_keeps_its_switches(eagle_world, tmp_path):
+    """The unroll trains the head it was given: the switches and their norms stay (trained) in what it saves."""
+    from specdistill.distill.train import distill
+    _eagle_config = test_eagle3_train._eagle_config
+
+    first = distill(_eagle_config(eagle_world, tmp_path / "night1", "optim.max_steps=1", "eval_every=1"))
+    normed = _normed(Path(first.draft_dir), tmp_path / "normed", DEFAULT_RECIPE)
+    night = distill(_eagle_config(eagle_world, tmp_path / "night2", "optim.max_steps=2", "eval_every=2", f"draft={normed}"))
+    config = json.loads((Path(night.draft_dir) / "config.json").read_text())
+    assert {name for name in NORM_OPTIONS if config.get(name)} == set(DEFAULT_RECIPE)
+    start, trained = load_file(str(normed / WEIGHTS_FILE)), load_file(str(Path(night.draft_dir) / WEIGHTS_FILE))
+    assert start.keys() == trained.keys() and not torch.equal(start["input_norm.weight"], trained["input_norm.weight"])
 
 
 def test_import_leaves_the_target_in_its_own_dtype(head_dir, target_dir, tmp_path):
