@@ -1,10 +1,13 @@
 """The EAGLE-3 head: the training-time-test unroll sees exactly what cached drafting sees."""
 
+import copy
+
 import pytest
 import torch
 
 from specdistill.modeling.eagle3 import (
     Eagle3Cache,
+    Eagle3Draft,
     Eagle3ShapeError,
     FeatureHooks,
     check_head_fits,
@@ -69,7 +72,26 @@ def test_hooks_capture_layer_inputs(target):
     assert not target.model.layers[0]._forward_pre_hooks  # removed on exit
 
 
-def test_unroll_matches_cached_drafting(target, head):
+def with_norms(head, **options) -> Eagle3Draft:
+    """The head's weights in a head with Eagle 3.1 switches set; the norms they add get non-trivial weights."""
+    config = copy.deepcopy(head.config)
+    for name, on in options.items():
+        setattr(config, name, on)
+    normed = Eagle3Draft(config, head.embed_tokens).double()
+    missing, _ = normed.load_state_dict(head.state_dict(), strict=False)
+    with torch.no_grad():
+        for name in missing:
+            normed.get_parameter(name).copy_(1 + 0.3 * torch.randn_like(normed.get_parameter(name)))
+    return normed.eval()
+
+
+EAGLE31 = [{}, {"norm_output": True, "norm_before_residual": True},
+           {"norm_output": True, "norm_before_residual": True, "norm_before_fc": True}, {"fc_norm": True}]
+
+
+@pytest.mark.parametrize("options", EAGLE31, ids=lambda o: "+".join(o) or "eagle3")
+def test_unroll_matches_cached_drafting(target, head, options):
+    head = with_norms(head, **options)
     torch.manual_seed(0)
     t, steps = 9, 3
     features = torch.randn(1, t, 3 * 32, dtype=torch.float64)
@@ -88,6 +110,21 @@ def test_unroll_matches_cached_drafting(target, head):
         for j in range(1, steps):
             hidden = head(next_ids[:, p + j : p + j + 1], hidden, torch.tensor([[p + j]]), cache)
             torch.testing.assert_close(head.logits(hidden)[0, 0], unrolled[j][0, p])
+
+
+def test_each_norm_switch_changes_the_drafts_and_none_changes_nothing(head):
+    """A switch that changed nothing would be a switch not implemented; an empty one must be today's head exactly."""
+    torch.manual_seed(2)
+    features, next_ids = torch.randn(1, 6, 96, dtype=torch.float64), torch.randint(0, 64, (1, 6))
+    valid = torch.ones(1, 6, dtype=torch.bool)
+    today = head.unroll(next_ids, features, 3, valid)
+    assert all(torch.equal(a, b) for a, b in zip(today, with_norms(head).unroll(next_ids, features, 3, valid)))
+    for name in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+        other = with_norms(head, **{name: True}).unroll(next_ids, features, 3, valid)
+        step = 0 if name != "norm_output" else 1  # norm_output first shows in what step 1 reads
+        assert not torch.allclose(other[step], today[step]), name
+    with pytest.raises(Eagle3ShapeError, match="norm_before_fc and fc_norm are exclusive"):
+        with_norms(head, norm_before_fc=True, fc_norm=True)
 
 
 def test_unroll_ignores_padding(target, head):

@@ -105,6 +105,11 @@ def test_a_head_is_served_as_draft_eagle3_and_a_layer_draft_as_draft_simple(tmp_
     ({"target_hidden_size": 960}, "does not fit this target: target hidden size 576, head built for 960"),
     ({"vocab_size": 50000}, "does not fit this target: target vocabulary 49152, head built for 50000"),
     ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, 31]}}, r"head reads target layers \[2, 15, 31\], the target has 30"),
+    # Eagle 3.1 switches: llama.cpp's eagle3 graph computes none of them (the config alone decides, before any weight)
+    ({"norm_output": True}, r"`norm_output: true` \(the normed hidden state fed back across draft steps\) is not computed by "
+                            "llama.cpp's eagle3 graph"),
+    ({"norm_before_residual": True, "norm_before_fc": True}, "`norm_before_residual: true` .*; `norm_before_fc: true` .* are not"),
+    ({"fc_norm": True}, "`fc_norm: true`"),
 ])
 def test_a_head_for_another_target_is_refused_by_name(tmp_path, changes, match):
     head_dir, _ = write_head(tmp_path / "head", **changes)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdistill.modeling.eagle3 import Eagle3ShapeError
+from specdistill.modeling.eagle3 import NORM_OPTIONS, Eagle3ShapeError
 from specdistill.modeling.eagle3_files import META_FILE, WEIGHTS_FILE
 from specdistill.modeling.eagle3_formats import HeadFormatError
 from specdistill.modeling.eagle3_import import export_head, import_head
@@ -108,10 +108,8 @@ def _edit(src: Path, dst: Path, config=None, tensors=None) -> Path:
 
 
 @pytest.mark.parametrize("edit, match", [
-    (lambda c: c.update(norm_output=True), r"`norm_output: true` \(the normed hidden state fed back"),
-    (lambda c: c.update(norm_before_residual=True), "`norm_before_residual: true`"),
-    (lambda c: c.update(fc_norm=True), "`fc_norm: true`"),
-    (lambda c: c.update(norm_before_fc=True), "`norm_before_fc: true`"),
+    (lambda c: c.update(qk_norm=True), r"`qk_norm: true` \(RMS norms on the attention's queries and keys\) is not implemented"),
+    (lambda c: c.update(norm_before_fc=True, fc_norm=True), "norm_before_fc and fc_norm are both set, and they are exclusive"),
     (lambda c: c["transformer_layer_config"].update(num_hidden_layers=2), "num_hidden_layers 2: .* exactly one decoder layer"),
     (lambda c: c["transformer_layer_config"].update(model_type="qwen3"), "a 'qwen3' decoder layer is not implemented"),
     (lambda c: c.update(speculators_model_type="dflash"), "speculators model type 'dflash' is not an EAGLE-3 head"),
@@ -133,7 +131,8 @@ def test_options_the_head_lacks_are_refused_by_name(head_dir, target, tmp_path, 
     (None, lambda w: w["d2t"].add_(400), "d2t maps draft token 0 to target id 440, outside the target tokenizer's 300 tokens"),
     (None, lambda w: w["t2d"].__setitem__(0, True), "t2d marks 101 target tokens and disagrees with d2t"),
     (None, lambda w: w.__setitem__("embed_tokens.weight", torch.randn(300, 32)), "own token embeddings .* differ"),
-    (None, lambda w: w.__setitem__("fc_norm.0.weight", torch.ones(32)), r"weights \['fc_norm.0.weight'\] belong to options"),
+    (None, lambda w: w.__setitem__("fc_norm.0.weight", torch.ones(32)), r"do not hold the tensors .*'fc_norm.0.weight'"),
+    (lambda c: c.update(norm_before_fc=True), None, r"do not hold the tensors .*'input_norm.weight'"),
 ])
 def test_a_head_that_does_not_fit_the_target_is_refused_in_one_sentence(head_dir, target, tmp_path, config, tensors, match):
     src = _edit(export_head(head_dir, tmp_path / "spec", format="speculators"), tmp_path / "edited", config, tensors)
@@ -141,6 +140,60 @@ def test_a_head_that_does_not_fit_the_target_is_refused_in_one_sentence(head_dir
         import_head(src, target, tmp_path / "out")
     assert "\n" not in str(err.value) and str(src) in str(err.value)
     assert not (tmp_path / "out").exists()
+
+
+# Eagle 3.1: speculators 0.9's `train` default recipe, and each switch alone
+DEFAULT_RECIPE = {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True}
+RECIPES = {"default-recipe": DEFAULT_RECIPE, **{name: {name: True} for name in NORM_OPTIONS}}
+
+
+def _normed(head_dir: Path, dst: Path, options: dict[str, bool]) -> Path:
+    """The head with Eagle 3.1 switches set in its config.json and the norms they add (random weights)."""
+    g = torch.Generator().manual_seed(11)
+    width = json.loads((head_dir / "config.json").read_text())["target_hidden_size"]
+    added = {}
+    if options.get("norm_before_fc"):
+        added["input_norm.weight"] = 1 + 0.2 * torch.randn(3 * width, generator=g)
+    if options.get("fc_norm"):
+        added.update({f"fc_norm.{i}.weight": 1 + 0.2 * torch.randn(width, generator=g) for i in range(3)})
+    return _edit(head_dir, dst, config=lambda c: c.update(options), tensors=lambda w: w.update(added))
+
+
+@pytest.mark.parametrize("options", [DEFAULT_RECIPE, {"fc_norm": True, "norm_output": True}], ids=["default-recipe", "fc_norm"])
+def test_the_engine_layout_and_speculators_format_carry_the_norm_switches(head_dir, target, tmp_path, options):
+    """vLLM's llama_eagle3.py reads the switches from the EAGLE-3 layout's config.json at top level and loads
+    `input_norm` / `fc_norm.N`, so the default export writes them as they are; both formats import back to
+    the same drafts, which the switches change."""
+    normed = _normed(head_dir, tmp_path / "normed", options)
+    features, next_ids = inputs(target, seed=2)
+    ours = unrolled(normed, target, features, next_ids)
+    assert not torch.allclose(ours[1], unrolled(head_dir, target, features, next_ids)[1])
+    for fmt in ("eagle3", "speculators"):
+        exported = export_head(normed, tmp_path / fmt, format=fmt)
+        config = json.loads((exported / "config.json").read_text())
+        assert {name for name in NORM_OPTIONS if config.get(name)} == set(options)
+        names = set(load_file(str(exported / WEIGHTS_FILE)))
+        assert ("input_norm.weight" in names) == bool(options.get("norm_before_fc"))
+        assert ("fc_norm.2.weight" in names) == bool(options.get("fc_norm"))
+        back = import_head(exported, target, tmp_path / f"{fmt}-back")
+        for a, b in zip(ours, unrolled(back.out, target, features, next_ids)):
+            assert torch.equal(a, b)
+
+
+def test_norm_before_fc_inside_eagle_config_is_read_as_vllm_reads_it(head_dir, target, tmp_path):
+    """NVIDIA's checkpoints put `norm_before_fc` in `eagle_config`; vLLM reads it there first."""
+    normed = _normed(head_dir, tmp_path / "normed", {"norm_before_fc": True})
+
+    def nest(c):
+        del c["norm_before_fc"]
+        c["eagle_config"]["norm_before_fc"] = True
+
+    nested = _edit(normed, tmp_path / "nested", config=nest)
+    done = import_head(nested, target, tmp_path / "out")
+    assert json.loads((done.out / "config.json").read_text())["norm_before_fc"] is True
+    features, next_ids = inputs(target)
+    for a, b in zip(unrolled(normed, target, features, next_ids), unrolled(done.out, target, features, next_ids)):
+        assert torch.equal(a, b)
 
 
 def test_a_specforge_checkpoint_with_its_own_embeddings_and_no_t2d_imports(head_dir, target, tmp_path):
@@ -174,9 +227,9 @@ def test_draft_import_and_export_commands(head_dir, target_dir, tmp_path, capsys
                  "--json"]) == 0
     payload = json.loads(capsys.readouterr().out)
     assert payload["source_format"] == "speculators" and payload["kind"] == "eagle3"
-    bad = _edit(tmp_path / "s", tmp_path / "bad", config=lambda c: c.update(norm_output=True))
+    bad = _edit(tmp_path / "s", tmp_path / "bad", config=lambda c: c.update(qk_norm=True))
     assert main(["draft", "import", str(bad), "--target", str(target_dir), "--out", str(tmp_path / "j")]) != 0
-    assert "`norm_output: true`" in capsys.readouterr().err and not (tmp_path / "j").exists()
+    assert "`qk_norm: true`" in capsys.readouterr().err and not (tmp_path / "j").exists()
 
 
 def test_an_imported_head_is_registered_with_its_lineage(head_dir, target, tmp_path, monkeypatch):
@@ -224,6 +277,37 @@ def test_a_checkpoint_speculators_built_imports_and_drafts_the_same_logits(specu
         torch.testing.assert_close(logits[:, :valid], theirs[f"step{j}"][:, :valid], rtol=1e-5, atol=1e-5)
     head = load_eagle3(done.out, target.model).head
     assert head.draft_vocab.token_ids.tolist() == (draft_ids or list(range(300)))
+
+
+def _agree(ours: list[torch.Tensor], theirs: dict[str, torch.Tensor], length: int) -> None:
+    """fp32 rounding only: logits of scale ~6 agree to 2e-5 by step 3 (leaving a switch out moves them by 3 to 9)."""
+    for j, logits in enumerate(ours):
+        valid = length - j  # speculators pads the shifted tokens with 0 past the end, as the head does
+        torch.testing.assert_close(logits[:, :valid], theirs[f"step{j}"][:, :valid], rtol=1e-5, atol=5e-5)
+
+
+@pytest.mark.parametrize("options", RECIPES.values(), ids=RECIPES.keys())
+def test_an_eagle31_checkpoint_speculators_built_drafts_the_same_logits_and_exports_back(
+        speculators_env, target_dir, target, tmp_path, options):
+    """Eagle 3.1 heads as `speculators train` makes them (its default recipe, each switch alone): imported, the
+    head drafts speculators' logits at 3 training-time-test steps; exported again, speculators' classes load it
+    and draft the same."""
+    features, next_ids = inputs(target, seed=4)
+    save_file({"features": features, "next_ids": next_ids}, str(tmp_path / "inputs.safetensors"))
+    spec = {"target": str(target_dir), "out": str(tmp_path / "speculators-head"), "aux_layers": AUX, "steps": 3,
+            "draft_vocab_size": 200, "draft_ids": list(range(20, 220)), "seed": 6, "options": options,
+            "inputs": str(tmp_path / "inputs.safetensors"), "logits": str(tmp_path / "logits.safetensors")}
+    _side(speculators_env, "build", spec, tmp_path)
+    done = import_head(spec["out"], target, tmp_path / "imported")
+    config = json.loads((done.out / "config.json").read_text())
+    assert {name for name in NORM_OPTIONS if config.get(name)} == set(options)
+    ours = unrolled(done.out, target, features, next_ids)
+    _agree(ours, load_file(spec["logits"]), next_ids.shape[1])
+
+    exported = export_head(done.out, tmp_path / "export", format="speculators", target=str(target_dir))
+    back = {**spec, "out": str(exported), "logits": str(tmp_path / "back.safetensors")}
+    _side(speculators_env, "load", back, tmp_path)
+    _agree(ours, load_file(back["logits"]), next_ids.shape[1])
 
 
 def test_speculators_classes_load_the_export_and_agree(speculators_env, head_dir, target_dir, target, tmp_path):
@@ -278,6 +362,20 @@ def test_an_imported_head_benches_and_warm_starts_a_night_as_the_original(eagle_
     assert [c["acceptance_per_position"] for c in b.curve] == [c["acceptance_per_position"] for c in a.curve]
     meta = json.loads((Path(b.draft_dir) / META_FILE).read_text())
     assert meta["warm_start"]["dir"] == str(done.out)
+
+
+def test_a_night_warm_started_from_an_eagle31_head_keeps_its_switches(eagle_world, tmp_path):
+    """The unroll trains the head it was given: the switches and their norms stay (trained) in what it saves."""
+    from specdistill.distill.train import distill
+    _eagle_config = test_eagle3_train._eagle_config
+
+    first = distill(_eagle_config(eagle_world, tmp_path / "night1", "optim.max_steps=1", "eval_every=1"))
+    normed = _normed(Path(first.draft_dir), tmp_path / "normed", DEFAULT_RECIPE)
+    night = distill(_eagle_config(eagle_world, tmp_path / "night2", "optim.max_steps=2", "eval_every=2", f"draft={normed}"))
+    config = json.loads((Path(night.draft_dir) / "config.json").read_text())
+    assert {name for name in NORM_OPTIONS if config.get(name)} == set(DEFAULT_RECIPE)
+    start, trained = load_file(str(normed / WEIGHTS_FILE)), load_file(str(Path(night.draft_dir) / WEIGHTS_FILE))
+    assert start.keys() == trained.keys() and not torch.equal(start["input_norm.weight"], trained["input_norm.weight"])
 
 
 def test_import_leaves_the_target_in_its_own_dtype(head_dir, target_dir, tmp_path):

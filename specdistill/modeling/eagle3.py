@@ -2,12 +2,17 @@
 
 Entry t of the head's sequence pairs the target's features at position t (the inputs of three of
 its decoder layers, low/mid/high, concatenated and projected by `fc`) with the embedding of token
-t+1, and predicts token t+2. Later draft steps feed the head's own pre-norm output back in place of
-`fc(features)`. Training unrolls those later steps on the training data ("training-time test") so
+t+1, and predicts token t+2. Later draft steps feed the head's own output back (pre-norm, or normed
+with `norm_output`) in place of `fc(features)`. Training unrolls those later steps on the training data ("training-time test") so
 that they see at training time the inputs they see when drafting.
 
 Parameter names follow the layout vLLM and SGLang load (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`,
 `t2d`); the token embeddings are the target's own, frozen and not part of the head's weights.
+
+Eagle 3.1's norm switches (`NORM_OPTIONS`, speculators' and vLLM's names, false when the config leaves them
+out) are computed as speculators 0.9's `Eagle3DraftModel` does: `norm_before_fc` (`input_norm`) or `fc_norm`
+(`fc_norm.0-2`) normalize the target features before `fc`, `norm_before_residual` adds the attention output to
+the normed feature stream, and `norm_output` feeds the normed output back (and `lm_head` reads it unnormed again).
 """
 
 from __future__ import annotations
@@ -28,6 +33,21 @@ from specdistill.modeling.vocab import DraftVocab
 
 class Eagle3ShapeError(ValueError):
     """The head and the target it is paired with do not fit (layers, widths, vocabulary)."""
+
+
+# Eagle 3.1's switches (speculators' Eagle3SpeculatorConfig, vLLM's llama_eagle3.py), each in one phrase
+NORM_OPTIONS = {
+    "norm_before_residual": "the residual taken after hidden_norm",
+    "norm_before_fc": "an RMSNorm over the concatenated target features before fc",
+    "fc_norm": "an RMSNorm over each target feature layer before fc",
+    "norm_output": "the normed hidden state fed back across draft steps",
+}
+
+
+def norm_options(config: LlamaConfig | dict) -> dict[str, bool]:
+    """The Eagle 3.1 switches a head config sets; one that leaves a switch out is an EAGLE-3 head there."""
+    values = config if isinstance(config, dict) else vars(config)
+    return {name: bool(values.get(name, False)) for name in NORM_OPTIONS}
 
 
 # Decoder layers with q/k/v, gate/up/down (or Phi-3's fused ones) and RMS norms (Gemma's scale by 1 + weight).
@@ -153,17 +173,22 @@ class Eagle3Layer(nn.Module):
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
+        self.norm_before_residual = norm_options(config)["norm_before_residual"]
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = Eagle3Attention(config)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def attn_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+    def attn_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention's input [norm(embeds) ; hidden_norm(hidden)] and the residual its output is added to:
+        the feature stream as it came, or with `norm_before_residual` as hidden_norm left it."""
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        return torch.cat([self.input_layernorm(embeds), normed], dim=-1), residual
 
-    def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + attn_out
+    def finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        hidden = residual + attn_out
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -177,10 +202,18 @@ class Eagle3Draft(nn.Module):
                 f"token embeddings of shape {tuple(embed_tokens.weight.shape)} do not fit a head for "
                 f"vocabulary {config.vocab_size} and width {config.hidden_size}"
             )
+        options = norm_options(config)
+        if options["norm_before_fc"] and options["fc_norm"]:
+            raise Eagle3ShapeError("norm_before_fc and fc_norm are exclusive (one norm over the concatenated features, "
+                                   "or one per feature layer), as speculators' config has them")
         self.config = config
+        self.norm_output = options["norm_output"]
         self.embed_tokens = embed_tokens
         self.embed_tokens.requires_grad_(False)
-        self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
+        width, eps = config.target_hidden_size, config.rms_norm_eps
+        self.input_norm = LlamaRMSNorm(3 * width, eps=eps) if options["norm_before_fc"] else None
+        self.fc_norm = nn.ModuleList(LlamaRMSNorm(width, eps=eps) for _ in range(3)) if options["fc_norm"] else None
+        self.fc = nn.Linear(3 * width, config.hidden_size, bias=False)
         self.midlayer = Eagle3Layer(config)
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
@@ -206,21 +239,35 @@ class Eagle3Draft(nn.Module):
         self.t2d.copy_(vocab.t2d)
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
-        return self.fc(features.to(self.fc.weight.dtype))
+        """The first draft step's feature stream from the target's features [..., 3·H_target]."""
+        features = features.to(self.fc.weight.dtype)
+        if self.input_norm is not None:
+            features = self.input_norm(features)
+        if self.fc_norm is not None:
+            chunks = features.chunk(len(self.fc_norm), dim=-1)
+            features = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks, strict=True)], dim=-1)
+        return self.fc(features)
+
+    def output(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the layer's output becomes for the next draft step: itself, or with `norm_output` its normed form."""
+        return self.norm(hidden) if self.norm_output else hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
+        """Draft logits from a hidden state `forward` returned (already normed with `norm_output`)."""
+        return self.lm_head(hidden if self.norm_output else self.norm(hidden))
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, cache: Eagle3Cache,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """One drafting call on a single sequence: hidden [1, T, H] is projected features or the head's
-        own earlier outputs; appends T entries to `cache`; returns the pre-norm hidden state [1, T, H].
+        own earlier outputs; appends T entries to `cache`; returns the hidden state [1, T, H] the next step reads
+        and `logits` takes (pre-norm, or normed with `norm_output`).
         `mask` (bool [1, 1, T, past + T]) replaces the causal one: a draft tree's nodes see their own branch."""
         input_ids, position_ids = input_ids.to(hidden.device), position_ids.to(hidden.device)
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary_emb(hidden, position_ids)
         attn = self.midlayer.self_attn
-        q, k, v = attn.qkv(self.midlayer.attn_input(embeds, hidden), cos, sin)
+        x, residual = self.midlayer.attn_input(embeds, hidden)
+        q, k, v = attn.qkv(x, cos, sin)
         past = cache.length
         keys, values = cache.append(k, v)
         t = q.shape[2]
@@ -229,7 +276,7 @@ class Eagle3Draft(nn.Module):
             out = F.scaled_dot_product_attention(q, attn.expand(keys), attn.expand(values), attn_mask=mask).transpose(1, 2)
         else:  # the few tokens of a drafting step: matmuls, not SDPA's slow CPU kernel (modeling.attention)
             out, _ = decode_attention(None, q, keys, values, mask)  # [1, T, heads, head_dim]
-        return self.midlayer.finish(hidden, attn.o_proj(out.reshape(1, t, -1)))
+        return self.output(self.midlayer.finish(residual, attn.o_proj(out.reshape(1, t, -1))))
 
     def unroll(self, next_ids: torch.Tensor, features: torch.Tensor, steps: int, valid: torch.Tensor,
                keep: list[torch.Tensor] | None = None, deep: torch.Tensor | None = None,
@@ -280,7 +327,8 @@ class Eagle3Draft(nn.Module):
                 ids, at = ids.gather(1, rows), rows + j
             embeds = self.embed_tokens(ids).to(hidden.dtype)
             cos, sin = self.rotary_emb(hidden, at)
-            q, k, v = attn.qkv(layer.attn_input(embeds, hidden), cos, sin)
+            x, residual = layer.attn_input(embeds, hidden)
+            q, k, v = attn.qkv(x, cos, sin)
             k, v = attn.expand(k), attn.expand(v)
             if j == 0:
                 keys0, values0 = k, v
@@ -291,7 +339,7 @@ class Eagle3Draft(nn.Module):
             o = _unrolled_attention(q, keys0, values0, key_mask, diag_keys, diag_values, attn.head_dim**-0.5)
             if j == 0 and alignment is not None:
                 projected = hidden
-            hidden = layer.finish(hidden, attn.out(o))
+            hidden = self.output(layer.finish(residual, attn.out(o)))
             if j == 0 and alignment is not None:
                 alignment.append(feature_alignment(hidden, projected, valid))
             out.append(self.logits(hidden if keep is None or keep[j] is None else hidden[keep[j]]))

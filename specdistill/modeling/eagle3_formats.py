@@ -8,10 +8,12 @@
   `speculative_tokens`, the verifier's `name_or_path` and `architectures`). Weights
   (`speculators/models/eagle3/core.py`, `Eagle3DraftModel`): `fc`, `layers.N.*`, `norm`, `lm_head`,
   `embed_tokens` (the target's, saved with the head), `d2t`/`t2d` only when the draft vocabulary is
-  smaller than the target's; `input_norm` / `fc_norm.*` with the 3.1 switches.
+  smaller than the target's; `input_norm` / `fc_norm.*` with the 3.1 switches (names the head keeps).
 - **EAGLE-3 / SpecForge** (what vLLM's `eagle3` method and SGLang load, and what `eagle3_io` writes):
   `architectures: [LlamaForCausalLMEagle3]`, `midlayer.*` for the one layer; SpecForge may add
-  `embed_tokens`, may omit `t2d` and, with a full vocabulary, `d2t`, and may omit `eagle_config`.
+  `embed_tokens`, may omit `t2d` and, with a full vocabulary, `d2t`, and may omit `eagle_config`. The 3.1
+  switches sit at top level, as vLLM's `llama_eagle3.py` reads them (`norm_before_fc` also inside
+  `eagle_config`, as NVIDIA's checkpoints put it and vLLM reads it first).
 
 Both map onto one head: `layers.0.` is `midlayer.`; `d2t` holds offsets (target id = draft id + d2t).
 Whatever the head does not implement is refused by name, never dropped.
@@ -29,7 +31,7 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig
 
 from specdistill import paths
-from specdistill.modeling.eagle3 import Eagle3ShapeError, default_aux_layers
+from specdistill.modeling.eagle3 import Eagle3ShapeError, default_aux_layers, norm_options
 from specdistill.modeling.eagle3_files import EAGLE3_ARCHITECTURE, META_FILE, read_config
 
 SPECULATORS = "speculators"
@@ -37,12 +39,9 @@ EAGLE3_LAYOUT = "eagle3"
 FORMATS = (EAGLE3_LAYOUT, SPECULATORS)
 SPECULATORS_VERSION = "0.9.0"  # the config layout written (speculators' own classes validate it in the tests)
 SPECULATORS_ARCHITECTURE = "Eagle3DraftModel"  # what speculators' save_pretrained writes
-# Eagle 3.1 switches (speculators' Eagle3SpeculatorConfig; SpecForge's 3.1 configs), none implemented by the head
+# switches other heads' configs set that the head does not implement: refused by name when true
 UNIMPLEMENTED_SWITCHES = {
-    "norm_before_residual": "the residual taken after hidden_norm",
-    "norm_before_fc": "an RMSNorm over the concatenated target features before fc",
-    "fc_norm": "an RMSNorm over each target feature layer before fc",
-    "norm_output": "the normed hidden state fed back across draft steps",
+    "qk_norm": "RMS norms on the attention's queries and keys",
 }
 LAYER_KEYS_COPIED = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                      "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps")
@@ -113,7 +112,7 @@ def _weights(directory: Path) -> dict[str, torch.Tensor]:
 def _refuse_switches(config: dict, where: str) -> None:
     for name, what in UNIMPLEMENTED_SWITCHES.items():
         if config.get(name):
-            raise HeadFormatError(f"{where}: `{name}: true` ({what}, Eagle 3.1) is not implemented by specdistill's "
+            raise HeadFormatError(f"{where}: `{name}: true` ({what}) is not implemented by specdistill's "
                                   "EAGLE-3 head, so the checkpoint is refused rather than run without it")
 
 
@@ -147,8 +146,22 @@ def _rope(layer: dict) -> dict:
     return rope
 
 
-def head_config(layer: dict, draft_vocab_size: int, target_hidden_size: int, aux_layers: list[int]) -> LlamaConfig:
-    """The project's head config from a decoder layer's settings plus the EAGLE-3 fields."""
+def _norm_switches(config: dict, where: str) -> dict[str, bool]:
+    """The Eagle 3.1 switches a checkpoint sets (`norm_before_fc` from `eagle_config` first, as vLLM reads it)."""
+    options = norm_options(config)
+    nested = (config.get("eagle_config") or {}).get("norm_before_fc")
+    if nested is not None:
+        options["norm_before_fc"] = bool(nested)
+    if options["norm_before_fc"] and options["fc_norm"]:
+        raise HeadFormatError(f"{where}: norm_before_fc and fc_norm are both set, and they are exclusive (one norm "
+                              "over the concatenated target features, or one per feature layer)")
+    return options
+
+
+def head_config(layer: dict, draft_vocab_size: int, target_hidden_size: int, aux_layers: list[int],
+                options: dict[str, bool] | None = None) -> LlamaConfig:
+    """The project's head config from a decoder layer's settings plus the EAGLE-3 fields; of the Eagle 3.1
+    switches only the set ones are written, so a head without them has today's config.json."""
     kept = {k: layer[k] for k in LAYER_KEYS_COPIED if layer.get(k) is not None}
     config = LlamaConfig(**kept, num_hidden_layers=1, rope_parameters=_rope(layer), tie_word_embeddings=False,
                          bos_token_id=layer.get("bos_token_id"), eos_token_id=layer.get("eos_token_id"),
@@ -157,6 +170,9 @@ def head_config(layer: dict, draft_vocab_size: int, target_hidden_size: int, aux
     config.draft_vocab_size = int(draft_vocab_size)
     config.target_hidden_size = int(target_hidden_size)
     config.eagle_config = {"eagle_aux_hidden_state_layer_ids": list(aux_layers), "use_aux_hidden_state": True}
+    for name, on in (options or {}).items():
+        if on:
+            setattr(config, name, True)
     return config
 
 
@@ -176,6 +192,7 @@ def read_head(directory: str | os.PathLike, target_layers: int) -> ForeignHead:
             raise HeadFormatError(f"{where}: speculators config without a transformer_layer_config")
         _refuse_switches(raw, where)
         _refuse_layer(layer, where + " transformer_layer_config")
+        options = _norm_switches(raw, where)
         spec = raw.get("speculators_config") or {}
         if spec.get("algorithm", "eagle3") != "eagle3":
             raise HeadFormatError(f"{where}: speculators algorithm {spec.get('algorithm')!r} is not EAGLE-3")
@@ -190,6 +207,7 @@ def read_head(directory: str | os.PathLike, target_layers: int) -> ForeignHead:
         layer = raw
         _refuse_switches(raw, where)
         _refuse_layer(raw, where)
+        options = _norm_switches(raw, where)
         aux = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         draft_vocab = raw.get("draft_vocab_size") or raw.get("vocab_size")
         target_hidden = raw.get("target_hidden_size") or raw.get("hidden_size")
@@ -198,10 +216,10 @@ def read_head(directory: str | os.PathLike, target_layers: int) -> ForeignHead:
     if len(aux) != 3:
         raise HeadFormatError(f"{where}: the head reads {len(aux)} target layers {aux}; specdistill's EAGLE-3 head "
                               "reads exactly three")
-    config = head_config(layer, draft_vocab, target_hidden, aux)
+    config = head_config(layer, draft_vocab, target_hidden, aux, options)
     tensors = _weights(directory)
     embed = tensors.pop("embed_tokens.weight", None)
-    extra = [k for k in tensors if k.startswith(("input_norm.", "fc_norm.", "verifier_"))]
+    extra = [k for k in tensors if k.startswith("verifier_")]
     if extra:
         raise HeadFormatError(f"{directory}: weights {extra[:3]} belong to options specdistill's EAGLE-3 head does not "
                               "implement, so the checkpoint is refused rather than run without them")
@@ -246,7 +264,7 @@ def speculators_config(config: LlamaConfig, *, verifier: str | None, verifier_ar
         "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": config.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(config.eagle_config["eagle_aux_hidden_state_layer_ids"]),
-        **{name: False for name in UNIMPLEMENTED_SWITCHES},
+        **norm_options(config),
         "embed_requires_grad": False,
         "speculators_config": {
             "algorithm": "eagle3",

@@ -10,6 +10,11 @@ What the serving engines read (checked against their loaders and published check
 - SGLang `python/sglang/srt/models/llama_eagle3.py` (sgl-project/sglang): the same names without a
   prefix (`fc`, `midlayer.*`, `norm`, `lm_head`), `d2t` as the hot-token map (`d2t + arange`), `t2d`
   skipped, and `tie_word_embeddings: true` would make it use the embedding as the head, so it is false.
+- Eagle 3.1 (`modeling.eagle3.NORM_OPTIONS`): vLLM's `llama_eagle3.py` (since vllm-project/vllm#42764,
+  May 2026) reads `norm_before_residual`, `norm_before_fc`, `fc_norm` and `norm_output` from this config.json
+  at top level and loads `input_norm.weight` / `fc_norm.N.weight` as `model.*`, so a head's set switches and
+  their weights are written here as they are. SGLang's `llama_eagle3.py` (sgl-project/sglang at 03d5a77, the version read)
+  reads none of them: such a head is for vLLM (or speculators' format), not SGLang.
 - Published configs (SpecForge `configs/llama3-8B-eagle3.json` and `llama3-70B-ealge3.json`, the
   yuhuili/EAGLE3-LLaMA3.1-Instruct-8B layout) carry top-level `rope_theta` and `torch_dtype` as
   transformers 4 wrote them; `eagle_config` as in SpecForge's tests.

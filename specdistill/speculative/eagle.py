@@ -3,8 +3,8 @@
 Head entry t pairs the target's features at position t with token t+1 and predicts token t+2. With
 the sequence `tokens[:L]` (the last token pending, not yet run through the target), the target has
 produced features for positions 0..L-2 only, so the committed entries are 0..L-2 and entry L-2
-drafts token L. Each later draft step feeds the head's own pre-norm output back at the next position;
-those entries are speculative and `rollback` drops all of them, accepted or not: once the target
+drafts token L. Each later draft step feeds the head's own output (what `Eagle3Draft.forward` returns)
+back at the next position; those entries are speculative and `rollback` drops all of them, accepted or not: once the target
 has verified a round, its real features for the pending token and the accepted drafts replace them
 (`add_features`, called by the engine after every target forward). The correction or bonus token
 has no features until the next round, which is why the committed entries always end at L-2.

@@ -18,7 +18,8 @@ inputs feed `fc`, the same "input of layer i" our hooks capture) and `eagle3.tar
 `fc.weight`, the midlayer as `blk.0.*` with `hidden_norm` as `attn_norm_2`, `d2t` as absolute target ids
 (int64), `t2d` left out. No `token_embd`: llama.cpp then embeds with the target's, as vLLM and SGLang
 do. Unlike a layer draft, the reduced draft vocabulary is carried over: llama.cpp's EAGLE-3 graph
-scatters the head's logits to the target vocabulary through `d2t`.
+scatters the head's logits to the target vocabulary through `d2t`. A head with an Eagle 3.1 norm switch
+(`modeling.eagle3.NORM_OPTIONS`) is refused: llama.cpp's eagle3 graph computes none of them.
 """
 
 from __future__ import annotations
@@ -258,6 +259,18 @@ def _check_eagle3(config: dict, fields: dict, head_dir: Path) -> list[str]:
     return tokens
 
 
+def _refuse_norm_options(config: dict, head_dir: Path) -> None:
+    """llama.cpp's eagle3 graph has no Eagle 3.1 norms: such a head would draft there as another head."""
+    from specdistill.modeling.eagle3 import NORM_OPTIONS, norm_options  # lazy: keeps torch off import
+
+    on = [name for name, set_ in norm_options(config).items() if set_]
+    if on:
+        what = "; ".join(f"`{name}: true` ({NORM_OPTIONS[name]})" for name in on)
+        verb = "is" if len(on) == 1 else "are"
+        raise GgufExportError(f"{head_dir}: {what} {verb} not computed by llama.cpp's eagle3 graph, so the head is refused "
+                              "rather than exported without it (vLLM runs it: `draft export`)")
+
+
 def export_eagle3_gguf(head_dir: str | os.PathLike, target_gguf: str | os.PathLike,
                        out_path: str | os.PathLike) -> GgufExport:
     """Write `out_path` (atomically, f16): the EAGLE-3 head in `head_dir` as llama.cpp's `eagle3` architecture,
@@ -270,6 +283,7 @@ def export_eagle3_gguf(head_dir: str | os.PathLike, target_gguf: str | os.PathLi
     if not is_eagle3_dir(head_dir):
         raise GgufExportError(f"{head_dir}: not an EAGLE-3 head (config.json must name LlamaForCausalLMEagle3)")
     config = read_config(head_dir)
+    _refuse_norm_options(config, head_dir)
     reader = gguf.GGUFReader(str(target_gguf))
     tokens = _check_eagle3(config, _target_llama(reader), head_dir)
     tensors = _read_weights(head_dir)
