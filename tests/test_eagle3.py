@@ -9,12 +9,12 @@ from specdistill.modeling.eagle3 import (
     Eagle3Cache,
     Eagle3Draft,
     Eagle3ShapeError,
-    FeatureHooks,
     check_head_fits,
     default_aux_layers,
     eagle3_config,
 )
 from specdistill.modeling.eagle3_init import init_eagle3_from_target
+from specdistill.modeling.feature_hooks import FeatureHooks
 from specdistill.modeling.vocab import DraftVocab
 from tests.conftest import lively, make_tiny_llama
 

@@ -8,8 +8,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specdistill.modeling.eagle3 import Eagle3Cache, FeatureHooks
+from specdistill.modeling.eagle3 import Eagle3Cache
 from specdistill.modeling.eagle3_init import init_eagle3_from_target
+from specdistill.modeling.feature_hooks import FeatureHooks
 from specdistill.modeling.vocab import DraftVocab
 from specdistill.speculative import SamplingConfig, generate
 from specdistill.speculative.eagle import EagleDrafter

@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from specdistill.modeling.attention import decode_attention_for
-from specdistill.modeling.eagle3 import FeatureHooks
+from specdistill.modeling.feature_hooks import FeatureHooks
 from specdistill.modeling.kv_cache import preallocated_cache
 from specdistill.modeling.lean import causal_mask, lean_forward, supports_lean
 from tests.conftest import lively, make_tiny_llama

@@ -60,9 +60,9 @@ def _memorizing_head(target, out_dir, messages: list[dict], answer_tokens: int =
     import torch
     import torch.nn.functional as F
 
-    from specdistill.modeling.eagle3 import FeatureHooks
     from specdistill.modeling.eagle3_init import init_eagle3_from_target
     from specdistill.modeling.eagle3_io import save_eagle3
+    from specdistill.modeling.feature_hooks import FeatureHooks
     from specdistill.modeling.vocab import DraftVocab
 
     tok, model = target.tokenizer, target.model

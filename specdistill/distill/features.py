@@ -35,7 +35,7 @@ from specdistill.distill.teacher import (
     teacher_positions,
     vocab_key,
 )
-from specdistill.modeling.eagle3 import FeatureHooks
+from specdistill.modeling.feature_hooks import FeatureHooks
 from specdistill.modeling.vocab import DraftVocab
 
 FEATURE_META = "feature_cache.json"

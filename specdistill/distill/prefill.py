@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 from specdistill.budget import Deadline
 from specdistill.distill.features import FEATURE_DTYPE, FeatureCache, feature_start
 from specdistill.distill.teacher import TeacherCache, pad_batch, teacher_positions
-from specdistill.modeling.eagle3 import FeatureHooks
+from specdistill.modeling.feature_hooks import FeatureHooks
 
 TOKENS_PER_BATCH = 4096  # padded tokens per prefill: long enough for the GEMMs, short enough for the logits
 

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 
 from specdistill.acceptance import DEFAULT_GAMMA, DraftCounts
 from specdistill.modeling.attention import decode_attention_for
-from specdistill.modeling.eagle3 import FeatureHooks
+from specdistill.modeling.feature_hooks import FeatureHooks
 from specdistill.modeling.kv_cache import preallocated_cache
 from specdistill.modeling.lean import lean_forward, supports_lean
 from specdistill.speculative.drafters import Drafter

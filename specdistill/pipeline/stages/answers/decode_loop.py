@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 from specdistill.distill.losses import topk_rows
-from specdistill.modeling.eagle3 import FeatureHooks
+from specdistill.modeling.feature_hooks import FeatureHooks
 from specdistill.modeling.kv_cache import preallocated_cache, select_rows, write_rows
 from specdistill.modeling.lean import lean_forward, supports_lean
 
