@@ -62,13 +62,16 @@ lint: $(STAMP)
 # e2e tier (the real demo target, Prefect/MLflow servers and flows, tests of more than a few seconds).
 # The suite waits on servers and subprocesses much of its time: two workers keep both cores busy.
 # Tests of one file share a worker (their module fixtures, a Prefect server, start once).
+# --max-worker-restart=0: a worker that dies (OOM killer, a crash in native code) ends the run at once,
+# naming the test it died in; pytest-xdist's replacement worker re-runs that whole file under
+# --dist loadfile and can wait forever (pytest-dev/pytest-xdist#784, #1371): one CI run ran into its 90-minute limit so.
 TEST_WORKERS ?= 2
 
 test: $(STAMP) llama-server vllm speculators
 	@$(PY) -m specdistill.hardware
 	$(VENV)/bin/ruff check .
 	scripts/ensure_promtool.sh
-	SPECDISTILL_REQUIRE_LLAMA_SERVER=1 SPECDISTILL_REQUIRE_VLLM=1 SPECDISTILL_REQUIRE_SPECULATORS=1 scripts/with_postgres.sh $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=25
+	SPECDISTILL_REQUIRE_LLAMA_SERVER=1 SPECDISTILL_REQUIRE_VLLM=1 SPECDISTILL_REQUIRE_SPECULATORS=1 scripts/with_postgres.sh $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 --durations=25
 
 test-fast: $(STAMP)
 	@$(PY) -m specdistill.hardware
