@@ -31,7 +31,7 @@ def _serving_block(spec: str) -> dict:
     return mode_serving_config(DrafterSpec.parse(spec), K, "demo").vllm()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def layer_draft(tmp_path_factory, demo_target):
     """A 4-layer draft of the target with an 8k reduced vocabulary, saved as the pipeline saves drafts."""
     import torch
@@ -44,7 +44,7 @@ def layer_draft(tmp_path_factory, demo_target):
     return save_draft(draft, demo_target.tokenizer, tmp_path_factory.mktemp("draft") / "layers", draft_vocab=vocab)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def eagle_head(tmp_path_factory, demo_target):
     head_dir, loss = _memorizing_head(demo_target, tmp_path_factory.mktemp("eagle3") / "head",
                                       [{"role": "user", "content": REPEAT}])
@@ -52,7 +52,7 @@ def eagle_head(tmp_path_factory, demo_target):
     return head_dir
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def speculators_head(tmp_path_factory, eagle_head):
     """The same head exported in vLLM's speculators format (`draft export --format speculators`)."""
     from specdistill.engines.vllm.bench import target_dir
@@ -62,7 +62,7 @@ def speculators_head(tmp_path_factory, eagle_head):
                        target=str(target_dir("demo")))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def legacy_draft(tmp_path_factory, layer_draft):
     """The layer draft as drafts were saved before the map moved: draft_vocab.safetensors beside the weights."""
     import shutil
@@ -80,10 +80,13 @@ class Servers(dict):
     refused: dict  # mode -> the VllmStartError it failed with
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_servers(vllm_env, layer_draft, eagle_head, legacy_draft, speculators_head):
-    """target-only, ngram, eagle3 and draft_model servers, started side by side with a legacy-layout draft
-    that vLLM must refuse (its failure overlaps the others' start-up), stopped at the end."""
+    """target-only, ngram, eagle3, draft_model and speculators-format servers, started side by side with a
+    legacy-layout draft that vLLM must refuse (its failure overlaps the others' start-up), stopped when this
+    file's tests end (a session's would hold five servers while the worker runs other files: CI's other worker
+    was killed for memory so). A quarter GiB of KV cache each (0.75 GiB less than the default): 11,600 tokens of
+    the demo target, room for these tests' short prompts."""
     from specdistill.engines.vllm.bench import served_dtype, target_dir
     from specdistill.engines.vllm.server import VllmConfig, VllmServer, start_together
 
@@ -92,7 +95,7 @@ def vllm_servers(vllm_env, layer_draft, eagle_head, legacy_draft, speculators_he
              "speculators": {"method": "eagle3", "model": str(speculators_head), "num_speculative_tokens": K}}
     assert modes["eagle3"]["method"] == "eagle3" and modes["layers"]["method"] == "draft_model"
     servers = {name: VllmServer(VllmConfig(model=target_dir("demo"), speculative_config=spec, dtype=served_dtype(),
-                                           max_logprobs=20, name=name), vllm_env)
+                                           max_logprobs=20, kv_cache_gib=0.25, name=name), vllm_env)
                for name, spec in modes.items()}
     t0 = time.monotonic()
     errors = {list(servers)[i]: e for i, e in start_together(list(servers.values())).items()}

@@ -51,13 +51,18 @@ def test_serve_args_carry_the_speculative_config_as_given(tmp_path):
     assert json.loads(args[args.index("--speculative-config") + 1]) == NGRAM
     assert args[args.index("--dtype") + 1] == "bfloat16" and args[args.index("--generation-config") + 1] == "vllm"
     assert "--speculative-config" not in vllm_args(VllmConfig(model=tmp_path), 8123)
+    # the CPU build's KV cache by the flag, in bytes (a quarter GiB is allowed); a GPU sizes its own
+    cpu = vllm_args(VllmConfig(model=tmp_path, kv_cache_gib=0.25), 8123, cpu=True)
+    assert cpu[cpu.index("--kv-cache-memory-bytes") + 1] == str(2**28)
+    assert "--kv-cache-memory-bytes" not in vllm_args(VllmConfig(model=tmp_path), 8123)
 
 
 def test_cpu_environment_follows_vllms_cpu_backend(tmp_path):
     env = _env(tmp_path, "exit 0")
     out = vllm_environment(env, VllmConfig(model=tmp_path, threads=2, kv_cache_gib=3),
-                           {"LD_PRELOAD": "/x/libgomp.so.1:/y/libfoo.so", "PYTHONPATH": "/repo"})
-    assert out["VLLM_TARGET_DEVICE"] == "cpu" and out["VLLM_CPU_KVCACHE_SPACE"] == "3"
+                           {"LD_PRELOAD": "/x/libgomp.so.1:/y/libfoo.so", "PYTHONPATH": "/repo", "VLLM_CPU_KVCACHE_SPACE": "4"})
+    # vLLM's legacy whole-GiB variable would override --kv-cache-memory-bytes: a user's is not passed on
+    assert out["VLLM_TARGET_DEVICE"] == "cpu" and "VLLM_CPU_KVCACHE_SPACE" not in out
     assert out["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, bound_cpus(2)))
     # numba (the n-gram proposer) on its own thread pool, never the model's OpenMP runtime
     assert out["NUMBA_THREADING_LAYER"] == "workqueue"

@@ -235,7 +235,7 @@ def main(spec: dict) -> None:
     n = config.num_hidden_layers
     aux = [2, n // 2, n - 3]  # speculators' default target layers (the project's default too)
     t0 = time.perf_counter()
-    train_set = target_states(spec["target"], data["train"], aux, dtype)
+    train_set = target_states(spec["target"], data["train"], aux, dtype) if spec["minutes"] > 0 else []  # 0: evaluate only
     heldout = target_states(spec["target"], data["heldout"], aux, dtype)
     feature_seconds = time.perf_counter() - t0
     result: dict = {"feature_pass_seconds": feature_seconds, "train_sequences": len(train_set),
