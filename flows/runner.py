@@ -48,7 +48,9 @@ class FlowStopped(BaseException):
 
 
 def _die_with_parent() -> None:
-    """In the server's child process: stop when the command dies, even by SIGKILL (Linux only)."""
+    """In the server's child process: stop when the command dies, even by SIGKILL (Linux only). The engines'
+    servers have their own (specdistill.engines.llamacpp.server.die_with_parent): flows/ reach the library
+    only through specdistill.pipeline."""
     try:
         import ctypes
 

@@ -140,6 +140,36 @@ def test_server_that_never_becomes_healthy_is_stopped(tmp_path):
     assert server.process is None
 
 
+def test_a_server_stops_when_the_command_that_started_it_is_killed(tmp_path):
+    """A nightly or a test worker killed for memory (SIGKILL, no teardown) must not leave its vLLM running."""
+    import subprocess
+    import sys
+    import time
+
+    env = _env(tmp_path, "exec sleep 60")
+    code = ("import os, signal, sys\nfrom pathlib import Path\n"
+            "from specdistill.engines.vllm.install import VllmEnv\n"
+            "from specdistill.engines.vllm.server import VllmConfig, VllmServer\n"
+            "env = VllmEnv(Path(sys.argv[1]), '0.32.0', 'cpu', Path(sys.argv[2]))\n"
+            "server = VllmServer(VllmConfig(model=Path(sys.argv[3])), env).launch()\n"
+            "print(server.process.pid, flush=True)\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(env.python), str(env.launcher), str(_target(tmp_path))],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == -9, done.stderr
+    pid = int(done.stdout.split()[0])
+
+    def running() -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not running()
+
+
 def test_serving_choice_skips_a_mode_vllm_refused():
     from specdistill.ops.policy import GateVerdict
     from specdistill.pipeline.config import load_nightly_config

@@ -128,6 +128,21 @@ def log_tail(path: Path | None, lines: int) -> str:
 _HANDED_OUT: set[int] = set()  # ports given to servers of this process
 
 
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def die_with_parent() -> None:
+    """A server child's `preexec_fn`: SIGTERM when the process that started it dies, even by SIGKILL or the
+    OOM killer, so no server outlives its command holding gigabytes (Linux; elsewhere nothing). The signal
+    follows the *thread* that started the child: start servers from a thread that outlives them."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
 class EngineProcess:
     """What a llama-server and a `vllm serve` share: the port they get (`config.port`), their URL and log,
     and `with` stopping them."""

@@ -42,7 +42,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdistill.engines.llamacpp.server import LOOPBACK, EngineProcess, ServerError
+from specdistill.engines.llamacpp.server import LOOPBACK, EngineProcess, ServerError, die_with_parent
 from specdistill.engines.vllm.install import VllmEnv, find_vllm
 from specdistill.hardware import usable_cpus
 
@@ -112,6 +112,13 @@ def vllm_environment(env: VllmEnv, config: VllmConfig, base: dict[str, str] | No
         if preload:
             out["LD_PRELOAD"] = ":".join(preload)
     return out
+
+
+def _child_setup() -> None:
+    """In `vllm serve`'s process before exec: one fd per socket, and stop with the command (a test worker or
+    a nightly killed for memory left five servers of 3.5 GiB each running)."""
+    _raise_fd_limit()
+    die_with_parent()
 
 
 def _raise_fd_limit() -> None:
@@ -185,7 +192,7 @@ class VllmServer(EngineProcess):
             # its own process group: vLLM forks an engine-core process that must stop with it
             self.process = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             env=vllm_environment(self.env, self.config), start_new_session=True,
-                                            preexec_fn=_raise_fd_limit)
+                                            preexec_fn=_child_setup)
         return self
 
     def wait(self) -> VllmServer:
