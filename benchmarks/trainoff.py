@@ -1,15 +1,17 @@
 """Does the project's head trainer train as good a head as the field's own (vLLM's speculators) from the same
 night, in the same minutes and on the same tokens? Run after `make demo` (it reads the newest night):
 
-    python benchmarks/trainoff.py [--minutes M] [--out DIR] [--no-norms] [--vllm]
+    python benchmarks/trainoff.py [--minutes M] [--out DIR] [--no-norms] [--vllm] [--resume]
 
 Both trainers get the night's train answers (the same prompts, answers and held-out split; the target's hidden
 states at the same three layers) and the machine to themselves, one after the other:
 - ours: `specdistill distill` on the night's own head config (the nightly's recipe) for M minutes (default: the
-  minutes the night trained), then to the peer's answer tokens when the peer trained on more in M minutes;
+  minutes the night trained);
 - the peer: speculators' model definition and loss in the smallest loop that follows `speculators train`'s
   defaults (benchmarks/peer/speculators_trainoff.py says what differs and why), in speculators' own environment,
-  saved at M minutes and at ours's answer tokens.
+  saved at M minutes and at ours's answer tokens (or at --cap-minutes, where it is that much slower);
+- ours again to the peer's answer tokens, where the two counts differ: equal tokens at whichever count both reach.
+A stopped run goes on with --resume (each finished step's record is kept in DIR).
 Each head is then read four ways: the held-out per-position acceptance by one evaluator (speculators' unroll,
 ours exported to its format); ours's own evaluator where the head imports; τ and speedup at one served shape in
 the project's harness (`specdistill bench`) on the night's held-out prompts; and, with --vllm, in vLLM's CPU build.
@@ -70,6 +72,16 @@ def train_ours(config: Path, out: Path, minutes: float | None, tokens: int | Non
             "heldout_ours": {k: curve.get(k) for k in ("acceptance_per_position", "accepted_per_position")}}
 
 
+def done_or(record: Path, step) -> dict:
+    """The step's result from a resumed run's record, else the step run now and recorded."""
+    if record.is_file():
+        return json.loads(record.read_text())
+    result = step()
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(result, indent=1))
+    return result
+
+
 def examples_file(run_config: dict, target, out: Path, train_limit: int | None) -> Path:
     """The night's train and held-out answers as token ids and answer masks, encoded and limited as ours reads them."""
     data = run_config["data"]
@@ -83,12 +95,16 @@ def examples_file(run_config: dict, target, out: Path, train_limit: int | None) 
 
 
 def export_speculators(head: str, out: Path) -> str:
+    if (out / "config.json").is_file():  # exported by the run this one resumes
+        return str(out)
     sh([*SPECDISTILL, "draft", "export", head, "--format", "speculators", "--out", out], stdout=subprocess.DEVNULL)
     return str(out)
 
 
 def import_head(src: Path, out: Path) -> str | None:
     """A peer head in ours's layout, or None with the one sentence `draft import` refused it with."""
+    if (out / "config.json").is_file():  # imported by the run this one resumes
+        return str(out)
     done = subprocess.run([*SPECDISTILL, "draft", "import", str(src), "--target", "demo", "--out", str(out)],
                           capture_output=True, text=True)
     if done.returncode:
@@ -104,7 +120,7 @@ def bench(head: str, prompts: str, gamma: int, width: int, engine: str, limit: i
         cmd += ["--tree-width", str(width)]
     done = sh(cmd, capture_output=True)
     r = json.loads(done.stdout)
-    return {k: r.get(k) for k in ("tau", "speedup", "speedup_ci", "per_position_acceptance", "dtype")}
+    return {"tau": r.get("accepted_length"), **{k: r.get(k) for k in ("speedup", "speedup_ci", "per_position_acceptance", "dtype")}}
 
 
 def row(name: str, trained: dict, heldout: dict, harness: dict | None, vllm: dict | None) -> str:
@@ -134,46 +150,59 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm", action="store_true", help="also bench each head in vLLM's CPU build (`make vllm`)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--train-limit", type=int, default=None, help="train answers each trainer reads (a smoke run)")
+    p.add_argument("--resume", action="store_true", help="go on in --out: steps whose results are there are not rerun")
     args = p.parse_args(argv)
 
     env = speculators_env()
     if env is None:
         raise SystemExit("speculators is not installed: run `make speculators` first")
     out = Path(args.out).resolve()
-    if out.exists() and any(out.iterdir()):
-        raise SystemExit(f"{out} is not empty: a train-off writes its heads into a directory of its own (give another --out)")
+    if out.exists() and any(out.iterdir()) and not (args.resume and (out / "examples.json").is_file()):
+        raise SystemExit(f"{out} is not empty: a train-off writes its heads into a directory of its own (give another "
+                         "--out, or --resume to go on with the train-off there)")
     out.mkdir(parents=True, exist_ok=True)
     run = Path(args.run) if args.run else newest_head_run(Path(args.state))
     config = load_yaml((run / "config.yaml").read_text())
     night = json.loads((run / "result.json").read_text())
     minutes = args.minutes or night["train_minutes"]
-    target = load_model("demo", dtype="auto")
     dtype = "bfloat16" if resolve_dtype("auto") == torch.bfloat16 else "float32"
-    examples = examples_file(config, target, out, args.train_limit)
-    del target
+    examples = out / "examples.json"
+    if not examples.is_file():
+        examples = examples_file(config, load_model("demo", dtype="auto"), out, args.train_limit)
 
     limit = [f"data.limit={args.train_limit}"] if args.train_limit else []
-    ours = {"minutes": train_ours(run / "config.yaml", out / "ours-minutes", minutes, None, limit)}
+    ours = {"minutes": done_or(out / "ours-minutes" / "trainoff.json",
+                               lambda: train_ours(run / "config.yaml", out / "ours-minutes", minutes, None, limit))}
     spec = {"target": str(resolve_model_dir("demo")), "examples": str(examples), "out": str(out),
             "minutes": minutes, "tokens": ours["minutes"]["answer_tokens"], "cap_minutes": args.cap_minutes,
             "draft_vocab_size": config.get("draft_vocab") or 8192, "total_seq_len": args.total_seq_len,
             "seed": 0, "dtype": dtype, "threads": args.threads, "norms": not args.no_norms,
             "evaluate": {"ours-minutes": export_speculators(ours["minutes"]["dir"], out / "ours-minutes-speculators")}}
-    (out / "peer_spec.json").write_text(json.dumps(spec, indent=1))
-    sh([env.python, ROOT / "benchmarks" / "peer" / "speculators_trainoff.py", out / "peer_spec.json"],
-       env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-            "PYTHONPATH": "", "TORCH_COMPILE_DISABLE": "1"}, stdout=subprocess.DEVNULL)
+    peer_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                "PYTHONPATH": "", "TORCH_COMPILE_DISABLE": "1"}
+    if not (out / "peer_result.json").is_file():
+        (out / "peer_spec.json").write_text(json.dumps(spec, indent=1))
+        sh([env.python, ROOT / "benchmarks" / "peer" / "speculators_trainoff.py", out / "peer_spec.json"],
+           env=peer_env, stdout=subprocess.DEVNULL)
     peer = json.loads((out / "peer_result.json").read_text())
     saved = peer["train"]["saved"]
-    if saved["minutes"]["answer_tokens"] > ours["minutes"]["answer_tokens"]:  # equal tokens at the peer's count too
-        ours["tokens"] = train_ours(run / "config.yaml", out / "ours-tokens", None, saved["minutes"]["answer_tokens"], limit)
-        spec.update(minutes=0, evaluate={"ours-tokens": export_speculators(ours["tokens"]["dir"], out / "ours-tokens-speculators")})
-        (out / "peer_spec_eval.json").write_text(json.dumps(spec, indent=1))
-        extra = sh([env.python, ROOT / "benchmarks" / "peer" / "speculators_trainoff.py", out / "peer_spec_eval.json"],
-                   capture_output=True)
-        peer["heldout"].update(json.loads(extra.stdout.strip().splitlines()[-1])["heldout"])
+    # equal tokens: ours again to the peer's count where the peer trained on more in M minutes, or where the cap
+    # stopped it short of ours's (the peer's `tokens` head is then compared with ours at its count)
+    equal = (saved["minutes"]["answer_tokens"] if saved["minutes"]["answer_tokens"] > ours["minutes"]["answer_tokens"]
+             else saved["tokens"]["answer_tokens"])
+    if abs(equal - ours["minutes"]["answer_tokens"]) > 0.02 * ours["minutes"]["answer_tokens"]:
+        ours["tokens"] = done_or(out / "ours-tokens" / "trainoff.json",
+                                 lambda: train_ours(run / "config.yaml", out / "ours-tokens", None, equal, limit))
+        if "ours-tokens" not in peer["heldout"]:
+            spec.update(minutes=0, evaluate={"ours-tokens": export_speculators(ours["tokens"]["dir"], out / "ours-tokens-speculators")})
+            (out / "peer_spec_eval.json").write_text(json.dumps(spec, indent=1))
+            extra = sh([env.python, ROOT / "benchmarks" / "peer" / "speculators_trainoff.py", out / "peer_spec_eval.json"],
+                       env=peer_env, capture_output=True)
+            peer["heldout"].update(json.loads(extra.stdout.strip().splitlines()[-1])["heldout"])
+            (out / "peer_result.json").write_text(json.dumps(peer, indent=1))
 
     prompts = str(Path(config["data"]["heldout_path"]))
+    benched = min(args.limit, sum(1 for line in Path(prompts).open() if line.strip()))  # the night may hold fewer
     heads = {f"ours ({k})": v["dir"] for k, v in ours.items()}
     for k in ("minutes", "tokens"):
         imported = import_head(out / f"peer-{k}", out / f"peer-{k}-imported")
@@ -183,12 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     engines = ["harness"] + (["vllm"] if args.vllm else [])
     for name, head in heads.items():
         if head is not None:
-            results["bench"][name] = {e: bench(head, prompts, args.gamma, args.tree_width, e, args.limit) for e in engines}
+            results["bench"][name] = {e: done_or(out / "bench" / f"{name.replace(' ', '')}-{e}-g{args.gamma}w{args.tree_width}.json",
+                                                 lambda e=e, head=head: bench(head, prompts, args.gamma, args.tree_width, e, args.limit))
+                                      for e in engines}
     (out / "trainoff.json").write_text(json.dumps(results, indent=1))
 
     print(f"train-off on the night {run.name}: {results['cpu']}, {dtype}; held-out per position from one evaluator "
           f"(speculators' unroll) on {peer['heldout_sequences']} held-out answers; harness at gamma {args.gamma} "
-          f"tree {args.tree_width} on {args.limit} held-out prompts; peer feature pass {peer['feature_pass_seconds']:.0f} s "
+          f"tree {args.tree_width} on {benched} held-out prompts; peer feature pass {peer['feature_pass_seconds']:.0f} s "
           f"(not in its minutes); peak GB: each trainer's process (the target, the features and the head)")
     print("| head | train min | answer tokens | tokens/s | peak GB | pos 1 | 2 given 1 | 3 given 1-2 | tau harness "
           "| speedup harness | tau vLLM | speedup vLLM |")

@@ -253,7 +253,8 @@ def main(spec: dict) -> None:
     for name, path in heads.items():
         result["heldout"][name] = heldout_acceptance(load_head(path, spec["target"]), heldout, dtype)
         print(f"held-out {name}: {result['heldout'][name]}", file=sys.stderr, flush=True)
-    (out / "peer_result.json").write_text(json.dumps(result, indent=1))
+    if spec["minutes"] > 0:  # an evaluation-only run (minutes 0) answers on stdout, never over the training's record
+        (out / "peer_result.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "train"}))
 
 
