@@ -115,8 +115,8 @@ def vllm_environment(env: VllmEnv, config: VllmConfig, base: dict[str, str] | No
 
 
 def _child_setup() -> None:
-    """In `vllm serve`'s process before exec: one fd per socket, and stop with the command (a test worker or
-    a nightly killed for memory left five servers of 3.5 GiB each running)."""
+    """In `vllm serve`'s process before exec: one fd per socket, and stop with the command (a test worker
+    killed for memory left three servers of 3.5 GiB each running)."""
     _raise_fd_limit()
     die_with_parent()
 
