@@ -1,7 +1,7 @@
 """Does the project's head trainer train as good a head as the field's own (vLLM's speculators) from the same
 night, in the same minutes and on the same tokens? Run after `make demo` (it reads the newest night):
 
-    python benchmarks/trainoff.py [--minutes M] [--out DIR] [--no-norms] [--vllm] [--resume]
+    python benchmarks/trainoff.py [--minutes M] [--out DIR] [--no-norms] [--vllm] [--resume] [--peagle]
 
 Both trainers get the night's train answers (the same prompts, answers and held-out split; the target's hidden
 states at the same three layers) and the machine to themselves, one after the other:
@@ -16,6 +16,10 @@ Each head is then read four ways: the held-out per-position acceptance by one ev
 ours exported to its format); ours's own evaluator where the head imports; τ and speedup at one served shape in
 the project's harness (`specdistill bench`) on the night's held-out prompts; and, with --vllm, in vLLM's CPU build.
 Training answer tokens per second and the trainer process's peak memory come from each run.
+With --peagle, speculators' P-EAGLE (K positions drafted in one forward) is trained too, on the same data at M
+minutes and at the peer's equal-token count (or --cap-minutes), read by the same evaluator at each of its K
+positions, and, with --vllm, benched in vLLM's CPU build with parallel drafting at --peagle-gamma. The project's
+harness has no parallel-drafting path, so its harness columns read n/a.
 
 Prints one table; writes DIR/trainoff.json.
 """
@@ -33,8 +37,12 @@ from pathlib import Path
 import torch
 
 from specdistill.config import load_yaml
+from specdistill.data.prompt_files import read_prompt_file
+from specdistill.data.prompts import Prompt
 from specdistill.distill.examples import read_examples
+from specdistill.engines.endpoint_bench import EngineBenchConfig
 from specdistill.engines.speculators.install import cached as speculators_env
+from specdistill.engines.vllm.bench import bench_vllm
 from specdistill.hardware import describe_device
 from specdistill.modeling.models import load_model, resolve_dtype, resolve_model_dir
 
@@ -123,6 +131,19 @@ def bench(head: str, prompts: str, gamma: int, width: int, engine: str, limit: i
     return {"tau": r.get("accepted_length"), **{k: r.get(k) for k in ("speedup", "speedup_ci", "per_position_acceptance", "dtype")}}
 
 
+def bench_parallel_vllm(head: Path, prompts: str, gamma: int, limit: int, threads: int) -> dict:
+    """A P-EAGLE head in vLLM's CPU build, as its speculators config asks (eagle3 with parallel drafting), at
+    `specdistill bench --engine vllm`'s defaults (64 new tokens, 3 interleaved repeats)."""
+    spec = {"model": str(head), "method": "eagle3", "parallel_drafting": True, "num_speculative_tokens": gamma}
+    firsts = [Prompt(r.turns[0], r.slice) for r in read_prompt_file(prompts, "first")[:limit]]
+    r = bench_vllm("demo", {"peagle": spec}, firsts, EngineBenchConfig(max_new_tokens=64, repeats=3, gamma=gamma, seed=0),
+                   threads=threads)
+    if "peagle" in r.refused:
+        return {"refused": r.refused["peagle"]}
+    d = r.results["peagle"].to_dict()
+    return {"tau": d.get("accepted_length"), **{k: d.get(k) for k in ("speedup", "speedup_ci", "per_position_acceptance")}}
+
+
 def row(name: str, trained: dict, heldout: dict, harness: dict | None, vllm: dict | None) -> str:
     pos = heldout["given_previous"]
     h = harness or {}
@@ -151,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--train-limit", type=int, default=None, help="train answers each trainer reads (a smoke run)")
     p.add_argument("--resume", action="store_true", help="go on in --out: steps whose results are there are not rerun")
+    p.add_argument("--peagle", action="store_true", help="also train speculators' P-EAGLE (parallel drafting)")
+    p.add_argument("--peagle-gamma", type=int, default=3, help="positions P-EAGLE drafts in one forward in vLLM")
     args = p.parse_args(argv)
 
     env = speculators_env()
@@ -215,6 +238,18 @@ def main(argv: list[str] | None = None) -> int:
             results["bench"][name] = {e: done_or(out / "bench" / f"{name.replace(' ', '')}-{e}-g{args.gamma}w{args.tree_width}.json",
                                                  lambda e=e, head=head: bench(head, prompts, args.gamma, args.tree_width, e, args.limit))
                                       for e in engines}
+    if args.peagle:
+        if not (out / "peagle_result.json").is_file():
+            (out / "peagle_spec.json").write_text(json.dumps({**spec, "kind": "peagle", "name": "peagle", "minutes": minutes,
+                                                              "tokens": equal, "evaluate": {}}, indent=1))
+            sh([env.python, ROOT / "benchmarks" / "peer" / "speculators_trainoff.py", out / "peagle_spec.json"],
+               env=peer_env, stdout=subprocess.DEVNULL)
+        results["peagle"] = json.loads((out / "peagle_result.json").read_text())
+        if args.vllm:
+            for k in ("minutes", "tokens"):
+                results["bench"][f"peagle ({k})"] = {"vllm": done_or(
+                    out / "bench" / f"peagle{k}-vllm-g{args.peagle_gamma}.json",
+                    lambda k=k: bench_parallel_vllm(out / f"peagle-{k}", prompts, args.peagle_gamma, args.limit, args.threads))}
     (out / "trainoff.json").write_text(json.dumps(results, indent=1))
 
     print(f"train-off on the night {run.name}: {results['cpu']}, {dtype}; held-out per position from one evaluator "
@@ -232,6 +267,22 @@ def main(argv: list[str] | None = None) -> int:
         name = f"peer ({k})"
         b = results["bench"].get(name, {})
         print(row(name, saved[k], peer["heldout"][k], b.get("harness"), b.get("vllm")))
+    if args.peagle:
+        pe = results["peagle"]
+        for k in ("minutes", "tokens"):
+            name = f"peagle ({k})"
+            b = results["bench"].get(name, {})
+            print(row(name, pe["train"]["saved"][k], pe["heldout"][k], None, b.get("vllm")))
+        print(f"P-EAGLE drafts {len(pe['heldout']['minutes']['accepted'])} positions in one forward; per position given the "
+              f"ones before, and tau if a round drafted k of them (the chained held-out reading; vLLM at gamma "
+              f"{args.peagle_gamma}):")
+        for k in ("minutes", "tokens"):
+            h = pe["heldout"][k]
+            print(f"  peagle ({k}): given previous " + " ".join(f"{x:.3f}" for x in h["given_previous"])
+                  + " | tau at k=1.. " + " ".join(f"{x:.2f}" for x in h["tau_chain_at"]))
+            refused = results["bench"].get(f"peagle ({k})", {}).get("vllm", {}).get("refused")
+            if refused:
+                print(f"  vLLM refused it: {refused}")
     return 0
 
 

@@ -28,6 +28,13 @@ shipped. What follows its defaults here, and what differs:
 Every head named in SPEC["evaluate"] and the heads trained here are read with one evaluator: per draft position,
 greedy agreement with the target's held-out continuation under the training-time-test unroll, chained as a
 drafting round accepts (the project's `eagle3_heldout_acceptance` definition).
+
+SPEC["kind"] "peagle" trains speculators' P-EAGLE instead (a head that drafts K positions in one forward: mask
+tokens and a learned `mask_hidden` stand in for the positions not yet drafted), as `speculators train
+--speculator-type peagle` builds it by default: a qwen3 layer, `norm_before_residual` only, trainable embeddings,
+the mask token its `resolve_mask_token_id` picks, 8 depths under COD sampling (ratio 0.7, floor 0.2). Its held-out
+reading runs its own forward with every anchor at every depth (no sampling) and reads depth j at anchor i as the
+draft of token i+2+j, chained as for EAGLE-3: the same numbers a parallel drafting round would accept.
 """
 
 from __future__ import annotations
@@ -38,16 +45,21 @@ import resource
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 from safetensors.torch import load_file
 from speculators.losses import resolve_loss_config
 from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
+from speculators.models.peagle import core as peagle_core
 from speculators.train.cli import create_transformer_layer_config
+from speculators.train.utils import resolve_mask_token_id
 from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 from transformers import AutoConfig, AutoModelForCausalLM, get_linear_schedule_with_warmup
 
 EPOCHS, LR, WEIGHT_DECAY, CLIP, TTT_STEPS, SLIDING_WINDOW = 20, 1e-3, 0.01, 1.0, 3, 2048
+NUM_DEPTHS, DOWN_SAMPLE_RATIO, DOWN_SAMPLE_RATIO_MIN = 8, 0.7, 0.2  # `speculators train`'s P-EAGLE defaults
 
 
 def peak_rss_gb() -> float:
@@ -85,9 +97,16 @@ def draft_vocabulary(train: list[dict], size: int, vocab_size: int) -> tuple[tor
     return build_vocab_mappings_from_distribution(dict(zip(unique.tolist(), counts.tolist(), strict=True)), size, vocab_size)
 
 
-def build_draft(target_dir: str, d2t: torch.Tensor, t2d: torch.Tensor, size: int, norms: bool) -> Eagle3DraftModel:
-    layer = create_transformer_layer_config(verifier_name_or_path=target_dir, num_layers=1, draft_arch="llama",
+def build_draft(target_dir: str, d2t: torch.Tensor, t2d: torch.Tensor, size: int, norms: bool,
+                kind: str = "eagle3") -> Eagle3DraftModel:
+    layer = create_transformer_layer_config(verifier_name_or_path=target_dir, num_layers=1,
+                                            draft_arch="llama" if kind == "eagle3" else "qwen3",
                                             hidden_act="silu", sliding_window=SLIDING_WINDOW, full_attention_indices=[0])
+    if kind == "peagle":  # its CLI's defaults for peagle: norm_before_fc and norm_output off
+        return PEagleDraftModel.from_training_args(
+            verifier_config=layer, t2d=t2d, d2t=d2t, draft_vocab_size=size, norm_before_residual=True,
+            mask_token_id=resolve_mask_token_id(target_dir, layer.vocab_size), num_depths=NUM_DEPTHS,
+            verifier_name_or_path=target_dir, target_layer_ids=None, draft_attn_impl="sdpa")
     return Eagle3DraftModel.from_training_args(
         verifier_config=layer, t2d=t2d, d2t=d2t, draft_vocab_size=size, norm_before_residual=norms,
         norm_before_fc=norms, norm_output=norms, fc_norm=False, embed_requires_grad=False, ttt_steps=TTT_STEPS,
@@ -137,6 +156,11 @@ def train(spec: dict, train_set: list[dict], model: Eagle3DraftModel, dtype: tor
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
     sched = get_linear_schedule_with_warmup(opt, total // 100, total)
     loss_config = resolve_loss_config("kl_div", "eager")
+    if spec.get("kind", "eagle3") == "peagle":
+        unroll = {"num_depths": NUM_DEPTHS, "down_sample_ratio": DOWN_SAMPLE_RATIO,
+                  "down_sample_ratio_min": DOWN_SAMPLE_RATIO_MIN}
+    else:
+        unroll = {"ttt_steps": TTT_STEPS, "ttt_step_loss_decay": 1.0}
     minutes, want_tokens, cap = spec["minutes"], spec["tokens"], spec["cap_minutes"]
     model.train()
     step = answer_tokens = positions = 0
@@ -148,7 +172,7 @@ def train(spec: dict, train_set: list[dict], model: Eagle3DraftModel, dtype: tor
             batch = collate(train_set, row, spec["total_seq_len"])
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
                 _, loss, _ = model(**{k: (v.to(dtype) if v.is_floating_point() else v) for k, v in batch.items()},
-                                   ttt_steps=TTT_STEPS, ttt_step_loss_decay=1.0, loss_config=loss_config)
+                                   loss_config=loss_config, **unroll)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, CLIP)
@@ -172,17 +196,19 @@ def train(spec: dict, train_set: list[dict], model: Eagle3DraftModel, dtype: tor
             for name, reached in stops.items():
                 if reached and name not in saved:
                     saved[name] = record
-                    save(model, out / f"peer-{name}", record)
+                    save(model, out / f"{spec.get('name', 'peer')}-{name}", record)
             if "minutes" in saved and ("tokens" in saved or not want_tokens):
                 return {"saved": saved, "log": log, "steps_per_epoch": steps_per_epoch}
 
 
 def load_head(path: str, target_dir: str) -> Eagle3DraftModel:
     """A speculators-format head (ours exported, or trained here), embeddings from the target when left out."""
-    config = Eagle3SpeculatorConfig.from_pretrained(path)
+    parallel = json.loads((Path(path) / "config.json").read_text()).get("speculators_model_type") == "peagle"
+    config_class, model_class = (PEagleSpeculatorConfig, PEagleDraftModel) if parallel else (Eagle3SpeculatorConfig, Eagle3DraftModel)
+    config = config_class.from_pretrained(path)
     config.transformer_layer_config._attn_implementation = "sdpa"
     config.speculators_config.verifier.name_or_path = target_dir  # an export names the target by its hub id, or not at all
-    model = Eagle3DraftModel.from_pretrained(path, config=config)
+    model = model_class.from_pretrained(path, config=config)
     if "embed_tokens.weight" not in load_file(str(Path(path) / "model.safetensors")):
         target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
         with torch.no_grad():
@@ -194,9 +220,10 @@ def load_head(path: str, target_dir: str) -> Eagle3DraftModel:
 def heldout_acceptance(model: Eagle3DraftModel, heldout: list[dict], dtype: torch.dtype) -> dict:
     """Per draft position j (0-based): at entry i the draft of step j predicts token i+2+j; counted where that
     token is an answer token; `accepted` chains positions 1..j as a drafting round does."""
+    if isinstance(model, PEagleDraftModel):
+        return heldout_acceptance_parallel(model, heldout, dtype)
     model.eval()
     agree, chain, total = torch.zeros(TTT_STEPS), torch.zeros(TTT_STEPS), torch.zeros(TTT_STEPS)
-    d2t = model.d2t if model.d2t is not None else None
     for s in heldout:
         b = shifted(s)
         n = b["input_ids"].numel()
@@ -204,25 +231,94 @@ def heldout_acceptance(model: Eagle3DraftModel, heldout: list[dict], dtype: torc
             drafts = model(hidden_states=b["hidden_states"][None].to(dtype), input_ids=b["input_ids"][None],
                            document_ids=torch.zeros(1, n, dtype=torch.long), position_ids=b["position_ids"][None],
                            ttt_steps=TTT_STEPS)
-        ids, mask = s["ids"], s["mask"]
-        alive = torch.ones(n, dtype=torch.bool)
-        for j, d in enumerate(drafts):
-            d = d[0]
-            predicted = d + d2t[d] if d2t is not None else d
-            where = torch.arange(n) + 2 + j
-            has = where < ids.numel()
-            label = torch.where(has, ids[where.clamp(max=ids.numel() - 1)], -1)
-            has &= mask[where.clamp(max=ids.numel() - 1)]
-            ok = (predicted == label) & has
-            alive &= ok
-            agree[j] += int(ok.sum())
-            chain[j] += int((alive & has).sum())
-            total[j] += int(has.sum())
+        predicted = [d[0] + model.d2t[d[0]] if model.d2t is not None else d[0] for d in drafts]
+        a, c, t = chain_counts(predicted, s["ids"], s["mask"], torch.arange(n))
+        agree, chain, total = agree + a, chain + c, total + t
+    return summarize(agree, chain, total)
+
+
+def chain_counts(predicted: list[torch.Tensor], ids: torch.Tensor, mask: torch.Tensor, anchors: torch.Tensor) -> tuple:
+    """Per draft position j: agreement, chained agreement and label count, where position j's draft at anchor i is
+    of token i+2+j and counts where that token is an answer token."""
+    depth = len(predicted)
+    agree, chain, total = torch.zeros(depth), torch.zeros(depth), torch.zeros(depth)
+    alive = torch.ones(anchors.numel(), dtype=torch.bool)
+    for j, predicted_j in enumerate(predicted):
+        where = anchors + 2 + j
+        has = where < ids.numel()
+        label = torch.where(has, ids[where.clamp(max=ids.numel() - 1)], -1)
+        has &= mask[where.clamp(max=ids.numel() - 1)]
+        ok = (predicted_j == label) & has
+        alive &= ok
+        agree[j] += int(ok.sum())
+        chain[j] += int((alive & has).sum())
+        total[j] += int(has.sum())
+    return agree, chain, total
+
+
+def summarize(agree: torch.Tensor, chain: torch.Tensor, total: torch.Tensor) -> dict:
     per_position = (agree / total.clamp_min(1)).tolist()
     accepted = (chain / total.clamp_min(1)).tolist()
-    given = [accepted[0]] + [accepted[j] / max(accepted[j - 1], 1e-9) for j in range(1, TTT_STEPS)]
+    given = [accepted[0]] + [accepted[j] / max(accepted[j - 1], 1e-9) for j in range(1, len(accepted))]
+    tau = [1.0 + sum(accepted[:k]) for k in range(1, len(accepted) + 1)]
     return {"per_position": per_position, "accepted": accepted, "given_previous": given, "entries": int(total[0]),
-            "tau_chain": 1.0 + sum(accepted)}
+            "tau_chain": tau[-1], "tau_chain_at": tau}
+
+
+def parallel_logits(model: PEagleDraftModel, b: dict, anchor_pos: torch.Tensor, depth: torch.Tensor,
+                    dtype: torch.dtype, depths: int) -> torch.Tensor:
+    """P-EAGLE's own forward over the given (anchor, depth) elements instead of a COD sample, its logits kept from
+    the loss they would feed."""
+    kept: dict = {}
+
+    def keep_logits(logits, **_):
+        kept["logits"] = logits[0]
+        return logits.new_zeros(()), {}
+
+    n = b["input_ids"].numel()
+    with (mock.patch.object(peagle_core, "generate_cod_sample_indices", lambda **_: (anchor_pos, depth)),
+          mock.patch.object(peagle_core, "compute_metrics", keep_logits),
+          torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)):
+        model(hidden_states=b["hidden_states"][None].to(dtype), input_ids=b["input_ids"][None],
+              document_ids=torch.zeros(1, n, dtype=torch.long), position_ids=b["position_ids"][None],
+              loss_mask=b["loss_mask"][None].float(), verifier_last_hidden_states=b["verifier_last_hidden_states"][None].to(dtype),
+              num_depths=depths)
+    return kept["logits"]
+
+
+@torch.no_grad()
+def heldout_acceptance_parallel(model: PEagleDraftModel, heldout: list[dict], dtype: torch.dtype,
+                                depths: int = NUM_DEPTHS) -> dict:
+    """P-EAGLE's held-out acceptance: its own forward with every anchor at every depth (COD sampling replaced by
+    all of them), the logits kept from its loss; depth j at anchor i drafts token i+2+j."""
+    model.eval()
+    agree, chain, total = torch.zeros(depths), torch.zeros(depths), torch.zeros(depths)
+    for s in heldout:
+        b = shifted(s)
+        n, ids, mask = b["input_ids"].numel(), s["ids"], s["mask"]
+        positions = torch.arange(n)
+        labelled = torch.stack([mask[(positions + 2 + j).clamp(max=ids.numel() - 1)] & (positions + 2 + j < ids.numel())
+                                for j in range(depths)]).any(0)
+        anchors = positions[labelled]  # those whose round drafts at least one answer token
+        at_depth = [positions] + [anchors[anchors + d <= n - 1] for d in range(1, depths)]
+        anchor_pos = torch.cat(at_depth)
+        depth = torch.cat([torch.full((a.numel(),), d) for d, a in enumerate(at_depth)])
+        logits = parallel_logits(model, b, anchor_pos, depth, dtype, depths)
+        draft = logits.argmax(-1)
+        draft = draft + model.d2t[draft] if model.d2t is not None else draft
+        predicted, start = [], n
+        for d in range(depths):  # the anchors' drafts at each depth, -1 where the chain ran off the sequence
+            p = torch.full((anchors.numel(),), -1, dtype=torch.long)
+            if d == 0:
+                p = draft[:n][anchors]
+            else:
+                m = anchors + d <= n - 1
+                p[m] = draft[start:start + int(m.sum())]
+                start += int(m.sum())
+            predicted.append(p)
+        a, c, t = chain_counts(predicted, ids, mask, anchors)
+        agree, chain, total = agree + a, chain + c, total + t
+    return summarize(agree, chain, total)
 
 
 def main(spec: dict) -> None:
@@ -238,23 +334,24 @@ def main(spec: dict) -> None:
     train_set = target_states(spec["target"], data["train"], aux, dtype) if spec["minutes"] > 0 else []  # 0: evaluate only
     heldout = target_states(spec["target"], data["heldout"], aux, dtype)
     feature_seconds = time.perf_counter() - t0
-    result: dict = {"feature_pass_seconds": feature_seconds, "train_sequences": len(train_set),
+    result: dict = {"kind": spec.get("kind", "eagle3"), "feature_pass_seconds": feature_seconds, "train_sequences": len(train_set),
                     "heldout_sequences": len(heldout), "aux_layers": aux, "dtype": spec["dtype"],
                     "rss_before_training_gb": peak_rss_gb(), "recipe": "default" if spec["norms"] else "no-norms",
                     "total_seq_len": spec["total_seq_len"]}
     if spec["minutes"] > 0:
         d2t, t2d = draft_vocabulary(train_set, spec["draft_vocab_size"], config.vocab_size)
         torch.manual_seed(spec["seed"])
-        model = build_draft(spec["target"], d2t, t2d, spec["draft_vocab_size"], spec["norms"])
+        model = build_draft(spec["target"], d2t, t2d, spec["draft_vocab_size"], spec["norms"], spec.get("kind", "eagle3"))
         result["train"] = train(spec, train_set, model, dtype, out)
     result["heldout"] = {}
-    heads = {name: str(out / f"peer-{name}") for name in ("minutes", "tokens") if (out / f"peer-{name}").is_dir()}
+    prefix = spec.get("name", "peer")
+    heads = {name: str(out / f"{prefix}-{name}") for name in ("minutes", "tokens") if (out / f"{prefix}-{name}").is_dir()}
     heads.update(spec.get("evaluate", {}))
     for name, path in heads.items():
         result["heldout"][name] = heldout_acceptance(load_head(path, spec["target"]), heldout, dtype)
         print(f"held-out {name}: {result['heldout'][name]}", file=sys.stderr, flush=True)
     if spec["minutes"] > 0:  # an evaluation-only run (minutes 0) answers on stdout, never over the training's record
-        (out / "peer_result.json").write_text(json.dumps(result, indent=1))
+        (out / f"{prefix}_result.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "train"}))
 
 
