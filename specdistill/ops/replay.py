@@ -24,19 +24,10 @@ from specdistill.acceptance import DEFAULT_GAMMA, NGRAM_WINDOW, DraftCounts
 from specdistill.budget import Deadline
 from specdistill.data.prompts import MAX_PROMPT_TOKENS, Prompt, usable_prompt
 from specdistill.data.record import FLAT, Record
-from specdistill.modeling.drafts import align_draft
-from specdistill.modeling.eagle3_io import read_config
 from specdistill.modeling.models import LoadedModel, resolve_model_dir, shared_model
-from specdistill.modeling.vocab import DraftVocab, check_vocab, vocab_mismatch
 from specdistill.ops.policy import DEFAULT_MARGIN, MIN_SERVED_PROMPTS, Candidate, fastest_mode
 from specdistill.ops.policy.sequential import MIN_REPLAY_PROMPTS, acceptance_interval, acceptance_settled, beaten, leader_settled
-from specdistill.speculative import (
-    ModelDrafter,
-    SpecStats,
-    drafter_from_spec,
-    generate,
-)
-from specdistill.speculative.eagle import aligned_eagle_drafter
+from specdistill.speculative import SpecStats, drafter_from_spec, generate
 from specdistill.speculative.harness_bench import BenchConfig, run_bench_many
 from specdistill.speculative.specs import OFF, SELF_SPEC, DrafterSpec
 from specdistill.speculative.suffix_corpus import corpus_is_current
@@ -120,17 +111,9 @@ def first_accepted(stats: SpecStats) -> int:
     return (stats.counts.accepted_per_position or [0])[0]
 
 
-def aligned_drafter(target: LoadedModel, draft: LoadedModel, name: str = "draft") -> tuple[ModelDrafter, bool, str]:
-    """(drafter, transplanted, why): the draft as it is, or a copy re-embedded over the target's vocabulary."""
-    aligned = align_draft(draft.model, draft.tokenizer, target.tokenizer, DraftVocab.load(draft.path),
-                          target_vocab_size=target.config.vocab_size)
-    label = f"{name} (transplanted)" if aligned.transplanted else name
-    return ModelDrafter(aligned.model, target.config.vocab_size, aligned.draft_vocab, name=label), aligned.transplanted, aligned.reason
-
-
 def replay_acceptance(
     target_ref: str | os.PathLike | LoadedModel,
-    draft_ref: str | os.PathLike | LoadedModel,
+    draft_ref: str | os.PathLike,
     store,
     *,
     n_prompts: int = 16,
@@ -159,42 +142,29 @@ def replay_acceptance(
     (`policy.sequential.acceptance_settled`, from `min_prompts` on); no prompt starts that the longest
     so far says would end past `deadline` once `min_prompts` and `min_draft_tokens` are read. `stopped`
     says which ended it. `between_prompts` runs before each prompt (a thread count chosen again).
-    An EAGLE-3 head replays at the shape it was measured at: γ drafts a round, `tree_width` > 1 a draft tree
-    (greedy), whose first position counts the head's top-1 draft as a chain-verifying engine would."""
+    A draft of a kind served as a tree (an EAGLE-3 head) replays at the shape it was measured at: γ drafts a
+    round, `tree_width` > 1 a draft tree (greedy), whose first position counts the head's top-1 draft as a
+    chain-verifying engine would; any other draft as a chain."""
     from tqdm import tqdm
 
     if on_vocab_mismatch not in ("transplant", "zero"):
         raise ValueError(f"on_vocab_mismatch must be 'transplant' or 'zero', not {on_vocab_mismatch!r}")
     start = time.perf_counter()
     target = _loaded(target_ref, dtype, device)
-    head_dir = None if isinstance(draft_ref, LoadedModel) else resolve_model_dir(draft_ref)
-    head_dir = head_dir if head_dir is not None and DrafterSpec.for_draft(head_dir).of.on_target else None  # loads beside its target
-    weights = next(target.model.parameters())  # the draft runs as the target does
-    draft = None if head_dir else _loaded(draft_ref, weights.dtype, weights.device)
+    spec = DrafterSpec.for_draft(resolve_model_dir(draft_ref))  # a head loads beside its target, as its kind says
+    spec = spec.with_(tree_width=tree_width if spec.of.tree else 1)
     fp = target_version or target.fingerprint
-    version = draft_version or str(draft_ref if not isinstance(draft_ref, LoadedModel) else draft.path)
-    sample = AcceptanceSample(False, target_fingerprint=fp, draft_version=version, gamma=gamma,
-                              tree_width=tree_width if head_dir else 1)
-
-    if on_vocab_mismatch == "zero":
-        if head_dir:
-            from transformers import AutoTokenizer
-
-            draft_tok, draft_vocab_size = AutoTokenizer.from_pretrained(head_dir), read_config(head_dir)["vocab_size"]
-        else:
-            draft_tok, draft_vocab_size = draft.tokenizer, draft.config.vocab_size
-        why = vocab_mismatch(check_vocab(target.tokenizer, draft_tok), draft_vocab_size, target.config.vocab_size)
-        if why:
-            sample.ok, sample.reason, sample.vocab_mismatch = True, f"vocabulary mismatch: {why}", True
-            sample.acceptance_rate, sample.mean_accepted_length = 0.0, 1.0
-            sample.first_position_acceptance = 0.0
-            return sample
-    if head_dir:  # the target's fingerprint is not enforced: replaying on a new target version is the point
-        drafter, transplanted, why = aligned_eagle_drafter(target.model, target.tokenizer, head_dir, name=version,
-                                                           tree_width=tree_width)
-    else:
-        drafter, transplanted, why = aligned_drafter(target, draft, name=version)
-    sample.vocab_mismatch = sample.vocab_transplanted = transplanted
+    version = draft_version or str(draft_ref)
+    sample = AcceptanceSample(False, target_fingerprint=fp, draft_version=version, gamma=gamma, tree_width=spec.tree_width)
+    if on_vocab_mismatch == "zero" and (why := spec.of.mismatch(target.model, spec, target.tokenizer)):
+        sample.ok, sample.reason, sample.vocab_mismatch = True, f"vocabulary mismatch: {why}", True
+        sample.acceptance_rate, sample.mean_accepted_length = 0.0, 1.0
+        sample.first_position_acceptance = 0.0
+        return sample
+    # the target's fingerprint is not enforced: replaying on a new target version is the point
+    drafter, why = spec.of.carry(target.model, spec, target.tokenizer)
+    drafter.name = f"{version} (transplanted)" if why else version
+    transplanted = sample.vocab_mismatch = sample.vocab_transplanted = bool(why)
 
     prompts, sample.prompt_split = held_out_prompts(store, target.tokenizer, n_prompts, max_prompt_tokens=max_prompt_tokens)
     if not prompts:
