@@ -135,8 +135,8 @@ def main() -> None:
     from specdistill.modeling.drafts import init_draft_from_target, parse_layers, save_draft
     from specdistill.modeling.models import dtype_name, load_model, resolve_dtype
     from specdistill.ops.demo_update import TargetUpdateConfig, assistant_loss, make_target_update
-    from specdistill.ops.replay import aligned_drafter
     from specdistill.speculative import ModelDrafter, generate
+    from specdistill.speculative.specs import DrafterSpec
 
     defaults = TargetUpdateConfig()
     steps = args.steps if args.steps is not None else defaults.steps
@@ -161,6 +161,12 @@ def main() -> None:
 
     base = load_model("demo", dtype=dtype)
     updated = load_model(updated_dir, dtype=dtype)
+
+    def carried(draft_dir: Path):
+        """The draft on the updated target as the monitor replays it, and why it was transplanted ("": it was not)."""
+        draft = DrafterSpec.for_draft(draft_dir)
+        return draft.of.carry(updated.model, draft, updated.tokenizer)
+
     prompt_set = prompts(base.tokenizer)
     results = {"steps": steps, "lr": lr, "dtype": dtype, "gamma": args.gamma, "max_new_tokens": args.max_new_tokens,
                "prompts": {"code": sum(k == "code" for k, _ in prompt_set), "chat": sum(k == "chat" for k, _ in prompt_set)},
@@ -180,14 +186,14 @@ def main() -> None:
         before = cached(work / f"before-{ddir.name}-{dtype}-{args.gamma}-{args.max_new_tokens}.json",
                         lambda d=ddir: measure(base, ModelDrafter(load_model(d, dtype=dtype).model, base.config.vocab_size),
                                         prompt_set, args.gamma, args.max_new_tokens))
-        drafter, transplanted, _ = aligned_drafter(updated, load_model(ddir, dtype=dtype))
+        drafter, why = carried(ddir)
         after = measure(updated, drafter, prompt_set, args.gamma, args.max_new_tokens)
-        row = {"layers": len(layers), "before": before, "after": after, "transplanted": transplanted}
+        row = {"layers": len(layers), "before": before, "after": after, "transplanted": bool(why)}
         if args.recover_steps:
             t0 = time.time()
             code_n, chat_n = (int(x) for x in args.recover_prompts.split(","))
             rdir = recover(work, updated_dir, ddir, dtype, args.recover_steps, args.recover_minutes, code_n, chat_n)
-            drafter, _, _ = aligned_drafter(updated, load_model(rdir, dtype=dtype))
+            drafter, _ = carried(rdir)
             row["recovered"] = measure(updated, drafter, prompt_set, args.gamma, args.max_new_tokens)
             row["recover"] = {"steps": args.recover_steps, "prompts": args.recover_prompts,
                               "seconds": round(time.time() - t0), "draft": str(rdir)}

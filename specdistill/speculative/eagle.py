@@ -16,7 +16,6 @@ import torch
 from transformers import PreTrainedModel
 
 from specdistill.modeling.eagle3 import Eagle3Cache, Eagle3Draft, check_head_fits
-from specdistill.modeling.eagle3_io import load_eagle3
 from specdistill.modeling.models import pack_for_cpu
 from specdistill.speculative.drafters import Drafter
 from specdistill.speculative.sampling import SamplingConfig, pick_token
@@ -151,11 +150,3 @@ class EagleDrafter(Drafter):
         if self.featured > valid_len - 1:  # features of positions past the sequence (never from the engine)
             self.pending = self.pending[: valid_len - 1 - self.committed] if valid_len - 1 > self.committed else None
 
-
-def aligned_eagle_drafter(target: PreTrainedModel, target_tokenizer, head_dir, name: str = "draft",
-                          tree_width: int = 1) -> tuple[EagleDrafter, bool, str]:
-    """(drafter, transplanted, why) for a head directory: its embeddings are always the target's, so
-    a tokenizer change only carries its draft vocabulary (d2t/t2d, lm_head rows) over by token string."""
-    loaded = load_eagle3(head_dir, target, target_tokenizer=target_tokenizer)
-    label = f"{name} (transplanted)" if loaded.transplanted else name
-    return EagleDrafter(loaded.head, target, name=label, tree_width=tree_width), loaded.transplanted, loaded.reason

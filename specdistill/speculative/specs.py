@@ -76,6 +76,14 @@ class Kind:
     first_gamma: Callable[[DrafterSpec, int], int] = lambda spec, gamma: gamma
     # the lineage tags a registered draft of this kind carries (`ops.registry`), from its directory
     tags: Callable[[str], dict[str, str]] = lambda draft_dir: {}
+    # a draft replayed on a target that may have changed since it was trained (an update added tokens), its
+    # reference resolved (`DrafterSpec.resolved`): (target, spec, the target's tokenizer) -> why the target cannot
+    # read the draft's token ids as they are ("": it can), without building the drafter; and -> (the drafter,
+    # carried over to the target's vocabulary where it must be, why it was: "" when not). What is replayed is a
+    # registered draft (`draft`, `eagle3`); by default a kind is built as it is and reads the target's own ids
+    mismatch: Callable[[PreTrainedModel, DrafterSpec, Any], str] = lambda target, spec, tokenizer: ""
+    carry: Callable[[PreTrainedModel, DrafterSpec, Any], tuple[Drafter, str]] = (
+        lambda target, spec, tokenizer: (spec.build(target), ""))
 
     @property
     def draft_kind(self) -> str:

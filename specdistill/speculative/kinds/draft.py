@@ -9,6 +9,7 @@ from specdistill.speculative.specs import DrafterSpec, Kind, TargetKey, register
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from specdistill.modeling.models import LoadedModel
     from specdistill.speculative.drafters import Drafter
 
 NEEDS_DIR = ("draft_dir", "a draft directory")  # a draft model is served from its directory
@@ -47,5 +48,36 @@ def build(target: PreTrainedModel, spec: DrafterSpec, key: TargetKey) -> Drafter
                         name=f"draft:{loaded.path.name}", tree_width=spec.tree_width)
 
 
+def _shared(target: PreTrainedModel, spec: DrafterSpec) -> LoadedModel:
+    """The layer draft in the target's dtype on its device, loaded once per process (a replay changes no weight:
+    a transplant is made on a copy)."""
+    from specdistill.modeling.models import shared_model  # lazy: keeps torch off `serving show`
+
+    weights = next(target.parameters())
+    return shared_model(spec.arg, dtype=weights.dtype, device=weights.device)
+
+
+def mismatch(target: PreTrainedModel, spec: DrafterSpec, tokenizer: Any) -> str:
+    """Why the target cannot read the draft's token ids as they are ("": it can)."""
+    from specdistill.modeling.vocab import check_vocab, vocab_mismatch  # lazy: keeps torch off `serving show`
+
+    draft = _shared(target, spec)
+    return vocab_mismatch(check_vocab(tokenizer, draft.tokenizer), draft.config.vocab_size, target.config.vocab_size)
+
+
+def carry(target: PreTrainedModel, spec: DrafterSpec, tokenizer: Any) -> tuple[Drafter, str]:
+    """The layer draft as it is where the target reads its token ids as they are, else a copy re-embedded over
+    the target's vocabulary, its reduced vocabulary carried over (`modeling.drafts.align_draft`)."""
+    from specdistill.modeling.drafts import align_draft  # lazy: keeps torch off `serving show`
+    from specdistill.modeling.vocab import DraftVocab  # lazy: keeps torch off `serving show`
+    from specdistill.speculative.drafters import ModelDrafter  # lazy: keeps torch off `serving show`
+
+    draft = _shared(target, spec)
+    aligned = align_draft(draft.model, draft.tokenizer, tokenizer, DraftVocab.load(draft.path),
+                          target_vocab_size=target.config.vocab_size)
+    return ModelDrafter(aligned.model, target.config.vocab_size, aligned.draft_vocab, name=f"draft:{draft.path.name}",
+                        tree_width=spec.tree_width), aligned.reason
+
+
 DRAFT = register_kind(Kind("draft", "draft", "draft:DIR", bool, build, vllm=model_vllm, sglang=model_sglang,
-                           needs=NEEDS_DIR, draft_dir=True, record="layers"))
+                           needs=NEEDS_DIR, draft_dir=True, record="layers", mismatch=mismatch, carry=carry))

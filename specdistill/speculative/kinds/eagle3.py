@@ -2,9 +2,9 @@
 drafting with the target's embeddings (vLLM `method: eagle3`, SGLang `EAGLE3`, llama.cpp `draft-eagle3`).
 
 Everything that tells a head from a layer draft is here: which directories are heads (a `draft:DIR` record
-naming one, written before this kind existed, reads as `eagle3:DIR`), how it is built, the engines'
-settings (served as a tree where the engine verifies one), the γ it is first measured at, and the
-lineage tags a registered head carries (the target layers it reads)."""
+naming one, written before this kind existed, reads as `eagle3:DIR`), how it is built (and carried over to
+a target whose tokenizer changed), the engines' settings (served as a tree where the engine verifies one),
+the γ it is first measured at, and the lineage tags a registered head carries (the target layers it reads)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,28 @@ def build(target: PreTrainedModel, spec: DrafterSpec, key: TargetKey) -> Drafter
     return EagleDrafter(load_eagle3(path, target).head, target, name=f"{NAME}:{path.name}", tree_width=spec.tree_width)
 
 
+def mismatch(target: PreTrainedModel, spec: DrafterSpec, tokenizer: Any) -> str:
+    """Why the target cannot read the head's token ids as they are ("": it can), from its tokenizer and config."""
+    from transformers import AutoTokenizer  # lazy: keeps torch off `serving show`
+
+    from specdistill.modeling.vocab import check_vocab, vocab_mismatch  # lazy: keeps torch off `serving show`
+
+    head_tokenizer = AutoTokenizer.from_pretrained(spec.arg)
+    return vocab_mismatch(check_vocab(tokenizer, head_tokenizer), read_config(spec.arg)["vocab_size"], target.config.vocab_size)
+
+
+def carry(target: PreTrainedModel, spec: DrafterSpec, tokenizer: Any) -> tuple[Drafter, str]:
+    """The head with the target's embeddings (always the target's), so a tokenizer change only carries its draft
+    vocabulary (d2t/t2d, lm_head rows) over, by token string."""
+    from specdistill.modeling.eagle3_io import load_eagle3  # lazy: keeps torch off `serving show`
+    from specdistill.modeling.models import resolve_model_dir  # lazy: keeps torch off `serving show`
+    from specdistill.speculative.eagle import EagleDrafter  # lazy: keeps torch off `serving show`
+
+    path = resolve_model_dir(spec.arg)
+    loaded = load_eagle3(path, target, target_tokenizer=tokenizer)
+    return EagleDrafter(loaded.head, target, name=f"{NAME}:{path.name}", tree_width=spec.tree_width), loaded.reason
+
+
 def first_gamma(spec: DrafterSpec, gamma: int) -> int:
     """No deeper than the draft positions the head was trained to propose (`unroll_steps` in its meta: a
     1-step head's 2nd position is untrained)."""
@@ -77,4 +99,5 @@ def _sglang(c: Any) -> list[str]:
 
 EAGLE3 = register_kind(Kind(NAME, "draft", "eagle3:DIR", bool, build, vllm=_vllm, sglang=_sglang, needs=NEEDS_DIR,
                             claims=("draft", is_head), draft_dir=True, label="EAGLE-3 head", on_target=True,
-                            feature_layers=feature_layers, tree=True, first_gamma=first_gamma, tags=tags))
+                            feature_layers=feature_layers, tree=True, first_gamma=first_gamma, tags=tags,
+                            mismatch=mismatch, carry=carry))
