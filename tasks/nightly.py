@@ -92,7 +92,8 @@ def suffix_corpus(config: NightlyConfig, train_data: GeneratedData, target_finge
 @task(name="pool-answers", retries=2, retry_delay_seconds=5)
 def pool_answers(config: NightlyConfig, window: Window, train_data: GeneratedData, heldout_data: GeneratedData,
                  target_fingerprint: str) -> PooledData:
-    return pool.pool_answers(config, window, train_data, heldout_data, target_fingerprint)
+    return pool.pool_answers(config, window, train_data, heldout_data, target_fingerprint,
+                            answer=answer_stage.generate_responses)
 
 
 @task(name="distill")

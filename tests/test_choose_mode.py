@@ -14,9 +14,10 @@ from specdistill.ops.policy import Check, GateVerdict
 from specdistill.ops.serving import read_serving_config
 from specdistill.pipeline import nightly
 from specdistill.pipeline.config import load_nightly_config
-from specdistill.pipeline.outputs import TargetInfo
+from specdistill.pipeline.outputs import ServingDecision, TargetInfo
+from specdistill.pipeline.serving import serving_config
 from specdistill.pipeline.stages import bench
-from specdistill.pipeline.stages.choose_mode import ServingDecision, serving_candidates, serving_config
+from specdistill.pipeline.stages.choose_mode import serving_candidates
 from specdistill.speculative.specs import DrafterSpec
 from tests.conftest import bench_result
 

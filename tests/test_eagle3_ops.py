@@ -94,8 +94,8 @@ def test_serving_config_for_an_eagle3_head(tmp_path, capsys):
 def test_nightly_serving_config_knows_a_head_by_its_directory(head_dir, tmp_path):
     from dataclasses import replace
 
-    from specdistill.pipeline.outputs import TargetInfo
-    from specdistill.pipeline.stages.choose_mode import ServingDecision, serving_config
+    from specdistill.pipeline.outputs import ServingDecision, TargetInfo
+    from specdistill.pipeline.serving import serving_config
 
     decision = ServingDecision(mode="draft", name="challenger", spec=DrafterSpec.parse(f"draft:{head_dir}"), gamma=3, speedup=1.4,
                                reason="fastest", measured={"challenger": 1.4}, measured_on="harness")

@@ -17,10 +17,9 @@ from specdistill.ops.policy import Check, GateVerdict
 from specdistill.ops.registry import RegisteredDraft
 from specdistill.pipeline import nightly as pipeline
 from specdistill.pipeline.config import load_nightly_config, run_root
-from specdistill.pipeline.outputs import Champion, GeneratedData, Promoted, Trained, Untrained, Window
+from specdistill.pipeline.outputs import Champion, GeneratedData, Promoted, ServingDecision, Trained, Untrained, Window
 from specdistill.pipeline.report import report_table
 from specdistill.pipeline.stages import bench
-from specdistill.pipeline.stages.choose_mode import ServingDecision
 from specdistill.speculative.specs import DrafterSpec
 from tests.conftest import bench_result, train_bpe, trained_result
 
@@ -203,7 +202,7 @@ def test_the_gamma_note_tells_a_confirmation_that_lost_from_one_that_did_not_run
     from dataclasses import replace
 
     from specdistill.data.results import GammaSearch
-    from specdistill.pipeline.stages.choose_mode import gamma_note
+    from specdistill.pipeline.serving import gamma_note
 
     curve = {2: 1.3, 4: 1.2, 7: 1.5}
     ran = replace(_result(0.4, 2.0), gamma=4, gamma_search=GammaSearch(curve, 7, {}, {4: 1.43, 7: 1.42}))
@@ -457,7 +456,8 @@ def test_train_kind_eagle3_trains_a_head_from_features_beside_the_teacher_cache(
 def test_the_answer_pass_records_the_heads_features_so_training_needs_no_second_target_pass(tiny_target_dir, tmp_path,
                                                                                              monkeypatch):
     import specdistill.distill.features as features
-    from specdistill.pipeline.stages.answers.stage import features_dir, generate_responses
+    from specdistill.pipeline.layout import features_dir
+    from specdistill.pipeline.stages.answers.stage import generate_responses
 
     built = []
     real_build = features.build_feature_cache
@@ -493,7 +493,7 @@ def test_an_automatic_answer_engine_says_what_answered_and_why(tiny_target_dir, 
 
 def test_a_head_reading_other_layers_gets_features_of_its_own(tmp_path):
     from specdistill.distill.features import FeatureCache
-    from specdistill.pipeline.stages.answers.stage import features_dir
+    from specdistill.pipeline.layout import features_dir
 
     teacher = tmp_path / "data" / "teacher_cache"
     assert features_dir(teacher, [1, 2, 3]) == tmp_path / "data" / "features"  # nothing written yet
@@ -654,7 +654,8 @@ def test_the_run_dtype_reaches_every_model_load_and_the_feature_pass(tmp_path, m
     from specdistill.distill import train as train_module
     from specdistill.modeling import models
     from specdistill.modeling.drafts import init_draft_from_target, save_draft
-    from specdistill.pipeline.stages import choose_mode, engine_bench
+    from specdistill.pipeline.serving import serving_config
+    from specdistill.pipeline.stages import engine_bench
     from tests.conftest import save_tiny_target
 
     monkeypatch.setenv("SPECDISTILL_CPU_FLAGS", BF16_CPU)  # `auto` would be bf16 here
@@ -672,7 +673,7 @@ def test_the_run_dtype_reaches_every_model_load_and_the_feature_pass(tmp_path, m
     engine_bench.llamacpp_spec(config, DrafterSpec.parse("self_spec:2"))
     decision = ServingDecision(mode="self_speculation", name="self-spec:2", spec=DrafterSpec.parse("self_spec:2"), gamma=2, speedup=1.2,
                                reason="r", measured={}, measured_on="")
-    choose_mode.serving_config(decision, info)
+    serving_config(decision, info)
     # the target read once (describe; the early-exit exports reuse it: `models.shared_model`), the champion once
     assert [Path(ref).name for ref, _, _ in seen] == ["target", "champion"], seen
     assert all(dtype == "float32" for _, dtype, _ in seen), seen

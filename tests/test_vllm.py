@@ -227,7 +227,8 @@ def test_nightly_serving_choice_measured_in_vllm(vllm_servers, eagle_head, tmp_p
     from specdistill.ops.serving import read_serving_config, write_serving_config
     from specdistill.pipeline.config import load_nightly_config
     from specdistill.pipeline.outputs import TargetInfo
-    from specdistill.pipeline.stages.choose_mode import choose_serving, serving_config
+    from specdistill.pipeline.serving import serving_config
+    from specdistill.pipeline.stages.choose_mode import choose_serving
     from specdistill.pipeline.stages.engine_bench import engine_benchmark
 
     by_block = {repr(None): vllm_servers[TARGET_ONLY], repr(_serving_block(NGRAM_SPEC)): vllm_servers["ngram"],

@@ -35,6 +35,7 @@ from specdistill.ops.policy import FIRST_POSITION_TAG, SHAPE_GAMMA_TAG, SHAPE_TR
 from specdistill.ops.registry import RegisteredDraft
 from specdistill.ops.serving import serving_path, write_serving_config
 from specdistill.pipeline.config import NightlyConfig, SourceConfig, config_hash, run_root, target_tokenizer
+from specdistill.pipeline.layout import features_dir
 from specdistill.pipeline.outputs import (
     Champion,
     GeneratedData,
@@ -48,9 +49,8 @@ from specdistill.pipeline.outputs import (
     window_key,
 )
 from specdistill.pipeline.report import registration_artifacts, registration_metrics, train_losses
+from specdistill.pipeline.serving import serving_config
 from specdistill.pipeline.stage_budgets import stage_budgets, stage_deadline
-from specdistill.pipeline.stages.answers.stage import features_dir
-from specdistill.pipeline.stages.choose_mode import serving_config
 from specdistill.pipeline.tail import OPTIONAL_SHARE
 from specdistill.speculative.specs import DrafterSpec
 from specdistill.speculative.threads import chosen_threads
