@@ -1,5 +1,6 @@
-"""Where one stage's files lie for another stage to find them: the suffix corpus (written by the corpus
-stage, read by the monitor, served through SGLang's export of it) and an EAGLE-3 head's training features
+"""Where one stage's files lie for another stage to find them: a source's traffic (ingested under its
+path, which the window maps back to the source's slice), the suffix corpus (written by the corpus stage,
+read by the monitor, served through SGLang's export of it) and an EAGLE-3 head's training features
 (written by the answer pass, pooled, read by the trainer). Stages do not import each other; what they
 share lives here.
 """
@@ -9,9 +10,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from specdistill import paths
+from specdistill.data.datasets import humaneval_path, sharegpt_path
 from specdistill.distill.features import FEATURE_META
+from specdistill.pipeline.config import SourceConfig
 
 CORPUS_FILE = "suffix_corpus.safetensors"  # beside the answers; under the state directory, the newest night's
+
+
+def resolve_source_path(source: SourceConfig) -> Path:
+    """The file a source names: the shipped demo traffic by its name (`sharegpt`, `humaneval`), else its path."""
+    shipped = {"sharegpt": sharegpt_path, "humaneval": humaneval_path}
+    return shipped[source.path]() if source.path in shipped else Path(source.path)
 
 
 def current_corpus_path() -> Path:
