@@ -19,11 +19,11 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.states import Failed, State
 
 from specdistill.pipeline.config import NightlyConfig, load_nightly_config
-from specdistill.pipeline.nightly import started_from
 from specdistill.pipeline.outputs import NightlyRun, Untrained, Window
 from specdistill.pipeline.report import report_table, write_report
 from specdistill.pipeline.stage_budgets import StageClock, run_deadline
 from specdistill.pipeline.stages.bench import Role, measured_drafters
+from specdistill.pipeline.stages.champion import started_from
 from specdistill.pipeline.stages.pool import pool_report
 from specdistill.pipeline.tail import TailReserve
 from specdistill.state_lock import state_lock

@@ -1,4 +1,5 @@
-"""The nightly pipeline's tasks: each wraps one call of `specdistill.pipeline.nightly`.
+"""The nightly pipeline's tasks: each wraps one call of a stage (`specdistill.pipeline.stages`), or of the tail
+reserve, the success marker or retention (`specdistill.pipeline`).
 
 Retries go on I/O (the log store, the registry). What a rerun reuses is decided by one layer per stage:
 the library's content-addressed directories for every stage that writes one (answers, pool, suffix
@@ -16,10 +17,8 @@ from datetime import timedelta
 
 from prefect import task
 
-from specdistill.pipeline import nightly as pipeline
 from specdistill.pipeline import retention, success, tail
 from specdistill.pipeline.config import NightlyConfig, SourceConfig
-from specdistill.pipeline.nightly import IngestResult, RegisteredDraft
 from specdistill.pipeline.outputs import (
     Champion,
     GeneratedData,
@@ -32,9 +31,20 @@ from specdistill.pipeline.outputs import (
     WarmStart,
     Window,
 )
+from specdistill.pipeline.stages import align as align_stage
 from specdistill.pipeline.stages import bench, choose_mode, corpus, engine_bench, pool
+from specdistill.pipeline.stages import champion as champion_stage
+from specdistill.pipeline.stages import distill as distill_stage
+from specdistill.pipeline.stages import ingest as ingest_stage
+from specdistill.pipeline.stages import promote as promote_stage
+from specdistill.pipeline.stages import register as register_stage
+from specdistill.pipeline.stages import target as target_stage
+from specdistill.pipeline.stages import window as window_stage
+from specdistill.pipeline.stages import write_serving as write_serving_stage
 from specdistill.pipeline.stages.answers import stage as answer_stage
 from specdistill.pipeline.stages.bench import BenchResult, DrafterSpec, GateVerdict
+from specdistill.pipeline.stages.ingest import IngestResult
+from specdistill.pipeline.stages.register import RegisteredDraft
 from specdistill.pipeline.tail import TailReserve
 from tasks.common import content_key
 
@@ -43,32 +53,32 @@ CACHED = dict(cache_key_fn=content_key, persist_result=True)  # for stages with 
 
 @task(name="load-target")
 def load_target(config: NightlyConfig) -> TargetInfo:
-    return pipeline.describe_target(config.target, config.dtype, config.device)
+    return target_stage.describe_target(config.target, config.dtype, config.device)
 
 
 @task(name="ingest-logs", retries=2, retry_delay_seconds=5)
 def ingest_logs(source: SourceConfig, config: NightlyConfig) -> IngestResult:
-    return pipeline.ingest_source(source, config.log_db)
+    return ingest_stage.ingest_source(source, config.log_db)
 
 
 @task(name="select-window", retries=2, retry_delay_seconds=5)
 def select_window(config: NightlyConfig) -> Window:
-    return pipeline.select_window(config)
+    return window_stage.select_window(config)
 
 
 @task(name="current-champion", retries=2, retry_delay_seconds=5)
 def current_champion(config: NightlyConfig) -> Champion | None:
-    return pipeline.champion_of(config)
+    return champion_stage.champion_of(config)
 
 
 @task(name="training-start", retries=2, retry_delay_seconds=5)
 def training_start(config: NightlyConfig, target_fingerprint: str, champion: Champion | None) -> Champion | None:
-    return pipeline.training_start(config, target_fingerprint, champion)
+    return champion_stage.training_start(config, target_fingerprint, champion)
 
 
 @task(name="align-vocab")
 def align_vocab(config: NightlyConfig, champion: Champion | None) -> WarmStart | None:
-    return pipeline.align_champion(config, champion)
+    return align_stage.align_champion(config, champion)
 
 
 # not result-cached: the stage resumes itself from its answers file and verified cache shards, so a
@@ -92,19 +102,20 @@ def suffix_corpus(config: NightlyConfig, train_data: GeneratedData, target_finge
 @task(name="pool-answers", retries=2, retry_delay_seconds=5)
 def pool_answers(config: NightlyConfig, window: Window, train_data: GeneratedData, heldout_data: GeneratedData,
                  target_fingerprint: str) -> PooledData:
-    return pool.pool_answers(config, window, train_data, heldout_data, target_fingerprint)
+    return pool.pool_answers(config, window, train_data, heldout_data, target_fingerprint,
+                            answer=answer_stage.generate_responses)
 
 
 @task(name="distill")
 def distill(config: NightlyConfig, train_data: GeneratedData, heldout_data: GeneratedData, warm_start: str | None,
             target_fingerprint: str, deadline_at: float | None = None) -> Trained | Untrained:
-    return pipeline.distill_draft(config, train_data, heldout_data, warm_start, deadline_at=deadline_at)
+    return distill_stage.distill_draft(config, train_data, heldout_data, warm_start, deadline_at=deadline_at)
 
 
 @task(name="generic-baseline")
 def generic_baseline(config: NightlyConfig, window: Window, heldout_data: GeneratedData, target_fingerprint: str,
                      deadline_at: float | None = None) -> Trained | Untrained:
-    return pipeline.distill_draft(config, None, heldout_data, generic=True, window=window, deadline_at=deadline_at)
+    return distill_stage.distill_draft(config, None, heldout_data, generic=True, window=window, deadline_at=deadline_at)
 
 
 @task(name="benchmark", **CACHED)
@@ -129,7 +140,7 @@ def gate(config: NightlyConfig, challenger: BenchResult, champion: BenchResult |
 def register(config: NightlyConfig, target: TargetInfo, window: Window, trained: Trained, results: dict[str, BenchResult],
              verdict: GateVerdict, parent: str | None, report_path: str | None,
              speeds: dict[str, BenchResult] | None = None, warm_start: WarmStart | None = None) -> RegisteredDraft:
-    return pipeline.register(config, target, window, trained, results, verdict, parent, report_path, speeds, warm_start)
+    return register_stage.register(config, target, window, trained, results, verdict, parent, report_path, speeds, warm_start)
 
 
 @task(name="choose-serving-mode")
@@ -141,12 +152,12 @@ def choose_serving(config: NightlyConfig, window: Window, results: dict[str, Ben
 @task(name="promote-and-write-serving-config", retries=2, retry_delay_seconds=5)
 def promote(config: NightlyConfig, registered: RegisteredDraft, target: TargetInfo, expected_champion: str | None,
             serving: ServingDecision) -> Promoted:
-    return pipeline.promote(config, registered, target, expected_champion, serving)
+    return promote_stage.promote(config, registered, target, expected_champion, serving)
 
 
 @task(name="write-serving-config", retries=2, retry_delay_seconds=5)
 def write_serving(config: NightlyConfig, target: TargetInfo, serving: ServingDecision, champion: Champion | None) -> str:
-    return pipeline.write_serving(config, target, serving, champion)
+    return write_serving_stage.write_serving(config, target, serving, champion)
 
 
 @task(name="mark-pipeline-success", retries=2, retry_delay_seconds=5)

@@ -259,8 +259,10 @@ def test_nightly_answer_stage_through_llama_server_feeds_the_trainer(llama_cpp, 
     """`generation.backend=openai` with no URL: the stage starts llama-server on the demo GGUF, writes the
     teacher cache (k and engine recorded), and the nightly's distillation trains a layer draft on it."""
     from specdistill.distill.teacher import CACHE_META
-    from specdistill.pipeline import nightly
     from specdistill.pipeline.stages.answers import stage as answers
+    from specdistill.pipeline.stages.distill import distill_draft
+    from specdistill.pipeline.stages.ingest import ingest_source
+    from specdistill.pipeline.stages.window import select_window
 
     traffic = tmp_path / "traffic.jsonl"
     traffic.write_text("".join(json.dumps({"prompt": f"{t} ({i})", "response": "ok"}) + "\n"
@@ -271,15 +273,15 @@ def test_nightly_answer_stage_through_llama_server_feeds_the_trainer(llama_cpp, 
         "generation.teacher_top_k=8", "train.kind=layers", "train.layers=0,29", "train.draft_vocab=null",
         "train.optim.max_steps=2", "train.optim.batch_size=2", "bench.threads=1"]
     config = load_nightly_config(None, [*settings, "generation.backend=openai"])
-    nightly.ingest_source(config.sources[0], config.log_db)
-    window = nightly.select_window(config)
+    ingest_source(config.sources[0], config.log_db)
+    window = select_window(config)
     train = answers.generate_responses(config, window, "train", record_teacher=True)
     heldout = answers.generate_responses(config, window, "eval", record_teacher=False)
     meta = json.loads((Path(train.teacher_cache) / CACHE_META).read_text())
     assert meta["k"] == 8 and meta["data"].endswith("llamacpp:Q4_1") and meta["temperature"] == 1.0
     assert train.answers == len(window.train) and heldout.teacher_cache is None
     assert "llamacpp-Q4_1" in train.path and train.tokens > 0
-    trained = nightly.distill_draft(config, train, heldout)
+    trained = distill_draft(config, train, heldout)
     assert trained.steps == 2 and 0.0 <= trained.curve[-1]["acceptance"] <= 1.0
     # the harness backend on the same window: other data (its own directory), the same records, prompt for prompt
     harness = answers.generate_responses(load_nightly_config(None, settings), window, "eval", record_teacher=False)

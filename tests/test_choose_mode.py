@@ -12,11 +12,13 @@ import torch
 from specdistill.ops import registry
 from specdistill.ops.policy import Check, GateVerdict
 from specdistill.ops.serving import read_serving_config
-from specdistill.pipeline import nightly
 from specdistill.pipeline.config import load_nightly_config
-from specdistill.pipeline.outputs import TargetInfo
+from specdistill.pipeline.outputs import ServingDecision, TargetInfo
+from specdistill.pipeline.serving import serving_config
 from specdistill.pipeline.stages import bench
-from specdistill.pipeline.stages.choose_mode import ServingDecision, serving_candidates, serving_config
+from specdistill.pipeline.stages.choose_mode import serving_candidates
+from specdistill.pipeline.stages.promote import promote
+from specdistill.pipeline.stages.write_serving import write_serving
 from specdistill.speculative.specs import DrafterSpec
 from tests.conftest import bench_result
 
@@ -74,14 +76,14 @@ def test_a_passing_draft_becomes_champion_while_ngram_is_served(tmp_path, monkey
     reg = registry.register_draft(draft, target_name="tiny-target", params={}, metrics={"acceptance_rate": 0.6},
                                   curves={}, tags={"target_fingerprint": "fp-t", "parent": ""})
     config = load_nightly_config(None, [f"serving_path={tmp_path / 'serving.json'}", "target_name=tiny-target"])
-    promoted = nightly.promote(config, reg, TARGET, None, decision("ngram", "ngram", "ngram"))
+    promoted = promote(config, reg, TARGET, None, decision("ngram", "ngram", "ngram"))
     assert promoted.version == reg.version
     assert str(registry.version_by_alias(reg.name, registry.CHAMPION).version) == reg.version
     served = read_serving_config(tmp_path / "serving.json")
     assert served.mode == "ngram" and served.draft_dir is None and served.measured["ngram"] == 1.33
 
     # the draft itself wins when it is the fastest: its registered checkpoint is what gets served
-    nightly.write_serving(config, TARGET, decision("draft", "challenger", f"draft:{draft}"), None)
+    write_serving(config, TARGET, decision("draft", "challenger", f"draft:{draft}"), None)
     assert read_serving_config(tmp_path / "serving.json").mode == "draft"
 
 

@@ -94,8 +94,8 @@ def test_serving_config_for_an_eagle3_head(tmp_path, capsys):
 def test_nightly_serving_config_knows_a_head_by_its_directory(head_dir, tmp_path):
     from dataclasses import replace
 
-    from specdistill.pipeline.outputs import TargetInfo
-    from specdistill.pipeline.stages.choose_mode import ServingDecision, serving_config
+    from specdistill.pipeline.outputs import ServingDecision, TargetInfo
+    from specdistill.pipeline.serving import serving_config
 
     decision = ServingDecision(mode="draft", name="challenger", spec=DrafterSpec.parse(f"draft:{head_dir}"), gamma=3, speedup=1.4,
                                reason="fastest", measured={"challenger": 1.4}, measured_on="harness")
@@ -157,9 +157,9 @@ def test_monitor_replays_a_head_on_its_target_and_on_an_updated_one(head_dir, ta
 def test_nightly_warm_start_carries_a_head_over_a_tokenizer_change_once(head_dir, tmp_path, monkeypatch):
     from specdistill.modeling import eagle3_io
     from specdistill.modeling.eagle3_io import load_eagle3
-    from specdistill.pipeline import nightly
     from specdistill.pipeline.config import load_nightly_config, run_root
     from specdistill.pipeline.outputs import Champion
+    from specdistill.pipeline.stages.align import align_champion
     from tests.conftest import make_tiny_llama, train_bpe
 
     new_tok = train_bpe(300)
@@ -169,30 +169,31 @@ def test_nightly_warm_start_carries_a_head_over_a_tokenizer_change_once(head_dir
     new_tok.save_pretrained(new_target)
     champion = Champion("draft-tiny", "1", str(head_dir))
     config = load_nightly_config(None, [f"target={new_target}"])
-    warm = nightly.align_champion(config, champion)
+    warm = align_champion(config, champion)
     assert warm.transplanted and warm.dir.startswith(str(run_root() / "aligned"))
     assert not warm.vocab_report["identical"]
     head = load_eagle3(warm.dir, load_model(new_target).model).head  # now a head for the new target, as it is
     assert new_tok.convert_tokens_to_ids("CalcBlackScholesVega") in head.draft_vocab.token_ids.tolist()
     monkeypatch.setattr(eagle3_io, "save_eagle3", lambda *a, **k: pytest.fail("a carried-over head on disk is reused"))
-    assert nightly.align_champion(config, champion) == warm
+    assert align_champion(config, champion) == warm
 
 
 def test_nightly_starts_from_the_target_and_says_why_when_the_champion_head_does_not_fit(head_dir, tmp_path):
-    from specdistill.pipeline import nightly
     from specdistill.pipeline.config import load_nightly_config
     from specdistill.pipeline.outputs import Champion, WarmStart
+    from specdistill.pipeline.stages.align import align_champion
+    from specdistill.pipeline.stages.champion import started_from
     from tests.conftest import make_tiny_llama, train_bpe
 
     wider = tmp_path / "target-wide"  # the update changed the width: no weight of the head fits any more
     make_tiny_llama(vocab_size=len(train_bpe(300)), hidden=48, layers=6, seed=1).save_pretrained(wider)
     train_bpe(300).save_pretrained(wider)
     champion = Champion("draft-tiny", "1", str(head_dir), {"target_fingerprint": "old"})
-    warm = nightly.align_champion(load_nightly_config(None, [f"target={wider}"]), champion)
+    warm = align_champion(load_nightly_config(None, [f"target={wider}"]), champion)
     assert not warm.usable and "target hidden size 48" in warm.unfit
-    line = nightly.started_from(warm, champion, "new")
+    line = started_from(warm, champion, "new")
     assert line.startswith("training started from the target's weights") and "hidden size 48" in line
     assert warm.lineage_tags()["warm_start_target_fingerprint"] == "old" and "warm_start_unfit" in warm.lineage_tags()
     # a head that fits, trained for an earlier version, is carried over and says across which update
-    fits = nightly.started_from(WarmStart(**vars(champion)), champion, "new")
+    fits = started_from(WarmStart(**vars(champion)), champion, "new")
     assert "from the champion, version 1 (trained for target old, before the update to new)" in fits

@@ -16,7 +16,9 @@ function. An import of a library module inside a function says why on its line o
 import is at the top of the module. The library never imports
 Prefect, `tasks` or `flows`; the one exception is `specdistill/cli`, which imports `flows.*` lazily to
 run a flow. `tasks/` and `flows/` reach the library only through `specdistill.pipeline*`, plus
-`specdistill.paths` (tasks/common.py keys Prefect's cache by the state directory). Size limits: no
+`specdistill.paths` (tasks/common.py keys Prefect's cache by the state directory). Inside the pipeline,
+the stages (`specdistill/pipeline/stages/`, one module or subpackage each) do not import one another, and
+nothing else in the pipeline imports a stage: what two stages share lives below them. Size limits: no
 module in specdistill/ over MAX_LINES lines, at most MAX_TOP_LEVEL modules directly in specdistill/.
 """
 
@@ -45,6 +47,7 @@ MAY_IMPORT: dict[str, set[str]] = {
 }
 BASE_MODULES = {"config", "acceptance", "bounds", "paths", "state_lock", "env", "hardware", "budget"}
 ORCHESTRATION_MAY_IMPORT = ("specdistill.pipeline", "specdistill.paths", "specdistill.state_lock")  # for tasks/ and flows/
+STAGES = "specdistill.pipeline.stages"  # one module (or subpackage) per stage
 MAX_LINES = 400
 MAX_TOP_LEVEL = 8  # modules directly in specdistill/, __init__.py not counted
 LAZY_REASON = re.compile(r"#\s*lazy:\s*\S")  # `# lazy: <why>` on a function-level import's line or the line above
@@ -162,6 +165,25 @@ def orchestration_violations(root: Path) -> list[str]:
                 if not any(imp.module == ok or imp.module.startswith(ok + ".") for ok in ORCHESTRATION_MAY_IMPORT):
                     out.append(f"{imp.file}:{imp.line} imports {imp.module}: {top_dir}/ may use only "
                                f"{' and '.join(ORCHESTRATION_MAY_IMPORT)} (go through specdistill.pipeline)")
+    return out
+
+
+def stage_violations(root: Path) -> list[str]:
+    """A stage importing another stage, or a pipeline module outside the stages importing one: the stages
+    sit side by side on top of the pipeline, and what two of them share lives below them."""
+    out = []
+    for path in _sources(root, "specdistill/pipeline"):
+        own = _child_of(STAGES, module_name(root, path))
+        for imp in imports_of(root, path):
+            theirs = _child_of(STAGES, imp.module)
+            if theirs is None or theirs == own:
+                continue
+            if own is None:
+                out.append(f"{imp.file}:{imp.line} imports {imp.module}: only the stages' callers (tasks/, flows/, "
+                           "the CLI) import a stage; move what it needs below the stages")
+            else:
+                out.append(f"{imp.file}:{imp.line} imports {imp.module}: stages do not import one another; move what "
+                           "both need below them (specdistill/pipeline/ or a lower layer)")
     return out
 
 
@@ -392,6 +414,29 @@ def test_checker_catches_prefect_and_orchestration_shortcuts(tmp_path):
     assert "tasks/good.py" not in found and "flows/nightly.py:1" not in found and "flows/nightly.py:2" not in found
 
 
+def test_checker_catches_a_stage_importing_another_and_the_pipeline_importing_a_stage(tmp_path):
+    root = _write(tmp_path, {
+        "specdistill/__init__.py": "",
+        "specdistill/pipeline/__init__.py": "",
+        "specdistill/pipeline/layout.py": "",
+        "specdistill/pipeline/report.py": "def f():\n    from specdistill.pipeline.stages.corpus import x  # lazy: a reason\n",
+        "specdistill/pipeline/stages/__init__.py": "",
+        "specdistill/pipeline/stages/corpus.py": "from specdistill.pipeline.layout import x\n",
+        "specdistill/pipeline/stages/pool.py": "from specdistill.pipeline.stages.answers import stage\n",
+        "specdistill/pipeline/stages/monitor.py": "from . import corpus\n",
+        "specdistill/pipeline/stages/answers/__init__.py": "",
+        "specdistill/pipeline/stages/answers/stage.py": "from specdistill.pipeline.stages.answers import harness\n",
+        "specdistill/pipeline/stages/answers/harness.py": "from ..corpus import y\n",
+    })
+    found = _report(stage_violations(root))
+    assert "stages/pool.py:1 imports specdistill.pipeline.stages.answers.stage: stages do not import one another" in found
+    assert "stages/monitor.py:1 imports specdistill.pipeline.stages.corpus: stages do not import one another" in found
+    assert "answers/harness.py:1 imports specdistill.pipeline.stages.corpus: stages do not import one another" in found
+    assert "pipeline/report.py:2 imports specdistill.pipeline.stages.corpus: only the stages' callers" in found
+    for clean in ("stages/corpus.py", "answers/stage.py"):  # a stage's own modules import one another
+        assert clean not in found, found
+
+
 def test_checker_counts_lines_and_top_level_modules(tmp_path):
     files = {"specdistill/__init__.py": "", "specdistill/data/big.py": "x = 1\n" * (MAX_LINES + 1),
              "specdistill/data/fits.py": "x = 1\n" * MAX_LINES}
@@ -455,6 +500,7 @@ def test_checker_catches_a_function_level_import_that_does_not_say_why(tmp_path)
 @pytest.mark.parametrize("check", [
     layering_violations,  # library layers import only downward
     orchestration_violations,  # Prefect stays in tasks/ and flows/, which use the library through pipeline
+    stage_violations,  # stages do not import one another; what they share lives below them
     size_violations,  # modules stay small and the top level stays short
     import_cycles,  # no package imports itself in a circle
     unexplained_function_level_imports,  # imports inside functions say why

@@ -124,7 +124,8 @@ def test_nightly_measures_an_eagle3_head_in_llama_cpp(llama_cpp, memorized_head,
     from specdistill.pipeline.config import load_nightly_config
     from specdistill.pipeline.outputs import TargetInfo, Trained
     from specdistill.pipeline.report import registration_artifacts
-    from specdistill.pipeline.stages.choose_mode import choose_serving, serving_config
+    from specdistill.pipeline.serving import serving_config
+    from specdistill.pipeline.stages.choose_mode import choose_serving
     from specdistill.pipeline.stages.engine_bench import engine_benchmark
     from tests.conftest import trained_result
 
@@ -268,7 +269,8 @@ def test_nightly_serving_choice_measured_in_llama_cpp(llama_cpp, tmp_path):
     from specdistill.pipeline.config import load_nightly_config
     from specdistill.pipeline.outputs import TargetInfo
     from specdistill.pipeline.report import report_table
-    from specdistill.pipeline.stages.choose_mode import choose_serving, serving_config
+    from specdistill.pipeline.serving import serving_config
+    from specdistill.pipeline.stages.choose_mode import choose_serving
     from specdistill.pipeline.stages.engine_bench import engine_benchmark
 
     config = load_nightly_config(None, ["serving.engine=llamacpp", "bench.max_new_tokens=32", "serving.margin=0.0",

@@ -15,12 +15,14 @@ from specdistill.config import ConfigError
 from specdistill.modeling.vocab import DraftVocab, remap_draft_vocab
 from specdistill.ops.policy import Check, GateVerdict
 from specdistill.ops.registry import RegisteredDraft
-from specdistill.pipeline import nightly as pipeline
 from specdistill.pipeline.config import load_nightly_config, run_root
-from specdistill.pipeline.outputs import Champion, GeneratedData, Promoted, Trained, Untrained, Window
+from specdistill.pipeline.outputs import Champion, GeneratedData, Promoted, ServingDecision, Trained, Untrained, Window
 from specdistill.pipeline.report import report_table
 from specdistill.pipeline.stages import bench
-from specdistill.pipeline.stages.choose_mode import ServingDecision
+from specdistill.pipeline.stages.align import align_champion
+from specdistill.pipeline.stages.distill import distill_draft
+from specdistill.pipeline.stages.target import describe_target
+from specdistill.pipeline.stages.window import select_window
 from specdistill.speculative.specs import DrafterSpec
 from tests.conftest import bench_result, train_bpe, trained_result
 
@@ -203,7 +205,7 @@ def test_the_gamma_note_tells_a_confirmation_that_lost_from_one_that_did_not_run
     from dataclasses import replace
 
     from specdistill.data.results import GammaSearch
-    from specdistill.pipeline.stages.choose_mode import gamma_note
+    from specdistill.pipeline.serving import gamma_note
 
     curve = {2: 1.3, 4: 1.2, 7: 1.5}
     ran = replace(_result(0.4, 2.0), gamma=4, gamma_search=GammaSearch(curve, 7, {}, {4: 1.43, 7: 1.42}))
@@ -325,7 +327,7 @@ def test_select_window_takes_usable_prompts_evenly_from_each_source_and_split(ti
 
     url, chat_file, code_file = _store_with_traffic(tmp_path)
     config = _window_config(tiny_target_dir, url, chat_file, code_file)
-    window = pipeline.select_window(config, now=NOW)
+    window = select_window(config, now=NOW)
     assert Counter(p.slice for p in window.train) == {"chat": 5, "code": 5}
     assert Counter(p.slice for p in window.eval) == {"chat": 2, "code": 2}
     # slices take turns, so a benchmark its budget cuts to the first prompts still measures each of them
@@ -339,7 +341,7 @@ def test_select_window_takes_usable_prompts_evenly_from_each_source_and_split(ti
     for p in window.train + window.eval:
         assert p.messages[-1]["role"] == "user" and p.messages[0]["role"] != "assistant"
         assert "def add" not in p.messages[-1]["content"] and len(encode_chat(tok, p.messages)) <= 64
-    everything = pipeline.select_window(_window_config(tiny_target_dir, url, chat_file, code_file, "window.train_prompts=500",
+    everything = select_window(_window_config(tiny_target_dir, url, chat_file, code_file, "window.train_prompts=500",
                                                       "window.eval_prompts=500"), now=NOW)
     with LogStore(url) as store:
         usable = {str(c.id) for c in store.window() if c.messages[0].role == "user" and "def add" not in c.messages[0].content}
@@ -348,12 +350,12 @@ def test_select_window_takes_usable_prompts_evenly_from_each_source_and_split(ti
     # a source too small for its even share (HumanEval in the demo): the larger source makes up the rest
     with LogStore(url) as store:
         code_train = store.count(source=str(code_file), split="train")
-    short = pipeline.select_window(_window_config(tiny_target_dir, url, chat_file, code_file,
+    short = select_window(_window_config(tiny_target_dir, url, chat_file, code_file,
                                                   f"window.train_prompts={2 * code_train + 2}"), now=NOW)
     assert Counter(p.slice for p in short.train) == {"code": code_train, "chat": code_train + 2}
-    again = pipeline.select_window(config, now=NOW)
+    again = select_window(config, now=NOW)
     assert again.key == window.key and again.train == window.train  # deterministic for a store and seed
-    other = pipeline.select_window(_window_config(tiny_target_dir, url, chat_file, code_file, "window.seed=1"), now=NOW)
+    other = select_window(_window_config(tiny_target_dir, url, chat_file, code_file, "window.seed=1"), now=NOW)
     assert other.key != window.key
 
 
@@ -362,7 +364,7 @@ def test_select_window_replays_older_traffic_and_fails_on_an_empty_window(tiny_t
 
     url, chat_file, code_file = _store_with_traffic(tmp_path)
     config = _window_config(tiny_target_dir, url, chat_file, code_file, "window.days=1", "window.replay_share=0.2")
-    window = pipeline.select_window(config, now=NOW)
+    window = select_window(config, now=NOW)
     since = NOW - timedelta(days=1)
     assert window.since == since.isoformat() and window.replayed == 2 and len(window.train) == 10
     with LogStore(url) as store:
@@ -370,7 +372,7 @@ def test_select_window_replays_older_traffic_and_fails_on_an_empty_window(tiny_t
     assert sum(a < since for a in arrived) == 2  # the replay share, from before the window
     later = _window_config(tiny_target_dir, url, chat_file, code_file, "window.since=2100-01-01T00:00:00")
     with pytest.raises(ValueError, match="empty data window"):
-        pipeline.select_window(later, now=NOW)
+        select_window(later, now=NOW)
 
 
 def test_describe_target_hashes_the_target_in_full_once_per_run(tmp_path, monkeypatch, capsys):
@@ -383,7 +385,7 @@ def test_describe_target_hashes_the_target_in_full_once_per_run(tmp_path, monkey
     checks = []
     real = models.verify_model_files
     monkeypatch.setattr(models, "verify_model_files", lambda ref: checks.append(ref) or real(ref))
-    pipeline.describe_target(str(target_dir), "float32", "cpu")
+    describe_target(str(target_dir), "float32", "cpu")
     assert checks == [str(target_dir)]
     size = (target_dir / "model.safetensors").stat().st_size
     assert f"target weights verified: {size / 1e6:.0f} MB hashed in" in capsys.readouterr().err
@@ -400,7 +402,7 @@ def test_distill_output_dir_depends_on_the_train_config_data_and_warm_start_only
     train, heldout = GeneratedData("/data/a/train.jsonl", "/data/a/tc", 1, 1), GeneratedData("/data/a/eval.jsonl", None, 1, 1)
 
     def out_dir(config, train_data=train, warm=None):
-        pipeline.distill_draft(config, train_data, heldout, warm)
+        distill_draft(config, train_data, heldout, warm)
         return calls[-1].out_dir
 
     layers = ["train.kind=layers"]  # warm starts below are layer drafts (a head would ignore them)
@@ -419,7 +421,7 @@ def test_distill_output_dir_depends_on_the_train_config_data_and_warm_start_only
     Path(first).mkdir(parents=True)
     (Path(first) / "result.json").write_text(json.dumps(trained_result("finished")))
     n = len(calls)
-    assert pipeline.distill_draft(base, train, heldout).draft_dir == "finished" and len(calls) == n  # reused
+    assert distill_draft(base, train, heldout).draft_dir == "finished" and len(calls) == n  # reused
     assert Path(first).parent == run_root() / "distill"
 
 
@@ -447,7 +449,7 @@ def test_train_kind_eagle3_trains_a_head_from_features_beside_the_teacher_cache(
     monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg, deadline=None: calls.append(dcfg) or trained_result())
     train, heldout = GeneratedData("/data/a/train.jsonl", "/data/a/tc", 1, 1), GeneratedData("/data/a/eval.jsonl", None, 1, 1)
     config = load_nightly_config(None, ["train.kind=eagle3", "train.eagle3.steps=3"])
-    pipeline.distill_draft(config, train, heldout, "/champion/layers-v1")
+    distill_draft(config, train, heldout, "/champion/layers-v1")
     dcfg = calls[-1]
     assert dcfg.kind == "eagle3" and dcfg.eagle3.steps == 3 and dcfg.eagle3.feature_dir == "/data/a/features"
     assert dcfg.draft is None and dcfg.teacher.cache_dir == "/data/a/tc"  # a layer-draft champion is no warm start for a head
@@ -457,7 +459,8 @@ def test_train_kind_eagle3_trains_a_head_from_features_beside_the_teacher_cache(
 def test_the_answer_pass_records_the_heads_features_so_training_needs_no_second_target_pass(tiny_target_dir, tmp_path,
                                                                                              monkeypatch):
     import specdistill.distill.features as features
-    from specdistill.pipeline.stages.answers.stage import features_dir, generate_responses
+    from specdistill.pipeline.layout import features_dir
+    from specdistill.pipeline.stages.answers.stage import generate_responses
 
     built = []
     real_build = features.build_feature_cache
@@ -466,12 +469,12 @@ def test_the_answer_pass_records_the_heads_features_so_training_needs_no_second_
     url, chat_file, code_file = _store_with_traffic(tmp_path)
     config = _window_config(tiny_target_dir, url, chat_file, code_file, "train.kind=eagle3", "train.optim.max_steps=4",
                             "train.draft_vocab=null", "generation.max_new_tokens=6", "dtype=float32")
-    window = pipeline.select_window(config, now=NOW)
+    window = select_window(config, now=NOW)
     train = generate_responses(config, window, "train", record_teacher=True)
     heldout = generate_responses(config, window, "eval", record_teacher=False)
     shards = sorted(p.name for p in features_dir(train.teacher_cache).glob("shard-*"))
     assert shards and all(name.startswith(("shard-gen-", "shard-log-")) for name in shards)  # decoded, or labelled by prefill
-    result = pipeline.distill_draft(config, train, heldout)
+    result = distill_draft(config, train, heldout)
     assert result.steps == 4 and built == [("features-heldout", 4)]  # the held-out answers only: whole prompts
     assert sorted(p.name for p in features_dir(train.teacher_cache).glob("shard-*")) == shards
 
@@ -482,7 +485,7 @@ def test_an_automatic_answer_engine_says_what_answered_and_why(tiny_target_dir, 
     url, chat_file, code_file = _store_with_traffic(tmp_path)
     config = _window_config(tiny_target_dir, url, chat_file, code_file, "generation.backend=auto",
                             "generation.max_new_tokens=4", "dtype=float32", "train.kind=layers")
-    window = pipeline.select_window(config, now=NOW)
+    window = select_window(config, now=NOW)
     train = generate_responses(config, window, "train", record_teacher=True)
     assert train.answers == len(window.train) and train.answered_by == "float32"
     assert train.engine_choice.startswith("**answer engine:** harness") and "the target is no GGUF" in train.engine_choice
@@ -493,7 +496,7 @@ def test_an_automatic_answer_engine_says_what_answered_and_why(tiny_target_dir, 
 
 def test_a_head_reading_other_layers_gets_features_of_its_own(tmp_path):
     from specdistill.distill.features import FeatureCache
-    from specdistill.pipeline.stages.answers.stage import features_dir
+    from specdistill.pipeline.layout import features_dir
 
     teacher = tmp_path / "data" / "teacher_cache"
     assert features_dir(teacher, [1, 2, 3]) == tmp_path / "data" / "features"  # nothing written yet
@@ -514,7 +517,7 @@ def test_training_autocasts_to_bf16_when_the_run_is_bf16_and_the_cpu_measures_it
     train, heldout = GeneratedData("/data/a/train.jsonl", "/data/a/tc", 1, 1), GeneratedData("/data/a/eval.jsonl", None, 1, 1)
     for overrides, want in ((["dtype=bfloat16"], pays), (["dtype=float32"], False), (["dtype=bfloat16"], pays),
                             (["dtype=bfloat16", "train.optim.bf16=false"], False), (["dtype=float32", "train.optim.bf16=true"], True)):
-        pipeline.distill_draft(load_nightly_config(None, overrides), train, heldout)
+        distill_draft(load_nightly_config(None, overrides), train, heldout)
         assert calls[-1].optim.bf16 is want, overrides
     assert len(probes) == 1  # measured once, then read from the state directory
 
@@ -528,7 +531,7 @@ def test_generic_baseline_dir_depends_on_the_window_and_the_train_config(monkeyp
         conversations = run_root() / "generic" / f"{key}-conversations.jsonl"
         conversations.parent.mkdir(parents=True, exist_ok=True)
         conversations.write_text("")  # written before: the log store is not read again
-        pipeline.distill_draft(config, None, heldout, generic=True, window=Window([], [], key, None, 0))
+        distill_draft(config, None, heldout, generic=True, window=Window([], [], key, None, 0))
         assert calls[-1].data.kind == "conversations" and calls[-1].loss.kind == "ce"
         return calls[-1].out_dir
 
@@ -549,8 +552,8 @@ def test_align_champion_keeps_a_champion_of_the_same_vocabulary(tiny_target_dir,
     target = load_model(tiny_target_dir)
     champion_dir = save_draft(init_draft_from_target(target.model, [0, 3]), target.tokenizer, tmp_path / "champion")
     config = load_nightly_config(None, [f"target={tiny_target_dir}"])
-    assert pipeline.align_champion(config, None) is None
-    warm = pipeline.align_champion(config, _champion(champion_dir))
+    assert align_champion(config, None) is None
+    warm = align_champion(config, _champion(champion_dir))
     assert warm.dir == str(champion_dir) and not warm.transplanted and warm.vocab_report["identical"]
     assert not (run_root() / "aligned").exists()
 
@@ -574,7 +577,7 @@ def test_align_champion_transplants_a_champion_of_an_older_vocabulary_once(tiny_
     new_tok.save_pretrained(new_target)
 
     config = load_nightly_config(None, [f"target={new_target}"])
-    warm = pipeline.align_champion(config, _champion(champion_dir))
+    warm = align_champion(config, _champion(champion_dir))
     assert warm.transplanted and warm.dir != str(champion_dir)
     assert warm.dir.startswith(str(run_root() / "aligned"))
     aligned = load_model(warm.dir)
@@ -585,7 +588,7 @@ def test_align_champion_transplants_a_champion_of_an_older_vocabulary_once(tiny_
     assert load_model(champion_dir).config.vocab_size == len(old.tokenizer)  # the champion itself is untouched
 
     monkeypatch.setattr(drafts, "save_draft", lambda *a, **k: pytest.fail("a transplant already on disk is reused"))
-    assert pipeline.align_champion(config, _champion(champion_dir)) == warm
+    assert align_champion(config, _champion(champion_dir)) == warm
 
 
 def _bench_entry(spec="draft:/d"):
@@ -654,7 +657,8 @@ def test_the_run_dtype_reaches_every_model_load_and_the_feature_pass(tmp_path, m
     from specdistill.distill import train as train_module
     from specdistill.modeling import models
     from specdistill.modeling.drafts import init_draft_from_target, save_draft
-    from specdistill.pipeline.stages import choose_mode, engine_bench
+    from specdistill.pipeline.serving import serving_config
+    from specdistill.pipeline.stages import engine_bench
     from tests.conftest import save_tiny_target
 
     monkeypatch.setenv("SPECDISTILL_CPU_FLAGS", BF16_CPU)  # `auto` would be bf16 here
@@ -664,15 +668,15 @@ def test_the_run_dtype_reaches_every_model_load_and_the_feature_pass(tmp_path, m
     monkeypatch.setattr(models, "load_model", lambda ref, **kw: seen.append((str(ref), kw.get("dtype"), kw.get("device")))
                         or real(ref, **kw))
     config = load_nightly_config(None, [f"target={target_dir}", "dtype=float32", "train.kind=eagle3"])
-    info = pipeline.describe_target(config.target, config.dtype, config.device)
+    info = describe_target(config.target, config.dtype, config.device)
     assert info.dtype == "float32"
     loaded = real(target_dir, dtype="float32")
     champion = save_draft(init_draft_from_target(loaded.model, [0, 3]), loaded.tokenizer, tmp_path / "champion")
-    pipeline.align_champion(config, Champion("d", "1", str(champion)))
+    align_champion(config, Champion("d", "1", str(champion)))
     engine_bench.llamacpp_spec(config, DrafterSpec.parse("self_spec:2"))
     decision = ServingDecision(mode="self_speculation", name="self-spec:2", spec=DrafterSpec.parse("self_spec:2"), gamma=2, speedup=1.2,
                                reason="r", measured={}, measured_on="")
-    choose_mode.serving_config(decision, info)
+    serving_config(decision, info)
     # the target read once (describe; the early-exit exports reuse it: `models.shared_model`), the champion once
     assert [Path(ref).name for ref, _, _ in seen] == ["target", "champion"], seen
     assert all(dtype == "float32" for _, dtype, _ in seen), seen
@@ -681,7 +685,7 @@ def test_the_run_dtype_reaches_every_model_load_and_the_feature_pass(tmp_path, m
 
     captured = {}
     monkeypatch.setattr(train_module, "distill", lambda dcfg, deadline=None: captured.setdefault("config", dcfg) and trained_result())
-    pipeline.distill_draft(config, GeneratedData(str(tmp_path / "a.jsonl"), str(tmp_path / "teacher"), 1, 1),
+    distill_draft(config, GeneratedData(str(tmp_path / "a.jsonl"), str(tmp_path / "teacher"), 1, 1),
                            GeneratedData(str(tmp_path / "h.jsonl"), None, 1, 1))
     dcfg = captured["config"]
     assert dcfg.eagle3.feature_dtype == "float32" and dcfg.device == config.device == "auto"
@@ -725,11 +729,11 @@ def test_a_float32_run_on_a_bf16_cpu_loads_every_model_and_runs_the_feature_pass
     config = _window_config(tiny_target_dir, url, chat_file, code_file, *overrides)
     device = models.resolve_device(config.device)
 
-    info = pipeline.describe_target(config.target, config.dtype, config.device)
-    window = pipeline.select_window(config, now=NOW)
+    info = describe_target(config.target, config.dtype, config.device)
+    window = select_window(config, now=NOW)
     train = generate_responses(config, window, "train", record_teacher=True)
     heldout = generate_responses(config, window, "eval", record_teacher=False)
-    trained = pipeline.distill_draft(config, train, heldout)
+    trained = distill_draft(config, train, heldout)
     bench.benchmark(config, window, {"challenger": DrafterSpec("draft", trained.draft_dir),
                                          "self-spec:2": DrafterSpec.parse("self_spec:2")})
     monitor = MonitorConfig(target=str(tiny_target_dir), nightly_overrides=[f"log_db={url}", *overrides], gamma=2,
@@ -802,13 +806,13 @@ def test_a_training_share_too_small_to_train_stops_the_run(monkeypatch):
                         lambda dcfg, deadline: calls.append(dcfg) or deadlines.append(deadline) or trained_result("d"))
     config = load_nightly_config(None, ["train.kind=layers", "train.optim.max_minutes=3"])
     train, heldout = GeneratedData("/data/c/train.jsonl", "/data/c/tc", 1, 1), GeneratedData("/data/c/eval.jsonl", None, 1, 1)
-    untrained = pipeline.distill_draft(config, train, heldout, deadline_at=time.time() + 5)  # said, not raised: no traceback
+    untrained = distill_draft(config, train, heldout, deadline_at=time.time() + 5)  # said, not raised: no traceback
     assert isinstance(untrained, Untrained) and not calls
     assert re.fullmatch(r"the run's deadline \(deadline_minutes=18.0\) leaves [0-5] s to train the draft, under the 15 s it "
                         r"needs: nothing was trained; the champion and serving.json are unchanged", untrained.reason)
-    pipeline.distill_draft(config, train, heldout, deadline_at=time.time() + 60 * 60)
+    distill_draft(config, train, heldout, deadline_at=time.time() + 60 * 60)
     assert calls[-1].optim.max_minutes == 3  # the run has time: the stage's own budget
-    pipeline.distill_draft(config, train, heldout, deadline_at=time.time() + 60 * 10)  # 10 of 3+3+4 budgeted minutes
+    distill_draft(config, train, heldout, deadline_at=time.time() + 60 * 10)  # 10 of 3+3+4 budgeted minutes
     assert 2.5 < calls[-1].optim.max_minutes <= 3
     # the share bounds the stage's wall time too (loading and evaluations included), not its training alone
     assert deadlines[-1].minutes() == pytest.approx(calls[-1].optim.max_minutes, abs=0.05)
@@ -821,7 +825,7 @@ def test_train_answers_cut_to_nothing_stop_before_training(tiny_target_dir, tmp_
     url, chat_file, code_file = _store_with_traffic(tmp_path)
     config = _window_config(tiny_target_dir, url, chat_file, code_file, "generation.max_minutes=0",
                             "generation.max_new_tokens=4", "train.kind=layers")
-    window = pipeline.select_window(config, now=NOW)
+    window = select_window(config, now=NOW)
     with pytest.raises(ValueError, match="left no time to answer any of the 10 train prompts"):
         answers.generate_responses(config, window, "train", record_teacher=True)
     held = answers.generate_responses(config, window, "eval", record_teacher=False)  # not budgeted
@@ -835,7 +839,7 @@ def test_the_answer_engine_probe_is_timed_inside_the_answer_stage_s_share(tiny_t
     monkeypatch.setenv("SPECDISTILL_HOME", str(tmp_path / "home"))
     url, chat_file, code_file = _store_with_traffic(tmp_path)
     config = _window_config(tiny_target_dir, url, chat_file, code_file, "generation.backend=auto")
-    window = pipeline.select_window(config, now=NOW)
+    window = select_window(config, now=NOW)
     order = []
     monkeypatch.setattr(answers, "stage_deadline", lambda *a, **k: order.append("deadline") or budget.Deadline(None))
 
@@ -868,13 +872,13 @@ def test_a_finished_runs_state_keeps_traffic_and_answers_to_its_owner(tiny_targe
     config = _window_config(tiny_target_dir, url, chat_file, code_file, "generation.max_new_tokens=6", "dtype=float32",
                             "train.kind=layers", "train.layers=0,3", "train.draft_vocab=null", "train.optim.max_steps=2",
                             "bench.threads=1")
-    window = pipeline.select_window(config, now=NOW)
+    window = select_window(config, now=NOW)
     train = generate_responses(config, window, "train", record_teacher=True)
     heldout = generate_responses(config, window, "eval", record_teacher=False)
-    target = pipeline.describe_target(config.target, dtype="float32")
+    target = describe_target(config.target, dtype="float32")
     nightly_corpus(config, train, target.fingerprint)
-    generic = pipeline.distill_draft(config, None, heldout, generic=True, window=window)
-    trained = pipeline.distill_draft(config, train, heldout)
+    generic = distill_draft(config, None, heldout, generic=True, window=window)
+    trained = distill_draft(config, train, heldout)
     assert generic.steps == trained.steps == 2
     reg = registry.register_draft(trained.draft_dir, target_name=config.target_name)
     served_copy = registry.download_draft(reg.model_uri)

@@ -201,33 +201,33 @@ def test_a_version_without_its_file_hashes_is_refused_like_a_changed_one(draft_d
 
 
 def test_with_no_champion_of_its_kind_training_restarts_from_the_newest_draft_of_this_target_version_and_kind(draft_dir):
-    from specdistill.pipeline import nightly
     from specdistill.pipeline.config import load_nightly_config
+    from specdistill.pipeline.stages import champion as stage
 
     layers = load_nightly_config(None, ["target_name=restart", "train.kind=layers"])
     heads = load_nightly_config(None, ["target_name=restart", "train.kind=eagle3"])
-    assert nightly.training_start(layers, "fp-a", None) is None  # nothing registered yet
+    assert stage.training_start(layers, "fp-a", None) is None  # nothing registered yet
     first = registry.register_draft(draft_dir, target_name="restart", tags={"target_fingerprint": "fp-a", "gate_verdict": "fail"})
     newest = registry.register_draft(draft_dir, target_name="restart", tags={"target_fingerprint": "fp-a", "gate_verdict": "fail"})
     registry.register_draft(draft_dir, target_name="restart", tags={"target_fingerprint": "fp-b"})  # another target version
-    previous = nightly.training_start(layers, "fp-a", None)
+    previous = stage.training_start(layers, "fp-a", None)
     assert first.version == "1" and previous.version == newest.version == "2"
     assert (Path(previous.dir) / "config.json").is_file() and previous.tags["gate_verdict"] == "fail"
-    assert nightly.training_start(layers, "fp-c", None) is None  # a new target version starts from its weights
-    assert nightly.training_start(heads, "fp-a", None) is None  # no head registered
-    line = nightly.started_from(WarmStart(previous.name, previous.version, previous.dir, previous.tags), None)
+    assert stage.training_start(layers, "fp-c", None) is None  # a new target version starts from its weights
+    assert stage.training_start(heads, "fp-a", None) is None  # no head registered
+    line = stage.started_from(WarmStart(previous.name, previous.version, previous.dir, previous.tags), None)
     assert "version 2" in line and "gate fail" in line and "no champion" in line
-    assert "target's weights" in nightly.started_from(None, None)
+    assert "target's weights" in stage.started_from(None, None)
 
     # a champion of the kind being trained is where training starts; one of the other kind is not
-    champion = nightly._registered(previous.name, registry.newest_version(previous.name, target_fingerprint="fp-b"))
-    assert nightly.draft_kind(champion) == "layers"
-    assert nightly.training_start(layers, "fp-a", champion) == champion
-    assert "from the champion, version 3" in nightly.started_from(WarmStart(**vars(champion)), champion)
-    assert nightly.training_start(heads, "fp-a", champion) is None  # a head does not start from a layer draft
-    line = nightly.started_from(None, champion)
+    champion = stage._registered(previous.name, registry.newest_version(previous.name, target_fingerprint="fp-b"))
+    assert stage.draft_kind(champion) == "layers"
+    assert stage.training_start(layers, "fp-a", champion) == champion
+    assert "from the champion, version 3" in stage.started_from(WarmStart(**vars(champion)), champion)
+    assert stage.training_start(heads, "fp-a", champion) is None  # a head does not start from a layer draft
+    line = stage.started_from(None, champion)
     assert "target's weights" in line and "the champion, version 3, is a layers draft" in line
-    line = nightly.started_from(WarmStart(previous.name, previous.version, previous.dir, previous.tags), champion)
+    line = stage.started_from(WarmStart(previous.name, previous.version, previous.dir, previous.tags), champion)
     assert "version 2, the newest draft of this kind" in line and "is a layers draft" in line
 
 
@@ -235,23 +235,24 @@ def test_a_newer_draft_benched_no_worse_than_the_champion_is_where_the_next_nigh
     """A night that trained depth and read under the red line on harder prompts, yet no worse than the champion
     on the same ones, is not thrown away: the next night goes on from it. Only a draft benched beside this
     champion (its parent), of this target version and kind, and newer than it."""
-    from specdistill.pipeline import nightly
     from specdistill.pipeline.config import load_nightly_config
+    from specdistill.pipeline.outputs import NO_WORSE_TAG
+    from specdistill.pipeline.stages import champion as stage
 
     layers = load_nightly_config(None, ["target_name=compound", "train.kind=layers"])
     tags = {"target_fingerprint": "fp-a", "draft_kind": "layers"}
     v1 = registry.register_draft(draft_dir, target_name="compound", tags={**tags, "gate_verdict": "pass"})
-    champion = nightly._registered(v1.name, registry.newest_version(v1.name))
-    worse = {**tags, "gate_verdict": "fail", "parent": "1", nightly.NO_WORSE_TAG: "false"}
+    champion = stage._registered(v1.name, registry.newest_version(v1.name))
+    worse = {**tags, "gate_verdict": "fail", "parent": "1", NO_WORSE_TAG: "false"}
     registry.register_draft(draft_dir, target_name="compound", tags=worse)
-    assert nightly.training_start(layers, "fp-a", champion).version == "1"  # measured worse: the champion
-    registry.register_draft(draft_dir, target_name="compound", tags={**worse, nightly.NO_WORSE_TAG: "true"})
-    registry.register_draft(draft_dir, target_name="compound", tags={**worse, nightly.NO_WORSE_TAG: "true", "parent": "2"})
-    registry.register_draft(draft_dir, target_name="compound", tags={**worse, nightly.NO_WORSE_TAG: "true",
+    assert stage.training_start(layers, "fp-a", champion).version == "1"  # measured worse: the champion
+    registry.register_draft(draft_dir, target_name="compound", tags={**worse, NO_WORSE_TAG: "true"})
+    registry.register_draft(draft_dir, target_name="compound", tags={**worse, NO_WORSE_TAG: "true", "parent": "2"})
+    registry.register_draft(draft_dir, target_name="compound", tags={**worse, NO_WORSE_TAG: "true",
                                                                      "target_fingerprint": "fp-b"})
-    start = nightly.training_start(layers, "fp-a", champion)
+    start = stage.training_start(layers, "fp-a", champion)
     assert start.version == "3" and start.tags["gate_verdict"] == "fail"  # not 4 (another parent), not 5 (fp-b)
-    line = nightly.started_from(WarmStart(**vars(start)), champion)
+    line = stage.started_from(WarmStart(**vars(start)), champion)
     assert "version 3, newer than the champion (version 1) and no worse than it" in line and "gate fail" in line
 
 
@@ -259,7 +260,7 @@ def test_a_newer_draft_benched_no_worse_than_the_champion_is_where_the_next_nigh
     (0.489, 0.445, True, "true"), (0.489, 0.445, False, "false"), (0.40, 0.445, True, "false"), (0.5, None, True, "")])
 def test_no_worse_than_the_champion_reads_the_same_prompts_not_the_red_line(challenger, champion, tau_held, expected):
     from specdistill.ops.policy import Check, GateVerdict, Role
-    from specdistill.pipeline import nightly
+    from specdistill.pipeline.stages.register import no_worse_than_champion
 
     def result(first):
         return types.SimpleNamespace(per_position_acceptance=[first], first_position_acceptance=first)
@@ -267,4 +268,4 @@ def test_no_worse_than_the_champion_reads_the_same_prompts_not_the_red_line(chal
     results = {Role.CHALLENGER: result(challenger), **({Role.CHAMPION: result(champion)} if champion else {})}
     verdict = GateVerdict(False, [Check("first-position acceptance", False, challenger, 0.5, ""),
                                   Check("accepted length vs champion", tau_held, 1.69, 1.64, "")])
-    assert nightly.no_worse_than_champion(results, verdict) == expected
+    assert no_worse_than_champion(results, verdict) == expected

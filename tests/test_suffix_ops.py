@@ -13,9 +13,11 @@ from specdistill.modeling.models import LoadedModel
 from specdistill.ops import replay
 from specdistill.ops.policy import GateVerdict
 from specdistill.ops.serving import ServingConfig, read_serving_config, write_serving_config
-from specdistill.pipeline.outputs import TargetInfo
-from specdistill.pipeline.stages.choose_mode import ServingDecision, serving_candidates, serving_config
-from specdistill.pipeline.stages.corpus import export_sglang_corpus, sglang_corpus_path
+from specdistill.pipeline.layout import sglang_corpus_path
+from specdistill.pipeline.outputs import ServingDecision, TargetInfo
+from specdistill.pipeline.serving import serving_config
+from specdistill.pipeline.stages.choose_mode import serving_candidates
+from specdistill.pipeline.stages.corpus import export_sglang_corpus
 from specdistill.speculative.specs import DrafterSpec
 from specdistill.speculative.suffix_corpus import CorpusMeta, save_corpus
 from tests.conftest import bench_result, make_tiny_llama, train_bpe

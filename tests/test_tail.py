@@ -11,12 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdistill.data.prompts import Prompt
-from specdistill.pipeline import nightly as pipeline
 from specdistill.pipeline import tail
 from specdistill.pipeline.config import load_nightly_config
 from specdistill.pipeline.outputs import GeneratedData, Untrained, Window
 from specdistill.pipeline.stage_budgets import stage_budgets, stage_deadline
 from specdistill.pipeline.stages import bench
+from specdistill.pipeline.stages.distill import distill_draft
 from specdistill.speculative.specs import SELF_SPEC, DrafterSpec
 from specdistill.speculative.threads import ThreadChoice
 from tests.conftest import trained_result
@@ -144,8 +144,8 @@ def test_the_generic_baseline_gives_way_under_half_its_budget(monkeypatch):
     conversations.parent.mkdir(parents=True)
     conversations.write_text("")
     heldout = GeneratedData("/data/c/eval.jsonl", None, 1, 1)
-    skipped = pipeline.distill_draft(config, None, heldout, generic=True, window=window, deadline_at=time.time() + 20)
+    skipped = distill_draft(config, None, heldout, generic=True, window=window, deadline_at=time.time() + 20)
     assert isinstance(skipped, Untrained) and not calls
     assert "to train the generic baseline, under the 30 s it needs: skipped" in skipped.reason
-    pipeline.distill_draft(config, None, heldout, generic=True, window=window, deadline_at=time.time() + 45)
+    distill_draft(config, None, heldout, generic=True, window=window, deadline_at=time.time() + 45)
     assert len(calls) == 1  # 45 s: more than half of its minute

@@ -227,7 +227,8 @@ def test_nightly_serving_choice_measured_in_vllm(vllm_servers, eagle_head, tmp_p
     from specdistill.ops.serving import read_serving_config, write_serving_config
     from specdistill.pipeline.config import load_nightly_config
     from specdistill.pipeline.outputs import TargetInfo
-    from specdistill.pipeline.stages.choose_mode import choose_serving, serving_config
+    from specdistill.pipeline.serving import serving_config
+    from specdistill.pipeline.stages.choose_mode import choose_serving
     from specdistill.pipeline.stages.engine_bench import engine_benchmark
 
     by_block = {repr(None): vllm_servers[TARGET_ONLY], repr(_serving_block(NGRAM_SPEC)): vllm_servers["ngram"],
@@ -287,9 +288,10 @@ def test_nightly_answer_stage_through_vllm(vllm_servers, tmp_path, monkeypatch):
 
     from specdistill.distill.teacher import CACHE_META
     from specdistill.engines.vllm import bench as vllm_bench
-    from specdistill.pipeline import nightly
     from specdistill.pipeline.config import load_nightly_config
     from specdistill.pipeline.stages.answers import stage as answers
+    from specdistill.pipeline.stages.ingest import ingest_source
+    from specdistill.pipeline.stages.window import select_window
 
     asked = []
 
@@ -305,8 +307,8 @@ def test_nightly_answer_stage_through_vllm(vllm_servers, tmp_path, monkeypatch):
         "target=demo", f"log_db=sqlite:///{tmp_path / 'logs.db'}", f"sources=[{{path: '{traffic}', format: jsonl}}]",
         "window.train_prompts=3", "window.eval_prompts=1", "generation.max_new_tokens=8", "generation.parallel=2",
         "generation.teacher_top_k=8", "generation.backend=openai", "generation.engine=vllm"])
-    nightly.ingest_source(config.sources[0], config.log_db)
-    window = nightly.select_window(config)
+    ingest_source(config.sources[0], config.log_db)
+    window = select_window(config)
     train = answers.generate_responses(config, window, "train", record_teacher=True)
     assert asked and asked[0][0] == "demo" and asked[0][1]["parallel"] == 2 and asked[0][1]["top_k"] == 8
     meta = json.loads((Path(train.teacher_cache) / CACHE_META).read_text())

@@ -70,11 +70,12 @@ def main() -> None:
 
     import specdistill  # noqa: F401  (offline environment)
     from specdistill.hardware import describe_device
-    from specdistill.pipeline import nightly
     from specdistill.pipeline.config import load_nightly_config
     from specdistill.pipeline.stages.answers.harness import generate_answers
     from specdistill.pipeline.stages.answers.stage import generate_responses
+    from specdistill.pipeline.stages.ingest import ingest_source
     from specdistill.pipeline.stages.pool import data_line
+    from specdistill.pipeline.stages.window import select_window
 
     served = [json.loads(line) for line in Path(args.served).read_text().splitlines() if line.strip()]
     traffic = work / "traffic.jsonl"
@@ -87,8 +88,8 @@ def main() -> None:
         f"window.train_prompts={n}", "window.eval_prompts=4", "window.replay_share=0", "generation.max_minutes=null",
         f"generation.logged.served_names.{SERVED_NAME}=demo"])
     for source in config.sources:
-        nightly.ingest_source(source, config.log_db)
-    window = nightly.select_window(config)
+        ingest_source(source, config.log_db)
+    window = select_window(config)
     log(f"window: {len(window.train)} train prompts")
     t0 = time.time()
     data = generate_responses(config, window, "train", record_teacher=True)

@@ -1,1 +1,2 @@
-"""The nightly and monitoring flows' stages as plain library calls: one function per Prefect task."""
+"""The nightly and monitoring flows' stages as plain library calls (`pipeline.stages`: one function per Prefect
+task), and what they share: configs, stage records, budgets, the report."""

@@ -184,7 +184,7 @@ def train_autocast(config: NightlyConfig) -> bool:
     directory; without AMX a native-bf16 Xeon trains the head faster in fp32)."""
     if config.train.optim.bf16 is not None:
         return config.train.optim.bf16
-    import torch
+    import torch  # lazy: keeps torch off the config's import
 
     from specdistill.modeling.models import resolve_device, resolve_dtype  # lazy: keeps torch off import
 

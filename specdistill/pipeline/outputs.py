@@ -54,7 +54,7 @@ class ServingDecision(Record):
 
 @dataclass
 class TargetInfo(Record):
-    """The run's target, loaded once at the start (`pipeline.nightly.describe_target`)."""
+    """The run's target, loaded once at the start (`stages.target.describe_target`)."""
 
     ref: str
     path: str
@@ -63,6 +63,11 @@ class TargetInfo(Record):
     vocab_size: int
     dtype: str  # what every stage runs the target in (float32 | bfloat16)
     hardware: str = ""  # the GPU or CPU (model and the flags that matter) the run measured on
+
+
+# a registered version's tag (`stages.register`), read where training starts (`stages.champion`): "true" when it was
+# benched beside the champion (its `parent`) and measured no worse on the same prompts
+NO_WORSE_TAG = "no_worse_than_champion"
 
 
 @dataclass

@@ -17,9 +17,9 @@ from specdistill.env import mask_secrets
 from specdistill.ops.policy import Decision, GateVerdict, Role, first_position
 from specdistill.ops.registry import RegisteredDraft
 from specdistill.pipeline.config import NightlyConfig, run_root
+from specdistill.pipeline.layout import sglang_corpus_path
 from specdistill.pipeline.outputs import MonitorOutcome, Promoted, ServingDecision, TargetInfo, Trained, Window
-from specdistill.pipeline.stages.choose_mode import gamma_note
-from specdistill.pipeline.stages.corpus import sglang_corpus_path
+from specdistill.pipeline.serving import gamma_note
 from specdistill.speculative.specs import DrafterSpec
 from specdistill.speculative.threads import ThreadChoice
 

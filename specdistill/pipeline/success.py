@@ -5,6 +5,7 @@ Without it the stale-pipeline alert fires whatever the nightly does."""
 from __future__ import annotations
 
 import time
+from datetime import datetime, timezone
 
 from specdistill.data.logstore import LogStore
 from specdistill.ops.metrics import SpecDecodeMetrics
@@ -12,8 +13,6 @@ from specdistill.ops.metrics import SpecDecodeMetrics
 
 def mark_pipeline_success(log_db: str | None, flow: str, target_fingerprint: str = "",
                           when: float | None = None) -> float:
-    from datetime import datetime, timezone
-
     when = time.time() if when is None else when
     with LogStore(log_db) as store:
         store.add_pipeline_success(flow, target_fingerprint, when=datetime.fromtimestamp(when, timezone.utc))

@@ -16,7 +16,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+
+import torch
 
 from specdistill.data.prompts import encode_chat
 from specdistill.data.record import Record
@@ -28,9 +29,6 @@ from specdistill.pipeline.stage_budgets import stage_budgets, stage_deadline
 from specdistill.speculative.engine import generate
 from specdistill.speculative.specs import SELF_SPEC, DrafterSpec
 from specdistill.speculative.threads import ThreadChoice, ThreadWatch
-
-if TYPE_CHECKING:
-    import torch
 
 TAIL_STAGES = ("benchmark", "engine benchmark")  # what the reserve keeps time for; the stages before share the rest
 MIN_TAIL_MINUTES = 0.5  # the reserve's floor: a measurement can be taken on a moment the neighbour was idle
@@ -152,8 +150,6 @@ def measure_decode(model: torch.nn.Module, prompt_ids: Sequence[int], threads: i
     """Target-only greedy tokens/s now, at the threads the benchmark runs at: `auto` probes them for the load
     found (`speculative.threads.ThreadWatch`, torch's count put back after) and takes the fastest; a number (or
     None: torch's own) is timed as it is."""
-    import torch
-
     ids = list(prompt_ids)[-PROBE_PROMPT_TOKENS:]
     if threads == "auto":
         with ThreadWatch(model, ids) as watch:

@@ -11,26 +11,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
 from specdistill import paths
 from specdistill.data.logstore import LogStore
 from specdistill.modeling.fingerprints import tokenizer_digest
 from specdistill.modeling.models import resolve_model_dir
+from specdistill.pipeline.layout import CORPUS_FILE, current_corpus_path, sglang_corpus_path
 from specdistill.pipeline.outputs import GeneratedData
 from specdistill.speculative.suffix_corpus import CorpusError, CorpusMeta, load_corpus, save_corpus
-
-CORPUS_FILE = "suffix_corpus.safetensors"  # beside the answers; under the state directory, the newest night's
-
-
-def current_corpus_path() -> Path:
-    """The newest night's corpus, what the monitor reads."""
-    return paths.home() / CORPUS_FILE
 
 
 def nightly_corpus(config, train_data: GeneratedData, target_fingerprint: str) -> str:
     """Stage: the corpus of the window's train answers, beside them (a rerun finds it), its SGLang
     export beside it, and a copy as the state directory's current corpus (what the monitor reads)."""
-    from transformers import AutoTokenizer
-
     out = Path(train_data.path).parent / CORPUS_FILE
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(config.target))
     if not out.is_file():
@@ -96,11 +90,6 @@ def build_corpus(answers: list[str | Path], out_path: str | Path, *, target_fing
                       sources=[str(p) for p in answers],
                       note="" if sequences else "no answers: the suffix drafter drafts from the request alone")
     return save_corpus(out_path, sequences, meta)
-
-
-def sglang_corpus_path(corpus: str | Path) -> Path:
-    corpus = Path(corpus)
-    return corpus.with_name(corpus.stem + ".sglang.jsonl")
 
 
 def export_sglang_corpus(corpus: str | Path, tokenizer) -> Path:

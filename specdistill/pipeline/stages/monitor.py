@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+from datetime import datetime
 
 from specdistill import hardware
 from specdistill.acceptance import DraftCounts
@@ -20,10 +21,10 @@ from specdistill.ops.policy import FIRST_POSITION_TAG, SHAPE_GAMMA_TAG, SHAPE_TR
 from specdistill.ops.replay import AcceptanceSample, FallbackDecision, held_out_prompts
 from specdistill.ops.serving import ServingConfig, ServingConfigError, read_serving_config, write_serving_config
 from specdistill.ops.targets import TargetChange, TargetVersion, detect_change
+from specdistill.pipeline.layout import current_corpus_path
 from specdistill.pipeline.monitor_config import MonitorConfig
 from specdistill.pipeline.outputs import AppliedFallback, Champion, MonitorOutcome, RecordedDecision, Sample
-from specdistill.pipeline.stages.choose_mode import draft_free_fields
-from specdistill.pipeline.stages.corpus import current_corpus_path
+from specdistill.pipeline.serving import draft_free_fields
 from specdistill.speculative.threads import ThreadWatch, chosen_threads
 
 STAGES = ("replay", "fallback")  # the monitor's budgeted stages, in the order they run
@@ -35,8 +36,6 @@ def incremental_overrides(config: MonitorConfig, change: TargetChange) -> list[s
     older traffic; all traffic when nothing has arrived since (the update is then the only news).
     After a target update, the new version's answer pool starts with the old pool's most recent
     prompts answered by the new target (`pool.reanswer_prompts` of them)."""
-    from datetime import datetime
-
     overrides = [f"target={change.current.path}", *config.nightly_overrides,
                  f"window.replay_share={config.replay_share}"]
     old = change.champion_target or (change.previous.fingerprint if change.previous else None)
@@ -53,7 +52,7 @@ def incremental_overrides(config: MonitorConfig, change: TargetChange) -> list[s
 
 def record_decision(config: MonitorConfig, outcome: MonitorOutcome) -> RecordedDecision:
     """Every decision with its numbers: a log store row, an MLflow run, and Prometheus gauges."""
-    import mlflow
+    import mlflow  # lazy: keeps mlflow off import
 
     from specdistill.ops import registry  # lazy: keeps mlflow off import
 

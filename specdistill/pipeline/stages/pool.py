@@ -3,7 +3,8 @@ trains on the pool's view instead of its window alone.
 
 Before the view is made, the pool's disk cap evicts the oldest nights; after a target update (the
 monitor sets `pool.reanswer_from` to the old fingerprint) the new pool starts with the old pool's most
-recent prompts answered by the new target; pools of retired target versions are dropped.
+recent prompts answered by the new target (by the answer stage, which the nightly hands in as `answer`:
+stages do not import each other); pools of retired target versions are dropped.
 """
 
 from __future__ import annotations
@@ -11,16 +12,22 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Protocol
 
 from specdistill.data.prompts import Prompt
 from specdistill.distill.examples import read_done
 from specdistill.distill.pool import POOL_MANIFEST, AnswerPool, retire_pools
 from specdistill.pipeline.config import NightlyConfig, run_root
+from specdistill.pipeline.layout import features_dir
 from specdistill.pipeline.outputs import GeneratedData, PooledData, PoolSummary, Window
-from specdistill.pipeline.stages.answers import stage as answer_stage
-from specdistill.pipeline.stages.answers.stage import features_dir
 
 REANSWERED = "reanswer-"  # key prefix of the night made of the old version's prompts
+
+
+class Answerer(Protocol):
+    """The answer stage (`stages.answers.stage.generate_responses`): the target answers a window's split."""
+
+    def __call__(self, config: NightlyConfig, window: Window, split: str, *, record_teacher: bool) -> GeneratedData: ...
 
 
 def pool_root() -> Path:
@@ -28,10 +35,11 @@ def pool_root() -> Path:
 
 
 def pool_answers(config: NightlyConfig, window: Window, train_data: GeneratedData, heldout_data: GeneratedData,
-                 fingerprint: str) -> PooledData:
+                 fingerprint: str, *, answer: Answerer) -> PooledData:
     """The data the night trains on: the pool's view (tonight's answers always in), or, with
     `pool.enabled` false, tonight's answers as they are. Tonight's eval prompts are recorded as held
-    out first, so no view ever trains on a prompt that was evaluated on."""
+    out first, so no view ever trains on a prompt that was evaluated on. `answer` answers the old
+    target version's prompts after a target update."""
     if not config.pool.enabled:
         return PooledData(train_data.path, train_data.teacher_cache, train_data.answers, train_data.tokens)
     if not train_data.teacher_cache:
@@ -42,7 +50,7 @@ def pool_answers(config: NightlyConfig, window: Window, train_data: GeneratedDat
     pool.add_night(window.key, train_data.path, train_data.teacher_cache, features_dir(train_data.teacher_cache))
     reanswered = 0
     if pc.reanswer_from and pc.reanswer_from != fingerprint and pc.reanswer_prompts:
-        reanswered = _reanswer(config, pool, window, pc.reanswer_from)
+        reanswered = _reanswer(config, pool, window, pc.reanswer_from, answer)
     evicted = pool.enforce_disk_cap(pc.max_gb, keep=[window.key])
     view = pool.view(include=window.key, max_tokens=pc.max_tokens)
     retired = retire_pools(pool_root(), pc.keep_versions, fingerprint)
@@ -53,7 +61,7 @@ def pool_answers(config: NightlyConfig, window: Window, train_data: GeneratedDat
                       pool=summary)
 
 
-def _reanswer(config: NightlyConfig, pool, window: Window, old_fingerprint: str) -> int:
+def _reanswer(config: NightlyConfig, pool, window: Window, old_fingerprint: str, answer: Answerer) -> int:
     """The old target version's most recent pooled prompts answered by this target (up to
     `pool.reanswer_prompts`, never tonight's or a held-out one), as a night just before tonight's. Done
     once per new pool; an answer already written is not generated again (the answer stage resumes)."""
@@ -73,7 +81,7 @@ def _reanswer(config: NightlyConfig, pool, window: Window, old_fingerprint: str)
     digest = hashlib.sha256(json.dumps([p["id"] for p in prompts]).encode()).hexdigest()[:12]
     pseudo = Window(train=[Prompt(id=p["id"], messages=p["prompt"], slice="reanswer") for p in prompts],
                     eval=[], key=f"{REANSWERED}{old_fingerprint}-{digest}", since=None, replayed=len(prompts))
-    data = answer_stage.generate_responses(config, pseudo, "train", record_teacher=True)
+    data = answer(config, pseudo, "train", record_teacher=True)
     pool.add_night(pseudo.key, data.path, data.teacher_cache, features_dir(data.teacher_cache),
                    before=window.key)
     return data.answers

@@ -28,6 +28,7 @@ from specdistill.engines.vllm import bench as vllm_bench
 from specdistill.modeling.eagle3 import default_aux_layers
 from specdistill.modeling.models import LoadedModel, dtype_name, shared_model
 from specdistill.pipeline.config import NightlyConfig, config_hash, run_root
+from specdistill.pipeline.layout import features_dir
 from specdistill.pipeline.outputs import GeneratedData, LoggedData, Window
 from specdistill.pipeline.stage_budgets import stage_deadline
 from specdistill.pipeline.stages.answers.choose_engine import HARNESS, LLAMACPP, AnswerEngine, choose_answer_engine, supersede
@@ -110,18 +111,6 @@ def _outputs(config: NightlyConfig, window: Window, fingerprint: str, split: str
         cache = TeacherCache.create(out_dir / "teacher_cache", fingerprint=fingerprint, k=k, temperature=1.0,
                                     vocab="full", data=f"{window.key}-{source}")
     return out_dir / f"{split}_generated.jsonl", cache
-
-
-def features_dir(teacher_cache: str | Path, layers: list[int] | None = None) -> Path:
-    """Where an EAGLE-3 head's training features for these answers live: beside their teacher cache,
-    so every run on the same answers reuses them. The answer pass writes `features` (the default
-    layers); a head that reads other `layers` (a warm start from an imported head) gets a directory of
-    its own, which the trainer fills."""
-    directory = Path(teacher_cache).parent / "features"
-    meta = directory / FEATURE_META
-    if layers is not None and meta.is_file() and paths.read_json(meta, "feature cache file").get("layers") != list(layers):
-        return directory.with_name("features-layers-" + "-".join(str(i) for i in layers))
-    return directory
 
 
 def _feature_cache(config: NightlyConfig, target: LoadedModel, out_path: Path, teacher: TeacherCache | None):
