@@ -1,25 +1,27 @@
-"""The nightly pipeline's tasks: each wraps one call of `specdistill.pipeline.nightly`.
+"""The nightly pipeline's tasks: each wraps one call of the library's stages (`specdistill.pipeline.nightly`,
+`pipeline.stages.*`, `pipeline.tail`, `pipeline.success`, `pipeline.retention`), one task per call.
 
 Retries go on I/O (the log store, the registry). What a rerun reuses is decided by one layer per stage:
 the library's content-addressed directories for every stage that writes one (answers, pool, suffix
 corpus, distillation, the generic baseline: a rerun finds them and recomputes nothing that finished),
 Prefect's result cache, keyed by content, only for the two benchmarks, which keep nothing on disk of
-their own. Inputs and outputs are the library's own types: the bench
-results (`BenchResult`), the gate's `GateVerdict` and the `ServingDecision` as dataclasses (Prefect
-persists them as it pickles any result; `tasks.common.content_key` hashes them by their `to_dict()`), the
-other stages' values as the records (dataclasses) of `specdistill.pipeline.outputs`.
+their own. Inputs and outputs are the library's own dataclasses: the records of
+`specdistill.pipeline.outputs`, and those defined where they are computed (`BenchResult`, `GateVerdict`,
+`RegisteredDraft`, `IngestResult`, `TailReserve`). Prefect persists them as it pickles any result;
+`tasks.common.content_key` hashes them by their `to_dict()`. Types from below the pipeline are imported
+for annotations only: the tasks call the library through `specdistill.pipeline`.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from prefect import task
 
 from specdistill.pipeline import nightly as pipeline
 from specdistill.pipeline import retention, success, tail
 from specdistill.pipeline.config import NightlyConfig, SourceConfig
-from specdistill.pipeline.nightly import IngestResult, RegisteredDraft
 from specdistill.pipeline.outputs import (
     Champion,
     GeneratedData,
@@ -27,16 +29,22 @@ from specdistill.pipeline.outputs import (
     Promoted,
     ServingDecision,
     TargetInfo,
-    Trained,
     Untrained,
     WarmStart,
     Window,
 )
 from specdistill.pipeline.stages import bench, choose_mode, corpus, engine_bench, pool
 from specdistill.pipeline.stages.answers import stage as answer_stage
-from specdistill.pipeline.stages.bench import BenchResult, DrafterSpec, GateVerdict
 from specdistill.pipeline.tail import TailReserve
 from tasks.common import content_key
+
+if TYPE_CHECKING:  # annotations only, each from the module that defines it
+    from specdistill.data.ingest import IngestResult
+    from specdistill.data.results import BenchResult
+    from specdistill.distill.trained import Trained
+    from specdistill.ops.policy.gate import GateVerdict
+    from specdistill.ops.registry import RegisteredDraft
+    from specdistill.speculative.specs import DrafterSpec
 
 CACHED = dict(cache_key_fn=content_key, persist_result=True)  # for stages with no directory of their own
 

@@ -16,7 +16,8 @@ function. An import of a library module inside a function says why on its line o
 import is at the top of the module. The library never imports
 Prefect, `tasks` or `flows`; the one exception is `specdistill/cli`, which imports `flows.*` lazily to
 run a flow. `tasks/` and `flows/` reach the library only through `specdistill.pipeline*`, plus
-`specdistill.paths` (tasks/common.py keys Prefect's cache by the state directory). Size limits: no
+`specdistill.paths` (tasks/common.py keys Prefect's cache by the state directory); a type they name in an
+annotation is imported under `if TYPE_CHECKING:` from the module that defines it. Size limits: no
 module in specdistill/ over MAX_LINES lines, at most MAX_TOP_LEVEL modules directly in specdistill/.
 """
 
@@ -156,13 +157,26 @@ def orchestration_violations(root: Path) -> list[str]:
         if not (root / top_dir).is_dir():
             continue
         for path in _sources(root, top_dir):
+            annotations_only = _type_checking_lines(path)
             for imp in imports_of(root, path):
-                if layer_of(imp.module) is None:
+                if layer_of(imp.module) is None or imp.line in annotations_only:
                     continue
                 if not any(imp.module == ok or imp.module.startswith(ok + ".") for ok in ORCHESTRATION_MAY_IMPORT):
                     out.append(f"{imp.file}:{imp.line} imports {imp.module}: {top_dir}/ may use only "
                                f"{' and '.join(ORCHESTRATION_MAY_IMPORT)} (go through specdistill.pipeline)")
     return out
+
+
+def _type_checking_lines(path: Path) -> set[int]:
+    """The lines of the imports under `if TYPE_CHECKING:`: names for annotations, which never run."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    lines = set()
+    for node in ast.walk(tree):
+        test = node.test if isinstance(node, ast.If) else None
+        if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+                isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
+            lines |= {sub.lineno for stmt in node.body for sub in ast.walk(stmt) if isinstance(sub, (ast.Import, ast.ImportFrom))}
+    return lines
 
 
 def size_violations(root: Path) -> list[str]:
@@ -379,6 +393,7 @@ def test_checker_catches_prefect_and_orchestration_shortcuts(tmp_path):
         "tasks/__init__.py": "",
         "tasks/good.py": "from specdistill.pipeline import nightly\nfrom specdistill import paths\n",
         "tasks/bad.py": "from specdistill.ops.bad import f\n",
+        "tasks/typed.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from specdistill.ops.bad import Verdict\n",
         "flows/__init__.py": "",
         "flows/nightly.py": "from prefect import flow\nfrom tasks import good\nimport specdistill.config\n",
     })
@@ -390,6 +405,7 @@ def test_checker_catches_prefect_and_orchestration_shortcuts(tmp_path):
     assert "tasks/bad.py:1 imports specdistill.ops.bad" in found
     assert "flows/nightly.py:3 imports specdistill.config" in found
     assert "tasks/good.py" not in found and "flows/nightly.py:1" not in found and "flows/nightly.py:2" not in found
+    assert "tasks/typed.py" not in found  # a type for annotations only, from where it is defined
 
 
 def test_checker_counts_lines_and_top_level_modules(tmp_path):
