@@ -64,7 +64,7 @@ def cmd_monitor_run(args: argparse.Namespace) -> int:
 
     load_monitor_config(args.config, args.overrides)  # a bad file or key fails here, before Prefect starts
     from flows.monitor import monitor  # lazy: Prefect, only when a flow runs
-    from flows.runner import FlowStopped, run_flow, stopped_message  # lazy: Prefect, only when a flow runs
+    from flows.runner import FlowStopped, run_flow, stopped_message  # lazy: the CLI imports flows/ only to run one
 
     try:
         outcome = run_flow(monitor, config_path=args.config, overrides=args.overrides)
