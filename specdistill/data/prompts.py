@@ -47,6 +47,7 @@ def check_chat_template(tokenizer, where: object) -> None:
     command before any work, as one line naming `where` (the model's directory), not a traceback."""
     if not getattr(tokenizer, "chat_template", None):
         return
+    # lazy: jinja2 is transformers' chat-template extra, no dependency of ours; a template brings it
     from jinja2.exceptions import SecurityError, TemplateError
 
     try:
