@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdistill.data.record import Record
-from specdistill.hardware import OtherLoad
+from specdistill.hardware import OtherLoad, usable_cpus
 from specdistill.speculative.engine import generate
 
 
@@ -44,8 +44,6 @@ class ThreadChoice(Record):
 
 
 def usable_cores() -> int:
-    from specdistill.hardware import usable_cpus  # lazy: keeps torch off import
-
     return len(usable_cpus())
 
 
