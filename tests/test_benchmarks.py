@@ -1,5 +1,6 @@
 """benchmarks/ is a suite: every maintained script imports, prints its --help, opens with the question it
-answers and its command, and has its row in the index that opens benchmarks/README.md."""
+answers and its command, and has its row in the index that opens benchmarks/README.md. The one-off records
+in benchmarks/experiments/ each print their --help against today's library."""
 
 from __future__ import annotations
 
@@ -79,7 +80,44 @@ def test_a_script_runs_as_a_user_runs_it():
     assert "--state" in out.stdout and "monitor run" in out.stdout
 
 
+def experiment_command(name: str) -> list[str]:
+    """How benchmarks/experiments/README.md says to run it: by path, or as a module when it imports a sibling
+    through `benchmarks.` without putting the checkout on the path itself."""
+    text = (BENCH / "experiments" / f"{name}.py").read_text(encoding="utf-8")
+    if "from benchmarks." in text and "sys.path.insert" not in text:
+        return [sys.executable, "-m", f"benchmarks.experiments.{name}"]
+    return [sys.executable, str(BENCH / "experiments" / f"{name}.py")]
+
+
 @pytest.mark.parametrize("name", EXPERIMENTS)
-def test_each_experiment_still_parses(name):
-    """The one-off records are not run here (several need a state or an engine); they must at least be Python."""
-    ast.parse((BENCH / "experiments" / f"{name}.py").read_text(encoding="utf-8"))
+def test_each_experiment_prints_its_help_against_todays_library(name):
+    """The one-off records are not run here (several need a state or an engine, all take minutes); each must
+    at least import and print its --help, in a fresh process as a user runs it."""
+    out = subprocess.run([*experiment_command(name), "--help"], cwd=BENCH.parent, capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("usage:"), out.stdout[:500]
+
+
+def is_module(dotted: str) -> bool:
+    try:
+        return importlib.util.find_spec(dotted) is not None
+    except ModuleNotFoundError:  # a parent that is a module, not a package, or is missing
+        return False
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_each_experiment_imports_only_what_the_library_has(name):
+    """Its imports from the library, those inside functions too (which --help never reaches), name modules
+    and attributes that exist today."""
+    tree = ast.parse((BENCH / "experiments" / f"{name}.py").read_text(encoding="utf-8"))
+    missing = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "specdistill":
+            module = importlib.import_module(node.module)
+            missing += [f"{node.lineno}: {node.module}.{a.name}" for a in node.names
+                        if not hasattr(module, a.name) and not is_module(f"{node.module}.{a.name}")]
+        elif isinstance(node, ast.Import):
+            missing += [f"{node.lineno}: {a.name}" for a in node.names
+                        if a.name.split(".")[0] == "specdistill" and not is_module(a.name)]
+    assert not missing, missing
