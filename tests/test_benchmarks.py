@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -80,23 +81,56 @@ def test_a_script_runs_as_a_user_runs_it():
     assert "--state" in out.stdout and "monitor run" in out.stdout
 
 
-def experiment_command(name: str) -> list[str]:
-    """How benchmarks/experiments/README.md says to run it: by path, or as a module when it imports a sibling
-    through `benchmarks.` without putting the checkout on the path itself."""
+def runs_as_module(name: str) -> bool:
+    """As benchmarks/experiments/README.md says to run it: as a module when it imports a sibling through
+    `benchmarks.` without putting the checkout on the path itself, else by its path."""
     text = (BENCH / "experiments" / f"{name}.py").read_text(encoding="utf-8")
-    if "from benchmarks." in text and "sys.path.insert" not in text:
-        return [sys.executable, "-m", f"benchmarks.experiments.{name}"]
-    return [sys.executable, str(BENCH / "experiments" / f"{name}.py")]
+    return "from benchmarks." in text and "sys.path.insert" not in text
+
+
+# Every experiment's --help, one after another in one fresh interpreter (torch is imported once, not fifteen
+# times), each run as `__main__` the way its command line runs it; prints {name: {code, stdout, error}}.
+HELP_ALL = """
+import contextlib, io, json, runpy, sys, traceback
+results = {}
+for name, as_module, path in json.loads(sys.argv[1]):
+    out, code, error = io.StringIO(), None, ""
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [path, "--help"]
+    if not as_module:
+        sys.path.insert(0, path.rsplit("/", 1)[0])
+    try:
+        with contextlib.redirect_stdout(out):
+            if as_module:
+                runpy.run_module("benchmarks.experiments." + name, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(path, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+    except BaseException:
+        error = traceback.format_exc()[-2000:]
+    sys.argv, sys.path[:] = saved_argv, saved_path
+    results[name] = {"code": code, "stdout": out.getvalue()[:500], "error": error}
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def experiments_help() -> dict[str, dict]:
+    jobs = [(name, runs_as_module(name), str(BENCH / "experiments" / f"{name}.py")) for name in EXPERIMENTS]
+    done = subprocess.run([sys.executable, "-c", HELP_ALL, json.dumps(jobs)], cwd=BENCH.parent, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
-def test_each_experiment_prints_its_help_against_todays_library(name):
+def test_each_experiment_prints_its_help_against_todays_library(name, experiments_help):
     """The one-off records are not run here (several need a state or an engine, all take minutes); each must
-    at least import and print its --help, in a fresh process as a user runs it."""
-    out = subprocess.run([*experiment_command(name), "--help"], cwd=BENCH.parent, capture_output=True, text=True,
-                         timeout=180)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.startswith("usage:"), out.stdout[:500]
+    at least import and print its --help, in a fresh interpreter, as its command line runs it."""
+    result = experiments_help[name]
+    assert result["code"] in (0, None) and not result["error"], result["error"]
+    assert result["stdout"].startswith("usage:"), result["stdout"]
 
 
 def is_module(dotted: str) -> bool:
