@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from specdistill.modeling.eagle3_files import META_FILE
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -54,7 +56,7 @@ def row(night: int, r: dict) -> dict:
     directory = head.get("spec", "").partition(":")[2]  # KIND:DIR, whichever kind names the head
     head_dir = Path(directory) if directory else None
     found = head_dir is not None and head_dir.is_dir()
-    meta = json.loads((head_dir / "specdistill_draft.json").read_text()) if found else {}
+    meta = json.loads((head_dir / META_FILE).read_text()) if found else {}
     curve = json.loads((head_dir.parent / "result.json").read_text())["curve"] if found else []
     return {"night": night + 1, "window": r["window"],
             "answers": sum(n["answers"] for n in nights.values()), "tokens": sum(n["tokens"] for n in nights.values()),

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prefect import task
 
 from specdistill.pipeline.monitor_config import MonitorConfig
-from specdistill.pipeline.outputs import AppliedFallback, Champion, MonitorOutcome, RecordedDecision, Sample
+from specdistill.pipeline.outputs import AppliedFallback, Champion, MonitorOutcome, RecordedDecision
 from specdistill.pipeline.stages import monitor as mc
-from specdistill.pipeline.stages.monitor import FallbackDecision, TargetChange, TargetVersion
+
+if TYPE_CHECKING:  # annotations only, each from the module that defines it
+    from specdistill.ops.policy.common import Sample
+    from specdistill.ops.replay import FallbackDecision
+    from specdistill.ops.targets import TargetChange, TargetVersion
 
 
 @task(name="check-serving-config")

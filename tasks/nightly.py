@@ -5,15 +5,17 @@ Retries go on I/O (the log store, the registry). What a rerun reuses is decided 
 the library's content-addressed directories for every stage that writes one (answers, pool, suffix
 corpus, distillation, the generic baseline: a rerun finds them and recomputes nothing that finished),
 Prefect's result cache, keyed by content, only for the two benchmarks, which keep nothing on disk of
-their own. Inputs and outputs are the library's own types: the bench
-results (`BenchResult`), the gate's `GateVerdict` and the `ServingDecision` as dataclasses (Prefect
-persists them as it pickles any result; `tasks.common.content_key` hashes them by their `to_dict()`), the
-other stages' values as the records (dataclasses) of `specdistill.pipeline.outputs`.
+their own. Inputs and outputs are the library's own dataclasses: the records of
+`specdistill.pipeline.outputs`, and those defined where they are computed (`BenchResult`, `GateVerdict`,
+`RegisteredDraft`, `IngestResult`, `Trained`, `TailReserve`). Prefect persists them as it pickles any result;
+`tasks.common.content_key` hashes them by their `to_dict()`. Types from below the pipeline are imported
+for annotations only: the tasks call the library through `specdistill.pipeline`.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from prefect import task
 
@@ -26,7 +28,6 @@ from specdistill.pipeline.outputs import (
     Promoted,
     ServingDecision,
     TargetInfo,
-    Trained,
     Untrained,
     WarmStart,
     Window,
@@ -42,11 +43,16 @@ from specdistill.pipeline.stages import target as target_stage
 from specdistill.pipeline.stages import window as window_stage
 from specdistill.pipeline.stages import write_serving as write_serving_stage
 from specdistill.pipeline.stages.answers import stage as answer_stage
-from specdistill.pipeline.stages.bench import BenchResult, DrafterSpec, GateVerdict
-from specdistill.pipeline.stages.ingest import IngestResult
-from specdistill.pipeline.stages.register import RegisteredDraft
 from specdistill.pipeline.tail import TailReserve
 from tasks.common import content_key
+
+if TYPE_CHECKING:  # annotations only, each from the module that defines it
+    from specdistill.data.ingest import IngestResult
+    from specdistill.data.results import BenchResult
+    from specdistill.distill.trained import Trained
+    from specdistill.ops.policy.gate import GateVerdict
+    from specdistill.ops.registry import RegisteredDraft
+    from specdistill.speculative.specs import DrafterSpec
 
 CACHED = dict(cache_key_fn=content_key, persist_result=True)  # for stages with no directory of their own
 

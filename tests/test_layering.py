@@ -11,12 +11,13 @@ that graph puts under it, nothing else:
 Imports inside functions count as much as those at the top of a file. Inside each package the modules
 (a subpackage counts as one) import one another without a circle, through imports at the top or inside
 functions alike: a circle is broken by moving what both need to the lower module, not hidden in a
-function. An import of a library module inside a function says why on its line or the line above,
-`# lazy: <reason>` (CLI start-up, an optional or heavy dependency kept off a light module); every other
-import is at the top of the module. The library never imports
+function. An import inside a function, of the library or of any other package, says why on its line
+or the line above, `# lazy: <reason>` (CLI start-up, an optional or heavy dependency kept off a light
+module); every other import is at the top of the module. The library never imports
 Prefect, `tasks` or `flows`; the one exception is `specdistill/cli`, which imports `flows.*` lazily to
 run a flow. `tasks/` and `flows/` reach the library only through `specdistill.pipeline*`, plus
-`specdistill.paths` (tasks/common.py keys Prefect's cache by the state directory). Inside the pipeline,
+`specdistill.paths` (tasks/common.py keys Prefect's cache by the state directory); a type they name in an
+annotation is imported under `if TYPE_CHECKING:` from the module that defines it. Inside the pipeline,
 the stages (`specdistill/pipeline/stages/`, one module or subpackage each) do not import one another, and
 nothing else in the pipeline imports a stage: what two stages share lives below them. Size limits: no
 module in specdistill/ over MAX_LINES lines, at most MAX_TOP_LEVEL modules directly in specdistill/.
@@ -51,6 +52,13 @@ STAGES = "specdistill.pipeline.stages"  # one module (or subpackage) per stage
 MAX_LINES = 400
 MAX_TOP_LEVEL = 8  # modules directly in specdistill/, __init__.py not counted
 LAZY_REASON = re.compile(r"#\s*lazy:\s*\S")  # `# lazy: <why>` on a function-level import's line or the line above
+# Function-level imports without a reason in the modules the rest of issue 62 rewrites (drafters built through
+# their kinds, the stages in their home, long functions split), as (file, the import's first line): each goes
+# when its module is rewritten (to the top, or with its `# lazy:` reason). An entry that no longer matches
+# fails the check, so the list only shrinks.
+UNEXPLAINED_UNTIL_REWRITTEN = {
+    ("specdistill/speculative/harness_bench.py", "from tqdm import tqdm"),
+}
 
 
 @dataclass(frozen=True)
@@ -159,8 +167,9 @@ def orchestration_violations(root: Path) -> list[str]:
         if not (root / top_dir).is_dir():
             continue
         for path in _sources(root, top_dir):
+            annotations_only = _type_checking_lines(path)
             for imp in imports_of(root, path):
-                if layer_of(imp.module) is None:
+                if layer_of(imp.module) is None or imp.line in annotations_only:
                     continue
                 if not any(imp.module == ok or imp.module.startswith(ok + ".") for ok in ORCHESTRATION_MAY_IMPORT):
                     out.append(f"{imp.file}:{imp.line} imports {imp.module}: {top_dir}/ may use only "
@@ -185,6 +194,18 @@ def stage_violations(root: Path) -> list[str]:
                 out.append(f"{imp.file}:{imp.line} imports {imp.module}: stages do not import one another; move what "
                            "both need below them (specdistill/pipeline/ or a lower layer)")
     return out
+
+
+def _type_checking_lines(path: Path) -> set[int]:
+    """The lines of the imports under `if TYPE_CHECKING:`: names for annotations, which never run."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    lines = set()
+    for node in ast.walk(tree):
+        test = node.test if isinstance(node, ast.If) else None
+        if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+                isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
+            lines |= {sub.lineno for stmt in node.body for sub in ast.walk(stmt) if isinstance(sub, (ast.Import, ast.ImportFrom))}
+    return lines
 
 
 def size_violations(root: Path) -> list[str]:
@@ -213,9 +234,9 @@ def _function_level(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
     return sorted(found, key=lambda n: n.lineno)
 
 
-def function_level_imports(root: Path) -> list[tuple[Import, bool]]:
-    """Every import of a library module inside a function in specdistill/, and whether it says why
-    (`# lazy: ...` on one of its lines or on the line above)."""
+def function_level_imports(root: Path) -> list[tuple[Import, bool, str]]:
+    """Every import inside a function in specdistill/ (of the library or any other package), whether it
+    says why (`# lazy: ...` on one of its lines or on the line above), and its first line's text."""
     out = []
     for path in _sources(root, "specdistill"):
         text = path.read_text(encoding="utf-8")
@@ -223,18 +244,31 @@ def function_level_imports(root: Path) -> list[tuple[Import, bool]]:
         tree = ast.parse(text, filename=str(path))
         modules = {(imp.line, imp.module) for imp in imports_of(root, path)}
         for node in _function_level(tree):
-            ours = sorted({m for line, m in modules if line == node.lineno and layer_of(m) is not None})
-            if not ours:
-                continue
             said = any(LAZY_REASON.search(lines[i - 1]) for i in range(max(1, node.lineno - 1), node.end_lineno + 1))
-            out += [(Import(str(path.relative_to(root)), node.lineno, m), said) for m in ours]
+            first = lines[node.lineno - 1].split("#")[0].strip()
+            out += [(Import(str(path.relative_to(root)), node.lineno, m), said, first)
+                    for m in sorted({m for line, m in modules if line == node.lineno})]
     return out
 
 
-def unexplained_function_level_imports(root: Path) -> list[str]:
-    return [f"{imp.file}:{imp.line} imports {imp.module} inside a function without a reason: move it to the top "
-            "of the module, or say why on its line (`# lazy: CLI start-up`, `# lazy: keeps torch off import`)"
-            for imp, said in function_level_imports(root) if not said]
+def unexplained_function_level_imports(root: Path, allowed: set[tuple[str, str]] = frozenset()) -> list[str]:
+    """Function-level imports without a reason, but for the `allowed` (file, first line) pairs; an allowed
+    pair that matches none of them is reported too."""
+    out, used = [], set()
+    for imp, said, first in function_level_imports(root):
+        if said:
+            continue
+        if (imp.file, first) in allowed:
+            used.add((imp.file, first))
+            continue
+        out.append(f"{imp.file}:{imp.line} imports {imp.module} inside a function without a reason: move it to the "
+                   "top of the module, or say why on its line (`# lazy: CLI start-up`, `# lazy: keeps torch off import`)")
+    out += [f"{file}: no unexplained `{line}` left: remove it from the allow-list" for file, line in sorted(allowed - used)]
+    return out
+
+
+def unexplained_imports_outside_the_allow_list(root: Path) -> list[str]:
+    return unexplained_function_level_imports(root, UNEXPLAINED_UNTIL_REWRITTEN)
 
 
 def _child_of(package: str, dotted: str) -> str | None:
@@ -401,6 +435,7 @@ def test_checker_catches_prefect_and_orchestration_shortcuts(tmp_path):
         "tasks/__init__.py": "",
         "tasks/good.py": "from specdistill.pipeline import nightly\nfrom specdistill import paths\n",
         "tasks/bad.py": "from specdistill.ops.bad import f\n",
+        "tasks/typed.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from specdistill.ops.bad import Verdict\n",
         "flows/__init__.py": "",
         "flows/nightly.py": "from prefect import flow\nfrom tasks import good\nimport specdistill.config\n",
     })
@@ -412,6 +447,7 @@ def test_checker_catches_prefect_and_orchestration_shortcuts(tmp_path):
     assert "tasks/bad.py:1 imports specdistill.ops.bad" in found
     assert "flows/nightly.py:3 imports specdistill.config" in found
     assert "tasks/good.py" not in found and "flows/nightly.py:1" not in found and "flows/nightly.py:2" not in found
+    assert "tasks/typed.py" not in found  # a type for annotations only, from where it is defined
 
 
 def test_checker_catches_a_stage_importing_another_and_the_pipeline_importing_a_stage(tmp_path):
@@ -484,13 +520,22 @@ def test_checker_catches_a_function_level_import_that_does_not_say_why(tmp_path)
         "specdistill/ops/multi.py": "class C:\n    def f(self):\n        from specdistill.ops.serving import (  # lazy: mlflow\n"
                                     "            a,\n        )\n        from . import serving\n",
         "specdistill/ops/empty.py": "def f():\n    from specdistill.ops import serving  # lazy:\n",
+        "specdistill/ops/third.py": "def f():\n    import torch\n",
+        "specdistill/ops/top.py": "import torch\n\ndef f():\n    return torch\n",
+        "specdistill/ops/lazy_torch.py": "def f():\n    import torch  # lazy: keeps torch off `serving show`\n",
     })
     found = _report(unexplained_function_level_imports(root))
     assert "ops/quiet.py:3 imports specdistill.ops.serving inside a function without a reason" in found
+    assert "ops/quiet.py:2 imports json inside a function without a reason" in found  # any package, not only ours
+    assert "ops/third.py:2 imports torch inside a function" in found
     assert "ops/multi.py:6 imports specdistill.ops.serving" in found
     assert "ops/empty.py:2" in found  # a reason must say something
-    for clean in ("ops/quiet.py:2", "ops/serving.py", "ops/said.py", "ops/above.py", "ops/multi.py:3"):
+    for clean in ("ops/serving.py", "ops/said.py", "ops/above.py", "ops/multi.py:3", "ops/top.py", "ops/lazy_torch.py"):
         assert clean not in found, found
+    allowed = {("specdistill/ops/quiet.py", "import json"), ("specdistill/ops/gone.py", "import torch")}
+    found = _report(unexplained_function_level_imports(root, allowed))
+    assert "ops/quiet.py:2" not in found and "ops/quiet.py:3" in found
+    assert "specdistill/ops/gone.py: no unexplained `import torch` left: remove it from the allow-list" in found
 
 
 # --------------------------------------------------------------------------------------------
@@ -503,7 +548,7 @@ def test_checker_catches_a_function_level_import_that_does_not_say_why(tmp_path)
     stage_violations,  # stages do not import one another; what they share lives below them
     size_violations,  # modules stay small and the top level stays short
     import_cycles,  # no package imports itself in a circle
-    unexplained_function_level_imports,  # imports inside functions say why
+    unexplained_imports_outside_the_allow_list,  # imports inside functions say why (the allow-list only shrinks)
 ], ids=lambda check: check.__name__)
 def test_the_repository_keeps_the_house_rules(check):
     violations = check(REPO)

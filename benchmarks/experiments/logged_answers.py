@@ -6,12 +6,16 @@ The log (written here, then ingested like any traffic):
   - every answer in --served (an earlier run's target answers, e.g. a demo's train_generated.jsonl) as
     served by `SmolLM2-135M-Instruct`, the demo target's served name (`generation.logged.served_names`);
   - --claimed-wrong of them with their response swapped for ShareGPT's (ChatGPT's) answer to the same
-    prompt, still claimed by the target's name: the likelihood check must refuse them;
+    prompt, still claimed by the target's name: the own-text check (`pipeline.stages.answers.logged`) must
+    refuse them;
   - --other ShareGPT conversations served by `gpt-3.5-turbo`: other models' responses.
 Then the answers stage of a nightly (`pipeline.stages.answers.stage.generate_responses`, the demo target in its
 run dtype, no time budget) over all of them, and, for the price, the target decoding one batch of the
-same prompts. Prints what was logged-as-is, refused and answered again, labelled and skipped, the
-likelihood floor, and the minutes against what decoding them all would have cost.
+same prompts. Prints what was logged-as-is, refused (and why) and answered again, labelled and skipped,
+and the minutes against what decoding them all would have cost.
+
+Its numbers in benchmarks/experiments/README.md were measured with the likelihood floor that issue 51
+replaced by the own-text check: `git checkout c2a50fb` and `python benchmarks/logged_answers.py` rerun that.
 """
 
 from __future__ import annotations
@@ -118,12 +122,12 @@ def main() -> None:
     print("| what | count | answer tokens |")
     print("|---|---:|---:|")
     print(f"| logged answers of the target used as they are (not decoded) | {logged.own} | {logged.own_tokens:,} |")
-    print(f"| claimed by the target, refused by the likelihood check, answered again | {logged.refused} | – |")
+    print(f"| claimed by the target, refused by the own-text check, answered again | {logged.refused} | – |")
     print(f"| other models' responses labelled by the target | {logged.other} | {logged.other_tokens:,} |")
     print(f"| prompts decoded by the target | {data.answers - logged.own} | "
           f"{data.tokens - logged_tokens:,} |")
     print(f"| skipped | {sum(logged.skipped.values())} | {logged.skipped} |")
-    print(f"\nlikelihood floor {logged.floor:.2f} nats per token; labelling took {logged.minutes:.2f} min of the "
+    print(f"\nrefused: {logged.refused_why}; labelling took {logged.minutes:.2f} min of the "
           f"stage's {stage_minutes:.2f}; decoding runs at {decode_rate:.0f} answer tokens/s here (batch 16, teacher "
           f"and features), so decoding the {logged_tokens:,} labelled tokens would have taken "
           f"{logged_tokens / decode_rate / 60:.2f} min")

@@ -23,7 +23,8 @@ batches and learning-rate schedule: the loss and the held-out acceptance at equa
 A record, no longer a reproduction of every "before": the head's switch back to SDPA for step 0
 (`Eagle3Draft.unroll_sdpa`) left the library once the change had been measured, so every variant here
 now runs step 0 by matmuls and `matmul attention` measures the same code as `fused AdamW`. The numbers
-of both are in benchmarks/experiments/README.md and in the history of this file.
+of both are in benchmarks/experiments/README.md and in the history of this file; `git checkout b84e883`
+(the last commit with `unroll_sdpa`) reruns every variant as it was measured.
 """
 
 from __future__ import annotations

@@ -245,7 +245,7 @@ def add_threads(p: argparse.ArgumentParser) -> None:
 
 def set_threads(args: argparse.Namespace) -> None:
     if args.threads:
-        import torch
+        import torch  # lazy: CLI start-up
 
         torch.set_num_threads(args.threads)
 

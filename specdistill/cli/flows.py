@@ -33,8 +33,8 @@ def cmd_nightly(args: argparse.Namespace) -> int:
     config_path = str(DEMO_RECIPE) if getattr(args, "demo", False) else args.config
     overrides = list(args.overrides)
     config = load_nightly_config(config_path, overrides)  # a bad key fails here, before Prefect is imported
-    from flows.nightly import nightly
-    from flows.runner import FlowStopped, run_flow, stopped_message
+    from flows.nightly import nightly  # lazy: Prefect, only when a flow runs
+    from flows.runner import FlowStopped, run_flow, stopped_message  # lazy: the CLI imports flows/ only to run one
 
     try:
         result = run_flow(nightly, config_path=config_path, overrides=overrides)

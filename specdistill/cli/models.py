@@ -10,7 +10,7 @@ from specdistill.cli.common import Subcommands, add_out, command, count_in, emit
 
 
 def cmd_vocab_check(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: CLI start-up
 
     from specdistill.modeling.models import resolve_model_dir  # lazy: CLI start-up
     from specdistill.modeling.vocab import check_vocab  # lazy: CLI start-up
@@ -23,7 +23,7 @@ def cmd_vocab_check(args: argparse.Namespace) -> int:
 
 
 def cmd_vocab_transplant(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: CLI start-up
 
     from specdistill.modeling.drafts import save_draft  # lazy: CLI start-up
     from specdistill.modeling.models import load_model, resolve_model_dir  # lazy: CLI start-up
@@ -41,7 +41,7 @@ def cmd_vocab_transplant(args: argparse.Namespace) -> int:
 
 
 def cmd_draft_init(args: argparse.Namespace) -> int:
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazy: CLI start-up
 
     from specdistill.modeling.drafts import init_draft_from_target, parse_layers, save_draft  # lazy: CLI start-up
     from specdistill.modeling.eagle3 import check_eagle3_target, target_architecture  # lazy: CLI start-up
@@ -63,7 +63,7 @@ def cmd_draft_init(args: argparse.Namespace) -> int:
             counts = token_frequencies(target.tokenizer, f)
         draft_vocab = build_draft_vocab(counts, args.draft_vocab, target.config.vocab_size, [target.tokenizer.eos_token_id])
     if args.kind == "eagle3":
-        import torch
+        import torch  # lazy: CLI start-up
 
         full = DraftVocab(torch.arange(target.config.vocab_size), target.config.vocab_size)
         return _init_eagle3(args, target, draft_vocab or full)

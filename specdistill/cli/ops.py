@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+from datetime import datetime, timezone
 
 from specdistill import bounds
 from specdistill.acceptance import DEFAULT_GAMMA
@@ -27,8 +28,6 @@ from specdistill.cli.common import (
 
 
 def cmd_target_register(args: argparse.Namespace) -> int:
-    from datetime import datetime, timezone
-
     from specdistill.ops.targets import name_holder, register_target  # lazy: CLI start-up
 
     now = datetime.now(timezone.utc)
@@ -41,7 +40,7 @@ def cmd_target_register(args: argparse.Namespace) -> int:
                   file=sys.stderr)
     emitted = False
     if not args.no_event:
-        from flows.events import emit_target_updated  # the flows are the one place Prefect is imported
+        from flows.events import emit_target_updated  # lazy: Prefect, only when an event is sent
 
         emitted = emit_target_updated(version.to_dict())
     payload = {**version.to_dict(), "event_emitted": emitted}
@@ -64,8 +63,8 @@ def cmd_monitor_run(args: argparse.Namespace) -> int:
     from specdistill.pipeline.monitor_config import load_monitor_config  # lazy: CLI start-up
 
     load_monitor_config(args.config, args.overrides)  # a bad file or key fails here, before Prefect starts
-    from flows.monitor import monitor  # the flows are the one place Prefect is imported
-    from flows.runner import FlowStopped, run_flow, stopped_message
+    from flows.monitor import monitor  # lazy: Prefect, only when a flow runs
+    from flows.runner import FlowStopped, run_flow, stopped_message  # lazy: the CLI imports flows/ only to run one
 
     try:
         outcome = run_flow(monitor, config_path=args.config, overrides=args.overrides)

@@ -14,6 +14,9 @@ from datetime import timezone
 from pathlib import Path
 
 import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
 from sqlalchemy.engine import Connection, Engine
 
 from specdistill.data.formats import Message
@@ -293,9 +296,6 @@ def writing(engine: Engine) -> Iterator[Connection]:
 
 
 def _migrate(engine: Engine, direction: str, revision: str) -> None:
-    from alembic import command
-    from alembic.config import Config
-
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
     with writing(engine) as conn:  # SQLite: the write lock; PostgreSQL: an advisory lock
@@ -321,6 +321,4 @@ def schema_revision(engine: Engine) -> str | None:
 
 
 def _revision(conn: Connection) -> str | None:
-    from alembic.runtime.migration import MigrationContext
-
     return MigrationContext.configure(conn).get_current_revision()

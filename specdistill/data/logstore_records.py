@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from datetime import datetime, timezone
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
 
 from specdistill.acceptance import DraftCounts
 from specdistill.data.logschema import acceptance_samples, decisions, responses, writing
@@ -25,11 +26,8 @@ class PipelineRecords:
     engine: sa.Engine
 
     def _insert(self, table: sa.Table):
-        if self.engine.dialect.name == "postgresql":
-            from sqlalchemy.dialects.postgresql import insert
-        else:
-            from sqlalchemy.dialects.sqlite import insert
-        return insert(table)
+        """The dialect's own INSERT (it has `on_conflict_do_nothing`)."""
+        return (postgresql if self.engine.dialect.name == "postgresql" else sqlite).insert(table)
 
     # -- target responses --------------------------------------------------------------------
 

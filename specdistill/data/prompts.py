@@ -47,6 +47,7 @@ def check_chat_template(tokenizer, where: object) -> None:
     command before any work, as one line naming `where` (the model's directory), not a traceback."""
     if not getattr(tokenizer, "chat_template", None):
         return
+    # lazy: jinja2 is transformers' chat-template extra, no dependency of ours; a template brings it
     from jinja2.exceptions import SecurityError, TemplateError
 
     try:
@@ -102,7 +103,7 @@ def prompts_from_logs(store, tokenizer, split: str, n: int, *, seed: int | None 
                       max_prompt_tokens: int = MAX_PROMPT_TOKENS, slice_of: Mapping[str, str] | None = None
                       ) -> list[Prompt]:
     """Up to `n` prompts of a log store's `split` ("train" or "eval"), drawn as the nightly window
-    draws them (`pipeline.nightly.select_window`): an even share from every source that has
+    draws them (`pipeline.stages.window.select_window`): an even share from every source that has
     conversations in the split, each share read from at most max(4·share, share + 16) conversations,
     keeping those `usable_prompt` keeps (skipped, never cut). `seed` None: each source's newest
     conversations; else `LogStore.sample` with that seed (the nightly's seeded sample). The slice is

@@ -177,10 +177,10 @@ class BenchResult(Record):
                 f"({self.dtype}: exact equality)")
 
     def plot(self, path: str | Path) -> Path:
-        import matplotlib
+        import matplotlib  # lazy: slow to import; only a plot needs it, and every bench record reads this module
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # lazy: after the backend is chosen
 
         fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
         positions = list(range(1, len(self.per_position_acceptance) + 1))

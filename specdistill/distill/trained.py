@@ -38,7 +38,7 @@ class HeldoutAcceptance:
 @dataclass(frozen=True)
 class Trained(Record):
     """A distillation run: `train.distill()`'s result, written to result.json (`result_json`) and taken
-    in by the nightly (`pipeline.nightly.distill_draft`, from the run or from the file of a run that
+    in by the nightly (`pipeline.stages.distill.distill_draft`, from the run or from the file of a run that
     finished before)."""
 
     steps: int

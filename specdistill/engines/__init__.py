@@ -1,6 +1,8 @@
 """Real serving engines in the loop: llama.cpp built from its PyPI sdist (build, server lifecycle,
-GGUF export) and any OpenAI-compatible server (client, Prometheus `/metrics`).
+GGUF export), vLLM's CPU build and speculators each in a venv of their own, and any OpenAI-compatible
+server (client, Prometheus `/metrics`, the endpoint bench).
 
-Ranked just above `speculative` (an engine bench reuses its BenchResult and lossless check) and below
-`ops` (the monitor samples an engine's `/metrics`).
+A sibling of `distill` and `speculative` (train, decode, serve): none of the three imports another. What an
+engine bench shares with the harness bench (`BenchResult`, `Prompt`, `DraftCounts`) lives below them in `data`
+and the base modules; `ops` sits above (the monitor samples an engine's `/metrics`).
 """

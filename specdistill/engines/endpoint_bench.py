@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 from pydantic import Field
+from tqdm import tqdm
 
 from specdistill.acceptance import DraftCounts
 from specdistill.budget import Deadline
@@ -132,8 +133,6 @@ def run_engine_bench(endpoints: dict[str, str], prompts: list[Prompt], config: E
     At `deadline` the bench stops after the prompt in hand (every mode has run it, so the comparison stays
     paired): a first repeat cut short keeps the prompts it finished, a later one is dropped whole; the
     results' `budget_note` says what was cut."""
-    from tqdm import tqdm
-
     config = config or EngineBenchConfig()
     if TARGET_ONLY not in endpoints:
         raise ValueError(f"a speedup needs a target-only endpoint ({TARGET_ONLY!r})")

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel, Pr
 from specdistill import hardware, paths
 from specdistill.modeling.attention import decode_attention_for
 from specdistill.modeling.eagle3 import Eagle3Cache, Eagle3Draft
+from specdistill.modeling.eagle3_files import META_FILE
 from specdistill.modeling.kv_cache import preallocated_cache
 from specdistill.modeling.lean import engine_forward
 from specdistill.modeling.vocab import (
@@ -31,8 +32,6 @@ from specdistill.modeling.vocab import (
     transplant_vocab,
     vocab_mismatch,
 )
-
-DRAFT_META_FILE = "specdistill_draft.json"
 
 
 def parse_layers(spec: str | list[int], num_layers: int) -> list[int]:
@@ -140,7 +139,7 @@ def save_draft(
         tokenizer.save_pretrained(tmp)
         if draft_vocab is not None:
             draft_vocab.save(tmp)
-        (tmp / DRAFT_META_FILE).write_text(json.dumps(meta or {}, indent=2, default=str))
+        (tmp / META_FILE).write_text(json.dumps(meta or {}, indent=2, default=str))
     return out_dir
 
 
@@ -148,7 +147,7 @@ DRAFT_OUTPUT = "draft"  # the output kind of every draft writer (layers, transpl
 
 
 def load_draft_meta(directory: str | os.PathLike) -> dict:
-    path = Path(directory) / DRAFT_META_FILE
+    path = Path(directory) / META_FILE
     return paths.read_json(path, "draft metadata") if path.is_file() else {}
 
 

@@ -1,5 +1,6 @@
 """What a saved EAGLE-3 head's directory says without loading it (no torch): whether it is a head, the target
-layers it reads, its meta file. Deciding a spec's kind, `serving show` and registry tags read only this."""
+layers it reads, and the meta file every draft carries. Deciding a spec's kind, `serving show` and registry
+tags read only this."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from specdistill import paths
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS_FILE = "model.safetensors"
-META_FILE = "specdistill_draft.json"  # the same meta file as layer-extracted drafts (drafts.DRAFT_META_FILE)
+META_FILE = "specdistill_draft.json"  # every draft's meta file: heads and layer drafts (`drafts.save_draft`) alike
 
 
 def read_config(directory: str | os.PathLike) -> dict | None:

@@ -21,6 +21,7 @@ Whatever the head does not implement is refused by name, never dropped.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -85,8 +86,6 @@ def source_format(directory: str | os.PathLike) -> str:
 
 def source_sha256(directory: str | os.PathLike) -> str:
     """One hash over the checkpoint's config and weights (name and content of each file, in name order)."""
-    import hashlib
-
     directory = Path(directory)
     digest = hashlib.sha256()
     for path in sorted([directory / "config.json", *directory.glob("*.safetensors")]):

@@ -13,10 +13,15 @@ import contextlib
 import json
 import os
 import re
+import sqlite3
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 import mlflow
+import sqlalchemy as sa
 import yaml
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
@@ -60,7 +65,6 @@ def check_reachable(uri: str) -> None:
         return
     if not uri.startswith(("http://", "https://")):
         if "://" in uri and not uri.startswith(("file:", "sqlite:")):  # a database-backed store: its URL parses
-            import sqlalchemy as sa
 
             try:
                 sa.make_url(uri)
@@ -68,9 +72,6 @@ def check_reachable(uri: str) -> None:
                 raise TrackingServerError(f"MLFLOW_TRACKING_URI {mask_url(uri)}: not a database URL "
                                           "(is its port a number?)") from None
         return
-    import urllib.error
-    import urllib.parse
-    import urllib.request
 
     parts = urllib.parse.urlsplit(uri)
     try:
@@ -102,9 +103,6 @@ def check_sqlite_store(uri: str) -> None:
     SQLAlchemy traceback with its schema query), once per process and URI; a new, empty file is fine."""
     if not uri.startswith("sqlite:") or uri in _reached:
         return
-    import sqlite3
-
-    import sqlalchemy as sa
 
     try:
         database = sa.make_url(uri).database

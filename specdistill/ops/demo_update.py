@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from specdistill import paths
 from specdistill.data.datasets import humaneval_path
@@ -165,8 +166,6 @@ def finetune_top_layers(model, tokenizer, chats: list[list[dict]], new_token_ids
     Embeddings are read without gradient, so the backward pass stops at the first trained layer; the head is
     applied at the answer positions only, split into the frozen old rows and a small trainable block of new
     rows, so no gradient is formed for the whole 49k-row head."""
-    from tqdm import tqdm
-
     from specdistill.distill.examples import encode_conversation  # lazy: keeps transformers off import
 
     chats = [c for c in chats if sum(encode_conversation(tokenizer, c, config.max_len).assistant_mask) >= 16]

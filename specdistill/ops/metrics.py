@@ -13,6 +13,7 @@ serving engine's own `vllm:spec_decode_*` or `llamacpp:spec_decode_*` counters f
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import os
 import socket
@@ -155,8 +156,6 @@ def check_listen_address(port: int, host: str) -> None:
 def listens_everywhere(host: str) -> bool:
     """Whether `host` is a wildcard address (0.0.0.0, ::, or empty): every interface, so every network
     that reaches the machine can read the metrics (target and draft versions, acceptance, serving mode)."""
-    import ipaddress
-
     if host.strip() in ("", "*"):
         return True
     try:

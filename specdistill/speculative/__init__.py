@@ -1,4 +1,9 @@
-"""The speculative decoding engine: target-only baseline, draft model, self-speculation, n-gram.
+"""Speculative decoding: the loop (`engine.generate`) and the drafters it verifies.
+
+Target-only decoding (no drafter) is the baseline. The drafter kinds are the modules of `kinds/`, which
+register them in `specs.KINDS` (the list to trust): a layer draft (a small LM with the target's tokenizer),
+self-speculation (the target's first layers), n-gram (the request's own history), suffix (a corpus of past
+answers), hybrid (suffix where its match is confident, a draft model elsewhere) and an EAGLE-3 head.
 
     from specdistill.speculative import generate, SelfSpecDrafter, SamplingConfig
     result = generate(target, prompt_ids, max_new_tokens=64, drafter=SelfSpecDrafter(target, 12), gamma=4)

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save as safetensors_bytes
 
 from specdistill import paths
 
@@ -50,8 +53,6 @@ def _digest(tokens: np.ndarray, offsets: np.ndarray) -> str:
 
 def save_corpus(path: str | Path, sequences: list[list[int]], meta: CorpusMeta) -> Path:
     """Write the corpus atomically (a reader sees the old file or the new one); train split only."""
-    from safetensors.numpy import save
-
     if meta.split != "train":
         raise CorpusError(f"{path}: a suffix corpus is built from the train split only, not {meta.split!r}")
     path = Path(path)
@@ -60,16 +61,14 @@ def save_corpus(path: str | Path, sequences: list[list[int]], meta: CorpusMeta) 
     tokens = np.concatenate([np.asarray(s, dtype=np.int32) for s in sequences]) if sequences else np.zeros(0, np.int32)
     meta.sequences, meta.tokens = len(sequences), int(tokens.size)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = save({"tokens": tokens, "offsets": offsets},
-                metadata={"meta": json.dumps(asdict(meta)), "sha256": _digest(tokens, offsets)})
+    data = safetensors_bytes({"tokens": tokens, "offsets": offsets},
+                             metadata={"meta": json.dumps(asdict(meta)), "sha256": _digest(tokens, offsets)})
     # the target's answers to production traffic, as token ids: the owner only; written beside, renamed over
     return paths.atomic_write_bytes(path, data, mode=paths.PRIVATE_FILE_MODE)
 
 
 def read_corpus_meta(path: str | Path) -> CorpusMeta:
     """The corpus's metadata alone (the header), for a staleness check without reading the tokens."""
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.is_file():
         raise CorpusError(f"suffix corpus {path} does not exist")
@@ -101,8 +100,6 @@ def load_corpus(path: str | Path, target_fingerprint: str | None = None, tokeniz
                 vocab_size: int | None = None) -> tuple[list[np.ndarray], CorpusMeta]:
     """The sequences and metadata, checked: checksum, format, ids that are token ids (not negative, and
     under `vocab_size`, the target's vocabulary, when given), and (when given) target and tokenizer."""
-    from safetensors import safe_open
-
     path = Path(path)
     meta = read_corpus_meta(path)
     check_corpus_target(path, meta, target_fingerprint, tokenizer)
@@ -152,8 +149,6 @@ def load_suffix_drafter(path: str | Path, target_fingerprint: str | None = None,
     """A `SuffixDrafter` over a corpus file (checked as `load_corpus` does, its ids against the target's
     `vocab_size`). An empty corpus gives a drafter over the request's own context alone, with a warning
     and `drafter.note` saying so."""
-    import logging
-
     from specdistill.speculative.suffix import SuffixDrafter, SuffixIndex  # lazy: keeps torch off import
 
     path = Path(path)

@@ -20,14 +20,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+
+import torch
 
 from specdistill.data.record import Record
-
-if TYPE_CHECKING:
-    import torch
-
-    from specdistill.hardware import OtherLoad
+from specdistill.hardware import OtherLoad, usable_cpus
+from specdistill.speculative.engine import generate
 
 
 @dataclass
@@ -46,8 +44,6 @@ class ThreadChoice(Record):
 
 
 def usable_cores() -> int:
-    from specdistill.hardware import usable_cpus  # lazy: keeps torch off import
-
     return len(usable_cpus())
 
 
@@ -62,10 +58,6 @@ def fastest_threads(model: torch.nn.Module, prompt_ids: Sequence[int], candidate
     order that rotates, and set torch's thread count to the fastest (median tokens/s). `run` replaces that
     decode with the stage's own shape (it returns the tokens it produced: a batch of answers decodes other
     matmuls than one row). Off the CPU the threads only feed the device, so nothing is probed."""
-    import torch
-
-    from specdistill.speculative.engine import generate  # lazy: keeps torch off import
-
     if next(model.parameters()).device.type != "cpu":
         return ThreadChoice(torch.get_num_threads())
     candidates = list(dict.fromkeys(candidates or thread_candidates(usable_cores())))
@@ -108,10 +100,6 @@ class ThreadWatch:
         self._checked = 0.0
 
     def start(self) -> ThreadChoice:
-        import torch
-
-        from specdistill.hardware import OtherLoad  # lazy: keeps torch off import
-
         self._before = torch.get_num_threads()
         self.load = self.load or OtherLoad()
         return self._probe()
@@ -136,8 +124,6 @@ class ThreadWatch:
         return self._probe()
 
     def close(self) -> None:
-        import torch
-
         if self._before is not None:
             torch.set_num_threads(self._before)
 
@@ -161,8 +147,6 @@ def chosen_threads(setting: int | str | None, model: torch.nn.Module, prompt_ids
                    run: Callable[[], int] | None = None) -> Iterator[ThreadWatch | None]:
     """torch's thread count for a stage, put back after: `auto` probes it for the load found (a `ThreadWatch`,
     whose `check` the stage calls between its batches, prompts or steps), a number sets it, None leaves torch's."""
-    import torch
-
     before = torch.get_num_threads()
     if setting == "auto" and prompt_ids:
         with ThreadWatch(model, list(prompt_ids), run=run) as watch:

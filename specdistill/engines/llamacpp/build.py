@@ -11,6 +11,7 @@ The source comes from PyPI only (`pip download`, or a local copy named by
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
 import re
@@ -20,6 +21,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -186,9 +188,6 @@ def smoke_test(server: Path, model: Path, timeout_s: float = 180.0) -> str | Non
     """None when `server` loads `model` and answers one short completion; else what went wrong (a
     crash names its signal). A -march=native build can compile and still die on its first matmul on
     one CPU kind (see SOURCE_PATCHES), so a build is cached only once it has answered."""
-    import json
-    import urllib.request
-
     try:
         with LlamaServer(server, ServerConfig(model=model, threads=max(1, min(2, os.cpu_count() or 1))),
                          startup_timeout_s=timeout_s) as running:

@@ -10,6 +10,8 @@ import os
 from contextlib import ExitStack
 from pathlib import Path
 
+import gguf
+
 from specdistill import paths
 from specdistill.acceptance import DEFAULT_GAMMA, NGRAM_WINDOW
 from specdistill.budget import Deadline
@@ -38,8 +40,6 @@ def target_gguf(ref: str | os.PathLike) -> Path:
 
 def gguf_dtype(path: str | os.PathLike) -> str:
     """The GGUF's weight type as llama.cpp names it (Q4_1, F16, ...), for reports."""
-    import gguf
-
     field = gguf.GGUFReader(str(path)).fields.get("general.file_type")
     if field is None:
         return "unknown"

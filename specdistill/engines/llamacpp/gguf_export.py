@@ -29,9 +29,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+import gguf
 import numpy as np
+import torch
+from safetensors.torch import load_file
 
 from specdistill import paths
+from specdistill.modeling.eagle3 import NORM_OPTIONS, Eagle3ShapeError, norm_options
+from specdistill.modeling.eagle3_io import check_fits, is_eagle3_dir, read_config
+from specdistill.modeling.vocab import LEGACY_DRAFT_VOCAB_FILE, draft_vocab_path
 
 LLAMA_VOCAB_MAX_SIZE_DIFFERENCE = 128  # SPEC_VOCAB_MAX_SIZE_DIFFERENCE in llama.cpp's common/speculative.cpp
 DTYPES = ("f16", "f32", "q8_0")  # q8_0: llama.cpp's 8-bit blocks (32 weights, one fp16 scale), matrices only
@@ -73,11 +79,6 @@ def permute_rotary(weight: np.ndarray, n_head: int) -> np.ndarray:
 
 def _read_weights(directory: Path) -> dict[str, np.ndarray]:
     """Every weight as numpy, floats as fp32 (read through torch: numpy has no bf16), integers as they are."""
-    import torch
-    from safetensors.torch import load_file
-
-    from specdistill.modeling.vocab import LEGACY_DRAFT_VOCAB_FILE  # lazy: keeps torch off import
-
     files = sorted(p for p in directory.glob("*.safetensors") if p.name != LEGACY_DRAFT_VOCAB_FILE)
     if not files:
         raise GgufExportError(f"{directory}: no safetensors weights")
@@ -152,8 +153,6 @@ def _gguf_tensors(tensors: dict[str, np.ndarray], names: dict[str, str], n_head:
 
 def _value_type(value):
     """The GGUF type of a key the target GGUF lacks (lists are llama.cpp's int32 arrays)."""
-    import gguf
-
     t = gguf.GGUFValueType
     if isinstance(value, list):
         return t.ARRAY, t.INT32
@@ -164,8 +163,6 @@ def _write_gguf(out_path: Path, arch: str, reader, overrides: dict, tensors: dic
     """Write `out_path` atomically: the target GGUF's metadata (its `llama.*` keys as `{arch}.*`) with
     `overrides` (keys the target lacks are added), then the tensors (matrices in `dtype`, vectors in
     f32, integer tensors as they are)."""
-    import gguf
-
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".tmp")
     paths.remove_entry(tmp)  # a link (or anything) left at the temporary name is removed, never written through
@@ -205,8 +202,6 @@ def _write_gguf(out_path: Path, arch: str, reader, overrides: dict, tensors: dic
 def export_draft_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLike, out_path: str | os.PathLike,
                       *, dtype: str = "f16") -> GgufExport:
     """Write `out_path` (atomically) from the draft's weights and the target GGUF's metadata."""
-    import gguf
-
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: expected one of {DTYPES}")
     draft_dir, out_path = Path(draft_dir), Path(out_path)
@@ -233,7 +228,6 @@ def export_draft_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLi
     overrides = {"llama.block_count": n_layers, "llama.feed_forward_length": config["intermediate_size"],
                  "general.name": f"specdistill draft ({n_layers} layers)"}
     _write_gguf(out_path, "llama", reader, overrides, out, dtype)
-    from specdistill.modeling.vocab import draft_vocab_path  # lazy: keeps torch off import
 
     head = "full"
     if draft_vocab_path(draft_dir) is not None:
@@ -245,9 +239,6 @@ def export_draft_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLi
 def _check_eagle3(config: dict, fields: dict, head_dir: Path) -> list[str]:
     """The head against the target GGUF (widths, vocabulary, feature layers, token texts), with the
     same checks and messages as loading it on the target in PyTorch. Returns the target's tokens."""
-    from specdistill.modeling.eagle3 import Eagle3ShapeError  # lazy: keeps torch off import
-    from specdistill.modeling.eagle3_io import check_fits  # lazy: keeps torch off import
-
     tokens = fields["tokenizer.ggml.tokens"].contents()
     target = SimpleNamespace(hidden_size=fields["llama.embedding_length"].contents(), vocab_size=len(tokens),
                              num_hidden_layers=fields["llama.block_count"].contents())
@@ -261,8 +252,6 @@ def _check_eagle3(config: dict, fields: dict, head_dir: Path) -> list[str]:
 
 def _refuse_norm_options(config: dict, head_dir: Path) -> None:
     """llama.cpp's eagle3 graph has no Eagle 3.1 norms: such a head would draft there as another head."""
-    from specdistill.modeling.eagle3 import NORM_OPTIONS, norm_options  # lazy: keeps torch off import
-
     on = [name for name, set_ in norm_options(config).items() if set_]
     if on:
         what = "; ".join(f"`{name}: true` ({NORM_OPTIONS[name]})" for name in on)
@@ -275,10 +264,6 @@ def export_eagle3_gguf(head_dir: str | os.PathLike, target_gguf: str | os.PathLi
                        out_path: str | os.PathLike) -> GgufExport:
     """Write `out_path` (atomically, f16): the EAGLE-3 head in `head_dir` as llama.cpp's `eagle3` architecture,
     paired with the target GGUF (its tokenizer and metadata)."""
-    import gguf
-
-    from specdistill.modeling.eagle3_io import is_eagle3_dir, read_config  # lazy: keeps torch off import
-
     head_dir, out_path = Path(head_dir), Path(out_path)
     if not is_eagle3_dir(head_dir):
         raise GgufExportError(f"{head_dir}: not an EAGLE-3 head (config.json must name LlamaForCausalLMEagle3)")
@@ -327,15 +312,11 @@ def export_eagle3_gguf(head_dir: str | os.PathLike, target_gguf: str | os.PathLi
 def export_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLike,
                 out_path: str | os.PathLike) -> GgufExport:
     """Either kind of draft directory: an EAGLE-3 head (known by its config) or a layer-extracted draft."""
-    from specdistill.modeling.eagle3_io import is_eagle3_dir  # lazy: keeps torch off import
-
     export = export_eagle3_gguf if is_eagle3_dir(draft_dir) else export_draft_gguf
     return export(draft_dir, target_gguf, out_path)
 
 
 def gguf_spec_type(path: str | os.PathLike) -> str:
     """The llama-server --spec-type that loads a draft GGUF, from its architecture."""
-    import gguf
-
     field = gguf.GGUFReader(str(path)).fields.get("general.architecture")
     return "draft-eagle3" if field is not None and field.contents() == EAGLE3_ARCH else "draft-simple"

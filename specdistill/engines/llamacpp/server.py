@@ -7,6 +7,7 @@ one that was measured.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -136,8 +137,6 @@ def die_with_parent() -> None:
     OOM killer, so no server outlives its command holding gigabytes (Linux; elsewhere nothing). The signal
     follows the *thread* that started the child: start servers from a thread that outlives them."""
     try:
-        import ctypes
-
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
         pass

@@ -17,8 +17,9 @@ def training_start(config: NightlyConfig, target_fingerprint: str, champion: Cha
     """Where tonight's training starts: the champion when it is a draft of the kind being trained (or a
     newer draft benched beside it that measured no worse, `NO_WORSE_TAG`), else the newest draft of that
     kind registered for this very target version, gate passed or not. Without the second, every failed
-    gate sent the next night back to the target's weights, so nights did not compound (DESIGN: night 2 on
-    two nights' answers from scratch, 0.450 against 0.445), and so did a champion of the other kind.
+    gate sent the next night back to the target's weights, so nights did not compound (before e987904, a
+    second `specdistill demo window.seed=1` trained on two nights' answers from scratch and read 0.450
+    against the first night's 0.445), and so did a champion of the other kind.
     Without the first, a night that trained depth but read under the red line on harder prompts (0.489
     there, the champion 0.445 on the same ones) was thrown away, and the next night trained the same
     step again. It is a starting point only, never measured as a champion."""
