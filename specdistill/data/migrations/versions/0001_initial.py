@@ -21,6 +21,16 @@ def when(name: str, nullable: bool = False) -> sa.Column:
 
 
 def upgrade() -> None:
+    # one function per table, created in this order (the foreign keys point back up the list)
+    _ingest_runs()
+    _conversations()
+    _responses()
+    _quarantine()
+    _watermarks()
+    _acceptance_samples()
+
+
+def _ingest_runs() -> None:
     op.create_table(
         "ingest_runs",
         sa.Column("id", ID, primary_key=True, autoincrement=True),
@@ -39,6 +49,9 @@ def upgrade() -> None:
         sa.Column("truncated_bytes", sa.BigInteger()),
         sa.Column("note", sa.Text()),
     )
+
+
+def _conversations() -> None:
     op.create_table(
         "conversations",
         sa.Column("id", ID, primary_key=True, autoincrement=True),
@@ -58,6 +71,9 @@ def upgrade() -> None:
         sa.Column("ingest_run_id", ID, sa.ForeignKey("ingest_runs.id")),
     )
     op.create_index("ix_conversations_arrived_at", "conversations", ["arrived_at"])
+
+
+def _responses() -> None:
     op.create_table(
         "responses",
         sa.Column("id", ID, primary_key=True, autoincrement=True),
@@ -72,6 +88,9 @@ def upgrade() -> None:
         sa.UniqueConstraint("conversation_id", "prompt_messages", "target_fingerprint", "params_hash",
                             name="uq_responses_prompt_target_params"),
     )
+
+
+def _quarantine() -> None:
     op.create_table(
         "quarantine",
         sa.Column("id", ID, primary_key=True, autoincrement=True),
@@ -84,6 +103,9 @@ def upgrade() -> None:
         sa.Column("ingest_run_id", ID, sa.ForeignKey("ingest_runs.id")),
         sa.UniqueConstraint("source", "location", "raw_hash", name="uq_quarantine_source_location_raw"),
     )
+
+
+def _watermarks() -> None:
     op.create_table(
         "watermarks",
         sa.Column("source", sa.String(1024), primary_key=True),
@@ -93,6 +115,9 @@ def upgrade() -> None:
         sa.Column("fingerprint", sa.String(64), nullable=False),
         when("updated_at"),
     )
+
+
+def _acceptance_samples() -> None:
     op.create_table(
         "acceptance_samples",
         sa.Column("id", ID, primary_key=True, autoincrement=True),
