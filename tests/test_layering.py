@@ -489,7 +489,7 @@ def test_checker_catches_a_circle_inside_a_package_however_it_is_hidden(tmp_path
         "specdistill/speculative/drafters.py": "def make():\n    from specdistill.speculative.eagle import E  # lazy: a reason\n",
         "specdistill/speculative/eagle.py": "from specdistill.speculative import suffix\n",
         "specdistill/speculative/suffix.py": "from .drafters import Drafter\n",
-        "specdistill/speculative/engine.py": "from specdistill.speculative.drafters import Drafter\n",
+        "specdistill/speculative/decode.py": "from specdistill.speculative.drafters import Drafter\n",
         "specdistill/pipeline/__init__.py": "",
         "specdistill/pipeline/answers/__init__.py": "",
         "specdistill/pipeline/answers/stage.py": "from specdistill.pipeline.outputs import X\n",

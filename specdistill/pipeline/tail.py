@@ -26,7 +26,7 @@ from specdistill.ops.policy import Role
 from specdistill.pipeline.config import NightlyConfig, target_tokenizer
 from specdistill.pipeline.outputs import Untrained, Window
 from specdistill.pipeline.stage_budgets import stage_budgets, stage_deadline
-from specdistill.speculative.engine import generate
+from specdistill.speculative.decode import generate
 from specdistill.speculative.specs import SELF_SPEC, DrafterSpec
 from specdistill.speculative.threads import ThreadChoice, ThreadWatch
 
