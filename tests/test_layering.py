@@ -52,13 +52,6 @@ STAGES = "specdistill.pipeline.stages"  # one module (or subpackage) per stage
 MAX_LINES = 400
 MAX_TOP_LEVEL = 8  # modules directly in specdistill/, __init__.py not counted
 LAZY_REASON = re.compile(r"#\s*lazy:\s*\S")  # `# lazy: <why>` on a function-level import's line or the line above
-# Function-level imports without a reason in the modules the rest of issue 62 rewrites (drafters built through
-# their kinds, the stages in their home, long functions split), as (file, the import's first line): each goes
-# when its module is rewritten (to the top, or with its `# lazy:` reason). An entry that no longer matches
-# fails the check, so the list only shrinks.
-UNEXPLAINED_UNTIL_REWRITTEN = {
-    ("specdistill/speculative/harness_bench.py", "from tqdm import tqdm"),
-}
 
 
 @dataclass(frozen=True)
@@ -234,9 +227,9 @@ def _function_level(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
     return sorted(found, key=lambda n: n.lineno)
 
 
-def function_level_imports(root: Path) -> list[tuple[Import, bool, str]]:
+def function_level_imports(root: Path) -> list[tuple[Import, bool]]:
     """Every import inside a function in specdistill/ (of the library or any other package), whether it
-    says why (`# lazy: ...` on one of its lines or on the line above), and its first line's text."""
+    says why (`# lazy: ...` on one of its lines or on the line above)."""
     out = []
     for path in _sources(root, "specdistill"):
         text = path.read_text(encoding="utf-8")
@@ -245,30 +238,16 @@ def function_level_imports(root: Path) -> list[tuple[Import, bool, str]]:
         modules = {(imp.line, imp.module) for imp in imports_of(root, path)}
         for node in _function_level(tree):
             said = any(LAZY_REASON.search(lines[i - 1]) for i in range(max(1, node.lineno - 1), node.end_lineno + 1))
-            first = lines[node.lineno - 1].split("#")[0].strip()
-            out += [(Import(str(path.relative_to(root)), node.lineno, m), said, first)
+            out += [(Import(str(path.relative_to(root)), node.lineno, m), said)
                     for m in sorted({m for line, m in modules if line == node.lineno})]
     return out
 
 
-def unexplained_function_level_imports(root: Path, allowed: set[tuple[str, str]] = frozenset()) -> list[str]:
-    """Function-level imports without a reason, but for the `allowed` (file, first line) pairs; an allowed
-    pair that matches none of them is reported too."""
-    out, used = [], set()
-    for imp, said, first in function_level_imports(root):
-        if said:
-            continue
-        if (imp.file, first) in allowed:
-            used.add((imp.file, first))
-            continue
-        out.append(f"{imp.file}:{imp.line} imports {imp.module} inside a function without a reason: move it to the "
-                   "top of the module, or say why on its line (`# lazy: CLI start-up`, `# lazy: keeps torch off import`)")
-    out += [f"{file}: no unexplained `{line}` left: remove it from the allow-list" for file, line in sorted(allowed - used)]
-    return out
-
-
-def unexplained_imports_outside_the_allow_list(root: Path) -> list[str]:
-    return unexplained_function_level_imports(root, UNEXPLAINED_UNTIL_REWRITTEN)
+def unexplained_function_level_imports(root: Path) -> list[str]:
+    """Function-level imports that do not say why."""
+    return [f"{imp.file}:{imp.line} imports {imp.module} inside a function without a reason: move it to the top of the "
+            "module, or say why on its line (`# lazy: CLI start-up`, `# lazy: keeps torch off import`)"
+            for imp, said in function_level_imports(root) if not said]
 
 
 def _child_of(package: str, dotted: str) -> str | None:
@@ -532,10 +511,6 @@ def test_checker_catches_a_function_level_import_that_does_not_say_why(tmp_path)
     assert "ops/empty.py:2" in found  # a reason must say something
     for clean in ("ops/serving.py", "ops/said.py", "ops/above.py", "ops/multi.py:3", "ops/top.py", "ops/lazy_torch.py"):
         assert clean not in found, found
-    allowed = {("specdistill/ops/quiet.py", "import json"), ("specdistill/ops/gone.py", "import torch")}
-    found = _report(unexplained_function_level_imports(root, allowed))
-    assert "ops/quiet.py:2" not in found and "ops/quiet.py:3" in found
-    assert "specdistill/ops/gone.py: no unexplained `import torch` left: remove it from the allow-list" in found
 
 
 # --------------------------------------------------------------------------------------------
@@ -548,7 +523,7 @@ def test_checker_catches_a_function_level_import_that_does_not_say_why(tmp_path)
     stage_violations,  # stages do not import one another; what they share lives below them
     size_violations,  # modules stay small and the top level stays short
     import_cycles,  # no package imports itself in a circle
-    unexplained_imports_outside_the_allow_list,  # imports inside functions say why (the allow-list only shrinks)
+    unexplained_function_level_imports,  # imports inside functions say why
 ], ids=lambda check: check.__name__)
 def test_the_repository_keeps_the_house_rules(check):
     violations = check(REPO)

@@ -213,6 +213,81 @@ def eagle3_heldout_acceptance(head: Eagle3Draft, examples: list[Eagle3Example], 
                              per_position, accepted, g, 1.0 + sum(accepted[:g]))
 
 
+def _warm_start(config, target) -> tuple[Eagle3Draft, DraftVocab, dict]:
+    """The head of an earlier target version (`config.draft`), its draft vocabulary and its lineage: warm
+    starting is the point of incremental distillation. Its shapes decide (`check_fits`), and a tokenizer the
+    update changed carries its draft vocabulary over."""
+    loaded = load_eagle3(config.draft, target.model, target_tokenizer=target.tokenizer, feature_layers=config.eagle3.layers)
+    head = loaded.head
+    lineage = {"dir": str(config.draft), "target_fingerprint": loaded.meta.get("target_fingerprint"),
+               "vocab_carried_over": loaded.transplanted or bool(loaded.meta.get("transplanted_from"))}
+    draft_vocab = head.draft_vocab
+    # a vocabulary carried over to a new tokenizer keeps the tokens the update added: its size is its own
+    if (isinstance(config.draft_vocab, int) and draft_vocab.size != config.draft_vocab
+            and not lineage["vocab_carried_over"]):
+        raise ValueError(f"warm-start head {config.draft} has a {draft_vocab.size}-token vocabulary, "
+                         f"config asks for {config.draft_vocab}")
+    return head, draft_vocab, lineage
+
+
+def _new_head(config, target, examples: list) -> tuple[Eagle3Draft, DraftVocab, None]:
+    """A head initialized from the target (no warm start), over the draft vocabulary `config.draft_vocab`
+    asks for (the target's whole vocabulary when it asks for none), reading `eagle3.layers` or the default ones."""
+    draft_vocab = _build_draft_vocab(config, examples, target.tokenizer, target.config.vocab_size)
+    if draft_vocab is None:
+        draft_vocab = DraftVocab(torch.arange(target.config.vocab_size), target.config.vocab_size)
+    layers = config.eagle3.layers or default_aux_layers(target.config.num_hidden_layers)
+    return init_eagle3_from_target(target.model, draft_vocab, layers), draft_vocab, None
+
+
+def _heldout_feature_dir(e, feature_dir: Path, heldout: list) -> tuple[Path, int | str | None]:
+    """Where the held-out sequences' features are cached, and with how much prompt. They are evaluated as the
+    drafter serves them, with the whole prompt: when training stores less prompt they get a cache of their
+    own (or the one named by `heldout_feature_dir`)."""
+    if e.heldout_feature_dir:
+        return Path(e.heldout_feature_dir), "any"
+    if e.prompt_context is not None and heldout:
+        return feature_dir.with_name(feature_dir.name + "-heldout"), None
+    return feature_dir, e.prompt_context
+
+
+def _build_caches(config, target, layers: list[int], builds: list[tuple]) -> None:
+    """The target's teacher-forced pass over the sequences a cache lacks, for each (feature directory,
+    sequences, prompt context, teacher directory) in `builds`; under torch.distributed one rank writes and
+    the others wait."""
+    e = config.eagle3
+    multi = torch.distributed.is_available() and torch.distributed.is_initialized()
+    for directory, seqs, context, teacher_dir in builds:
+        needed = teacher_dir is not None or (directory is not None
+                                             and {str(ex.id) for ex in seqs} - FeatureCache(directory, {}).ids())
+        if needed and (not multi or torch.distributed.get_rank() == 0):  # one rank writes, the others wait
+            dtype = resolve_dtype(e.feature_dtype)  # features as the target serves, on the training device
+            runner = target.model if target.model.dtype == dtype else copy.deepcopy(target.model).to(dtype)
+            feature_cache.build_feature_cache(runner, seqs, directory, fingerprint=target.fingerprint, layers=layers,
+                                prompt_context=context,
+                                max_bytes=None if e.feature_max_gb is None else e.feature_max_gb * 1e9,
+                                teacher_dir=teacher_dir, k=e.teacher_top_k,
+                                temperature=config.loss.temperature, progress=config.progress,
+                                extend=teacher_dir is None)  # e.g. the answer pass's cache lacks a few
+            del runner
+        if multi:
+            torch.distributed.barrier()
+
+
+def _drop_other_answers(examples: list, rows: dict | None, feature_dir: Path) -> tuple[list, int]:
+    """The examples whose cached features were written for their own token ids, and how many were not: the
+    same rule as the teacher's rows (dropped and counted, never trained on); none left is an error."""
+    other_answer = [ex for ex in examples if rows is not None and str(ex.id) in rows
+                    and rows[str(ex.id)]["input_ids"].tolist()[: len(ex.input_ids)] != ex.input_ids]
+    if other_answer:
+        print(f"feature cache {feature_dir}: {len(other_answer)} examples dropped, their entries were written "
+              "for other token ids", file=sys.stderr)
+        examples = [ex for ex in examples if ex not in other_answer]
+        if not examples:
+            raise StaleFeatureCacheError(f"feature cache {feature_dir}: every entry was written for other token ids")
+    return examples, len(other_answer)
+
+
 class Eagle3Task:
     """The EAGLE-3 kind: a head over the target's features, trained from the feature and teacher
     caches (built in one teacher-forced target pass when absent); what `train.distill` needs of a kind."""
@@ -220,26 +295,8 @@ class Eagle3Task:
     def __init__(self, config, target, examples: list, replay: list, heldout: list, device: torch.device):
         e = config.eagle3
         self.config, self.device = config, device
-        self.lineage: dict | None = None  # the warm start's own record: which head, trained for which target
-        if config.draft:
-            # a head of an earlier target version is the point of incremental distillation: its shapes
-            # decide (`check_fits`), and a tokenizer the update changed carries its draft vocabulary over
-            loaded = load_eagle3(config.draft, target.model, target_tokenizer=target.tokenizer, feature_layers=e.layers)
-            head = loaded.head
-            self.lineage = {"dir": str(config.draft), "target_fingerprint": loaded.meta.get("target_fingerprint"),
-                            "vocab_carried_over": loaded.transplanted or bool(loaded.meta.get("transplanted_from"))}
-            draft_vocab = head.draft_vocab
-            # a vocabulary carried over to a new tokenizer keeps the tokens the update added: its size is its own
-            if (isinstance(config.draft_vocab, int) and draft_vocab.size != config.draft_vocab
-                    and not self.lineage["vocab_carried_over"]):
-                raise ValueError(f"warm-start head {config.draft} has a {draft_vocab.size}-token vocabulary, "
-                                 f"config asks for {config.draft_vocab}")
-        else:
-            draft_vocab = _build_draft_vocab(config, examples, target.tokenizer, target.config.vocab_size)
-            if draft_vocab is None:
-                draft_vocab = DraftVocab(torch.arange(target.config.vocab_size), target.config.vocab_size)
-            layers = e.layers or default_aux_layers(target.config.num_hidden_layers)
-            head = init_eagle3_from_target(target.model, draft_vocab, layers)
+        # lineage: the warm start's own record (which head, trained for which target); None for a new head
+        head, draft_vocab, self.lineage = _warm_start(config, target) if config.draft else _new_head(config, target, examples)
         check_head_fits(head, target.model)
         if e.layers and list(e.layers) != head.aux_layers:
             raise ValueError(f"eagle3.layers={e.layers} but the warm-start head reads target layers {head.aux_layers}")
@@ -248,13 +305,7 @@ class Eagle3Task:
         cache_dir = Path(config.teacher.cache_dir)
         feature_dir = Path(e.feature_dir) if e.feature_dir else Path(config.out_dir) / "features"
         fresh_teacher = not (cache_dir / "teacher_cache.json").is_file()
-        # held-out sequences are evaluated as the drafter serves them, with the whole prompt; when training
-        # stores less prompt they get a cache of their own (or the one named by heldout_feature_dir)
-        held_dir, held_context = feature_dir, e.prompt_context
-        if e.heldout_feature_dir:
-            held_dir, held_context = Path(e.heldout_feature_dir), "any"
-        elif e.prompt_context is not None and heldout:
-            held_dir, held_context = feature_dir.with_name(feature_dir.name + "-heldout"), None
+        held_dir, held_context = _heldout_feature_dir(e, feature_dir, heldout)
         every = list({str(ex.id): ex for ex in examples + (heldout if held_dir == feature_dir else [])}.values())
         self.features, self.features_reason = choose_features(e.features, every, target.config.hidden_size,
                                                               e.prompt_context, e.feature_max_gb, len(self.layers))
@@ -262,22 +313,7 @@ class Eagle3Task:
         builds = [(None if online else feature_dir, every, e.prompt_context, cache_dir if fresh_teacher else None)]
         if held_dir != feature_dir and not e.heldout_feature_dir and not online:
             builds.append((held_dir, heldout, None, None))
-        multi = torch.distributed.is_available() and torch.distributed.is_initialized()
-        for directory, seqs, context, teacher_dir in builds:
-            needed = teacher_dir is not None or (directory is not None
-                                                 and {str(ex.id) for ex in seqs} - FeatureCache(directory, {}).ids())
-            if needed and (not multi or torch.distributed.get_rank() == 0):  # one rank writes, the others wait
-                dtype = resolve_dtype(e.feature_dtype)  # features as the target serves, on the training device
-                runner = target.model if target.model.dtype == dtype else copy.deepcopy(target.model).to(dtype)
-                feature_cache.build_feature_cache(runner, seqs, directory, fingerprint=target.fingerprint, layers=self.layers,
-                                    prompt_context=context,
-                                    max_bytes=None if e.feature_max_gb is None else e.feature_max_gb * 1e9,
-                                    teacher_dir=teacher_dir, k=e.teacher_top_k,
-                                    temperature=config.loss.temperature, progress=config.progress,
-                                    extend=teacher_dir is None)  # e.g. the answer pass's cache lacks a few
-                del runner
-            if multi:
-                torch.distributed.barrier()
+        _build_caches(config, target, self.layers, builds)
         features = None if online else FeatureCache.open(feature_dir, fingerprint=target.fingerprint,
                                                          layers=self.layers, prompt_context=e.prompt_context)
         teacher = TeacherCache.for_training(cache_dir, fingerprint=target.fingerprint,
@@ -285,32 +321,32 @@ class Eagle3Task:
         rows, teacher_rows = (None if online else features.load_all()), teacher.load_all()
         remap = teacher.meta["vocab"] == "full"
         examples, stale = drop_stale(examples, teacher_rows, cache_dir)
-        other_answer = [ex for ex in examples if rows is not None and str(ex.id) in rows
-                        and rows[str(ex.id)]["input_ids"].tolist()[: len(ex.input_ids)] != ex.input_ids]
-        if other_answer:  # the same rule as the teacher's rows: dropped and counted, never trained on
-            print(f"feature cache {feature_dir}: {len(other_answer)} examples dropped, their entries were written "
-                  "for other token ids", file=sys.stderr)
-            examples = [ex for ex in examples if ex not in other_answer]
-            if not examples:
-                raise StaleFeatureCacheError(f"feature cache {feature_dir}: every entry was written for other token ids")
-        self.stale_dropped = len(stale) + len(other_answer)
+        examples, other_answer = _drop_other_answers(examples, rows, feature_dir)
+        self.stale_dropped = len(stale) + other_answer
         self.examples = eagle3_examples(examples, rows, teacher_rows, draft_vocab, e.prompt_context, remap, config.loss.top_k)
-        held_rows = rows
         self.online = OnlineFeatures(target.model, self.layers, resolve_dtype(e.feature_dtype)) if online else None
-        if online:  # held-out: whole prompt as served, features computed once and kept in memory
-            held_context = None
-        elif held_dir != feature_dir:
-            other = FeatureCache.open(held_dir, fingerprint=target.fingerprint, layers=self.layers, prompt_context=held_context)
-            held_rows, held_context = other.load_all(), other.meta["prompt_context"]
-        self.heldout = eagle3_examples(heldout, held_rows, None, draft_vocab, held_context, remap)
-        for begin in range(0, len(self.heldout) if online else 0, 8):
-            chunk = self.heldout[begin : begin + 8]
-            for ex, f in zip(chunk, self.online(chunk)):
-                ex.features = f[: ex.entries].clone()
+        self.heldout = self._heldout_examples(target, heldout, rows, feature_dir, held_dir, held_context, remap)
         answer_tokens = sum(sum(ex.assistant_mask[1:]) for ex in every)
         disk = 0 if online else features.disk_bytes()
         self.feature_bytes = (disk, disk / max(1, answer_tokens))  # on disk, per answer token
         self.module = Eagle3Trainee(head, e.steps).to(device)
+
+    def _heldout_examples(self, target, heldout: list, rows: dict | None, feature_dir: Path, held_dir: Path,
+                          held_context: int | str | None, remap: bool) -> list[Eagle3Example]:
+        """The held-out sequences as the drafter serves them, with the whole prompt: their features from the
+        training cache, from a cache of their own, or (features online) computed once here and kept in memory."""
+        held_rows = rows
+        if self.online is not None:
+            held_context = None
+        elif held_dir != feature_dir:
+            other = FeatureCache.open(held_dir, fingerprint=target.fingerprint, layers=self.layers, prompt_context=held_context)
+            held_rows, held_context = other.load_all(), other.meta["prompt_context"]
+        examples = eagle3_examples(heldout, held_rows, None, self.draft_vocab, held_context, remap)
+        for begin in range(0, len(examples) if self.online is not None else 0, 8):
+            chunk = examples[begin : begin + 8]
+            for ex, f in zip(chunk, self.online(chunk)):
+                ex.features = f[: ex.entries].clone()
+        return examples
 
     def micro_loss(self, model, indices: list[int], step: int, micro: int, autocast):
         chosen = [self.examples[i] for i in indices]

@@ -20,18 +20,17 @@ import os
 import shutil
 import warnings
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
 from specdistill import paths
-from specdistill.distill import shards
 from specdistill.distill.examples import read_done
 from specdistill.distill.features import FEATURE_META
+from specdistill.distill.pool_view import PoolNight, PoolView, ViewSelection, write_json
 from specdistill.distill.teacher import CACHE_META
 
 POOL_MANIFEST = "pool.json"
-VIEW_DONE = "view.json"
 
 
 class PoolWarning(UserWarning):
@@ -42,52 +41,10 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat()
 
 
-def _write_json(path: Path, data: dict) -> None:
-    paths.atomic_write_json(path, data, mode=paths.PUBLIC_FILE_MODE, sort_keys=True)
-
-
 def prompt_hash(record: dict) -> str:
     """The identity of a prompt across log ids: its rendered token ids (else its messages)."""
     what = record.get("prompt_ids") or record.get("prompt")
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _dir_bytes(path: str | None) -> int:
-    if not path or not Path(path).exists():
-        return 0
-    p = Path(path)
-    return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
-
-
-@dataclass
-class PoolNight:
-    key: str  # the data window's key
-    answers: str  # the night's train answers (JSONL)
-    teacher_cache: str
-    features: str | None  # its EAGLE-3 feature cache, None when the answer pass recorded none
-    answers_count: int
-    tokens: int  # answer tokens
-    added_at: str
-    evicted_at: str | None = None  # when the disk cap deleted its data
-
-    def disk_bytes(self) -> int:
-        return 0 if self.evicted_at else sum(_dir_bytes(p) for p in (self.answers, self.teacher_cache, self.features))
-
-
-@dataclass
-class PoolView:
-    """What a night trains on: `path` + `teacher_cache` (+ `features`) as the trainer reads one night's data."""
-
-    path: str
-    teacher_cache: str
-    features: str | None
-    answers: int
-    tokens: int
-    nights: dict[str, dict] = field(default_factory=dict)  # night key -> {"answers", "tokens"}, newest first
-    duplicates: int = 0  # prompts answered on several nights, kept once (the newest answer)
-    held_out: int = 0  # answers dropped because their prompt has been evaluated on
-    over_budget: int = 0  # older answers left out by the token budget
-    skipped: list[str] = field(default_factory=list)  # warnings: shards or nights not trained on
 
 
 class AnswerPool:
@@ -122,7 +79,7 @@ class AnswerPool:
 
     def save(self) -> None:
         self.manifest["updated_at"] = _now()
-        _write_json(self.dir / POOL_MANIFEST, self.manifest)
+        write_json(self.dir / POOL_MANIFEST, self.manifest)
 
     def hold_out(self, records: Iterable[dict]) -> int:
         """Record evaluated prompts (answer records, or {"id", "prompt_ids"}): they never enter a view."""
@@ -230,119 +187,20 @@ class AnswerPool:
         held_ids, held_prompts = set(self.manifest["held_out_ids"]), set(self.manifest["held_out_prompts"])
         skipped: list[str] = []
 
-        def skip(message: str) -> None:
-            warnings.warn(message, PoolWarning, stacklevel=3)
+        def skip(message: str) -> None:  # from a selection step, the warning names the caller of view
+            warnings.warn(message, PoolWarning, stacklevel=4)
             skipped.append(message)
 
-        first_meta = _meta(nights[include].teacher_cache, CACHE_META)
-        feature_meta = _meta(nights[include].features, FEATURE_META) if nights[include].features else None
-        seen, picked, teacher_links, feature_links = set(), [], {}, {}
-        stats, per_night, tokens = {"duplicates": 0, "held_out": 0, "over_budget": 0}, {}, 0
+        def held_out(rec: dict) -> bool:
+            return str(rec["id"]) in held_ids or prompt_hash(rec) in held_prompts
+
+        selection = ViewSelection(self.fingerprint, nights[include], skip)
         for night in order:
-            meta = _meta(night.teacher_cache, CACHE_META)
-            if meta is None or meta.get("fingerprint") != self.fingerprint:
-                skip(f"pool night {night.key}: teacher cache {night.teacher_cache} is "
-                     f"{'missing' if meta is None else 'for target ' + repr(meta.get('fingerprint'))}, "
-                     f"not target {self.fingerprint!r}: not trained on")
-                continue
-            if any(meta.get(k) != first_meta.get(k) for k in ("k", "temperature", "vocab")):
-                skip(f"pool night {night.key}: teacher cache {night.teacher_cache} has other settings "
-                     f"(k/temperature/vocab) than tonight's: not trained on")
-                continue
-            teacher_shard = _index(Path(night.teacher_cache), skip)
-            feature_shard = {}
-            if feature_meta is not None and night.features:
-                fmeta = _meta(night.features, FEATURE_META)
-                if fmeta is None or any(fmeta.get(k) != feature_meta.get(k) for k in ("fingerprint", "layers", "prompt_context")):
-                    skip(f"pool night {night.key}: feature cache {night.features} is for another target, layer "
-                         f"set or prompt context: its features are not used (the trainer recomputes them)")
-                else:
-                    feature_shard = _index(Path(night.features), skip)
-            counts, missing = {"answers": 0, "tokens": 0}, 0
-            for rec in read_done(Path(night.answers)).values():
-                rid = str(rec["id"])
-                if rid in held_ids or prompt_hash(rec) in held_prompts:
-                    stats["held_out"] += 1
-                    continue
-                if rid in seen:
-                    stats["duplicates"] += 1
-                    continue
-                if rid not in teacher_shard:
-                    missing += 1
-                    continue
-                n = len(rec["response_ids"])
-                if night.key != include and max_tokens is not None and tokens + n > max_tokens:
-                    stats["over_budget"] += 1
-                    seen.add(rid)  # its newest answer is left out: no older answer of it stands in
-                    continue
-                seen.add(rid)
-                picked.append(rec)
-                tokens, counts["answers"], counts["tokens"] = tokens + n, counts["answers"] + 1, counts["tokens"] + n
-                teacher_links[teacher_shard[rid]] = f"n{read_last[night.key]:05d}"
-                if rid in feature_shard:
-                    feature_links[feature_shard[rid]] = f"n{read_last[night.key]:05d}"
-            if missing:
-                skip(f"pool night {night.key}: {missing} answers in {night.answers} have no intact teacher "
-                     f"rows: not trained on")
-            if counts["answers"]:
-                per_night[night.key] = counts
-        # the links' names (their read order) are part of the key: a view written before they were
-        # ordered by the view's own order is not reused
-        key = hashlib.sha256(json.dumps([[r["id"] for r in picked], sorted(map(str, teacher_links.items())),
-                                         sorted(map(str, feature_links.items()))]).encode()).hexdigest()[:12]
-        views = self.dir / "views"
-        out = views / key
-        view = PoolView(path=str(out / "train_generated.jsonl"), teacher_cache=str(out / "teacher_cache"),
-                        features=str(out / "features") if feature_meta is not None else None, answers=len(picked),
-                        tokens=tokens, nights=per_night, skipped=skipped, **stats)
-        if not (out / VIEW_DONE).is_file():
-            shutil.rmtree(out, ignore_errors=True)
-            _link_cache(out / "teacher_cache", CACHE_META, {**first_meta, "data": f"pool-{key}"}, teacher_links)
-            if feature_meta is not None:
-                _link_cache(out / "features", FEATURE_META, {**feature_meta, "data": f"pool-{key}"}, feature_links)
-            with paths.open_private(out / "train_generated.jsonl", "w", encoding="utf-8") as f:
-                for rec in picked:
-                    f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-            _write_json(out / VIEW_DONE, asdict(view))
-        for other in views.iterdir():
-            if other.is_dir() and other.name != key:
-                shutil.rmtree(other, ignore_errors=True)
-        return view
-
-
-def _meta(directory: str | None, name: str) -> dict | None:
-    path = Path(directory) / name if directory else None
-    if path is None or not path.is_file():
-        return None
-    try:
-        return paths.read_json(path, "cache record")
-    except (OSError, ValueError):
-        return None
-
-
-def _index(directory: Path, skip) -> dict[str, Path]:
-    """Example id -> its shard, over the intact shards; a truncated one is skipped with a warning.
-    Shards in name order, so a later one wins as it does in `teacher.load_shards`."""
-    index = {}
-    for shard in sorted(directory.glob("shard-*.safetensors")):
-        keys = shards.intact_keys(shard)
-        if keys is None:
-            skip(f"pool shard {shard} is truncated or unreadable: skipped, its answers are not trained on from it")
-            continue
-        for k in keys:
-            if k.endswith("/input_ids"):
-                index[k[: -len("/input_ids")]] = shard
-    return index
-
-
-def _link_cache(directory: Path, meta_name: str, meta: dict, links: dict[Path, str]) -> None:
-    """A cache directory whose shards are symlinks to the nights' shards, named in the view's reverse
-    order, so that where two linked shards hold the same example the night it was taken from is read
-    last (and wins)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    for shard, night in sorted(links.items(), key=lambda kv: (kv[1], kv[0].name)):
-        (directory / f"shard-{night}-{shard.name.removeprefix('shard-')}").symlink_to(shard.resolve())
-    _write_json(directory / meta_name, meta)
+            found = selection.shards_of(night)
+            if found is not None:
+                selection.take(night, *found, held_out, f"n{read_last[night.key]:05d}",
+                               None if night.key == include else max_tokens)
+        return selection.write(self.dir / "views", skipped)
 
 
 def _delete_night_data(night: PoolNight) -> None:

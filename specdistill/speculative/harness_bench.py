@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdistill.acceptance import ideal_speedup
@@ -35,6 +36,7 @@ from specdistill.modeling.lean import decode_forward
 from specdistill.modeling.models import dtype_name
 from specdistill.speculative import (
     Drafter,
+    GenerationResult,
     SamplingConfig,
     SpecStats,
     generate,
@@ -157,8 +159,6 @@ def run_bench_many(
     Each drafter's speedup is its tokens/s over the target-only tokens/s of the same rounds; sharing
     the baseline saves one target-only run per extra drafter without changing what is compared.
     """
-    from tqdm import tqdm
-
     config = config or BenchConfig()
     if not prompts:
         raise ValueError("no prompts to benchmark")
@@ -166,62 +166,11 @@ def run_bench_many(
         raise ValueError("no drafters to benchmark")
     sampling = SamplingConfig(config.temperature, config.top_p, config.seed)
     encoded = [list(p.ids) if p.ids is not None else encode_prompt(tokenizer, p.text, config.chat_template) for p in prompts]
-    modes: list[str | None] = [None, *drafters]  # None: target-only
     gamma_of = {name: (gammas or {}).get(name, config.gamma) for name in drafters}
-
-    def run(ids: list[int], mode: str | None):
-        return generate(target, ids, max_new_tokens=config.max_new_tokens, drafter=drafters[mode] if mode is not None else None,
-                        gamma=gamma_of[mode] if mode is not None else config.gamma, sampling=sampling)
-
-    for mode in modes:  # warm-up: first-call allocations
-        run(encoded[0][:8], mode)
-    # times[mode][repeat][prompt] = (generated tokens, seconds)
-    times = {m: [[None] * len(prompts) for _ in range(config.repeats)] for m in modes}
-    first_stats = {name: [SpecStats() for _ in prompts] for name in drafters}
-    # pairs[name][prompt]: the distinct (target-only, speculative) greedy outputs over the repeats
-    pairs: dict[str, list[dict]] = {name: [{} for _ in prompts] for name in drafters}
+    rounds = _Rounds(target, drafters, gamma_of, sampling, config, len(prompts))
+    rounds.warm_up(encoded[0][:8])
     bar = tqdm(total=config.repeats * len(prompts), desc="bench", unit="prompt", file=sys.stderr, disable=not progress)
-    measured, repeats, done = len(prompts), config.repeats, False
-    active, dropped_at = list(drafters), {}  # dropped_at[name]: the prompts it ran on before `drop` named it
-    rounds: list[float] = []  # seconds per prompt round: none starts that would end past the deadline
-    for r in range(config.repeats):
-        if r > 0 and deadline is not None and deadline.remaining() <= sum(rounds[-len(encoded):]):
-            repeats = r
-            break
-        for i, ids in enumerate(encoded):
-            if r == 0 and i >= min_prompts and deadline is not None and deadline.remaining() <= max(rounds, default=0.0):
-                measured = i
-                break
-            if between_rounds is not None:
-                between_rounds()
-            started = time.perf_counter()
-            running = [None, *active]
-            shift = (r + i) % len(running)
-            outputs = {}
-            for mode in running[shift:] + running[:shift]:
-                result = run(ids, mode)
-                outputs[mode] = result.output_ids
-                times[mode][r][i] = (result.stats.generated_tokens, result.stats.seconds)
-                if mode is not None and r == 0:
-                    first_stats[mode][i] = result.stats
-            if sampling.greedy:
-                for name in active:
-                    pairs[name][i][(tuple(outputs[None]), tuple(outputs[name]))] = None
-            rounds.append(time.perf_counter() - started)
-            bar.update(1)
-            if r == 0 and (settled or drop) and i + 1 >= min_prompts and i + 1 < len(encoded):
-                so_far = {name: prompt_speedups([times[None][0][:i + 1]], [times[name][0][:i + 1]]) for name in active}
-                gone = set(drop(so_far)) & set(active) if drop is not None and config.repeats == 1 else set()
-                if gone and len(gone) < len(active):  # one drafter at least stays measured
-                    dropped_at.update((name, i + 1) for name in gone)
-                    active = [name for name in active if name not in gone]
-                    so_far = {name: so_far[name] for name in active}
-                if settled is not None and settled(so_far):
-                    measured, done = i + 1, True
-                    break
-        if measured < len(prompts):  # cut in the first repeat: `measured` prompts, one repeat
-            repeats = 1
-            break
+    measured, repeats, done = rounds.measure(encoded, bar, deadline, min_prompts, settled, between_rounds, drop)
     bar.close()
     note = ""
     if measured < len(prompts) or repeats < config.repeats:
@@ -229,17 +178,112 @@ def run_bench_many(
             note = f"time budget reached: {measured} of {len(prompts)} prompts, {repeats} of {config.repeats} repeats measured"
             bar.write(f"bench: {note}", file=sys.stderr)
         prompts, encoded = prompts[:measured], encoded[:measured]
-        times = {m: [row[:measured] for row in rows[:repeats]] for m, rows in times.items()}
-        first_stats = {name: stats[:measured] for name, stats in first_stats.items()}
-        pairs = {name: seen[:measured] for name, seen in pairs.items()}
+        rounds.cut(measured, repeats)
         config = config.model_copy(update={"repeats": repeats})
-    ran = {name: dropped_at.get(name, measured) for name in drafters}  # each drafter's prompts: a prefix of them all
-    reports = (judge_lossless(target, encoded, {name: seen[:ran[name]] for name, seen in pairs.items()}, config.near_tie_tolerance)
-               if sampling.greedy else {})
+    ran = {name: rounds.dropped_at.get(name, measured) for name in drafters}  # each drafter's prompts: a prefix of them all
+    reports = (judge_lossless(target, encoded, {name: seen[:ran[name]] for name, seen in rounds.pairs.items()},
+                              config.near_tie_tolerance) if sampling.greedy else {})
+    times, first_stats = rounds.times, rounds.first_stats
     return {name: replace(_summarize(target, drafter, prompts[:ran[name]], config.model_copy(update={"gamma": gamma_of[name]}),
                                      sampling, [row[:ran[name]] for row in times[None]], [row[:ran[name]] for row in times[name]],
                                      first_stats[name][:ran[name]], reports.get(name)), budget_note=note)
             for name, drafter in drafters.items()}
+
+
+class _Rounds:
+    """The prompt rounds of one benchmark and what they measured, as `run_bench_many` schedules them.
+
+    `times[mode][repeat][prompt]` = (generated tokens, seconds), mode None being target-only;
+    `first_stats[name]`: each drafter's stats in the first repeat; `pairs[name][prompt]`: the distinct
+    (target-only, speculative) greedy outputs over the repeats; `active`: the drafters still run;
+    `dropped_at[name]`: the prompts a drafter ran on before `drop` named it; `seconds`: each prompt
+    round's, from which the deadline is judged."""
+
+    def __init__(self, target: PreTrainedModel, drafters: dict[str, Drafter], gamma_of: dict[str, int],
+                 sampling: SamplingConfig, config: BenchConfig, prompts: int):
+        self.target, self.drafters, self.gamma_of, self.sampling, self.config = target, drafters, gamma_of, sampling, config
+        self.modes: list[str | None] = [None, *drafters]  # None: target-only
+        self.times = {m: [[None] * prompts for _ in range(config.repeats)] for m in self.modes}
+        self.first_stats = {name: [SpecStats() for _ in range(prompts)] for name in drafters}
+        self.pairs: dict[str, list[dict]] = {name: [{} for _ in range(prompts)] for name in drafters}
+        self.active, self.dropped_at = list(drafters), {}
+        self.seconds: list[float] = []  # per prompt round: none starts that would end past the deadline
+
+    def run(self, ids: list[int], mode: str | None) -> GenerationResult:
+        config = self.config
+        return generate(self.target, ids, max_new_tokens=config.max_new_tokens,
+                        drafter=self.drafters[mode] if mode is not None else None,
+                        gamma=self.gamma_of[mode] if mode is not None else config.gamma, sampling=self.sampling)
+
+    def warm_up(self, ids: list[int]) -> None:
+        """Every method once on a short prompt: first-call allocations are not timed."""
+        for mode in self.modes:
+            self.run(ids, mode)
+
+    def measure(self, encoded: list[list[int]], bar: tqdm, deadline: Deadline | None, min_prompts: int,
+                settled: Callable[[dict[str, list[float]]], bool] | None, between_rounds: Callable[[], object] | None,
+                drop: Callable[[dict[str, list[float]]], Collection[str]] | None) -> tuple[int, int, bool]:
+        """The schedule: every repeat over every prompt, until the deadline or `settled` ends it. Returns the
+        prompts and repeats measured, and whether `settled` ended it."""
+        config, seconds = self.config, self.seconds
+        measured, repeats, done = len(encoded), config.repeats, False
+        for r in range(config.repeats):
+            if r > 0 and deadline is not None and deadline.remaining() <= sum(seconds[-len(encoded):]):
+                repeats = r
+                break
+            for i, ids in enumerate(encoded):
+                if r == 0 and i >= min_prompts and deadline is not None and deadline.remaining() <= max(seconds, default=0.0):
+                    measured = i
+                    break
+                if between_rounds is not None:
+                    between_rounds()
+                self.prompt_round(r, i, ids)
+                bar.update(1)
+                if (r == 0 and (settled or drop) and i + 1 >= min_prompts and i + 1 < len(encoded)
+                        and self.drop_and_settle(i + 1, settled, drop)):
+                    measured, done = i + 1, True
+                    break
+            if measured < len(encoded):  # cut in the first repeat: `measured` prompts, one repeat
+                repeats = 1
+                break
+        return measured, repeats, done
+
+    def prompt_round(self, r: int, i: int, ids: list[int]) -> None:
+        """Target-only and every active drafter on prompt `i` of repeat `r`, back to back, in an order that
+        rotates from prompt to prompt and repeat to repeat."""
+        started = time.perf_counter()
+        running = [None, *self.active]
+        shift = (r + i) % len(running)
+        outputs = {}
+        for mode in running[shift:] + running[:shift]:
+            result = self.run(ids, mode)
+            outputs[mode] = result.output_ids
+            self.times[mode][r][i] = (result.stats.generated_tokens, result.stats.seconds)
+            if mode is not None and r == 0:
+                self.first_stats[mode][i] = result.stats
+        if self.sampling.greedy:
+            for name in self.active:
+                self.pairs[name][i][(tuple(outputs[None]), tuple(outputs[name]))] = None
+        self.seconds.append(time.perf_counter() - started)
+
+    def drop_and_settle(self, prompts: int, settled: Callable[[dict[str, list[float]]], bool] | None,
+                        drop: Callable[[dict[str, list[float]]], Collection[str]] | None) -> bool:
+        """After the first `prompts` of the first repeat: stop running the drafters `drop` names (one at least
+        stays), then whether `settled` says the decision on the others is made."""
+        times = self.times
+        so_far = {name: prompt_speedups([times[None][0][:prompts]], [times[name][0][:prompts]]) for name in self.active}
+        gone = set(drop(so_far)) & set(self.active) if drop is not None and self.config.repeats == 1 else set()
+        if gone and len(gone) < len(self.active):  # one drafter at least stays measured
+            self.dropped_at.update((name, prompts) for name in gone)
+            self.active = [name for name in self.active if name not in gone]
+            so_far = {name: so_far[name] for name in self.active}
+        return settled is not None and settled(so_far)
+
+    def cut(self, measured: int, repeats: int) -> None:
+        """Keep the first `measured` prompts of the first `repeats` repeats: what a budget cut or `settled` left."""
+        self.times = {m: [row[:measured] for row in rows[:repeats]] for m, rows in self.times.items()}
+        self.first_stats = {name: stats[:measured] for name, stats in self.first_stats.items()}
+        self.pairs = {name: seen[:measured] for name, seen in self.pairs.items()}
 
 
 def _summarize(target, drafter: Drafter, prompts: list[Prompt], config: BenchConfig, sampling: SamplingConfig,
