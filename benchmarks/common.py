@@ -47,7 +47,7 @@ def busy_loops(n: int, nice: int = 0) -> Iterator[list[subprocess.Popen]]:
 
 def answer_caches(directory: Path, target, k: int = 32) -> tuple:
     """The top-k teacher and EAGLE-3 feature caches of an answer directory, as the nightly's answer stage writes them."""
-    from specdistill.distill.config import Eagle3Config  # lazy: keeps torch off the scripts that drive the CLI
+    from specdistill.distill.distill_recipe import Eagle3Config  # lazy: keeps torch off the scripts that drive the CLI
     from specdistill.distill.features import FeatureCache  # lazy: keeps torch off the scripts that drive the CLI
     from specdistill.distill.teacher import TeacherCache  # lazy: keeps torch off the scripts that drive the CLI
     from specdistill.modeling.eagle3 import default_aux_layers  # lazy: keeps torch off the scripts that drive the CLI

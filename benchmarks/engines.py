@@ -139,7 +139,7 @@ from specdistill.engines.vllm.server import VllmConfig, VllmServer, start_togeth
 from specdistill.modeling.models import load_model, resolve_model_dir
 from specdistill.pipeline.stages.engine_bench import mode_for_spec, mode_serving_config
 from specdistill.speculative import DrafterSpec, drafter_from_spec
-from specdistill.speculative.engine import SpecStats, generate
+from specdistill.speculative.decode import SpecStats, generate
 
 SERVERS = ("llamacpp", "vllm")  # engines measured through their OpenAI-compatible servers
 

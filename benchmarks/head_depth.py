@@ -34,7 +34,7 @@ import torch
 import yaml
 from common import log
 
-from specdistill.distill.config import load_config
+from specdistill.distill.distill_recipe import load_config
 from specdistill.distill.eagle3_train import Eagle3Task
 from specdistill.distill.examples import read_examples
 from specdistill.distill.train import distill

@@ -28,11 +28,11 @@ import torch
 from common import answer, log
 
 from specdistill.data.datasets import sharegpt_first_turns
-from specdistill.distill.config import DataConfig, TeacherConfig
+from specdistill.distill.distill_recipe import DataConfig, TeacherConfig
 from specdistill.distill.train import distill
 from specdistill.hardware import describe_device
 from specdistill.modeling.models import load_model
-from specdistill.pipeline.config import load_nightly_config
+from specdistill.pipeline.nightly_recipe import load_nightly_config
 
 
 def seen_prompts(paths: list[Path]) -> set[str]:

@@ -94,7 +94,7 @@ from specdistill.data.prompts import Prompt, usable_prompt
 from specdistill.modeling.models import dtype_name, load_model
 from specdistill.pipeline.stages.answers.harness import generate_answers
 from specdistill.speculative import NgramDrafter, drafter_from_spec
-from specdistill.speculative.engine import greedy_path, tree_depths
+from specdistill.speculative.decode import greedy_path, tree_depths
 from specdistill.speculative.harness_bench import BenchConfig, run_bench_many
 from specdistill.speculative.hybrid import HybridDrafter
 from specdistill.speculative.suffix import SuffixDrafter, SuffixIndex, SuffixParams
@@ -142,7 +142,7 @@ def heldout_sets(home: Path, target, out: Path, per_source: dict[str, int], max_
 
 
 def replay(drafter, records: list[dict], gamma: int, tree: bool = False) -> dict:
-    """Greedy rounds against the target's answers: what the engine would accept, without the target."""
+    """Greedy rounds against the target's answers: what the decoding loop would accept, without the target."""
     rounds = proposed = accepted = extra = plain = generated = 0
     seconds = 0.0
     for rec in records:

@@ -4,7 +4,7 @@
 
 Each variant runs in a fresh process (OpenMP reads its wait policy once, at load), in rounds whose
 order rotates; `--busy N` starts N pure-Python busy loops for the whole run, standing in for the
-other jobs of a shared machine. Greedy, target-only, the harness engine, tokens/s over the timed
+other jobs of a shared machine. Greedy, target-only, the harness, tokens/s over the timed
 generation (a warm-up generation first).
 
 Measured 2026-12-01 on the 2-core AMD EPYC with AVX-512 BF16 (bf16, the demo target, 32 tokens), by
@@ -38,7 +38,7 @@ STEP = r"""
 import sys, time, torch
 import specdistill  # offline environment
 from specdistill.modeling.models import load_model
-from specdistill.speculative.engine import generate
+from specdistill.speculative.decode import generate
 torch.set_num_threads(int(sys.argv[1]))
 t = load_model("demo", dtype=sys.argv[3])
 ids = t.tokenizer("Explain how a hash map works in simple terms.")["input_ids"]

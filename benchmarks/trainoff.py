@@ -36,7 +36,6 @@ from pathlib import Path
 
 import torch
 
-from specdistill.config import load_yaml
 from specdistill.data.prompt_files import read_prompt_file
 from specdistill.data.prompts import Prompt
 from specdistill.distill.examples import read_examples
@@ -45,6 +44,7 @@ from specdistill.engines.speculators.install import cached as speculators_env
 from specdistill.engines.vllm.bench import bench_vllm
 from specdistill.hardware import describe_device
 from specdistill.modeling.models import load_model, resolve_dtype, resolve_model_dir
+from specdistill.recipe import load_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECDISTILL = [sys.executable, "-m", "specdistill.cli"]

@@ -25,8 +25,8 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from flows.nightly import nightly
-from specdistill.pipeline.config import flow_overrides
-from specdistill.pipeline.monitor_config import load_monitor_config
+from specdistill.pipeline.monitor_recipe import load_monitor_config
+from specdistill.pipeline.nightly_recipe import flow_overrides
 from specdistill.pipeline.outputs import MonitorOutcome
 from specdistill.pipeline.report import render_outcome
 from specdistill.pipeline.stage_budgets import StageClock

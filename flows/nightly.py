@@ -18,7 +18,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.states import Failed, State
 
-from specdistill.pipeline.config import NightlyConfig, load_nightly_config
+from specdistill.pipeline.nightly_recipe import NightlyConfig, load_nightly_config
 from specdistill.pipeline.outputs import NightlyRun, Untrained, Window
 from specdistill.pipeline.report import report_table, write_report
 from specdistill.pipeline.stage_budgets import StageClock, run_deadline

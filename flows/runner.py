@@ -26,7 +26,7 @@ import subprocess
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from specdistill.pipeline.config import flow_overrides, masked_flow_logs
+from specdistill.pipeline.nightly_recipe import flow_overrides, masked_flow_logs
 from specdistill.state_lock import state_lock
 
 T = TypeVar("T")

@@ -4,7 +4,7 @@
    early-exit self-draft, n-gram, an EAGLE-3 head, trees) token-identical to target-only output (fp32).
 2. answers: the demo target answers ShareGPT prompts on the device, batched, recording its top-k
    teacher and the EAGLE-3 features (the nightly's answer pass); answer tokens/s.
-3. bench: the engine's benchmark on the device (bf16): target-only tokens/s, n-gram and self-speculation
+3. bench: the harness's benchmark on the device (bf16): target-only tokens/s, n-gram and self-speculation
    speedups, α, τ, the lossless verdict, c and v(k) timed with device synchronisation.
 4. distill: `torchrun --nproc_per_node <GPUs>` training a layer draft on the answers of step 2 (NCCL
    between the ranks) for a few steps.
@@ -36,8 +36,8 @@ def lossless_on(device: str, prompts: int) -> dict:
     from specdistill.modeling.eagle3_init import init_eagle3_from_target
     from specdistill.modeling.vocab import DraftVocab
     from specdistill.speculative import ModelDrafter, NgramDrafter, SelfSpecDrafter
+    from specdistill.speculative.decode import generate
     from specdistill.speculative.eagle import EagleDrafter
-    from specdistill.speculative.engine import generate
     from tests.conftest import lively, make_tiny_llama
 
     target = lively(make_tiny_llama(vocab_size=96, hidden=64, layers=4, seed=1), seed=1).float().to(device)

@@ -89,7 +89,7 @@ import asyncio, sys
 from prefect.client.orchestration import get_client
 from mlflow import MlflowClient
 from specdistill.data.logstore import LogStore
-from specdistill.pipeline.monitor_config import load_monitor_config
+from specdistill.pipeline.monitor_recipe import load_monitor_config
 
 run_id, fingerprint, seconds = sys.argv[1:]
 

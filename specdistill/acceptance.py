@@ -18,7 +18,7 @@ NGRAM_WINDOW = (1, 3)
 @dataclass
 class DraftCounts:
     """The raw counts every acceptance number is computed from, and those numbers (docs/metrics.md), once:
-    what the engine counts per request, the benchmarks sum, a replay and a live engine's sample hold and the
+    what the decoding loop counts per request, the benchmarks sum, a replay and a live engine's sample hold and the
     log store and the metrics exporter carry. A serving engine's counters name them `spec_decode_num_drafts`
     (rounds), `..._num_draft_tokens` (proposed), `..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos`;
     a live engine's deltas are floats."""

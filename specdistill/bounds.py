@@ -1,5 +1,5 @@
 """The ranges of the counts that size memory or work (γ, a tree, new tokens, threads, steps, prompts),
-shared by every place one is read: the configs and their overrides (`specdistill.config`'s bounded
+shared by every place one is read: the configs and their overrides (`specdistill.recipe`'s bounded
 types), serving.json (`ops.serving`) and the command line's flags (`cli.common`). A typo or a hostile
 value (`num_speculative_tokens: 1000000000`) is then one sentence naming the key where it is read, not
 an out-of-memory kill minutes later. Each bound is far above any real run's value and far below one

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from prefect import task
 
-from specdistill.pipeline.monitor_config import MonitorConfig
+from specdistill.pipeline.monitor_recipe import MonitorConfig
 from specdistill.pipeline.outputs import AppliedFallback, Champion, MonitorOutcome, RecordedDecision
 from specdistill.pipeline.stages import monitor as mc
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from prefect import task
 
 from specdistill.pipeline import retention, success, tail
-from specdistill.pipeline.config import NightlyConfig, SourceConfig
+from specdistill.pipeline.nightly_recipe import NightlyConfig, SourceConfig
 from specdistill.pipeline.outputs import (
     Champion,
     GeneratedData,

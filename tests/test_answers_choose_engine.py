@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specdistill.pipeline.config import load_nightly_config
+from specdistill.pipeline.nightly_recipe import load_nightly_config
 from specdistill.pipeline.stages.answers import choose_engine
 from specdistill.pipeline.stages.answers.choose_engine import AnswerEngine, EngineSpeed, choose_answer_engine
 

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdistill.config import ConfigError
 from specdistill.engines.client import EngineRequestError
 from specdistill.engines.llamacpp.server import free_port
-from specdistill.pipeline.config import load_nightly_config
+from specdistill.pipeline.nightly_recipe import load_nightly_config
 from specdistill.pipeline.stages.answers.engine_client import base_url, connect, parse_completion, teacher_entry
+from specdistill.recipe import ConfigError
 
 # llama-server 11434's /v1/completions reply (logprobs=3) for "Name three colors." (4 tokens), bytes dropped
 LLAMACPP_REPLY = {"choices": [{"text": "1. Red\n", "index": 0, "finish_reason": "length", "logprobs": {"content": [

@@ -12,20 +12,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdistill.config import ConfigError
 from specdistill.data.ingest import ingest
 from specdistill.data.logstore import LogStore
 from specdistill.data.prompts import Prompt, encode_chat, prompt_messages
 from specdistill.distill.examples import read_done
 from specdistill.modeling.models import load_model
 from specdistill.ops.targets import register_target, target_history
-from specdistill.pipeline.config import load_nightly_config
+from specdistill.pipeline.nightly_recipe import load_nightly_config
 from specdistill.pipeline.outputs import Window
 from specdistill.pipeline.stages.answers.harness import generate_answers
 from specdistill.pipeline.stages.answers.logged import NOT_GREEDY, NOT_TOP_K, check_response, own_names
 from specdistill.pipeline.stages.answers.stage import generate_responses
 from specdistill.pipeline.stages.corpus import read_answers
 from specdistill.pipeline.stages.pool import data_line
+from specdistill.recipe import ConfigError
 from tests.conftest import lively, make_tiny_llama, train_bpe
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -12,7 +12,7 @@ import torch
 
 from specdistill import paths
 from specdistill.data.prompts import Prompt
-from specdistill.pipeline.config import load_nightly_config
+from specdistill.pipeline.nightly_recipe import load_nightly_config
 from specdistill.pipeline.stages.answers import choose_engine, rate_watch, stage
 from specdistill.pipeline.stages.answers.answer_file import append_records, resume
 from specdistill.pipeline.stages.answers.choose_engine import AnswerEngine, EngineSpeed

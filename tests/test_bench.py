@@ -1,4 +1,4 @@
-"""The benchmark's numbers are consistent with the engine's stats and with the formulas of docs/metrics.md."""
+"""The benchmark's numbers are consistent with the decoding loop's stats and with the formulas of docs/metrics.md."""
 
 from __future__ import annotations
 
@@ -121,21 +121,21 @@ def test_bench_on_tiny_models_is_consistent(tmp_path):
 
 
 def test_bench_catches_a_lossy_drafter():
-    """A drafter whose drafts the engine wrongly accepts must fail the lossless check."""
+    """A drafter whose drafts the decoding loop wrongly accepts must fail the lossless check."""
     target = lively(2)
 
     class Lossy(NgramDrafter):
         name = "lossy"
 
-    import specdistill.speculative.engine as engine
+    import specdistill.speculative.decode as decode
 
-    original = engine.verify
+    original = decode.verify
     try:
-        engine.verify = lambda logits, ids, q, cfg, gen: (ids.numel(), logits[-1].argmax())
+        decode.verify = lambda logits, ids, q, cfg, gen: (ids.numel(), logits[-1].argmax())
         result = run_bench(target, None, Lossy(), [Prompt("", ids=[4, 5, 4, 5, 4])],
                            BenchConfig(gamma=2, max_new_tokens=12, repeats=1, measure_cost=False), progress=False)
     finally:
-        engine.verify = original
+        decode.verify = original
     assert result.lossless is False and result.lossless_mismatches == 1
     assert result.cost_ratio is None and result.ideal_speedup is None
 
@@ -303,7 +303,7 @@ def test_bf16_bench_passes_a_correct_engine_and_counts_near_ties_apart(monkeypat
 
 
 def test_bf16_bench_fails_a_broken_verifier(monkeypatch):
-    import specdistill.speculative.engine as engine
+    import specdistill.speculative.decode as decode
     from specdistill.speculative.sampling import verify
 
     def off_by_one(*args):  # also accepts the first rejected draft
@@ -313,7 +313,7 @@ def test_bf16_bench_fails_a_broken_verifier(monkeypatch):
         return n, following
 
     target = bf16_target()
-    monkeypatch.setattr(engine, "verify", off_by_one)
+    monkeypatch.setattr(decode, "verify", off_by_one)
     result = run_bench(target, None, SelfSpecDrafter(target, 2), id_prompts(4),
                        BenchConfig(gamma=4, max_new_tokens=24, repeats=1, measure_cost=False), progress=False)
     assert result.lossless is False and result.lossless_mismatches > 0 and result.lossless_criterion == "near-tie"

@@ -9,11 +9,11 @@ import pytest
 
 from specdistill import bounds
 from specdistill.cli import main
-from specdistill.config import ConfigError
-from specdistill.distill.config import load_config
+from specdistill.distill.distill_recipe import load_config
 from specdistill.ops.serving import ServingConfigError, read_serving_config
-from specdistill.pipeline.config import load_nightly_config
-from specdistill.pipeline.monitor_config import load_monitor_config
+from specdistill.pipeline.monitor_recipe import load_monitor_config
+from specdistill.pipeline.nightly_recipe import load_nightly_config
+from specdistill.recipe import ConfigError
 
 
 @pytest.mark.parametrize("override, key", [

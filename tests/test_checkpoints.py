@@ -55,7 +55,7 @@ def tiny_run(tmp_path):
     import json
     import random
 
-    from specdistill.distill.config import load_config
+    from specdistill.distill.distill_recipe import load_config
     from tests.conftest import save_tiny_target
 
     target = save_tiny_target(tmp_path / "target")
@@ -113,7 +113,7 @@ def test_a_full_disk_while_checkpointing_is_one_sentence(tmp_path, monkeypatch):
 
     from specdistill.distill import checkpoints
     from specdistill.distill.checkpoints import CheckpointWriteError, save_checkpoint
-    from specdistill.distill.config import load_config
+    from specdistill.distill.distill_recipe import load_config
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -222,7 +222,7 @@ def test_the_run_directorys_writers_replace_a_link_or_refuse_it_never_write_thro
     """What a run replaces (result.json, config.yaml, reports, serving.json: `paths.atomic_write_*`) renames over a
     link; what it appends to (`paths.open_append`) refuses one, dangling too."""
     from specdistill import paths
-    from specdistill.distill.config import save_config
+    from specdistill.distill.distill_recipe import save_config
 
     users = tmp_path / "users.txt"
     users.write_text("mine")

@@ -12,7 +12,7 @@ import torch
 from specdistill.ops import registry
 from specdistill.ops.policy import Check, GateVerdict
 from specdistill.ops.serving import read_serving_config
-from specdistill.pipeline.config import load_nightly_config
+from specdistill.pipeline.nightly_recipe import load_nightly_config
 from specdistill.pipeline.outputs import ServingDecision, TargetInfo
 from specdistill.pipeline.serving import serving_config
 from specdistill.pipeline.stages import bench

@@ -15,7 +15,7 @@ import pytest
 
 from specdistill.cli import build_parser, main
 from specdistill.cli.flows import cmd_demo_target_update, cmd_nightly
-from specdistill.pipeline.config import DEMO_RECIPE
+from specdistill.pipeline.nightly_recipe import DEMO_RECIPE
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -46,7 +46,7 @@ def test_the_check_scripts_parse():
 
 
 def test_the_monitor_configs_load():
-    from specdistill.pipeline.monitor_config import load_monitor_config
+    from specdistill.pipeline.monitor_recipe import load_monitor_config
 
     tiny = load_monitor_config(REPO / "deploy" / "monitor" / "tiny.yaml")
     assert tiny.nightly.sources[0].path == "humaneval" and not tiny.nightly.bench.generic_draft

@@ -240,7 +240,7 @@ def test_llama_cpp_engine_refuses_a_head_for_another_target(head_dir):
     registry or serving.json are touched), and nothing is left in the GGUF cache."""
     from specdistill import paths
     from specdistill.engines.llamacpp.gguf_export import GgufExportError
-    from specdistill.pipeline.config import load_nightly_config
+    from specdistill.pipeline.nightly_recipe import load_nightly_config
     from specdistill.pipeline.stages.engine_bench import engine_benchmark
 
     config = load_nightly_config(None, ["serving.engine=llamacpp"])

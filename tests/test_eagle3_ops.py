@@ -157,7 +157,7 @@ def test_monitor_replays_a_head_on_its_target_and_on_an_updated_one(head_dir, ta
 def test_nightly_warm_start_carries_a_head_over_a_tokenizer_change_once(head_dir, tmp_path, monkeypatch):
     from specdistill.modeling import eagle3_io
     from specdistill.modeling.eagle3_io import load_eagle3
-    from specdistill.pipeline.config import load_nightly_config, run_root
+    from specdistill.pipeline.nightly_recipe import load_nightly_config, run_root
     from specdistill.pipeline.outputs import Champion
     from specdistill.pipeline.stages.align import align_champion
     from tests.conftest import make_tiny_llama, train_bpe
@@ -179,7 +179,7 @@ def test_nightly_warm_start_carries_a_head_over_a_tokenizer_change_once(head_dir
 
 
 def test_nightly_starts_from_the_target_and_says_why_when_the_champion_head_does_not_fit(head_dir, tmp_path):
-    from specdistill.pipeline.config import load_nightly_config
+    from specdistill.pipeline.nightly_recipe import load_nightly_config
     from specdistill.pipeline.outputs import Champion, WarmStart
     from specdistill.pipeline.stages.align import align_champion
     from specdistill.pipeline.stages.champion import started_from

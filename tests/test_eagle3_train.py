@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdistill.distill import losses
-from specdistill.distill.config import load_config
+from specdistill.distill.distill_recipe import load_config
 from specdistill.distill.eagle3_train import Eagle3Batch, eagle3_loss
 from specdistill.distill.examples import Example
 from specdistill.distill.features import (

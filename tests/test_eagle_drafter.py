@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter in the engine: lossless greedy and sampled, rollback, and proposals equal to a
+"""The EAGLE-3 drafter in the decoding loop: lossless greedy and sampled, rollback, and proposals equal to a
 from-scratch recomputation of the head over the target's features (no stale cache)."""
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def test_tree_verification_gives_each_node_its_own_branch_logits():
     """One tree forward equals separate chain forwards of each branch (fp32, exact argmax)."""
     from transformers import DynamicCache
 
-    from specdistill.speculative.engine import greedy_path, keep_cache_rows, tree_inputs
+    from specdistill.speculative.decode import greedy_path, keep_cache_rows, tree_inputs
 
     target = tiny_target(3)
     prefix = torch.tensor([1, 4, 3, 6, 2])

@@ -62,7 +62,7 @@ def test_engine_and_metrics_errors_show_the_url_masked():
 
 def test_the_words_key_value_in_a_message_are_not_a_credential():
     """`override 'window' is not key=***`: the placeholder "value" was masked as if it were a key's secret."""
-    from specdistill.config import ConfigError, apply_overrides
+    from specdistill.recipe import ConfigError, apply_overrides
 
     with pytest.raises(ConfigError) as caught:
         apply_overrides({}, ["window"])
@@ -75,9 +75,9 @@ def test_a_credential_in_an_override_is_stashed_in_the_environment_and_restored_
     """A `log_db=postgresql://u:PASS@...` override went into Prefect's flow-run parameters in clear."""
     import os
 
-    from specdistill.config import ConfigError
     from specdistill.env import stash_secrets
-    from specdistill.pipeline.config import load_nightly_config
+    from specdistill.pipeline.nightly_recipe import load_nightly_config
+    from specdistill.recipe import ConfigError
 
     url = "postgresql+psycopg://u:hunter22@db:5432/logs?sslpassword=hunter33&sslmode=require"
     stashed = stash_secrets(["window.days=2", f"log_db={url}"])
@@ -92,7 +92,7 @@ def test_a_credential_in_an_override_is_stashed_in_the_environment_and_restored_
 
 def test_run_flow_hands_the_flow_its_overrides_without_credentials():
     from flows.runner import run_flow
-    from specdistill.pipeline.config import load_nightly_config
+    from specdistill.pipeline.nightly_recipe import load_nightly_config
 
     seen = {}
 

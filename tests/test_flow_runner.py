@@ -144,7 +144,7 @@ SECRET_FLOW = textwrap.dedent('''
 
     from flows.runner import run_flow
     from specdistill.env import stash_secrets
-    from specdistill.pipeline.config import NightlyConfig, load_nightly_config
+    from specdistill.pipeline.nightly_recipe import NightlyConfig, load_nightly_config
     from tasks.common import content_key
 
     @task(cache_key_fn=content_key, persist_result=True)

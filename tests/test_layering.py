@@ -3,7 +3,7 @@
 The library's layers form a graph (`MAY_IMPORT`); a module may import its own layer and the layers
 that graph puts under it, nothing else:
 
-    base (specdistill/__init__, config, acceptance, bounds, paths, state_lock, env, hardware, budget)
+    base (specdistill/__init__, recipe, acceptance, bounds, paths, state_lock, env, hardware, budget)
       <- data <- modeling
       <- distill | speculative | engines    siblings: none imports another (shared types live below them)
       <- ops (policy, registry, replay) <- pipeline <- cli
@@ -46,7 +46,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "pipeline": {"base", "data", "modeling", *SIBLINGS, "ops"},
     "cli": {"base", "data", "modeling", *SIBLINGS, "ops", "pipeline"},
 }
-BASE_MODULES = {"config", "acceptance", "bounds", "paths", "state_lock", "env", "hardware", "budget"}
+BASE_MODULES = {"recipe", "acceptance", "bounds", "paths", "state_lock", "env", "hardware", "budget"}
 ORCHESTRATION_MAY_IMPORT = ("specdistill.pipeline", "specdistill.paths", "specdistill.state_lock")  # for tasks/ and flows/
 STAGES = "specdistill.pipeline.stages"  # one module (or subpackage) per stage
 MAX_LINES = 400
@@ -416,7 +416,7 @@ def test_checker_catches_prefect_and_orchestration_shortcuts(tmp_path):
         "tasks/bad.py": "from specdistill.ops.bad import f\n",
         "tasks/typed.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from specdistill.ops.bad import Verdict\n",
         "flows/__init__.py": "",
-        "flows/nightly.py": "from prefect import flow\nfrom tasks import good\nimport specdistill.config\n",
+        "flows/nightly.py": "from prefect import flow\nfrom tasks import good\nimport specdistill.recipe\n",
     })
     found = _report(orchestration_violations(root))
     assert "ops/bad.py:2 imports prefect" in found
@@ -424,7 +424,7 @@ def test_checker_catches_prefect_and_orchestration_shortcuts(tmp_path):
     assert "cli/__init__.py:3 imports prefect.events" in found
     assert "cli/__init__.py:2" not in found  # the CLI may run a flow
     assert "tasks/bad.py:1 imports specdistill.ops.bad" in found
-    assert "flows/nightly.py:3 imports specdistill.config" in found
+    assert "flows/nightly.py:3 imports specdistill.recipe" in found
     assert "tasks/good.py" not in found and "flows/nightly.py:1" not in found and "flows/nightly.py:2" not in found
     assert "tasks/typed.py" not in found  # a type for annotations only, from where it is defined
 
@@ -468,7 +468,7 @@ def test_checker_catches_a_circle_inside_a_package_however_it_is_hidden(tmp_path
         "specdistill/speculative/drafters.py": "def make():\n    from specdistill.speculative.eagle import E  # lazy: a reason\n",
         "specdistill/speculative/eagle.py": "from specdistill.speculative import suffix\n",
         "specdistill/speculative/suffix.py": "from .drafters import Drafter\n",
-        "specdistill/speculative/engine.py": "from specdistill.speculative.drafters import Drafter\n",
+        "specdistill/speculative/decode.py": "from specdistill.speculative.drafters import Drafter\n",
         "specdistill/pipeline/__init__.py": "",
         "specdistill/pipeline/answers/__init__.py": "",
         "specdistill/pipeline/answers/stage.py": "from specdistill.pipeline.outputs import X\n",
@@ -483,7 +483,7 @@ def test_checker_catches_a_circle_inside_a_package_however_it_is_hidden(tmp_path
             "-> suffix (specdistill/speculative/suffix.py:1) -> drafters") in found
     assert ("specdistill.pipeline: answers (specdistill/pipeline/answers/stage.py:1) -> outputs (specdistill/pipeline/outputs.py:3) "
             "-> answers") in found
-    for clean in ("engine", "ops"):
+    for clean in ("decode", "ops"):
         assert clean not in found, found
 
 

@@ -121,7 +121,7 @@ def test_nightly_measures_an_eagle3_head_in_llama_cpp(llama_cpp, memorized_head,
     from specdistill.engines.llamacpp.gguf_export import gguf_spec_type
     from specdistill.ops.policy import PLAUSIBLE_FACTOR, GateVerdict
     from specdistill.ops.serving import write_serving_config
-    from specdistill.pipeline.config import load_nightly_config
+    from specdistill.pipeline.nightly_recipe import load_nightly_config
     from specdistill.pipeline.outputs import TargetInfo, Trained
     from specdistill.pipeline.report import registration_artifacts
     from specdistill.pipeline.serving import serving_config
@@ -266,7 +266,7 @@ def test_nightly_serving_choice_measured_in_llama_cpp(llama_cpp, tmp_path):
     from specdistill.modeling.models import demo_gguf_path
     from specdistill.ops.policy import PLAUSIBLE_FACTOR, GateVerdict, speedup_lower_bound
     from specdistill.ops.serving import read_serving_config, write_serving_config
-    from specdistill.pipeline.config import load_nightly_config
+    from specdistill.pipeline.nightly_recipe import load_nightly_config
     from specdistill.pipeline.outputs import TargetInfo
     from specdistill.pipeline.report import report_table
     from specdistill.pipeline.serving import serving_config

@@ -1,5 +1,5 @@
 """The reduced-precision lossless check: exact matches, near-tie divergences and real mismatches are
-told apart by an fp32 re-score, and a broken verifier is still caught when the engine runs in bf16."""
+told apart by an fp32 re-score, and a broken verifier is still caught when the decoding loop runs in bf16."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdistill.speculative import ModelDrafter, NgramDrafter, generate
-from specdistill.speculative import engine as engine_module
+from specdistill.speculative import decode as decode_module
 from specdistill.speculative.lossless import check_lossless, first_divergence, support_margins
 from specdistill.speculative.sampling import verify
 from tests.conftest import make_tiny_llama
@@ -72,7 +72,7 @@ def test_an_output_that_stops_elsewhere_is_a_mismatch_not_a_near_tie():
 
 
 # --------------------------------------------------------------------------------------------
-# broken verifiers, engine in bf16
+# broken verifiers, the decoding loop in bf16
 
 
 def peaked_target(seed: int = 0):
@@ -112,7 +112,7 @@ def test_bf16_check_passes_the_engine_and_catches_broken_verifiers(monkeypatch, 
     prompts = [torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(4)]
     target_only = [generate(target, p, max_new_tokens=24, stop_token_ids=[]).output_ids for p in prompts]
     if broken is not None:
-        monkeypatch.setattr(engine_module, "verify", broken)
+        monkeypatch.setattr(decode_module, "verify", broken)
     draft = copy.deepcopy(target)  # the target with noise: accepted runs and rejections both occur
     with torch.no_grad():
         for p in draft.parameters():

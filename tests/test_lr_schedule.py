@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdistill.distill.config import OptimConfig
+from specdistill.distill.distill_recipe import OptimConfig
 from specdistill.distill.train import lr_at
 
 

@@ -74,7 +74,7 @@ def test_the_monitor_replays_held_out_prompts_and_the_champion_at_its_measured_s
     """Prompts no training window drew from (the eval split), the newest of all where there are none; the
     champion at the γ and tree its registration measured it at, else serving.json's γ as a chain."""
     from specdistill.ops.replay import held_out_prompts
-    from specdistill.pipeline.monitor_config import load_monitor_config
+    from specdistill.pipeline.monitor_recipe import load_monitor_config
     from specdistill.pipeline.outputs import Champion
     from specdistill.pipeline.stages.monitor import replay_shape
 

@@ -15,8 +15,8 @@ from specdistill.ops.policy import Decision
 from specdistill.ops.replay import FallbackDecision
 from specdistill.ops.serving import read_serving_config
 from specdistill.ops.targets import TargetChange, TargetVersion
-from specdistill.pipeline.config import load_nightly_config
-from specdistill.pipeline.monitor_config import MonitorConfig
+from specdistill.pipeline.monitor_recipe import MonitorConfig
+from specdistill.pipeline.nightly_recipe import load_nightly_config
 from specdistill.pipeline.outputs import AppliedFallback, Champion
 from specdistill.pipeline.stages import monitor as mc
 from tests.conftest import save_tiny_target

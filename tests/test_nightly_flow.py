@@ -112,7 +112,7 @@ def test_nightly_twice_then_forced_gate_failure(prefect_harness, traffic, tmp_pa
 
 def test_bad_config_fails_before_any_work(prefect_harness, tmp_path, monkeypatch):
     from flows.nightly import nightly
-    from specdistill.config import ConfigError
+    from specdistill.recipe import ConfigError
 
     monkeypatch.setenv("SPECDISTILL_HOME", str(tmp_path / "home"))
     with pytest.raises(ConfigError, match="trian"):

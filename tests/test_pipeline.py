@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdistill.config import ConfigError
 from specdistill.modeling.vocab import DraftVocab, remap_draft_vocab
 from specdistill.ops.policy import Check, GateVerdict
 from specdistill.ops.registry import RegisteredDraft
-from specdistill.pipeline.config import load_nightly_config, run_root
+from specdistill.pipeline.nightly_recipe import load_nightly_config, run_root
 from specdistill.pipeline.outputs import Champion, GeneratedData, Promoted, ServingDecision, Trained, Untrained, Window
 from specdistill.pipeline.report import report_table
 from specdistill.pipeline.stages import bench
@@ -23,6 +22,7 @@ from specdistill.pipeline.stages.align import align_champion
 from specdistill.pipeline.stages.distill import distill_draft
 from specdistill.pipeline.stages.target import describe_target
 from specdistill.pipeline.stages.window import select_window
+from specdistill.recipe import ConfigError
 from specdistill.speculative.specs import DrafterSpec
 from tests.conftest import bench_result, train_bpe, trained_result
 
@@ -45,8 +45,8 @@ def test_config_errors_name_the_key(override, match):
 def test_the_train_section_is_the_distillation_config_with_the_nightly_defaults():
     """`train:` is a DistillConfig (the keys of `specdistill distill --config`), no copies; the derived schedule is
     computed in one place, visible after load; the keys it had before fail naming their new place."""
-    from specdistill.distill.config import DistillConfig, derived_schedule
-    from specdistill.pipeline.config import NightlyTrain
+    from specdistill.distill.distill_recipe import DistillConfig, derived_schedule
+    from specdistill.pipeline.nightly_recipe import NightlyTrain
 
     assert issubclass(NightlyTrain, DistillConfig)
     assert set(NightlyTrain.model_fields) == {*DistillConfig.model_fields, "incremental_lr", "incremental_steps",
@@ -71,7 +71,7 @@ def test_the_train_section_is_the_distillation_config_with_the_nightly_defaults(
     with pytest.raises(ConfigError, match="train.out_dir is set by each run"):
         load_nightly_config(None, ["train.out_dir=/x"])
     # the distillation config keeps its own defaults: the nightly's live in its section
-    from specdistill.distill.config import DataConfig
+    from specdistill.distill.distill_recipe import DataConfig
 
     plain = DistillConfig(data=DataConfig(path="x"), draft_vocab="/a/draft")
     assert plain.draft_vocab == "/a/draft" and (plain.optim.warmup_steps, plain.checkpoint_every, plain.eval_every) == (20, 100, 50)
@@ -430,7 +430,7 @@ def test_a_warm_started_head_trains_one_step_deeper_up_to_the_incremental_depth(
     """A night after the first starts from a head whose first position the nights before trained: it spends its
     minutes on depth, one unroll step past its head's up to `train.incremental_steps` (at
     `train.incremental_deep_share`); night one keeps `eagle3.steps`."""
-    from specdistill.distill.config import DataConfig, TeacherConfig
+    from specdistill.distill.distill_recipe import DataConfig, TeacherConfig
 
     cfg = load_nightly_config(None, ["train.eagle3.steps=1", "train.incremental_steps=3", "train.incremental_deep_share=0.5"])
     args = dict(data=DataConfig(path="/d/train.jsonl", kind="generated"), out_dir="/o",
@@ -700,7 +700,7 @@ def test_a_float32_run_on_a_bf16_cpu_loads_every_model_and_runs_the_feature_pass
     from specdistill.hardware import FLAGS_ENV
     from specdistill.modeling import models
     from specdistill.ops.targets import TargetVersion
-    from specdistill.pipeline.monitor_config import MonitorConfig
+    from specdistill.pipeline.monitor_recipe import MonitorConfig
     from specdistill.pipeline.stages import monitor as monitor_stage
     from specdistill.pipeline.stages.answers.stage import generate_responses
 
@@ -753,7 +753,7 @@ def test_a_float32_run_on_a_bf16_cpu_loads_every_model_and_runs_the_feature_pass
 def test_a_device_the_machine_lacks_fails_at_config_load_naming_the_key(monkeypatch):
     import torch
 
-    from specdistill.config import ConfigError
+    from specdistill.recipe import ConfigError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="device.*'cuda:1' but torch sees no CUDA device"):

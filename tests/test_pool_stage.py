@@ -8,7 +8,7 @@ from pathlib import Path
 
 from specdistill.data.prompts import Prompt
 from specdistill.distill.pool import AnswerPool
-from specdistill.pipeline.config import load_nightly_config
+from specdistill.pipeline.nightly_recipe import load_nightly_config
 from specdistill.pipeline.outputs import GeneratedData, PooledData, Window
 from specdistill.pipeline.stages.pool import pool_answers, pool_report, pool_root
 from tests.test_pool import write_night

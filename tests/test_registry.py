@@ -201,7 +201,7 @@ def test_a_version_without_its_file_hashes_is_refused_like_a_changed_one(draft_d
 
 
 def test_with_no_champion_of_its_kind_training_restarts_from_the_newest_draft_of_this_target_version_and_kind(draft_dir):
-    from specdistill.pipeline.config import load_nightly_config
+    from specdistill.pipeline.nightly_recipe import load_nightly_config
     from specdistill.pipeline.stages import champion as stage
 
     layers = load_nightly_config(None, ["target_name=restart", "train.kind=layers"])
@@ -235,7 +235,7 @@ def test_a_newer_draft_benched_no_worse_than_the_champion_is_where_the_next_nigh
     """A night that trained depth and read under the red line on harder prompts, yet no worse than the champion
     on the same ones, is not thrown away: the next night goes on from it. Only a draft benched beside this
     champion (its parent), of this target version and kind, and newer than it."""
-    from specdistill.pipeline.config import load_nightly_config
+    from specdistill.pipeline.nightly_recipe import load_nightly_config
     from specdistill.pipeline.outputs import NO_WORSE_TAG
     from specdistill.pipeline.stages import champion as stage
 

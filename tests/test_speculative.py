@@ -1,4 +1,4 @@
-"""The engine is lossless: greedy output equals target-only greedy output token for token, and
+"""The decoding loop is lossless: greedy output equals target-only greedy output token for token, and
 sampled output follows the target's distribution, for every drafting method."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from specdistill.speculative import (
     probs_from_logits,
     verify,
 )
-from specdistill.speculative import engine as engine_module
+from specdistill.speculative import decode as decode_module
 from tests.conftest import lively, make_tiny_llama
 
 VOCAB = 96
@@ -311,7 +311,7 @@ def test_chi_square_detects_a_sampler_without_the_rejection_rule(monkeypatch):
         k = draft_ids.numel()
         return k, torch.multinomial(probs_from_logits(logits[k], cfg), 1, generator=gen)[0]
 
-    monkeypatch.setattr(engine_module, "verify", accept_everything)
+    monkeypatch.setattr(decode_module, "verify", accept_everything)
     expected = exact_two_token_distribution(target, [1, 3, 1, 3], config)
     counts = sampled_two_token_counts(target, drafter, [1, 3, 1, 3], config, SAMPLES)
     pvalue = chi_square_pvalue(counts, expected)

@@ -75,7 +75,7 @@ def test_a_distillation_outside_the_state_directory_runs_beside_it(held_elsewher
     from specdistill.distill.train import claim_out_dir  # what runs first under the lock
 
     monkeypatch.setattr("specdistill.distill.train._train", lambda *a, **k: "trained")
-    from specdistill.distill.config import load_config
+    from specdistill.distill.distill_recipe import load_config
     from specdistill.distill.train import distill
 
     assert distill(load_config(None, ["data.path=x.jsonl", f"out_dir={tmp_path / 'out'}", "device=cpu"])) == "trained"

@@ -1,5 +1,5 @@
 """The suffix drafter: its drafts equal a brute-force reading of the definition, its memory is bounded,
-and the engine stays lossless with it (greedy token for token, chain and tree; sampling by chi-square)."""
+and the decoding loop stays lossless with it (greedy token for token, chain and tree; sampling by chi-square)."""
 
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def test_draft_equals_brute_force_reference(corpus, context, k, params):
 @settings(max_examples=100, deadline=None)
 @given(context=st.lists(tokens_small, min_size=1, max_size=40), params=params_st, cut=st.integers(1, 40))
 def test_request_index_follows_the_sequence_as_it_grows(context, params, cut):
-    """One drafter across a growing sequence (as the engine calls it) drafts as a fresh one would."""
+    """One drafter across a growing sequence (as the decoding loop calls it) drafts as a fresh one would."""
     drafter = SuffixDrafter(None, params)
     for n in range(1, len(context) + 1):
         got = drafter.draft(torch.tensor(context[:n]), 4)
@@ -143,7 +143,7 @@ def test_large_occurrence_sets_are_counted_on_a_sample():
 
 
 # --------------------------------------------------------------------------------------------
-# The engine with a suffix drafter
+# The decoding loop with a suffix drafter
 
 
 def _own_answers(target, prompts, n=24):

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from specdistill.data.prompts import Prompt
 from specdistill.pipeline import tail
-from specdistill.pipeline.config import load_nightly_config
+from specdistill.pipeline.nightly_recipe import load_nightly_config
 from specdistill.pipeline.outputs import GeneratedData, Untrained, Window
 from specdistill.pipeline.stage_budgets import stage_budgets, stage_deadline
 from specdistill.pipeline.stages import bench
@@ -134,7 +134,7 @@ def test_the_decode_speed_is_measured_at_the_benchmark_s_threads_and_torch_s_cou
 
 def test_the_generic_baseline_gives_way_under_half_its_budget(monkeypatch):
     """Optional work: with 20 s of its 1-minute budget left the generic baseline is skipped (the draft would train)."""
-    from specdistill.pipeline.config import run_root
+    from specdistill.pipeline.nightly_recipe import run_root
 
     calls = []
     monkeypatch.setattr("specdistill.distill.train.distill", lambda dcfg, deadline: calls.append(dcfg) or trained_result("g"))

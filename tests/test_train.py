@@ -11,16 +11,16 @@ import torch
 from safetensors.torch import load_file
 
 from specdistill.budget import Deadline
-from specdistill.config import ConfigError
 from specdistill.data.prompts import Prompt
 from specdistill.distill import losses
-from specdistill.distill.config import load_config
+from specdistill.distill.distill_recipe import load_config
 from specdistill.distill.examples import read_examples
 from specdistill.distill.features import build_cache
 from specdistill.distill.teacher import TeacherCache
 from specdistill.distill.train import NonFiniteLossError, distill, out_of_time
 from specdistill.modeling.vocab import DRAFT_VOCAB_FILE
 from specdistill.pipeline.stages.answers.harness import generate_answers
+from specdistill.recipe import ConfigError
 from tests.conftest import run_distill_ddp, save_tiny_target
 
 REPO = Path(__file__).resolve().parents[1]

@@ -225,7 +225,7 @@ def test_nightly_serving_choice_measured_in_vllm(vllm_servers, eagle_head, tmp_p
     from specdistill.engines.vllm import bench as vllm_bench
     from specdistill.ops.policy import GateVerdict
     from specdistill.ops.serving import read_serving_config, write_serving_config
-    from specdistill.pipeline.config import load_nightly_config
+    from specdistill.pipeline.nightly_recipe import load_nightly_config
     from specdistill.pipeline.outputs import TargetInfo
     from specdistill.pipeline.serving import serving_config
     from specdistill.pipeline.stages.choose_mode import choose_serving
@@ -288,7 +288,7 @@ def test_nightly_answer_stage_through_vllm(vllm_servers, tmp_path, monkeypatch):
 
     from specdistill.distill.teacher import CACHE_META
     from specdistill.engines.vllm import bench as vllm_bench
-    from specdistill.pipeline.config import load_nightly_config
+    from specdistill.pipeline.nightly_recipe import load_nightly_config
     from specdistill.pipeline.stages.answers import stage as answers
     from specdistill.pipeline.stages.ingest import ingest_source
     from specdistill.pipeline.stages.window import select_window

@@ -172,7 +172,7 @@ def test_a_server_stops_when_the_command_that_started_it_is_killed(tmp_path):
 
 def test_serving_choice_skips_a_mode_vllm_refused():
     from specdistill.ops.policy import GateVerdict
-    from specdistill.pipeline.config import load_nightly_config
+    from specdistill.pipeline.nightly_recipe import load_nightly_config
     from specdistill.pipeline.stages.choose_mode import choose_serving
     from specdistill.pipeline.stages.engine_bench import refused_entry
     from specdistill.speculative.harness_bench import BenchResult
@@ -206,8 +206,8 @@ def test_live_sample_carries_per_position_acceptance():
 
 
 def test_vllm_answers_need_no_gguf_target(tmp_path):
-    from specdistill.config import ConfigError
-    from specdistill.pipeline.config import load_nightly_config
+    from specdistill.pipeline.nightly_recipe import load_nightly_config
+    from specdistill.recipe import ConfigError
 
     ok = load_nightly_config(None, [f"target={tmp_path}", "generation.backend=openai", "generation.engine=vllm"])
     assert ok.generation.engine == "vllm" and ok.generation.url is None

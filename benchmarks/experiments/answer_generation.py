@@ -91,7 +91,7 @@ import torch
 import specdistill  # noqa: F401  (offline environment)
 from specdistill.data.datasets import sharegpt_first_turns
 from specdistill.data.prompts import MAX_PROMPT_TOKENS, Prompt, encode_chat
-from specdistill.distill.config import Eagle3Config
+from specdistill.distill.distill_recipe import Eagle3Config
 from specdistill.distill.examples import encode_generated
 from specdistill.distill.features import FeatureCache, build_feature_cache
 from specdistill.distill.teacher import TeacherCache

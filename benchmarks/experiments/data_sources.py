@@ -44,14 +44,14 @@ import specdistill  # noqa: E402,F401  (offline environment)
 from benchmarks.common import answer, answer_caches, log  # noqa: E402
 from specdistill.data.datasets import sharegpt_first_turns  # noqa: E402
 from specdistill.data.prompts import encode_chat  # noqa: E402
-from specdistill.distill.config import DataConfig, TeacherConfig  # noqa: E402
+from specdistill.distill.distill_recipe import DataConfig, TeacherConfig  # noqa: E402
 from specdistill.distill.examples import Example, encode_conversation, read_done  # noqa: E402
 from specdistill.distill.features import FEATURE_META  # noqa: E402
 from specdistill.distill.prefill import label_by_prefill  # noqa: E402
 from specdistill.distill.train import distill  # noqa: E402
 from specdistill.hardware import describe_device  # noqa: E402
 from specdistill.modeling.models import load_model  # noqa: E402
-from specdistill.pipeline.config import load_nightly_config  # noqa: E402
+from specdistill.pipeline.nightly_recipe import load_nightly_config  # noqa: E402
 
 ARMS = {
     "a": "regenerated answers only (today)",

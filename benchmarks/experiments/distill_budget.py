@@ -137,7 +137,7 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 
 def run_config(work: Path, name: str, overrides: list[str]) -> dict:
     """One training run (resumes from its checkpoints if killed; skipped if already finished)."""
-    from specdistill.distill.config import load_config
+    from specdistill.distill.distill_recipe import load_config
     from specdistill.distill.train import distill
 
     out = work / "runs" / name

@@ -78,13 +78,13 @@ def recover(work: Path, updated_dir: Path, draft_dir: Path, dtype: str, steps: i
     """The transplanted champion warm-started on the updated target's answers; returns the new draft's directory."""
     from specdistill.data.datasets import humaneval_prompts, sharegpt_first_turns
     from specdistill.data.prompts import Prompt
-    from specdistill.distill.config import DataConfig, DistillConfig, LossConfig, OptimConfig, TeacherConfig
+    from specdistill.distill.distill_recipe import DataConfig, DistillConfig, LossConfig, OptimConfig, TeacherConfig
     from specdistill.distill.teacher import TeacherCache
     from specdistill.distill.train import distill
     from specdistill.modeling.drafts import align_draft, save_draft
     from specdistill.modeling.models import load_model
     from specdistill.modeling.vocab import DraftVocab
-    from specdistill.pipeline.config import NightlyTrain
+    from specdistill.pipeline.nightly_recipe import NightlyTrain
     from specdistill.pipeline.stages.answers.harness import generate_answers
 
     out = work / f"recovered-{updated_dir.name}-{draft_dir.name}-{steps}"

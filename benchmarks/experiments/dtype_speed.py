@@ -1,7 +1,7 @@
 """Target-only decoding in fp32 and bf16, side by side in one run: the bf16 ÷ fp32 tokens/s ratio.
 
 The demo target is loaded twice (fp32 and bf16) and decodes the same held-out prompts greedily
-through our engine's target-only path (`speculative.generate` without a drafter, the baseline of
+through the decoding loop's target-only path (`speculative.generate` without a drafter, the baseline of
 every speedup). Held out: ShareGPT first turns from `--skip` records into the shipped file onwards
 (the demo ingests and trains on the file's start), chat-templated, and the last HumanEval prompts as
 raw code. For every prompt both dtypes run back to back, the order alternating from prompt to prompt
@@ -99,7 +99,7 @@ def main() -> int:
         return statistics.median(tps(a, r, slice_name, clock) / tps(b, r, slice_name, clock) for r in range(args.repeats))
 
     same = sum(a == b for a, b in zip(outputs["float32"], outputs["bfloat16"]))
-    print(f"\ntarget-only greedy decoding, demo target (SmolLM2-135M), our engine, {len(prompts)} held-out prompts, "
+    print(f"\ntarget-only greedy decoding, demo target (SmolLM2-135M), the harness, {len(prompts)} held-out prompts, "
           f"{args.max_new_tokens} new tokens, threads {torch.get_num_threads()}, {args.repeats} interleaved repeats")
     print(f"{'dtype':<14} {'tokens/s (median)':>18} {'tokens/CPU-s':>13} {'per repeat':>24}")
     for d in variants:

@@ -74,7 +74,7 @@ def main() -> None:
 
     import specdistill  # noqa: F401  (offline environment)
     from specdistill.hardware import describe_device
-    from specdistill.pipeline.config import load_nightly_config
+    from specdistill.pipeline.nightly_recipe import load_nightly_config
     from specdistill.pipeline.stages.answers.harness import generate_answers
     from specdistill.pipeline.stages.answers.stage import generate_responses
     from specdistill.pipeline.stages.ingest import ingest_source

@@ -31,7 +31,7 @@ import torch
 import specdistill  # noqa: F401  (offline environment)
 from benchmarks.experiments.distill_budget import log, select_prompts, write_jsonl
 from specdistill.data.prompts import Prompt
-from specdistill.distill.config import DataConfig, DistillConfig, Eagle3Config, LossConfig, OptimConfig, TeacherConfig
+from specdistill.distill.distill_recipe import DataConfig, DistillConfig, Eagle3Config, LossConfig, OptimConfig, TeacherConfig
 from specdistill.distill.examples import read_done, read_examples
 from specdistill.distill.features import FeatureCache, build_feature_cache
 from specdistill.distill.pool import AnswerPool

@@ -66,7 +66,7 @@ def main() -> None:
     from specdistill.distill.prefill import label_by_prefill
     from specdistill.hardware import describe_device
     from specdistill.modeling.models import shared_model
-    from specdistill.pipeline.generation_config import LoggedConfig
+    from specdistill.pipeline.generation_section import LoggedConfig
     from specdistill.pipeline.stages.answers.harness import generate_answers
     from specdistill.pipeline.stages.answers.logged import check_response, own_text_check
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import specdistill  # noqa: F401  (offline environment)
-from specdistill.distill.config import load_config
+from specdistill.distill.distill_recipe import load_config
 from specdistill.distill.examples import collate, read_examples
 from specdistill.distill.layer_task import DraftWithHead, batch_loss
 from specdistill.distill.teacher import OnlineTeacher, TeacherCache

@@ -43,7 +43,7 @@ import torch
 
 import specdistill  # noqa: F401  (offline environment)
 from specdistill import hardware
-from specdistill.distill.config import load_config
+from specdistill.distill.distill_recipe import load_config
 from specdistill.distill.eagle3_train import Eagle3Task, Eagle3Trainee, collate_eagle3, eagle3_heldout_acceptance, eagle3_loss
 from specdistill.distill.examples import read_examples
 from specdistill.distill.features import FeatureCache, OnlineFeatures, build_feature_cache

@@ -77,7 +77,7 @@ def _check_drafting(args: argparse.Namespace) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from specdistill.modeling.models import dtype_name, load_model  # lazy: CLI start-up
     from specdistill.speculative import SamplingConfig, generate  # lazy: CLI start-up
-    from specdistill.speculative.engine import STOPPED_AT_CONTEXT  # lazy: CLI start-up
+    from specdistill.speculative.decode import STOPPED_AT_CONTEXT  # lazy: CLI start-up
     from specdistill.speculative.harness_bench import encode_prompt  # lazy: CLI start-up
 
     _check_drafting(args)

@@ -10,7 +10,7 @@ from specdistill.cli.common import Subcommands, command, emit
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
-    from specdistill.distill.config import load_config  # lazy: CLI start-up
+    from specdistill.distill.distill_recipe import load_config  # lazy: CLI start-up
     from specdistill.distill.train import distill  # lazy: CLI start-up
 
     config = load_config(args.config, args.overrides)  # fails on unknown keys before any work
@@ -28,5 +28,5 @@ def cmd_distill(args: argparse.Namespace) -> int:
 def register(sub: Subcommands) -> None:
     p = command(sub, "distill", cmd_distill, "distill a draft from its target (YAML config, key=value overrides)",
                 example="distill --config deploy/distill/demo.yaml optim.lr=3e-4 loss.kind=jsd")
-    p.add_argument("--config", default=None, help="YAML file; see specdistill.distill.config.DistillConfig")
+    p.add_argument("--config", default=None, help="YAML file; see specdistill.distill.distill_recipe.DistillConfig")
     p.add_argument("overrides", nargs="*", help="dotted overrides such as optim.lr=3e-4 loss.kind=jsd")

@@ -28,7 +28,7 @@ from specdistill.cli.common import (
 def cmd_nightly(args: argparse.Namespace) -> int:
     """`pipeline run` and `demo [run]` (which has no --config: the demo recipe, deploy/nightly/demo.yaml)."""
     from specdistill.ops.serving import serving_path  # lazy: CLI start-up
-    from specdistill.pipeline.config import DEMO_RECIPE, load_nightly_config  # lazy: CLI start-up
+    from specdistill.pipeline.nightly_recipe import DEMO_RECIPE, load_nightly_config  # lazy: CLI start-up
 
     config_path = str(DEMO_RECIPE) if getattr(args, "demo", False) else args.config
     overrides = list(args.overrides)

@@ -60,7 +60,7 @@ def cmd_target_history(args: argparse.Namespace) -> int:
 
 
 def cmd_monitor_run(args: argparse.Namespace) -> int:
-    from specdistill.pipeline.monitor_config import load_monitor_config  # lazy: CLI start-up
+    from specdistill.pipeline.monitor_recipe import load_monitor_config  # lazy: CLI start-up
 
     load_monitor_config(args.config, args.overrides)  # a bad file or key fails here, before Prefect starts
     from flows.monitor import monitor  # lazy: Prefect, only when a flow runs
@@ -145,7 +145,7 @@ def register(sub: Subcommands) -> None:
     p = command(monitor, "run", cmd_monitor_run, "run the monitoring flow once: sample acceptance, fall back and retrain below 50%",
                 example="monitor run --config deploy/monitor/monitor.yaml replay_prompts=8")
     p.add_argument("--config", default=None,
-                   help="monitor YAML config (default: the code's defaults in specdistill/pipeline/monitor_config.py)")
+                   help="monitor YAML config (default: the code's defaults in specdistill/pipeline/monitor_recipe.py)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. replay_prompts=8")
     p = command(monitor, "sample", cmd_monitor_sample, "replay the newest logged prompts: the draft's acceptance on the target",
                 example="monitor sample --target demo --draft models:/draft@champion --n 16 --threads 1")

@@ -19,8 +19,8 @@ from pydantic import Field
 
 from specdistill import paths
 from specdistill.acceptance import DEFAULT_GAMMA
-from specdistill.config import Gamma, NewTokens, Repeats, Seed, Strict
 from specdistill.data.record import Record
+from specdistill.recipe import Gamma, NewTokens, Repeats, Seed, Strict
 
 # The lossless criterion's near-tie tolerance (fp32 logit margin) that results count divergences by: bf16
 # near-ties measured on the demo target were at most 0.29 fp32 logits apart; a token the target does not

@@ -22,8 +22,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from specdistill import paths
-from specdistill.config import load_yaml
-from specdistill.distill.config import DistillConfig, save_config
+from specdistill.distill.distill_recipe import DistillConfig, save_config
+from specdistill.recipe import load_yaml
 
 CKPT_PREFIX = "step-"
 _COMPLETE = re.compile(rf"{CKPT_PREFIX}(\d+)")  # step-0000042; step-0000042.tmp is a write in progress or one that died

@@ -10,7 +10,7 @@ import torch
 
 from specdistill.acceptance import DEFAULT_GAMMA, expected_tokens_per_round
 from specdistill.distill import losses
-from specdistill.distill.config import DistillConfig
+from specdistill.distill.distill_recipe import DistillConfig
 from specdistill.distill.examples import Batch, Example, collate
 from specdistill.distill.teacher import OnlineTeacher, TeacherCache, drop_stale, to_draft_space
 from specdistill.distill.trained import HeldoutAcceptance

@@ -39,7 +39,7 @@ from specdistill.distill.checkpoints import (
     remove_unfinished,
     save_checkpoint,
 )
-from specdistill.distill.config import DistillConfig, save_config
+from specdistill.distill.distill_recipe import DistillConfig, save_config
 from specdistill.distill.eagle3_train import Eagle3Task
 from specdistill.distill.examples import DataOrder, read_examples
 from specdistill.distill.layer_task import LayerTask

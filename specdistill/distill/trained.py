@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdistill.data.record import Record
-from specdistill.distill.config import FEATURE_KINDS
+from specdistill.distill.distill_recipe import FEATURE_KINDS
 
 
 @dataclass(frozen=True)

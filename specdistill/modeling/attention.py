@@ -3,9 +3,9 @@
 For the few queries of a decode step or a verification PyTorch's CPU flash-attention kernel is slow
 in bf16: one query of the demo target (9 query heads over 3 kv heads, 200 cached tokens) took 190 µs
 a layer against about 50 µs as plain matmuls (1 thread); with 16 sequences, ~150 cached tokens, 1.3
-ms against 0.64 ms a layer (`benchmarks/experiments/answer_generation.py`, `benchmarks/experiments/engine_vs_hf.py`).
+ms against 0.64 ms a layer (`benchmarks/experiments/answer_generation.py`, `benchmarks/experiments/decode_vs_hf.py`).
 Prefill keeps SDPA. The query heads of one kv head are stacked into one matmul (keys never repeated).
-The result matches SDPA's up to rounding; the engine's target-only baseline runs the same attention,
+The result matches SDPA's up to rounding; the decoding loop's target-only baseline runs the same attention,
 so its lossless checks compare like with like.
 
 In bf16, oneDNN's batched matmul copies any non-dense operand first (a transposed view too), so the

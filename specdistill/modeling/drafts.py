@@ -23,7 +23,7 @@ from specdistill.modeling.attention import decode_attention_for
 from specdistill.modeling.eagle3 import Eagle3Cache, Eagle3Draft
 from specdistill.modeling.eagle3_files import META_FILE
 from specdistill.modeling.kv_cache import preallocated_cache
-from specdistill.modeling.lean import engine_forward
+from specdistill.modeling.lean import decode_forward
 from specdistill.modeling.vocab import (
     DraftVocab,
     VocabReport,
@@ -189,10 +189,10 @@ def measure_cost_ratio(
     step = torch.randint(0, vocab_size, (1, 1))
 
     def decode_target(cache):
-        engine_forward(target, step, cache, sync=True)
+        decode_forward(target, step, cache, sync=True)
 
     def decode_draft(cache):
-        out = engine_forward(draft, step, cache, head=draft_vocab is None, sync=draft_vocab is None)
+        out = decode_forward(draft, step, cache, head=draft_vocab is None, sync=draft_vocab is None)
         if draft_vocab is not None:
             hardware.synchronize(draft_vocab.logits(out[:, -1], draft.get_output_embeddings().weight).device)
 
@@ -204,15 +204,15 @@ def measure_cost_ratio(
         fn(cache)
         return time.perf_counter() - start
 
-    # the engine's steps: its attention, its forward, a preallocated cache for the target
+    # the decoding loop's steps: its attention, its forward, a preallocated cache for the target
     with decode_attention_for(target, None if isinstance(draft, Eagle3Draft) else draft):
         if isinstance(draft, Eagle3Draft):
             decode_draft, d_cache = _eagle3_step(draft, ids, step)
         else:
             d_cache = DynamicCache(config=draft.config)
-            engine_forward(draft, ids, d_cache)
+            decode_forward(draft, ids, d_cache)
         t_cache = preallocated_cache(target, 1, context + 1)
-        engine_forward(target, ids, t_cache)
+        decode_forward(target, ids, t_cache)
         for _ in range(2):  # warm-up
             timed(decode_target, t_cache), timed(decode_draft, d_cache)
         ratios = []

@@ -51,7 +51,7 @@ def lean_forward(model: PreTrainedModel, input_ids: torch.Tensor, cache: Cache, 
     hidden states entering the `capture` layers concatenated, or None), appending the new tokens to
     `cache`. `mask`: bool `[B or 1, 1, T, past + T]`, True attended; causal without one."""
     inner = model.model
-    device = inner.embed_tokens.weight.device  # the engine's bookkeeping stays on the CPU; the model's inputs go here
+    device = inner.embed_tokens.weight.device  # the decoding loop's bookkeeping stays on the CPU; the model's inputs go here
     input_ids = input_ids.to(device)
     batch, new = input_ids.shape
     past = cache.get_seq_length()
@@ -88,11 +88,11 @@ def lean_forward(model: PreTrainedModel, input_ids: torch.Tensor, cache: Cache, 
     return (model.lm_head(hidden) if head else hidden), features
 
 
-def engine_forward(model: PreTrainedModel, input_ids: torch.Tensor, cache: Cache, keep: int = 1,
+def decode_forward(model: PreTrainedModel, input_ids: torch.Tensor, cache: Cache, keep: int = 1,
                    head: bool = True, sync: bool = False) -> torch.Tensor:
-    """Logits (with `head=False` final-norm hidden states) of the last `keep` positions as the engine
+    """Logits (with `head=False` final-norm hidden states) of the last `keep` positions as the decoding loop
     computes them: drafts step through it and cost measurements time it, so that they price the
-    steps the engine actually runs. `sync`: wait for the device (a GPU runs asynchronously)."""
+    steps the loop actually runs. `sync`: wait for the device (a GPU runs asynchronously)."""
     if supports_lean(model):
         out = lean_forward(model, input_ids, cache, keep=keep, head=head)[0]
     elif head:

@@ -27,8 +27,8 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from specdistill import paths
-from specdistill.config import load_yaml
 from specdistill.env import driver_url, mask_url
+from specdistill.recipe import load_yaml
 
 DRAFT_ARTIFACT = "draft"
 FILES_TAG = "draft_files_sha256"  # {relative path: sha256} of the registered checkpoint's files

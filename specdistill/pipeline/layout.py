@@ -12,7 +12,7 @@ from pathlib import Path
 from specdistill import paths
 from specdistill.data.datasets import humaneval_path, sharegpt_path
 from specdistill.distill.features import FEATURE_META
-from specdistill.pipeline.config import SourceConfig
+from specdistill.pipeline.nightly_recipe import SourceConfig
 
 CORPUS_FILE = "suffix_corpus.safetensors"  # beside the answers; under the state directory, the newest night's
 

@@ -16,8 +16,8 @@ from specdistill.data.results import BenchResult
 from specdistill.env import mask_secrets
 from specdistill.ops.policy import Decision, GateVerdict, Role, first_position
 from specdistill.ops.registry import RegisteredDraft
-from specdistill.pipeline.config import NightlyConfig, run_root
 from specdistill.pipeline.layout import sglang_corpus_path
+from specdistill.pipeline.nightly_recipe import NightlyConfig, run_root
 from specdistill.pipeline.outputs import MonitorOutcome, Promoted, ServingDecision, TargetInfo, Trained, Window
 from specdistill.pipeline.serving import gamma_note
 from specdistill.speculative.specs import DrafterSpec

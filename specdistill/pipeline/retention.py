@@ -28,7 +28,7 @@ from pathlib import Path
 from specdistill import paths
 from specdistill.data.logstore import LogStore
 from specdistill.distill.pool import POOL_MANIFEST, AnswerPool, PoolNight, _delete_night_data
-from specdistill.pipeline.config import run_root
+from specdistill.pipeline.nightly_recipe import run_root
 from specdistill.speculative.suffix_corpus import CorpusError, load_corpus, save_corpus
 
 ANSWER_FILES = ("train_generated.jsonl", "eval_generated.jsonl")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from specdistill import hardware
 from specdistill.budget import Deadline, share
-from specdistill.pipeline.config import NightlyConfig
+from specdistill.pipeline.nightly_recipe import NightlyConfig
 
 
 def stage_budgets(config: NightlyConfig) -> dict[str, float | None]:

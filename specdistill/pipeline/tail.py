@@ -23,10 +23,10 @@ from specdistill.data.prompts import encode_chat
 from specdistill.data.record import Record
 from specdistill.modeling.models import shared_model
 from specdistill.ops.policy import Role
-from specdistill.pipeline.config import NightlyConfig, target_tokenizer
+from specdistill.pipeline.nightly_recipe import NightlyConfig, target_tokenizer
 from specdistill.pipeline.outputs import Untrained, Window
 from specdistill.pipeline.stage_budgets import stage_budgets, stage_deadline
-from specdistill.speculative.engine import generate
+from specdistill.speculative.decode import generate
 from specdistill.speculative.specs import SELF_SPEC, DrafterSpec
 from specdistill.speculative.threads import ThreadChoice, ThreadWatch
 

@@ -1,4 +1,6 @@
-"""Speculative decoding: the loop (`engine.generate`) and the drafters it verifies.
+"""Speculative decoding: the decoding loop (`decode.generate`, gpt-fast's `speculative_decode`) and the
+drafters whose proposals it verifies. "Engine" names what runs the target (the harness, this project's
+PyTorch engine, which decodes through this loop; llama.cpp and vLLM in `specdistill.engines`), never the loop.
 
 Target-only decoding (no drafter) is the baseline. The drafter kinds are the modules of `kinds/`, which
 register them in `specs.KINDS` (the list to trust): a layer draft (a small LM with the target's tokenizer),
@@ -23,8 +25,8 @@ _HOMES = {
     "Drafter": "drafters", "ModelDrafter": "drafters", "NgramDrafter": "drafters", "SelfSpecDrafter": "drafters",
     "early_exit_model": "drafters",
     "EagleDrafter": "eagle",
-    "GenerationResult": "engine", "SpecStats": "engine", "context_length": "engine", "default_stop_ids": "engine",
-    "generate": "engine",
+    "GenerationResult": "decode", "SpecStats": "decode", "context_length": "decode", "default_stop_ids": "decode",
+    "generate": "decode",
     "SamplingConfig": "sampling", "probs_from_logits": "sampling", "verify": "sampling",
     "DrafterSpec": "specs", "drafter_from_spec": "specs",
 }

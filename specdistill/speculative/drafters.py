@@ -15,20 +15,20 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specdistill.acceptance import NGRAM_WINDOW
-from specdistill.modeling.lean import engine_forward
+from specdistill.modeling.lean import decode_forward
 from specdistill.modeling.vocab import DraftVocab, VocabAlignmentError
 from specdistill.speculative.sampling import SamplingConfig, pick_token
 
 
 class Drafter(Protocol):
-    """Everything the engine asks of a drafter. A drafter class subclasses this to get the defaults: a
+    """Everything the decoding loop asks of a drafter. A drafter class subclasses this to get the defaults: a
     chain drafter (`tree_width` 1) that needs no target features, has no model of its own and no state
     to reset or roll back.
 
-    - `tree_width` > 1: when decoding greedily the engine verifies `propose_tree`'s tree instead of a chain;
-    - `feature_layers` (the EAGLE drafter): the target layers whose inputs it drafts from; the engine
+    - `tree_width` > 1: when decoding greedily the loop verifies `propose_tree`'s tree instead of a chain;
+    - `feature_layers` (the EAGLE drafter): the target layers whose inputs it drafts from; the loop
       hands it the target's features at the positions it kept after every forward (`add_features`);
-    - `model`: its own decoder, which the engine's few-token attention covers too (None: none)."""
+    - `model`: its own decoder, which the loop's few-token attention covers too (None: none)."""
 
     name: str
     tree_width: int = 1
@@ -117,7 +117,7 @@ class ModelDrafter(Drafter):
         self.cached = 0
 
     def _next_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        out = engine_forward(self.model, input_ids, self.cache, head=self.head_weight is None)[0, -1]
+        out = decode_forward(self.model, input_ids, self.cache, head=self.head_weight is None)[0, -1]
         return (out if self.head_weight is None else torch.mv(self.head_weight, out)).cpu()  # drafting runs on the CPU
 
     def _full_ids(self, d: torch.Tensor) -> torch.Tensor:
@@ -157,7 +157,7 @@ class ModelDrafter(Drafter):
         """Greedy drafts as a tree (node ids, parent indices, -1 for the pending token): the chain of k
         after the draft's top candidate, then its next `tree_width - 1` candidates for the first position.
 
-        Only the chain enters the draft's KV cache; the engine rolls back to the accepted chain prefix,
+        Only the chain enters the draft's KV cache; the loop rolls back to the accepted chain prefix,
         so a runner-up that wins is fed to the draft with the target's next token in the next round.
         """
         chain, _, runner_ups = self._draft(tokens, k, SamplingConfig(), None, self.tree_width)

@@ -6,7 +6,7 @@ produced features for positions 0..L-2 only, so the committed entries are 0..L-2
 drafts token L. Each later draft step feeds the head's own output (what `Eagle3Draft.forward` returns)
 back at the next position; those entries are speculative and `rollback` drops all of them, accepted or not: once the target
 has verified a round, its real features for the pending token and the accepted drafts replace them
-(`add_features`, called by the engine after every target forward). The correction or bonus token
+(`add_features`, called by the decoding loop after every target forward). The correction or bonus token
 has no features until the next round, which is why the committed entries always end at L-2.
 """
 
@@ -22,7 +22,7 @@ from specdistill.speculative.sampling import SamplingConfig, pick_token
 
 
 class EagleDrafter(Drafter):
-    """Drafts with an EAGLE-3 head; `feature_layers` tells the engine which target layers to hook."""
+    """Drafts with an EAGLE-3 head; `feature_layers` tells the decoding loop which target layers to hook."""
 
     def __init__(self, head: Eagle3Draft, target: PreTrainedModel, name: str = "eagle3", tree_width: int = 1,
                  tree_budget: int | None = None):
@@ -65,7 +65,7 @@ class EagleDrafter(Drafter):
         if self.featured != end:
             raise RuntimeError(
                 f"the EAGLE drafter has the target's features for {self.featured} positions, needs {end}: "
-                "it drafts only inside the engine's generate(), which hands it the features"
+                "it drafts only inside the decoding loop's generate(), which hands it the features"
             )
         if self.pending is None:
             return
@@ -147,6 +147,6 @@ class EagleDrafter(Drafter):
         if valid_len - 1 < self.committed:
             raise RuntimeError(f"cannot roll back to {valid_len} tokens: {self.committed} positions are committed")
         self.cache.crop(self.committed)
-        if self.featured > valid_len - 1:  # features of positions past the sequence (never from the engine)
+        if self.featured > valid_len - 1:  # features of positions past the sequence (never from the decoding loop)
             self.pending = self.pending[: valid_len - 1 - self.committed] if valid_len - 1 > self.committed else None
 

@@ -32,7 +32,7 @@ from specdistill.budget import Deadline
 from specdistill.data.results import GammaSearch
 from specdistill.modeling.attention import decode_attention_for
 from specdistill.modeling.kv_cache import preallocated_cache
-from specdistill.modeling.lean import engine_forward
+from specdistill.modeling.lean import decode_forward
 from specdistill.speculative.harness_bench import BenchConfig, BenchResult, run_bench_many
 
 GAMMAS = range(1, 9)
@@ -42,11 +42,11 @@ FLAT = 0.02  # speedups within this (relative) of each other are a flat curve: t
 def measure_forward_seconds(target: PreTrainedModel, ks: Sequence[int] = tuple(range(1, 10)), *,
                             context: int = 128, repeats: int = 7) -> dict[int, float]:
     """Seconds of one forward over k new tokens with a KV cache of `context` tokens, for each k, as the
-    engine runs them; interleaved (alternating order), median of repeats: the machine is shared and noisy."""
+    decoding loop runs them; interleaved (alternating order), median of repeats: the machine is shared and noisy."""
     vocab = target.config.vocab_size
     device = next(target.parameters()).device
     ids = torch.randint(0, vocab, (1, context), device=device)
-    cache = preallocated_cache(target, 1, context + max(ks))  # as the engine runs its target
+    cache = preallocated_cache(target, 1, context + max(ks))  # as the decoding loop runs its target
     inputs = {k: torch.randint(0, vocab, (1, k), device=device) for k in ks}
 
     def timed(k: int) -> float:
@@ -54,12 +54,12 @@ def measure_forward_seconds(target: PreTrainedModel, ks: Sequence[int] = tuple(r
         if extra:
             cache.crop(-extra)
         start = time.perf_counter()
-        engine_forward(target, inputs[k], cache, keep=k, sync=True)
+        decode_forward(target, inputs[k], cache, keep=k, sync=True)
         return time.perf_counter() - start
 
     samples: dict[int, list[float]] = {k: [] for k in ks}
     with torch.inference_mode(), decode_attention_for(target):
-        engine_forward(target, ids, cache)
+        decode_forward(target, ids, cache)
         for k in ks:  # warm-up
             timed(k)
         for r in range(repeats):

@@ -32,7 +32,7 @@ from specdistill.data.results import BenchResult, BenchSettings, SliceResult, pe
 from specdistill.modeling.attention import decode_attention_for
 from specdistill.modeling.drafts import measure_cost_ratio
 from specdistill.modeling.kv_cache import preallocated_cache
-from specdistill.modeling.lean import engine_forward
+from specdistill.modeling.lean import decode_forward
 from specdistill.modeling.models import dtype_name
 from specdistill.speculative import (
     Drafter,
@@ -94,19 +94,19 @@ def measure_drafter_cost(target: PreTrainedModel, drafter: Drafter, context: int
     lookup's (an upper bound: in a round the suffix drafter covers, the model drafts nothing)."""
     if (parts := drafter.parts()) != [drafter]:
         return sum(measure_drafter_cost(target, part, context, repeats) for part in parts)
-    if (step := drafter.step_module()) is not None:  # a head's proposals need the engine's features: time its step
+    if (step := drafter.step_module()) is not None:  # a head's proposals need the decoding loop's features: time its step
         module, vocab = step
         return measure_cost_ratio(target, module, draft_vocab=vocab, context=context, repeats=repeats)
 
     tokens = torch.randint(0, target.config.vocab_size, (context,))
     cache = preallocated_cache(target, 1, context)
     with decode_attention_for(target):
-        engine_forward(target, tokens[None, :-1], cache)
+        decode_forward(target, tokens[None, :-1], cache)
         greedy = SamplingConfig()
         ratios = []
         for _ in range(repeats):
             start = time.perf_counter()
-            engine_forward(target, tokens[None, -1:], cache, sync=True)
+            decode_forward(target, tokens[None, -1:], cache, sync=True)
             t = time.perf_counter() - start
             cache.crop(-1)
             start = time.perf_counter()

@@ -26,7 +26,7 @@ class HybridDrafter(Drafter):
             raise ValueError(f"hybrid threshold (expected accepted suffix tokens) must be >= 0, got {threshold}")
         self.inner, self.suffix, self.threshold, self.model_gamma = model, suffix, threshold, model_gamma
         self.name = name or f"hybrid:{model.name}+{suffix.name}@{threshold:g}"
-        self.model = model.model  # the engine routes a draft model's attention by it
+        self.model = model.model  # the decoding loop routes a draft model's attention by it
         self.tree_width = model.tree_width
         self.feature_layers = model.feature_layers
         self.suffix_rounds = self.model_rounds = 0

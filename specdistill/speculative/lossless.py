@@ -15,7 +15,7 @@ greedy choice, up to a logit margin of at most `tolerance`?
   bonus token) produces. It fails the gate.
 
 Why this cannot be fooled either way: a near-tie is judged by the fp32 target alone, not by the
-engine under test, and every token after the divergence is checked, not only the first.
+decoding loop under test, and every token after the divergence is checked, not only the first.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ little), at γ, and where match plus draft would pass `max_depth` (vLLM's tree d
 lengths and both sources the draft with the highest score (the sum of its token probabilities: the
 expected accepted length under the frequency model) wins; the request wins ties, a longer match wins
 ties among lengths. The proposal is deterministic, so q is one-hot and both greedy and sampled
-decoding stay lossless under the engine's rejection rule. With `tree_width` > 1 (greedy) the runner-up
+decoding stay lossless under the decoding loop's rejection rule. With `tree_width` > 1 (greedy) the runner-up
 continuations along the chain are verified as a tree in the same target forward.
 
 The corpus index is a suffix array of the reversed corpus (sorted to `INDEX_DEPTH` tokens by prefix
@@ -221,7 +221,7 @@ class SuffixIndex:
 
 
 class RequestIndex:
-    """The request side: its prompt and output so far, updated as tokens are accepted (the engine's
+    """The request side: its prompt and output so far, updated as tokens are accepted (the decoding loop's
     sequence only ever holds accepted tokens), with a separator after the last one."""
 
     def __init__(self):

@@ -25,7 +25,7 @@ import torch
 
 from specdistill.data.record import Record
 from specdistill.hardware import OtherLoad, usable_cpus
-from specdistill.speculative.engine import generate
+from specdistill.speculative.decode import generate
 
 
 @dataclass

@@ -11,7 +11,7 @@ from specdistill.modeling.eagle3 import Eagle3ShapeError
 from specdistill.modeling.eagle3_io import align_head
 from specdistill.modeling.models import resolve_model_dir, shared_model
 from specdistill.modeling.vocab import DraftVocab
-from specdistill.pipeline.config import NightlyConfig, config_hash, run_root, target_tokenizer
+from specdistill.pipeline.nightly_recipe import NightlyConfig, config_hash, run_root, target_tokenizer
 from specdistill.pipeline.outputs import Champion, WarmStart
 from specdistill.speculative.specs import DrafterSpec
 

@@ -11,7 +11,7 @@ from specdistill.data.prompts import Prompt, encode_chat
 from specdistill.data.results import BenchResult
 from specdistill.modeling.models import shared_model
 from specdistill.ops.policy import GateVerdict, Role, evaluate
-from specdistill.pipeline.config import NightlyConfig, target_tokenizer
+from specdistill.pipeline.nightly_recipe import NightlyConfig, target_tokenizer
 from specdistill.pipeline.outputs import Trained, WarmStart, Window
 from specdistill.pipeline.stage_budgets import stage_deadline
 from specdistill.pipeline.tail import fit_drafters, measure_decode, skipped_note

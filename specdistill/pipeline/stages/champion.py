@@ -4,7 +4,7 @@ same-kind draft registered for this target), said in words for the report."""
 from __future__ import annotations
 
 from specdistill.ops import registry
-from specdistill.pipeline.config import NightlyConfig
+from specdistill.pipeline.nightly_recipe import NightlyConfig
 from specdistill.pipeline.outputs import NO_WORSE_TAG, Champion, WarmStart
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from specdistill.data.results import BenchResult
 from specdistill.hardware import cpu_info
 from specdistill.ops.policy import Candidate, GateVerdict, fastest_mode, servable, unserved_faster_challenger
-from specdistill.pipeline.config import NightlyConfig
+from specdistill.pipeline.nightly_recipe import NightlyConfig
 from specdistill.pipeline.outputs import ServingDecision, Window
 from specdistill.pipeline.serving import gamma_note
 from specdistill.speculative.gamma import best_gamma, predict_speedups

@@ -10,12 +10,12 @@ from pathlib import Path
 from specdistill import paths
 from specdistill.data.logstore import LogStore
 from specdistill.distill import train as distill_train
-from specdistill.distill.config import DataConfig, TeacherConfig
+from specdistill.distill.distill_recipe import DataConfig, TeacherConfig
 from specdistill.distill.examples import read_done
 from specdistill.modeling.drafts import load_draft_meta
 from specdistill.modeling.models import shared_model
-from specdistill.pipeline.config import NightlyConfig, config_hash, run_root
 from specdistill.pipeline.layout import features_dir
+from specdistill.pipeline.nightly_recipe import NightlyConfig, config_hash, run_root
 from specdistill.pipeline.outputs import GeneratedData, Trained, Untrained, Window
 from specdistill.pipeline.stage_budgets import stage_budgets, stage_deadline
 from specdistill.pipeline.tail import OPTIONAL_SHARE

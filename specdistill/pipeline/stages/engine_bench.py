@@ -28,7 +28,7 @@ from specdistill.modeling.drafts import export_early_exit_draft
 from specdistill.modeling.models import load_model, resolve_model_dir, shared_model
 from specdistill.ops.policy import Role
 from specdistill.ops.serving import ServingConfig
-from specdistill.pipeline.config import NightlyConfig
+from specdistill.pipeline.nightly_recipe import NightlyConfig
 from specdistill.pipeline.outputs import Window
 from specdistill.pipeline.stage_budgets import stage_deadline
 from specdistill.speculative.specs import DrafterSpec

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from specdistill.data.ingest import IngestResult, ingest
 from specdistill.data.logstore import LogStore
-from specdistill.pipeline.config import SourceConfig
 from specdistill.pipeline.layout import resolve_source_path
+from specdistill.pipeline.nightly_recipe import SourceConfig
 
 
 def ingest_source(source: SourceConfig, log_db: str | None) -> IngestResult:

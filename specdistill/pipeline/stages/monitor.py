@@ -22,7 +22,7 @@ from specdistill.ops.replay import AcceptanceSample, FallbackDecision, held_out_
 from specdistill.ops.serving import ServingConfig, ServingConfigError, read_serving_config, write_serving_config
 from specdistill.ops.targets import TargetChange, TargetVersion, detect_change
 from specdistill.pipeline.layout import current_corpus_path
-from specdistill.pipeline.monitor_config import MonitorConfig
+from specdistill.pipeline.monitor_recipe import MonitorConfig
 from specdistill.pipeline.outputs import AppliedFallback, Champion, MonitorOutcome, RecordedDecision, Sample
 from specdistill.pipeline.serving import draft_free_fields
 from specdistill.speculative.threads import ThreadWatch, chosen_threads

@@ -17,8 +17,8 @@ from typing import Protocol
 from specdistill.data.prompts import Prompt
 from specdistill.distill.examples import read_done
 from specdistill.distill.pool import POOL_MANIFEST, AnswerPool, retire_pools
-from specdistill.pipeline.config import NightlyConfig, run_root
 from specdistill.pipeline.layout import features_dir
+from specdistill.pipeline.nightly_recipe import NightlyConfig, run_root
 from specdistill.pipeline.outputs import GeneratedData, PooledData, PoolSummary, Window
 
 REANSWERED = "reanswer-"  # key prefix of the night made of the old version's prompts

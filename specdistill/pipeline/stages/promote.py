@@ -6,7 +6,7 @@ from __future__ import annotations
 from specdistill.ops import registry
 from specdistill.ops.registry import RegisteredDraft
 from specdistill.ops.serving import serving_path
-from specdistill.pipeline.config import NightlyConfig
+from specdistill.pipeline.nightly_recipe import NightlyConfig
 from specdistill.pipeline.outputs import Promoted, ServingDecision, TargetInfo
 from specdistill.pipeline.serving import serving_config
 

@@ -6,7 +6,7 @@ from specdistill.data.results import BenchResult
 from specdistill.ops import registry
 from specdistill.ops.policy import FIRST_POSITION_TAG, SHAPE_GAMMA_TAG, SHAPE_TREE_TAG, GateVerdict, Role, first_position
 from specdistill.ops.registry import RegisteredDraft
-from specdistill.pipeline.config import NightlyConfig
+from specdistill.pipeline.nightly_recipe import NightlyConfig
 from specdistill.pipeline.outputs import NO_WORSE_TAG, TargetInfo, Trained, WarmStart, Window
 from specdistill.pipeline.report import registration_artifacts, registration_metrics, train_losses
 

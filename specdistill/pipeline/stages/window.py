@@ -8,8 +8,8 @@ from datetime import datetime, timedelta, timezone
 
 from specdistill.data.logstore import LogStore
 from specdistill.data.prompts import Prompt, usable_prompt
-from specdistill.pipeline.config import NightlyConfig, target_tokenizer
 from specdistill.pipeline.layout import resolve_source_path
+from specdistill.pipeline.nightly_recipe import NightlyConfig, target_tokenizer
 from specdistill.pipeline.outputs import Window, window_key
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from specdistill.ops import registry
 from specdistill.ops.serving import write_serving_config
-from specdistill.pipeline.config import NightlyConfig
+from specdistill.pipeline.nightly_recipe import NightlyConfig
 from specdistill.pipeline.outputs import Champion, ServingDecision, TargetInfo
 from specdistill.pipeline.serving import serving_config
 

@@ -38,7 +38,7 @@ from pathlib import Path
 from specdistill import hardware, paths
 from specdistill.data.prompts import Prompt, encode_chat
 from specdistill.data.record import Record
-from specdistill.distill.config import Eagle3Config
+from specdistill.distill.distill_recipe import Eagle3Config
 from specdistill.distill.examples import encode_generated
 from specdistill.distill.features import FeatureCache, build_feature_cache
 from specdistill.distill.teacher import TeacherCache
@@ -46,7 +46,7 @@ from specdistill.engines.llamacpp import build
 from specdistill.engines.llamacpp.engine import gguf_dtype, target_server
 from specdistill.modeling.eagle3 import default_aux_layers
 from specdistill.modeling.models import LoadedModel, dtype_name
-from specdistill.pipeline.config import NightlyConfig, config_hash, run_root
+from specdistill.pipeline.nightly_recipe import NightlyConfig, config_hash, run_root
 from specdistill.pipeline.stages.answers.engine_client import complete_ids, connect, generate_answers_openai
 from specdistill.pipeline.stages.answers.harness import answer_batch, answer_threads, generate_answers
 from specdistill.speculative.threads import thread_candidates, usable_cores

@@ -27,7 +27,7 @@ from specdistill.distill.features import FEATURE_DTYPE, FeatureCache, feature_st
 from specdistill.distill.teacher import TeacherCache
 from specdistill.modeling.attention import decode_attention_for
 from specdistill.modeling.models import LoadedModel, dtype_name
-from specdistill.pipeline.config import NightlyConfig
+from specdistill.pipeline.nightly_recipe import NightlyConfig
 from specdistill.pipeline.stages.answers.answer_file import answer_record, append_records, resume
 from specdistill.pipeline.stages.answers.decode_loop import FeatureRecorder, TopKRecorder, decode_batch
 from specdistill.speculative.threads import ThreadWatch, chosen_threads

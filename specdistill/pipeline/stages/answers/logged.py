@@ -28,7 +28,6 @@ from pathlib import Path
 
 from specdistill import paths
 from specdistill.budget import Deadline
-from specdistill.config import ConfigError
 from specdistill.data.logstore import LogStore
 from specdistill.data.prompts import Prompt, encode_chat
 from specdistill.distill.examples import Example, encode_conversation
@@ -39,6 +38,7 @@ from specdistill.modeling.models import LoadedModel
 from specdistill.ops.targets import Period, absolute_ref, held_at, served_name_periods, target_history
 from specdistill.pipeline.outputs import LoggedData
 from specdistill.pipeline.stages.answers.answer_file import append_records
+from specdistill.recipe import ConfigError
 
 OTHER_SUFFIX = "~log"  # the id of another model's labelled response: `<conversation id>~log`
 

@@ -19,7 +19,7 @@ from specdistill import paths
 from specdistill.budget import Deadline
 from specdistill.data.logstore import LogStore
 from specdistill.data.prompts import Prompt, encode_chat
-from specdistill.distill.config import Eagle3Config
+from specdistill.distill.distill_recipe import Eagle3Config
 from specdistill.distill.examples import read_done
 from specdistill.distill.features import FEATURE_META, FeatureCache
 from specdistill.distill.teacher import TeacherCache
@@ -27,8 +27,8 @@ from specdistill.engines.llamacpp import engine as llamacpp
 from specdistill.engines.vllm import bench as vllm_bench
 from specdistill.modeling.eagle3 import default_aux_layers
 from specdistill.modeling.models import LoadedModel, dtype_name, shared_model
-from specdistill.pipeline.config import NightlyConfig, config_hash, run_root
 from specdistill.pipeline.layout import features_dir
+from specdistill.pipeline.nightly_recipe import NightlyConfig, config_hash, run_root
 from specdistill.pipeline.outputs import GeneratedData, LoggedData, Window
 from specdistill.pipeline.stage_budgets import stage_deadline
 from specdistill.pipeline.stages.answers.choose_engine import HARNESS, LLAMACPP, AnswerEngine, choose_answer_engine, supersede

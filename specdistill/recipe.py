@@ -1,5 +1,5 @@
-"""One config loader for every config of the project (distill, nightly, monitor): YAML file plus
-dotted `key=value` overrides, validated by a typed pydantic model.
+"""What every recipe is read through. A recipe (deploy/: nightly, monitor, distill) is a YAML file plus dotted
+`key=value` overrides, mapped onto its typed config (a pydantic model made of the bounded types below) and validated.
 
 Unknown or mistyped keys fail at load time, naming the file and the key, before a model is loaded; so
 do numbers that are not finite and counts out of their range (the bounded types below, `specdistill.bounds`).

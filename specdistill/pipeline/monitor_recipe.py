@@ -1,5 +1,5 @@
-"""The monitoring flow's config: one typed model that `deploy/monitor/monitor.yaml` and dotted `key=value`
-overrides map onto, naming the nightly config its incremental distillation runs."""
+"""The monitor recipe: its typed config, `MonitorConfig`, that deploy/monitor/*.yaml and dotted `key=value`
+overrides map onto, naming the nightly recipe its incremental distillation runs."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from typing import Literal
 
 from pydantic import Field
 
-from specdistill.config import ConfigError, Gamma, LayerCount, NewTokens, Prompts, Repeats, Seconds, Strict, Tokens, load_model_config
 from specdistill.ops.policy import MAX_RELATIVE_DROP, RED_LINE
 from specdistill.ops.serving import read_serving_config
 from specdistill.ops.targets import current_target
-from specdistill.pipeline.config import NightlyConfig, load_nightly_config
+from specdistill.pipeline.nightly_recipe import NightlyConfig, load_nightly_config
+from specdistill.recipe import ConfigError, Gamma, LayerCount, NewTokens, Prompts, Repeats, Seconds, Strict, Tokens, load_model_config
 
 
 class MonitorConfig(Strict):

@@ -1,4 +1,4 @@
-"""The one YAML loader (`specdistill.config.load_yaml`): what a config file may expand to is bounded."""
+"""The one YAML loader (`specdistill.recipe.load_yaml`): what a recipe file may expand to is bounded."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specdistill.config import MAX_YAML_VALUES, ConfigError, YAMLTooLarge, load_yaml
-from specdistill.distill.config import load_config
-from specdistill.pipeline.config import load_nightly_config
-from specdistill.pipeline.monitor_config import load_monitor_config
+from specdistill.distill.distill_recipe import load_config
+from specdistill.pipeline.monitor_recipe import load_monitor_config
+from specdistill.pipeline.nightly_recipe import load_nightly_config
+from specdistill.recipe import MAX_YAML_VALUES, ConfigError, YAMLTooLarge, load_yaml
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,5 @@
-"""The distillation config: one typed model that the YAML file and `key=value` overrides map onto.
+"""The distill recipe: its typed config, `DistillConfig`, that deploy/distill/*.yaml (`specdistill distill --config`)
+and `key=value` overrides map onto; the nightly recipe's `train:` section extends it.
 
 The resolved config is saved next to every checkpoint, so a checkpoint always says how it was made.
 """
@@ -12,7 +13,7 @@ import yaml
 from pydantic import Field, field_validator, model_validator
 
 from specdistill import bounds, paths
-from specdistill.config import BatchSize, Gamma, Kept, Layer, Minutes, Prompts, Seed, Steps, Strict, Threads, TopK, count, load_model_config
+from specdistill.recipe import BatchSize, Gamma, Kept, Layer, Minutes, Prompts, Seed, Steps, Strict, Threads, TopK, count, load_model_config
 
 DraftKind = Literal["layers", "eagle3"]  # a layer-extracted draft, or an EAGLE-3 head over target features
 FEATURE_KINDS = frozenset({"eagle3"})  # the kinds trained on the target's hidden states (a feature pass writes them)
@@ -65,7 +66,7 @@ class OptimConfig(Strict):
     grad_accum: BatchSize = 1
     clip: float | None = Field(1.0, gt=0.0)
     # null: bf16 exactly when the models run in bf16, which only a caller that knows their dtype decides (the
-    # nightly, by its `dtype`: `pipeline.config.NightlyTrain.for_run`); a run itself needs true or false
+    # nightly, by its `dtype`: `pipeline.nightly_recipe.NightlyTrain.for_run`); a run itself needs true or false
     bf16: bool | None = False
     max_tokens: count(bounds.MAX_TOKENS, low=0) | None = None  # stop after this many trained (assistant) tokens
     max_minutes: Minutes | None = None  # stop after this much training time (eval excluded)

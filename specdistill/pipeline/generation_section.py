@@ -1,6 +1,7 @@
-"""The `generation:` section: how the night's training data is bought. The target answers the window's
-prompts (decode speed, on-policy), and the logged responses are labelled by one target prefill (prefill
-speed): the current target's own, used as they are, and other models', as extra examples."""
+"""Two sections of the nightly recipe (`nightly_recipe.NightlyConfig`), kept apart for size. `generation:`: how
+the night's training data is bought. The target answers the window's prompts (decode speed, on-policy), and the
+logged responses are labelled by one target prefill (prefill speed): the current target's own, used as they are,
+and other models', as extra examples. `remeasure:`: when a kept measurement (the answer engine, autocast) is taken again."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from specdistill import bounds
-from specdistill.config import BatchSize, Days, Minutes, NewTokens, Seconds, Strict, Threads, TopK, count
+from specdistill.recipe import BatchSize, Days, Minutes, NewTokens, Seconds, Strict, Threads, TopK, count
 
 
 class LoggedConfig(Strict):

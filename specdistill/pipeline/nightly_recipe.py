@@ -1,6 +1,6 @@
-"""The flows' configs: the nightly distillation run and the monitor, each one typed model that a YAML
-file and dotted `key=value` overrides map onto (see `specdistill.config.load_model_config`); and
-where a nightly run's outputs live, keyed by the content of what produced them (`config_hash`)."""
+"""The nightly recipe: its typed config, `NightlyConfig`, that deploy/nightly/*.yaml and dotted `key=value` overrides
+map onto (`specdistill.recipe.load_model_config`; two sections live in `generation_section`), and where a
+nightly run's outputs live, keyed by the content of what produced them (`config_hash`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,20 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_type_hints
 from pydantic import Field, create_model, field_validator, model_validator
 
 from specdistill import bounds, paths
-from specdistill.config import (
+from specdistill.data.prompts import MAX_PROMPT_TOKENS
+from specdistill.data.results import BenchSettings
+from specdistill.distill.distill_recipe import DataConfig, DistillConfig, DraftKind, Eagle3Config, LossConfig, OptimConfig, TeacherConfig
+from specdistill.env import masked_logs, stash_secrets
+from specdistill.ops.policy import (
+    CONFIDENCE,
+    DEFAULT_MARGIN,
+    MIN_SERVED_PROMPTS,
+    GateConfig,
+    Role,
+    gate_config,
+)
+from specdistill.pipeline.generation_section import GenerationConfig, RemeasureConfig
+from specdistill.recipe import (
     Days,
     Gamma,
     Kept,
@@ -31,19 +44,6 @@ from specdistill.config import (
     count,
     load_model_config,
 )
-from specdistill.data.prompts import MAX_PROMPT_TOKENS
-from specdistill.data.results import BenchSettings
-from specdistill.distill.config import DataConfig, DistillConfig, DraftKind, Eagle3Config, LossConfig, OptimConfig, TeacherConfig
-from specdistill.env import masked_logs, stash_secrets
-from specdistill.ops.policy import (
-    CONFIDENCE,
-    DEFAULT_MARGIN,
-    MIN_SERVED_PROMPTS,
-    GateConfig,
-    Role,
-    gate_config,
-)
-from specdistill.pipeline.generation_config import GenerationConfig, RemeasureConfig
 
 if TYPE_CHECKING:
     from specdistill.engines.endpoint_bench import EngineBenchConfig
@@ -98,7 +98,7 @@ class NightlyOptim(OptimConfig):
 
 
 class NightlyTrain(DistillConfig):
-    """The YAML `train:` section: the distillation config itself (`distill.config.DistillConfig`, the keys of
+    """The YAML `train:` section: the distillation config itself (`distill.distill_recipe.DistillConfig`, the keys of
     `specdistill distill --config`) as a recipe without its run's inputs, with the nightly's defaults and one
     key of its own (`incremental_lr`); each run's inputs are set by `for_run`, nowhere else."""
 
@@ -108,7 +108,7 @@ class NightlyTrain(DistillConfig):
     data: DataConfig | None = None  # the night's answers (`for_run`)
     teacher: TeacherConfig = TeacherConfig(mode="cache")  # the night's teacher cache (`for_run`)
     optim: NightlyOptim = NightlyOptim()
-    checkpoint_every: Steps | None = None  # null: `distill.config.derived_schedule`
+    checkpoint_every: Steps | None = None  # null: `distill.distill_recipe.derived_schedule`
     eval_every: Steps | None = None  # null: as checkpoint_every
     incremental_lr: float = Field(3e-4, gt=0.0)  # optim.lr of a warm start from the champion
     # a warm start's head (its first position trained by the nights before) spends its minutes on depth: one

@@ -14,9 +14,9 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from specdistill.distill.config import DistillConfig, load_config
-from specdistill.pipeline.config import DEMO_RECIPE, NightlyConfig, config_hash, load_nightly_config, run_root
-from specdistill.pipeline.monitor_config import MonitorConfig, load_monitor_config
+from specdistill.distill.distill_recipe import DistillConfig, load_config
+from specdistill.pipeline.monitor_recipe import MonitorConfig, load_monitor_config
+from specdistill.pipeline.nightly_recipe import DEMO_RECIPE, NightlyConfig, config_hash, load_nightly_config, run_root
 from specdistill.pipeline.stages.answers.stage import link_latest
 
 REPO = Path(__file__).resolve().parents[1]

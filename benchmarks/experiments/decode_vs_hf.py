@@ -1,4 +1,4 @@
-"""Our speculative decoding engine side by side with transformers' assisted generation.
+"""Our speculative decoding loop side by side with transformers' assisted generation.
 
 Same target (the demo target), same draft, same γ, same dtype, greedy, same prompts (ShareGPT first
 turns with the chat template, HumanEval prompts as raw code; both from `specdistill.data.datasets`),
@@ -10,13 +10,13 @@ re-scored by the target in fp32), for transformers' methods as for ours.
 Run it in both dtypes (every number depends on the dtype: on a CPU with AVX-512 BF16 a bf16 decode
 step is faster and a k-token verification costs about one step, against 1.5-2 steps in fp32):
 
-    python benchmarks/experiments/engine_vs_hf.py --dtype bfloat16 --prompts 20 --max-new-tokens 32 --repeats 2 --gamma 3
-    python benchmarks/experiments/engine_vs_hf.py --dtype float32 --prompts 20 --max-new-tokens 32 --repeats 2 --gamma 3
+    python benchmarks/experiments/decode_vs_hf.py --dtype bfloat16 --prompts 20 --max-new-tokens 32 --repeats 2 --gamma 3
+    python benchmarks/experiments/decode_vs_hf.py --dtype float32 --prompts 20 --max-new-tokens 32 --repeats 2 --gamma 3
 
 Our methods run through `specdistill.speculative.harness_bench.run_bench_many` (the library's rotating order,
 shared target-only run, per-repeat medians, lossless check, α, τ and measured c). transformers'
 `generate` cannot run inside that loop, so the hf-* methods run in a second loop of the same shape:
-every hf method and one target-only run of our engine per prompt, in an order that rotates from
+every hf method and one target-only run of our loop per prompt, in an order that rotates from
 prompt to prompt and repeat to repeat. Every speedup is a median over repeats against the
 target-only run of its own loop; a head-to-head ratio is the ratio of the two methods' speedups.
 
@@ -30,20 +30,20 @@ mostly compares per-round overhead); with `--draft DIR` a trained draft checkpoi
 target's dtype. ours-draft and hf-assisted both run its full-vocabulary head (transformers'
 assistant needs the target's vocabulary); ours-draft-rv uses the draft's own reduced vocabulary
 (draft_vocab.safetensors) when the checkpoint has one, as `specdistill generate --draft` does.
-ours-draft-tree is the same draft at the same γ with our engine's tree verification (`--tree-width`
+ours-draft-tree is the same draft at the same γ with our loop's tree verification (`--tree-width`
 W: the chain plus the draft's W-1 runner-ups for the first position, one target forward), which
 transformers' assisted generation does not have.
 
-    python benchmarks/experiments/engine_vs_hf.py --dtype bfloat16 --draft DIR \\
+    python benchmarks/experiments/decode_vs_hf.py --dtype bfloat16 --draft DIR \\
         --methods ours-base,hf-base,ours-draft,hf-assisted,ours-draft-rv
 
 With the demo's trained 4-layer draft (α 0.12, c 0.23 full head / 0.17 reduced), bf16, 1 thread,
 10 prompts × 48 tokens, γ 3, load average 6-8: ours-draft / hf-assisted 0.97x, ours-draft-rv /
-hf-assisted 1.14x, ours-base / hf-base 1.00x. Both engines spend their time in the same model
-forwards: in a CPU-time profile of 6 prompts our engine's work outside them was ~2% and
+hf-assisted 1.14x, ours-base / hf-base 1.00x. Both loops spend their time in the same model
+forwards: in a CPU-time profile of 6 prompts our loop's work outside them was ~2% and
 transformers' ~11%, which bounds what a leaner loop can gain with the same draft.
 
-Since then the engine runs its forwards its own way (transformers' `generate` keeps the stock
+Since then the loop runs its forwards its own way (transformers' `generate` keeps the stock
 modeling code; both get the same packed bf16 weights): matmul attention for the few tokens of a
 step or verification instead of SDPA's CPU flash kernel (`modeling.attention`), a preallocated KV
 cache, and the lean Llama forward (`modeling.lean`). With the demo's generic draft (α 0.083),
@@ -61,7 +61,7 @@ hf-assisted 1.08x, ours-draft-tree (W 4) / hf-assisted 1.10x (τ 1.26 -> 1.38, b
 dominates a round: both draft rows run at 0.76-0.77x of target-only). Every row lossless.
 
 A bf16 step of the demo target moves ~270 MB of weights (7.7 GB/s at 35 ms a step on one core):
-the GEMMs are bandwidth-bound and the same in both engines, so what is left between them is the
+the GEMMs are bandwidth-bound and the same in both loops, so what is left between them is the
 ~20% of a step in small ops and per-call machinery, of which the lean forward removes about half.
 """
 
@@ -201,7 +201,7 @@ def main() -> int:
         draft_name = f"target layers {layers} (untrained)"
     draft.generation_config.num_assistant_tokens = args.gamma
     draft.generation_config.num_assistant_tokens_schedule = "constant"
-    draft.generation_config.assistant_confidence_threshold = 0.0  # same γ every round, as in our engine
+    draft.generation_config.assistant_confidence_threshold = 0.0  # same γ every round, as in our loop
     chat, code = prompt_texts(args.prompts)
     prompts = [Prompt(t, "chat", ids=encode_prompt(tok, t, chat_template=True)) for t in chat]
     prompts += [Prompt(t, "code", ids=encode_prompt(tok, t, chat_template=False)) for t in code]
