@@ -1,6 +1,6 @@
 """How many conversations a second does `ingest` store, and whose CPU does it spend: the client's or the server's?
 
-    python benchmarks/ingest_rate.py DIR_OR_FILE [--pg-url URL | --sqlite PATH] [--format openai]
+    python benchmarks/ingest_rate.py DIR_OR_FILE [--pg-url URL | --sqlite PATH] [--format openai] [--batch-size N]
 
 Ingests every `.jsonl` / `.jsonl.gz` under DIR (sorted, as `traffic_month.py` writes them) or the one FILE into
 a fresh store: a new schema of the PostgreSQL server at `--pg-url` (default $SPECDISTILL_TEST_PG_URL, set by
@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pg-url", default=os.environ.get("SPECDISTILL_TEST_PG_URL"))
     parser.add_argument("--sqlite", type=Path, default=None, help="ingest into a new SQLite file here instead")
     parser.add_argument("--format", default="openai")
+    parser.add_argument("--batch-size", type=int, default=1000, help="records a transaction (ingest's default: 1000)")
     parser.add_argument("--label", default="", help="a name for this run in the JSON line")
     args = parser.parse_args(argv)
     files = sorted(p for p in args.traffic.rglob("*") if p.name.endswith((".jsonl", ".jsonl.gz"))) \
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         cpu0, srv0, began = client_cpu(), server_cpu(postmaster) if postmaster else 0.0, time.perf_counter()
         read = stored = size = 0
         for f in files:
-            r = ingest(f, args.format, store, progress=False)
+            r = ingest(f, args.format, store, batch_size=args.batch_size, progress=False)
             read, stored, size = read + r.read, stored + r.stored, size + r.end_offset - r.start_offset
         seconds = time.perf_counter() - began
         cpu, srv = client_cpu() - cpu0, (server_cpu(postmaster) - srv0) if postmaster else None
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         if drop:
             drop()
     print(json.dumps({
-        "label": args.label, "backend": "sqlite" if args.sqlite else "postgresql", "files": len(files),
+        "label": args.label, "batch_size": args.batch_size, "backend": "sqlite" if args.sqlite else "postgresql", "files": len(files),
         "read": read, "stored": stored, "seconds": round(seconds, 2), "records/s": round(read / seconds),
         "MB/s": round(size / 1e6 / seconds, 2), "client_cpu_s": round(cpu, 2),
         "server_cpu_s": None if srv is None else round(srv, 2), "load": [round(load0, 2), round(load1, 2)]}))
