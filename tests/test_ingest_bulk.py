@@ -69,3 +69,30 @@ def test_batches_in_flight_conserve_counts_and_end_at_the_file_s_end(store_url, 
         assert (result.read, result.stored, result.duplicates, result.quarantined) == (201, 150, 50, 1)
         assert store.watermark(str(path.resolve())).offset == path.stat().st_size == result.end_offset
         assert store.stats()["ingested"] == {"read": 201, "stored": 150, "duplicates": 50, "quarantined": 1}
+
+
+ODD_FIELDS = st.sampled_from([None, "", "m", "m\x00", "x" * 300, 7, 2**70, 1.5, -1e300, 1e20, True, [1], {"a": 1},
+                              "\ud800", 0, 1764547200, -62135596801, 253402300800, 0.0, 100.0, 100.5])
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(fields=st.lists(st.tuples(ODD_FIELDS, ODD_FIELDS, ODD_FIELDS, ODD_FIELDS, ODD_FIELDS, ODD_FIELDS),
+                       min_size=1, max_size=6))
+def test_every_conversation_the_readers_make_passes_the_stores_field_checks(tmp_path_factory, fields):
+    """`ingest` stores the readers' records with `add_batch(checked=True)`, which skips `_checked`: sound only if
+    no conversation a reader yields is one `_checked` would quarantine, whatever its logged fields."""
+    from specdistill.data.logstore import _checked
+
+    path = tmp_path_factory.mktemp("f") / "log.jsonl"
+    lines = []
+    for model, created, rid, temperature, user, request_model in fields:
+        lines.append(json.dumps({
+            "request": {"model": request_model, "messages": [{"role": "user", "content": "q"}], "temperature": temperature,
+                        "user": user},
+            "response": {"id": rid, "created": created, "model": model,
+                         "choices": [{"message": {"role": "assistant", "content": "a"}}]}}))
+    valid = json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
+    path.write_text("\n".join([valid, *lines]) + "\n")  # a valid first record: the format check passes
+    records = list(readers.read_records(path, "openai"))
+    conversations = [r for r in records if isinstance(r, readers.Conversation)]
+    assert all(_checked(c) is c for c in conversations)

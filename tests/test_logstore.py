@@ -16,6 +16,7 @@ from specdistill.data.logstore import (
     Watermark,
     content_hash,
     display_url,
+    hashes,
     prompt_hash,
     split_of,
     upgrade,
@@ -198,3 +199,25 @@ def test_content_hash_is_equal_exactly_for_equal_messages(a, b):
     assert (content_hash(a) == content_hash(b)) == (a == b)
     shifted = [Message(m.role, m.content + "x") for m in a]  # boundaries cannot be moved unnoticed
     assert content_hash(shifted) != content_hash(a)
+
+
+@settings(max_examples=300, deadline=None)
+@given(messages=MESSAGES)
+def test_both_hashes_in_one_pass_are_the_two_hashes(messages):
+    if any(m.role == "user" for m in messages):
+        assert hashes(messages) == (content_hash(messages), prompt_hash(messages))
+    else:  # no user turn: the same error as prompt_hash's
+        with pytest.raises(StopIteration):
+            hashes(messages)
+
+
+def test_a_checked_batch_stores_and_counts_as_an_unchecked_one(store):
+    """`add_batch(checked=True)` (the readers' records) skips only the field checks the readers made."""
+    got = []
+    for checked, (a, b) in ((False, ("a", "b")), (True, ("c", "d"))):
+        records = [conv(a), conv(b), conv(a, location="f:4"), Rejected("f.jsonl", "f:9", "invalid JSON", "{")]
+        run = store.begin_run("f.jsonl", "jsonl", 0)
+        counts = store.add_batch(run, records, checked=checked)
+        run_row = store.finish_run(run)
+        got.append(((counts.stored, counts.duplicates, counts.quarantined), (run_row["read"], run_row["stored"])))
+    assert got[0] == got[1] == ((2, 1, 1), (4, 2))

@@ -89,6 +89,7 @@ def normalize_messages(
         raise InvalidRecord("no turns")
     messages: list[Message] = []
     total = 0
+    first = user = late_system = None  # the first non-system turn, the first user turn, a system turn after `first`
     for i, (role, content) in enumerate(turns):
         if not isinstance(role, str):
             raise InvalidRecord(f"turn {i}: role is {type(role).__name__}, not a string")
@@ -101,15 +102,19 @@ def normalize_messages(
         _storable(text, f"turn {i}: ", "content")
         total += len(text)
         messages.append(Message(norm, text))
+        if norm == "system":
+            if first is not None and late_system is None:
+                late_system = i
+        elif first is None:
+            first = i
+        if norm == "user" and user is None:
+            user = i
     if total > max_chars:
         raise InvalidRecord(f"too long: {total} characters of content (limit {max_chars})")
-    first = next((i for i, m in enumerate(messages) if m.role != "system"), None)
     if first is None:
         raise InvalidRecord("no user turn (only system turns)")
-    if any(m.role == "system" for m in messages[first:]):
-        i = next(i for i, m in enumerate(messages) if i >= first and m.role == "system")
-        raise InvalidRecord(f"turn {i}: system turn after the conversation started")
-    user = next((i for i, m in enumerate(messages) if m.role == "user"), None)
+    if late_system is not None:
+        raise InvalidRecord(f"turn {late_system}: system turn after the conversation started")
     if user is None:
         raise InvalidRecord("no user turn")
     shift = user - first  # turn numbers in reasons refer to the record as written

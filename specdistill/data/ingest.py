@@ -127,6 +127,93 @@ def _close_failed(store: LogStore, run_id: int, exc: BaseException) -> None:
         pass
 
 
+class _BatchWriter:
+    """One batch is written while the next is read: the database's time (a server's, or SQLite's in C, both
+    outside the GIL) overlaps the parsing. Batches commit one at a time, in file order, each with its
+    watermark, so a kill still leaves the store at a batch boundary; a batch that failed stops every later
+    one from moving the watermark past it. `settle` adds a written batch's counts to the result."""
+
+    def __init__(self, store: LogStore, result: IngestResult, bar: tqdm) -> None:
+        self.store, self.result, self.bar = store, result, bar
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-writer")
+        self.pending: tuple[Future, int, int] | None = None  # (the batch being written, its size, its end offset)
+        self.reached = result.start_offset  # the end offset of the last batch handed to the writer
+        self.failed: list[BaseException] = []
+
+    def _write(self, records: list, wm: Watermark):
+        if self.failed:
+            raise RuntimeError("an earlier batch was not stored") from self.failed[0]
+        try:
+            return self.store.add_batch(self.result.run_id, records, wm, checked=True)  # the readers checked them
+        except BaseException as exc:
+            self.failed.append(exc)
+            raise
+
+    def submit(self, records: list, wm: Watermark) -> None:
+        """Hand a batch to the writer thread, then wait for the one before it."""
+        future = self.pool.submit(self._write, records, wm)
+        self.settle()
+        self.pending, self.reached = (future, len(records), wm.offset), wm.offset
+
+    def settle(self) -> None:
+        if self.pending is None:
+            return
+        future, size, end_offset = self.pending
+        self.pending = None
+        counts = future.result()
+        result = self.result
+        result.read += size
+        result.stored += counts.stored
+        result.duplicates += counts.duplicates
+        result.quarantined += counts.quarantined
+        result.end_offset = end_offset
+        self.bar.set_postfix(stored=result.stored, dup=result.duplicates, quarantined=result.quarantined,
+                             refresh=False)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)  # a batch in flight commits (or fails) before the run ends
+
+
+def _read_batches(reader, writer: _BatchWriter, path: Path, fmt: str, batch_size: int, note: str | None) -> None:
+    """Read every record into batches of `batch_size` and write them; the last (maybe empty) batch moves the
+    watermark to where the reader stopped. The run is opened with the first batch."""
+    result, store = writer.result, writer.store
+    batch: list[Conversation | Rejected] = []
+    position = result.start_offset
+
+    def flush(end_offset: int) -> None:
+        nonlocal batch
+        if result.run_id is None:
+            result.run_id = store.begin_run(result.source, fmt, result.start_offset, note)
+        writer.submit(batch, Watermark(result.source, fmt, end_offset, reader.index, file_fingerprint(path, end_offset)))
+        batch = []
+
+    for record in reader:
+        batch.append(record)
+        writer.bar.update(record.end_offset - position)
+        position = record.end_offset
+        if len(batch) >= batch_size:
+            flush(record.end_offset)
+    if batch or reader.end_offset != writer.reached or result.run_id is None:
+        flush(reader.end_offset)
+    writer.settle()
+
+
+def _close_run(store: LogStore, result: IngestResult, reader, path: Path, start: int) -> None:
+    """What the reader found at the end (a cap, a truncated or corrupt tail, blank lines only) onto the
+    result and the run, which is closed."""
+    result.capped = reader.capped
+    if result.read == 0 and reader.end_offset > start and reader.truncation is None:
+        result.note = "; ".join(filter(None, [result.note, f"no record in bytes {start}..{reader.end_offset}: blank lines only"]))
+    t = reader.truncation
+    if t is not None:
+        result.truncation = asdict(t)
+        if t.corrupt:
+            result.corrupt = (f"{path}: {t.corrupt}; unreadable from {t.location} on (the {reader.records} records "
+                              "before it are counted above; replace the file and ingest it again)")
+    store.finish_run(result.run_id, t and t.offset, t and t.tail_bytes)
+
+
 def ingest(
     path: str | Path,
     fmt: str,
@@ -153,76 +240,18 @@ def ingest(
     total = None if is_gzip(path) else max(path.stat().st_size - start, 0)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"ingest {path.name}", disable=not progress,
                file=sys.stderr, mininterval=0.5)
-    batch: list[Conversation | Rejected] = []
-    position = start
-    # One batch is written while the next is read: the database's time (a server's, or SQLite's in C, both
-    # outside the GIL) overlaps the parsing. Batches commit one at a time, in file order, each with its
-    # watermark, so a kill still leaves the store at a batch boundary.
-    writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-writer")
-    pending: tuple[Future, int, int] | None = None  # (the batch being written, its size, its end offset)
-    reached = start  # the end offset of the last batch handed to the writer
-    failed: list[BaseException] = []  # a batch that failed: no later batch may move the watermark past it
-
-    def write(run_id: int, records: list, wm: Watermark):
-        if failed:
-            raise RuntimeError("an earlier batch was not stored") from failed[0]
-        try:
-            return store.add_batch(run_id, records, wm)
-        except BaseException as exc:
-            failed.append(exc)
-            raise
-
-    def settle() -> None:
-        nonlocal pending
-        if pending is None:
-            return
-        future, size, end_offset = pending
-        pending = None
-        counts = future.result()
-        result.read += size
-        result.stored += counts.stored
-        result.duplicates += counts.duplicates
-        result.quarantined += counts.quarantined
-        result.end_offset = end_offset
-        bar.set_postfix(stored=result.stored, dup=result.duplicates, quarantined=result.quarantined, refresh=False)
-
-    def flush(end_offset: int) -> None:
-        nonlocal batch, pending, reached
-        if result.run_id is None:
-            result.run_id = store.begin_run(source, fmt, start, note)
-        wm = Watermark(source, fmt, end_offset, reader.index, file_fingerprint(path, end_offset))
-        future = writer.submit(write, result.run_id, batch, wm)
-        settle()
-        pending, reached, batch = (future, len(batch), end_offset), end_offset, []
-
+    writer = _BatchWriter(store, result, bar)
     try:
-        for record in reader:
-            batch.append(record)
-            bar.update(record.end_offset - position)
-            position = record.end_offset
-            if len(batch) >= batch_size:
-                flush(record.end_offset)
-        if batch or reader.end_offset != reached or result.run_id is None:
-            flush(reader.end_offset)
-        settle()
+        _read_batches(reader, writer, path, fmt, batch_size, note)
     except BaseException as exc:  # an error or an interrupt: the committed batches stand, the run is closed
-        writer.shutdown(wait=True)  # the batch in flight commits (or fails) before the run is closed
+        writer.close()  # the batch in flight commits (or fails) before the run is closed
         if result.run_id is not None:
             _close_failed(store, result.run_id, exc)
         raise
     finally:
-        writer.shutdown(wait=True)  # a batch in flight commits (or fails) before the run ends
+        writer.close()
         bar.close()
-    result.capped = reader.capped
-    if result.read == 0 and reader.end_offset > start and reader.truncation is None:
-        result.note = "; ".join(filter(None, [result.note, f"no record in bytes {start}..{reader.end_offset}: blank lines only"]))
-    t = reader.truncation
-    if t is not None:
-        result.truncation = asdict(t)
-        if t.corrupt:
-            result.corrupt = (f"{path}: {t.corrupt}; unreadable from {t.location} on (the {reader.records} records "
-                              "before it are counted above; replace the file and ingest it again)")
-    store.finish_run(result.run_id, t and t.offset, t and t.tail_bytes)
+    _close_run(store, result, reader, path, start)
     result.seconds = time.perf_counter() - began
     result.__post_init__()
     if not result.conserved:  # a bug, never bad input: bad input is quarantined and counted

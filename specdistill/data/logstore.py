@@ -35,13 +35,14 @@ from specdistill.data.logschema import (
     UTCDateTime,
     _revision,
     acceptance_samples,
-    content_hash,
+    content_hash,  # noqa: F401  (the log store's public names, as before `hashes`)
     conversations,
     database_error,
     display_url,
+    hashes,
     ingest_runs,
     make_engine,
-    prompt_hash,
+    prompt_hash,  # noqa: F401
     quarantine,
     responses,
     split_of,
@@ -130,15 +131,18 @@ class LogStore(PipelineRecords, Retention):
             ).scalar_one()
 
     def add_batch(
-        self, run_id: int, records: Sequence[Conversation | Rejected], watermark: Watermark | None = None
+        self, run_id: int, records: Sequence[Conversation | Rejected], watermark: Watermark | None = None,
+        *, checked: bool = False,
     ) -> BatchCounts:
-        """Store one batch, count it on its run and move the watermark, in one transaction."""
+        """Store one batch, count it on its run and move the watermark, in one transaction. `checked`: the
+        conversations come from the readers, which checked their fields where they parsed them (a
+        conversation built in code is checked here, and quarantined when a field is one no backend holds)."""
         now = _now()
         counts = BatchCounts()
         rows: dict[str, dict] = {}
         bad: dict[tuple, dict] = {}
         for rec in records:
-            if isinstance(rec, Conversation):
+            if not checked and isinstance(rec, Conversation):
                 rec = _checked(rec)
             if isinstance(rec, Rejected):
                 counts.quarantined += 1
@@ -147,11 +151,10 @@ class LogStore(PipelineRecords, Retention):
                     source=rec.source, location=rec.location, reason=rec.reason, raw=rec.raw,
                     raw_hash=raw_hash, created_at=now, ingest_run_id=run_id)
                 continue
-            digest = content_hash(rec.messages)
+            digest, p_hash = hashes(rec.messages)
             if digest in rows:
                 counts.duplicates += 1
                 continue
-            p_hash = prompt_hash(rec.messages)
             arrived = datetime.fromtimestamp(rec.timestamp, timezone.utc) if rec.timestamp is not None else now
             rows[digest] = dict(
                 content_hash=digest, prompt_hash=p_hash, split=split_of(p_hash, self.eval_fraction),
@@ -195,10 +198,10 @@ class LogStore(PipelineRecords, Retention):
         conn.execute(stmt)
 
     def finish_run(self, run_id: int, truncated_at: int | None = None, truncated_bytes: int | None = None) -> dict:
-        with writing(self.engine) as conn:
-            conn.execute(ingest_runs.update().where(ingest_runs.c.id == run_id).values(
-                status="done", finished_at=_now(), truncated_at=truncated_at, truncated_bytes=truncated_bytes))
-        return self.run(run_id)
+        with writing(self.engine) as conn:  # the run as closed, read back by the same statement (one round trip)
+            return dict(conn.execute(ingest_runs.update().where(ingest_runs.c.id == run_id).values(
+                status="done", finished_at=_now(), truncated_at=truncated_at, truncated_bytes=truncated_bytes,
+            ).returning(*ingest_runs.c)).mappings().one())
 
     def fail_run(self, run_id: int, why: str, status: str = "failed") -> None:
         """Close a run that stopped early (an error, an interrupt): its batches stay committed and
