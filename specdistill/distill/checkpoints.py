@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from specdistill import paths
 from specdistill.config import load_yaml
 from specdistill.distill.config import DistillConfig, save_config
+from specdistill.modeling.eagle3_files import kind_name
 
 CKPT_PREFIX = "step-"
 _COMPLETE = re.compile(rf"{CKPT_PREFIX}(\d+)")  # step-0000042; step-0000042.tmp is a write in progress or one that died
@@ -123,7 +124,7 @@ SHAPE_KEYS = ("target", "kind", "layers", "draft", "draft_vocab", "freeze", "eag
 def _setting(config: dict, key: str):
     for part in key.split("."):
         config = config.get(part) if isinstance(config, dict) else None
-    return config
+    return kind_name(config) if key == "kind" else config  # a checkpoint written before says `kind: layers`
 
 
 def check_resumable(ckpt: Path, config: DistillConfig) -> None:
