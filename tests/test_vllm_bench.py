@@ -54,11 +54,11 @@ def test_bench_engine_vllm_hands_vllm_the_registered_drafts_directory(registered
     def fake_bench_vllm(target_ref, modes, prompts, config, **kw):  # vLLM is not installed here: what it is given
         seen.update(modes)
         seen["target"] = vllm_bench.target_dir(target_ref)
-        return vllm_bench.VllmBench({"draft": bench_result("draft_model:x", speedup=1.1)}, version="test")
+        return vllm_bench.VllmBench({"draft_model": bench_result("draft_model:x", speedup=1.1)}, version="test")
 
     monkeypatch.setattr(vllm_bench, "bench_vllm", fake_bench_vllm)
     assert main(_bench_vllm_argv(target, f"models:/{reg.name}@challenger", tmp_path)) == 0
-    assert seen["draft"]["method"] == "draft_model" and _local_registered_copy(seen["draft"]["model"], reg)
+    assert seen["draft_model"]["method"] == "draft_model" and _local_registered_copy(seen["draft_model"]["model"], reg)
     assert seen["target"] == target
 
 
