@@ -140,6 +140,7 @@ from specdistill.modeling.models import load_model, resolve_model_dir
 from specdistill.pipeline.stages.engine_bench import mode_for_spec, mode_serving_config
 from specdistill.speculative import DrafterSpec, drafter_from_spec
 from specdistill.speculative.decode import SpecStats, generate
+from specdistill.speculative.specs import DRAFT_MODEL
 
 SERVERS = ("llamacpp", "vllm")  # engines measured through their OpenAI-compatible servers
 
@@ -182,8 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(args.target))
     for dtype in (kind for kind in engines.values() if kind not in SERVERS):
         loaded = load_model(args.target, dtype=dtype)
-        harness[dtype] = (loaded.model, {"target-only": None, "draft": drafter_from_spec(loaded.model, f"draft:{args.draft}"),
-                                         "ngram": drafter_from_spec(loaded.model, "ngram")})
+        draft = drafter_from_spec(loaded.model, DrafterSpec.for_draft(args.draft))
+        harness[dtype] = (loaded.model, {"target-only": None, "draft": draft, "ngram": drafter_from_spec(loaded.model, "ngram")})
     ids = [encode_chat(tokenizer, [{"role": "user", "content": t}]) for t in texts]
 
     runs = [(e, m) for e in engines for m in ("target-only", "draft", "ngram")]
@@ -193,14 +194,14 @@ def main(argv: list[str] | None = None) -> None:
         urls = {}  # (engine kind, mode) -> base URL
         if "llamacpp" in engines.values():
             engine = build_llama_server()
-            llama_modes = {"target-only": ServerMode(), "draft": mode_for_spec(DrafterSpec("draft", args.draft), gguf, args.gamma),
+            llama_modes = {"target-only": ServerMode(), "draft": mode_for_spec(DrafterSpec(DRAFT_MODEL, args.draft), gguf, args.gamma),
                            "ngram": mode_for_spec(DrafterSpec("ngram"), gguf, args.gamma)}
             for m, mode in llama_modes.items():
                 server = LlamaServer(engine.server, ServerConfig(model=gguf, mode=mode, threads=args.threads))
                 urls[("llamacpp", m)] = stack.enter_context(server).url
         if "vllm" in engines.values():  # each mode from the speculative_config serving.json would carry
             blocks = {"target-only": None,
-                      "draft": mode_serving_config(DrafterSpec("draft", args.draft), args.gamma, args.target).vllm(),
+                      "draft": mode_serving_config(DrafterSpec(DRAFT_MODEL, args.draft), args.gamma, args.target).vllm(),
                       "ngram": mode_serving_config(DrafterSpec("ngram"), args.gamma, args.target).vllm()}
             servers = {m: VllmServer(VllmConfig(model=target_dir(args.target), speculative_config=b, threads=args.threads,
                                                 dtype=served_dtype(), name=m)) for m, b in blocks.items()}

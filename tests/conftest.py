@@ -106,7 +106,7 @@ def bench_result(spec: str = "", speedup: float = 1.0, lossless: bool | None = T
 def trained_result(draft_dir: str = "/d/draft", **fields) -> dict:
     """A distillation result as `distill.train.distill()` returns it (and writes to result.json)."""
     return {"steps": 2, "tokens": 100, "train_minutes": 0.5, "clock": "wall", "loss": 1.0, "stop": "max_steps",
-            "trainable_parameters": 10, "frozen_parameters": 20, "curve": [], "kind": "layers", "draft_vocab": None,
+            "trainable_parameters": 10, "frozen_parameters": 20, "curve": [], "kind": "draft_model", "draft_vocab": None,
             "layers": [0, 3], "draft_dir": draft_dir, **fields}
 
 

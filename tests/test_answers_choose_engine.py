@@ -134,6 +134,6 @@ def test_both_probes_answer_with_the_teacher_and_the_engine_pays_for_the_heads_f
     llama = choose_engine.probe_llamacpp(config, demo_target, prompts)
     assert harness.engine == "harness float32" and 3 <= harness.tokens <= 12 and harness.features_s == 0.0
     assert llama.engine == "llamacpp Q4_1" and 3 <= llama.tokens <= 12 and llama.features_s > 0.0
-    layers = load_nightly_config(None, ["generation.backend=auto", "generation.teacher_top_k=8", "train.kind=layers",
+    layers = load_nightly_config(None, ["generation.backend=auto", "generation.teacher_top_k=8", "train.kind=draft_model",
                                         "generation.max_new_tokens=4"])
     assert choose_engine.probe_llamacpp(layers, demo_target, prompts).features_s == 0.0  # a layer draft reads none

@@ -270,7 +270,7 @@ def test_nightly_answer_stage_through_llama_server_feeds_the_trainer(llama_cpp, 
     settings = [
         "target=demo", f"log_db=sqlite:///{tmp_path / 'logs.db'}", f"sources=[{{path: '{traffic}', format: jsonl}}]",
         "window.train_prompts=4", "window.eval_prompts=2", "generation.max_new_tokens=8", "generation.parallel=2",
-        "generation.teacher_top_k=8", "train.kind=layers", "train.layers=0,29", "train.draft_vocab=null",
+        "generation.teacher_top_k=8", "train.kind=draft_model", "train.layers=0,29", "train.draft_vocab=null",
         "train.optim.max_steps=2", "train.optim.batch_size=2", "bench.threads=1"]
     config = load_nightly_config(None, [*settings, "generation.backend=openai"])
     ingest_source(config.sources[0], config.log_db)

@@ -200,17 +200,17 @@ def test_drafter_specs_build_the_drafters_the_pipeline_and_the_monitor_name(tmp_
     target = make_tiny_llama(vocab_size=len(tok), layers=4, seed=2)
     draft_dir = save_draft(init_draft_from_target(target, [0, 3]), tok, tmp_path / "draft")
 
-    drafter = drafter_from_spec(target, f"draft:{draft_dir}")
+    drafter = drafter_from_spec(target, f"draft_model:{draft_dir}")
     assert isinstance(drafter, ModelDrafter) and drafter.model.config.num_hidden_layers == 2
-    early = drafter_from_spec(target, "self_spec:2")
+    early = drafter_from_spec(target, "self-spec:2")
     assert isinstance(early, SelfSpecDrafter) and early.model.config.num_hidden_layers == 2
     assert (drafter_from_spec(target, "ngram").min_n, drafter_from_spec(target, "ngram").max_n) == (1, 3)
     assert (drafter_from_spec(target, "ngram:2,4").min_n, drafter_from_spec(target, "ngram:2,4").max_n) == (2, 4)
-    for bad in ["draft:", "self_spec:x", "self_spec:", "ngram:2", "ngram:a,b", "medusa:3", ""]:
+    for bad in ["draft_model:", "self-spec:x", "self-spec:", "ngram:2", "ngram:a,b", "medusa:3", ""]:
         with pytest.raises(ValueError, match="unknown drafter spec"):
             drafter_from_spec(target, bad)
     with pytest.raises(ValueError, match="exit layer"):
-        drafter_from_spec(target, "self_spec:9")  # parsed, then refused by the drafter itself
+        drafter_from_spec(target, "self-spec:9")  # parsed, then refused by the drafter itself
 
 
 # --------------------------------------------------------------------------------------------

@@ -67,14 +67,14 @@ def test_the_same_bounds_hold_in_a_yaml_file_the_distill_config_and_the_monitor(
 def test_serving_json_out_of_range_is_refused_where_it_is_read(tmp_path, field, value, capsys):
     """What serving.json carries goes into vLLM's and SGLang's flags and the monitor's replay: a γ of 10^9 was
     OOM-killed at 9 GB; an `updated_at` of 1e300 was an OverflowError in `serving show`."""
-    mode = {"num_speculative_tokens": "ngram", "prompt_lookup_max": "ngram", "exit_layer": "self_speculation",
+    mode = {"num_speculative_tokens": "ngram", "prompt_lookup_max": "ngram", "exit_layer": "self-spec",
             "tree_width": "draft", "updated_at": "ngram"}.get(field, "suffix")
     data = {"mode": mode, "suffix_corpus": "/c", "draft_dir": "/d", "draft_kind": "eagle3", "exit_layer": 4, field: value}
     if mode != "suffix":
         data.pop("suffix_corpus")
     if mode != "draft":
         data.pop("draft_dir"), data.pop("draft_kind")
-    if mode != "self_speculation":
+    if mode != "self-spec":
         data.pop("exit_layer")
     path = tmp_path / "serving.json"
     path.write_text(json.dumps(data))

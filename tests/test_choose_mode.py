@@ -24,9 +24,9 @@ from tests.conftest import bench_result
 
 # recorded from a demo run: the distilled draft slows decoding, n-gram speeds it up
 RECORDED = {
-    "challenger": bench_result("draft:/d/challenger", 0.74),
-    "generic": bench_result("draft:/d/generic", 0.71),
-    "self-spec:8": bench_result("self_spec:8", 0.93),
+    "challenger": bench_result("draft_model:/d/challenger", 0.74),
+    "generic": bench_result("draft_model:/d/generic", 0.71),
+    "self-spec:8": bench_result("self-spec:8", 0.93),
     "ngram": bench_result("ngram", 1.33),
 }
 TARGET = TargetInfo("demo", "/t", "fp-t", num_layers=30, vocab_size=64, dtype="bfloat16")
@@ -41,9 +41,9 @@ def decision(mode, name, spec, gamma=3, speedup=1.36):
 
 def test_candidates_follow_the_gate_and_never_include_the_generic_baseline():
     assert set(serving_candidates(RECORDED, PROMOTE)) == {"challenger", "self-spec:8", "ngram"}
-    with_champion = {**RECORDED, "champion": bench_result("draft:/d/champion", 0.8)}
+    with_champion = {**RECORDED, "champion": bench_result("draft_model:/d/champion", 0.8)}
     assert set(serving_candidates(with_champion, KEEP)) == {"champion", "self-spec:8", "ngram"}
-    assert [DrafterSpec.parse(r.spec).mode for r in RECORDED.values()] == ["draft", "draft", "self_speculation", "ngram"]
+    assert [DrafterSpec.parse(r.spec).mode for r in RECORDED.values()] == ["draft", "draft", "self-spec", "ngram"]
 
 
 def test_a_decision_round_trips_through_its_json():
@@ -83,7 +83,7 @@ def test_a_passing_draft_becomes_champion_while_ngram_is_served(tmp_path, monkey
     assert served.mode == "ngram" and served.draft_dir is None and served.measured["ngram"] == 1.33
 
     # the draft itself wins when it is the fastest: its registered checkpoint is what gets served
-    write_serving(config, TARGET, decision("draft", "challenger", f"draft:{draft}"), None)
+    write_serving(config, TARGET, decision("draft", "challenger", f"draft_model:{draft}"), None)
     assert read_serving_config(tmp_path / "serving.json").mode == "draft"
 
 
@@ -97,7 +97,7 @@ def engine_entry(spec: str, speedup: float, args: list[str], lossless: bool = Tr
 
 TARGET_ARGS = ["-m", "/g/t.gguf", "-t", "2"]
 ENGINE_SPEEDS = {
-    "challenger": engine_entry("draft:/d/challenger", 0.20, [*TARGET_ARGS, "-md", "/g/c.gguf", "--spec-type", "draft-simple",
+    "challenger": engine_entry("draft_model:/d/challenger", 0.20, [*TARGET_ARGS, "-md", "/g/c.gguf", "--spec-type", "draft-simple",
                                                              "--spec-draft-n-max", "4"]),
     "ngram": engine_entry("ngram", 1.12, [*TARGET_ARGS, "--spec-type", "ngram-simple", "--spec-draft-n-max", "4"]),
 }
@@ -108,7 +108,7 @@ def test_engine_choice_uses_engine_speeds_and_writes_the_llama_cpp_command():
 
     config = load_nightly_config(None, ["serving.engine=llamacpp"])
     # the harness measured the challenger fastest; llama.cpp did not: llama.cpp's numbers decide
-    harness = {"challenger": bench_result("draft:/d/challenger", 1.5)}
+    harness = {"challenger": bench_result("draft_model:/d/challenger", 1.5)}
     chosen = choose_serving(config, {}, harness, PROMOTE, ENGINE_SPEEDS)
     assert (chosen.mode, chosen.name, chosen.engine) == ("ngram", "ngram", "llamacpp")
     assert chosen.measured == {"challenger": 0.20, "ngram": 1.12} and chosen.measured_on == "llamacpp, Q4_1, 2 threads"
@@ -135,7 +135,7 @@ def test_engine_choice_is_off_when_nothing_beats_target_only_there():
 
 def test_gate_speed_bar_reads_the_engine_speedup():
     config = load_nightly_config(None, ["serving.engine=llamacpp", "gate.overrides.min_speedup=1.0"])
-    challenger = bench_result("draft:/d/c", 1.5, acceptance_rate=0.7, accepted_length=3.0, per_position_acceptance=[0.8, 0.7])
+    challenger = bench_result("draft_model:/d/c", 1.5, acceptance_rate=0.7, accepted_length=3.0, per_position_acceptance=[0.8, 0.7])
     assert bench.gate(config, challenger, None, {}).passed
     verdict = bench.gate(config, challenger, None, {}, speeds=ENGINE_SPEEDS)
     assert not verdict.passed and any("0.20" in r for r in verdict.reasons)
@@ -199,7 +199,7 @@ def test_a_mean_gain_carried_by_a_few_prompts_is_not_written_and_the_report_stat
     results = {name: replace(r, dtype="bfloat16") for name, r in results.items()}
     config = load_nightly_config()
     chosen = choose_serving(config, {}, results, KEEP)
-    assert chosen.mode == "self_speculation" and chosen.name == "self-spec:8"
+    assert chosen.mode == "self-spec" and chosen.name == "self-spec:8"
     assert 1.05 < chosen.speedup_lower_bound < 1.12 and chosen.confidence == 0.95
     assert "ngram 1.33x (≥" in chosen.reason  # the unsteady mean is listed with its bound
     line = report_table(results, serving=chosen)
@@ -222,12 +222,12 @@ def test_a_head_served_as_a_tree_gives_chain_engines_the_chain_depth_its_own_cha
     target = make_tiny_llama(vocab_size=len(tok), layers=6)
     head = save_eagle3(init_eagle3_from_target(target, DraftVocab(torch.arange(50), len(tok))), tok, tmp_path / "head")
     flat = {k: 1.0 for k in range(1, 10)}  # verification as cheap as a step, as bf16 measures up to 8 tokens
-    tree = replace(bench_result(f"draft:{head}", 1.6), tree_width=4, gamma=4, cost_ratio=0.05,
+    tree = replace(bench_result(f"draft_model:{head}", 1.6), tree_width=4, gamma=4, cost_ratio=0.05,
                    per_position_acceptance=[0.6, 0.12, 0.02, 0.0],  # the chain stops after its second position
                    gamma_search=GammaSearch(predicted_speedups={4: 1.5}, predicted_best=4, verify_costs=flat,
                                             measured={4: 1.6}))
     assert chain_gamma(tree) == 2 and chain_gamma(replace(tree, tree_width=1)) is None
-    d = replace(decision("draft", "challenger", f"draft:{head}", gamma=4), tree_width=4, chain_gamma=2)
+    d = replace(decision("draft", "challenger", f"draft_model:{head}", gamma=4), tree_width=4, chain_gamma=2)
     cfg = serving_config(d, TARGET, "3", str(head))
     assert cfg.draft_kind == "eagle3" and cfg.tree_width == 4 and cfg.chain_speculative_tokens == 2
     assert cfg.vllm()["num_speculative_tokens"] == 2  # vLLM: the chain

@@ -515,7 +515,7 @@ def test_the_command_line_names_one_drafter_spec(tmp_path):
     head.mkdir()
     (head / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
     assert spec() is None
-    assert str(spec("--draft", "runs/draft")) == "draft:runs/draft"
+    assert str(spec("--draft", "runs/draft")) == "draft_model:runs/draft"
     assert str(spec("--draft", str(head))) == f"eagle3:{head}"  # a head's directory is its own kind
     assert str(spec("--self-spec", "4")) == "self-spec:4"
     assert str(spec("--ngram", "--ngram-min", "2", "--ngram-max", "5")) == "ngram:2,5"

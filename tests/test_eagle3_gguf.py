@@ -92,11 +92,11 @@ def test_head_exports_in_the_layout_llama_cpp_loads(tmp_path):
 
 def test_a_head_is_served_as_draft_eagle3_and_a_layer_draft_as_draft_simple(tmp_path):
     head_dir, _ = write_head(tmp_path / "head")
-    mode = mode_for_spec(DrafterSpec("draft", str(head_dir)), demo_gguf_path(), 3)
+    mode = mode_for_spec(DrafterSpec("draft_model", str(head_dir)), demo_gguf_path(), 3)
     assert mode.spec_type == "draft-eagle3" and mode.draft.suffix == ".gguf"
     assert mode.args() == ["-md", str(mode.draft), "--spec-type", "draft-eagle3", "--spec-draft-n-max", "3"]
-    assert mode_for_spec(DrafterSpec("draft", str(mode.draft)), demo_gguf_path(), 3) == mode  # the GGUF itself says what it is
-    assert mode_for_spec(DrafterSpec("draft", str(head_dir)), demo_gguf_path(), 3).draft == mode.draft  # exported once
+    assert mode_for_spec(DrafterSpec("draft_model", str(mode.draft)), demo_gguf_path(), 3) == mode  # the GGUF itself says what it is
+    assert mode_for_spec(DrafterSpec("draft_model", str(head_dir)), demo_gguf_path(), 3).draft == mode.draft  # exported once
     with pytest.raises(GgufExportError, match="not an EAGLE-3 head"):
         export_eagle3_gguf(save_tiny_target(tmp_path / "layers"), demo_gguf_path(), tmp_path / "x.gguf")
 

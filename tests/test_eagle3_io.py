@@ -246,6 +246,6 @@ def test_llama_cpp_engine_refuses_a_head_for_another_target(head_dir):
     config = load_nightly_config(None, ["serving.engine=llamacpp"])
     window = eval_window("Hi")
     with pytest.raises(GgufExportError, match=re.escape(f"EAGLE-3 head {head_dir} does not fit this target: target hidden size 576")):
-        engine_benchmark(config, window, {"challenger": DrafterSpec("draft", str(head_dir))})
+        engine_benchmark(config, window, {"challenger": DrafterSpec("draft_model", str(head_dir))})
     assert not list((paths.home() / "engines").rglob("*.gguf*"))
     assert not (paths.home() / "serving.json").exists()

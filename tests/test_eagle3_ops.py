@@ -97,7 +97,7 @@ def test_nightly_serving_config_knows_a_head_by_its_directory(head_dir, tmp_path
     from specdistill.pipeline.outputs import ServingDecision, TargetInfo
     from specdistill.pipeline.serving import serving_config
 
-    decision = ServingDecision(mode="draft", name="challenger", spec=DrafterSpec.parse(f"draft:{head_dir}"), gamma=3, speedup=1.4,
+    decision = ServingDecision(mode="draft", name="challenger", spec=DrafterSpec.parse(f"draft_model:{head_dir}"), gamma=3, speedup=1.4,
                                reason="fastest", measured={"challenger": 1.4}, measured_on="harness")
     target = TargetInfo("t", "/t", "fp", num_layers=6, vocab_size=300, dtype="float32")
     cfg = serving_config(decision, target, registered_version="1", registered_dir=str(head_dir))
@@ -109,8 +109,8 @@ def test_nightly_serving_config_knows_a_head_by_its_directory(head_dir, tmp_path
                                          "--spec-draft-n-max 3 --metrics")
     assert cfg.llamacpp()["command"] in cfg.render() and cfg.to_dict()["llamacpp"]["args"] == args
     layers_dir = save_tiny_target(tmp_path / "plain")  # an ordinary HF checkpoint stays draft_model
-    plain = serving_config(replace(decision, spec=DrafterSpec("draft", str(layers_dir))), target)
-    assert plain.draft_kind == "layers" and plain.vllm()["method"] == "draft_model"
+    plain = serving_config(replace(decision, spec=DrafterSpec("draft_model", str(layers_dir))), target)
+    assert plain.draft_kind == "draft_model" and plain.vllm()["method"] == "draft_model"
 
 
 def test_registry_tags_download_and_smoke_test(head_dir, target, tmp_path, monkeypatch):
@@ -125,7 +125,7 @@ def test_registry_tags_download_and_smoke_test(head_dir, target, tmp_path, monke
     assert mv.tags["draft_vocab_size"] == "200" and mv.tags["target_fingerprint"] == target.fingerprint
     local = registry.download_draft(reg.model_uri)
     assert is_eagle3_dir(local)
-    assert isinstance(drafter_from_spec(target.model, f"draft:{reg.model_uri}"), EagleDrafter)
+    assert isinstance(drafter_from_spec(target.model, f"draft_model:{reg.model_uri}"), EagleDrafter)
     model = mlflow.pyfunc.load_model(reg.model_uri)  # the smoke test decodes with the head's target
     [text] = model.predict(["hello world"])  # 16 new tokens
     greedy = generate(target.model, target.tokenizer("hello world")["input_ids"], max_new_tokens=16)

@@ -103,7 +103,7 @@ def test_exported_eagle3_head_loads_and_drafts(llama_cpp, target_gguf, memorized
     answer, a good part of the first two draft positions (our engine accepts about half of K=4 here)."""
     from specdistill.pipeline.stages.engine_bench import mode_for_spec
 
-    mode = mode_for_spec(DrafterSpec("draft", str(memorized_head)), target_gguf, 4)
+    mode = mode_for_spec(DrafterSpec("draft_model", str(memorized_head)), target_gguf, 4)
     assert mode.spec_type == "draft-eagle3"
     with LlamaServer(llama_cpp.server, ServerConfig(model=target_gguf, mode=mode, threads=2)) as server:
         done = chat(server.url, [{"role": "user", "content": REPEAT}], max_tokens=24)
@@ -132,7 +132,7 @@ def test_nightly_measures_an_eagle3_head_in_llama_cpp(llama_cpp, memorized_head,
     config = load_nightly_config(None, ["serving.engine=llamacpp", "bench.max_new_tokens=24", "serving.margin=0.0",
                                         "serving.min_prompts=1"])  # the window's one prompt may decide
     window = eval_window(REPEAT)
-    speeds = engine_benchmark(config, window, {"challenger": DrafterSpec("draft", str(memorized_head))})
+    speeds = engine_benchmark(config, window, {"challenger": DrafterSpec("draft_model", str(memorized_head))})
     head = speeds["challenger"]
     args = head.stats["llamacpp_args"]
     assert args[args.index("--spec-type") + 1] == "draft-eagle3" and args[args.index("--spec-draft-n-max") + 1] == "4"
@@ -276,7 +276,7 @@ def test_nightly_serving_choice_measured_in_llama_cpp(llama_cpp, tmp_path):
     config = load_nightly_config(None, ["serving.engine=llamacpp", "bench.max_new_tokens=32", "serving.margin=0.0",
                                         "serving.min_prompts=2"])  # the window's two prompts may decide
     window = eval_window(REPEAT, "Name three colors.")
-    speeds = engine_benchmark(config, window, {"ngram": DrafterSpec("ngram"), "generic": DrafterSpec("draft", "/never/measured")})
+    speeds = engine_benchmark(config, window, {"ngram": DrafterSpec("ngram"), "generic": DrafterSpec("draft_model", "/never/measured")})
     assert set(speeds) == {"ngram"}
     ngram = speeds["ngram"]
     assert ngram.engine == "llamacpp" and ngram.dtype == "Q4_1" and ngram.stats["draft_tokens"] > 0

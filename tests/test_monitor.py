@@ -207,7 +207,7 @@ def test_choose_fallback_never_decides_on_too_few_tokens_and_guards_against_slow
     none = choose_fallback(target, prompts, exit_layers=(1, 2), max_new_tokens=8, min_tokens=10_000, repeats=1,
                            progress=False)
     assert not none.decided and none.mode is None and "no decision" in none.reason
-    assert {(c.mode, c.exit_layer) for c in none.candidates} == {("self_speculation", 1), ("self_speculation", 2), ("ngram", None)}
+    assert {(c.mode, c.exit_layer) for c in none.candidates} == {("self-spec", 1), ("self-spec", 2), ("ngram", None)}
     # a margin no fallback can beat: speculation is turned off
     off = choose_fallback(target, prompts, exit_layers=(2,), max_new_tokens=8, min_tokens=1, repeats=1,
                           margin=100.0, progress=False)
@@ -264,7 +264,7 @@ def test_the_fallback_measures_prompts_until_its_choice_is_settled_or_its_time_r
 
 
 @pytest.mark.e2e
-def test_exported_early_exit_draft_proposes_what_self_speculation_proposes(tiny_target, tmp_path):
+def test_exported_early_exit_draft_proposes_what_the_self_spec_drafter_proposes(tiny_target, tmp_path):
     target = load_model(tiny_target, dtype="float32")
     out = export_early_exit_draft(target, 2, tmp_path / "early-exit")
     exported = load_model(out, dtype="float32")

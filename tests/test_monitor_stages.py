@@ -86,10 +86,10 @@ def test_apply_fallback_writes_the_chosen_mode_into_the_serving_config(tiny_targ
     assert serving.mode == "ngram" and serving.num_speculative_tokens == 3 and serving.draft_dir is None
     assert serving.target_fingerprint == "fp-t" and serving.reason == "monitor fallback: ngram measured fastest at 1.30x"
 
-    early = FallbackDecision(True, "self_speculation", 2, 1.2, "self_speculation at exit layer 2")
+    early = FallbackDecision(True, "self-spec", 2, 1.2, "self-spec at exit layer 2")
     applied = mc.apply_fallback(config, early, target)
     serving = read_serving_config(serving_file)
-    assert applied.mode == serving.mode == "self_speculation" and serving.exit_layer == 2
+    assert applied.mode == serving.mode == "self-spec" and serving.exit_layer == 2
     assert serving.draft_dir == str(early_exit_dir("fp-t", 2))
     exported = load_model(serving.draft_dir)  # the early exit, exported as a draft a serving engine can load
     assert exported.config.num_hidden_layers == 2 and exported.config.vocab_size == load_model(tiny_target).config.vocab_size

@@ -144,7 +144,7 @@ def test_report_table_lists_every_drafter_and_the_decision():
     text = report_table(results, verdict, RegisteredDraft("draft-t", "3", "r", "models:/draft-t/3"), Promoted("3", "/s.json"))
     assert "| challenger | 0.550 | 0.550 | 2.40 | 4 | 1.20x" in text  # first-position, then α
     assert "- challenger: `x`" in text  # the spec, below the table
-    assert "| d |" in report_table({"d": _result(0.5, 2.0, spec="draft:/long/path")})
+    assert "| d |" in report_table({"d": _result(0.5, 2.0, spec="draft_model:/long/path")})
     assert "| no speculation |" in text and "**gate (champion draft): PASS**" in text
     assert "version 3 (alias `champion`)" in text and "/s.json" in text
     assert "unchanged" in report_table(results, verdict, RegisteredDraft("d", "4", "r", "models:/d/4"), None)
@@ -155,7 +155,7 @@ def test_report_table_names_drafters_short_and_lists_their_paths_below():
     unreadable in a terminal, so the table names each drafter and the paths follow it."""
     corpus = "/home/me/.specdistill/runs/nightly/20261201-2008/answers/suffix_corpus.safetensors"
     head = "/home/me/.specdistill/runs/nightly/20261201-2008/challenger/draft"
-    specs = {"challenger": f"draft:{head}", "ngram": "ngram", "self-spec:8": "self_spec:8",
+    specs = {"challenger": f"draft_model:{head}", "ngram": "ngram", "self-spec:8": "self-spec:8",
              "suffix": f"suffix:{corpus}", "hybrid": f"hybrid:{head},{corpus}"}
     text = report_table({name: _result(0.4, 1.8, spec=spec) for name, spec in specs.items()})
     lines = text.splitlines()
@@ -217,7 +217,7 @@ def test_the_gamma_note_tells_a_confirmation_that_lost_from_one_that_did_not_run
 
 
 def test_report_says_when_the_best_draft_is_not_what_is_served():
-    results = {"challenger": _result(0.6, 2.5, speedup=0.74, spec="draft:/c", dtype="bfloat16",
+    results = {"challenger": _result(0.6, 2.5, speedup=0.74, spec="draft_model:/c", dtype="bfloat16",
                                      lossless_exact=7, lossless_near_ties=3, lossless_max_margin=0.21),
                "ngram": _result(0.32, 1.6, speedup=1.33, spec="ngram", lossless_exact=10)}
     verdict = GateVerdict(True, [Check("acceptance rate", True, 0.6, 0.5, "acceptance rate 0.600 >= 0.500")])
@@ -405,7 +405,7 @@ def test_distill_output_dir_depends_on_the_train_config_data_and_warm_start_only
         distill_draft(config, train_data, heldout, warm)
         return calls[-1].out_dir
 
-    layers = ["train.kind=layers"]  # warm starts below are layer drafts (a head would ignore them)
+    layers = ["train.kind=draft_model"]  # warm starts below are layer drafts (a head would ignore them)
     base = load_nightly_config(None, layers)
     first = out_dir(base)
     assert out_dir(base) == first
@@ -484,13 +484,13 @@ def test_an_automatic_answer_engine_says_what_answered_and_why(tiny_target_dir, 
 
     url, chat_file, code_file = _store_with_traffic(tmp_path)
     config = _window_config(tiny_target_dir, url, chat_file, code_file, "generation.backend=auto",
-                            "generation.max_new_tokens=4", "dtype=float32", "train.kind=layers")
+                            "generation.max_new_tokens=4", "dtype=float32", "train.kind=draft_model")
     window = select_window(config, now=NOW)
     train = generate_responses(config, window, "train", record_teacher=True)
     assert train.answers == len(window.train) and train.answered_by == "float32"
     assert train.engine_choice.startswith("**answer engine:** harness") and "the target is no GGUF" in train.engine_choice
     plain = generate_responses(_window_config(tiny_target_dir, url, chat_file, code_file, "generation.max_new_tokens=4",
-                                              "dtype=float32", "train.kind=layers"), window, "train", record_teacher=True)
+                                              "dtype=float32", "train.kind=draft_model"), window, "train", record_teacher=True)
     assert plain.path == train.path and plain.engine_choice is None  # the harness chosen: the harness's answers, reused
 
 
@@ -591,7 +591,7 @@ def test_align_champion_transplants_a_champion_of_an_older_vocabulary_once(tiny_
     assert align_champion(config, _champion(champion_dir)) == warm
 
 
-def _bench_entry(spec="draft:/d"):
+def _bench_entry(spec="draft_model:/d"):
     from specdistill.speculative.harness_bench import BenchResult, SliceResult
 
     result = BenchResult(drafter="d", gamma=2, max_new_tokens=8, repeats=1, greedy=True, lossless=True, lossless_mismatches=0,
@@ -609,7 +609,7 @@ def test_registration_records_metrics_and_artifacts_and_a_missing_plot_library_o
     draft_dir = tmp_path / "run" / "draft"
     draft_dir.mkdir(parents=True)
     trained = Trained.from_dict(trained_result(str(draft_dir)))
-    results = {"challenger": _bench_entry(), "self-spec:4": replace(_bench_entry("self_spec:4"), acceptance_rate=0.3)}
+    results = {"challenger": _bench_entry(), "self-spec:4": replace(_bench_entry("self-spec:4"), acceptance_rate=0.3)}
     verdict = GateVerdict(True)
     metrics = registration_metrics(results, trained)
     assert metrics["acceptance_pos_1"] == 0.4 and metrics["baseline_self-spec_4_acceptance_rate"] == 0.3
@@ -673,8 +673,8 @@ def test_the_run_dtype_reaches_every_model_load_and_the_feature_pass(tmp_path, m
     loaded = real(target_dir, dtype="float32")
     champion = save_draft(init_draft_from_target(loaded.model, [0, 3]), loaded.tokenizer, tmp_path / "champion")
     align_champion(config, Champion("d", "1", str(champion)))
-    engine_bench.llamacpp_spec(config, DrafterSpec.parse("self_spec:2"))
-    decision = ServingDecision(mode="self_speculation", name="self-spec:2", spec=DrafterSpec.parse("self_spec:2"), gamma=2, speedup=1.2,
+    engine_bench.llamacpp_spec(config, DrafterSpec.parse("self-spec:2"))
+    decision = ServingDecision(mode="self-spec", name="self-spec:2", spec=DrafterSpec.parse("self-spec:2"), gamma=2, speedup=1.2,
                                reason="r", measured={}, measured_on="")
     serving_config(decision, info)
     # the target read once (describe; the early-exit exports reuse it: `models.shared_model`), the champion once
@@ -734,8 +734,8 @@ def test_a_float32_run_on_a_bf16_cpu_loads_every_model_and_runs_the_feature_pass
     train = generate_responses(config, window, "train", record_teacher=True)
     heldout = generate_responses(config, window, "eval", record_teacher=False)
     trained = distill_draft(config, train, heldout)
-    bench.benchmark(config, window, {"challenger": DrafterSpec("draft", trained.draft_dir),
-                                         "self-spec:2": DrafterSpec.parse("self_spec:2")})
+    bench.benchmark(config, window, {"challenger": DrafterSpec("draft_model", trained.draft_dir),
+                                         "self-spec:2": DrafterSpec.parse("self-spec:2")})
     monitor = MonitorConfig(target=str(tiny_target_dir), nightly_overrides=[f"log_db={url}", *overrides], gamma=2,
                             replay_prompts=2, max_new_tokens=4, min_draft_tokens=1, fallback_exit_layers=[2],
                             fallback_min_tokens=1)
@@ -804,7 +804,7 @@ def test_a_training_share_too_small_to_train_stops_the_run(monkeypatch):
     deadlines = []
     monkeypatch.setattr("specdistill.distill.train.distill",
                         lambda dcfg, deadline: calls.append(dcfg) or deadlines.append(deadline) or trained_result("d"))
-    config = load_nightly_config(None, ["train.kind=layers", "train.optim.max_minutes=3"])
+    config = load_nightly_config(None, ["train.kind=draft_model", "train.optim.max_minutes=3"])
     train, heldout = GeneratedData("/data/c/train.jsonl", "/data/c/tc", 1, 1), GeneratedData("/data/c/eval.jsonl", None, 1, 1)
     untrained = distill_draft(config, train, heldout, deadline_at=time.time() + 5)  # said, not raised: no traceback
     assert isinstance(untrained, Untrained) and not calls
@@ -824,7 +824,7 @@ def test_train_answers_cut_to_nothing_stop_before_training(tiny_target_dir, tmp_
     monkeypatch.setenv("SPECDISTILL_HOME", str(tmp_path / "home"))
     url, chat_file, code_file = _store_with_traffic(tmp_path)
     config = _window_config(tiny_target_dir, url, chat_file, code_file, "generation.max_minutes=0",
-                            "generation.max_new_tokens=4", "train.kind=layers")
+                            "generation.max_new_tokens=4", "train.kind=draft_model")
     window = select_window(config, now=NOW)
     with pytest.raises(ValueError, match="left no time to answer any of the 10 train prompts"):
         answers.generate_responses(config, window, "train", record_teacher=True)
@@ -870,7 +870,7 @@ def test_a_finished_runs_state_keeps_traffic_and_answers_to_its_owner(tiny_targe
     home = paths.home()
     url, chat_file, code_file = _store_with_traffic(tmp_path, url=f"sqlite:///{home / 'logs.db'}")
     config = _window_config(tiny_target_dir, url, chat_file, code_file, "generation.max_new_tokens=6", "dtype=float32",
-                            "train.kind=layers", "train.layers=0,3", "train.draft_vocab=null", "train.optim.max_steps=2",
+                            "train.kind=draft_model", "train.layers=0,3", "train.draft_vocab=null", "train.optim.max_steps=2",
                             "bench.threads=1")
     window = select_window(config, now=NOW)
     train = generate_responses(config, window, "train", record_teacher=True)
@@ -929,11 +929,11 @@ def test_a_head_is_first_measured_no_deeper_than_the_positions_it_was_trained_to
         d.mkdir()
         (d / "config.json").write_text(json.dumps({"architectures": [arch]}))
         (d / META_FILE).write_text(json.dumps({"kind": "eagle3", "unroll_steps": 1}))
-    assert first_gamma(DrafterSpec.parse(f"draft:{head}"), 4) == 1  # a 1-step head: its 2nd position is untrained
+    assert first_gamma(DrafterSpec.parse(f"draft_model:{head}"), 4) == 1  # a 1-step head: its 2nd position is untrained
     (head / META_FILE).write_text(json.dumps({"kind": "eagle3", "unroll_steps": 3}))
-    assert first_gamma(DrafterSpec.parse(f"draft:{head}"), 4) == 3
-    assert first_gamma(DrafterSpec.parse(f"draft:{head}"), 2) == 2
+    assert first_gamma(DrafterSpec.parse(f"draft_model:{head}"), 4) == 3
+    assert first_gamma(DrafterSpec.parse(f"draft_model:{head}"), 2) == 2
     (head / META_FILE).write_text(json.dumps({"kind": "eagle3"}))  # a head from before the key: the benchmark's γ
-    assert first_gamma(DrafterSpec.parse(f"draft:{head}"), 4) == 4
-    assert first_gamma(DrafterSpec.parse(f"draft:{layer_draft}"), 4) == 4  # a layer draft drafts every position
+    assert first_gamma(DrafterSpec.parse(f"draft_model:{head}"), 4) == 4
+    assert first_gamma(DrafterSpec.parse(f"draft_model:{layer_draft}"), 4) == 4  # a layer draft drafts every position
     assert first_gamma(DrafterSpec.parse("ngram"), 4) == 4

@@ -226,9 +226,9 @@ def _c(name, mode, speedup, lossless=True, prompts=(), tau=None):
 def test_the_fastest_lossless_mode_wins_even_over_the_draft():
     # recorded demo numbers: the distilled draft slows decoding, n-gram speeds it up
     choice = fastest_mode([_c("challenger", "draft", 0.74), _c("ngram", "ngram", 1.33),
-                           _c("self_spec:8", "self_speculation", 0.9)])
+                           _c("self-spec:8", "self-spec", 0.9)])
     assert choice.mode == "ngram" and choice.candidate.name == "ngram"
-    assert choice.speedups == {"challenger": 0.74, "ngram": 1.33, "self_spec:8": 0.9}
+    assert choice.speedups == {"challenger": 0.74, "ngram": 1.33, "self-spec:8": 0.9}
     assert "ngram measured fastest at 1.33x" in choice.reason
 
 
@@ -255,10 +255,10 @@ def test_a_mode_whose_mean_gain_comes_from_a_few_prompts_is_not_written():
 
 
 def test_a_steady_gain_is_written_with_its_bound_and_beats_a_faster_unsteady_mean():
-    steady = _c("self_spec:8", "self_speculation", 1.2, prompts=STEADY)
+    steady = _c("self-spec:8", "self-spec", 1.2, prompts=STEADY)
     unsteady = _c("ngram", "ngram", 1.3, prompts=FEW_CARRY)
     choice = fastest_mode([unsteady, steady])
-    assert choice.mode == "self_speculation" and choice.lower_bound is not None and 1.05 < choice.lower_bound < 1.2
+    assert choice.mode == "self-spec" and choice.lower_bound is not None and 1.05 < choice.lower_bound < 1.2
     assert f"at least {choice.lower_bound:.2f}x with 95% confidence over 13 prompts" in choice.reason
 
 

@@ -204,7 +204,7 @@ def test_with_no_champion_of_its_kind_training_restarts_from_the_newest_draft_of
     from specdistill.pipeline.nightly_recipe import load_nightly_config
     from specdistill.pipeline.stages import champion as stage
 
-    layers = load_nightly_config(None, ["target_name=restart", "train.kind=layers"])
+    layers = load_nightly_config(None, ["target_name=restart", "train.kind=draft_model"])
     heads = load_nightly_config(None, ["target_name=restart", "train.kind=eagle3"])
     assert stage.training_start(layers, "fp-a", None) is None  # nothing registered yet
     first = registry.register_draft(draft_dir, target_name="restart", tags={"target_fingerprint": "fp-a", "gate_verdict": "fail"})
@@ -221,14 +221,14 @@ def test_with_no_champion_of_its_kind_training_restarts_from_the_newest_draft_of
 
     # a champion of the kind being trained is where training starts; one of the other kind is not
     champion = stage._registered(previous.name, registry.newest_version(previous.name, target_fingerprint="fp-b"))
-    assert stage.draft_kind(champion) == "layers"
+    assert stage.draft_kind(champion) == "draft_model"
     assert stage.training_start(layers, "fp-a", champion) == champion
     assert "from the champion, version 3" in stage.started_from(WarmStart(**vars(champion)), champion)
     assert stage.training_start(heads, "fp-a", champion) is None  # a head does not start from a layer draft
     line = stage.started_from(None, champion)
-    assert "target's weights" in line and "the champion, version 3, is a layers draft" in line
+    assert "target's weights" in line and "the champion, version 3, is of kind draft_model" in line
     line = stage.started_from(WarmStart(previous.name, previous.version, previous.dir, previous.tags), champion)
-    assert "version 2, the newest draft of this kind" in line and "is a layers draft" in line
+    assert "version 2, the newest draft of this kind" in line and "is of kind draft_model" in line
 
 
 def test_a_newer_draft_benched_no_worse_than_the_champion_is_where_the_next_night_starts(draft_dir):
@@ -239,10 +239,12 @@ def test_a_newer_draft_benched_no_worse_than_the_champion_is_where_the_next_nigh
     from specdistill.pipeline.outputs import NO_WORSE_TAG
     from specdistill.pipeline.stages import champion as stage
 
-    layers = load_nightly_config(None, ["target_name=compound", "train.kind=layers"])
+    layers = load_nightly_config(None, ["target_name=compound", "train.kind=draft_model"])
+    # versions registered before the layer draft took its one name carry `draft_kind: layers`: read as draft_model
     tags = {"target_fingerprint": "fp-a", "draft_kind": "layers"}
     v1 = registry.register_draft(draft_dir, target_name="compound", tags={**tags, "gate_verdict": "pass"})
     champion = stage._registered(v1.name, registry.newest_version(v1.name))
+    assert stage.draft_kind(champion) == "draft_model" and registry.newest_version(v1.name, draft_kind="draft_model") is not None
     worse = {**tags, "gate_verdict": "fail", "parent": "1", NO_WORSE_TAG: "false"}
     registry.register_draft(draft_dir, target_name="compound", tags=worse)
     assert stage.training_start(layers, "fp-a", champion).version == "1"  # measured worse: the champion

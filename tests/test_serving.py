@@ -43,8 +43,8 @@ def test_draft_kind_says_the_kind_served_and_older_records_are_read(tmp_path):
     """serving.json's `draft_kind` names the served kind; one written before said `layers` whatever was served."""
     suffix = ServingConfig(mode="suffix", suffix_corpus="/c.bin")
     assert suffix.draft_kind == "suffix" and ServingConfig(mode="off").draft_kind is None
-    assert ServingConfig(mode="self_speculation", draft_dir="/d", exit_layer=4).draft_kind == "self-spec"
-    assert ServingConfig(mode="draft", draft_dir="/d").draft_kind == "layers"
+    assert ServingConfig(mode="self-spec", draft_dir="/d", exit_layer=4).draft_kind == "self-spec"
+    assert ServingConfig(mode="draft", draft_dir="/d").draft_kind == "draft_model"
     old = {"mode": "suffix", "num_speculative_tokens": 8, "draft_dir": None, "draft_version": None, "draft_kind": "layers",
            "target_fingerprint": "fp", "suffix_corpus": "/c.bin", "suffix_corpus_tokens": 120, "reason": "nightly: fastest",
            "measured": {"suffix": 1.44, "ngram": 1.27}, "engine": "harness", "updated_at": 1764900000.0,
@@ -56,6 +56,21 @@ def test_draft_kind_says_the_kind_served_and_older_records_are_read(tmp_path):
     assert json.loads(write_serving_config(read, path).read_text())["draft_kind"] == "suffix"
     with pytest.raises(ValueError, match="draft_kind 'eagle3' is served in draft mode, not 'suffix'"):
         ServingConfig(mode="suffix", suffix_corpus="/c.bin", draft_kind="eagle3")
+
+
+def test_a_file_written_under_the_old_names_is_read_and_written_back_under_the_new(tmp_path):
+    """Before each concept had one name, serving.json said `mode: self_speculation` and `draft_kind: layers` for a
+    layer draft: both are read as today's (`self-spec`, `draft_model`), and written back so."""
+    path = tmp_path / "serving.json"
+    base = {"num_speculative_tokens": 4, "draft_dir": "/d", "target_fingerprint": "fp", "updated_at": 1764900000.0}
+    for old, new in (({"mode": "self_speculation", "draft_kind": "self-spec", "exit_layer": 8}, ("self-spec", "self-spec")),
+                     ({"mode": "self_speculation", "draft_kind": "layers", "exit_layer": 8}, ("self-spec", "self-spec")),
+                     ({"mode": "draft", "draft_kind": "layers"}, ("draft", "draft_model"))):
+        path.write_text(json.dumps({**base, **old}))
+        read = read_serving_config(path)
+        assert (read.mode, read.draft_kind) == new and read.vllm()["method"] == "draft_model"
+        written = json.loads(write_serving_config(read, path).read_text())
+        assert (written["mode"], written["draft_kind"]) == new
 
 
 def test_ngram_and_off_modes():

@@ -20,10 +20,10 @@ from tests.conftest import make_tiny_llama
 
 
 @pytest.mark.parametrize("text, mode, fields", [
-    ("draft:/d/challenger", "draft", {"path": "/d/challenger", "exit_layer": None, "ngram_sizes": None}),
+    ("draft_model:/d/challenger", "draft", {"path": "/d/challenger", "exit_layer": None, "ngram_sizes": None}),
     ("eagle3:/d/head", "draft", {"path": "/d/head", "exit_layer": None, "ngram_sizes": None}),
     ("hybrid:self-spec:2,/c.bin,1.5", "hybrid", {"path": None, "corpus": "/c.bin"}),
-    ("self-spec:8", "self_speculation", {"path": None, "exit_layer": 8, "ngram_sizes": None}),
+    ("self-spec:8", "self-spec", {"path": None, "exit_layer": 8, "ngram_sizes": None}),
     ("ngram", "ngram", {"ngram_sizes": (1, 3)}),
     ("ngram:2,4", "ngram", {"ngram_sizes": (2, 4)}),
 ])
@@ -35,35 +35,46 @@ def test_a_spec_is_parsed_once_into_typed_fields_and_written_back_as_it_was(text
     assert (run.gamma, run.tree_width, str(run)) == (3, 4, text)  # measured settings, not part of the text
 
 
-def test_self_speculation_has_one_spelling_and_records_written_before_still_read():
+def test_self_spec_has_one_spelling_and_records_written_before_still_read():
     old = DrafterSpec.parse("self_spec:8")  # a spec recorded before (MLflow, serving.json's record, a result)
     assert old == DrafterSpec.parse("self-spec:8") == DrafterSpec("self_spec", "8")
-    assert (str(old), old.kind, old.exit_layer, old.mode) == ("self-spec:8", "self-spec", 8, "self_speculation")
+    assert (str(old), old.kind, old.exit_layer, old.mode) == ("self-spec:8", "self-spec", 8, "self-spec")
+
+
+def test_the_layer_draft_has_one_name_and_specs_written_before_still_read():
+    """`draft_model:DIR` (vLLM's method); a `draft:DIR` recorded before (a result, a report's spec, MLflow) reads
+    as it, and is written back under the one name."""
+    old = DrafterSpec.parse("draft:/d/challenger")
+    assert old == DrafterSpec.parse("draft_model:/d/challenger") == DrafterSpec("draft", "/d/challenger")
+    assert (str(old), old.kind, old.mode, old.of.draft_kind) == ("draft_model:/d/challenger", "draft_model", "draft",
+                                                                   "draft_model")
 
 
 def test_a_head_is_its_own_kind_and_a_draft_record_naming_one_reads_as_it(tmp_path):
-    """`draft:DIR` was written for heads before they had a kind: read in the parser alone, as `eagle3:DIR`."""
+    """`draft:DIR` was written for heads before they had a kind: read in the parser alone, as `eagle3:DIR` (and so is
+    `draft_model:DIR` naming a head's directory)."""
     head, plain = tmp_path / "head", tmp_path / "plain"
     for d, arch in ((head, "LlamaForCausalLMEagle3"), (plain, "LlamaForCausalLM")):
         d.mkdir()
         config = {"architectures": [arch], "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]}}
         (d / "config.json").write_text(json.dumps(config))
     assert str(DrafterSpec.parse(f"draft:{head}")) == f"eagle3:{head}" == str(DrafterSpec.for_draft(head))
-    assert str(DrafterSpec.parse(f"draft:{plain}")) == f"draft:{plain}" == str(DrafterSpec.for_draft(plain))
-    assert str(DrafterSpec.parse("draft:models:/draft@champion")) == "draft:models:/draft@champion"  # resolved when built
+    assert str(DrafterSpec.parse(f"draft_model:{head}")) == f"eagle3:{head}"
+    assert str(DrafterSpec.parse(f"draft:{plain}")) == f"draft_model:{plain}" == str(DrafterSpec.for_draft(plain))
+    assert str(DrafterSpec.parse("draft:models:/draft@champion")) == "draft_model:models:/draft@champion"  # resolved when built
     assert DrafterSpec.parse(f"hybrid:{head},/c.bin").path == str(head)
     eagle3 = KINDS["eagle3"]
     assert DrafterSpec.parse(f"draft:{head}").serving_keys() == {"mode": "draft", "draft_kind": "eagle3"}
-    assert eagle3.tree and eagle3.on_target and not KINDS["draft"].tree
-    assert eagle3.feature_layers(str(head)) == [1, 3, 5] and KINDS["draft"].feature_layers(str(plain)) is None
+    assert eagle3.tree and eagle3.on_target and not KINDS["draft_model"].tree
+    assert eagle3.feature_layers(str(head)) == [1, 3, 5] and KINDS["draft_model"].feature_layers(str(plain)) is None
     registered = DrafterSpec.parse("draft:models:/draft@champion")  # a reference, resolved to its directory when built
-    assert str(registered.resolved(str(head))) == f"eagle3:{head}" and registered.resolved(str(plain)).kind == "draft"
+    assert str(registered.resolved(str(head))) == f"eagle3:{head}" and registered.resolved(str(plain)).kind == "draft_model"
 
 
 def test_the_serving_modes_are_read_from_the_kinds():
     from specdistill.ops.serving import ServingConfig
 
-    assert serving_modes() == ("draft", "self_speculation", "ngram", "suffix", "off")  # hybrid is never served
+    assert serving_modes() == ("draft", "self-spec", "ngram", "suffix", "off")  # hybrid is never served
     assert not DrafterSpec.parse("hybrid:/d,/c.safetensors").served and DrafterSpec.parse("suffix:/c").served
     register_kind(Kind("lookahead", "lookahead", "lookahead:N", str.isdigit, lambda target, s, key: None))
     try:
@@ -77,7 +88,7 @@ def test_the_serving_modes_are_read_from_the_kinds():
 @pytest.mark.parametrize("bad", ["draft:", "self-spec:x", "self_spec:x", "self-spec:", "ngram:2", "ngram:a,b", "medusa:3",
                                  ""])
 def test_a_bad_spec_is_refused_naming_the_known_forms(bad):
-    with pytest.raises(DrafterSpecError, match="unknown drafter spec .*draft:DIR, self-spec:K, ngram or ngram:MIN,MAX"):
+    with pytest.raises(DrafterSpecError, match="unknown drafter spec .*draft_model:DIR, self-spec:K, ngram or ngram:MIN,MAX"):
         DrafterSpec.parse(bad)
 
 
@@ -116,4 +127,4 @@ def test_a_heads_kind_is_read_from_its_directory_without_torch(tmp_path):
     code = ("import sys; from specdistill.speculative.specs import DrafterSpec; "
             f"print(DrafterSpec.parse('draft:{head}').kind, DrafterSpec.parse('draft:{layers}').kind, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["eagle3", "draft", "False"]
+    assert out == ["eagle3", "draft_model", "False"]

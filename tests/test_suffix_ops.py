@@ -72,7 +72,7 @@ def test_the_nightly_serves_the_suffix_drafter_and_never_the_hybrid(tmp_path):
     corpus = _corpus(tmp_path, tokenizer=tokenizer_digest(tok))
     export_sglang_corpus(corpus, tok)
     results = {"ngram": _entry("ngram", 1.2), "suffix": _entry(f"suffix:{corpus}", 1.5),
-               "hybrid": _entry(f"hybrid:/d,{corpus}", 1.9), "generic": _entry("draft:/g", 2.0)}
+               "hybrid": _entry(f"hybrid:/d,{corpus}", 1.9), "generic": _entry("draft_model:/g", 2.0)}
     assert set(serving_candidates(results, GateVerdict(False))) == {"ngram", "suffix"}
     decision = ServingDecision(mode="suffix", name="suffix", spec=DrafterSpec("suffix", str(corpus)), gamma=8, speedup=1.5,
                                reason="suffix measured fastest", measured={}, measured_on="harness")

@@ -188,7 +188,7 @@ def test_teacher_cache_from_another_fingerprint_is_refused(tiny_world, tmp_path)
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("kind", ["layers", "eagle3"])
+@pytest.mark.parametrize("kind", ["draft_model", "eagle3"])
 def test_a_stale_teacher_entry_is_dropped_and_counted_not_fatal(tiny_world, tmp_path, kind):
     """The answers file holds another answer to p1 than the one its cached teacher rows were written for
     (greedy answers that differ between nights): the run trains on the others and counts it."""
@@ -198,7 +198,7 @@ def test_a_stale_teacher_entry_is_dropped_and_counted_not_fatal(tiny_world, tmp_
             rec["response_ids"] = [rec["response_ids"][0] + 1, *rec["response_ids"][1:]]
     answers = tmp_path / "answers.jsonl"
     answers.write_text("".join(json.dumps(r) + "\n" for r in records))
-    extra = ["layers=0,3"] if kind == "layers" else ["kind=eagle3", "eagle3.steps=1",
+    extra = ["layers=0,3"] if kind == "draft_model" else ["kind=eagle3", "eagle3.steps=1",
                                                      f"eagle3.feature_dir={tmp_path / 'features'}"]
     result = distill(_config(tiny_world, tmp_path / "r", *extra, f"data.path={answers}", "teacher.mode=cache",
                              f"teacher.cache_dir={tiny_world['gen_cache']}", "optim.max_steps=2"))

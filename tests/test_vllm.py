@@ -90,10 +90,10 @@ def vllm_servers(vllm_env, layer_draft, eagle_head, legacy_draft, speculators_he
     from specdistill.engines.vllm.bench import served_dtype, target_dir
     from specdistill.engines.vllm.server import VllmConfig, VllmServer, start_together
 
-    modes = {TARGET_ONLY: None, "ngram": _serving_block(NGRAM_SPEC), "eagle3": _serving_block(f"draft:{eagle_head}"),
-             "layers": _serving_block(f"draft:{layer_draft}"), "legacy": _serving_block(f"draft:{legacy_draft}"),
+    modes = {TARGET_ONLY: None, "ngram": _serving_block(NGRAM_SPEC), "eagle3": _serving_block(f"draft_model:{eagle_head}"),
+             "draft_model": _serving_block(f"draft_model:{layer_draft}"), "legacy": _serving_block(f"draft_model:{legacy_draft}"),
              "speculators": {"method": "eagle3", "model": str(speculators_head), "num_speculative_tokens": K}}
-    assert modes["eagle3"]["method"] == "eagle3" and modes["layers"]["method"] == "draft_model"
+    assert modes["eagle3"]["method"] == "eagle3" and modes["draft_model"]["method"] == "draft_model"
     servers = {name: VllmServer(VllmConfig(model=target_dir("demo"), speculative_config=spec, dtype=served_dtype(),
                                            max_logprobs=20, kv_cache_gib=0.25, name=name), vllm_env)
                for name, spec in modes.items()}
@@ -160,7 +160,7 @@ def test_layer_draft_with_reduced_vocabulary_loads_and_drafts_in_vllm(vllm_serve
     from specdistill.modeling.vocab import DRAFT_VOCAB_FILE
 
     assert (layer_draft / DRAFT_VOCAB_FILE).is_file() and not (layer_draft / "draft_vocab.safetensors").exists()
-    server = vllm_servers["layers"]
+    server = vllm_servers["draft_model"]
     before = scrape(metrics_url(server.url))
     chat(server.url, [{"role": "user", "content": REPEAT}], max_tokens=16)
     after = scrape(metrics_url(server.url))
@@ -232,7 +232,7 @@ def test_nightly_serving_choice_measured_in_vllm(vllm_servers, eagle_head, tmp_p
     from specdistill.pipeline.stages.engine_bench import engine_benchmark
 
     by_block = {repr(None): vllm_servers[TARGET_ONLY], repr(_serving_block(NGRAM_SPEC)): vllm_servers["ngram"],
-                repr(_serving_block(f"draft:{eagle_head}")): vllm_servers["eagle3"]}
+                repr(_serving_block(f"draft_model:{eagle_head}")): vllm_servers["eagle3"]}
 
     class Running:  # a started session server in place of a new one with the same speculative config
         def __init__(self, config, env, **_):
@@ -252,10 +252,10 @@ def test_nightly_serving_choice_measured_in_vllm(vllm_servers, eagle_head, tmp_p
     config = load_nightly_config(None, ["serving.engine=vllm", "bench.max_new_tokens=24", "serving.margin=0.0",
                                         "serving.min_prompts=1"])  # the window's one prompt may decide
     window = eval_window(REPEAT)
-    drafters = {"ngram": NGRAM_SPEC, "challenger": f"draft:{eagle_head}", "generic": "draft:/never/measured"}
+    drafters = {"ngram": NGRAM_SPEC, "challenger": f"draft_model:{eagle_head}", "generic": "draft_model:/never/measured"}
     speeds = engine_benchmark(config, window, {name: DrafterSpec.parse(s) for name, s in drafters.items()})
     assert set(speeds) == {"ngram", "challenger"}
-    for name, spec in (("ngram", NGRAM_SPEC), ("challenger", f"draft:{eagle_head}")):
+    for name, spec in (("ngram", NGRAM_SPEC), ("challenger", f"draft_model:{eagle_head}")):
         assert speeds[name].engine == "vllm" and speeds[name].stats["draft_tokens"] > 0
         assert speeds[name].stats["vllm_speculative_config"] == _serving_block(spec)
     decision = choose_serving(config, window, {}, GateVerdict(True), speeds)

@@ -54,11 +54,11 @@ def test_bench_engine_vllm_hands_vllm_the_registered_drafts_directory(registered
     def fake_bench_vllm(target_ref, modes, prompts, config, **kw):  # vLLM is not installed here: what it is given
         seen.update(modes)
         seen["target"] = vllm_bench.target_dir(target_ref)
-        return vllm_bench.VllmBench({"draft": bench_result("draft:x", speedup=1.1)}, version="test")
+        return vllm_bench.VllmBench({"draft_model": bench_result("draft_model:x", speedup=1.1)}, version="test")
 
     monkeypatch.setattr(vllm_bench, "bench_vllm", fake_bench_vllm)
     assert main(_bench_vllm_argv(target, f"models:/{reg.name}@challenger", tmp_path)) == 0
-    assert seen["draft"]["method"] == "draft_model" and _local_registered_copy(seen["draft"]["model"], reg)
+    assert seen["draft_model"]["method"] == "draft_model" and _local_registered_copy(seen["draft_model"]["model"], reg)
     assert seen["target"] == target
 
 
@@ -82,8 +82,8 @@ def test_llamacpp_mode_gets_the_registered_drafts_directory(registered, monkeypa
 
     _, reg = registered
     monkeypatch.setattr(llamacpp, "draft_mode", lambda draft, target, k: draft)  # the GGUF export is llama.cpp's test
-    assert _local_registered_copy(mode_for_spec(DrafterSpec.parse(f"draft:models:/{reg.name}@challenger"), Path("t.gguf"), 4), reg)
-    assert mode_for_spec(DrafterSpec.parse("draft:/d/draft.gguf"), Path("t.gguf"), 4) == "/d/draft.gguf"  # a GGUF draft as it is
+    assert _local_registered_copy(mode_for_spec(DrafterSpec.parse(f"draft_model:models:/{reg.name}@challenger"), Path("t.gguf"), 4), reg)
+    assert mode_for_spec(DrafterSpec.parse("draft_model:/d/draft.gguf"), Path("t.gguf"), 4) == "/d/draft.gguf"  # a GGUF draft as it is
 
 
 def test_vllm_is_launched_with_the_registered_drafts_directory_on_its_command_line(registered, tmp_path):
@@ -97,7 +97,7 @@ def test_vllm_is_launched_with_the_registered_drafts_directory_on_its_command_li
     target, reg = registered
     argv = tmp_path / "argv.log"
     env = _env(tmp_path, f'echo "$@" >> {argv}; echo "ValueError: stand-in vLLM"; exit 1')
-    mode = mode_serving_config(DrafterSpec.parse(f"draft:models:/{reg.name}@challenger"), 4, str(target)).vllm()
+    mode = mode_serving_config(DrafterSpec.parse(f"draft_model:models:/{reg.name}@challenger"), 4, str(target)).vllm()
     with pytest.raises(VllmStartError, match="stand-in vLLM"):  # target-only could not start: nothing measured
         bench_vllm(target, {"draft": mode}, [], env=env, progress=False)
     launched = argv.read_text()

@@ -186,7 +186,7 @@ def test_serving_choice_skips_a_mode_vllm_refused():
                      cost_ratio=None, ideal_speedup=None, stats={"vllm_version": "0.32.0"}, dtype="bfloat16", engine="vllm",
                      spec="ngram")
     speeds = {"ngram": ok,
-              "challenger": refused_entry("challenger", DrafterSpec("draft", "/d"), "ValueError: no d2t", 4, "bfloat16")}
+              "challenger": refused_entry("challenger", DrafterSpec("draft_model", "/d"), "ValueError: no d2t", 4, "bfloat16")}
     decision = choose_serving(config, eval_window(), {}, GateVerdict(True), speeds)
     assert decision.mode == "ngram" and decision.measured == {"ngram": 1.2}
     assert "vLLM refused: challenger (ValueError: no d2t)" in decision.reason

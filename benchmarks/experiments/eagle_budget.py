@@ -36,6 +36,7 @@ from specdistill.distill.examples import read_examples
 from specdistill.distill.features import FeatureCache, build_feature_cache
 from specdistill.distill.teacher import TeacherCache
 from specdistill.modeling.eagle3 import default_aux_layers
+from specdistill.modeling.eagle3_files import DRAFT_MODEL, kind_name
 from specdistill.modeling.models import load_model
 from specdistill.modeling.vocab import DraftVocab, build_draft_vocab
 from specdistill.pipeline.stages.answers.harness import generate_answers
@@ -149,7 +150,7 @@ def run_specs(args, state: dict) -> dict[str, list[str]]:
             return [f"optim.max_minutes={minutes}", f"optim.warmup_steps={max(5, steps // 20)}",
                     f"eval_every={max(5, steps // 6)}", f"checkpoint_every={max(5, steps // 6)}"]
 
-        specs[f"layers {minutes}m"] = [*common, "kind=layers", "layers=0,1,2,29", f"optim.lr={args.lr_layers}",
+        specs[f"layers {minutes}m"] = [*common, "kind=draft_model", "layers=0,1,2,29", f"optim.lr={args.lr_layers}",
                                        *timed(args.layer_steps_per_minute)]
         eagle = [*common, "kind=eagle3", f"optim.lr={args.lr_eagle}", *timed(args.eagle_steps_per_minute)]
         ctx = args.prompt_contexts[0]
@@ -239,8 +240,8 @@ def costs(target, vocab) -> dict:
     from specdistill.modeling.drafts import init_draft_from_target, measure_cost_ratio
 
     layer_draft = init_draft_from_target(target.model, [0, 1, 2, 29])
-    return {"layers": {"c": measure_cost_ratio(target.model, layer_draft, draft_vocab=vocab, repeats=15),
-                       "dtype": str(target.model.dtype)},
+    return {"draft_model": {"c": measure_cost_ratio(target.model, layer_draft, draft_vocab=vocab, repeats=15),
+                            "dtype": str(target.model.dtype)},
             "eagle3": eagle_cost_ratio(target, vocab)}
 
 
@@ -252,11 +253,11 @@ def row_of(name: str, result: dict, c: float) -> dict:
     last = result["curve"][-1]
     gamma = 4
     tau_chain = last.get(f"tau_chain_{gamma}")
-    chain = last.get("accepted_per_position")  # measured chained acceptance (eagle3); i.i.d. powers of α (layers)
+    chain = last.get("accepted_per_position")  # measured chained acceptance (eagle3); i.i.d. powers of α (draft_model)
     chain = chain or [last["acceptance"] ** i for i in range(1, gamma + 1)]
     by_gamma = {g: (1 + sum(chain[:g])) / (g * c + 1) for g in range(1, min(gamma, len(chain)) + 1)}
     best = max(by_gamma, key=by_gamma.get)
-    return {"name": name, "kind": result.get("kind", "layers"), "cpu_minutes": result["train_minutes"],
+    return {"name": name, "kind": kind_name(result.get("kind", DRAFT_MODEL)), "cpu_minutes": result["train_minutes"],
             "best_gamma": best, "best_ideal_speedup": by_gamma[best],
             "steps": result["steps"], "tokens": result["tokens"],
             "tokens_per_cpu_s": result["tokens"] / max(60 * result["train_minutes"], 1e-9),
@@ -299,7 +300,7 @@ def report(work: Path, specs: dict, cost: dict, meta: dict) -> None:
         out = work / "runs" / name
         if (out / "result.json").is_file():
             result = json.loads((out / "result.json").read_text())
-            rows.append(row_of(name, result, cost["eagle3" if result.get("kind") == "eagle3" else "layers"]["c"]))
+            rows.append(row_of(name, result, cost["eagle3" if result.get("kind") == "eagle3" else DRAFT_MODEL]["c"]))
         elif (out / "metrics.jsonl").is_file():
             curve = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
             partial.append({"name": name, "curve": curve})
@@ -359,7 +360,9 @@ def main() -> None:
     if not cost_path.is_file():
         cost_path.write_text(json.dumps(costs(state["target"], state["vocab"]), indent=2))
     cost = json.loads(cost_path.read_text())
-    log(f"c (bf16, interleaved medians): layers {cost['layers']['c']:.3f}, eagle3 {cost['eagle3']['c']:.3f} "
+    if "layers" in cost:  # a costs.json written before: the layer draft's cost under its old name
+        cost[DRAFT_MODEL] = cost.pop("layers")
+    log(f"c (bf16, interleaved medians): draft_model {cost[DRAFT_MODEL]['c']:.3f}, eagle3 {cost['eagle3']['c']:.3f} "
         f"({cost['eagle3']['head_ms']:.2f} ms vs target {cost['eagle3']['target_ms']:.2f} ms)")
     if args.phase == "costs":
         return
@@ -381,7 +384,7 @@ def main() -> None:
         except Exception as exc:  # one broken configuration must not cost the others their budget
             log(f"run {name} FAILED: {type(exc).__name__}: {exc}")
             continue
-        rows.append(row_of(name, result, cost["eagle3" if result.get("kind") == "eagle3" else "layers"]["c"]))
+        rows.append(row_of(name, result, cost["eagle3" if result.get("kind") == "eagle3" else DRAFT_MODEL]["c"]))
         print_table(rows, meta)
     if rows:
         results = work / (f"results-{zlib.crc32(args.only.encode()):08x}.json" if only else "results.json")

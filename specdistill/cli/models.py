@@ -7,6 +7,7 @@ import io
 
 from specdistill import bounds, paths
 from specdistill.cli.common import Subcommands, add_out, command, count_in, emit, group
+from specdistill.modeling.eagle3_files import DRAFT_MODEL, EAGLE3, kind_name
 
 
 def cmd_vocab_check(args: argparse.Namespace) -> int:
@@ -51,7 +52,7 @@ def cmd_draft_init(args: argparse.Namespace) -> int:
     check_out(args)  # before the target loads: a refused OUT costs nothing
     if args.traffic:  # a directory, a FIFO or a device is said so before the target loads, never opened
         paths.check_regular(args.traffic, "traffic file")
-    if args.kind == "eagle3":  # an architecture the head cannot start from is refused before the target loads
+    if args.kind == EAGLE3:  # an architecture the head cannot start from is refused before the target loads
         model_dir = resolve_model_dir(args.target)
         check_eagle3_target(target_architecture(AutoConfig.from_pretrained(model_dir)), where=model_dir)
     target = load_model(args.target, dtype="float32")  # the draft is made of its weights and saved
@@ -62,7 +63,7 @@ def cmd_draft_init(args: argparse.Namespace) -> int:
         with io.TextIOWrapper(paths.open_regular(args.traffic, "traffic file"), encoding="utf-8", errors="replace") as f:
             counts = token_frequencies(target.tokenizer, f)
         draft_vocab = build_draft_vocab(counts, args.draft_vocab, target.config.vocab_size, [target.tokenizer.eos_token_id])
-    if args.kind == "eagle3":
+    if args.kind == EAGLE3:
         import torch  # lazy: CLI start-up
 
         full = DraftVocab(torch.arange(target.config.vocab_size), target.config.vocab_size)
@@ -71,7 +72,7 @@ def cmd_draft_init(args: argparse.Namespace) -> int:
     draft = init_draft_from_target(target.model, layers)
     meta = {"target_fingerprint": target.fingerprint, "layers": layers, "draft_vocab": args.draft_vocab}
     out = save_draft(draft, target.tokenizer, args.out, draft_vocab=draft_vocab, meta=meta, force=args.force)
-    payload = {"out": str(out), "kind": "layers", "layers": layers, "parameters": num_parameters(draft), **meta}
+    payload = {"out": str(out), "kind": DRAFT_MODEL, "layers": layers, "parameters": num_parameters(draft), **meta}
     emit(args, payload, f"draft with layers {layers} ({payload['parameters'] / 1e6:.1f}M parameters) -> {out}")
     return 0
 
@@ -148,10 +149,12 @@ def register(sub: Subcommands) -> None:
     p = command(draft, "init", cmd_draft_init, "a draft initialized from the target's own layers, or an EAGLE-3 head",
                 example="draft init --target demo --layers 0,1,2,29 --draft-vocab 8192 --traffic traffic.txt runs/draft")
     p.add_argument("--target", default="demo")
-    p.add_argument("--kind", choices=("layers", "eagle3"), default="layers",
-                   help="layers: a few target layers; eagle3: one layer over the target's features (EAGLE-3)")
+    # `--kind layers`, its name before, is read as draft_model
+    p.add_argument("--kind", type=kind_name, choices=(DRAFT_MODEL, EAGLE3), default=DRAFT_MODEL,
+                   help="draft_model: a small model of a few target layers; eagle3: one layer over the target's features "
+                        "(EAGLE-3)")
     p.add_argument("--layers", default=None,
-                   help="layers: '0,1,2,29' (default), 'evenly:K' or 'first:K'; eagle3: the three feature layers "
+                   help="draft_model: '0,1,2,29' (default), 'evenly:K' or 'first:K'; eagle3: the three feature layers "
                         "(default 2, N/2, N-3 as vLLM and SGLang capture them)")
     p.add_argument("--draft-vocab", type=count_in(bounds.MAX_TOP_K), default=None, help="keep only the N most frequent tokens")
     p.add_argument("--traffic", default=None, help="text file whose token counts choose the draft vocabulary")

@@ -106,7 +106,7 @@ class BenchResult(Record):
     tree_width: int = 1  # first-position candidates verified as a tree (EAGLE-3 heads, greedy); 1: a chain
     prompt_speedups: list[float] = field(default_factory=list)  # per prompt, in prompt order (see module docstring)
     budget_note: str = ""  # what a time budget cut from this measurement (empty: nothing)
-    spec: str = ""  # the drafter spec a pipeline stage ran (draft:DIR, self-spec:K, ngram, ...; `speculative.specs`)
+    spec: str = ""  # the drafter spec a pipeline stage ran (draft_model:DIR, self-spec:K, ngram, ...; `speculative.specs`)
 
     @property
     def first_position_acceptance(self) -> float:

@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from specdistill import paths
 from specdistill.distill.distill_recipe import DistillConfig, save_config
+from specdistill.modeling.eagle3_files import kind_name
 from specdistill.recipe import load_yaml
 
 CKPT_PREFIX = "step-"
@@ -123,7 +124,7 @@ SHAPE_KEYS = ("target", "kind", "layers", "draft", "draft_vocab", "freeze", "eag
 def _setting(config: dict, key: str):
     for part in key.split("."):
         config = config.get(part) if isinstance(config, dict) else None
-    return config
+    return kind_name(config) if key == "kind" else config  # a checkpoint written before says `kind: layers`
 
 
 def check_resumable(ckpt: Path, config: DistillConfig) -> None:

@@ -7,16 +7,19 @@ The resolved config is saved next to every checkpoint, so a checkpoint always sa
 from __future__ import annotations
 
 import os
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 import yaml
-from pydantic import Field, field_validator, model_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from specdistill import bounds, paths
+from specdistill.modeling.eagle3_files import DRAFT_MODEL, EAGLE3, kind_name
 from specdistill.recipe import BatchSize, Gamma, Kept, Layer, Minutes, Prompts, Seed, Steps, Strict, Threads, TopK, count, load_model_config
 
-DraftKind = Literal["layers", "eagle3"]  # a layer-extracted draft, or an EAGLE-3 head over target features
-FEATURE_KINDS = frozenset({"eagle3"})  # the kinds trained on the target's hidden states (a feature pass writes them)
+# a layer-extracted draft, or an EAGLE-3 head over target features; a config written before reads `layers` as
+# `draft_model` (`kind_name`)
+DraftKind = Annotated[Literal["draft_model", "eagle3"], BeforeValidator(kind_name)]
+FEATURE_KINDS = frozenset({EAGLE3})  # the kinds trained on the target's hidden states (a feature pass writes them)
 Divergence = Literal["fkl", "rkl", "jsd", "tv"]  # the losses against a teacher distribution alone
 
 
@@ -108,7 +111,7 @@ class Eagle3Config(Strict):
 
 class DistillConfig(Strict):
     target: str = "demo"
-    kind: DraftKind = "layers"
+    kind: DraftKind = DRAFT_MODEL
     draft: str | None = None  # warm start: an existing draft directory (incremental distillation)
     layers: str = "0,1,2,29"  # target layers for a new draft: '0,1,2,29', 'evenly:K', 'first:K'
     draft_vocab: TopK | str | None = 8192  # N (most frequent answer tokens), a draft dir, or None (full)

@@ -16,6 +16,7 @@ from specdistill.distill.teacher import OnlineTeacher, TeacherCache, drop_stale,
 from specdistill.distill.trained import HeldoutAcceptance
 from specdistill.modeling import models
 from specdistill.modeling.drafts import init_draft_from_target, parse_layers, save_draft
+from specdistill.modeling.eagle3_files import DRAFT_MODEL
 from specdistill.modeling.vocab import DraftVocab, build_draft_vocab
 
 
@@ -184,7 +185,7 @@ class LayerTask:
         return heldout_acceptance(self.module, self.heldout, self.draft_vocab, device=self.device) if self.heldout else None
 
     def describe(self) -> dict:
-        return {"kind": "layers", "draft_vocab": self.draft_vocab.size if self.draft_vocab is not None else None,
+        return {"kind": DRAFT_MODEL, "draft_vocab": self.draft_vocab.size if self.draft_vocab is not None else None,
                 "layers": self.layers, "stale_dropped": self.stale_dropped}
 
     def save(self, out_dir, target, meta: dict):

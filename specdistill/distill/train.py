@@ -45,11 +45,12 @@ from specdistill.distill.examples import DataOrder, read_examples
 from specdistill.distill.layer_task import LayerTask
 from specdistill.distill.trained import HeldoutAcceptance, Trained
 from specdistill.modeling import models
+from specdistill.modeling.eagle3_files import DRAFT_MODEL, EAGLE3
 from specdistill.modeling.fingerprints import weights_digest
 from specdistill.modeling.models import LoadedModel, check_device
 from specdistill.state_lock import state_lock_for
 
-TASKS = {"layers": LayerTask, "eagle3": Eagle3Task}  # the training task of each kind of draft (`DistillConfig.kind`)
+TASKS = {DRAFT_MODEL: LayerTask, EAGLE3: Eagle3Task}  # the training task of each kind of draft (`DistillConfig.kind`)
 
 
 class NonFiniteLossError(RuntimeError):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from specdistill.data.record import Record
 from specdistill.distill.distill_recipe import FEATURE_KINDS
+from specdistill.modeling.eagle3_files import DRAFT_MODEL, kind_name
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class Trained(Record):
     draft_dir: str | None = None  # None: a rank other than 0, which writes no draft
     draft_vocab: int | None = None
     layers: list[int] = field(default_factory=list)
-    kind: str = "layers"  # or "eagle3"
+    kind: str = DRAFT_MODEL  # or "eagle3"; a result.json written before says `layers` (read as draft_model)
     clock: str = "wall"  # what train_minutes counts: "wall" or "cpu"
     rank_weight_digests: list[str] | None = None  # multi-rank runs only
     unroll_steps: int | None = None  # eagle3 only
@@ -61,6 +62,9 @@ class Trained(Record):
     stale_dropped: int = 0  # answers not trained on: their cached teacher rows were written for other token ids
     features: str | None = None  # eagle3 only: cache | online
     features_reason: str | None = None  # eagle3 only: why (auto: the disk budget)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", kind_name(self.kind))  # one name inside, whatever name the file gave
 
     def result_json(self, *, curve: bool = True) -> dict:
         """result.json (and, without the curve, the draft's meta): the run's numbers, the task's keys, then

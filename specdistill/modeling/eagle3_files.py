@@ -6,12 +6,28 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from specdistill import paths
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS_FILE = "model.safetensors"
 META_FILE = "specdistill_draft.json"  # every draft's meta file: heads and layer drafts (`drafts.save_draft`) alike
+
+# The kinds of draft a directory holds, one name each wherever a kind is written: training's `train.kind`
+# (`distill.config.DraftKind`), the drafter spec (`speculative.kinds`), serving.json's `draft_kind`, the registry's
+# `draft_kind` tag, `draft init --kind`. The names are vLLM's `method`s for them.
+DRAFT_MODEL = "draft_model"  # a layer draft: a small LM built from some of the target's layers, its tokenizer
+EAGLE3 = "eagle3"  # an EAGLE-3 head over the target's hidden states
+# Read only, never written: the layer draft's name in records, configs and serving.json written before
+# (`train.kind: layers`, `draft_kind: layers`, a result's and a checkpoint config's `kind`).
+OLD_KIND_NAMES = {"layers": DRAFT_MODEL}
+
+
+def kind_name(name: Any) -> Any:
+    """A draft kind's one name, from the name a record or config gives (an old one read as its new); what is
+    not a name is given back for the reader to refuse."""
+    return OLD_KIND_NAMES.get(name, name) if isinstance(name, str) else name
 
 
 def read_config(directory: str | os.PathLike) -> dict | None:

@@ -40,7 +40,7 @@ from specdistill.ops.serving import (
     write_serving_config,
 )
 from specdistill.ops.serving import serving_path as default_serving_path
-from specdistill.speculative.specs import DrafterSpec
+from specdistill.speculative.specs import DrafterSpec, draft_kind_name
 
 log = logging.getLogger(__name__)
 
@@ -137,14 +137,21 @@ def version_by_alias(name: str, alias: str):
         return None
 
 
+def read_tag(tags: dict[str, str], key: str) -> str | None:
+    """A version's tag as this version names it: its `draft_kind` under its one name, whatever name it was
+    registered with."""
+    return draft_kind_name(tags.get(key)) if key == "draft_kind" else tags.get(key)
+
+
 def newest_version(name: str, **tags: str):
     """The newest version of `name` whose tags include all of `tags` (None when there is none). Filtered
-    here, not in MLflow's filter string, which cannot match a tag whose value is empty."""
+    here, not in MLflow's filter string, which cannot match a tag whose value is empty, nor read a `draft_kind`
+    tag written before under its old name (`layers`, read as `draft_model`)."""
     try:
         versions = client().search_model_versions(f"name = '{name}'")
     except MlflowException:
         return None
-    matching = [v for v in versions if all(v.tags.get(k) == value for k, value in tags.items())]
+    matching = [v for v in versions if all(read_tag(v.tags, k) == value for k, value in tags.items())]
     return max(matching, key=lambda v: int(v.version), default=None)
 
 

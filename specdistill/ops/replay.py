@@ -248,7 +248,7 @@ def _acceptance_from(sample: AcceptanceSample, per_request: list[SpecStats], sto
 
 @dataclass
 class FallbackCandidate(Record):
-    mode: str  # self_speculation | ngram | suffix
+    mode: str  # self-spec | ngram | suffix
     exit_layer: int | None
     speedup: float
     acceptance_rate: float
@@ -263,7 +263,7 @@ class FallbackCandidate(Record):
 @dataclass
 class FallbackDecision(Record):
     decided: bool  # False: "no decision" (too few tokens measured); serve as before
-    mode: str | None  # self_speculation | ngram | suffix | off (None when not decided)
+    mode: str | None  # self-spec | ngram | suffix | off (None when not decided)
     exit_layer: int | None
     speedup: float | None
     reason: str

@@ -19,9 +19,11 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, Stric
 
 from specdistill import bounds, paths
 from specdistill.acceptance import DEFAULT_GAMMA, NGRAM_WINDOW
-from specdistill.speculative.specs import KINDS, draft_kinds, engine_settings, served_kind, serving_modes
+from specdistill.speculative.specs import KINDS, draft_kinds, engine_settings, mode_name, served_kind, serving_modes
 
-OLD_DRAFT_KIND = "layers"  # what serving.json said whatever was served, before `draft_kind` named the served kind
+# Read only, never written: what serving.json said whatever was served, before `draft_kind` named the served kind
+# (and the layer draft's name until it took vLLM's, `draft_model`)
+OLD_DRAFT_KIND = "layers"
 SERVING_FILE = "serving.json"
 # The one exception to "traffic and answers are the owner's only" (see specdistill.paths): what a serving
 # engine must read. This file (0644: modes, paths, speedups, no traffic) and the draft directory it names
@@ -63,9 +65,9 @@ class ServingConfig(BaseModel):
 
     mode: StrictStr  # one of `speculative.specs.serving_modes()`: a servable drafter kind's, or off (checked first)
     num_speculative_tokens: StrictInt = Field(DEFAULT_GAMMA, ge=0, le=bounds.MAX_GAMMA)  # at least 1 unless mode off (checked below)
-    draft_dir: StrictStr | None = None  # draft mode, and self-speculation exported as an early-exit draft
+    draft_dir: StrictStr | None = None  # draft mode, and self-spec mode's early-exit draft (exported)
     draft_version: StrictStr | None = None
-    # the served kind (`speculative.specs.draft_kinds()`): layers (a layer draft: vLLM draft_model, SGLang
+    # the served kind (`speculative.specs.draft_kinds()`): draft_model (a layer draft: vLLM draft_model, SGLang
     # STANDALONE), eagle3 (a head: vLLM eagle3, SGLang EAGLE3), self-spec, ngram, suffix; None: off
     draft_kind: StrictStr | None = None
     target_fingerprint: StrictStr | None = None
@@ -105,9 +107,12 @@ class ServingConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _mode_first(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "mode" in data:  # a file written before: its mode's old name read as the new
+            data = {**data, "mode": mode_name(data["mode"])}
         if isinstance(data, dict) and "mode" in data and data["mode"] not in (modes := serving_modes()):
             raise ValueError(f"serving mode {data['mode']!r} is not one of {modes}")
-        if isinstance(data, dict) and data.get("draft_kind") is not None and data["draft_kind"] not in (kinds := draft_kinds()):
+        kind = data.get("draft_kind") if isinstance(data, dict) else None
+        if kind not in (None, OLD_DRAFT_KIND) and kind not in (kinds := draft_kinds()):
             raise ValueError(f"draft kind {data['draft_kind']!r} is not one of {kinds}")
         if isinstance(data, dict) and "mode" in data:
             data = {**data, "draft_kind": _served_draft_kind(data["mode"], data.get("draft_kind"))}
@@ -186,10 +191,10 @@ class ServingConfig(BaseModel):
 
 def _served_draft_kind(mode: Any, draft_kind: Any) -> str | None:
     """serving.json's `draft_kind` for a mode: the one given, the mode's kind where none is (None: off), and for
-    a record written before it named the served kind (`layers` beside a suffix, n-gram or self-speculation
-    mode) the mode's kind; a kind that is not served in the mode is refused."""
+    a record written before (`layers`: whatever was served, and the layer draft's old name) the mode's kind, in
+    draft mode the layer draft; a kind that is not served in the mode is refused."""
     kind = served_kind(mode, draft_kind) if isinstance(mode, str) else None
-    if kind is None or draft_kind is None or (draft_kind == OLD_DRAFT_KIND and kind.draft_kind != draft_kind):
+    if kind is None or draft_kind is None or draft_kind == OLD_DRAFT_KIND:
         return kind.draft_kind if kind else None
     if kind.draft_kind != draft_kind:
         served_in = next(k.mode for k in KINDS.values() if k.draft_kind == draft_kind)

@@ -19,6 +19,7 @@ from specdistill.data.prompts import MAX_PROMPT_TOKENS
 from specdistill.data.results import BenchSettings
 from specdistill.distill.distill_recipe import DataConfig, DistillConfig, DraftKind, Eagle3Config, LossConfig, OptimConfig, TeacherConfig
 from specdistill.env import masked_logs, stash_secrets
+from specdistill.modeling.eagle3_files import DRAFT_MODEL
 from specdistill.ops.policy import (
     CONFIDENCE,
     DEFAULT_MARGIN,
@@ -158,7 +159,7 @@ class NightlyTrain(DistillConfig):
         if warm_start:
             update["optim"]["lr"], update["draft_vocab"] = self.incremental_lr, None
         if generic:
-            update.update(kind="layers", loss=LossConfig(kind="ce").model_dump(), eagle3=Eagle3Config().model_dump())
+            update.update(kind=DRAFT_MODEL, loss=LossConfig(kind="ce").model_dump(), eagle3=Eagle3Config().model_dump())
         elif self.on_features:
             update["eagle3"] = {**self.eagle3.model_dump(), "feature_dir": feature_dir, "feature_dtype": config.dtype}
             # `deepen` false: a warm start from a head trained for another target version, whose first position

@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # for annotations only: the registry imports MLflow
 class ServingDecision(Record):
     """The mode written for serving and every number behind it (`serving_config` turns it into serving.json)."""
 
-    mode: str  # draft | self_speculation | ngram | suffix | off
+    mode: str  # draft | self-spec | ngram | suffix | off
     reason: str
     measured: dict[str, float]  # every candidate's measured speedup
     measured_on: str  # engine and dtype

@@ -1,8 +1,8 @@
-"""Drafter specs: the one parser of the strings that name a drafting method (`draft:DIR`, `eagle3:DIR`,
+"""Drafter specs: the one parser of the strings that name a drafting method (`draft_model:DIR`, `eagle3:DIR`,
 `self-spec:K`, `ngram`, `ngram:MIN,MAX`, `suffix:CORPUS`, `hybrid:DIR,CORPUS[,THRESHOLD]`), and the one
 registry of the kinds of drafter (`KINDS`): how each is built, served and recorded, read from it.
 
-    spec = DrafterSpec.parse("self-spec:8")      # kind "self-spec", exit_layer 8, serving mode "self_speculation"
+    spec = DrafterSpec.parse("self-spec:8")      # kind "self-spec", exit_layer 8, serving mode "self-spec"
     drafter = drafter_from_spec(target, spec.with_(tree_width=4))
 
 A spec's text is what the nightly's benchmark entries, the monitor's fallback and the reports carry
@@ -11,15 +11,15 @@ the tree width are not in the text: they are measured settings a spec is run wit
 
 Each kind lives in its own module (`speculative.kinds`), which registers a `Kind` in `KINDS`
 (`register_kind`); nothing else lists the kinds. As vLLM's `method`: one kind per way of drafting, so a
-layer draft (`draft`) and an EAGLE-3 head (`eagle3`) are two kinds.
+layer draft (`draft_model`) and an EAGLE-3 head (`eagle3`) are two kinds, named as vLLM names them; both are
+served in the `draft` mode (a draft model beside the target).
 
 Specs travel as `DrafterSpec`s: parsed where text comes in (the CLI, configs, records read back), written as
 text only where they leave (JSON records, cache keys, reports: `to_dict`). Records written before are read
-here and only here: an older spelling of a kind's name (`Kind.aliases`: `self_spec:K`), and an older, wider
-kind's spec that a kind now claims (`Kind.claims`: `draft:DIR` naming an EAGLE-3 head reads as `eagle3:DIR`).
-
-Self-speculation's serving mode keeps the name serving.json and the `specdistill_serving_mode{mode}` gauge
-have always carried, `self_speculation`.
+here and only here: an older spelling of a kind's name (`Kind.aliases`: `self_spec:K`, `draft:DIR`), and an older,
+wider kind's spec that a kind now claims (`Kind.claims`: `draft:DIR` naming an EAGLE-3 head reads as `eagle3:DIR`);
+an older name of a serving mode (`OLD_MODES`: `self_speculation`) and of serving.json's `draft_kind`
+(`modeling.eagle3_files.OLD_KIND_NAMES`: `layers`) are read by `mode_name` and `draft_kind_name`.
 
 Torch-free at import (drafters are built on first use), so `serving show` and the metrics read the modes fast.
 """
@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from specdistill.acceptance import NGRAM_WINDOW
+from specdistill.modeling.eagle3_files import DRAFT_MODEL, kind_name  # DRAFT_MODEL: a draft directory's kind unless another claims it
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -45,7 +46,7 @@ class DrafterSpecError(ValueError):
 @dataclass(frozen=True)
 class Kind:
     name: str
-    mode: str  # the serving mode it is written as: draft | self_speculation | ngram | ...
+    mode: str  # the serving mode it is written as: draft | self-spec | ngram | ...
     usage: str  # how its spec is written, for error messages
     check: Callable[[str], bool]  # is this argument (after "kind:", "" when there is none) valid?
     # (target, spec, the target's identity: what a corpus is checked against) -> the drafter
@@ -60,11 +61,10 @@ class Kind:
     vllm: Callable[[Any], dict[str, Any] | None] | None = None
     sglang: Callable[[Any], list[str]] | None = None
     needs: tuple[str, str] = ()  # the serving config key its mode cannot be served without, and its name for errors
-    aliases: tuple[str, ...] = ()  # older spellings of the name, read from records written before
+    aliases: tuple[str, ...] = ()  # older spellings of the name, read from records written before, never written
     # (the older kind, is this argument of it ours?): records that kind wrote for what is now this kind
     claims: tuple[str, Callable[[str], bool]] | None = None
     draft_dir: bool = False  # its argument is a draft's directory (or reference): `DrafterSpec.path`
-    record: str = ""  # serving.json's `draft_kind` for it ("": its name)
     label: str = ""  # what `serving show` calls its draft ("EAGLE-3 head"; "": nothing beside the version)
     # drafts from its target's hidden states: it loads, replays and smoke-tests only beside its target
     on_target: bool = False
@@ -87,8 +87,8 @@ class Kind:
 
     @property
     def draft_kind(self) -> str:
-        """What serving.json's `draft_kind` says when this kind is served."""
-        return self.record or self.name
+        """What serving.json's `draft_kind` says when this kind is served: its name (one name everywhere)."""
+        return self.name
 
 
 class TargetKey(NamedTuple):
@@ -102,6 +102,20 @@ class TargetKey(NamedTuple):
 KINDS: dict[str, Kind] = {}
 _ALIASES: dict[str, str] = {}
 OFF = "off"  # the serving mode without speculation
+SELF_SPEC = "self-spec"  # self-speculation: its kind, its spec (`self-spec:K`), its serving mode, `--self-spec K`
+# Read only, never written: a serving mode's name in a serving.json written before the mode took its kind's name
+# (`ops.serving.ServingConfig` reads it; what is served, the gauge's label included, is the new name)
+OLD_MODES = {"self_speculation": SELF_SPEC}
+
+
+def mode_name(mode: Any) -> Any:
+    """A serving mode's one name, from the name a record gives (an old one read as its new)."""
+    return OLD_MODES.get(mode, mode) if isinstance(mode, str) else mode
+
+
+def draft_kind_name(draft_kind: Any) -> Any:
+    """serving.json's (or a registered version's tag) `draft_kind`, its old name read as its new (`layers`)."""
+    return kind_name(draft_kind)
 
 
 def register_kind(kind: Kind) -> Kind:
@@ -171,12 +185,12 @@ class DrafterSpec:
 
     @classmethod
     def for_draft(cls, draft_dir: str | Any) -> DrafterSpec:
-        """The spec of a draft directory, by the kind that claims it: `eagle3:DIR` for a head, else `draft:DIR`."""
-        return cls(_claimed(DRAFT, str(draft_dir)), str(draft_dir))
+        """The spec of a draft directory, by the kind that claims it: `eagle3:DIR` for a head, else `draft_model:DIR`."""
+        return cls(_claimed(DRAFT_MODEL, str(draft_dir)), str(draft_dir))
 
     def resolved(self, draft_dir: str) -> DrafterSpec:
         """This spec with its draft reference (`models:/NAME@ALIAS`) resolved to `draft_dir`, and the kind
-        that directory turns out to be (a registered head named `draft:` reads as `eagle3:`)."""
+        that directory turns out to be (a registered head named `draft_model:` reads as `eagle3:`)."""
         return self.with_(kind=_claimed(self.kind, draft_dir), arg=draft_dir)
 
     def __str__(self) -> str:
@@ -216,7 +230,7 @@ class DrafterSpec:
 
     @property
     def path(self) -> str | None:
-        """A draft's checkpoint or EAGLE-3 head (kinds draft and eagle3, and the model half of a hybrid)."""
+        """A draft's checkpoint or EAGLE-3 head (kinds draft_model and eagle3, and the model half of a hybrid)."""
         if self.kind == "hybrid":
             return hybrid_model(self.arg).path
         return self.arg if self.of.draft_dir else None
@@ -242,9 +256,6 @@ class DrafterSpec:
         return (lo, hi)
 
 
-SELF_SPEC = "self-spec"
-DRAFT = "draft"  # a draft directory's kind unless another claims it (`DrafterSpec.for_draft`)
-
 
 def hybrid_parts(arg: str) -> tuple[str, str, float | None]:
     """`DIR,CORPUS[,THRESHOLD]` of a hybrid spec: the draft, the corpus file and the threshold."""
@@ -262,7 +273,7 @@ def hybrid_parts(arg: str) -> tuple[str, str, float | None]:
 
 
 def hybrid_model(arg: str) -> DrafterSpec:
-    """A hybrid's model half: a draft directory (`draft:DIR`, a head's read as `eagle3:DIR`), or
+    """A hybrid's model half: a draft directory (a layer draft's or a head's, `DrafterSpec.for_draft`), or
     self-speculation written as its spec (`hybrid:self-spec:K,CORPUS`)."""
     model = hybrid_parts(arg)[0]
     kind, _, layer = model.partition(":")

@@ -21,7 +21,7 @@ PLAUSIBLE_FACTOR = 1.25  # a speedup above this times τ comes from a disturbed 
 class Candidate:
     """One speculation mode measured against target-only decoding on the same prompts."""
     name: str
-    mode: str  # draft | self_speculation | ngram | suffix
+    mode: str  # draft | self-spec | ngram | suffix
     speedup: float
     lossless: bool | None  # None: sampling run, not decidable from outputs
     gamma: int

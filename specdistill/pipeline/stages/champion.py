@@ -33,8 +33,9 @@ def training_start(config: NightlyConfig, target_fingerprint: str, champion: Cha
 
 
 def draft_kind(draft: Champion) -> str:
-    """`layers` or `eagle3`: the version's tag, or its files for a version registered without one."""
-    return draft.tags.get("draft_kind") or registry.draft_kind_tags(draft.dir)["draft_kind"]
+    """`draft_model` or `eagle3`: the version's tag (`layers` read as draft_model), or its files for a version
+    registered without one."""
+    return registry.read_tag(draft.tags, "draft_kind") or registry.draft_kind_tags(draft.dir)["draft_kind"]
 
 
 def _registered(name: str, mv) -> Champion | None:
@@ -58,7 +59,7 @@ def started_from(warm_start: WarmStart | None, champion: Champion | None, target
         return (f"training started from version {warm_start.version}, newer than the champion (version "
                 f"{champion.version}) and no worse than it on the prompts both were measured on (gate "
                 f"{warm_start.tags.get('gate_verdict', 'unknown')})")
-    why = (f"the champion, version {champion.version}, is a {draft_kind(champion)} draft" if champion is not None
+    why = (f"the champion, version {champion.version}, is of kind {draft_kind(champion)}" if champion is not None
            else "there is no champion")
     if warm_start is None:
         return f"training started from the target's weights (no draft of this kind registered for this target; {why})"

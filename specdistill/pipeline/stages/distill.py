@@ -13,6 +13,7 @@ from specdistill.distill import train as distill_train
 from specdistill.distill.distill_recipe import DataConfig, TeacherConfig
 from specdistill.distill.examples import read_done
 from specdistill.modeling.drafts import load_draft_meta
+from specdistill.modeling.eagle3_files import DRAFT_MODEL
 from specdistill.modeling.models import shared_model
 from specdistill.pipeline.layout import features_dir
 from specdistill.pipeline.nightly_recipe import NightlyConfig, config_hash, run_root
@@ -38,7 +39,7 @@ def distill_draft(config: NightlyConfig, train_data: GeneratedData | None, heldo
     whichever comes first. A share too small to train in returns `Untrained` (the draft: the night stops
     there; the generic baseline, optional: skipped, and already when its share is under half its budget)."""
     tc = config.train
-    kind = "layers" if generic else tc.kind
+    kind = DRAFT_MODEL if generic else tc.kind
     if warm_start and DrafterSpec.for_draft(warm_start).of.draft_kind != kind:
         warm_start = None  # the champion is of the other kind: this kind starts from the target
     feature_dir = None

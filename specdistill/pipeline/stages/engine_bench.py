@@ -31,20 +31,20 @@ from specdistill.ops.serving import ServingConfig
 from specdistill.pipeline.nightly_recipe import NightlyConfig
 from specdistill.pipeline.outputs import Window
 from specdistill.pipeline.stage_budgets import stage_deadline
-from specdistill.speculative.specs import DrafterSpec
+from specdistill.speculative.specs import DRAFT_MODEL, DrafterSpec
 
 
 def mode_for_spec(spec: DrafterSpec, target: Path, k: int = DEFAULT_GAMMA):
-    """The llama-server mode of a drafter spec (`draft:REF|GGUF` or `ngram`): the draft's GGUF mode, or
+    """The llama-server mode of a drafter spec (`draft_model:REF|GGUF` or `ngram`): the draft's GGUF mode, or
     n-gram lookup of the spec's longest n (plain `ngram`: `acceptance.NGRAM_WINDOW`); self-speculation
-    reaches llama.cpp as its exported early-exit draft, i.e. as `draft:DIR` (`llamacpp_spec`). A draft
+    reaches llama.cpp as its exported early-exit draft, i.e. as `draft_model:DIR` (`llamacpp_spec`). A draft
     reference other than a GGUF file (`models:/NAME@ALIAS` included) is resolved to its directory first."""
     if spec.path:
         draft = spec.path if spec.path.endswith(".gguf") else resolve_model_dir(spec.path)
         return llamacpp.draft_mode(draft, target, k)
     if spec.ngram_sizes:
         return ngram_mode(spec.ngram_sizes[1], k) if spec.arg else ngram_mode(k=k)
-    raise ValueError(f"drafter {str(spec)!r} has no llama.cpp mode (draft:DIR or ngram)")
+    raise ValueError(f"drafter {str(spec)!r} has no llama.cpp mode (draft_model:DIR or ngram)")
 
 
 def llamacpp_spec(config: NightlyConfig, spec: DrafterSpec) -> DrafterSpec:
@@ -52,7 +52,7 @@ def llamacpp_spec(config: NightlyConfig, spec: DrafterSpec) -> DrafterSpec:
     if spec.exit_layer is None:
         return spec
     target = shared_model(config.target, dtype=config.dtype, device=config.device)  # the run's dtype, as every stage
-    return DrafterSpec("draft", str(export_early_exit_draft(target, spec.exit_layer)))
+    return DrafterSpec(DRAFT_MODEL, str(export_early_exit_draft(target, spec.exit_layer)))
 
 
 def engine_benchmark(config: NightlyConfig, window: Window, drafters: dict[str, DrafterSpec],
@@ -99,7 +99,7 @@ def engine_benchmark(config: NightlyConfig, window: Window, drafters: dict[str, 
 
 
 def mode_serving_config(spec: DrafterSpec, gamma: int, target_ref: str) -> ServingConfig:
-    """The serving config `serving.json` would carry for a drafter spec (`draft:REF`, `self-spec:K`, `ngram...`):
+    """The serving config `serving.json` would carry for a drafter spec (`draft_model:REF`, `self-spec:K`, `ngram...`):
     its serving keys (`DrafterSpec.serving_keys`), with a draft directory. A draft reference
     (`models:/NAME@ALIAS` included) is resolved, and a registered one verified, here: vLLM is handed a local
     HF directory, never a reference it cannot read. A suffix corpus is ours only (vLLM's suffix trees fill

@@ -1,10 +1,11 @@
-"""`draft:DIR`: a layer draft, a small LM with the target's tokenizer (vLLM `draft_model`, SGLang `STANDALONE`)."""
+"""`draft_model:DIR`: a layer draft, a small LM with the target's tokenizer (vLLM `draft_model`, SGLang `STANDALONE`).
+A spec written before as `draft:DIR` is read as `draft_model:DIR` (its alias)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from specdistill.speculative.specs import DrafterSpec, Kind, TargetKey, register_kind
+from specdistill.speculative.specs import DRAFT_MODEL, DrafterSpec, Kind, TargetKey, register_kind
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
 NEEDS_DIR = ("draft_dir", "a draft directory")  # a draft model is served from its directory
 
 
-def model_vllm(c: Any, method: str = "draft_model") -> dict[str, Any]:
+def model_vllm(c: Any, method: str = DRAFT_MODEL) -> dict[str, Any]:
     """vLLM's settings for a draft model from its serving config `c`: it verifies a chain, so a head measured
     as a tree is served there at the chain depth measured for it."""
     k = getattr(c, "chain_speculative_tokens", None) or c.num_speculative_tokens
@@ -45,7 +46,7 @@ def build(target: PreTrainedModel, spec: DrafterSpec, key: TargetKey) -> Drafter
     weights = next(target.parameters())
     loaded = models.load_model(path, dtype=weights.dtype, device=weights.device)  # the draft runs as the target does
     return ModelDrafter(loaded.model, target.config.vocab_size, DraftVocab.load(loaded.path),
-                        name=f"draft:{loaded.path.name}", tree_width=spec.tree_width)
+                        name=f"{DRAFT_MODEL}:{loaded.path.name}", tree_width=spec.tree_width)
 
 
 def _shared(target: PreTrainedModel, spec: DrafterSpec) -> LoadedModel:
@@ -75,9 +76,9 @@ def carry(target: PreTrainedModel, spec: DrafterSpec, tokenizer: Any) -> tuple[D
     draft = _shared(target, spec)
     aligned = align_draft(draft.model, draft.tokenizer, tokenizer, DraftVocab.load(draft.path),
                           target_vocab_size=target.config.vocab_size)
-    return ModelDrafter(aligned.model, target.config.vocab_size, aligned.draft_vocab, name=f"draft:{draft.path.name}",
+    return ModelDrafter(aligned.model, target.config.vocab_size, aligned.draft_vocab, name=f"{DRAFT_MODEL}:{draft.path.name}",
                         tree_width=spec.tree_width), aligned.reason
 
 
-DRAFT = register_kind(Kind("draft", "draft", "draft:DIR", bool, build, vllm=model_vllm, sglang=model_sglang,
-                           needs=NEEDS_DIR, draft_dir=True, record="layers", mismatch=mismatch, carry=carry))
+DRAFT = register_kind(Kind(DRAFT_MODEL, "draft", f"{DRAFT_MODEL}:DIR", bool, build, vllm=model_vllm, sglang=model_sglang,
+                           needs=NEEDS_DIR, draft_dir=True, mismatch=mismatch, carry=carry, aliases=("draft",)))

@@ -1,8 +1,8 @@
 """`eagle3:DIR`: an EAGLE-3 head, one decoder layer over the target's features from three of its layers,
 drafting with the target's embeddings (vLLM `method: eagle3`, SGLang `EAGLE3`, llama.cpp `draft-eagle3`).
 
-Everything that tells a head from a layer draft is here: which directories are heads (a `draft:DIR` record
-naming one, written before this kind existed, reads as `eagle3:DIR`), how it is built (and carried over to
+Everything that tells a head from a layer draft is here: which directories are heads (a `draft_model:DIR` spec
+naming one, or a `draft:DIR` record written before this kind existed, reads as `eagle3:DIR`), how it is built (and carried over to
 a target whose tokenizer changed), the engines' settings (served as a tree where the engine verifies one),
 the γ it is first measured at, and the lineage tags a registered head carries (the target layers it reads)."""
 
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from specdistill import paths
 from specdistill.modeling.eagle3_files import META_FILE, aux_layers_of, is_eagle3_dir, read_config
 from specdistill.speculative.kinds.draft import NEEDS_DIR, model_sglang, model_vllm
-from specdistill.speculative.specs import DrafterSpec, Kind, TargetKey, register_kind
+from specdistill.speculative.specs import DRAFT_MODEL, DrafterSpec, Kind, TargetKey, register_kind
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -98,6 +98,6 @@ def _sglang(c: Any) -> list[str]:
 
 
 EAGLE3 = register_kind(Kind(NAME, "draft", "eagle3:DIR", bool, build, vllm=_vllm, sglang=_sglang, needs=NEEDS_DIR,
-                            claims=("draft", is_head), draft_dir=True, label="EAGLE-3 head", on_target=True,
+                            claims=(DRAFT_MODEL, is_head), draft_dir=True, label="EAGLE-3 head", on_target=True,
                             feature_layers=feature_layers, tree=True, first_gamma=first_gamma, tags=tags,
                             mismatch=mismatch, carry=carry))

@@ -20,6 +20,6 @@ def build(target: PreTrainedModel, spec: DrafterSpec, key: TargetKey) -> Drafter
     return SelfSpecDrafter(target, spec.exit_layer, tree_width=spec.tree_width)
 
 
-SELF_SPECULATION = register_kind(Kind(SELF_SPEC, "self_speculation", "self-spec:K", str.isdigit, build,
+SELF_SPECULATION = register_kind(Kind(SELF_SPEC, SELF_SPEC, f"{SELF_SPEC}:K", str.isdigit, build,
                                       serving=lambda s: {"exit_layer": s.exit_layer}, aliases=("self_spec",),
                                       vllm=model_vllm, sglang=model_sglang, needs=NEEDS_DIR))
