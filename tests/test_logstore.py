@@ -39,11 +39,11 @@ def test_migrations_build_exactly_the_declared_schema(store):
     from alembic.autogenerate import compare_metadata
     from alembic.runtime.migration import MigrationContext
 
-    assert schema_revision(store.engine) == "0004"
+    assert schema_revision(store.engine) == "0005"
     with store.engine.connect() as conn:
         assert compare_metadata(MigrationContext.configure(conn), metadata) == []
     upgrade(store.engine)  # opening an up-to-date store again changes nothing
-    assert schema_revision(store.engine) == "0004"
+    assert schema_revision(store.engine) == "0005"
     downgrade(store.engine, "base")
     assert schema_revision(store.engine) is None
     assert "conversations" not in sa.inspect(store.engine).get_table_names()

@@ -75,7 +75,7 @@ conversations = sa.Table(
     sa.Column("id", _ID, primary_key=True, autoincrement=True),
     sa.Column("content_hash", sa.String(64), nullable=False, unique=True),
     sa.Column("prompt_hash", sa.String(64), nullable=False, index=True),
-    sa.Column("split", sa.String(8), nullable=False, index=True),
+    sa.Column("split", sa.String(8), nullable=False),  # indexed first in (split, arrived_at)
     sa.Column("messages", sa.Text(), nullable=False),  # JSON [{"role", "content"}]
     sa.Column("num_messages", sa.Integer(), nullable=False),
     sa.Column("num_chars", sa.Integer(), nullable=False),
@@ -90,6 +90,7 @@ conversations = sa.Table(
     sa.Column("ingested_at", UTCDateTime(), nullable=False),
     sa.Column("ingest_run_id", _ID, sa.ForeignKey("ingest_runs.id")),
     sa.Index("ix_conversations_source_split_arrived", "source", "split", "arrived_at"),
+    sa.Index("ix_conversations_split_arrived", "split", "arrived_at"),  # a split's window (migration 0005)
 )
 
 responses = sa.Table(
