@@ -22,9 +22,9 @@ import yaml
 
 from specdistill.cli import build_parser
 from specdistill.distill.checkpoints import CheckpointError, check_resumable
-from specdistill.distill.config import load_config, save_config
+from specdistill.distill.distill_recipe import load_config, save_config
 from specdistill.distill.trained import Trained
-from specdistill.pipeline.config import load_nightly_config
+from specdistill.pipeline.nightly_recipe import load_nightly_config
 
 REPO = Path(__file__).resolve().parents[1]
 
