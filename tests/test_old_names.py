@@ -75,7 +75,7 @@ def test_draft_init_reads_kind_layers_as_draft_model(capsys):
 OLD_NAMES = [
     (r"self_speculation", {"specdistill/speculative/specs.py", "docs/serving.md", "tests/test_serving.py"}),
     (r"\bself_spec:", {"specdistill/speculative/specs.py", "docs/serving.md", "tests/test_specs.py"}),
-    (r"""(?<![\w./-])draft:(?=[A-Z{/\w])""", {"specdistill/speculative/specs.py", "specdistill/speculative/kinds/draft.py",
+    (r"""(?<![\w./-])draft:(?=[A-Z{/\w])""", {"specdistill/speculative/specs.py", "specdistill/speculative/kinds/draft_model.py",
                                              "specdistill/speculative/kinds/eagle3.py", "docs/serving.md",
                                              "tests/test_specs.py", "tests/test_eagle3_ops.py"}),
     (r"""kind["']?(=|:\s*|\s)["']?layers\b""", {"specdistill/modeling/eagle3_files.py", "specdistill/distill/checkpoints.py",

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from specdistill import paths
 from specdistill.modeling.eagle3_files import META_FILE, aux_layers_of, is_eagle3_dir, read_config
-from specdistill.speculative.kinds.draft import NEEDS_DIR, model_sglang, model_vllm
+from specdistill.speculative.kinds.draft_model import NEEDS_DIR, model_sglang, model_vllm
 from specdistill.speculative.specs import DRAFT_MODEL, DrafterSpec, Kind, TargetKey, register_kind
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from specdistill.speculative.kinds.draft import NEEDS_DIR, model_sglang, model_vllm
+from specdistill.speculative.kinds.draft_model import NEEDS_DIR, model_sglang, model_vllm
 from specdistill.speculative.specs import SELF_SPEC, DrafterSpec, Kind, TargetKey, register_kind
 
 if TYPE_CHECKING:
