@@ -15,7 +15,7 @@ WEIGHTS_FILE = "model.safetensors"
 META_FILE = "specdistill_draft.json"  # every draft's meta file: heads and layer drafts (`drafts.save_draft`) alike
 
 # The kinds of draft a directory holds, one name each wherever a kind is written: training's `train.kind`
-# (`distill.config.DraftKind`), the drafter spec (`speculative.kinds`), serving.json's `draft_kind`, the registry's
+# (`distill.distill_recipe.DraftKind`), the drafter spec (`speculative.kinds`), serving.json's `draft_kind`, the registry's
 # `draft_kind` tag, `draft init --kind`. The names are vLLM's `method`s for them.
 DRAFT_MODEL = "draft_model"  # a layer draft: a small LM built from some of the target's layers, its tokenizer
 EAGLE3 = "eagle3"  # an EAGLE-3 head over the target's hidden states
