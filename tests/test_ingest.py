@@ -212,7 +212,7 @@ def test_wrong_format_is_an_error_naming_the_file_and_line(store, tmp_path):
 def test_failure_mid_ingest_leaves_the_store_consistent_and_a_rerun_completes(store, tmp_path, monkeypatch):
     path = tmp_path / "log.jsonl"
     write_jsonl(path, range(100))
-    real = store.add_batch
+    real = store.write_batch
     calls = {"n": 0}
 
     def failing(*args, **kwargs):
@@ -221,11 +221,11 @@ def test_failure_mid_ingest_leaves_the_store_consistent_and_a_rerun_completes(st
             raise RuntimeError("connection lost")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(store, "add_batch", failing)
+    monkeypatch.setattr(store, "write_batch", failing)
     with pytest.raises(RuntimeError, match="connection lost"):
         ingest(path, "jsonl", store, batch_size=10, progress=False)
     assert store.count() == 30 and store.watermark(str(path.resolve())).index == 30
-    monkeypatch.setattr(store, "add_batch", real)
+    monkeypatch.setattr(store, "write_batch", real)
     rest = ingest(path, "jsonl", store, batch_size=10, progress=False)
     assert counts(rest) == (70, 70, 0, 0) and store.count() == 100
 
@@ -249,7 +249,7 @@ def _ingest_command(url: str, path: Path, batch: int, barrier: Path | None = Non
             "while not b.exists() and time.time() < t:\n"
             "    time.sleep(0.01)\n"
             "n = len(list(b.parent.glob(b.name + '.[0-9]*')))\n"
-            "add = LogStore.add_batch\n"
+            "add = LogStore.write_batch\n"
             "def first_batch_together(self, *a, _done=[], **k):\n"
             "    out = add(self, *a, **k)\n"
             "    if not _done:\n"
@@ -259,7 +259,7 @@ def _ingest_command(url: str, path: Path, batch: int, barrier: Path | None = Non
             "        while len(list(b.parent.glob(b.name + '.first.*'))) < n and time.time() < t:\n"
             "            time.sleep(0.01)\n"
             "    return out\n"
-            "LogStore.add_batch = first_batch_together\n"
+            "LogStore.write_batch = first_batch_together\n"
         )
     code += (
         f"r = ingest({str(path)!r}, 'jsonl', LogStore(sys.argv[1]), batch_size={batch}, progress=False)\n"
@@ -498,7 +498,7 @@ def test_a_conversation_built_in_code_with_a_field_no_backend_holds_is_quarantin
 def test_a_failed_or_interrupted_ingest_closes_its_run(store, tmp_path, monkeypatch):
     path = tmp_path / "log.jsonl"
     write_jsonl(path, range(30))
-    real = store.add_batch
+    real = store.write_batch
     for error, status in ((RuntimeError("connection lost"), "failed"), (KeyboardInterrupt(), "interrupted")):
         def failing(*args, _error=error, calls={"n": 0}, **kwargs):  # noqa: B006 (a fresh count each error)
             calls["n"] += 1
@@ -506,10 +506,10 @@ def test_a_failed_or_interrupted_ingest_closes_its_run(store, tmp_path, monkeypa
                 raise _error
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(store, "add_batch", failing)
+        monkeypatch.setattr(store, "write_batch", failing)
         with pytest.raises(type(error)):
             ingest(path, "jsonl", store, batch_size=5, progress=False)
-        monkeypatch.setattr(store, "add_batch", real)
+        monkeypatch.setattr(store, "write_batch", real)
         with store.engine.connect() as conn:
             import sqlalchemy as sa
 

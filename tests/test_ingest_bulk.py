@@ -79,9 +79,9 @@ ODD_FIELDS = st.sampled_from([None, "", "m", "m\x00", "x" * 300, 7, 2**70, 1.5, 
 @given(fields=st.lists(st.tuples(ODD_FIELDS, ODD_FIELDS, ODD_FIELDS, ODD_FIELDS, ODD_FIELDS, ODD_FIELDS),
                        min_size=1, max_size=6))
 def test_every_conversation_the_readers_make_passes_the_stores_field_checks(tmp_path_factory, fields):
-    """`ingest` stores the readers' records with `add_batch(checked=True)`, which skips `_checked`: sound only if
-    no conversation a reader yields is one `_checked` would quarantine, whatever its logged fields."""
-    from specdistill.data.logstore import _checked
+    """`ingest` prepares the readers' records with `prepare_batch(is_checked=True)`, which skips `checked`: sound
+    only if no conversation a reader yields is one `checked` would quarantine, whatever its logged fields."""
+    from specdistill.data.batch import checked
 
     path = tmp_path_factory.mktemp("f") / "log.jsonl"
     lines = []

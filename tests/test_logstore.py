@@ -10,15 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdistill.acceptance import DraftCounts
+from specdistill.data.identity import hashes, split_of
 from specdistill.data.logschema import downgrade, metadata, schema_revision
 from specdistill.data.logstore import (
     LogStore,
     Watermark,
     content_hash,
     display_url,
-    hashes,
     prompt_hash,
-    split_of,
     upgrade,
 )
 from specdistill.data.readers import Conversation, Message, Rejected

@@ -7,8 +7,7 @@ compares the two); change both together, with a new migration.
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timezone
 from pathlib import Path
@@ -19,11 +18,9 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy.engine import Connection, Engine
 
-from specdistill.data.formats import Message
 from specdistill.env import driver_url, mask_secrets
 from specdistill.paths import create_private_file, read_only_reason
 
-DEFAULT_EVAL_FRACTION = 0.05
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 _ADVISORY_LOCK = 0x5D15_7111  # PostgreSQL advisory lock id for migrations
 
@@ -154,40 +151,6 @@ decisions = sa.Table(
     sa.Column("draft_version", sa.String(256)),
     sa.Column("payload", sa.Text(), nullable=False),  # JSON: the numbers the decision was made on
 )
-
-
-def content_hash(messages: Sequence[Message]) -> str:
-    """SHA-256 over each turn's role and length-prefixed UTF-8 content: equal iff the messages are."""
-    digest = hashlib.sha256()
-    for m in messages:
-        data = m.content.encode("utf-8")
-        digest.update(f"{m.role}:{len(data)}:".encode())
-        digest.update(data)
-    return digest.hexdigest()
-
-
-def prompt_hash(messages: Sequence[Message]) -> str:
-    """Hash of the opening prompt: system turns plus the first user turn."""
-    first_user = next(i for i, m in enumerate(messages) if m.role == "user")
-    return content_hash(messages[: first_user + 1])
-
-
-def hashes(messages: Sequence[Message]) -> tuple[str, str]:
-    """(content_hash, prompt_hash) in one pass over the messages: the prompt's digest is the content's
-    digest read at the first user turn (a digest read goes on as before)."""
-    digest = hashlib.sha256()
-    prompt = None
-    for m in messages:
-        data = m.content.encode("utf-8")
-        digest.update(f"{m.role}:{len(data)}:".encode())
-        digest.update(data)
-        if prompt is None and m.role == "user":
-            prompt = digest.hexdigest()
-    return digest.hexdigest(), prompt if prompt is not None else prompt_hash(messages)  # no user turn: its error
-
-
-def split_of(prompt_digest: str, eval_fraction: float = DEFAULT_EVAL_FRACTION) -> str:
-    return "eval" if int(prompt_digest[:8], 16) < eval_fraction * 0x1_0000_0000 else "train"
 
 
 SUPPORTED_BACKENDS = ("sqlite", "postgresql")

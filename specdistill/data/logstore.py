@@ -14,38 +14,36 @@ moves a conversation between train and eval.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import orjson
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from specdistill import paths
-from specdistill.data.formats import InvalidRecord, check_metadata
-from specdistill.data.logschema import (
+from specdistill.data.batch import PreparedBatch, prepare_batch
+from specdistill.data.identity import (  # noqa: F401  (the log store's public names)
     DEFAULT_EVAL_FRACTION,
+    content_hash,
+    prompt_hash,
+)
+from specdistill.data.logschema import (
     LogStoreError,
     UTCDateTime,
     _revision,
     acceptance_samples,
-    content_hash,  # noqa: F401  (the log store's public names, as before `hashes`)
     conversations,
     database_error,
     display_url,
-    hashes,
     ingest_runs,
     make_engine,
-    prompt_hash,  # noqa: F401
     quarantine,
     responses,
-    split_of,
     upgrade,
     watermarks,
     writing,
@@ -53,7 +51,7 @@ from specdistill.data.logschema import (
 from specdistill.data.logstore_records import PipelineRecords, _now
 from specdistill.data.logstore_retention import Retention
 from specdistill.data.logstore_sql import insert_new, sample_key
-from specdistill.data.readers import Conversation, Message, Rejected, raw_text
+from specdistill.data.readers import Conversation, Message, Rejected
 
 
 @dataclass
@@ -137,51 +135,31 @@ class LogStore(PipelineRecords, Retention):
         """Store one batch, count it on its run and move the watermark, in one transaction. `checked`: the
         conversations come from the readers, which checked their fields where they parsed them (a
         conversation built in code is checked here, and quarantined when a field is one no backend holds)."""
-        now = _now()
-        counts = BatchCounts()
-        rows: dict[str, dict] = {}
-        bad: dict[tuple, dict] = {}
-        for rec in records:
-            if not checked and isinstance(rec, Conversation):
-                rec = _checked(rec)
-            if isinstance(rec, Rejected):
-                counts.quarantined += 1
-                raw_hash = hashlib.sha256(rec.raw.encode("utf-8")).hexdigest()
-                bad[(rec.source, rec.location, raw_hash)] = dict(
-                    source=rec.source, location=rec.location, reason=rec.reason, raw=rec.raw,
-                    raw_hash=raw_hash, created_at=now, ingest_run_id=run_id)
-                continue
-            digest, p_hash = hashes(rec.messages)
-            if digest in rows:
-                counts.duplicates += 1
-                continue
-            arrived = datetime.fromtimestamp(rec.timestamp, timezone.utc) if rec.timestamp is not None else now
-            rows[digest] = dict(
-                content_hash=digest, prompt_hash=p_hash, split=split_of(p_hash, self.eval_fraction),
-                messages=orjson.dumps([{"role": m.role, "content": m.content} for m in rec.messages]).decode(),
-                num_messages=len(rec.messages), num_chars=sum(len(m.content) for m in rec.messages),
-                source=rec.source, location=rec.location, record_id=rec.record_id, target_version=rec.served_by,
-                request_temperature=rec.temperature, user=rec.user,
-                notes=json.dumps(rec.notes) if rec.notes else None, arrived_at=arrived, ingested_at=now,
-                ingest_run_id=run_id)
+        return self.write_batch(run_id, prepare_batch(records, eval_fraction=self.eval_fraction, is_checked=checked),
+                                watermark)
+
+    def write_batch(self, run_id: int, batch: PreparedBatch, watermark: Watermark | None = None) -> BatchCounts:
+        """The writing half of `add_batch`: a batch prepared elsewhere (by the process that parsed it) is
+        stored, counted on its run and moves the watermark, in one transaction."""
+        counts = BatchCounts(duplicates=batch.duplicates, quarantined=batch.quarantined)
         with writing(self.engine) as conn:
-            if rows:
-                # Sorted by hash so two concurrent batches lock rows in the same order (no deadlock).
-                ordered = [rows[k] for k in sorted(rows)]
-                counts.stored = insert_new(conn, ordered)
-                counts.duplicates += len(rows) - counts.stored
-            if bad:
+            if batch.rows:
+                for row in batch.rows:
+                    row["ingest_run_id"] = run_id
+                counts.stored = insert_new(conn, batch.rows)
+                counts.duplicates += len(batch.rows) - counts.stored
+            if batch.quarantine:
                 stmt = self._insert(quarantine).on_conflict_do_nothing(
                     index_elements=["source", "location", "raw_hash"])
-                conn.execute(stmt, [bad[k] for k in sorted(bad)])
+                conn.execute(stmt, [{**row, "ingest_run_id": run_id} for row in batch.quarantine])
             values: dict[str, Any] = dict(
-                read=ingest_runs.c.read + len(records),
+                read=ingest_runs.c.read + batch.read,
                 stored=ingest_runs.c.stored + counts.stored,
                 duplicates=ingest_runs.c.duplicates + counts.duplicates,
                 quarantined=ingest_runs.c.quarantined + counts.quarantined)
             if watermark is not None:
                 values["end_offset"] = watermark.offset
-                self._set_watermark(conn, watermark, now)
+                self._set_watermark(conn, watermark, _now())
             conn.execute(ingest_runs.update().where(ingest_runs.c.id == run_id).values(**values))
         return counts
 
@@ -372,18 +350,6 @@ class LogStore(PipelineRecords, Retention):
             query = query.where(q.source == source)
         with self.engine.connect() as conn:
             return [dict(r) for r in conn.execute(query).mappings()]
-
-
-def _checked(rec: Conversation) -> Conversation | Rejected:
-    """A conversation built in code whose fields no backend can store is quarantined like a bad record
-    read from a file (the readers check the same rules where they parse)."""
-    try:
-        check_metadata(record_id=rec.record_id, served_by=rec.served_by, timestamp=rec.timestamp,
-                       temperature=rec.temperature, user=rec.user)
-    except InvalidRecord as exc:
-        raw = json.dumps([{"role": m.role, "content": m.content} for m in rec.messages], ensure_ascii=False)
-        return Rejected(rec.source, rec.location, raw_text(str(exc), 1000), raw_text(raw), rec.offset, rec.end_offset)
-    return rec
 
 
 def _stored(row) -> StoredConversation:
