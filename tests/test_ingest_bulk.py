@@ -1,4 +1,5 @@
-"""Ingestion's fast path (orjson, COPY on PostgreSQL, a writer thread) stores and rejects exactly what the plain path did."""
+"""Ingestion's fast path (orjson, COPY on PostgreSQL, a parsing child for a big file) stores and rejects exactly what the
+plain path did."""
 
 from __future__ import annotations
 
@@ -95,4 +96,4 @@ def test_every_conversation_the_readers_make_passes_the_stores_field_checks(tmp_
     path.write_text("\n".join([valid, *lines]) + "\n")  # a valid first record: the format check passes
     records = list(readers.read_records(path, "openai"))
     conversations = [r for r in records if isinstance(r, readers.Conversation)]
-    assert all(_checked(c) is c for c in conversations)
+    assert all(checked(c) is c for c in conversations)

@@ -9,32 +9,25 @@ file is read from where the last run stopped, and a run killed mid-file leaves t
 and is completed by the next run. A file whose first bytes, or whose bytes just before the
 watermark, changed was rewritten: it is read again from the start, and what is already stored
 counts as duplicates.
+
+A big file is parsed in a second process while this one writes (`ingest_parse`): batches still commit one at a
+time, in file order, each with its watermark.
 """
 
 from __future__ import annotations
 
-import hashlib
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
 from specdistill import paths
+from specdistill.data.ingest_parse import ReadEnd, file_fingerprint, read_batches
 from specdistill.data.logstore import LogStore, Watermark
-from specdistill.data.readers import (
-    DEFAULT_MAX_CHARS,
-    DEFAULT_MAX_RECORD_BYTES,
-    Conversation,
-    Rejected,
-    is_gzip,
-    read_records,
-)
+from specdistill.data.readers import DEFAULT_MAX_CHARS, DEFAULT_MAX_RECORD_BYTES, is_gzip, read_records
 from specdistill.env import mask_secrets
-
-FINGERPRINT_BYTES = 4096
 
 
 @dataclass
@@ -85,24 +78,6 @@ class IngestResult:
         return "\n".join(lines)
 
 
-def file_fingerprint(path: Path, offset: int) -> str:
-    """Hash of the file's first bytes and of the bytes just before `offset` (on disk, as stored).
-
-    For compressed files only the first bytes count: their offsets are in the decompressed stream.
-    """
-    digest = hashlib.sha256()
-    with paths.open_regular(path, "traffic file") as f:
-        head = f.read(FINGERPRINT_BYTES)
-        compressed = head[:2] == b"\x1f\x8b"
-        if not compressed:
-            head = head[:offset]
-        digest.update(head)
-        if not compressed and offset > FINGERPRINT_BYTES:
-            f.seek(offset - FINGERPRINT_BYTES)
-            digest.update(f.read(FINGERPRINT_BYTES))
-    return digest.hexdigest()
-
-
 def _resume_point(store: LogStore, path: Path, source: str, fmt: str) -> tuple[int, int, str | None]:
     wm = store.watermark(source)
     if wm is None:
@@ -127,89 +102,42 @@ def _close_failed(store: LogStore, run_id: int, exc: BaseException) -> None:
         pass
 
 
-class _BatchWriter:
-    """One batch is written while the next is read: the database's time (a server's, or SQLite's in C, both
-    outside the GIL) overlaps the parsing. Batches commit one at a time, in file order, each with its
-    watermark, so a kill still leaves the store at a batch boundary; a batch that failed stops every later
-    one from moving the watermark past it. `settle` adds a written batch's counts to the result."""
-
-    def __init__(self, store: LogStore, result: IngestResult, bar: tqdm) -> None:
-        self.store, self.result, self.bar = store, result, bar
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-writer")
-        self.pending: tuple[Future, int, int] | None = None  # (the batch being written, its size, its end offset)
-        self.reached = result.start_offset  # the end offset of the last batch handed to the writer
-        self.failed: list[BaseException] = []
-
-    def _write(self, records: list, wm: Watermark):
-        if self.failed:
-            raise RuntimeError("an earlier batch was not stored") from self.failed[0]
-        try:
-            return self.store.add_batch(self.result.run_id, records, wm, checked=True)  # the readers checked them
-        except BaseException as exc:
-            self.failed.append(exc)
-            raise
-
-    def submit(self, records: list, wm: Watermark) -> None:
-        """Hand a batch to the writer thread, then wait for the one before it."""
-        future = self.pool.submit(self._write, records, wm)
-        self.settle()
-        self.pending, self.reached = (future, len(records), wm.offset), wm.offset
-
-    def settle(self) -> None:
-        if self.pending is None:
-            return
-        future, size, end_offset = self.pending
-        self.pending = None
-        counts = future.result()
-        result = self.result
-        result.read += size
+def _write_batches(batches, store: LogStore, result: IngestResult, fmt: str, note: str | None, bar: tqdm) -> ReadEnd:
+    """Write each batch with its watermark, in file order; the run is opened with the first. The last batch
+    is written only when it holds records, moves the watermark, or is the run's only one."""
+    reached = result.start_offset
+    for parsed in batches:
+        last = parsed.end is not None
+        if last and not parsed.batch.read and parsed.end_offset == reached and result.run_id is not None:
+            return parsed.end
+        if result.run_id is None:
+            result.run_id = store.begin_run(result.source, fmt, result.start_offset, note)
+        counts = store.write_batch(result.run_id, parsed.batch,
+                                   Watermark(result.source, fmt, parsed.end_offset, parsed.index, parsed.fingerprint))
+        result.read += parsed.batch.read
         result.stored += counts.stored
         result.duplicates += counts.duplicates
         result.quarantined += counts.quarantined
-        result.end_offset = end_offset
-        self.bar.set_postfix(stored=result.stored, dup=result.duplicates, quarantined=result.quarantined,
-                             refresh=False)
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)  # a batch in flight commits (or fails) before the run ends
-
-
-def _read_batches(reader, writer: _BatchWriter, path: Path, fmt: str, batch_size: int, note: str | None) -> None:
-    """Read every record into batches of `batch_size` and write them; the last (maybe empty) batch moves the
-    watermark to where the reader stopped. The run is opened with the first batch."""
-    result, store = writer.result, writer.store
-    batch: list[Conversation | Rejected] = []
-    position = result.start_offset
-
-    def flush(end_offset: int) -> None:
-        nonlocal batch
-        if result.run_id is None:
-            result.run_id = store.begin_run(result.source, fmt, result.start_offset, note)
-        writer.submit(batch, Watermark(result.source, fmt, end_offset, reader.index, file_fingerprint(path, end_offset)))
-        batch = []
-
-    for record in reader:
-        batch.append(record)
-        writer.bar.update(record.end_offset - position)
-        position = record.end_offset
-        if len(batch) >= batch_size:
-            flush(record.end_offset)
-    if batch or reader.end_offset != writer.reached or result.run_id is None:
-        flush(reader.end_offset)
-    writer.settle()
+        result.end_offset = parsed.end_offset
+        bar.update(parsed.end_offset - reached)
+        bar.set_postfix(stored=result.stored, dup=result.duplicates, quarantined=result.quarantined, refresh=False)
+        reached = parsed.end_offset
+        if last:
+            return parsed.end
+    raise RuntimeError("the reader stopped without saying where")  # parsed_batches always ends with `end`
 
 
-def _close_run(store: LogStore, result: IngestResult, reader, path: Path, start: int) -> None:
+def _close_run(store: LogStore, result: IngestResult, end: ReadEnd, path: Path, start: int) -> None:
     """What the reader found at the end (a cap, a truncated or corrupt tail, blank lines only) onto the
     result and the run, which is closed."""
-    result.capped = reader.capped
-    if result.read == 0 and reader.end_offset > start and reader.truncation is None:
-        result.note = "; ".join(filter(None, [result.note, f"no record in bytes {start}..{reader.end_offset}: blank lines only"]))
-    t = reader.truncation
+    result.capped = end.capped
+    if result.read == 0 and end.end_offset > start and end.truncation is None:
+        result.note = "; ".join(filter(None, [result.note, f"no record in bytes {start}..{end.end_offset}: blank lines only"]))
+    t = end.truncation
     if t is not None:
         result.truncation = asdict(t)
         if t.corrupt:
-            result.corrupt = (f"{path}: {t.corrupt}; unreadable from {t.location} on (the {reader.records} records "
+            result.corrupt = (f"{path}: {t.corrupt}; unreadable from {t.location} on (the {end.records} records "
                               "before it are counted above; replace the file and ingest it again)")
     store.finish_run(result.run_id, t and t.offset, t and t.tail_bytes)
 
@@ -225,9 +153,12 @@ def ingest(
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
     max_chars: int = DEFAULT_MAX_CHARS,
     max_decompressed_bytes: int | None = None,
+    parse_in_child: bool | None = None,
 ) -> IngestResult:
     """Ingest what is new in `path`; see the module docstring for the guarantees. A `.gz` inflates to at most
-    `max_decompressed_bytes` (default: `readers.DECOMPRESSION_RATIO` times its size); the rest is quarantined."""
+    `max_decompressed_bytes` (default: `readers.DECOMPRESSION_RATIO` times its size); the rest is quarantined.
+    `parse_in_child`: parse in a second process while this one writes (None: when the file is big enough,
+    see `ingest_parse`)."""
     path = paths.check_regular(path, "traffic file")  # a directory, a FIFO, a device: said so, never opened
     store = store or LogStore()
     source = source or str(path.resolve())
@@ -240,18 +171,17 @@ def ingest(
     total = None if is_gzip(path) else max(path.stat().st_size - start, 0)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"ingest {path.name}", disable=not progress,
                file=sys.stderr, mininterval=0.5)
-    writer = _BatchWriter(store, result, bar)
+    batches = read_batches(reader, batch_size, store.eval_fraction, in_child=parse_in_child)
     try:
-        _read_batches(reader, writer, path, fmt, batch_size, note)
+        end = _write_batches(batches, store, result, fmt, note, bar)
     except BaseException as exc:  # an error or an interrupt: the committed batches stand, the run is closed
-        writer.close()  # the batch in flight commits (or fails) before the run is closed
         if result.run_id is not None:
             _close_failed(store, result.run_id, exc)
         raise
     finally:
-        writer.close()
+        batches.close()  # a child parsing ahead is stopped
         bar.close()
-    _close_run(store, result, reader, path, start)
+    _close_run(store, result, end, path, start)
     result.seconds = time.perf_counter() - began
     result.__post_init__()
     if not result.conserved:  # a bug, never bad input: bad input is quarantined and counted
