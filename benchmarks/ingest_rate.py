@@ -8,7 +8,8 @@ a fresh store: a new schema of the PostgreSQL server at `--pg-url` (default $SPE
 scripts/with_postgres.sh), dropped afterwards, or a new SQLite file. Prints one JSON line: records read, stored,
 seconds, records/s, MB/s (decompressed bytes read), the CPU seconds of the ingesting process, of its parsing
 child (when it parsed in one) and, for PostgreSQL, of the server (every process of the cluster, read from /proc:
-the server must run on this machine), and the load average over the run. Run it alternately under two checkouts (PYTHONPATH) to compare code on a shared machine.
+the server must run on this machine), and the load average over the run. Run it alternately under two
+checkouts (PYTHONPATH) to compare code on a shared machine.
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
         if drop:
             drop()
     print(json.dumps({
-        "label": args.label, "batch_size": args.batch_size, "parse": args.parse, "backend": "sqlite" if args.sqlite else "postgresql", "files": len(files),
+        "label": args.label, "batch_size": args.batch_size, "parse": args.parse,
+        "backend": "sqlite" if args.sqlite else "postgresql", "files": len(files),
         "read": read, "stored": stored, "seconds": round(seconds, 2), "records/s": round(read / seconds),
         "MB/s": round(size / 1e6 / seconds, 2), "client_cpu_s": round(cpu, 2), "parser_cpu_s": round(parse_cpu, 2),
         "server_cpu_s": None if srv is None else round(srv, 2), "load": [round(load0, 2), round(load1, 2)]}))

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
 from specdistill import paths
-from specdistill.data.ingest_parse import ReadEnd, file_fingerprint, read_batches
+from specdistill.data.ingest_parse import ParsedBatch, ReadEnd, file_fingerprint, read_batches
 from specdistill.data.logstore import LogStore, Watermark
 from specdistill.data.readers import DEFAULT_MAX_CHARS, DEFAULT_MAX_RECORD_BYTES, is_gzip, read_records
 from specdistill.env import mask_secrets
@@ -102,7 +103,7 @@ def _close_failed(store: LogStore, run_id: int, exc: BaseException) -> None:
         pass
 
 
-def _write_batches(batches, store: LogStore, result: IngestResult, fmt: str, note: str | None, bar: tqdm) -> ReadEnd:
+def _write_batches(batches: Iterator[ParsedBatch], store: LogStore, result: IngestResult, fmt: str, note: str | None, bar: tqdm) -> ReadEnd:
     """Write each batch with its watermark, in file order; the run is opened with the first. The last batch
     is written only when it holds records, moves the watermark, or is the run's only one."""
     reached = result.start_offset
