@@ -114,9 +114,11 @@ def test_the_monitor_s_prompt_sample_reads_no_store_wide_statistics(store, monke
     assert len(prompts) == 4 or store.count(split="train") < 4
 
 
-def test_ingest_keeps_running_while_the_nightly_s_window_and_sample_stages_read(store_url, tmp_path):
+@pytest.mark.parametrize("in_child", [False, True], ids=["parsed-here", "parsed-in-child"])
+def test_ingest_keeps_running_while_the_nightly_s_window_and_sample_stages_read(store_url, tmp_path, in_child):
     """Ingestion takes no state lock: a nightly's window and sample stages and the monitor's prompt sample read
-    the same store meanwhile (SQLite in WAL mode; PostgreSQL), and nothing is locked out, lost or doubled."""
+    the same store meanwhile (SQLite in WAL mode; PostgreSQL), and nothing is locked out, lost or doubled,
+    whether the file is parsed in the writer or (a big file) in a child beside it."""
     import json
     import threading
 
@@ -157,7 +159,7 @@ def test_ingest_keeps_running_while_the_nightly_s_window_and_sample_stages_read(
         for t in readers:
             t.start()
         try:
-            result = ingest(path, "jsonl", writer, batch_size=40, progress=False)
+            result = ingest(path, "jsonl", writer, batch_size=40, progress=False, parse_in_child=in_child)
         finally:
             done.set()
             for t in readers:
