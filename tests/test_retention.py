@@ -132,3 +132,18 @@ def test_logs_prune_and_forget_commands(home, tmp_path):
     assert cli("logs", "forget", "--user", "user-U")["removed"]["conversations"] == 2
     assert cli("logs", "prune", "--older-than", "30d")["removed"]["conversations"] == 4
     assert cli("logs", "stats")["conversations"] == 0
+
+
+def test_logs_prune_loads_no_model_library(home, tmp_path):
+    """Pruning a store reads no tensor: `logs prune` imports neither torch nor transformers (it peaked at 648 MB
+    when it did), and prunes."""
+    log = tmp_path / "gateway.jsonl"
+    traffic(log, datetime.now(timezone.utc) - timedelta(days=50))
+    code = ("import sys; from specdistill.cli import main\n"
+            "code = main(['ingest', sys.argv[1], '--format', 'openai', '--no-progress'])\n"
+            "code = code or main(['logs', 'prune', '--older-than', '30d'])\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules)); sys.exit(code)")
+    env = {**os.environ, "SPECDISTILL_HOME": str(home), "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code, str(log)], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "removed" in out.stdout and out.stdout.strip().splitlines()[-1] == "[]"

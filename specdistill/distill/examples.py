@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from specdistill import paths
 from specdistill.data.prompts import as_messages, encode_chat
+from specdistill.distill.night_files import read_done  # noqa: F401  (its public name, as before night_files)
 from specdistill.distill.teacher import pad_batch
 
 
@@ -67,21 +68,6 @@ def encode_generated(tokenizer: PreTrainedTokenizerBase, record: dict, max_len: 
     mask = [False] * len(head) + [True] * len(answer)
     ids, mask = ids[:max_len], mask[:max_len]
     return Example(str(record["id"]), ids, mask)
-
-
-def read_done(path: Path) -> dict[str, dict]:
-    """The records of an answers JSONL by id; a torn last line (killed mid-write) is ignored and rewritten."""
-    done: dict[str, dict] = {}
-    if not path.exists():
-        return done
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            done[str(rec["id"])] = rec
-    return done
 
 
 def read_examples(path: str, kind: str, tokenizer: PreTrainedTokenizerBase, max_len: int,

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from specdistill.distill.losses import topk_rows
+from specdistill.distill.night_files import FEATURE_META
 from specdistill.distill.teacher import (
     ShardCache,
     TeacherCache,
@@ -38,7 +39,6 @@ from specdistill.distill.teacher import (
 from specdistill.modeling.feature_hooks import FeatureHooks
 from specdistill.modeling.vocab import DraftVocab
 
-FEATURE_META = "feature_cache.json"
 FEATURE_DTYPE = torch.bfloat16
 
 

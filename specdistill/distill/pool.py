@@ -25,10 +25,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from specdistill import paths
-from specdistill.distill.examples import read_done
-from specdistill.distill.features import FEATURE_META
+from specdistill.distill.night_files import CACHE_META, FEATURE_META, read_done
 from specdistill.distill.pool_view import PoolNight, PoolView, ViewSelection, write_json
-from specdistill.distill.teacher import CACHE_META
 
 POOL_MANIFEST = "pool.json"
 

@@ -17,10 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specdistill import paths
-from specdistill.distill import shards
-from specdistill.distill.examples import read_done
-from specdistill.distill.features import FEATURE_META
-from specdistill.distill.teacher import CACHE_META
+from specdistill.distill.night_files import CACHE_META, FEATURE_META, read_done
 
 VIEW_DONE = "view.json"
 
@@ -181,6 +178,8 @@ def _meta(directory: str | None, name: str) -> dict | None:
 def _index(directory: Path, skip) -> dict[str, Path]:
     """Example id -> its shard, over the intact shards; a truncated one is skipped with a warning.
     Shards in name order, so a later one wins as it does in `teacher.load_shards`."""
+    from specdistill.distill import shards  # lazy: torch only when shards are read (logs prune and forget need none)
+
     index = {}
     for shard in sorted(directory.glob("shard-*.safetensors")):
         keys = shards.intact_keys(shard)

@@ -23,9 +23,8 @@ from transformers import PreTrainedModel
 from specdistill import paths
 from specdistill.distill import shards
 from specdistill.distill.losses import TopKTeacher
+from specdistill.distill.night_files import CACHE_META
 from specdistill.modeling.vocab import DraftVocab
-
-CACHE_META = "teacher_cache.json"
 
 
 class StaleTeacherCacheError(ValueError):
