@@ -19,7 +19,6 @@ import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 import specdistill
@@ -80,8 +79,7 @@ def parsed_batches(reader: RecordReader, batch_size: int, eval_fraction: float) 
     records: list = []
 
     def parsed(end_offset: int, end: ReadEnd | None = None) -> ParsedBatch:
-        batch = prepare_batch(records, eval_fraction=eval_fraction, is_checked=True,  # the readers checked them
-                              now=datetime.now(timezone.utc))
+        batch = prepare_batch(records, eval_fraction=eval_fraction, is_checked=True)  # the readers checked them
         return ParsedBatch(batch, end_offset, reader.index, file_fingerprint(reader.path, end_offset), end)
 
     for record in reader:
