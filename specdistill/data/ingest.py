@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -103,28 +104,34 @@ def _close_failed(store: LogStore, run_id: int, exc: BaseException) -> None:
         pass
 
 
-def _write_batches(batches: Iterator[ParsedBatch], store: LogStore, result: IngestResult, fmt: str, note: str | None, bar: tqdm) -> ReadEnd:
+def _write_batches(batches: Iterator[ParsedBatch], store: LogStore, result: IngestResult, fmt: str, note: str | None,
+                   bar: tqdm) -> ReadEnd:
     """Write each batch with its watermark, in file order; the run is opened with the first. The last batch
-    is written only when it holds records, moves the watermark, or is the run's only one."""
+    is written only when it holds records, moves the watermark, or is the run's only one.
+
+    Each batch is written on a thread of its own while this one waits: Ctrl-C (raised in the main thread)
+    then lands in the wait, and the `with` lets the batch in flight commit first. Cut inside its transaction,
+    a write could leave SQLite's write lock held, and the run could not be closed as interrupted."""
     reached = result.start_offset
-    for parsed in batches:
-        last = parsed.end is not None
-        if last and not parsed.batch.read and parsed.end_offset == reached and result.run_id is not None:
-            return parsed.end
-        if result.run_id is None:
-            result.run_id = store.begin_run(result.source, fmt, result.start_offset, note)
-        counts = store.write_batch(result.run_id, parsed.batch,
-                                   Watermark(result.source, fmt, parsed.end_offset, parsed.index, parsed.fingerprint))
-        result.read += parsed.batch.read
-        result.stored += counts.stored
-        result.duplicates += counts.duplicates
-        result.quarantined += counts.quarantined
-        result.end_offset = parsed.end_offset
-        bar.update(parsed.end_offset - reached)
-        bar.set_postfix(stored=result.stored, dup=result.duplicates, quarantined=result.quarantined, refresh=False)
-        reached = parsed.end_offset
-        if last:
-            return parsed.end
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-writer") as writer:
+        for parsed in batches:
+            last = parsed.end is not None
+            if last and not parsed.batch.read and parsed.end_offset == reached and result.run_id is not None:
+                return parsed.end
+            if result.run_id is None:
+                result.run_id = store.begin_run(result.source, fmt, result.start_offset, note)
+            watermark = Watermark(result.source, fmt, parsed.end_offset, parsed.index, parsed.fingerprint)
+            counts = writer.submit(store.write_batch, result.run_id, parsed.batch, watermark).result()
+            result.read += parsed.batch.read
+            result.stored += counts.stored
+            result.duplicates += counts.duplicates
+            result.quarantined += counts.quarantined
+            result.end_offset = parsed.end_offset
+            bar.update(parsed.end_offset - reached)
+            bar.set_postfix(stored=result.stored, dup=result.duplicates, quarantined=result.quarantined, refresh=False)
+            reached = parsed.end_offset
+            if last:
+                return parsed.end
     raise RuntimeError("the reader stopped without saying where")  # parsed_batches always ends with `end`
 
 
